@@ -1,0 +1,171 @@
+"""`eagle3` command line. Each stage's flags are generated from its config class (config.py), so every
+flag is a field, `--help` shows the field's description and default, and validation errors name the field.
+
+    eagle3 prepare --target T --data D --out DIR [--max-seq-len N] [--limit N]
+    eagle3 capture --target T --data PREPARED --out DIR [--layers 2,4,5] [--backend vllm|hf]
+    eagle3 run --config configs/demo.yaml          # the whole pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from eagle3.config import STAGES, ConfigError, PipelineConfig, build_stage_config, load_yaml
+
+#: stage -> "module:function"; imported lazily so `eagle3 --help` stays fast.
+STAGE_FUNCTIONS = {
+    "prepare": "eagle3.data.prepare:run_prepare",
+    "regenerate": "eagle3.data.regenerate:run_regenerate",
+    "capture": "eagle3.capture:run_capture",
+    "vocab": "eagle3.vocab:run_vocab",
+    "train": "eagle3.train:run_train",
+    "export": "eagle3.export:run_export",
+    "evaluate": "eagle3.evaluate:run_evaluate",
+}
+
+STAGE_HELP = {
+    "prepare": "chat data -> token ids + assistant-only loss masks (target's chat template)",
+    "regenerate": "replace dataset answers with the target's own answers (vLLM)",
+    "capture": "record aux + last-layer hidden states of the target (vLLM worker extension or transformers)",
+    "vocab": "draft vocabulary (d2t/t2d) from supervised-token frequencies",
+    "train": "train the EAGLE-3 draft with training-time test",
+    "export": "write a draft directory vLLM (or speculators) loads",
+    "evaluate": "mean acceptance length in real vLLM",
+}
+
+
+def resolve_function(stage: str):
+    module, func = STAGE_FUNCTIONS[stage].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: str = "") -> None:
+    for name, field in model.model_fields.items():
+        if field.exclude:
+            continue
+        tp = _unwrap_optional(field.annotation)
+        dest = f"{prefix}{name}"
+        flag = "--" + dest.replace("_", "-").replace(".", "-")
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            _add_field_flags(parser, tp, prefix=f"{dest}.")
+            continue
+        default = None if field.default_factory else field.default
+        desc = field.description or ""
+        help_text = f"{desc} (default: {default})" if default is not None else desc
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
+        origin = typing.get_origin(tp)
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(tp))
+        elif origin is list:
+            kwargs["metavar"] = "A,B,..."
+        elif tp in (int, float):
+            kwargs["type"] = tp
+            kwargs["metavar"] = "N" if tp is int else "X"
+        elif tp is Path:
+            kwargs["metavar"] = "DIR"
+        else:
+            kwargs["metavar"] = "VALUE"
+        parser.add_argument(flag, **kwargs)
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        d = out
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft models for your own target LLM.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for stage, cls in STAGES.items():
+        p = sub.add_parser(stage, help=STAGE_HELP[stage], description=STAGE_HELP[stage])
+        p.add_argument(
+            "--config",
+            metavar="FILE",
+            help="YAML with this stage's fields, or a pipeline config (its resolved `" + stage + "` section); flags override it",
+        )
+        _add_field_flags(p, cls)
+    run = sub.add_parser("run", help="run the whole pipeline (Prefect flow on the embedded local API)")
+    run.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML (see configs/)")
+    run.add_argument("--no-prefect", action="store_true", help="run the stages in-process without Prefect")
+    return parser
+
+
+def stage_config_from_args(stage: str, args: argparse.Namespace):
+    values: dict[str, Any] = {}
+    source = "command line"
+    if getattr(args, "config", None):
+        raw = load_yaml(args.config)
+        source = f"{args.config} + command line"
+        if "target" in raw and "data" in raw and stage in PipelineConfig.model_fields and (
+            any(k in raw for k in STAGES) or "work_dir" in raw
+        ):
+            from eagle3.config import load_pipeline_config
+
+            values = load_pipeline_config(args.config).resolved().__getattribute__(stage).model_dump(exclude={"stage"})
+        else:
+            values = raw
+    flat = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    from eagle3.config import deep_merge
+
+    values = deep_merge(values, _nest(flat))
+    return build_stage_config(stage, values, source=source)
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            from eagle3.pipeline import run_pipeline_from_file
+
+            result = run_pipeline_from_file(args.config, use_prefect=not args.no_prefect)
+        else:
+            cfg = stage_config_from_args(args.command, args)
+            result = resolve_function(args.command)(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"eagle3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(_jsonable(result), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

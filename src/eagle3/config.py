@@ -1,0 +1,333 @@
+"""One validated config object per stage, nested in a PipelineConfig.
+
+Every CLI flag of `eagle3 <stage>` is a field of that stage's config (the CLI is generated from these
+classes, see cli.py), and every field's description is its `--help` text. Unknown keys are errors
+that name the key. A stage's input/output paths (`target`, `data`, `out`, ...) are optional in the
+model so that a PipelineConfig can fill them from its top-level `target`/`data`/`work_dir`; a stage run
+on its own checks them with `require(...)`, which names the missing flag.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message names the field, the bad value and the fix."""
+
+
+class StageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    #: name used in messages and as the CLI sub-command
+    stage: str = Field(default="", exclude=True, repr=False)
+
+    def require(self, *names: str) -> None:
+        """Raise a ConfigError for the first of `names` that is unset."""
+        for name in names:
+            if getattr(self, name) in (None, ""):
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(
+                    f"{type(self).__name__}.{name} is not set: pass {flag} on the command line "
+                    f"or set `{name}:` in the config file"
+                )
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+class PrepareConfig(StageConfig):
+    target: str | None = Field(None, description="Target model dir (its tokenizer and chat template are used)")
+    data: str | None = Field(
+        None,
+        description="Chat data: a .json/.jsonl file (ShareGPT `conversations`, OpenAI `messages`, or "
+        "`question`/`answer` pairs) or a local HF `datasets` directory",
+    )
+    out: Path | None = Field(None, description="Output directory (HF dataset on disk + manifest.json)")
+    max_seq_len: int = Field(2048, description="Truncate tokenized conversations to this many tokens")
+    limit: int | None = Field(None, description="Use at most this many input rows (all when unset)")
+    split: str = Field("train", description="Split to read when --data is a DatasetDict directory")
+
+    @model_validator(mode="after")
+    def _check(self) -> PrepareConfig:
+        _positive("max_seq_len", self.max_seq_len)
+        _positive("limit", self.limit)
+        return self
+
+
+class RegenerateConfig(StageConfig):
+    enabled: bool = Field(True, description="Pipeline only: run this stage (off = train on the dataset's own answers)")
+    target: str | None = Field(None, description="Target model dir, served by vLLM to write the answers")
+    data: str | None = Field(None, description="Chat data file (same formats as prepare)")
+    out: Path | None = Field(None, description="Output directory; writes conversations.jsonl that prepare accepts")
+    max_new_tokens: int = Field(256, description="Longest regenerated answer, in tokens")
+    temperature: float = Field(0.0, description="Sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, description="Nucleus sampling mass")
+    batch_size: int = Field(256, description="Conversations sent to vLLM per batch (the unit of resume)")
+    max_model_len: int = Field(4096, description="vLLM max_model_len; longer prompts are skipped and counted")
+    limit: int | None = Field(None, description="Use at most this many input rows")
+    tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size")
+    seed: int = Field(0, description="Sampling seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> RegenerateConfig:
+        for name in ("max_new_tokens", "batch_size", "max_model_len", "limit", "tensor_parallel_size"):
+            _positive(name, getattr(self, name))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        return self
+
+
+StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
+
+
+class CaptureConfig(StageConfig):
+    target: str | None = Field(None, description="Target model dir")
+    data: str | None = Field(None, description="Prepared dataset dir (output of `eagle3 prepare`)")
+    out: Path | None = Field(None, description="Output directory for safetensors shards + manifest.json")
+    layers: list[int] | None = Field(
+        None,
+        description="Aux layer ids in vLLM EAGLE-3 semantics (id k = output of decoder layer k-1 = "
+        "transformers output_hidden_states[k]); default (2, L//2, L-3). Comma-separated on the CLI",
+    )
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: worker extension in a vLLM engine; hf: transformers forward")
+    tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size (vllm backend)")
+    batch_tokens: int = Field(8192, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
+    max_model_len: int | None = Field(None, description="Engine max_model_len (default: longest prepared sample)")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Target compute dtype")
+    storage_dtype: StorageDtype = Field("bfloat16", description="dtype of the stored hidden states")
+    shard_tokens: int = Field(262144, description="Tokens per safetensors shard (the unit of resume)")
+    limit: int | None = Field(None, description="Capture at most this many samples")
+    device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
+    min_free_disk_gb: float = Field(1.0, description="Refuse to start unless this much disk stays free after the capture")
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _parse_layers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return [int(x) for x in value.replace(" ", "").split(",") if x]
+            except ValueError:
+                raise ValueError(f"layers must be comma-separated integers like 2,4,5; got {value!r}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> CaptureConfig:
+        for name in ("tensor_parallel_size", "batch_tokens", "max_model_len", "shard_tokens", "limit"):
+            _positive(name, getattr(self, name))
+        if self.layers is not None:
+            if not self.layers:
+                raise ValueError("layers must name at least one layer id")
+            if len(set(self.layers)) != len(self.layers):
+                raise ValueError(f"layers has duplicates: {self.layers}")
+        return self
+
+
+class VocabConfig(StageConfig):
+    data: str | None = Field(None, description="Prepared dataset dir (token frequencies over loss-masked tokens)")
+    out: Path | None = Field(None, description="Output directory for vocab.safetensors + coverage.json")
+    draft_vocab_size: int = Field(32000, description="Number of target tokens the draft can propose")
+
+    @model_validator(mode="after")
+    def _check(self) -> VocabConfig:
+        _positive("draft_vocab_size", self.draft_vocab_size)
+        return self
+
+
+class DraftOverrides(BaseModel):
+    """Draft dimensions; unset fields are derived from the target's config."""
+
+    model_config = ConfigDict(extra="forbid")
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None
+    rms_norm_eps: float | None = None
+
+
+class TrainConfig(StageConfig):
+    target: str | None = Field(None, description="Target model dir (config, frozen embedding, final norm, lm_head)")
+    captured: str | None = Field(None, description="Capture dir (output of `eagle3 capture`)")
+    vocab: str | None = Field(None, description="Vocab dir (output of `eagle3 vocab`)")
+    out: Path | None = Field(None, description="Output dir for checkpoints, logs and curves")
+    ttt_steps: int = Field(7, description="Training-time-test unroll depth K")
+    loss_decay: float = Field(0.8, description="Weight of TTT step j is loss_decay**j")
+    epochs: float = Field(1.0, description="Passes over the training split")
+    max_steps: int | None = Field(None, description="Stop after this many optimizer steps (overrides epochs)")
+    lr: float = Field(1e-4, description="Peak learning rate")
+    min_lr_ratio: float = Field(0.1, description="Final lr as a fraction of the peak")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup")
+    warmup_steps: int = Field(50, description="Linear warmup steps")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    beta1: float = Field(0.9, description="AdamW beta1")
+    beta2: float = Field(0.95, description="AdamW beta2")
+    grad_clip: float = Field(0.5, description="Max grad norm (0 disables)")
+    grad_accum: int = Field(1, description="Micro-batches per optimizer step")
+    max_seq_len: int = Field(2048, description="Packed sequence length (document-aware packing)")
+    batch_size: int = Field(1, description="Packed sequences per micro-batch")
+    val_fraction: float = Field(0.05, description="Fraction of samples held out for validation")
+    eval_every: int = Field(200, description="Validate every N optimizer steps (and at the end)")
+    save_every: int = Field(500, description="Checkpoint every N optimizer steps (and at the end)")
+    log_every: int = Field(10, description="Log train metrics every N optimizer steps")
+    seed: int = Field(0, description="Seed for init, shuffling and dropout")
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (CPU trains in float32 unless bfloat16 is forced)")
+    attention: Literal["auto", "flex", "sdpa", "naive"] = Field("auto", description="TTT attention kernel")
+    compile: bool = Field(False, description="torch.compile the draft step")
+    draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
+    resume: bool = Field(True, description="Resume from the latest checkpoint in --out when present")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        for name in ("ttt_steps", "epochs", "max_steps", "lr", "grad_accum", "max_seq_len", "batch_size",
+                     "eval_every", "save_every", "log_every"):
+            _positive(name, getattr(self, name))
+        if not 0 < self.loss_decay <= 1:
+            raise ValueError(f"loss_decay must be in (0, 1], got {self.loss_decay}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        return self
+
+
+class ExportConfig(StageConfig):
+    checkpoint: str | None = Field(None, description="Training output dir or one checkpoint dir in it")
+    out: Path | None = Field(None, description="Output dir that vLLM loads as the eagle3 draft")
+    format: Literal["vllm", "speculators"] = Field("vllm", description="vllm: LlamaForCausalLMEagle3; speculators: speculators eagle3")
+    target: str | None = Field(None, description="Target model dir to validate against (default: the one trained with)")
+
+
+class EvaluateConfig(StageConfig):
+    target: str | None = Field(None, description="Target model dir")
+    draft: str | None = Field(None, description="Exported draft dir")
+    prompts: str | None = Field(None, description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`")
+    out: Path | None = Field(None, description="Output dir for results.json and the chart")
+    num_prompts: int = Field(200, description="Evaluate on the first N prompts")
+    num_speculative_tokens: int = Field(3, description="Draft tokens per step (k)")
+    max_tokens: int = Field(128, description="Generated tokens per prompt")
+    temperature: float = Field(0.0, description="Sampling temperature (0 = greedy)")
+    max_model_len: int = Field(1024, description="vLLM max_model_len")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Target dtype")
+    baseline: bool = Field(True, description="Also time plain decoding of the same prompts")
+    tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvaluateConfig:
+        for name in ("num_prompts", "num_speculative_tokens", "max_tokens", "max_model_len", "tensor_parallel_size"):
+            _positive(name, getattr(self, name))
+        return self
+
+
+STAGES: dict[str, type[StageConfig]] = {
+    "prepare": PrepareConfig,
+    "regenerate": RegenerateConfig,
+    "capture": CaptureConfig,
+    "vocab": VocabConfig,
+    "train": TrainConfig,
+    "export": ExportConfig,
+    "evaluate": EvaluateConfig,
+}
+
+
+class PipelineConfig(BaseModel):
+    """The whole pipeline. Stage paths left unset are derived from target/data/work_dir."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("eagle3", description="Run name (used in artifact and deployment names)")
+    target: str = Field(..., description="Target model dir (or hub id resolved to a local snapshot)")
+    data: str = Field(..., description="Training chat data (file or local HF datasets dir)")
+    eval_prompts: str | None = Field(None, description="Held-out prompts for evaluate (skipped when unset)")
+    work_dir: Path = Field(Path("runs/eagle3"), description="Where every stage writes its outputs")
+    build_tiny_target: bool = Field(False, description="Demo only: build a tiny random target at `target` when missing")
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+
+    def resolved(self) -> PipelineConfig:
+        """A copy whose every stage has its input/output paths filled in."""
+        w = self.work_dir
+        c = self.model_copy(deep=True)
+        regen = c.regenerate.enabled
+        _fill(c.regenerate, target=c.target, data=c.data, out=w / "regenerated")
+        prepare_data = str(w / "regenerated" / "conversations.jsonl") if regen else c.data
+        _fill(c.prepare, target=c.target, data=prepare_data, out=w / "prepared")
+        _fill(c.capture, target=c.target, data=str(w / "prepared"), out=w / "captured")
+        _fill(c.vocab, data=str(w / "prepared"), out=w / "vocab")
+        _fill(c.train, target=c.target, captured=str(w / "captured"), vocab=str(w / "vocab"), out=w / "train")
+        _fill(c.export, checkpoint=str(w / "train"), out=w / "draft", target=c.target)
+        _fill(c.evaluate, target=c.target, draft=str(w / "draft"), prompts=c.eval_prompts, out=w / "evaluate")
+        return c
+
+
+def _fill(stage: StageConfig, **values: Any) -> None:
+    for key, value in values.items():
+        if getattr(stage, key) in (None, "") and value is not None:
+            setattr(stage, key, value)
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config in {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key (remove it or check its spelling)")
+        elif e["type"] == "missing":
+            lines.append(f"  {loc}: required field is missing")
+        else:
+            lines.append(f"  {loc} = {e.get('input')!r}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Load and validate a PipelineConfig from YAML; relative paths are taken from the CWD."""
+    raw = load_yaml(path)
+    if overrides:
+        raw = deep_merge(raw, overrides)
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path))) from None
+
+
+def build_stage_config(stage: str, values: dict[str, Any], source: str = "arguments") -> StageConfig:
+    cls = STAGES[stage]
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,160 @@
+"""Tiny, locally built targets: a BPE tokenizer trained on the fly plus random-init Llama / Qwen3 models.
+
+Used by the tests and by the offline demo; nothing here touches a hub. Weights are random (seeded), so
+these targets are for correctness, not quality: quality is measured on ../shared/refbench.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|pad|>"]
+
+#: Same shape as refbench's template: the assistant content and its <|end|> are inside
+#: {% generation %}, so `return_assistant_tokens_mask=True` works.
+CHAT_TEMPLATE_GENERATION = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "<|assistant|>{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}"
+    "{%- else -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+#: The same rendering without generation markers: prepare must derive the mask from prefixes.
+CHAT_TEMPLATE_PLAIN = CHAT_TEMPLATE_GENERATION.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+_WORDS = (
+    "the a an of to and in is it that for on with as was at by be this are from or have not but what all "
+    "were when we there can your which their said if do will each about how up out them then she many some "
+    "so these would other into has more her two like him see time could no make than first been its who "
+    "now people my made over did down only way find use may water long little very after words called just "
+    "where most know get through back much go good new write our me man too any day same right look think "
+    "also around another came come work three word must because does part even place well such here take "
+    "why help put different away again off went old number great tell men say small every found still "
+    "between name should home big give air line set own under read last never us left end along while "
+    "might next sound below saw something thought both few those always show large often together asked "
+    "house world going want school important until form food keep children feet land side without boy once "
+    "animal life enough took four head above kind began almost live page got earth need far hand high year "
+    "mother light country father let night picture being study second soon story since white ever paper "
+    "hard near sentence better best across during today however sure knew try told young sun thing whole "
+    "hear example heard several change answer room sea against top turned learn point city play toward five "
+    "def return class import self print value list dict for range len None True False if else elif while"
+).split()
+
+
+def synthetic_corpus(num_lines: int = 3000, seed: int = 0) -> list[str]:
+    """Deterministic English-ish and code-ish lines with numbers, for training the tiny BPE."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        n = rng.randint(4, 24)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 9999)))
+        line = " ".join(words)
+        lines.append(line[0].upper() + line[1:] + rng.choice([".", "?", "!", ":", ""]))
+    return lines
+
+
+def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, generation_markers: bool = True, seed: int = 0):
+    """Train a byte-level BPE on the synthetic corpus and save a transformers tokenizer with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(synthetic_corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE_GENERATION if generation_markers else CHAT_TEMPLATE_PLAIN
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    return fast
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "llama"  # llama | qwen3
+    num_layers: int = 5
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    seed: int = 0
+    generation_markers: bool = True
+
+
+def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write a random-init causal LM + tokenizer to out_dir (idempotent: returns early if it exists)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    out = Path(out_dir)
+    marker = out / "tiny_spec.json"
+    if marker.is_file() and json.loads(marker.read_text()) == spec.__dict__:
+        return out
+    tok = build_tiny_tokenizer(out, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers, seed=spec.seed)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    if spec.arch == "llama":
+        cfg = LlamaConfig(**common)
+    elif spec.arch == "qwen3":
+        cfg = Qwen3Config(**common)
+    else:
+        raise ValueError(f"TinySpec.arch must be 'llama' or 'qwen3', got {spec.arch!r}")
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps(spec.__dict__))
+    return out
+
+
+def tiny_conversations(num: int = 32, seed: int = 0, max_turns: int = 2) -> list[dict]:
+    """Synthetic multi-turn chats in OpenAI `messages` form (system prompt on some)."""
+    rng = random.Random(seed)
+    corpus = synthetic_corpus(num_lines=num * 6, seed=seed + 1)
+    convs = []
+    for i in range(num):
+        msgs = []
+        if rng.random() < 0.3:
+            msgs.append({"role": "system", "content": "You are a helpful assistant."})
+        for _ in range(rng.randint(1, max_turns)):
+            msgs.append({"role": "user", "content": rng.choice(corpus)})
+            msgs.append({"role": "assistant", "content": " ".join(rng.sample(corpus, rng.randint(1, 3)))})
+        convs.append({"id": f"tiny-{i}", "messages": msgs})
+    return convs
