@@ -1,0 +1,59 @@
+"""The prepared-dataset format shared by prepare (writer) and capture/vocab (readers).
+
+A prepared dataset is a directory holding a HF `datasets` dataset saved with `save_to_disk`, columns
+`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id` (str),
+plus `manifest.json` describing where it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from eagle3.io import atomic_dir, read_json, write_json
+
+MANIFEST = "manifest.json"
+COLUMNS = ("input_ids", "loss_mask", "sample_id")
+
+
+def save_prepared(rows: Iterable[dict[str, Any]], out: str | Path, manifest: dict[str, Any]) -> Path:
+    """Write rows + manifest atomically (a half-written dataset never appears under `out`)."""
+    import datasets
+
+    rows = list(rows)
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+            "sample_id": datasets.Value("string"),
+        }
+    )
+    columns = {c: [r[c] for r in rows] for c in COLUMNS}
+    ds = datasets.Dataset.from_dict(columns, features=features)
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        ds.save_to_disk(str(tmp / "data"))
+        write_json(tmp / MANIFEST, manifest)
+    return out
+
+
+def load_prepared(path: str | Path):
+    """Return the prepared `datasets.Dataset` (columns input_ids, loss_mask, sample_id)."""
+    import datasets
+
+    path = Path(path)
+    if not (path / MANIFEST).is_file() or not (path / "data").is_dir():
+        raise FileNotFoundError(
+            f"{path} is not a prepared dataset (expected {path / MANIFEST} and {path / 'data'}/): "
+            "run `eagle3 prepare` first"
+        )
+    ds = datasets.load_from_disk(str(path / "data"))
+    missing = [c for c in COLUMNS if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{path}: prepared dataset lacks columns {missing}")
+    return ds.with_format("numpy")
+
+
+def load_prepared_manifest(path: str | Path) -> dict[str, Any]:
+    return read_json(Path(path) / MANIFEST)
