@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -37,11 +37,6 @@ class StageConfig(BaseModel):
                 )
 
 
-def _positive(name: str, value: int | float | None) -> None:
-    if value is not None and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-
-
 class PrepareConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir (its tokenizer and chat template are used)")
     data: str | None = Field(
@@ -50,15 +45,10 @@ class PrepareConfig(StageConfig):
         "`question`/`answer` pairs) or a local HF `datasets` directory",
     )
     out: Path | None = Field(None, description="Output directory (HF dataset on disk + manifest.json)")
-    max_seq_len: int = Field(2048, description="Truncate tokenized conversations to this many tokens")
-    limit: int | None = Field(None, description="Use at most this many input rows (all when unset)")
+    max_seq_len: int = Field(2048, gt=0, description="Truncate tokenized conversations to this many tokens")
+    limit: int | None = Field(None, gt=0, description="Use at most this many input rows (all when unset)")
     split: str = Field("train", description="Split to read when --data is a DatasetDict directory")
 
-    @model_validator(mode="after")
-    def _check(self) -> PrepareConfig:
-        _positive("max_seq_len", self.max_seq_len)
-        _positive("limit", self.limit)
-        return self
 
 
 class RegenerateConfig(StageConfig):
@@ -66,22 +56,15 @@ class RegenerateConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir, served by vLLM to write the answers")
     data: str | None = Field(None, description="Chat data file (same formats as prepare)")
     out: Path | None = Field(None, description="Output directory; writes conversations.jsonl that prepare accepts")
-    max_new_tokens: int = Field(256, description="Longest regenerated answer, in tokens")
-    temperature: float = Field(0.0, description="Sampling temperature (0 = greedy)")
+    max_new_tokens: int = Field(256, gt=0, description="Longest regenerated answer, in tokens")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, description="Nucleus sampling mass")
-    batch_size: int = Field(256, description="Conversations sent to vLLM per batch (the unit of resume)")
-    max_model_len: int = Field(4096, description="vLLM max_model_len; longer prompts are skipped and counted")
-    limit: int | None = Field(None, description="Use at most this many input rows")
-    tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size")
+    batch_size: int = Field(256, gt=0, description="Conversations sent to vLLM per batch (the unit of resume)")
+    max_model_len: int = Field(4096, gt=0, description="vLLM max_model_len; longer prompts are skipped and counted")
+    limit: int | None = Field(None, gt=0, description="Use at most this many input rows")
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: int = Field(0, description="Sampling seed")
 
-    @model_validator(mode="after")
-    def _check(self) -> RegenerateConfig:
-        for name in ("max_new_tokens", "batch_size", "max_model_len", "limit", "tensor_parallel_size"):
-            _positive(name, getattr(self, name))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        return self
 
 
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
@@ -97,13 +80,13 @@ class CaptureConfig(StageConfig):
         "transformers output_hidden_states[k]); default (2, L//2, L-3). Comma-separated on the CLI",
     )
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: worker extension in a vLLM engine; hf: transformers forward")
-    tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size (vllm backend)")
-    batch_tokens: int = Field(8192, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
-    max_model_len: int | None = Field(None, description="Engine max_model_len (default: longest prepared sample)")
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size (vllm backend)")
+    batch_tokens: int = Field(8192, gt=0, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
+    max_model_len: int | None = Field(None, gt=0, description="Engine max_model_len (default: longest prepared sample)")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Target compute dtype")
     storage_dtype: StorageDtype = Field("bfloat16", description="dtype of the stored hidden states")
-    shard_tokens: int = Field(262144, description="Tokens per safetensors shard (the unit of resume)")
-    limit: int | None = Field(None, description="Capture at most this many samples")
+    shard_tokens: int = Field(262144, gt=0, description="Tokens per safetensors shard (the unit of resume)")
+    limit: int | None = Field(None, gt=0, description="Capture at most this many samples")
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     min_free_disk_gb: float = Field(1.0, description="Refuse to start unless this much disk stays free after the capture")
 
@@ -117,27 +100,22 @@ class CaptureConfig(StageConfig):
                 raise ValueError(f"layers must be comma-separated integers like 2,4,5; got {value!r}") from None
         return value
 
-    @model_validator(mode="after")
-    def _check(self) -> CaptureConfig:
-        for name in ("tensor_parallel_size", "batch_tokens", "max_model_len", "shard_tokens", "limit"):
-            _positive(name, getattr(self, name))
-        if self.layers is not None:
-            if not self.layers:
+    @field_validator("layers", mode="after")
+    @classmethod
+    def _check_layers(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if not value:
                 raise ValueError("layers must name at least one layer id")
-            if len(set(self.layers)) != len(self.layers):
-                raise ValueError(f"layers has duplicates: {self.layers}")
-        return self
+            if len(set(value)) != len(value):
+                raise ValueError(f"layers has duplicates: {value}")
+        return value
 
 
 class VocabConfig(StageConfig):
     data: str | None = Field(None, description="Prepared dataset dir (token frequencies over loss-masked tokens)")
     out: Path | None = Field(None, description="Output directory for vocab.safetensors + coverage.json")
-    draft_vocab_size: int = Field(32000, description="Number of target tokens the draft can propose")
+    draft_vocab_size: int = Field(32000, gt=0, description="Number of target tokens the draft can propose")
 
-    @model_validator(mode="after")
-    def _check(self) -> VocabConfig:
-        _positive("draft_vocab_size", self.draft_vocab_size)
-        return self
 
 
 class DraftOverrides(BaseModel):
@@ -159,11 +137,11 @@ class TrainConfig(StageConfig):
     captured: str | None = Field(None, description="Capture dir (output of `eagle3 capture`)")
     vocab: str | None = Field(None, description="Vocab dir (output of `eagle3 vocab`)")
     out: Path | None = Field(None, description="Output dir for checkpoints, logs and curves")
-    ttt_steps: int = Field(7, description="Training-time-test unroll depth K")
-    loss_decay: float = Field(0.8, description="Weight of TTT step j is loss_decay**j")
-    epochs: float = Field(1.0, description="Passes over the training split")
-    max_steps: int | None = Field(None, description="Stop after this many optimizer steps (overrides epochs)")
-    lr: float = Field(1e-4, description="Peak learning rate")
+    ttt_steps: int = Field(7, gt=0, description="Training-time-test unroll depth K")
+    loss_decay: float = Field(0.8, gt=0, le=1, description="Weight of TTT step j is loss_decay**j")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training split")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (overrides epochs)")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate")
     min_lr_ratio: float = Field(0.1, description="Final lr as a fraction of the peak")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup")
     warmup_steps: int = Field(50, description="Linear warmup steps")
@@ -171,13 +149,13 @@ class TrainConfig(StageConfig):
     beta1: float = Field(0.9, description="AdamW beta1")
     beta2: float = Field(0.95, description="AdamW beta2")
     grad_clip: float = Field(0.5, description="Max grad norm (0 disables)")
-    grad_accum: int = Field(1, description="Micro-batches per optimizer step")
-    max_seq_len: int = Field(2048, description="Packed sequence length (document-aware packing)")
-    batch_size: int = Field(1, description="Packed sequences per micro-batch")
-    val_fraction: float = Field(0.05, description="Fraction of samples held out for validation")
-    eval_every: int = Field(200, description="Validate every N optimizer steps (and at the end)")
-    save_every: int = Field(500, description="Checkpoint every N optimizer steps (and at the end)")
-    log_every: int = Field(10, description="Log train metrics every N optimizer steps")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step")
+    max_seq_len: int = Field(2048, gt=0, description="Packed sequence length (document-aware packing)")
+    batch_size: int = Field(1, gt=0, description="Packed sequences per micro-batch")
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation")
+    eval_every: int = Field(200, gt=0, description="Validate every N optimizer steps (and at the end)")
+    save_every: int = Field(500, gt=0, description="Checkpoint every N optimizer steps (and at the end)")
+    log_every: int = Field(10, gt=0, description="Log train metrics every N optimizer steps")
     seed: int = Field(0, description="Seed for init, shuffling and dropout")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (CPU trains in float32 unless bfloat16 is forced)")
@@ -186,16 +164,6 @@ class TrainConfig(StageConfig):
     draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
     resume: bool = Field(True, description="Resume from the latest checkpoint in --out when present")
 
-    @model_validator(mode="after")
-    def _check(self) -> TrainConfig:
-        for name in ("ttt_steps", "epochs", "max_steps", "lr", "grad_accum", "max_seq_len", "batch_size",
-                     "eval_every", "save_every", "log_every"):
-            _positive(name, getattr(self, name))
-        if not 0 < self.loss_decay <= 1:
-            raise ValueError(f"loss_decay must be in (0, 1], got {self.loss_decay}")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        return self
 
 
 class ExportConfig(StageConfig):
@@ -210,20 +178,15 @@ class EvaluateConfig(StageConfig):
     draft: str | None = Field(None, description="Exported draft dir")
     prompts: str | None = Field(None, description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`")
     out: Path | None = Field(None, description="Output dir for results.json and the chart")
-    num_prompts: int = Field(200, description="Evaluate on the first N prompts")
-    num_speculative_tokens: int = Field(3, description="Draft tokens per step (k)")
-    max_tokens: int = Field(128, description="Generated tokens per prompt")
+    num_prompts: int = Field(200, gt=0, description="Evaluate on the first N prompts")
+    num_speculative_tokens: int = Field(3, gt=0, description="Draft tokens per step (k)")
+    max_tokens: int = Field(128, gt=0, description="Generated tokens per prompt")
     temperature: float = Field(0.0, description="Sampling temperature (0 = greedy)")
-    max_model_len: int = Field(1024, description="vLLM max_model_len")
+    max_model_len: int = Field(1024, gt=0, description="vLLM max_model_len")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Target dtype")
     baseline: bool = Field(True, description="Also time plain decoding of the same prompts")
-    tensor_parallel_size: int = Field(1, description="vLLM tensor parallel size")
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
 
-    @model_validator(mode="after")
-    def _check(self) -> EvaluateConfig:
-        for name in ("num_prompts", "num_speculative_tokens", "max_tokens", "max_model_len", "tensor_parallel_size"):
-            _positive(name, getattr(self, name))
-        return self
 
 
 STAGES: dict[str, type[StageConfig]] = {

@@ -1,0 +1,168 @@
+"""Stage 4, vocab: the draft vocabulary from supervised-token frequencies.
+
+The draft's lm_head predicts only `draft_vocab_size` target tokens. We keep the N most frequent
+loss-masked (assistant) tokens, ties broken by the lower id, sorted by target id, and write the two maps
+vLLM's EAGLE-3 head uses:
+  d2t: int64 [N], offsets such that target_id = draft_id + d2t[draft_id]
+  t2d: bool  [V], True where a target id is in the draft vocabulary
+When fewer than N distinct tokens were seen, the lowest unused ids fill the rest (so N is exact).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from eagle3.config import ConfigError, VocabConfig
+from eagle3.io import atomic_path, sha256_file, write_json
+
+VOCAB_FILE = "vocab.safetensors"
+
+
+@dataclass
+class DraftVocab:
+    d2t: np.ndarray  # (N,) int64
+    t2d: np.ndarray  # (V,) bool
+    draft_ids: np.ndarray  # (N,) int64 target ids in draft order
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.d2t.shape[0])
+
+    @property
+    def target_vocab_size(self) -> int:
+        return int(self.t2d.shape[0])
+
+
+@dataclass
+class VocabResult:
+    out: Path
+    draft_vocab_size: int
+    target_vocab_size: int
+    num_distinct_seen: int
+    num_padded: int
+    coverage: float
+    coverage_at: dict[int, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def count_supervised_tokens(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], vocab_size: int) -> np.ndarray:
+    """Frequency of each token id over loss-masked positions. Returns (V,) int64."""
+    if not input_ids:
+        return np.zeros(vocab_size, dtype=np.int64)
+    ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids])  # (total,)
+    mask = np.concatenate([np.asarray(m).astype(bool) for m in loss_masks])  # (total,)
+    sup = ids[mask]  # (num_supervised,)
+    if sup.size and (sup.min() < 0 or sup.max() >= vocab_size):
+        raise ValueError(f"token id {int(sup.max())} outside the target vocabulary of size {vocab_size}")
+    return np.bincount(sup, minlength=vocab_size).astype(np.int64)
+
+
+def build_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:
+    """Top-N ids by count (ties: lower id first), padded with the lowest unused ids; vectorized."""
+    V = counts.shape[0]
+    if draft_vocab_size > V:
+        raise ConfigError(
+            f"draft_vocab_size = {draft_vocab_size} exceeds the target vocabulary ({V}); use at most {V}"
+        )
+    ids = np.arange(V, dtype=np.int64)
+    order = np.lexsort((ids, -counts))  # (V,) most frequent first, then by id
+    num_seen = int((counts > 0).sum())
+    chosen = order[: min(num_seen, draft_vocab_size)]  # (n_seen,)
+    num_pad = draft_vocab_size - chosen.shape[0]
+    if num_pad:
+        unused = np.ones(V, dtype=bool)
+        unused[chosen] = False
+        chosen = np.concatenate([chosen, ids[unused][:num_pad]])  # (N,)
+    draft_ids = np.sort(chosen)  # (N,)
+    d2t = draft_ids - np.arange(draft_vocab_size, dtype=np.int64)  # (N,)
+    t2d = np.zeros(V, dtype=bool)  # (V,)
+    t2d[draft_ids] = True
+    return DraftVocab(d2t=d2t, t2d=t2d, draft_ids=draft_ids)
+
+
+def coverage_at_sizes(counts: np.ndarray, sizes: list[int]) -> dict[int, float]:
+    """Fraction of supervised tokens covered by the top-n tokens, for each n in sizes."""
+    total = counts.sum()
+    sorted_counts = np.sort(counts)[::-1]  # (V,)
+    cum = np.cumsum(sorted_counts)  # (V,)
+    out = {}
+    for n in sizes:
+        n = min(n, counts.shape[0])
+        out[int(n)] = float(cum[n - 1] / total) if total and n > 0 else 0.0
+    return out
+
+
+def save_vocab(vocab: DraftVocab, out_dir: str | Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(out_dir) / VOCAB_FILE
+    with atomic_path(path) as tmp:
+        save_file(
+            {"d2t": torch.from_numpy(vocab.d2t.copy()), "t2d": torch.from_numpy(vocab.t2d.copy())},
+            str(tmp),
+            metadata={"format": "eagle3-draft-vocab", "draft_vocab_size": str(vocab.draft_vocab_size)},
+        )
+    return path
+
+
+def load_vocab(vocab_dir: str | Path) -> DraftVocab:
+    """Read d2t/t2d from a vocab dir (or the vocab.safetensors file itself)."""
+    from safetensors.numpy import load_file
+
+    p = Path(vocab_dir)
+    path = p if p.is_file() else p / VOCAB_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run `eagle3 vocab` first")
+    t = load_file(str(path))
+    d2t, t2d = t["d2t"].astype(np.int64), t["t2d"].astype(bool)
+    draft_ids = np.arange(d2t.shape[0], dtype=np.int64) + d2t
+    if int(t2d.sum()) != d2t.shape[0] or not t2d[draft_ids].all():
+        raise ValueError(f"{path}: d2t and t2d disagree (corrupt vocab file)")
+    return DraftVocab(d2t=d2t, t2d=t2d, draft_ids=draft_ids)
+
+
+def run_vocab(cfg: VocabConfig) -> VocabResult:
+    from eagle3.data.prepared import load_prepared, load_prepared_manifest
+
+    cfg.require("data", "out")
+    t0 = time.time()
+    manifest = load_prepared_manifest(cfg.data)
+    ds = load_prepared(cfg.data)
+    V = int(manifest.get("target_vocab_size") or manifest["tokenizer_vocab_size"])
+    counts = count_supervised_tokens(list(ds["input_ids"]), list(ds["loss_mask"]), V)
+    vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
+    N = cfg.draft_vocab_size
+    sizes = sorted({s for s in (N // 8, N // 4, N // 2, N, 2 * N, 4 * N) if 0 < s <= V})
+    cov = coverage_at_sizes(counts, sizes)
+    num_seen = int((counts > 0).sum())
+    out = Path(cfg.out)
+    vocab_path = save_vocab(vocab, out)
+    report = {
+        "stage": "vocab",
+        "data": str(cfg.data),
+        "draft_vocab_size": N,
+        "target_vocab_size": V,
+        "num_supervised_tokens": int(counts.sum()),
+        "num_distinct_seen": num_seen,
+        "num_padded": max(0, N - num_seen),
+        "coverage": cov[N],
+        "coverage_at": {str(k): v for k, v in cov.items()},
+        "vocab_sha256": sha256_file(vocab_path),
+        "prepared_manifest": {k: manifest.get(k) for k in ("source", "source_sha256", "tokenizer_sha256", "num_samples")},
+    }
+    write_json(out / "coverage.json", report)
+    return VocabResult(
+        out=out,
+        draft_vocab_size=N,
+        target_vocab_size=V,
+        num_distinct_seen=num_seen,
+        num_padded=report["num_padded"],
+        coverage=cov[N],
+        coverage_at=cov,
+        wall_s=round(time.time() - t0, 3),
+    )
