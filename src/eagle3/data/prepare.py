@@ -1,0 +1,186 @@
+"""Stage 1, prepare: chat conversations -> token ids + assistant-only loss masks via the target's own
+chat template.
+
+Two ways to find the assistant tokens:
+- the template has `{% generation %}` markers: transformers computes the mask
+  (`return_assistant_tokens_mask=True`);
+- otherwise: render growing prefixes of the conversation, check that each rendering is a prefix of the
+  next (else the template is not prefix-stable and we refuse, naming the message), and mark the tokens
+  whose characters fall inside an assistant turn's span.
+Both paths give the same masks for the same template (tests/test_prepare.py checks that).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3.config import PrepareConfig
+from eagle3.data.formats import Conversation, read_conversations
+from eagle3.data.prepared import save_prepared
+from eagle3.io import sha256_file, sha256_text
+
+_GENERATION_RE = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+class TemplateError(ValueError):
+    """The chat template cannot give stable assistant boundaries."""
+
+
+@dataclass
+class PrepareResult:
+    out: Path
+    num_rows: int
+    num_samples: int
+    num_tokens: int
+    num_supervised_tokens: int
+    num_truncated: int
+    skipped: dict[str, int] = field(default_factory=dict)
+    mask_method: str = ""
+    wall_s: float = 0.0
+
+
+def load_tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    path = Path(target)
+    if not path.exists():
+        raise FileNotFoundError(f"target {target} does not exist (expected a model directory with a tokenizer)")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tok, "chat_template", None):
+        raise TemplateError(
+            f"the tokenizer of {target} has no chat template; add chat_template.jinja to the target directory"
+        )
+    return tok
+
+
+def has_generation_markers(template: str) -> bool:
+    return bool(_GENERATION_RE.search(template))
+
+
+def tokenize_with_generation_mask(tok, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    out = tok.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+
+
+def tokenize_with_prefix_mask(tok, messages: list[dict[str, str]], sample_id: str = "?") -> tuple[list[int], list[int]]:
+    """Assistant spans from renderings of growing prefixes (for templates without generation markers)."""
+    full = tok.apply_chat_template(messages, tokenize=False)
+    spans: list[tuple[int, int]] = []
+    prev_end = 0
+    for i, msg in enumerate(messages):
+        before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=msg["role"] == "assistant") if i else ""
+        upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        for name, text, longer in ((f"messages[:{i}]", before, upto), (f"messages[:{i + 1}]", upto, full)):
+            if not longer.startswith(text):
+                raise TemplateError(
+                    f"chat template is not prefix-stable for sample {sample_id}: the rendering of {name} is not a "
+                    "prefix of the longer conversation, so assistant boundaries cannot be derived. Add "
+                    "{% generation %}...{% endgeneration %} around the assistant content in the template."
+                )
+        if len(before) < prev_end:
+            raise TemplateError(f"chat template rendering shrank at message {i} of sample {sample_id}")
+        if msg["role"] == "assistant":
+            spans.append((len(before), len(upto)))
+        prev_end = len(upto)
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    mask = []
+    for start, end in enc["offset_mapping"]:
+        inside = end > start and any(s <= start and end <= e for s, e in spans)
+        mask.append(1 if inside else 0)
+    return ids, mask
+
+
+def tokenize_conversation(tok, conv: Conversation, use_generation: bool) -> tuple[list[int], list[int]]:
+    if use_generation:
+        return tokenize_with_generation_mask(tok, conv.messages)
+    return tokenize_with_prefix_mask(tok, conv.messages, conv.sample_id)
+
+
+def target_vocab_size(target: str) -> int | None:
+    """vocab_size of the target's config (nested text_config aware): the number of lm_head rows."""
+    import json
+
+    cfg_path = Path(target) / "config.json"
+    if not cfg_path.is_file():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    return int(cfg.get("text_config", cfg).get("vocab_size") or cfg.get("vocab_size"))
+
+
+def run_prepare(cfg: PrepareConfig) -> PrepareResult:
+    cfg.require("target", "data", "out")
+    t0 = time.time()
+    tok = load_tokenizer(cfg.target)
+    use_generation = has_generation_markers(tok.chat_template)
+    read = read_conversations(cfg.data, limit=cfg.limit, split=cfg.split, require_assistant=True)
+    skipped: Counter[str] = Counter(read.skipped)
+    rows: list[dict[str, Any]] = []
+    seen_ids: Counter[str] = Counter()
+    num_truncated = num_tokens = num_supervised = 0
+    for conv in read.conversations:
+        ids, mask = tokenize_conversation(tok, conv, use_generation)
+        if sum(mask) == 0:
+            skipped["no_supervised_tokens"] += 1
+            continue
+        if len(ids) > cfg.max_seq_len:
+            ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
+            num_truncated += 1
+            if sum(mask) == 0:
+                skipped["no_supervised_tokens_after_truncation"] += 1
+                continue
+        seen_ids[conv.sample_id] += 1
+        sample_id = conv.sample_id if seen_ids[conv.sample_id] == 1 else f"{conv.sample_id}#{seen_ids[conv.sample_id]}"
+        rows.append({"input_ids": ids, "loss_mask": mask, "sample_id": sample_id})
+        num_tokens += len(ids)
+        num_supervised += sum(mask)
+    if not rows:
+        raise ValueError(
+            f"no usable conversations in {cfg.data}: {read.num_rows} rows read, skipped {dict(skipped)}"
+        )
+    data_path = Path(cfg.data)
+    manifest = {
+        "stage": "prepare",
+        "source": str(cfg.data),
+        "source_sha256": sha256_file(data_path) if data_path.is_file() else None,
+        "target": str(cfg.target),
+        "tokenizer_sha256": _tokenizer_hash(cfg.target),
+        "chat_template_sha256": sha256_text(tok.chat_template),
+        "mask_method": "generation_markers" if use_generation else "prefix_rendering",
+        "tokenizer_vocab_size": len(tok),
+        "target_vocab_size": target_vocab_size(cfg.target) or len(tok),
+        "num_rows": read.num_rows,
+        "num_samples": len(rows),
+        "num_tokens": num_tokens,
+        "num_supervised_tokens": num_supervised,
+        "num_truncated": num_truncated,
+        "num_duplicate_ids_renamed": sum(n - 1 for n in seen_ids.values() if n > 1),
+        "max_sample_len": max(len(r["input_ids"]) for r in rows),
+        "skipped": dict(sorted(skipped.items())),
+        "config": cfg.model_dump(mode="json"),
+    }
+    save_prepared(rows, cfg.out, manifest)
+    result = PrepareResult(
+        out=Path(cfg.out),
+        num_rows=read.num_rows,
+        num_samples=len(rows),
+        num_tokens=num_tokens,
+        num_supervised_tokens=num_supervised,
+        num_truncated=num_truncated,
+        skipped=manifest["skipped"],
+        mask_method=manifest["mask_method"],
+        wall_s=round(time.time() - t0, 3),
+    )
+    return result
+
+
+def _tokenizer_hash(target: str) -> str | None:
+    p = Path(target) / "tokenizer.json"
+    return sha256_file(p) if p.is_file() else None

@@ -1,0 +1,110 @@
+import json
+
+import pytest
+
+from eagle3.config import PrepareConfig
+from eagle3.data.formats import Conversation
+from eagle3.data.prepare import (
+    TemplateError,
+    load_tokenizer,
+    run_prepare,
+    tokenize_with_generation_mask,
+    tokenize_with_prefix_mask,
+)
+from eagle3.data.prepared import load_prepared, load_prepared_manifest
+
+SINGLE = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "It is four."}]
+MULTI = SINGLE + [{"role": "user", "content": "And three?"}, {"role": "assistant", "content": "Six."}]
+SYSTEM = [{"role": "system", "content": "Be brief."}, *MULTI]
+
+
+def _masked_text(tok, ids, mask, value=1):
+    return tok.decode([i for i, m in zip(ids, mask, strict=True) if m == value])
+
+
+@pytest.mark.parametrize("messages", [SINGLE, MULTI, SYSTEM], ids=["single", "multi", "system"])
+def test_golden_masks_generation_markers(tiny_llama, messages):
+    tok = load_tokenizer(str(tiny_llama))
+    ids, mask = tokenize_with_generation_mask(tok, messages)
+    expected = "".join(m["content"] + "<|end|>" for m in messages if m["role"] == "assistant")
+    assert _masked_text(tok, ids, mask) == expected
+    unmasked = _masked_text(tok, ids, mask, value=0)
+    for m in messages:
+        if m["role"] != "assistant":
+            assert m["content"] in unmasked
+    assert "<|assistant|>" in unmasked  # the role tag is context, not a target
+
+
+@pytest.mark.parametrize("messages", [SINGLE, MULTI, SYSTEM], ids=["single", "multi", "system"])
+def test_prefix_rendering_matches_generation_markers(tiny_llama, tiny_llama_plain, messages):
+    gen_tok, plain_tok = load_tokenizer(str(tiny_llama)), load_tokenizer(str(tiny_llama_plain))
+    assert "{% generation %}" not in plain_tok.chat_template and "{% generation %}" in gen_tok.chat_template
+    assert tokenize_with_prefix_mask(plain_tok, messages) == tokenize_with_generation_mask(gen_tok, messages)
+
+
+def test_unstable_template_is_refused(tiny_llama_plain):
+    tok = load_tokenizer(str(tiny_llama_plain))
+    # A template that renders the last message differently (like "drop earlier reasoning" templates).
+    tok.chat_template = (
+        "{%- for m in messages -%}{%- if loop.last -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+        "{%- else -%}<|{{ m['role'] }}|>{{ m['content'][:3] }}<|end|>{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+    )
+    with pytest.raises(TemplateError, match="not prefix-stable for sample s1"):
+        tokenize_with_prefix_mask(tok, MULTI, "s1")
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_run_prepare_counts_every_skip_reason(tiny_llama, tmp_path):
+    long_user = "word " * 400
+    rows = [
+        {"id": "ok-sharegpt", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]},
+        {"id": "ok-openai", "messages": SYSTEM},
+        {"id": "ok-pair", "question": "2+2?", "answer": "4"},
+        {"id": "no-fields", "text": "just text"},
+        {"id": "no-assistant", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "empty", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+        {"id": "bad-role", "messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+        {"id": "too-long", "messages": [{"role": "user", "content": long_user}, {"role": "assistant", "content": "ok"}]},
+        "{not json",
+    ]
+    data = _write_jsonl(tmp_path / "chats.jsonl", rows)
+    res = run_prepare(PrepareConfig(target=str(tiny_llama), data=str(data), out=tmp_path / "prep", max_seq_len=128))
+    assert res.num_samples == 3
+    assert res.skipped == {
+        "empty_content": 1,
+        "invalid_json": 1,
+        "missing_fields": 1,
+        "no_assistant_turn": 1,
+        "no_supervised_tokens_after_truncation": 1,
+        "unknown_role": 1,
+    }
+    ds = load_prepared(tmp_path / "prep")
+    assert list(ds["sample_id"]) == ["ok-sharegpt", "ok-openai", "ok-pair"]
+    man = load_prepared_manifest(tmp_path / "prep")
+    assert man["mask_method"] == "generation_markers"
+    assert man["num_supervised_tokens"] == sum(int(m.sum()) for m in ds["loss_mask"])
+    assert man["chat_template_sha256"] and man["tokenizer_sha256"] and man["source_sha256"]
+
+
+def test_zero_usable_rows_is_an_error_naming_the_input(tiny_llama, tmp_path):
+    data = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
+    with pytest.raises(ValueError, match="bad.jsonl"):
+        run_prepare(PrepareConfig(target=str(tiny_llama), data=str(data), out=tmp_path / "prep"))
+    assert not (tmp_path / "prep").exists()
+
+
+def test_sharegpt_sample_from_refbench(refbench, tmp_path):
+    res = run_prepare(
+        PrepareConfig(target=str(refbench / "target-a-llama"), data=str(refbench / "data" / "sharegpt_sample.json"),
+                      out=tmp_path / "prep", max_seq_len=1024)
+    )
+    assert res.num_samples > 400 and res.num_supervised_tokens > 0
+
+
+def test_conversation_type_is_shared():
+    assert Conversation(sample_id="a", messages=SINGLE).messages[1]["role"] == "assistant"
