@@ -1,0 +1,397 @@
+"""The chat-data reader shared by prepare, regenerate and evaluate.
+
+Inputs: a `.json` file (a list of rows; a file that is really JSON Lines is read as such), a `.jsonl`
+file, a `.parquet`/`.csv` file, a local HF `datasets` directory (`save_to_disk` output: a Dataset or a
+DatasetDict, from which `split` is taken, or a directory of data files that `load_dataset` reads), or an
+in-memory `datasets.Dataset`/`DatasetDict`/list of dicts.
+
+Row formats (detected per row):
+
+* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}``
+  (`from`: human/user -> user; gpt/assistant/chatgpt/bing/bard/model/bot -> assistant; system). Turns
+  that use `role`/`content` inside `conversations` are accepted too.
+* OpenAI: ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (content may be a list of
+  ``{"type": "text", "text": ...}`` parts; `developer` is read as `system`).
+* Pairs: `question`/`answer`, `prompt`/`response`, `prompt`/`completion`, `instruction`/`output`
+  (an Alpaca `input` is appended to the instruction) -> one user turn + one assistant turn.
+  With ``require_assistant=False`` a pair row may lack its answer (prompt-only rows: regenerate and
+  evaluate need only the prompts).
+
+`sample_id` is the row's `id` (or `sample_id`) field, else ``row-<index>`` (0-based row index).
+
+A bad row is skipped and counted under one reason (``ReadResult.skipped``), with the first few
+examples kept in ``ReadResult.skip_examples`` and logged: ``missing_fields``, ``not_a_mapping``,
+``unknown_role``, ``empty_content``, ``no_user_turn``, ``no_assistant_turn``, ``invalid_json``
+(a JSONL line that does not parse; the warning names the line number). No usable row at all is a
+ValueError naming the input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ROLE_ALIASES = {
+    "system": "system",
+    "developer": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+}
+
+#: (prompt key, answer key) pairs, tried in order.
+PAIR_KEYS = (("question", "answer"), ("prompt", "response"), ("prompt", "completion"), ("instruction", "output"))
+
+SKIP_REASONS = (
+    "invalid_json",
+    "not_a_mapping",
+    "missing_fields",
+    "unknown_role",
+    "empty_content",
+    "no_user_turn",
+    "no_assistant_turn",
+)
+
+#: examples kept (and logged) per skip reason
+MAX_EXAMPLES = 5
+
+FORMAT_HELP = (
+    "expected rows with `conversations: [{from, value}]` (ShareGPT), `messages: [{role, content}]` "
+    "(OpenAI) or `question`/`answer`, `prompt`/`response`, `prompt`/`completion`, `instruction`/`output` pairs"
+)
+
+
+@dataclass
+class Conversation:
+    sample_id: str
+    #: [{"role": "system"|"user"|"assistant", "content": str}, ...]
+    messages: list[dict[str, str]]
+
+
+@dataclass
+class ReadResult:
+    conversations: list[Conversation]
+    #: skip reason -> number of rows skipped for it
+    skipped: Counter = field(default_factory=Counter)
+    #: rows looked at (usable + skipped)
+    num_rows: int = 0
+    #: the input, as given
+    source: str = ""
+    #: row format -> number of usable rows in it (sharegpt, openai, pair, prompt)
+    formats: Counter = field(default_factory=Counter)
+    #: skip reason -> first few "row N: what was wrong" strings
+    skip_examples: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "num_rows": self.num_rows,
+            "num_conversations": len(self.conversations),
+            "skipped": dict(self.skipped),
+            "formats": dict(self.formats),
+        }
+
+
+class _RowError(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+# ----------------------------------------------------------------------------------------------- rows
+def _content(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # OpenAI content parts
+        parts = []
+        for part in value:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise _RowError("missing_fields", f"{where}: content part {part!r:.80} has no `text`")
+        return "".join(parts)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise _RowError("missing_fields", f"{where}: content must be a string, got {type(value).__name__}")
+
+
+def _turns(turns: Any, role_key: str, content_key: str, column: str) -> list[dict[str, str]]:
+    if not isinstance(turns, list):
+        raise _RowError("missing_fields", f"`{column}` must be a list of turns, got {type(turns).__name__}")
+    messages = []
+    for j, turn in enumerate(turns):
+        where = f"{column}[{j}]"
+        if not isinstance(turn, dict):
+            raise _RowError("not_a_mapping", f"{where} is a {type(turn).__name__}, not a mapping")
+        rk, ck = role_key, content_key
+        if rk not in turn and "role" in turn:  # ShareGPT rows written with role/content
+            rk, ck = "role", "content"
+        elif rk not in turn and "from" in turn:
+            rk, ck = "from", "value"
+        if rk not in turn or ck not in turn:
+            raise _RowError("missing_fields", f"{where} lacks `{rk}` or `{ck}` (keys: {sorted(turn)})")
+        raw_role = turn[rk]
+        role = ROLE_ALIASES.get(str(raw_role).strip().lower()) if raw_role is not None else None
+        if role is None:
+            raise _RowError(
+                "unknown_role",
+                f"{where}.{rk} = {raw_role!r} is not a known role (use one of {sorted(ROLE_ALIASES)})",
+            )
+        messages.append({"role": role, "content": _content(turn[ck], where)})
+    return messages
+
+
+def _pair(row: dict[str, Any], require_assistant: bool) -> tuple[list[dict[str, str]], str]:
+    for pk, ak in PAIR_KEYS:
+        if pk in row and ak in row and row[ak] is not None:
+            prompt = _content(row[pk], f"`{pk}`")
+            if pk == "instruction" and row.get("input"):
+                prompt = f"{prompt}\n\n{_content(row['input'], '`input`')}"
+            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _content(row[ak], f"`{ak}`")}], "pair"
+    if not require_assistant:
+        for pk in ("question", "prompt", "instruction"):
+            if pk in row and row[pk] is not None:
+                prompt = _content(row[pk], f"`{pk}`")
+                if pk == "instruction" and row.get("input"):
+                    prompt = f"{prompt}\n\n{_content(row['input'], '`input`')}"
+                return [{"role": "user", "content": prompt}], "prompt"
+    present = [k for k in ("question", "prompt", "instruction") if k in row]
+    if present and require_assistant:
+        raise _RowError(
+            "no_assistant_turn",
+            f"has `{present[0]}` but no answer field (`answer`/`response`/`completion`/`output`)",
+        )
+    raise _RowError("missing_fields", f"no `conversations`, `messages` or prompt/answer fields (keys: {sorted(row)[:12]})")
+
+
+def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Conversation, str]:
+    """One input row -> (Conversation, format name). Raises _RowError(reason, detail) for a bad row."""
+    if not isinstance(row, dict):
+        raise _RowError("not_a_mapping", f"row is a {type(row).__name__}, not a mapping")
+    if row.get("messages") is not None:
+        messages, fmt = _turns(row["messages"], "role", "content", "messages"), "openai"
+    elif row.get("conversations") is not None:
+        messages, fmt = _turns(row["conversations"], "from", "value", "conversations"), "sharegpt"
+    else:
+        messages, fmt = _pair(row, require_assistant)
+    if not messages:
+        raise _RowError("missing_fields", f"`{'messages' if fmt == 'openai' else 'conversations'}` is empty")
+    for j, m in enumerate(messages):
+        if not m["content"].strip() and (m["role"] != "assistant" or require_assistant):
+            raise _RowError("empty_content", f"turn {j} ({m['role']}) has empty content")
+    if not any(m["role"] == "user" for m in messages):
+        raise _RowError("no_user_turn", "has no user turn")
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise _RowError("no_assistant_turn", "has no assistant turn")
+    sid = row.get("id", row.get("sample_id"))
+    sample_id = str(sid) if sid not in (None, "") else f"row-{index}"
+    return Conversation(sample_id=sample_id, messages=messages), fmt
+
+
+# ---------------------------------------------------------------------------------------------- input
+def _iter_jsonl(path: Path) -> Iterator[Any]:
+    """Yield parsed rows; an unparsable line yields an _InvalidLine (counted by the caller)."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                yield _InvalidLine(lineno, str(e))
+
+
+@dataclass
+class _InvalidLine:
+    lineno: int
+    error: str
+
+
+def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
+    """-> (rows, description of the input)."""
+    if isinstance(src, list):
+        return src, f"<list of {len(src)} rows>"
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        datasets = None
+    if datasets is not None and isinstance(src, datasets.DatasetDict):
+        return _pick_split(src, split, "<DatasetDict>"), f"<DatasetDict split {split}>"
+    if datasets is not None and isinstance(src, datasets.Dataset):
+        return src, f"<Dataset of {len(src)} rows>"
+    path = Path(src)
+    name = str(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: pass a .json/.jsonl file or a local HF datasets directory")
+    if path.is_dir():
+        import datasets as ds_mod
+
+        saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+        if saved or ((path / "dataset_info.json").is_file() and any(path.glob("*.arrow"))):
+            loaded = ds_mod.load_from_disk(str(path))
+            if isinstance(loaded, ds_mod.DatasetDict):
+                return _pick_split(loaded, split, name), name
+            return loaded, name
+        try:
+            loaded = ds_mod.load_dataset(str(path), split=split)
+        except ValueError as e:
+            raise ValueError(f"{path}: could not load split {split!r} with datasets.load_dataset: {e}") from None
+        except FileNotFoundError as e:
+            raise ValueError(
+                f"{path} is a directory but neither a `save_to_disk` dataset nor a directory of data files "
+                f"datasets can read ({e})"
+            ) from None
+        return loaded, name
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _JSONL(path), name
+    if suffix == ".json":
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            if "Extra data" in str(e):  # JSON Lines saved as .json
+                return _JSONL(path), name
+            raise ValueError(f"{path} is not valid JSON ({e}): fix the file or save it as JSON Lines (.jsonl)") from None
+        if isinstance(data, dict):
+            lists = [k for k, v in data.items() if isinstance(v, list) and v and isinstance(v[0], dict)]
+            if len(lists) == 1 and not ({"messages", "conversations"} & set(data)):
+                return data[lists[0]], name  # {"data": [...]} wrapper
+            return [data], name
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: top level must be a list of rows, got {type(data).__name__}")
+        return data, name
+    if suffix in (".parquet", ".csv"):
+        import datasets as ds_mod
+
+        return ds_mod.load_dataset(suffix[1:], data_files=str(path), split="train"), name
+    raise ValueError(
+        f"{path}: unsupported input type {suffix!r}; use a .json (list of rows) or .jsonl file, "
+        ".parquet/.csv, or a local HF datasets directory"
+    )
+
+
+def _pick_split(dd: Any, split: str, name: str) -> Any:
+    if split not in dd:
+        raise ValueError(f"{name}: DatasetDict has no split {split!r}; pass --split with one of {sorted(dd)}")
+    return dd[split]
+
+
+@dataclass
+class _JSONL:
+    path: Path
+
+
+def read_conversations(
+    path_or_dataset: str | Path | Any,
+    limit: int | None = None,
+    split: str = "train",
+    require_assistant: bool = True,
+) -> ReadResult:
+    """Read chat data in any supported format -> ReadResult (usable conversations + skip counts).
+
+    `limit` bounds the number of input rows looked at (skipped rows count towards it).
+    """
+    if limit is not None and limit <= 0:
+        raise ValueError(f"limit must be > 0, got {limit}")
+    skipped: Counter = Counter()
+    examples: dict[str, list[str]] = {}
+    formats: Counter = Counter()
+    rows, source = _load_rows(path_or_dataset, split)
+    what = "line" if isinstance(rows, _JSONL) else "row"
+    if isinstance(rows, _JSONL):
+        rows = _iter_jsonl(rows.path)
+    convs: list[Conversation] = []
+    num_rows = 0
+
+    def skip(reason: str, msg: str) -> None:
+        skipped[reason] += 1
+        ex = examples.setdefault(reason, [])
+        if len(ex) < MAX_EXAMPLES:
+            ex.append(msg)
+            log.warning("%s: %s skipped (%s)", source, msg, reason)
+
+    for index, row in enumerate(rows):
+        if limit is not None and num_rows >= limit:
+            break
+        num_rows += 1
+        if isinstance(row, _InvalidLine):
+            skip("invalid_json", f"line {row.lineno}: invalid JSON ({row.error})")
+            continue
+        try:
+            conv, fmt = parse_row(row, index, require_assistant=require_assistant)
+        except _RowError as e:
+            loc = f"line {index + 1}" if what == "line" else f"row {index}"
+            skip(e.reason, f"{loc}: {e.detail}")
+            continue
+        formats[fmt] += 1
+        convs.append(conv)
+    if not convs:
+        detail = ", ".join(f"{k}={v}" for k, v in skipped.items()) or "the input is empty"
+        first = next((ex[0] for ex in examples.values() if ex), "")
+        raise ValueError(
+            f"{source}: no usable conversations in {num_rows} rows ({detail}){'; e.g. ' + first if first else ''}. "
+            + FORMAT_HELP
+            + ("" if require_assistant else " (prompt-only rows allowed)")
+        )
+    if skipped:
+        log.warning("%s: skipped %d of %d rows: %s", source, sum(skipped.values()), num_rows, dict(skipped))
+    return ReadResult(
+        conversations=convs, skipped=skipped, num_rows=num_rows, source=source, formats=formats, skip_examples=examples
+    )
+
+
+def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The turns before the first assistant turn (all of them when there is none)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        out.append(m)
+    return out
+
+
+def read_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, split: str = "train") -> ReadResult:
+    """Like read_conversations(require_assistant=False), each conversation cut to its first prompt
+    (`prompt_messages`). A prompt without a user turn (e.g. the data starts with an assistant turn)
+    is skipped as ``no_user_turn``."""
+    res = read_conversations(path_or_dataset, limit=limit, split=split, require_assistant=False)
+    kept = []
+    for c in res.conversations:
+        msgs = prompt_messages(c.messages)
+        if not any(m["role"] == "user" for m in msgs):
+            res.skipped["no_user_turn"] += 1
+            res.skip_examples.setdefault("no_user_turn", []).append(f"{c.sample_id}: an assistant turn comes before any user turn")
+            continue
+        kept.append(Conversation(sample_id=c.sample_id, messages=msgs))
+    if not kept:
+        raise ValueError(f"{res.source}: no usable prompts (skipped: {dict(res.skipped)}). {FORMAT_HELP}")
+    res.conversations = kept
+    return res
+
+
+def iter_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, split: str = "train") -> Iterator[Conversation]:
+    """Yield each usable row's prompt: its messages up to (not including) the first assistant turn."""
+    yield from read_prompts(path_or_dataset, limit=limit, split=split).conversations
