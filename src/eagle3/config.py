@@ -64,6 +64,8 @@ class RegenerateConfig(StageConfig):
     limit: int | None = Field(None, gt=0, description="Use at most this many input rows")
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: int = Field(0, description="Sampling seed")
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)")
+    device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="Target compute dtype in vLLM; auto = float32 on CPUs without native bf16 (AVX2: ~5x faster "

@@ -1,0 +1,80 @@
+"""Batched generation with transformers, for hosts without vLLM (e.g. a bare GPU box).
+
+The regenerate stage uses vLLM by default; `backend: hf` routes its generation here. Same contract as
+the vLLM path: prompts are token ids already rendered with the target's chat template, outputs are the
+generated token ids (eos included when generation stopped on it) and a finish reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (hit eos) or "length"
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def generate_hf(
+    target: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    device: str = "auto",
+    batch_size: int = 256,
+    dtype: str = "bfloat16",
+) -> list[Generation]:
+    """Generate for every prompt (token ids); greedy when temperature == 0. Order of outputs = prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).to(dev).eval()
+    gen_cfg = GenerationConfig.from_model_config(model.config)
+    eos = gen_cfg.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    pad_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else next(iter(eos_ids), 0)
+    torch.manual_seed(seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
+    results: list[Generation | None] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)  # (B, T) left-padded
+        attn = torch.zeros((len(idx), width), dtype=torch.long)  # (B, T)
+        for row, i in enumerate(idx):
+            p = prompts[i]
+            input_ids[row, width - len(p) :] = torch.tensor(p)
+            attn[row, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids.to(dev),
+                attention_mask=attn.to(dev),
+                max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_p=top_p if temperature > 0 else None,
+                top_k=None,
+                pad_token_id=pad_id,
+                eos_token_id=sorted(eos_ids) or None,
+            )  # (B, T + new)
+        new = out[:, width:].tolist()
+        for row, i in enumerate(idx):
+            toks = new[row]
+            cut = next((j for j, t in enumerate(toks) if t in eos_ids), None)
+            if cut is not None:
+                results[i] = Generation(token_ids=toks[: cut + 1], finish_reason="stop")
+            else:
+                results[i] = Generation(token_ids=toks, finish_reason="length")
+    return [r for r in results if r is not None]
