@@ -1,0 +1,44 @@
+"""Launch a stage as a run of its own deployment (on a hardware-tagged work pool) from the parent flow.
+
+`run_deployment` is wrapped in a task so that the parent's cancellation reaches the child (it runs as a
+subflow) and a cached, verified stage never even schedules a GPU run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.deployments import run_deployment
+
+from tasks.errors import StageCrashed, StageError
+from tasks.manifest import read_stamp
+
+#: how often the parent polls the child flow run
+POLL_INTERVAL_S = 3.0
+
+
+@task(name="dispatch-stage", persist_result=True, result_serializer="json", retries=0)
+def dispatch_stage(stage: str, config: dict[str, Any], upstream: dict[str, Any], run_name: str,
+                   deployment: str) -> dict[str, Any]:
+    """Run `stage` as a flow run of `deployment` and return the manifest its task stamped."""
+    logger = get_run_logger()
+    logger.info("stage %s: dispatching to deployment %s", stage, deployment)
+    flow_run = run_deployment(
+        name=deployment,
+        parameters={"config": config, "upstream": upstream, "run_name": run_name},
+        flow_run_name=f"{run_name}-{stage}",
+        poll_interval=POLL_INTERVAL_S,
+        timeout=None,
+        as_subflow=True,
+    )
+    state = flow_run.state
+    if state is None or not state.is_completed():
+        raise StageCrashed(stage, f"deployment run {flow_run.name} ({flow_run.id}) ended "
+                                  f"{state.name if state else 'without a state'}: {state.message if state else ''}")
+    stamp = read_stamp(config["out"])
+    if not stamp or stamp.get("status") != "done":
+        raise StageError(stage, f"deployment run {flow_run.name} completed but {config['out']} holds no finished "
+                                "stamp: is the work dir on storage both pools can see?")
+    keep = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "result")
+    return {k: stamp.get(k) for k in keep}

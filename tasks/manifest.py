@@ -1,0 +1,236 @@
+"""Content identity of stage runs: cache keys, output manifests and the stamp that proves an output is intact.
+
+A stage's cache key is the sha256 of
+  - the stage name and its code version (the library sources the stage runs, plus CACHE_EPOCH),
+  - the stage's resolved config (every field, paths included),
+  - the content hashes of its upstream stages' outputs (from their manifests),
+  - fingerprints of the external inputs it reads directly (target dir, data file, eval prompts).
+So an unchanged stage keeps its key across runs, a changed config changes its key and (through the
+output content hash) the keys of everything downstream, and nothing upstream.
+
+After a stage runs, `<out>/.eagle3-stage.json` (the stamp) records the key and every output file
+(size, mtime, sha256). A cache hit is only honoured when the stamp carries the same key and the files
+still verify; otherwise the stage runs again (Prefect's own cache would return a path to files that
+are gone or altered).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+#: bump to invalidate every cached stage (e.g. after changing what a manifest contains)
+CACHE_EPOCH = 1
+STAMP = ".eagle3-stage.json"
+
+#: library sources (relative to the eagle3 package) that make up each stage's code version
+STAGE_CODE: dict[str, tuple[str, ...]] = {
+    "prepare": ("data/prepare.py", "data/formats.py", "data/prepared.py"),
+    "regenerate": ("data/regenerate.py", "data/formats.py"),
+    "capture": ("capture",),
+    "vocab": ("vocab.py", "data/prepared.py"),
+    "train": ("train", "model"),
+    "export": ("export.py", "model"),
+    "evaluate": ("evaluate.py",),
+}
+COMMON_CODE = ("config.py", "io.py")
+
+#: config fields that name inputs read from outside the pipeline's own outputs
+EXTERNAL_INPUT_FIELDS = ("target", "data", "prompts")
+
+#: files whose deletion makes a stage redo its work while keeping verified partial outputs
+#: (capture resumes from progress.json, re-verifying every shard); other stages are wiped instead
+COMPLETION_MARKERS: dict[str, tuple[str, ...]] = {"capture": ("manifest.json",)}
+
+_SMALL_FILE_BYTES = 1 << 20
+_hash_memo: dict[tuple[str, int, int], str] = {}
+_memo_lock = threading.Lock()
+
+
+def sha256_file_memo(path: Path) -> str:
+    """sha256 of a file, memoized per process by (path, size, mtime_ns)."""
+    st = path.stat()
+    memo_key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _memo_lock:
+        if memo_key in _hash_memo:
+            return _hash_memo[memo_key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    with _memo_lock:
+        _hash_memo[memo_key] = digest
+    return digest
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def iter_files(root: Path) -> Iterable[Path]:
+    """Files under root, sorted, skipping anything whose relative path has a dot-component."""
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.is_file():
+            yield p
+
+
+def code_version(stage: str) -> str:
+    """sha256 over the stage's library sources (and config.py/io.py) plus CACHE_EPOCH."""
+    import eagle3
+
+    root = Path(eagle3.__file__).parent
+    h = hashlib.sha256(f"epoch={CACHE_EPOCH};version={getattr(eagle3, '__version__', '?')}".encode())
+    for rel in (*STAGE_CODE.get(stage, ()), *COMMON_CODE):
+        p = root / rel
+        files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
+        for f in files:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(sha256_file_memo(f).encode() if f.is_file() else b"missing")
+    return h.hexdigest()[:16]
+
+
+def fingerprint_path(value: str | Path) -> str:
+    """Content fingerprint of an external input: sha256 for files; for a directory, the sha256 of its
+    small files and (size, mtime) of large ones (model weights), so a multi-GB target is not re-read."""
+    p = Path(value)
+    if p.is_file():
+        return sha256_file_memo(p)
+    if p.is_dir():
+        items = []
+        for f in iter_files(p):
+            st = f.stat()
+            rel = str(f.relative_to(p))
+            if st.st_size <= _SMALL_FILE_BYTES:
+                items.append((rel, sha256_file_memo(f)))
+            else:
+                items.append((rel, st.st_size, st.st_mtime_ns))
+        return sha256_json(items)
+    return f"missing:{p}"
+
+
+def config_dict(cfg: BaseModel | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(cfg, BaseModel):
+        return cfg.model_dump(mode="json")
+    return json.loads(json.dumps(cfg, default=str))
+
+
+def stage_cache_key(stage: str, cfg: BaseModel | dict[str, Any], upstream: dict[str, dict[str, Any]]) -> str:
+    """The content key of one stage run (see the module docstring)."""
+    conf = config_dict(cfg)
+    upstream_outs = {str(Path(m["out"]).resolve()) for m in upstream.values() if m.get("out")}
+    external = {}
+    for name in EXTERNAL_INPUT_FIELDS:
+        value = conf.get(name)
+        if value and str(Path(value).resolve()) not in upstream_outs:
+            external[name] = fingerprint_path(value)
+    material = {
+        "stage": stage,
+        "code": code_version(stage),
+        "config": conf,
+        "upstream": {name: m["content_sha256"] for name, m in sorted(upstream.items())},
+        "external": external,
+    }
+    return f"eagle3-{stage}-{sha256_json(material)[:32]}"
+
+
+def list_outputs(out: Path) -> dict[str, list[Any]]:
+    """{relative path: [size, mtime_ns, sha256]} for every output file."""
+    files = {}
+    for f in iter_files(out):
+        st = f.stat()
+        files[str(f.relative_to(out))] = [st.st_size, st.st_mtime_ns, sha256_file_memo(f)]
+    return files
+
+
+def content_sha256(files: dict[str, list[Any]]) -> str:
+    return sha256_json(sorted((rel, v[2]) for rel, v in files.items()))
+
+
+def read_stamp(out: str | Path) -> dict[str, Any] | None:
+    p = Path(out) / STAMP
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def write_stamp(out: str | Path, stamp: dict[str, Any]) -> None:
+    p = Path(out) / STAMP
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(stamp, indent=1, default=str))
+    os.replace(tmp, p)
+
+
+def verify_outputs(out: str | Path, key: str) -> tuple[bool, str]:
+    """(True, "") when `out` holds a finished run of `key` whose files are all present and unaltered;
+    otherwise (False, reason). Files whose size and mtime match are trusted; others are re-hashed."""
+    out = Path(out)
+    stamp = read_stamp(out)
+    if stamp is None:
+        return False, f"no stamp in {out}"
+    if stamp.get("key") != key:
+        return False, f"{out} holds the output of {stamp.get('key')}, not {key}"
+    if stamp.get("status") != "done":
+        return False, f"{out} holds an unfinished run ({stamp.get('status')})"
+    for rel, (size, mtime_ns, sha) in stamp.get("files", {}).items():
+        f = out / rel
+        if not f.is_file():
+            return False, f"{f} is missing"
+        st = f.stat()
+        if st.st_size != size:
+            return False, f"{f} changed size ({size} -> {st.st_size} bytes)"
+        if st.st_mtime_ns != mtime_ns and sha256_file_memo(f) != sha:
+            return False, f"{f} was altered (sha256 differs)"
+    return True, ""
+
+
+def prepare_out_dir(stage: str, out: str | Path, key: str) -> str:
+    """Before a stage runs: make `out` safe to (re)write. Returns what was done, for the log.
+
+    - stamp of another key (config/upstream changed): the old output is removed, so a library that
+      resumes from `out` cannot mix runs;
+    - stamp of this key but damaged output: for capture only the completion marker goes (the library
+      re-verifies its shards and recaptures what is missing); other stages are removed;
+    - stamp of this key, unfinished (a crashed attempt being retried): kept, so the library resumes;
+    - no stamp: left alone (not ours to delete).
+    """
+    out = Path(out)
+    stamp = read_stamp(out)
+    if stamp is None or not out.exists():
+        return "fresh"
+    if stamp.get("key") != key:
+        _wipe(out)
+        return "removed output of a different config"
+    if stamp.get("status") != "done":
+        return "resuming unfinished run"
+    markers = COMPLETION_MARKERS.get(stage)
+    if markers:
+        for name in markers:
+            (out / name).unlink(missing_ok=True)
+        (out / STAMP).unlink(missing_ok=True)
+        return "damaged output: removed completion marker, library resumes"
+    _wipe(out)
+    return "damaged output: removed"
+
+
+def _wipe(out: Path) -> None:
+    for child in out.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()

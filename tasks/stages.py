@@ -1,0 +1,208 @@
+"""One Prefect task per pipeline stage. Each loads its stage config, calls ONE library function
+(`eagle3.cli.STAGE_FUNCTIONS[stage]`), and returns a small JSON-able manifest:
+
+    {"stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "result": {...}}
+
+Caching: `StageCachePolicy` keys a run by content (tasks/manifest.py); `run_stage` only accepts a
+cache hit after the stamp in the output dir verifies, otherwise it forces a refresh.
+Retries: transient failures only (tasks/errors.py). GPU-heavy stages run in a subprocess
+(tasks/subprocess_runner.py) whose output streams into the task's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import CachePolicy
+from prefect.tasks import exponential_backoff
+
+from eagle3.config import StageConfig, build_stage_config
+from tasks import artifacts
+from tasks.errors import retry_transient_only
+from tasks.manifest import (
+    config_dict,
+    content_sha256,
+    list_outputs,
+    prepare_out_dir,
+    stage_cache_key,
+    verify_outputs,
+    write_stamp,
+)
+from tasks.subprocess_runner import run_stage_subprocess
+
+#: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts)
+GPU_STAGES = ("regenerate", "capture", "train", "evaluate")
+#: stages that get a progress artifact
+PROGRESS_STAGES = ("capture", "train")
+
+NUM_RETRIES = int(os.environ.get("EAGLE3_NUM_RETRIES", "2"))
+RETRY_BASE_S = float(os.environ.get("EAGLE3_RETRY_BASE_S", "10"))
+
+#: which stages run in a subprocess; EAGLE3_INPROCESS=1 runs every stage in the task's own process
+def runs_in_subprocess(stage: str) -> bool:
+    return stage in GPU_STAGES and os.environ.get("EAGLE3_INPROCESS", "") not in ("1", "true")
+
+
+@dataclass
+class StageCachePolicy(CachePolicy):
+    """Cache key = stage code version + stage config + upstream content hashes + external inputs."""
+
+    stage: str = ""
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        return stage_cache_key(self.stage, inputs["config"], slim_upstream(inputs.get("upstream") or {}))
+
+
+def slim_upstream(upstream: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What a stage needs to know about its inputs: where they are and their content hash."""
+    return {k: {"out": m["out"], "content_sha256": m["content_sha256"]} for k, m in upstream.items()}
+
+
+def as_stage_config(stage: str, config: StageConfig | dict[str, Any]) -> StageConfig:
+    if isinstance(config, StageConfig):
+        return config
+    return build_stage_config(stage, dict(config), source=f"{stage} task parameters")
+
+
+def gpu_limit_name() -> str | None:
+    """Name of the global concurrency limit guarding this host's GPUs, from EAGLE3_GPU_LIMIT (the GPU
+    deployments set it, e.g. "gpu-host-{host}"); None on the embedded default (no limit)."""
+    template = os.environ.get("EAGLE3_GPU_LIMIT", "").strip()
+    return template.format(host=socket.gethostname()).lower() if template else None
+
+
+@contextlib.contextmanager
+def gpu_slot(stage: str):
+    """Hold this host's GPU slot (strict: a missing limit is an error, never a silent free-for-all)."""
+    name = gpu_limit_name() if stage in GPU_STAGES else None
+    if not name:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    get_run_logger().info("stage %s: waiting for GPU slot %r", stage, name)
+    with concurrency(name, occupy=1, strict=True):
+        yield
+
+
+def call_library(stage: str, cfg: StageConfig, on_progress=None) -> dict[str, Any]:
+    """Run the library function for `stage`, in a subprocess for GPU stages; return its result as JSON."""
+    from eagle3.cli import _jsonable, resolve_function
+
+    with gpu_slot(stage):
+        if runs_in_subprocess(stage):
+            return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger(),
+                                        on_progress=on_progress)
+        return _jsonable(resolve_function(stage)(cfg))
+
+
+def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: dict[str, Any],
+                  run_name: str) -> dict[str, Any]:
+    """The body of every stage task: prepare the output dir, call the library, stamp, report."""
+    logger = get_run_logger()
+    cfg = as_stage_config(stage, config)
+    upstream = slim_upstream(upstream)
+    out = Path(cfg.out)
+    key = stage_cache_key(stage, cfg, upstream)
+    action = prepare_out_dir(stage, out, key)
+    logger.info("stage %s: key %s, output %s (%s)", stage, key, out, action)
+    write_stamp(out, {"stage": stage, "key": key, "status": "running", "started_at": time.time()})
+    progress = artifacts.Progress(run_name, stage) if stage in PROGRESS_STAGES else None
+    t0 = time.time()
+    result = call_library(stage, cfg, on_progress=progress.update if progress else None)
+    wall_s = time.time() - t0
+    if progress:
+        progress.update(1.0)
+    files = list_outputs(out)
+    manifest = {
+        "stage": stage,
+        "key": key,
+        "out": str(out),
+        "content_sha256": content_sha256(files),
+        "num_files": len(files),
+        "num_bytes": sum(v[0] for v in files.values()),
+        "wall_s": round(wall_s, 2),
+        "result": result,
+    }
+    write_stamp(out, {**manifest, "status": "done", "files": files, "upstream": upstream,
+                      "config": config_dict(cfg), "finished_at": time.time()})
+    artifacts.stage_summary(run_name, manifest, action)
+    if stage == "train":
+        artifacts.train_metrics(run_name, out)
+    elif stage == "export":
+        artifacts.exported_draft(run_name, out)
+    elif stage == "evaluate":
+        artifacts.evaluate_result(run_name, out, result if isinstance(result, dict) else {})
+    return manifest
+
+
+def _stage_task(stage: str):
+    def body(config: Any, upstream: dict[str, Any], run_name: str = "eagle3") -> dict[str, Any]:
+        return execute_stage(stage, config, upstream, run_name)
+
+    body.__name__ = f"{stage}_task"
+    body.__doc__ = f"Stage {stage}: call eagle3's run_{stage} and return its manifest."
+    return task(
+        body,
+        name=stage,
+        task_run_name=stage,
+        cache_policy=StageCachePolicy(stage=stage),
+        persist_result=True,
+        result_serializer="json",
+        retries=NUM_RETRIES,
+        retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S) if RETRY_BASE_S > 0 else 0,
+        retry_jitter_factor=0.2 if RETRY_BASE_S > 0 else None,
+        retry_condition_fn=retry_transient_only,
+    )
+
+
+prepare_task = _stage_task("prepare")
+regenerate_task = _stage_task("regenerate")
+capture_task = _stage_task("capture")
+vocab_task = _stage_task("vocab")
+train_task = _stage_task("train")
+export_task = _stage_task("export")
+evaluate_task = _stage_task("evaluate")
+
+STAGE_TASKS = {
+    "prepare": prepare_task,
+    "regenerate": regenerate_task,
+    "capture": capture_task,
+    "vocab": vocab_task,
+    "train": train_task,
+    "export": export_task,
+    "evaluate": evaluate_task,
+}
+
+
+def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any]] | None = None, *,
+              run_name: str = "eagle3", deployment: str | None = None) -> dict[str, Any]:
+    """Run one stage through its task (or, with `deployment`, as a run of that deployment on its work
+    pool), honouring a cache hit only when the stamped outputs still verify. The returned manifest has
+    `cached: true` when the stage did not execute."""
+    upstream = slim_upstream(upstream or {})
+    key = stage_cache_key(stage, config, upstream)
+    ok, reason = verify_outputs(config.out, key)
+    if deployment:
+        from tasks.dispatch import dispatch_stage
+
+        t = dispatch_stage.with_options(cache_policy=StageCachePolicy(stage=stage), name=f"dispatch-{stage}",
+                                        task_run_name=f"{stage}@{deployment.split('/')[0]}")
+        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment)
+    else:
+        t, args = STAGE_TASKS[stage], (config, upstream, run_name)
+    if not ok:
+        get_run_logger().info("stage %s: no reusable cached result (%s)", stage, reason)
+        t = t.with_options(refresh_cache=True)
+    state = t(*args, return_state=True)
+    manifest = dict(state.result())  # raises the stage's error when it failed
+    manifest["cached"] = state.name == "Cached"
+    return manifest
