@@ -1,0 +1,304 @@
+"""The EAGLE-3 draft model, in the layout vLLM's `LlamaForCausalLMEagle3` loads (llama_eagle3.py).
+
+    fc            (n_aux*H_target -> H, no bias) over the concatenated aux hidden states of the target
+    midlayer      one Llama decoder layer whose q/k/v read concat(input_layernorm(embed), hidden_norm(h)), width 2H
+    norm          final RMSNorm; its *pre-norm* input (mlp_out + residual) is the hidden fed to the next draft step
+    lm_head       H -> draft_vocab
+    d2t / t2d     draft id -> target id offsets (target = i + d2t[i]); target-id membership mask
+    embed_tokens  copied from the target and frozen; not exported (vLLM shares the target's embedding)
+
+Semantics follow vLLM with `norm_before_residual=False`: the residual stream starts from the raw fc/previous
+hidden, `hidden_norm` only feeds attention. Training-time test (TTT) runs `step()` K times; the attention
+kernel that sees the keys of earlier steps is passed in (eagle3.train.attention), so this file stays pure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class DraftConfigError(ValueError):
+    """A draft dimension is wrong; the message names the field, the bad value and the fix."""
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    vocab_size: int  # target vocab (embedding rows, d2t targets)
+    draft_vocab_size: int
+    target_hidden_size: int
+    num_aux: int  # number of aux hidden states the fc reads
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # rope_parameters minus rope_theta ({"rope_type": "llama3", ...})
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DraftConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise DraftConfigError(f"draft config has unknown keys {sorted(unknown)}; expected a subset of {sorted(names)}")
+        return cls(**d)
+
+
+def text_config(target_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of an HF config.json (nested `text_config` for multimodal targets)."""
+    return target_cfg.get("text_config") or target_cfg
+
+
+def target_rope(tc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
+    params = dict(tc.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", tc.get("rope_theta", 10000.0)))
+    scaling = params or tc.get("rope_scaling") or None
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return theta, scaling
+
+
+def draft_config_from_target(
+    target_cfg: dict[str, Any], num_aux: int, draft_vocab_size: int, overrides: Any = None
+) -> DraftConfig:
+    """Derive the draft's dimensions from the target's config.json; `overrides` (DraftOverrides) wins per field."""
+    tc = text_config(target_cfg)
+    ov = {k: v for k, v in (overrides.model_dump() if overrides is not None else {}).items() if v is not None}
+    H = tc["hidden_size"]
+    heads = tc["num_attention_heads"]
+    theta, scaling = target_rope(tc)
+    cfg = DraftConfig(
+        hidden_size=ov.get("hidden_size", H),
+        intermediate_size=ov.get("intermediate_size", tc["intermediate_size"]),
+        num_attention_heads=ov.get("num_attention_heads", heads),
+        num_key_value_heads=ov.get("num_key_value_heads", tc.get("num_key_value_heads", heads)),
+        head_dim=ov.get("head_dim", tc.get("head_dim") or H // heads),
+        max_position_embeddings=ov.get("max_position_embeddings", tc.get("max_position_embeddings", 4096)),
+        rms_norm_eps=ov.get("rms_norm_eps", tc.get("rms_norm_eps", 1e-6)),
+        vocab_size=tc["vocab_size"],
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=H,
+        num_aux=num_aux,
+        rope_theta=ov.get("rope_theta", theta),
+        rope_scaling=scaling,
+        bos_token_id=tc.get("bos_token_id", target_cfg.get("bos_token_id")),
+        eos_token_id=tc.get("eos_token_id", target_cfg.get("eos_token_id")),
+    )
+    check_draft_config(cfg, tc)
+    return cfg
+
+
+def check_draft_config(cfg: DraftConfig, tc: dict[str, Any]) -> None:
+    """Refuse drafts vLLM could not serve next to this target."""
+    if cfg.hidden_size != tc["hidden_size"]:
+        raise DraftConfigError(
+            f"draft.hidden_size={cfg.hidden_size} differs from the target's hidden_size={tc['hidden_size']}: the draft "
+            "shares the target's token embedding, so unset draft.hidden_size"
+        )
+    tmax = tc.get("max_position_embeddings", 0)
+    if cfg.max_position_embeddings < tmax:
+        raise DraftConfigError(
+            f"draft.max_position_embeddings={cfg.max_position_embeddings} is below the target's {tmax}: vLLM would cap "
+            f"serving at the draft's length; set it to >= {tmax} or leave it unset"
+        )
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise DraftConfigError(
+            f"draft.num_attention_heads={cfg.num_attention_heads} is not a multiple of num_key_value_heads="
+            f"{cfg.num_key_value_heads}; pick a divisor"
+        )
+    if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
+        raise DraftConfigError(f"draft_vocab_size={cfg.draft_vocab_size} must be in [1, target vocab {cfg.vocab_size}]")
+
+
+# ---------------------------------------------------------------------------------------------------- blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # (..., D)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., D)
+        return self.weight * xf.to(x.dtype)  # (..., D)
+
+
+def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
+    """Inverse frequencies for default / linear / llama3 rope (the types Llama-family targets use)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (d/2,)
+    s = cfg.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv  # (d/2,)
+        smooth = (old / wavelen - lo) / (hi - lo)  # (d/2,)
+        mid = (1 - smooth) * inv / factor + smooth * inv  # (d/2,)
+        inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid))  # (d/2,)
+    else:
+        raise DraftConfigError(
+            f"rope scaling type {kind!r} is not supported by the trainer (default, linear, llama3); "
+            "override draft.rope_theta and drop the scaling, or add the type to rope_inv_freq"
+        )
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = positions.float()[..., None] * inv_freq  # (B, T, d/2)
+    ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, T, d)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # (B, h, T, d/2) each
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin  # (B, h, T, d)
+
+
+#: attn_fn(q (B, nh, T, d), keys [(B, kvh, T, d)] * (j+1), values [...] * (j+1)) -> (B, nh, T, d)
+AttnFn = Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.nh, self.kvh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kvh * self.d, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kvh * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: tuple[list, list], attn_fn: AttnFn) -> torch.Tensor:
+        B, T, _ = x.shape  # x: (B, T, 2H)
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)  # (B, nh, T, d)
+        k = self.k_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)  # (B, kvh, T, d)
+        v = self.v_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)  # (B, kvh, T, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, nh|kvh, T, d)
+        cache[0].append(k)
+        cache[1].append(v)
+        y = attn_fn(q, cache[0], cache[1])  # (B, nh, T, d)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.d))  # (B, T, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, H)
+
+
+class MidLayer(nn.Module):
+    """vLLM's Eagle3 LlamaDecoderLayer (layer_idx 0, norm_before_residual=False)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, emb, hidden, cos, sin, cache, attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        residual = hidden + self.self_attn(x, cos, sin, cache, attn_fn)  # (B, T, H)
+        h = self.mlp(self.post_attention_layernorm(residual))  # (B, T, H)
+        return h, residual
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux)  # (B, T, n_aux*Ht) -> (B, T, H)
+
+    def step(self, input_ids, hidden, positions, cache, attn_fn: AttnFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: returns (normed output for lm_head, pre-norm hidden for the next step), both (B, T, H)."""
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)  # (B, 1, T, d)
+        h, residual = self.midlayer(emb, hidden, cos, sin, cache, attn_fn)  # (B, T, H) x2
+        prenorm = h + residual  # (B, T, H)
+        return self.norm(prenorm), prenorm
+
+    def forward(self, input_ids, aux, positions, attn_fn: AttnFn, steps: int = 1):
+        """Unrolled TTT forward for callers that only need outputs: step j reads ids shifted by j (caller's job
+        to pass `input_ids` as a list per step when it differs). Returns list of normed outputs (B, T, H)."""
+        ids = input_ids if isinstance(input_ids, (list, tuple)) else [input_ids] * steps
+        hidden, cache, outs = self.combine(aux), ([], []), []  # (B, T, H)
+        for j in range(steps):
+            out, hidden = self.step(ids[j], hidden, positions + j, cache, attn_fn)  # (B, T, H) x2
+            outs.append(out)
+        return outs
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed)  # (..., Vd)
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under vLLM's names: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d (no embed)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def expected_export_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every key (and its shape) an exported draft must hold, nothing more."""
+    H, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    m = "midlayer."
+    return {
+        "fc.weight": (H, cfg.num_aux * cfg.target_hidden_size),
+        m + "input_layernorm.weight": (H,),
+        m + "hidden_norm.weight": (H,),
+        m + "self_attn.q_proj.weight": (cfg.num_attention_heads * d, 2 * H),
+        m + "self_attn.k_proj.weight": (cfg.num_key_value_heads * d, 2 * H),
+        m + "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, 2 * H),
+        m + "self_attn.o_proj.weight": (H, cfg.num_attention_heads * d),
+        m + "post_attention_layernorm.weight": (H,),
+        m + "mlp.gate_proj.weight": (I, H),
+        m + "mlp.up_proj.weight": (I, H),
+        m + "mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (cfg.draft_vocab_size, H),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }

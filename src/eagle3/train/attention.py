@@ -1,0 +1,124 @@
+"""Training-time-test attention: at TTT step j, row t attends to
+
+    step-0 keys s <= t of the same document (causal, document-aware), and
+    the key of every later step 1..j at the *same* row t (EAGLE-3's diagonal pattern)
+
+which is what vLLM computes when drafting: step j at row t is the query at position pos[t]+j, whose KV cache
+holds the context (step-0 keys) plus the j earlier draft tokens of this very row.
+
+Three exact kernels with one signature `fn(q, keys, values) -> (B, nh, T, d)`, built per batch by
+`make_ttt_attention(kind, doc_ids)`:
+  naive  the full (T, (j+1)T) mask over all concatenated keys (reference; tests only)
+  sdpa   CPU/exact fallback: the causal block's scores (T, T) and the j diagonal scores (T, j) go through one
+         softmax (equivalently: the two partial log-sum-exps combined); never builds the (j+1)T-wide key axis
+  flex   torch flex_attention with a block mask over the concatenated keys; the diagonal blocks make the
+         extra steps cost ~1 block per query block. GPU path (torch.compile'd); forward-only on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if n == 1 else x.repeat_interleave(n, dim=1)  # (B, kvh*n, T, d)
+
+
+def causal_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    return (causal & same)[:, None]  # (B, 1, T, T)
+
+
+def naive_ttt_attention(q, keys, values, doc_ids):
+    """Reference: concatenate every step's keys and build the full boolean mask."""
+    B, nh, T, d = q.shape
+    j = len(keys) - 1
+    rep = nh // keys[0].shape[1]
+    k = repeat_kv(torch.cat(keys, dim=2), rep)  # (B, nh, (j+1)T, d)
+    v = repeat_kv(torch.cat(values, dim=2), rep)  # (B, nh, (j+1)T, d)
+    eye = torch.eye(T, dtype=torch.bool, device=q.device).expand(B, 1, T, T)  # (B, 1, T, T)
+    mask = torch.cat([causal_doc_mask(doc_ids)] + [eye] * j, dim=-1)  # (B, 1, T, (j+1)T)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    att = (q.to(acc) @ k.to(acc).transpose(-1, -2)) / d**0.5  # (B, nh, T, (j+1)T)
+    att = att.masked_fill(~mask, float("-inf")).softmax(-1)  # (B, nh, T, (j+1)T)
+    return (att @ v.to(acc)).to(q.dtype)  # (B, nh, T, d)
+
+
+def sdpa_ttt_attention(q, keys, values, mask):
+    """Exact fallback: one softmax over [causal block (T) | j diagonal scores], fp32 statistics."""
+    B, nh, T, d = q.shape
+    rep = nh // keys[0].shape[1]
+    scale = d**-0.5
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in >= fp32
+    k0, v0 = repeat_kv(keys[0], rep), repeat_kv(values[0], rep)  # (B, nh, T, d)
+    s0 = (q @ k0.transpose(-1, -2)).to(acc) * scale  # (B, nh, T, T)
+    s0 = s0.masked_fill(~mask, float("-inf"))  # (B, nh, T, T)
+    if len(keys) == 1:
+        return (s0.softmax(-1).to(q.dtype) @ v0)  # (B, nh, T, d)
+    diag = torch.stack([(q * repeat_kv(k, rep)).sum(-1) for k in keys[1:]], -1).to(acc) * scale  # (B, nh, T, j)
+    p = torch.cat([s0, diag], dim=-1).softmax(-1)  # (B, nh, T, T+j)
+    p0, pd = p[..., :T], p[..., T:]  # (B, nh, T, T), (B, nh, T, j)
+    out = p0.to(q.dtype) @ v0  # (B, nh, T, d)
+    vd = torch.stack([repeat_kv(v, rep) for v in values[1:]], -1)  # (B, nh, T, d, j)
+    return out + (vd * pd[..., None, :].to(q.dtype)).sum(-1)  # (B, nh, T, d)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128):
+    """One BlockMask per TTT step j over the (j+1)T concatenated keys."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = doc_ids.shape
+
+    def make(j):
+        def mask_mod(b, h, qi, kv):
+            s, u = kv // T, kv % T
+            causal = (u <= qi) & (doc_ids[b, u] == doc_ids[b, qi])
+            return ((s == 0) & causal) | ((s > 0) & (u == qi))
+
+        return create_block_mask(mask_mod, B, None, T, (j + 1) * T, device=doc_ids.device, BLOCK_SIZE=block_size)
+
+    return [make(j) for j in range(steps)]
+
+
+def flex_ttt_attention(q, keys, values, block_masks, compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if compiled else flex_attention
+    k = torch.cat(keys, dim=2)  # (B, kvh, (j+1)T, d)
+    v = torch.cat(values, dim=2)  # (B, kvh, (j+1)T, d)
+    bm = block_masks[len(keys) - 1]
+    return fn(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, d)
+
+
+def resolve_kind(kind: str, device: torch.device) -> str:
+    if kind == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if kind not in ("flex", "sdpa", "naive"):
+        raise ValueError(f"attention={kind!r} is not one of auto, flex, sdpa, naive")
+    return kind
+
+
+def make_ttt_attention(kind: str, doc_ids: torch.Tensor, steps: int, compiled: bool | None = None):
+    """The attention callable for one packed batch. doc_ids: (B, T) int, padding rows get their own ids."""
+    kind = resolve_kind(kind, doc_ids.device)
+    if kind == "naive":
+        return functools.partial(naive_ttt_attention, doc_ids=doc_ids)
+    if kind == "sdpa":
+        return functools.partial(sdpa_ttt_attention, mask=causal_doc_mask(doc_ids))
+    masks = flex_block_masks(doc_ids, steps, block_size=128 if doc_ids.shape[1] >= 128 else 16)
+    compiled = doc_ids.device.type == "cuda" if compiled is None else compiled
+    return functools.partial(flex_ttt_attention, block_masks=masks, compiled=compiled)
+
+
+__all__ = ["make_ttt_attention", "naive_ttt_attention", "sdpa_ttt_attention", "flex_ttt_attention"]

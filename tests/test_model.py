@@ -1,0 +1,150 @@
+"""Draft model + TTT attention: kernels agree with the naive full-mask reference (values and gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.config import DraftOverrides
+from eagle3.model.draft import DraftConfig, DraftConfigError, Eagle3Draft, draft_config_from_target
+from eagle3.train.attention import make_ttt_attention, naive_ttt_attention
+
+TARGET_CFG = {
+    "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "vocab_size": 300, "num_hidden_layers": 6,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def small_cfg(**kw) -> DraftConfig:
+    return draft_config_from_target(TARGET_CFG, num_aux=3, draft_vocab_size=100, overrides=DraftOverrides(**kw))
+
+
+def docs(B: int, T: int) -> torch.Tensor:
+    doc = torch.zeros(B, T, dtype=torch.long)
+    doc[0, 9:] = 1  # two documents in row 0
+    if B > 1:
+        doc[1, 5:14] = 1
+        doc[1, 14:] = -1  # padding tail
+    return doc
+
+
+def qkv(B, T, steps, nh=4, kvh=2, d=8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, nh, T, d, generator=g, dtype=dtype, requires_grad=True)
+    ks = [torch.randn(B, kvh, T, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(steps)]
+    vs = [torch.randn(B, kvh, T, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(steps)]
+    return q, ks, vs
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_sdpa_matches_naive_values_and_grads(steps):
+    B, T = 2, 20
+    doc = docs(B, T)
+    q, ks, vs = qkv(B, T, steps)
+    ref = naive_ttt_attention(q, ks, vs, doc)
+    got = make_ttt_attention("sdpa", doc, steps)(q, ks, vs)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    w = torch.randn_like(ref)
+    g_ref = torch.autograd.grad((ref * w).sum(), [q, *ks, *vs])
+    g_got = torch.autograd.grad((got * w).sum(), [q, *ks, *vs])
+    for a, b in zip(g_got, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_naive_mask_is_the_eagle3_pattern():
+    """Brute force: row t at step j sees step-0 keys s<=t of its document and only row t of steps 1..j."""
+    B, T, steps = 1, 6, 3
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    d = 4
+    q = torch.zeros(B, 1, T, d)  # uniform attention over the allowed keys
+    ks = [torch.zeros(B, 1, T, d) for _ in range(steps)]
+    vs = [torch.zeros(B, 1, T, d) for _ in range(steps)]
+    for s in range(steps):  # value encodes (step, row) one-hot in a big vector -> use scalar ids instead
+        vs[s][..., 0] = torch.arange(T).float() + 100 * s
+    out = naive_ttt_attention(q, ks, vs, doc)[0, 0, :, 0]
+    for t in range(T):
+        allowed = [u for u in range(T) if u <= t and doc[0, u] == doc[0, t]] + [t + 100 * s for s in range(1, steps)]
+        assert out[t].item() == pytest.approx(sum(allowed) / len(allowed))
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_flex_matches_naive_forward(steps):
+    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below."""
+    B, T = 2, 32
+    doc = docs(B, T)
+    q, ks, vs = qkv(B, T, steps, dtype=torch.float32)
+    q, ks, vs = q.detach(), [k.detach() for k in ks], [v.detach() for v in vs]
+    with torch.no_grad():
+        ref = naive_ttt_attention(q, ks, vs, doc)
+        got = make_ttt_attention("flex", doc, steps, compiled=False)(q, ks, vs)
+    valid = (doc >= 0)[:, None, :, None].expand_as(ref)  # fully-masked padding rows are kernel-defined
+    torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward needs CUDA")
+def test_flex_grads_cuda():
+    B, T, steps = 2, 256, 3
+    doc = docs(B, T).cuda()
+    q, ks, vs = qkv(B, T, steps, d=16, dtype=torch.float32)
+    leaves = [t.detach().cuda().requires_grad_() for t in [q, *ks, *vs]]
+    q, ks, vs = leaves[0], leaves[1 : 1 + steps], leaves[1 + steps :]
+    ref = naive_ttt_attention(q, ks, vs, doc)
+    got = make_ttt_attention("flex", doc, steps)(q, ks, vs)
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves), strict=True):
+        torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3)
+
+
+def test_draft_config_from_target_and_overrides():
+    cfg = small_cfg()
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 16)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.max_position_embeddings == 1024 and cfg.vocab_size == 300 and cfg.draft_vocab_size == 100
+    over = small_cfg(intermediate_size=32, num_key_value_heads=1, max_position_embeddings=4096, rope_theta=1e4)
+    assert (over.intermediate_size, over.num_key_value_heads, over.max_position_embeddings) == (32, 1, 4096)
+    nested = draft_config_from_target({"text_config": TARGET_CFG, "architectures": ["X"]}, 3, 100)
+    assert nested.hidden_size == 64
+    with pytest.raises(DraftConfigError, match="max_position_embeddings=512"):
+        small_cfg(max_position_embeddings=512)
+    with pytest.raises(DraftConfigError, match="hidden_size=32"):
+        small_cfg(hidden_size=32)
+    with pytest.raises(DraftConfigError, match="num_key_value_heads=3"):
+        small_cfg(num_key_value_heads=3)
+
+
+def test_draft_step0_is_a_causal_document_aware_layer():
+    """Step 0 with the TTT kernel == the same layer with plain causal SDPA per document; docs don't leak."""
+    torch.manual_seed(0)
+    cfg = small_cfg()
+    model = Eagle3Draft(cfg).double()
+    B, T = 1, 16
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    aux = torch.randn(B, T, 3 * 64, dtype=torch.float64)
+    doc = torch.tensor([[0] * 10 + [1] * 6])
+    pos = torch.tensor([list(range(10)) + list(range(6))])
+    out = model(ids, aux, pos, make_ttt_attention("sdpa", doc, 1))[0]
+
+    def plain(q, ks, vs):
+        k, v = ks[0].repeat_interleave(2, 1), vs[0].repeat_interleave(2, 1)
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                                        is_causal=True) for a, b in ((0, 10), (10, 16))], 2)
+
+    torch.testing.assert_close(out, model(ids, aux, pos, plain)[0])
+    # second document alone, positions restarted: identical outputs
+    alone = model(ids[:, 10:], aux[:, 10:], pos[:, 10:], make_ttt_attention("sdpa", doc[:, 10:], 1))[0]
+    torch.testing.assert_close(out[:, 10:], alone)
+
+
+def test_export_keys_cover_the_state_dict():
+    from eagle3.model.draft import expected_export_shapes
+
+    model = Eagle3Draft(small_cfg())
+    sd = model.export_state_dict()
+    shapes = expected_export_shapes(model.cfg)
+    assert set(sd) == set(shapes)
+    assert all(tuple(sd[k].shape) == s for k, s in shapes.items())
+    assert not model.embed_tokens.weight.requires_grad
