@@ -27,7 +27,7 @@ def apply_blocks(config: PipelineConfig, target_source: str | None, storage: str
 
     cfg = config.model_copy(deep=True)
     if storage:
-        cfg.work_dir = StorageLocation.load(storage).work_dir_for(cfg.name)
+        cfg = StorageLocation.load(storage).apply(cfg)
     if target_source:
         cfg.target = TargetModelSource.load(target_source).resolve(cfg.work_dir / "target-snapshot")
     if hardware:

@@ -1,0 +1,168 @@
+"""Which target layers should feed the draft? `layer_sweep` shares prepare / regenerate / vocab (none of
+them depends on the layers; all cached across sweeps) and fans out capture → train → export →
+evaluate per layer set, at most `max_concurrency` branches at a time, then compares them and names
+the winner (highest τ; lowest final loss when there are no eval prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NONE
+from prefect.task_runners import ThreadPoolTaskRunner
+from tasks.artifacts import artifact_key, find_per_position, find_tau, png_markdown
+
+from eagle3.config import PipelineConfig
+from eagle3.pipeline import ensure_target
+from flows.dispatch import Dispatch, StageRunner
+
+_LOSS_KEYS = ("final_val_loss", "val_loss", "final_loss", "final_train_loss", "train_loss", "loss")
+
+
+def layers_tag(layers: list[int]) -> str:
+    return "layers-" + "-".join(str(i) for i in layers)
+
+
+def branch_config(config: PipelineConfig, layers: list[int]) -> PipelineConfig:
+    """The pipeline config of one branch: shared prepare/regenerate/vocab outputs, own capture onwards."""
+    c = config.model_copy(deep=True)
+    root = c.work_dir / "sweep" / layers_tag(layers)
+    c.capture.layers = list(layers)
+    c.capture.out = root / "captured"
+    c.train.captured, c.train.out = str(root / "captured"), root / "train"
+    c.export.checkpoint, c.export.out = str(root / "train"), root / "draft"
+    c.evaluate.draft, c.evaluate.out = str(root / "draft"), root / "evaluate"
+    return c.resolved()
+
+
+def find_loss(result: dict[str, Any]) -> float | None:
+    for key in _LOSS_KEYS:
+        v = result.get(key)
+        if isinstance(v, int | float):
+            return float(v)
+    for v in result.values():
+        if isinstance(v, dict):
+            loss = find_loss(v)
+            if loss is not None:
+                return loss
+    return None
+
+
+@task(name="sweep-branch", cache_policy=NONE, task_run_name="branch {layers}")
+def sweep_branch(config: PipelineConfig, layers: list[int], shared: dict[str, dict[str, Any]],
+                 dispatch: Dispatch, slots: Any = None) -> dict[str, Any]:
+    """capture → train → export → evaluate for one layer set, on the shared prepare/vocab outputs."""
+    with slots or threading.Semaphore(1):
+        cfg = branch_config(config, layers)
+        stage = StageRunner(cfg, dispatch=dispatch, run_name=f"{cfg.name}-{layers_tag(layers)}")
+        stage.manifests.update(shared)
+        t0 = time.time()
+        stage("capture", "prepare")
+        stage("train", "capture", "vocab")
+        stage("export", "train")
+        if cfg.eval_prompts:
+            stage("evaluate", "export")
+        wall = time.time() - t0
+    m = stage.manifests
+    result = (m.get("evaluate") or {}).get("result") or {}
+    return {
+        "layers": list(layers),
+        "tau": find_tau(result),
+        "per_position_acceptance": find_per_position(result),
+        "train_loss": find_loss(m["train"].get("result") or {}),
+        "stage_wall_s": round(sum(m[s]["wall_s"] for s in ("capture", "train", "export", "evaluate") if s in m), 1),
+        "this_run_wall_s": round(wall, 1),
+        "cached": all(m[s].get("cached") for s in ("capture", "train", "export") if s in m),
+        "draft": m["export"]["out"],
+    }
+
+
+def pick_winner(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Highest τ; ties (or no τ) by the lower train loss."""
+    def score(r: dict[str, Any]) -> tuple[float, float]:
+        tau = r["tau"] if r["tau"] is not None else float("-inf")
+        loss = r["train_loss"] if r["train_loss"] is not None else float("inf")
+        return (tau, -loss)
+
+    return max(rows, key=score)
+
+
+def comparison_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Bar chart of τ (or train loss) per layer set, plus per-position acceptance curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [",".join(map(str, r["layers"])) for r in rows]
+    metric = "tau" if any(r["tau"] is not None for r in rows) else "train_loss"
+    values = [r[metric] if r[metric] is not None else 0.0 for r in rows]
+    has_pos = any(r["per_position_acceptance"] for r in rows)
+    fig, axes = plt.subplots(1, 2 if has_pos else 1, figsize=(10 if has_pos else 5, 3.5), squeeze=False)
+    ax = axes[0][0]
+    ax.bar(labels, values, color="tab:blue")
+    ax.set_xlabel("aux layer ids")
+    ax.set_ylabel("τ (mean acceptance length)" if metric == "tau" else "final train loss")
+    ax.set_title("layer sweep")
+    if has_pos:
+        ax2 = axes[0][1]
+        for label, r in zip(labels, rows, strict=True):
+            if r["per_position_acceptance"]:
+                ax2.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"],
+                         marker="o", label=label)
+        ax2.set_xlabel("draft position")
+        ax2.set_ylabel("acceptance rate")
+        ax2.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+@flow(name="eagle3-layer-sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
+def layer_sweep(config: PipelineConfig, layer_sets: list[list[int]], max_concurrency: int = 1,
+                dispatch: Dispatch = "auto") -> dict[str, Any]:
+    """Train and evaluate one draft per aux layer set; returns {"winner": ..., "rows": [...]}.
+
+    max_concurrency bounds the branches in flight (GPU stages of concurrent branches also queue on the
+    per-host GPU concurrency limit when dispatched to GPU pools)."""
+    if not layer_sets:
+        raise ValueError("layer_sweep: layer_sets is empty; pass e.g. [[1, 2, 3], [2, 3, 4]]")
+    if max_concurrency < 1:
+        raise ValueError(f"layer_sweep: max_concurrency = {max_concurrency}; use 1 or more")
+    ensure_target(config)
+    cfg = config.resolved()
+    shared = StageRunner(cfg, dispatch=dispatch)
+    if cfg.regenerate.enabled:
+        shared("regenerate")
+    shared("prepare", "regenerate")
+    shared("vocab", "prepare")
+
+    slots = threading.BoundedSemaphore(max_concurrency)
+    futures = [sweep_branch.submit(cfg, list(ls), shared.manifests, dispatch, slots) for ls in layer_sets]
+    rows = [f.result() for f in futures]
+    winner = pick_winner(rows)
+
+    out = cfg.work_dir / "sweep"
+    chart = comparison_chart(rows, out / "comparison.png")
+    (out / "comparison.json").write_text(json.dumps({"winner": winner, "rows": rows}, indent=2))
+    table = [{"layers": ",".join(map(str, r["layers"])), "tau": r["tau"],
+              "per_position_acceptance": ", ".join(f"{a:.3f}" for a in r["per_position_acceptance"] or []),
+              "train_loss": r["train_loss"], "wall_s": r["stage_wall_s"],
+              "winner": "yes" if r is winner else ""} for r in rows]
+    create_table_artifact(table=table, key=artifact_key(cfg.name, "sweep", "table"),
+                          description=f"layer sweep: winner {winner['layers']}")
+    md = (f"# layer sweep {cfg.name}\n\nWinner: **{winner['layers']}** (τ = {winner['tau']}, "
+          f"train loss = {winner['train_loss']}), draft `{winner['draft']}`\n\n"
+          + (png_markdown(chart, "layer sweep") if chart else ""))
+    create_markdown_artifact(markdown=md, key=artifact_key(cfg.name, "sweep", "winner"),
+                             description="layer sweep winner and chart")
+    get_run_logger().info("layer sweep %s: winner %s", cfg.name, winner["layers"])
+    return {"winner": winner, "rows": rows}
