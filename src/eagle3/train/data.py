@@ -1,0 +1,146 @@
+"""Captured samples -> document-aware packed batches, with a resumable position.
+
+A sample is a dict: input_ids (T,) int64, loss_mask (T,), aux_hidden_states (T, n_aux, Ht),
+last_hidden_states (T, Ht), sample_id str (the format of `eagle3.capture.load_captured`).
+
+Order: samples are split once into train/val by a seeded permutation; every epoch visits the train
+indices in a fresh seeded permutation (seed + epoch), packing greedily in that order into rows of
+`max_seq_len` tokens (a sample longer than a row is truncated). The loader's position is (epoch, cursor)
+with cursor = next index into that epoch's permutation, so resume is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.train.step import PackedBatch
+
+
+def load_samples(source: str | Path | Iterable[dict[str, Any]]) -> Sequence[dict[str, Any]]:
+    """A capture dir (via eagle3.capture.load_captured) or any iterable of sample dicts, as a sequence.
+
+    A sequence with random access is used as is; a plain iterator is materialised in memory."""
+    if isinstance(source, (str, Path)):
+        from eagle3.capture import load_captured
+
+        source = load_captured(source)
+    if isinstance(source, Sequence):
+        return source
+    return list(source)
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = int(round(n * val_fraction))
+    if val_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+def pack(samples: list[dict[str, Any]], max_seq_len: int) -> dict[str, torch.Tensor]:
+    """Concatenate samples into one row of exactly max_seq_len tokens (padding: doc -1, mask 0)."""
+    T = max_seq_len
+    first = samples[0]
+    n_aux, Ht = first["aux_hidden_states"].shape[-2:]
+    dt = first["aux_hidden_states"].dtype
+    row = {
+        "input_ids": torch.zeros(T, dtype=torch.long),
+        "positions": torch.zeros(T, dtype=torch.long),
+        "doc_ids": torch.full((T,), -1, dtype=torch.long),
+        "loss_mask": torch.zeros(T, dtype=torch.bool),
+        "aux": torch.zeros(T, n_aux * Ht, dtype=dt),
+        "last_hidden": torch.zeros(T, Ht, dtype=dt),
+    }
+    a = 0
+    for d, s in enumerate(samples):
+        n = min(len(s["input_ids"]), T - a)
+        if n <= 0:
+            break
+        row["input_ids"][a : a + n] = torch.as_tensor(s["input_ids"][:n]).long()
+        row["positions"][a : a + n] = torch.arange(n)
+        row["doc_ids"][a : a + n] = d
+        row["loss_mask"][a : a + n] = torch.as_tensor(s["loss_mask"][:n]).bool()
+        row["aux"][a : a + n] = torch.as_tensor(s["aux_hidden_states"][:n]).reshape(n, n_aux * Ht)
+        row["last_hidden"][a : a + n] = torch.as_tensor(s["last_hidden_states"][:n])
+        a += n
+    return row
+
+
+def collate(rows: list[dict[str, torch.Tensor]]) -> PackedBatch:
+    return PackedBatch(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+
+
+@dataclass
+class LoaderState:
+    epoch: int = 0
+    cursor: int = 0
+
+
+class PackedLoader:
+    """Infinite, resumable iterator of PackedBatch over `indices` of `samples` (rank-sharded by row)."""
+
+    def __init__(self, samples, indices, max_seq_len, batch_size, seed, state=None, rank=0, world=1):
+        self.samples, self.indices = samples, list(indices)
+        self.T, self.B, self.seed = max_seq_len, batch_size, seed
+        self.state = state or LoaderState()
+        self.rank, self.world = rank, world
+        if not self.indices:
+            raise ValueError("no training samples: lower val_fraction or capture more data")
+
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return [self.indices[i] for i in torch.randperm(len(self.indices), generator=g).tolist()]
+
+    def _next_row(self) -> dict[str, torch.Tensor]:
+        st = self.state
+        order = self._order(st.epoch)
+        docs, used = [], 0
+        while True:
+            if st.cursor >= len(order):
+                if docs:
+                    break
+                st.epoch, st.cursor = st.epoch + 1, 0
+                order = self._order(st.epoch)
+            s = self.samples[order[st.cursor]]
+            n = len(s["input_ids"])
+            if docs and used + n > self.T:
+                break
+            docs.append(s)
+            used += n
+            st.cursor += 1
+            if used >= self.T:
+                break
+        return pack(docs, self.T)
+
+    def epoch_progress(self) -> float:
+        return self.state.epoch + self.state.cursor / len(self.indices)
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        return self
+
+    def __next__(self) -> PackedBatch:
+        rows = []
+        for _ in range(self.B * self.world):  # every rank walks the same order and keeps its share
+            r = self._next_row()
+            rows.append(r)
+        return collate(rows[self.rank :: self.world])
+
+
+def eval_batches(samples, indices, max_seq_len, batch_size) -> list[PackedBatch]:
+    """Validation batches in index order, packed the same way (the last batch may be smaller)."""
+    rows, docs, used = [], [], 0
+    for i in indices:
+        n = min(len(samples[i]["input_ids"]), max_seq_len)
+        if docs and used + n > max_seq_len:
+            rows.append(pack(docs, max_seq_len))
+            docs, used = [], 0
+        docs.append(samples[i])
+        used += n
+    if docs:
+        rows.append(pack(docs, max_seq_len))
+    return [collate(rows[a : a + batch_size]) for a in range(0, len(rows), batch_size)]

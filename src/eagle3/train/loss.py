@@ -1,0 +1,93 @@
+"""Targets and the chunked soft cross-entropy.
+
+The target distribution at row r is softmax over the *draft vocabulary* of the target's logits
+`lm_head(final_norm(last_hidden[r]))[draft_ids]` (frozen). The loss is forward KL(target || draft) up to the
+target's (constant) entropy, i.e. soft cross-entropy, over supervised rows only.
+
+Out-of-vocabulary choice: a row whose full-vocab target argmax is NOT in the draft vocab is dropped from the
+loss (the draft can never propose that token, so the renormalised in-vocab distribution would teach it to be
+confidently wrong), but it stays in the metrics as a miss (acceptance there is 0 in vLLM too).
+This matches SpecForge's `position_mask = t2d[target_argmax] & loss_mask`.
+
+Memory: target logits are computed once per batch, row-chunked (the full-vocab (rows, V) matrix only ever
+exists for `chunk_rows`), and kept over the draft vocab only. The draft's (rows, Vd) fp32 log-softmax is
+computed per row chunk inside activation checkpointing, so only one chunk is alive in forward or backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class TargetHead:
+    """The frozen target pieces the loss needs."""
+
+    norm_weight: torch.Tensor  # (Ht,)
+    eps: float
+    lm_head: torch.Tensor  # (V, Ht) full target head (for the full-vocab argmax)
+    draft_ids: torch.Tensor  # (Vd,) long: target id of each draft id (= arange + d2t)
+
+    def to(self, device, dtype=None) -> TargetHead:
+        dt = dtype or self.lm_head.dtype
+        return TargetHead(self.norm_weight.to(device, dt), self.eps, self.lm_head.to(device, dt), self.draft_ids.to(device))
+
+
+@dataclass
+class Targets:
+    logits: torch.Tensor  # (B, T+pad, Vd) target logits over the draft vocab; zero rows past T
+    argmax: torch.Tensor  # (B, T+pad) long: full-vocab target argmax (target ids); -1 past T
+    in_vocab: torch.Tensor  # (B, T+pad) bool: argmax is in the draft vocab
+
+
+@torch.no_grad()
+def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk_rows: int = 2048) -> Targets:
+    """last_hidden: (B, T, Ht) output of the target's last decoder layer, before its final norm."""
+    B, T, _ = last_hidden.shape
+    Vd = head.draft_ids.numel()
+    dt = head.lm_head.dtype
+    logits = torch.zeros(B, T + pad, Vd, dtype=dt, device=last_hidden.device)  # (B, T+pad, Vd)
+    argmax = torch.full((B, T + pad), -1, dtype=torch.long, device=last_hidden.device)  # (B, T+pad)
+    sub = head.lm_head[head.draft_ids]  # (Vd, Ht)
+    t2d = torch.zeros(head.lm_head.shape[0], dtype=torch.bool, device=last_hidden.device)  # (V,)
+    t2d[head.draft_ids] = True
+    for a in range(0, T, max(1, chunk_rows // B)):
+        x = last_hidden[:, a : a + chunk_rows // B].to(dt)  # (B, c, Ht)
+        xf = x.to(torch.promote_types(dt, torch.float32))  # (B, c, Ht)
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + head.eps)).to(dt) * head.norm_weight  # (B, c, Ht)
+        c = x.shape[1]
+        argmax[:, a : a + c] = (x @ head.lm_head.T).argmax(-1)  # (B, c)
+        logits[:, a : a + c] = x @ sub.T  # (B, c, Vd)
+    in_vocab = t2d[argmax.clamp(min=0)] & (argmax >= 0)  # (B, T+pad)
+    return Targets(logits, argmax, in_vocab)
+
+
+def _chunk_ce(h, w, tgt, weight):
+    acc = torch.promote_types(h.dtype, torch.float32)  # fp32 softmax for bf16 inputs (fp64 stays fp64)
+    logq = F.log_softmax((h @ w.T).to(acc), dim=-1)  # (B, c, Vd)
+    p = F.softmax(tgt.to(acc), dim=-1)  # (B, c, Vd)
+    ce = -(p * logq).sum(-1)  # (B, c)
+    return (ce * weight).sum(), logq.argmax(-1)  # (), (B, c)
+
+
+def soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 4096):
+    """Sum over rows of weight * CE(softmax(tgt), log_softmax(h @ w.T)), chunked; also the draft argmax.
+
+    h: (B, T, H) normed draft output; w: (Vd, H) draft lm_head; tgt: (B, T, Vd); weight: (B, T) float.
+    """
+    B, T, _ = h.shape
+    step = max(1, chunk_rows // B)
+    total, arg = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32)), []
+    for a in range(0, T, step):
+        args = (h[:, a : a + step], w, tgt[:, a : a + step], weight[:, a : a + step])
+        if torch.is_grad_enabled() and h.requires_grad:
+            s, am = checkpoint(_chunk_ce, *args, use_reentrant=False)
+        else:
+            s, am = _chunk_ce(*args)
+        total = total + s
+        arg.append(am)
+    return total, torch.cat(arg, dim=1)  # (), (B, T)

@@ -1,0 +1,71 @@
+"""All parallelism in one place: torchrun env -> process group; DDP for small drafts, FSDP2 for large.
+
+Single process (CPU or one GPU) is the no-op case. Data parallelism is by packed row (data.PackedLoader
+walks one global order and each rank keeps rows rank::world), so resume is identical for any world size
+that divides the rows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(device: str = "auto") -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(int(os.environ.get("RANK", "0")), world, local, dev)
+
+
+def wrap(model: torch.nn.Module, d: Dist, fsdp: bool = False) -> torch.nn.Module:
+    """DDP (default) or FSDP2 `fully_shard` (drafts too large to replicate). No-op for world == 1."""
+    if d.world == 1:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.midlayer)
+        return fully_shard(model)
+    from torch.nn.parallel import DistributedDataParallel
+
+    # the draft has frozen params (embedding) and buffers; step() is called K times per forward
+    return DistributedDataParallel(model, device_ids=[d.device] if d.device.type == "cuda" else None,
+                                   static_graph=False, find_unused_parameters=False)
+
+
+def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def barrier(d: Dist) -> None:
+    if d.world > 1:
+        dist.barrier()
+
+
+def teardown(d: Dist) -> None:
+    if d.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()

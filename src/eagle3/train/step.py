@@ -1,0 +1,193 @@
+"""One TTT training step on tensors: the part a GPU benchmark calls (no vLLM, no files, no host syncs).
+
+    batch = PackedBatch(...)                      # tensors on the device
+    out = ttt_forward(model, batch, head, steps=7)   # loss + per-step stat tensors
+    setup = build_benchmark(draft_cfg, batch_size=1, seq_len=4096, device="cuda"); run_benchmark_step(setup)
+
+Step j (0-based) at row t reads token ids[t+1+j] and is trained against the target's distribution at row t+1+j
+(which predicts token t+2+j); the row is supervised iff rows t..t+2+j lie in one document and
+loss_mask[t+2+j] (1 = assistant token). Rope positions of step j are pos[t]+j, as in vLLM's drafting loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.train.attention import make_ttt_attention
+from eagle3.train.loss import TargetHead, compute_targets, soft_ce
+
+#: columns of StepOutput.stats, one row per TTT step
+STAT_COLUMNS = ("n_valid", "n_correct", "n_cond", "n_cond_correct", "ce_sum", "n_loss")
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (B, T) long
+    positions: torch.Tensor  # (B, T) long, restart at 0 per document
+    doc_ids: torch.Tensor  # (B, T) long, -1 = padding
+    loss_mask: torch.Tensor  # (B, T) bool, 1 = supervised (assistant) token
+    aux: torch.Tensor  # (B, T, n_aux*Ht)
+    last_hidden: torch.Tensor  # (B, T, Ht) target's last decoder layer output, before its final norm
+
+    def to(self, device, float_dtype=None) -> PackedBatch:
+        def mv(x):
+            x = x.to(device, non_blocking=True)
+            return x.to(float_dtype) if float_dtype is not None and x.is_floating_point() else x
+
+        return PackedBatch(*(mv(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # () weighted sum over steps of the per-step mean CE
+    stats: torch.Tensor  # (K, len(STAT_COLUMNS)) float sums, see STAT_COLUMNS
+
+
+def ttt_forward(
+    model: Eagle3Draft,
+    batch: PackedBatch,
+    head: TargetHead,
+    *,
+    steps: int = 7,
+    loss_decay: float = 0.8,
+    attention: str = "auto",
+    loss_chunk_rows: int = 4096,
+) -> StepOutput:
+    ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
+    B, T = ids.shape
+    pad = steps + 2
+    tg = compute_targets(head, batch.last_hidden, pad)  # logits (B, T+pad, Vd)
+    doc_p = F.pad(doc, (0, pad), value=-2)  # (B, T+pad)
+    mask_p = F.pad(batch.loss_mask.bool(), (0, pad), value=False)  # (B, T+pad)
+    ids_p = F.pad(ids, (0, pad), value=0)  # (B, T+pad)
+    attn = make_ttt_attention(attention, doc, steps)
+    hidden = model.combine(batch.aux)  # (B, T, H)
+    cache: tuple[list, list] = ([], [])
+    loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    rows, joint = [], (doc >= 0)  # (B, T) all previous steps correct
+    for j in range(steps):
+        r = 1 + j
+        out, hidden = model.step(ids_p[:, r : r + T], hidden, pos + j, cache, attn)  # (B, T, H) x2
+        same = (doc_p[:, r : r + T] == doc) & (doc_p[:, r + 1 : r + 1 + T] == doc) & (doc >= 0)  # (B, T)
+        valid = same & mask_p[:, r + 1 : r + 1 + T]  # (B, T)
+        weight = (valid & tg.in_vocab[:, r : r + T]).float()  # (B, T)
+        ce_sum, am = soft_ce(out, model.lm_head.weight, tg.logits[:, r : r + T], weight, loss_chunk_rows)
+        n_loss = weight.sum()
+        loss = loss + (loss_decay**j) * ce_sum / n_loss.clamp(min=1.0)
+        correct = ((am + model.d2t[am]) == tg.argmax[:, r : r + T]) & valid  # (B, T)
+        cond = joint & valid  # (B, T)
+        rows.append(torch.stack([valid.sum(), correct.sum(), cond.sum(), (cond & correct).sum()]).float())
+        rows[-1] = torch.cat([rows[-1], ce_sum.detach()[None], n_loss[None]])
+        joint = joint & correct
+    return StepOutput(loss, torch.stack(rows))
+
+
+def summarize(stats: torch.Tensor) -> dict[str, float]:
+    """Per-step metrics from summed stats (K, 6): loss_j, acc_j (top-1 agreement), cond_acc_j, and
+    sim_accept_len = sum_j prod_{i<=j} cond_acc_i (expected accepted draft tokens per round, bonus excluded)."""
+    s = stats.double().cpu()
+    out: dict[str, float] = {}
+    prod, accept = 1.0, 0.0
+    for j, (nv, nc, ncond, ncc, ce, nl) in enumerate(s.tolist()):
+        out[f"loss_{j}"] = ce / max(nl, 1.0)
+        out[f"acc_{j}"] = nc / max(nv, 1.0)
+        cacc = ncc / max(ncond, 1.0)
+        out[f"cond_acc_{j}"] = cacc
+        prod *= cacc
+        accept += prod
+    out["sim_accept_len"] = accept
+    return out
+
+
+# ------------------------------------------------------------------------------------------- benchmarking
+
+
+@dataclass
+class BenchmarkSetup:
+    model: Eagle3Draft
+    optimizer: torch.optim.Optimizer
+    head: TargetHead
+    batch: PackedBatch
+    steps: int
+    attention: str
+    dtype: torch.dtype
+
+
+def synthetic_batch(cfg: DraftConfig, batch_size: int, seq_len: int, device, dtype, docs_per_row: int = 2) -> PackedBatch:
+    g = torch.Generator().manual_seed(0)
+    B, T = batch_size, seq_len
+    bounds = torch.linspace(0, T, docs_per_row + 1).long()
+    doc = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    for i in range(docs_per_row):
+        a, b = bounds[i].item(), bounds[i + 1].item()
+        doc[:, a:b] = i
+        pos[:, a:b] = torch.arange(b - a)
+    batch = PackedBatch(
+        input_ids=torch.randint(0, cfg.vocab_size, (B, T), generator=g),
+        positions=pos,
+        doc_ids=doc,
+        loss_mask=torch.rand(B, T, generator=g) < 0.7,
+        aux=torch.randn(B, T, cfg.num_aux * cfg.target_hidden_size, generator=g),
+        last_hidden=torch.randn(B, T, cfg.target_hidden_size, generator=g),
+    )
+    return batch.to(device, dtype)
+
+
+def build_benchmark(
+    cfg: DraftConfig,
+    *,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    steps: int = 7,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    attention: str = "auto",
+    compile: bool = False,
+) -> BenchmarkSetup:
+    """Random draft + random frozen target head + one synthetic packed batch, all on `device`.
+    Real dims: DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
+    num_aux=3, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0)."""
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg).to(device)
+    if compile:
+        model.midlayer.compile()
+    head = TargetHead(
+        norm_weight=torch.ones(cfg.target_hidden_size),
+        eps=cfg.rms_norm_eps,
+        lm_head=torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02,
+        draft_ids=torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values,
+    ).to(device, dtype)
+    model.d2t.copy_(head.draft_ids - torch.arange(cfg.draft_vocab_size, device=head.draft_ids.device))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), fused=device != "cpu")
+    return BenchmarkSetup(model, opt, head, synthetic_batch(cfg, batch_size, seq_len, device, dtype), steps, attention, dtype)
+
+
+def run_benchmark_step(s: BenchmarkSetup, grad_clip: float = 0.5) -> StepOutput:
+    """Forward + backward + clip + AdamW step under autocast; returns tensors (no host sync)."""
+    dev = s.batch.input_ids.device.type
+    with torch.autocast(dev, dtype=s.dtype, enabled=s.dtype != torch.float32):
+        out = ttt_forward(s.model, s.batch, s.head, steps=s.steps, attention=s.attention)
+    out.loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(s.model.parameters(), grad_clip, foreach=True)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+class TTTModule(torch.nn.Module):
+    """Wraps the draft so the whole unrolled TTT forward is one `forward()` (what DDP/FSDP hook into)."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, batch: PackedBatch, head: TargetHead, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        out = ttt_forward(self.draft, batch, head, **kw)
+        return out.loss, out.stats

@@ -1,0 +1,65 @@
+"""Test/demo helpers: captured-sample dicts from a small transformers target, and a vocab dir.
+
+Not used by training itself; the real inputs come from `eagle3 capture` and `eagle3 vocab`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@torch.no_grad()
+def capture_samples(target: str | Path, num: int = 16, layers=(1, 2, 3), min_len=24, max_len=64, seed=0):
+    """(samples, manifest) in eagle3.capture's format, by running the target in transformers on CPU.
+
+    Token ids are random (seeded) so tiny random targets work; layer id k = hidden_states[k] (vLLM semantics);
+    last_hidden_states is the output of the last decoder layer before the final norm (forward hook)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    grab: dict[str, torch.Tensor] = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: grab.__setitem__("last", o[0] if isinstance(o, tuple) else o))
+    samples = []
+    # a little structure (repeated phrases) so a draft can learn something
+    phrases = [torch.randint(0, V, (8,), generator=g) for _ in range(6)]
+    for i in range(num):
+        n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        parts = [phrases[int(torch.randint(0, len(phrases), (1,), generator=g))] for _ in range(n // 8 + 1)]
+        ids = torch.cat(parts)[:n]
+        out = model(ids[None], output_hidden_states=True)
+        aux = torch.stack([out.hidden_states[k][0] for k in layers], dim=1)  # (T, n_aux, H)
+        mask = torch.ones(n, dtype=torch.int8)
+        mask[: n // 4] = 0  # a "prompt" that is not supervised
+        samples.append({"input_ids": ids.long(), "loss_mask": mask, "aux_hidden_states": aux.to(torch.bfloat16),
+                        "last_hidden_states": grab["last"][0].to(torch.bfloat16), "sample_id": f"s{i}"})
+    hook.remove()
+    manifest = {"layers": list(layers), "hidden_size": model.config.hidden_size, "num_samples": num,
+                "target": str(target)}
+    return samples, manifest
+
+
+def write_vocab(out: str | Path, target_vocab: int, draft_ids: torch.Tensor) -> Path:
+    """vocab.safetensors with d2t (target = i + d2t[i]) and t2d for the given sorted target ids."""
+    from safetensors.torch import save_file
+
+    draft_ids = draft_ids.long().sort().values
+    d2t = draft_ids - torch.arange(draft_ids.numel())
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"d2t": d2t, "t2d": t2d}, str(out / "vocab.safetensors"))
+    return out
+
+
+def frequent_ids(samples: list[dict[str, Any]], k: int, target_vocab: int) -> torch.Tensor:
+    counts = torch.zeros(target_vocab)
+    for s in samples:
+        counts += torch.bincount(torch.as_tensor(s["input_ids"]), minlength=target_vocab)[:target_vocab].float()
+    return counts.argsort(descending=True, stable=True)[:k]

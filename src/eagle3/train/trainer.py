@@ -1,0 +1,348 @@
+"""`run_train(cfg)`: read target/vocab/capture -> build draft -> TTT training loop -> checkpoints + metadata.
+
+Layout under cfg.out:
+    checkpoints/step-N/   model.safetensors (draft minus the frozen embedding, fp32), optimizer.pt,
+                          trainer_state.json (step, loader epoch/cursor, best), rng.pt, eagle3_draft.json
+    best/                 model.safetensors + eagle3_draft.json of the best validation sim_accept_len
+    final/                the same for the last step
+    logs/metrics.jsonl    one record per log/eval event;  tb/  TensorBoard scalars;  curves.png
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import ConfigError, TrainConfig
+from eagle3.io import atomic_dir, atomic_path, write_json
+from eagle3.model.draft import DraftConfig, Eagle3Draft, draft_config_from_target, text_config
+from eagle3.train import parallel
+from eagle3.train.data import LoaderState, PackedLoader, eval_batches, load_samples, split_indices
+from eagle3.train.loss import TargetHead
+from eagle3.train.step import STAT_COLUMNS, TTTModule, summarize
+from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
+
+METADATA = "eagle3_draft.json"
+WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    final_dir: Path
+    best_dir: Path | None
+    steps: int
+    train_loss: float | None
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_lambda(cfg: TrainConfig, total: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * t)) if cfg.schedule == "cosine" else 1 - t
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f
+
+
+def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num_aux: int) -> Eagle3Draft:
+    tc = text_config(target_cfg)
+    if t2d.numel() != tc["vocab_size"]:
+        raise ConfigError(
+            f"vocab={cfg.vocab}: t2d has {t2d.numel()} entries but the target's vocab_size is {tc['vocab_size']}; "
+            "rebuild the vocab with this target's tokenizer"
+        )
+    dcfg = draft_config_from_target(target_cfg, num_aux, d2t.numel(), cfg.draft)
+    model = Eagle3Draft(dcfg)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(tensors["embed"].float())
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+    return model
+
+
+def metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: dict, step: int, metrics=None) -> dict:
+    tc = text_config(target_cfg)
+    return {
+        "format": "eagle3-draft/1",
+        "draft_config": dcfg.to_dict(),
+        "aux_layer_ids": list(manifest["layers"]),
+        "target": str(Path(cfg.target).resolve()),
+        "target_hidden_size": tc["hidden_size"],
+        "target_vocab_size": tc["vocab_size"],
+        "target_num_layers": tc.get("num_hidden_layers"),
+        "target_max_position_embeddings": tc.get("max_position_embeddings"),
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "vocab": str(cfg.vocab),
+        "captured": str(cfg.captured),
+        "step": step,
+        "ttt_steps": cfg.ttt_steps,
+        "metrics": metrics or {},
+    }
+
+
+def _save_weights(model: Eagle3Draft, path: Path) -> None:
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+    with atomic_path(path) as tmp:
+        save_file(sd, str(tmp))
+
+
+def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: dict) -> Path:
+    final = out / "checkpoints" / f"step-{step}"
+    with atomic_dir(final) as tmp:
+        _save_weights(model, tmp / WEIGHTS)
+        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optimizer.pt")
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng.pt")
+        write_json(tmp / "trainer_state.json", {"step": step, "epoch": loader.state.epoch,
+                                                 "cursor": loader.state.cursor, "best": best})
+        write_json(tmp / METADATA, meta)
+    return final
+
+
+def save_model_dir(path: Path, model: Eagle3Draft, meta: dict) -> Path:
+    with atomic_dir(path) as tmp:
+        _save_weights(model, tmp / WEIGHTS)
+        write_json(tmp / METADATA, meta)
+    return path
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    steps = []
+    for p in (out / "checkpoints").glob("step-*"):
+        m = re.fullmatch(r"step-(\d+)", p.name)
+        if m and (p / "trainer_state.json").is_file():
+            steps.append((int(m.group(1)), p))
+    return max(steps)[1] if steps else None
+
+
+def load_draft_weights(model: Eagle3Draft, path: Path) -> None:
+    sd = load_file(str(path))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise KeyError(f"{path}: missing {missing}, unexpected {unexpected}")
+
+
+class Logger:
+    def __init__(self, out: Path, enabled: bool):
+        self.enabled, self.out = enabled, out
+        self.tb = None
+        if enabled:
+            (out / "logs").mkdir(parents=True, exist_ok=True)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tb"))
+            except Exception:  # tensorboard missing: JSONL + PNG still written
+                self.tb = None
+
+    def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        with open(self.out / "logs" / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"{split}/{k}", v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.enabled:
+            plot_curves(self.out / "logs" / "metrics.jsonl", self.out / "curves.png")
+
+
+def plot_curves(jsonl: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not jsonl.is_file():
+        return
+    recs = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for split, style in (("train", "-"), ("val", "o-")):
+        rs = [r for r in recs if r["split"] == split]
+        if rs:
+            a.plot([r["step"] for r in rs], [r["loss"] for r in rs], style, label=f"{split} loss")
+    vr = [r for r in recs if r["split"] == "val"] or [r for r in recs if r["split"] == "train"]
+    j = 0
+    while vr and f"acc_{j}" in vr[0]:
+        b.plot([r["step"] for r in vr], [r[f"acc_{j}"] for r in vr], label=f"acc step {j}")
+        j += 1
+    a.set_xlabel("step"), b.set_xlabel("step"), a.legend(), b.legend(fontsize=7)
+    b.set_title(f"{vr[0]['split'] if vr else ''} top-1 agreement per TTT step")
+    fig.tight_layout()
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+    plt.close(fig)
+
+
+def count_rows(samples, indices, T) -> int:
+    rows, used = 0, T
+    for i in indices:
+        n = min(len(samples[i]["input_ids"]), T)
+        if used + n > T:
+            rows, used = rows + 1, 0
+        used += n
+    return rows
+
+
+def run_train(
+    cfg: TrainConfig, *, samples=None, manifest: dict | None = None, stop_after: int | None = None
+) -> TrainResult:
+    """Train the draft. `samples`/`manifest` replace reading cfg.captured (tests, in-memory data);
+    `stop_after` ends this invocation after that many optimizer steps (the schedule still follows the full run)."""
+    cfg.require("target", "captured", "vocab", "out")
+    d = parallel.setup(cfg.device)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    out = Path(cfg.out)
+
+    if manifest is None:
+        from eagle3.capture import load_manifest
+
+        manifest = load_manifest(cfg.captured)
+    target_cfg = read_target_config(cfg.target)
+    tc = text_config(target_cfg)
+    if manifest.get("hidden_size", tc["hidden_size"]) != tc["hidden_size"]:
+        raise ConfigError(
+            f"captured={cfg.captured}: manifest hidden_size={manifest['hidden_size']} but target={cfg.target} has "
+            f"hidden_size={tc['hidden_size']}; capture again with this target"
+        )
+    tensors = load_target_tensors(cfg.target)
+    d2t, t2d = load_vocab(cfg.vocab)
+    model = build_draft(cfg, target_cfg, tensors, d2t, t2d, num_aux=len(manifest["layers"])).to(d.device)
+    dcfg = model.cfg
+    cuda = d.device.type == "cuda"
+    amp_dtype = torch.bfloat16 if cuda and cfg.dtype == "bfloat16" else torch.float32
+    head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
+                      torch.arange(d2t.numel()) + d2t).to(d.device, amp_dtype)
+
+    samples = load_samples(cfg.captured if samples is None else samples)
+    aux_shape = tuple(samples[0]["aux_hidden_states"].shape[-2:])
+    if aux_shape != (dcfg.num_aux, dcfg.target_hidden_size):
+        raise ConfigError(
+            f"captured={cfg.captured}: samples carry aux states of shape (T, {aux_shape[0]}, {aux_shape[1]}) but the "
+            f"manifest lists {dcfg.num_aux} layers of hidden size {dcfg.target_hidden_size}; the capture is inconsistent"
+        )
+    train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
+    loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world)
+    val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size) if d.main else []
+    per_step = cfg.batch_size * cfg.grad_accum * d.world
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len) / per_step))
+
+    ttt = parallel.wrap(TTTModule(model), d, fsdp=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+
+    step, best = 0, -1.0
+    ckpt = latest_checkpoint(out) if cfg.resume else None
+    if ckpt is not None:
+        load_draft_weights(model, ckpt / WEIGHTS)
+        st = torch.load(ckpt / "optimizer.pt", map_location=d.device, weights_only=False)
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        step, best = state["step"], state["best"]
+        loader.state = LoaderState(state["epoch"], state["cursor"])
+        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if cuda and "cuda" in rng:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+    log = Logger(out, d.main)
+    kw = dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention)
+    if cfg.compile:
+        model.midlayer.compile()
+
+    def evaluate() -> dict[str, float]:
+        model.eval()
+        stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
+        with torch.no_grad(), torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+            for b in val:
+                stats += TTTModule(model)(b.to(d.device, amp_dtype if cuda else torch.float32), head, **kw)[1]
+        model.train()
+        m = summarize(stats)
+        m["loss"] = sum(cfg.loss_decay**j * m[f"loss_{j}"] for j in range(cfg.ttt_steps))
+        return m
+
+    def meta(metrics=None):
+        return metadata(cfg, dcfg, manifest, target_cfg, step, metrics)
+
+    train_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
+    loss_acc, n_acc, last_loss, val_m, done_here = torch.zeros((), device=d.device), 0, None, {}, 0
+    model.train()
+    while step < total and (stop_after is None or done_here < stop_after):
+        for micro in range(cfg.grad_accum):
+            b = next(loader).to(d.device, amp_dtype if cuda else torch.float32)
+            sync = micro == cfg.grad_accum - 1 or d.world == 1
+            ctx = ttt.no_sync() if not sync and hasattr(ttt, "no_sync") else _null()
+            with ctx, torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                loss, stats = ttt(b, head, **kw)
+            with ctx:
+                (loss / cfg.grad_accum).backward()
+            train_stats += stats
+            loss_acc += loss.detach() / cfg.grad_accum
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step, done_here, n_acc = step + 1, done_here + 1, n_acc + 1
+        if step % cfg.log_every == 0 or step == total:
+            parallel.all_reduce_sum(train_stats, d)
+            m = summarize(train_stats)
+            last_loss = loss_acc.item() / n_acc
+            m.update(loss=last_loss, lr=sched.get_last_lr()[0], grad_norm=float(gnorm), epoch=loader.epoch_progress())
+            log.log(step, "train", m)
+            train_stats.zero_(), loss_acc.zero_()
+            n_acc = 0
+        if d.main and val and (step % cfg.eval_every == 0 or step == total):
+            val_m = evaluate()
+            log.log(step, "val", val_m)
+            if val_m["sim_accept_len"] > best:
+                best = val_m["sim_accept_len"]
+                save_model_dir(out / "best", model, meta(val_m))
+        if d.main and (step % cfg.save_every == 0 or step == total or (stop_after and done_here == stop_after)):
+            save_checkpoint(out, model, opt, sched, step, loader, best, meta(val_m))
+        parallel.barrier(d)
+
+    final_dir = out / "final"
+    if d.main and step >= total:
+        save_model_dir(final_dir, model, meta(val_m))
+    log.close()
+    parallel.teardown(d)
+    best_dir = out / "best" if (out / "best").is_dir() else None
+    return TrainResult(out, final_dir, best_dir, step, last_loss, val_m, meta(val_m))
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+__all__ = ["run_train", "TrainResult", "save_checkpoint", "latest_checkpoint", "shutil"]

@@ -1,0 +1,196 @@
+"""Training: chunked loss == full softmax, normalisation, packing, exact resume, tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.config import TrainConfig
+from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.train.attention import make_ttt_attention
+from eagle3.train.data import LoaderState, PackedLoader, eval_batches, pack
+from eagle3.train.loss import TargetHead, compute_targets, soft_ce
+from eagle3.train.step import PackedBatch, summarize, ttt_forward
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_llama, tmp_path_factory):
+    from eagle3.train.synthetic import capture_samples, frequent_ids, write_vocab
+
+    samples, manifest = capture_samples(tiny_llama, num=20, layers=(1, 2, 4), min_len=16, max_len=40)
+    vocab = write_vocab(tmp_path_factory.mktemp("vocab"), 512, frequent_ids(samples, 200, 512))
+    return samples, manifest, vocab
+
+
+def tiny_cfg(**kw) -> DraftConfig:
+    base = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                max_position_embeddings=256, rms_norm_eps=1e-6, vocab_size=50, draft_vocab_size=20,
+                target_hidden_size=32, num_aux=2)
+    return DraftConfig(**{**base, **kw})
+
+
+def tiny_setup(seed=0, B=2, T=24):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    cfg = tiny_cfg()
+    model = Eagle3Draft(cfg).double()
+    draft_ids = torch.randperm(50, generator=g)[:20].sort().values
+    model.d2t.copy_(draft_ids - torch.arange(20))
+    head = TargetHead(torch.rand(32, generator=g, dtype=torch.float64) + 0.5, 1e-6,
+                      torch.randn(50, 32, generator=g, dtype=torch.float64), draft_ids)
+    doc = torch.zeros(B, T, dtype=torch.long)
+    doc[0, 10:] = 1
+    doc[1, 18:] = -1
+    pos = torch.zeros_like(doc)
+    pos[0] = torch.cat([torch.arange(10), torch.arange(T - 10)])
+    pos[1] = torch.arange(T)
+    batch = PackedBatch(torch.randint(0, 50, (B, T), generator=g), pos, doc,
+                        torch.rand(B, T, generator=g) < 0.8, torch.randn(B, T, 64, generator=g, dtype=torch.float64),
+                        torch.randn(B, T, 32, generator=g, dtype=torch.float64) * 3)
+    return model, head, batch
+
+
+def test_soft_ce_chunked_equals_full_softmax():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 7, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randn(2, 7, 11, generator=g, dtype=torch.float64)
+    weight = (torch.rand(2, 7, generator=g) < 0.6).double()
+    full = (-(tgt.softmax(-1) * F.log_softmax(h @ w.T, -1)).sum(-1) * weight).sum()
+    gh, gw = torch.autograd.grad(full, [h, w])
+    for chunk in (1, 3, 100):
+        got, am = soft_ce(h, w, tgt, weight, chunk_rows=chunk)
+        torch.testing.assert_close(got, full)
+        assert torch.equal(am, (h @ w.T).argmax(-1))
+        for a, b in zip(torch.autograd.grad(got, [h, w]), (gh, gw), strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def reference_loss(model, head, batch, steps, decay):
+    """Independent, unchunked: full target softmax, explicit shifted loops, naive attention."""
+    B, T = batch.input_ids.shape
+    x = batch.last_hidden
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm_weight
+    full = xn @ head.lm_head.T  # (B, T, V)
+    sub = full[..., head.draft_ids]  # (B, T, Vd)
+    attn = make_ttt_attention("naive", batch.doc_ids, steps)
+    ids = [torch.cat([batch.input_ids[:, 1 + j :], torch.zeros(B, 1 + j, dtype=torch.long)], 1) for j in range(steps)]
+    outs = model(ids, batch.aux, batch.positions, attn, steps=steps)
+    total = 0.0
+    for j, out in enumerate(outs):
+        logq = F.log_softmax(model.lm_head(out), -1)
+        num, den = 0.0, 0
+        for b in range(B):
+            for t in range(T):
+                r = t + 1 + j
+                if r + 1 >= T or batch.doc_ids[b, t] < 0:
+                    continue
+                if not (batch.doc_ids[b, r] == batch.doc_ids[b, t] == batch.doc_ids[b, r + 1]) or not batch.loss_mask[b, r + 1]:
+                    continue
+                if full[b, r].argmax() not in head.draft_ids:  # out-of-draft-vocab target: excluded from the loss
+                    continue
+                num = num - (sub[b, r].softmax(-1) * logq[b, t]).sum()
+                den += 1
+        total = total + decay**j * num / max(den, 1)
+    return total
+
+
+def test_ttt_loss_normalisation_matches_reference():
+    model, head, batch = tiny_setup()
+    out = ttt_forward(model, batch, head, steps=3, loss_decay=0.7, attention="sdpa", loss_chunk_rows=5)
+    ref = reference_loss(model, head, batch, 3, 0.7)
+    torch.testing.assert_close(out.loss, torch.as_tensor(ref, dtype=out.loss.dtype))
+    # some rows are out-of-draft-vocab: they are counted as valid (metrics) but not in the loss
+    assert (out.stats[:, 5] < out.stats[:, 0]).all()
+    # normalisation is per valid token: appending a padding tail changes nothing
+    pad = 7
+    padded = PackedBatch(F.pad(batch.input_ids, (0, pad)), F.pad(batch.positions, (0, pad)),
+                         F.pad(batch.doc_ids, (0, pad), value=-1), F.pad(batch.loss_mask, (0, pad)),
+                         F.pad(batch.aux, (0, 0, 0, pad)), F.pad(batch.last_hidden, (0, 0, 0, pad)))
+    out2 = ttt_forward(model, padded, head, steps=3, loss_decay=0.7, attention="naive")
+    torch.testing.assert_close(out2.loss, out.loss)
+    torch.testing.assert_close(out2.stats, out.stats)
+
+
+def test_metrics_summary():
+    # step 0: 10 valid, 8 correct; step 1: 10 valid, 5 correct, 8 rows whose step 0 was right, 4 of them right
+    stats = torch.tensor([[10, 8, 10, 8, 20.0, 10], [10, 5, 8, 4, 30.0, 10]])
+    m = summarize(stats)
+    assert m["acc_0"] == 0.8 and m["acc_1"] == 0.5 and m["cond_acc_1"] == 0.5
+    assert m["sim_accept_len"] == pytest.approx(0.8 + 0.8 * 0.5)
+    assert m["loss_1"] == 3.0
+
+
+def fake_samples(lengths, H=4, n_aux=2):
+    return [{"input_ids": torch.arange(n) + 100 * i, "loss_mask": torch.ones(n, dtype=torch.int8),
+             "aux_hidden_states": torch.full((n, n_aux, H), float(i)), "last_hidden_states": torch.zeros(n, H),
+             "sample_id": str(i)} for i, n in enumerate(lengths)]
+
+
+def test_packing_is_document_aware_and_resumable():
+    s = fake_samples([5, 3, 9, 4, 12, 2])
+    row = pack([s[0], s[1]], 10)
+    assert row["doc_ids"].tolist() == [0] * 5 + [1] * 3 + [-1] * 2
+    assert row["positions"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 0]
+    assert row["input_ids"][5:8].tolist() == [100, 101, 102] and not row["loss_mask"][8:].any()
+    assert pack([s[4]], 10)["positions"].tolist() == list(range(10))  # truncated to the row
+    a = PackedLoader(s, range(6), 10, 2, seed=3)
+    first = [next(a) for _ in range(3)]
+    b = PackedLoader(s, range(6), 10, 2, seed=3)
+    next(b)
+    c = PackedLoader(s, range(6), 10, 2, seed=3, state=LoaderState(b.state.epoch, b.state.cursor))
+    for want in first[1:]:
+        got = next(c)
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.doc_ids, want.doc_ids)
+    assert sum(int(b.doc_ids.max()) + 1 for b in eval_batches(s, [0, 1, 2], 10, 1)) == 3
+
+
+def _cfg(tmp, tiny_llama, vocab, **kw):
+    base = dict(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp, max_steps=4, lr=1e-3,
+                warmup_steps=1, max_seq_len=64, ttt_steps=2, eval_every=2, save_every=2, log_every=1,
+                val_fraction=0.2, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def test_resume_is_exact(captured, tiny_llama, tmp_path):
+    from eagle3.train import run_train
+    from safetensors.torch import load_file
+
+    samples, manifest, vocab = captured
+    straight = run_train(_cfg(tmp_path / "a", tiny_llama, vocab), samples=samples, manifest=manifest)
+    half = run_train(_cfg(tmp_path / "b", tiny_llama, vocab), samples=samples, manifest=manifest, stop_after=2)
+    assert half.steps == 2 and not (tmp_path / "b" / "final").exists()
+    rest = run_train(_cfg(tmp_path / "b", tiny_llama, vocab), samples=samples, manifest=manifest)
+    assert rest.steps == straight.steps == 4
+    wa, wb = load_file(str(straight.final_dir / "model.safetensors")), load_file(str(rest.final_dir / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    la = [json.loads(x) for x in (tmp_path / "a" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x) for x in (tmp_path / "b" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+
+
+def test_tiny_end_to_end_reduces_loss(captured, tiny_llama, tmp_path):
+    from eagle3.train import run_train
+
+    samples, manifest, vocab = captured
+    cfg = _cfg(tmp_path, tiny_llama, vocab, max_steps=24, lr=5e-3, warmup_steps=2, eval_every=12, save_every=12,
+               log_every=4, loss_decay=0.8)
+    res = run_train(cfg, samples=samples, manifest=manifest)
+    logs = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in logs if r["split"] == "train"]
+    val = [r for r in logs if r["split"] == "val"]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.05
+    assert val[-1]["loss"] < val[0]["loss"] + 1e-6
+    assert {"acc_0", "cond_acc_1", "sim_accept_len", "lr", "grad_norm"} <= train[-1].keys()
+    for d in ("checkpoints/step-12", "checkpoints/step-24", "final", "best"):
+        assert (tmp_path / d / "model.safetensors").is_file() and (tmp_path / d / "eagle3_draft.json").is_file()
+    assert (tmp_path / "checkpoints/step-24/optimizer.pt").is_file() and (tmp_path / "curves.png").stat().st_size > 0
+    assert any((tmp_path / "tb").iterdir())
+    meta = res.metadata
+    assert meta["aux_layer_ids"] == [1, 2, 4] and meta["target_hidden_size"] == 128
+    assert meta["draft_config"]["num_aux"] == 3 and meta["draft_vocab_size"] == 200 and meta["target_vocab_size"] == 512
