@@ -21,14 +21,58 @@ import torch
 from eagle3.train.step import PackedBatch
 
 
+class CapturedDataset(Sequence):
+    """Random access to a capture dir's samples without loading it: shards are memory-mapped safetensors
+    (eagle3.capture.storage layout) and a sample reads only its own rows."""
+
+    def __init__(self, path: str | Path):
+        import json
+
+        from safetensors import safe_open
+
+        from eagle3.capture import load_manifest
+
+        self.path = Path(path)
+        self.manifest = load_manifest(self.path)
+        self._files, self._index, self._handles = [], [], {}
+        for si, entry in enumerate(self.manifest["shards"]):
+            f = self.path / entry["file"]
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} listed in {self.path}/manifest.json is missing: rerun the capture")
+            self._files.append(f)
+            with safe_open(str(f), framework="pt") as h:
+                off = h.get_tensor("sample_offsets").tolist()
+                ids = json.loads(h.metadata()["sample_ids"])
+            self._index += [(si, off[j], off[j + 1], sid) for j, sid in enumerate(ids) if off[j + 1] > off[j]]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _handle(self, si: int):
+        from safetensors import safe_open
+
+        if si not in self._handles:
+            self._handles = {si: safe_open(str(self._files[si]), framework="pt")}  # keep one shard open
+        return self._handles[si]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        si, a, b, sid = self._index[i]
+        h = self._handle(si)
+        return {
+            "input_ids": h.get_slice("input_ids")[a:b],  # (T,)
+            "loss_mask": h.get_slice("loss_mask")[a:b],  # (T,)
+            "aux_hidden_states": h.get_slice("aux_hidden_states")[a:b],  # (T, A, H)
+            "last_hidden_states": h.get_slice("last_hidden_states")[a:b],  # (T, H)
+            "sample_id": sid,
+        }
+
+
 def load_samples(source: str | Path | Iterable[dict[str, Any]]) -> Sequence[dict[str, Any]]:
-    """A capture dir (via eagle3.capture.load_captured) or any iterable of sample dicts, as a sequence.
+    """A capture dir (random access, memory-mapped) or any iterable of sample dicts, as a sequence.
 
-    A sequence with random access is used as is; a plain iterator is materialised in memory."""
+    A sequence is used as is; a plain iterator (e.g. eagle3.capture.load_captured) is materialised."""
     if isinstance(source, (str, Path)):
-        from eagle3.capture import load_captured
-
-        source = load_captured(source)
+        return CapturedDataset(source)
     if isinstance(source, Sequence):
         return source
     return list(source)

@@ -63,3 +63,21 @@ def frequent_ids(samples: list[dict[str, Any]], k: int, target_vocab: int) -> to
     for s in samples:
         counts += torch.bincount(torch.as_tensor(s["input_ids"]), minlength=target_vocab)[:target_vocab].float()
     return counts.argsort(descending=True, stable=True)[:k]
+
+
+def write_captured(out: str | Path, samples: list[dict[str, Any]], manifest: dict[str, Any], shard_samples: int = 8) -> Path:
+    """Write samples as a finished capture dir (eagle3.capture.storage shards + manifest.json)."""
+    from eagle3.capture import storage
+    from eagle3.io import write_json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for k, a in enumerate(range(0, len(samples), shard_samples)):
+        buf = storage.ShardBuffer(first_index=a, next_index=a)
+        for i, s in enumerate(samples[a : a + shard_samples]):
+            buf.add(a + i, s["sample_id"], torch.as_tensor(s["input_ids"]), torch.as_tensor(s["loss_mask"]),
+                    s["aux_hidden_states"], s["last_hidden_states"])
+        shards.append(storage.write_shard(out, k, buf))
+    write_json(out / storage.MANIFEST, {"format": storage.FORMAT, **manifest, "num_samples": len(samples), "shards": shards})
+    return out

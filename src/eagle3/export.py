@@ -1,0 +1,220 @@
+"""`run_export(cfg)`: a trained draft -> a directory vLLM loads as the EAGLE-3 draft.
+
+format=vllm (LlamaForCausalLMEagle3):
+    config.json         architectures [LlamaForCausalLMEagle3], model_type llama, num_hidden_layers 1, draft dims,
+                        vocab_size (target), draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids
+                        (exactly the capture's ids), target_hidden_size when it differs, norm_before_residual false
+    model.safetensors   fc.weight, midlayer.*, norm.weight, lm_head.weight (bf16), d2t (int64), t2d (bool);
+                        no embed_tokens: vLLM shares the target's embedding
+format=speculators (speculators_model_type eagle3, as vLLM's speculators config reader and the speculators
+    library's Eagle3SpeculatorConfig expect): transformer_layer_config (the llama config of the layer),
+    draft_vocab_size, norm_before_residual false (its reader defaults to TRUE when absent), target_hidden_size,
+    eagle_aux_hidden_state_layer_ids, speculators_config {algorithm, proposal_methods, verifier}; weights named
+    layers.0.* plus embed_tokens.weight (speculators checkpoints carry the embedding).
+Tokenizer files of the target are copied (vLLM uses the target's tokenizer anyway).
+
+Every key and shape is checked against the draft config before anything is written, and the layer ids,
+hidden sizes and vocab sizes are checked against the capture manifest and the target config; the directory
+is built under a temp name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import ConfigError, ExportConfig
+from eagle3.io import atomic_dir, read_json, write_json
+from eagle3.model.draft import DraftConfig, expected_export_shapes, text_config
+
+METADATA = "eagle3_draft.json"
+WEIGHTS = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+class ExportError(ValueError):
+    """The checkpoint disagrees with the capture / target / vLLM's expectations; nothing was written."""
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    format: str
+    checkpoint: Path
+    config: dict[str, Any]
+    tensors: dict[str, list[int]] = field(default_factory=dict)
+    aux_layer_ids: list[int] = field(default_factory=list)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A dir holding model.safetensors + eagle3_draft.json, or a training out dir (best > final > latest step)."""
+    p = Path(path)
+    if (p / WEIGHTS).is_file() and (p / METADATA).is_file():
+        return p
+    for sub in ("best", "final"):
+        if (p / sub / WEIGHTS).is_file() and (p / sub / METADATA).is_file():
+            return p / sub
+    from eagle3.train.trainer import latest_checkpoint
+
+    ck = latest_checkpoint(p)
+    if ck is None:
+        raise ExportError(
+            f"checkpoint={path}: no {WEIGHTS} + {METADATA} there, nor best/, final/ or checkpoints/step-N/; pass the "
+            "`out` dir of `eagle3 train` or one checkpoint dir in it"
+        )
+    return ck
+
+
+def _manifest(captured: str | None) -> dict | None:
+    if not captured or not Path(captured).is_dir():
+        return None
+    try:
+        from eagle3.capture import load_manifest
+
+        return load_manifest(captured)
+    except (ImportError, AttributeError):
+        p = Path(captured) / "manifest.json"
+        return read_json(p) if p.is_file() else None
+
+
+def validate(meta: dict, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], target_cfg: dict, manifest: dict | None) -> None:
+    """Raise ExportError naming the field, the bad value and the fix; never returns partially."""
+    ids = list(meta["aux_layer_ids"])
+    tc = text_config(target_cfg)
+    L = tc.get("num_hidden_layers")
+    if manifest is not None and list(manifest.get("layers", ids)) != ids:
+        raise ExportError(
+            f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's layers="
+            f"{manifest['layers']}; the draft was trained on the manifest's layers, re-train or fix the metadata"
+        )
+    if len(ids) != dcfg.num_aux or len(set(ids)) != len(ids):
+        raise ExportError(f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads {dcfg.num_aux} states)")
+    if L is not None and not all(0 <= i <= L for i in ids):
+        raise ExportError(f"aux_layer_ids={ids}: ids must lie in [0, {L}] for a target with {L} layers")
+    if manifest is not None and manifest.get("hidden_size", tc["hidden_size"]) != tc["hidden_size"]:
+        raise ExportError(
+            f"capture hidden_size={manifest['hidden_size']} but target hidden_size={tc['hidden_size']}: export "
+            "against the target the data was captured from"
+        )
+    for name, want in (("target_hidden_size", tc["hidden_size"]), ("vocab_size", tc["vocab_size"])):
+        if getattr(dcfg, name) != want:
+            raise ExportError(
+                f"draft {name}={getattr(dcfg, name)} but the target config says {want}; pass --target the model the "
+                "draft was trained for"
+            )
+    if dcfg.max_position_embeddings < tc.get("max_position_embeddings", 0):
+        raise ExportError(
+            f"draft max_position_embeddings={dcfg.max_position_embeddings} < target's {tc['max_position_embeddings']}; "
+            "re-train with draft.max_position_embeddings unset"
+        )
+    want = expected_export_shapes(dcfg)
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise ExportError(f"checkpoint tensors: missing {missing}, unexpected {extra}; the checkpoint is incomplete or foreign")
+    for k, shape in want.items():
+        if tuple(tensors[k].shape) != shape:
+            raise ExportError(f"tensor {k} has shape {tuple(tensors[k].shape)}, expected {shape} from the draft config")
+    d2t = tensors["d2t"]
+    tgt = torch.arange(d2t.numel()) + d2t
+    if int(tgt.min()) < 0 or int(tgt.max()) >= dcfg.vocab_size or tgt.unique().numel() != tgt.numel():
+        raise ExportError("d2t maps draft ids outside [0, target vocab) or twice to one target id; rebuild the vocab")
+    if not bool(tensors["t2d"][tgt].all()) or int(tensors["t2d"].sum()) != d2t.numel():
+        raise ExportError("t2d disagrees with d2t (t2d must be True exactly at the draft's target ids); rebuild the vocab")
+
+
+def layer_config(dcfg: DraftConfig) -> dict[str, Any]:
+    rope = {"rope_type": "default", **(dcfg.rope_scaling or {}), "rope_theta": dcfg.rope_theta}
+    return {
+        "model_type": "llama",
+        "hidden_size": dcfg.hidden_size,
+        "intermediate_size": dcfg.intermediate_size,
+        "num_attention_heads": dcfg.num_attention_heads,
+        "num_key_value_heads": dcfg.num_key_value_heads,
+        "head_dim": dcfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": dcfg.max_position_embeddings,
+        "rms_norm_eps": dcfg.rms_norm_eps,
+        "rope_theta": dcfg.rope_theta,
+        "rope_parameters": rope,
+        "vocab_size": dcfg.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": dcfg.bos_token_id,
+        "eos_token_id": dcfg.eos_token_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def vllm_config(dcfg: DraftConfig, ids: list[int]) -> dict[str, Any]:
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **layer_config(dcfg)}
+    cfg["draft_vocab_size"] = dcfg.draft_vocab_size
+    cfg["norm_before_residual"] = False
+    if dcfg.target_hidden_size != dcfg.hidden_size:
+        cfg["target_hidden_size"] = dcfg.target_hidden_size
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True}
+    return cfg
+
+
+def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg: dict) -> dict[str, Any]:
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.2.0",
+        "transformer_layer_config": layer_config(dcfg),
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "norm_before_residual": False,
+        "target_hidden_size": dcfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": meta["target"], "architectures": target_cfg.get("architectures", [])},
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+def run_export(cfg: ExportConfig) -> ExportResult:
+    cfg.require("checkpoint", "out")
+    ck = resolve_checkpoint(cfg.checkpoint)
+    meta = read_json(ck / METADATA)
+    dcfg = DraftConfig.from_dict(meta["draft_config"])
+    target = cfg.target or meta["target"]
+    tpath = Path(target) / "config.json"
+    if not tpath.is_file():
+        raise ConfigError(f"ExportConfig.target={target!r} has no config.json; pass --target with the target model dir")
+    target_cfg = json.loads(tpath.read_text())
+    tensors = load_file(str(ck / WEIGHTS))
+    validate(meta, dcfg, tensors, target_cfg, _manifest(meta.get("captured")))
+
+    ids = list(meta["aux_layer_ids"])
+    out_t = {k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
+    out_t["d2t"], out_t["t2d"] = out_t["d2t"].long(), out_t["t2d"].bool()
+    if cfg.format == "vllm":
+        config = vllm_config(dcfg, ids)
+    else:
+        config = speculators_config(dcfg, ids, meta, target_cfg)
+        out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
+        from eagle3.train.target import load_target_tensors
+
+        out_t["embed_tokens.weight"] = load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
+    with atomic_dir(cfg.out) as tmp:
+        save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+        write_json(tmp / METADATA, {**meta, "export_format": cfg.format})
+        for name in TOKENIZER_FILES:
+            if (Path(target) / name).is_file():
+                shutil.copy2(Path(target) / name, tmp / name)
+    return ExportResult(Path(cfg.out), cfg.format, ck, config, {k: list(v.shape) for k, v in out_t.items()}, ids)

@@ -1,0 +1,135 @@
+"""Export: vLLM / speculators layouts, strict key/shape/layer/vocab checks before anything is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import ExportConfig, TrainConfig
+from eagle3.export import ExportError, run_export
+from eagle3.io import write_json
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_llama, tmp_path_factory):
+    """A checkpoint dir as run_train writes it (random weights), with its capture manifest on disk."""
+    from eagle3.train.synthetic import write_vocab
+    from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
+    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+
+    root = tmp_path_factory.mktemp("export")
+    vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
+    captured = root / "captured"
+    manifest = {"format": "eagle3-capture/1", "layers": [1, 2, 4], "hidden_size": 128, "num_samples": 3,
+                "target": str(tiny_llama), "shards": []}
+    write_json(captured / "manifest.json", manifest)
+    cfg = TrainConfig(target=str(tiny_llama), captured=str(captured), vocab=str(vocab), out=root / "train")
+    tcfg = read_target_config(tiny_llama)
+    d2t, t2d = load_vocab(vocab)
+    model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
+    return save_model_dir(root / "train" / "final", model, metadata(cfg, model.cfg, manifest, tcfg, step=1))
+
+
+def test_export_vllm_layout(checkpoint, tmp_path):
+    out = tmp_path / "draft"
+    res = run_export(ExportConfig(checkpoint=str(checkpoint.parent), out=out))
+    assert res.checkpoint == checkpoint
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == 512 and cfg["num_hidden_layers"] == 1
+    assert cfg["max_position_embeddings"] >= 4096 and cfg["norm_before_residual"] is False
+    assert "target_hidden_size" not in cfg  # equal to hidden_size
+    w = load_file(str(out / "model.safetensors"))
+    assert "embed_tokens.weight" not in w and w["fc.weight"].shape == (128, 3 * 128)
+    assert w["midlayer.self_attn.q_proj.weight"].shape == (128, 256) and w["lm_head.weight"].dtype == torch.bfloat16
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(256) + w["d2t"], torch.arange(0, 512, 2))
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_export_speculators_layout(checkpoint, tmp_path):
+    out = tmp_path / "spec"
+    run_export(ExportConfig(checkpoint=str(checkpoint), out=out, format="speculators"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is False
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] >= 1
+    assert cfg["speculators_config"]["verifier"]["name_or_path"]
+    w = load_file(str(out / "model.safetensors"))
+    assert "layers.0.hidden_norm.weight" in w and "embed_tokens.weight" in w
+
+
+def _copy(checkpoint, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint, ck)
+    return ck
+
+
+def test_missing_key_refused_before_writing(checkpoint, tmp_path):
+    ck = _copy(checkpoint, tmp_path)
+    w = load_file(str(ck / "model.safetensors"))
+    del w["midlayer.hidden_norm.weight"]
+    save_file(w, str(ck / "model.safetensors"))
+    out = tmp_path / "draft"
+    with pytest.raises(ExportError, match=r"missing \['midlayer.hidden_norm.weight'\]"):
+        run_export(ExportConfig(checkpoint=str(ck), out=out))
+    assert not out.exists() and not list(tmp_path.glob(".draft*"))
+
+
+def test_wrong_shape_refused(checkpoint, tmp_path):
+    ck = _copy(checkpoint, tmp_path)
+    w = load_file(str(ck / "model.safetensors"))
+    w["fc.weight"] = w["fc.weight"][:, :256].contiguous()
+    save_file(w, str(ck / "model.safetensors"))
+    with pytest.raises(ExportError, match="fc.weight has shape"):
+        run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
+    assert not (tmp_path / "draft").exists()
+
+
+def test_layer_ids_disagreeing_with_capture_refused(checkpoint, tmp_path):
+    ck = _copy(checkpoint, tmp_path)
+    meta = json.loads((ck / "eagle3_draft.json").read_text())
+    meta["aux_layer_ids"] = [1, 2, 3]
+    write_json(ck / "eagle3_draft.json", meta)
+    with pytest.raises(ExportError, match=r"aux_layer_ids=\[1, 2, 3\].*layers=\[1, 2, 4\]"):
+        run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
+    meta["aux_layer_ids"], meta["captured"] = [1, 2], "/nonexistent"
+    write_json(ck / "eagle3_draft.json", meta)
+    with pytest.raises(ExportError, match="expected 3 distinct ids"):
+        run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
+    assert not (tmp_path / "draft").exists()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_size", 256, "hidden_size=256"),
+    ("vocab_size", 1024, "vocab_size=512 but the target config says 1024"),
+    ("max_position_embeddings", 8192, "max_position_embeddings=4096 < target's 8192"),
+    ("num_hidden_layers", 3, r"ids must lie in \[0, 3\]"),
+])
+def test_target_mismatch_refused(checkpoint, tiny_llama, tmp_path, field, value, match):
+    other = tmp_path / "other"
+    other.mkdir()
+    tcfg = json.loads((tiny_llama / "config.json").read_text())
+    write_json(other / "config.json", {**tcfg, field: value})
+    with pytest.raises(ExportError, match=match):
+        run_export(ExportConfig(checkpoint=str(checkpoint), out=tmp_path / "draft", target=str(other)))
+    assert not (tmp_path / "draft").exists()
+
+
+@pytest.mark.vllm
+def test_vllm_loads_exported_draft(checkpoint, tiny_llama, tmp_path):
+    pytest.importorskip("vllm")
+    from vllm import LLM, SamplingParams
+
+    out = tmp_path / "draft"
+    run_export(ExportConfig(checkpoint=str(checkpoint), out=out))
+    llm = LLM(model=str(tiny_llama), speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3},
+              enforce_eager=True, dtype="bfloat16", max_model_len=512)
+    res = llm.generate(["Hello the world is"], SamplingParams(max_tokens=12, temperature=0.0))
+    assert len(res[0].outputs[0].token_ids) > 0
