@@ -1,0 +1,32 @@
+"""Capture stage: aux-layer + last-layer hidden states of the target for every prepared token.
+
+Public API (other stages rely on these names):
+    run_capture(cfg: CaptureConfig) -> CaptureResult
+    load_manifest(dir) -> dict                 # layers, hidden_size, dtype, num_samples, shards, ...
+    load_captured(dir) -> Iterator[dict]       # one sample: input_ids, loss_mask, aux_hidden_states,
+                                               #   last_hidden_states, sample_id, sample_index
+    iter_shards(dir) -> Iterator[dict]         # one shard's tensors at once (bulk reading)
+Nothing here imports vLLM at import time: the hf backend runs on machines without vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .storage import iter_shards, load_captured, load_manifest
+
+__all__ = ["CaptureResult", "iter_shards", "load_captured", "load_manifest", "run_capture"]
+
+
+def run_capture(cfg: Any, **kwargs: Any):
+    from .run import run_capture as _run
+
+    return _run(cfg, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CaptureResult":
+        from .run import CaptureResult
+
+        return CaptureResult
+    raise AttributeError(name)

@@ -1,0 +1,95 @@
+"""transformers backend of the capture stage: plain forward with output_hidden_states.
+
+Importable and runnable without vLLM (the GPU training box has none): only torch/transformers,
+imported lazily. Same outputs as the vLLM backend:
+  aux id k     -> ``output_hidden_states[k]`` (output of decoder layer k-1, hidden + residual)
+  "last"       -> the input of the final norm, taken with a forward pre-hook on ``model.norm``
+                  (``output_hidden_states[L]`` is AFTER the final norm for Llama/Qwen3, so unusable).
+Samples are right-padded into batches of at most ``batch_tokens`` padded tokens; with a causal mask
+the real tokens never see the padding, so their states equal an unpadded forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        from eagle3.config import ConfigError
+
+        raise ConfigError(f"CaptureConfig.device = {device!r} but CUDA is not available: use --device cpu or auto")
+    return device
+
+
+def _final_norm(model: Any) -> Any:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    for cand in (base, getattr(base, "language_model", None)):
+        if cand is not None and hasattr(cand, "norm"):
+            return cand.norm
+    raise RuntimeError(f"capture (hf backend): cannot find the final norm of {type(model).__name__} (expected .model.norm)")
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, target: str, layers: list[int], dtype: str, device: str, batch_tokens: int):
+        self.target, self.layers, self.dtype_name = target, list(layers), dtype
+        self.device = resolve_device(device)
+        self.batch_tokens = batch_tokens
+        self.model: Any = None
+
+    def start(self) -> dict[str, Any]:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, self.dtype_name)
+        self.model = AutoModelForCausalLM.from_pretrained(self.target, dtype=dtype).to(self.device).eval()
+        self._pre_norm: list[Any] = []
+        _final_norm(self.model).register_forward_pre_hook(lambda _m, args: self._pre_norm.append(args[0]))
+        return {"device": self.device, "chunk_tokens": self.batch_tokens}
+
+    def capture(self, samples: list[np.ndarray]) -> list[Any]:
+        """States for each sample: tensor [T, A + 1, H] (aux in `layers` order, then last), on CPU."""
+        import torch
+
+        out: list[Any] = [None] * len(samples)
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i]))
+        batch: list[int] = []
+        for i in order + [None]:  # type: ignore[list-item]
+            if i is not None and (not batch or (len(batch) + 1) * len(samples[i]) <= self.batch_tokens):
+                batch.append(i)
+                continue
+            if batch:
+                self._run(samples, batch, out, torch)
+            batch = [i] if i is not None else []
+        return out
+
+    def _run(self, samples: list[np.ndarray], batch: list[int], out: list[Any], torch: Any) -> None:
+        lens = [len(samples[i]) for i in batch]
+        t_max = max(lens)
+        ids = torch.zeros((len(batch), t_max), dtype=torch.long)  # [B, Tmax]
+        mask = torch.zeros((len(batch), t_max), dtype=torch.long)  # [B, Tmax]
+        for r, i in enumerate(batch):
+            ids[r, : lens[r]] = torch.as_tensor(samples[i], dtype=torch.long)
+            mask[r, : lens[r]] = 1
+        self._pre_norm.clear()
+        with torch.inference_mode():
+            res = self.model(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                output_hidden_states=True, use_cache=False, logits_to_keep=1,
+            )
+        hs = res.hidden_states
+        last = self._pre_norm[-1]  # [B, Tmax, H]
+        states = torch.stack([hs[k] for k in self.layers] + [last], dim=2).cpu()  # [B, Tmax, A+1, H]
+        for r, i in enumerate(batch):
+            out[i] = states[r, : lens[r]].clone()  # [T, A+1, H]
+
+    def close(self) -> None:
+        self.model = None

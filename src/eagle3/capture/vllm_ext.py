@@ -1,0 +1,196 @@
+"""vLLM worker extension that records EAGLE-3 aux hidden states for every prompt token.
+
+This is the ONLY module of the repository that touches vLLM internals. It is loaded inside vLLM's
+worker process(es) via ``LLM(..., worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension")``
+and driven from the driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``.
+Verified against vllm 0.32.0 (v1 engine, ``GPUModelRunner``/``CPUModelRunner`` from
+``vllm/v1/worker/gpu_model_runner.py``; the opt-in V2 model runner is not supported and is refused).
+
+Hooks and why each one exists
+-----------------------------
+1. ``model.set_aux_hidden_state_layers(ids + (L,))`` (public EAGLE-3 interface,
+   ``model_executor/models/interfaces.py::SupportsEagle3``). It makes the decoder (Llama, Qwen2/3, ...)
+   append ``hidden_states + residual`` after decoder layer ``k-1`` for every id ``k`` (see
+   ``_maybe_add_hidden_state`` in ``llama.py``/``qwen2.py`` forward), i.e. exactly transformers'
+   ``output_hidden_states[k]``. We add id ``L`` (= num_hidden_layers): the output of the LAST decoder
+   layer before the final norm ("last"), which is what the draft's target logits are computed from.
+   vLLM sorts the ids, so we keep a permutation back to the caller's order.
+2. ``runner._model_forward`` (instance attribute override). With aux layers set the model returns
+   ``(hidden_states, [aux...])``; the runner only unpacks that tuple when it itself runs EAGLE-3
+   (``use_aux_hidden_state_outputs``), which it does not here. The wrapper takes the aux list, copies
+   the rows of real (unpadded) tokens out, and hands the plain ``hidden_states`` back to the runner,
+   so sampling/logits are untouched. vLLM documents ``_model_forward`` as the override point
+   ("can be overridden by subclasses for model execution").
+3. ``runner.execute_model`` (instance attribute override) only sets a flag while a real scheduled
+   step runs, so forwards from dummy/profile runs (no scheduler batch behind them) are never recorded.
+4. Token -> (request, position) mapping reads the runner's persistent batch right at forward time:
+   ``input_batch.req_ids[:num_reqs]`` (request order of the flattened token batch),
+   ``query_start_loc.np[:num_reqs + 1]`` (each request's token span in this step) and the
+   ``positions`` tensor the model itself consumed (= index of the token inside its prompt). Rows are
+   scattered into a per-request buffer ``[T, n_aux + 1, H]`` at those positions, so chunked prefill
+   (a prompt split over several steps), several requests per step, and recompute after preemption
+   (the same positions written again) all assemble correctly. Positions >= prompt length (decode
+   tokens) are ignored; the driver runs prefill only (``max_tokens=1``).
+5. Prefix caching must be off (``enable_prefix_caching=False``, set by the driver): a cache hit would
+   skip the forward of the cached prefix and those positions would never be recorded. The driver
+   also checks that every position of every prompt was filled.
+
+Compilation: the driver uses ``enforce_eager=True``. vLLM's ``support_torch_compile`` compiles the
+decoder once and drops dynamo guards, so aux layers set through collective_rpc after engine start-up
+(i.e. after the warm-up compile) would be silently ignored by a compiled graph.
+
+Tensor parallel: after each decoder layer's all-reduce ``hidden_states``/``residual`` are replicated
+on every TP rank, so every rank computes identical aux states. All ranks install the hooks (the
+model forward must be identical on all ranks), but only TP rank 0 keeps buffers and returns them; the
+other ranks return ``None`` from ``eagle3_capture_pop``, and the driver reads result[0]. Pipeline
+parallel is refused (aux states would live on several stages).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def encode_states(states: torch.Tensor, filled: int) -> dict[str, Any]:
+    """[T, A+1, H] tensor -> msgpack-safe dict (raw little-endian bytes + dtype + shape)."""
+    states = states.contiguous()
+    return {
+        "dtype": str(states.dtype).removeprefix("torch."),
+        "shape": list(states.shape),
+        "data": states.view(torch.uint8).numpy().tobytes(),
+        "filled": filled,
+    }
+
+
+def decode_states(enc: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """Inverse of encode_states: (states [T, A+1, H], filled)."""
+    raw = torch.frombuffer(bytearray(enc["data"]), dtype=torch.uint8)  # [bytes]
+    return raw.view(getattr(torch, enc["dtype"])).reshape(enc["shape"]), int(enc["filled"])
+
+
+class CaptureWorkerExtension:
+    """Mixed into vLLM's Worker class; every public method is a collective_rpc verb."""
+
+    def eagle3_capture_start(self, layer_ids: list[int]) -> dict[str, Any]:
+        """Install the hooks and record `layer_ids` (+ last layer pre-norm) from now on."""
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        for attr in ("_model_forward", "execute_model", "input_batch", "query_start_loc", "requests"):
+            if not hasattr(runner, attr):
+                raise RuntimeError(
+                    f"eagle3 capture: vLLM model runner {type(runner).__name__} has no `{attr}`; this "
+                    "extension supports vLLM's v1 GPUModelRunner/CPUModelRunner (unset VLLM_USE_V2_MODEL_RUNNER)"
+                )
+        if get_pp_group().world_size > 1:
+            raise RuntimeError("eagle3 capture: pipeline parallel is not supported; use tensor_parallel_size")
+        model = runner.get_model()
+        if not hasattr(model, "set_aux_hidden_state_layers"):
+            raise RuntimeError(
+                f"eagle3 capture: {type(model).__name__} does not implement vLLM's EAGLE-3 interface "
+                "(set_aux_hidden_state_layers); use --backend hf for this target"
+            )
+        hf = runner.model_config.hf_config
+        text = getattr(hf, "text_config", None) or hf
+        num_layers = int(text.num_hidden_layers)
+        want = [int(k) for k in layer_ids] + [num_layers]
+        ids = sorted(set(want))
+        model.set_aux_hidden_state_layers(tuple(ids))
+        self._eagle3_perm = [ids.index(k) for k in want]
+        self._eagle3_keep = get_tensor_model_parallel_rank() == 0
+        self._eagle3_buffers: dict[str, torch.Tensor] = {}
+        self._eagle3_filled: dict[str, torch.Tensor] = {}
+        self._eagle3_in_step = False
+
+        if not getattr(runner, "_eagle3_hooked", False):
+            orig_forward = runner._model_forward
+            orig_execute = runner.execute_model
+            ext = self
+
+            def execute_model(*args: Any, **kwargs: Any) -> Any:
+                ext._eagle3_in_step = True
+                try:
+                    return orig_execute(*args, **kwargs)
+                finally:
+                    ext._eagle3_in_step = False
+
+            def model_forward(*args: Any, **kwargs: Any) -> Any:
+                out = orig_forward(*args, **kwargs)
+                if not isinstance(out, tuple):
+                    return out
+                hidden, aux = out
+                if ext._eagle3_in_step and ext._eagle3_keep:
+                    positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+                    ext._eagle3_record(runner, aux, positions)
+                return hidden
+
+            runner._model_forward = model_forward
+            runner.execute_model = execute_model
+            runner._eagle3_hooked = True
+        return {
+            "num_layers": num_layers,
+            "hidden_size": int(text.hidden_size),
+            "dtype": str(runner.model_config.dtype).removeprefix("torch."),
+            "recorded_ids": ids,
+        }
+
+    def _eagle3_record(self, runner: Any, aux: list[torch.Tensor], positions: torch.Tensor | None) -> None:
+        num_reqs = runner.input_batch.num_reqs
+        if num_reqs == 0:
+            return
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        qsl = runner.query_start_loc.np[: num_reqs + 1].tolist()
+        n = qsl[-1]  # real (unpadded) tokens of this step
+        stacked = torch.stack([aux[i][:n] for i in self._eagle3_perm], dim=1)  # [n, n_aux+1, H]
+        if positions is not None and positions.dim() == 1:
+            pos = positions[:n].to("cpu", torch.int64)  # [n]
+        else:  # M-RoPE models pass [3, n] positions: use token indices from the batch state
+            start = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
+            pos = torch.cat([torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)])  # [n]
+        stacked = stacked.to("cpu")
+        for r, rid in enumerate(req_ids):
+            s, e = qsl[r], qsl[r + 1]
+            if e <= s:
+                continue
+            buf = self._eagle3_buffers.get(rid)
+            if buf is None:
+                num_prompt = len(runner.requests[rid].prompt_token_ids)
+                buf = torch.empty((num_prompt, stacked.shape[1], stacked.shape[2]), dtype=stacked.dtype)  # [T, n_aux+1, H]
+                self._eagle3_buffers[rid] = buf
+                self._eagle3_filled[rid] = torch.zeros(num_prompt, dtype=torch.bool)  # [T]
+            p = pos[s:e]  # [e-s]
+            keep = p < buf.shape[0]  # [e-s]
+            if not bool(keep.all()):
+                p = p[keep]
+                rows = stacked[s:e][keep]  # [k, n_aux+1, H]
+            else:
+                rows = stacked[s:e]  # [e-s, n_aux+1, H]
+            buf.index_copy_(0, p, rows)
+            self._eagle3_filled[rid][p] = True
+
+    def eagle3_capture_pop(self) -> dict[str, dict[str, Any]] | None:
+        """Return and forget every buffered request: {internal_req_id: encoded states}.
+
+        Encoded as plain msgpack types (see `encode_states`/`decode_states`): vLLM only restores
+        tensors in utility results with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (pickle), which we avoid.
+        `filled` = number of distinct prompt positions recorded (== T when complete).
+        Non-zero TP ranks return None.
+        """
+        if not getattr(self, "_eagle3_keep", False):
+            return None
+        out = {
+            rid: encode_states(buf, int(self._eagle3_filled[rid].sum()))
+            for rid, buf in self._eagle3_buffers.items()
+        }
+        self._eagle3_buffers = {}
+        self._eagle3_filled = {}
+        return out
+
+    def eagle3_capture_stop(self) -> None:
+        """Stop producing aux states (the hooks stay but become pass-through)."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.get_model().set_aux_hidden_state_layers(())
+        self._eagle3_buffers = {}
+        self._eagle3_filled = {}
