@@ -45,9 +45,10 @@ PROGRESS_STAGES = ("capture", "train")
 NUM_RETRIES = int(os.environ.get("EAGLE3_NUM_RETRIES", "2"))
 RETRY_BASE_S = float(os.environ.get("EAGLE3_RETRY_BASE_S", "10"))
 
-#: which stages run in a subprocess; EAGLE3_INPROCESS=1 runs every stage in the task's own process
 def runs_in_subprocess(stage: str) -> bool:
-    return stage in GPU_STAGES and os.environ.get("EAGLE3_INPROCESS", "") not in ("1", "true")
+    """GPU stages run in a subprocess, unless EAGLE3_INPROCESS names them ("all" or "capture,train")."""
+    inproc = {s.strip() for s in os.environ.get("EAGLE3_INPROCESS", "").lower().split(",") if s.strip()}
+    return stage in GPU_STAGES and not (inproc & {"1", "all", "true", stage})
 
 
 @dataclass

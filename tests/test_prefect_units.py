@@ -1,0 +1,174 @@
+"""Unit tests of the Prefect layer's pieces that need no API: retry classification, the subprocess
+runner (streaming, crash, timeout + process-group kill), cache keys and output verification, prefect.yaml."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_retry_classification():
+    from tasks.errors import (
+        EngineStartError,
+        StageCrashed,
+        StageOOMError,
+        classify_exception,
+        is_transient,
+    )
+
+    from eagle3.config import ConfigError
+
+    assert not is_transient(ConfigError("train.lr = -1: must be > 0"))
+    assert not is_transient(FileNotFoundError("no such data"))
+    assert not is_transient(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_transient(StageOOMError("train", "OutOfMemoryError: ..."))
+    assert is_transient(StageCrashed("capture", "killed by signal 9"))
+    assert is_transient(EngineStartError("evaluate", "engine core initialization failed"))
+    assert classify_exception(RuntimeError("Engine core initialization failed. See root cause above")) == "engine_start"
+    assert is_transient(RuntimeError("NCCL watchdog timeout"))
+
+
+def _patch_child(monkeypatch, code: str):
+    import tasks.subprocess_runner as runner
+
+    monkeypatch.setattr(runner, "build_command", lambda stage, c, r: [sys.executable, "-u", "-c", code, str(r)])
+    return runner
+
+
+def test_subprocess_streams_output_and_progress(monkeypatch):
+    code = ("import json, sys\nfor i in range(1, 5): print(f'step {i}/4 loss 1.0', flush=True)\n"
+            "open(sys.argv[1], 'w').write(json.dumps({'ok': True, 'result': {'n': 4}}))")
+    runner = _patch_child(monkeypatch, code)
+    seen, progress = [], []
+
+    class Log:
+        def info(self, fmt, *args):
+            seen.append(fmt % args)
+
+    assert runner.run_stage_subprocess("train", {}, log=Log(), on_progress=progress.append) == {"n": 4}
+    assert any("step 4/4 loss" in s for s in seen)
+    assert runner.parse_progress(" 45%|####      | 9/20 [00:01<00:02]") == pytest.approx(0.45)
+
+
+def test_subprocess_classified_failures(monkeypatch):
+    from tasks.errors import StageConfigError, StageCrashed, StageOOMError
+
+    code = ("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps({'ok': False, 'kind': 'config', "
+            "'type': 'ConfigError', 'message': 'capture.layers = [99]: the target has 5 layers'}))\nsys.exit(2)")
+    runner = _patch_child(monkeypatch, code)
+    with pytest.raises(StageConfigError, match=r"capture.layers = \[99\]"):
+        runner.run_stage_subprocess("capture", {})
+    runner = _patch_child(monkeypatch, code.replace("'config'", "'oom'"))
+    with pytest.raises(StageOOMError):
+        runner.run_stage_subprocess("capture", {})
+    runner = _patch_child(monkeypatch, "import os; os.kill(os.getpid(), 9)")
+    with pytest.raises(StageCrashed, match="killed by signal 9"):
+        runner.run_stage_subprocess("capture", {})
+
+
+def test_subprocess_timeout_kills_the_process_group(monkeypatch, tmp_path):
+    from tasks.errors import StageTimeout
+
+    pidfile = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid))\ntime.sleep(300)")
+    runner = _patch_child(monkeypatch, code)
+    monkeypatch.setattr(runner, "KILL_GRACE_S", 2.0)
+    t0 = time.time()
+    with pytest.raises(StageTimeout, match="timeout_s=2"):
+        runner.run_stage_subprocess("train", {}, timeout_s=2)
+    assert time.time() - t0 < 20
+    gpid = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(gpid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"grandchild {gpid} survived the process-group kill")
+
+
+def test_stage_main_reports_config_errors(tmp_path):
+    import json
+    import subprocess
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"data": str(tmp_path / "missing"), "out": str(tmp_path / "v"), "draft_vocab_size": 0}))
+    res = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "tasks._stage_main", "vocab", str(cfg), str(res)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    report = json.loads(res.read_text())
+    assert report["kind"] == "config" and "draft_vocab_size" in report["message"]
+
+
+def test_cache_key_and_verification(tmp_path):
+    from tasks.manifest import (
+        content_sha256,
+        list_outputs,
+        prepare_out_dir,
+        stage_cache_key,
+        verify_outputs,
+        write_stamp,
+    )
+
+    from eagle3.config import VocabConfig
+
+    up = {"prepare": {"out": str(tmp_path / "prepared"), "content_sha256": "a" * 64}}
+    cfg = VocabConfig(data=str(tmp_path / "prepared"), out=tmp_path / "vocab", draft_vocab_size=8)
+    key = stage_cache_key("vocab", cfg, up)
+    assert key == stage_cache_key("vocab", cfg.model_dump(mode="json"), up)
+    assert key != stage_cache_key("vocab", cfg.model_copy(update={"draft_vocab_size": 9}), up)
+    assert key != stage_cache_key("vocab", cfg, {"prepare": {**up["prepare"], "content_sha256": "b" * 64}})
+    out = tmp_path / "vocab"
+    out.mkdir()
+    (out / "a.bin").write_bytes(b"12345")
+    files = list_outputs(out)
+    write_stamp(out, {"key": key, "status": "done", "files": files, "content_sha256": content_sha256(files)})
+    assert verify_outputs(out, key) == (True, "")
+    assert not verify_outputs(out, key + "x")[0]
+    os.utime(out / "a.bin", ns=(files["a.bin"][1] + 10**9,) * 2)  # touched, same bytes: still valid
+    assert verify_outputs(out, key) == (True, "")
+    (out / "a.bin").write_bytes(b"12346")  # same size, new content
+    assert "altered" in verify_outputs(out, key)[1]
+    (out / "a.bin").unlink()
+    assert "missing" in verify_outputs(out, key)[1]
+    assert prepare_out_dir("vocab", out, key + "other") == "removed output of a different config"
+    assert list(out.iterdir()) == []
+
+
+def test_prefect_yaml_deployments():
+    from eagle3.config import PipelineConfig, load_yaml
+
+    doc = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    deps = doc["deployments"]
+    assert all(d.get("enforce_parameter_schema") is True for d in deps)
+    by = {(d["entrypoint"].split(":")[1], d["name"]): d for d in deps}
+    pipeline = by[("eagle3_pipeline", "pipeline")]
+    assert pipeline["work_pool"]["name"] == "cpu"
+    assert pipeline["parameters"]["config"] == load_yaml(ROOT / "configs" / "demo.yaml")
+    PipelineConfig.model_validate(pipeline["parameters"]["config"])
+    retrain = by[("retrain", "retrain-nightly")]
+    assert retrain["schedules"][0]["cron"]
+    assert ("layer_sweep", "layer-sweep") in by
+    for stage in ("regenerate", "capture", "train", "evaluate"):
+        for pool in ("gpu-1x", "gpu-8x"):
+            d = by[(f"{stage}_stage", pool)]
+            assert d["work_pool"]["name"] == pool
+            assert d["work_pool"]["job_variables"]["env"]["EAGLE3_GPU_LIMIT"]
+    import importlib
+
+    for d in deps:
+        path, fn = d["entrypoint"].split(":")
+        mod = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert callable(getattr(mod, fn))
