@@ -148,10 +148,19 @@ def shutdown_engine(llm: Any) -> None:
 
 # ------------------------------------------------------------------------------------ subprocesses
 def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    code = 0
     try:
         queue.put(("ok", fn(*args, **kwargs)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        code = 1
         queue.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    # Deliver the result, then leave at once: interpreter teardown with a (shut down) vLLM engine
+    # can hang for minutes in atexit/GC, and nothing else in this process needs cleaning up.
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -161,6 +170,9 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     re-raised here as RuntimeError carrying the child's traceback; a child that dies without a result
     (killed, out of memory) is a RuntimeError naming its exit code.
     """
+    import time
+
+    t0 = time.time()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs), daemon=False)
@@ -179,10 +191,12 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                         result = None
                     break
     finally:
-        proc.join(timeout=120)
+        proc.join(timeout=30)
         if proc.is_alive():  # pragma: no cover
+            log.warning("%s subprocess (pid %s) did not exit; terminating it", getattr(fn, "__name__", fn), proc.pid)
             proc.terminate()
             proc.join(timeout=10)
+    log.info("%s subprocess: %.1f s (exit code %s)", getattr(fn, "__name__", fn), time.time() - t0, proc.exitcode)
     if result is None:
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} subprocess died without a result (exit code {proc.exitcode})")
     status, value = result
@@ -217,6 +231,7 @@ def decode_benchmark(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     dt = time.time() - t1
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    shutdown_engine(llm)
     return {
         "engine": {k: v for k, v in kw.items() if k not in ("model", "tokenizer")},
         "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_CPU", "LD_PRELOAD", "OMP_", "KMP_"))},

@@ -41,7 +41,7 @@ from typing import Any
 
 from eagle3.config import RegenerateConfig
 from eagle3.data.formats import Conversation, read_conversations
-from eagle3.io import read_json, sha256_json, write_json
+from eagle3.io import read_json, sha256_file, sha256_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,11 @@ class RegenerateResult:
 
 def _fingerprint(cfg: RegenerateConfig) -> str:
     d = cfg.model_dump(mode="json")
-    return sha256_json({k: d.get(k) for k in _FINGERPRINT_FIELDS})
+    fp = {k: d.get(k) for k in _FINGERPRINT_FIELDS}
+    data = Path(str(cfg.data))
+    if data.is_file():  # the same path with other content must not resume
+        fp["data_sha256"] = sha256_file(data)
+    return sha256_json(fp)
 
 
 def generation_points(messages: list[dict[str, str]]) -> list[int]:
@@ -228,6 +232,11 @@ def run_regenerate(
                 f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or delete {out}"
             )
         start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
+        if start > len(convs):
+            raise ValueError(
+                f"{progress_path}: {start} rows are already done but --limit {cfg.limit} leaves {len(convs)}; "
+                "rerun with the earlier (or no) --limit, or a new --out"
+            )
         with open(partial, "r+b") as f:  # drop a batch that was appended but not recorded
             f.truncate(int(prog["bytes"]))
         log.info("resuming %s after %d of %d conversations", out, start, len(convs))
