@@ -44,6 +44,7 @@ class StageRunner:
     cfg: PipelineConfig
     dispatch: Dispatch = "auto"
     gpu_pool: str = DEFAULT_GPU_POOL
+    gpu_limit: str | None = None
     run_name: str = ""
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     _deployments: dict[str, str | None] = field(default_factory=dict)
@@ -68,6 +69,7 @@ class StageRunner:
         """Run `stage` on the outputs of the stages named in `needs`; return its manifest."""
         config = config if config is not None else getattr(self.cfg, stage)
         upstream = {n: self.manifests[n] for n in needs if n in self.manifests}
-        m = run_stage(stage, config, upstream, run_name=self.run_name, deployment=self.deployment_for(stage))
+        m = run_stage(stage, config, upstream, run_name=self.run_name, deployment=self.deployment_for(stage),
+                      gpu_limit=self.gpu_limit)
         self.manifests[stage] = m
         return m

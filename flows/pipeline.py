@@ -18,11 +18,11 @@ from flows.report import pipeline_summary
 
 
 def apply_blocks(config: PipelineConfig, target_source: str | None, storage: str | None,
-                 hardware: str | None) -> tuple[PipelineConfig, str]:
-    """Fill the config from named blocks (blocks/eagle3_blocks.py); returns (config, GPU pool)."""
-    pool = DEFAULT_GPU_POOL
+                 hardware: str | None) -> tuple[PipelineConfig, str, str | None]:
+    """Fill the config from named blocks (blocks/eagle3_blocks.py); returns (config, GPU pool, GPU limit)."""
+    pool, limit = DEFAULT_GPU_POOL, None
     if not (target_source or storage or hardware):
-        return config, pool
+        return config, pool, limit
     from blocks.eagle3_blocks import HardwareProfile, StorageLocation, TargetModelSource
 
     cfg = config.model_copy(deep=True)
@@ -32,10 +32,10 @@ def apply_blocks(config: PipelineConfig, target_source: str | None, storage: str
         cfg.target = TargetModelSource.load(target_source).resolve(cfg.work_dir / "target-snapshot")
     if hardware:
         profile = HardwareProfile.load(hardware)
-        pool = profile.work_pool
+        pool, limit = profile.work_pool, profile.gpu_concurrency_limit
         for stage in ("regenerate", "capture", "evaluate"):
             getattr(cfg, stage).tensor_parallel_size = profile.tensor_parallel_size
-    return cfg, pool
+    return cfg, pool, limit
 
 
 @flow(name="eagle3-pipeline", log_prints=True)
@@ -53,10 +53,10 @@ def eagle3_pipeline(
     name blocks (TargetModelSource, StorageLocation, HardwareProfile) that override the config.
     Returns {stage: manifest}.
     """
-    config, gpu_pool = apply_blocks(config, target_source, storage, hardware)
+    config, gpu_pool, gpu_limit = apply_blocks(config, target_source, storage, hardware)
     ensure_target(config)
     cfg = config.resolved()
-    stage = StageRunner(cfg, dispatch=dispatch, gpu_pool=gpu_pool)
+    stage = StageRunner(cfg, dispatch=dispatch, gpu_pool=gpu_pool, gpu_limit=gpu_limit)
 
     if cfg.regenerate.enabled:
         stage("regenerate")                        # 1. the target writes the answers (on-policy data)

@@ -20,8 +20,9 @@ POLL_INTERVAL_S = 3.0
 
 @task(name="dispatch-stage", persist_result=True, result_serializer="json", retries=0)
 def dispatch_stage(stage: str, config: dict[str, Any], upstream: dict[str, Any], run_name: str,
-                   deployment: str) -> dict[str, Any]:
-    """Run `stage` as a flow run of `deployment` and return the manifest its task stamped."""
+                   deployment: str, gpu_limit: str | None = None) -> dict[str, Any]:
+    """Run `stage` as a flow run of `deployment` and return the manifest its task stamped.
+    gpu_limit overrides the deployment's EAGLE3_GPU_LIMIT (HardwareProfile.gpu_concurrency_limit)."""
     logger = get_run_logger()
     logger.info("stage %s: dispatching to deployment %s", stage, deployment)
     flow_run = run_deployment(
@@ -31,6 +32,7 @@ def dispatch_stage(stage: str, config: dict[str, Any], upstream: dict[str, Any],
         poll_interval=POLL_INTERVAL_S,
         timeout=None,
         as_subflow=True,
+        job_variables={"env": {"EAGLE3_GPU_LIMIT": gpu_limit}} if gpu_limit else None,
     )
     state = flow_run.state
     if state is None or not state.is_completed():

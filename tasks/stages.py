@@ -185,7 +185,8 @@ STAGE_TASKS = {
 
 
 def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any]] | None = None, *,
-              run_name: str = "eagle3", deployment: str | None = None) -> dict[str, Any]:
+              run_name: str = "eagle3", deployment: str | None = None,
+              gpu_limit: str | None = None) -> dict[str, Any]:
     """Run one stage through its task (or, with `deployment`, as a run of that deployment on its work
     pool), honouring a cache hit only when the stamped outputs still verify. The returned manifest has
     `cached: true` when the stage did not execute."""
@@ -197,7 +198,7 @@ def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any
 
         t = dispatch_stage.with_options(cache_policy=StageCachePolicy(stage=stage), name=f"dispatch-{stage}",
                                         task_run_name=f"{stage}@{deployment.split('/')[0]}")
-        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment)
+        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment, gpu_limit)
     else:
         t, args = STAGE_TASKS[stage], (config, upstream, run_name)
     if not ok:
