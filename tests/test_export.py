@@ -133,3 +133,22 @@ def test_vllm_loads_exported_draft(checkpoint, tiny_llama, tmp_path):
               enforce_eager=True, dtype="bfloat16", max_model_len=512)
     res = llm.generate(["Hello the world is"], SamplingParams(max_tokens=12, temperature=0.0))
     assert len(res[0].outputs[0].token_ids) > 0
+
+
+def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
+    """vLLM keeps no d2t when draft vocab == target vocab and fails on the key: export must drop it."""
+    from eagle3.train.synthetic import write_vocab
+    from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
+    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+
+    vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(512))
+    cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=tmp_path / "train")
+    tcfg = read_target_config(tiny_llama)
+    d2t, t2d = load_vocab(vocab)
+    model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
+    manifest = {"layers": [1, 2, 4]}
+    ck = save_model_dir(tmp_path / "train" / "final", model, metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
+    w = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (512, 128)
+    torch.testing.assert_close(w["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16))

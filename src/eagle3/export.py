@@ -5,7 +5,9 @@ format=vllm (LlamaForCausalLMEagle3):
                         vocab_size (target), draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids
                         (exactly the capture's ids), target_hidden_size when it differs, norm_before_residual false
     model.safetensors   fc.weight, midlayer.*, norm.weight, lm_head.weight (bf16), d2t (int64), t2d (bool);
-                        no embed_tokens: vLLM shares the target's embedding
+                        no embed_tokens: vLLM shares the target's embedding. When draft vocab == target vocab
+                        vLLM has no d2t buffer (an unexpected d2t key fails its loader): lm_head rows are put in
+                        target order and d2t/t2d are left out
 format=speculators (speculators_model_type eagle3, as vLLM's speculators config reader and the speculators
     library's Eagle3SpeculatorConfig expect): transformer_layer_config (the llama config of the layer),
     draft_vocab_size, norm_before_residual false (its reader defaults to TRUE when absent), target_hidden_size,
@@ -202,6 +204,14 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     ids = list(meta["aux_layer_ids"])
     out_t = {k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
     out_t["d2t"], out_t["t2d"] = out_t["d2t"].long(), out_t["t2d"].bool()
+    if dcfg.draft_vocab_size == dcfg.vocab_size:
+        # vLLM keeps no d2t buffer when the vocabularies are equal (and fails on an unexpected d2t key):
+        # put lm_head rows in target-id order instead and drop the mapping
+        order = torch.arange(dcfg.draft_vocab_size) + out_t.pop("d2t")  # (Vd,) target id of each draft row
+        out_t.pop("t2d")
+        head = torch.empty_like(out_t["lm_head.weight"])  # (V, H)
+        head[order] = out_t["lm_head.weight"]
+        out_t["lm_head.weight"] = head
     if cfg.format == "vllm":
         config = vllm_config(dcfg, ids)
     else:

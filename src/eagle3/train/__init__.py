@@ -15,7 +15,16 @@ from eagle3.train.step import (
     summarize,
     ttt_forward,
 )
-from eagle3.train.trainer import TrainResult, run_train
+
+
+def __getattr__(name: str):
+    # lazy: the trainer pulls in pydantic configs; the tensor-level API above needs only torch
+    if name in ("run_train", "TrainResult"):
+        from eagle3.train import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(name)
+
 
 __all__ = [
     "BenchmarkSetup",

@@ -71,6 +71,10 @@ def sdpa_ttt_attention(q, keys, values, mask):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
+    import torch._dynamo
+
+    # one compiled kernel per TTT step (the key length grows with the step): stay under the recompile limit
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -86,7 +90,8 @@ def flex_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128):
             causal = (u <= qi) & (doc_ids[b, u] == doc_ids[b, qi])
             return ((s == 0) & causal) | ((s > 0) & (u == qi))
 
-        return create_block_mask(mask_mod, B, None, T, (j + 1) * T, device=doc_ids.device, BLOCK_SIZE=block_size)
+        return create_block_mask(mask_mod, B, None, T, (j + 1) * T, device=doc_ids.device, BLOCK_SIZE=block_size,
+                                 _compile=doc_ids.is_cuda)  # compiled: never materialises the (T, (j+1)T) mask
 
     return [make(j) for j in range(steps)]
 

@@ -12,7 +12,8 @@ import torch
 
 
 @torch.no_grad()
-def capture_samples(target: str | Path, num: int = 16, layers=(1, 2, 3), min_len=24, max_len=64, seed=0):
+def capture_samples(target: str | Path, num: int = 16, layers=(1, 2, 3), min_len=24, max_len=64, seed=0,
+                    token_ids: list | None = None, prompt_lens: list | None = None):
     """(samples, manifest) in eagle3.capture's format, by running the target in transformers on CPU.
 
     Token ids are random (seeded) so tiny random targets work; layer id k = hidden_states[k] (vLLM semantics);
@@ -28,18 +29,22 @@ def capture_samples(target: str | Path, num: int = 16, layers=(1, 2, 3), min_len
     samples = []
     # a little structure (repeated phrases) so a draft can learn something
     phrases = [torch.randint(0, V, (8,), generator=g) for _ in range(6)]
-    for i in range(num):
-        n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
-        parts = [phrases[int(torch.randint(0, len(phrases), (1,), generator=g))] for _ in range(n // 8 + 1)]
-        ids = torch.cat(parts)[:n]
+    for i in range(num if token_ids is None else len(token_ids)):
+        if token_ids is None:
+            n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+            parts = [phrases[int(torch.randint(0, len(phrases), (1,), generator=g))] for _ in range(n // 8 + 1)]
+            ids = torch.cat(parts)[:n]
+        else:
+            ids = torch.as_tensor(token_ids[i]).long()
+            n = len(ids)
         out = model(ids[None], output_hidden_states=True)
         aux = torch.stack([out.hidden_states[k][0] for k in layers], dim=1)  # (T, n_aux, H)
         mask = torch.ones(n, dtype=torch.int8)
-        mask[: n // 4] = 0  # a "prompt" that is not supervised
+        mask[: (n // 4 if prompt_lens is None else prompt_lens[i])] = 0  # a "prompt" that is not supervised
         samples.append({"input_ids": ids.long(), "loss_mask": mask, "aux_hidden_states": aux.to(torch.bfloat16),
                         "last_hidden_states": grab["last"][0].to(torch.bfloat16), "sample_id": f"s{i}"})
     hook.remove()
-    manifest = {"layers": list(layers), "hidden_size": model.config.hidden_size, "num_samples": num,
+    manifest = {"layers": list(layers), "hidden_size": model.config.hidden_size, "num_samples": len(samples),
                 "target": str(target)}
     return samples, manifest
 
@@ -81,3 +86,15 @@ def write_captured(out: str | Path, samples: list[dict[str, Any]], manifest: dic
         shards.append(storage.write_shard(out, k, buf))
     write_json(out / storage.MANIFEST, {"format": storage.FORMAT, **manifest, "num_samples": len(samples), "shards": shards})
     return out
+
+
+@torch.no_grad()
+def greedy_continuations(target: str | Path, num: int, prompt_len: int = 6, new_tokens: int = 40, seed: int = 0):
+    """Random prompts + the target's own greedy continuation (self-distillation data for tiny targets)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(10, model.config.vocab_size, (num, prompt_len), generator=g)
+    out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return [row for row in out], [prompt_len] * num
