@@ -168,6 +168,9 @@ class TrainConfig(StageConfig):
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (CPU trains in float32 unless bfloat16 is forced)")
     attention: Literal["auto", "flex", "sdpa", "naive"] = Field("auto", description="TTT attention kernel")
     compile: bool = Field(False, description="torch.compile the draft step")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Under torchrun: ddp replicates the draft; fsdp shards it (FSDP2) for large drafts"
+    )
     draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
     resume: bool = Field(True, description="Resume from the latest checkpoint in --out when present")
 
