@@ -46,13 +46,33 @@ def wrap(model: torch.nn.Module, d: Dist, fsdp: bool = False) -> torch.nn.Module
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model.midlayer)
+        inner = getattr(model, "draft", model)
+        fully_shard(inner.midlayer)
         return fully_shard(model)
     from torch.nn.parallel import DistributedDataParallel
 
     # the draft has frozen params (embedding) and buffers; step() is called K times per forward
     return DistributedDataParallel(model, device_ids=[d.device] if d.device.type == "cuda" else None,
                                    static_graph=False, find_unused_parameters=False)
+
+
+def full_state_dict(module: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict; a collective under FSDP, so every rank must call it."""
+    if d.world == 1:
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(module: torch.nn.Module, sd: dict[str, torch.Tensor], d: Dist) -> None:
+    """Load an unsharded state dict (every rank holds it) into a plain, DDP or FSDP2 module; non-strict."""
+    if d.world == 1:
+        module.load_state_dict(sd, strict=False)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, sd, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:

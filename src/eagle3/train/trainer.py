@@ -95,17 +95,30 @@ def metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: di
     }
 
 
-def _save_weights(model: Eagle3Draft, path: Path) -> None:
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+def _draft_sd(model) -> dict[str, torch.Tensor]:
+    """Draft weights (no frozen embedding) from an Eagle3Draft or a full state dict of TTTModule (`draft.` prefix)."""
+    sd = model if isinstance(model, dict) else model.state_dict()
+    sd = {k.removeprefix("draft."): v for k, v in sd.items()}
+    return {k: v.detach().cpu().contiguous() for k, v in sd.items() if not k.startswith("embed_tokens.")}
+
+
+def _save_weights(model, path: Path) -> None:
     with atomic_path(path) as tmp:
-        save_file(sd, str(tmp))
+        save_file(_draft_sd(model), str(tmp))
 
 
-def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: dict) -> Path:
+def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: dict,
+                    optim_shards: Path | None = None) -> Path:
+    """`model`: Eagle3Draft or a full state dict. `optim_shards`: a dir of per-rank optimizer files (FSDP) that
+    is moved into the checkpoint instead of saving `opt` (whose state is sharded)."""
     final = out / "checkpoints" / f"step-{step}"
     with atomic_dir(final) as tmp:
         _save_weights(model, tmp / WEIGHTS)
-        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optimizer.pt")
+        if optim_shards is not None:
+            shutil.move(str(optim_shards), tmp / "optimizer")
+            torch.save({"scheduler": sched.state_dict()}, tmp / "optimizer.pt")
+        else:
+            torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optimizer.pt")
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -138,6 +151,12 @@ def load_draft_weights(model: Eagle3Draft, path: Path) -> None:
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
         raise KeyError(f"{path}: missing {missing}, unexpected {unexpected}")
+
+
+def check_draft_weights(model: Eagle3Draft, sd: dict[str, torch.Tensor], path: Path) -> None:
+    want = {k for k in model.state_dict() if not k.startswith("embed_tokens.")}
+    if set(sd) != want:
+        raise KeyError(f"{path}: missing {sorted(want - set(sd))}, unexpected {sorted(set(sd) - want)}")
 
 
 class Logger:
@@ -247,21 +266,31 @@ def run_train(
         )
     train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
     loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world)
-    val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size) if d.main else []
+    val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size)  # every rank (FSDP forward is collective)
     per_step = cfg.batch_size * cfg.grad_accum * d.world
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len) / per_step))
 
-    ttt = parallel.wrap(TTTModule(model), d, fsdp=False)
+    ttt = parallel.wrap(TTTModule(model), d, fsdp=cfg.parallel == "fsdp")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
 
     step, best = 0, -1.0
     ckpt = latest_checkpoint(out) if cfg.resume else None
+    sharded_optim = cfg.parallel == "fsdp" and d.world > 1
     if ckpt is not None:
-        load_draft_weights(model, ckpt / WEIGHTS)
+        sd = load_file(str(ckpt / WEIGHTS))
+        check_draft_weights(model, sd, ckpt / WEIGHTS)
+        parallel.load_full_state_dict(ttt, {"draft." + k: v for k, v in sd.items()}, d)
         st = torch.load(ckpt / "optimizer.pt", map_location=d.device, weights_only=False)
-        opt.load_state_dict(st["optimizer"])
+        if sharded_optim:
+            shard = ckpt / "optimizer" / f"rank-{d.rank}-of-{d.world}.pt"
+            if not shard.is_file():
+                raise ConfigError(f"{ckpt} was saved by a different number of FSDP ranks (no {shard.name}); resume with "
+                                  "the same world size or set resume: false")
+            opt.load_state_dict(torch.load(shard, map_location=d.device, weights_only=False))
+        else:
+            opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         state = json.loads((ckpt / "trainer_state.json").read_text())
         step, best = state["step"], state["best"]
@@ -282,7 +311,7 @@ def run_train(
         stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
         with torch.no_grad(), torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             for b in val:
-                stats += TTTModule(model)(b.to(d.device, amp_dtype if cuda else torch.float32), head, **kw)[1]
+                stats += ttt(b.to(d.device, amp_dtype if cuda else torch.float32), head, **kw)[1]
         model.train()
         m = summarize(stats)
         m["loss"] = sum(cfg.loss_decay**j * m[f"loss_{j}"] for j in range(cfg.ttt_steps))
@@ -314,23 +343,40 @@ def run_train(
             parallel.all_reduce_sum(train_stats, d)
             m = summarize(train_stats)
             last_loss = loss_acc.item() / n_acc
-            m.update(loss=last_loss, lr=sched.get_last_lr()[0], grad_norm=float(gnorm), epoch=loader.epoch_progress())
+            m.update(loss=last_loss, lr=sched.get_last_lr()[0], grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm), epoch=loader.epoch_progress())
             log.log(step, "train", m)
             train_stats.zero_(), loss_acc.zero_()
             n_acc = 0
-        if d.main and val and (step % cfg.eval_every == 0 or step == total):
+        best_now = False
+        if val and (step % cfg.eval_every == 0 or step == total):
             val_m = evaluate()
             log.log(step, "val", val_m)
             if val_m["sim_accept_len"] > best:
-                best = val_m["sim_accept_len"]
-                save_model_dir(out / "best", model, meta(val_m))
-        if d.main and (step % cfg.save_every == 0 or step == total or (stop_after and done_here == stop_after)):
-            save_checkpoint(out, model, opt, sched, step, loader, best, meta(val_m))
+                best, best_now = val_m["sim_accept_len"], True
+        save_now = step % cfg.save_every == 0 or step == total or (stop_after is not None and done_here == stop_after)
+        if d.world > 1:  # every rank joins the gather below; rank 0 decides
+            flag = torch.tensor([float(best_now)], device=d.device)
+            torch.distributed.broadcast(flag, 0)
+            best_now = bool(flag.item())
+        if save_now or best_now:
+            full = parallel.full_state_dict(ttt, d)
+            shards = None
+            if sharded_optim and save_now:
+                shards = out / "checkpoints" / f".optim-step-{step}"
+                shards.mkdir(parents=True, exist_ok=True)
+                torch.save(opt.state_dict(), shards / f"rank-{d.rank}-of-{d.world}.pt")
+                parallel.barrier(d)
+            if d.main and best_now:
+                save_model_dir(out / "best", full, meta(val_m))
+            if d.main and save_now:
+                save_checkpoint(out, full, opt, sched, step, loader, best, meta(val_m), optim_shards=shards)
         parallel.barrier(d)
 
     final_dir = out / "final"
-    if d.main and step >= total:
-        save_model_dir(final_dir, model, meta(val_m))
+    if step >= total:
+        full = parallel.full_state_dict(ttt, d)
+        if d.main:
+            save_model_dir(final_dir, full, meta(val_m))
     log.close()
     parallel.teardown(d)
     best_dir = out / "best" if (out / "best").is_dir() else None
