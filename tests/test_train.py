@@ -12,7 +12,7 @@ from eagle3.config import TrainConfig
 from eagle3.model.draft import DraftConfig, Eagle3Draft
 from eagle3.train.attention import make_ttt_attention
 from eagle3.train.data import LoaderState, PackedLoader, eval_batches, pack
-from eagle3.train.loss import TargetHead, compute_targets, soft_ce
+from eagle3.train.loss import TargetHead, soft_ce
 from eagle3.train.step import PackedBatch, summarize, ttt_forward
 
 
@@ -156,8 +156,9 @@ def _cfg(tmp, tiny_llama, vocab, **kw):
 
 
 def test_resume_is_exact(captured, tiny_llama, tmp_path):
-    from eagle3.train import run_train
     from safetensors.torch import load_file
+
+    from eagle3.train import run_train
 
     samples, manifest, vocab = captured
     straight = run_train(_cfg(tmp_path / "a", tiny_llama, vocab), samples=samples, manifest=manifest)
@@ -194,3 +195,18 @@ def test_tiny_end_to_end_reduces_loss(captured, tiny_llama, tmp_path):
     meta = res.metadata
     assert meta["aux_layer_ids"] == [1, 2, 4] and meta["target_hidden_size"] == 128
     assert meta["draft_config"]["num_aux"] == 3 and meta["draft_vocab_size"] == 200 and meta["target_vocab_size"] == 512
+
+
+def test_captured_dir_is_read_lazily_and_exactly(captured, tmp_path):
+    from eagle3.train.data import CapturedDataset, load_samples
+    from eagle3.train.synthetic import write_captured
+
+    samples, manifest, _ = captured
+    path = write_captured(tmp_path / "cap", samples[:7], manifest, shard_samples=3)
+    ds = load_samples(path)
+    assert isinstance(ds, CapturedDataset) and len(ds) == 7 and ds.manifest["layers"] == [1, 2, 4]
+    for i in (0, 3, 6):
+        for k in ("input_ids", "aux_hidden_states", "last_hidden_states"):
+            assert torch.equal(ds[i][k], torch.as_tensor(samples[i][k])), (i, k)
+        assert torch.equal(ds[i]["loss_mask"].long(), torch.as_tensor(samples[i]["loss_mask"]).long())
+        assert ds[i]["sample_id"] == samples[i]["sample_id"]

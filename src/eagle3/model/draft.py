@@ -15,8 +15,9 @@ kernel that sees the keys of earlier steps is passed in (eagle3.train.attention)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -283,7 +284,7 @@ class Eagle3Draft(nn.Module):
 
 def expected_export_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Every key (and its shape) an exported draft must hold, nothing more."""
-    H, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    H, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     m = "midlayer."
     return {
         "fc.weight": (H, cfg.num_aux * cfg.target_hidden_size),
@@ -294,9 +295,9 @@ def expected_export_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         m + "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, 2 * H),
         m + "self_attn.o_proj.weight": (H, cfg.num_attention_heads * d),
         m + "post_attention_layernorm.weight": (H,),
-        m + "mlp.gate_proj.weight": (I, H),
-        m + "mlp.up_proj.weight": (I, H),
-        m + "mlp.down_proj.weight": (H, I),
+        m + "mlp.gate_proj.weight": (inter, H),
+        m + "mlp.up_proj.weight": (inter, H),
+        m + "mlp.down_proj.weight": (H, inter),
         "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H),
         "d2t": (cfg.draft_vocab_size,),

@@ -69,9 +69,8 @@ def sdpa_ttt_attention(q, keys, values, mask):
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
     import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
 
     # one compiled kernel per TTT step (the key length grows with the step): stay under the recompile limit
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

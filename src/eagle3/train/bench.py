@@ -37,7 +37,7 @@ def check_flex(device: str = "cuda") -> dict:
         ga = torch.autograd.grad((got * w).sum(), leaves)
         gb = torch.autograd.grad((ref * w).sum(), leaves, retain_graph=True)
         out[kind] = {"max_abs_out": (got - ref).abs().max().item(),
-                     "max_abs_grad": max((a - b).abs().max().item() for a, b in zip(ga, gb))}
+                     "max_abs_grad": max((a - b).abs().max().item() for a, b in zip(ga, gb, strict=True))}
     return out
 
 
