@@ -8,8 +8,9 @@ AVX-512; see `python -m eagle3.vllm_engine --help` to re-measure):
   decode is ~5x slower than float32. `resolve_dtype("auto")` picks float32 there, bfloat16 elsewhere.
 * threads: vLLM's auto thread binding reserves one CPU for the engine-core process on x86
   (`reserve_cpu_num = world_size`), so on a 2-CPU machine the model runs on ONE OpenMP thread.
-  `setup_cpu_env()` sets VLLM_CPU_NUM_OF_RESERVED_CPU=0 on small machines (<= 4 CPUs) so the worker
-  gets every core (the engine-core/front-end processes mostly sleep while the worker computes).
+  VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives the worker both cores, but on a shared (oversubscribed) box the two
+  spinning OpenMP threads lose badly (measured 218 vs 585 tok/s at load ~15), so the default keeps vLLM's
+  reservation; `setup_cpu_env(all_cores=True)` or EAGLE3_VLLM_ALL_CORES=1 opts in on an idle machine.
 * KV cache: VLLM_CPU_KVCACHE_SPACE (GiB) defaults to 4 here unless set (vLLM's own default sizes it from
   free memory, which is unfriendly on a shared box).
 
@@ -72,16 +73,19 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16"
 
 
-def setup_cpu_env(kv_cache_gib: int | None = None) -> dict[str, str]:
+def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None) -> dict[str, str]:
     """Set vLLM CPU env defaults (only keys the user has not set); returns what it set.
 
     Call before creating a `vllm.LLM` (the engine-core and worker processes read them when spawned).
+    `all_cores` (default: env EAGLE3_VLLM_ALL_CORES=1) lets the model use every CPU
+    (VLLM_CPU_NUM_OF_RESERVED_CPU=0) instead of leaving one to vLLM's engine-core process.
     """
     if not on_cpu_platform():
         return {}
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib) if kv_cache_gib else DEFAULT_KVCACHE_GIB}
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if ncpu <= 4:
+    if all_cores is None:
+        all_cores = os.environ.get("EAGLE3_VLLM_ALL_CORES", "0") == "1"
+    if all_cores:
         wanted["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     applied = {}
     for k, v in wanted.items():
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_benchmark, a.target, ids, a.max_tokens, env, dtype=a.dtype, max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs, enforce_eager=not a.compiled,
     )
-    print(json.dumps(res, indent=2))
+    print("RESULT " + json.dumps(res))
     return 0
 
 
