@@ -152,3 +152,34 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     w = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (512, 128)
     torch.testing.assert_close(w["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path):
+    """Semantics check end to end: a draft trained (TTT, K=3) on the target's own greedy continuations gets
+    tokens accepted by vLLM's EAGLE-3 proposer; an untrained one would get ~1/512 per position."""
+    pytest.importorskip("vllm")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle3.train import run_train
+    from eagle3.train.synthetic import capture_samples, greedy_continuations, write_vocab
+
+    ids, plen = greedy_continuations(tiny_llama, 16, prompt_len=6, new_tokens=40)
+    samples, manifest = capture_samples(tiny_llama, layers=(1, 2, 4), token_ids=ids, prompt_lens=plen)
+    vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(0, 512))
+    cfg = TrainConfig(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp_path / "train",
+                      max_steps=300, lr=5e-3, warmup_steps=10, schedule="constant", max_seq_len=256, ttt_steps=3,
+                      eval_every=1000, save_every=1000, log_every=50, val_fraction=0.0, device="cpu")
+    run_train(cfg, samples=samples, manifest=manifest)
+    run_export(ExportConfig(checkpoint=str(tmp_path / "train"), out=tmp_path / "draft"))
+    llm = LLM(model=str(tiny_llama), speculative_config={"method": "eagle3", "model": str(tmp_path / "draft"),
+                                                          "num_speculative_tokens": 3},
+              enforce_eager=True, dtype="bfloat16", max_model_len=512, disable_log_stats=False)
+    llm.generate([TokensPrompt(prompt_token_ids=x[:6].tolist()) for x in ids],
+                 SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    m = {x.name: x for x in llm.get_metrics()}
+    drafts = m["vllm:spec_decode_num_drafts"].value
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert drafts > 0 and per_pos[0] / drafts > 0.05, (drafts, per_pos)
