@@ -183,3 +183,15 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path):
     drafts = m["vllm:spec_decode_num_drafts"].value
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"].values
     assert drafts > 0 and per_pos[0] / drafts > 0.05, (drafts, per_pos)
+
+
+def test_vocab_rebuilt_after_training_refused(checkpoint, tmp_path):
+    from eagle3.train.synthetic import write_vocab
+
+    ck = _copy(checkpoint, tmp_path)
+    meta = json.loads((ck / "eagle3_draft.json").read_text())
+    meta["vocab"] = str(write_vocab(tmp_path / "vocab2", 512, torch.arange(1, 512, 2)))
+    write_json(ck / "eagle3_draft.json", meta)
+    with pytest.raises(ExportError, match="d2t differs"):
+        run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
+    assert not (tmp_path / "draft").exists()

@@ -200,6 +200,14 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     target_cfg = json.loads(tpath.read_text())
     tensors = load_file(str(ck / WEIGHTS))
     validate(meta, dcfg, tensors, target_cfg, _manifest(meta.get("captured")))
+    vocab_file = Path(meta.get("vocab") or "") / "vocab.safetensors"
+    if meta.get("vocab") and vocab_file.is_file():
+        d2t = load_file(str(vocab_file))["d2t"].long()
+        if d2t.shape != tensors["d2t"].shape or not torch.equal(d2t, tensors["d2t"].long()):
+            raise ExportError(
+                f"the checkpoint's d2t differs from {vocab_file} (vocab={meta['vocab']}): the vocab dir was rebuilt "
+                "after training; export the checkpoint as trained by restoring that vocab or re-train"
+            )
 
     ids = list(meta["aux_layer_ids"])
     out_t = {k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
