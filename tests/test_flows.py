@@ -361,3 +361,32 @@ def test_blocks_keep_the_token_secret(prefect_harness, tiny_llama, tmp_path):
         HardwareProfile(num_gpus=1, tensor_parallel_size=8)
     cfg = tiny_config(tiny_llama, tmp_path / "w")
     assert StorageLocation(base_path=str(tmp_path / "runs")).apply(cfg).work_dir == tmp_path / "runs" / "tiny"
+
+
+@pytest.mark.slow
+def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_path):
+    """`eagle3 run --config FILE` runs the Prefect flow on the embedded API; a second invocation (a new
+    process, a new embedded API) executes no stage."""
+    import subprocess
+
+    import yaml
+
+    cfg = tiny_config(tiny_llama, tmp_path / "work", eval_prompts=False)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True)))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(root)}
+    env.pop("EAGLE3_INPROCESS", None)
+    env.pop("PREFECT_API_URL", None)
+    walls = []
+    for _ in range(2):
+        t0 = time.time()
+        p = subprocess.run([sys.executable, "-m", "eagle3.cli", "run", "--config", str(path)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+        walls.append(time.time() - t0)
+        assert p.returncode == 0, p.stderr[-3000:]
+        manifests = json.loads(p.stdout[p.stdout.index("{"):])
+        assert list(manifests) == ["prepare", "capture", "vocab", "train", "export"]
+    assert all(m["cached"] for m in manifests.values()), manifests
+    print(f"eagle3 run: first {walls[0]:.1f} s, second (all cached) {walls[1]:.1f} s")
