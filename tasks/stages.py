@@ -35,6 +35,7 @@ from tasks.manifest import (
     verify_outputs,
     write_stamp,
 )
+from tasks.progress import make_probe
 from tasks.subprocess_runner import run_stage_subprocess
 
 #: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts)
@@ -101,7 +102,7 @@ def call_library(stage: str, cfg: StageConfig, on_progress=None) -> dict[str, An
     with gpu_slot(stage):
         if runs_in_subprocess(stage):
             return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger(),
-                                        on_progress=on_progress)
+                                        on_progress=on_progress, probe=make_probe(stage, cfg))
         return _jsonable(resolve_function(stage)(cfg))
 
 

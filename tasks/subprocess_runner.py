@@ -61,9 +61,12 @@ def run_stage_subprocess(
     timeout_s: float | None = None,
     log: logging.Logger | logging.LoggerAdapter | None = None,
     on_progress: Callable[[float], None] | None = None,
+    probe: Callable[[], float | None] | None = None,
 ) -> dict[str, Any]:
     """Run `stage` with `config` in a child process; return the stage result as JSON-able data.
 
+    Progress (0-1) goes to `on_progress`, from the child's progress lines and from `probe` (a function
+    reading the stage's own progress files), every ~2 s from the calling thread.
     Raises the StageError subclass matching the child's failure (config / oom / crash / engine_start)
     or StageTimeout after killing the child's process group.
     """
@@ -96,8 +99,9 @@ def run_stage_subprocess(
                 except subprocess.TimeoutExpired:
                     pass
                 # progress is reported from this thread: it holds the Prefect run context
-                if progress and progress[-1] - reported >= 0.01:
-                    reported = progress[-1]
+                latest = max([*progress[-1:], _probe(probe)], default=None, key=lambda v: v or 0.0)
+                if latest is not None and latest - reported >= 0.01:
+                    reported = latest
                     _safe(on_progress, reported)
                 if time.time() >= deadline:
                     _kill_group(proc)
@@ -150,6 +154,15 @@ def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[floa
         line = buf.decode(errors="replace").rstrip()
         tail.append(line)
         log.info("%s", line)
+
+
+def _probe(probe: Callable[[], float | None] | None) -> float | None:
+    if probe is None:
+        return None
+    try:
+        return probe()
+    except Exception:  # noqa: BLE001 - a progress file mid-write is not an error
+        return None
 
 
 def _safe(fn: Callable[[float], None] | None, value: float) -> None:

@@ -172,3 +172,25 @@ def test_prefect_yaml_deployments():
         path, fn = d["entrypoint"].split(":")
         mod = importlib.import_module(path.removesuffix(".py").replace("/", "."))
         assert callable(getattr(mod, fn))
+
+
+def test_progress_probes_read_stage_files(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from tasks.progress import make_probe
+
+    train = SimpleNamespace(out=tmp_path / "train", max_steps=10, epochs=1.0)
+    probe = make_probe("train", train)
+    assert probe() is None
+    (train.out / "logs").mkdir(parents=True)
+    (train.out / "logs" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 4, "loss": 2.0}\n{"step": 4, "spl')
+    assert probe() == pytest.approx(0.4)
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "manifest.json").write_text(json.dumps({"num_samples": 20}))
+    cap = SimpleNamespace(out=tmp_path / "cap", data=str(prepared), limit=8)
+    cap.out.mkdir()
+    (cap.out / "progress.json").write_text(json.dumps({"shards": [{"next_index": 2}, {"next_index": 6}]}))
+    assert make_probe("capture", cap)() == pytest.approx(0.75)
+    assert make_probe("export", cap) is None
