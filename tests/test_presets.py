@@ -1,0 +1,53 @@
+"""Target-family presets: each configs/<name>.yaml against the config-only copy of its target's
+config.json in configs/targets/ (no weights). Checks the capture layer ids and the derived draft."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3.capture.run import resolve_layers
+from eagle3.config import load_pipeline_config
+from eagle3.model.draft import draft_config_from_target, text_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+# name -> (num layers, default aux ids, draft hidden, draft intermediate, draft heads)
+EXPECTED = {
+    "llama-3.1-8b": (32, [2, 16, 29], 4096, 14336, 32),
+    "qwen3-8b": (36, [2, 18, 33], 4096, 12288, 32),
+    "qwen3-30b-a3b": (48, [2, 24, 45], 2048, 6144, 32),
+    "deepseek-v3": (61, [2, 30, 58], 7168, 18432, 64),
+    "kimi-k2": (61, [2, 30, 58], 7168, 18432, 64),
+    "kimi-k2.5": (61, [2, 30, 58], 7168, 18432, 64),
+}
+
+
+def test_every_target_shape_has_a_preset():
+    assert sorted(p.stem for p in (CONFIGS / "targets").glob("*.json")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_derives_layers_and_draft(name):
+    cfg = load_pipeline_config(CONFIGS / f"{name}.yaml").resolved()
+    target_cfg = json.loads((CONFIGS / "targets" / f"{name}.json").read_text())
+    tc = text_config(target_cfg)
+    num_layers, aux_ids, hidden, inter, heads = EXPECTED[name]
+    assert tc["num_hidden_layers"] == num_layers
+    layers = resolve_layers(cfg.capture.layers, num_layers)
+    assert layers == aux_ids
+    draft = draft_config_from_target(target_cfg, num_aux=len(layers), draft_vocab_size=cfg.vocab.draft_vocab_size,
+                                     overrides=cfg.train.draft)
+    assert (draft.hidden_size, draft.intermediate_size, draft.num_attention_heads) == (hidden, inter, heads)
+    assert draft.draft_vocab_size == 32000 and draft.vocab_size == tc["vocab_size"]
+    assert draft.max_position_embeddings >= tc["max_position_embeddings"]
+    assert draft.num_attention_heads * draft.head_dim >= hidden // 2
+
+
+def test_kimi_k25_reads_nested_text_config():
+    target_cfg = json.loads((CONFIGS / "targets" / "kimi-k2.5.json").read_text())
+    assert "hidden_size" not in target_cfg and target_cfg["text_config"]["hidden_size"] == 7168
+    draft = draft_config_from_target(target_cfg, num_aux=3, draft_vocab_size=32000,
+                                     overrides=load_pipeline_config(CONFIGS / "kimi-k2.5.yaml").train.draft)
+    assert draft.max_position_embeddings == 262144 and draft.vocab_size == 163840
+    assert draft.bos_token_id == 163584
