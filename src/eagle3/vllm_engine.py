@@ -11,7 +11,7 @@ AVX-512; see `python -m eagle3.vllm_engine --help` to re-measure):
   VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives the worker both cores, but on a shared (oversubscribed) box the two
   spinning OpenMP threads lose badly (measured 218 vs 585 tok/s at load ~15), so the default keeps vLLM's
   reservation; `setup_cpu_env(all_cores=True)` or EAGLE3_VLLM_ALL_CORES=1 opts in on an idle machine.
-* KV cache: VLLM_CPU_KVCACHE_SPACE (GiB) defaults to 4 here unless set (vLLM's own default sizes it from
+* KV cache: VLLM_CPU_KVCACHE_SPACE (GiB) defaults to 2 here unless set (vLLM's own default sizes it from
   free memory, which is unfriendly on a shared box).
 
 Engines must not coexist in one process (metrics are process-global Prometheus counters and each engine
@@ -32,7 +32,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 #: env defaults applied by setup_cpu_env (never overriding what the user set)
-DEFAULT_KVCACHE_GIB = "4"
+DEFAULT_KVCACHE_GIB = "2"
 
 
 def cpu_has_native_bf16() -> bool:
