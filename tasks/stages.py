@@ -163,6 +163,7 @@ def _stage_task(stage: str):
         retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S) if RETRY_BASE_S > 0 else 0,
         retry_jitter_factor=0.2 if RETRY_BASE_S > 0 else None,
         retry_condition_fn=retry_transient_only,
+        log_prints=False,  # in-process libraries print progress noise; GPU stages stream via the logger
     )
 
 

@@ -90,13 +90,28 @@ def run_flow(flow_fn, *args, **kwargs):
     return state, state.state_details.flow_run_id, time.time() - t0
 
 
-def task_runs(flow_run_id) -> list[Any]:
+def _read_task_runs(flow_run_id) -> list[Any]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     return sorted(runs, key=lambda r: r.created)
+
+
+def task_runs(flow_run_id, timeout_s: float = 30.0) -> list[Any]:
+    """Task runs of a flow run, once the API has recorded them all in a final state (task run states
+    reach the API through events, a moment after the flow returns)."""
+    deadline = time.time() + timeout_s
+    previous = None
+    while True:
+        runs = _read_task_runs(flow_run_id)
+        settled = runs and all(r.state is not None and r.state.is_final() for r in runs)
+        signature = [(r.id, r.state.name if r.state else None) for r in runs]
+        if (settled and signature == previous) or time.time() > deadline:
+            return runs
+        previous = signature if settled else None
+        time.sleep(0.5)
 
 
 def child_flow_runs(flow_run_id) -> list[Any]:
@@ -348,7 +363,10 @@ def test_retrain_promotes_better_keeps_current_when_worse(base, tmp_path, monkey
 
 def test_blocks_keep_the_token_secret(prefect_harness, tiny_llama, tmp_path):
     from blocks.eagle3_blocks import HardwareProfile, StorageLocation, TargetModelSource
+    from blocks.register import main as register
 
+    assert register(["--example"]) == 0  # the documented `python -m blocks.register --example`
+    assert HardwareProfile.load("demo").work_pool == "gpu-1x"
     src = TargetModelSource(hub_id="org/model", revision="abc123", token="hf_secret_value")
     assert "hf_secret_value" not in repr(src) and "hf_secret_value" not in str(src.model_dump())
     src.save("tiny-hub", overwrite=True)
