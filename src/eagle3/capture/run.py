@@ -230,7 +230,7 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
                     todo.append(np.asarray(rows["input_ids"][k]))
                     todo_idx.append(k)
                 states = backend.capture(todo) if todo else []
-                got = dict(zip(todo_idx, states, strict=True))
+                got = dict(zip(todo_idx, _to_storage(states, store_dtype), strict=True))
                 for k in range(j - i):
                     idx = i + k
                     n = int(lengths[idx])
@@ -239,9 +239,8 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
                     elif k not in got:
                         buf.skip(idx, "too_long")
                     else:
-                        st = got[k]  # [T, A+1, H]
-                        st_store = st.to(store_dtype)  # [T, A+1, H]
-                        if not (bool(torch.isfinite(st).all()) and bool(torch.isfinite(st_store).all())):
+                        st_store, finite = got[k]  # [T, A+1, H], bool
+                        if not finite:
                             buf.skip(idx, "non_finite")
                         else:
                             buf.add(idx, str(rows["sample_id"][k]), torch.as_tensor(rows["input_ids"][k]),
@@ -302,6 +301,29 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     write_json(out / MANIFEST, manifest)
     return _result(out, manifest, resumed=resumed, wall=time.time() - t0, cap=cap_s, tok_now=tokens_now,
                    extra={"backend_info": backend_info})
+
+
+def _to_storage(states: list[Any], store_dtype: Any) -> list[tuple[Any, bool]]:
+    """Cast a chunk's per-sample states to the storage dtype and flag non-finite samples.
+
+    Done once over the concatenated chunk: thousands of small per-sample torch ops are very slow
+    when the CPU is oversubscribed (every op enters an OpenMP barrier).
+    """
+    import torch
+
+    if not states:
+        return []
+    lens = [int(s.shape[0]) for s in states]
+    cat = torch.cat(states)  # [N, A+1, H] compute dtype
+    stored = cat.to(store_dtype)  # [N, A+1, H]
+    # non-finite in the compute dtype, or created by the cast (fp16 overflow)
+    row_ok = torch.isfinite(cat).flatten(1).all(1)  # [N]
+    if stored.dtype != cat.dtype:
+        row_ok &= torch.isfinite(stored).flatten(1).all(1)  # [N]
+    bounds = torch.tensor([0, *lens]).cumsum(0)  # [S+1]
+    bad_before = torch.cat([torch.zeros(1, dtype=torch.long), (~row_ok).long().cumsum(0)])  # [N+1]
+    sample_ok = (bad_before[bounds[1:]] - bad_before[bounds[:-1]]) == 0  # [S]
+    return list(zip(stored.split(lens), sample_ok.tolist(), strict=True))
 
 
 def _fold(last: dict[str, Any], buf: ShardBuffer) -> None:

@@ -34,8 +34,6 @@ def engine_kwargs(target: str, dtype: str, batch_tokens: int, max_model_len: int
         enable_prefix_caching=False,
         enforce_eager=True,
         tensor_parallel_size=tensor_parallel_size,
-        # TP=1: run the worker inside the engine-core process (one process spawn less at start-up)
-        distributed_executor_backend="uni" if tensor_parallel_size == 1 else None,
         seed=0,
     )
 
@@ -60,8 +58,11 @@ class VLLMBackend:
             self.llm = LLM(worker_extension_cls=EXTENSION, **self.kwargs)
         infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.layers,))
         info = dict(infos[0])
-        # several generate() calls per shard keep the engine full while bounding worker memory
-        info["chunk_tokens"] = max(8 * self.batch_tokens, 16384)
+        # Prompts per generate() call: many engine steps' worth keeps the engine full (a partly filled
+        # step only at the end of each call), while the worker's buffered states stay <= ~1 GiB.
+        item = 4 if info["dtype"] == "float32" else 2
+        per_token = (len(self.layers) + 1) * int(info["hidden_size"]) * item
+        info["chunk_tokens"] = max(self.batch_tokens, min(max(8 * self.batch_tokens, 16384), (1 << 30) // per_token))
         return info
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
