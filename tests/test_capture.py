@@ -26,7 +26,7 @@ def make_prepared(target: Path, out: Path, num: int = NUM_PROMPTS, seed: int = 0
 
     tok = AutoTokenizer.from_pretrained(str(target))
     rows = []
-    for i, conv in enumerate(tiny_conversations(num * 2, seed=seed, max_turns=4)):
+    for conv in tiny_conversations(num * 2, seed=seed, max_turns=4):
         ids = tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=False)
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         want = 20 + step * (len(rows) % 12)

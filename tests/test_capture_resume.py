@@ -19,7 +19,6 @@ import torch
 
 from eagle3.capture import load_captured, load_manifest, run_capture
 from eagle3.config import CaptureConfig
-
 from test_capture import make_prepared
 
 NUM = 40
