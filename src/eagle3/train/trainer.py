@@ -1,11 +1,17 @@
 """`run_train(cfg)`: read target/vocab/capture -> build draft -> TTT training loop -> checkpoints + metadata.
 
 Layout under cfg.out:
-    checkpoints/step-N/   model.safetensors (draft minus the frozen embedding, fp32), optimizer.pt,
+    checkpoints/step-N/   model.safetensors (draft minus the frozen embedding, fp32), optimizer.pt (optimizer +
+                          scheduler; under FSDP scheduler only, plus optimizer/rank-R-of-W.pt shards),
                           trainer_state.json (step, loader epoch/cursor, best), rng.pt, eagle3_draft.json
     best/                 model.safetensors + eagle3_draft.json of the best validation sim_accept_len
     final/                the same for the last step
     logs/metrics.jsonl    one record per log/eval event;  tb/  TensorBoard scalars;  curves.png
+
+Loss normalisation: each micro-batch's loss is sum_j loss_decay**j * (mean soft-CE over its supervised,
+in-draft-vocab rows of step j); micro-batches are averaged (/grad_accum) and DDP/FSDP average over ranks.
+Resume restores weights, optimizer, scheduler, step, loader (epoch, cursor) and RNG, so N steps straight ==
+N/2 + resume + N/2 bit-exactly on CPU fp32 (tests/test_train.py) and across FSDP ranks (checked with gloo).
 """
 
 from __future__ import annotations
