@@ -42,5 +42,6 @@ def dispatch_stage(stage: str, config: dict[str, Any], upstream: dict[str, Any],
     if not stamp or stamp.get("status") != "done":
         raise StageError(stage, f"deployment run {flow_run.name} completed but {config['out']} holds no finished "
                                 "stamp: is the work dir on storage both pools can see?")
-    keep = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "result")
-    return {k: stamp.get(k) for k in keep}
+    from tasks.stages import MANIFEST_KEYS
+
+    return {k: stamp.get(k) for k in MANIFEST_KEYS}
