@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.data.formats import Conversation, ReadResult, iter_prompts, read_conversations, read_prompts
+from eagle3.data.formats import (
+    Conversation,
+    ReadResult,
+    iter_prompts,
+    read_conversations,
+    read_prompts,
+)
 
 SHAREGPT = {
     "id": "sg-1",

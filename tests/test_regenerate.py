@@ -10,7 +10,13 @@ import pytest
 
 from eagle3.config import RegenerateConfig
 from eagle3.data.formats import read_conversations
-from eagle3.data.regenerate import PARTIAL, PROGRESS, RegenerateResult, generation_points, run_regenerate
+from eagle3.data.regenerate import (
+    PARTIAL,
+    PROGRESS,
+    RegenerateResult,
+    generation_points,
+    run_regenerate,
+)
 
 MAX_MODEL_LEN = 256
 MAX_NEW = 16

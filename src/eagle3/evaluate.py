@@ -105,7 +105,7 @@ def _metrics_dict(metrics: list[Any]) -> dict[str, Any]:
     """Counters summed over labels (engines); the per-position vector summed element-wise."""
     out: dict[str, Any] = {}
     for m in metrics:
-        if hasattr(m, "values") and isinstance(getattr(m, "values"), list):
+        if hasattr(m, "values") and isinstance(m.values, list):
             prev = out.get(m.name, [])
             vals = list(m.values)
             n = max(len(prev), len(vals))

@@ -55,7 +55,7 @@ def build_random_draft(
     tcfg = json.loads((target / "config.json").read_text())
     tcfg = tcfg.get("text_config", tcfg)
     H = int(tcfg["hidden_size"])
-    I = int(tcfg["intermediate_size"])
+    inter = int(tcfg["intermediate_size"])
     nh = int(tcfg["num_attention_heads"])
     nkv = int(tcfg.get("num_key_value_heads", nh))
     hd = int(tcfg.get("head_dim") or H // nh)
@@ -89,9 +89,9 @@ def build_random_draft(
         "midlayer.self_attn.k_proj.weight": rnd(nkv * hd, 2 * H),
         "midlayer.self_attn.v_proj.weight": rnd(nkv * hd, 2 * H),
         "midlayer.self_attn.o_proj.weight": rnd(H, nh * hd),
-        "midlayer.mlp.gate_proj.weight": rnd(I, H),
-        "midlayer.mlp.up_proj.weight": rnd(I, H),
-        "midlayer.mlp.down_proj.weight": rnd(H, I),
+        "midlayer.mlp.gate_proj.weight": rnd(inter, H),
+        "midlayer.mlp.up_proj.weight": rnd(inter, H),
+        "midlayer.mlp.down_proj.weight": rnd(H, inter),
         "norm.weight": ones(H),
         "lm_head.weight": rnd(dv, H),
         # draft id i -> target id i + d2t[i]; t2d[t] = target id t is in the draft vocab
@@ -103,7 +103,7 @@ def build_random_draft(
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": H,
-        "intermediate_size": I,
+        "intermediate_size": inter,
         "num_attention_heads": nh,
         "num_key_value_heads": nkv,
         "head_dim": hd,
