@@ -8,13 +8,40 @@ Exit status: 0 ok, 2 config/validation error, 3 out of memory, 1 anything else. 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
 
+def start_parent_watchdog(interval_s: float = 2.0, grace_s: float = 10.0) -> threading.Thread:
+    """If the task process that started us dies (even by SIGKILL), take our whole process group
+    (vLLM engine cores included) down with us instead of running on as an orphan holding a GPU."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                print(f"stage process: parent {parent} is gone; stopping process group", file=sys.stderr, flush=True)
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.killpg(os.getpgrp(), sig)
+                    except ProcessLookupError:
+                        return
+                    time.sleep(grace_s)
+
+    t = threading.Thread(target=watch, name="eagle3-parent-watchdog", daemon=True)
+    t.start()
+    return t
+
+
 def main(argv: list[str]) -> int:
     stage, config_json, result_json = argv
+    start_parent_watchdog()
     from eagle3.cli import _jsonable, resolve_function
     from eagle3.config import build_stage_config
     from tasks.errors import classify_exception

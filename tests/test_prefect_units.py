@@ -194,3 +194,32 @@ def test_progress_probes_read_stage_files(tmp_path):
     (cap.out / "progress.json").write_text(json.dumps({"shards": [{"next_index": 2}, {"next_index": 6}]}))
     assert make_probe("capture", cap)() == pytest.approx(0.75)
     assert make_probe("export", cap) is None
+
+
+def test_stage_process_dies_with_its_parent(tmp_path):
+    """The task process is SIGKILLed: the stage process (own session) notices and stops its group."""
+    import subprocess
+
+    pidfile = tmp_path / "stage.pid"
+    stage = ("import os, time\nfrom tasks._stage_main import start_parent_watchdog\n"
+             f"start_parent_watchdog(interval_s=0.2, grace_s=1)\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+             "time.sleep(300)")
+    parent = ("import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, '-c', {stage!r}], start_new_session=True)\ntime.sleep(300)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", parent], env=env)
+    for _ in range(200):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.1)
+    pid = int(pidfile.read_text())
+    p.kill()
+    p.wait()
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    pytest.fail("the stage process outlived its parent")
