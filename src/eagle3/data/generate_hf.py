@@ -24,57 +24,59 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def generate_hf(
-    target: str,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    device: str = "auto",
-    batch_size: int = 256,
-    dtype: str = "bfloat16",
-) -> list[Generation]:
-    """Generate for every prompt (token ids); greedy when temperature == 0. Order of outputs = prompts."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+class HfGenerator:
+    """A transformers causal LM loaded once, generating for batches of token-id prompts."""
 
-    dev = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).to(dev).eval()
-    gen_cfg = GenerationConfig.from_model_config(model.config)
-    eos = gen_cfg.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    pad_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else next(iter(eos_ids), 0)
-    torch.manual_seed(seed)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
-    results: list[Generation | None] = [None] * len(prompts)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)  # (B, T) left-padded
-        attn = torch.zeros((len(idx), width), dtype=torch.long)  # (B, T)
-        for row, i in enumerate(idx):
-            p = prompts[i]
-            input_ids[row, width - len(p) :] = torch.tensor(p)
-            attn[row, width - len(p) :] = 1
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids.to(dev),
-                attention_mask=attn.to(dev),
-                max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_p=top_p if temperature > 0 else None,
-                top_k=None,
-                pad_token_id=pad_id,
-                eos_token_id=sorted(eos_ids) or None,
-            )  # (B, T + new)
-        new = out[:, width:].tolist()
-        for row, i in enumerate(idx):
-            toks = new[row]
-            cut = next((j for j, t in enumerate(toks) if t in eos_ids), None)
-            if cut is not None:
-                results[i] = Generation(token_ids=toks[: cut + 1], finish_reason="stop")
-            else:
-                results[i] = Generation(token_ids=toks, finish_reason="length")
-    return [r for r in results if r is not None]
+    def __init__(self, target: str, device: str = "auto", dtype: str = "auto", batch_size: int = 256):
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.device = resolve_device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        self.batch_size = batch_size
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).to(self.device).eval()
+        gen_cfg = GenerationConfig.from_model_config(self.model.config)
+        eos = gen_cfg.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.pad_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else next(iter(self.eos_ids), 0)
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+    ) -> list[Generation]:
+        """Generate for every prompt; greedy when temperature == 0. Outputs are in prompt order."""
+        import torch
+
+        torch.manual_seed(seed)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
+        results: list[Generation | None] = [None] * len(prompts)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            input_ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)  # (B, T) left-padded
+            attn = torch.zeros((len(idx), width), dtype=torch.long)  # (B, T)
+            for row, i in enumerate(idx):
+                p = prompts[i]
+                input_ids[row, width - len(p) :] = torch.tensor(p)
+                attn[row, width - len(p) :] = 1
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=attn.to(self.device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=temperature > 0,
+                    temperature=temperature if temperature > 0 else None,
+                    top_p=top_p if temperature > 0 else None,
+                    top_k=None,
+                    pad_token_id=self.pad_id,
+                    eos_token_id=sorted(self.eos_ids) or None,
+                )  # (B, T + new)
+            new = out[:, width:].tolist()
+            for row, i in enumerate(idx):
+                toks = new[row]
+                cut = next((j for j, t in enumerate(toks) if t in self.eos_ids), None)
+                if cut is not None:
+                    results[i] = Generation(token_ids=toks[: cut + 1], finish_reason="stop")
+                else:
+                    results[i] = Generation(token_ids=toks, finish_reason="length")
+        return [r for r in results if r is not None]

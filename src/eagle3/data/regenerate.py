@@ -51,7 +51,8 @@ PROGRESS = "progress.json"
 MANIFEST = "manifest.json"
 
 #: RegenerateConfig fields that change the generated text; a resume requires them unchanged.
-_FINGERPRINT_FIELDS = ("target", "data", "max_new_tokens", "temperature", "top_p", "batch_size", "max_model_len", "seed", "dtype")
+_FINGERPRINT_FIELDS = ("target", "data", "max_new_tokens", "temperature", "top_p", "batch_size", "max_model_len", "seed", "dtype",
+                       "backend")
 
 
 @dataclass
@@ -121,19 +122,51 @@ class _Stats:
         return cls(d["turns"], d["generated_tokens"], Counter(d["finish"]), Counter(d["dropped"]))
 
 
+class _VllmGenerator:
+    """vLLM offline generation behind the same call as HfGenerator.generate."""
+
+    def __init__(self, llm: Any, cfg: RegenerateConfig):
+        self.llm, self.cfg = llm, cfg
+
+    def generate(self, prompts: list[list[int]], seeds: list[int | None]) -> list[tuple[list[int], str, str]]:
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        params = [
+            SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
+                           max_tokens=cfg.max_new_tokens, seed=seed)
+            for seed in seeds
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason or "unknown") for o in outputs]
+
+
+class _HfBackendGenerator:
+    """transformers generation (hosts without vLLM); text decoded as vLLM does (special tokens skipped)."""
+
+    def __init__(self, cfg: RegenerateConfig, tok: _Tokenizer):
+        from eagle3.data.generate_hf import HfGenerator
+
+        self.cfg, self.tok = cfg, tok
+        self.gen = HfGenerator(str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int | None]) -> list[tuple[list[int], str, str]]:
+        cfg = self.cfg
+        outs = self.gen.generate(prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed=cfg.seed)
+        return [(g.token_ids, self.tok.tok.decode(g.token_ids, skip_special_tokens=True), g.finish_reason) for g in outs]
+
+
 def _regenerate_batch(
-    llm: Any, tok: _Tokenizer, convs: list[tuple[int, Conversation]], cfg: RegenerateConfig, stats: _Stats
+    gen: Any, tok: _Tokenizer, convs: list[tuple[int, Conversation]], cfg: RegenerateConfig, stats: _Stats
 ) -> list[dict[str, Any]]:
     """Regenerate one batch turn by turn; returns the output rows (in input order)."""
-    from vllm import SamplingParams
-
     max_prompt = cfg.max_model_len - cfg.max_new_tokens
     states = []
     for row_index, conv in convs:
         states.append({"row": row_index, "conv": conv, "points": generation_points(conv.messages), "out": [], "next": 0, "done": False})
     turn = 0
     while True:
-        active, prompts, params = [], [], []
+        active, prompts, seeds = [], [], []
         for st in states:
             if st["done"] or turn >= len(st["points"]):
                 st["done"] = True
@@ -148,29 +181,20 @@ def _regenerate_batch(
                 continue
             st["pending"] = context
             active.append(st)
-            prompts.append({"prompt_token_ids": ids})
-            seed = None if cfg.temperature == 0 else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31)
-            params.append(
-                SamplingParams(
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
-                    max_tokens=cfg.max_new_tokens,
-                    seed=seed,
-                )
-            )
+            prompts.append(ids)
+            seeds.append(None if cfg.temperature == 0 else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31))
         if not active:
             break
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        for st, o in zip(active, outputs, strict=True):
-            c = o.outputs[0]
-            stats.finish[c.finish_reason or "unknown"] += 1
-            stats.generated_tokens += len(c.token_ids)
-            if not c.text.strip():
+        outputs = gen.generate(prompts, seeds)
+        for st, (token_ids, text, finish_reason) in zip(active, outputs, strict=True):
+            stats.finish[finish_reason] += 1
+            stats.generated_tokens += len(token_ids)
+            if not text.strip():
                 stats.dropped["empty_answer" if turn == 0 else "truncated_empty_answer"] += 1
                 st["done"] = True
                 continue
             stats.turns += 1
-            st["out"] = st.pop("pending") + [{"role": "assistant", "content": c.text}]
+            st["out"] = st.pop("pending") + [{"role": "assistant", "content": text}]
         turn += 1
     rows = []
     for st in states:
@@ -245,25 +269,30 @@ def run_regenerate(
         progress_path.unlink(missing_ok=True)
         partial.touch()
 
-    from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
-
-    kwargs = engine_kwargs(
-        cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size,
-        seed=cfg.seed, enable_prefix_caching=False,
-    )
-    if llm is None:
-        setup_cpu_env()
-        from vllm import LLM
-
-        llm = LLM(**kwargs)
     tok = _Tokenizer(cfg.target)
+    if cfg.backend == "hf":
+        gen: Any = _HfBackendGenerator(cfg, tok)
+        engine: dict[str, Any] = {"backend": "hf", "device": gen.gen.device, "dtype": str(gen.gen.model.dtype).removeprefix("torch.")}
+    else:
+        from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
+
+        engine = engine_kwargs(
+            cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+            tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed, enable_prefix_caching=False,
+        )
+        if llm is None:
+            setup_cpu_env()
+            from vllm import LLM
+
+            llm = LLM(**engine)
+        gen = _VllmGenerator(llm, cfg)
 
     bs = cfg.batch_size
     bar = tqdm(total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True)
     written = _count_lines(partial) if start else 0
     gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
     for batch_index, b in enumerate(range(start, len(convs), bs), start=start // bs):
-        rows = _regenerate_batch(llm, tok, convs[b : b + bs], cfg, stats)
+        rows = _regenerate_batch(gen, tok, convs[b : b + bs], cfg, stats)
         size = _append_rows(partial, rows)
         written += len(rows)
         done = min(b + bs, len(convs))
@@ -296,7 +325,7 @@ def run_regenerate(
         "finish_reasons": dict(stats.finish),
         "input_formats": dict(read.formats),
         "config": cfg.model_dump(mode="json"),
-        "engine": {k: v for k, v in kwargs.items()},
+        "engine": dict(engine),
         "decode_tokens_per_s_this_run": round((stats.generated_tokens - gen_tokens0) / max(gen_s, 1e-9), 1),
         "resumed_from_row": start,
         "elapsed_s": round(elapsed, 1),
