@@ -60,7 +60,9 @@ def eagle3_pipeline(
 
     if cfg.regenerate.enabled:
         stage("regenerate")                        # 1. the target writes the answers (on-policy data)
-    stage("prepare", "regenerate")                 # 2. chats -> token ids + assistant loss masks
+    stage("prepare")                               # 2. chats -> token ids + assistant loss masks
+    #   (after regenerate, prepare's `data` is regenerated/conversations.jsonl: keyed by that file's
+    #    content, so a regenerate rerun that writes the same answers leaves prepare cached)
     stage("capture", "prepare")                    # 3. aux + last hidden states of the target
     stage("vocab", "prepare")                      # 4. draft vocabulary (d2t / t2d)
     stage("train", "capture", "vocab")             # 5. the EAGLE-3 draft

@@ -142,7 +142,7 @@ def layer_sweep(config: PipelineConfig, layer_sets: list[list[int]], max_concurr
     shared = StageRunner(cfg, dispatch=dispatch)
     if cfg.regenerate.enabled:
         shared("regenerate")
-    shared("prepare", "regenerate")
+    shared("prepare")
     shared("vocab", "prepare")
 
     slots = threading.BoundedSemaphore(max_concurrency)
