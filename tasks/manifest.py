@@ -16,6 +16,7 @@ are gone or altered).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -86,8 +87,11 @@ def iter_files(root: Path) -> Iterable[Path]:
             yield p
 
 
+@functools.cache
 def code_version(stage: str) -> str:
-    """sha256 over the stage's library sources (and config.py/io.py) plus CACHE_EPOCH."""
+    """sha256 over the stage's library sources (and config.py/io.py) plus CACHE_EPOCH. Computed once
+    per process: a flow run keys its stages by the code it started with (each deployment run and each
+    `eagle3 run` is a fresh process)."""
     import eagle3
 
     root = Path(eagle3.__file__).parent
