@@ -187,11 +187,9 @@ def test_bad_layer_ids(tiny_llama, prepared_llama, tmp_path, layers):
     assert not (tmp_path / "o").exists()
 
 
-def test_missing_paths_and_fp8(tiny_llama, prepared_llama, tmp_path):
+def test_missing_paths(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="--data"):
         run_capture(CaptureConfig(target=str(tiny_llama), out=tmp_path / "o"))
-    with pytest.raises(ConfigError, match="storage_dtype = 'fp8'"):
-        run_capture(CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", storage_dtype="fp8"))
 
 
 def test_disk_space_refusal(tiny_llama, prepared_llama, tmp_path):

@@ -39,8 +39,10 @@ def _final_norm(model: Any) -> Any:
 class HFBackend:
     name = "hf"
 
-    def __init__(self, target: str, layers: list[int], dtype: str, device: str, batch_tokens: int):
+    def __init__(self, target: str, layers: list[int], dtype: str, device: str, batch_tokens: int,
+                 storage_dtype: str | None = None):
         self.target, self.layers, self.dtype_name = target, list(layers), dtype
+        self.storage_dtype = storage_dtype or dtype
         self.device = resolve_device(device)
         self.batch_tokens = batch_tokens
         self.model: Any = None
@@ -56,7 +58,8 @@ class HFBackend:
         return {"device": self.device, "chunk_tokens": self.batch_tokens}
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
-        """States for each sample: tensor [T, A + 1, H] (aux in `layers` order, then last), on CPU."""
+        """States of each sample in storage form (eagle3.capture.quant.Stored: [T, A + 1, H], aux in
+        `layers` order then last), converted on the device, returned on CPU."""
         import torch
 
         out: list[Any] = [None] * len(samples)
@@ -85,11 +88,19 @@ class HFBackend:
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                 output_hidden_states=True, use_cache=False, logits_to_keep=1,
             )
+        from .quant import Stored, stack_to_storage
+
         hs = res.hidden_states
         last = self._pre_norm[-1]  # [B, Tmax, H]
-        states = torch.stack([hs[k] for k in self.layers] + [last], dim=2).cpu()  # [B, Tmax, A+1, H]
+        # stack + convert to the storage dtype on the device: only storage bytes cross to the CPU
+        states, scales, row_ok = stack_to_storage([hs[k] for k in self.layers] + [last], self.storage_dtype)
+        states = states.cpu()  # [B, Tmax, A+1, H]
+        scales = None if scales is None else scales.cpu()  # [B, Tmax, A+1]
+        row_ok = row_ok.cpu()  # [B, Tmax]
         for r, i in enumerate(batch):
-            out[i] = states[r, : lens[r]].clone()  # [T, A+1, H]
+            n = lens[r]
+            # [r, :n] of a contiguous [B, Tmax, ...] tensor is itself contiguous: a view, no copy
+            out[i] = Stored(states[r, :n], None if scales is None else scales[r, :n], bool(row_ok[r, :n].all()))
 
     def close(self) -> None:
         self.model = None

@@ -32,6 +32,7 @@ from .storage import (
     bytes_per_token,
     load_progress,
     save_progress,
+    storage_info,
     write_shard,
 )
 
@@ -126,7 +127,8 @@ def _disk_check(out: Path, needed: int, min_free_gb: float) -> int:
         raise ValueError(
             f"capture needs {needed / 1e9:.2f} GB in {out} plus CaptureConfig.min_free_disk_gb = {min_free_gb} GB "
             f"kept free, but only {free / 1e9:.2f} GB is free on that disk: free space, choose another --out, "
-            f"lower --min-free-disk-gb, use --storage-dtype bfloat16, or capture fewer samples (--limit)"
+            f"lower --min-free-disk-gb, use a smaller --storage-dtype (bfloat16 halves float32, fp8 halves "
+            f"bfloat16), or capture fewer samples (--limit)"
         )
     return free
 
@@ -135,11 +137,11 @@ def _make_backend(cfg: CaptureConfig, layers: list[int], max_model_len: int, llm
     if cfg.backend == "hf":
         from .hf_backend import HFBackend
 
-        return HFBackend(str(cfg.target), layers, cfg.dtype, cfg.device, cfg.batch_tokens)
+        return HFBackend(str(cfg.target), layers, cfg.dtype, cfg.device, cfg.batch_tokens, cfg.storage_dtype)
     from .vllm_backend import VLLMBackend
 
     return VLLMBackend(str(cfg.target), layers, cfg.dtype, cfg.batch_tokens, max_model_len,
-                       cfg.tensor_parallel_size, llm=llm)
+                       cfg.tensor_parallel_size, llm=llm, storage_dtype=cfg.storage_dtype)
 
 
 def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
@@ -151,18 +153,13 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
 
     t0 = time.time()
     cfg.require("target", "data", "out")
-    if cfg.storage_dtype == "fp8":
-        raise ConfigError(
-            "CaptureConfig.storage_dtype = 'fp8' is not implemented yet: use bfloat16 (default), float16 or float32"
-        )
     info = target_info(cfg.target)
     layers = resolve_layers(cfg.layers, info.num_hidden_layers)
     out = Path(cfg.out)
     ds = load_prepared(cfg.data)
     prep_manifest = load_prepared_manifest(cfg.data)
     n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
-    ids_col = ds["input_ids"][:n_total] if n_total else []
-    lengths = np.array([len(x) for x in ids_col], dtype=np.int64)  # [n_total]
+    lengths = _lengths(ds, n_total)  # [n_total]
     max_len = int(lengths.max()) if n_total else 1
     # vLLM needs room for the one generated token: prompt_len + 1 <= max_model_len
     max_model_len = cfg.max_model_len or max_len + 1
@@ -229,8 +226,8 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
                         continue
                     todo.append(np.asarray(rows["input_ids"][k]))
                     todo_idx.append(k)
-                states = backend.capture(todo) if todo else []
-                got = dict(zip(todo_idx, _to_storage(states, store_dtype), strict=True))
+                # Stored per sample: already in the storage dtype (converted by the backend on its device)
+                got = dict(zip(todo_idx, backend.capture(todo) if todo else [], strict=True))
                 for k in range(j - i):
                     idx = i + k
                     n = int(lengths[idx])
@@ -239,12 +236,12 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
                     elif k not in got:
                         buf.skip(idx, "too_long")
                     else:
-                        st_store, finite = got[k]  # [T, A+1, H], bool
-                        if not finite:
+                        st = got[k]  # Stored: states [T, A+1, H] (+ fp8 scales [T, A+1]), finite flag
+                        if not st.finite:
                             buf.skip(idx, "non_finite")
                         else:
-                            buf.add(idx, str(rows["sample_id"][k]), torch.as_tensor(rows["input_ids"][k]),
-                                    torch.as_tensor(rows["loss_mask"][k]), st_store[:, :n_aux], st_store[:, n_aux])
+                            buf.add_stored(idx, str(rows["sample_id"][k]), torch.as_tensor(rows["input_ids"][k]),
+                                           torch.as_tensor(rows["loss_mask"][k]), st, n_aux)
                             tokens_now += n
                     if buf.num_tokens >= cfg.shard_tokens:
                         shards.append(write_shard(out, len(shards), buf))
@@ -282,6 +279,7 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
         "num_hidden_layers": info.num_hidden_layers,
         "hidden_size": info.hidden_size,
         "dtype": cfg.storage_dtype,
+        "storage": storage_info(cfg.storage_dtype),
         "compute_dtype": cfg.dtype,
         "backend": cfg.backend,
         "bytes_per_token": bpt,
@@ -303,27 +301,14 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
                    extra={"backend_info": backend_info})
 
 
-def _to_storage(states: list[Any], store_dtype: Any) -> list[tuple[Any, bool]]:
-    """Cast a chunk's per-sample states to the storage dtype and flag non-finite samples.
+def _lengths(ds: Any, n: int) -> np.ndarray:
+    """Token count of the first n prepared samples, from the Arrow offsets (no token is materialised)."""
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    import pyarrow.compute as pc
 
-    Done once over the concatenated chunk: thousands of small per-sample torch ops are very slow
-    when the CPU is oversubscribed (every op enters an OpenMP barrier).
-    """
-    import torch
-
-    if not states:
-        return []
-    lens = [int(s.shape[0]) for s in states]
-    cat = torch.cat(states)  # [N, A+1, H] compute dtype
-    stored = cat.to(store_dtype)  # [N, A+1, H]
-    # non-finite in the compute dtype, or created by the cast (fp16 overflow)
-    row_ok = torch.isfinite(cat).flatten(1).all(1)  # [N]
-    if stored.dtype != cat.dtype:
-        row_ok &= torch.isfinite(stored).flatten(1).all(1)  # [N]
-    bounds = torch.tensor([0, *lens]).cumsum(0)  # [S+1]
-    bad_before = torch.cat([torch.zeros(1, dtype=torch.long), (~row_ok).long().cumsum(0)])  # [N+1]
-    sample_ok = (bad_before[bounds[1:]] - bad_before[bounds[:-1]]) == 0  # [S]
-    return list(zip(stored.split(lens), sample_ok.tolist(), strict=True))
+    col = ds.with_format("arrow").select_columns(["input_ids"])[:n].column(0)  # list<int> [n]
+    return pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)  # [n]
 
 
 def _fold(last: dict[str, Any], buf: ShardBuffer) -> None:

@@ -16,11 +16,21 @@ Tensors in each shard (N = tokens in the shard, S = samples, A = number of aux l
     sample_offsets     int64   [S + 1]     (sample j = rows sample_offsets[j]:sample_offsets[j+1])
     sample_index       int64   [S]         (row of the sample in the prepared dataset)
 and the sample ids (strings) as JSON in the safetensors metadata key ``sample_ids``.
-No pickle anywhere: safetensors + JSON only. Every file is written under a temp name and renamed.
+With ``storage_dtype = "fp8"`` the two state tensors are float8_e4m3fn and each has a float32 scale
+per row and layer (see eagle3.capture.quant):
+    aux_hidden_states_scale   float32 [N, A]   aux_hidden_states  ~= fp8 * scale[..., None]
+    last_hidden_states_scale  float32 [N]      last_hidden_states ~= fp8 * scale[..., None]
+The readers (`iter_shards`, `load_captured`) dequantize fp8 shards to bfloat16 and drop the scales, so
+consumers see the same keys for every storage dtype (`iter_shards(..., dequantize=False)` gives the raw
+fp8 values and scales). The manifest's `storage` entry records the encoding and the scale layout.
+No pickle anywhere: safetensors + JSON only. Every file is written under a temp name and renamed, and
+hashed (sha256) while it is written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +41,8 @@ import torch
 
 from eagle3.io import atomic_path, read_json, sha256_file, write_json
 
+from .quant import FP8_MAX, FP8_READ_DTYPE, STORAGE_TORCH_DTYPES, Stored, dequantize_fp8
+
 FORMAT = "eagle3-capture/1"
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
@@ -40,7 +52,9 @@ LAYER_SEMANTICS = (
 )
 LAST_SEMANTICS = "output of the last decoder layer (hidden_states + residual), before the final norm"
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: storage_dtype -> dtype of the stored state tensors (fp8: float8_e4m3fn + float32 scales)
+TORCH_DTYPES = STORAGE_TORCH_DTYPES
+SCALE_KEYS = {"aux_hidden_states": "aux_hidden_states_scale", "last_hidden_states": "last_hidden_states_scale"}
 
 
 def shard_name(i: int) -> str:
@@ -48,9 +62,27 @@ def shard_name(i: int) -> str:
 
 
 def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: str) -> int:
-    """Bytes one captured token takes on disk: (A + 1) states of H values + int64 id + int8 mask."""
+    """Bytes one captured token takes on disk: (A + 1) states of H values + int64 id + int8 mask,
+    plus (A + 1) float32 scales for fp8."""
     item = torch.empty((), dtype=TORCH_DTYPES[storage_dtype]).element_size()
-    return (num_aux + 1) * hidden_size * item + 8 + 1
+    scales = (num_aux + 1) * 4 if storage_dtype == "fp8" else 0
+    return (num_aux + 1) * hidden_size * item + scales + 8 + 1
+
+
+def storage_info(storage_dtype: str) -> dict[str, Any]:
+    """The manifest's description of how states are stored (and what the reader returns)."""
+    if storage_dtype == "fp8":
+        return {
+            "dtype": "float8_e4m3fn",
+            "scales": {
+                "aux_hidden_states": {"key": SCALE_KEYS["aux_hidden_states"], "dtype": "float32", "shape": "[N, A]"},
+                "last_hidden_states": {"key": SCALE_KEYS["last_hidden_states"], "dtype": "float32", "shape": "[N]"},
+            },
+            "scale_layout": "per token, per layer: one float32 scale per row of H values",
+            "scale_rule": f"scale = max(|x|) over H / {FP8_MAX:g}; x ~= float(fp8) * scale",
+            "reader_dtype": str(FP8_READ_DTYPE).removeprefix("torch."),
+        }
+    return {"dtype": storage_dtype, "scales": None, "reader_dtype": storage_dtype}
 
 
 @dataclass
@@ -63,40 +95,121 @@ class ShardBuffer:
     loss_mask: list[torch.Tensor] = field(default_factory=list)
     aux: list[torch.Tensor] = field(default_factory=list)
     last: list[torch.Tensor] = field(default_factory=list)
+    aux_scale: list[torch.Tensor] = field(default_factory=list)
+    last_scale: list[torch.Tensor] = field(default_factory=list)
     sample_index: list[int] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     num_tokens: int = 0
 
     def add(self, index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            aux: torch.Tensor, last: torch.Tensor) -> None:
+            aux: torch.Tensor, last: torch.Tensor, aux_scale: torch.Tensor | None = None,
+            last_scale: torch.Tensor | None = None) -> None:
         self.input_ids.append(input_ids.to(torch.int64))  # [T]
         self.loss_mask.append(loss_mask.to(torch.int8))  # [T]
         self.aux.append(aux)  # [T, A, H]
         self.last.append(last)  # [T, H]
+        if aux_scale is not None:
+            self.aux_scale.append(aux_scale)  # [T, A] float32
+            self.last_scale.append(last_scale)  # [T] float32
         self.sample_index.append(index)
         self.sample_ids.append(sample_id)
         self.num_tokens += int(input_ids.shape[0])
         self.next_index = index + 1
+
+    def add_stored(self, index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                   st: Stored, num_aux: int) -> None:
+        """Add one sample from its storage form (states [T, A+1, H]: aux in order, then last)."""
+        sc = st.scales  # [T, A+1] or None
+        self.add(index, sample_id, input_ids, loss_mask, st.states[:, :num_aux], st.states[:, num_aux],
+                 None if sc is None else sc[:, :num_aux], None if sc is None else sc[:, num_aux])
 
     def skip(self, index: int, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         self.next_index = index + 1
 
 
+#: torch dtype -> (safetensors dtype name, rank in safetensors' Dtype enum: its writer orders by it, descending)
+ST_DTYPES = {torch.uint8: ("U8", 4), torch.int8: ("I8", 5), torch.float8_e4m3fn: ("F8_E4M3", 7),
+             torch.float16: ("F16", 11), torch.bfloat16: ("BF16", 12), torch.float32: ("F32", 15),
+             torch.int64: ("I64", 18)}
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run torch ops on one thread inside the block (restored after).
+
+    The driver's shard assembly is pure memory copying: with torch's default OpenMP team every
+    copy above the grain size enters a barrier, which costs seconds per shard when the cores are
+    oversubscribed (measured: cat of 400 sample views 0.07 s on 1 thread vs 0.3-2.8 s on 2)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: str | Path,
+                            metadata: dict[str, str] | None = None) -> str:
+    """Write `tensors` (CPU) as a safetensors file at `path`, hashing the bytes as they are written;
+    return the file's sha256 (no second read of the file).
+
+    Same layout as safetensors' own writer (header JSON with ``__metadata__`` first, tensors ordered by
+    dtype, largest first, then name; header padded with spaces to 8 bytes), so the file is
+    byte-identical to ``safetensors.torch.save`` up to the order of metadata keys, which safetensors
+    takes from a hash map (checked in the tests). Readers are safetensors' own."""
+    order = sorted(tensors, key=lambda k: (-ST_DTYPES[tensors[k].dtype][1], k))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    off = 0
+    for k in order:
+        t = tensors[k]
+        header[k] = {"dtype": ST_DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(head).to_bytes(8, "little"), head):
+            h.update(chunk)
+            f.write(chunk)
+        for k in order:
+            t = tensors[k]
+            if t.nbytes == 0:
+                continue
+            mv = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # zero-copy bytes
+            h.update(mv)
+            f.write(mv)
+    return h.hexdigest()
+
+
 def write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int = 0, hidden_size: int = 0,
                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Write `buf` as shard `shard_id` atomically; return its progress entry (with sha256).
 
-    num_aux/hidden_size/dtype only give the shapes of an empty shard (every sample skipped).
+    num_aux/hidden_size/dtype only give the shapes of an empty shard (every sample skipped); fp8
+    (`dtype` float8_e4m3fn, or scales in the buffer) adds the scale tensors.
     """
-    from safetensors.torch import save_file
+    with single_threaded():
+        return _write_shard(out, shard_id, buf, num_aux, hidden_size, dtype)
 
+
+def _write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int, hidden_size: int,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    fp8 = bool(buf.aux_scale) or dtype == torch.float8_e4m3fn
     if not buf.input_ids:
         buf.input_ids = [torch.zeros(0, dtype=torch.int64)]  # [0]
         buf.loss_mask = [torch.zeros(0, dtype=torch.int8)]  # [0]
         buf.aux = [torch.zeros((0, num_aux, hidden_size), dtype=dtype)]  # [0, A, H]
         buf.last = [torch.zeros((0, hidden_size), dtype=dtype)]  # [0, H]
+        if fp8:
+            buf.aux_scale = [torch.zeros((0, num_aux), dtype=torch.float32)]  # [0, A]
+            buf.last_scale = [torch.zeros(0, dtype=torch.float32)]  # [0]
         lengths = torch.zeros(0, dtype=torch.int64)  # [S=0]
     else:
         lengths = torch.tensor([t.shape[0] for t in buf.input_ids], dtype=torch.int64)  # [S]
@@ -104,20 +217,23 @@ def write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int = 0, hi
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)  # [S+1]
     torch.cumsum(lengths, 0, out=offsets[1:])
     tensors = {
-        "input_ids": torch.cat(buf.input_ids).contiguous(),  # [N]
-        "loss_mask": torch.cat(buf.loss_mask).contiguous(),  # [N]
-        "aux_hidden_states": torch.cat(buf.aux).contiguous(),  # [N, A, H]
-        "last_hidden_states": torch.cat(buf.last).contiguous(),  # [N, H]
+        "input_ids": torch.cat(buf.input_ids),  # [N]
+        "loss_mask": torch.cat(buf.loss_mask),  # [N]
+        "aux_hidden_states": torch.cat(buf.aux),  # [N, A, H]  (one copy out of the [T, A+1, H] views)
+        "last_hidden_states": torch.cat(buf.last),  # [N, H]
         "sample_offsets": offsets,  # [S+1]
         "sample_index": torch.tensor(buf.sample_index, dtype=torch.int64),  # [S]
     }
+    if fp8:
+        tensors[SCALE_KEYS["aux_hidden_states"]] = torch.cat(buf.aux_scale)  # [N, A] float32
+        tensors[SCALE_KEYS["last_hidden_states"]] = torch.cat(buf.last_scale)  # [N] float32
     name = shard_name(shard_id)
     path = out / name
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "sample_ids": json.dumps(buf.sample_ids)})
+        digest = save_safetensors_hashed(tensors, tmp, {"format": FORMAT, "sample_ids": json.dumps(buf.sample_ids)})
     return {
         "file": name,
-        "sha256": sha256_file(path),
+        "sha256": digest,
         "bytes": path.stat().st_size,
         "first_index": buf.first_index,
         "next_index": buf.next_index,
@@ -177,10 +293,13 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def iter_shards(path: str | Path, verify: bool = False) -> Iterator[dict[str, Any]]:
+def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True) -> Iterator[dict[str, Any]]:
     """Yield one dict per shard: the tensors of the shard format above plus `sample_ids` (list[str]).
 
     Efficient bulk access for trainers (one safetensors load per shard). `verify=True` checks sha256.
+    fp8 captures: the states are dequantized to bfloat16 and the scale tensors dropped, so the keys and
+    dtypes are those of a bfloat16 capture; `dequantize=False` yields the stored float8_e4m3fn states
+    with their float32 `*_scale` tensors instead (e.g. to dequantize on the GPU).
     """
     from safetensors import safe_open
 
@@ -195,6 +314,10 @@ def iter_shards(path: str | Path, verify: bool = False) -> Iterator[dict[str, An
         with safe_open(str(f), framework="pt") as st:
             shard: dict[str, Any] = {k: st.get_tensor(k) for k in st.keys()}
             shard["sample_ids"] = json.loads(st.metadata()["sample_ids"])
+        if dequantize:
+            for key, skey in SCALE_KEYS.items():
+                if skey in shard:
+                    shard[key] = dequantize_fp8(shard[key], shard.pop(skey))  # bfloat16
         yield shard
 
 
@@ -203,6 +326,7 @@ def load_captured(path: str | Path, verify: bool = False) -> Iterator[dict[str, 
 
     Keys: input_ids (int64 [T]), loss_mask (int64 [T]), aux_hidden_states ([T, A, H]),
     last_hidden_states ([T, H]), sample_id (str), sample_index (int: row in the prepared dataset).
+    States come in the manifest's storage dtype, except fp8 captures, which are dequantized to bfloat16.
     """
     for shard in iter_shards(path, verify=verify):
         off = shard["sample_offsets"].tolist()

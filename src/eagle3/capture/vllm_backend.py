@@ -42,8 +42,10 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, target: str, layers: list[int], dtype: str, batch_tokens: int, max_model_len: int,
-                 tensor_parallel_size: int = 1, llm: Any = None, **engine_overrides: Any):
+                 tensor_parallel_size: int = 1, llm: Any = None, storage_dtype: str | None = None,
+                 **engine_overrides: Any):
         self.target, self.layers = target, list(layers)
+        self.storage_dtype = storage_dtype  # None: the engine dtype
         self.kwargs = engine_kwargs(target, dtype, batch_tokens, max_model_len, tensor_parallel_size)
         self.kwargs.update(engine_overrides)
         self.batch_tokens = batch_tokens
@@ -56,21 +58,24 @@ class VLLMBackend:
             from vllm import LLM
 
             self.llm = LLM(worker_extension_cls=EXTENSION, **self.kwargs)
-        infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.layers,))
+        infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.layers, self.storage_dtype))
         info = dict(infos[0])
         # Prompts per generate() call: many engine steps' worth keeps the engine full (a partly filled
         # step only at the end of each call), while the worker's buffered states stay <= ~1 GiB.
-        item = 4 if info["dtype"] == "float32" else 2
+        # The worker buffers states in the storage dtype (fp8: 1 byte + scales).
+        item = {"float32": 4, "fp8": 1}.get(info.get("storage_dtype") or info["dtype"], 2)
         per_token = (len(self.layers) + 1) * int(info["hidden_size"]) * item
         info["chunk_tokens"] = max(self.batch_tokens, min(max(8 * self.batch_tokens, 16384), (1 << 30) // per_token))
         return info
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
-        """States for each sample: tensor [T, A + 1, H] (aux in `layers` order, then last), or None."""
+        """States of each sample in storage form (eagle3.capture.quant.Stored: [T, A + 1, H], aux in
+        `layers` order then last; converted inside the worker)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from .vllm_ext import decode_states
+        from .quant import Stored
+        from .vllm_ext import decode_scales, decode_states
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in samples]
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -78,20 +83,21 @@ class VLLMBackend:
         popped = self.llm.collective_rpc("eagle3_capture_pop")[0]  # TP rank 0 holds the states
         by_external = {}
         for rid, enc in popped.items():
-            states, filled = decode_states(enc)  # [T, A+1, H]
-            by_external[rid.rsplit("-", 1)[0]] = (rid, states, filled)
+            states, filled = decode_states(enc)  # [T, A+1, H] storage dtype
+            st = Stored(states, decode_scales(enc), bool(enc.get("finite", True)))
+            by_external[rid.rsplit("-", 1)[0]] = (rid, st, filled)
         result: list[Any] = []
         for out, sample in zip(outputs, samples, strict=True):
             got = by_external.get(out.request_id) or by_external.get(out.request_id.rsplit("-", 1)[0])
             if got is None:
                 raise RuntimeError(f"capture (vllm): no states recorded for request {out.request_id}")
-            rid, states, filled = got
-            if states.shape[0] != len(sample) or filled != len(sample):
+            rid, st, filled = got
+            if st.states.shape[0] != len(sample) or filled != len(sample):
                 raise RuntimeError(
-                    f"capture (vllm): request {rid} recorded {filled}/{states.shape[0]} positions of a "
+                    f"capture (vllm): request {rid} recorded {filled}/{st.states.shape[0]} positions of a "
                     f"{len(sample)}-token prompt (prefix caching on, or an unsupported vLLM runner?)"
                 )
-            result.append(states)
+            result.append(st)
         return result
 
     def close(self) -> None:

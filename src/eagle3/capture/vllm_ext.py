@@ -18,18 +18,20 @@ Hooks and why each one exists
 2. ``runner._model_forward`` (instance attribute override). With aux layers set the model returns
    ``(hidden_states, [aux...])``; the runner only unpacks that tuple when it itself runs EAGLE-3
    (``use_aux_hidden_state_outputs``), which it does not here. The wrapper takes the aux list, copies
-   the rows of real (unpadded) tokens out, and hands the plain ``hidden_states`` back to the runner,
-   so sampling/logits are untouched. vLLM documents ``_model_forward`` as the override point
+   the rows of real (unpadded) tokens out (converted to the storage dtype on the device first), and
+   hands the plain ``hidden_states`` back to the runner, so sampling/logits are untouched. vLLM documents ``_model_forward`` as the override point
    ("can be overridden by subclasses for model execution").
 3. ``runner.execute_model`` (instance attribute override) only sets a flag while a real scheduled
    step runs, so forwards from dummy/profile runs (no scheduler batch behind them) are never recorded.
 4. Token -> (request, position) mapping reads the runner's persistent batch right at forward time:
    ``input_batch.req_ids[:num_reqs]`` (request order of the flattened token batch),
    ``query_start_loc.np[:num_reqs + 1]`` (each request's token span in this step) and the
-   ``positions`` tensor the model itself consumed (= index of the token inside its prompt). Rows are
-   scattered into a per-request buffer ``[T, n_aux + 1, H]`` at those positions, so chunked prefill
-   (a prompt split over several steps), several requests per step, and recompute after preemption
-   (the same positions written again) all assemble correctly. Positions >= prompt length (decode
+   ``positions`` tensor the model itself consumed (= index of the token inside its prompt). Each step
+   keeps, per request, a view of its rows with their positions (no copy inside the step); at pop the
+   pieces of a request are scattered into ``[T, n_aux + 1, H]`` at those positions (a prompt done in
+   one step is returned as is), so chunked prefill (a prompt split over several steps), several
+   requests per step, and recompute after preemption (the same positions written again, later wins)
+   all assemble correctly. Positions >= prompt length (decode
    tokens) are ignored; the driver runs prefill only (``max_tokens=1``).
 5. Prefix caching must be off (``enable_prefix_caching=False``, set by the driver): a cache hit would
    skip the forward of the cached prefix and those positions would never be recorded. The driver
@@ -53,28 +55,55 @@ from typing import Any
 import torch
 
 
-def encode_states(states: torch.Tensor, filled: int) -> dict[str, Any]:
-    """[T, A+1, H] tensor -> msgpack-safe dict (raw little-endian bytes + dtype + shape)."""
+def encode_states(states: torch.Tensor, filled: int, scales: torch.Tensor | None = None,
+                  finite: bool = True) -> dict[str, Any]:
+    """[T, A+1, H] states (+ [T, A+1] float32 fp8 scales) -> msgpack-safe dict (raw little-endian bytes)."""
     states = states.contiguous()
-    return {
+    enc = {
         "dtype": str(states.dtype).removeprefix("torch."),
         "shape": list(states.shape),
         "data": states.view(torch.uint8).numpy().tobytes(),
         "filled": filled,
+        "finite": finite,
     }
+    if scales is not None:
+        enc["scales"] = scales.contiguous().numpy().tobytes()
+    return enc
 
 
 def decode_states(enc: dict[str, Any]) -> tuple[torch.Tensor, int]:
-    """Inverse of encode_states: (states [T, A+1, H], filled)."""
-    raw = torch.frombuffer(bytearray(enc["data"]), dtype=torch.uint8)  # [bytes]
-    return raw.view(getattr(torch, enc["dtype"])).reshape(enc["shape"]), int(enc["filled"])
+    """Inverse of encode_states: (states [T, A+1, H], filled). Zero-copy: the tensor is a read-only
+    view of the received bytes (never written in place; shards copy it out)."""
+    return _frombytes(enc["data"], getattr(torch, enc["dtype"]), enc["shape"]), int(enc["filled"])
+
+
+def decode_scales(enc: dict[str, Any]) -> torch.Tensor | None:
+    """The [T, A+1] float32 fp8 scales of an encoded sample (None for other storage dtypes)."""
+    if enc.get("scales") is None:
+        return None
+    return _frombytes(enc["scales"], torch.float32, enc["shape"][:2])
+
+
+def _frombytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    import warnings
+
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # "buffer is not writable": fine, we only read it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(data, dtype=torch.uint8)  # [bytes]
+    return raw.view(dtype).reshape(shape)
 
 
 class CaptureWorkerExtension:
     """Mixed into vLLM's Worker class; every public method is a collective_rpc verb."""
 
-    def eagle3_capture_start(self, layer_ids: list[int]) -> dict[str, Any]:
-        """Install the hooks and record `layer_ids` (+ last layer pre-norm) from now on."""
+    def eagle3_capture_start(self, layer_ids: list[int], storage_dtype: str | None = None) -> dict[str, Any]:
+        """Install the hooks and record `layer_ids` (+ last layer pre-norm) from now on.
+
+        storage_dtype (bfloat16/float16/float32/fp8; None = the engine dtype): states are converted to it
+        on the device, right after each forward (eagle3.capture.quant.to_storage), so buffers and the
+        transfer to the driver hold storage bytes only (half of float32 for bf16, a quarter for fp8)."""
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -100,8 +129,8 @@ class CaptureWorkerExtension:
         model.set_aux_hidden_state_layers(tuple(ids))
         self._eagle3_perm = [ids.index(k) for k in want]
         self._eagle3_keep = get_tensor_model_parallel_rank() == 0
-        self._eagle3_buffers: dict[str, torch.Tensor] = {}
-        self._eagle3_filled: dict[str, torch.Tensor] = {}
+        self._eagle3_storage = storage_dtype or str(runner.model_config.dtype).removeprefix("torch.")
+        self._eagle3_reset()
         self._eagle3_in_step = False
 
         if not getattr(runner, "_eagle3_hooked", False):
@@ -134,7 +163,15 @@ class CaptureWorkerExtension:
             "hidden_size": int(text.hidden_size),
             "dtype": str(runner.model_config.dtype).removeprefix("torch."),
             "recorded_ids": ids,
+            "storage_dtype": self._eagle3_storage,
         }
+
+    def _eagle3_reset(self) -> None:
+        # rid -> pieces recorded for it, in step order: (positions [k], states [k, A+1, H] storage dtype,
+        # fp8 scales [k, A+1] float32 | None). Views of the step's tensor: no per-request copy in the step.
+        self._eagle3_pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        self._eagle3_len: dict[str, int] = {}  # rid -> prompt length T
+        self._eagle3_bad: set[str] = set()  # requests with a non-finite state
 
     def _eagle3_record(self, runner: Any, aux: list[torch.Tensor], positions: torch.Tensor | None) -> None:
         num_reqs = runner.input_batch.num_reqs
@@ -143,54 +180,77 @@ class CaptureWorkerExtension:
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
         qsl = runner.query_start_loc.np[: num_reqs + 1].tolist()
         n = qsl[-1]  # real (unpadded) tokens of this step
-        stacked = torch.stack([aux[i][:n] for i in self._eagle3_perm], dim=1)  # [n, n_aux+1, H]
         if positions is not None and positions.dim() == 1:
-            pos = positions[:n].to("cpu", torch.int64)  # [n]
+            # copy: `positions` is the runner's persistent buffer, rewritten by the next step
+            pos = positions[:n].to("cpu", torch.int64, copy=True)  # [n]
         else:  # M-RoPE models pass [3, n] positions: use token indices from the batch state
             start = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
             pos = torch.cat([torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)])  # [n]
-        stacked = stacked.to("cpu")
+        from eagle3.capture.quant import stack_to_storage
+
+        # stack + convert on the device, then move only storage bytes
+        stored, scales, row_ok = stack_to_storage(
+            [aux[i][:n] for i in self._eagle3_perm], self._eagle3_storage)  # [n, A+1, H], [n, A+1] | None, [n]
+        stored = stored.to("cpu")
+        scales = None if scales is None else scales.to("cpu")
+        row_ok = row_ok.to("cpu")
+        all_ok = bool(row_ok.all())
         for r, rid in enumerate(req_ids):
             s, e = qsl[r], qsl[r + 1]
             if e <= s:
                 continue
-            buf = self._eagle3_buffers.get(rid)
-            if buf is None:
-                num_prompt = len(runner.requests[rid].prompt_token_ids)
-                buf = torch.empty((num_prompt, stacked.shape[1], stacked.shape[2]), dtype=stacked.dtype)  # [T, n_aux+1, H]
-                self._eagle3_buffers[rid] = buf
-                self._eagle3_filled[rid] = torch.zeros(num_prompt, dtype=torch.bool)  # [T]
-            p = pos[s:e]  # [e-s]
-            keep = p < buf.shape[0]  # [e-s]
-            if not bool(keep.all()):
-                p = p[keep]
-                rows = stacked[s:e][keep]  # [k, n_aux+1, H]
-            else:
-                rows = stacked[s:e]  # [e-s, n_aux+1, H]
-            buf.index_copy_(0, p, rows)
-            self._eagle3_filled[rid][p] = True
+            num_prompt = self._eagle3_len.get(rid)
+            if num_prompt is None:
+                num_prompt = self._eagle3_len[rid] = len(runner.requests[rid].prompt_token_ids)
+                self._eagle3_pieces[rid] = []
+            p = pos[s:e]  # [e-s] ascending (a request's tokens in one step are consecutive positions)
+            rows: Any = slice(s, e)
+            if int(p[-1]) >= num_prompt:  # decode tokens past the prompt: not recorded
+                keep = p < num_prompt  # [e-s]
+                if not bool(keep.any()):
+                    continue
+                p, rows = p[keep], keep.nonzero().squeeze(1) + s  # [k]
+            self._eagle3_pieces[rid].append((p, stored[rows], None if scales is None else scales[rows]))
+            if not all_ok and not bool(row_ok[rows].all()):
+                self._eagle3_bad.add(rid)
+
+    def _eagle3_assemble(self, rid: str) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """(states [T, A+1, H], scales [T, A+1] | None, number of distinct positions recorded)."""
+        num_prompt, pieces = self._eagle3_len[rid], self._eagle3_pieces[rid]
+        p, st, sc = pieces[0]
+        if len(pieces) == 1 and p.shape[0] == num_prompt and int(p[0]) == 0 and int(p[-1]) == num_prompt - 1:
+            return st, sc, num_prompt  # whole prompt in one step (the common case): no copy
+        # chunked prefill (several steps) or recompute after preemption: scatter by position, later wins
+        buf = torch.empty((num_prompt, *st.shape[1:]), dtype=st.dtype)  # [T, A+1, H]
+        sbuf = None if sc is None else torch.zeros((num_prompt, sc.shape[1]), dtype=torch.float32)  # [T, A+1]
+        filled = torch.zeros(num_prompt, dtype=torch.bool)  # [T]
+        for p, st, sc in pieces:
+            # as raw bytes: index_copy_ has no float8 kernel on CPU (same element size, same result)
+            buf.view(torch.uint8).index_copy_(0, p, st.view(torch.uint8))
+            if sbuf is not None:
+                sbuf.index_copy_(0, p, sc)
+            filled[p] = True
+        return buf, sbuf, int(filled.sum())
 
     def eagle3_capture_pop(self) -> dict[str, dict[str, Any]] | None:
         """Return and forget every buffered request: {internal_req_id: encoded states}.
 
         Encoded as plain msgpack types (see `encode_states`/`decode_states`): vLLM only restores
         tensors in utility results with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (pickle), which we avoid.
-        `filled` = number of distinct prompt positions recorded (== T when complete).
-        Non-zero TP ranks return None.
+        `filled` = number of distinct prompt positions recorded (== T when complete); `finite` = False
+        when some state of the request was NaN/inf. Non-zero TP ranks return None.
         """
         if not getattr(self, "_eagle3_keep", False):
             return None
-        out = {
-            rid: encode_states(buf, int(self._eagle3_filled[rid].sum()))
-            for rid, buf in self._eagle3_buffers.items()
-        }
-        self._eagle3_buffers = {}
-        self._eagle3_filled = {}
+        out = {}
+        for rid in self._eagle3_pieces:
+            states, scales, filled = self._eagle3_assemble(rid)
+            out[rid] = encode_states(states, filled, scales, rid not in self._eagle3_bad)
+        self._eagle3_reset()
         return out
 
     def eagle3_capture_stop(self) -> None:
         """Stop producing aux states (the hooks stay but become pass-through)."""
         runner = self.model_runner  # type: ignore[attr-defined]
         runner.get_model().set_aux_hidden_state_layers(())
-        self._eagle3_buffers = {}
-        self._eagle3_filled = {}
+        self._eagle3_reset()
