@@ -31,6 +31,8 @@ def setup(device: str = "auto") -> Dist:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda":  # no index: this process's local rank (torch.cuda.set_device needs one)
+        device = f"cuda:{local}"
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
