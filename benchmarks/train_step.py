@@ -1,0 +1,614 @@
+#!/usr/bin/env python3
+"""EAGLE-3 TTT training step on one GPU: FLOP/byte floors, measured matmul rate + HBM bandwidth, fast path vs naive.
+
+    PYTHONPATH=src python3 benchmarks/train_step.py --budget-s 240 --out-dir $OUT     # H200, real dims
+    PYTHONPATH=src python3 benchmarks/train_step.py --smoke                            # tiny CPU run, temp dir
+
+One run reports, side by side (benchmarks/results/train_step.{json,md} unless --out-dir / --smoke):
+  1. the FLOP model (per token, summed over the K TTT steps; see `flop_model`) and the bytes floor (weights +
+     grads + AdamW state read/written per optimizer step; see `bytes_model`) -> floor = max(FLOPs/rate, bytes/BW)
+  2. the bf16 matmul rate (8192^3 torch.matmul, mean of 10 after warm-up) and HBM bandwidth (4 GiB device copy)
+     measured in this run -> MFU = achieved model FLOP/s / measured bf16 matmul rate
+  3. configurations: the fast path (`eagle3.train.step.run_benchmark_step`, flex attention, torch.compile'd
+     midlayer where it pays) at seq 2048/4096/8192 with K=7 and K=3 at 8192, and the naive reference
+     (full materialized TTT mask via attention="naive", loss in one unchunked chunk) at 2048 and 8192 (OOM caught);
+     ms/step = median of N timed steps (CUDA events; no host sync inside the timed loop except the final one)
+  4. numerics: fast path vs naive reference, loss + all grads, on a small random draft (bf16 autocast and fp32)
+  5. a wall-clock budget (--budget-s): configs that do not fit are skipped, iterations shrink to fit, a watchdog
+     writes whatever was measured if one config overruns; results are rewritten after every config.
+
+Batch: one packed row per step (batch 1, two documents per row) like the Speculators anchor, so tokens/step =
+seq; `--fill-batch N` appends a K=7/8192 run at batch N (room for batch > 1). Imports only torch + stdlib and the
+pydantic-free eagle3.model / eagle3.train.{step,attention,loss,bench} modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without PYTHONPATH=src too
+
+from eagle3.model.draft import DraftConfig  # noqa: E402
+from eagle3.train.step import build_benchmark, run_benchmark_step, ttt_forward  # noqa: E402
+
+#: Llama-3.1-8B-like draft (issue 5)
+REAL = dict(H=4096, Ht=4096, n_aux=3, nh=32, kvh=8, d=128, inter=14336, V=128256, Vd=32000)
+#: tiny dims for --smoke (CPU)
+SMOKE = dict(H=32, Ht=32, n_aux=3, nh=4, kvh=2, d=8, inter=64, V=256, Vd=64)
+#: the numerics check's draft
+CHECK = dict(H=128, Ht=128, n_aux=3, nh=4, kvh=2, d=32, inter=256, V=1024, Vd=256)
+
+#: efficiency the prediction assumes for bf16 matmul work (the issue's goal: ~65% MFU)
+PRED_EFF = 0.65
+#: dense bf16 spec peak, only for an extra reference column (MFU proper uses the measured rate)
+SPEC_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+
+
+# ------------------------------------------------------------------------------------------------ FLOP model
+
+
+def flop_model(m: dict, T: int, K: int) -> dict:
+    """Model FLOPs per token of one optimizer step (K unrolled TTT steps), the anchor's convention:
+
+    per token per TTT step j (forward, 2 FLOPs per multiply-add):
+      fc             2 * (n_aux*Ht) * H              only at step 0
+      qkv            2 * 2H * (nh + 2 kvh) * d       q, k, v read concat(embed, hidden) = 2H
+      attn_core      4 * nh * d * (T/2 + j)          QK^T + PV over the causal half of the step-0 keys + j TTT keys
+      o_proj         2 * nh*d * H
+      mlp            3 * 2 * H * inter               gate, up, down
+      draft_lm_head  2 * H * Vd
+    trainable total x3 (backward ~ 2x forward); plus the frozen target lm_head restricted to the draft vocab
+    (target distribution), forward only, ONCE per token: targets are computed once per batch and each TTT step
+    reads them shifted by j (eagle3.train.loss.compute_targets). Our implementation additionally runs the full-
+    vocab target head once per token for the out-of-vocab argmax mask: reported as `target_lm_head_full` (executed,
+    not in the model count, same as the anchor which restricts to the draft vocab).
+    """
+    H, Ht, nh, kvh, d, inter, V, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux"))
+    fwd = {
+        "fc": 2 * na * Ht * H,
+        "qkv": K * 2 * 2 * H * (nh + 2 * kvh) * d,
+        "attn_core": sum(4 * nh * d * (T / 2 + j) for j in range(K)),
+        "o_proj": K * 2 * nh * d * H,
+        "mlp": K * 3 * 2 * H * inter,
+        "draft_lm_head": K * 2 * H * Vd,
+    }
+    trainable_fwd = sum(fwd.values())
+    target = 2 * Ht * Vd
+    total = 3 * trainable_fwd + target
+    return {
+        "convention": "per token per optimizer step; trainable x3 (fwd + 2x bwd); frozen target lm_head restricted to "
+        "the draft vocab, forward only, once per token; attention = causal half of step-0 keys + j TTT keys",
+        "forward_per_token": {k: float(v) for k, v in fwd.items()},
+        "trainable_forward_per_token": float(trainable_fwd),
+        "trainable_fwd_bwd_per_token": float(3 * trainable_fwd),
+        "target_lm_head_restricted_per_token": float(target),
+        "target_lm_head_full_per_token": float(2 * Ht * V),
+        "model_flops_per_token": float(total),
+        "model_flops_per_token_unrestricted_target": float(3 * trainable_fwd + 2 * Ht * V),
+        "executed_flops_per_token_incl_full_vocab_argmax": float(total + 2 * Ht * V),
+    }
+
+
+def param_groups(m: dict) -> dict:
+    """Trainable parameter counts and how many times per optimizer step each is used (fc: once; midlayer/lm_head: K)."""
+    H, Ht, nh, kvh, d, inter, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "Vd", "n_aux"))
+    return {
+        "fc": (na * Ht * H, "once"),
+        "attn": (2 * H * (nh + 2 * kvh) * d + nh * d * H, "per_step"),
+        "mlp": (3 * H * inter, "per_step"),
+        "lm_head": (Vd * H, "per_step"),
+        "norms": (4 * H, "per_step"),
+    }
+
+
+def bytes_model(m: dict, K: int) -> dict:
+    """Bytes floor of one optimizer step: weights + grads + optimizer state only (activations excluded).
+
+    fp32 master weights, bf16 autocast copies, fp32 grads, fused AdamW (fp32 m, v):
+      once per step, per trainable param:  cast fp32->bf16 (read 4 + write 2) + grad-norm clip (read 4)
+                                           + AdamW (read p, g, m, v = 16; write p, m, v = 12)        = 38 B
+      per use (fc once, the rest K times): bf16 weight read fwd (2) + bwd dX (2) + dW write bf16 (2)
+                                           + fp32 grad accumulate (read 4 + write 4)                  = 14 B
+      frozen: target lm_head read once in bf16 (full vocab, as executed for the argmax) + draft-vocab rows (2 B each)
+    """
+    once_b, use_b = 38, 14
+    total, terms = 0, {}
+    for name, (n, when) in param_groups(m).items():
+        uses = 1 if when == "once" else K
+        b = n * (once_b + use_b * uses)
+        terms[name] = float(b)
+        total += b
+    frozen = 2 * m["Ht"] * (m["V"] + m["Vd"])
+    terms["target_lm_head_frozen"] = float(frozen)
+    total += frozen
+    n_train = sum(n for n, _ in param_groups(m).values())
+    return {"trainable_params": n_train, "terms": terms, "bytes_per_step": float(total),
+            "convention": f"{once_b} B/param once (cast, clip, AdamW) + {use_b} B/param per use (bf16 reads fwd/bwd, "
+            "dW, fp32 grad accumulate); frozen target head read once; activations excluded"}
+
+
+def naive_extra(m: dict, B: int, T: int, K: int) -> dict:
+    """What the naive reference executes on top of the model: attention over the full concatenated key axis
+    ((j+1)T keys, no causal skipping) in fp32 matmuls, and the (B, nh, T, (j+1)T) fp32 score/prob tensors
+    materialized (~6 passes of 4 B each forward, ~6 backward)."""
+    nh, d = m["nh"], m["d"]
+    fp32_flops = 3 * B * T * sum(4 * nh * d * (j + 1) * T for j in range(K))
+    elems = B * nh * T * T * sum(j + 1 for j in range(K))
+    return {"attn_fp32_flops": float(fp32_flops), "score_elems": float(elems), "score_bytes": float(48 * elems)}
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+class Clock:
+    """CUDA events on GPU (no host sync until `elapsed`), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def elapsed_ms(self, marks: list) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(marks[:-1], marks[1:], strict=True)]
+        return [(b - a) * 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_matmul(device, n: int, dtype, iters: int = 10, warmup: int = 3) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(warmup):
+        a @ b
+    sync(device)
+    clk = Clock(device)
+    marks = [clk.mark()]
+    for _ in range(iters):
+        a @ b
+        marks.append(clk.mark())
+    ms = statistics.mean(clk.elapsed_ms(marks))
+    del a, b
+    return 2 * n**3 / (ms / 1e3)
+
+
+def measure_bandwidth(device, nbytes: int, iters: int = 10, warmup: int = 3) -> float:
+    x = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16).fill_(1.0)
+    y = torch.empty_like(x)
+    for _ in range(warmup):
+        y.copy_(x)
+    sync(device)
+    clk = Clock(device)
+    marks = [clk.mark()]
+    for _ in range(iters):
+        y.copy_(x)
+        marks.append(clk.mark())
+    ms = statistics.mean(clk.elapsed_ms(marks))
+    del x, y
+    return 2 * nbytes / (ms / 1e3)  # read + write
+
+
+# ------------------------------------------------------------------------------------------------ model setup
+
+
+def draft_config(m: dict) -> DraftConfig:
+    return DraftConfig(hidden_size=m["H"], intermediate_size=m["inter"], num_attention_heads=m["nh"],
+                       num_key_value_heads=m["kvh"], head_dim=m["d"], max_position_embeddings=131072, rms_norm_eps=1e-5,
+                       vocab_size=m["V"], draft_vocab_size=m["Vd"], target_hidden_size=m["Ht"], num_aux=m["n_aux"],
+                       rope_theta=500000.0)
+
+
+def naive_step(s, grad_clip: float = 0.5):
+    """The reference step: attention="naive" (full (T, (j+1)T) mask, fp32 scores) and the loss in one chunk over
+    all rows (the full (B*T, Vd) fp32 log-softmax materialized per TTT step); same clip + AdamW as the fast path."""
+    B, T = s.batch.input_ids.shape
+    dev = s.batch.input_ids.device.type
+    kw = {"loss_chunk_rows": B * T} if "loss_chunk_rows" in inspect.signature(ttt_forward).parameters else {}
+    with torch.autocast(dev, dtype=s.dtype, enabled=s.dtype != torch.float32):
+        out = ttt_forward(s.model, s.batch, s.head, steps=s.steps, attention="naive", **kw)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(s.model.parameters(), grad_clip, foreach=True)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def count_host_syncs(fn, device) -> int | None:
+    """Run fn once with torch.cuda sync-debug mode on; number of synchronizing calls it made (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(x.message).lower() for x in w)
+
+
+# ------------------------------------------------------------------------------------------------ numerics
+
+
+def numerics_check(device: torch.device, fast_attention: str, T: int, K: int = 3, B: int = 2) -> dict:
+    """Fast path vs naive reference on a small random draft: loss + every grad.
+    Reference = naive attention in fp32 (no autocast). Under bf16 autocast the fast path passes if its error vs the
+    reference is within 2x the naive-bf16 error (or 1e-2 rel loss / 2e-2 rel grad); `fp32_pass`: fp32 fast path
+    within 1e-3 rel (reported; a TF32 kernel would miss it without being wrong at bf16)."""
+    cfg = draft_config(CHECK)
+    s = build_benchmark(cfg, batch_size=B, seq_len=T, steps=K, device=str(device), dtype=torch.float32,
+                        attention="naive", compile=False)
+    model = s.model
+
+    def run(att, amp):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            out = ttt_forward(model, s.batch, s.head, steps=K, attention=att)
+        out.loss.backward()
+        return out.loss.detach().double(), {n: p.grad.detach().double().clone()
+                                             for n, p in model.named_parameters() if p.grad is not None}
+
+    def err(a, b):
+        (la, ga), (lb, gb) = a, b
+        rel = max(((ga[n] - gb[n]).abs().max() / gb[n].abs().max().clamp(min=1e-12)).item() for n in gb)
+        return {"loss_rel": (abs(la - lb) / abs(lb).clamp(min=1e-12)).item(), "grad_rel_max": rel}
+
+    ref = run("naive", False)
+    res = {"dims": CHECK, "B": B, "T": T, "K": K, "fast_attention": fast_attention}
+    res["fp32_fast_vs_ref"] = err(run(fast_attention, False), ref)
+    nb = err(run("naive", True), ref)
+    fb_run = run(fast_attention, True)
+    fb = err(fb_run, ref)
+    res["bf16_naive_vs_ref"], res["bf16_fast_vs_ref"] = nb, fb
+    res["bf16_fast_vs_naive"] = err(fb_run, run("naive", True))
+    ok32 = res["fp32_fast_vs_ref"]["loss_rel"] < 1e-3 and res["fp32_fast_vs_ref"]["grad_rel_max"] < 1e-3
+    ok16 = (fb["loss_rel"] <= max(2 * nb["loss_rel"], 1e-2)) and (fb["grad_rel_max"] <= max(2 * nb["grad_rel_max"], 2e-2))
+    res["fp32_pass"], res["pass"] = bool(ok32), bool(ok16)  # pass = the bf16 criterion
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ one config
+
+
+def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> dict:
+    T, K, B, kind = c["seq"], c["K"], c["batch"], c["kind"]
+    fm, bm = flop_model(m, T, K), bytes_model(m, K)
+    tokens = B * T
+    model_flops = fm["model_flops_per_token"] * tokens
+    compute_floor = model_flops / rates["bf16_matmul_flops"]
+    bytes_floor = bm["bytes_per_step"] / rates["hbm_bytes_per_s"]
+    r = dict(c, tokens_per_step=tokens, model_flops_per_step=model_flops, floor_ms=1e3 * max(compute_floor, bytes_floor),
+             compute_floor_ms=1e3 * compute_floor, bytes_floor_ms=1e3 * bytes_floor)
+    if kind == "fast":
+        pred = max(compute_floor / PRED_EFF, bytes_floor)
+        r["prediction_basis"] = f"model FLOPs at {PRED_EFF:.0%} of the measured bf16 matmul rate"
+    else:
+        ne = naive_extra(m, B, T, K)
+        attn_bf16 = 3 * fm["forward_per_token"]["attn_core"] * tokens
+        pred = ((model_flops - attn_bf16) / (PRED_EFF * rates["bf16_matmul_flops"])
+                + ne["attn_fp32_flops"] / rates["fp32_matmul_flops"] + ne["score_bytes"] / rates["hbm_bytes_per_s"])
+        r["naive_extra"] = ne
+        r["prediction_basis"] = (f"non-attention model FLOPs at {PRED_EFF:.0%} bf16 rate + full-rectangle attention "
+                                 "in fp32 at the measured fp32 rate + materialized scores (48 B/elem) at HBM BW")
+    r["predicted_ms"] = 1e3 * pred
+    remaining = deadline - time.monotonic()
+    est = (args.warmup + args.iters) * 2 * pred + (c.get("compile_guess_s", 0) if device.type == "cuda" else 0)
+    if kind == "naive" and device.type == "cuda":
+        saved = 4 * r["naive_extra"]["score_elems"]  # fp32 softmax outputs kept for backward, all K steps
+        r["naive_saved_scores_gib"] = saved / 2**30
+        if saved > torch.cuda.get_device_properties(device).total_memory:
+            est = 15.0  # expected to OOM within the first step's forward: try it (cheap) and report
+            r["expected"] = "oom"
+    if remaining < max(5.0, est):
+        r.update(status="skipped", reason=f"budget: {remaining:.0f} s left, needs ~{est:.0f} s")
+        return r
+    cuda = device.type == "cuda"
+    s = None
+    t_start = time.monotonic()
+    try:
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        s = build_benchmark(draft_config(m), batch_size=B, seq_len=T, steps=K, device=str(device), dtype=args.dtype,
+                            attention=c["attention"], compile=c["compile"])
+        step = (lambda: naive_step(s)) if kind == "naive" else (lambda: run_benchmark_step(s))
+        t0 = time.monotonic()
+        out = step()
+        sync(device)
+        r["first_step_s"] = round(time.monotonic() - t0, 3)  # includes compilation
+        warm = []
+        for _ in range(max(0, args.warmup - 1)):
+            t0 = time.monotonic()
+            out = step()
+            sync(device)
+            warm.append(time.monotonic() - t0)
+        if cuda and args.warmup > 0:
+            r["host_syncs_per_step"] = count_host_syncs(step, device)
+            sync(device)
+        per = min(warm) if warm else r["first_step_s"]
+        left = deadline - time.monotonic() - 3.0
+        n = max(1, min(args.iters, int(left / max(per, 1e-4))))
+        clk = Clock(device)
+        marks = [clk.mark()]
+        for _ in range(n):
+            out = step()
+            marks.append(clk.mark())
+        ms = clk.elapsed_ms(marks)  # the only host sync of the timed loop
+        med = statistics.median(ms)
+        r.update(status="ok", timed_steps=n, ms_per_step=med, ms_min=min(ms), ms_max=max(ms),
+                 tokens_per_s=tokens / (med / 1e3), loss=float(out.loss.detach()))
+        achieved = model_flops / (med / 1e3)
+        r["achieved_model_flops_per_s"] = achieved
+        r["mfu"] = achieved / rates["bf16_matmul_flops"]
+        if rates.get("spec_bf16_flops"):
+            r["mfu_vs_spec_peak"] = achieved / rates["spec_bf16_flops"]
+        r["outcome_over_prediction"] = med / r["predicted_ms"]
+        r["outcome_over_floor"] = med / r["floor_ms"]
+        if cuda:
+            r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except torch.OutOfMemoryError as e:
+        r.update(status="oom", reason=str(e).splitlines()[0][:300])
+    except Exception as e:  # noqa: BLE001 - a failed config is reported, the run goes on
+        r.update(status="error", reason=f"{type(e).__name__}: {str(e)[:500]}")
+    finally:
+        if cuda and r.get("status") in ("oom", "error"):
+            r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        r["wall_s"] = round(time.monotonic() - t_start, 2)
+        s = out = step = None  # noqa: F841
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return r
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def fmt(x, nd=1):
+    return "–" if x is None else f"{x:,.{nd}f}"
+
+
+def write_results(res: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "train_step.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    (out_dir / "train_step.md").write_text(markdown(res))
+
+
+def markdown(res: dict) -> str:
+    L = [f"# EAGLE-3 TTT train step — {res['machine'].get('gpu') or res['machine']['device']}", ""]
+    L.append(f"{res['date']} · torch {res['machine']['torch']} · `{res['command']}`"
+             + (" · **partial** (" + res["partial"] + ")" if res.get("partial") else ""))
+    L.append("")
+    h = res.get("headline")
+    rates = res.get("rates", {})
+    if h:
+        L += [f"**Floors, {h['name']}** ({h['tokens_per_step']} tokens/step):",
+              f"- FLOPs: {h['model_flops_per_step'] / 1e12:.1f} TFLOP/step "
+              f"({h['model_flops_per_token'] / 1e9:.2f} GFLOP/token) / measured bf16 matmul "
+              f"{rates.get('bf16_matmul_flops', 0) / 1e12:.0f} TFLOP/s → **{h['compute_floor_ms']:.1f} ms**",
+              f"- Bytes: {h['bytes_per_step'] / 1e9:.1f} GB/step (weights + grads + AdamW state) / measured HBM "
+              f"{rates.get('hbm_bytes_per_s', 0) / 1e12:.2f} TB/s → **{h['bytes_floor_ms']:.1f} ms**",
+              f"- floor = max = {max(h['compute_floor_ms'], h['bytes_floor_ms']):.1f} ms "
+              f"= {h['tokens_per_step'] / max(h['compute_floor_ms'], h['bytes_floor_ms']) * 1e3 / 1e3:.1f}k tokens/s", ""]
+    L += ["| config | kind | B×T | K | attention | compile | ms/step (median) | tokens/s | MFU | peak GiB | floor ms "
+          "| predicted ms | outcome/pred | status |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("configs", []):
+        L.append(f"| {r['name']} | {r['kind']} | {r['batch']}×{r['seq']} | {r['K']} | {r['attention']} | "
+                 f"{'yes' if r['compile'] else 'no'} | {fmt(r.get('ms_per_step'))} | {fmt(r.get('tokens_per_s'), 0)} | "
+                 f"{fmt(100 * r['mfu'] if 'mfu' in r else None)}{'%' if 'mfu' in r else ''} | "
+                 f"{fmt(r.get('peak_mem_gib'), 1)} | {fmt(r.get('floor_ms'))} | {fmt(r.get('predicted_ms'))} | "
+                 f"{fmt(r.get('outcome_over_prediction'), 2)} | {r.get('status', '?')}"
+                 f"{(': ' + r['reason'][:80]) if r.get('reason') else ''} |")
+    sp = res.get("speedups")
+    if sp:
+        L += ["", "Fast vs naive (same seq/K): " + ", ".join(f"{k}: {v:.2f}×" for k, v in sp.items())]
+    n = res.get("numerics")
+    if n:
+        if "error" in n or "skipped" in n:
+            L += ["", f"Numerics check: {n.get('error') or 'skipped, ' + n['skipped']}"]
+        else:
+            L += ["", f"Numerics ({n['fast_attention']} vs naive, B={n['B']} T={n['T']} K={n['K']}): "
+                  f"**{'pass' if n['pass'] else 'FAIL'}** — bf16 fast vs fp32 ref: loss rel "
+                  f"{n['bf16_fast_vs_ref']['loss_rel']:.2e}, grad rel {n['bf16_fast_vs_ref']['grad_rel_max']:.2e} "
+                  f"(naive bf16: {n['bf16_naive_vs_ref']['loss_rel']:.2e}, {n['bf16_naive_vs_ref']['grad_rel_max']:.2e}); "
+                  f"fp32 fast vs ref: {n['fp32_fast_vs_ref']['loss_rel']:.2e}, {n['fp32_fast_vs_ref']['grad_rel_max']:.2e}"]
+    fm = res.get("flop_model_headline")
+    if fm:
+        L += ["", f"FLOP model per token ({h['name'] if h else ''}; {fm['convention']}):", ""]
+        L += [f"- {k}: {v / 1e6:,.1f} MFLOP fwd" for k, v in fm["forward_per_token"].items()]
+        L += [f"- trainable fwd+bwd: {fm['trainable_fwd_bwd_per_token'] / 1e9:.3f} GFLOP; target head (draft vocab, "
+              f"fwd): {fm['target_lm_head_restricted_per_token'] / 1e9:.3f} GFLOP → model total "
+              f"**{fm['model_flops_per_token'] / 1e9:.3f} GFLOP/token**; with the unrestricted target head "
+              f"{fm['model_flops_per_token_unrestricted_target'] / 1e9:.3f}; executed incl. full-vocab argmax "
+              f"{fm['executed_flops_per_token_incl_full_vocab_argmax'] / 1e9:.3f}"]
+    return "\n".join(L) + "\n"
+
+
+def finalize(res: dict) -> None:
+    ok = {(r["seq"], r["K"], r["batch"], r["kind"]): r for r in res["configs"] if r.get("status") == "ok"}
+    res["speedups"] = {f"B{b}xT{T}/K{K}": ok[(T, K, b, "naive")]["ms_per_step"] / ok[(T, K, b, "fast")]["ms_per_step"]
+                       for (T, K, b, kind) in ok if kind == "naive" and (T, K, b, "fast") in ok}
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget of the whole run")
+    p.add_argument("--out-dir", type=Path, default=None, help="default benchmarks/results (temp dir with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="tiny dims, 1 step each, CPU unless --device")
+    p.add_argument("--device", default=None)
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the draft midlayer on the fast path: auto = at seq >= 8192 only (where it "
+                   "pays and the compile time is amortized), on = every fast config, off = never")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (first includes compilation)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (median reported; shrunk to fit the budget)")
+    p.add_argument("--fill-batch", type=int, default=2, help="extra K=7/8192 run at this batch (0 = none)")
+    p.add_argument("--skip-naive-8192", action="store_true")
+    args = p.parse_args(argv)
+    t_begin = time.monotonic()
+    deadline = t_begin + args.budget_s - 4.0  # leave time to write the results
+    device = torch.device(args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda"))
+    cuda = device.type == "cuda"
+    if args.smoke and not cuda:
+        torch.set_num_threads(1)  # tiny ops: threads only contend (shared CI boxes)
+    args.dtype = torch.float32 if args.smoke and not cuda else torch.bfloat16  # CPU bf16 matmuls crawl
+    if args.warmup is None:
+        args.warmup = 0 if args.smoke else 3
+    if args.iters is None:
+        args.iters = 1 if args.smoke else 10
+    if args.out_dir is None:
+        args.out_dir = (Path(tempfile.mkdtemp(prefix="train_step_smoke_")) if args.smoke
+                        else Path(__file__).resolve().parent / "results")
+    m = SMOKE if args.smoke else REAL
+    fast_att = "flex" if cuda else "sdpa"  # flex is forward-only on CPU
+    big, mid, small = (64, 48, 32) if args.smoke else (8192, 4096, 2048)
+
+    def comp(T):
+        return cuda and (args.compile == "on" or (args.compile == "auto" and T >= big))
+
+    def cfg(name, kind, T, K, B=1):
+        c = dict(name=name, kind=kind, seq=T, K=K, batch=B, attention=fast_att if kind == "fast" else "naive",
+                 compile=comp(T) if kind == "fast" else False)
+        c["compile_guess_s"] = 60 if c["compile"] else 15
+        return c
+
+    # priority order: what the budget drops first is last
+    configs = [cfg(f"fast K7 {big}", "fast", big, 7), cfg(f"naive K7 {small}", "naive", small, 7),
+               cfg(f"fast K7 {small}", "fast", small, 7), cfg(f"fast K3 {big}", "fast", big, 3),
+               cfg(f"fast K7 {mid}", "fast", mid, 7)]
+    if args.fill_batch > 1:
+        configs.append(cfg(f"fast K7 {big} batch {args.fill_batch}", "fast", big, 7, args.fill_batch))
+    if not args.skip_naive_8192:
+        configs.append(cfg(f"naive K7 {big}", "naive", big, 7))
+
+    machine = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
+               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+               "host": platform.node(), "cpu_count": os.cpu_count()}
+    if cuda:
+        machine["gpu_mem_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    res = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine, "smoke": args.smoke,
+           "dims": m, "budget_s": args.budget_s, "batch_note": "one packed row per step (batch 1, 2 documents/row) "
+           "like the Speculators anchor, unless the config says batch > 1",
+           "dtype": "bf16 autocast, fp32 master weights, fused AdamW (fp32 states)", "configs": [],
+           "flop_model": {f"T{c['seq']}_K{c['K']}": flop_model(m, c["seq"], c["K"])
+                          for c in configs}, "bytes_model": {f"K{K}": bytes_model(m, K) for K in (3, 7)}}
+    res["flop_model_headline"] = flop_model(m, big, 7)
+    res["partial"] = "started"
+    lock = threading.Lock()
+
+    def save():
+        with lock:
+            write_results(res, args.out_dir)
+
+    def watchdog():
+        res["partial"] = "watchdog: budget exceeded while a config was running; results so far"
+        try:
+            save()
+        finally:
+            print(f"train_step: budget of {args.budget_s} s exceeded; wrote {args.out_dir}", file=sys.stderr, flush=True)
+            os._exit(3)
+
+    timer = threading.Timer(args.budget_s, watchdog)
+    timer.daemon = True
+    timer.start()
+
+    # 1. rates
+    t0 = time.monotonic()
+    if cuda:
+        rates = {"bf16_matmul_flops": measure_matmul(device, 8192, torch.bfloat16),
+                 "fp32_matmul_flops": measure_matmul(device, 4096, torch.float32),
+                 "hbm_bytes_per_s": measure_bandwidth(device, 4 << 30),
+                 "method": "bf16: 8192^3 torch.matmul, fp32: 4096^3 "
+                 f"(allow_tf32={torch.backends.cuda.matmul.allow_tf32}), mean of 10 after 3 warm-up; "
+                 "HBM: 4 GiB bf16 copy_, 2x bytes (read+write), mean of 10"}
+        spec = next((v for k, v in SPEC_BF16.items() if k in (machine["gpu"] or "")), None)
+        if spec:
+            rates["spec_bf16_flops"] = spec
+    else:
+        rates = {"bf16_matmul_flops": measure_matmul(device, 256, torch.bfloat16, iters=3, warmup=1),
+                 "fp32_matmul_flops": measure_matmul(device, 256, torch.float32, iters=3, warmup=1),
+                 "hbm_bytes_per_s": measure_bandwidth(device, 16 << 20, iters=3, warmup=1),
+                 "method": "CPU smoke: 256^3 matmul, 16 MiB copy"}
+    rates["wall_s"] = round(time.monotonic() - t0, 2)
+    res["rates"] = rates
+    hm, hb = flop_model(m, big, 7), bytes_model(m, 7)
+    res["headline"] = {"name": f"K=7, B1×{big}", "tokens_per_step": big, "model_flops_per_token": hm["model_flops_per_token"],
+                       "model_flops_per_step": hm["model_flops_per_token"] * big, "bytes_per_step": hb["bytes_per_step"],
+                       "compute_floor_ms": 1e3 * hm["model_flops_per_token"] * big / rates["bf16_matmul_flops"],
+                       "bytes_floor_ms": 1e3 * hb["bytes_per_step"] / rates["hbm_bytes_per_s"]}
+    print(json.dumps({"rates": rates, "headline": res["headline"]}), flush=True)
+    save()
+
+    # 2. configs in priority order, the GPU numerics check after the first three (compiles are the slow part)
+    def numerics():
+        t0 = time.monotonic()
+        if cuda and deadline - t0 < 40:
+            res["numerics"] = {"skipped": f"budget: {deadline - t0:.0f} s left", "pass": None}
+            return
+        try:
+            res["numerics"] = numerics_check(device, fast_att, T=16 if args.smoke else 256)
+        except Exception as e:  # noqa: BLE001
+            res["numerics"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "pass": False}
+        res["numerics"]["wall_s"] = round(time.monotonic() - t0, 2)
+        print(json.dumps({"numerics": res["numerics"]}, default=str), flush=True)
+        save()
+
+    for i, c in enumerate(configs):
+        if i == min(3, len(configs)):
+            numerics()
+        r = run_config(c, m, device, args, deadline, rates)
+        res["configs"].append(r)
+        finalize(res)
+        print(json.dumps({k: v for k, v in r.items() if k != "naive_extra"}, default=str), flush=True)
+        save()
+    if "numerics" not in res:
+        numerics()
+    if cuda and fast_att == "flex" and deadline - time.monotonic() > 30:
+        try:  # the attention kernel alone (fp32), eagle3.train.bench.check_flex
+            from eagle3.train.bench import check_flex
+
+            res["numerics"]["attention_only_fp32_check"] = check_flex(str(device))
+        except Exception as e:  # noqa: BLE001
+            res["numerics"]["attention_only_fp32_check"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+    timer.cancel()
+    res["partial"] = None
+    res["wall_s"] = round(time.monotonic() - t_begin, 1)
+    with lock:
+        write_results(res, args.out_dir)
+    print(f"wrote {args.out_dir / 'train_step.json'} and train_step.md ({res['wall_s']} s)", flush=True)
+    bad = [r["name"] for r in res["configs"] if r.get("status") == "error"]
+    return 1 if (bad or res["numerics"].get("pass") is False) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
