@@ -6,6 +6,9 @@ Public API (other stages rely on these names):
     load_captured(dir) -> Iterator[dict]       # one sample: input_ids, loss_mask, aux_hidden_states,
                                                #   last_hidden_states, sample_id, sample_index
     iter_shards(dir) -> Iterator[dict]         # one shard's tensors at once (bulk reading)
+States come back in the storage dtype of the capture (manifest `dtype`), except `storage_dtype: fp8`
+(float8_e4m3fn + a float32 scale per token and layer, half the disk of bfloat16), which both readers
+dequantize to bfloat16 transparently (`iter_shards(dir, dequantize=False)` gives the raw fp8 + scales).
 Nothing here imports vLLM at import time: the hf backend runs on machines without vLLM.
 """
 
