@@ -91,7 +91,7 @@ class CaptureConfig(StageConfig):
     batch_tokens: int = Field(8192, gt=0, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
     max_model_len: int | None = Field(None, gt=0, description="Engine max_model_len (default: longest prepared sample)")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Target compute dtype")
-    storage_dtype: StorageDtype = Field("bfloat16", description="dtype of the stored hidden states")
+    storage_dtype: StorageDtype = Field("bfloat16", description="dtype of the stored hidden states; fp8 = e4m3 with a float32 scale per token and layer (half the disk of bf16; the reader returns bf16)")
     shard_tokens: int = Field(262144, gt=0, description="Tokens per safetensors shard (the unit of resume)")
     limit: int | None = Field(None, gt=0, description="Capture at most this many samples")
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
