@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -19,6 +14,7 @@ from eagle3.capture.quant import FP8_MAX, dequantize_fp8, quantize_fp8, to_stora
 from eagle3.capture.storage import bytes_per_token, save_safetensors_hashed
 from eagle3.config import CaptureConfig
 from test_capture import make_prepared, rel_err
+from test_capture_resume import kill_capture_after_first_shard
 
 #: fp8 round-trip bound, ||dequant(quant(x)) - x|| / ||x|| per sample; e4m3 has 3 mantissa bits
 #: (worst-case element error 2^-4 relative); measured ~0.02-0.03 on the tiny targets' states
@@ -166,28 +162,8 @@ def test_fp8_sigkill_then_resume(tiny_llama, prepared, captures, tmp_path):
     """Kill an fp8 capture after its first shard, rerun: byte-identical shards to the uninterrupted run."""
     cfg = _cfg(tiny_llama, prepared, tmp_path / "k", storage_dtype="fp8", batch_tokens=30, shard_tokens=150)
     ref = run_capture(cfg.model_copy(update={"out": tmp_path / "ref"}))
-    code = (
-        "import json, sys\n"
-        "from eagle3.config import CaptureConfig\n"
-        "from eagle3.capture import run_capture\n"
-        "run_capture(CaptureConfig.model_validate(json.loads(sys.argv[1])))\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json"))],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    progress = cfg.out / "progress.json"
-    deadline = time.time() + 120
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if progress.is_file() and json.loads(progress.read_text())["shards"]:
-                break
-            time.sleep(0.01)
-        assert proc.poll() is None, f"capture ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    done = json.loads(progress.read_text())["shards"]
-    assert 1 <= len(done) < ref.num_shards and not (cfg.out / "manifest.json").exists()
+    done = kill_capture_after_first_shard(cfg)
+    assert 1 <= len(done) < ref.num_shards
     res = run_capture(cfg)
     assert res.resumed_shards == len(done) and res.num_samples == ref.num_samples
     a, b = load_manifest(cfg.out), load_manifest(ref.out)

@@ -36,12 +36,9 @@ def _cfg(target, data, out):
                          device="cpu", batch_tokens=30, shard_tokens=150)
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tiny_llama, prepared_many, tmp_path):
-    ref = run_capture(_cfg(tiny_llama, prepared_many, tmp_path / "ref"))
-    assert ref.num_shards >= 5
-
-    out = tmp_path / "killed"
-    cfg = _cfg(tiny_llama, prepared_many, out)
+def kill_capture_after_first_shard(cfg: CaptureConfig) -> list[dict]:
+    """Run `run_capture(cfg)` in a subprocess, SIGKILL it once a shard is recorded in progress.json,
+    check the killed run does not look finished, and return the shards it had completed."""
     code = (
         "import json, sys\n"
         "from eagle3.config import CaptureConfig\n"
@@ -51,7 +48,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_llama, prepared_many, tmp
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json"))],
                             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    progress = out / "progress.json"
+    progress = cfg.out / "progress.json"
     deadline = time.time() + 120
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -63,8 +60,17 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_llama, prepared_many, tmp
     finally:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    assert not (out / "manifest.json").exists(), "the killed run must not look finished"
-    done = json.loads(progress.read_text())["shards"]
+    assert not (cfg.out / "manifest.json").exists(), "the killed run must not look finished"
+    return json.loads(progress.read_text())["shards"]
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tiny_llama, prepared_many, tmp_path):
+    ref = run_capture(_cfg(tiny_llama, prepared_many, tmp_path / "ref"))
+    assert ref.num_shards >= 5
+
+    out = tmp_path / "killed"
+    cfg = _cfg(tiny_llama, prepared_many, out)
+    done = kill_capture_after_first_shard(cfg)
     assert 1 <= len(done) < ref.num_shards
     with pytest.raises(FileNotFoundError, match="interrupted capture"):
         load_manifest(out)
