@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.task_runners import ThreadPoolTaskRunner
-from tasks.artifacts import artifact_key, find_per_position, find_tau, png_markdown
+from tasks.artifacts import artifact_key, find_per_position, find_tau, find_value, png_markdown
 
 from eagle3.config import PipelineConfig
 from eagle3.pipeline import ensure_target
@@ -42,16 +42,8 @@ def branch_config(config: PipelineConfig, layers: list[int]) -> PipelineConfig:
 
 
 def find_loss(result: dict[str, Any]) -> float | None:
-    for key in _LOSS_KEYS:
-        v = result.get(key)
-        if isinstance(v, int | float):
-            return float(v)
-    for v in result.values():
-        if isinstance(v, dict):
-            loss = find_loss(v)
-            if loss is not None:
-                return loss
-    return None
+    v = find_value(result, _LOSS_KEYS, lambda x: isinstance(x, int | float) and not isinstance(x, bool))
+    return None if v is None else float(v)
 
 
 @task(name="sweep-branch", cache_policy=NONE, task_run_name="branch {layers}")

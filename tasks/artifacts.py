@@ -9,6 +9,7 @@ import base64
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,31 +138,33 @@ def train_metrics(run_name: str, out: Path, max_rows: int = 500) -> None:
                                  description="training curves")
 
 
-def find_tau(result: dict[str, Any]) -> float | None:
-    """The mean acceptance length τ from an evaluate result (first matching key, nested allowed)."""
-    for key in ("tau", "mean_acceptance_length", "acceptance_length", "mean_accepted_length"):
-        if isinstance(result.get(key), int | float):
-            return float(result[key])
+def find_value(result: dict[str, Any], keys: tuple[str, ...], accept: Callable[[Any], bool]) -> Any:
+    """The first value under one of `keys` that `accept`s, searching nested dicts depth-first."""
+    for key in keys:
+        if key in result and accept(result[key]):
+            return result[key]
     for v in result.values():
         if isinstance(v, dict):
-            t = find_tau(v)
-            if t is not None:
-                return t
+            found = find_value(v, keys, accept)
+            if found is not None:
+                return found
     return None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def find_tau(result: dict[str, Any]) -> float | None:
+    """The mean acceptance length τ from an evaluate result (nested allowed)."""
+    v = find_value(result, ("tau", "mean_acceptance_length", "acceptance_length"), _is_number)
+    return None if v is None else float(v)
 
 
 def find_per_position(result: dict[str, Any]) -> list[float] | None:
-    for key in ("per_position_acceptance", "acceptance_per_position", "acceptance_rate_per_position",
-                "per_position"):
-        v = result.get(key)
-        if isinstance(v, list) and all(isinstance(x, int | float) for x in v):
-            return [float(x) for x in v]
-    for v in result.values():
-        if isinstance(v, dict):
-            p = find_per_position(v)
-            if p is not None:
-                return p
-    return None
+    v = find_value(result, ("acceptance_rate_per_position", "per_position_acceptance"),
+                   lambda x: isinstance(x, list) and all(_is_number(y) for y in x))
+    return None if v is None else [float(x) for x in v]
 
 
 @_guard

@@ -142,17 +142,16 @@ def test_missing_target_flag(data_file, tmp_path):
         run_regenerate(RegenerateConfig(data=str(data_file), out=tmp_path))
 
 
-def test_regenerate_hf_backend_matches_vllm_greedy(tiny_llama, data_file, tmp_path):
+def test_regenerate_hf_backend_matches_vllm_greedy(tiny_llama, data_file, llm, tmp_path):
     """backend=hf (hosts without vLLM): same output format; greedy answers agree with vLLM's."""
-    vllm_out = getattr(pytest, "full_output", None)
+    ref_res = run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "vllm", dtype="float32"), llm=llm)
     res = run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "hf", backend="hf", device="cpu", dtype="float32"))
     written = read_conversations(res.conversations_path)
     assert len(written.conversations) == res.num_written and not written.skipped
     assert json.loads((tmp_path / "hf" / "manifest.json").read_text())["engine"]["backend"] == "hf"
-    if vllm_out is not None:
-        ref = [json.loads(line) for line in vllm_out.decode().splitlines()]
-        ours = [json.loads(line) for line in res.conversations_path.read_text().splitlines()]
-        same = sum(a == b for a, b in zip(ref, ours, strict=False))
-        # A random tiny target has near-flat logits, so float32 rounding differences between the two
-        # implementations flip some greedy argmaxes (6/10 identical here); a broken backend gives ~0.
-        assert len(ours) == len(ref) and same >= 0.5 * len(ref), f"only {same}/{len(ref)} conversations agree"
+    ref = [json.loads(line) for line in ref_res.conversations_path.read_text().splitlines()]
+    ours = [json.loads(line) for line in res.conversations_path.read_text().splitlines()]
+    same = sum(a == b for a, b in zip(ref, ours, strict=False))
+    # A random tiny target has near-flat logits, so float32 rounding differences between the two
+    # implementations flip some greedy argmaxes (6/10 identical here); a broken backend gives ~0.
+    assert len(ours) == len(ref) and same >= 0.5 * len(ref), f"only {same}/{len(ref)} conversations agree"

@@ -128,7 +128,7 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
         ):
             from eagle3.config import load_pipeline_config
 
-            values = load_pipeline_config(args.config).resolved().__getattribute__(stage).model_dump(exclude={"stage"})
+            values = getattr(load_pipeline_config(args.config).resolved(), stage).model_dump(exclude={"stage"})
         else:
             values = raw
     flat = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
