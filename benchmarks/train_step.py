@@ -44,6 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without PYTHONPATH=src too
 
 from eagle3.model.draft import DraftConfig  # noqa: E402
+from eagle3.train.flops import count_step_bytes as bytes_model  # noqa: E402
+from eagle3.train.flops import count_train_flops as flop_model  # noqa: E402
 from eagle3.train.step import build_benchmark, run_benchmark_step, ttt_forward  # noqa: E402
 
 #: Llama-3.1-8B-like draft (issue 5)
@@ -60,86 +62,7 @@ SPEC_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 
 
 # ------------------------------------------------------------------------------------------------ FLOP model
-
-
-def flop_model(m: dict, T: int, K: int) -> dict:
-    """Model FLOPs per token of one optimizer step (K unrolled TTT steps), the anchor's convention:
-
-    per token per TTT step j (forward, 2 FLOPs per multiply-add):
-      fc             2 * (n_aux*Ht) * H              only at step 0
-      qkv            2 * 2H * (nh + 2 kvh) * d       q, k, v read concat(embed, hidden) = 2H
-      attn_core      4 * nh * d * (T/2 + j)          QK^T + PV over the causal half of the step-0 keys + j TTT keys
-      o_proj         2 * nh*d * H
-      mlp            3 * 2 * H * inter               gate, up, down
-      draft_lm_head  2 * H * Vd
-    trainable total x3 (backward ~ 2x forward); plus the frozen target lm_head restricted to the draft vocab
-    (target distribution), forward only, ONCE per token: targets are computed once per batch and each TTT step
-    reads them shifted by j (eagle3.train.loss.compute_targets). Our implementation additionally runs the full-
-    vocab target head once per token for the out-of-vocab argmax mask: reported as `target_lm_head_full` (executed,
-    not in the model count, same as the anchor which restricts to the draft vocab).
-    """
-    H, Ht, nh, kvh, d, inter, V, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux"))
-    fwd = {
-        "fc": 2 * na * Ht * H,
-        "qkv": K * 2 * 2 * H * (nh + 2 * kvh) * d,
-        "attn_core": sum(4 * nh * d * (T / 2 + j) for j in range(K)),
-        "o_proj": K * 2 * nh * d * H,
-        "mlp": K * 3 * 2 * H * inter,
-        "draft_lm_head": K * 2 * H * Vd,
-    }
-    trainable_fwd = sum(fwd.values())
-    target = 2 * Ht * Vd
-    total = 3 * trainable_fwd + target
-    return {
-        "convention": "per token per optimizer step; trainable x3 (fwd + 2x bwd); frozen target lm_head restricted to "
-        "the draft vocab, forward only, once per token; attention = causal half of step-0 keys + j TTT keys",
-        "forward_per_token": {k: float(v) for k, v in fwd.items()},
-        "trainable_forward_per_token": float(trainable_fwd),
-        "trainable_fwd_bwd_per_token": float(3 * trainable_fwd),
-        "target_lm_head_restricted_per_token": float(target),
-        "target_lm_head_full_per_token": float(2 * Ht * V),
-        "model_flops_per_token": float(total),
-        "model_flops_per_token_unrestricted_target": float(3 * trainable_fwd + 2 * Ht * V),
-        "executed_flops_per_token_incl_full_vocab_argmax": float(total + 2 * Ht * V),
-    }
-
-
-def param_groups(m: dict) -> dict:
-    """Trainable parameter counts and how many times per optimizer step each is used (fc: once; midlayer/lm_head: K)."""
-    H, Ht, nh, kvh, d, inter, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "Vd", "n_aux"))
-    return {
-        "fc": (na * Ht * H, "once"),
-        "attn": (2 * H * (nh + 2 * kvh) * d + nh * d * H, "per_step"),
-        "mlp": (3 * H * inter, "per_step"),
-        "lm_head": (Vd * H, "per_step"),
-        "norms": (4 * H, "per_step"),
-    }
-
-
-def bytes_model(m: dict, K: int) -> dict:
-    """Bytes floor of one optimizer step: weights + grads + optimizer state only (activations excluded).
-
-    fp32 master weights, bf16 autocast copies, fp32 grads, fused AdamW (fp32 m, v):
-      once per step, per trainable param:  cast fp32->bf16 (read 4 + write 2) + grad-norm clip (read 4)
-                                           + AdamW (read p, g, m, v = 16; write p, m, v = 12)        = 38 B
-      per use (fc once, the rest K times): bf16 weight read fwd (2) + bwd dX (2) + dW write bf16 (2)
-                                           + fp32 grad accumulate (read 4 + write 4)                  = 14 B
-      frozen: target lm_head read once in bf16 (full vocab, as executed for the argmax) + draft-vocab rows (2 B each)
-    """
-    once_b, use_b = 38, 14
-    total, terms = 0, {}
-    for name, (n, when) in param_groups(m).items():
-        uses = 1 if when == "once" else K
-        b = n * (once_b + use_b * uses)
-        terms[name] = float(b)
-        total += b
-    frozen = 2 * m["Ht"] * (m["V"] + m["Vd"])
-    terms["target_lm_head_frozen"] = float(frozen)
-    total += frozen
-    n_train = sum(n for n, _ in param_groups(m).values())
-    return {"trainable_params": n_train, "terms": terms, "bytes_per_step": float(total),
-            "convention": f"{once_b} B/param once (cast, clip, AdamW) + {use_b} B/param per use (bf16 reads fwd/bwd, "
-            "dW, fp32 grad accumulate); frozen target head read once; activations excluded"}
+# flop_model / bytes_model: eagle3.train.flops (one copy, shared with `eagle3 plan`)
 
 
 def naive_extra(m: dict, B: int, T: int, K: int) -> dict:
