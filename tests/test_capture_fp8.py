@@ -143,14 +143,14 @@ def test_fp8_disk_check_uses_fp8_bytes(tiny_llama, prepared, tmp_path, monkeypat
     """A disk that holds the fp8 capture but not the bf16 one: fp8 starts, bf16 is refused."""
     import collections
 
-    from eagle3.capture import run as run_mod
+    from eagle3 import plan as plan_mod  # the capture's disk check is the planner's
     from eagle3.data.prepared import load_prepared
 
     m_tokens = sum(len(x) for x in load_prepared(prepared)["input_ids"])
     need8, need16 = (m_tokens * bytes_per_token(3, 128, dt) for dt in ("fp8", "bfloat16"))
     reserve = int(0.5 * 1024**3)
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda _p: usage(10**12, 0, reserve + (need8 + need16) // 2))
+    monkeypatch.setattr(plan_mod.shutil, "disk_usage", lambda _p: usage(10**12, 0, reserve + (need8 + need16) // 2))
     with pytest.raises(ValueError, match="fp8 halves bfloat16"):
         run_capture(_cfg(tiny_llama, prepared, tmp_path / "b", storage_dtype="bfloat16", min_free_disk_gb=0.5))
     res = run_capture(_cfg(tiny_llama, prepared, tmp_path / "f", storage_dtype="fp8", min_free_disk_gb=0.5, limit=2))

@@ -20,7 +20,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from eagle3.config import STAGES, ConfigError, PipelineConfig, build_stage_config, load_yaml
+from eagle3.config import (
+    STAGES,
+    STREAM_STAGES,
+    ConfigError,
+    PipelineConfig,
+    build_stage_config,
+    load_yaml,
+)
 
 #: stage -> "module:function"; imported lazily so `eagle3 --help` stays fast.
 STAGE_FUNCTIONS = {
@@ -31,6 +38,8 @@ STAGE_FUNCTIONS = {
     "train": "eagle3.train:run_train",
     "export": "eagle3.export:run_export",
     "evaluate": "eagle3.evaluate:run_evaluate",
+    "stream-capture": "eagle3.capture.spool:run_stream_capture",
+    "stream-train": "eagle3.train.stream:run_stream_train",
 }
 
 STAGE_HELP = {
@@ -41,6 +50,8 @@ STAGE_HELP = {
     "train": "train the EAGLE-3 draft with training-time test",
     "export": "write a draft directory vLLM (or speculators) loads",
     "evaluate": "mean acceptance length in real vLLM",
+    "stream-capture": "streaming mode, producer: capture every epoch into a spool capped at --spool-cap-gb",
+    "stream-train": "streaming mode, consumer: train on the spool's shards, deleting each once checkpointed",
 }
 
 
@@ -103,7 +114,7 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft models for your own target LLM.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for stage, cls in STAGES.items():
+    for stage, cls in {**STAGES, **STREAM_STAGES}.items():
         p = sub.add_parser(stage, help=STAGE_HELP[stage], description=STAGE_HELP[stage])
         p.add_argument(
             "--config",
@@ -111,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="YAML with this stage's fields, or a pipeline config (its resolved `" + stage + "` section); flags override it",
         )
         _add_field_flags(p, cls)
+    stream = sub.add_parser("stream", help="streaming mode: stream-capture and stream-train at once in this process "
+                            "(bounded disk; prepare and vocab must have run)")
+    stream.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML with a `stream:` section")
     run = sub.add_parser("run", help="run the whole pipeline (Prefect flow on the embedded local API)")
     run.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML (see configs/)")
     run.add_argument("--no-prefect", action="store_true", help="run the stages in-process without Prefect")
@@ -123,12 +137,16 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
     if getattr(args, "config", None):
         raw = load_yaml(args.config)
         source = f"{args.config} + command line"
-        if "target" in raw and "data" in raw and stage in PipelineConfig.model_fields and (
+        if "target" in raw and "data" in raw and (stage in PipelineConfig.model_fields or stage in STREAM_STAGES) and (
             any(k in raw for k in STAGES) or "work_dir" in raw
         ):
             from eagle3.config import load_pipeline_config
 
-            values = getattr(load_pipeline_config(args.config).resolved(), stage).model_dump(exclude={"stage"})
+            pipe = load_pipeline_config(args.config)
+            if stage in STREAM_STAGES:  # the producer / consumer side of the pipeline's streaming mode
+                values = pipe.stream_stages()[list(STREAM_STAGES).index(stage)].model_dump(exclude={"stage"})
+            else:
+                values = getattr(pipe.resolved(), stage).model_dump(exclude={"stage"})
         else:
             values = raw
     flat = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
@@ -157,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             from eagle3.pipeline import run_pipeline_from_file
 
             result = run_pipeline_from_file(args.config, use_prefect=not args.no_prefect)
+        elif args.command == "stream":
+            from eagle3.config import load_pipeline_config
+            from eagle3.stream import run_stream
+
+            result = run_stream(load_pipeline_config(args.config))
         else:
             cfg = stage_config_from_args(args.command, args)
             result = resolve_function(args.command)(cfg)

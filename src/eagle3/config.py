@@ -201,6 +201,54 @@ class EvaluateConfig(StageConfig):
 
 
 
+class SpoolSettings(BaseModel):
+    """The spool of streaming mode: its cap and how the two sides wait for each other."""
+
+    spool_cap_gb: float = Field(
+        100.0, gt=0, description="Streaming: most the spool may hold at any moment, temp files and ledgers "
+        "included (GB = 1e9 bytes); it must fit the validation shards plus a few capture shards"
+    )
+    poll_interval_s: float = Field(0.5, gt=0, description="Streaming: how often a waiting side looks at the spool again")
+    stall_timeout_s: float = Field(
+        3600.0, gt=0, description="Streaming: a side waiting this long without the other side making progress fails"
+    )
+
+    @property
+    def spool_cap_bytes(self) -> int:
+        return int(self.spool_cap_gb * 1e9)
+
+
+class StreamConfig(SpoolSettings):
+    """`stream:` of a pipeline config: bounded-disk mode, capture and train at once through a capped spool."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: bool = Field(
+        False, description="Capture and train concurrently through a spool of at most spool_cap_gb instead of "
+        "capture -> train (for captures larger than the disk); every epoch is captured again"
+    )
+    spool: Path | None = Field(None, description="Spool directory, seen by both sides (default <work_dir>/spool)")
+
+
+class StreamCaptureConfig(CaptureConfig, SpoolSettings):
+    """The producer side of streaming mode (`eagle3 stream-capture`)."""
+
+    out: Path | None = Field(None, description="Spool directory the shards go to (pipeline: stream.spool)")
+    epochs: int = Field(1, gt=0, description="Passes over the data, each captured again (pipeline: train.epochs)")
+    val_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Samples held out for validation, captured once and kept in the spool "
+        "for the whole run (pipeline: train.val_fraction)"
+    )
+    seed: int = Field(0, description="Seed of the validation split and of each epoch's order (pipeline: train.seed)")
+
+
+class StreamTrainConfig(TrainConfig, SpoolSettings):
+    """The consumer side of streaming mode (`eagle3 stream-train`): trains on the spool's shards as they come
+    and deletes each once a checkpoint covers it. epochs/val_fraction are the producer's."""
+
+    captured: str | None = Field(None, description="Spool directory to train from (pipeline: stream.spool)")
+
+
 STAGES: dict[str, type[StageConfig]] = {
     "prepare": PrepareConfig,
     "regenerate": RegenerateConfig,
@@ -210,6 +258,9 @@ STAGES: dict[str, type[StageConfig]] = {
     "export": ExportConfig,
     "evaluate": EvaluateConfig,
 }
+
+#: the two sides of streaming mode; not pipeline sections (both are derived by PipelineConfig.stream_stages)
+STREAM_STAGES: dict[str, type[StageConfig]] = {"stream-capture": StreamCaptureConfig, "stream-train": StreamTrainConfig}
 
 
 class PipelineConfig(BaseModel):
@@ -230,6 +281,7 @@ class PipelineConfig(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
 
     def resolved(self) -> PipelineConfig:
         """A copy whose every stage has its input/output paths filled in."""
@@ -245,6 +297,24 @@ class PipelineConfig(BaseModel):
         _fill(c.export, checkpoint=str(w / "train"), out=w / "draft", target=c.target)
         _fill(c.evaluate, target=c.target, draft=str(w / "draft"), prompts=c.eval_prompts, out=w / "evaluate")
         return c
+
+    def stream_stages(self) -> tuple[StreamCaptureConfig, StreamTrainConfig]:
+        """Streaming mode's producer and consumer configs: the resolved capture/train sections, the spool
+        (stream.spool, default <work_dir>/spool) as capture's `out` and train's `captured`, and the
+        producer's epochs / validation split / seed taken from train."""
+        c = self.resolved()
+        if not float(c.train.epochs).is_integer():
+            raise ConfigError(
+                f"train.epochs = {c.train.epochs}: streaming mode captures every epoch again, so epochs must be a "
+                "whole number (set train.epochs to an integer, or stream.enabled: false)"
+            )
+        spool = c.stream.spool or c.work_dir / "spool"
+        knobs = c.stream.model_dump(include=set(SpoolSettings.model_fields))
+        produce = StreamCaptureConfig(**{**c.capture.model_dump(exclude={"stage"}), **knobs, "out": spool,
+                                         "epochs": int(c.train.epochs), "val_fraction": c.train.val_fraction,
+                                         "seed": c.train.seed})
+        consume = StreamTrainConfig(**{**c.train.model_dump(exclude={"stage"}), **knobs, "captured": str(spool)})
+        return produce, consume
 
 
 def _fill(stage: StageConfig, **values: Any) -> None:
@@ -291,7 +361,7 @@ def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = No
 
 
 def build_stage_config(stage: str, values: dict[str, Any], source: str = "arguments") -> StageConfig:
-    cls = STAGES[stage]
+    cls = STAGES[stage] if stage in STAGES else STREAM_STAGES[stage]
     try:
         return cls.model_validate(values)
     except ValidationError as e:

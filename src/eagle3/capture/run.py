@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import numpy as np
 
 from eagle3.config import CaptureConfig, ConfigError
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
+from eagle3.plan import estimate_storage
 
 from . import storage
 from .storage import (
@@ -29,7 +30,6 @@ from .storage import (
     MANIFEST,
     TORCH_DTYPES,
     ShardBuffer,
-    bytes_per_token,
     load_progress,
     save_progress,
     storage_info,
@@ -117,20 +117,11 @@ def _version(*names: str) -> str | None:
     return None
 
 
-def _disk_check(out: Path, needed: int, min_free_gb: float) -> int:
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    reserve = int(min_free_gb * 1024**3)
-    if needed + reserve > free:
-        raise ValueError(
-            f"capture needs {needed / 1e9:.2f} GB in {out} plus CaptureConfig.min_free_disk_gb = {min_free_gb} GB "
-            f"kept free, but only {free / 1e9:.2f} GB is free on that disk: free space, choose another --out, "
-            f"lower --min-free-disk-gb, use a smaller --storage-dtype (bfloat16 halves float32, fp8 halves "
-            f"bfloat16), or capture fewer samples (--limit)"
-        )
-    return free
+def _disk_check(out: Path, est: Any, min_free_gb: float, sample_tokens: list[int] | None = None) -> int:
+    """Refuse to start when the states cannot fit: the planner's check (eagle3.plan.check_capture_fits)."""
+    from eagle3.plan import check_capture_fits
+
+    return check_capture_fits(out, est, min_free_gb, sample_tokens)
 
 
 def _make_backend(cfg: CaptureConfig, layers: list[int], max_model_len: int, llm: Any = None) -> Any:
@@ -147,8 +138,6 @@ def _make_backend(cfg: CaptureConfig, layers: list[int], max_model_len: int, llm
 def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     """Run the capture stage. `llm`: optionally an already started vllm.LLM created with
     ``worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
-    import torch
-
     from eagle3.data.prepared import load_prepared, load_prepared_manifest
 
     t0 = time.time()
@@ -186,15 +175,15 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     start = shards[-1]["next_index"] if shards else 0
     resumed = len(shards)
 
-    bpt = bytes_per_token(len(layers), info.hidden_size, cfg.storage_dtype)
     remaining_tokens = int(lengths[start:].sum())
-    needed = bpt * remaining_tokens
+    est = estimate_storage(len(layers), info.hidden_size, cfg.storage_dtype, remaining_tokens)
+    bpt, needed = est.bytes_per_token, est.total_bytes
     print(
         f"capture: {n_total - start} samples / {remaining_tokens} tokens to go (resuming after {resumed} shards); "
         f"{bpt} bytes/token -> {needed / 1e9:.3f} GB needed in {out}",
         file=sys.stderr, flush=True,
     )
-    _disk_check(out, needed, cfg.min_free_disk_gb)
+    _disk_check(out, est, cfg.min_free_disk_gb, lengths[start:].tolist())
 
     store_dtype = TORCH_DTYPES[cfg.storage_dtype]
     n_aux = len(layers)
@@ -208,46 +197,18 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
         backend_info = backend.start()
         chunk_tokens = int(backend_info.get("chunk_tokens", cfg.batch_tokens))
         t_cap = time.time()
-        i = start
         try:
-            while i < n_total:
-                # next chunk: consecutive samples up to chunk_tokens (at least one)
-                j, tok = i, 0
-                while j < n_total and (j == i or tok + lengths[j] <= chunk_tokens):
-                    tok += int(lengths[j])
-                    j += 1
-                rows = ds[i:j]
-                todo, todo_idx = [], []
-                for k in range(j - i):
-                    n = int(lengths[i + k])
-                    if n == 0:
-                        continue
-                    if cfg.backend == "vllm" and n >= max_model_len:
-                        continue
-                    todo.append(np.asarray(rows["input_ids"][k]))
-                    todo_idx.append(k)
-                # Stored per sample: already in the storage dtype (converted by the backend on its device)
-                got = dict(zip(todo_idx, backend.capture(todo) if todo else [], strict=True))
-                for k in range(j - i):
-                    idx = i + k
-                    n = int(lengths[idx])
-                    if n == 0:
-                        buf.skip(idx, "empty")
-                    elif k not in got:
-                        buf.skip(idx, "too_long")
-                    else:
-                        st = got[k]  # Stored: states [T, A+1, H] (+ fp8 scales [T, A+1]), finite flag
-                        if not st.finite:
-                            buf.skip(idx, "non_finite")
-                        else:
-                            buf.add_stored(idx, str(rows["sample_id"][k]), torch.as_tensor(rows["input_ids"][k]),
-                                           torch.as_tensor(rows["loss_mask"][k]), st, n_aux)
-                            tokens_now += n
-                    if buf.num_tokens >= cfg.shard_tokens:
-                        shards.append(write_shard(out, len(shards), buf))
-                        save_progress(out, config_hash, shards)
-                        buf = ShardBuffer(first_index=idx + 1, next_index=idx + 1)
-                i = j
+            for r in capture_rows(backend, ds, lengths, range(start, n_total), chunk_tokens,
+                                  max_model_len if cfg.backend == "vllm" else None):
+                if r.skip:
+                    buf.skip(r.index, r.skip)
+                else:
+                    buf.add_stored(r.index, r.sample_id, r.input_ids, r.loss_mask, r.stored, n_aux)
+                    tokens_now += int(r.input_ids.shape[0])
+                if buf.num_tokens >= cfg.shard_tokens:
+                    shards.append(write_shard(out, len(shards), buf))
+                    save_progress(out, config_hash, shards)
+                    buf = ShardBuffer(first_index=r.index + 1, next_index=r.index + 1)
             if buf.sample_ids or buf.skipped:
                 if buf.sample_ids or not shards:
                     shards.append(write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype))
@@ -299,6 +260,55 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     write_json(out / MANIFEST, manifest)
     return _result(out, manifest, resumed=resumed, wall=time.time() - t0, cap=cap_s, tok_now=tokens_now,
                    extra={"backend_info": backend_info})
+
+
+@dataclass
+class CapturedRow:
+    """One prepared row after the backend ran: its states (storage form), or why it was skipped."""
+
+    pos: int  # position in the requested order
+    index: int  # row in the prepared dataset
+    skip: str | None  # "empty", "too_long", "non_finite" or None
+    sample_id: str = ""
+    input_ids: Any = None  # torch int64 [T]
+    loss_mask: Any = None  # torch [T]
+    stored: Any = None  # quant.Stored: states [T, A+1, H] (+ fp8 scales)
+
+
+def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_tokens: int,
+                 max_model_len: int | None) -> Iterator[CapturedRow]:
+    """Run the started `backend` over the prepared rows `rows` (dataset row numbers, in any order), chunks of
+    consecutive entries up to chunk_tokens tokens (at least one row), and yield one CapturedRow per row in
+    order. `max_model_len`: rows of that many tokens or more are skipped as too long (vLLM's limit)."""
+    import torch
+
+    rows = list(rows) if not isinstance(rows, range) else rows
+    n, a = len(rows), 0
+    while a < n:
+        b, tok = a, 0
+        while b < n and (b == a or tok + lengths[rows[b]] <= chunk_tokens):
+            tok += int(lengths[rows[b]])
+            b += 1
+        idx = rows[a:b]
+        batch = ds[idx.start:idx.stop] if isinstance(idx, range) and idx.step == 1 else ds[[int(i) for i in idx]]
+        todo, todo_k = [], []
+        for k, i in enumerate(idx):
+            length = int(lengths[i])
+            if length == 0 or (max_model_len is not None and length >= max_model_len):
+                continue
+            todo.append(np.asarray(batch["input_ids"][k]))
+            todo_k.append(k)
+        # Stored per sample: already in the storage dtype (converted by the backend on its device)
+        got = dict(zip(todo_k, backend.capture(todo) if todo else [], strict=True))
+        for k, i in enumerate(idx):
+            st = got.get(k)
+            skip = "empty" if int(lengths[i]) == 0 else "too_long" if st is None else None if st.finite else "non_finite"
+            if skip:
+                yield CapturedRow(a + k, int(i), skip)
+            else:
+                yield CapturedRow(a + k, int(i), None, str(batch["sample_id"][k]), torch.as_tensor(batch["input_ids"][k]),
+                                  torch.as_tensor(batch["loss_mask"][k]), st)
+        a = b
 
 
 def _lengths(ds: Any, n: int) -> np.ndarray:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,15 +153,8 @@ def single_threaded() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: str | Path,
-                            metadata: dict[str, str] | None = None) -> str:
-    """Write `tensors` (CPU) as a safetensors file at `path`, hashing the bytes as they are written;
-    return the file's sha256 (no second read of the file).
-
-    Same layout as safetensors' own writer (header JSON with ``__metadata__`` first, tensors ordered by
-    dtype, largest first, then name; header padded with spaces to 8 bytes), so the file is
-    byte-identical to ``safetensors.torch.save`` up to the order of metadata keys, which safetensors
-    takes from a hash map (checked in the tests). Readers are safetensors' own."""
+def _safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[list[str], bytes]:
+    """(tensor order, padded header JSON) of safetensors' layout."""
     order = sorted(tensors, key=lambda k: (-ST_DTYPES[tensors[k].dtype][1], k))
     header: dict[str, Any] = {}
     if metadata:
@@ -172,7 +165,24 @@ def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: str | Path,
         header[k] = {"dtype": ST_DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
         off += t.nbytes
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    head += b" " * (-len(head) % 8)
+    return order, head + b" " * (-len(head) % 8)
+
+
+def safetensors_nbytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """Exact size of the file `save_safetensors_hashed(tensors, ..., metadata)` writes."""
+    return 8 + len(_safetensors_header(tensors, metadata)[1]) + sum(t.nbytes for t in tensors.values())
+
+
+def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: str | Path,
+                            metadata: dict[str, str] | None = None) -> str:
+    """Write `tensors` (CPU) as a safetensors file at `path`, hashing the bytes as they are written;
+    return the file's sha256 (no second read of the file).
+
+    Same layout as safetensors' own writer (header JSON with ``__metadata__`` first, tensors ordered by
+    dtype, largest first, then name; header padded with spaces to 8 bytes), so the file is
+    byte-identical to ``safetensors.torch.save`` up to the order of metadata keys, which safetensors
+    takes from a hash map (checked in the tests). Readers are safetensors' own."""
+    order, head = _safetensors_header(tensors, metadata)
     h = hashlib.sha256()
     with open(path, "wb") as f:
         for chunk in (len(head).to_bytes(8, "little"), head):
@@ -189,18 +199,20 @@ def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: str | Path,
 
 
 def write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int = 0, hidden_size: int = 0,
-                dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+                dtype: torch.dtype = torch.bfloat16, before_write: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Write `buf` as shard `shard_id` atomically; return its progress entry (with sha256).
 
     num_aux/hidden_size/dtype only give the shapes of an empty shard (every sample skipped); fp8
-    (`dtype` float8_e4m3fn, or scales in the buffer) adds the scale tensors.
+    (`dtype` float8_e4m3fn, or scales in the buffer) adds the scale tensors. `before_write(nbytes)` is
+    called with the file's exact size before its temp file is created (the streaming spool waits there
+    for room).
     """
     with single_threaded():
-        return _write_shard(out, shard_id, buf, num_aux, hidden_size, dtype)
+        return _write_shard(out, shard_id, buf, num_aux, hidden_size, dtype, before_write)
 
 
 def _write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int, hidden_size: int,
-                 dtype: torch.dtype) -> dict[str, Any]:
+                 dtype: torch.dtype, before_write: Callable[[int], None] | None) -> dict[str, Any]:
     fp8 = bool(buf.aux_scale) or dtype == torch.float8_e4m3fn
     if not buf.input_ids:
         buf.input_ids = [torch.zeros(0, dtype=torch.int64)]  # [0]
@@ -229,8 +241,11 @@ def _write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int, hidde
         tensors[SCALE_KEYS["last_hidden_states"]] = torch.cat(buf.last_scale)  # [N] float32
     name = shard_name(shard_id)
     path = out / name
+    metadata = {"format": FORMAT, "sample_ids": json.dumps(buf.sample_ids)}
+    if before_write is not None:
+        before_write(safetensors_nbytes(tensors, metadata))
     with atomic_path(path) as tmp:
-        digest = save_safetensors_hashed(tensors, tmp, {"format": FORMAT, "sample_ids": json.dumps(buf.sample_ids)})
+        digest = save_safetensors_hashed(tensors, tmp, metadata)
     return {
         "file": name,
         "sha256": digest,
@@ -301,7 +316,6 @@ def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True)
     dtypes are those of a bfloat16 capture; `dequantize=False` yields the stored float8_e4m3fn states
     with their float32 `*_scale` tensors instead (e.g. to dequantize on the GPU).
     """
-    from safetensors import safe_open
 
     path = Path(path)
     manifest = load_manifest(path)
@@ -311,14 +325,36 @@ def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True)
             raise FileNotFoundError(f"{f} listed in {path / MANIFEST} is missing: rerun the capture")
         if verify and sha256_file(f) != entry["sha256"]:
             raise ValueError(f"{f}: sha256 differs from {path / MANIFEST}; the file is corrupt, rerun the capture")
-        with safe_open(str(f), framework="pt") as st:
-            shard: dict[str, Any] = {k: st.get_tensor(k) for k in st.keys()}
-            shard["sample_ids"] = json.loads(st.metadata()["sample_ids"])
-        if dequantize:
-            for key, skey in SCALE_KEYS.items():
-                if skey in shard:
-                    shard[key] = dequantize_fp8(shard[key], shard.pop(skey))  # bfloat16
-        yield shard
+        yield load_shard(f, dequantize)
+
+
+def load_shard(f: str | Path, dequantize: bool = True) -> dict[str, Any]:
+    """One shard file's tensors plus `sample_ids` (fp8 states dequantized to bfloat16 unless told not to)."""
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as st:
+        shard: dict[str, Any] = {k: st.get_tensor(k) for k in st.keys()}
+        shard["sample_ids"] = json.loads(st.metadata()["sample_ids"])
+    if dequantize:
+        for key, skey in SCALE_KEYS.items():
+            if skey in shard:
+                shard[key] = dequantize_fp8(shard[key], shard.pop(skey))  # bfloat16
+    return shard
+
+
+def shard_samples(shard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The samples of one loaded shard (views into its tensors), in order; keys as `load_captured`."""
+    off = shard["sample_offsets"].tolist()
+    for j, sid in enumerate(shard["sample_ids"]):
+        s, e = off[j], off[j + 1]
+        yield {
+            "input_ids": shard["input_ids"][s:e],  # [T]
+            "loss_mask": shard["loss_mask"][s:e].to(torch.int64),  # [T]
+            "aux_hidden_states": shard["aux_hidden_states"][s:e],  # [T, A, H]
+            "last_hidden_states": shard["last_hidden_states"][s:e],  # [T, H]
+            "sample_id": sid,
+            "sample_index": int(shard["sample_index"][j]),
+        }
 
 
 def load_captured(path: str | Path, verify: bool = False) -> Iterator[dict[str, Any]]:
@@ -329,14 +365,4 @@ def load_captured(path: str | Path, verify: bool = False) -> Iterator[dict[str, 
     States come in the manifest's storage dtype, except fp8 captures, which are dequantized to bfloat16.
     """
     for shard in iter_shards(path, verify=verify):
-        off = shard["sample_offsets"].tolist()
-        for j, sid in enumerate(shard["sample_ids"]):
-            s, e = off[j], off[j + 1]
-            yield {
-                "input_ids": shard["input_ids"][s:e],  # [T]
-                "loss_mask": shard["loss_mask"][s:e].to(torch.int64),  # [T]
-                "aux_hidden_states": shard["aux_hidden_states"][s:e],  # [T, A, H]
-                "last_hidden_states": shard["last_hidden_states"][s:e],  # [T, H]
-                "sample_id": sid,
-                "sample_index": int(shard["sample_index"][j]),
-            }
+        yield from shard_samples(shard)

@@ -164,6 +164,24 @@ class PackedLoader:
     def epoch_progress(self) -> float:
         return self.state.epoch + self.state.cursor / len(self.indices)
 
+    # the loader protocol the trainer uses (train.stream.StreamLoader implements it for a streaming spool)
+    def state_dict(self) -> dict[str, int]:
+        """The position saved in a checkpoint's trainer_state.json."""
+        return {"epoch": self.state.epoch, "cursor": self.state.cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = LoaderState(int(state["epoch"]), int(state["cursor"]))
+
+    def wants_checkpoint(self) -> bool:
+        """True when the data source needs a checkpoint now (a streaming spool to free space); never here."""
+        return False
+
+    def on_checkpoint(self, ckpt: Path) -> None:
+        """Called with each checkpoint dir once written (main rank)."""
+
+    def close(self, finished: bool) -> None:
+        """End of the training call (`finished`: the last step was taken)."""
+
     def __iter__(self) -> Iterator[PackedBatch]:
         return self
 

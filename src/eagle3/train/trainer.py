@@ -32,7 +32,7 @@ from eagle3.config import ConfigError, TrainConfig
 from eagle3.io import atomic_dir, atomic_path, write_json
 from eagle3.model.draft import DraftConfig, Eagle3Draft, draft_config_from_target, text_config
 from eagle3.train import parallel
-from eagle3.train.data import LoaderState, PackedLoader, eval_batches, load_samples, split_indices
+from eagle3.train.data import PackedLoader, eval_batches, load_samples, split_indices
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS, TTTModule, summarize
 from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
@@ -129,8 +129,7 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoade
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng.pt")
-        write_json(tmp / "trainer_state.json", {"step": step, "epoch": loader.state.epoch,
-                                                 "cursor": loader.state.cursor, "best": best})
+        write_json(tmp / "trainer_state.json", {"step": step, **loader.state_dict(), "best": best})
         write_json(tmp / METADATA, meta)
     return final
 
@@ -233,16 +232,19 @@ def count_rows(samples, indices, T) -> int:
 
 
 def run_train(
-    cfg: TrainConfig, *, samples=None, manifest: dict | None = None, stop_after: int | None = None
+    cfg: TrainConfig, *, samples=None, manifest: dict | None = None, stop_after: int | None = None, source=None
 ) -> TrainResult:
     """Train the draft. `samples`/`manifest` replace reading cfg.captured (tests, in-memory data);
-    `stop_after` ends this invocation after that many optimizer steps (the schedule still follows the full run)."""
+    `stop_after` ends this invocation after that many optimizer steps (the schedule still follows the full run);
+    `source` (eagle3.train.stream.SpoolSource, streaming mode) gives the manifest, validation samples, loader
+    and row count instead of a capture dir."""
     cfg.require("target", "captured", "vocab", "out")
     d = parallel.setup(cfg.device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     out = Path(cfg.out)
 
+    manifest = source.manifest if source is not None else manifest
     if manifest is None:
         from eagle3.capture import load_manifest
 
@@ -263,18 +265,22 @@ def run_train(
     head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
                       torch.arange(d2t.numel()) + d2t).to(d.device, amp_dtype)
 
-    samples = load_samples(cfg.captured if samples is None else samples)
-    aux_shape = tuple(samples[0]["aux_hidden_states"].shape[-2:])
+    samples = load_samples(cfg.captured if samples is None else samples) if source is None else source.val_samples
+    aux_shape = tuple(samples[0]["aux_hidden_states"].shape[-2:]) if len(samples) else (dcfg.num_aux, dcfg.target_hidden_size)
     if aux_shape != (dcfg.num_aux, dcfg.target_hidden_size):
         raise ConfigError(
             f"captured={cfg.captured}: samples carry aux states of shape (T, {aux_shape[0]}, {aux_shape[1]}) but the "
             f"manifest lists {dcfg.num_aux} layers of hidden size {dcfg.target_hidden_size}; the capture is inconsistent"
         )
-    train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
-    loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world)
+    if source is None:
+        train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
+        loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world)
+    else:  # streaming: every spool sample here is validation; training rows come from the loader
+        val_idx, loader = list(range(len(samples))), source.loader(cfg, d.rank, d.world)
     val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size)  # every rank (FSDP forward is collective)
     per_step = cfg.batch_size * cfg.grad_accum * d.world
-    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len) / per_step))
+    rows = source.num_rows(cfg) if source is not None else cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len)
+    total = cfg.max_steps or max(1, math.ceil(rows / per_step))
 
     ttt = parallel.wrap(TTTModule(model), d, fsdp=cfg.parallel == "fsdp")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -300,7 +306,7 @@ def run_train(
         sched.load_state_dict(st["scheduler"])
         state = json.loads((ckpt / "trainer_state.json").read_text())
         step, best = state["step"], state["best"]
-        loader.state = LoaderState(state["epoch"], state["cursor"])
+        loader.load_state_dict(state)
         rng = torch.load(ckpt / "rng.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -360,6 +366,7 @@ def run_train(
             if val_m["sim_accept_len"] > best:
                 best, best_now = val_m["sim_accept_len"], True
         save_now = step % cfg.save_every == 0 or step == total or (stop_after is not None and done_here == stop_after)
+        save_now = loader.wants_checkpoint() or save_now  # (every rank asks: a streaming loader syncs the answer)
         if d.world > 1:  # every rank joins the gather below; rank 0 decides
             flag = torch.tensor([float(best_now)], device=d.device)
             torch.distributed.broadcast(flag, 0)
@@ -375,7 +382,8 @@ def run_train(
             if d.main and best_now:
                 save_model_dir(out / "best", full, meta(val_m))
             if d.main and save_now:
-                save_checkpoint(out, full, opt, sched, step, loader, best, meta(val_m), optim_shards=shards)
+                ckpt = save_checkpoint(out, full, opt, sched, step, loader, best, meta(val_m), optim_shards=shards)
+                loader.on_checkpoint(ckpt)
         parallel.barrier(d)
 
     final_dir = out / "final"
@@ -384,6 +392,7 @@ def run_train(
         if d.main:
             save_model_dir(final_dir, full, meta(val_m))
     log.close()
+    loader.close(finished=step >= total)
     parallel.teardown(d)
     best_dir = out / "best" if (out / "best").is_dir() else None
     return TrainResult(out, final_dir, best_dir, step, last_loss, val_m, meta(val_m))

