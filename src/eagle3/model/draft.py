@@ -71,6 +71,8 @@ def target_rope(tc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling = params or tc.get("rope_scaling") or None
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
+    if scaling and "type" in scaling:  # v4 key (Kimi-K2.5, DeepSeek-V3): vLLM and the export read rope_type
+        scaling = {"rope_type": scaling["type"], **{k: v for k, v in scaling.items() if k != "type"}}
     return theta, scaling
 
 
@@ -88,7 +90,8 @@ def draft_config_from_target(
         intermediate_size=ov.get("intermediate_size", tc["intermediate_size"]),
         num_attention_heads=ov.get("num_attention_heads", heads),
         num_key_value_heads=ov.get("num_key_value_heads", tc.get("num_key_value_heads", heads)),
-        head_dim=ov.get("head_dim", tc.get("head_dim") or H // heads),
+        # MLA targets (DeepSeek-V3, Kimi) have no plain head: their `head_dim`, where written, is the rope part
+        head_dim=ov.get("head_dim", (None if tc.get("kv_lora_rank") else tc.get("head_dim")) or H // heads),
         max_position_embeddings=ov.get("max_position_embeddings", tc.get("max_position_embeddings", 4096)),
         rms_norm_eps=ov.get("rms_norm_eps", tc.get("rms_norm_eps", 1e-6)),
         vocab_size=tc["vocab_size"],
@@ -158,12 +161,36 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
         smooth = (old / wavelen - lo) / (hi - lo)  # (d/2,)
         mid = (1 - smooth) * inv / factor + smooth * inv  # (d/2,)
         inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid))  # (d/2,)
+    elif kind == "yarn":  # as vLLM's YaRNScalingRotaryEmbedding, which serves the exported draft
+        factor, old = s["factor"], s["original_max_position_embeddings"]
+        fast, slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        attn = s.get("attention_factor") or (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+            else _yarn_mscale(factor))
+        if abs(attn - 1.0) > 1e-9:
+            raise DraftConfigError(
+                f"rope scaling yarn with attention factor {attn:.4f} (factor {factor}, mscale {mscale}, mscale_all_dim "
+                f"{mscale_all}) is not supported by the trainer (only 1.0, as Kimi-K2.5 / DeepSeek-V3 have); "
+                "override draft.rope_theta and drop the scaling"
+            )
+
+        def dim_at(rot: float) -> float:
+            return d * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        lo, hi = max(math.floor(dim_at(fast)), 0), min(math.ceil(dim_at(slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)  # (d/2,)
+        inv = inv / factor * ramp + inv * (1 - ramp)  # (d/2,)
     else:
         raise DraftConfigError(
-            f"rope scaling type {kind!r} is not supported by the trainer (default, linear, llama3); "
+            f"rope scaling type {kind!r} is not supported by the trainer (default, linear, llama3, yarn); "
             "override draft.rope_theta and drop the scaling, or add the type to rope_inv_freq"
         )
     return inv.float()
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

