@@ -28,6 +28,7 @@ from eagle3.config import (
     build_stage_config,
     load_yaml,
 )
+from eagle3.plan import PlanConfig
 
 #: stage -> "module:function"; imported lazily so `eagle3 --help` stays fast.
 STAGE_FUNCTIONS = {
@@ -53,6 +54,9 @@ STAGE_HELP = {
     "stream-capture": "streaming mode, producer: capture every epoch into a spool capped at --spool-cap-gb",
     "stream-train": "streaming mode, consumer: train on the spool's shards, deleting each once checkpointed",
 }
+
+PLAN_HELP = ("estimate disk, capture time and training GPU-hours of a pipeline config on a hardware profile, and "
+             "which capture mode (offline or streaming) fits the disk")
 
 
 def resolve_function(stage: str):
@@ -122,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
             help="YAML with this stage's fields, or a pipeline config (its resolved `" + stage + "` section); flags override it",
         )
         _add_field_flags(p, cls)
+    plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP)
+    _add_field_flags(plan, PlanConfig)
     stream = sub.add_parser("stream", help="streaming mode: stream-capture and stream-train at once in this process "
                             "(bounded disk; prepare and vocab must have run)")
     stream.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML with a `stream:` section")
@@ -156,6 +162,17 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
     return build_stage_config(stage, values, source=source)
 
 
+def build_plan_config(args: argparse.Namespace) -> PlanConfig:
+    from pydantic import ValidationError
+
+    from eagle3.config import format_validation_error
+
+    try:
+        return PlanConfig.model_validate(_nest({k: v for k, v in vars(args).items() if k != "command"}))
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, "command line")) from None
+
+
 def _jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}
@@ -180,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
             from eagle3.stream import run_stream
 
             result = run_stream(load_pipeline_config(args.config))
+        elif args.command == "plan":
+            from eagle3.plan import format_plan, run_plan
+
+            cfg = build_plan_config(args)
+            result = run_plan(cfg)
+            if cfg.format == "table":
+                print(format_plan(result))
+                return 0
         else:
             cfg = stage_config_from_args(args.command, args)
             result = resolve_function(args.command)(cfg)
