@@ -77,6 +77,25 @@ class RegenerateConfig(StageConfig):
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
 
 
+def parse_layer_ids(value: Any) -> Any:
+    """`"2,4,5"` (a CLI flag) -> [2, 4, 5]; lists pass through."""
+    if isinstance(value, str):
+        try:
+            return [int(x) for x in value.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ValueError(f"layers must be comma-separated integers like 2,4,5; got {value!r}") from None
+    return value
+
+
+def check_layer_ids(value: list[int] | None) -> list[int] | None:
+    if value is not None:
+        if not value:
+            raise ValueError("layers must name at least one layer id")
+        if len(set(value)) != len(value):
+            raise ValueError(f"layers has duplicates: {value}")
+    return value
+
+
 class CaptureConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
     data: str | None = Field(None, description="Prepared dataset dir (output of `eagle3 prepare`)")
@@ -97,25 +116,8 @@ class CaptureConfig(StageConfig):
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     min_free_disk_gb: float = Field(1.0, description="Refuse to start unless this much disk stays free after the capture")
 
-    @field_validator("layers", mode="before")
-    @classmethod
-    def _parse_layers(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            try:
-                return [int(x) for x in value.replace(" ", "").split(",") if x]
-            except ValueError:
-                raise ValueError(f"layers must be comma-separated integers like 2,4,5; got {value!r}") from None
-        return value
-
-    @field_validator("layers", mode="after")
-    @classmethod
-    def _check_layers(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None:
-            if not value:
-                raise ValueError("layers must name at least one layer id")
-            if len(set(value)) != len(value):
-                raise ValueError(f"layers has duplicates: {value}")
-        return value
+    _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
+    _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))
 
 
 class VocabConfig(StageConfig):
@@ -159,7 +161,7 @@ class TrainConfig(StageConfig):
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step")
     max_seq_len: int = Field(2048, gt=0, description="Packed sequence length (document-aware packing)")
     batch_size: int = Field(1, gt=0, description="Packed sequences per micro-batch")
-    val_fraction: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation")
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation (ignored for validation when val_captured is set)")
     eval_every: int = Field(200, gt=0, description="Validate every N optimizer steps (and at the end)")
     save_every: int = Field(500, gt=0, description="Checkpoint every N optimizer steps (and at the end)")
     log_every: int = Field(10, gt=0, description="Log train metrics every N optimizer steps")
@@ -172,7 +174,33 @@ class TrainConfig(StageConfig):
         "ddp", description="Under torchrun: ddp replicates the draft; fsdp shards it (FSDP2) for large drafts"
     )
     draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
+    layers: list[int] | None = Field(
+        None,
+        description="Train on these of the captured aux ids (the last layer's id L is read from the captured "
+        "last_hidden_states); default: all captured aux ids. One wide capture then serves a layer sweep",
+    )
+    val_captured: str | None = Field(
+        None,
+        description="Capture dir of validation prompts (ideally ones the target never trained on); used instead "
+        "of the held-out val_fraction split to pick the best checkpoint",
+    )
+    num_speculative_tokens: int = Field(
+        3, gt=0, description="k the draft will be served with: the best checkpoint maximises the validation τ estimate at k"
+    )
+    hidden_noise: float = Field(
+        0.0, ge=0, description="Std of Gaussian noise added to the aux states in training, relative to each state's RMS"
+    )
+    init_head_from_target: bool = Field(
+        False, description="Start lm_head (draft-vocab rows) and the final norm from the target's"
+    )
+    preload: bool = Field(
+        False, description="Read the capture into RAM once (sequential shard reads, only the trained layers kept) "
+        "instead of memory-mapping it per sample; for captures that fit in RAM"
+    )
     resume: bool = Field(True, description="Resume from the latest checkpoint in --out when present")
+
+    _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
+    _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))
 
 
 

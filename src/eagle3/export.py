@@ -91,11 +91,14 @@ def validate(meta: dict, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], ta
     ids = list(meta["aux_layer_ids"])
     tc = text_config(target_cfg)
     L = tc.get("num_hidden_layers")
-    if manifest is not None and list(manifest.get("layers", ids)) != ids:
-        raise ExportError(
-            f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's layers="
-            f"{manifest['layers']}; the draft was trained on the manifest's layers, re-train or fix the metadata"
-        )
+    captured = list(manifest.get("layers", ids)) if manifest is not None else None
+    if captured is not None and captured != ids:
+        # a layer subset (TrainConfig.layers) is fine when the checkpoint says it was chosen from this capture
+        if meta.get("captured_layers") != captured or not set(ids) <= set(captured) | {L}:
+            raise ExportError(
+                f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's layers="
+                f"{manifest['layers']}; the draft was trained on the manifest's layers, re-train or fix the metadata"
+            )
     if len(ids) != dcfg.num_aux or len(set(ids)) != len(ids):
         raise ExportError(f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads {dcfg.num_aux} states)")
     if L is not None and not all(0 <= i <= L for i in ids):

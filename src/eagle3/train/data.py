@@ -11,6 +11,8 @@ with cursor = next index into that epoch's permutation, so resume is exact.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +80,55 @@ def load_samples(source: str | Path | Iterable[dict[str, Any]]) -> Sequence[dict
     return list(source)
 
 
+class SelectedLayers(Sequence):
+    """Samples whose aux states are a subset of the captured ones, in the given order.
+
+    `captured` are the capture's aux ids (manifest `layers`); id `num_hidden_layers` (the last decoder layer's
+    output, which vLLM's EAGLE-3 can also feed the draft) is read from `last_hidden_states`. One capture of many
+    layers thus serves a sweep over layer sets without capturing again."""
+
+    def __init__(self, samples: Sequence[dict[str, Any]], captured: list[int], layers: list[int], num_hidden_layers: int):
+        avail = list(captured) + [num_hidden_layers]
+        missing = [k for k in layers if k not in avail]
+        if missing:
+            raise ValueError(
+                f"TrainConfig.layers = {list(layers)}: id(s) {missing} were not captured (captured aux ids "
+                f"{list(captured)}, plus {num_hidden_layers} = the last layer); capture them or pick from those"
+            )
+        self.samples, self.layers = samples, list(layers)
+        self._cols = [avail.index(k) for k in layers]
+        self._last = len(captured)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        s = dict(self.samples[i])
+        aux = torch.as_tensor(s["aux_hidden_states"])  # (T, A, H)
+        if self._last in self._cols:
+            aux = torch.cat([aux, torch.as_tensor(s["last_hidden_states"])[:, None]], dim=1)  # (T, A+1, H)
+        s["aux_hidden_states"] = aux[:, self._cols]  # (T, len(layers), H)
+        return s
+
+
+def preload_samples(path: str | Path, layers: list[int], num_hidden_layers: int) -> list[dict[str, Any]]:
+    """A capture dir read into RAM shard by shard (large sequential reads, not page faults per sample), keeping
+    only the aux states of `layers` (SelectedLayers semantics). RAM needed: tokens x (len(layers) + 1) x H x 2 B."""
+    from eagle3.capture import load_manifest
+    from eagle3.capture.storage import iter_shards, shard_samples
+
+    captured = load_manifest(path)["layers"]
+    out: list[dict[str, Any]] = []
+    for shard in iter_shards(path):
+        picked = SelectedLayers(list(shard_samples(shard)), captured, layers, num_hidden_layers)
+        for i in range(len(picked)):
+            s = picked[i]  # aux: a fresh tensor (indexed); the rest: views, cloned so the shard can be freed
+            out.append({**s, "input_ids": s["input_ids"].clone(), "loss_mask": s["loss_mask"].clone(),
+                        "last_hidden_states": s["last_hidden_states"].clone()})
+        del shard, picked
+    return out
+
+
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = int(round(n * val_fraction))
@@ -115,6 +166,39 @@ def pack(samples: list[dict[str, Any]], max_seq_len: int) -> dict[str, torch.Ten
     return row
 
 
+def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatch:
+    """Each list of samples packed into one row of a (B, max_seq_len) batch, written in place (== collate of
+    pack() per row, without the per-row buffers and the stack copy)."""
+    B, T = len(rows), max_seq_len
+    first = next(docs[0] for docs in rows if docs)
+    n_aux, Ht = first["aux_hidden_states"].shape[-2:]
+    dt = first["aux_hidden_states"].dtype
+    out = PackedBatch(
+        input_ids=torch.zeros(B, T, dtype=torch.long),
+        positions=torch.zeros(B, T, dtype=torch.long),
+        doc_ids=torch.full((B, T), -1, dtype=torch.long),
+        loss_mask=torch.zeros(B, T, dtype=torch.bool),
+        aux=torch.empty(B, T, n_aux * Ht, dtype=dt),  # (B, T, A*Ht); padding zeroed below
+        last_hidden=torch.empty(B, T, Ht, dtype=dt),  # (B, T, Ht)
+    )
+    for r, docs in enumerate(rows):
+        a = 0
+        for d, s in enumerate(docs):
+            n = min(len(s["input_ids"]), T - a)
+            if n <= 0:
+                break
+            out.input_ids[r, a : a + n] = torch.as_tensor(s["input_ids"][:n]).long()
+            out.positions[r, a : a + n] = torch.arange(n)
+            out.doc_ids[r, a : a + n] = d
+            out.loss_mask[r, a : a + n] = torch.as_tensor(s["loss_mask"][:n]).bool()
+            out.aux[r, a : a + n] = torch.as_tensor(s["aux_hidden_states"][:n]).reshape(n, n_aux * Ht)
+            out.last_hidden[r, a : a + n] = torch.as_tensor(s["last_hidden_states"][:n])
+            a += n
+        out.aux[r, a:] = 0
+        out.last_hidden[r, a:] = 0
+    return out
+
+
 def collate(rows: list[dict[str, torch.Tensor]]) -> PackedBatch:
     return PackedBatch(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]})
 
@@ -126,13 +210,20 @@ class LoaderState:
 
 
 class PackedLoader:
-    """Infinite, resumable iterator of PackedBatch over `indices` of `samples` (rank-sharded by row)."""
+    """Infinite, resumable iterator of PackedBatch over `indices` of `samples` (rank-sharded by row).
 
-    def __init__(self, samples, indices, max_seq_len, batch_size, seed, state=None, rank=0, world=1):
+    With `prefetch` > 0 a background thread packs that many batches ahead (packing is host work: reading
+    memory-mapped shards and copying tens of MB per batch, which otherwise stalls a GPU step); state_dict() is
+    still the position after the last batch handed out, so checkpoints resume exactly."""
+
+    def __init__(self, samples, indices, max_seq_len, batch_size, seed, state=None, rank=0, world=1, prefetch=0):
         self.samples, self.indices = samples, list(indices)
         self.T, self.B, self.seed = max_seq_len, batch_size, seed
         self.state = state or LoaderState()
         self.rank, self.world = rank, world
+        self.prefetch = prefetch
+        self._queue: queue.Queue | None = None
+        self._handed = LoaderState(self.state.epoch, self.state.cursor)  # position after the last batch out
         if not self.indices:
             raise ValueError("no training samples: lower val_fraction or capture more data")
 
@@ -140,7 +231,7 @@ class PackedLoader:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return [self.indices[i] for i in torch.randperm(len(self.indices), generator=g).tolist()]
 
-    def _next_row(self) -> dict[str, torch.Tensor]:
+    def _next_docs(self) -> list[dict[str, Any]]:
         st = self.state
         order = self._order(st.epoch)
         docs, used = [], 0
@@ -159,18 +250,32 @@ class PackedLoader:
             st.cursor += 1
             if used >= self.T:
                 break
-        return pack(docs, self.T)
+        return docs
+
+    def _make_batch(self) -> tuple[PackedBatch, LoaderState]:
+        rows = [self._next_docs() for _ in range(self.B * self.world)]  # every rank walks the same order
+        return pack_batch(rows[self.rank :: self.world], self.T), LoaderState(self.state.epoch, self.state.cursor)
+
+    def _produce(self, q: queue.Queue) -> None:
+        try:
+            while True:
+                q.put(self._make_batch())
+        except BaseException as e:  # handed to the consumer, which raises it
+            q.put(e)
 
     def epoch_progress(self) -> float:
-        return self.state.epoch + self.state.cursor / len(self.indices)
+        return self._handed.epoch + self._handed.cursor / len(self.indices)
 
     # the loader protocol the trainer uses (train.stream.StreamLoader implements it for a streaming spool)
     def state_dict(self) -> dict[str, int]:
         """The position saved in a checkpoint's trainer_state.json."""
-        return {"epoch": self.state.epoch, "cursor": self.state.cursor}
+        return {"epoch": self._handed.epoch, "cursor": self._handed.cursor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._queue is not None:
+            raise RuntimeError("load_state_dict after the prefetch thread started; restore the position first")
         self.state = LoaderState(int(state["epoch"]), int(state["cursor"]))
+        self._handed = LoaderState(self.state.epoch, self.state.cursor)
 
     def wants_checkpoint(self) -> bool:
         """True when the data source needs a checkpoint now (a streaming spool to free space); never here."""
@@ -180,29 +285,41 @@ class PackedLoader:
         """Called with each checkpoint dir once written (main rank)."""
 
     def close(self, finished: bool) -> None:
-        """End of the training call (`finished`: the last step was taken)."""
+        """End of the training call (`finished`: the last step was taken). The prefetch thread is a daemon
+        blocked on a full queue; it holds no resources worth joining for."""
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return self
 
     def __next__(self) -> PackedBatch:
-        rows = []
-        for _ in range(self.B * self.world):  # every rank walks the same order and keeps its share
-            r = self._next_row()
-            rows.append(r)
-        return collate(rows[self.rank :: self.world])
+        if self.prefetch <= 0:
+            batch, self._handed = self._make_batch()
+            return batch
+        if self._queue is None:
+            self._queue = queue.Queue(maxsize=self.prefetch)
+            threading.Thread(target=self._produce, args=(self._queue,), daemon=True, name="eagle3-prefetch").start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        batch, self._handed = item
+        return batch
 
 
 def eval_batches(samples, indices, max_seq_len, batch_size) -> list[PackedBatch]:
-    """Validation batches in index order, packed the same way (the last batch may be smaller)."""
+    """Validation batches in index order, packed the same way. The last batch is filled up with empty rows (all
+    padding, no supervised token) so every batch has the training shape: a compiled attention kernel is then
+    not compiled again for an odd batch size (on the GPU that cost ~30 s per new shape, docs/NOTES.md)."""
     rows, docs, used = [], [], 0
     for i in indices:
-        n = min(len(samples[i]["input_ids"]), max_seq_len)
+        s = samples[i]
+        n = min(len(s["input_ids"]), max_seq_len)
         if docs and used + n > max_seq_len:
-            rows.append(pack(docs, max_seq_len))
+            rows.append(docs)
             docs, used = [], 0
-        docs.append(samples[i])
+        docs.append(s)
         used += n
     if docs:
-        rows.append(pack(docs, max_seq_len))
-    return [collate(rows[a : a + batch_size]) for a in range(0, len(rows), batch_size)]
+        rows.append(docs)
+    if rows and len(rows) % batch_size:
+        rows += [[]] * (batch_size - len(rows) % batch_size)
+    return [pack_batch(rows[a : a + batch_size], max_seq_len) for a in range(0, len(rows), batch_size)]

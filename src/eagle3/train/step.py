@@ -45,6 +45,8 @@ class PackedBatch:
 class StepOutput:
     loss: torch.Tensor  # () weighted sum over steps of the per-step mean CE
     stats: torch.Tensor  # (K, len(STAT_COLUMNS)) float sums, see STAT_COLUMNS
+    correct: torch.Tensor | None = None  # (K, B, T) bool, only with return_correct: step j's token is the target's
+    valid: torch.Tensor | None = None  # (K, B, T) bool, only with return_correct: step j's row is supervised
 
 
 def ttt_forward(
@@ -56,6 +58,7 @@ def ttt_forward(
     loss_decay: float = 0.8,
     attention: str = "auto",
     loss_chunk_rows: int = 4096,
+    return_correct: bool = False,
 ) -> StepOutput:
     ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
     B, T = ids.shape
@@ -69,6 +72,7 @@ def ttt_forward(
     cache: tuple[list, list] = ([], [])
     loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     rows, joint = [], (doc >= 0)  # (B, T) all previous steps correct
+    corrects, valids = [], []
     for j in range(steps):
         r = 1 + j
         out, hidden = model.step(ids_p[:, r : r + T], hidden, pos + j, cache, attn)  # (B, T, H) x2
@@ -83,6 +87,11 @@ def ttt_forward(
         rows.append(torch.stack([valid.sum(), correct.sum(), cond.sum(), (cond & correct).sum()]).float())
         rows[-1] = torch.cat([rows[-1], ce_sum.detach()[None], n_loss[None]])
         joint = joint & correct
+        if return_correct:
+            corrects.append(correct)
+            valids.append(valid)
+    if return_correct:
+        return StepOutput(loss, torch.stack(rows), torch.stack(corrects), torch.stack(valids))
     return StepOutput(loss, torch.stack(rows))
 
 
@@ -188,6 +197,7 @@ class TTTModule(torch.nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, batch: PackedBatch, head: TargetHead, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: PackedBatch, head: TargetHead, **kw) -> tuple[torch.Tensor, ...]:
+        """(loss, stats), plus (correct, valid) with return_correct=True."""
         out = ttt_forward(self.draft, batch, head, **kw)
-        return out.loss, out.stats
+        return (out.loss, out.stats) if out.correct is None else (out.loss, out.stats, out.correct, out.valid)

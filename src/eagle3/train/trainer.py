@@ -21,6 +21,8 @@ import math
 import random
 import re
 import shutil
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,15 @@ from eagle3.config import ConfigError, TrainConfig
 from eagle3.io import atomic_dir, atomic_path, write_json
 from eagle3.model.draft import DraftConfig, Eagle3Draft, draft_config_from_target, text_config
 from eagle3.train import parallel
-from eagle3.train.data import PackedLoader, eval_batches, load_samples, split_indices
+from eagle3.train.data import (
+    PackedLoader,
+    SelectedLayers,
+    eval_batches,
+    load_samples,
+    preload_samples,
+    split_indices,
+)
+from eagle3.train.estimate import score_batches, tau_from_metrics
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS, TTTModule, summarize
 from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
@@ -78,7 +88,17 @@ def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num
         model.embed_tokens.weight.copy_(tensors["embed"].float())
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
+        if cfg.init_head_from_target:  # logits = lm_head[draft rows] @ (norm_w * x / rms(x)), as the target's
+            model.lm_head.weight.copy_(tensors["lm_head"][torch.arange(d2t.numel()) + d2t].float())
+            model.norm.weight.copy_(tensors["norm"].float())
     return model
+
+
+def add_hidden_noise(aux: torch.Tensor, num_aux: int, scale: float) -> torch.Tensor:
+    """aux (B, T, A*H) + N(0, (scale * rms)^2) per state, rms taken over each state's H features."""
+    x = aux.unflatten(-1, (num_aux, -1))  # (B, T, A, H)
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()  # (B, T, A, 1)
+    return (x + (torch.randn_like(x, dtype=torch.float32) * rms * scale).to(x.dtype)).flatten(-2)  # (B, T, A*H)
 
 
 def metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: dict, step: int, metrics=None) -> dict:
@@ -86,7 +106,8 @@ def metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: di
     return {
         "format": "eagle3-draft/1",
         "draft_config": dcfg.to_dict(),
-        "aux_layer_ids": list(manifest["layers"]),
+        "aux_layer_ids": list(cfg.layers or manifest["layers"]),
+        "captured_layers": list(manifest["layers"]),
         "target": str(Path(cfg.target).resolve()),
         "target_hidden_size": tc["hidden_size"],
         "target_vocab_size": tc["vocab_size"],
@@ -221,6 +242,12 @@ def plot_curves(jsonl: Path, png: Path) -> None:
     plt.close(fig)
 
 
+def progress(d, message: str) -> None:
+    """One line on stderr from the main rank (training writes its metrics to logs/metrics.jsonl)."""
+    if d.main:
+        print(f"train: {message}", file=sys.stderr, flush=True)
+
+
 def count_rows(samples, indices, T) -> int:
     rows, used = 0, T
     for i in indices:
@@ -240,6 +267,8 @@ def run_train(
     and row count instead of a capture dir."""
     cfg.require("target", "captured", "vocab", "out")
     d = parallel.setup(cfg.device)
+    if d.device.type == "cuda":  # host work here is packing small tensors: a full OpenMP team per process
+        torch.set_num_threads(min(torch.get_num_threads(), 4))  # oversubscribes the cores (each op ms, not µs)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     out = Path(cfg.out)
@@ -258,14 +287,26 @@ def run_train(
         )
     tensors = load_target_tensors(cfg.target)
     d2t, t2d = load_vocab(cfg.vocab)
-    model = build_draft(cfg, target_cfg, tensors, d2t, t2d, num_aux=len(manifest["layers"])).to(d.device)
+    layers = list(cfg.layers or manifest["layers"])
+    model = build_draft(cfg, target_cfg, tensors, d2t, t2d, num_aux=len(layers)).to(d.device)
     dcfg = model.cfg
     cuda = d.device.type == "cuda"
     amp_dtype = torch.bfloat16 if cuda and cfg.dtype == "bfloat16" else torch.float32
     head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
                       torch.arange(d2t.numel()) + d2t).to(d.device, amp_dtype)
 
-    samples = load_samples(cfg.captured if samples is None else samples) if source is None else source.val_samples
+    L = tc["num_hidden_layers"]
+    t_load = time.perf_counter()
+    if source is not None:
+        samples = source.val_samples
+    elif samples is None and cfg.preload:  # sequential shard reads, only the trained layers kept in RAM
+        samples = preload_samples(cfg.captured, layers, L)
+    else:
+        samples = load_samples(cfg.captured if samples is None else samples)
+    if cfg.layers is not None and not (cfg.preload and source is None):
+        samples = SelectedLayers(samples, manifest["layers"], layers, L)
+    progress(d, f"{len(samples)} samples ({'in RAM' if cfg.preload else 'memory-mapped'}, layers {layers}) in "
+                f"{time.perf_counter() - t_load:.1f} s")
     aux_shape = tuple(samples[0]["aux_hidden_states"].shape[-2:]) if len(samples) else (dcfg.num_aux, dcfg.target_hidden_size)
     if aux_shape != (dcfg.num_aux, dcfg.target_hidden_size):
         raise ConfigError(
@@ -274,13 +315,23 @@ def run_train(
         )
     if source is None:
         train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
-        loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world)
+        loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world,
+                              prefetch=2)
     else:  # streaming: every spool sample here is validation; training rows come from the loader
         val_idx, loader = list(range(len(samples))), source.loader(cfg, d.rank, d.world)
     val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size)  # every rank (FSDP forward is collective)
+    heldout = []
+    if cfg.val_captured:  # unseen prompts pick the checkpoint; the held-out train split is still logged
+        from eagle3.capture import load_manifest
+
+        vm = load_manifest(cfg.val_captured)
+        vs = SelectedLayers(load_samples(cfg.val_captured), vm["layers"], layers, L)
+        val, heldout = eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size), val
     per_step = cfg.batch_size * cfg.grad_accum * d.world
     rows = source.num_rows(cfg) if source is not None else cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len)
     total = cfg.max_steps or max(1, math.ceil(rows / per_step))
+    progress(d, f"{total} steps of {per_step} x {cfg.max_seq_len} tokens ({rows:.0f} packed rows), "
+                f"{len(val)} validation batches")
 
     ttt = parallel.wrap(TTTModule(model), d, fsdp=cfg.parallel == "fsdp")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -318,15 +369,13 @@ def run_train(
     if cfg.compile:
         model.midlayer.compile()
 
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
-        with torch.no_grad(), torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-            for b in val:
-                stats += ttt(b.to(d.device, amp_dtype if cuda else torch.float32), head, **kw)[1]
-        model.train()
-        m = summarize(stats)
+    def evaluate(batches) -> dict[str, float]:
+        k = min(cfg.num_speculative_tokens, cfg.ttt_steps)
+        m = score_batches(ttt, batches, head, steps=cfg.ttt_steps, device=d.device, dtype=amp_dtype, replay_k=k,
+                          loss_decay=cfg.loss_decay, attention=cfg.attention)
         m["loss"] = sum(cfg.loss_decay**j * m[f"loss_{j}"] for j in range(cfg.ttt_steps))
+        m["tau_per_row"] = tau_from_metrics(m, k)
+        m["tau_estimate"] = m["tau_replay"]  # picks the best checkpoint: tracks vLLM's τ (docs/NOTES.md)
         return m
 
     def meta(metrics=None):
@@ -338,6 +387,8 @@ def run_train(
     while step < total and (stop_after is None or done_here < stop_after):
         for micro in range(cfg.grad_accum):
             b = next(loader).to(d.device, amp_dtype if cuda else torch.float32)
+            if cfg.hidden_noise > 0:
+                b.aux = add_hidden_noise(b.aux, len(layers), cfg.hidden_noise)
             sync = micro == cfg.grad_accum - 1 or d.world == 1
             ctx = ttt.no_sync() if not sync and hasattr(ttt, "no_sync") else _null()
             with ctx, torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
@@ -357,14 +408,19 @@ def run_train(
             last_loss = loss_acc.item() / n_acc
             m.update(loss=last_loss, lr=sched.get_last_lr()[0], grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm), epoch=loader.epoch_progress())
             log.log(step, "train", m)
+            progress(d, f"step {step}/{total} loss {last_loss:.4f} acc_0 {m['acc_0']:.3f} epoch {m['epoch']:.2f} "
+                        f"{time.perf_counter() - t_load:.0f} s")
             train_stats.zero_(), loss_acc.zero_()
             n_acc = 0
         best_now = False
         if val and (step % cfg.eval_every == 0 or step == total):
-            val_m = evaluate()
+            val_m = evaluate(val)
             log.log(step, "val", val_m)
-            if val_m["sim_accept_len"] > best:
-                best, best_now = val_m["sim_accept_len"], True
+            progress(d, f"step {step} validation tau_estimate {val_m['tau_estimate']:.3f}")
+            if heldout:
+                log.log(step, "heldout", evaluate(heldout))
+            if val_m["tau_estimate"] > best:
+                best, best_now = val_m["tau_estimate"], True
         save_now = step % cfg.save_every == 0 or step == total or (stop_after is not None and done_here == stop_after)
         save_now = loader.wants_checkpoint() or save_now  # (every rank asks: a streaming loader syncs the answer)
         if d.world > 1:  # every rank joins the gather below; rank 0 decides

@@ -1,0 +1,190 @@
+"""Offline acceptance estimate: run a trained draft's TTT unroll over captured states, no vLLM.
+
+    est = estimate_acceptance(EstimateConfig(draft="runs/x/draft", captured="runs/val/captured", target=T))
+    est.tau          # 1 + sum_{j<k} prod_{i<=j} cond_acc_i, comparable with vLLM's mean acceptance length
+
+Each supervised position is treated as the start of a drafting round (step j reads the draft's own output of
+step j-1, as in vLLM), so the estimate is exact for the per-step agreement and approximate only in how rounds
+tile a sequence. It is what the trainer uses to pick its best checkpoint, and with a capture of prompts the
+target never trained on (benchmarks/perturb_prompts.py) it tracks the real engine's τ (docs/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from eagle3.config import ConfigError
+from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.train.data import SelectedLayers, eval_batches, load_samples
+from eagle3.train.loss import TargetHead
+from eagle3.train.step import STAT_COLUMNS, PackedBatch, TTTModule, summarize
+from eagle3.train.target import load_target_tensors, read_target_config
+
+
+@dataclass
+class Estimate:
+    tau: float  # replayed rounds: 1 + accepted / rounds, as vLLM counts (see replay_rounds)
+    tau_per_row: float  # 1 + sum_{j<k} prod_{i<=j} cond_acc_i (every supervised row a round start)
+    accepted_per_position: list[int]
+    num_rounds: int
+    num_speculative_tokens: int
+    acc: list[float]  # per TTT step: top-1 agreement with the target's greedy token
+    cond_acc: list[float]  # per TTT step: agreement given every earlier step agreed
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def tau_from_metrics(metrics: dict[str, float], k: int) -> float:
+    """1 + sum_{j<k} prod_{i<=j} cond_acc_i from summarize()'s per-step metrics."""
+    tau, prod = 1.0, 1.0
+    for j in range(k):
+        prod *= metrics[f"cond_acc_{j}"]
+        tau += prod
+    return tau
+
+
+@dataclass
+class RoundCounts:
+    """Greedy speculative decoding replayed over documents: what vLLM's counters would show."""
+
+    num_rounds: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, other: RoundCounts) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * len(other.accepted_per_position)
+        self.num_rounds += other.num_rounds
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position, strict=True)]
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + sum(self.accepted_per_position) / max(self.num_rounds, 1)
+
+
+def replay_rounds(correct: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor, k: int,
+                  max_new_tokens: int | None = None) -> RoundCounts:
+    """Replay greedy drafting rounds of k tokens over each document's supervised span.
+
+    correct, valid: (K>=k, B, T) from ttt_forward(return_correct=True); doc: (B, T). Row t drafts tokens
+    t+2..t+1+k. The first round sits one row after the first supervised row (vLLM drafts only after the target's
+    prefill produced the first answer token); a round accepting n tokens moves the next one n+1 rows on (the
+    accepted tokens plus the target's bonus token). Unlike the per-row average (every row a round start), rounds
+    then crowd where the draft fails, as in the engine, which is why this tracks vLLM's τ more closely.
+    """
+    ok = (correct[:k] & valid[:k]).cpu().tolist()  # (k, B, T) python lists: fast scalar access
+    v0, docs = valid[0].cpu().tolist(), doc.cpu().tolist()  # (B, T)
+    counts = RoundCounts(0, [0] * k)
+    for b in range(len(docs)):
+        first_row: dict[int, int] = {}
+        for r, is_valid in enumerate(v0[b]):
+            if is_valid:
+                first_row.setdefault(docs[b][r], r)
+        for d, r0 in first_row.items():
+            t = start = r0 + 1
+            while t < len(docs[b]) and docs[b][t] == d and v0[b][t]:
+                if max_new_tokens is not None and t - start + 1 >= max_new_tokens:
+                    break
+                n = 0
+                while n < k and ok[n][b][t]:
+                    n += 1
+                counts.num_rounds += 1
+                for j in range(n):
+                    counts.accepted_per_position[j] += 1
+                t += n + 1
+    return counts
+
+
+@torch.no_grad()
+def score_batches(ttt: torch.nn.Module, batches: list[PackedBatch], head: TargetHead, *, steps: int, device,
+                  dtype: torch.dtype, replay_k: int | None = None, max_new_tokens: int | None = None,
+                  **kw) -> dict[str, float]:
+    """Summed TTT stats over `batches` (eval mode, autocast to `dtype` on GPU) -> summarize()'s metrics; with
+    `replay_k`, also `tau_replay` and `accepted_<j>`/`num_rounds` from replay_rounds()."""
+    was_training = ttt.training
+    ttt.eval()
+    stats = torch.zeros(steps, len(STAT_COLUMNS), device=device)  # (K, 6)
+    rounds = RoundCounts()
+    on_gpu = torch.device(device).type == "cuda"
+    with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32):
+        for b in batches:
+            b = b.to(device, dtype if on_gpu else torch.float32)
+            out = ttt(b, head, steps=steps, return_correct=replay_k is not None, **kw)
+            stats += out[1]
+            if replay_k is not None:
+                rounds.add(replay_rounds(out[2], out[3], b.doc_ids, replay_k, max_new_tokens))
+    ttt.train(was_training)
+    m = summarize(stats)
+    if replay_k is not None:
+        m["tau_replay"] = rounds.tau
+        m["num_rounds"] = float(rounds.num_rounds)
+        m.update({f"accepted_{j}": float(a) for j, a in enumerate(rounds.accepted_per_position)})
+    return m
+
+
+def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, dict]:
+    """An Eagle3Draft from a training output (best/, final/, a checkpoint) or an exported vLLM-format dir."""
+    from eagle3.train.trainer import METADATA, WEIGHTS
+
+    path = Path(path)
+    if not (path / METADATA).is_file():
+        raise ConfigError(f"draft={path}: no {METADATA}; pass a directory written by `eagle3 train` or `eagle3 export`")
+    meta = json.loads((path / METADATA).read_text())
+    model = Eagle3Draft(DraftConfig.from_dict(meta["draft_config"]))
+    sd = load_file(str(path / WEIGHTS))
+    if "d2t" not in sd:  # full-vocab vLLM export: lm_head rows already in target order
+        sd["d2t"] = torch.zeros(model.cfg.draft_vocab_size, dtype=torch.long)
+        sd["t2d"] = torch.ones(model.cfg.vocab_size, dtype=torch.bool)
+    missing, unexpected = model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in sd.items()
+                                                 if k in model.state_dict()}, strict=False)
+    unexpected = sorted(set(sd) - set(model.state_dict()))
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ConfigError(f"draft={path}/{WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(load_target_tensors(target)["embed"].float())
+    return model, meta
+
+
+@dataclass
+class EstimateConfig:
+    draft: str | Path
+    captured: str | Path
+    target: str | Path
+    num_speculative_tokens: int = 3
+    max_new_tokens: int | None = 128  # replay only the first N answer tokens (refbench evaluates 128)
+    max_seq_len: int = 2048
+    batch_size: int = 4
+    device: str = "auto"
+    attention: str = "auto"
+
+
+def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    model, meta = load_draft_dir(cfg.draft, cfg.target)
+    from eagle3.capture import load_manifest
+
+    manifest = load_manifest(cfg.captured)
+    tensors = load_target_tensors(cfg.target)
+    tc = read_target_config(cfg.target)
+    tc = tc.get("text_config") or tc
+    try:
+        samples = SelectedLayers(load_samples(cfg.captured), manifest["layers"], meta["aux_layer_ids"],
+                                 tc["num_hidden_layers"])
+    except ValueError as e:
+        raise ConfigError(f"captured={cfg.captured} cannot feed draft={cfg.draft}: {e}") from None
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
+                      torch.arange(model.cfg.draft_vocab_size) + model.d2t).to(device, dtype)
+    batches = eval_batches(samples, list(range(len(samples))), cfg.max_seq_len, cfg.batch_size)
+    k = cfg.num_speculative_tokens
+    m = score_batches(TTTModule(model).to(device), batches, head, steps=k, device=device, dtype=dtype,
+                      attention=cfg.attention, replay_k=k, max_new_tokens=cfg.max_new_tokens)
+    return Estimate(tau=m["tau_replay"], tau_per_row=tau_from_metrics(m, k),
+                    accepted_per_position=[int(m[f"accepted_{j}"]) for j in range(k)], num_rounds=int(m["num_rounds"]),
+                    num_speculative_tokens=k, acc=[m[f"acc_{j}"] for j in range(k)],
+                    cond_acc=[m[f"cond_acc_{j}"] for j in range(k)], num_samples=len(samples), metrics=m)
