@@ -217,6 +217,42 @@ def numerics_check(device: torch.device, fast_attention: str, T: int, K: int = 3
 # ------------------------------------------------------------------------------------------------ one config
 
 
+PROFILE_GROUPS = (  # kernel-name substrings -> group, first match wins
+    ("flex attention", ("flex", "triton_tem")),
+    ("matmul (cuBLAS/CUTLASS)", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("fused triton (compiled)", ("triton_",)),
+    ("reductions/softmax", ("reduce", "softmax", "norm", "max", "sum")),
+    ("copies/casts", ("copy", "cast", "fill", "cat", "index", "gather", "scatter")),
+)
+
+
+def profile_steps(step, device, out_dir: Path, name: str, steps: int = 2) -> dict:
+    """torch.profiler over `steps` steps: GPU time by kernel group and the top kernels (written to
+    train_step_profile.txt) -- where a step's time goes beyond the FLOP model."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    total_us = sum(e.device_time_total for e in events) or 1.0
+    groups: dict[str, float] = {}
+    for e in events:
+        low = e.key.lower()
+        g = next((g for g, keys in PROFILE_GROUPS if any(k in low for k in keys)), "other")
+        groups[g] = groups.get(g, 0.0) + e.device_time_total
+    top = sorted(events, key=lambda e: -e.device_time_total)[:25]
+    text = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "train_step_profile.txt").write_text(f"# {name}: torch.profiler over {steps} steps\n{text}\n")
+    return {"steps": steps, "gpu_ms_per_step": total_us / 1e3 / steps,
+            "groups_ms_per_step": {g: round(v / 1e3 / steps, 2) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
+            "top_kernels": [{"kernel": e.key[:120], "ms_per_step": round(e.device_time_total / 1e3 / steps, 3),
+                             "calls_per_step": e.count // steps} for e in top]}
+
+
 def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> dict:
     T, K, B, kind = c["seq"], c["K"], c["batch"], c["kind"]
     fm, bm = flop_model(m, T, K), bytes_model(m, K)
@@ -294,6 +330,8 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
         r["outcome_over_floor"] = med / r["floor_ms"]
         if cuda:
             r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if c.get("profile") and cuda and deadline - time.monotonic() > 20 * med / 1e3 + 10:
+            r["profile"] = profile_steps(step, device, args.out_dir, c["name"])
     except torch.OutOfMemoryError as e:
         r.update(status="oom", reason=str(e).splitlines()[0][:300])
     except Exception as e:  # noqa: BLE001 - a failed config is reported, the run goes on
@@ -370,6 +408,13 @@ def markdown(res: dict) -> str:
               f"**{fm['model_flops_per_token'] / 1e9:.3f} GFLOP/token**; with the unrestricted target head "
               f"{fm['model_flops_per_token_unrestricted_target'] / 1e9:.3f}; executed incl. full-vocab argmax "
               f"{fm['executed_flops_per_token_incl_full_vocab_argmax'] / 1e9:.3f}"]
+    for r in res.get("configs", []):
+        pr = r.get("profile")
+        if pr:
+            L += ["", f"Profile of {r['name']} (torch.profiler, {pr['steps']} steps): GPU busy "
+                  f"{pr['gpu_ms_per_step']:.1f} ms/step of {r['ms_per_step']:.1f} ms wall", "",
+                  "| kernel group | ms/step |", "|---|---|"]
+            L += [f"| {g} | {v:.1f} |" for g, v in pr["groups_ms_per_step"].items()]
     return "\n".join(L) + "\n"
 
 
@@ -395,6 +440,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed steps (median reported; shrunk to fit the budget)")
     p.add_argument("--fill-batch", type=int, default=2, help="extra K=7/8192 run at this batch (0 = none)")
     p.add_argument("--skip-naive-8192", action="store_true")
+    p.add_argument("--profile", action="store_true", help="torch.profiler over 2 steps of the first config: GPU "
+                   "time by kernel group in the JSON, top kernels in train_step_profile.txt")
     args = p.parse_args(argv)
     t_begin = time.monotonic()
     deadline = t_begin + args.budget_s - 4.0  # leave time to write the results
@@ -424,7 +471,7 @@ def main(argv=None) -> int:
         return c
 
     # priority order: what the budget drops first is last
-    configs = [cfg(f"fast K7 {big}", "fast", big, 7), cfg(f"naive K7 {small}", "naive", small, 7),
+    configs = [dict(cfg(f"fast K7 {big}", "fast", big, 7), profile=args.profile), cfg(f"naive K7 {small}", "naive", small, 7),
                cfg(f"fast K7 {small}", "fast", small, 7), cfg(f"fast K3 {big}", "fast", big, 3),
                cfg(f"fast K7 {mid}", "fast", mid, 7)]
     if args.fill_batch > 1:

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# refbench quality sweep on a GPU host without vLLM (the `device` H200 x2), all in one call:
+#   prepare (train answers regenerated earlier by the target, greedy; validation = benchmarks/perturb_prompts.py
+#   questions answered by the target) -> capture (hf) of every aux id 1..L-1 plus the last layer, once ->
+#   vocab -> several drafts trained at once (VARIANTS below, spread over the GPUs), each picking its best
+#   checkpoint by the replayed-rounds τ estimate on the validation capture -> export -> $OUT/{ranking.json,logs.tgz,draft-<top variants>.tgz}.
+# Expects .whl/ (wheels for the GPU image's Python), .device/refbench/ (a copy of ../shared/refbench),
+# .device/regen/{train,val}.jsonl (regenerated conversations). EAGLE3_SRC overrides the package source dir.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:${EAGLE3_SRC:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+OUT=${OUT:-/tmp/sweep-out}; S=/tmp/sweep-logs; mkdir -p "$OUT" "$S"  # $OUT: at most 8 files come back
+W=runs/sweep T=.device/refbench/target-a-llama E="python3 -m eagle3.cli"
+TRAIN_S=${TRAIN_S:-360} EPOCHS=${EPOCHS:-10}
+NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}  # with CUDA_VISIBLE_DEVICES set, pass NGPU too
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u +%FT%TZ; } > "$S/gpu.txt" 2>&1
+t0=$(date +%s)
+# the capture goes to RAM (/dev/shm) when it has room: trainers on a VM disk stalled on page faults (docs/NOTES.md)
+CAP=$W; [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 16000000 ] 2>/dev/null && CAP=/dev/shm/sweep
+LAYERS=${LAYERS:-2,4,5,6}
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}  # several trainers compile at once
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONFAULTHANDLER=1  # a trainer stopped by the timeout (SIGABRT) prints every thread's stack
+stamp() { echo "$1 $(( $(date +%s) - t0 ))s $(free -g | awk '/Mem/{print $3"G used"}')" | tee -a "$S/times.txt"; }
+$E prepare --target $T --data .device/regen/train.jsonl --out $W/prepared --max-seq-len 1024 > "$S/prepare.json" 2>&1 &
+$E prepare --target $T --data .device/regen/val.jsonl --out $W/val_prepared --max-seq-len 1024 > "$S/val_prepare.json" 2>&1 &
+wait; stamp prepared
+$E capture --target $T --data $W/prepared --out $CAP/captured --backend hf --device cuda:0 --layers $LAYERS \
+  --batch-tokens 65536 > "$S/capture.json" 2> "$S/capture.log" &
+$E capture --target $T --data $W/val_prepared --out $CAP/val_captured --backend hf --device cuda:$((NGPU - 1)) \
+  --layers $LAYERS --batch-tokens 65536 > "$S/val_capture.json" 2> "$S/val_capture.log" &
+$E vocab --data $W/prepared --out $W/vocab --draft-vocab-size 4096 > "$S/vocab.json" 2>&1 &
+wait; stamp captured
+COMMON="--target $T --captured $CAP/captured --vocab $W/vocab --val-captured $CAP/val_captured --val-fraction 0.02
+  --ttt-steps 7 --epochs $EPOCHS --lr 1e-3 --warmup-steps 100 --max-seq-len 2048 --batch-size 8 --eval-every 50
+  --save-every 100000 --num-speculative-tokens 3 --preload"
+VARIANTS=${VARIANTS:-"base:--layers=2,4,5
+l248:--layers=2,4,8
+l468:--layers=4,6,8
+l258:--layers=2,5,8
+reg:--layers=2,4,5 --hidden-noise=0.1 --weight-decay=0.1
+wide:--layers=2,4,5 --draft-intermediate-size=2048
+head:--layers=2,4,5 --init-head-from-target
+combo:--layers=2,4,8 --hidden-noise=0.1 --weight-decay=0.1 --init-head-from-target"}
+i=0
+while IFS=: read -r name flags; do
+  [ -z "$name" ] && continue
+  gpu=$(( i % NGPU )); i=$(( i + 1 ))
+  ( timeout -s ABRT -k 15 "$TRAIN_S" $E train $COMMON $flags --device cuda:$gpu --out $W/$name > "$S/$name.train.json" 2> "$S/$name.train.log"
+    echo "train rc=$?" >> "$S/$name.train.log"
+    $E export --checkpoint $W/$name/best --out $W/$name/draft --target $T > "$S/$name.export.json" 2>&1 ) &
+done <<< "$VARIANTS"
+( while sleep 45; do stamp heartbeat; for f in "$S"/*.train.log; do echo "  $(basename "$f"): $(grep '^train:' "$f" | tail -n 1)"; done; done ) &
+HB=$!
+PIDS=$(jobs -p | grep -v "^$HB$"); [ -n "$PIDS" ] && wait $PIDS; kill $HB 2>/dev/null; stamp trained
+# rank by the validation τ estimate of each best checkpoint; bring back the logs of all, the drafts of the top TOP_N
+python3 - "$W" > "$OUT/ranking.json" <<'PY'
+import json, sys
+from pathlib import Path
+rows = []
+for meta in Path(sys.argv[1]).glob("*/best/eagle3_draft.json"):
+    m = json.loads(meta.read_text())
+    rows.append({"variant": meta.parent.parent.name, "step": m["step"], "tau_estimate": m["metrics"].get("tau_estimate"),
+                 "tau_per_row": m["metrics"].get("tau_per_row"), "layers": m["aux_layer_ids"]})
+print(json.dumps(sorted(rows, key=lambda r: -(r["tau_estimate"] or 0)), indent=1))
+PY
+cat "$OUT/ranking.json"; cp "$S/times.txt" "$OUT/"
+tar czf "$OUT/logs.tgz" $W/*/logs $W/*/best/eagle3_draft.json $CAP/captured/manifest.json $CAP/val_captured/manifest.json \
+  $W/vocab/coverage.json $W/prepared/manifest.json "$S"/*.json "$S"/*.txt "$S"/*.log 2>/dev/null
+for name in $(python3 -c "import json,sys; print(' '.join(r['variant'] for r in json.load(open(sys.argv[1]))[:int(sys.argv[2])]))" "$OUT/ranking.json" "${TOP_N:-4}"); do
+  tar czf "$OUT/draft-$name.tgz" $W/$name/draft
+done
+stamp packed; cp "$S/times.txt" "$OUT/"; ls -la "$OUT"; for f in "$S"/*.train.log; do echo "== $f"; grep "^train:" "$f" | tail -n 3; tail -n 2 "$f"; done
