@@ -123,3 +123,11 @@ def test_train_with_layer_subset_val_capture_and_estimate(captured, tiny_llama, 
                                              max_seq_len=64, batch_size=2, attention="naive", max_new_tokens=None))
     assert est.tau == pytest.approx(best["metrics"]["tau_estimate"], rel=1e-4)  # exported == trained weights (bf16)
     assert est.num_rounds > 0 and 1.0 <= est.tau <= 4.0
+
+
+def test_estimate_cli_names_a_bad_draft_dir(captured, tiny_llama, tmp_path, capsys):
+    from eagle3.cli import main
+
+    path = captured[3]
+    assert main(["estimate", "--draft", str(tmp_path), "--captured", str(path), "--target", str(tiny_llama)]) == 2
+    assert f"draft={tmp_path}: no eagle3_draft.json" in capsys.readouterr().err

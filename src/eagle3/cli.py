@@ -59,6 +59,10 @@ PLAN_HELP = ("estimate disk, capture time and training GPU-hours of a pipeline c
              "which capture mode (offline or streaming) fits the disk")
 
 
+ESTIMATE_HELP = ("offline τ of a trained draft on captured held-out prompts: replays greedy drafting rounds as "
+                 "vLLM runs them (no engine needed; picks checkpoints)")
+
+
 def resolve_function(stage: str):
     module, func = STAGE_FUNCTIONS[stage].split(":")
     return getattr(importlib.import_module(module), func)
@@ -128,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         _add_field_flags(p, cls)
     plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP)
     _add_field_flags(plan, PlanConfig)
+    from eagle3.train.estimate import EstimateConfig
+
+    estimate = sub.add_parser("estimate", help=ESTIMATE_HELP, description=ESTIMATE_HELP)
+    _add_field_flags(estimate, EstimateConfig)
     stream = sub.add_parser("stream", help="streaming mode: stream-capture and stream-train at once in this process "
                             "(bounded disk; prepare and vocab must have run)")
     stream.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML with a `stream:` section")
@@ -162,13 +170,14 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
     return build_stage_config(stage, values, source=source)
 
 
-def build_plan_config(args: argparse.Namespace) -> PlanConfig:
+def build_tool_config(cls: type[BaseModel], args: argparse.Namespace) -> Any:
+    """The config of a command that is not a pipeline stage (plan, estimate): flags only."""
     from pydantic import ValidationError
 
     from eagle3.config import format_validation_error
 
     try:
-        return PlanConfig.model_validate(_nest({k: v for k, v in vars(args).items() if k != "command"}))
+        return cls.model_validate(_nest({k: v for k, v in vars(args).items() if k != "command"}))
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, "command line")) from None
 
@@ -200,11 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plan":
             from eagle3.plan import format_plan, run_plan
 
-            cfg = build_plan_config(args)
+            cfg = build_tool_config(PlanConfig, args)
             result = run_plan(cfg)
             if cfg.format == "table":
                 print(format_plan(result))
                 return 0
+        elif args.command == "estimate":
+            from eagle3.train.estimate import EstimateConfig, estimate_acceptance
+
+            result = estimate_acceptance(build_tool_config(EstimateConfig, args))
         else:
             cfg = stage_config_from_args(args.command, args)
             result = resolve_function(args.command)(cfg)

@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 from eagle3.config import ConfigError
@@ -150,17 +152,21 @@ def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, d
     return model, meta
 
 
-@dataclass
-class EstimateConfig:
-    draft: str | Path
-    captured: str | Path
-    target: str | Path
-    num_speculative_tokens: int = 3
-    max_new_tokens: int | None = 128  # replay only the first N answer tokens (refbench evaluates 128)
-    max_seq_len: int = 2048
-    batch_size: int = 4
-    device: str = "auto"
-    attention: str = "auto"
+class EstimateConfig(BaseModel):
+    """`eagle3 estimate`: offline τ of a trained draft on captured prompts (no vLLM)."""
+
+    model_config = ConfigDict(extra="forbid")
+    draft: Path = Field(..., description="Draft dir: `eagle3 export` output or a training best/, final/ or checkpoint dir")
+    captured: Path = Field(..., description="Capture dir of held-out prompts (ideally ones the target never trained "
+                           "on); it must hold the draft's aux layers")
+    target: Path = Field(..., description="Target model dir (frozen embedding, final norm and lm_head)")
+    num_speculative_tokens: int = Field(3, gt=0, description="k, the draft tokens per round")
+    max_new_tokens: int | None = Field(128, gt=0, description="Replay only the first N answer tokens (refbench "
+                                       "evaluates 128); unset = whole answers")
+    max_seq_len: int = Field(2048, gt=0, description="Packed sequence length")
+    batch_size: int = Field(4, gt=0, description="Packed sequences per forward")
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    attention: Literal["auto", "flex", "sdpa", "naive"] = Field("auto", description="TTT attention kernel")
 
 
 def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
