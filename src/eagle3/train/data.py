@@ -63,10 +63,22 @@ class CapturedDataset(Sequence):
         return {
             "input_ids": h.get_slice("input_ids")[a:b],  # (T,)
             "loss_mask": h.get_slice("loss_mask")[a:b],  # (T,)
-            "aux_hidden_states": h.get_slice("aux_hidden_states")[a:b],  # (T, A, H)
-            "last_hidden_states": h.get_slice("last_hidden_states")[a:b],  # (T, H)
+            "aux_hidden_states": self._states(h, "aux_hidden_states", a, b),  # (T, A, H)
+            "last_hidden_states": self._states(h, "last_hidden_states", a, b),  # (T, H)
             "sample_id": sid,
         }
+
+    @staticmethod
+    def _states(h, key: str, a: int, b: int) -> torch.Tensor:
+        """Rows a:b of a state tensor; fp8 captures are dequantized with their per-token scales (to bfloat16, as
+        eagle3.capture.load_captured returns them): the stored fp8 values alone are off by the scale."""
+        from eagle3.capture.quant import dequantize_fp8
+        from eagle3.capture.storage import SCALE_KEYS
+
+        x = h.get_slice(key)[a:b]
+        if x.dtype == torch.float8_e4m3fn:
+            x = dequantize_fp8(x, h.get_slice(SCALE_KEYS[key])[a:b])
+        return x
 
 
 def load_samples(source: str | Path | Iterable[dict[str, Any]]) -> Sequence[dict[str, Any]]:
