@@ -10,6 +10,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from tasks.artifacts import artifact_key
+from tasks.manifest import content_sha256, list_outputs
 
 from eagle3.config import PipelineConfig
 from eagle3.pipeline import ensure_target
@@ -63,9 +64,18 @@ def eagle3_pipeline(
     stage("prepare")                               # 2. chats -> token ids + assistant loss masks
     #   (after regenerate, prepare's `data` is regenerated/conversations.jsonl: keyed by that file's
     #    content, so a regenerate rerun that writes the same answers leaves prepare cached)
-    stage("capture", "prepare")                    # 3. aux + last hidden states of the target
-    stage("vocab", "prepare")                      # 4. draft vocabulary (d2t / t2d)
-    stage("train", "capture", "vocab")             # 5. the EAGLE-3 draft
+    if cfg.stream.enabled:                         # bounded disk: 4. vocab, then 3 + 5 at once via the spool
+        from flows.streaming import streaming
+
+        stage("vocab", "prepare")
+        result = streaming(config)["stream-train"]  # export's upstream: the training dir, keyed by its content
+        files = list_outputs(cfg.train.out)
+        stage.manifests["train"] = {"stage": "train", "out": str(cfg.train.out), "content_sha256": content_sha256(files),
+                                    "num_files": len(files), "result": result}
+    else:
+        stage("capture", "prepare")                # 3. aux + last hidden states of the target
+        stage("vocab", "prepare")                  # 4. draft vocabulary (d2t / t2d)
+        stage("train", "capture", "vocab")         # 5. the EAGLE-3 draft
     stage("export", "train")                       # 6. a directory vLLM loads
     if cfg.eval_prompts:
         stage("evaluate", "export")                # 7. τ in real vLLM

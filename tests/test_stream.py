@@ -199,3 +199,42 @@ def test_prefect_flow_runs_both_sides_concurrently(stream_inputs, tmp_path, monk
     assert w.peak_bytes <= cfg.stream.spool_cap_bytes
     check_exactly_once(tmp_path)
 
+
+
+def pipeline_stream_config(tiny_llama, tmp_path) -> PipelineConfig:
+    assets = Path(__file__).resolve().parents[1] / "src" / "eagle3" / "assets"
+    return PipelineConfig.model_validate({
+        "name": "stream-run", "target": str(tiny_llama), "data": str(assets / "demo_chats.jsonl"),
+        "work_dir": str(tmp_path), "regenerate": {"enabled": False}, "prepare": {"max_seq_len": 128, "limit": 24},
+        "capture": {"backend": "hf", "device": "cpu", "dtype": "float32", "layers": [1, 2, 4], "batch_tokens": 512,
+                    "shard_tokens": 128},
+        "vocab": {"draft_vocab_size": 64},
+        "train": {"ttt_steps": 2, "epochs": 2, "max_seq_len": 128, "warmup_steps": 2, "eval_every": 20,
+                  "save_every": 1000, "log_every": 5, "val_fraction": 0.1, "device": "cpu", "dtype": "float32"},
+        "stream": {"enabled": True, "spool_cap_gb": 0.0016, "poll_interval_s": 0.02, "stall_timeout_s": 60},
+    })
+
+
+def test_eagle3_run_streams_when_enabled(tiny_llama, tmp_path):
+    """`eagle3 run` (in-process) with stream.enabled: prepare -> vocab -> capture+train via the spool -> export."""
+    from eagle3.pipeline import enabled_stages, run_pipeline
+
+    cfg = pipeline_stream_config(tiny_llama, tmp_path)
+    assert enabled_stages(cfg) == ["prepare", "vocab", "stream", "export"]
+    with SpoolWatcher(tmp_path / "spool") as w:
+        res = run_pipeline(cfg)
+    assert res.stages["stream"].train.steps > 0 and w.peak_bytes <= cfg.stream.spool_cap_bytes
+    assert not (tmp_path / "captured").exists()  # nothing captured offline
+    assert (Path(res.stages["export"].out) / "model.safetensors").is_file()
+
+
+def test_pipeline_flow_streams_when_enabled(tiny_llama, tmp_path, monkeypatch, prefect_harness):  # noqa: F811
+    from flows.pipeline import eagle3_pipeline
+
+    monkeypatch.setenv("EAGLE3_INPROCESS", "all")
+    cfg = pipeline_stream_config(tiny_llama, tmp_path)
+    with SpoolWatcher(tmp_path / "spool") as w:
+        manifests = eagle3_pipeline(cfg, dispatch="local")
+    assert "capture" not in manifests and manifests["train"]["result"]["steps"] > 0
+    assert w.peak_bytes <= cfg.stream.spool_cap_bytes
+    assert (tmp_path / "draft" / "model.safetensors").is_file()

@@ -77,6 +77,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def _manifest(captured: str | None) -> dict | None:
     if not captured or not Path(captured).is_dir():
         return None
+    header = Path(captured) / "stream.json"
+    if header.is_file() and not (Path(captured) / "manifest.json").is_file():  # trained from a streaming spool:
+        return read_json(header)  # its header carries the capture's layers and hidden size
     try:
         from eagle3.capture import load_manifest
 

@@ -16,6 +16,8 @@ from eagle3.config import PipelineConfig, load_pipeline_config
 log = logging.getLogger("eagle3.pipeline")
 
 STAGE_ORDER = ("regenerate", "prepare", "capture", "vocab", "train", "export", "evaluate")
+#: stream.enabled (bounded disk): vocab first, then capture + train at once through the spool (eagle3.stream)
+STREAM_ORDER = ("regenerate", "prepare", "vocab", "stream", "export", "evaluate")
 
 
 @dataclass
@@ -36,7 +38,7 @@ def ensure_target(cfg: PipelineConfig) -> None:
 
 def enabled_stages(cfg: PipelineConfig) -> list[str]:
     stages = []
-    for s in STAGE_ORDER:
+    for s in STREAM_ORDER if cfg.stream.enabled else STAGE_ORDER:
         if s == "regenerate" and not cfg.regenerate.enabled:
             continue
         if s == "evaluate" and not cfg.eval_prompts:
@@ -54,7 +56,12 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     for stage in enabled_stages(cfg):
         t0 = time.time()
         log.info("stage %s: starting", stage)
-        result.stages[stage] = resolve_function(stage)(getattr(resolved, stage))
+        if stage == "stream":
+            from eagle3.stream import run_stream
+
+            result.stages[stage] = run_stream(cfg)
+        else:
+            result.stages[stage] = resolve_function(stage)(getattr(resolved, stage))
         result.wall_s[stage] = round(time.time() - t0, 2)
         log.info("stage %s: done in %.1f s", stage, result.wall_s[stage])
     return result
