@@ -150,7 +150,10 @@ def naive_step(s, grad_clip: float = 0.5):
     all rows (the full (B*T, Vd) fp32 log-softmax materialized per TTT step); same clip + AdamW as the fast path."""
     B, T = s.batch.input_ids.shape
     dev = s.batch.input_ids.device.type
-    kw = {"loss_chunk_rows": B * T} if "loss_chunk_rows" in inspect.signature(ttt_forward).parameters else {}
+    params = inspect.signature(ttt_forward).parameters
+    kw = {"loss_chunk_rows": B * T} if "loss_chunk_rows" in params else {}
+    if "fused_loss" in params:
+        kw["fused_loss"] = False  # the reference keeps autograd's unfused loss
     with torch.autocast(dev, dtype=s.dtype, enabled=s.dtype != torch.float32):
         out = ttt_forward(s.model, s.batch, s.head, steps=s.steps, attention="naive", **kw)
     out.loss.backward()

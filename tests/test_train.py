@@ -69,6 +69,39 @@ def test_soft_ce_chunked_equals_full_softmax():
             torch.testing.assert_close(a, b)
 
 
+def test_fused_soft_ce_equals_soft_ce_values_and_grads():
+    from eagle3.train.loss import fused_soft_ce
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randn(2, 37, 11, generator=g, dtype=torch.float64)
+    weight = (torch.rand(2, 37, generator=g) < 0.7).double()
+    grads = []
+    for fn in (soft_ce, fused_soft_ce):
+        total, am = fn(h, w, tgt, weight, chunk_rows=8)
+        (1.7 * total).backward()
+        grads.append((total.detach(), am, h.grad.clone(), w.grad.clone()))
+        h.grad = w.grad = None
+    (t1, a1, gh1, gw1), (t2, a2, gh2, gw2) = grads
+    assert torch.allclose(t1, t2, rtol=1e-12) and torch.equal(a1, a2)
+    assert torch.allclose(gh1, gh2, atol=1e-12) and torch.allclose(gw1, gw2, atol=1e-12)
+    with torch.no_grad():  # evaluation: no gradient work, same value
+        assert torch.allclose(fused_soft_ce(h, w, tgt, weight, chunk_rows=8)[0], t1, rtol=1e-12)
+
+
+def test_ttt_forward_fused_loss_equals_unfused():
+    model, head, batch = tiny_setup(seed=3)
+    res = []
+    for fused in (True, False):
+        model.zero_grad()
+        out = ttt_forward(model, batch, head, steps=3, attention="naive", loss_chunk_rows=7, fused_loss=fused)
+        out.loss.backward()
+        res.append((out.loss.detach(), out.stats, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(res[0][0], res[1][0], rtol=1e-10) and torch.allclose(res[0][1], res[1][1], rtol=1e-10)
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(res[0][2], res[1][2], strict=True))
+
+
 def reference_loss(model, head, batch, steps, decay):
     """Independent, unchunked: full target softmax, explicit shifted loops, naive attention."""
     B, T = batch.input_ids.shape

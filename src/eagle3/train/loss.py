@@ -91,3 +91,48 @@ def soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: torch.T
         total = total + s
         arg.append(am)
     return total, torch.cat(arg, dim=1)  # (), (B, T)
+
+
+class _FusedSoftCE(torch.autograd.Function):
+    """sum_rows weight * CE(softmax(tgt), log_softmax(h @ w.T)) with its gradient computed in the forward, chunk by
+    chunk: d/dlogits = weight * (softmax(logits) - softmax(tgt)), so grad_h = g @ w and grad_w = g.T @ h are formed
+    while the chunk's logits exist and nothing of size (rows, Vd) is kept or recomputed for backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, tgt, weight, chunk_rows: int, need_grad: bool):
+        B, T, H = h.shape
+        acc = torch.promote_types(h.dtype, torch.float32)  # fp32 softmax for bf16 inputs (fp64 stays fp64)
+        hf, tf, wf = h.reshape(B * T, H), tgt.reshape(B * T, -1), weight.reshape(B * T)  # (N, H), (N, Vd), (N,)
+        wc = w.to(h.dtype)  # (Vd, H)
+        total = torch.zeros((), dtype=acc, device=h.device)
+        argmax = torch.empty(B * T, dtype=torch.long, device=h.device)  # (N,)
+        grad_h = torch.empty_like(hf) if need_grad else None  # (N, H)
+        grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if need_grad else None  # (Vd, H)
+        for a in range(0, B * T, chunk_rows):
+            hc = hf[a : a + chunk_rows]  # (c, H)
+            logits = (hc @ wc.T).to(acc)  # (c, Vd)
+            argmax[a : a + chunk_rows] = logits.argmax(-1)
+            logq = torch.log_softmax(logits, dim=-1)  # (c, Vd)
+            p = torch.softmax(tf[a : a + chunk_rows].to(acc), dim=-1)  # (c, Vd)
+            wt = wf[a : a + chunk_rows].to(acc)  # (c,)
+            total += ((p * logq).sum(-1) * wt).sum().neg()
+            if need_grad:
+                g = ((logq.exp_() - p) * wt[:, None]).to(h.dtype)  # (c, Vd) = weight * (q - p)
+                grad_h[a : a + chunk_rows] = g @ wc  # (c, H)
+                grad_w += (g.T @ hc).to(acc)  # (Vd, H)
+        if need_grad:
+            ctx.save_for_backward(grad_h.reshape(B, T, H), grad_w.to(w.dtype))
+        return total, argmax.reshape(B, T)
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_argmax):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None
+
+
+def fused_soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 4096):
+    """Same value and gradients as soft_ce (tests/test_train.py), without the checkpointed recompute: one head
+    matmul fewer per step and far fewer passes over (rows, Vd) float32 blocks (the step's main non-GEMM cost
+    on an H200, docs/NOTES.md). The target logits get no gradient (they are the frozen target's)."""
+    need = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+    return _FusedSoftCE.apply(h, w, tgt.detach(), weight.detach(), max(1, chunk_rows), need)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from eagle3.model.draft import DraftConfig, Eagle3Draft
 from eagle3.train.attention import make_ttt_attention
-from eagle3.train.loss import TargetHead, compute_targets, soft_ce
+from eagle3.train.loss import TargetHead, compute_targets, fused_soft_ce, soft_ce
 
 #: columns of StepOutput.stats, one row per TTT step
 STAT_COLUMNS = ("n_valid", "n_correct", "n_cond", "n_cond_correct", "ce_sum", "n_loss")
@@ -59,6 +59,7 @@ def ttt_forward(
     attention: str = "auto",
     loss_chunk_rows: int = 4096,
     return_correct: bool = False,
+    fused_loss: bool = True,
 ) -> StepOutput:
     ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
     B, T = ids.shape
@@ -79,7 +80,8 @@ def ttt_forward(
         same = (doc_p[:, r : r + T] == doc) & (doc_p[:, r + 1 : r + 1 + T] == doc) & (doc >= 0)  # (B, T)
         valid = same & mask_p[:, r + 1 : r + 1 + T]  # (B, T)
         weight = (valid & tg.in_vocab[:, r : r + T]).float()  # (B, T)
-        ce_sum, am = soft_ce(out, model.lm_head.weight, tg.logits[:, r : r + T], weight, loss_chunk_rows)
+        ce = fused_soft_ce if fused_loss else soft_ce  # same values and gradients; fused: no recompute
+        ce_sum, am = ce(out, model.lm_head.weight, tg.logits[:, r : r + T], weight, loss_chunk_rows)
         n_loss = weight.sum()
         loss = loss + (loss_decay**j) * ce_sum / n_loss.clamp(min=1.0)
         correct = ((am + model.d2t[am]) == tg.argmax[:, r : r + T]) & valid  # (B, T)
