@@ -135,24 +135,34 @@ def _make_backend(cfg: CaptureConfig, layers: list[int], max_model_len: int, llm
                        cfg.tensor_parallel_size, llm=llm, storage_dtype=cfg.storage_dtype)
 
 
-def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
-    """Run the capture stage. `llm`: optionally an already started vllm.LLM created with
-    ``worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
+@dataclass
+class CaptureInputs:
+    """What both capture modes (offline, streaming spool) read first: the target, its layer ids, the prepared
+    rows, and the settings a resumed run must match."""
+
+    info: TargetInfo
+    layers: list[int]
+    ds: Any  # the prepared HF dataset
+    prepared_manifest: dict[str, Any]
+    n_total: int  # rows to capture (cfg.limit applied)
+    lengths: np.ndarray  # [n_total] tokens per row
+    max_len: int
+    max_model_len: int
+    hashed: dict[str, Any]
+
+
+def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     from eagle3.data.prepared import load_prepared, load_prepared_manifest
 
-    t0 = time.time()
     cfg.require("target", "data", "out")
     info = target_info(cfg.target)
     layers = resolve_layers(cfg.layers, info.num_hidden_layers)
-    out = Path(cfg.out)
     ds = load_prepared(cfg.data)
     prep_manifest = load_prepared_manifest(cfg.data)
     n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
     lengths = _lengths(ds, n_total)  # [n_total]
     max_len = int(lengths.max()) if n_total else 1
-    # vLLM needs room for the one generated token: prompt_len + 1 <= max_model_len
-    max_model_len = cfg.max_model_len or max_len + 1
-
+    max_model_len = cfg.max_model_len or max_len + 1  # vLLM needs room for one generated token
     hashed = {
         "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
         "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
@@ -160,6 +170,16 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
         "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
         "max_model_len": max_model_len,
     }
+    return CaptureInputs(info, layers, ds, prep_manifest, n_total, lengths, max_len, max_model_len, hashed)
+
+
+def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
+    """Run the capture stage. `llm`: optionally an already started vllm.LLM created with
+    ``worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
+    t0 = time.time()
+    ci = load_capture_inputs(cfg)
+    info, layers, ds, n_total, lengths, max_model_len = ci.info, ci.layers, ci.ds, ci.n_total, ci.lengths, ci.max_model_len
+    prep_manifest, out, hashed = ci.prepared_manifest, Path(cfg.out), ci.hashed
     config_hash = sha256_json(hashed)
     if (out / MANIFEST).is_file():
         m = storage.load_manifest(out)

@@ -40,7 +40,7 @@ import numpy as np
 from eagle3.config import ConfigError, StreamCaptureConfig
 from eagle3.io import read_json, sha256_json, write_json
 
-from .run import _lengths, _make_backend, capture_rows, resolve_layers, target_info
+from .run import _make_backend, capture_rows, load_capture_inputs
 from .storage import FORMAT, TORCH_DTYPES, ShardBuffer, bytes_per_token, storage_info, write_shard
 
 SPOOL_FORMAT = "eagle3-spool/1"
@@ -240,30 +240,16 @@ def run_stream_capture(cfg: StreamCaptureConfig) -> StreamCaptureResult:
 
 
 def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
-    from eagle3.data.prepared import load_prepared, load_prepared_manifest
     from eagle3.train.data import split_indices
 
     t0 = time.time()
-    cfg.require("target", "data", "out")
-    info = target_info(cfg.target)
-    layers = resolve_layers(cfg.layers, info.num_hidden_layers)
-    spool = Path(cfg.out)
-    ds = load_prepared(cfg.data)
-    prep_manifest = load_prepared_manifest(cfg.data)
-    n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
-    lengths = _lengths(ds, n_total)  # [n_total]
-    max_len = int(lengths.max()) if n_total else 1
-    max_model_len = cfg.max_model_len or max_len + 1
+    ci = load_capture_inputs(cfg)
+    info, layers, ds, n_total, lengths = ci.info, ci.layers, ci.ds, ci.n_total, ci.lengths
+    max_len, max_model_len, spool = ci.max_len, ci.max_model_len, Path(cfg.out)
     limit_len = max_model_len if cfg.backend == "vllm" else None
     usable = (lengths > 0) & (lengths < limit_len if limit_len else True)  # rows that will be captured
     bpt = bytes_per_token(len(layers), info.hidden_size, cfg.storage_dtype)
-    hashed = {
-        "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
-        "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
-        "layers": layers, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype, "shard_tokens": cfg.shard_tokens,
-        "limit": cfg.limit, "backend": cfg.backend, "max_model_len": max_model_len, "epochs": cfg.epochs,
-        "val_fraction": cfg.val_fraction, "seed": cfg.seed,
-    }
+    hashed = {**ci.hashed, "epochs": cfg.epochs, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
     config_hash = sha256_json(hashed)
 
     spool.mkdir(parents=True, exist_ok=True)

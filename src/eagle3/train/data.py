@@ -149,20 +149,24 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
+def empty_row(T: int, n_aux: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A row of padding only (doc -1, nothing supervised)."""
+    return {
+        "input_ids": torch.zeros(T, dtype=torch.long),
+        "positions": torch.zeros(T, dtype=torch.long),
+        "doc_ids": torch.full((T,), -1, dtype=torch.long),
+        "loss_mask": torch.zeros(T, dtype=torch.bool),
+        "aux": torch.zeros(T, n_aux * hidden, dtype=dtype),
+        "last_hidden": torch.zeros(T, hidden, dtype=dtype),
+    }
+
+
 def pack(samples: list[dict[str, Any]], max_seq_len: int) -> dict[str, torch.Tensor]:
     """Concatenate samples into one row of exactly max_seq_len tokens (padding: doc -1, mask 0)."""
     T = max_seq_len
     first = samples[0]
     n_aux, Ht = first["aux_hidden_states"].shape[-2:]
-    dt = first["aux_hidden_states"].dtype
-    row = {
-        "input_ids": torch.zeros(T, dtype=torch.long),
-        "positions": torch.zeros(T, dtype=torch.long),
-        "doc_ids": torch.full((T,), -1, dtype=torch.long),
-        "loss_mask": torch.zeros(T, dtype=torch.bool),
-        "aux": torch.zeros(T, n_aux * Ht, dtype=dt),
-        "last_hidden": torch.zeros(T, Ht, dtype=dt),
-    }
+    row = empty_row(T, n_aux, Ht, first["aux_hidden_states"].dtype)
     a = 0
     for d, s in enumerate(samples):
         n = min(len(s["input_ids"]), T - a)

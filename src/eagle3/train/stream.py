@@ -39,7 +39,7 @@ from eagle3.capture.spool import (
 from eagle3.capture.storage import load_shard, shard_samples
 from eagle3.config import ConfigError, StreamTrainConfig
 from eagle3.io import atomic_path, write_json
-from eagle3.train.data import collate, pack
+from eagle3.train.data import collate, empty_row, pack
 
 SAMPLES_LOG = "stream_samples.jsonl"
 
@@ -56,18 +56,6 @@ def count_packed_rows(lengths: list[int], T: int) -> int:
         if used >= T:
             rows, used, open_row = rows + 1, 0, False
     return rows + int(open_row)
-
-
-def empty_row(T: int, n_aux: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A row of padding only (doc -1, nothing supervised): fills the last step after the stream ended."""
-    return {
-        "input_ids": torch.zeros(T, dtype=torch.long),
-        "positions": torch.zeros(T, dtype=torch.long),
-        "doc_ids": torch.full((T,), -1, dtype=torch.long),
-        "loss_mask": torch.zeros(T, dtype=torch.bool),
-        "aux": torch.zeros(T, n_aux * hidden, dtype=dtype),
-        "last_hidden": torch.zeros(T, hidden, dtype=dtype),
-    }
 
 
 def _wait(spool: Path, cfg: StreamTrainConfig, what: str, ready) -> Any:
