@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:${EAGLE3_SRC:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-/tmp/sweep-out}; S=/tmp/sweep-logs; mkdir -p "$OUT" "$S"  # $OUT: at most 8 files come back
 W=runs/sweep T=.device/refbench/target-a-llama E="python3 -m eagle3.cli"
-TRAIN_S=${TRAIN_S:-360} EPOCHS=${EPOCHS:-10}
+TRAIN_S=${TRAIN_S:-330} EPOCHS=${EPOCHS:-10}
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}  # with CUDA_VISIBLE_DEVICES set, pass NGPU too
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u +%FT%TZ; } > "$S/gpu.txt" 2>&1
 t0=$(date +%s)
@@ -36,11 +36,15 @@ COMMON="--target $T --captured $CAP/captured --vocab $W/vocab --val-captured $CA
 VARIANTS=${VARIANTS:-"base:--layers=2,4,5
 l248:--layers=2,4,8
 l468:--layers=4,6,8
-l258:--layers=2,5,8
-reg:--layers=2,4,5 --hidden-noise=0.1 --weight-decay=0.1
-wide:--layers=2,4,5 --draft-intermediate-size=2048
+wide2k:--layers=2,4,5 --draft-intermediate-size=2048
+wide4k:--layers=2,4,5 --draft-intermediate-size=4096
+k3:--layers=2,4,5 --ttt-steps=3
 head:--layers=2,4,5 --init-head-from-target
-combo:--layers=2,4,8 --hidden-noise=0.1 --weight-decay=0.1 --init-head-from-target"}
+reg:--layers=2,4,5 --hidden-noise=0.1 --weight-decay=0.1"}
+# one short trainer first: its train and eval compiles fill the inductor cache the variants then reuse
+# (~85 s per process otherwise, all at once)
+timeout 300 $E train $COMMON --layers=2,4,5 --max-steps=2 --eval-every=1 --device cuda:0 --out $W/warmup \
+  > "$S/warmup.train.json" 2> "$S/warmup.train.log"; stamp "warmed-up(rc=$?)"
 i=0
 while IFS=: read -r name flags; do
   [ -z "$name" ] && continue
@@ -64,6 +68,7 @@ for meta in Path(sys.argv[1]).glob("*/best/eagle3_draft.json"):
 print(json.dumps(sorted(rows, key=lambda r: -(r["tau_estimate"] or 0)), indent=1))
 PY
 cat "$OUT/ranking.json"; cp "$S/times.txt" "$OUT/"
+rm -rf $W/warmup
 tar czf "$OUT/logs.tgz" $W/*/logs $W/*/best/eagle3_draft.json $CAP/captured/manifest.json $CAP/val_captured/manifest.json \
   $W/vocab/coverage.json $W/prepared/manifest.json "$S"/*.json "$S"/*.txt "$S"/*.log 2>/dev/null
 for name in $(python3 -c "import json,sys; print(' '.join(r['variant'] for r in json.load(open(sys.argv[1]))[:int(sys.argv[2])]))" "$OUT/ranking.json" "${TOP_N:-4}"); do
