@@ -67,8 +67,16 @@ def test_selected_layers_reads_the_last_layer_as_id_L(captured):
 def test_pack_batch_and_prefetch_equal_the_plain_loader(captured):
     samples = captured[0]
     rows = [[samples[0], samples[1]], [samples[2]], []]
-    a, b = collate([pack(r, 64) for r in rows[:2]]), pack_batch(rows[:2], 64)
-    assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    b = pack_batch(rows, 64)
+    n0, n1, n2 = (len(samples[i]["input_ids"]) for i in range(3))
+    assert torch.equal(b.input_ids[0, :n0], torch.as_tensor(samples[0]["input_ids"]).long())
+    assert torch.equal(b.aux[0, n0 : n0 + min(n1, 64 - n0)].view(-1, 3, 128)[0],
+                       torch.as_tensor(samples[1]["aux_hidden_states"][0]))
+    assert b.positions[0, n0].item() == 0 and b.doc_ids[0, n0].item() == 1  # the second document restarts
+    assert (b.doc_ids[1, n2:] == -1).all() and not b.loss_mask[1, n2:].any() and (b.aux[1, n2:] == 0).all()
+    assert (b.doc_ids[2] == -1).all() and (b.last_hidden[2] == 0).all()  # an empty row is all padding
+    one = pack(rows[0], 64)
+    assert all(torch.equal(one[f], getattr(b, f)[0]) for f in one)
     plain = PackedLoader(samples, range(12), 64, 2, seed=1)
     ahead = PackedLoader(samples, range(12), 64, 2, seed=1, prefetch=3)
     for _ in range(9):  # crosses epochs

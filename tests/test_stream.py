@@ -123,6 +123,13 @@ def test_config_errors_name_the_fields(stream_inputs, tmp_path):
     small = stream_config(stream_inputs, tmp_path / "b", spool_cap_gb=0.0004)
     with pytest.raises(ConfigError, match=r"stream.spool_cap_gb = 0.0004 .*capture.shard_tokens"):
         run_stream(small)
+    from eagle3.train.stream import SpoolSource
+
+    consume = stream_config(stream_inputs, tmp_path / "c").stream_stages()[1]
+    for field, value, message in (("layers", [1, 2], "train.layers is not supported"),
+                                  ("preload", True, "train.preload = true is not supported")):
+        with pytest.raises(ConfigError, match=message):
+            SpoolSource(consume.model_copy(update={field: value}))
 
 
 def _side(stage: str, config: Path) -> subprocess.Popen:

@@ -163,28 +163,13 @@ def empty_row(T: int, n_aux: int, hidden: int, dtype: torch.dtype) -> dict[str, 
 
 def pack(samples: list[dict[str, Any]], max_seq_len: int) -> dict[str, torch.Tensor]:
     """Concatenate samples into one row of exactly max_seq_len tokens (padding: doc -1, mask 0)."""
-    T = max_seq_len
-    first = samples[0]
-    n_aux, Ht = first["aux_hidden_states"].shape[-2:]
-    row = empty_row(T, n_aux, Ht, first["aux_hidden_states"].dtype)
-    a = 0
-    for d, s in enumerate(samples):
-        n = min(len(s["input_ids"]), T - a)
-        if n <= 0:
-            break
-        row["input_ids"][a : a + n] = torch.as_tensor(s["input_ids"][:n]).long()
-        row["positions"][a : a + n] = torch.arange(n)
-        row["doc_ids"][a : a + n] = d
-        row["loss_mask"][a : a + n] = torch.as_tensor(s["loss_mask"][:n]).bool()
-        row["aux"][a : a + n] = torch.as_tensor(s["aux_hidden_states"][:n]).reshape(n, n_aux * Ht)
-        row["last_hidden"][a : a + n] = torch.as_tensor(s["last_hidden_states"][:n])
-        a += n
-    return row
+    batch = pack_batch([samples], max_seq_len)  # (1, T, ...)
+    return {f: getattr(batch, f)[0] for f in batch.__dataclass_fields__}
 
 
 def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatch:
-    """Each list of samples packed into one row of a (B, max_seq_len) batch, written in place (== collate of
-    pack() per row, without the per-row buffers and the stack copy)."""
+    """Each list of samples packed into one row of a (B, max_seq_len) batch, written in place (no per-row
+    buffers, no stack copy)."""
     B, T = len(rows), max_seq_len
     first = next(docs[0] for docs in rows if docs)
     n_aux, Ht = first["aux_hidden_states"].shape[-2:]

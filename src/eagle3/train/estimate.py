@@ -1,12 +1,14 @@
 """Offline acceptance estimate: run a trained draft's TTT unroll over captured states, no vLLM.
 
     est = estimate_acceptance(EstimateConfig(draft="runs/x/draft", captured="runs/val/captured", target=T))
-    est.tau          # 1 + sum_{j<k} prod_{i<=j} cond_acc_i, comparable with vLLM's mean acceptance length
+    est.tau          # 1 + accepted / rounds from replayed greedy drafting rounds, as vLLM counts them
 
-Each supervised position is treated as the start of a drafting round (step j reads the draft's own output of
-step j-1, as in vLLM), so the estimate is exact for the per-step agreement and approximate only in how rounds
-tile a sequence. It is what the trainer uses to pick its best checkpoint, and with a capture of prompts the
-target never trained on (benchmarks/perturb_prompts.py) it tracks the real engine's τ (docs/NOTES.md).
+Step j reads the draft's own output of step j-1, as in vLLM's drafting loop. `tau` replays rounds the way the
+engine runs them (replay_rounds: a round accepting n tokens moves the next one n+1 tokens on); `tau_per_row`
+makes every supervised row a round start and overstates τ, because rounds crowd where the draft fails. On
+refbench the replayed value was 2.307 vs vLLM's 2.287 (benchmarks/results/refbench_estimator.md). The trainer
+picks its best checkpoint with it; prompts the target never trained on (benchmarks/perturb_prompts.py) make
+the best validation set.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 from eagle3.config import ConfigError
-from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS, PackedBatch, TTTModule, summarize
@@ -42,12 +44,10 @@ class Estimate:
 
 
 def tau_from_metrics(metrics: dict[str, float], k: int) -> float:
-    """1 + sum_{j<k} prod_{i<=j} cond_acc_i from summarize()'s per-step metrics."""
-    tau, prod = 1.0, 1.0
-    for j in range(k):
-        prod *= metrics[f"cond_acc_{j}"]
-        tau += prod
-    return tau
+    """1 + sum_{j<k} prod_{i<=j} cond_acc_i from summarize()'s per-step metrics (every row a round start)."""
+    from eagle3.evaluate import simulate_acceptance_length
+
+    return simulate_acceptance_length([metrics[f"cond_acc_{j}"] for j in range(k)])
 
 
 @dataclass
@@ -141,9 +141,9 @@ def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, d
     if "d2t" not in sd:  # full-vocab vLLM export: lm_head rows already in target order
         sd["d2t"] = torch.zeros(model.cfg.draft_vocab_size, dtype=torch.long)
         sd["t2d"] = torch.ones(model.cfg.vocab_size, dtype=torch.bool)
-    missing, unexpected = model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in sd.items()
-                                                 if k in model.state_dict()}, strict=False)
-    unexpected = sorted(set(sd) - set(model.state_dict()))
+    own = model.state_dict()
+    missing, _ = model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items() if k in own}, strict=False)
+    unexpected = sorted(set(sd) - set(own))
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ConfigError(f"draft={path}/{WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
@@ -176,8 +176,7 @@ def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
 
     manifest = load_manifest(cfg.captured)
     tensors = load_target_tensors(cfg.target)
-    tc = read_target_config(cfg.target)
-    tc = tc.get("text_config") or tc
+    tc = text_config(read_target_config(cfg.target))
     try:
         samples = SelectedLayers(load_samples(cfg.captured), manifest["layers"], meta["aux_layer_ids"],
                                  tc["num_hidden_layers"])

@@ -88,6 +88,9 @@ class SpoolSource:
         if getattr(cfg, "layers", None):
             raise ConfigError("train.layers is not supported in streaming mode: capture only the aux layers you train "
                               "on (capture.layers)")
+        if getattr(cfg, "preload", False):
+            raise ConfigError("train.preload = true is not supported in streaming mode (the spool is read shard by "
+                              "shard as it arrives); set train.preload: false")
         self.manifest: dict[str, Any] = _wait(self.spool, cfg, HEADER, lambda: read_state(self.spool, HEADER) or None)
         consumed = read_state(self.spool, CONSUMED)
         fresh = not any((Path(cfg.out) / "checkpoints").glob("step-*")) or not cfg.resume

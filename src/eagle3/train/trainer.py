@@ -297,16 +297,16 @@ def run_train(
 
     L = tc["num_hidden_layers"]
     t_load = time.perf_counter()
+    preload = cfg.preload and source is None and samples is None
     if source is not None:
-        samples = source.val_samples
-    elif samples is None and cfg.preload:  # sequential shard reads, only the trained layers kept in RAM
-        samples = preload_samples(cfg.captured, layers, L)
+        samples, how = source.val_samples, "spool validation"
+    elif preload:  # sequential shard reads, only the trained layers kept in RAM
+        samples, how = preload_samples(cfg.captured, layers, L), "in RAM"
     else:
-        samples = load_samples(cfg.captured if samples is None else samples)
-    if cfg.layers is not None and not (cfg.preload and source is None):
+        samples, how = load_samples(cfg.captured if samples is None else samples), "memory-mapped or given"
+    if cfg.layers is not None and not preload:
         samples = SelectedLayers(samples, manifest["layers"], layers, L)
-    progress(d, f"{len(samples)} samples ({'in RAM' if cfg.preload else 'memory-mapped'}, layers {layers}) in "
-                f"{time.perf_counter() - t_load:.1f} s")
+    progress(d, f"{len(samples)} samples ({how}, layers {layers}) in {time.perf_counter() - t_load:.1f} s")
     aux_shape = tuple(samples[0]["aux_hidden_states"].shape[-2:]) if len(samples) else (dcfg.num_aux, dcfg.target_hidden_size)
     if aux_shape != (dcfg.num_aux, dcfg.target_hidden_size):
         raise ConfigError(
