@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works wi
 from eagle3.model.draft import DraftConfig  # noqa: E402
 from eagle3.train.flops import count_step_bytes as bytes_model  # noqa: E402
 from eagle3.train.flops import count_train_flops as flop_model  # noqa: E402
-from eagle3.train.step import build_benchmark, run_benchmark_step, ttt_forward  # noqa: E402
+from eagle3.train.step import StepOutput, TTTModule, build_benchmark, run_benchmark_step, ttt_forward  # noqa: E402
 
 #: Llama-3.1-8B-like draft (issue 5)
 REAL = dict(H=4096, Ht=4096, n_aux=3, nh=32, kvh=8, d=128, inter=14336, V=128256, Vd=32000)
@@ -163,6 +163,18 @@ def naive_step(s, grad_clip: float = 0.5):
     return out
 
 
+def ddp_step(s, ddp, grad_clip: float = 0.5):
+    """The fast step through DistributedDataParallel (eagle3.train.parallel.wrap around TTTModule, as the trainer
+    does): each rank trains its own packed row; gradients are all-reduced during backward."""
+    with torch.autocast(s.batch.input_ids.device.type, dtype=s.dtype, enabled=s.dtype != torch.float32):
+        loss, _ = ddp(s.batch, s.head, steps=s.steps, attention=s.attention)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(s.model.parameters(), grad_clip, foreach=True)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return StepOutput(loss, None)
+
+
 def count_host_syncs(fn, device) -> int | None:
     """Run fn once with torch.cuda sync-debug mode on; number of synchronizing calls it made (None on CPU)."""
     if device.type != "cuda":
@@ -246,10 +258,13 @@ def profile_steps(step, device, out_dir: Path, name: str, steps: int = 2) -> dic
         low = e.key.lower()
         g = next((g for g, keys in PROFILE_GROUPS if any(k in low for k in keys)), "other")
         groups[g] = groups.get(g, 0.0) + e.device_time_total
-    top = sorted(events, key=lambda e: -e.device_time_total)[:25]
-    text = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+    top = sorted(events, key=lambda e: -e.device_time_total)[:40]
+    text = prof.key_averages().table(sort_by="device_time_total", row_limit=60, max_name_column_width=90)
+    shapes = prof.key_averages(group_by_input_shape=True).table(sort_by="device_time_total", row_limit=40,
+                                                                 max_name_column_width=60, max_shapes_column_width=110)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "train_step_profile.txt").write_text(f"# {name}: torch.profiler over {steps} steps\n{text}\n")
+    (out_dir / "train_step_profile.txt").write_text(f"# {name}: torch.profiler over {steps} steps\n{text}\n\n"
+                                                    f"# by op and input shape\n{shapes}\n")
     return {"steps": steps, "gpu_ms_per_step": total_us / 1e3 / steps,
             "groups_ms_per_step": {g: round(v / 1e3 / steps, 2) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
             "top_kernels": [{"kernel": e.key[:120], "ms_per_step": round(e.device_time_total / 1e3 / steps, 3),
@@ -259,9 +274,12 @@ def profile_steps(step, device, out_dir: Path, name: str, steps: int = 2) -> dic
 def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> dict:
     T, K, B, kind = c["seq"], c["K"], c["batch"], c["kind"]
     fm, bm = flop_model(m, T, K), bytes_model(m, K)
-    tokens = B * T
+    world = args.dist.world if args.dist else 1
+    tokens = B * T * world  # per optimizer step, all ranks
+    if world > 1:
+        c = dict(c, name=f"{c['name']} DDP×{world}", world=world)
     model_flops = fm["model_flops_per_token"] * tokens
-    compute_floor = model_flops / rates["bf16_matmul_flops"]
+    compute_floor = model_flops / (rates["bf16_matmul_flops"] * world)  # each rank at the measured rate
     bytes_floor = bm["bytes_per_step"] / rates["hbm_bytes_per_s"]
     r = dict(c, tokens_per_step=tokens, model_flops_per_step=model_flops, floor_ms=1e3 * max(compute_floor, bytes_floor),
              compute_floor_ms=1e3 * compute_floor, bytes_floor_ms=1e3 * bytes_floor)
@@ -298,7 +316,13 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
             torch.cuda.reset_peak_memory_stats()
         s = build_benchmark(draft_config(m), batch_size=B, seq_len=T, steps=K, device=str(device), dtype=args.dtype,
                             attention=c["attention"], compile=c["compile"])
-        step = (lambda: naive_step(s)) if kind == "naive" else (lambda: run_benchmark_step(s))
+        if world > 1:
+            from eagle3.train.parallel import wrap
+
+            ddp = wrap(TTTModule(s.model), args.dist)
+            step = lambda: ddp_step(s, ddp)  # noqa: E731
+        else:
+            step = (lambda: naive_step(s)) if kind == "naive" else (lambda: run_benchmark_step(s))
         t0 = time.monotonic()
         out = step()
         sync(device)
@@ -310,7 +334,7 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
             sync(device)
             warm.append(time.monotonic() - t0)
         if cuda and args.warmup > 0:
-            r["host_syncs_per_step"] = count_host_syncs(step, device)
+            r["host_syncs_per_step"] = count_host_syncs(step, device) if world == 1 else None
             sync(device)
         per = min(warm) if warm else r["first_step_s"]
         left = deadline - time.monotonic() - 3.0
@@ -326,7 +350,7 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
                  tokens_per_s=tokens / (med / 1e3), loss=float(out.loss.detach()))
         achieved = model_flops / (med / 1e3)
         r["achieved_model_flops_per_s"] = achieved
-        r["mfu"] = achieved / rates["bf16_matmul_flops"]
+        r["mfu"] = achieved / (rates["bf16_matmul_flops"] * world)
         if rates.get("spec_bf16_flops"):
             r["mfu_vs_spec_peak"] = achieved / rates["spec_bf16_flops"]
         r["outcome_over_prediction"] = med / r["predicted_ms"]
@@ -343,7 +367,7 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
         if cuda and r.get("status") in ("oom", "error"):
             r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         r["wall_s"] = round(time.monotonic() - t_start, 2)
-        s = out = step = None  # noqa: F841
+        s = out = step = ddp = None  # noqa: F841
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -383,12 +407,16 @@ def markdown(res: dict) -> str:
           "| predicted ms | outcome/pred | status |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("configs", []):
-        L.append(f"| {r['name']} | {r['kind']} | {r['batch']}×{r['seq']} | {r['K']} | {r['attention']} | "
+        L.append(f"| {r['name']}{' (' + r['ran_on'] + ')' if r.get('ran_on') else ''} | {r['kind']} | {r['batch']}×{r['seq']} | {r['K']} | {r['attention']} | "
                  f"{'yes' if r['compile'] else 'no'} | {fmt(r.get('ms_per_step'))} | {fmt(r.get('tokens_per_s'), 0)} | "
                  f"{fmt(100 * r['mfu'] if 'mfu' in r else None)}{'%' if 'mfu' in r else ''} | "
                  f"{fmt(r.get('peak_mem_gib'), 1)} | {fmt(r.get('floor_ms'))} | {fmt(r.get('predicted_ms'))} | "
                  f"{fmt(r.get('outcome_over_prediction'), 2)} | {r.get('status', '?')}"
                  f"{(': ' + r['reason'][:80]) if r.get('reason') else ''} |")
+    ds = res.get("ddp_scaling")
+    if ds:
+        L += ["", "DDP scaling (tokens/s over all GPUs ÷ the same per-GPU config on one GPU): "
+              + ", ".join(f"{k}: {v:.2f}×" for k, v in ds.items())]
     sp = res.get("speedups")
     if sp:
         L += ["", "Fast vs naive (same seq/K): " + ", ".join(f"{k}: {v:.2f}×" for k, v in sp.items())]
@@ -422,9 +450,39 @@ def markdown(res: dict) -> str:
 
 
 def finalize(res: dict) -> None:
-    ok = {(r["seq"], r["K"], r["batch"], r["kind"]): r for r in res["configs"] if r.get("status") == "ok"}
+    ok = {(r["seq"], r["K"], r["batch"], r["kind"]): r for r in res["configs"]
+          if r.get("status") == "ok" and r.get("world", 1) == 1}
     res["speedups"] = {f"B{b}xT{T}/K{K}": ok[(T, K, b, "naive")]["ms_per_step"] / ok[(T, K, b, "fast")]["ms_per_step"]
                        for (T, K, b, kind) in ok if kind == "naive" and (T, K, b, "fast") in ok}
+
+
+def merge_results(dirs: list[Path], out_dir: Path) -> int:
+    """One train_step.{json,md} from several processes' results (e.g. GPU0, GPU1, DDP on both): configs
+    concatenated in order, rates/floors/profile/numerics from the first, DDP scaling vs the matching 1-GPU row."""
+    missing = [str(d) for d in dirs if not (d / "train_step.json").exists()]
+    if missing:
+        print(f"train_step --merge: no train_step.json in {missing} (that process wrote nothing); merging the rest",
+              file=sys.stderr)
+    parts = [json.loads((d / "train_step.json").read_text()) for d in dirs if (d / "train_step.json").exists()]
+    if not parts:
+        raise SystemExit(f"train_step --merge: none of {[str(d) for d in dirs]} holds a train_step.json")
+    res = dict(parts[0])
+    res["configs"] = [dict(r, ran_on=r.get("ran_on") or p["machine"].get("label")) for p in parts for r in p["configs"]]
+    res["merged_from"] = [{"command": p["command"], "label": p["machine"].get("label"), "world": p["machine"].get("world", 1),
+                           "rates": p.get("rates"), "partial": p.get("partial"), "wall_s": p.get("wall_s")} for p in parts]
+    res["partial"] = "; ".join(f"{p['machine'].get('label')}: {p['partial']}" for p in parts if p.get("partial")) or None
+    if res.get("numerics", {}).get("pass") is None:
+        res["numerics"] = next((p["numerics"] for p in parts if p.get("numerics", {}).get("pass") is not None),
+                               res.get("numerics"))
+    finalize(res)
+    single = {(r["seq"], r["K"], r["batch"]): r for r in res["configs"]
+              if r.get("status") == "ok" and r["kind"] == "fast" and r.get("world", 1) == 1}
+    res["ddp_scaling"] = {r["name"]: r["tokens_per_s"] / single[(r["seq"], r["K"], r["batch"])]["tokens_per_s"]
+                          for r in res["configs"] if r.get("world", 1) > 1 and r.get("status") == "ok"
+                          and (r["seq"], r["K"], r["batch"]) in single}
+    write_results(res, out_dir)
+    print(json.dumps({"merged": [str(d) for d in dirs], "out": str(out_dir), "ddp_scaling": res["ddp_scaling"]}))
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -445,9 +503,28 @@ def main(argv=None) -> int:
     p.add_argument("--skip-naive-8192", action="store_true")
     p.add_argument("--profile", action="store_true", help="torch.profiler over 2 steps of the first config: GPU "
                    "time by kernel group in the JSON, top kernels in train_step_profile.txt")
+    p.add_argument("--configs", nargs="+", metavar="KIND:K:SEQ[:BATCH]", default=None,
+                   help="run these instead of the default list, e.g. fast:7:8192 naive:7:2048 fast:7:8192:2 "
+                   "(to split the list over GPUs, one process each)")
+    p.add_argument("--ddp", action="store_true", help="under torchrun: the fast configs through DDP on every "
+                   "rank (eagle3.train.parallel), tokens/s over all ranks; rank 0 writes the results")
+    p.add_argument("--skip-numerics", action="store_true", help="leave the numerics check to another process")
+    p.add_argument("--label", default=None, help="where this process ran (e.g. GPU0), kept with each config")
+    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
+                   help="no run: combine DIR/train_step.json of several processes into --out-dir")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge_results(args.merge, args.out_dir or Path(__file__).resolve().parent / "results")
     t_begin = time.monotonic()
     deadline = t_begin + args.budget_s - 4.0  # leave time to write the results
+    args.dist = None
+    if args.ddp:
+        from eagle3.train.parallel import setup
+
+        args.dist = setup(args.device or "cuda")  # --device cpu: gloo (a CPU smoke test of this path)
+        args.device = str(args.dist.device)
+        if args.dist.rank != 0:
+            args.out_dir = Path(tempfile.mkdtemp(prefix=f"train_step_rank{args.dist.rank}_"))
     device = torch.device(args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda"))
     cuda = device.type == "cuda"
     if args.smoke and not cuda:
@@ -470,8 +547,17 @@ def main(argv=None) -> int:
     def cfg(name, kind, T, K, B=1):
         c = dict(name=name, kind=kind, seq=T, K=K, batch=B, attention=fast_att if kind == "fast" else "naive",
                  compile=comp(T) if kind == "fast" else False)
-        c["compile_guess_s"] = 60 if c["compile"] else 15
+        c["compile_guess_s"] = 120 if c["compile"] else 30
+        if args.label:
+            c["ran_on"] = args.label
         return c
+
+    def parse(spec: str) -> dict:
+        kind, K, T, *b = spec.split(":")
+        if kind not in ("fast", "naive") or len(b) > 1:
+            raise SystemExit(f"--configs {spec!r}: expected fast|naive:K:SEQ[:BATCH], e.g. fast:7:8192")
+        B = int(b[0]) if b else 1
+        return cfg(f"{kind} K{K} {T}" + (f" batch {B}" if B > 1 else ""), kind, int(T), int(K), B)
 
     # priority order: what the budget drops first is last
     configs = [dict(cfg(f"fast K7 {big}", "fast", big, 7), profile=args.profile), cfg(f"naive K7 {small}", "naive", small, 7),
@@ -481,8 +567,14 @@ def main(argv=None) -> int:
         configs.append(cfg(f"fast K7 {big} batch {args.fill_batch}", "fast", big, 7, args.fill_batch))
     if not args.skip_naive_8192:
         configs.append(cfg(f"naive K7 {big}", "naive", big, 7))
+    if args.configs:
+        configs = [parse(x) for x in args.configs]
+        configs[0]["profile"] = args.profile
+    if args.dist:
+        configs = [dict(c, profile=False) for c in configs if c["kind"] == "fast"]
 
     machine = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
+               "world": args.dist.world if args.dist else 1, "label": args.label,
                "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
                "host": platform.node(), "cpu_count": os.cpu_count()}
     if cuda:
@@ -544,6 +636,9 @@ def main(argv=None) -> int:
     # 2. configs in priority order, the GPU numerics check after the first three (compiles are the slow part)
     def numerics():
         t0 = time.monotonic()
+        if args.dist or args.skip_numerics:
+            res["numerics"] = {"skipped": "left to another process of this run", "pass": None}
+            return
         if cuda and deadline - t0 < 40:
             res["numerics"] = {"skipped": f"budget: {deadline - t0:.0f} s left", "pass": None}
             return
@@ -565,7 +660,7 @@ def main(argv=None) -> int:
         save()
     if "numerics" not in res:
         numerics()
-    if cuda and fast_att == "flex" and deadline - time.monotonic() > 30:
+    if cuda and fast_att == "flex" and res["numerics"].get("pass") is not None and deadline - time.monotonic() > 30:
         try:  # the attention kernel alone (fp32), eagle3.train.bench.check_flex
             from eagle3.train.bench import check_flex
 
@@ -579,6 +674,10 @@ def main(argv=None) -> int:
     with lock:
         write_results(res, args.out_dir)
     print(f"wrote {args.out_dir / 'train_step.json'} and train_step.md ({res['wall_s']} s)", flush=True)
+    if args.dist:
+        from eagle3.train.parallel import teardown
+
+        teardown(args.dist)
     bad = [r["name"] for r in res["configs"] if r.get("status") == "error"]
     return 1 if (bad or res["numerics"].get("pass") is False) else 0
 

@@ -54,3 +54,28 @@ def test_flop_model_real_dims():
     assert fm["model_flops_per_token"] == 3 * sum(f.values()) + 2 * 4096 * 32000
     assert abs(fm["model_flops_per_token"] / 1e9 - 17.697) < 1e-3
     assert ts.bytes_model(ts.REAL, 7)["trainable_params"] == 424_689_664
+
+
+def test_split_configs_ddp_and_merge(tmp_path):
+    """The one-call GPU layout (benchmarks/train_step_gpu.sh) on the CPU: a process per config list, the fast path
+    through DDP under torchrun (gloo, 2 ranks), then --merge with the DDP scaling against the 1-process row."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    one, ddp, merged = tmp_path / "one", tmp_path / "ddp", tmp_path / "merged"
+    cmd = [sys.executable, "benchmarks/train_step.py", "--smoke", "--budget-s", "120", "--skip-numerics"]
+    p = subprocess.run([*cmd, "--label", "P0", "--configs", "fast:3:32", "--out-dir", str(one)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd[1:],
+                        "--ddp", "--device", "cpu", "--label", "2xP", "--configs", "fast:3:32", "--out-dir", str(ddp)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((ddp / "train_step.json").read_text())["configs"]
+    assert [(r["name"], r["world"], r["tokens_per_step"], r["status"]) for r in rows] == [
+        ("fast K3 32 DDP×2", 2, 64, "ok")]
+    p = subprocess.run([*cmd[:2], "--merge", str(one), str(ddp), str(tmp_path / "absent"), "--out-dir", str(merged)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "absent" in p.stderr, p.stderr[-3000:]
+    res = json.loads((merged / "train_step.json").read_text())
+    assert [r["ran_on"] for r in res["configs"]] == ["P0", "2xP"]
+    assert list(res["ddp_scaling"]) == ["fast K3 32 DDP×2"] and res["ddp_scaling"]["fast K3 32 DDP×2"] > 0
+    assert "DDP scaling" in (merged / "train_step.md").read_text()

@@ -280,6 +280,11 @@ class Eagle3Draft(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
+    def compile_blocks(self) -> None:
+        """torch.compile what runs once per TTT step (decoder layer, final norm); the unrolled loop stays eager."""
+        self.midlayer.compile()
+        self.norm.compile()
+
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         return self.fc(aux)  # (B, T, n_aux*Ht) -> (B, T, H)
 

@@ -32,9 +32,10 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
       draft_lm_head  2 * H * Vd
     trainable total x3 (backward ~ 2x forward); plus the frozen target lm_head restricted to the draft vocab
     (target distribution), forward only, ONCE per token: targets are computed once per batch and each TTT step
-    reads them shifted by j (eagle3.train.loss.compute_targets). Our implementation additionally runs the full-
-    vocab target head once per token for the out-of-vocab argmax mask: reported as `target_lm_head_full` (executed,
-    not in the model count, same as the anchor which restricts to the draft vocab).
+    reads them shifted by j (eagle3.train.loss.compute_targets). Our implementation runs the full-vocab target
+    head instead (once per token; the out-of-vocab argmax mask needs it, and the draft-vocab logits are a column
+    subset of it): reported as `target_lm_head_full` (executed, not in the model count, same as the anchor which
+    restricts to the draft vocab).
     """
     H, Ht, nh, kvh, d, inter, V, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux"))
     fwd = {
@@ -58,7 +59,7 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
         "target_lm_head_full_per_token": float(2 * Ht * V),
         "model_flops_per_token": float(total),
         "model_flops_per_token_unrestricted_target": float(3 * trainable_fwd + 2 * Ht * V),
-        "executed_flops_per_token_incl_full_vocab_argmax": float(total + 2 * Ht * V),
+        "executed_flops_per_token_incl_full_vocab_argmax": float(3 * trainable_fwd + 2 * Ht * V),
     }
 
 

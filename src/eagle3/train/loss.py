@@ -10,12 +10,15 @@ confidently wrong), but it stays in the metrics as a miss (acceptance there is 0
 This matches SpecForge's `position_mask = t2d[target_argmax] & loss_mask`.
 
 Memory: target logits are computed once per batch, row-chunked (the full-vocab (rows, V) matrix only ever
-exists for `chunk_rows`), and kept over the draft vocab only. The draft's (rows, Vd) fp32 log-softmax is
-computed per row chunk inside activation checkpointing, so only one chunk is alive in forward or backward.
+exists for `chunk_rows`), and kept over the draft vocab only. Two losses with equal values and gradients:
+`soft_ce` (autograd; the draft's (rows, Vd) fp32 log-softmax per row chunk inside activation checkpointing, the
+naive reference) and `fused_soft_ce` (the default: gradient formed in the forward, chunk by chunk, by one
+compiled kernel per chunk on CUDA; nothing of size (rows, Vd) is kept for backward).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +55,6 @@ def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk
     dt = head.lm_head.dtype
     logits = torch.zeros(B, T + pad, Vd, dtype=dt, device=last_hidden.device)  # (B, T+pad, Vd)
     argmax = torch.full((B, T + pad), -1, dtype=torch.long, device=last_hidden.device)  # (B, T+pad)
-    sub = head.lm_head[head.draft_ids]  # (Vd, Ht)
     t2d = torch.zeros(head.lm_head.shape[0], dtype=torch.bool, device=last_hidden.device)  # (V,)
     t2d[head.draft_ids] = True
     for a in range(0, T, max(1, chunk_rows // B)):
@@ -60,8 +62,9 @@ def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk
         xf = x.to(torch.promote_types(dt, torch.float32))  # (B, c, Ht)
         x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + head.eps)).to(dt) * head.norm_weight  # (B, c, Ht)
         c = x.shape[1]
-        argmax[:, a : a + c] = (x @ head.lm_head.T).argmax(-1)  # (B, c)
-        logits[:, a : a + c] = x @ sub.T  # (B, c, Vd)
+        full = x @ head.lm_head.T  # (B, c, V): one GEMM gives the argmax and the draft-vocab columns
+        argmax[:, a : a + c] = full.argmax(-1)  # (B, c)
+        logits[:, a : a + c] = full.index_select(-1, head.draft_ids)  # (B, c, Vd)
     in_vocab = t2d[argmax.clamp(min=0)] & (argmax >= 0)  # (B, T+pad)
     return Targets(logits, argmax, in_vocab)
 
@@ -93,41 +96,64 @@ def soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: torch.T
     return total, torch.cat(arg, dim=1)  # (), (B, T)
 
 
+def _ce_chunk(logits: torch.Tensor, tgt: torch.Tensor, wt: torch.Tensor, need_grad: bool):
+    """One row chunk of the fused loss: (sum_rows wt * CE, draft argmax (c,), gradient wrt logits or None).
+
+    logits: (c, Vd) draft logits (matmul output dtype); tgt: (c, Vd) target logits; wt: (c,) row weights.
+    The softmax statistics are fp32 (fp64 stays fp64); the gradient wt * (softmax(logits) - softmax(tgt)) is
+    returned in the logits' dtype, ready for the two backward GEMMs. On CUDA this function is compiled: the
+    casts, both soft-maxes, the CE, the argmax and the gradient become one or two passes over the bf16 blocks.
+    """
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    lf = logits.to(acc)  # (c, Vd)
+    logq = torch.log_softmax(lf, dim=-1)  # (c, Vd)
+    p = torch.softmax(tgt.to(acc), dim=-1)  # (c, Vd)
+    w = wt.to(acc)  # (c,)
+    ce = ((p * logq).sum(-1) * w).sum().neg()  # ()
+    g = ((logq.exp() - p) * w[:, None]).to(logits.dtype) if need_grad else None  # (c, Vd)
+    return ce, lf.argmax(-1), g
+
+
+@functools.cache
+def _compiled_ce_chunk():
+    return torch.compile(_ce_chunk, dynamic=False)
+
+
 class _FusedSoftCE(torch.autograd.Function):
     """sum_rows weight * CE(softmax(tgt), log_softmax(h @ w.T)) with its gradient computed in the forward, chunk by
     chunk: d/dlogits = weight * (softmax(logits) - softmax(tgt)), so grad_h = g @ w and grad_w = g.T @ h are formed
-    while the chunk's logits exist and nothing of size (rows, Vd) is kept or recomputed for backward."""
+    while the chunk's logits exist and nothing of size (rows, Vd) is kept or recomputed for backward.
+    GEMMs run in `cdt` (the autocast dtype under autocast, else h's dtype); grads come back in h's and w's dtypes."""
 
     @staticmethod
-    def forward(ctx, h, w, tgt, weight, chunk_rows: int, need_grad: bool):
+    def forward(ctx, h, w, tgt, weight, chunk_rows: int, need_grad: bool, cdt: torch.dtype):
         B, T, H = h.shape
-        acc = torch.promote_types(h.dtype, torch.float32)  # fp32 softmax for bf16 inputs (fp64 stays fp64)
-        hf, tf, wf = h.reshape(B * T, H), tgt.reshape(B * T, -1), weight.reshape(B * T)  # (N, H), (N, Vd), (N,)
-        wc = w.to(h.dtype)  # (Vd, H)
+        acc = torch.promote_types(cdt, torch.float32)
+        hf, tf, wf = h.reshape(B * T, H).to(cdt), tgt.reshape(B * T, -1), weight.reshape(B * T)  # (N, H), (N, Vd), (N,)
+        wc = w.to(cdt)  # (Vd, H)
+        chunk = _compiled_ce_chunk() if h.is_cuda else _ce_chunk
         total = torch.zeros((), dtype=acc, device=h.device)
         argmax = torch.empty(B * T, dtype=torch.long, device=h.device)  # (N,)
-        grad_h = torch.empty_like(hf) if need_grad else None  # (N, H)
-        grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if need_grad else None  # (Vd, H)
-        for a in range(0, B * T, chunk_rows):
-            hc = hf[a : a + chunk_rows]  # (c, H)
-            logits = (hc @ wc.T).to(acc)  # (c, Vd)
-            argmax[a : a + chunk_rows] = logits.argmax(-1)
-            logq = torch.log_softmax(logits, dim=-1)  # (c, Vd)
-            p = torch.softmax(tf[a : a + chunk_rows].to(acc), dim=-1)  # (c, Vd)
-            wt = wf[a : a + chunk_rows].to(acc)  # (c,)
-            total += ((p * logq).sum(-1) * wt).sum().neg()
-            if need_grad:
-                g = ((logq.exp_() - p) * wt[:, None]).to(h.dtype)  # (c, Vd) = weight * (q - p)
-                grad_h[a : a + chunk_rows] = g @ wc  # (c, H)
-                grad_w += (g.T @ hc).to(acc)  # (Vd, H)
+        grad_h = torch.empty_like(hf) if need_grad else None  # (N, H) in cdt
+        grad_w = None  # (Vd, H)
+        with torch.autocast(h.device.type, enabled=False):  # every dtype here is explicit
+            for a in range(0, B * T, chunk_rows):
+                hc = hf[a : a + chunk_rows]  # (c, H)
+                ce, am, g = chunk(hc @ wc.T, tf[a : a + chunk_rows], wf[a : a + chunk_rows], need_grad)  # (), (c,), (c, Vd)
+                total += ce
+                argmax[a : a + chunk_rows] = am
+                if need_grad:
+                    torch.mm(g, wc, out=grad_h[a : a + chunk_rows])  # (c, H)
+                    gw = (g.T @ hc).to(acc)  # (Vd, H)
+                    grad_w = gw if grad_w is None else grad_w.add_(gw)
         if need_grad:
-            ctx.save_for_backward(grad_h.reshape(B, T, H), grad_w.to(w.dtype))
+            ctx.save_for_backward(grad_h.reshape(B, T, H).to(h.dtype), grad_w.to(w.dtype))
         return total, argmax.reshape(B, T)
 
     @staticmethod
     def backward(ctx, grad_total, grad_argmax):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None
+        return grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None, None
 
 
 def fused_soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 4096):
@@ -135,4 +161,6 @@ def fused_soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: t
     matmul fewer per step and far fewer passes over (rows, Vd) float32 blocks (the step's main non-GEMM cost
     on an H200, docs/NOTES.md). The target logits get no gradient (they are the frozen target's)."""
     need = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
-    return _FusedSoftCE.apply(h, w, tgt.detach(), weight.detach(), max(1, chunk_rows), need)
+    dev = h.device.type
+    cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    return _FusedSoftCE.apply(h, w, tgt.detach(), weight.detach(), max(1, chunk_rows), need, cdt)

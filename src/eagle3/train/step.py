@@ -167,7 +167,7 @@ def build_benchmark(
     torch.manual_seed(0)
     model = Eagle3Draft(cfg).to(device)
     if compile:
-        model.midlayer.compile()
+        model.compile_blocks()
     head = TargetHead(
         norm_weight=torch.ones(cfg.target_hidden_size),
         eps=cfg.rms_norm_eps,

@@ -367,7 +367,7 @@ def run_train(
     log = Logger(out, d.main)
     kw = dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention)
     if cfg.compile:
-        model.midlayer.compile()
+        model.compile_blocks()
 
     def evaluate(batches) -> dict[str, float]:
         k = min(cfg.num_speculative_tokens, cfg.ttt_steps)
