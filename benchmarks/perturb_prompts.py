@@ -7,6 +7,10 @@ what the 200 test questions look like to the target. Used for validation and che
 as training data, so the protocol's training set is unchanged.
 
     python benchmarks/perturb_prompts.py --data ../shared/refbench/data/gsm8k_train.jsonl --num 400 --out FILE
+
+Augmented training prompts (a documented deviation from the refbench protocol's training set, see docs/NOTES.md):
+`--from-start --num 7173 --seed 1` perturbs the first 7,173 rows, so no question shares its source row with the
+300 validation prompts (the last 300 rows).
 """
 
 from __future__ import annotations
@@ -49,12 +53,13 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="GSM8K-style .jsonl with `question`")
     ap.add_argument("--num", type=int, default=400, help="number of prompts (taken from the end of the file)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--from-start", action="store_true", help="take the first --num rows instead of the last")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]
     rng = random.Random(a.seed)
     picked, changed = [], 0
-    for row in rows[-a.num :]:
+    for row in rows[: a.num] if a.from_start else rows[-a.num :]:
         q = perturb_question(row["question"], rng)
         changed += q != row["question"]
         picked.append({"question": q})

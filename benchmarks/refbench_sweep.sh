@@ -5,7 +5,8 @@
 #   vocab -> several drafts trained at once (VARIANTS below, spread over the GPUs), each picking its best
 #   checkpoint by the replayed-rounds τ estimate on the validation capture -> export -> $OUT/{ranking.json,logs.tgz,draft-<top variants>.tgz}.
 # Expects .whl/ (wheels for the GPU image's Python), .device/refbench/ (a copy of ../shared/refbench),
-# .device/regen/{train,val}.jsonl (regenerated conversations). EAGLE3_SRC overrides the package source dir.
+# .device/regen/{train,val}.jsonl (regenerated conversations). EAGLE3_SRC overrides the package source dir,
+# TRAIN_DATA the training conversations, WARMUP=0 skips the cache-warming trainer (few variants compile at once).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:${EAGLE3_SRC:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -21,7 +22,7 @@ LAYERS=${LAYERS:-2,4,5,6}
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}  # several trainers compile at once
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONFAULTHANDLER=1  # a trainer stopped by the timeout (SIGABRT) prints every thread's stack
 stamp() { echo "$1 $(( $(date +%s) - t0 ))s $(free -g | awk '/Mem/{print $3"G used"}')" | tee -a "$S/times.txt"; }
-$E prepare --target $T --data .device/regen/train.jsonl --out $W/prepared --max-seq-len 1024 > "$S/prepare.json" 2>&1 &
+$E prepare --target $T --data "${TRAIN_DATA:-.device/regen/train.jsonl}" --out $W/prepared --max-seq-len 1024 > "$S/prepare.json" 2>&1 &
 $E prepare --target $T --data .device/regen/val.jsonl --out $W/val_prepared --max-seq-len 1024 > "$S/val_prepare.json" 2>&1 &
 wait; stamp prepared
 $E capture --target $T --data $W/prepared --out $CAP/captured --backend hf --device cuda:0 --layers $LAYERS \
@@ -43,8 +44,10 @@ head:--layers=2,4,5 --init-head-from-target
 reg:--layers=2,4,5 --hidden-noise=0.1 --weight-decay=0.1"}
 # one short trainer first: its train and eval compiles fill the inductor cache the variants then reuse
 # (~85 s per process otherwise, all at once)
-timeout 300 $E train $COMMON --layers=2,4,5 --max-steps=2 --eval-every=1 --device cuda:0 --out $W/warmup \
-  > "$S/warmup.train.json" 2> "$S/warmup.train.log"; stamp "warmed-up(rc=$?)"
+if [ "${WARMUP:-1}" = 1 ]; then
+  timeout 300 $E train $COMMON --layers=2,4,5 --max-steps=2 --eval-every=1 --device cuda:0 --out $W/warmup \
+    > "$S/warmup.train.json" 2> "$S/warmup.train.log"; stamp "warmed-up(rc=$?)"
+fi
 i=0
 while IFS=: read -r name flags; do
   [ -z "$name" ] && continue
@@ -56,6 +59,7 @@ done <<< "$VARIANTS"
 ( while sleep 45; do stamp heartbeat; for f in "$S"/*.train.log; do echo "  $(basename "$f"): $(grep '^train:' "$f" | tail -n 1)"; done; done ) &
 HB=$!
 PIDS=$(jobs -p | grep -v "^$HB$"); [ -n "$PIDS" ] && wait $PIDS; kill $HB 2>/dev/null; stamp trained
+rm -rf $W/warmup  # 2 steps: not a variant
 # rank by the validation τ estimate of each best checkpoint; bring back the logs of all, the drafts of the top TOP_N
 python3 - "$W" > "$OUT/ranking.json" <<'PY'
 import json, sys
@@ -68,7 +72,6 @@ for meta in Path(sys.argv[1]).glob("*/best/eagle3_draft.json"):
 print(json.dumps(sorted(rows, key=lambda r: -(r["tau_estimate"] or 0)), indent=1))
 PY
 cat "$OUT/ranking.json"; cp "$S/times.txt" "$OUT/"
-rm -rf $W/warmup
 tar czf "$OUT/logs.tgz" $W/*/logs $W/*/best/eagle3_draft.json $CAP/captured/manifest.json $CAP/val_captured/manifest.json \
   $W/vocab/coverage.json $W/prepared/manifest.json "$S"/*.json "$S"/*.txt "$S"/*.log 2>/dev/null
 for name in $(python3 -c "import json,sys; print(' '.join(r['variant'] for r in json.load(open(sys.argv[1]))[:int(sys.argv[2])]))" "$OUT/ranking.json" "${TOP_N:-4}"); do

@@ -1,0 +1,113 @@
+"""Summarise one `benchmarks/refbench_sweep.sh` call from what it brings back (logs.tgz, ranking.json, times.txt):
+per variant the best checkpoint's replayed τ estimate on the perturbed validation prompts, the same on the
+held-out GSM8K-train split, top-1 agreement on train / held-out / validation rows (the overfitting gap), and
+the call's stage times. Writes benchmarks/results/<name>.{json,md}.
+
+    python benchmarks/refbench_sweep_report.py --call-dir /work/.device/1 --name refbench_sweep \
+        --command "TRAIN_S=370 EPOCHS=14 ... bash benchmarks/refbench_sweep.sh"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tarfile
+import tempfile
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def last_by_split(metrics: Path) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for line in metrics.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out[row.get("split", "train")] = row
+    return out
+
+
+def summarise(call_dir: Path, tmp: Path) -> dict:
+    with tarfile.open(call_dir / "logs.tgz") as tar:
+        tar.extractall(tmp, filter="data")
+    runs = next(tmp.rglob("runs/sweep"), None) or next(p for p in tmp.rglob("*") if (p / "vocab").is_dir())
+    logs = next(tmp.rglob("sweep-logs"))
+    rows = []
+    for meta in sorted(runs.glob("*/best/eagle3_draft.json")):
+        name = meta.parent.parent.name
+        if name == "warmup":
+            continue
+        m = json.loads(meta.read_text())
+        splits = last_by_split(runs / name / "logs" / "metrics.jsonl")
+        best = m["metrics"]
+        rows.append({
+            "variant": name, "aux_layer_ids": m["aux_layer_ids"], "ttt_steps": m["ttt_steps"],
+            "intermediate_size": m["draft_config"]["intermediate_size"], "best_step": m["step"],
+            "last_step": splits.get("train", {}).get("step"),
+            "tau_estimate_val": best.get("tau_estimate"),
+            "accepted_per_position_val": [best.get(f"accepted_{j}") for j in range(3)],
+            "rounds_val": best.get("num_rounds"),
+            "tau_estimate_heldout_last": splits.get("heldout", {}).get("tau_estimate"),
+            "acc0_train_last": splits.get("train", {}).get("acc_0"),
+            "acc0_heldout_last": splits.get("heldout", {}).get("acc_0"),
+            "acc0_val_last": splits.get("val", {}).get("acc_0"),
+        })
+    rows.sort(key=lambda r: -(r["tau_estimate_val"] or 0))
+    times = (call_dir / "times.txt").read_text().splitlines() if (call_dir / "times.txt").exists() else []
+    gpu = (logs / "gpu.txt").read_text().strip() if (logs / "gpu.txt").exists() else None
+    prep = json.loads(next(runs.glob("prepared/manifest.json")).read_text())
+    return {"gpu": gpu, "times": times, "variants": rows,
+            "data": {k: prep.get(k) for k in ("num_samples", "num_tokens", "num_supervised_tokens")}}
+
+
+def markdown(res: dict) -> str:
+    L = [f"# {res['name']}: refbench draft variants ranked by the replayed τ estimate", "",
+         f"{res['date']} · `{res['command']}`", "", f"GPU: {' / '.join(res['gpu'].splitlines()) if res['gpu'] else '?'}", "",
+         f"Training data: {res['data']}. τ estimate = `eagle3 estimate`'s replay of vLLM's drafting rounds at k = 3 "
+         "(tracks vLLM within 0.02, benchmarks/results/refbench_estimator.md) on the 300 perturbed validation prompts "
+         "(val) and on the 2 % held-out GSM8K-train split (heldout).", "",
+         "| variant | aux ids | K | inter | best step | τ est (val) | accepted/pos (val) | τ est (heldout) "
+         "| acc₀ train / heldout / val |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["variants"]:
+        acc = " / ".join(f"{r[k]:.3f}" if r[k] is not None else "–" for k in ("acc0_train_last", "acc0_heldout_last",
+                                                                             "acc0_val_last"))
+        L.append(f"| {r['variant']} | {tuple(r['aux_layer_ids'])} | {r['ttt_steps']} | {r['intermediate_size']} | "
+                 f"{r['best_step']}/{r['last_step']} | **{r['tau_estimate_val']:.3f}** | "
+                 f"{' / '.join(str(int(a)) for a in r['accepted_per_position_val'] if a is not None)} of "
+                 f"{int(r['rounds_val'] or 0)} | {r['tau_estimate_heldout_last'] or 0:.3f} | {acc} |")
+    if res.get("vllm"):
+        L += ["", "Measured in vLLM (protocol evaluation, this 2-core CPU):", ""]
+        L += [f"- {k}: τ {v['tau']:.3f} ({v['accepted_per_position']})" for k, v in res["vllm"].items()]
+    if res["times"]:
+        L += ["", "Stage times (s since the call's start): " + "; ".join(t for t in res["times"] if "heartbeat" not in t)]
+    return "\n".join(L) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--call-dir", type=Path, required=True, help="the device call's files (logs.tgz, times.txt, ...)")
+    ap.add_argument("--name", default="refbench_sweep")
+    ap.add_argument("--command", required=True, help="the command the call ran (recorded)")
+    ap.add_argument("--date", required=True, help="when the call ran (UTC)")
+    ap.add_argument("--vllm", nargs="*", default=[], metavar="VARIANT=DIR",
+                    help="`eagle3 evaluate` output dirs (results.json) of drafts from this call, to add")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        res = {"name": a.name, "date": a.date, "command": a.command, **summarise(a.call_dir, Path(tmp))}
+    vllm = {}
+    for spec in a.vllm:
+        name, d = spec.split("=", 1)
+        m = json.loads((Path(d) / "results.json").read_text())
+        vllm[name] = {"tau": m["acceptance_length"], "accepted_per_position": m.get("accepted_per_position"),
+                      "num_drafts": m.get("num_drafts"), "eval_dir": d}
+    res["vllm"] = vllm
+    RESULTS.mkdir(exist_ok=True)
+    for suffix, text in ((".json", json.dumps(res, indent=1) + "\n"), (".md", markdown(res))):
+        tmp = RESULTS / f"{a.name}{suffix}.tmp"
+        tmp.write_text(text)
+        tmp.replace(RESULTS / f"{a.name}{suffix}")
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
