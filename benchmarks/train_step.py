@@ -46,7 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works wi
 from eagle3.model.draft import DraftConfig  # noqa: E402
 from eagle3.train.flops import count_step_bytes as bytes_model  # noqa: E402
 from eagle3.train.flops import count_train_flops as flop_model  # noqa: E402
-from eagle3.train.step import StepOutput, TTTModule, build_benchmark, run_benchmark_step, ttt_forward  # noqa: E402
+from eagle3.train.step import (  # noqa: E402
+    StepOutput,
+    TTTModule,
+    build_benchmark,
+    run_benchmark_step,
+    ttt_forward,
+)
 
 #: Llama-3.1-8B-like draft (issue 5)
 REAL = dict(H=4096, Ht=4096, n_aux=3, nh=32, kvh=8, d=128, inter=14336, V=128256, Vd=32000)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.config import ExportConfig, TrainConfig
+from eagle3.config import DraftOverrides, ExportConfig, TrainConfig
 from eagle3.export import ExportError, run_export
 from eagle3.io import write_json
 
@@ -156,9 +156,11 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path, num_layers):
     """Semantics check end to end: a draft trained (TTT, K=3) on the target's own greedy continuations gets
-    tokens accepted by vLLM's EAGLE-3 proposer; an untrained one would get ~1/512 per position."""
+    tokens accepted by vLLM's EAGLE-3 proposer; an untrained one would get ~1/512 per position. With 2 layers it
+    checks the extra layer's wiring (residual, norms, its own KV cache per step) against vLLM's."""
     pytest.importorskip("vllm")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -171,9 +173,13 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path):
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(0, 512))
     cfg = TrainConfig(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp_path / "train",
                       max_steps=300, lr=5e-3, warmup_steps=10, schedule="constant", max_seq_len=256, ttt_steps=3,
-                      eval_every=1000, save_every=1000, log_every=50, val_fraction=0.0, device="cpu")
+                      eval_every=1000, save_every=1000, log_every=50, val_fraction=0.0, device="cpu",
+                      draft=DraftOverrides(num_hidden_layers=num_layers))
     run_train(cfg, samples=samples, manifest=manifest)
     run_export(ExportConfig(checkpoint=str(tmp_path / "train"), out=tmp_path / "draft"))
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == num_layers
+    keys = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    assert ("layers.1.self_attn.q_proj.weight" in keys) == (num_layers == 2)
     llm = LLM(model=str(tiny_llama), speculative_config={"method": "eagle3", "model": str(tmp_path / "draft"),
                                                           "num_speculative_tokens": 3},
               enforce_eager=True, dtype="bfloat16", max_model_len=512, disable_log_stats=False)
@@ -182,7 +188,9 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path):
     m = {x.name: x for x in llm.get_metrics()}
     drafts = m["vllm:spec_decode_num_drafts"].value
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"].values
-    assert drafts > 0 and per_pos[0] / drafts > 0.05, (drafts, per_pos)
+    print(f"num_layers={num_layers}: drafts {drafts}, accepted per position {per_pos}")
+    # measured 2026-11-30: 1 layer 106/433 = 0.24, 2 layers 99/428 = 0.23 at position 1; untrained ~ 0.002
+    assert drafts > 0 and per_pos[0] / drafts > 0.12, (drafts, per_pos)
 
 
 def test_vocab_rebuilt_after_training_refused(checkpoint, tmp_path):

@@ -114,6 +114,41 @@ def test_draft_config_from_target_and_overrides():
         small_cfg(hidden_size=32)
     with pytest.raises(DraftConfigError, match="num_key_value_heads=3"):
         small_cfg(num_key_value_heads=3)
+    assert small_cfg().num_hidden_layers == 1  # the draft's own depth, not the target's 6
+    assert small_cfg(num_hidden_layers=2).num_hidden_layers == 2
+
+
+def test_multi_layer_draft_ttt_kernels_agree_and_layers_matter():
+    """A 3-layer draft: the exact CPU kernel (sdpa) == the naive full-mask reference through K steps, values and
+    grads (each layer keeps its own per-step keys); the extra layers change the output (they are wired in)."""
+    from eagle3.train.attention import make_ttt_attention
+
+    torch.manual_seed(0)
+    model = Eagle3Draft(small_cfg(num_hidden_layers=3)).double()
+    B, T, K = 2, 20, 3
+    doc = docs(B, T)
+    ids = [torch.randint(0, 300, (B, T)) for _ in range(K)]
+    aux = torch.randn(B, T, 3 * 64, dtype=torch.float64)
+    pos = torch.arange(T).expand(B, T)
+
+    def run(kind):
+        model.zero_grad(set_to_none=True)
+        outs = model(ids, aux, pos, make_ttt_attention(kind, doc, K), steps=K)
+        w = torch.linspace(-1, 1, outs[0].numel(), dtype=torch.float64).view_as(outs[0])
+        sum((o * w).sum() * (j + 1) for j, o in enumerate(outs)).backward()
+        return torch.stack(outs), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_out, ref_g = run("naive")
+    out, g = run("sdpa")
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    assert set(g) == set(ref_g) and any(n.startswith("layers.2.") for n in g)
+    for n in ref_g:
+        torch.testing.assert_close(g[n], ref_g[n], rtol=1e-8, atol=1e-10)
+    with torch.no_grad():
+        model.layers["2"].mlp.down_proj.weight.zero_()
+        model.layers["2"].self_attn.o_proj.weight.zero_()
+        changed = torch.stack(model(ids, aux, pos, make_ttt_attention("sdpa", doc, K), steps=K))
+    assert not torch.allclose(changed, ref_out)
 
 
 def test_draft_step0_is_a_causal_document_aware_layer():
@@ -139,12 +174,15 @@ def test_draft_step0_is_a_causal_document_aware_layer():
     torch.testing.assert_close(out[:, 10:], alone)
 
 
-def test_export_keys_cover_the_state_dict():
+@pytest.mark.parametrize("layers", [1, 3])
+def test_export_keys_cover_the_state_dict(layers):
     from eagle3.model.draft import expected_export_shapes
 
-    model = Eagle3Draft(small_cfg())
+    model = Eagle3Draft(small_cfg(num_hidden_layers=layers))
     sd = model.export_state_dict()
     shapes = expected_export_shapes(model.cfg)
     assert set(sd) == set(shapes)
+    assert {k.split(".")[1] for k in sd if k.startswith("layers.")} == {str(k) for k in range(1, layers)}
+    assert all(shapes[f"layers.{k}.self_attn.q_proj.weight"] == (64, 64) for k in range(1, layers))
     assert all(tuple(sd[k].shape) == s for k, s in shapes.items())
     assert not model.embed_tokens.weight.requires_grad

@@ -139,6 +139,7 @@ class DraftOverrides(BaseModel):
     max_position_embeddings: int | None = None
     rope_theta: float | None = None
     rms_norm_eps: float | None = None
+    num_hidden_layers: int | None = Field(None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)")
 
 
 class TrainConfig(StageConfig):

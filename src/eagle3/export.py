@@ -1,10 +1,10 @@
 """`run_export(cfg)`: a trained draft -> a directory vLLM loads as the EAGLE-3 draft.
 
 format=vllm (LlamaForCausalLMEagle3):
-    config.json         architectures [LlamaForCausalLMEagle3], model_type llama, num_hidden_layers 1, draft dims,
+    config.json         architectures [LlamaForCausalLMEagle3], model_type llama, num_hidden_layers, draft dims,
                         vocab_size (target), draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids
                         (exactly the capture's ids), target_hidden_size when it differs, norm_before_residual false
-    model.safetensors   fc.weight, midlayer.*, norm.weight, lm_head.weight (bf16), d2t (int64), t2d (bool);
+    model.safetensors   fc.weight, midlayer.*, layers.k.* (k >= 1), norm.weight, lm_head.weight (bf16), d2t (int64), t2d (bool);
                         no embed_tokens: vLLM shares the target's embedding. When draft vocab == target vocab
                         vLLM has no d2t buffer (an unexpected d2t key fails its loader): lm_head rows are put in
                         target order and d2t/t2d are left out
@@ -147,7 +147,7 @@ def layer_config(dcfg: DraftConfig) -> dict[str, Any]:
         "num_attention_heads": dcfg.num_attention_heads,
         "num_key_value_heads": dcfg.num_key_value_heads,
         "head_dim": dcfg.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": dcfg.num_hidden_layers,
         "hidden_act": "silu",
         "max_position_embeddings": dcfg.max_position_embeddings,
         "rms_norm_eps": dcfg.rms_norm_eps,

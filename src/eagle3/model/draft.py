@@ -2,6 +2,8 @@
 
     fc            (n_aux*H_target -> H, no bias) over the concatenated aux hidden states of the target
     midlayer      one Llama decoder layer whose q/k/v read concat(input_layernorm(embed), hidden_norm(h)), width 2H
+    layers.k      optional further plain Llama decoder layers k = 1 .. num_hidden_layers-1 (vLLM 0.32 builds them
+                  from `num_hidden_layers`; each adds the residual, then norm -> attention/MLP, as in Llama)
     norm          final RMSNorm; its *pre-norm* input (mlp_out + residual) is the hidden fed to the next draft step
     lm_head       H -> draft_vocab
     d2t / t2d     draft id -> target id offsets (target = i + d2t[i]); target-id membership mask
@@ -45,6 +47,7 @@ class DraftConfig:
     rope_scaling: dict[str, Any] | None = None  # rope_parameters minus rope_theta ({"rope_type": "llama3", ...})
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    num_hidden_layers: int = 1  # decoder layers: the midlayer + (n-1) plain ones
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,6 +105,7 @@ def draft_config_from_target(
         rope_scaling=scaling,
         bos_token_id=tc.get("bos_token_id", target_cfg.get("bos_token_id")),
         eos_token_id=tc.get("eos_token_id", target_cfg.get("eos_token_id")),
+        num_hidden_layers=ov.get("num_hidden_layers", 1),  # the draft's own depth, never the target's
     )
     check_draft_config(cfg, tc)
     return cfg
@@ -125,6 +129,8 @@ def check_draft_config(cfg: DraftConfig, tc: dict[str, Any]) -> None:
             f"draft.num_attention_heads={cfg.num_attention_heads} is not a multiple of num_key_value_heads="
             f"{cfg.num_key_value_heads}; pick a divisor"
         )
+    if cfg.num_hidden_layers < 1:
+        raise DraftConfigError(f"draft.num_hidden_layers={cfg.num_hidden_layers}: an EAGLE-3 draft has at least 1 layer")
     if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
         raise DraftConfigError(f"draft_vocab_size={cfg.draft_vocab_size} must be in [1, target vocab {cfg.vocab_size}]")
 
@@ -209,16 +215,16 @@ AttnFn = Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor]], torch.
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, in_features: int):
         super().__init__()
         self.nh, self.kvh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kvh * self.d, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kvh * self.d, bias=False)
+        self.q_proj = nn.Linear(in_features, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
+        self.v_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
         self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache: tuple[list, list], attn_fn: AttnFn) -> torch.Tensor:
-        B, T, _ = x.shape  # x: (B, T, 2H)
+        B, T, _ = x.shape  # x: (B, T, 2H) in the midlayer, (B, T, H) in later layers
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)  # (B, nh, T, d)
         k = self.k_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)  # (B, kvh, T, d)
         v = self.v_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)  # (B, kvh, T, d)
@@ -247,13 +253,30 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, emb, hidden, cos, sin, cache, attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
         residual = hidden + self.self_attn(x, cos, sin, cache, attn_fn)  # (B, T, H)
+        h = self.mlp(self.post_attention_layernorm(residual))  # (B, T, H)
+        return h, residual
+
+
+class DecoderLayer(nn.Module):
+    """vLLM's Eagle3 LlamaDecoderLayer with layer_idx > 0: a plain Llama layer on (h, residual) from the one before."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, residual, cos, sin, cache, attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = h + residual  # (B, T, H)
+        residual = residual + self.self_attn(self.input_layernorm(residual), cos, sin, cache, attn_fn)  # (B, T, H)
         h = self.mlp(self.post_attention_layernorm(residual))  # (B, T, H)
         return h, residual
 
@@ -266,6 +289,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
+        # keys "1".."n-1": state_dict names layers.1.*, the names vLLM loads (midlayer. maps to its layers.0.)
+        self.layers = nn.ModuleDict({str(k): DecoderLayer(cfg) for k in range(1, cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -283,16 +308,25 @@ class Eagle3Draft(nn.Module):
     def compile_blocks(self) -> None:
         """torch.compile what runs once per TTT step (decoder layer, final norm); the unrolled loop stays eager."""
         self.midlayer.compile()
+        for layer in self.layers.values():
+            layer.compile()
         self.norm.compile()
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         return self.fc(aux)  # (B, T, n_aux*Ht) -> (B, T, H)
 
+    def new_cache(self) -> list[tuple[list, list]]:
+        """Per decoder layer: (keys, values) of every TTT step so far (what the layer's KV cache holds in vLLM)."""
+        return [([], []) for _ in range(self.cfg.num_hidden_layers)]
+
     def step(self, input_ids, hidden, positions, cache, attn_fn: AttnFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: returns (normed output for lm_head, pre-norm hidden for the next step), both (B, T, H)."""
+        """One draft step: returns (normed output for lm_head, pre-norm hidden for the next step), both (B, T, H).
+        cache: from new_cache(), extended in place."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)  # (B, 1, T, d)
-        h, residual = self.midlayer(emb, hidden, cos, sin, cache, attn_fn)  # (B, T, H) x2
+        h, residual = self.midlayer(emb, hidden, cos, sin, cache[0], attn_fn)  # (B, T, H) x2
+        for k, layer in self.layers.items():
+            h, residual = layer(h, residual, cos, sin, cache[int(k)], attn_fn)  # (B, T, H) x2
         prenorm = h + residual  # (B, T, H)
         return self.norm(prenorm), prenorm
 
@@ -300,7 +334,7 @@ class Eagle3Draft(nn.Module):
         """Unrolled TTT forward for callers that only need outputs: step j reads ids shifted by j (caller's job
         to pass `input_ids` as a list per step when it differs). Returns list of normed outputs (B, T, H)."""
         ids = input_ids if isinstance(input_ids, (list, tuple)) else [input_ids] * steps
-        hidden, cache, outs = self.combine(aux), ([], []), []  # (B, T, H)
+        hidden, cache, outs = self.combine(aux), self.new_cache(), []  # (B, T, H)
         for j in range(steps):
             out, hidden = self.step(ids[j], hidden, positions + j, cache, attn_fn)  # (B, T, H) x2
             outs.append(out)
@@ -310,28 +344,32 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(normed)  # (..., Vd)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under vLLM's names: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d (no embed)."""
+        """Weights under vLLM's names: fc.weight, midlayer.*, layers.k.*, norm.weight, lm_head.weight, d2t, t2d
+        (no embed)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
 def expected_export_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Every key (and its shape) an exported draft must hold, nothing more."""
     H, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    m = "midlayer."
-    return {
-        "fc.weight": (H, cfg.num_aux * cfg.target_hidden_size),
-        m + "input_layernorm.weight": (H,),
-        m + "hidden_norm.weight": (H,),
-        m + "self_attn.q_proj.weight": (cfg.num_attention_heads * d, 2 * H),
-        m + "self_attn.k_proj.weight": (cfg.num_key_value_heads * d, 2 * H),
-        m + "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, 2 * H),
-        m + "self_attn.o_proj.weight": (H, cfg.num_attention_heads * d),
-        m + "post_attention_layernorm.weight": (H,),
-        m + "mlp.gate_proj.weight": (inter, H),
-        m + "mlp.up_proj.weight": (inter, H),
-        m + "mlp.down_proj.weight": (H, inter),
-        "norm.weight": (H,),
-        "lm_head.weight": (cfg.draft_vocab_size, H),
-        "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
-    }
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+
+    def layer(p: str, width: int) -> dict[str, tuple[int, ...]]:
+        return {
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (nq, width),
+            p + "self_attn.k_proj.weight": (nkv, width),
+            p + "self_attn.v_proj.weight": (nkv, width),
+            p + "self_attn.o_proj.weight": (H, nq),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "mlp.gate_proj.weight": (inter, H),
+            p + "mlp.up_proj.weight": (inter, H),
+            p + "mlp.down_proj.weight": (H, inter),
+        }
+
+    shapes = {"fc.weight": (H, cfg.num_aux * cfg.target_hidden_size), "midlayer.hidden_norm.weight": (H,),
+              **layer("midlayer.", 2 * H)}
+    for k in range(1, cfg.num_hidden_layers):
+        shapes.update(layer(f"layers.{k}.", H))
+    return {**shapes, "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,),
+            "t2d": (cfg.vocab_size,)}

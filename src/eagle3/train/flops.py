@@ -17,7 +17,7 @@ def draft_dims(cfg: Any) -> dict[str, int]:
     """The `m` dict of the counts below from a DraftConfig (or anything with its attribute names)."""
     return dict(H=cfg.hidden_size, Ht=cfg.target_hidden_size, n_aux=cfg.num_aux, nh=cfg.num_attention_heads,
                 kvh=cfg.num_key_value_heads, d=cfg.head_dim, inter=cfg.intermediate_size, V=cfg.vocab_size,
-                Vd=cfg.draft_vocab_size)
+                Vd=cfg.draft_vocab_size, n_layers=getattr(cfg, "num_hidden_layers", 1))
 
 
 def count_train_flops(m: dict, T: int, K: int) -> dict:
@@ -38,12 +38,13 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
     restricts to the draft vocab).
     """
     H, Ht, nh, kvh, d, inter, V, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux"))
+    n = m.get("n_layers", 1)  # layers after the first read width H, not 2H
     fwd = {
         "fc": 2 * na * Ht * H,
-        "qkv": K * 2 * 2 * H * (nh + 2 * kvh) * d,
-        "attn_core": sum(4 * nh * d * (T / 2 + j) for j in range(K)),
-        "o_proj": K * 2 * nh * d * H,
-        "mlp": K * 3 * 2 * H * inter,
+        "qkv": K * 2 * (2 * H + (n - 1) * H) * (nh + 2 * kvh) * d,
+        "attn_core": n * sum(4 * nh * d * (T / 2 + j) for j in range(K)),
+        "o_proj": n * K * 2 * nh * d * H,
+        "mlp": n * K * 3 * 2 * H * inter,
         "draft_lm_head": K * 2 * H * Vd,
     }
     trainable_fwd = sum(fwd.values())
@@ -66,12 +67,13 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
 def count_draft_params(m: dict) -> dict:
     """Trainable parameter counts and how many times per optimizer step each is used (fc: once; midlayer/lm_head: K)."""
     H, Ht, nh, kvh, d, inter, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "Vd", "n_aux"))
+    n = m.get("n_layers", 1)
     return {
         "fc": (na * Ht * H, "once"),
-        "attn": (2 * H * (nh + 2 * kvh) * d + nh * d * H, "per_step"),
-        "mlp": (3 * H * inter, "per_step"),
+        "attn": ((2 * H + (n - 1) * H) * (nh + 2 * kvh) * d + n * nh * d * H, "per_step"),
+        "mlp": (n * 3 * H * inter, "per_step"),
         "lm_head": (Vd * H, "per_step"),
-        "norms": (4 * H, "per_step"),
+        "norms": ((2 + 2 * n) * H, "per_step"),
     }
 
 

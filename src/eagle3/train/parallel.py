@@ -49,7 +49,8 @@ def wrap(model: torch.nn.Module, d: Dist, fsdp: bool = False) -> torch.nn.Module
         from torch.distributed.fsdp import fully_shard
 
         inner = getattr(model, "draft", model)
-        fully_shard(inner.midlayer)
+        for layer in (inner.midlayer, *inner.layers.values()):
+            fully_shard(layer)
         return fully_shard(model)
     from torch.nn.parallel import DistributedDataParallel
 

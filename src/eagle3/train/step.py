@@ -70,7 +70,7 @@ def ttt_forward(
     ids_p = F.pad(ids, (0, pad), value=0)  # (B, T+pad)
     attn = make_ttt_attention(attention, doc, steps)
     hidden = model.combine(batch.aux)  # (B, T, H)
-    cache: tuple[list, list] = ([], [])
+    cache = model.new_cache()  # per layer: keys/values of every TTT step so far
     loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     rows, joint = [], (doc >= 0)  # (B, T) all previous steps correct
     corrects, valids = [], []
