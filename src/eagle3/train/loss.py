@@ -56,7 +56,7 @@ def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk
     logits = torch.zeros(B, T + pad, Vd, dtype=dt, device=last_hidden.device)  # (B, T+pad, Vd)
     argmax = torch.full((B, T + pad), -1, dtype=torch.long, device=last_hidden.device)  # (B, T+pad)
     t2d = torch.zeros(head.lm_head.shape[0], dtype=torch.bool, device=last_hidden.device)  # (V,)
-    t2d[head.draft_ids] = True
+    t2d.index_fill_(0, head.draft_ids, True)  # not `t2d[ids] = True`: that copies the scalar host->device (a sync)
     for a in range(0, T, max(1, chunk_rows // B)):
         x = last_hidden[:, a : a + chunk_rows // B].to(dt)  # (B, c, Ht)
         xf = x.to(torch.promote_types(dt, torch.float32))  # (B, c, Ht)
