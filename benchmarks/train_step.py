@@ -435,7 +435,8 @@ def markdown(res: dict) -> str:
                   f"**{'pass' if n['pass'] else 'FAIL'}** — bf16 fast vs fp32 ref: loss rel "
                   f"{n['bf16_fast_vs_ref']['loss_rel']:.2e}, grad rel {n['bf16_fast_vs_ref']['grad_rel_max']:.2e} "
                   f"(naive bf16: {n['bf16_naive_vs_ref']['loss_rel']:.2e}, {n['bf16_naive_vs_ref']['grad_rel_max']:.2e}); "
-                  f"fp32 fast vs ref: {n['fp32_fast_vs_ref']['loss_rel']:.2e}, {n['fp32_fast_vs_ref']['grad_rel_max']:.2e}"]
+                  f"fp32 fast vs ref: {n['fp32_fast_vs_ref']['loss_rel']:.2e}, {n['fp32_fast_vs_ref']['grad_rel_max']:.2e}"
+                  + (f" ({n['run']['date']}, `{n['run']['command']}`: {n['run']['note']})" if n.get("run") else "")]
     fm = res.get("flop_model_headline")
     if fm:
         L += ["", f"FLOP model per token ({h['name'] if h else ''}; {fm['convention']}):", ""]
