@@ -3,6 +3,7 @@
 
     PYTHONPATH=src python3 benchmarks/train_step.py --budget-s 240 --out-dir $OUT     # H200, real dims
     PYTHONPATH=src python3 benchmarks/train_step.py --smoke                            # tiny CPU run, temp dir
+    bash benchmarks/train_step_gpu.sh    # 2 GPUs, one call: split --configs per GPU, then --ddp, then --merge
 
 One run reports, side by side (benchmarks/results/train_step.{json,md} unless --out-dir / --smoke):
   1. the FLOP model (per token, summed over the K TTT steps; see `flop_model`) and the bytes floor (weights +
