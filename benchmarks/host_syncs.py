@@ -37,8 +37,9 @@ def main() -> int:
     stacks = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message).lower():
-            stacks.append("".join(traceback.format_stack()[:-2][-8:]))
+        stack = traceback.format_stack()[:-2]
+        if "synchroniz" in str(message).lower() and "set_sync_debug_mode" not in "".join(stack[-2:]):
+            stacks.append("".join(stack[-8:]))  # (switching the mode itself warns once: not a sync of the step)
 
     warnings.showwarning = record
     warnings.simplefilter("always")

@@ -53,12 +53,18 @@ def tiny_setup(seed=0, B=2, T=24):
     return model, head, batch
 
 
+def ce_inputs(seed: int, T: int, p_supervised: float, dtype=torch.float64):
+    """h (2, T, 16) and w (11, 16) leaves, target logits (2, T, 11), 0/1 row weights (2, T)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(2, T, 16, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(11, 16, generator=g, dtype=dtype, requires_grad=True)
+    tgt = torch.randn(2, T, 11, generator=g, dtype=dtype)
+    weight = (torch.rand(2, T, generator=g) < p_supervised).to(dtype)
+    return h, w, tgt, weight
+
+
 def test_soft_ce_chunked_equals_full_softmax():
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(2, 7, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(11, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    tgt = torch.randn(2, 7, 11, generator=g, dtype=torch.float64)
-    weight = (torch.rand(2, 7, generator=g) < 0.6).double()
+    h, w, tgt, weight = ce_inputs(0, 7, 0.6)
     full = (-(tgt.softmax(-1) * F.log_softmax(h @ w.T, -1)).sum(-1) * weight).sum()
     gh, gw = torch.autograd.grad(full, [h, w])
     for chunk in (1, 3, 100):
@@ -72,11 +78,7 @@ def test_soft_ce_chunked_equals_full_softmax():
 def test_fused_soft_ce_equals_soft_ce_values_and_grads():
     from eagle3.train.loss import fused_soft_ce
 
-    g = torch.Generator().manual_seed(1)
-    h = torch.randn(2, 37, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(11, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    tgt = torch.randn(2, 37, 11, generator=g, dtype=torch.float64)
-    weight = (torch.rand(2, 37, generator=g) < 0.7).double()
+    h, w, tgt, weight = ce_inputs(1, 37, 0.7)
     grads = []
     for fn in (soft_ce, fused_soft_ce):
         total, am = fn(h, w, tgt, weight, chunk_rows=8)
@@ -88,6 +90,24 @@ def test_fused_soft_ce_equals_soft_ce_values_and_grads():
     assert torch.allclose(gh1, gh2, atol=1e-12) and torch.allclose(gw1, gw2, atol=1e-12)
     with torch.no_grad():  # evaluation: no gradient work, same value
         assert torch.allclose(fused_soft_ce(h, w, tgt, weight, chunk_rows=8)[0], t1, rtol=1e-12)
+
+
+def test_fused_soft_ce_under_bf16_autocast():
+    """fp32 leaves under bf16 autocast (the trainer's mixed precision): GEMMs in bf16, fp32 softmax statistics and
+    loss; value and grads agree with the autograd loss at bf16 tolerance."""
+    from eagle3.train.loss import fused_soft_ce
+
+    h, w, tgt, weight = ce_inputs(2, 37, 0.7, dtype=torch.float32)
+    res = []
+    for fn in (soft_ce, fused_soft_ce):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total, _ = fn(h, w, tgt, weight, chunk_rows=8)
+        assert total.dtype == torch.float32
+        res.append((total.detach(), *torch.autograd.grad(total, [h, w])))
+    (t1, gh1, gw1), (t2, gh2, gw2) = res
+    torch.testing.assert_close(t2, t1, rtol=1e-3, atol=1e-3)
+    for a, b in ((gh2, gh1), (gw2, gw1)):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max(), (a - b).abs().max()
 
 
 def test_ttt_forward_fused_loss_equals_unfused():
