@@ -6,7 +6,8 @@
 #   checkpoint by the replayed-rounds τ estimate on the validation capture -> export -> $OUT/{ranking.json,logs.tgz,draft-<top variants>.tgz}.
 # Expects .whl/ (wheels for the GPU image's Python), .device/refbench/ (a copy of ../shared/refbench),
 # .device/regen/{train,val}.jsonl (regenerated conversations). EAGLE3_SRC overrides the package source dir,
-# TRAIN_DATA the training conversations, WARMUP=0 skips the cache-warming trainer (few variants compile at once).
+# TRAIN_DATA the training conversations, WARMUP=0 skips the cache-warming trainer (few variants compile at once),
+# DDP=1 trains the variants one after another, each data-parallel over all GPUs (torchrun).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:${EAGLE3_SRC:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -48,16 +49,22 @@ if [ "${WARMUP:-1}" = 1 ]; then
   timeout 300 $E train $COMMON --layers=2,4,5 --max-steps=2 --eval-every=1 --device cuda:0 --out $W/warmup \
     > "$S/warmup.train.json" 2> "$S/warmup.train.log"; stamp "warmed-up(rc=$?)"
 fi
+( while sleep 45; do stamp heartbeat; for f in "$S"/*.train.log; do echo "  $(basename "$f"): $(grep '^train:' "$f" | tail -n 1)"; done; done ) &
+HB=$!
 i=0
 while IFS=: read -r name flags; do
   [ -z "$name" ] && continue
   gpu=$(( i % NGPU )); i=$(( i + 1 ))
-  ( timeout -s ABRT -k 15 "$TRAIN_S" $E train $COMMON $flags --device cuda:$gpu --out $W/$name > "$S/$name.train.json" 2> "$S/$name.train.log"
+  if [ "${DDP:-0}" = 1 ]; then  # DDP=1: one variant at a time, data-parallel over all NGPU GPUs (torchrun)
+    TRAIN="python3 -m torch.distributed.run --standalone --nproc_per_node $NGPU -m eagle3.cli train" DEV=cuda
+  else
+    TRAIN="$E train" DEV=cuda:$gpu
+  fi
+  ( timeout -s ABRT -k 15 "$TRAIN_S" $TRAIN $COMMON $flags --device $DEV --out $W/$name > "$S/$name.train.json" 2> "$S/$name.train.log"
     echo "train rc=$?" >> "$S/$name.train.log"
     $E export --checkpoint $W/$name/best --out $W/$name/draft --target $T > "$S/$name.export.json" 2>&1 ) &
+  [ "${DDP:-0}" = 1 ] && wait $!
 done <<< "$VARIANTS"
-( while sleep 45; do stamp heartbeat; for f in "$S"/*.train.log; do echo "  $(basename "$f"): $(grep '^train:' "$f" | tail -n 1)"; done; done ) &
-HB=$!
 PIDS=$(jobs -p | grep -v "^$HB$"); [ -n "$PIDS" ] && wait $PIDS; kill $HB 2>/dev/null; stamp trained
 rm -rf $W/warmup  # 2 steps: not a variant
 # rank by the validation τ estimate of each best checkpoint; bring back the logs of all, the drafts of the top TOP_N

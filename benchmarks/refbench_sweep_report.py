@@ -18,13 +18,17 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def last_by_split(metrics: Path) -> dict[str, dict]:
+def last_by_split(metrics: Path) -> tuple[dict[str, dict], float | None]:
+    """The last metrics row of each split, and the peak learning rate logged."""
     out: dict[str, dict] = {}
+    peak_lr = None
     for line in metrics.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
             out[row.get("split", "train")] = row
-    return out
+            if "lr" in row:
+                peak_lr = max(peak_lr or 0.0, row["lr"])
+    return out, peak_lr
 
 
 def summarise(call_dir: Path, tmp: Path) -> dict:
@@ -38,11 +42,13 @@ def summarise(call_dir: Path, tmp: Path) -> dict:
         if name == "warmup":
             continue
         m = json.loads(meta.read_text())
-        splits = last_by_split(runs / name / "logs" / "metrics.jsonl")
+        splits, peak_lr = last_by_split(runs / name / "logs" / "metrics.jsonl")
         best = m["metrics"]
         rows.append({
             "variant": name, "aux_layer_ids": m["aux_layer_ids"], "ttt_steps": m["ttt_steps"],
-            "intermediate_size": m["draft_config"]["intermediate_size"], "best_step": m["step"],
+            "intermediate_size": m["draft_config"]["intermediate_size"],
+            "num_hidden_layers": m["draft_config"].get("num_hidden_layers") or 1, "peak_lr": peak_lr,
+            "best_step": m["step"],
             "last_step": splits.get("train", {}).get("step"),
             "tau_estimate_val": best.get("tau_estimate"),
             "accepted_per_position_val": [best.get(f"accepted_{j}") for j in range(3)],
@@ -66,12 +72,14 @@ def markdown(res: dict) -> str:
          f"Training data: {res['data']}. τ estimate = `eagle3 estimate`'s replay of vLLM's drafting rounds at k = 3 "
          "(tracks vLLM within 0.02, benchmarks/results/refbench_estimator.md) on the 300 perturbed validation prompts "
          "(val) and on the 2 % held-out GSM8K-train split (heldout).", "",
-         "| variant | aux ids | K | inter | best step | τ est (val) | accepted/pos (val) | τ est (heldout) "
-         "| acc₀ train / heldout / val |", "|---|---|---|---|---|---|---|---|---|"]
+         "| variant | aux ids | K | layers | inter | peak lr | best step | τ est (val) | accepted/pos (val) "
+         "| τ est (heldout) | acc₀ train / heldout / val |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["variants"]:
         acc = " / ".join(f"{r[k]:.3f}" if r[k] is not None else "–" for k in ("acc0_train_last", "acc0_heldout_last",
                                                                              "acc0_val_last"))
-        L.append(f"| {r['variant']} | {tuple(r['aux_layer_ids'])} | {r['ttt_steps']} | {r['intermediate_size']} | "
+        lr = f"{r['peak_lr']:.0e}" if r.get("peak_lr") else "–"
+        L.append(f"| {r['variant']} | {tuple(r['aux_layer_ids'])} | {r['ttt_steps']} | {r.get('num_hidden_layers', 1)} | "
+                 f"{r['intermediate_size']} | {lr} | "
                  f"{r['best_step']}/{r['last_step']} | **{r['tau_estimate_val']:.3f}** | "
                  f"{' / '.join(str(int(a)) for a in r['accepted_per_position_val'] if a is not None)} of "
                  f"{int(r['rounds_val'] or 0)} | {r['tau_estimate_heldout_last'] or 0:.3f} | {acc} |")
