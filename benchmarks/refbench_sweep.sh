@@ -23,16 +23,24 @@ LAYERS=${LAYERS:-2,4,5,6}
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}  # several trainers compile at once
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONFAULTHANDLER=1  # a trainer stopped by the timeout (SIGABRT) prints every thread's stack
 stamp() { echo "$1 $(( $(date +%s) - t0 ))s $(free -g | awk '/Mem/{print $3"G used"}')" | tee -a "$S/times.txt"; }
-$E prepare --target $T --data "${TRAIN_DATA:-.device/regen/train.jsonl}" --out $W/prepared --max-seq-len 1024 > "$S/prepare.json" 2>&1 &
-$E prepare --target $T --data .device/regen/val.jsonl --out $W/val_prepared --max-seq-len 1024 > "$S/val_prepare.json" 2>&1 &
-wait; stamp prepared
-$E capture --target $T --data $W/prepared --out $CAP/captured --backend hf --device cuda:0 --layers $LAYERS \
-  --batch-tokens 65536 > "$S/capture.json" 2> "$S/capture.log" &
-$E capture --target $T --data $W/val_prepared --out $CAP/val_captured --backend hf --device cuda:$((NGPU - 1)) \
-  --layers $LAYERS --batch-tokens 65536 > "$S/val_capture.json" 2> "$S/val_capture.log" &
-$E vocab --data $W/prepared --out $W/vocab --draft-vocab-size 4096 > "$S/vocab.json" 2>&1 &
+# the training set is split into CAPTURE_PARTS parts (default: one per GPU), each prepared and captured on its own
+# GPU side by side; the trainers read them as one dataset (--captured A,B,...). The whole set is also prepared once,
+# for the vocab's token frequencies and the reported counts.
+TD=${TRAIN_DATA:-.device/regen/train.jsonl} P=${CAPTURE_PARTS:-$NGPU} CAPS=""
+( $E prepare --target $T --data "$TD" --out $W/prepared --max-seq-len 1024 > "$S/prepare.json" 2>&1
+  $E vocab --data $W/prepared --out $W/vocab --draft-vocab-size 4096 > "$S/vocab.json" 2>&1 ) &
+( $E prepare --target $T --data .device/regen/val.jsonl --out $W/val_prepared --max-seq-len 1024 > "$S/val_prepare.json" 2>&1
+  $E capture --target $T --data $W/val_prepared --out $CAP/val_captured --backend hf --device cuda:$((NGPU - 1)) \
+    --layers $LAYERS --batch-tokens 65536 > "$S/val_capture.json" 2> "$S/val_capture.log" ) &
+for p in $(seq 0 $((P - 1))); do
+  mkdir -p $W/parts; awk -v p=$p -v n=$P '(NR - 1) % n == p' "$TD" > $W/parts/train-$p.jsonl  # TRAIN_DATA: .jsonl
+  ( $E prepare --target $T --data $W/parts/train-$p.jsonl --out $W/prepared-$p --max-seq-len 1024 > "$S/prepare-$p.json" 2>&1
+    $E capture --target $T --data $W/prepared-$p --out $CAP/captured-$p --backend hf --device cuda:$((p % NGPU)) \
+      --layers $LAYERS --batch-tokens 65536 > "$S/capture-$p.json" 2> "$S/capture-$p.log" ) &
+  CAPS="$CAPS${CAPS:+,}$CAP/captured-$p"
+done
 wait; stamp captured
-COMMON="--target $T --captured $CAP/captured --vocab $W/vocab --val-captured $CAP/val_captured --val-fraction 0.02
+COMMON="--target $T --captured $CAPS --vocab $W/vocab --val-captured $CAP/val_captured --val-fraction 0.02
   --ttt-steps 7 --epochs $EPOCHS --lr 1e-3 --warmup-steps 100 --max-seq-len 2048 --batch-size 8 --eval-every 50
   --save-every 100000 --num-speculative-tokens 3 --preload"
 VARIANTS=${VARIANTS:-"base:--layers=2,4,5
@@ -79,7 +87,7 @@ for meta in Path(sys.argv[1]).glob("*/best/eagle3_draft.json"):
 print(json.dumps(sorted(rows, key=lambda r: -(r["tau_estimate"] or 0)), indent=1))
 PY
 cat "$OUT/ranking.json"; cp "$S/times.txt" "$OUT/"
-tar czf "$OUT/logs.tgz" $W/*/logs $W/*/best/eagle3_draft.json $CAP/captured/manifest.json $CAP/val_captured/manifest.json \
+tar czf "$OUT/logs.tgz" $W/*/logs $W/*/best/eagle3_draft.json $CAP/captured-*/manifest.json $CAP/val_captured/manifest.json \
   $W/vocab/coverage.json $W/prepared/manifest.json "$S"/*.json "$S"/*.txt "$S"/*.log 2>/dev/null
 for name in $(python3 -c "import json,sys; print(' '.join(r['variant'] for r in json.load(open(sys.argv[1]))[:int(sys.argv[2])]))" "$OUT/ranking.json" "${TOP_N:-4}"); do
   tar czf "$OUT/draft-$name.tgz" $W/$name/draft

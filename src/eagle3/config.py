@@ -144,7 +144,10 @@ class DraftOverrides(BaseModel):
 
 class TrainConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir (config, frozen embedding, final norm, lm_head)")
-    captured: str | None = Field(None, description="Capture dir (output of `eagle3 capture`)")
+    captured: str | None = Field(
+        None, description="Capture dir (output of `eagle3 capture`), or several separated by commas (captures made "
+        "in parallel on several GPUs/hosts, or of data added later), trained as one dataset; they must share "
+        "target, tokenizer, chat template and aux layers")
     vocab: str | None = Field(None, description="Vocab dir (output of `eagle3 vocab`)")
     out: Path | None = Field(None, description="Output dir for checkpoints, logs and curves")
     ttt_steps: int = Field(7, gt=0, description="Training-time-test unroll depth K")

@@ -75,18 +75,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def _manifest(captured: str | None) -> dict | None:
-    if not captured or not Path(captured).is_dir():
+    """The capture the checkpoint was trained on (one dir, several comma-separated, or a streaming spool), or None
+    when it is gone (checked against it when it is still there)."""
+    from eagle3.capture import capture_dirs, load_combined_manifest
+
+    if not captured or not all(d.is_dir() for d in capture_dirs(captured)):
         return None
     header = Path(captured) / "stream.json"
     if header.is_file() and not (Path(captured) / "manifest.json").is_file():  # trained from a streaming spool:
         return read_json(header)  # its header carries the capture's layers and hidden size
-    try:
-        from eagle3.capture import load_manifest
-
-        return load_manifest(captured)
-    except (ImportError, AttributeError):
-        p = Path(captured) / "manifest.json"
-        return read_json(p) if p.is_file() else None
+    return load_combined_manifest(captured)
 
 
 def validate(meta: dict, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], target_cfg: dict, manifest: dict | None) -> None:

@@ -3,6 +3,7 @@
 Public API (other stages rely on these names):
     run_capture(cfg: CaptureConfig) -> CaptureResult
     load_manifest(dir) -> dict                 # layers, hidden_size, dtype, num_samples, shards, ...
+    load_combined_manifest("dir[,dir...]")     # several captures read as one dataset (checked to agree)
     load_captured(dir) -> Iterator[dict]       # one sample: input_ids, loss_mask, aux_hidden_states,
                                                #   last_hidden_states, sample_id, sample_index
     iter_shards(dir) -> Iterator[dict]         # one shard's tensors at once (bulk reading)
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .storage import iter_shards, load_captured, load_manifest
+from .storage import capture_dirs, iter_shards, load_captured, load_combined_manifest, load_manifest
 
-__all__ = ["CaptureResult", "iter_shards", "load_captured", "load_manifest", "run_capture"]
+__all__ = ["CaptureResult", "capture_dirs", "iter_shards", "load_captured", "load_combined_manifest", "load_manifest",
+           "run_capture"]
 
 
 def run_capture(cfg: Any, **kwargs: Any):

@@ -308,6 +308,46 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
+# what captures trained as one dataset must share (storage dtype may differ: every reader gives bfloat16 or better)
+MUST_AGREE = ("layers", "hidden_size", "num_hidden_layers", "target_config_sha256", "tokenizer_sha256",
+              "chat_template_sha256")
+
+
+def capture_dirs(captured: str | Path) -> list[Path]:
+    """One capture dir, or several separated by commas (captures made in parallel on several GPUs or hosts, or of
+    data added later), in the order given."""
+    parts = [p.strip() for p in str(captured).split(",")]
+    if not all(parts):
+        from eagle3.config import ConfigError
+
+        raise ConfigError(f"captured={str(captured)!r} has an empty entry; give capture dirs separated by commas, "
+                          "e.g. runs/cap-0,runs/cap-1")
+    return [Path(p) for p in parts]
+
+
+def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
+    """The manifest of one capture dir, or of several comma-separated ones read as one dataset: the first one's
+    fields with `num_samples`/`num_tokens` summed and `parts` listing the dirs. Refuses captures that disagree on
+    a MUST_AGREE field (another target, tokenizer, chat template or aux layer set)."""
+    dirs = capture_dirs(captured)
+    manifests = [load_manifest(d) for d in dirs]
+    first = manifests[0]
+    for d, m in zip(dirs[1:], manifests[1:], strict=True):
+        for key in MUST_AGREE:
+            if m.get(key) != first.get(key):
+                from eagle3.config import ConfigError
+
+                raise ConfigError(
+                    f"captured={captured}: {d / MANIFEST} has {key}={m.get(key)!r} but {dirs[0] / MANIFEST} has "
+                    f"{first.get(key)!r}; captures trained together must come from the same target, tokenizer, chat "
+                    "template and aux layers: capture the odd one again with the others' settings"
+                )
+    if len(dirs) == 1:
+        return first
+    counts = {k: sum(m[k] for m in manifests) for k in ("num_samples", "num_tokens") if all(k in m for m in manifests)}
+    return {**first, **counts, "parts": [str(d) for d in dirs]}
+
+
 def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True) -> Iterator[dict[str, Any]]:
     """Yield one dict per shard: the tensors of the shard format above plus `sample_ids` (list[str]).
 

@@ -11,6 +11,8 @@ with cursor = next index into that epoch's permutation, so resume is exact.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -81,12 +83,35 @@ class CapturedDataset(Sequence):
         return x
 
 
-def load_samples(source: str | Path | Iterable[dict[str, Any]]) -> Sequence[dict[str, Any]]:
-    """A capture dir (random access, memory-mapped) or any iterable of sample dicts, as a sequence.
+class ConcatSamples(Sequence):
+    """Several sample sequences read as one, in order (captures made in parallel or added later)."""
 
-    A sequence is used as is; a plain iterator (e.g. eagle3.capture.load_captured) is materialised."""
+    def __init__(self, parts: list[Sequence[dict[str, Any]]]):
+        self.parts = parts
+        self._ends = list(itertools.accumulate(len(p) for p in parts))  # exclusive end index of each part
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = bisect.bisect_right(self._ends, i)
+        return self.parts[k][i - (self._ends[k - 1] if k else 0)]
+
+
+def load_samples(source: str | Path | Iterable[dict[str, Any]]) -> Sequence[dict[str, Any]]:
+    """A capture dir, or several comma-separated ones (random access, memory-mapped), or any iterable of sample
+    dicts, as a sequence. A sequence is used as is; a plain iterator (e.g. eagle3.capture.load_captured) is
+    materialised. Several dirs are checked to agree (eagle3.capture.load_combined_manifest) before reading."""
     if isinstance(source, (str, Path)):
-        return CapturedDataset(source)
+        from eagle3.capture import capture_dirs, load_combined_manifest
+
+        dirs = capture_dirs(source)
+        if len(dirs) == 1:
+            return CapturedDataset(dirs[0])
+        load_combined_manifest(source)
+        return ConcatSamples([CapturedDataset(d) for d in dirs])
     if isinstance(source, Sequence):
         return source
     return list(source)
@@ -124,14 +149,15 @@ class SelectedLayers(Sequence):
 
 
 def preload_samples(path: str | Path, layers: list[int], num_hidden_layers: int) -> list[dict[str, Any]]:
-    """A capture dir read into RAM shard by shard (large sequential reads, not page faults per sample), keeping
-    only the aux states of `layers` (SelectedLayers semantics). RAM needed: tokens x (len(layers) + 1) x H x 2 B."""
-    from eagle3.capture import load_manifest
+    """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
+    reads, not page faults per sample), keeping only the aux states of `layers` (SelectedLayers semantics).
+    RAM needed: tokens x (len(layers) + 1) x H x 2 B."""
+    from eagle3.capture import capture_dirs, load_combined_manifest
     from eagle3.capture.storage import iter_shards, shard_samples
 
-    captured = load_manifest(path)["layers"]
+    captured = load_combined_manifest(path)["layers"]
     out: list[dict[str, Any]] = []
-    for shard in iter_shards(path):
+    for shard in (sh for d in capture_dirs(path) for sh in iter_shards(d)):
         picked = SelectedLayers(list(shard_samples(shard)), captured, layers, num_hidden_layers)
         for i in range(len(picked)):
             s = picked[i]  # aux: a fresh tensor (indexed); the rest: views, cloned so the shard can be freed

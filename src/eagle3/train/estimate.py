@@ -158,7 +158,7 @@ class EstimateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     draft: Path = Field(..., description="Draft dir: `eagle3 export` output or a training best/, final/ or checkpoint dir")
     captured: Path = Field(..., description="Capture dir of held-out prompts (ideally ones the target never trained "
-                           "on); it must hold the draft's aux layers")
+                           "on), or several comma-separated; it must hold the draft's aux layers")
     target: Path = Field(..., description="Target model dir (frozen embedding, final norm and lm_head)")
     num_speculative_tokens: int = Field(3, gt=0, description="k, the draft tokens per round")
     max_new_tokens: int | None = Field(128, gt=0, description="Replay only the first N answer tokens (refbench "
@@ -172,9 +172,9 @@ class EstimateConfig(BaseModel):
 def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     model, meta = load_draft_dir(cfg.draft, cfg.target)
-    from eagle3.capture import load_manifest
+    from eagle3.capture import load_combined_manifest
 
-    manifest = load_manifest(cfg.captured)
+    manifest = load_combined_manifest(cfg.captured)
     tensors = load_target_tensors(cfg.target)
     tc = text_config(read_target_config(cfg.target))
     try:

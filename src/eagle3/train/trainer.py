@@ -275,9 +275,9 @@ def run_train(
 
     manifest = source.manifest if source is not None else manifest
     if manifest is None:
-        from eagle3.capture import load_manifest
+        from eagle3.capture import load_combined_manifest
 
-        manifest = load_manifest(cfg.captured)
+        manifest = load_combined_manifest(cfg.captured)
     target_cfg = read_target_config(cfg.target)
     tc = text_config(target_cfg)
     if manifest.get("hidden_size", tc["hidden_size"]) != tc["hidden_size"]:
@@ -322,9 +322,9 @@ def run_train(
     val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size)  # every rank (FSDP forward is collective)
     heldout = []
     if cfg.val_captured:  # unseen prompts pick the checkpoint; the held-out train split is still logged
-        from eagle3.capture import load_manifest
+        from eagle3.capture import load_combined_manifest
 
-        vm = load_manifest(cfg.val_captured)
+        vm = load_combined_manifest(cfg.val_captured)
         vs = SelectedLayers(load_samples(cfg.val_captured), vm["layers"], layers, L)
         val, heldout = eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size), val
     per_step = cfg.batch_size * cfg.grad_accum * d.world
