@@ -97,11 +97,13 @@ def main() -> None:
     ap.add_argument("--name", default="refbench_sweep")
     ap.add_argument("--command", required=True, help="the command the call ran (recorded)")
     ap.add_argument("--date", required=True, help="when the call ran (UTC)")
+    ap.add_argument("--gpus-per-draft", type=int, default=1, help="GPUs each variant trained on (DDP=1: all of them)")
     ap.add_argument("--vllm", nargs="*", default=[], metavar="VARIANT=DIR",
                     help="`eagle3 evaluate` output dirs (results.json) of drafts from this call, to add")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        res = {"name": a.name, "date": a.date, "command": a.command, **summarise(a.call_dir, Path(tmp))}
+        res = {"name": a.name, "date": a.date, "command": a.command, "gpus_per_draft": a.gpus_per_draft,
+               **summarise(a.call_dir, Path(tmp))}
     vllm = {}
     for spec in a.vllm:
         name, d = spec.split("=", 1)
