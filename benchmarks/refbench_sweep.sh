@@ -7,7 +7,8 @@
 # Expects .whl/ (wheels for the GPU image's Python), .device/refbench/ (a copy of ../shared/refbench),
 # .device/regen/{train,val}.jsonl (regenerated conversations). EAGLE3_SRC overrides the package source dir,
 # TRAIN_DATA the training conversations, WARMUP=0 skips the cache-warming trainer (few variants compile at once),
-# DDP=1 trains the variants one after another, each data-parallel over all GPUs (torchrun).
+# DDP=1 trains the variants one after another, each data-parallel over all GPUs (torchrun), PROTOCOL_ROWS=N also
+# captures the first N training conversations alone (see below).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:${EAGLE3_SRC:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -32,6 +33,15 @@ TD=${TRAIN_DATA:-.device/regen/train.jsonl} P=${CAPTURE_PARTS:-$NGPU} CAPS=""
 ( $E prepare --target $T --data .device/regen/val.jsonl --out $W/val_prepared --max-seq-len 1024 > "$S/val_prepare.json" 2>&1
   $E capture --target $T --data $W/val_prepared --out $CAP/val_captured --backend hf --device cuda:$((NGPU - 1)) \
     --layers $LAYERS --batch-tokens 65536 > "$S/val_capture.json" 2> "$S/val_capture.log" ) &
+if [ -n "${PROTOCOL_ROWS:-}" ]; then  # the first PROTOCOL_ROWS conversations alone (the protocol's training set), with
+  # their own vocab, for variants that must not see the extra prompts: flags --captured=@CAP@/captured-protocol
+  # --vocab=@W@/vocab-protocol (@CAP@ and @W@ are replaced in VARIANTS)
+  mkdir -p $W/parts; head -n "$PROTOCOL_ROWS" "$TD" > $W/parts/protocol.jsonl
+  ( $E prepare --target $T --data $W/parts/protocol.jsonl --out $W/prepared-protocol --max-seq-len 1024 > "$S/prepare-protocol.json" 2>&1
+    $E vocab --data $W/prepared-protocol --out $W/vocab-protocol --draft-vocab-size 4096 > "$S/vocab-protocol.json" 2>&1
+    $E capture --target $T --data $W/prepared-protocol --out $CAP/captured-protocol --backend hf --device cuda:$((NGPU - 1)) \
+      --layers $LAYERS --batch-tokens 65536 > "$S/capture-protocol.json" 2> "$S/capture-protocol.log" ) &
+fi
 for p in $(seq 0 $((P - 1))); do
   mkdir -p $W/parts; awk -v p=$p -v n=$P '(NR - 1) % n == p' "$TD" > $W/parts/train-$p.jsonl  # TRAIN_DATA: .jsonl
   ( $E prepare --target $T --data $W/parts/train-$p.jsonl --out $W/prepared-$p --max-seq-len 1024 > "$S/prepare-$p.json" 2>&1
@@ -62,6 +72,7 @@ HB=$!
 i=0
 while IFS=: read -r name flags; do
   [ -z "$name" ] && continue
+  flags=${flags//@CAP@/$CAP}; flags=${flags//@W@/$W}
   gpu=$(( i % NGPU )); i=$(( i + 1 ))
   if [ "${DDP:-0}" = 1 ]; then  # DDP=1: one variant at a time, data-parallel over all NGPU GPUs (torchrun)
     TRAIN="python3 -m torch.distributed.run --standalone --nproc_per_node $NGPU -m eagle3.cli train" DEV=cuda
@@ -88,7 +99,7 @@ print(json.dumps(sorted(rows, key=lambda r: -(r["tau_estimate"] or 0)), indent=1
 PY
 cat "$OUT/ranking.json"; cp "$S/times.txt" "$OUT/"
 tar czf "$OUT/logs.tgz" $W/*/logs $W/*/best/eagle3_draft.json $CAP/captured-*/manifest.json $CAP/val_captured/manifest.json \
-  $W/vocab/coverage.json $W/prepared/manifest.json "$S"/*.json "$S"/*.txt "$S"/*.log 2>/dev/null
+  $W/vocab/coverage.json $W/vocab-protocol/coverage.json $W/prepared/manifest.json $W/prepared-protocol/manifest.json "$S"/*.json "$S"/*.txt "$S"/*.log 2>/dev/null
 for name in $(python3 -c "import json,sys; print(' '.join(r['variant'] for r in json.load(open(sys.argv[1]))[:int(sys.argv[2])]))" "$OUT/ranking.json" "${TOP_N:-4}"); do
   tar czf "$OUT/draft-$name.tgz" $W/$name/draft
 done
