@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,6 +132,19 @@ def test_train_with_layer_subset_val_capture_and_estimate(captured, tiny_llama, 
                                              max_seq_len=64, batch_size=2, attention="naive", max_new_tokens=None))
     assert est.tau == pytest.approx(best["metrics"]["tau_estimate"], rel=1e-4)  # exported == trained weights (bf16)
     assert est.num_rounds > 0 and 1.0 <= est.tau <= 4.0
+
+    # benchmarks/draft_failures.py: its step-0 agreement is the estimator's acc_0, its buckets partition the rows
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draft_failures", Path(__file__).parents[1] / "benchmarks/draft_failures.py")
+    failures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(failures)
+    fa = failures.analyse(str(tmp_path / "draft"), str(path), str(tiny_llama))
+    assert fa["num_rows"] > 0 and fa["top_k_agreement"][0] == pytest.approx(est.acc[0], abs=0.004)  # one row of ~300
+    assert fa["top_k_agreement"] == sorted(fa["top_k_agreement"])
+    assert sum(b["share"] for b in fa["by_target_top1_prob"]) == pytest.approx(1.0, abs=1e-3)
+    assert sum(k["share"] for k in fa["by_token_kind"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert "draft_failures" in failures.markdown({"name": "draft_failures", "command": "c", **fa})
 
 
 def test_estimate_cli_names_a_bad_draft_dir(captured, tiny_llama, tmp_path, capsys):
