@@ -8,7 +8,9 @@
 # .device/regen/{train,val}.jsonl (regenerated conversations). EAGLE3_SRC overrides the package source dir,
 # TRAIN_DATA the training conversations, WARMUP=0 skips the cache-warming trainer (few variants compile at once),
 # DDP=1 trains the variants one after another, each data-parallel over all GPUs (torchrun), PROTOCOL_ROWS=N also
-# captures the first N training conversations alone (see below).
+# captures the first N training conversations alone (see below). Each variant's torch.compile artifacts come back in
+# compile-cache.tgz: unpacked into .device/ (-> .device/compile-cache/<variant>.bin) they skip most of the next
+# call's compile for variants of the same name (COMPILE_CACHES points elsewhere). At most TOP_N=4 drafts fit beside them.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:${EAGLE3_SRC:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -69,6 +71,7 @@ if [ "${WARMUP:-1}" = 1 ]; then
 fi
 ( while sleep 45; do stamp heartbeat; for f in "$S"/*.train.log; do echo "  $(basename "$f"): $(grep '^train:' "$f" | tail -n 1)"; done; done ) &
 HB=$!
+COMPILE_CACHES=${COMPILE_CACHES:-.device/compile-cache}
 i=0
 while IFS=: read -r name flags; do
   [ -z "$name" ] && continue
@@ -79,7 +82,9 @@ while IFS=: read -r name flags; do
   else
     TRAIN="$E train" DEV=cuda:$gpu
   fi
-  ( timeout -s ABRT -k 15 "$TRAIN_S" $TRAIN $COMMON $flags --device $DEV --out $W/$name > "$S/$name.train.json" 2> "$S/$name.train.log"
+  # compile cache per variant: seeded from $COMPILE_CACHES/<name>.bin when an earlier call brought one back
+  mkdir -p $W/compile-cache; [ -f "$COMPILE_CACHES/$name.bin" ] && cp "$COMPILE_CACHES/$name.bin" $W/compile-cache/
+  ( timeout -s ABRT -k 15 "$TRAIN_S" $TRAIN $COMMON $flags --compile-cache $W/compile-cache/$name.bin --device $DEV --out $W/$name > "$S/$name.train.json" 2> "$S/$name.train.log"
     echo "train rc=$?" >> "$S/$name.train.log"
     $E export --checkpoint $W/$name/best --out $W/$name/draft --target $T > "$S/$name.export.json" 2>&1 ) &
   [ "${DDP:-0}" = 1 ] && wait $!
@@ -100,6 +105,7 @@ PY
 cat "$OUT/ranking.json"; cp "$S/times.txt" "$OUT/"
 tar czf "$OUT/logs.tgz" $W/*/logs $W/*/best/eagle3_draft.json $CAP/captured-*/manifest.json $CAP/val_captured/manifest.json \
   $W/vocab/coverage.json $W/vocab-protocol/coverage.json $W/prepared/manifest.json $W/prepared-protocol/manifest.json "$S"/*.json "$S"/*.txt "$S"/*.log 2>/dev/null
+tar czf "$OUT/compile-cache.tgz" -C $W compile-cache  # unpack into .device/ to skip most compiles next call
 for name in $(python3 -c "import json,sys; print(' '.join(r['variant'] for r in json.load(open(sys.argv[1]))[:int(sys.argv[2])]))" "$OUT/ranking.json" "${TOP_N:-4}"); do
   tar czf "$OUT/draft-$name.tgz" $W/$name/draft
 done

@@ -295,3 +295,26 @@ def test_several_captures_train_as_one(captured, tiny_llama, tmp_path):
         run_train(_cfg(tmp_path / "bad", tiny_llama, vocab, captured=f"{a},{c}"))
     with pytest.raises(ConfigError, match="empty entry"):
         run_train(_cfg(tmp_path / "bad2", tiny_llama, vocab, captured=f"{a},"))
+
+
+def test_compile_cache_is_written_and_reloaded(captured, tiny_llama, tmp_path, capfd):
+    """compile_cache: the compiled draft's artifacts are written after the first validation and at the end, and a
+    second run loads them before compiling (what a fresh GPU machine needs to skip most of the compile)."""
+    from eagle3.train import run_train
+
+    samples, manifest, vocab = captured
+    cache = tmp_path / "compile-cache.bin"
+    # what the trainer saves is every artifact of the process: a small compiled function stands in for the draft's
+    # graphs (compiling those on this CPU takes ~30 s cold; the GPU run compiles them for real)
+    torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    kw = dict(max_steps=2, eval_every=1, compile_cache=str(cache))
+    run_train(_cfg(tmp_path / "a", tiny_llama, vocab, **kw), samples=samples, manifest=manifest)
+    assert cache.is_file() and cache.stat().st_size > 0 and not cache.with_name(cache.name + ".tmp").exists()
+    err = capfd.readouterr().err
+    assert "compile cache: " in err and "written to" in err and "loaded" not in err
+    run_train(_cfg(tmp_path / "b", tiny_llama, vocab, **kw), samples=samples, manifest=manifest)
+    loaded = [line for line in capfd.readouterr().err.splitlines() if "artifacts loaded from" in line]
+    assert loaded and int(loaded[0].split("compile cache: ")[1].split()[0]) > 0
+    cache.write_bytes(b"not a cache")  # a broken cache costs the compile time, not the run
+    run_train(_cfg(tmp_path / "c", tiny_llama, vocab, **kw), samples=samples, manifest=manifest)
+    assert "not loaded" in capfd.readouterr().err

@@ -174,6 +174,10 @@ class TrainConfig(StageConfig):
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (CPU trains in float32 unless bfloat16 is forced)")
     attention: Literal["auto", "flex", "sdpa", "naive"] = Field("auto", description="TTT attention kernel")
     compile: bool = Field(False, description="torch.compile the draft step")
+    compile_cache: str | None = Field(
+        None, description="File of torch.compile artifacts (torch.compiler.save_cache_artifacts): loaded before "
+        "training when it exists, rewritten after the first validation and at the end, so a later run on the same "
+        "GPU and software skips most of the compile (minutes on a fresh machine)")
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Under torchrun: ddp replicates the draft; fsdp shards it (FSDP2) for large drafts"
     )

@@ -365,6 +365,7 @@ def run_train(
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     log = Logger(out, d.main)
+    load_compile_cache(cfg.compile_cache, d)
     kw = dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention)
     if cfg.compile:
         model.compile_blocks()
@@ -421,6 +422,8 @@ def run_train(
                 log.log(step, "heldout", evaluate(heldout))
             if val_m["tau_estimate"] > best:
                 best, best_now = val_m["tau_estimate"], True
+            if step == cfg.eval_every:  # train and eval graphs compiled by now: a run cut short still leaves them
+                save_compile_cache(cfg.compile_cache, d)
         save_now = step % cfg.save_every == 0 or step == total or (stop_after is not None and done_here == stop_after)
         save_now = loader.wants_checkpoint() or save_now  # (every rank asks: a streaming loader syncs the answer)
         if d.world > 1:  # every rank joins the gather below; rank 0 decides
@@ -447,11 +450,42 @@ def run_train(
         full = parallel.full_state_dict(ttt, d)
         if d.main:
             save_model_dir(final_dir, full, meta(val_m))
+    save_compile_cache(cfg.compile_cache, d)
     log.close()
     loader.close(finished=step >= total)
     parallel.teardown(d)
     best_dir = out / "best" if (out / "best").is_dir() else None
     return TrainResult(out, final_dir, best_dir, step, last_loss, val_m, meta(val_m))
+
+
+def load_compile_cache(path: str | None, d: parallel.Dist) -> None:
+    """Seed torch.compile's caches from `path` (written by save_compile_cache on the same GPU and software)."""
+    if path and Path(path).is_file():
+        try:
+            info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
+        except Exception as e:  # only a speed-up: train anyway, compiling from scratch, and say so
+            progress(d, f"compile cache: {path} not loaded ({type(e).__name__}: {e}); compiling from scratch")
+            return
+        if info is None:
+            progress(d, f"compile cache: {path} not loaded (unreadable: corrupt, or written by another torch); "
+                        "compiling from scratch")
+            return
+        progress(d, f"compile cache: {sum(len(v) for v in info.artifacts.values())} artifacts loaded from {path}")
+
+
+def save_compile_cache(path: str | None, d: parallel.Dist) -> None:
+    """Write every torch.compile artifact of this process to `path` (atomically; rank 0 only)."""
+    if not path or not d.main:
+        return
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_bytes(saved[0])
+    tmp.replace(p)
+    progress(d, f"compile cache: {len(saved[0]) / 1e6:.1f} MB written to {path}")
 
 
 class _null:
