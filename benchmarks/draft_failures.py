@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.capture import load_combined_manifest
+from eagle3.io import write_text
 from eagle3.model.draft import text_config
 from eagle3.train.attention import make_ttt_attention
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
@@ -118,10 +119,8 @@ def main() -> None:
     if a.name:
         res = {"name": a.name, "command": f"python benchmarks/draft_failures.py --draft {a.draft} --captured "
                f"{a.captured} --target {a.target} --name {a.name}", **res}
-        for suffix, text in ((".json", json.dumps(res, indent=1) + "\n"), (".md", markdown(res))):
-            tmp = RESULTS / f"{a.name}{suffix}.tmp"
-            tmp.write_text(text)
-            tmp.replace(RESULTS / f"{a.name}{suffix}")
+        write_text(RESULTS / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
+        write_text(RESULTS / f"{a.name}.md", markdown(res))
         print(markdown(res))
     else:
         print(json.dumps(res, indent=1))

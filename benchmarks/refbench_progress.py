@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eagle3.io import write_text
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PROTOCOL_SAMPLES = 7473
 
@@ -64,10 +66,8 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     rows = collect()
-    for suffix, text in ((".json", json.dumps(rows, indent=1) + "\n"), (".md", markdown(rows))):
-        tmp = RESULTS / f"refbench_progress{suffix}.tmp"
-        tmp.write_text(text)
-        tmp.replace(RESULTS / f"refbench_progress{suffix}")
+    write_text(RESULTS / "refbench_progress.json", json.dumps(rows, indent=1) + "\n")
+    write_text(RESULTS / "refbench_progress.md", markdown(rows))
     print(markdown(rows))
 
 

@@ -15,6 +15,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from eagle3.io import write_text
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -111,11 +113,8 @@ def main() -> None:
         vllm[name] = {"tau": m["acceptance_length"], "accepted_per_position": m.get("accepted_per_position"),
                       "num_drafts": m.get("num_drafts"), "eval_dir": d}
     res["vllm"] = vllm
-    RESULTS.mkdir(exist_ok=True)
-    for suffix, text in ((".json", json.dumps(res, indent=1) + "\n"), (".md", markdown(res))):
-        tmp = RESULTS / f"{a.name}{suffix}.tmp"
-        tmp.write_text(text)
-        tmp.replace(RESULTS / f"{a.name}{suffix}")
+    write_text(RESULTS / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
+    write_text(RESULTS / f"{a.name}.md", markdown(res))
     print(markdown(res))
 
 

@@ -59,9 +59,14 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_json(path: str | Path, obj: Any) -> None:
+def write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` atomically (see atomic_path)."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+        tmp.write_text(text)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def read_json(path: str | Path) -> Any:

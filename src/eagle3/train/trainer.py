@@ -480,11 +480,8 @@ def save_compile_cache(path: str | None, d: parallel.Dist) -> None:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_bytes(saved[0])
-    tmp.replace(p)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(saved[0])
     progress(d, f"compile cache: {len(saved[0]) / 1e6:.1f} MB written to {path}")
 
 
