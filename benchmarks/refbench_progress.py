@@ -26,15 +26,17 @@ def collect() -> list[dict]:
     rows.append({"source": "refbench.json", "variant": "first run", "date": first["gpu"][-1], "num_samples":
                  first["data"]["num_samples"], "num_tokens": first["data"]["num_tokens"], "draft_layers": 1,
                  "intermediate_size": first["train"]["draft_config"]["intermediate_size"], "ttt_steps": 7, "peak_lr": 1e-3,
-                 "gpus_per_draft": 1, "steps": first["train"]["checkpoint_step"], "tau_estimate": None,
+                 "gpus_per_draft": 1, "steps": first["train"]["checkpoint_step"], "tau_estimate": None, "levers": "–",
                  "tau_vllm": r["tau"], "accepted_per_position": r["accepted_per_position"], "num_drafts": r["num_drafts"]})
     for f in sorted(RESULTS.glob("refbench_sweep*.json")):
         res = json.loads(f.read_text())
         by_name = {v["variant"]: v for v in res["variants"]}
         for name, ev in (res.get("vllm") or {}).items():
             v = by_name[name]
-            rows.append({"source": f.name, "variant": name, "date": res["date"], "num_samples": res["data"]["num_samples"],
-                         "num_tokens": res["data"]["num_tokens"], "draft_layers": v.get("num_hidden_layers") or 1,
+            data = res["data_protocol"] if v.get("training_set") == "protocol" else res["data"]
+            rows.append({"source": f.name, "variant": name, "date": res["date"], "num_samples": data["num_samples"],
+                         "num_tokens": data["num_tokens"], "draft_layers": v.get("num_hidden_layers") or 1,
+                         "levers": v.get("levers", "–"),
                          "intermediate_size": v["intermediate_size"], "ttt_steps": v["ttt_steps"],
                          "peak_lr": v.get("peak_lr"), "gpus_per_draft": res.get("gpus_per_draft", 1),
                          "steps": v["best_step"], "tau_estimate": round(v["tau_estimate_val"], 3),
@@ -53,13 +55,13 @@ def markdown(rows: list[dict]) -> str:
          "by the target (a deviation from the protocol's training set). Baselines: n-gram 1.73, speculators 0.9.0 2.26; "
          "goal 2.6.", "",
          "| τ vLLM | τ estimate | per-position accepted | training convs (tokens) | protocol set? | draft layers | "
-         "inter | K | peak lr | GPUs | best step | source |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "inter | K | peak lr | levers | GPUs | best step | source |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         est = f"{r['tau_estimate']:.3f}" if r["tau_estimate"] is not None else "–"
         lr = f"{r['peak_lr']:.0e}" if r["peak_lr"] else "–"
         L.append(f"| **{r['tau_vllm']:.3f}** | {est} | {' / '.join(map(str, r['accepted_per_position']))} | "
                  f"{r['num_samples']:,} ({(r['num_tokens'] or 0) / 1e6:.1f}M) | {'yes' if r['protocol_training_set'] else 'no'} | "
-                 f"{r['draft_layers']} | {r['intermediate_size']} | {r['ttt_steps']} | {lr} | {r['gpus_per_draft']} | "
+                 f"{r['draft_layers']} | {r['intermediate_size']} | {r['ttt_steps']} | {lr} | {r['levers']} | {r['gpus_per_draft']} | "
                  f"{r['steps']} | {r['source']} ({r['variant']}) |")
     return "\n".join(L) + "\n"
 

@@ -10,7 +10,8 @@
 # DDP=1 trains the variants one after another, each data-parallel over all GPUs (torchrun), PROTOCOL_ROWS=N also
 # captures the first N training conversations alone (see below). Each variant's torch.compile artifacts come back in
 # compile-cache.tgz: unpacked into .device/ (-> .device/compile-cache/<variant>.bin) they skip most of the next
-# call's compile for variants of the same name (COMPILE_CACHES points elsewhere). At most TOP_N=4 drafts fit beside them.
+# call's compile for variants of the same name (COMPILE_CACHES points elsewhere). At most TOP_N=4 drafts fit beside them
+# (8 files of <= 16 MiB come back: a draft over 16 MB comes in two parts, so TOP_N=2 for drafts of 3+ layers).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:${EAGLE3_SRC:-$PWD/src} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -108,5 +109,9 @@ tar czf "$OUT/logs.tgz" $W/*/logs $W/*/best/eagle3_draft.json $CAP/captured-*/ma
 tar czf "$OUT/compile-cache.tgz" -C $W compile-cache  # unpack into .device/ to skip most compiles next call
 for name in $(python3 -c "import json,sys; print(' '.join(r['variant'] for r in json.load(open(sys.argv[1]))[:int(sys.argv[2])]))" "$OUT/ranking.json" "${TOP_N:-4}"); do
   tar czf "$OUT/draft-$name.tgz" $W/$name/draft
+  # a file over 16 MiB does not come back from the device: split deeper drafts (cat draft-X.tgz.part-* | tar xz)
+  if [ "$(stat -c %s "$OUT/draft-$name.tgz")" -gt 16000000 ]; then
+    split -b 15M "$OUT/draft-$name.tgz" "$OUT/draft-$name.tgz.part-" && rm "$OUT/draft-$name.tgz"
+  fi
 done
 stamp packed; cp "$S/times.txt" "$OUT/"; ls -la "$OUT"; for f in "$S"/*.train.log; do echo "== $f"; grep "^train:" "$f" | tail -n 3; tail -n 2 "$f"; done

@@ -33,7 +33,36 @@ def last_by_split(metrics: Path) -> tuple[dict[str, dict], float | None]:
     return out, peak_lr
 
 
-def summarise(call_dir: Path, tmp: Path) -> dict:
+def levers(train_config: dict) -> str:
+    """The training options a variant changed from the defaults that matter here, in a few words."""
+    bits = []
+    if train_config.get("supervise") == "all":
+        bits.append("supervise all")
+    if train_config.get("init_layers_from_target"):
+        bits.append("init layers")
+    if train_config.get("hidden_noise"):
+        bits.append(f"noise {train_config['hidden_noise']:g}")
+    if train_config.get("weight_decay"):
+        bits.append(f"wd {train_config['weight_decay']:g}")
+    return ", ".join(bits) or "–"
+
+
+def config_from_flags(flags: str) -> dict:
+    """What `levers` reads, from a variant's flags (drafts trained before the metadata recorded train_config)."""
+    cfg: dict = {}
+    for tok in flags.split():
+        key, _, val = tok.lstrip("-").partition("=")
+        key = key.replace("-", "_")
+        if key in ("supervise",):
+            cfg[key] = val
+        elif key in ("hidden_noise", "weight_decay"):
+            cfg[key] = float(val)
+        elif key == "init_layers_from_target":
+            cfg[key] = True
+    return cfg
+
+
+def summarise(call_dir: Path, tmp: Path, flags: dict[str, str] | None = None) -> dict:
     with tarfile.open(call_dir / "logs.tgz") as tar:
         tar.extractall(tmp, filter="data")
     runs = next(tmp.rglob("runs/sweep"), None) or next(p for p in tmp.rglob("*") if (p / "vocab").is_dir())
@@ -46,6 +75,8 @@ def summarise(call_dir: Path, tmp: Path) -> dict:
         m = json.loads(meta.read_text())
         splits, peak_lr = last_by_split(runs / name / "logs" / "metrics.jsonl")
         best = m["metrics"]
+        tcfg = m.get("train_config") or config_from_flags((flags or {}).get(name, ""))
+        protocol_only = "captured-protocol" in str(m.get("captured", ""))
         rows.append({
             "variant": name, "aux_layer_ids": m["aux_layer_ids"], "ttt_steps": m["ttt_steps"],
             "intermediate_size": m["draft_config"]["intermediate_size"],
@@ -59,28 +90,36 @@ def summarise(call_dir: Path, tmp: Path) -> dict:
             "acc0_train_last": splits.get("train", {}).get("acc_0"),
             "acc0_heldout_last": splits.get("heldout", {}).get("acc_0"),
             "acc0_val_last": splits.get("val", {}).get("acc_0"),
+            "levers": levers(tcfg), "training_set": "protocol" if protocol_only else "full",
         })
     rows.sort(key=lambda r: -(r["tau_estimate_val"] or 0))
     times = (call_dir / "times.txt").read_text().splitlines() if (call_dir / "times.txt").exists() else []
     gpu = (logs / "gpu.txt").read_text().strip() if (logs / "gpu.txt").exists() else None
-    prep = json.loads(next(runs.glob("prepared/manifest.json")).read_text())
-    return {"gpu": gpu, "times": times, "variants": rows,
-            "data": {k: prep.get(k) for k in ("num_samples", "num_tokens", "num_supervised_tokens")}}
+    def counts(name: str) -> dict | None:
+        found = next(runs.glob(f"{name}/manifest.json"), None)
+        m = json.loads(found.read_text()) if found else {}
+        return {k: m.get(k) for k in ("num_samples", "num_tokens", "num_supervised_tokens")} if m else None
+
+    return {"gpu": gpu, "times": times, "variants": rows, "data": counts("prepared"),
+            "data_protocol": counts("prepared-protocol")}
 
 
 def markdown(res: dict) -> str:
     L = [f"# {res['name']}: refbench draft variants ranked by the replayed τ estimate", "",
          f"{res['date']} · `{res['command']}`", "", f"GPU: {' / '.join(res['gpu'].splitlines()) if res['gpu'] else '?'}", "",
-         f"Training data: {res['data']}. τ estimate = `eagle3 estimate`'s replay of vLLM's drafting rounds at k = 3 "
+         f"Training data (full): {res['data']}"
+         + (f"; protocol (the first 7,473 conversations alone): {res['data_protocol']}" if res.get("data_protocol") else "")
+         + ". τ estimate = `eagle3 estimate`'s replay of vLLM's drafting rounds at k = 3 "
          "(tracks vLLM within 0.02, benchmarks/results/refbench_estimator.md) on the 300 perturbed validation prompts "
          "(val) and on the 2 % held-out GSM8K-train split (heldout).", "",
-         "| variant | aux ids | K | layers | inter | peak lr | best step | τ est (val) | accepted/pos (val) "
-         "| τ est (heldout) | acc₀ train / heldout / val |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| variant | training set | levers | aux ids | K | layers | inter | peak lr | best step | τ est (val) "
+         "| accepted/pos (val) | τ est (heldout) | acc₀ train / heldout / val |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["variants"]:
         acc = " / ".join(f"{r[k]:.3f}" if r[k] is not None else "–" for k in ("acc0_train_last", "acc0_heldout_last",
                                                                              "acc0_val_last"))
         lr = f"{r['peak_lr']:.0e}" if r.get("peak_lr") else "–"
-        L.append(f"| {r['variant']} | {tuple(r['aux_layer_ids'])} | {r['ttt_steps']} | {r.get('num_hidden_layers', 1)} | "
+        L.append(f"| {r['variant']} | {r.get('training_set', 'full')} | {r.get('levers', '–')} | {tuple(r['aux_layer_ids'])} | {r['ttt_steps']} | {r.get('num_hidden_layers', 1)} | "
                  f"{r['intermediate_size']} | {lr} | "
                  f"{r['best_step']}/{r['last_step']} | **{r['tau_estimate_val']:.3f}** | "
                  f"{' / '.join(str(int(a)) for a in r['accepted_per_position_val'] if a is not None)} of "
@@ -102,10 +141,13 @@ def main() -> None:
     ap.add_argument("--gpus-per-draft", type=int, default=1, help="GPUs each variant trained on (DDP=1: all of them)")
     ap.add_argument("--vllm", nargs="*", default=[], metavar="VARIANT=DIR",
                     help="`eagle3 evaluate` output dirs (results.json) of drafts from this call, to add")
+    ap.add_argument("--variant", action="append", default=[], metavar="VARIANT=FLAGS",
+                    help="a variant's flags, for drafts whose metadata predates train_config (levers column)")
     a = ap.parse_args()
+    flags = dict(v.split("=", 1) for v in a.variant)
     with tempfile.TemporaryDirectory() as tmp:
         res = {"name": a.name, "date": a.date, "command": a.command, "gpus_per_draft": a.gpus_per_draft,
-               **summarise(a.call_dir, Path(tmp))}
+               **summarise(a.call_dir, Path(tmp), flags)}
     vllm = {}
     for spec in a.vllm:
         name, d = spec.split("=", 1)

@@ -248,6 +248,7 @@ def test_tiny_end_to_end_reduces_loss(captured, tiny_llama, tmp_path):
     meta = res.metadata
     assert meta["aux_layer_ids"] == [1, 2, 4] and meta["target_hidden_size"] == 128
     assert meta["draft_config"]["num_aux"] == 3 and meta["draft_vocab_size"] == 200 and meta["target_vocab_size"] == 512
+    assert meta["train_config"]["lr"] == 5e-3 and meta["train_config"]["supervise"] == "assistant"
 
 
 def test_captured_dir_is_read_lazily_and_exactly(captured, tmp_path):
@@ -318,3 +319,61 @@ def test_compile_cache_is_written_and_reloaded(captured, tiny_llama, tmp_path, c
     cache.write_bytes(b"not a cache")  # a broken cache costs the compile time, not the run
     run_train(_cfg(tmp_path / "c", tiny_llama, vocab, **kw), samples=samples, manifest=manifest)
     assert "not loaded" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("extra_units", [0, 32])
+def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units):
+    """init_layers_from_target: a 3-layer draft over aux ids (1, 3) of the 5-layer target starts as the target's
+    layers 3, 4 on its residual at id 3, so step 0 gives the target's own next-token logits (a wider MLP too)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.config import ConfigError, DraftOverrides
+    from eagle3.train.target import load_target_tensors, load_top_layers, read_target_config
+    from eagle3.train.trainer import build_draft
+
+    target_cfg = read_target_config(tiny_llama)
+    L, V, inter = target_cfg["num_hidden_layers"], target_cfg["vocab_size"], target_cfg["intermediate_size"]
+    cfg = TrainConfig(target=str(tiny_llama), init_head_from_target=True, init_layers_from_target=True,
+                      draft=DraftOverrides(num_hidden_layers=3, intermediate_size=inter + extra_units))
+    tensors = {**load_target_tensors(tiny_llama), "layers": load_top_layers(tiny_llama, 3)}
+    assert sorted(tensors["layers"]) == [L - 2, L - 1]
+    draft = build_draft(cfg, target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool),
+                        num_aux=2).eval()
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    ids = torch.randint(6, V, (1, 40), generator=torch.Generator().manual_seed(0))  # (1, T)
+    with torch.no_grad():
+        r = target(input_ids=ids, output_hidden_states=True, use_cache=False)
+        aux = torch.cat([r.hidden_states[1], r.hidden_states[L - 2]], dim=-1)  # (1, T, 2*H)
+        pos = torch.arange(ids.shape[1])[None]  # (1, T)
+        attn = make_ttt_attention("naive", torch.zeros_like(ids), 1)
+        out = draft(ids, aux, pos, attn, steps=1)[0]  # (1, T, H)
+        torch.testing.assert_close(draft.logits(out), r.logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="num_hidden_layers >= 2"):
+        TrainConfig(init_layers_from_target=True)
+    with pytest.raises(ConfigError, match="it needs 2 .. 6"):
+        load_top_layers(tiny_llama, 7)
+    with pytest.raises(ConfigError, match="intermediate_size >= the target's"):
+        build_draft(cfg.model_copy(update={"draft": DraftOverrides(num_hidden_layers=3, intermediate_size=inter - 8)}),
+                    target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool), num_aux=2)
+
+
+def test_layers_from_target_refuse_non_llama_layers(tiny_qwen3):
+    from eagle3.config import ConfigError
+    from eagle3.train.target import load_top_layers
+
+    with pytest.raises(ConfigError, match="not a dense Llama-style layer.*q_norm"):
+        load_top_layers(tiny_qwen3, 2)
+
+
+def test_supervise_all_trains_on_prompt_rows_and_validates_on_assistant_rows(captured, tiny_llama, tmp_path):
+    from eagle3.train import run_train
+
+    samples, manifest, vocab = captured
+    logs = {}
+    for mode in ("assistant", "all"):
+        run_train(_cfg(tmp_path / mode, tiny_llama, vocab, max_steps=2, supervise=mode), samples=samples,
+                  manifest=manifest)
+        rows = [json.loads(x) for x in (tmp_path / mode / "logs" / "metrics.jsonl").read_text().splitlines()]
+        logs[mode] = {split: [r["num_rows"] for r in rows if r["split"] == split] for split in ("train", "val")}
+    assert all(a < b for a, b in zip(logs["assistant"]["train"], logs["all"]["train"], strict=True))
+    assert logs["assistant"]["val"] == logs["all"]["val"] and logs["all"]["val"][0] > 0

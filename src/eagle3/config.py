@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -201,6 +201,17 @@ class TrainConfig(StageConfig):
     init_head_from_target: bool = Field(
         False, description="Start lm_head (draft-vocab rows) and the final norm from the target's"
     )
+    supervise: Literal["assistant", "all"] = Field(
+        "assistant", description="Training rows whose target distribution the draft learns: assistant tokens (the "
+        "loss mask from prepare) or all tokens, prompts too (more signal from the same conversations); validation "
+        "always scores assistant tokens"
+    )
+    init_layers_from_target: bool = Field(
+        False, description="Start the draft's decoder layers after the first (layers.1..n-1) from the target's top "
+        "n-1 layers, fc from the deepest aux state and the first layer as the identity on the residual stream, so "
+        "training begins from the target's own computation (needs draft.num_hidden_layers >= 2 and a dense Llama-style "
+        "target: plain attention, SwiGLU MLP)"
+    )
     preload: bool = Field(
         False, description="Read the capture into RAM once (sequential shard reads, only the trained layers kept) "
         "instead of memory-mapping it per sample; for captures that fit in RAM"
@@ -209,6 +220,16 @@ class TrainConfig(StageConfig):
 
     _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
     _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))
+
+    @model_validator(mode="after")
+    def _check_init_layers(self) -> TrainConfig:
+        if self.init_layers_from_target and (self.draft.num_hidden_layers or 1) < 2:
+            raise ValueError(
+                f"init_layers_from_target=true needs draft.num_hidden_layers >= 2 (got {self.draft.num_hidden_layers or 1}): "
+                "the first draft layer reads (embedding, hidden) and has no target counterpart; set "
+                "--draft-num-hidden-layers 2 or more"
+            )
+        return self
 
 
 

@@ -99,7 +99,8 @@ def ttt_forward(
 
 def summarize(stats: torch.Tensor) -> dict[str, float]:
     """Per-step metrics from summed stats (K, 6): loss_j, acc_j (top-1 agreement), cond_acc_j, and
-    sim_accept_len = sum_j prod_{i<=j} cond_acc_i (expected accepted draft tokens per round, bonus excluded)."""
+    sim_accept_len = sum_j prod_{i<=j} cond_acc_i (expected accepted draft tokens per round, bonus excluded),
+    num_rows (supervised rows at step 0)."""
     s = stats.double().cpu()
     out: dict[str, float] = {}
     prod, accept = 1.0, 0.0
@@ -111,6 +112,7 @@ def summarize(stats: torch.Tensor) -> dict[str, float]:
         prod *= cacc
         accept += prod
     out["sim_accept_len"] = accept
+    out["num_rows"] = s[0, 0].item() if len(s) else 0.0  # supervised step-0 rows summed into these stats
     return out
 
 

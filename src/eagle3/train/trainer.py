@@ -45,7 +45,13 @@ from eagle3.train.data import (
 from eagle3.train.estimate import score_batches, tau_from_metrics
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS, TTTModule, summarize
-from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
+from eagle3.train.target import (
+    init_layers_from_target,
+    load_target_tensors,
+    load_top_layers,
+    load_vocab,
+    read_target_config,
+)
 
 METADATA = "eagle3_draft.json"
 WEIGHTS = "model.safetensors"
@@ -91,6 +97,8 @@ def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num
         if cfg.init_head_from_target:  # logits = lm_head[draft rows] @ (norm_w * x / rms(x)), as the target's
             model.lm_head.weight.copy_(tensors["lm_head"][torch.arange(d2t.numel()) + d2t].float())
             model.norm.weight.copy_(tensors["norm"].float())
+    if cfg.init_layers_from_target:
+        init_layers_from_target(model, tensors["layers"])
     return model
 
 
@@ -118,6 +126,7 @@ def metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: di
         "captured": str(cfg.captured),
         "step": step,
         "ttt_steps": cfg.ttt_steps,
+        "train_config": cfg.model_dump(mode="json"),  # every flag it was trained with (lr, supervise, init, ...)
         "metrics": metrics or {},
     }
 
@@ -286,6 +295,8 @@ def run_train(
             f"hidden_size={tc['hidden_size']}; capture again with this target"
         )
     tensors = load_target_tensors(cfg.target)
+    if cfg.init_layers_from_target:
+        tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = load_vocab(cfg.vocab)
     layers = list(cfg.layers or manifest["layers"])
     model = build_draft(cfg, target_cfg, tensors, d2t, t2d, num_aux=len(layers)).to(d.device)
@@ -390,6 +401,8 @@ def run_train(
             b = next(loader).to(d.device, amp_dtype if cuda else torch.float32)
             if cfg.hidden_noise > 0:
                 b.aux = add_hidden_noise(b.aux, len(layers), cfg.hidden_noise)
+            if cfg.supervise == "all":  # every token of every conversation, prompts too (validation: assistant only)
+                b.loss_mask = b.doc_ids >= 0  # (B, T)
             sync = micro == cfg.grad_accum - 1 or d.world == 1
             ctx = ttt.no_sync() if not sync and hasattr(ttt, "no_sync") else _null()
             with ctx, torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
