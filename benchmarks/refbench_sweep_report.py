@@ -112,14 +112,16 @@ def markdown(res: dict) -> str:
          + ". τ estimate = `eagle3 estimate`'s replay of vLLM's drafting rounds at k = 3 "
          "(tracks vLLM within 0.02, benchmarks/results/refbench_estimator.md) on the 300 perturbed validation prompts "
          "(val) and on the 2 % held-out GSM8K-train split (heldout).", "",
-         "| variant | training set | levers | aux ids | K | layers | inter | peak lr | best step | τ est (val) "
+         "| variant | training convs | levers | aux ids | K | layers | inter | peak lr | best step | τ est (val) "
          "| accepted/pos (val) | τ est (heldout) | acc₀ train / heldout / val |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["variants"]:
         acc = " / ".join(f"{r[k]:.3f}" if r[k] is not None else "–" for k in ("acc0_train_last", "acc0_heldout_last",
                                                                              "acc0_val_last"))
         lr = f"{r['peak_lr']:.0e}" if r.get("peak_lr") else "–"
-        L.append(f"| {r['variant']} | {r.get('training_set', 'full')} | {r.get('levers', '–')} | {tuple(r['aux_layer_ids'])} | {r['ttt_steps']} | {r.get('num_hidden_layers', 1)} | "
+        n = (res.get("data_protocol") if r.get("training_set") == "protocol" else res["data"])["num_samples"]
+        convs = f"{n:,}" + (" (the protocol's)" if n == 7473 else "")
+        L.append(f"| {r['variant']} | {convs} | {r.get('levers', '–')} | {tuple(r['aux_layer_ids'])} | {r['ttt_steps']} | {r.get('num_hidden_layers', 1)} | "
                  f"{r['intermediate_size']} | {lr} | "
                  f"{r['best_step']}/{r['last_step']} | **{r['tau_estimate_val']:.3f}** | "
                  f"{' / '.join(str(int(a)) for a in r['accepted_per_position_val'] if a is not None)} of "
