@@ -321,10 +321,11 @@ def test_compile_cache_is_written_and_reloaded(captured, tiny_llama, tmp_path, c
     assert "not loaded" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("extra_units", [0, 32])
-def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units):
+@pytest.mark.parametrize("extra_units,deepest_first", [(0, False), (32, False), (0, True)])
+def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepest_first):
     """init_layers_from_target: a 3-layer draft over aux ids (1, 3) of the 5-layer target starts as the target's
-    layers 3, 4 on its residual at id 3, so step 0 gives the target's own next-token logits (a wider MLP too)."""
+    layers 3, 4 on its residual at id 3, so step 0 gives the target's own next-token logits (a wider MLP too; the
+    deepest id need not come last)."""
     from transformers import AutoModelForCausalLM
 
     from eagle3.config import ConfigError, DraftOverrides
@@ -337,13 +338,14 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units):
                       draft=DraftOverrides(num_hidden_layers=3, intermediate_size=inter + extra_units))
     tensors = {**load_target_tensors(tiny_llama), "layers": load_top_layers(tiny_llama, 3)}
     assert sorted(tensors["layers"]) == [L - 2, L - 1]
+    aux_ids = [L - 2, 1] if deepest_first else [1, L - 2]
     draft = build_draft(cfg, target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool),
-                        num_aux=2).eval()
+                        num_aux=2, aux_ids=aux_ids).eval()
     target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     ids = torch.randint(6, V, (1, 40), generator=torch.Generator().manual_seed(0))  # (1, T)
     with torch.no_grad():
         r = target(input_ids=ids, output_hidden_states=True, use_cache=False)
-        aux = torch.cat([r.hidden_states[1], r.hidden_states[L - 2]], dim=-1)  # (1, T, 2*H)
+        aux = torch.cat([r.hidden_states[k] for k in aux_ids], dim=-1)  # (1, T, 2*H)
         pos = torch.arange(ids.shape[1])[None]  # (1, T)
         attn = make_ttt_attention("naive", torch.zeros_like(ids), 1)
         out = draft(ids, aux, pos, attn, steps=1)[0]  # (1, T, H)
@@ -354,7 +356,8 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units):
         load_top_layers(tiny_llama, 7)
     with pytest.raises(ConfigError, match="intermediate_size >= the target's"):
         build_draft(cfg.model_copy(update={"draft": DraftOverrides(num_hidden_layers=3, intermediate_size=inter - 8)}),
-                    target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool), num_aux=2)
+                    target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool), num_aux=2,
+                    aux_ids=[1, L - 2])
 
 
 def test_layers_from_target_refuse_non_llama_layers(tiny_qwen3):

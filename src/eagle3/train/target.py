@@ -109,22 +109,27 @@ def load_top_layers(target: str | Path, num_draft_layers: int) -> dict[int, dict
     return load_target_layers(target, list(range(L - n + 1, L)))
 
 
-def init_layers_from_target(model: torch.nn.Module, layers: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Start an n-layer draft from the target's top n-1 layers (`layers`, ascending ids, as load_target_layers).
+def init_layers_from_target(model: torch.nn.Module, layers: dict[int, dict[str, torch.Tensor]],
+                            aux_ids: list[int] | None) -> None:
+    """Start an n-layer draft from the target's top n-1 layers (`layers`, ascending ids, as load_target_layers);
+    aux_ids: the aux layer ids in the order fc reads them.
 
-    layers.k <- target layer ids[k-1]; fc <- the identity on the deepest aux state (the last H columns); the
+    layers.k <- target layer ids[k-1]; fc <- the identity on the deepest aux state (its block of fc's input); the
     midlayer's o_proj and down_proj <- 0, so it starts as the identity on the residual stream. With the final
     norm and lm_head from the target too, step 0 at row t then runs the target's top layers on its residual at the
     deepest aux id: exactly the target's next-token logits when that id is L-n+1. An MLP wider than the target's
     keeps the target's units first; the extra units' down_proj columns start at 0 (same function)."""
     cfg, ids = model.cfg, sorted(layers)
+    if aux_ids is None or len(aux_ids) != cfg.num_aux:
+        raise ConfigError(f"init_layers_from_target: aux ids {aux_ids} do not match the draft's {cfg.num_aux} aux states")
     if len(ids) != cfg.num_hidden_layers - 1:
         raise ConfigError(f"init_layers_from_target: {len(ids)} target layers given for {cfg.num_hidden_layers - 1} "
                           "draft layers after the midlayer")
     with torch.no_grad():
-        H = cfg.hidden_size
+        H, Ht = cfg.hidden_size, cfg.target_hidden_size
+        a = aux_ids.index(max(aux_ids)) * Ht  # the deepest aux state's columns in fc's input
         model.fc.weight.zero_()
-        model.fc.weight[:, -cfg.target_hidden_size:].copy_(torch.eye(H, cfg.target_hidden_size))  # (H, A*Ht)
+        model.fc.weight[:, a : a + Ht].copy_(torch.eye(H, Ht))  # (H, A*Ht)
         model.midlayer.self_attn.o_proj.weight.zero_()
         model.midlayer.mlp.down_proj.weight.zero_()
         for k, i in enumerate(ids, start=1):

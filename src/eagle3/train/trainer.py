@@ -81,7 +81,10 @@ def lr_lambda(cfg: TrainConfig, total: int):
     return f
 
 
-def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num_aux: int) -> Eagle3Draft:
+def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num_aux: int,
+                aux_ids: list[int] | None = None) -> Eagle3Draft:
+    """The draft for this target and vocab, initialised as cfg asks; aux_ids (fc's input order) is needed by
+    init_layers_from_target."""
     tc = text_config(target_cfg)
     if t2d.numel() != tc["vocab_size"]:
         raise ConfigError(
@@ -98,7 +101,7 @@ def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num
             model.lm_head.weight.copy_(tensors["lm_head"][torch.arange(d2t.numel()) + d2t].float())
             model.norm.weight.copy_(tensors["norm"].float())
     if cfg.init_layers_from_target:
-        init_layers_from_target(model, tensors["layers"])
+        init_layers_from_target(model, tensors["layers"], aux_ids)
     return model
 
 
@@ -299,7 +302,7 @@ def run_train(
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = load_vocab(cfg.vocab)
     layers = list(cfg.layers or manifest["layers"])
-    model = build_draft(cfg, target_cfg, tensors, d2t, t2d, num_aux=len(layers)).to(d.device)
+    model = build_draft(cfg, target_cfg, tensors, d2t, t2d, num_aux=len(layers), aux_ids=layers).to(d.device)
     dcfg = model.cfg
     cuda = d.device.type == "cuda"
     amp_dtype = torch.bfloat16 if cuda and cfg.dtype == "bfloat16" else torch.float32
