@@ -186,3 +186,20 @@ def test_export_keys_cover_the_state_dict(layers):
     assert all(shapes[f"layers.{k}.self_attn.q_proj.weight"] == (64, 64) for k in range(1, layers))
     assert all(tuple(sd[k].shape) == s for k, s in shapes.items())
     assert not model.embed_tokens.weight.requires_grad
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(0)
+    cfg = DraftConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=64, rms_norm_eps=1e-6, vocab_size=50, draft_vocab_size=20,
+                      target_hidden_size=32, num_aux=2, num_hidden_layers=2, dropout=0.3)
+    model = Eagle3Draft(cfg)
+    plain = Eagle3Draft(DraftConfig(**{**cfg.to_dict(), "dropout": 0.0}))
+    plain.load_state_dict(model.state_dict())
+    ids, aux, pos = torch.randint(0, 50, (1, 6)), torch.randn(1, 6, 64), torch.arange(6)[None]
+    attn = make_ttt_attention("naive", torch.zeros(1, 6, dtype=torch.long), 2)
+    model.eval(), plain.eval()
+    same = [torch.equal(a, b) for a, b in zip(model(ids, aux, pos, attn, 2), plain(ids, aux, pos, attn, 2), strict=True)]
+    assert all(same)
+    model.train()
+    assert not torch.allclose(model(ids, aux, pos, attn, 2)[0], plain(ids, aux, pos, attn, 2)[0])

@@ -122,8 +122,9 @@ def test_ttt_forward_fused_loss_equals_unfused():
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(res[0][2], res[1][2], strict=True))
 
 
-def reference_loss(model, head, batch, steps, decay):
-    """Independent, unchunked: full target softmax, explicit shifted loops, naive attention."""
+def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_weight=0.0):
+    """Independent, unchunked: full target softmax, explicit shifted loops, naive attention. The feature term
+    uses the normed outputs: at init the final norm's weight is 1, so they are the RMS-normalised pre-norm hidden."""
     B, T = batch.input_ids.shape
     x = batch.last_hidden
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm_weight
@@ -132,10 +133,11 @@ def reference_loss(model, head, batch, steps, decay):
     attn = make_ttt_attention("naive", batch.doc_ids, steps)
     ids = [torch.cat([batch.input_ids[:, 1 + j :], torch.zeros(B, 1 + j, dtype=torch.long)], 1) for j in range(steps)]
     outs = model(ids, batch.aux, batch.positions, attn, steps=steps)
+    unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # (B, T, Ht) the feature targets
     total = 0.0
     for j, out in enumerate(outs):
-        logq = F.log_softmax(model.lm_head(out), -1)
-        num, den = 0.0, 0
+        logq = F.log_softmax(model.lm_head(out) / temperature, -1)
+        num, den, feat, n_feat = 0.0, 0, 0.0, 0
         for b in range(B):
             for t in range(T):
                 r = t + 1 + j
@@ -143,11 +145,12 @@ def reference_loss(model, head, batch, steps, decay):
                     continue
                 if not (batch.doc_ids[b, r] == batch.doc_ids[b, t] == batch.doc_ids[b, r + 1]) or not batch.loss_mask[b, r + 1]:
                     continue
+                feat, n_feat = feat + (out[b, t] - unit[b, r]).pow(2).mean(), n_feat + 1
                 if full[b, r].argmax() not in head.draft_ids:  # out-of-draft-vocab target: excluded from the loss
                     continue
-                num = num - (sub[b, r].softmax(-1) * logq[b, t]).sum()
+                num = num - ((sub[b, r] / temperature).softmax(-1) * logq[b, t]).sum()
                 den += 1
-        total = total + decay**j * num / max(den, 1)
+        total = total + decay**j * num / max(den, 1) + feature_weight * decay**j * feat / max(n_feat, 1)
     return total
 
 
@@ -168,13 +171,31 @@ def test_ttt_loss_normalisation_matches_reference():
     torch.testing.assert_close(out2.stats, out.stats)
 
 
+@pytest.mark.parametrize("temperature,feature_weight", [(0.5, 0.0), (2.0, 0.0), (1.0, 0.3), (0.5, 0.3)])
+def test_distill_temperature_and_feature_loss_match_reference(temperature, feature_weight):
+    model, head, batch = tiny_setup(seed=1)
+    kw = dict(steps=3, loss_decay=0.7, attention="naive", loss_chunk_rows=5)
+    out = ttt_forward(model, batch, head, temperature=temperature, feature_weight=feature_weight, **kw)
+    ref = reference_loss(model, head, batch, 3, 0.7, temperature=temperature, feature_weight=feature_weight)
+    torch.testing.assert_close(out.loss, torch.as_tensor(ref, dtype=out.loss.dtype))
+    plain = ttt_forward(model, batch, head, **kw)
+    assert not torch.allclose(out.loss, plain.loss)  # each term changes the loss, not only the metrics
+    torch.testing.assert_close(out.stats[:, :4], plain.stats[:, :4])  # argmax metrics are temperature-free
+    assert (out.stats[:, 6] > 0).all() == (feature_weight > 0)  # the feature error is reported when it ran
+    out.loss.backward()
+    assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
+
+
 def test_metrics_summary():
     # step 0: 10 valid, 8 correct; step 1: 10 valid, 5 correct, 8 rows whose step 0 was right, 4 of them right
-    stats = torch.tensor([[10, 8, 10, 8, 20.0, 10], [10, 5, 8, 4, 30.0, 10]])
+    stats = torch.tensor([[10, 8, 10, 8, 20.0, 10, 0], [10, 5, 8, 4, 30.0, 10, 0]])
     m = summarize(stats)
     assert m["acc_0"] == 0.8 and m["acc_1"] == 0.5 and m["cond_acc_1"] == 0.5
     assert m["sim_accept_len"] == pytest.approx(0.8 + 0.8 * 0.5)
     assert m["loss_1"] == 3.0
+    assert "feat_0" not in m  # feature error only reported when the feature loss ran
+    stats[:, 6] = torch.tensor([5.0, 8.0])
+    assert summarize(stats)["feat_1"] == 0.8
 
 
 def fake_samples(lengths, H=4, n_aux=2):
@@ -208,21 +229,28 @@ def _cfg(tmp, tiny_llama, vocab, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def test_resume_is_exact(captured, tiny_llama, tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"ema_decay": 0.5, "dropout": 0.1}], ids=["plain", "ema+dropout"])
+def test_resume_is_exact(captured, tiny_llama, tmp_path, extra):
     from safetensors.torch import load_file
 
     from eagle3.train import run_train
 
     samples, manifest, vocab = captured
-    straight = run_train(_cfg(tmp_path / "a", tiny_llama, vocab), samples=samples, manifest=manifest)
-    half = run_train(_cfg(tmp_path / "b", tiny_llama, vocab), samples=samples, manifest=manifest, stop_after=2)
+    straight = run_train(_cfg(tmp_path / "a", tiny_llama, vocab, **extra), samples=samples, manifest=manifest)
+    half = run_train(_cfg(tmp_path / "b", tiny_llama, vocab, **extra), samples=samples, manifest=manifest, stop_after=2)
     assert half.steps == 2 and not (tmp_path / "b" / "final").exists()
-    rest = run_train(_cfg(tmp_path / "b", tiny_llama, vocab), samples=samples, manifest=manifest)
+    rest = run_train(_cfg(tmp_path / "b", tiny_llama, vocab, **extra), samples=samples, manifest=manifest)
     assert rest.steps == straight.steps == 4
     wa, wb = load_file(str(straight.final_dir / "model.safetensors")), load_file(str(rest.final_dir / "model.safetensors"))
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+    ckpt = tmp_path / "a" / "checkpoints" / "step-4"
+    if extra:  # the checkpoint holds the average (what export serves) and the raw weights (what training resumes)
+        avg, raw = load_file(str(ckpt / "model.safetensors")), load_file(str(ckpt / "raw.safetensors"))
+        assert torch.equal(avg["fc.weight"], wa["fc.weight"]) and not torch.equal(raw["fc.weight"], avg["fc.weight"])
+    else:
+        assert not (ckpt / "raw.safetensors").exists()
     la = [json.loads(x) for x in (tmp_path / "a" / "logs" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x) for x in (tmp_path / "b" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in la] == [r["loss"] for r in lb]
@@ -380,3 +408,39 @@ def test_supervise_all_trains_on_prompt_rows_and_validates_on_assistant_rows(cap
         logs[mode] = {split: [r["num_rows"] for r in rows if r["split"] == split] for split in ("train", "val")}
     assert all(a < b for a, b in zip(logs["assistant"]["train"], logs["all"]["train"], strict=True))
     assert logs["assistant"]["val"] == logs["all"]["val"] and logs["all"]["val"][0] > 0
+
+
+def test_weight_average_ramps_swaps_and_restores():
+    from eagle3.train.average import WeightAverage
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    ema = WeightAverage([p], decay=0.9)
+    with torch.no_grad():
+        p.fill_(10.0)
+    ema.update(0)  # decay ramps: min(0.9, 1/10) = 0.1 -> 0.9 of the new weights
+    torch.testing.assert_close(ema.shadow[0], torch.full((3,), 9.0))
+    ema.update(100)  # decay 0.9 -> 0.9 * 9 + 0.1 * 10
+    torch.testing.assert_close(ema.shadow[0], torch.full((3,), 9.1))
+    with ema.applied():
+        torch.testing.assert_close(p.detach(), torch.full((3,), 9.1))
+    torch.testing.assert_close(p.detach(), torch.full((3,), 10.0))
+
+
+def test_freeze_keeps_named_parameters_fixed(captured, tiny_llama, tmp_path):
+    from safetensors.torch import load_file
+
+    from eagle3.config import ConfigError
+    from eagle3.train import run_train
+
+    samples, manifest, vocab = captured
+    cfg = _cfg(tmp_path, tiny_llama, vocab, freeze=["layers", "lm_head"], draft={"num_hidden_layers": 2},
+               init_head_from_target=True)
+    run_train(cfg, samples=samples, manifest=manifest)
+    first = load_file(str(tmp_path / "checkpoints" / "step-2" / "model.safetensors"))
+    last = load_file(str(tmp_path / "final" / "model.safetensors"))
+    frozen = [k for k in last if k.startswith(("layers.", "lm_head."))]
+    assert frozen and all(torch.equal(first[k], last[k]) for k in frozen)
+    assert not torch.equal(first["fc.weight"], last["fc.weight"])  # the rest trains
+    with pytest.raises(ConfigError, match="'mid'.*midlayer"):
+        run_train(_cfg(tmp_path / "bad", tiny_llama, vocab, freeze="mid,fc"), samples=samples, manifest=manifest)
+    assert TrainConfig(freeze="layers, lm_head").freeze == ["layers", "lm_head"]  # the CLI's comma form

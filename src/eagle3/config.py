@@ -212,6 +212,25 @@ class TrainConfig(StageConfig):
         "training begins from the target's own computation (needs draft.num_hidden_layers >= 2 and a dense Llama-style "
         "target: plain attention, SwiGLU MLP)"
     )
+    feature_loss_weight: float = Field(
+        0.0, ge=0, description="Weight of a feature-regression term (EAGLE-1): per TTT step, the mean squared error "
+        "between the RMS-normalised hidden the draft passes on and the target's RMS-normalised last hidden state at "
+        "the same row; more signal per row than the token distribution alone, for small training sets"
+    )
+    distill_temperature: float = Field(
+        1.0, gt=0, description="Divide draft and target logits by this before the soft cross-entropy: < 1 sharpens "
+        "the target towards its argmax (what greedy acceptance checks), > 1 softens it"
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on each draft layer's attention and MLP outputs in training")
+    ema_decay: float = Field(
+        0.0, ge=0, lt=1, description="Keep an exponential moving average of the weights with this decay (e.g. 0.999); "
+        "validation, best/, final/ and checkpoints' model.safetensors then hold the average (the raw weights "
+        "resume from raw.safetensors). 0 = off"
+    )
+    freeze: list[str] = Field(
+        default_factory=list, description="Draft parameters kept fixed, by name prefix (fc, midlayer, layers, "
+        "layers.2, norm, lm_head): e.g. the layers copied by init_layers_from_target and the head from the target"
+    )
     preload: bool = Field(
         False, description="Read the capture into RAM once (sequential shard reads, only the trained layers kept) "
         "instead of memory-mapping it per sample; for captures that fit in RAM"
@@ -220,6 +239,11 @@ class TrainConfig(StageConfig):
 
     _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
     _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))
+
+    @field_validator("freeze", mode="before")
+    @classmethod
+    def _parse_freeze(cls, v):
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _check_init_layers(self) -> TrainConfig:

@@ -48,6 +48,7 @@ class DraftConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     num_hidden_layers: int = 1  # decoder layers: the midlayer + (n-1) plain ones
+    dropout: float = 0.0  # on each layer's attention and MLP outputs, training only (not exported)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,6 +252,7 @@ class MidLayer(nn.Module):
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
+        self.p = cfg.dropout
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
@@ -259,8 +261,8 @@ class MidLayer(nn.Module):
 
     def forward(self, emb, hidden, cos, sin, cache, attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
-        residual = hidden + self.self_attn(x, cos, sin, cache, attn_fn)  # (B, T, H)
-        h = self.mlp(self.post_attention_layernorm(residual))  # (B, T, H)
+        residual = hidden + F.dropout(self.self_attn(x, cos, sin, cache, attn_fn), self.p, self.training)  # (B, T, H)
+        h = F.dropout(self.mlp(self.post_attention_layernorm(residual)), self.p, self.training)  # (B, T, H)
         return h, residual
 
 
@@ -269,6 +271,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
+        self.p = cfg.dropout
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -276,8 +279,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, residual, cos, sin, cache, attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
         residual = h + residual  # (B, T, H)
-        residual = residual + self.self_attn(self.input_layernorm(residual), cos, sin, cache, attn_fn)  # (B, T, H)
-        h = self.mlp(self.post_attention_layernorm(residual))  # (B, T, H)
+        attn = self.self_attn(self.input_layernorm(residual), cos, sin, cache, attn_fn)  # (B, T, H)
+        residual = residual + F.dropout(attn, self.p, self.training)  # (B, T, H)
+        h = F.dropout(self.mlp(self.post_attention_layernorm(residual)), self.p, self.training)  # (B, T, H)
         return h, residual
 
 

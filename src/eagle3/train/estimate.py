@@ -109,7 +109,7 @@ def score_batches(ttt: torch.nn.Module, batches: list[PackedBatch], head: Target
     `replay_k`, also `tau_replay` and `accepted_<j>`/`num_rounds` from replay_rounds()."""
     was_training = ttt.training
     ttt.eval()
-    stats = torch.zeros(steps, len(STAT_COLUMNS), device=device)  # (K, 6)
+    stats = torch.zeros(steps, len(STAT_COLUMNS), device=device)  # (K, len(STAT_COLUMNS))
     rounds = RoundCounts()
     on_gpu = torch.device(device).type == "cuda"
     with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32):

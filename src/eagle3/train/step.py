@@ -7,6 +7,12 @@
 Step j (0-based) at row t reads token ids[t+1+j] and is trained against the target's distribution at row t+1+j
 (which predicts token t+2+j); the row is supervised iff rows t..t+2+j lie in one document and
 loss_mask[t+2+j] (1 = assistant token). Rope positions of step j are pos[t]+j, as in vLLM's drafting loop.
+
+Two optional terms: `temperature` divides both the draft's and the target's logits before the soft CE (< 1
+sharpens the target towards its argmax, which is all greedy acceptance scores); `feature_weight` adds, per step,
+the mean squared error between the RMS-normalised pre-norm hidden the draft outputs (what its next step reads)
+and the RMS-normalised last hidden state of the target at row t+1+j (what the target predicts token t+2+j from),
+EAGLE-1's feature regression: 384-wide supervision per row instead of one distribution.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from eagle3.train.attention import make_ttt_attention
 from eagle3.train.loss import TargetHead, compute_targets, fused_soft_ce, soft_ce
 
 #: columns of StepOutput.stats, one row per TTT step
-STAT_COLUMNS = ("n_valid", "n_correct", "n_cond", "n_cond_correct", "ce_sum", "n_loss")
+STAT_COLUMNS = ("n_valid", "n_correct", "n_cond", "n_cond_correct", "ce_sum", "n_loss", "feat_sum")
 
 
 @dataclass
@@ -60,6 +66,8 @@ def ttt_forward(
     loss_chunk_rows: int = 4096,
     return_correct: bool = False,
     fused_loss: bool = True,
+    temperature: float = 1.0,
+    feature_weight: float = 0.0,
 ) -> StepOutput:
     ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
     B, T = ids.shape
@@ -68,6 +76,7 @@ def ttt_forward(
     doc_p = F.pad(doc, (0, pad), value=-2)  # (B, T+pad)
     mask_p = F.pad(batch.loss_mask.bool(), (0, pad), value=False)  # (B, T+pad)
     ids_p = F.pad(ids, (0, pad), value=0)  # (B, T+pad)
+    feat_p = _rms_normalize(F.pad(batch.last_hidden, (0, 0, 0, pad))) if feature_weight > 0 else None  # (B, T+pad, Ht)
     attn = make_ttt_attention(attention, doc, steps)
     hidden = model.combine(batch.aux)  # (B, T, H)
     cache = model.new_cache()  # per layer: keys/values of every TTT step so far
@@ -81,13 +90,22 @@ def ttt_forward(
         valid = same & mask_p[:, r + 1 : r + 1 + T]  # (B, T)
         weight = (valid & tg.in_vocab[:, r : r + T]).float()  # (B, T)
         ce = fused_soft_ce if fused_loss else soft_ce  # same values and gradients; fused: no recompute
-        ce_sum, am = ce(out, model.lm_head.weight, tg.logits[:, r : r + T], weight, loss_chunk_rows)
+        if temperature == 1.0:
+            ce_sum, am = ce(out, model.lm_head.weight, tg.logits[:, r : r + T], weight, loss_chunk_rows)
+        else:  # logits / temperature on both sides: scale the draft's input (linear head) and the target's logits
+            ce_sum, am = ce(out / temperature, model.lm_head.weight, tg.logits[:, r : r + T] / temperature, weight,
+                            loss_chunk_rows)
         n_loss = weight.sum()
         loss = loss + (loss_decay**j) * ce_sum / n_loss.clamp(min=1.0)
+        feat_sum = loss.new_zeros(())
+        if feat_p is not None:
+            err = (_rms_normalize(hidden) - feat_p[:, r : r + T]).pow(2).mean(-1)  # (B, T)
+            feat_sum = (err * valid).sum()
+            loss = loss + feature_weight * (loss_decay**j) * feat_sum / valid.sum().clamp(min=1)
         correct = ((am + model.d2t[am]) == tg.argmax[:, r : r + T]) & valid  # (B, T)
         cond = joint & valid  # (B, T)
         rows.append(torch.stack([valid.sum(), correct.sum(), cond.sum(), (cond & correct).sum()]).float())
-        rows[-1] = torch.cat([rows[-1], ce_sum.detach()[None], n_loss[None]])
+        rows[-1] = torch.cat([rows[-1], ce_sum.detach()[None], n_loss[None], feat_sum.detach().float()[None]])
         joint = joint & correct
         if return_correct:
             corrects.append(correct)
@@ -97,15 +115,23 @@ def ttt_forward(
     return StepOutput(loss, torch.stack(rows))
 
 
+def _rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()  # (..., H)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., H)
+
+
 def summarize(stats: torch.Tensor) -> dict[str, float]:
-    """Per-step metrics from summed stats (K, 6): loss_j, acc_j (top-1 agreement), cond_acc_j, and
-    sim_accept_len = sum_j prod_{i<=j} cond_acc_i (expected accepted draft tokens per round, bonus excluded),
-    num_rows (supervised rows at step 0)."""
+    """Per-step metrics from summed stats (K, 7): loss_j, acc_j (top-1 agreement), cond_acc_j, feat_j (feature
+    error, only when the feature loss ran), and sim_accept_len = sum_j prod_{i<=j} cond_acc_i (expected accepted
+    draft tokens per round, bonus excluded), num_rows (supervised rows at step 0)."""
     s = stats.double().cpu()
     out: dict[str, float] = {}
     prod, accept = 1.0, 0.0
-    for j, (nv, nc, ncond, ncc, ce, nl) in enumerate(s.tolist()):
+    has_feat = bool(len(s)) and bool((s[:, 6] != 0).any())
+    for j, (nv, nc, ncond, ncc, ce, nl, fs) in enumerate(s.tolist()):
         out[f"loss_{j}"] = ce / max(nl, 1.0)
+        if has_feat:
+            out[f"feat_{j}"] = fs / max(nv, 1.0)
         out[f"acc_{j}"] = nc / max(nv, 1.0)
         cacc = ncc / max(ncond, 1.0)
         out[f"cond_acc_{j}"] = cacc

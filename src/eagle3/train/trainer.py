@@ -1,7 +1,8 @@
 """`run_train(cfg)`: read target/vocab/capture -> build draft -> TTT training loop -> checkpoints + metadata.
 
 Layout under cfg.out:
-    checkpoints/step-N/   model.safetensors (draft minus the frozen embedding, fp32), optimizer.pt (optimizer +
+    checkpoints/step-N/   model.safetensors (draft minus the frozen embedding, fp32; the weight average when
+                          ema_decay > 0, the raw weights then in raw.safetensors), optimizer.pt (optimizer +
                           scheduler; under FSDP scheduler only, plus optimizer/rank-R-of-W.pt shards),
                           trainer_state.json (step, loader epoch/cursor, best), rng.pt, eagle3_draft.json
     best/                 model.safetensors + eagle3_draft.json of the best validation sim_accept_len
@@ -23,6 +24,7 @@ import re
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from eagle3.config import ConfigError, TrainConfig
 from eagle3.io import atomic_dir, atomic_path, write_json
 from eagle3.model.draft import DraftConfig, Eagle3Draft, draft_config_from_target, text_config
 from eagle3.train import parallel
+from eagle3.train.average import WeightAverage
 from eagle3.train.data import (
     PackedLoader,
     SelectedLayers,
@@ -55,6 +58,7 @@ from eagle3.train.target import (
 
 METADATA = "eagle3_draft.json"
 WEIGHTS = "model.safetensors"
+RAW_WEIGHTS = "raw.safetensors"  # the raw training weights beside a weight-average model.safetensors
 
 
 @dataclass
@@ -92,6 +96,7 @@ def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num
             "rebuild the vocab with this target's tokenizer"
         )
     dcfg = draft_config_from_target(target_cfg, num_aux, d2t.numel(), cfg.draft)
+    dcfg.dropout = cfg.dropout
     model = Eagle3Draft(dcfg)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(tensors["embed"].float())
@@ -102,7 +107,22 @@ def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num
             model.norm.weight.copy_(tensors["norm"].float())
     if cfg.init_layers_from_target:
         init_layers_from_target(model, tensors["layers"], aux_ids)
+    freeze_parameters(model, cfg.freeze)
     return model
+
+
+def freeze_parameters(model: Eagle3Draft, prefixes: list[str]) -> None:
+    """requires_grad=False for every draft parameter named by one of `prefixes` (`layers`, `layers.2`, `lm_head`)."""
+    names = [n for n, _ in model.named_parameters() if not n.startswith("embed_tokens.")]
+    for pre in prefixes:
+        hit = [n for n in names if n == pre or n.startswith(pre + ".")]
+        if not hit:
+            tops = sorted({n.split(".")[0] for n in names} | {".".join(n.split(".")[:2]) for n in names if n.startswith("layers.")})
+            raise ConfigError(f"freeze={prefixes}: {pre!r} names no parameter of this draft; use prefixes of {tops}")
+        for n in hit:
+            model.get_parameter(n).requires_grad_(False)
+    if prefixes and not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"freeze={prefixes} leaves nothing to train; freeze fewer parts")
 
 
 def add_hidden_noise(aux: torch.Tensor, num_aux: int, scale: float) -> torch.Tensor:
@@ -147,12 +167,15 @@ def _save_weights(model, path: Path) -> None:
 
 
 def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: dict,
-                    optim_shards: Path | None = None) -> Path:
+                    optim_shards: Path | None = None, raw=None) -> Path:
     """`model`: Eagle3Draft or a full state dict. `optim_shards`: a dir of per-rank optimizer files (FSDP) that
-    is moved into the checkpoint instead of saving `opt` (whose state is sharded)."""
+    is moved into the checkpoint instead of saving `opt` (whose state is sharded). `raw`: the raw weights when
+    `model` is their moving average (resume reads both)."""
     final = out / "checkpoints" / f"step-{step}"
     with atomic_dir(final) as tmp:
         _save_weights(model, tmp / WEIGHTS)
+        if raw is not None:
+            _save_weights(raw, tmp / RAW_WEIGHTS)
         if optim_shards is not None:
             shutil.move(str(optim_shards), tmp / "optimizer")
             torch.save({"scheduler": sched.state_dict()}, tmp / "optimizer.pt")
@@ -351,14 +374,31 @@ def run_train(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+    ema = WeightAverage(params, cfg.ema_decay) if cfg.ema_decay > 0 else None
+
+    def averaged():  # validate and save the weight average when there is one
+        return ema.applied() if ema is not None else nullcontext()
+
+    def gather_averaged() -> dict[str, torch.Tensor]:  # the full state to save: the average when there is one
+        if ema is None:
+            return parallel.full_state_dict(ttt, d)
+        with ema.applied():  # copies: a state dict may share the parameters' storage, which the swap back rewrites
+            return {k: v.detach().clone() for k, v in parallel.full_state_dict(ttt, d).items()}
+
+    def load_weights(path: Path) -> None:
+        sd = load_file(str(path))
+        check_draft_weights(model, sd, path)
+        parallel.load_full_state_dict(ttt, {"draft." + k: v for k, v in sd.items()}, d)
 
     step, best = 0, -1.0
     ckpt = latest_checkpoint(out) if cfg.resume else None
     sharded_optim = cfg.parallel == "fsdp" and d.world > 1
     if ckpt is not None:
-        sd = load_file(str(ckpt / WEIGHTS))
-        check_draft_weights(model, sd, ckpt / WEIGHTS)
-        parallel.load_full_state_dict(ttt, {"draft." + k: v for k, v in sd.items()}, d)
+        load_weights(ckpt / WEIGHTS)
+        if ema is not None:  # model.safetensors holds the average (or, from a run without one, the weights)
+            ema.reset()
+            if (ckpt / RAW_WEIGHTS).is_file():
+                load_weights(ckpt / RAW_WEIGHTS)
         st = torch.load(ckpt / "optimizer.pt", map_location=d.device, weights_only=False)
         if sharded_optim:
             shard = ckpt / "optimizer" / f"rank-{d.rank}-of-{d.world}.pt"
@@ -380,7 +420,8 @@ def run_train(
 
     log = Logger(out, d.main)
     load_compile_cache(cfg.compile_cache, d)
-    kw = dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention)
+    kw = dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention,
+              temperature=cfg.distill_temperature, feature_weight=cfg.feature_loss_weight)
     if cfg.compile:
         model.compile_blocks()
 
@@ -407,7 +448,7 @@ def run_train(
             if cfg.supervise == "all":  # every token of every conversation, prompts too (validation: assistant only)
                 b.loss_mask = b.doc_ids >= 0  # (B, T)
             sync = micro == cfg.grad_accum - 1 or d.world == 1
-            ctx = ttt.no_sync() if not sync and hasattr(ttt, "no_sync") else _null()
+            ctx = ttt.no_sync() if not sync and hasattr(ttt, "no_sync") else nullcontext()
             with ctx, torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
                 loss, stats = ttt(b, head, **kw)
             with ctx:
@@ -418,6 +459,8 @@ def run_train(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(step)
         step, done_here, n_acc = step + 1, done_here + 1, n_acc + 1
         if step % cfg.log_every == 0 or step == total:
             parallel.all_reduce_sum(train_stats, d)
@@ -431,11 +474,12 @@ def run_train(
             n_acc = 0
         best_now = False
         if val and (step % cfg.eval_every == 0 or step == total):
-            val_m = evaluate(val)
-            log.log(step, "val", val_m)
+            with averaged():
+                val_m = evaluate(val)
+                log.log(step, "val", val_m)
+                if heldout:
+                    log.log(step, "heldout", evaluate(heldout))
             progress(d, f"step {step} validation tau_estimate {val_m['tau_estimate']:.3f}")
-            if heldout:
-                log.log(step, "heldout", evaluate(heldout))
             if val_m["tau_estimate"] > best:
                 best, best_now = val_m["tau_estimate"], True
             if step == cfg.eval_every:  # train and eval graphs compiled by now: a run cut short still leaves them
@@ -447,7 +491,8 @@ def run_train(
             torch.distributed.broadcast(flag, 0)
             best_now = bool(flag.item())
         if save_now or best_now:
-            full = parallel.full_state_dict(ttt, d)
+            raw = parallel.full_state_dict(ttt, d) if ema is not None and save_now else None
+            full = gather_averaged()
             shards = None
             if sharded_optim and save_now:
                 shards = out / "checkpoints" / f".optim-step-{step}"
@@ -457,13 +502,14 @@ def run_train(
             if d.main and best_now:
                 save_model_dir(out / "best", full, meta(val_m))
             if d.main and save_now:
-                ckpt = save_checkpoint(out, full, opt, sched, step, loader, best, meta(val_m), optim_shards=shards)
+                ckpt = save_checkpoint(out, full, opt, sched, step, loader, best, meta(val_m), optim_shards=shards,
+                                       raw=raw)
                 loader.on_checkpoint(ckpt)
         parallel.barrier(d)
 
     final_dir = out / "final"
     if step >= total:
-        full = parallel.full_state_dict(ttt, d)
+        full = gather_averaged()
         if d.main:
             save_model_dir(final_dir, full, meta(val_m))
     save_compile_cache(cfg.compile_cache, d)
@@ -499,14 +545,6 @@ def save_compile_cache(path: str | None, d: parallel.Dist) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(saved[0])
     progress(d, f"compile cache: {len(saved[0]) / 1e6:.1f} MB written to {path}")
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 __all__ = ["run_train", "TrainResult", "save_checkpoint", "latest_checkpoint", "shutil"]
