@@ -122,7 +122,7 @@ def test_ttt_forward_fused_loss_equals_unfused():
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(res[0][2], res[1][2], strict=True))
 
 
-def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_weight=0.0):
+def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_weight=0.0, mid_weight=0.0, mid_block=0):
     """Independent, unchunked: full target softmax, explicit shifted loops, naive attention. The feature term
     uses the normed outputs: at init the final norm's weight is 1, so they are the RMS-normalised pre-norm hidden."""
     B, T = batch.input_ids.shape
@@ -132,12 +132,21 @@ def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_we
     sub = full[..., head.draft_ids]  # (B, T, Vd)
     attn = make_ttt_attention("naive", batch.doc_ids, steps)
     ids = [torch.cat([batch.input_ids[:, 1 + j :], torch.zeros(B, 1 + j, dtype=torch.long)], 1) for j in range(steps)]
-    outs = model(ids, batch.aux, batch.positions, attn, steps=steps)
-    unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # (B, T, Ht) the feature targets
+    hidden, cache, outs, mids = model.combine(batch.aux), model.new_cache(), [], []
+    for j in range(steps):
+        states = []
+        out, hidden = model.step(ids[j], hidden, batch.positions + j, cache, attn, states)
+        outs.append(out)
+        mids.append(states[0])
+
+    def unit(v):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    block = batch.aux.unflatten(-1, (model.cfg.num_aux, -1))[:, :, mid_block]  # (B, T, Ht)
     total = 0.0
     for j, out in enumerate(outs):
         logq = F.log_softmax(model.lm_head(out) / temperature, -1)
-        num, den, feat, n_feat = 0.0, 0, 0.0, 0
+        num, den, feat, mid, n_feat = 0.0, 0, 0.0, 0.0, 0
         for b in range(B):
             for t in range(T):
                 r = t + 1 + j
@@ -145,12 +154,13 @@ def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_we
                     continue
                 if not (batch.doc_ids[b, r] == batch.doc_ids[b, t] == batch.doc_ids[b, r + 1]) or not batch.loss_mask[b, r + 1]:
                     continue
-                feat, n_feat = feat + (out[b, t] - unit[b, r]).pow(2).mean(), n_feat + 1
+                feat, n_feat = feat + (out[b, t] - unit(x[b, r])).pow(2).mean(), n_feat + 1
+                mid = mid + (unit(mids[j][b, t]) - unit(block[b, r])).pow(2).mean()
                 if full[b, r].argmax() not in head.draft_ids:  # out-of-draft-vocab target: excluded from the loss
                     continue
                 num = num - ((sub[b, r] / temperature).softmax(-1) * logq[b, t]).sum()
                 den += 1
-        total = total + decay**j * num / max(den, 1) + feature_weight * decay**j * feat / max(n_feat, 1)
+        total = total + decay**j * (num / max(den, 1) + (feature_weight * feat + mid_weight * mid) / max(n_feat, 1))
     return total
 
 
@@ -171,12 +181,15 @@ def test_ttt_loss_normalisation_matches_reference():
     torch.testing.assert_close(out2.stats, out.stats)
 
 
-@pytest.mark.parametrize("temperature,feature_weight", [(0.5, 0.0), (2.0, 0.0), (1.0, 0.3), (0.5, 0.3)])
-def test_distill_temperature_and_feature_loss_match_reference(temperature, feature_weight):
+@pytest.mark.parametrize("temperature,feature_weight,mid_weight",
+                         [(0.5, 0.0, 0.0), (2.0, 0.0, 0.0), (1.0, 0.3, 0.0), (0.5, 0.3, 0.0), (1.0, 0.0, 0.4), (1.0, 0.3, 0.4)])
+def test_distill_temperature_and_feature_losses_match_reference(temperature, feature_weight, mid_weight):
     model, head, batch = tiny_setup(seed=1)
     kw = dict(steps=3, loss_decay=0.7, attention="naive", loss_chunk_rows=5)
-    out = ttt_forward(model, batch, head, temperature=temperature, feature_weight=feature_weight, **kw)
-    ref = reference_loss(model, head, batch, 3, 0.7, temperature=temperature, feature_weight=feature_weight)
+    out = ttt_forward(model, batch, head, temperature=temperature, feature_weight=feature_weight,
+                      mid_feature_weight=mid_weight, mid_target_block=1, **kw)
+    ref = reference_loss(model, head, batch, 3, 0.7, temperature=temperature, feature_weight=feature_weight,
+                         mid_weight=mid_weight, mid_block=1)
     torch.testing.assert_close(out.loss, torch.as_tensor(ref, dtype=out.loss.dtype))
     plain = ttt_forward(model, batch, head, **kw)
     assert not torch.allclose(out.loss, plain.loss)  # each term changes the loss, not only the metrics
@@ -444,3 +457,19 @@ def test_freeze_keeps_named_parameters_fixed(captured, tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="'mid'.*midlayer"):
         run_train(_cfg(tmp_path / "bad", tiny_llama, vocab, freeze="mid,fc"), samples=samples, manifest=manifest)
     assert TrainConfig(freeze="layers, lm_head").freeze == ["layers", "lm_head"]  # the CLI's comma form
+
+
+def test_midlayer_feature_loss_needs_the_copied_layers(captured, tiny_llama, tmp_path):
+    from pydantic import ValidationError
+
+    from eagle3.config import ConfigError
+    from eagle3.train import run_train
+
+    with pytest.raises(ValidationError, match="needs init_layers_from_target"):
+        TrainConfig(midlayer_feature_loss_weight=1.0)
+    samples, manifest, vocab = captured  # tiny target: 5 layers, aux ids (1, 2, 4); 2 draft layers copy layer 4
+    ok = dict(init_layers_from_target=True, midlayer_feature_loss_weight=1.0, draft={"num_hidden_layers": 2}, max_steps=1)
+    run_train(_cfg(tmp_path / "ok", tiny_llama, vocab, **ok), samples=samples, manifest=manifest)
+    with pytest.raises(ConfigError, match="use aux id 3"):  # 3 draft layers copy layers 3, 4: they read id 3
+        run_train(_cfg(tmp_path / "bad", tiny_llama, vocab, **{**ok, "draft": {"num_hidden_layers": 3}}),
+                  samples=samples, manifest=manifest)

@@ -217,6 +217,11 @@ class TrainConfig(StageConfig):
         "between the RMS-normalised hidden the draft passes on and the target's RMS-normalised last hidden state at "
         "the same row; more signal per row than the token distribution alone, for small training sets"
     )
+    midlayer_feature_loss_weight: float = Field(
+        0.0, ge=0, description="With init_layers_from_target: weight of the same regression for the first layer's "
+        "output against the deepest aux state at the next row, the input the target's copied layers expect there "
+        "(needs the deepest aux id = L - draft layers + 1, e.g. 5 for 4 draft layers on an 8-layer target)"
+    )
     distill_temperature: float = Field(
         1.0, gt=0, description="Divide draft and target logits by this before the soft cross-entropy: < 1 sharpens "
         "the target towards its argmax (what greedy acceptance checks), > 1 softens it"
@@ -252,6 +257,11 @@ class TrainConfig(StageConfig):
                 f"init_layers_from_target=true needs draft.num_hidden_layers >= 2 (got {self.draft.num_hidden_layers or 1}): "
                 "the first draft layer reads (embedding, hidden) and has no target counterpart; set "
                 "--draft-num-hidden-layers 2 or more"
+            )
+        if self.midlayer_feature_loss_weight > 0 and not self.init_layers_from_target:
+            raise ValueError(
+                f"midlayer_feature_loss_weight={self.midlayer_feature_loss_weight} needs init_layers_from_target=true "
+                "(the first layer's target is the state the copied target layers read); set both or neither"
             )
         return self
 

@@ -323,12 +323,15 @@ class Eagle3Draft(nn.Module):
         """Per decoder layer: (keys, values) of every TTT step so far (what the layer's KV cache holds in vLLM)."""
         return [([], []) for _ in range(self.cfg.num_hidden_layers)]
 
-    def step(self, input_ids, hidden, positions, cache, attn_fn: AttnFn) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, input_ids, hidden, positions, cache, attn_fn: AttnFn,
+             states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: returns (normed output for lm_head, pre-norm hidden for the next step), both (B, T, H).
-        cache: from new_cache(), extended in place."""
+        cache: from new_cache(), extended in place; `states`, when given, gets the midlayer's output (h + residual)."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)  # (B, 1, T, d)
         h, residual = self.midlayer(emb, hidden, cos, sin, cache[0], attn_fn)  # (B, T, H) x2
+        if states is not None:
+            states.append(h + residual)  # (B, T, H)
         for k, layer in self.layers.items():
             h, residual = layer(h, residual, cos, sin, cache[int(k)], attn_fn)  # (B, T, H) x2
         prenorm = h + residual  # (B, T, H)

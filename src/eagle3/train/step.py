@@ -12,7 +12,9 @@ Two optional terms: `temperature` divides both the draft's and the target's logi
 sharpens the target towards its argmax, which is all greedy acceptance scores); `feature_weight` adds, per step,
 the mean squared error between the RMS-normalised pre-norm hidden the draft outputs (what its next step reads)
 and the RMS-normalised last hidden state of the target at row t+1+j (what the target predicts token t+2+j from),
-EAGLE-1's feature regression: 384-wide supervision per row instead of one distribution.
+EAGLE-1's feature regression: 384-wide supervision per row instead of one distribution. `mid_feature_weight`
+does the same for the midlayer's output against aux block `mid_target_block` at row t+1+j: for a draft whose
+later layers are the target's layers after that aux state (init_layers_from_target), the state they expect.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def ttt_forward(
     fused_loss: bool = True,
     temperature: float = 1.0,
     feature_weight: float = 0.0,
+    mid_feature_weight: float = 0.0,
+    mid_target_block: int = -1,
 ) -> StepOutput:
     ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
     B, T = ids.shape
@@ -77,6 +81,10 @@ def ttt_forward(
     mask_p = F.pad(batch.loss_mask.bool(), (0, pad), value=False)  # (B, T+pad)
     ids_p = F.pad(ids, (0, pad), value=0)  # (B, T+pad)
     feat_p = _rms_normalize(F.pad(batch.last_hidden, (0, 0, 0, pad))) if feature_weight > 0 else None  # (B, T+pad, Ht)
+    mid_p = None
+    if mid_feature_weight > 0:
+        block = batch.aux.unflatten(-1, (model.cfg.num_aux, -1))[:, :, mid_target_block]  # (B, T, Ht)
+        mid_p = _rms_normalize(F.pad(block, (0, 0, 0, pad)))  # (B, T+pad, Ht)
     attn = make_ttt_attention(attention, doc, steps)
     hidden = model.combine(batch.aux)  # (B, T, H)
     cache = model.new_cache()  # per layer: keys/values of every TTT step so far
@@ -85,7 +93,8 @@ def ttt_forward(
     corrects, valids = [], []
     for j in range(steps):
         r = 1 + j
-        out, hidden = model.step(ids_p[:, r : r + T], hidden, pos + j, cache, attn)  # (B, T, H) x2
+        states = [] if mid_p is not None else None
+        out, hidden = model.step(ids_p[:, r : r + T], hidden, pos + j, cache, attn, states)  # (B, T, H) x2
         same = (doc_p[:, r : r + T] == doc) & (doc_p[:, r + 1 : r + 1 + T] == doc) & (doc >= 0)  # (B, T)
         valid = same & mask_p[:, r + 1 : r + 1 + T]  # (B, T)
         weight = (valid & tg.in_vocab[:, r : r + T]).float()  # (B, T)
@@ -102,6 +111,9 @@ def ttt_forward(
             err = (_rms_normalize(hidden) - feat_p[:, r : r + T]).pow(2).mean(-1)  # (B, T)
             feat_sum = (err * valid).sum()
             loss = loss + feature_weight * (loss_decay**j) * feat_sum / valid.sum().clamp(min=1)
+        if mid_p is not None:
+            err = (_rms_normalize(states[0]) - mid_p[:, r : r + T]).pow(2).mean(-1)  # (B, T)
+            loss = loss + mid_feature_weight * (loss_decay**j) * (err * valid).sum() / valid.sum().clamp(min=1)
         correct = ((am + model.d2t[am]) == tg.argmax[:, r : r + T]) & valid  # (B, T)
         cond = joint & valid  # (B, T)
         rows.append(torch.stack([valid.sum(), correct.sum(), cond.sum(), (cond & correct).sum()]).float())

@@ -333,6 +333,12 @@ def run_train(
                       torch.arange(d2t.numel()) + d2t).to(d.device, amp_dtype)
 
     L = tc["num_hidden_layers"]
+    if cfg.midlayer_feature_loss_weight > 0 and max(layers) != L - dcfg.num_hidden_layers + 1:
+        raise ConfigError(
+            f"midlayer_feature_loss_weight: the deepest aux id {max(layers)} is not the state target layer "
+            f"{L - dcfg.num_hidden_layers + 1} (the first one the draft copies) reads; with {L} target layers and "
+            f"{dcfg.num_hidden_layers} draft layers use aux id {L - dcfg.num_hidden_layers + 1}, or change the draft's depth"
+        )
     t_load = time.perf_counter()
     preload = cfg.preload and source is None and samples is None
     if source is not None:
@@ -421,7 +427,8 @@ def run_train(
     log = Logger(out, d.main)
     load_compile_cache(cfg.compile_cache, d)
     kw = dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention,
-              temperature=cfg.distill_temperature, feature_weight=cfg.feature_loss_weight)
+              temperature=cfg.distill_temperature, feature_weight=cfg.feature_loss_weight,
+              mid_feature_weight=cfg.midlayer_feature_loss_weight, mid_target_block=layers.index(max(layers)))
     if cfg.compile:
         model.compile_blocks()
 
