@@ -44,6 +44,22 @@ def levers(train_config: dict) -> str:
         bits.append(f"noise {train_config['hidden_noise']:g}")
     if train_config.get("weight_decay"):
         bits.append(f"wd {train_config['weight_decay']:g}")
+    if train_config.get("feature_loss_weight"):
+        bits.append(f"feature loss {train_config['feature_loss_weight']:g}")
+    if train_config.get("midlayer_feature_loss_weight"):
+        bits.append(f"midlayer feature loss {train_config['midlayer_feature_loss_weight']:g}")
+    if train_config.get("distill_temperature", 1.0) != 1.0:
+        bits.append(f"temperature {train_config['distill_temperature']:g}")
+    if train_config.get("dropout"):
+        bits.append(f"dropout {train_config['dropout']:g}")
+    if train_config.get("ema_decay"):
+        bits.append(f"EMA {train_config['ema_decay']:g}")
+    if train_config.get("freeze"):
+        bits.append("freeze " + "+".join(train_config["freeze"]))
+    if train_config.get("loss_decay", 0.8) != 0.8:
+        bits.append(f"loss decay {train_config['loss_decay']:g}")
+    if train_config.get("epochs"):
+        bits.append(f"{train_config['epochs']:g} epochs")
     return ", ".join(bits) or "–"
 
 
@@ -91,6 +107,7 @@ def summarise(call_dir: Path, tmp: Path, flags: dict[str, str] | None = None) ->
             "acc0_heldout_last": splits.get("heldout", {}).get("acc_0"),
             "acc0_val_last": splits.get("val", {}).get("acc_0"),
             "levers": levers(tcfg), "training_set": "protocol" if protocol_only else "full",
+            "train_config": m.get("train_config"), "draft_config": m["draft_config"],
         })
     rows.sort(key=lambda r: -(r["tau_estimate_val"] or 0))
     times = (call_dir / "times.txt").read_text().splitlines() if (call_dir / "times.txt").exists() else []
