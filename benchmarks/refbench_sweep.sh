@@ -5,7 +5,7 @@
 #   vocab -> several drafts trained at once (VARIANTS below, spread over the GPUs), each picking its best
 #   checkpoint by the replayed-rounds τ estimate on the validation capture -> export -> $OUT/{ranking.json,logs.tgz,draft-<top variants>.tgz}.
 # Expects .whl/ (wheels for the GPU image's Python), .device/refbench/ (a copy of ../shared/refbench),
-# .device/regen/{train,val}.jsonl (regenerated conversations). EAGLE3_SRC overrides the package source dir,
+# .device/regen/{train,val}.jsonl (regenerated conversations): benchmarks/device_carry.sh makes all of them. EAGLE3_SRC overrides the package source dir,
 # TRAIN_DATA the training conversations, WARMUP=0 skips the cache-warming trainer (few variants compile at once),
 # DDP=1 trains the variants one after another, each data-parallel over all GPUs (torchrun), PROTOCOL_ROWS=N also
 # captures the first N training conversations alone (see below). Each variant's torch.compile artifacts come back in
