@@ -43,7 +43,7 @@ def collect() -> list[dict]:
                          "peak_lr": v.get("peak_lr"), "gpus_per_draft": res.get("gpus_per_draft", 1),
                          "steps": v["best_step"], "tau_estimate": round(v["tau_estimate_val"], 3),
                          "tau_vllm": round(ev["tau"], 3), "accepted_per_position": ev["accepted_per_position"],
-                         "num_drafts": ev.get("num_drafts"), "eval_dir": ev.get("eval_dir")})
+                         "num_drafts": ev.get("num_drafts")})
     for row in rows:
         row["protocol_training_set"] = row["num_samples"] == PROTOCOL_SAMPLES
     return sorted(rows, key=lambda r: r["tau_vllm"])
@@ -87,15 +87,11 @@ def best_on_protocol(rows: list[dict]) -> dict | None:
     sweep = json.loads((RESULTS / r["source"]).read_text())
     v = next(x for x in sweep["variants"] if x["variant"] == r["variant"])
     ev = sweep["vllm"][r["variant"]]
-    eval_dir = Path(ev["eval_dir"]) if ev.get("eval_dir") else None
-    res = json.loads((eval_dir / "results.json").read_text()) if eval_dir and (eval_dir / "results.json").is_file() else {}
-    keep = ("acceptance_length", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
-            "acceptance_rate_per_position", "outputs_match_baseline", "spec_tokens_per_s", "baseline_tokens_per_s")
     return {"variant": r["variant"], "source": r["source"], "date": sweep["date"], "gpu": sweep["gpu"],
             "command": sweep["command"], "stage_times": [t for t in sweep["times"] if "heartbeat" not in t],
             "data": sweep["data"], "tau_vllm": r["tau_vllm"], "tau_estimate": r["tau_estimate"],
             "accepted_per_position": r["accepted_per_position"], "num_drafts": r["num_drafts"],
-            "vllm_results": {k: res[k] for k in keep if k in res}, "best_step": v["best_step"],
+            "vllm_results": ev.get("results", {}), "best_step": v["best_step"],
             "last_step": v["last_step"], "draft_num_params": draft_num_params(v["draft_config"]),
             "draft_config": v["draft_config"], "train_config": v["train_config"]}
 

@@ -18,6 +18,9 @@ from pathlib import Path
 from eagle3.io import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: what a report keeps of `eagle3 evaluate`'s results.json (the eval dir itself is git-ignored)
+VLLM_KEYS = ("acceptance_length", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
+             "acceptance_rate_per_position", "outputs_match_baseline", "spec_tokens_per_s", "baseline_tokens_per_s")
 
 
 def last_by_split(metrics: Path) -> tuple[dict[str, dict], float | None]:
@@ -172,7 +175,8 @@ def main() -> None:
         name, d = spec.split("=", 1)
         m = json.loads((Path(d) / "results.json").read_text())
         vllm[name] = {"tau": m["acceptance_length"], "accepted_per_position": m.get("accepted_per_position"),
-                      "num_drafts": m.get("num_drafts"), "eval_dir": d}
+                      "num_drafts": m.get("num_drafts"), "eval_dir": d,
+                      "results": {k: m[k] for k in VLLM_KEYS if k in m}}
     res["vllm"] = vllm
     write_text(RESULTS / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
     write_text(RESULTS / f"{a.name}.md", markdown(res))
