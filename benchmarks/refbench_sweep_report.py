@@ -36,6 +36,12 @@ def last_by_split(metrics: Path) -> tuple[dict[str, dict], float | None]:
     return out, peak_lr
 
 
+#: (train_config key, label, value meaning "off"), in the order the levers column lists them
+LEVERS = (("hidden_noise", "noise", 0), ("weight_decay", "wd", 0), ("feature_loss_weight", "feature loss", 0),
+          ("midlayer_feature_loss_weight", "midlayer feature loss", 0), ("distill_temperature", "temperature", 1.0),
+          ("dropout", "dropout", 0), ("ema_decay", "EMA", 0), ("freeze", "freeze", []), ("loss_decay", "loss decay", 0.8))
+
+
 def levers(train_config: dict) -> str:
     """The training options a variant changed from the defaults that matter here, in a few words."""
     bits = []
@@ -43,24 +49,10 @@ def levers(train_config: dict) -> str:
         bits.append("supervise all")
     if train_config.get("init_layers_from_target"):
         bits.append("init layers")
-    if train_config.get("hidden_noise"):
-        bits.append(f"noise {train_config['hidden_noise']:g}")
-    if train_config.get("weight_decay"):
-        bits.append(f"wd {train_config['weight_decay']:g}")
-    if train_config.get("feature_loss_weight"):
-        bits.append(f"feature loss {train_config['feature_loss_weight']:g}")
-    if train_config.get("midlayer_feature_loss_weight"):
-        bits.append(f"midlayer feature loss {train_config['midlayer_feature_loss_weight']:g}")
-    if train_config.get("distill_temperature", 1.0) != 1.0:
-        bits.append(f"temperature {train_config['distill_temperature']:g}")
-    if train_config.get("dropout"):
-        bits.append(f"dropout {train_config['dropout']:g}")
-    if train_config.get("ema_decay"):
-        bits.append(f"EMA {train_config['ema_decay']:g}")
-    if train_config.get("freeze"):
-        bits.append("freeze " + "+".join(train_config["freeze"]))
-    if train_config.get("loss_decay", 0.8) != 0.8:
-        bits.append(f"loss decay {train_config['loss_decay']:g}")
+    for key, label, off in LEVERS:
+        v = train_config.get(key, off)
+        if v is not None and v != off:
+            bits.append(f"{label} {'+'.join(v) if isinstance(v, list) else format(v, 'g')}")
     if train_config.get("epochs"):
         bits.append(f"{train_config['epochs']:g} epochs")
     return ", ".join(bits) or "–"
