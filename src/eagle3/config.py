@@ -276,8 +276,22 @@ class ExportConfig(StageConfig):
 
 class EvaluateConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
-    draft: str | None = Field(None, description="Exported draft dir")
-    prompts: str | None = Field(None, description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`")
+    draft: str | None = Field(None, description="Exported draft dir (method eagle3)")
+    prompts: str | None = Field(
+        None, description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`, and an "
+        "optional `category` per row (τ is reported per category)"
+    )
+    method: Literal["eagle3", "ngram"] = Field(
+        "eagle3", description="eagle3: the trained draft (--draft); ngram: vLLM's prompt-lookup proposer, no draft "
+        "(the baseline a draft has to beat)"
+    )
+    temperatures: list[float] | None = Field(
+        None, description="Sampling temperatures, each its own pass over the prompts in the same engine, e.g. "
+        "0.0,0.6 (comma-separated on the CLI); default: [temperature]. The headline τ is the first one's"
+    )
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus mass of the sampled passes (temperature > 0)")
+    prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest n-gram looked up in the context")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest n-gram looked up in the context")
     out: Path | None = Field(None, description="Output dir for results.json and the chart")
     num_prompts: int = Field(200, gt=0, description="Evaluate on the first N prompts")
     num_speculative_tokens: int = Field(3, gt=0, description="Draft tokens per step (k)")
@@ -289,6 +303,37 @@ class EvaluateConfig(StageConfig):
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: int = Field(0, description="Engine seed")
     split: str = Field("train", description="Split to read when --prompts is a DatasetDict directory")
+
+    @field_validator("temperatures", mode="before")
+    @classmethod
+    def _parse_temperatures(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                return [float(x) for x in v.replace(" ", "").split(",") if x]
+            except ValueError:
+                raise ValueError(f"temperatures must be comma-separated numbers like 0.0,0.6; got {v!r}") from None
+        return v
+
+    @field_validator("temperatures", mode="after")
+    @classmethod
+    def _check_temperatures(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(t < 0 for t in v)):
+            raise ValueError(f"temperatures must name at least one temperature, none negative; got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> EvaluateConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max={self.prompt_lookup_max}; "
+                "set min <= max"
+            )
+        return self
+
+    @property
+    def passes(self) -> list[float]:
+        """The temperatures of the passes, in order."""
+        return list(self.temperatures) if self.temperatures else [self.temperature]
 
 
 
