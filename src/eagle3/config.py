@@ -140,6 +140,12 @@ class DraftOverrides(BaseModel):
     rope_theta: float | None = None
     rms_norm_eps: float | None = None
     num_hidden_layers: int | None = Field(None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)")
+    fc_norm: bool | None = Field(
+        None, description="EAGLE-3.1: one RMSNorm per aux state before fc (vLLM config key fc_norm; adds "
+        "num_aux x target hidden parameters). Default off (EAGLE-3)")
+    norm_output: bool | None = Field(
+        None, description="EAGLE-3.1: the next draft step reads the final norm's output instead of its input "
+        "(vLLM config key norm_output; no parameters). Default off (EAGLE-3)")
 
 
 class TrainConfig(StageConfig):
@@ -257,6 +263,12 @@ class TrainConfig(StageConfig):
                 f"init_layers_from_target=true needs draft.num_hidden_layers >= 2 (got {self.draft.num_hidden_layers or 1}): "
                 "the first draft layer reads (embedding, hidden) and has no target counterpart; set "
                 "--draft-num-hidden-layers 2 or more"
+            )
+        if self.init_layers_from_target and self.draft.fc_norm:
+            raise ValueError(
+                "init_layers_from_target=true with draft.fc_norm=true: fc is initialised to pass the deepest aux state "
+                "through unchanged, which fc_norm would RMS-normalise away from what the copied target layers expect; "
+                "set one of them to false"
             )
         if self.midlayer_feature_loss_weight > 0 and not self.init_layers_from_target:
             raise ValueError(
