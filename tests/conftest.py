@@ -45,3 +45,13 @@ def refbench() -> Path:
     if not (REFBENCH / "target-a-llama" / "config.json").is_file():
         pytest.skip(f"refbench not found at {REFBENCH}")
     return REFBENCH
+
+
+@pytest.fixture(scope="session")
+def tiny_chatml(tmp_path_factory) -> Path:
+    """A tiny Llama with SmolLM2's ChatML template (default system prompt, eos <|im_end|>) whose weights are
+    rewritten to write English-ish words and end its turns (eagle3.testing.tiny.make_word_emitter)."""
+    from eagle3.testing.tiny import TinySpec, build_tiny_target, make_word_emitter
+
+    return make_word_emitter(build_tiny_target(tmp_path_factory.mktemp("tiny") / "chatml",
+                                               TinySpec(arch="llama", num_layers=2, chatml=True)))
