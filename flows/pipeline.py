@@ -61,8 +61,12 @@ def eagle3_pipeline(
         stage("fetch-target", config=config.fetch_target_config())
     ensure_target(config)
 
+    if cfg.synthesize.enabled:
+        stage("synthesize")                        # 0. the target writes prompts (per domain)
+    if cfg.mix.sources and len(cfg.mix.sources) > 1:
+        stage("mix", *(["synthesize"] if cfg.synthesize.enabled else []))  # 0b. sources mixed by weight
     if cfg.regenerate.enabled:
-        stage("regenerate")                        # 1. the target writes the answers (on-policy data)
+        stage("regenerate", *(["mix"] if "mix" in stage.manifests else []))  # 1. the target writes the answers
     stage("prepare")                               # 2. chats -> token ids + assistant loss masks
     #   (after regenerate, prepare's `data` is regenerated/conversations.jsonl: keyed by that file's
     #    content, so a regenerate rerun that writes the same answers leaves prepare cached)

@@ -34,6 +34,8 @@ STAMP = ".eagle3-stage.json"
 
 #: library sources (relative to the eagle3 package) that make up each stage's code version
 STAGE_CODE: dict[str, tuple[str, ...]] = {
+    "synthesize": ("data/synthesize.py", "data/generate_hf.py"),
+    "mix": ("data/mix.py", "data/formats.py"),
     "prepare": ("data/prepare.py", "data/formats.py", "data/prepared.py"),
     "regenerate": ("data/regenerate.py", "data/formats.py"),
     "capture": ("capture",),
@@ -140,6 +142,8 @@ def stage_cache_key(stage: str, cfg: BaseModel | dict[str, Any], upstream: dict[
         value = conf.get(name)
         if value and str(Path(value).resolve()) not in upstream_outs:
             external[name] = fingerprint_path(value)
+    for i, src in enumerate(conf.get("sources") or []):  # mix: every source file (or dir) by content
+        external[f"sources.{i}"] = fingerprint_path(src["path"])
     material = {
         "stage": stage,
         "code": code_version(stage),

@@ -41,6 +41,8 @@ from tasks.subprocess_runner import run_stage_subprocess
 
 #: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts)
 GPU_STAGES = ("regenerate", "capture", "train", "evaluate")
+#: stages run in a subprocess: the GPU stages plus synthesize (an engine of the target, but no deployment of its own)
+SUBPROCESS_STAGES = (*GPU_STAGES, "synthesize")
 #: what a stage task returns (the stamp in the output dir holds these plus the file list)
 MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "result")
 #: stages that get a progress artifact
@@ -52,7 +54,7 @@ RETRY_BASE_S = float(os.environ.get("EAGLE3_RETRY_BASE_S", "10"))
 def runs_in_subprocess(stage: str) -> bool:
     """GPU stages run in a subprocess, unless EAGLE3_INPROCESS names them ("all" or "capture,train")."""
     inproc = {s.strip() for s in os.environ.get("EAGLE3_INPROCESS", "").lower().split(",") if s.strip()}
-    return stage in GPU_STAGES and not (inproc & {"1", "all", "true", stage})
+    return stage in SUBPROCESS_STAGES and not (inproc & {"1", "all", "true", stage})
 
 
 @dataclass
@@ -87,7 +89,7 @@ def gpu_limit_name() -> str | None:
 @contextlib.contextmanager
 def gpu_slot(stage: str):
     """Hold this host's GPU slot (strict: a missing limit is an error, never a silent free-for-all)."""
-    name = gpu_limit_name() if stage in GPU_STAGES else None
+    name = gpu_limit_name() if stage in SUBPROCESS_STAGES else None
     if not name:
         yield
         return
@@ -175,6 +177,8 @@ def _stage_task(stage: str):
     )
 
 
+synthesize_task = _stage_task("synthesize")
+mix_task = _stage_task("mix")
 prepare_task = _stage_task("prepare")
 regenerate_task = _stage_task("regenerate")
 capture_task = _stage_task("capture")
@@ -185,6 +189,8 @@ evaluate_task = _stage_task("evaluate")
 fetch_target_task = _stage_task("fetch-target")
 
 STAGE_TASKS = {
+    "synthesize": synthesize_task,
+    "mix": mix_task,
     "prepare": prepare_task,
     "regenerate": regenerate_task,
     "capture": capture_task,

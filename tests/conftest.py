@@ -60,3 +60,13 @@ def smollm2() -> Path:
     except FetchTargetError as e:
         pytest.skip(f"SmolLM2 target unavailable: {e}")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_chatml(tmp_path_factory) -> Path:
+    """A tiny Llama with SmolLM2's ChatML template (default system prompt, eos <|im_end|>) whose weights are
+    rewritten to write English-ish words and end its turns (eagle3.testing.tiny.make_word_emitter)."""
+    from eagle3.testing.tiny import TinySpec, build_tiny_target, make_word_emitter
+
+    return make_word_emitter(build_tiny_target(tmp_path_factory.mktemp("tiny") / "chatml",
+                                               TinySpec(arch="llama", num_layers=2, chatml=True)))

@@ -34,6 +34,8 @@ from eagle3.plan import PlanConfig
 
 #: stage -> "module:function"; imported lazily so `eagle3 --help` stays fast.
 STAGE_FUNCTIONS = {
+    "synthesize": "eagle3.data.synthesize:run_synthesize",
+    "mix": "eagle3.data.mix:run_mix",
     "prepare": "eagle3.data.prepare:run_prepare",
     "regenerate": "eagle3.data.regenerate:run_regenerate",
     "capture": "eagle3.capture:run_capture",
@@ -47,6 +49,8 @@ STAGE_FUNCTIONS = {
 }
 
 STAGE_HELP = {
+    "synthesize": "user prompts the target writes itself, per domain (Magpie-style), filtered and deduplicated",
+    "mix": "several chat/prompt sources -> one file, each source's share set by its weight",
     "prepare": "chat data -> token ids + assistant-only loss masks (target's chat template)",
     "regenerate": "replace dataset answers with the target's own answers (vLLM)",
     "capture": "record aux + last-layer hidden states of the target (vLLM worker extension or transformers)",

@@ -74,6 +74,141 @@ class RegenerateConfig(StageConfig):
 
 
 
+class SynthDomain(BaseModel):
+    """One domain of `synthesize`: how the target is steered to write a user message about it."""
+
+    model_config = ConfigDict(extra="forbid")
+    system: str | None = Field(
+        None, description="System prompt rendered before the user turn (None: the chat template's default)")
+    seeds: list[str] = Field(
+        default_factory=list, description="Seed phrases: each prompt starts with one (picked at random) and the "
+        "target continues it; empty = the target writes the whole message")
+    weight: float = Field(1.0, gt=0, description="Share of num_prompts for this domain (relative to the others)")
+
+
+#: domain -> steering; the system prompts describe the user who is about to write (Magpie-style)
+DEFAULT_SYNTH_DOMAINS: dict[str, dict[str, Any]] = {
+    "coding": {"system": "You are an AI assistant for programmers. Users ask you to write, explain, debug, review "
+               "or optimise code in languages such as Python, JavaScript, C++, SQL, Rust and shell."},
+    "writing": {"system": "You are an AI writing assistant. Users ask you to draft, edit, shorten or restyle "
+                "emails, essays, stories, poems, reports and social media posts."},
+    "reasoning": {"system": "You are an AI assistant that solves logic puzzles, riddles and multi-step reasoning "
+                  "problems. Users give you a puzzle or a tricky question and ask you to reason it out."},
+    "math": {"system": "You are an AI math tutor. Users ask you to solve arithmetic, algebra, geometry, "
+             "probability and word problems step by step."},
+    "extraction": {"system": "You are an AI assistant for information extraction. Users paste a text (an email, "
+                   "an article, a table, a log) and ask you to extract, list, classify or summarise what is in it."},
+    "roleplay": {"system": "You are an AI assistant that plays characters. Users ask you to act as a person, a "
+                 "character or a professional and to stay in that role."},
+    "stem": {"system": "You are an AI assistant for science and engineering. Users ask questions about physics, "
+             "chemistry, biology, computer science, engineering and medicine."},
+    "humanities": {"system": "You are an AI assistant for the humanities. Users ask about history, philosophy, "
+                   "literature, art, law, economics and cultures."},
+}
+
+
+def parse_domains(value: Any) -> Any:
+    """CLI forms of `domains`: a JSON object, or comma-separated names of the default domains ("coding,math")."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            import json
+
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"domains: not valid JSON ({e}); pass an object or names like coding,math") from None
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = [n for n in names if n not in DEFAULT_SYNTH_DOMAINS]
+        if unknown:
+            raise ValueError(f"domains: {unknown} are not default domains ({sorted(DEFAULT_SYNTH_DOMAINS)}); define "
+                             "them in the config file as `domains: {name: {system: ..., seeds: [...]}}`")
+        return {n: DEFAULT_SYNTH_DOMAINS[n] for n in names}
+    return value
+
+
+class SynthesizeConfig(StageConfig):
+    enabled: bool = Field(False, description="Pipeline only: synthesize prompts with the target and mix them into the data")
+    target: str | None = Field(None, description="Target model dir: it writes the user messages (its chat template)")
+    out: Path | None = Field(None, description="Output directory; writes prompts.jsonl (messages + category) and manifest.json")
+    num_prompts: int = Field(1000, gt=0, description="Prompts to keep, over all domains (split by domain weight)")
+    domains: dict[str, SynthDomain] = Field(
+        default_factory=lambda: {k: SynthDomain(**v) for k, v in DEFAULT_SYNTH_DOMAINS.items()},
+        description="Domain name (the rows' `category`) -> {system, seeds, weight}; on the CLI a JSON object or "
+        "names of the defaults (coding,writing,reasoning,math,extraction,roleplay,stem,humanities)")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the written prompts")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling mass")
+    max_new_tokens: int = Field(256, gt=0, description="Longest user message; one that does not end its turn by then is dropped (truncated)")
+    min_chars: int = Field(16, ge=1, description="Drop messages shorter than this (characters, after stripping)")
+    max_chars: int = Field(4000, gt=0, description="Drop messages longer than this (characters)")
+    max_repeated_fraction: float = Field(
+        0.5, ge=0, le=1, description="Drop a message when more than this fraction of its word 3-grams repeat an "
+        "earlier one (degenerate loops)")
+    min_letter_fraction: float = Field(
+        0.5, ge=0, le=1, description="Drop a message when fewer than this fraction of its non-space characters are "
+        "letters, or it holds U+FFFD (non-text: byte soup, symbol runs)")
+    near_duplicate_jaccard: float = Field(
+        0.7, gt=0, le=1, description="Drop a message whose character 5-gram set has at least this Jaccard "
+        "similarity with a kept one (MinHash candidates, exact check); 1 = exact duplicates only")
+    max_attempts_factor: float = Field(
+        4.0, ge=1, description="Stop after generating this many x num_prompts messages even when some domain is "
+        "short (the shortfall is reported in the manifest)")
+    batch_size: int = Field(256, gt=0, description="Messages generated per call (hf backend: per padded batch)")
+    max_model_len: int = Field(4096, gt=0, description="vLLM max_model_len")
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
+    seed: int = Field(0, description="Seed of sampling, seed-phrase choice and MinHash")
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)")
+    device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Target compute dtype; auto = float32 on CPUs, bfloat16 on GPUs")
+
+    _parse_domains = field_validator("domains", mode="before")(lambda cls, v: parse_domains(v))
+
+    @model_validator(mode="after")
+    def _check(self) -> SynthesizeConfig:
+        if not self.domains:
+            raise ValueError("domains is empty: name at least one domain (e.g. coding,math)")
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars={self.min_chars} > max_chars={self.max_chars}; every message would be dropped")
+        return self
+
+
+class MixSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(..., description="Chat or prompt data (same formats as prepare)")
+    weight: float = Field(1.0, gt=0, description="Share of the mixed rows drawn from this source (relative)")
+
+
+def parse_mix_sources(value: Any) -> Any:
+    """CLI form "a.jsonl=1,b.jsonl=0.5" (weight 1 when `=W` is left out) -> [{path, weight}, ...]."""
+    if isinstance(value, str):
+        out = []
+        for item in (x.strip() for x in value.split(",")):
+            if not item:
+                continue
+            path, _, w = item.rpartition("=") if "=" in item else (item, "", "1")
+            try:
+                out.append({"path": path, "weight": float(w)})
+            except ValueError:
+                raise ValueError(f"sources: {item!r} is not PATH=WEIGHT (e.g. chats.jsonl=1,synth/prompts.jsonl=0.5)") from None
+        return out
+    return value
+
+
+class MixConfig(StageConfig):
+    sources: list[MixSource] = Field(
+        default_factory=list, description="Sources to mix, PATH=WEIGHT,... on the CLI. In a pipeline, `data` "
+        "(weight data_weight) and synthesize's prompts (weight synthesize_weight) are added to these")
+    out: Path | None = Field(None, description="Output directory; writes conversations.jsonl and manifest.json")
+    num_rows: int | None = Field(
+        None, gt=0, description="Rows in the mix (default: the most possible without repeating a row of any source)")
+    seed: int = Field(0, description="Seed of the row sampling and the shuffle")
+    data_weight: float = Field(1.0, gt=0, description="Pipeline only: weight of the pipeline's `data`")
+    synthesize_weight: float = Field(1.0, gt=0, description="Pipeline only: weight of synthesize's prompts")
+
+    _parse_sources = field_validator("sources", mode="before")(lambda cls, v: parse_mix_sources(v))
+
+
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
 
 
@@ -140,6 +275,12 @@ class DraftOverrides(BaseModel):
     rope_theta: float | None = None
     rms_norm_eps: float | None = None
     num_hidden_layers: int | None = Field(None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)")
+    fc_norm: bool | None = Field(
+        None, description="EAGLE-3.1: one RMSNorm per aux state before fc (vLLM config key fc_norm; adds "
+        "num_aux x target hidden parameters). Default off (EAGLE-3)")
+    norm_output: bool | None = Field(
+        None, description="EAGLE-3.1: the next draft step reads the final norm's output instead of its input "
+        "(vLLM config key norm_output; no parameters). Default off (EAGLE-3)")
 
 
 class TrainConfig(StageConfig):
@@ -257,6 +398,12 @@ class TrainConfig(StageConfig):
                 f"init_layers_from_target=true needs draft.num_hidden_layers >= 2 (got {self.draft.num_hidden_layers or 1}): "
                 "the first draft layer reads (embedding, hidden) and has no target counterpart; set "
                 "--draft-num-hidden-layers 2 or more"
+            )
+        if self.init_layers_from_target and self.draft.fc_norm:
+            raise ValueError(
+                "init_layers_from_target=true with draft.fc_norm=true: fc is initialised to pass the deepest aux state "
+                "through unchanged, which fc_norm would RMS-normalise away from what the copied target layers expect; "
+                "set one of them to false"
             )
         if self.midlayer_feature_loss_weight > 0 and not self.init_layers_from_target:
             raise ValueError(
@@ -411,6 +558,8 @@ class StreamTrainConfig(TrainConfig, SpoolSettings):
 
 
 STAGES: dict[str, type[StageConfig]] = {
+    "synthesize": SynthesizeConfig,
+    "mix": MixConfig,
     "prepare": PrepareConfig,
     "regenerate": RegenerateConfig,
     "capture": CaptureConfig,
@@ -434,7 +583,9 @@ class PipelineConfig(BaseModel):
 
     name: str = Field("eagle3", description="Run name (used in artifact and deployment names)")
     target: str = Field(..., description="Target model dir (or hub id resolved to a local snapshot)")
-    data: str = Field(..., description="Training chat data (file or local HF datasets dir)")
+    data: str | None = Field(
+        None, description="Training chat data (file or local HF datasets dir); optional when synthesize is enabled. "
+        "With synthesize or mix.sources, the sources are mixed by weight (mix section) before regenerate")
     eval_prompts: str | None = Field(None, description="Held-out prompts for evaluate (skipped when unset)")
     work_dir: Path = Field(Path("runs/eagle3"), description="Where every stage writes its outputs")
     build_tiny_target: bool = Field(False, description="Demo only: build a tiny random target at `target` when missing")
@@ -442,6 +593,8 @@ class PipelineConfig(BaseModel):
         None, description="Registry name of a known target (eagle3 fetch-target), fetched into `target` first when "
         "`target` does not hold it yet, e.g. smollm2-135m-instruct"
     )
+    synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
+    mix: MixConfig = Field(default_factory=MixConfig)
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
@@ -465,13 +618,37 @@ class PipelineConfig(BaseModel):
         """The `eagle3 fetch-target` run that puts `fetch_target` at `target` (None when not configured)."""
         return FetchTargetConfig(name=self.fetch_target, out=Path(self.target)) if self.fetch_target else None
 
+    @model_validator(mode="after")
+    def _check_sources(self) -> PipelineConfig:
+        if not self.data and not self.synthesize.enabled and not self.mix.sources:
+            raise ValueError("data is not set and synthesize.enabled is false: give the training chats as `data`, "
+                             "or set synthesize.enabled: true to train on prompts the target writes itself")
+        if self.synthesize.enabled and not self.regenerate.enabled:
+            raise ValueError("synthesize.enabled: true needs regenerate.enabled: true (synthesized rows are prompts "
+                             "without answers; regenerate writes the target's answers to them)")
+        return self
+
+    def mix_sources(self) -> list[MixSource]:
+        """The training sources in mix order: `data`, synthesize's prompts, then mix.sources."""
+        srcs = [MixSource(path=self.data, weight=self.mix.data_weight)] if self.data else []
+        if self.synthesize.enabled:
+            out = self.synthesize.out or self.work_dir / "synthesized"
+            srcs.append(MixSource(path=str(Path(out) / "prompts.jsonl"), weight=self.mix.synthesize_weight))
+        seen = {x.path for x in srcs}
+        return srcs + [x for x in self.mix.sources if x.path not in seen]  # (a resolved config lists them already)
+
     def resolved(self) -> PipelineConfig:
         """A copy whose every stage has its input/output paths filled in."""
         w = self.work_dir
         c = self.model_copy(deep=True)
         regen = c.regenerate.enabled
-        _fill(c.regenerate, target=c.target, data=c.data, out=w / "regenerated")
-        prepare_data = str(w / "regenerated" / "conversations.jsonl") if regen else c.data
+        _fill(c.synthesize, target=c.target, out=w / "synthesized")
+        sources = c.mix_sources()
+        c.mix.sources = sources
+        _fill(c.mix, out=w / "mixed")
+        data = str(Path(c.mix.out) / "conversations.jsonl") if len(sources) > 1 else sources[0].path
+        _fill(c.regenerate, target=c.target, data=data, out=w / "regenerated")
+        prepare_data = str(w / "regenerated" / "conversations.jsonl") if regen else data
         _fill(c.prepare, target=c.target, data=prepare_data, out=w / "prepared")
         _fill(c.capture, target=c.target, data=str(w / "prepared"), out=w / "captured")
         _fill(c.vocab, data=str(w / "prepared"), out=w / "vocab")

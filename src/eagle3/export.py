@@ -3,15 +3,18 @@
 format=vllm (LlamaForCausalLMEagle3):
     config.json         architectures [LlamaForCausalLMEagle3], model_type llama, num_hidden_layers, draft dims,
                         vocab_size (target), draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids
-                        (exactly the capture's ids), target_hidden_size when it differs, norm_before_residual false
-    model.safetensors   fc.weight, midlayer.*, layers.k.* (k >= 1), norm.weight, lm_head.weight (bf16), d2t (int64), t2d (bool);
+                        (exactly the capture's ids), target_hidden_size when it differs, norm_before_residual false;
+                        EAGLE-3.1 drafts add fc_norm true and/or norm_output true (top-level keys vLLM 0.32's
+                        llama_eagle3.py reads; absent = false, so EAGLE-3 configs are unchanged)
+    model.safetensors   [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.* (k >= 1), norm.weight, lm_head.weight (bf16), d2t (int64), t2d (bool);
                         no embed_tokens: vLLM shares the target's embedding. When draft vocab == target vocab
                         vLLM has no d2t buffer (an unexpected d2t key fails its loader): lm_head rows are put in
                         target order and d2t/t2d are left out
 format=speculators (speculators_model_type eagle3, as vLLM's speculators config reader and the speculators
     library's Eagle3SpeculatorConfig expect): transformer_layer_config (the llama config of the layer),
     draft_vocab_size, norm_before_residual false (its reader defaults to TRUE when absent), target_hidden_size,
-    eagle_aux_hidden_state_layer_ids, speculators_config {algorithm, proposal_methods, verifier}; weights named
+    eagle_aux_hidden_state_layer_ids, speculators_config {algorithm, proposal_methods, verifier}, fc_norm /
+    norm_output for EAGLE-3.1 (vLLM's speculators reader, update_eagle3, passes both through); weights named
     layers.0.* plus embed_tokens.weight (speculators checkpoints carry the embedding).
 Tokenizer files of the target are copied (vLLM uses the target's tokenizer anyway).
 
@@ -161,6 +164,11 @@ def layer_config(dcfg: DraftConfig) -> dict[str, Any]:
     }
 
 
+def eagle31_keys(dcfg: DraftConfig) -> dict[str, bool]:
+    """The EAGLE-3.1 switches, only those that are on (vLLM reads both as getattr(config, key, False))."""
+    return {k: True for k in ("fc_norm", "norm_output") if getattr(dcfg, k)}
+
+
 def vllm_config(dcfg: DraftConfig, ids: list[int]) -> dict[str, Any]:
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], **layer_config(dcfg)}
     cfg["draft_vocab_size"] = dcfg.draft_vocab_size
@@ -168,7 +176,7 @@ def vllm_config(dcfg: DraftConfig, ids: list[int]) -> dict[str, Any]:
     if dcfg.target_hidden_size != dcfg.hidden_size:
         cfg["target_hidden_size"] = dcfg.target_hidden_size
     cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True}
-    return cfg
+    return {**cfg, **eagle31_keys(dcfg)}
 
 
 def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg: dict) -> dict[str, Any]:
@@ -181,6 +189,7 @@ def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg
         "norm_before_residual": False,
         "target_hidden_size": dcfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(ids),
+        **eagle31_keys(dcfg),
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",

@@ -15,9 +15,9 @@ from eagle3.config import PipelineConfig, load_pipeline_config
 
 log = logging.getLogger("eagle3.pipeline")
 
-STAGE_ORDER = ("regenerate", "prepare", "capture", "vocab", "train", "export", "evaluate")
+STAGE_ORDER = ("synthesize", "mix", "regenerate", "prepare", "capture", "vocab", "train", "export", "evaluate")
 #: stream.enabled (bounded disk): vocab first, then capture + train at once through the spool (eagle3.stream)
-STREAM_ORDER = ("regenerate", "prepare", "vocab", "stream", "export", "evaluate")
+STREAM_ORDER = ("synthesize", "mix", "regenerate", "prepare", "vocab", "stream", "export", "evaluate")
 
 
 @dataclass
@@ -45,6 +45,10 @@ def enabled_stages(cfg: PipelineConfig) -> list[str]:
     stages = []
     for s in STREAM_ORDER if cfg.stream.enabled else STAGE_ORDER:
         if s == "regenerate" and not cfg.regenerate.enabled:
+            continue
+        if s == "synthesize" and not cfg.synthesize.enabled:
+            continue
+        if s == "mix" and len(cfg.mix_sources()) < 2:
             continue
         if s == "evaluate" and not cfg.eval_prompts:
             continue

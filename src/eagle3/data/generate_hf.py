@@ -42,11 +42,14 @@ class HfGenerator:
         self.pad_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else next(iter(self.eos_ids), 0)
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+        stop_ids: set[int] | None = None,
     ) -> list[Generation]:
-        """Generate for every prompt; greedy when temperature == 0. Outputs are in prompt order."""
+        """Generate for every prompt; greedy when temperature == 0. Outputs are in prompt order. `stop_ids`: more
+        token ids that end a generation besides the model's eos (e.g. the end of a user turn)."""
         import torch
 
+        stops = self.eos_ids | set(stop_ids or ())
         torch.manual_seed(seed)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
         results: list[Generation | None] = [None] * len(prompts)
@@ -69,12 +72,12 @@ class HfGenerator:
                     top_p=top_p if temperature > 0 else None,
                     top_k=None,
                     pad_token_id=self.pad_id,
-                    eos_token_id=sorted(self.eos_ids) or None,
+                    eos_token_id=sorted(stops) or None,
                 )  # (B, T + new)
             new = out[:, width:].tolist()
             for row, i in enumerate(idx):
                 toks = new[row]
-                cut = next((j for j, t in enumerate(toks) if t in self.eos_ids), None)
+                cut = next((j for j, t in enumerate(toks) if t in stops), None)
                 if cut is not None:
                     results[i] = Generation(token_ids=toks[: cut + 1], finish_reason="stop")
                 else:

@@ -199,7 +199,10 @@ def _regenerate_batch(
     rows = []
     for st in states:
         if any(m["role"] == "assistant" for m in st["out"]):
-            rows.append({"id": st["conv"].sample_id, "messages": st["out"]})
+            row = {"id": st["conv"].sample_id, "messages": st["out"]}
+            if st["conv"].category is not None:  # kept for per-category figures downstream
+                row["category"] = st["conv"].category
+            rows.append(row)
     return rows
 
 

@@ -1,10 +1,12 @@
 """The EAGLE-3 draft model, in the layout vLLM's `LlamaForCausalLMEagle3` loads (llama_eagle3.py).
 
+    fc_norm.i     EAGLE-3.1 only (`fc_norm`): one RMSNorm per aux state (width H_target) before fc
     fc            (n_aux*H_target -> H, no bias) over the concatenated aux hidden states of the target
     midlayer      one Llama decoder layer whose q/k/v read concat(input_layernorm(embed), hidden_norm(h)), width 2H
     layers.k      optional further plain Llama decoder layers k = 1 .. num_hidden_layers-1 (vLLM 0.32 builds them
                   from `num_hidden_layers`; each adds the residual, then norm -> attention/MLP, as in Llama)
     norm          final RMSNorm; its *pre-norm* input (mlp_out + residual) is the hidden fed to the next draft step
+                  (EAGLE-3.1 `norm_output`: its *output* is fed instead, as vLLM's LlamaModel returns it as aux_output)
     lm_head       H -> draft_vocab
     d2t / t2d     draft id -> target id offsets (target = i + d2t[i]); target-id membership mask
     embed_tokens  copied from the target and frozen; not exported (vLLM shares the target's embedding)
@@ -49,6 +51,8 @@ class DraftConfig:
     eos_token_id: int | list[int] | None = None
     num_hidden_layers: int = 1  # decoder layers: the midlayer + (n-1) plain ones
     dropout: float = 0.0  # on each layer's attention and MLP outputs, training only (not exported)
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm each aux state before fc (vLLM config key `fc_norm`)
+    norm_output: bool = False  # EAGLE-3.1: the next step reads the post-norm state (vLLM config key `norm_output`)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,6 +111,8 @@ def draft_config_from_target(
         bos_token_id=tc.get("bos_token_id", target_cfg.get("bos_token_id")),
         eos_token_id=tc.get("eos_token_id", target_cfg.get("eos_token_id")),
         num_hidden_layers=ov.get("num_hidden_layers", 1),  # the draft's own depth, never the target's
+        fc_norm=bool(ov.get("fc_norm", False)),
+        norm_output=bool(ov.get("norm_output", False)),
     )
     check_draft_config(cfg, tc)
     return cfg
@@ -291,6 +297,10 @@ class Eagle3Draft(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        if cfg.fc_norm:  # state_dict names fc_norm.i.weight, the names vLLM loads (model.fc_norm.i)
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+        else:
+            self.fc_norm = None
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         # keys "1".."n-1": state_dict names layers.1.*, the names vLLM loads (midlayer. maps to its layers.0.)
@@ -317,7 +327,11 @@ class Eagle3Draft(nn.Module):
         self.norm.compile()
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux)  # (B, T, n_aux*Ht) -> (B, T, H)
+        """vLLM's combine_hidden_states: (fc_norm per aux state, then) fc. (B, T, n_aux*Ht) -> (B, T, H)"""
+        if self.fc_norm is not None:
+            chunks = aux.chunk(self.cfg.num_aux, dim=-1)  # n_aux x (B, T, Ht)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)  # (B, T, n_aux*Ht)
+        return self.fc(aux)  # (B, T, H)
 
     def new_cache(self) -> list[tuple[list, list]]:
         """Per decoder layer: (keys, values) of every TTT step so far (what the layer's KV cache holds in vLLM)."""
@@ -325,7 +339,8 @@ class Eagle3Draft(nn.Module):
 
     def step(self, input_ids, hidden, positions, cache, attn_fn: AttnFn,
              states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: returns (normed output for lm_head, pre-norm hidden for the next step), both (B, T, H).
+        """One draft step: returns (normed output for lm_head, hidden for the next step), both (B, T, H); the hidden
+        for the next step is the pre-norm state, or with norm_output the normed one (vLLM's aux_output).
         cache: from new_cache(), extended in place; `states`, when given, gets the midlayer's output (h + residual)."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)  # (B, 1, T, d)
@@ -335,7 +350,8 @@ class Eagle3Draft(nn.Module):
         for k, layer in self.layers.items():
             h, residual = layer(h, residual, cos, sin, cache[int(k)], attn_fn)  # (B, T, H) x2
         prenorm = h + residual  # (B, T, H)
-        return self.norm(prenorm), prenorm
+        out = self.norm(prenorm)  # (B, T, H)
+        return out, (out if self.cfg.norm_output else prenorm)
 
     def forward(self, input_ids, aux, positions, attn_fn: AttnFn, steps: int = 1):
         """Unrolled TTT forward for callers that only need outputs: step j reads ids shifted by j (caller's job
@@ -351,8 +367,8 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(normed)  # (..., Vd)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under vLLM's names: fc.weight, midlayer.*, layers.k.*, norm.weight, lm_head.weight, d2t, t2d
-        (no embed)."""
+        """Weights under vLLM's names: [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.*, norm.weight,
+        lm_head.weight, d2t, t2d (no embed)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
@@ -376,6 +392,8 @@ def expected_export_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
 
     shapes = {"fc.weight": (H, cfg.num_aux * cfg.target_hidden_size), "midlayer.hidden_norm.weight": (H,),
               **layer("midlayer.", 2 * H)}
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux)})
     for k in range(1, cfg.num_hidden_layers):
         shapes.update(layer(f"layers.{k}.", H))
     return {**shapes, "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,),

@@ -29,6 +29,15 @@ CHAT_TEMPLATE_GENERATION = (
 #: The same rendering without generation markers: prepare must derive the mask from prefixes.
 CHAT_TEMPLATE_PLAIN = CHAT_TEMPLATE_GENERATION.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
+#: ChatML with a default system prompt, as SmolLM2-Instruct's template (TinySpec(chatml=True)); eos <|im_end|>
+CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE_CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 _WORDS = (
     "the a an of to and in is it that for on with as was at by be this are from or have not but what all "
     "were when we there can your which their said if do will each about how up out them then she many some "
@@ -62,8 +71,10 @@ def synthetic_corpus(num_lines: int = 3000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, generation_markers: bool = True, seed: int = 0):
-    """Train a byte-level BPE on the synthetic corpus and save a transformers tokenizer with a chat template."""
+def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, generation_markers: bool = True, seed: int = 0,
+                         chatml: bool = False):
+    """Train a byte-level BPE on the synthetic corpus and save a transformers tokenizer with a chat template
+    (chatml: ChatML tokens and template, eos <|im_end|>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,19 +83,24 @@ def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, generation_
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=CHATML_SPECIAL_TOKENS if chatml else SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(synthetic_corpus(seed=seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|endoftext|>",
-        eos_token="<|end|>",
-        pad_token="<|pad|>",
-        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE_GENERATION if generation_markers else CHAT_TEMPLATE_PLAIN
+    if chatml:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                       pad_token="<|pad|>", additional_special_tokens=["<|im_start|>"])
+        fast.chat_template = CHAT_TEMPLATE_CHATML
+    else:
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<|endoftext|>",
+            eos_token="<|end|>",
+            pad_token="<|pad|>",
+            additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+        )
+        fast.chat_template = CHAT_TEMPLATE_GENERATION if generation_markers else CHAT_TEMPLATE_PLAIN
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
@@ -106,6 +122,7 @@ class TinySpec:
     generation_markers: bool = True
     num_experts: int = 4  # MoE archs: routed experts (2 active per token)
     rope_scaling: tuple[tuple[str, float | str], ...] | None = None  # e.g. (("rope_type", "yarn"), ("factor", 4.0), ...)
+    chatml: bool = False  # ChatML tokenizer + template (SmolLM2-style) instead of <|user|>...<|end|>
 
 
 def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
@@ -123,7 +140,8 @@ def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     marker = out / "tiny_spec.json"
     if marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(spec.__dict__)):
         return out
-    tok = build_tiny_tokenizer(out, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers, seed=spec.seed)
+    tok = build_tiny_tokenizer(out, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers, seed=spec.seed,
+                               chatml=spec.chatml)
     common = dict(
         vocab_size=len(tok),
         hidden_size=spec.hidden_size,
@@ -182,3 +200,45 @@ def tiny_conversations(num: int = 32, seed: int = 0, max_turns: int = 2) -> list
             msgs.append({"role": "assistant", "content": " ".join(rng.sample(corpus, rng.randint(1, 3)))})
         convs.append({"id": f"tiny-{i}", "messages": msgs})
     return convs
+
+
+def make_word_emitter(target: str | Path, end_of_turn_share: float = 0.15, seed: int = 0) -> Path:
+    """Rewrite a tiny random target's weights (in place) so it writes English-ish words and ends its turns: a
+    random target emits byte soup and almost never eos, which no prompt filter would keep. A constant residual
+    feature (embedding column 0 = 10, never written by any layer) becomes, through lm_head column 0, a logit bias:
+    word tokens (' word' / 'word') get +4, eos gets the bias that makes it ~`end_of_turn_share` of the mass per
+    step, everything else -10; the remaining features make the choice among words random but context-dependent."""
+    import math
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    out = Path(target)
+    cfg = json.loads((out / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(out))
+    w = load_file(str(out / "model.safetensors"))
+    dtype = w["model.embed_tokens.weight"].dtype
+    w = {k: v.float() for k, v in w.items()}
+    w["model.embed_tokens.weight"][:, 0] = 10.0
+    for k in w:
+        if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            w[k][0] = 0.0
+    w["model.norm.weight"][0] = 1.0
+    words = [i for i in range(len(tok)) if re.fullmatch(r" ?[a-z]{2,}", tok.decode([i]))]
+    bias = torch.full((cfg["vocab_size"],), -10.0)
+    bias[words] = 4.0
+    bias[tok.eos_token_id] = 4.0 + math.log(len(words) * end_of_turn_share / (1 - end_of_turn_share))
+    save = lambda: save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(out / "model.safetensors"),  # noqa: E731
+                             metadata={"format": "pt"})
+    save()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    probe = torch.randint(0, cfg["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        h0 = model(probe, output_hidden_states=True).hidden_states[-1][..., 0].mean().item()  # the normed feature
+    w["lm_head.weight"][:, 0] = bias / h0
+    save()
+    return out

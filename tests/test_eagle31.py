@@ -1,0 +1,231 @@
+"""EAGLE-3.1 drafts (fc_norm, norm_output): options, export keys, and parity of OUR draft forward with VLLM'S
+draft forward on the same weights and inputs (recorded inside a real vLLM engine), for EAGLE-3 and EAGLE-3.1."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.config import DraftOverrides, ExportConfig, TrainConfig
+from eagle3.export import run_export
+from eagle3.model.draft import DraftConfig, Eagle3Draft, expected_export_shapes
+
+
+def _cfg(**kw) -> DraftConfig:
+    return DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       max_position_embeddings=128, rms_norm_eps=1e-6, vocab_size=50, draft_vocab_size=50,
+                       target_hidden_size=32, num_aux=3, **kw)
+
+
+def _naive_attn(q, keys, values):
+    k = torch.cat(keys, 2).repeat_interleave(q.shape[1] // keys[0].shape[1], 1)  # (B, nh, S, d)
+    v = torch.cat(values, 2).repeat_interleave(q.shape[1] // keys[0].shape[1], 1)  # (B, nh, S, d)
+    T, S = q.shape[2], k.shape[2]
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # query t sees keys up to S - T + t
+    return torch.softmax((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -torch.inf), -1) @ v
+
+
+def test_fc_norm_adds_one_norm_per_aux_state_and_norm_output_adds_nothing():
+    base = sum(p.numel() for p in Eagle3Draft(_cfg()).parameters())
+    fc = sum(p.numel() for p in Eagle3Draft(_cfg(fc_norm=True)).parameters())
+    out = sum(p.numel() for p in Eagle3Draft(_cfg(norm_output=True)).parameters())
+    assert fc - base == 3 * 32 and out == base
+    shapes = expected_export_shapes(_cfg(fc_norm=True))
+    assert [k for k in shapes if k.startswith("fc_norm")] == ["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"]
+    assert set(Eagle3Draft(_cfg(fc_norm=True)).export_state_dict()) == set(shapes)
+
+
+def test_norm_output_feeds_the_normed_state_to_the_next_step():
+    torch.manual_seed(0)
+    a, b = Eagle3Draft(_cfg()), Eagle3Draft(_cfg(norm_output=True))
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        a.norm.weight.uniform_(0.5, 1.5)
+        b.norm.weight.copy_(a.norm.weight)
+    ids, hid, pos = torch.randint(0, 50, (1, 5)), torch.randn(1, 5, 32), torch.arange(5)[None]
+    out_a, next_a = a.step(ids, hid, pos, a.new_cache(), _naive_attn)
+    out_b, next_b = b.step(ids, hid, pos, b.new_cache(), _naive_attn)
+    torch.testing.assert_close(out_a, out_b)  # the first step's lm_head input is the same ...
+    torch.testing.assert_close(next_b, out_b)  # ... 3.1 passes it on, 3 passes the pre-norm state
+    assert not torch.allclose(next_a, next_b, atol=1e-2)
+    # and so the second TTT step differs
+    assert not torch.allclose(a(ids, torch.randn(1, 5, 96), pos, _naive_attn, 2)[1],
+                              b(ids, torch.randn(1, 5, 96), pos, _naive_attn, 2)[1])
+
+
+def test_init_layers_from_target_with_fc_norm_refused():
+    with pytest.raises(ValueError, match="fc_norm"):
+        TrainConfig(init_layers_from_target=True, draft=DraftOverrides(num_hidden_layers=2, fc_norm=True))
+
+
+def test_cli_flags_reach_the_draft_overrides():
+    from eagle3.cli import build_parser, stage_config_from_args
+
+    args = build_parser().parse_args(["train", "--draft-fc-norm", "--draft-norm-output"])
+    cfg = stage_config_from_args("train", args)
+    assert cfg.draft.fc_norm is True and cfg.draft.norm_output is True
+
+
+def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
+    """A draft checkpoint with random weights (norm weights away from 1 so each norm matters), as run_train saves it."""
+    from eagle3.train.synthetic import write_vocab
+    from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
+    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+
+    vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
+    cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=root / "train",
+                      draft=DraftOverrides(fc_norm=fc_norm, norm_output=norm_output))
+    tcfg = read_target_config(tiny_llama)
+    d2t, t2d = load_vocab(vocab)
+    torch.manual_seed(0)
+    model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.startswith("fc_norm."):
+                p.uniform_(0.5, 1.5)
+    return save_model_dir(root / "train" / "final", model, metadata(cfg, model.cfg, {"layers": [1, 2, 4]}, tcfg, step=1))
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_export_writes_the_keys_vllm_reads(tiny_llama, tmp_path, fmt):
+    ck = _checkpoint(tiny_llama, tmp_path, fc_norm=True, norm_output=True)
+    run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft", format=fmt))
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    w = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    assert w["fc_norm.2.weight"].shape == (128,)
+    if fmt == "speculators":  # vLLM's speculators reader passes both keys through to the llama_eagle3 config
+        from vllm.transformers_utils.configs.speculators.algos import update_eagle3
+
+        pre: dict = {}
+        update_eagle3(config, pre)
+        assert pre["fc_norm"] is True and pre["norm_output"] is True
+
+
+def test_eagle3_export_has_no_eagle31_keys(tiny_llama, tmp_path):
+    ck = _checkpoint(tiny_llama, tmp_path, fc_norm=False, norm_output=False)
+    run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert "fc_norm" not in config and "norm_output" not in config
+
+
+# ----------------------------------------------------------------------------------- parity with vLLM's draft
+
+
+def _install_recorder(worker):
+    """Runs inside the (in-process) vLLM worker: record every call of the draft's combine_hidden_states and
+    forward (inputs and outputs), so the test can replay them through our draft."""
+    model = worker.model_runner.drafter.model
+    model._eagle3_record = record = []
+
+    def forward_hook(mod, args, kwargs, out):
+        record.append(("forward", {k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")},
+                       [o.detach().clone() for o in out]))
+
+    model.register_forward_hook(forward_hook, with_kwargs=True)
+    combine = model.combine_hidden_states
+
+    def recorded_combine(h):
+        out = combine(h)
+        record.append(("combine", h.detach().clone(), out.detach().clone()))
+        return out
+
+    model.combine_hidden_states = recorded_combine
+    return type(model).__name__
+
+
+@pytest.fixture
+def inprocess_vllm(monkeypatch):
+    """The engine core in this process, so the test can reach the draft module; vLLM caches its env vars once an
+    engine starts, so the cache is dropped afterwards (later engines in the session read the env again)."""
+    pytest.importorskip("vllm")
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    yield
+    vllm.envs.disable_envs_cache()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, inprocess_vllm, variant):
+    """The exported draft runs in a real vLLM engine (k = 3, float32); every draft call's inputs and outputs are
+    recorded and replayed through our Eagle3Draft loaded from the same exported weights: combine (fc_norm + fc),
+    the lm_head input and the state passed to the next step must match, and vLLM must feed that state to its next
+    draft step. The other setting of norm_output / fc_norm must NOT match, so the check sees the semantics."""
+    from vllm import LLM, SamplingParams
+
+    on = variant == "eagle3.1"
+    ck = _checkpoint(tiny_llama, tmp_path, fc_norm=on, norm_output=on)
+    run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
+    llm = LLM(model=str(tiny_llama), speculative_config={"method": "eagle3", "model": str(tmp_path / "draft"),
+                                                          "num_speculative_tokens": 3},
+              enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
+    assert llm.collective_rpc(_install_recorder) == ["Eagle3LlamaForCausalLM"]
+    llm.generate(["Hello the world is"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    record = llm.collective_rpc(lambda w: w.model_runner.drafter.model._eagle3_record)[0]
+    del llm
+
+    meta = json.loads((ck / "eagle3_draft.json").read_text())
+    exported = {k: v.float() for k, v in load_file(str(tmp_path / "draft" / "model.safetensors")).items()}
+    from eagle3.train.target import load_target_tensors
+
+    def ours(**flags) -> Eagle3Draft:
+        m = Eagle3Draft(DraftConfig.from_dict({**meta["draft_config"], **flags}))
+        state = {k: v for k, v in exported.items() if k in m.state_dict()}
+        state["embed_tokens.weight"] = load_target_tensors(tiny_llama)["embed"].float()
+        m.load_state_dict(state, strict=False)
+        m.d2t.copy_(exported["d2t"].long())
+        return m.eval()
+
+    model, flipped = ours(), ours(norm_output=not on)
+    assert model.cfg.fc_norm == on and model.cfg.norm_output == on
+    kinds = [r[0] for r in record]
+    assert kinds[:4] == ["combine", "forward", "forward", "forward"], kinds  # prefill + 2 single-token steps (k=3)
+    _, aux, combined = record[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model.combine(aux), combined, atol=1e-4, rtol=1e-4)
+        if on:  # the same weights without fc_norm give another fc input
+            plain = ours(fc_norm=False)
+            plain.fc.weight.copy_(model.fc.weight)
+            assert not torch.allclose(plain.combine(aux), combined, atol=1e-2)
+        cache, flipped_cache, prev_next = model.new_cache(), flipped.new_cache(), None
+        for _, inputs, (out_vllm, next_vllm) in record[1:4]:
+            ids, pos, hidden = inputs["input_ids"][None], inputs["positions"][None], inputs["hidden_states"][None]
+            if prev_next is not None:  # vLLM feeds the previous call's second output (at the sampled row)
+                torch.testing.assert_close(hidden[0, -1], prev_next[-1], atol=0, rtol=0)
+            out, nxt = model.step(ids, hidden, pos, cache, _naive_attn)
+            torch.testing.assert_close(out[0], out_vllm, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(nxt[0], next_vllm, atol=1e-4, rtol=1e-4)
+            _, nxt_flipped = flipped.step(ids, hidden, pos, flipped_cache, _naive_attn)
+            assert not torch.allclose(nxt_flipped[0], next_vllm, atol=1e-2)
+            prev_next = next_vllm
+
+
+@pytest.mark.slow
+def test_train_eagle31_learns_and_exports(tiny_llama, tmp_path):
+    """run_train with both switches: fc_norm weights are trained (moved off 1), the loss falls, the checkpoint's
+    draft config carries the switches, and export writes them."""
+    from eagle3.train import run_train
+    from eagle3.train.synthetic import capture_samples, frequent_ids, write_vocab
+
+    samples, manifest = capture_samples(tiny_llama, num=12, layers=(1, 2, 4), min_len=16, max_len=32)
+    vocab = write_vocab(tmp_path / "vocab", 512, frequent_ids(samples, 200, 512))
+    cfg = TrainConfig(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp_path / "train",
+                      max_steps=16, lr=5e-3, warmup_steps=2, max_seq_len=64, ttt_steps=2, eval_every=16,
+                      save_every=16, log_every=4, val_fraction=0.0, device="cpu",
+                      draft=DraftOverrides(fc_norm=True, norm_output=True))
+    res = run_train(cfg, samples=samples, manifest=manifest)
+    train = [json.loads(x) for x in (tmp_path / "train" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["split"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.05
+    assert res.metadata["draft_config"]["fc_norm"] and res.metadata["draft_config"]["norm_output"]
+    w = load_file(str(res.final_dir / "model.safetensors"))
+    assert not torch.equal(w["fc_norm.0.weight"], torch.ones(128))
+    run_export(ExportConfig(checkpoint=str(tmp_path / "train"), out=tmp_path / "draft"))
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["norm_output"] is True
