@@ -155,7 +155,7 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
     if getattr(args, "config", None):
         raw = load_yaml(args.config)
         source = f"{args.config} + command line"
-        if "target" in raw and "data" in raw and (stage in PipelineConfig.model_fields or stage in STREAM_STAGES) and (
+        if "target" in raw and ("data" in raw or "synthesize" in raw) and (stage in PipelineConfig.model_fields or stage in STREAM_STAGES) and (
             any(k in raw for k in STAGES) or "work_dir" in raw
         ):
             from eagle3.config import load_pipeline_config
