@@ -92,7 +92,7 @@ def test_domain_quotas_follow_weights():
     assert sum(domain_quotas(cfg).values()) == 7 and set(domain_quotas(cfg)) == {"coding", "math", "writing"}
 
 
-def test_config_and_cli():
+def test_config_and_cli(tmp_path):
     from eagle3.cli import build_parser, stage_config_from_args
 
     args = build_parser().parse_args(["synthesize", "--domains", "coding,math", "--num-prompts", "5"])
@@ -102,6 +102,12 @@ def test_config_and_cli():
         stage_config_from_args("synthesize", build_parser().parse_args(["synthesize", "--domains", "cooking"]))
     custom = SynthesizeConfig(domains='{"cooking": {"system": "Users ask about recipes.", "seeds": ["How do I"]}}')
     assert custom.domains["cooking"].seeds == ["How do I"]
+    import yaml
+
+    pipe = tmp_path / "pipe.yaml"  # a pipeline config without `data` is still read as one
+    pipe.write_text(yaml.safe_dump({"target": "T", "work_dir": str(tmp_path), "synthesize": {"enabled": True}}))
+    cfg = stage_config_from_args("synthesize", build_parser().parse_args(["synthesize", "--config", str(pipe)]))
+    assert cfg.out == tmp_path / "synthesized" and cfg.target == "T"
     mix = stage_config_from_args("mix", build_parser().parse_args(["mix", "--sources", "a.jsonl=1,b.jsonl=2.5,c.jsonl"]))
     assert [(s.path, s.weight) for s in mix.sources] == [("a.jsonl", 1.0), ("b.jsonl", 2.5), ("c.jsonl", 1.0)]
 

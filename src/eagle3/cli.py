@@ -172,7 +172,7 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
             from eagle3.config import load_pipeline_config
 
             values = load_pipeline_config(args.config).fetch_target_config().model_dump(exclude={"stage"})
-        elif "target" in raw and "data" in raw and (stage in PipelineConfig.model_fields or stage in STREAM_STAGES) and (
+        elif "target" in raw and ("data" in raw or "synthesize" in raw) and (stage in PipelineConfig.model_fields or stage in STREAM_STAGES) and (
             any(k in raw for k in STAGES) or "work_dir" in raw
         ):
             from eagle3.config import load_pipeline_config
