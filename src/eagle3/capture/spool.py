@@ -246,7 +246,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     ci = load_capture_inputs(cfg)
     info, layers, ds, n_total, lengths = ci.info, ci.layers, ci.ds, ci.n_total, ci.lengths
     max_len, max_model_len, spool = ci.max_len, ci.max_model_len, Path(cfg.out)
-    limit_len = max_model_len if cfg.backend == "vllm" else None
+    limit_len = ci.length_limit
     usable = (lengths > 0) & (lengths < limit_len if limit_len else True)  # rows that will be captured
     bpt = bytes_per_token(len(layers), info.hidden_size, cfg.storage_dtype)
     hashed = {**ci.hashed, "epochs": cfg.epochs, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
