@@ -242,8 +242,8 @@ class TrainConfig(StageConfig):
     )
     resume: bool = Field(True, description="Resume from the latest checkpoint in --out when present")
     verify_capture: bool = Field(
-        True, description="Check every capture shard's sha256 against its manifest before training (reads the "
-        "capture once, in parallel threads); a corrupt capture is refused, naming the shards"
+        True, description="Check every capture shard's sha256 against its manifest before training (local rank 0 "
+        "reads the capture once per host, in parallel threads); a corrupt capture is refused, naming the shards"
     )
     max_nonfinite_steps: int = Field(
         0, ge=0, description="Optimizer steps whose batch, loss or gradient is non-finite (NaN/inf) that are skipped "

@@ -462,14 +462,17 @@ def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> Tr
         )
     t_load = time.perf_counter()
     preload = cfg.preload and source is None and samples is None
+    # one process per host hashes the capture (8 ranks reading a multi-TB capture 8 times would cost hours); if it
+    # refuses the capture, torchrun stops the other ranks
+    verify = cfg.verify_capture and int(os.environ.get("LOCAL_RANK", "0")) == 0
     if source is not None:
         samples, how = source.val_samples, "spool validation"
     elif preload:  # sequential shard reads, only the trained layers kept in RAM
-        samples, how = preload_samples(cfg.captured, layers, L, verify=cfg.verify_capture), "in RAM"
+        samples, how = preload_samples(cfg.captured, layers, L, verify=verify), "in RAM"
     else:
-        samples = load_samples(cfg.captured if samples is None else samples, verify=cfg.verify_capture)
+        samples = load_samples(cfg.captured if samples is None else samples, verify=verify)
         how = "memory-mapped or given"
-    if cfg.verify_capture and source is None and isinstance(cfg.captured, str) and (preload or isinstance(
+    if verify and source is None and isinstance(cfg.captured, str) and (preload or isinstance(
             samples, (CapturedDataset, ConcatSamples))):
         how += ", every shard sha256-verified"
     if cfg.layers is not None and not preload:
@@ -500,7 +503,7 @@ def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> Tr
         vm = load_combined_manifest(cfg.val_captured)
         check_target_identity(vm, identity, what=f"val_captured={cfg.val_captured}", target=cfg.target,
                               allow=cfg.allow_target_mismatch, error=ConfigError)
-        vs = SelectedLayers(load_samples(cfg.val_captured, verify=cfg.verify_capture), vm["layers"], layers, L)
+        vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm["layers"], layers, L)
         val, heldout = eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size), val
     per_step = cfg.batch_size * cfg.grad_accum * d.world
     rows = source.num_rows(cfg) if source is not None else cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len)
