@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
     start_parent_watchdog()
     from eagle3.cli import _jsonable, resolve_function
     from eagle3.config import build_stage_config
+    from eagle3.diagnose import describe_failure
     from tasks.errors import classify_exception
 
     out = Path(result_json)
@@ -54,7 +55,8 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - classified and reported to the parent
         kind = classify_exception(exc)
         traceback.print_exc()
-        out.write_text(json.dumps({"ok": False, "kind": kind, "type": type(exc).__name__, "message": str(exc)}))
+        message = describe_failure(exc) if isinstance(exc, Exception) else None
+        out.write_text(json.dumps({"ok": False, "kind": kind, "type": type(exc).__name__, "message": message or str(exc)}))
         sys.stdout.flush()
         sys.stderr.flush()
         return {"config": 2, "oom": 3}.get(kind, 1)

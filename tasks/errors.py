@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -67,6 +68,10 @@ def classify_exception(exc: BaseException) -> str:
         return "oom"
     if any(m in text for m in _ENGINE_MARKERS):
         return "engine_start"
+    # another writer holds the out dir, the disk is full or read-only: the same again until someone acts
+    if type(exc).__name__ == "LockedError" or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT,
+                                                                                            errno.EROFS)):
+        return "config"
     # ConfigError, pydantic ValidationError, TemplateError are ValueErrors; missing inputs are
     # FileNotFoundError; a KeyError/TypeError is a bug: none of them changes on a retry.
     if isinstance(exc, ValueError | LookupError | TypeError | FileNotFoundError | NotADirectoryError

@@ -249,7 +249,7 @@ class CaptureConfig(StageConfig):
     shard_tokens: int = Field(262144, gt=0, description="Tokens per safetensors shard (the unit of resume)")
     limit: int | None = Field(None, gt=0, description="Capture at most this many samples")
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
-    min_free_disk_gb: float = Field(1.0, description="Refuse to start unless this much disk stays free after the capture")
+    min_free_disk_gb: float = Field(1.0, ge=0, description="Refuse to start unless this much disk stays free after the capture")
 
     _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
     _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))
@@ -382,6 +382,19 @@ class TrainConfig(StageConfig):
         "instead of memory-mapping it per sample; for captures that fit in RAM"
     )
     resume: bool = Field(True, description="Resume from the latest checkpoint in --out when present")
+    verify_capture: bool = Field(
+        True, description="Check every capture shard's sha256 against its manifest before training (local rank 0 "
+        "reads the capture once per host, in parallel threads); a corrupt capture is refused, naming the shards"
+    )
+    max_nonfinite_steps: int = Field(
+        0, ge=0, description="Optimizer steps whose batch, loss or gradient is non-finite (NaN/inf) that are skipped "
+        "(counted in the log) before training stops with an error naming the shard, sample and step; 0 = stop at the "
+        "first"
+    )
+    allow_target_mismatch: bool = Field(
+        False, description="Train even though the target's config.json sha256, layer count or embedding/norm/lm_head "
+        "weights differ from those the capture recorded (a warning instead of an error)"
+    )
 
     _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
     _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))
@@ -419,6 +432,10 @@ class ExportConfig(StageConfig):
     out: Path | None = Field(None, description="Output dir that vLLM loads as the eagle3 draft")
     format: Literal["vllm", "speculators"] = Field("vllm", description="vllm: LlamaForCausalLMEagle3; speculators: speculators eagle3")
     target: str | None = Field(None, description="Target model dir to validate against (default: the one trained with)")
+    allow_target_mismatch: bool = Field(
+        False, description="Export even though the target's config.json sha256, layer count or embedding/norm/lm_head "
+        "weights differ from those the draft was trained and captured with (a warning instead of an error)"
+    )
 
 
 class EvaluateConfig(StageConfig):

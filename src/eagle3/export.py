@@ -35,7 +35,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import ConfigError, ExportConfig
-from eagle3.io import atomic_dir, read_json, write_json
+from eagle3.integrity import check_target_identity, nonfinite_tensors, target_identity
+from eagle3.io import atomic_dir, read_json, read_safetensors, write_json
 from eagle3.model.draft import DraftConfig, expected_export_shapes, text_config
 
 METADATA = "eagle3_draft.json"
@@ -211,8 +212,21 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     if not tpath.is_file():
         raise ConfigError(f"ExportConfig.target={target!r} has no config.json; pass --target with the target model dir")
     target_cfg = json.loads(tpath.read_text())
-    tensors = load_file(str(ck / WEIGHTS))
-    validate(meta, dcfg, tensors, target_cfg, _manifest(meta.get("captured")))
+    tensors = read_safetensors(ck / WEIGHTS, "draft checkpoint weights", "export another checkpoint (e.g. checkpoints/step-N)")
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise ExportError(
+            f"{ck / WEIGHTS} holds NaN/inf in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: a draft that cannot "
+            "propose anything; nothing was written. Export an earlier checkpoint or train again (check the capture)"
+        )
+    manifest = _manifest(meta.get("captured"))
+    validate(meta, dcfg, tensors, target_cfg, manifest)
+    identity = target_identity(target)  # config sha256, layer count, embedding/norm/lm_head sha256
+    check_target_identity(meta, identity, what=f"checkpoint {ck}", target=target, allow=cfg.allow_target_mismatch,
+                          error=ExportError)
+    if manifest is not None:
+        check_target_identity(manifest, identity, what=f"capture {meta.get('captured')}", target=target,
+                              allow=cfg.allow_target_mismatch, error=ExportError)
     vocab_file = Path(meta.get("vocab") or "") / "vocab.safetensors"
     if meta.get("vocab") and vocab_file.is_file():
         d2t = load_file(str(vocab_file))["d2t"].long()

@@ -29,7 +29,14 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp_path.chmod(0o666 & ~umask)  # mkstemp makes it 0600
     try:
         yield tmp_path
+        # again: a writer may replace the file (safetensors' save_file writes its own 0600 temp file and renames it
+        # over ours), and a draft vLLM serves as another user must be readable (0644 under umask 022)
+        tmp_path.chmod(0o666 & ~umask)
         os.replace(tmp_path, path)
+    except OSError as e:
+        if e.filename is None:  # a failed write (disk full) names no file: name the one being written
+            e.filename = str(path)
+        raise
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -45,7 +52,13 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the final dir should look like any other
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:
+            if e.filename is None:
+                e.filename = str(path)
+            raise
+        _normal_modes(tmp, umask)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -57,6 +70,15 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _normal_modes(root: Path, umask: int) -> None:
+    """Files under `root` get the modes of ordinary files (0644 under umask 022, exec bits kept): writers such as
+    safetensors' save_file leave a 0600 file, which a vLLM server running as another user cannot read."""
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            mode = p.stat().st_mode
+            p.chmod((0o666 & ~umask) | (mode & 0o111 & ~umask))
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -103,3 +125,41 @@ def sha256_tree(root: str | Path, pattern: str = "*") -> str:
         h.update(str(p.relative_to(root)).encode())
         h.update(sha256_file(p).encode())
     return h.hexdigest()
+
+
+class CorruptFileError(ValueError):
+    """A file exists but cannot be read as what it should be (truncated, overwritten, foreign)."""
+
+
+@contextlib.contextmanager
+def corrupt_file_errors(path: str | Path, what: str = "file", fix: str = "") -> Iterator[None]:
+    """Turn a reader's low-level failure on `path` (safetensors' SafetensorError, a torch zip/pickle error, a
+    truncated read) into a CorruptFileError naming the file, what it is and `fix`."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, EOFError, pickle.UnpicklingError, RuntimeError, json.JSONDecodeError) as e:
+        if isinstance(e, RuntimeError) and not isinstance(e, SafetensorError) and not _looks_like_read_error(e):
+            raise
+        size = Path(path).stat().st_size if Path(path).is_file() else None
+        raise CorruptFileError(
+            f"{what} {path} is truncated or corrupt ({type(e).__name__}: {str(e)[:200]}; {size} bytes on disk)"
+            + (f": {fix}" if fix else "")
+        ) from e
+
+
+def _looks_like_read_error(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(m in text for m in ("pytorchstreamreader", "zip archive", "unexpected eof", "invalid header",
+                                   "file_size", "incomplete"))
+
+
+def read_safetensors(path: str | Path, what: str = "weights file", fix: str = "") -> dict[str, Any]:
+    """safetensors.torch.load_file, with a truncated or corrupt file reported as CorruptFileError naming it."""
+    from safetensors.torch import load_file
+
+    with corrupt_file_errors(path, what, fix):
+        return load_file(str(path))

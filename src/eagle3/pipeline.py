@@ -57,6 +57,13 @@ def enabled_stages(cfg: PipelineConfig) -> list[str]:
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
+    from eagle3.lock import dir_lock
+
+    with dir_lock(cfg.work_dir, "pipeline work dir"):  # one pipeline per work dir (re-entrant: see lock.py)
+        return _run_pipeline(cfg)
+
+
+def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     from eagle3.cli import resolve_function
 
     ensure_target(cfg)
@@ -86,5 +93,8 @@ def run_pipeline_from_file(path: str | Path, use_prefect: bool = True) -> Any:
                 raise
             log.warning("Prefect layer not available (%s); running the stages in-process", e)
         else:
-            return eagle3_pipeline(cfg)
+            from eagle3.lock import dir_lock
+
+            with dir_lock(cfg.work_dir, "pipeline work dir"):
+                return eagle3_pipeline(cfg)
     return run_pipeline(cfg)

@@ -21,6 +21,7 @@ import numpy as np
 
 from eagle3.config import CaptureConfig, ConfigError
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
+from eagle3.lock import dir_lock
 from eagle3.plan import estimate_storage
 
 from . import storage
@@ -149,6 +150,7 @@ class CaptureInputs:
     max_len: int
     max_model_len: int
     hashed: dict[str, Any]
+    length_limit: int | None = None  # rows of this many tokens or more are skipped as too long (capture_rows)
 
 
 def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
@@ -162,7 +164,12 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
     lengths = _lengths(ds, n_total)  # [n_total]
     max_len = int(lengths.max()) if n_total else 1
-    max_model_len = cfg.max_model_len or max_len + 1  # vLLM needs room for one generated token
+    max_pos = info.max_position_embeddings
+    # vLLM needs room for one generated token; by default never more than the target's positions (vLLM refuses to
+    # start with a longer max_model_len): rows that do not fit are skipped and counted as too_long
+    max_model_len = cfg.max_model_len or (min(max_len + 1, int(max_pos)) if max_pos else max_len + 1)
+    # the hf backend has no engine limit, but states past the target's positions are not what it was trained for
+    length_limit = max_model_len if cfg.backend == "vllm" else (int(max_pos) + 1 if max_pos else None)
     hashed = {
         "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
         "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
@@ -170,7 +177,7 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
         "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
         "max_model_len": max_model_len,
     }
-    return CaptureInputs(info, layers, ds, prep_manifest, n_total, lengths, max_len, max_model_len, hashed)
+    return CaptureInputs(info, layers, ds, prep_manifest, n_total, lengths, max_len, max_model_len, hashed, length_limit)
 
 
 def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
@@ -178,18 +185,32 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     ``worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
     t0 = time.time()
     ci = load_capture_inputs(cfg)
+    with dir_lock(cfg.out, "capture out"):
+        return _capture(cfg, ci, llm, t0)
+
+
+def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> CaptureResult:
     info, layers, ds, n_total, lengths, max_model_len = ci.info, ci.layers, ci.ds, ci.n_total, ci.lengths, ci.max_model_len
     prep_manifest, out, hashed = ci.prepared_manifest, Path(cfg.out), ci.hashed
     config_hash = sha256_json(hashed)
     if (out / MANIFEST).is_file():
         m = storage.load_manifest(out)
-        if m.get("config_hash") == config_hash:
-            print(f"capture: {out} is already complete ({m['num_samples']} samples)", file=sys.stderr, flush=True)
+        if m.get("config_hash") != config_hash:
+            raise ValueError(
+                f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.get('config_hash')} "
+                f"!= {config_hash}): use a new --out directory or delete {out}"
+            )
+        bad = storage.corrupt_shards(out, m["shards"])
+        if not bad:
+            print(f"capture: {out} is already complete ({m['num_samples']} samples, {len(m['shards'])} shards "
+                  "sha256-verified)", file=sys.stderr, flush=True)
             return _result(out, m, resumed=len(m["shards"]), wall=time.time() - t0, cap=0.0, tok_now=0)
-        raise ValueError(
-            f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.get('config_hash')} "
-            f"!= {config_hash}): use a new --out directory or delete {out}"
-        )
+        # a finished capture whose shards no longer match: reopen it, so that the resume below keeps the good
+        # shards before the first bad one and captures the rest again
+        print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 ({', '.join(bad[:5])}); "
+              "capturing again from the first bad one", file=sys.stderr, flush=True)
+        save_progress(out, config_hash, m["shards"])
+        (out / MANIFEST).unlink()
     out.mkdir(parents=True, exist_ok=True)
     shards = load_progress(out, config_hash)
     start = shards[-1]["next_index"] if shards else 0
@@ -218,8 +239,12 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
         chunk_tokens = int(backend_info.get("chunk_tokens", cfg.batch_tokens))
         t_cap = time.time()
         try:
-            for r in capture_rows(backend, ds, lengths, range(start, n_total), chunk_tokens,
-                                  max_model_len if cfg.backend == "vllm" else None):
+            # chunks (and so the backend's batches) start where an uninterrupted run's would: a resumed run recomputes
+            # the rows of the chunk holding `start` and drops those before it, so its states are bit-identical
+            first = chunk_start(lengths, start, chunk_tokens)
+            for r in capture_rows(backend, ds, lengths, range(first, n_total), chunk_tokens, ci.length_limit):
+                if r.index < start:
+                    continue
                 if r.skip:
                     buf.skip(r.index, r.skip)
                 else:
@@ -258,6 +283,7 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
         "layer_semantics": LAYER_SEMANTICS,
         "last_semantics": LAST_SEMANTICS,
         "num_hidden_layers": info.num_hidden_layers,
+        "target_weights_sha256": target_weights_sha256(cfg.target),
         "hidden_size": info.hidden_size,
         "dtype": cfg.storage_dtype,
         "storage": storage_info(cfg.storage_dtype),
@@ -328,6 +354,33 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
             else:
                 yield CapturedRow(a + k, int(i), None, str(batch["sample_id"][k]), torch.as_tensor(batch["input_ids"][k]),
                                   torch.as_tensor(batch["loss_mask"][k]), st)
+        a = b
+
+
+def target_weights_sha256(target: str | Path) -> dict[str, str] | None:
+    """sha256 of the target's embedding, final norm and lm_head (eagle3.integrity): train and export compare them to
+    make sure they read the target the states came from. None (not compared later) when they cannot be found."""
+    from eagle3.integrity import target_identity
+
+    found = target_identity(target)["weights_sha256"]
+    if found is None:
+        print(f"capture: no embedding/norm/lm_head found in {target}; no weight fingerprint recorded (train and "
+              "export will not compare weights)", file=sys.stderr, flush=True)
+    return found
+
+
+def chunk_start(lengths: np.ndarray, start: int, chunk_tokens: int) -> int:
+    """First row of the chunk holding row `start` when rows 0.. are cut into chunks as capture_rows cuts them."""
+    n, a = len(lengths), 0
+    if start >= n:
+        return start
+    while True:
+        b, tok = a, 0
+        while b < n and (b == a or tok + lengths[b] <= chunk_tokens):
+            tok += int(lengths[b])
+            b += 1
+        if b > start:
+            return a
         a = b
 
 

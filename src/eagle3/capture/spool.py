@@ -40,7 +40,7 @@ import numpy as np
 from eagle3.config import ConfigError, StreamCaptureConfig
 from eagle3.io import read_json, sha256_json, write_json
 
-from .run import _make_backend, capture_rows, load_capture_inputs
+from .run import _make_backend, capture_rows, load_capture_inputs, target_weights_sha256
 from .storage import FORMAT, TORCH_DTYPES, ShardBuffer, bytes_per_token, storage_info, write_shard
 
 SPOOL_FORMAT = "eagle3-spool/1"
@@ -246,7 +246,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     ci = load_capture_inputs(cfg)
     info, layers, ds, n_total, lengths = ci.info, ci.layers, ci.ds, ci.n_total, ci.lengths
     max_len, max_model_len, spool = ci.max_len, ci.max_model_len, Path(cfg.out)
-    limit_len = max_model_len if cfg.backend == "vllm" else None
+    limit_len = ci.length_limit
     usable = (lengths > 0) & (lengths < limit_len if limit_len else True)  # rows that will be captured
     bpt = bytes_per_token(len(layers), info.hidden_size, cfg.storage_dtype)
     hashed = {**ci.hashed, "epochs": cfg.epochs, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
@@ -268,6 +268,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
         header = {
             "format": SPOOL_FORMAT, "capture_format": FORMAT, "config_hash": config_hash, "stage": "stream-capture",
             "target": hashed["target"], "target_config_sha256": info.config_sha256, "data": hashed["data"],
+            "target_weights_sha256": target_weights_sha256(cfg.target),  # train compares it (eagle3.integrity)
             "layers": layers, "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size,
             "dtype": cfg.storage_dtype, "storage": storage_info(cfg.storage_dtype), "compute_dtype": cfg.dtype,
             "backend": cfg.backend, "bytes_per_token": bpt, "shard_tokens": cfg.shard_tokens,

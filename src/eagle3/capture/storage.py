@@ -287,6 +287,40 @@ def load_progress(out: Path, config_hash: str) -> list[dict[str, Any]]:
     return good
 
 
+def corrupt_shards(out: Path, entries: list[dict[str, Any]], max_threads: int = 8) -> list[str]:
+    """Names of the shards in `entries` (manifest/progress entries) that are missing or whose sha256 differs from
+    the recorded one, in order. Shards are hashed in parallel threads (hashlib releases the GIL): a capture is
+    read once at disk speed."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    def bad(entry: dict[str, Any]) -> bool:
+        f = out / entry["file"]
+        return not f.is_file() or f.stat().st_size != entry.get("bytes", f.stat().st_size) or sha256_file(f) != entry["sha256"]
+
+    if not entries:
+        return []
+    with ThreadPoolExecutor(max(1, min(max_threads, os.cpu_count() or 1, len(entries)))) as pool:
+        flags = list(pool.map(bad, entries))
+    return [e["file"] for e, b in zip(entries, flags, strict=True) if b]
+
+
+def verify_capture(path: str | Path) -> dict[str, Any]:
+    """Check every shard of the finished capture at `path` against the sha256 its manifest records; return the
+    manifest. Raises ValueError naming the corrupt or missing shards and the fix."""
+    path = Path(path)
+    manifest = load_manifest(path)
+    bad = corrupt_shards(path, manifest["shards"])
+    if bad:
+        raise ValueError(
+            f"capture {path}: {len(bad)} of {len(manifest['shards'])} shard(s) are missing or differ from the sha256 "
+            f"in {path / MANIFEST} ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files are corrupt. Run "
+            f"`eagle3 capture` again with the same settings and --out {path}: it keeps the good shards and captures "
+            "the rest again"
+        )
+    return manifest
+
+
 def save_progress(out: Path, config_hash: str, shards: list[dict[str, Any]]) -> None:
     write_json(out / PROGRESS, {"format": FORMAT, "config_hash": config_hash, "shards": shards})
 
@@ -322,6 +356,16 @@ def capture_dirs(captured: str | Path) -> list[Path]:
 
         raise ConfigError(f"captured={str(captured)!r} has an empty entry; give capture dirs separated by commas, "
                           "e.g. runs/cap-0,runs/cap-1")
+    seen: dict[str, str] = {}
+    for p in parts:
+        key = str(Path(p).resolve())
+        if key in seen:
+            from eagle3.config import ConfigError
+
+            raise ConfigError(f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its samples would "
+                              "be read twice (and could land in both the training and the validation split); list each "
+                              "capture dir once")
+        seen[key] = p
     return [Path(p) for p in parts]
 
 
@@ -342,6 +386,13 @@ def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
                     f"{first.get(key)!r}; captures trained together must come from the same target, tokenizer, chat "
                     "template and aux layers: capture the odd one again with the others' settings"
                 )
+        mw, fw = m.get("target_weights_sha256"), first.get("target_weights_sha256")
+        if mw and fw and mw != fw:  # older captures lack the fingerprint: compared only when both have it
+            from eagle3.config import ConfigError
+
+            raise ConfigError(f"captured={captured}: {d / MANIFEST} and {dirs[0] / MANIFEST} record different target "
+                              f"weights (target_weights_sha256 {mw} != {fw}); captures trained together must come from "
+                              "the same target: capture the odd one again")
     if len(dirs) == 1:
         return first
     counts = {k: sum(m[k] for m in manifests) for k in ("num_samples", "num_tokens") if all(k in m for m in manifests)}
@@ -369,12 +420,16 @@ def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True)
 
 
 def load_shard(f: str | Path, dequantize: bool = True) -> dict[str, Any]:
-    """One shard file's tensors plus `sample_ids` (fp8 states dequantized to bfloat16 unless told not to)."""
+    """One shard file's tensors plus `sample_ids` and `file` (its path) (fp8 states dequantized to bfloat16 unless
+    told not to)."""
     from safetensors import safe_open
 
-    with safe_open(str(f), framework="pt") as st:
+    from eagle3.io import corrupt_file_errors
+
+    with corrupt_file_errors(f, "capture shard"), safe_open(str(f), framework="pt") as st:
         shard: dict[str, Any] = {k: st.get_tensor(k) for k in st.keys()}
         shard["sample_ids"] = json.loads(st.metadata()["sample_ids"])
+    shard["file"] = str(f)
     if dequantize:
         for key, skey in SCALE_KEYS.items():
             if skey in shard:
@@ -394,6 +449,7 @@ def shard_samples(shard: dict[str, Any]) -> Iterator[dict[str, Any]]:
             "last_hidden_states": shard["last_hidden_states"][s:e],  # [T, H]
             "sample_id": sid,
             "sample_index": int(shard["sample_index"][j]),
+            "shard": shard.get("file", "?"),
         }
 
 

@@ -22,8 +22,9 @@ Row formats (detected per row):
 A bad row is skipped and counted under one reason (``ReadResult.skipped``), with the first few
 examples kept in ``ReadResult.skip_examples`` and logged: ``missing_fields``, ``not_a_mapping``,
 ``unknown_role``, ``empty_content``, ``no_user_turn``, ``no_assistant_turn``, ``invalid_json``
-(a JSONL line that does not parse; the warning names the line number). No usable row at all is a
-ValueError naming the input.
+(a JSONL line that does not parse; the warning names the file and line number), ``invalid_utf8`` (a JSONL line
+that is not UTF-8: the line is skipped, the rest of the file is read). No usable row at all is a ValueError
+naming the input.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ PAIR_KEYS = (("question", "answer"), ("prompt", "response"), ("prompt", "complet
 
 SKIP_REASONS = (
     "invalid_json",
+    "invalid_utf8",
     "not_a_mapping",
     "missing_fields",
     "unknown_role",
@@ -133,7 +135,7 @@ def _content(value: Any, where: str) -> str:
                 parts.append(part["text"])
             else:
                 raise _RowError("missing_fields", f"{where}: content part {part!r:.80} has no `text`")
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM's chat renderer joins text parts: training sees what serving renders
     if isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
     raise _RowError("missing_fields", f"{where}: content must be a string, got {type(value).__name__}")
@@ -217,21 +219,28 @@ def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Con
 
 # ---------------------------------------------------------------------------------------------- input
 def _iter_jsonl(path: Path) -> Iterator[Any]:
-    """Yield parsed rows; an unparsable line yields an _InvalidLine (counted by the caller)."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """Yield parsed rows; an unparsable or non-UTF-8 line yields an _InvalidLine (counted by the caller)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield _InvalidLine(lineno, f"not valid UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 4]!r})",
+                                   "invalid_utf8")
+                continue
             if not line.strip():
                 continue
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as e:
-                yield _InvalidLine(lineno, str(e))
+                yield _InvalidLine(lineno, f"invalid JSON ({e})")
 
 
 @dataclass
 class _InvalidLine:
     lineno: int
     error: str
+    reason: str = "invalid_json"
 
 
 def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
@@ -273,7 +282,13 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
     if suffix == ".jsonl":
         return _JSONL(path), name
     if suffix == ".json":
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            line = path.read_bytes()[: e.start].count(b"\n") + 1
+            raise ValueError(f"{path}: not valid UTF-8 at line {line} (byte {e.start} of the file); a .json file is "
+                             "parsed as a whole, so fix or re-encode it, or save it as JSON Lines (.jsonl), where a bad "
+                             "line is skipped and counted") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -343,7 +358,7 @@ def read_conversations(
             break
         num_rows += 1
         if isinstance(row, _InvalidLine):
-            skip("invalid_json", f"line {row.lineno}: invalid JSON ({row.error})")
+            skip(row.reason, f"line {row.lineno}: {row.error}")
             continue
         try:
             conv, fmt = parse_row(row, index, require_assistant=require_assistant)

@@ -27,24 +27,28 @@ from eagle3.train.step import PackedBatch
 
 class CapturedDataset(Sequence):
     """Random access to a capture dir's samples without loading it: shards are memory-mapped safetensors
-    (eagle3.capture.storage layout) and a sample reads only its own rows."""
+    (eagle3.capture.storage layout) and a sample reads only its own rows. `verify`: check every shard's sha256
+    against the manifest first (a corrupt capture is refused, naming the shards, before anything trains on it)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, verify: bool = True):
         import json
 
         from safetensors import safe_open
 
         from eagle3.capture import load_manifest
+        from eagle3.capture.storage import verify_capture
+        from eagle3.io import corrupt_file_errors
 
         self.path = Path(path)
-        self.manifest = load_manifest(self.path)
+        self.manifest = verify_capture(self.path) if verify else load_manifest(self.path)
         self._files, self._index, self._handles = [], [], {}
         for si, entry in enumerate(self.manifest["shards"]):
             f = self.path / entry["file"]
             if not f.is_file():
                 raise FileNotFoundError(f"{f} listed in {self.path}/manifest.json is missing: rerun the capture")
             self._files.append(f)
-            with safe_open(str(f), framework="pt") as h:
+            with corrupt_file_errors(f, "capture shard", "run `eagle3 capture` again with the same --out"), \
+                    safe_open(str(f), framework="pt") as h:
                 off = h.get_tensor("sample_offsets").tolist()
                 ids = json.loads(h.metadata()["sample_ids"])
             self._index += [(si, off[j], off[j + 1], sid) for j, sid in enumerate(ids) if off[j + 1] > off[j]]
@@ -68,6 +72,7 @@ class CapturedDataset(Sequence):
             "aux_hidden_states": self._states(h, "aux_hidden_states", a, b),  # (T, A, H)
             "last_hidden_states": self._states(h, "last_hidden_states", a, b),  # (T, H)
             "sample_id": sid,
+            "shard": str(self._files[si]),
         }
 
     @staticmethod
@@ -100,7 +105,7 @@ class ConcatSamples(Sequence):
         return self.parts[k][i - (self._ends[k - 1] if k else 0)]
 
 
-def load_samples(source: str | Path | Iterable[dict[str, Any]]) -> Sequence[dict[str, Any]]:
+def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = True) -> Sequence[dict[str, Any]]:
     """A capture dir, or several comma-separated ones (random access, memory-mapped), or any iterable of sample
     dicts, as a sequence. A sequence is used as is; a plain iterator (e.g. eagle3.capture.load_captured) is
     materialised. Several dirs are checked to agree (eagle3.capture.load_combined_manifest) before reading."""
@@ -109,9 +114,9 @@ def load_samples(source: str | Path | Iterable[dict[str, Any]]) -> Sequence[dict
 
         dirs = capture_dirs(source)
         if len(dirs) == 1:
-            return CapturedDataset(dirs[0])
+            return CapturedDataset(dirs[0], verify)
         load_combined_manifest(source)
-        return ConcatSamples([CapturedDataset(d) for d in dirs])
+        return ConcatSamples([CapturedDataset(d, verify) for d in dirs])
     if isinstance(source, Sequence):
         return source
     return list(source)
@@ -148,7 +153,7 @@ class SelectedLayers(Sequence):
         return s
 
 
-def preload_samples(path: str | Path, layers: list[int], num_hidden_layers: int) -> list[dict[str, Any]]:
+def preload_samples(path: str | Path, layers: list[int], num_hidden_layers: int, verify: bool = True) -> list[dict[str, Any]]:
     """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
     reads, not page faults per sample), keeping only the aux states of `layers` (SelectedLayers semantics).
     RAM needed: tokens x (len(layers) + 1) x H x 2 B."""
@@ -157,6 +162,11 @@ def preload_samples(path: str | Path, layers: list[int], num_hidden_layers: int)
 
     captured = load_combined_manifest(path)["layers"]
     out: list[dict[str, Any]] = []
+    if verify:
+        from eagle3.capture.storage import verify_capture
+
+        for d in capture_dirs(path):
+            verify_capture(d)
     for shard in (sh for d in capture_dirs(path) for sh in iter_shards(d)):
         picked = SelectedLayers(list(shard_samples(shard)), captured, layers, num_hidden_layers)
         for i in range(len(picked)):
@@ -226,6 +236,24 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatc
     return out
 
 
+def nonfinite_samples(batch: PackedBatch, rows: list[list[dict[str, Any]]]) -> str | None:
+    """None when the batch's hidden states are all finite, else which samples hold NaN/inf ("<shard file> sample
+    <id>", with their first bad row). Checked on the host where the batch is packed (the prefetch thread)."""
+    if bool(torch.isfinite(batch.aux).all()) and bool(torch.isfinite(batch.last_hidden).all()):
+        return None
+    found = []
+    for docs in rows:
+        for s in docs:
+            for key in ("aux_hidden_states", "last_hidden_states"):
+                x = torch.as_tensor(s[key])
+                bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(-1).nonzero()
+                if bad.numel():
+                    shard = Path(s["shard"]).name if s.get("shard") else "(in memory)"
+                    found.append(f"{shard} sample {s.get('sample_id', '?')} ({key} row {int(bad[0])} of {x.shape[0]})")
+                    break
+    return ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "") if found else "unknown rows"
+
+
 def collate(rows: list[dict[str, torch.Tensor]]) -> PackedBatch:
     return PackedBatch(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]})
 
@@ -253,6 +281,8 @@ class PackedLoader:
         self._handed = LoaderState(self.state.epoch, self.state.cursor)  # position after the last batch out
         if not self.indices:
             raise ValueError("no training samples: lower val_fraction or capture more data")
+        #: the samples with NaN/inf hidden states in the last batch handed out ("<shard> sample <id>"), or None
+        self.last_nonfinite: str | None = None
 
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -279,9 +309,11 @@ class PackedLoader:
                 break
         return docs
 
-    def _make_batch(self) -> tuple[PackedBatch, LoaderState]:
+    def _make_batch(self) -> tuple[PackedBatch, LoaderState, str | None]:
         rows = [self._next_docs() for _ in range(self.B * self.world)]  # every rank walks the same order
-        return pack_batch(rows[self.rank :: self.world], self.T), LoaderState(self.state.epoch, self.state.cursor)
+        mine = rows[self.rank :: self.world]
+        batch = pack_batch(mine, self.T)
+        return batch, LoaderState(self.state.epoch, self.state.cursor), nonfinite_samples(batch, mine)
 
     def _produce(self, q: queue.Queue) -> None:
         try:
@@ -320,7 +352,7 @@ class PackedLoader:
 
     def __next__(self) -> PackedBatch:
         if self.prefetch <= 0:
-            batch, self._handed = self._make_batch()
+            batch, self._handed, self.last_nonfinite = self._make_batch()
             return batch
         if self._queue is None:
             self._queue = queue.Queue(maxsize=self.prefetch)
@@ -328,7 +360,7 @@ class PackedLoader:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        batch, self._handed = item
+        batch, self._handed, self.last_nonfinite = item
         return batch
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pickle
 import random
 import re
 import shutil
@@ -30,14 +32,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eagle3.config import ConfigError, TrainConfig
-from eagle3.io import atomic_dir, atomic_path, write_json
+from eagle3.integrity import check_target_identity, nonfinite_tensors, target_identity
+from eagle3.io import (
+    CorruptFileError,
+    atomic_dir,
+    atomic_path,
+    corrupt_file_errors,
+    read_safetensors,
+    write_json,
+)
+from eagle3.lock import dir_lock
 from eagle3.model.draft import DraftConfig, Eagle3Draft, draft_config_from_target, text_config
 from eagle3.train import parallel
 from eagle3.train.average import WeightAverage
 from eagle3.train.data import (
+    CapturedDataset,
+    ConcatSamples,
     PackedLoader,
     SelectedLayers,
     eval_batches,
@@ -132,7 +145,10 @@ def add_hidden_noise(aux: torch.Tensor, num_aux: int, scale: float) -> torch.Ten
     return (x + (torch.randn_like(x, dtype=torch.float32) * rms * scale).to(x.dtype)).flatten(-2)  # (B, T, A*H)
 
 
-def metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: dict, step: int, metrics=None) -> dict:
+def metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: dict, step: int, metrics=None,
+             identity: dict | None = None) -> dict:
+    """The draft's eagle3_draft.json. `identity` (eagle3.integrity.target_identity of the target trained with) is
+    recorded so that export can check it is given the same target."""
     tc = text_config(target_cfg)
     return {
         "format": "eagle3-draft/1",
@@ -143,6 +159,8 @@ def metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: di
         "target_hidden_size": tc["hidden_size"],
         "target_vocab_size": tc["vocab_size"],
         "target_num_layers": tc.get("num_hidden_layers"),
+        "target_config_sha256": (identity or {}).get("config_sha256"),
+        "target_weights_sha256": (identity or {}).get("weights_sha256"),
         "target_max_position_embeddings": tc.get("max_position_embeddings"),
         "draft_vocab_size": dcfg.draft_vocab_size,
         "vocab": str(cfg.vocab),
@@ -167,7 +185,7 @@ def _save_weights(model, path: Path) -> None:
 
 
 def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: dict,
-                    optim_shards: Path | None = None, raw=None) -> Path:
+                    optim_shards: Path | None = None, raw=None, num_skipped_steps: int = 0) -> Path:
     """`model`: Eagle3Draft or a full state dict. `optim_shards`: a dir of per-rank optimizer files (FSDP) that
     is moved into the checkpoint instead of saving `opt` (whose state is sharded). `raw`: the raw weights when
     `model` is their moving average (resume reads both)."""
@@ -185,7 +203,8 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoade
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng.pt")
-        write_json(tmp / "trainer_state.json", {"step": step, **loader.state_dict(), "best": best})
+        write_json(tmp / "trainer_state.json", {"step": step, **loader.state_dict(), "best": best,
+                                                "num_skipped_steps": num_skipped_steps})
         write_json(tmp / METADATA, meta)
     return final
 
@@ -197,17 +216,105 @@ def save_model_dir(path: Path, model: Eagle3Draft, meta: dict) -> Path:
     return path
 
 
-def latest_checkpoint(out: Path) -> Path | None:
+def list_checkpoints(out: Path) -> list[Path]:
+    """checkpoints/step-N dirs of a training out dir (those with a trainer_state.json), newest first."""
     steps = []
-    for p in (out / "checkpoints").glob("step-*"):
+    for p in (Path(out) / "checkpoints").glob("step-*"):
         m = re.fullmatch(r"step-(\d+)", p.name)
         if m and (p / "trainer_state.json").is_file():
             steps.append((int(m.group(1)), p))
-    return max(steps)[1] if steps else None
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = list_checkpoints(out)
+    return found[0] if found else None
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds pickled objects other than tensors and plain containers: it was not written by
+    eagle3 (or was tampered with), and loading it could run code. Refused, never loaded."""
+
+
+def load_torch_file(path: Path, map_location: Any = None) -> Any:
+    """torch.load with weights_only=True (tensors, dicts, lists, tuples, numbers, strings only: no code runs from
+    a checkpoint). A file that needs more is refused with UnsafeCheckpointError; a truncated or corrupt one is a
+    CorruptFileError naming it."""
+    try:
+        with corrupt_file_errors(path, "checkpoint file"):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except CorruptFileError as e:
+        if isinstance(e.__cause__, pickle.UnpicklingError) and "weights only" in str(e.__cause__).lower():
+            raise UnsafeCheckpointError(
+                f"{path} holds pickled objects that are not plain tensors or containers; it was not written by eagle3 "
+                "train (or was tampered with) and loading it could run code, so it is refused. Delete that checkpoint "
+                "dir, or train with resume: false into a fresh out dir"
+            ) from None
+        raise
+
+
+@dataclass
+class CheckpointState:
+    """Everything a resume reads from one checkpoint dir, read (and checked) before any of it is applied."""
+
+    path: Path
+    weights: dict[str, torch.Tensor]
+    raw: dict[str, torch.Tensor] | None
+    optimizer: Any  # the full optimizer state, or this rank's shard (FSDP)
+    scheduler: Any
+    trainer_state: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = None) -> CheckpointState:
+    """Read every file of `ckpt`; CorruptFileError when one is missing, truncated, corrupt or holds non-finite
+    weights (the caller falls back to an older checkpoint), UnsafeCheckpointError for a planted pickle."""
+    fix = "training falls back to the checkpoint before it"
+    weights = read_safetensors(ckpt / WEIGHTS, "checkpoint weights", fix)
+    raw = read_safetensors(ckpt / RAW_WEIGHTS, "checkpoint weights", fix) if (ckpt / RAW_WEIGHTS).is_file() else None
+    for name, sd in ((WEIGHTS, weights), (RAW_WEIGHTS, raw or {})):
+        bad = nonfinite_tensors(sd)
+        if bad:
+            raise CorruptFileError(f"{ckpt / name} holds non-finite weights ({', '.join(bad[:4])})")
+    for name in ("optimizer.pt", "rng.pt", "trainer_state.json"):
+        if not (ckpt / name).is_file():
+            raise CorruptFileError(f"{ckpt / name} is missing: the checkpoint is incomplete")
+    st = load_torch_file(ckpt / "optimizer.pt", map_location)
+    if optim_shard is not None:
+        shard = ckpt / "optimizer" / optim_shard
+        if not shard.is_file():
+            raise ConfigError(f"{ckpt} was saved by a different number of FSDP ranks (no {shard.name}); resume with "
+                              "the same world size or set resume: false")
+        optimizer = load_torch_file(shard, map_location)
+    else:
+        optimizer = st["optimizer"]
+    with corrupt_file_errors(ckpt / "trainer_state.json", "checkpoint state"):
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+    rng = load_torch_file(ckpt / "rng.pt")
+    return CheckpointState(ckpt, weights, raw, optimizer, st["scheduler"], state, rng)
+
+
+def read_latest_good_checkpoint(out: Path, map_location: Any, optim_shard: str | None, say) -> CheckpointState | None:
+    """The newest checkpoint of `out` that reads back whole; an unreadable one is reported (`say`) and the one
+    before it tried. None when there is none; a ValueError when every one is unreadable."""
+    found = list_checkpoints(out)
+    errors = []
+    for ckpt in found:
+        try:
+            return read_checkpoint(ckpt, map_location, optim_shard)
+        except CorruptFileError as e:
+            errors.append(str(e))
+            say(f"checkpoint {ckpt.name} is unreadable ({e}); trying the one before it")
+    if found:
+        raise CorruptFileError(
+            f"no checkpoint in {out / 'checkpoints'} reads back whole ({len(found)} tried: {'; '.join(errors[:3])}): "
+            "delete the checkpoints dir to start over, or set resume: false with a new out dir"
+        )
+    return None
 
 
 def load_draft_weights(model: Eagle3Draft, path: Path) -> None:
-    sd = load_file(str(path))
+    sd = read_safetensors(path, "draft weights")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
@@ -301,6 +408,17 @@ def run_train(
     `source` (eagle3.train.stream.SpoolSource, streaming mode) gives the manifest, validation samples, loader
     and row count instead of a capture dir."""
     cfg.require("target", "captured", "vocab", "out")
+    main = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 holds the out dir's writer lock
+    with dir_lock(cfg.out, "train out") if main else nullcontext():
+        return _run_train(cfg, samples=samples, manifest=manifest, stop_after=stop_after, source=source)
+
+
+class NonFiniteError(ValueError):
+    """Training met NaN/inf (in a batch's hidden states, the loss or the gradient) more often than
+    max_nonfinite_steps allows."""
+
+
+def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> TrainResult:
     d = parallel.setup(cfg.device)
     if d.device.type == "cuda":  # host work here is packing small tensors: a full OpenMP team per process
         torch.set_num_threads(min(torch.get_num_threads(), 4))  # oversubscribes the cores (each op ms, not µs)
@@ -321,6 +439,9 @@ def run_train(
             f"hidden_size={tc['hidden_size']}; capture again with this target"
         )
     tensors = load_target_tensors(cfg.target)
+    identity = target_identity(cfg.target, tensors)
+    check_target_identity(manifest, identity, what=f"captured={cfg.captured}", target=cfg.target,
+                          allow=cfg.allow_target_mismatch, error=ConfigError)
     if cfg.init_layers_from_target:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = load_vocab(cfg.vocab)
@@ -341,12 +462,19 @@ def run_train(
         )
     t_load = time.perf_counter()
     preload = cfg.preload and source is None and samples is None
+    # one process per host hashes the capture (8 ranks reading a multi-TB capture 8 times would cost hours); if it
+    # refuses the capture, torchrun stops the other ranks
+    verify = cfg.verify_capture and int(os.environ.get("LOCAL_RANK", "0")) == 0
     if source is not None:
         samples, how = source.val_samples, "spool validation"
     elif preload:  # sequential shard reads, only the trained layers kept in RAM
-        samples, how = preload_samples(cfg.captured, layers, L), "in RAM"
+        samples, how = preload_samples(cfg.captured, layers, L, verify=verify), "in RAM"
     else:
-        samples, how = load_samples(cfg.captured if samples is None else samples), "memory-mapped or given"
+        samples = load_samples(cfg.captured if samples is None else samples, verify=verify)
+        how = "memory-mapped or given"
+    if verify and source is None and isinstance(cfg.captured, str) and (preload or isinstance(
+            samples, (CapturedDataset, ConcatSamples))):
+        how += ", every shard sha256-verified"
     if cfg.layers is not None and not preload:
         samples = SelectedLayers(samples, manifest["layers"], layers, L)
     progress(d, f"{len(samples)} samples ({how}, layers {layers}) in {time.perf_counter() - t_load:.1f} s")
@@ -365,10 +493,17 @@ def run_train(
     val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size)  # every rank (FSDP forward is collective)
     heldout = []
     if cfg.val_captured:  # unseen prompts pick the checkpoint; the held-out train split is still logged
-        from eagle3.capture import load_combined_manifest
+        from eagle3.capture import capture_dirs, load_combined_manifest
 
+        both = {str(p.resolve()) for p in capture_dirs(cfg.val_captured)} & (
+            {str(p.resolve()) for p in capture_dirs(cfg.captured)} if source is None else set())
+        if both:
+            raise ConfigError(f"val_captured={cfg.val_captured} and captured={cfg.captured} share {sorted(both)}: "
+                              "validation rows would be training rows; validate on a capture of other prompts")
         vm = load_combined_manifest(cfg.val_captured)
-        vs = SelectedLayers(load_samples(cfg.val_captured), vm["layers"], layers, L)
+        check_target_identity(vm, identity, what=f"val_captured={cfg.val_captured}", target=cfg.target,
+                              allow=cfg.allow_target_mismatch, error=ConfigError)
+        vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm["layers"], layers, L)
         val, heldout = eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size), val
     per_step = cfg.batch_size * cfg.grad_accum * d.world
     rows = source.num_rows(cfg) if source is not None else cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len)
@@ -391,34 +526,34 @@ def run_train(
         with ema.applied():  # copies: a state dict may share the parameters' storage, which the swap back rewrites
             return {k: v.detach().clone() for k, v in parallel.full_state_dict(ttt, d).items()}
 
-    def load_weights(path: Path) -> None:
-        sd = load_file(str(path))
+    def load_weights(sd: dict[str, torch.Tensor], path: Path) -> None:
         check_draft_weights(model, sd, path)
         parallel.load_full_state_dict(ttt, {"draft." + k: v for k, v in sd.items()}, d)
 
-    step, best = 0, -1.0
-    ckpt = latest_checkpoint(out) if cfg.resume else None
+    step, best, num_skipped = 0, -1.0, 0
     sharded_optim = cfg.parallel == "fsdp" and d.world > 1
-    if ckpt is not None:
-        load_weights(ckpt / WEIGHTS)
+    shard_name = f"rank-{d.rank}-of-{d.world}.pt" if sharded_optim else None
+    ck = read_latest_good_checkpoint(out, d.device, shard_name, lambda m: progress(d, m)) if cfg.resume else None
+    if d.world > 1:  # every rank resumes from the same step: the oldest any rank could read
+        got = torch.tensor([ck.trainer_state["step"] if ck is not None else -1], device=d.device)
+        torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MIN)
+        if ck is not None and int(got.item()) != ck.trainer_state["step"]:
+            ck = read_checkpoint(out / "checkpoints" / f"step-{int(got.item())}", d.device, shard_name) \
+                if int(got.item()) >= 0 else None
+    if ck is not None:
+        ckpt = ck.path
+        load_weights(ck.weights, ckpt / WEIGHTS)
         if ema is not None:  # model.safetensors holds the average (or, from a run without one, the weights)
             ema.reset()
-            if (ckpt / RAW_WEIGHTS).is_file():
-                load_weights(ckpt / RAW_WEIGHTS)
-        st = torch.load(ckpt / "optimizer.pt", map_location=d.device, weights_only=False)
-        if sharded_optim:
-            shard = ckpt / "optimizer" / f"rank-{d.rank}-of-{d.world}.pt"
-            if not shard.is_file():
-                raise ConfigError(f"{ckpt} was saved by a different number of FSDP ranks (no {shard.name}); resume with "
-                                  "the same world size or set resume: false")
-            opt.load_state_dict(torch.load(shard, map_location=d.device, weights_only=False))
-        else:
-            opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        step, best = state["step"], state["best"]
+            if ck.raw is not None:
+                load_weights(ck.raw, ckpt / RAW_WEIGHTS)
+        opt.load_state_dict(ck.optimizer)
+        sched.load_state_dict(ck.scheduler)
+        state = ck.trainer_state
+        step, best, num_skipped = state["step"], state["best"], state.get("num_skipped_steps", 0)
         loader.load_state_dict(state)
-        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+        rng = ck.rng
+        progress(d, f"resumed from {ckpt} (step {step})")
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if cuda and "cuda" in rng:
@@ -442,14 +577,24 @@ def run_train(
         return m
 
     def meta(metrics=None):
-        return metadata(cfg, dcfg, manifest, target_cfg, step, metrics)
+        return metadata(cfg, dcfg, manifest, target_cfg, step, metrics, identity)
+
+    def refuse_nonfinite(sd: dict[str, torch.Tensor], where: str) -> None:
+        bad = nonfinite_tensors(sd)
+        if bad:
+            raise NonFiniteError(f"step {step}: the draft weights to be saved as {where} hold NaN/inf ({', '.join(bad[:4])}); "
+                                 "nothing was written. Training diverged: lower lr, raise warmup_steps or check the capture")
 
     train_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
     loss_acc, n_acc, last_loss, val_m, done_here = torch.zeros((), device=d.device), 0, None, {}, 0
     model.train()
     while step < total and (stop_after is None or done_here < stop_after):
+        step_stats, step_loss, problems = torch.zeros_like(train_stats), torch.zeros((), device=d.device), []
         for micro in range(cfg.grad_accum):
-            b = next(loader).to(d.device, amp_dtype if cuda else torch.float32)
+            b = next(loader)
+            if getattr(loader, "last_nonfinite", None):  # NaN/inf in the batch's hidden states: which samples
+                problems.append(loader.last_nonfinite)
+            b = b.to(d.device, amp_dtype if cuda else torch.float32)
             if cfg.hidden_noise > 0:
                 b.aux = add_hidden_noise(b.aux, len(layers), cfg.hidden_noise)
             if cfg.supervise == "all":  # every token of every conversation, prompts too (validation: assistant only)
@@ -460,9 +605,28 @@ def run_train(
                 loss, stats = ttt(b, head, **kw)
             with ctx:
                 (loss / cfg.grad_accum).backward()
-            train_stats += stats
-            loss_acc += loss.detach() / cfg.grad_accum
+            step_stats += stats
+            step_loss += loss.detach() / cfg.grad_accum
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        gfull = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+        flags = torch.stack([(~torch.isfinite(step_loss)).float(), torch.tensor(float(bool(problems)), device=d.device)])
+        parallel.all_reduce_sum(flags, d)  # every rank skips the same steps
+        if not bool(torch.isfinite(gfull)) or bool(flags.sum() > 0):  # one host sync per step
+            opt.zero_grad(set_to_none=True)
+            num_skipped += 1
+            what = (f"step {step + 1}: loss {step_loss.item():.4g}, gradient norm {float(gfull):.4g}; "
+                    + (f"the batch holds NaN/inf hidden states: {'; '.join(problems)}. The capture is corrupt: "
+                       "capture those samples again" if problems else
+                       "the batch is finite, so training diverged: lower lr, raise warmup_steps or set grad_clip")
+                    + (" (a rank's batch held NaN/inf hidden states)" if not problems and flags[1] > 0 else ""))
+            if num_skipped > cfg.max_nonfinite_steps:
+                raise NonFiniteError(f"non-finite training step ({num_skipped} so far, max_nonfinite_steps="
+                                     f"{cfg.max_nonfinite_steps}): {what}")
+            progress(d, f"skipped non-finite step ({num_skipped} of at most {cfg.max_nonfinite_steps}): {what}")
+            log.log(step, "skipped", {"num_skipped_steps": num_skipped})
+            continue
+        train_stats += step_stats
+        loss_acc += step_loss
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -487,7 +651,9 @@ def run_train(
                 if heldout:
                     log.log(step, "heldout", evaluate(heldout))
             progress(d, f"step {step} validation tau_estimate {val_m['tau_estimate']:.3f}")
-            if val_m["tau_estimate"] > best:
+            if not math.isfinite(val_m["loss"]):  # a NaN model scores τ 1.0: it must never become best/
+                progress(d, f"step {step}: validation loss is {val_m['loss']}; this model cannot become best/")
+            elif val_m["tau_estimate"] > best:
                 best, best_now = val_m["tau_estimate"], True
             if step == cfg.eval_every:  # train and eval graphs compiled by now: a run cut short still leaves them
                 save_compile_cache(cfg.compile_cache, d)
@@ -500,6 +666,7 @@ def run_train(
         if save_now or best_now:
             raw = parallel.full_state_dict(ttt, d) if ema is not None and save_now else None
             full = gather_averaged()
+            refuse_nonfinite(full, f"checkpoint step-{step}")
             shards = None
             if sharded_optim and save_now:
                 shards = out / "checkpoints" / f".optim-step-{step}"
@@ -510,13 +677,14 @@ def run_train(
                 save_model_dir(out / "best", full, meta(val_m))
             if d.main and save_now:
                 ckpt = save_checkpoint(out, full, opt, sched, step, loader, best, meta(val_m), optim_shards=shards,
-                                       raw=raw)
+                                       raw=raw, num_skipped_steps=num_skipped)
                 loader.on_checkpoint(ckpt)
         parallel.barrier(d)
 
     final_dir = out / "final"
     if step >= total:
         full = gather_averaged()
+        refuse_nonfinite(full, "final/")
         if d.main:
             save_model_dir(final_dir, full, meta(val_m))
     save_compile_cache(cfg.compile_cache, d)
