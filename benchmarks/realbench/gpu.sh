@@ -31,7 +31,7 @@ PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python
 mkdir -p "$S" "$OUT" "$R"
 die() { echo "realbench: $*" | tee -a "$R/timings.txt" >&2; exit 1; }
 stamp() { echo "$(date -u +%FT%TZ) $*" | tee -a "$R/timings.txt" >&2; }
-pack_report() { tail -n 4 "$S"/*.log > "$R/logs_tail.txt" 2>&1; tar czf "$R/report_${1:-call}.tgz" -C "$S" report; }
+pack_report() { tail -n 4 "$S"/*.log > "$R/logs_tail.txt" 2>&1; tar czf "$OUT/report_${1:-call}.tgz" -C "$S" report; }
 
 setup_python() {
   if [ "${SKIP_WHEELS:-0}" = 1 ]; then export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1; return; fi
