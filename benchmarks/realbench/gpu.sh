@@ -31,7 +31,7 @@ PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python
 mkdir -p "$S" "$OUT" "$R"
 die() { echo "realbench: $*" | tee -a "$R/timings.txt" >&2; exit 1; }
 stamp() { echo "$(date -u +%FT%TZ) $*" | tee -a "$R/timings.txt" >&2; }
-pack_report() { tail -n 4 "$S"/*.log > "$R/logs_tail.txt" 2>&1; tar czf "$R/report_${1:-call}.tgz" -C "$S" report; }
+pack_report() { tail -n 4 "$S"/*.log > "$R/logs_tail.txt" 2>&1; tar czf "$OUT/report_${1:-call}.tgz" -C "$S" report; }
 
 setup_python() {
   if [ "${SKIP_WHEELS:-0}" = 1 ]; then export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1; return; fi
@@ -41,7 +41,8 @@ setup_python() {
   export PYTHONPATH=$S/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
   export TOKENIZERS_PARALLELISM=false
 }
-E() { $PY -m eagle3.cli "$@"; }
+BUDGET_S=${BUDGET_S:-550}  # each call stops its stages by then, so its report still comes back (call limit 600 s)
+E() { timeout -k 5 $((BUDGET_S - SECONDS > 5 ? BUDGET_S - SECONDS : 5)) $PY -m eagle3.cli "$@"; }
 
 gpu_info() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u +%FT%TZ;
@@ -56,15 +57,24 @@ cmd_stage() {
 }
 
 cmd_data() {
+  setup_python; gpu_info; stamp data-start
+  local T=$S/target
+  if [ ! -f "$T/manifest.json" ]; then join_gguf; fi  # a rerun of `data` on the same machine reuses every finished stage
+  E fetch-target smollm2-135m-instruct --gguf "$S/smollm2.gguf" --out "$T" > "$R/fetch.json" || die "fetch-target failed"
+  stamp fetched
+  make_data
+}
+
+join_gguf() {
   [ -f "$S/gguf.part.00" ] || die "the first half of the GGUF is gone from $S: the machine was given back after \
 'gpu.sh stage'. Run 'stage' again and send 'data' within the machine's warm window (~30 s)."
   [ -f .device/gguf_b/gguf.part.01 ] || die "carry .device/gguf_b (the second half)"
-  setup_python; gpu_info; stamp data-start
   cat "$S/gguf.part.00" .device/gguf_b/gguf.part.01 > "$S/smollm2.gguf"
   echo "$GGUF_SHA256  $S/smollm2.gguf" | sha256sum -c --quiet || die "joined GGUF has the wrong sha256"
+}
+
+make_data() {
   local T=$S/target
-  E fetch-target smollm2-135m-instruct --gguf "$S/smollm2.gguf" --out "$T" > "$R/fetch.json" || die "fetch-target failed"
-  stamp fetched
   $PY benchmarks/realbench/sources.py train --refbench-data "$S/rbdata" --num-gsm8k "$NUM_GSM8K" --out "$S/src" \
     > "$R/sources_train.json" || die "sources failed"
   # prompts the target writes itself: the training seed and, separately, the held-out seed
@@ -124,7 +134,7 @@ train_one() {  # name method data
   local captured="$S/cap_$data" vocab="$S/vocab_$data"
   [ "$data" = mix ] && captured="$S/cap_gsm8k,$S/cap_synth,$S/cap_chat"
   [ "$method" = eagle3.1 ] && extra=("${EAGLE31[@]}")
-  timeout "$TRAIN_BUDGET_S" $PY -m eagle3.cli train --target "$S/target" --captured "$captured" --vocab "$vocab" \
+  timeout -k 5 "$TRAIN_BUDGET_S" $PY -m eagle3.cli train --target "$S/target" --captured "$captured" --vocab "$vocab" \
     --out "$S/train_$name" "${RECIPE[@]}" "${extra[@]}" $TRAIN_EXTRA > "$S/train_$name.json" 2> "$S/train_$name.log"
   echo "train $name rc=$?" >> "$R/timings.txt"
   E export --checkpoint "$S/train_$name" --out "$S/drafts/$name" --target "$S/target" > "$S/export_$name.json" \

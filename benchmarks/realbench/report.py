@@ -68,13 +68,21 @@ def method_of(name: str) -> tuple[str, str]:
     return method, data
 
 
+def report_dir(out: Path) -> Path:
+    """The GPU calls' report folder (report_<call>.tgz unpacked; the newest call's holds every earlier file)."""
+    found = sorted(out.glob("report_*/report/timings.txt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        sys.exit(f"no report_*.tgz with report/timings.txt was unpacked under {out}")
+    return found[-1].parent
+
+
 def evaluate(name: str, target: Path, prompts: Path, out: Path, args: argparse.Namespace, baseline: bool) -> dict[str, Any]:
     res = out / "eval" / name / "results.json"
     if not res.is_file():
         cmd = [str(REPO / ".venv/bin/eagle3"), "evaluate", "--target", str(target), "--prompts", str(prompts),
                "--out", str(res.parent), "--num-prompts", "100000", "--num-speculative-tokens", str(K),
-               "--max-tokens", str(args.max_tokens), "--temperatures", args.temperatures, "--top-p", "0.95",
-               "--dtype", "float32", "--max-model-len", "2048", "--baseline" if baseline else "--no-baseline"]
+               "--max-tokens", str(args.max_tokens), "--top-p", "0.95", "--dtype", args.dtype,
+               "--temperatures", args.temperatures if name in args.sampled_methods.split(",") else "0.0", "--max-model-len", "2048", "--baseline" if baseline else "--no-baseline"]
         cmd += ["--method", "ngram"] if name == "ngram" else ["--draft", str(out / "drafts" / name)]
         res.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
@@ -108,7 +116,7 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
                          "num_drafts": r.get("num_drafts"), "tokens_per_s": r.get("tokens_per_s"),
                          "modelled_speedup": r.get("modelled_speedup"),
                          "measured_speedup": r.get("measured_speedup")})
-    report = out / "report_data" / "report"
+    report = report_dir(out)
     read = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
     return {
         "target": TARGET_NAME, "k": K, "rows": rows,
@@ -117,8 +125,6 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
         "gpu": (report / "gpu.txt").read_text().strip().splitlines() if (report / "gpu.txt").is_file() else None,
         "gpu_timings": (report / "timings.txt").read_text().strip().splitlines()
         if (report / "timings.txt").is_file() else None,
-        "train_timings": (out / "report_train" / "report" / "timings.txt").read_text().strip().splitlines()
-        if (out / "report_train" / "report" / "timings.txt").is_file() else None,
         "eval_prompts": read(report / "eval_prompts.manifest.json"),
         "synthesize": {s: read(report / f"synth_{s}.json") for s in ("train", "eval")},
         "regenerate": {s: read(report / f"regen_{s}.json") for s in ("gsm8k", "synth", "chat")},
@@ -151,8 +157,7 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"| {m} | {d or '—'} | " + " | ".join(fmt(cell.get(c, {}).get("tau")) for c in cats)
                          + f" | {fmt(cost, 3)} |")
         lines.append("")
-    lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings",
-              "train_timings", "training", "evaluate_wall_s")}, indent=1)[:6000], "```", ""]
+    lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings", "training", "evaluate_wall_s")}, indent=1)[:6000], "```", ""]
     return "\n".join(lines)
 
 
@@ -162,7 +167,10 @@ def main() -> None:
     ap.add_argument("--out-dir", default=REPO / "runs" / "realbench", type=Path)
     ap.add_argument("--methods", default=None, help="comma-separated subset of ngram and the draft names")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--temperatures", default="0.0,0.6")
+    ap.add_argument("--temperatures", default="0.0,0.6", help="passes of the methods in --sampled-methods")
+    ap.add_argument("--sampled-methods", default="ngram,eagle3-mix,eagle3.1-mix",
+                    help="methods evaluated at every temperature; the others greedy only (CPU time)")
+    ap.add_argument("--dtype", default="bfloat16", help="target (and draft) dtype in vLLM")
     ap.add_argument("--results-name", default="realbench")
     args = ap.parse_args()
     out = args.out_dir
@@ -170,10 +178,11 @@ def main() -> None:
     names = unpack(args.gpu_dir, out)
     target = out / "target"
     sh([str(REPO / ".venv/bin/eagle3"), "fetch-target", TARGET_NAME, "--out", str(target)], out / "fetch.log")
-    prompts = out / "report_data" / "report" / "eval_prompts.jsonl"
+    prompts = report_dir(out) / "eval_prompts.jsonl"
     if not prompts.is_file():
-        sys.exit(f"{prompts} is missing: unpack report_data.tgz from the 'data' call into --gpu-dir")
-    wanted = args.methods.split(",") if args.methods else ["ngram", *names]
+        sys.exit(f"{prompts} is missing: the 'data' call writes it")
+    drafts = sorted(names, key=lambda n: (method_of(n)[1] != "mix", n))  # the mix drafts first
+    wanted = args.methods.split(",") if args.methods else ["ngram", *drafts]
     evals = {}
     for i, name in enumerate(wanted):
         evals[name] = evaluate(name, target, prompts, out, args, baseline=(i == 1))
