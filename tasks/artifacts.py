@@ -184,6 +184,8 @@ def evaluate_result(run_name: str, out: Path, result: dict[str, Any]) -> None:
         lines += ["| position | acceptance |", "|---|---|"]
         lines += [f"| {i + 1} | {a:.3f} |" for i, a in enumerate(per_pos)]
         lines.append("")
+    if (out / "results.md").is_file():  # τ per category and temperature, the draft's cost
+        lines += [(out / "results.md").read_text().replace("# evaluate", "## evaluate", 1), ""]
     scalars = {k: v for k, v in data.items() if isinstance(v, int | float | str) and k != "out"}
     if scalars:
         lines += ["| field | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in scalars.items()]

@@ -403,6 +403,32 @@ def test_blocks_keep_the_token_secret(prefect_harness, tiny_llama, tmp_path):
     assert StorageLocation(base_path=str(tmp_path / "runs")).apply(cfg).work_dir == tmp_path / "runs" / "tiny"
 
 
+def test_fetch_target_task_stamps_the_target_and_caches(prefect_harness, smollm2, tmp_path):
+    """The fetch-target task (pipeline `fetch_target:`) on a copy of an already fetched SmolLM2 dir: the library reuses
+    it (no conversion), the task stamps the dir, a second run is a verified cache hit, and the in-process pipeline's
+    ensure_target accepts it as well."""
+    import shutil
+
+    from prefect import flow
+    from tasks.manifest import read_stamp
+    from tasks.stages import run_stage
+
+    from eagle3.pipeline import ensure_target
+
+    target = tmp_path / "smol"
+    shutil.copytree(smollm2, target)
+    cfg = tiny_config(target, tmp_path / "w", fetch_target="smollm2-135m-instruct")
+
+    @flow(name="fetch-target-test")
+    def fetch() -> dict:
+        return run_stage("fetch-target", cfg.fetch_target_config())
+
+    first, second = fetch(), fetch()
+    assert first["cached"] is False and first["result"]["reused"] is True and second["cached"] is True
+    assert read_stamp(target)["status"] == "done" and "model.safetensors" in read_stamp(target)["files"]
+    ensure_target(cfg)  # reuses (the stamp is a dot-file, not part of the fetched files)
+
+
 @pytest.mark.slow
 def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_path):
     """`eagle3 run --config FILE` runs the Prefect flow on the embedded API; a second invocation (a new

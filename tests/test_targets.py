@@ -24,9 +24,11 @@ def test_cli_unknown_name_lists_the_known_ones(capsys):
     assert "unknown target 'smollm3'" in err and "smollm2-135m-instruct" in err
 
 
-def test_cli_needs_out(capsys):
+def test_cli_needs_name_and_out(capsys):
     assert main(["fetch-target", "smollm2-135m-instruct"]) == 2
     assert "--out" in capsys.readouterr().err
+    assert main(["fetch-target", "--out", "/nonexistent/x"]) == 2
+    assert "eagle3 fetch-target NAME --out DIR`, NAME one of smollm2-135m-instruct" in capsys.readouterr().err
 
 
 def test_wrong_gguf_is_refused_by_size_then_by_sha(tmp_path):

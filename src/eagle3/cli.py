@@ -57,7 +57,8 @@ STAGE_HELP = {
     "vocab": "draft vocabulary (d2t/t2d) from supervised-token frequencies",
     "train": "train the EAGLE-3 draft with training-time test",
     "export": "write a draft directory vLLM (or speculators) loads",
-    "evaluate": "mean acceptance length in real vLLM",
+    "evaluate": "mean acceptance length τ in real vLLM per prompt category and temperature (eagle3 draft or ngram), "
+    "with the draft's cost and a modelled speed-up",
     "stream-capture": "streaming mode, producer: capture every epoch into a spool capped at --spool-cap-gb",
     "stream-train": "streaming mode, consumer: train on the spool's shards, deleting each once checkpointed",
     "fetch-target": "a known target model (registry: eagle3.targets) as a plain HF directory: weights, tokenizer, "

@@ -302,5 +302,9 @@ def _version(dist: str) -> str | None:
 
 def run_fetch_target(cfg) -> dict[str, Any]:
     """`eagle3 fetch-target NAME --out DIR` (cfg: eagle3.config.FetchTargetConfig)."""
-    cfg.require("name", "out")
+    if not cfg.name:
+        raise FetchTargetError(
+            f"no target named: `eagle3 fetch-target NAME --out DIR`, NAME one of {', '.join(sorted(TARGETS))}"
+        )
+    cfg.require("out")
     return fetch_target(cfg.name, cfg.out, gguf=cfg.gguf, cache_dir=cfg.cache_dir, dtype=cfg.dtype)
