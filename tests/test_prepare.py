@@ -108,3 +108,37 @@ def test_sharegpt_sample_from_refbench(refbench, tmp_path):
 
 def test_conversation_type_is_shared():
     assert Conversation(sample_id="a", messages=SINGLE).messages[1]["role"] == "assistant"
+
+
+def test_remote_code_tokenizer_needs_opt_in(tiny_llama, tmp_path):
+    """A target whose tokenizer is its own Python code (tokenizer_config.json `auto_map`, as Kimi-K2.5 ships a
+    tiktoken tokenizer): refused by default with the field to set; with `trust_remote_code: true` that code runs."""
+    import shutil
+
+    from eagle3.config import ConfigError, load_pipeline_config
+
+    target = tmp_path / "remote-tok"
+    shutil.copytree(tiny_llama, target)
+    (target / "tokenization_tiny.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class TinyRemoteTokenizer(PreTrainedTokenizerFast):\n"
+        "    remote_code_ran = True\n"
+    )
+    tc = json.loads((target / "tokenizer_config.json").read_text())
+    tc["auto_map"] = {"AutoTokenizer": [None, "tokenization_tiny.TinyRemoteTokenizer"]}
+    tc["tokenizer_class"] = "TinyRemoteTokenizer"
+    (target / "tokenizer_config.json").write_text(json.dumps(tc))
+    data = _write_jsonl(tmp_path / "chats.jsonl", [{"id": "a", "messages": SINGLE}])
+    cfg = PrepareConfig(target=str(target), data=str(data), out=tmp_path / "prep")
+    assert cfg.trust_remote_code is False
+    with pytest.raises(ConfigError, match=r"tokenization_tiny\.TinyRemoteTokenizer.*prepare\.trust_remote_code: true"):
+        run_prepare(cfg)
+    assert not (tmp_path / "prep").exists()
+    assert type(load_tokenizer(str(target), trust_remote_code=True)).__name__ == "TinyRemoteTokenizer"
+    res = run_prepare(cfg.model_copy(update={"trust_remote_code": True}))
+    assert res.num_samples == 1
+    assert load_prepared_manifest(tmp_path / "prep")["config"]["trust_remote_code"] is True
+    # the pipeline file's key, as the error message names it
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text(f"target: {target}\ndata: {data}\nwork_dir: {tmp_path / 'w'}\nprepare:\n  trust_remote_code: true\n")
+    assert load_pipeline_config(pipe).prepare.trust_remote_code is True

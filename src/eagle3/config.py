@@ -48,6 +48,11 @@ class PrepareConfig(StageConfig):
     max_seq_len: int = Field(2048, gt=0, description="Truncate tokenized conversations to this many tokens")
     limit: int | None = Field(None, gt=0, description="Use at most this many input rows (all when unset)")
     split: str = Field("train", description="Split to read when --data is a DatasetDict directory")
+    trust_remote_code: bool = Field(
+        False,
+        description="Run the tokenizer's own Python code from the target directory (tokenizer_config.json "
+        "`auto_map`, e.g. Kimi-K2.5's tiktoken tokenizer); off by default: only set it for a target you trust",
+    )
 
 
 

@@ -46,13 +46,37 @@ class PrepareResult:
     wall_s: float = 0.0
 
 
-def load_tokenizer(target: str):
+def tokenizer_code(target: str | Path) -> str | None:
+    """The tokenizer class a target directory brings as its own Python code (tokenizer_config.json `auto_map`,
+    e.g. "tokenization_kimi.TikTokenTokenizer"), or None when transformers' own classes load it."""
+    import json
+
+    p = Path(target) / "tokenizer_config.json"
+    if not p.is_file():
+        return None
+    auto_map = json.loads(p.read_text()).get("auto_map") or {}
+    ref = auto_map.get("AutoTokenizer")
+    if isinstance(ref, (list, tuple)):  # [slow class, fast class]
+        ref = next((r for r in ref if r), None)
+    return ref or None
+
+
+def load_tokenizer(target: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     path = Path(target)
     if not path.exists():
         raise FileNotFoundError(f"target {target} does not exist (expected a model directory with a tokenizer)")
-    tok = AutoTokenizer.from_pretrained(str(path))
+    code = tokenizer_code(path)
+    if code and not trust_remote_code:
+        from eagle3.config import ConfigError
+
+        raise ConfigError(
+            f"the tokenizer of {target} is Python code shipped with the model ({code}, tokenizer_config.json "
+            "`auto_map`), which prepare does not run unless you opt in: set `prepare.trust_remote_code: true` "
+            "in the config file (or pass --trust-remote-code) if you trust that directory"
+        )
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if not getattr(tok, "chat_template", None):
         raise TemplateError(
             f"the tokenizer of {target} has no chat template; add chat_template.jinja to the target directory"
@@ -131,7 +155,7 @@ def target_vocab_size(target: str) -> int | None:
 def run_prepare(cfg: PrepareConfig) -> PrepareResult:
     cfg.require("target", "data", "out")
     t0 = time.time()
-    tok = load_tokenizer(cfg.target)
+    tok = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code)
     use_generation = has_generation_markers(tok.chat_template)
     read = read_conversations(cfg.data, limit=cfg.limit, split=cfg.split, require_assistant=True)
     skipped: Counter[str] = Counter(read.skipped)

