@@ -1,0 +1,134 @@
+"""One writer per directory: an advisory lock (fcntl.flock) on `<dir>/.eagle3.lock`.
+
+Two captures into one --out, or two trainings into one out dir, corrupt each other (a second capture's start-up
+deletes the shards the first one just wrote). `dir_lock(path, what)` makes the second one fail at once, naming
+the holder (pid, host, command, start time), which the lock file records as JSON.
+
+A process that dies (SIGKILL, OOM, a lost node) releases its flock with its file descriptors; the file it leaves
+says who held it, so the next writer reports that it takes over a stale lock and goes on. The file is unlinked on
+release; a writer that locked a file someone unlinked meanwhile tries again on the new file (the lock is on the
+inode, and the name must still point to it).
+
+Re-entrant within a process (the pipeline locks its work dir, a stage locks its out dir under it; a stage called
+twice in one process is fine). flock is advisory and local to the host on most network filesystems: two hosts
+writing one NFS directory are not stopped by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+LOCK_NAME = ".eagle3.lock"
+
+_held: dict[str, int] = {}  # realpath of the lock file -> re-entry count (this process)
+_held_guard = threading.Lock()
+
+
+class LockedError(RuntimeError):
+    """Another live process writes this directory."""
+
+
+def _holder(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(h: dict) -> str:
+    if not h:
+        return "an unknown process"
+    return (f"pid {h.get('pid')} on host {h.get('host')} (`{h.get('command', '?')}`, since "
+            f"{h.get('started', '?')})")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def dir_lock(directory: str | Path, what: str = "directory") -> Iterator[Path]:
+    """Hold the writer lock of `directory` (created if missing) for the block; `what` names the directory in
+    errors (e.g. "capture out"). Raises LockedError naming the holder when another live process has it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_NAME
+    key = os.path.realpath(path)
+    with _held_guard:
+        if key in _held:
+            _held[key] += 1
+            reentered = True
+        else:
+            reentered = False
+    if reentered:
+        try:
+            yield path
+        finally:
+            with _held_guard:
+                _held[key] -= 1
+                if not _held[key]:
+                    del _held[key]
+        return
+    fd = _acquire(path, what)
+    with _held_guard:
+        _held[key] = 1
+    try:
+        yield path
+    finally:
+        with _held_guard:
+            _held.pop(key, None)
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                path.unlink()
+        os.close(fd)
+
+
+def _acquire(path: Path, what: str) -> int:
+    for _ in range(100):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            h = _holder(path)
+            raise LockedError(
+                f"{what} {path.parent} is being written by {_describe(h)}: one writer per directory. Wait for it to "
+                f"finish, stop it, or use another directory (lock file {path})"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # unlinked by its previous holder after we opened it: lock the new file
+            os.close(fd)
+            continue
+        old = _holder(path)
+        if old.get("pid") is not None:
+            alive = old.get("host") == socket.gethostname() and _pid_alive(int(old["pid"]))
+            state = "dead" if not alive else "no longer holding it"
+            print(f"eagle3: taking over the stale lock of {what} {path.parent} left by {_describe(old)} ({state})",
+                  file=sys.stderr, flush=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        return fd
+    raise LockedError(f"{what} {path.parent}: could not take the lock file {path} (it keeps being replaced)")
