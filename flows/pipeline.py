@@ -49,7 +49,7 @@ def eagle3_pipeline(
     storage: str | None = None,
     hardware: str | None = None,
 ) -> dict[str, Any]:
-    """prepare → regenerate (optional) → capture → vocab → train → export → evaluate.
+    """regenerate (optional) → prepare → capture → vocab → train → export → evaluate.
 
     dispatch: "auto" runs GPU stages as their own deployments when a Prefect server has them, else
     here; "local" always here; "deployments" always as deployments. target_source / storage / hardware

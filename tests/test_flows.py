@@ -290,6 +290,42 @@ def test_config_error_fails_fast_without_retries(base):
     assert time.time() - t0 < 30
 
 
+def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
+    """A bad layer id fails the pipeline (and a sweep) as Failed before any task runs; a run on a work dir
+    another process holds fails at once, naming the holder."""
+    from flows.pipeline import eagle3_pipeline
+    from flows.sweep import layer_sweep
+
+    cfg = base["cfg"].model_copy(deep=True)
+    cfg.capture.layers = [1, 2, 9]
+    t0 = time.time()
+    state, run_id, _ = run_flow(eagle3_pipeline, cfg, dispatch="local")
+    assert state.is_failed() and state.type.value == "FAILED", state
+    assert "capture.layers = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; use ids in 1..4" in state.message
+    assert _read_task_runs(run_id) == []
+    state, run_id, _ = run_flow(layer_sweep, base["cfg"], [[1, 2], [2, 7]], dispatch="local")
+    assert state.is_failed() and "layer_sets[1] = [2, 7]: id(s) [7] out of range" in state.message, state.message
+    assert _read_task_runs(run_id) == []
+    assert time.time() - t0 < 60
+
+    import subprocess
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from eagle3.lock import dir_lock\n"
+         "with dir_lock(sys.argv[1], 'pipeline work_dir'):\n    print('held', flush=True); time.sleep(600)",
+         str(base["cfg"].work_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        state, run_id, _ = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")
+        assert state.is_failed() and f"is being written by pid {holder.pid}" in state.message, state.message
+        assert _read_task_runs(run_id) == []
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    state, _, _ = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")  # the killed holder freed it
+    assert state.is_completed(), state.message
+
+
 def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
     """capture's child process dies once (exit 1, no result): the task retries and the flow completes."""
     import tasks.subprocess_runner as runner
