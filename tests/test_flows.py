@@ -326,6 +326,41 @@ def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
     assert state.is_completed(), state.message
 
 
+def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkeypatch):
+    """Waiting for the host's GPU slot is reported as slot_wait_s, not as stage time (wall_s)."""
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from tasks.stages import gpu_slot
+
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="gpu-host-slot-test", limit=1))
+    monkeypatch.setenv("EAGLE3_GPU_LIMIT", "gpu-host-slot-test")
+    held, hold_s = threading.Event(), 4.0
+
+    def another_stage() -> None:
+        with concurrency("gpu-host-slot-test", occupy=1, strict=True):
+            held.set()
+            time.sleep(hold_s)
+
+    @flow(name="slot-wait")
+    def take_slot() -> dict:
+        waited: dict = {}
+        with gpu_slot("train", waited):
+            pass
+        return waited
+
+    t = threading.Thread(target=another_stage)
+    t.start()
+    assert held.wait(60)
+    waited = take_slot()
+    t.join()
+    assert waited["slot_wait_s"] >= hold_s / 2, waited
+
+
 def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
     """capture's child process dies once (exit 1, no result): the task retries and the flow completes."""
     import tasks.subprocess_runner as runner
@@ -452,7 +487,8 @@ def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_pa
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True)))
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(root)}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
     env.pop("EAGLE3_INPROCESS", None)
     env.pop("PREFECT_API_URL", None)
     walls = []
