@@ -209,17 +209,20 @@ class Stack:
             else:
                 self.sh(line)
 
-    def get(self, path: str) -> list | dict:
+    def post(self, path: str, body: dict | list, num_tries: int = 4) -> list | dict:
+        """POST to the API; reads (`/filter`) are retried: a busy SQLite server answers late or 503
+        ("database is locked", the reason docs/operations.md recommends PostgreSQL)."""
         import httpx
 
-        r = httpx.get(f"{self.api}{path}", timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    def post(self, path: str, body: dict | list) -> list | dict:
-        import httpx
-
-        r = httpx.post(f"{self.api}{path}", json=body, timeout=30)
+        for attempt in range(num_tries if path.endswith("/filter") else 1):
+            try:
+                r = httpx.post(f"{self.api}{path}", json=body, timeout=60)
+                if r.status_code != 503:
+                    break
+            except httpx.TimeoutException:
+                if attempt == num_tries - 1:
+                    raise
+            time.sleep(2)
         r.raise_for_status()
         return r.json()
 
