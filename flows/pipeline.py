@@ -13,7 +13,9 @@ from tasks.artifacts import artifact_key
 from tasks.manifest import content_sha256, list_outputs
 
 from eagle3.config import PipelineConfig
+from eagle3.lock import dir_lock
 from eagle3.pipeline import ensure_target
+from eagle3.preflight import require_pipeline
 from flows.dispatch import DEFAULT_GPU_POOL, Dispatch, StageRunner
 from flows.report import pipeline_summary
 
@@ -47,19 +49,31 @@ def eagle3_pipeline(
     storage: str | None = None,
     hardware: str | None = None,
 ) -> dict[str, Any]:
-    """prepare → regenerate (optional) → capture → vocab → train → export → evaluate.
+    """regenerate (optional) → prepare → capture → vocab → train → export → evaluate.
 
     dispatch: "auto" runs GPU stages as their own deployments when a Prefect server has them, else
     here; "local" always here; "deployments" always as deployments. target_source / storage / hardware
     name blocks (TargetModelSource, StorageLocation, HardwareProfile) that override the config.
     Returns {stage: manifest}.
+
+    One pipeline per work dir: the run holds <work_dir>/.eagle3.lock (eagle3.lock; released when the
+    process ends, crash included) and a second run on the same work dir fails at once, naming the holder.
+    The config is checked (eagle3.preflight) before any stage starts: a bad value fails the run, naming
+    the field, the value and the fix, before a GPU is taken.
     """
     config, gpu_pool, gpu_limit = apply_blocks(config, target_source, storage, hardware)
+    with dir_lock(config.work_dir, "pipeline work_dir"):
+        return run_stages(config, dispatch, gpu_pool, gpu_limit)
+
+
+def run_stages(config: PipelineConfig, dispatch: Dispatch, gpu_pool: str, gpu_limit: str | None) -> dict[str, Any]:
+    """The stages in order (the work dir is locked); the config is checked once the target is there."""
     cfg = config.resolved()
     stage = StageRunner(cfg, dispatch=dispatch, gpu_pool=gpu_pool, gpu_limit=gpu_limit)
     if config.fetch_target:                        # 0. a known target into `target` (eagle3 fetch-target)
         stage("fetch-target", config=config.fetch_target_config())
     ensure_target(config)
+    require_pipeline(config)                       # pre-flight: every config error before a GPU stage starts
 
     if cfg.synthesize.enabled:
         stage("synthesize")                        # 0. the target writes prompts (per domain)

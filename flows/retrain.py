@@ -23,6 +23,7 @@ from tasks.artifacts import artifact_key, find_tau
 from tasks.manifest import fingerprint_path, sha256_json
 
 from eagle3.config import ConfigError, PipelineConfig
+from eagle3.lock import dir_lock
 from flows.dispatch import Dispatch
 from flows.pipeline import eagle3_pipeline
 
@@ -78,6 +79,11 @@ def retrain(config: PipelineConfig, min_tau_gain: float = 0.0, dispatch: Dispatc
     if not config.eval_prompts:
         raise ConfigError("retrain: eval_prompts is not set; the promotion gate compares τ on held-out prompts, "
                           "so set `eval_prompts:` to a prompts .jsonl")
+    with dir_lock(config.work_dir, "retrain work_dir"):  # one retrain (or pipeline) per work dir
+        return retrain_locked(config, min_tau_gain, dispatch)
+
+
+def retrain_locked(config: PipelineConfig, min_tau_gain: float, dispatch: Dispatch) -> dict[str, Any]:
     log = get_run_logger()
     cand = candidate_config(config)
     manifests = eagle3_pipeline(cand, dispatch=dispatch)

@@ -45,7 +45,10 @@ def stream_side(stage: str, config: dict[str, Any], deployment: str | None = Non
     if not deployment:
         return call_side(stage, config)
     get_run_logger().info("%s: dispatching to deployment %s", stage, deployment)
-    run = run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=None)
+    from tasks.dispatch import wait_named
+
+    run = wait_named(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=0),
+                     f"{stage} on {deployment}")
     if run.state is None or not run.state.is_completed():
         raise StageCrashed(stage, f"deployment run {run.name} ended {run.state.name if run.state else 'without a state'}")
     return {"deployment": deployment, "flow_run": str(run.id)}

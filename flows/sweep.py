@@ -10,16 +10,19 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
 from tasks.artifacts import artifact_key, find_per_position, find_tau, find_value, png_markdown
 
-from eagle3.config import PipelineConfig
+from eagle3.config import ConfigError, LayerId, PipelineConfig
+from eagle3.lock import dir_lock
 from eagle3.pipeline import ensure_target
+from eagle3.preflight import require_pipeline
 from flows.dispatch import Dispatch, StageRunner
 
 _LOSS_KEYS = ("final_val_loss", "val_loss", "final_loss", "final_train_loss", "train_loss", "loss")
@@ -68,7 +71,9 @@ def sweep_branch(config: PipelineConfig, layers: list[int], shared: dict[str, di
         "tau": find_tau(result),
         "per_position_acceptance": find_per_position(result),
         "train_loss": find_loss(m["train"].get("result") or {}),
+        # running time of the branch's stages; the wait for the GPU slot is apart (it is not stage time)
         "stage_wall_s": round(sum(m[s]["wall_s"] for s in ("capture", "train", "export", "evaluate") if s in m), 1),
+        "slot_wait_s": round(sum(m[s].get("slot_wait_s") or 0.0 for s in ("capture", "train", "evaluate") if s in m), 1),
         "this_run_wall_s": round(wall, 1),
         "cached": all(m[s].get("cached") for s in ("capture", "train", "export") if s in m),
         "draft": m["export"]["out"],
@@ -119,17 +124,27 @@ def comparison_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 @flow(name="eagle3-layer-sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
-def layer_sweep(config: PipelineConfig, layer_sets: list[list[int]], max_concurrency: int = 1,
+def layer_sweep(config: PipelineConfig,
+                layer_sets: Annotated[list[Annotated[list[LayerId], Field(min_length=1)]], Field(min_length=1)],
+                max_concurrency: Annotated[int, Field(ge=1)] = 1,
                 dispatch: Dispatch = "auto") -> dict[str, Any]:
     """Train and evaluate one draft per aux layer set; returns {"winner": ..., "rows": [...]}.
 
     max_concurrency bounds the branches in flight (GPU stages of concurrent branches also queue on the
-    per-host GPU concurrency limit when dispatched to GPU pools)."""
+    per-host GPU concurrency limit when dispatched to GPU pools). The server checks both parameters'
+    bounds itself (the schema); the flow checks the layer ids against the target before any stage."""
     if not layer_sets:
-        raise ValueError("layer_sweep: layer_sets is empty; pass e.g. [[1, 2, 3], [2, 3, 4]]")
+        raise ConfigError("layer_sweep: layer_sets = []: name at least one layer set, e.g. [[1, 2, 3], [2, 3, 4]]")
     if max_concurrency < 1:
-        raise ValueError(f"layer_sweep: max_concurrency = {max_concurrency}; use 1 or more")
-    ensure_target(config)
+        raise ConfigError(f"layer_sweep: max_concurrency = {max_concurrency}: use 1 or more (branches in flight)")
+    with dir_lock(config.work_dir, "layer sweep work_dir"):
+        ensure_target(config)
+        require_pipeline(config, layer_sets, what="layer sweep")
+        return sweep(config, layer_sets, max_concurrency, dispatch)
+
+
+def sweep(config: PipelineConfig, layer_sets: list[list[int]], max_concurrency: int, dispatch: Dispatch) -> dict[str, Any]:
+    """The sweep itself (the work dir is locked and the config checked)."""
     cfg = config.resolved()
     shared = StageRunner(cfg, dispatch=dispatch)
     if cfg.regenerate.enabled:
@@ -148,6 +163,7 @@ def layer_sweep(config: PipelineConfig, layer_sets: list[list[int]], max_concurr
     table = [{"layers": ",".join(map(str, r["layers"])), "tau": r["tau"],
               "per_position_acceptance": ", ".join(f"{a:.3f}" for a in r["per_position_acceptance"] or []),
               "train_loss": r["train_loss"], "wall_s": r["stage_wall_s"],
+              "slot_wait_s": r["slot_wait_s"],
               "winner": "yes" if r is winner else ""} for r in rows]
     create_table_artifact(table=table, key=artifact_key(cfg.name, "sweep", "table"),
                           description=f"layer sweep: winner {winner['layers']}")

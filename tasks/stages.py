@@ -44,7 +44,7 @@ GPU_STAGES = ("regenerate", "capture", "train", "evaluate")
 #: stages run in a subprocess: the GPU stages plus synthesize (an engine of the target, but no deployment of its own)
 SUBPROCESS_STAGES = (*GPU_STAGES, "synthesize")
 #: what a stage task returns (the stamp in the output dir holds these plus the file list)
-MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "result")
+MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "slot_wait_s", "result")
 #: stages that get a progress artifact
 PROGRESS_STAGES = ("capture", "train")
 
@@ -87,24 +87,39 @@ def gpu_limit_name() -> str | None:
 
 
 @contextlib.contextmanager
-def gpu_slot(stage: str):
-    """Hold this host's GPU slot (strict: a missing limit is an error, never a silent free-for-all)."""
+def gpu_slot(stage: str, waited: dict[str, float] | None = None):
+    """Hold this host's GPU slot (strict: a missing limit is an error, never a silent free-for-all).
+    The seconds spent waiting for it go to waited["slot_wait_s"].
+
+    Not first-come-first-served: Prefect's global concurrency limits keep no queue; a waiter that gets
+    423 Locked sleeps the server's Retry-After and asks again, so after a release whichever waiter asks
+    first wins (docs/operations.md, "The GPU slot", gives the arrival-order setup: a work pool
+    concurrency limit, whose runs the server hands out oldest first)."""
     name = gpu_limit_name() if stage in SUBPROCESS_STAGES else None
+    t0 = time.time()
     if not name:
+        if waited is not None:
+            waited["slot_wait_s"] = 0.0
         yield
         return
     from prefect.concurrency.sync import concurrency
 
     get_run_logger().info("stage %s: waiting for GPU slot %r", stage, name)
     with concurrency(name, occupy=1, strict=True):
+        wait_s = time.time() - t0
+        if waited is not None:
+            waited["slot_wait_s"] = round(wait_s, 2)
+        get_run_logger().info("stage %s: got GPU slot %r after %.1f s", stage, name, wait_s)
         yield
 
 
-def call_library(stage: str, cfg: StageConfig, on_progress=None) -> dict[str, Any]:
-    """Run the library function for `stage`, in a subprocess for GPU stages; return its result as JSON."""
+def call_library(stage: str, cfg: StageConfig, on_progress=None,
+                 waited: dict[str, float] | None = None) -> dict[str, Any]:
+    """Run the library function for `stage`, in a subprocess for GPU stages; return its result as JSON.
+    The GPU slot wait goes to waited["slot_wait_s"] (not stage time)."""
     from eagle3.cli import _jsonable, resolve_function
 
-    with gpu_slot(stage):
+    with gpu_slot(stage, waited):
         if runs_in_subprocess(stage):
             return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger(),
                                         on_progress=on_progress, probe=make_probe(stage, cfg))
@@ -128,9 +143,9 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
     logger.info("stage %s: key %s, output %s (%s)", stage, key, out, action)
     write_stamp(out, {"stage": stage, "key": key, "status": "running", "started_at": time.time()})
     progress = artifacts.Progress(run_name, stage) if stage in PROGRESS_STAGES else None
-    t0 = time.time()
-    result = call_library(stage, cfg, on_progress=progress.update if progress else None)
-    wall_s = time.time() - t0
+    t0, waited = time.time(), {"slot_wait_s": 0.0}
+    result = call_library(stage, cfg, on_progress=progress.update if progress else None, waited=waited)
+    wall_s = time.time() - t0 - waited["slot_wait_s"]  # running time only; the slot wait is reported apart
     if progress:
         progress.update(1.0)
     files = list_outputs(out)
@@ -142,6 +157,7 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
         "num_files": len(files),
         "num_bytes": sum(v[0] for v in files.values()),
         "wall_s": round(wall_s, 2),
+        "slot_wait_s": waited["slot_wait_s"],
         "result": result,
     }
     write_stamp(out, {**manifest, "status": "done", "files": files, "upstream": upstream,

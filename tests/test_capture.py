@@ -179,7 +179,16 @@ def test_rerun_of_finished_capture_is_a_noop(vllm_llama, tiny_llama, prepared_ll
         run_capture(cfg.model_copy(update={"layers": [1, 2, 3]}))
 
 
-@pytest.mark.parametrize("layers", [[0, 2], [2, 5], [-1], [1, 2, 7]])
+def test_layer_ids_below_one_fail_the_schema():
+    """ids >= 1 is in the schema (a Prefect server checks it before a run starts); the top id needs the target."""
+    import pydantic
+
+    for layers in ([0, 2], [-1]):
+        with pytest.raises(pydantic.ValidationError, match=r"layers\.0\n.*greater than or equal to 1"):
+            CaptureConfig(layers=layers)
+
+
+@pytest.mark.parametrize("layers", [[2, 5], [1, 2, 7]])
 def test_bad_layer_ids(tiny_llama, prepared_llama, tmp_path, layers):
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", layers=layers, backend="hf")
     with pytest.raises(ConfigError, match=r"layers = .*valid aux ids .* are 1\.\.4"):

@@ -290,6 +290,77 @@ def test_config_error_fails_fast_without_retries(base):
     assert time.time() - t0 < 30
 
 
+def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
+    """A bad layer id fails the pipeline (and a sweep) as Failed before any task runs; a run on a work dir
+    another process holds fails at once, naming the holder."""
+    from flows.pipeline import eagle3_pipeline
+    from flows.sweep import layer_sweep
+
+    cfg = base["cfg"].model_copy(deep=True)
+    cfg.capture.layers = [1, 2, 9]
+    t0 = time.time()
+    state, run_id, _ = run_flow(eagle3_pipeline, cfg, dispatch="local")
+    assert state.is_failed() and state.type.value == "FAILED", state
+    assert "capture.layers = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; use ids in 1..4" in state.message
+    assert _read_task_runs(run_id) == []
+    state, run_id, _ = run_flow(layer_sweep, base["cfg"], [[1, 2], [2, 7]], dispatch="local")
+    assert state.is_failed() and "layer_sets[1] = [2, 7]: id(s) [7] out of range" in state.message, state.message
+    assert _read_task_runs(run_id) == []
+    assert time.time() - t0 < 60
+
+    import subprocess
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from eagle3.lock import dir_lock\n"
+         "with dir_lock(sys.argv[1], 'pipeline work_dir'):\n    print('held', flush=True); time.sleep(600)",
+         str(base["cfg"].work_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        state, run_id, _ = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")
+        assert state.is_failed() and f"is being written by pid {holder.pid}" in state.message, state.message
+        assert _read_task_runs(run_id) == []
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    state, _, _ = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")  # the killed holder freed it
+    assert state.is_completed(), state.message
+
+
+def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkeypatch):
+    """Waiting for the host's GPU slot is reported as slot_wait_s, not as stage time (wall_s)."""
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from tasks.stages import gpu_slot
+
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="gpu-host-slot-test", limit=1))
+    monkeypatch.setenv("EAGLE3_GPU_LIMIT", "gpu-host-slot-test")
+    held, hold_s = threading.Event(), 4.0
+
+    def another_stage() -> None:
+        with concurrency("gpu-host-slot-test", occupy=1, strict=True):
+            held.set()
+            time.sleep(hold_s)
+
+    @flow(name="slot-wait")
+    def take_slot() -> dict:
+        waited: dict = {}
+        with gpu_slot("train", waited):
+            pass
+        return waited
+
+    t = threading.Thread(target=another_stage)
+    t.start()
+    assert held.wait(60)
+    waited = take_slot()
+    t.join()
+    assert waited["slot_wait_s"] >= hold_s / 2, waited
+
+
 def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
     """capture's child process dies once (exit 1, no result): the task retries and the flow completes."""
     import tasks.subprocess_runner as runner
@@ -442,7 +513,8 @@ def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_pa
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True)))
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(root)}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
     env.pop("EAGLE3_INPROCESS", None)
     env.pop("PREFECT_API_URL", None)
     walls = []

@@ -10,7 +10,7 @@ on its own checks them with `require(...)`, which names the missing flag.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -215,6 +215,8 @@ class MixConfig(StageConfig):
 
 
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
+#: an aux layer id (>= 1: id 0 would be the embeddings); the upper bound depends on the target (eagle3.preflight)
+LayerId = Annotated[int, Field(ge=1)]
 
 
 def parse_layer_ids(value: Any) -> Any:
@@ -240,7 +242,7 @@ class CaptureConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
     data: str | None = Field(None, description="Prepared dataset dir (output of `eagle3 prepare`)")
     out: Path | None = Field(None, description="Output directory for safetensors shards + manifest.json")
-    layers: list[int] | None = Field(
+    layers: list[LayerId] | None = Field(
         None,
         description="Aux layer ids in vLLM EAGLE-3 semantics (id k = output of decoder layer k-1 = "
         "transformers output_hidden_states[k]); default (2, L//2, L-3). Comma-separated on the CLI",
@@ -328,7 +330,7 @@ class TrainConfig(StageConfig):
         "ddp", description="Under torchrun: ddp replicates the draft; fsdp shards it (FSDP2) for large drafts"
     )
     draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
-    layers: list[int] | None = Field(
+    layers: list[LayerId] | None = Field(
         None,
         description="Train on these of the captured aux ids (the last layer's id L is read from the captured "
         "last_hidden_states); default: all captured aux ids. One wide capture then serves a layer sweep",

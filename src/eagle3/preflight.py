@@ -1,0 +1,119 @@
+"""Check a pipeline config before any stage starts: the mistakes that would otherwise surface minutes later
+inside a GPU stage (or after it took the GPU) are found here, all at once, each naming the field, the bad
+value and the fix.
+
+    problems = check_pipeline(cfg)          # [] when the run can start
+    require_pipeline(cfg)                   # raises ConfigError listing every problem
+
+Checks: the input paths exist (target config.json, data, eval prompts); the aux layer ids of capture (and of
+train, and of each sweep layer set) are valid for the target's layer count; the capture fits the disk (the
+planner's own check, eagle3.plan.check_capture_fits) once the prepared data says how many tokens it holds.
+Reads config files only: no model, no tokenizer, no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from eagle3.config import ConfigError, PipelineConfig
+
+
+def read_num_layers(target: str | Path) -> int:
+    """The target's decoder layer count from its config.json (ConfigError naming the file when unusable)."""
+    from eagle3.io import read_json
+    from eagle3.model.draft import text_config
+
+    p = Path(target) / "config.json"
+    try:
+        return int(text_config(read_json(p))["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{p}: no usable num_hidden_layers ({e}); is `target` a decoder-only LM directory?") from None
+
+
+def check_layer_ids(field: str, layers: list[int] | None, num_layers: int, last_ok: bool = False) -> str | None:
+    """None when every aux id is in 1..L-1 (1..L with last_ok: train may pick the last layer, id L; None = the
+    default set), else the problem as one line."""
+    if layers is None:
+        return None
+    top = num_layers if last_ok else num_layers - 1
+    bad = [k for k in layers if not 1 <= k <= top]
+    if not bad:
+        return None
+    return (f"{field} = {list(layers)}: id(s) {bad} out of range for this {num_layers}-layer target; use ids in "
+            f"1..{top} (id k = output of decoder layer k-1; the last layer is always captured)")
+
+
+def _check_path(field: str, value: str | None, what: str, problems: list[str]) -> None:
+    if value and not Path(value).exists():
+        problems.append(f"{field} = {value!r} does not exist; point it at {what}")
+
+
+def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
+    """The planner's disk check for capture, once prepare's manifest gives the token count (else None: the
+    capture stage checks again itself before writing)."""
+    from eagle3.capture.run import resolve_layers
+    from eagle3.io import read_json
+    from eagle3.model.draft import text_config
+    from eagle3.plan import check_capture_fits, estimate_storage
+
+    c = cfg.resolved()
+    manifest = Path(c.capture.data or "") / "manifest.json"
+    if cfg.stream.enabled or not manifest.is_file():
+        return None
+    m = read_json(manifest)
+    num_tokens = int(m.get("num_tokens") or 0)
+    if c.capture.limit and m.get("num_samples"):
+        num_tokens = int(num_tokens * min(1.0, c.capture.limit / m["num_samples"]))
+    hidden = int(text_config(read_json(Path(c.target) / "config.json"))["hidden_size"])
+    layers = resolve_layers(c.capture.layers, num_layers)
+    est = estimate_storage(len(layers), hidden, c.capture.storage_dtype, num_tokens)
+    out = Path(c.capture.out)
+    if out.is_dir():  # a capture already there (a rerun, a resume) holds its bytes already
+        held = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        est = dataclasses.replace(est, total_bytes=max(0, est.total_bytes - held))
+    try:
+        check_capture_fits(out, est, c.capture.min_free_disk_gb)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = None) -> list[str]:
+    """Every problem found in `cfg` (and in the sweep's `layer_sets`), one line each; [] when it can run."""
+    problems: list[str] = []
+    target = Path(cfg.target)
+    if not (target / "config.json").is_file():
+        fix = "a model directory holding config.json" + ("" if cfg.build_tiny_target else
+                                                          " (or build_tiny_target: true for the demo)")
+        problems.append(f"target = {cfg.target!r} has no config.json; point it at {fix}")
+    _check_path("data", cfg.data, "the chat data file or a local datasets directory", problems)
+    if not cfg.data:
+        problems.append("data is empty; set it to the chat data file")
+    _check_path("eval_prompts", cfg.eval_prompts, "a prompts .jsonl (or unset it to skip evaluate)", problems)
+    if problems:  # without the target's config the layer and disk checks cannot run
+        return problems
+    num_layers = read_num_layers(target)
+    for field, layers in (("capture.layers", cfg.capture.layers), ("train.layers", cfg.train.layers),
+                          *((f"layer_sets[{i}]", list(ls)) for i, ls in enumerate(layer_sets or []))):
+        p = check_layer_ids(field, layers, num_layers, last_ok=field == "train.layers")
+        if p:
+            problems.append(p)
+    if cfg.capture.layers is not None and cfg.train.layers is not None:
+        extra = [k for k in cfg.train.layers if k not in cfg.capture.layers and k != num_layers]
+        if extra:
+            problems.append(f"train.layers = {cfg.train.layers}: id(s) {extra} are not in capture.layers = "
+                            f"{cfg.capture.layers}; capture them too or pick train.layers from those")
+    if not problems:
+        disk = _disk_problem(cfg, num_layers)
+        if disk:
+            problems.append(disk)
+    return problems
+
+
+def require_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = None, what: str = "pipeline") -> None:
+    """Raise ConfigError listing every problem check_pipeline finds (nothing has run yet)."""
+    problems = check_pipeline(cfg, layer_sets)
+    if problems:
+        raise ConfigError(f"{what} {cfg.name}: the config cannot run (checked before any stage started):\n  - "
+                          + "\n  - ".join(problems))
