@@ -332,7 +332,12 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
         if world > 1:
             from eagle3.train.parallel import wrap
 
-            ddp = wrap(TTTModule(s.model), args.dist)
+            ddp = wrap(TTTModule(s.model), args.dist, fsdp=args.fsdp)
+            if args.fsdp:  # FSDP2: parameters are now sharded DTensors; the optimizer must hold those
+                s.optimizer = torch.optim.AdamW([p for p in s.model.parameters() if p.requires_grad], lr=1e-4,
+                                                betas=(0.9, 0.95), foreach=True)
+                c = dict(c, name=c["name"].replace("DDP", "FSDP2"))
+                r["name"], r["parallel"] = c["name"], "fsdp2"
             step = lambda: ddp_step(s, ddp)  # noqa: E731
         else:
             step = (lambda: naive_step(s)) if kind == "naive" else (lambda: run_benchmark_step(s))
@@ -552,6 +557,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="+", metavar="KIND:K:SEQ[:BATCH]", default=None,
                    help="run these instead of the default list, e.g. fast:7:8192 naive:7:2048 fast:7:8192:2 "
                    "(to split the list over GPUs, one process each)")
+    p.add_argument("--fsdp", action="store_true", help="with --ddp: FSDP2 (fully_shard per layer + root, "
+                   "eagle3.train.parallel.wrap(fsdp=True)) instead of DDP")
     p.add_argument("--ddp", action="store_true", help="under torchrun: the fast configs through DDP on every "
                    "rank (eagle3.train.parallel), tokens/s over all ranks; rank 0 writes the results")
     p.add_argument("--skip-numerics", action="store_true", help="leave the numerics check to another process")

@@ -81,6 +81,20 @@ def test_split_configs_ddp_and_merge(tmp_path):
     assert "DDP scaling" in (merged / "train_step.md").read_text()
 
 
+def test_fsdp2_step_on_cpu_processes(tmp_path):
+    """The step through FSDP2 (eagle3.train.parallel.wrap(fsdp=True): fully_shard per layer + root) under torchrun
+    on 2 CPU processes (gloo): the code path a Kimi-K2.5 draft takes over several GPUs (issue 19, item 3)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "benchmarks/train_step.py", "--smoke", "--budget-s", "120", "--skip-numerics", "--ddp", "--fsdp",
+                        "--device", "cpu", "--configs", "fast:3:32", "--out-dir", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "train_step.json").read_text())["configs"]
+    assert [(r["name"], r["world"], r["parallel"], r["status"]) for r in rows] == [("fast K3 32 FSDP2×2", 2, "fsdp2", "ok")]
+    assert rows[0]["tokens_per_s"] > 0 and rows[0]["loss"] > 0
+
+
 def test_gpu_step_vs_peer_smoke_and_merge(tmp_path):
     """benchmarks/gpu_step_vs_peer.sh --smoke on the CPU (our side only: the peer harness needs CUDA), then the
     merge with a peer results.json in the layout .peerbench/bench_eagle3.py writes: rows in the issue's shape,
