@@ -2,7 +2,8 @@
 # Issue 19 in ONE device call on one GPU: our train step and the peer's (speculators 0.9.0), same card, same clock.
 #
 #   phase 1  ours, Llama-3.1-8B draft dims (benchmarks/train_step.py --dims llama-3.1-8b), fresh inductor + Triton
-#            caches (the "fresh machine" first step incl. compilation); writes the compile cache file after each config
+#            caches (the "fresh machine" first step incl. compilation); writes the compile cache file after each config;
+#            torch.profiler kernel groups of the first config (in the JSON; the kernel table in logs.tgz)
 #   phase 2  the peer (.peerbench/bench_eagle3.py, a copy of ../shared/peerbench) at the same configs, own caches
 #   phase 3  compile cache round trip: a second process, EMPTY inductor/Triton caches, seeded only by
 #            torch.compiler.load_cache_artifacts(phase 1's file) -> its first step (same machine, not a fresh one);
@@ -82,7 +83,8 @@ B=$(min 170 $(($(left) - RES_PEER - RES_CACHE - RES_KIMI - RES_DDP - 10)))
 # shellcheck disable=SC2086
 TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_llama "$B" \
   $TS --dims llama-3.1-8b --budget-s "$B" --label ours-llama --compile-cache "$W/llama.cache" \
-  --configs $OURS --out-dir "$W/ours-llama"
+  --configs $OURS --out-dir "$W/ours-llama" --profile
+cp "$W/ours-llama/train_step_profile.txt" "$W/logs/" 2>/dev/null  # kernel table of the first config (in logs.tgz)
 
 # phase 2: the peer, same dims, own caches
 if [ "$DO_PEER" = 1 ]; then

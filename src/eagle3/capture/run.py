@@ -212,6 +212,16 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     backend = None
     t_cap = time.time()
     backend_info: dict[str, Any] = {}
+    worker = cfg.backend == "vllm" and cfg.writer == "worker"
+    rids: list[str] = []  # worker writer: the worker-held states of buf's samples, in order
+
+    def flush(final: bool = False) -> dict[str, Any]:
+        if worker:
+            return backend.write_shard(out, len(shards), buf, rids, n_aux, info.hidden_size, cfg.storage_dtype)
+        if final:
+            return write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype)
+        return write_shard(out, len(shards), buf)
+
     if start < n_total:
         backend = _make_backend(cfg, layers, max_model_len, llm=llm)
         backend_info = backend.start()
@@ -219,19 +229,24 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
         t_cap = time.time()
         try:
             for r in capture_rows(backend, ds, lengths, range(start, n_total), chunk_tokens,
-                                  max_model_len if cfg.backend == "vllm" else None):
+                                  max_model_len if cfg.backend == "vllm" else None, refs=worker):
                 if r.skip:
                     buf.skip(r.index, r.skip)
+                elif worker:  # the driver keeps the bookkeeping; the states stay in the worker
+                    buf.add(r.index, r.sample_id, r.input_ids, r.loss_mask, None, None)
+                    rids.append(r.stored.rid)
+                    tokens_now += int(r.input_ids.shape[0])
                 else:
                     buf.add_stored(r.index, r.sample_id, r.input_ids, r.loss_mask, r.stored, n_aux)
                     tokens_now += int(r.input_ids.shape[0])
                 if buf.num_tokens >= cfg.shard_tokens:
-                    shards.append(write_shard(out, len(shards), buf))
+                    shards.append(flush())
                     save_progress(out, config_hash, shards)
                     buf = ShardBuffer(first_index=r.index + 1, next_index=r.index + 1)
+                    rids = []
             if buf.sample_ids or buf.skipped:
                 if buf.sample_ids or not shards:
-                    shards.append(write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype))
+                    shards.append(flush(final=True))
                 else:  # only skips since the last shard: fold them into its entry
                     _fold(shards[-1], buf)
                 save_progress(out, config_hash, shards)
@@ -296,7 +311,7 @@ class CapturedRow:
 
 
 def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_tokens: int,
-                 max_model_len: int | None) -> Iterator[CapturedRow]:
+                 max_model_len: int | None, refs: bool = False) -> Iterator[CapturedRow]:
     """Run the started `backend` over the prepared rows `rows` (dataset row numbers, in any order), chunks of
     consecutive entries up to chunk_tokens tokens (at least one row), and yield one CapturedRow per row in
     order. `max_model_len`: rows of that many tokens or more are skipped as too long (vLLM's limit)."""
@@ -319,7 +334,9 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
             todo.append(np.asarray(batch["input_ids"][k]))
             todo_k.append(k)
         # Stored per sample: already in the storage dtype (converted by the backend on its device)
-        got = dict(zip(todo_k, backend.capture(todo) if todo else [], strict=True))
+        # refs: vllm_backend.WorkerStates handles (the worker keeps the states and writes the shards)
+        got = dict(zip(todo_k, (backend.capture_refs(todo) if refs else backend.capture(todo)) if todo else [],
+                       strict=True))
         for k, i in enumerate(idx):
             st = got.get(k)
             skip = "empty" if int(lengths[i]) == 0 else "too_long" if st is None else None if st.finite else "non_finite"

@@ -249,8 +249,55 @@ class CaptureWorkerExtension:
         self._eagle3_reset()
         return out
 
+    # Worker-side shard writing (capture.writer = "worker", issue 19): the states never leave this process.
+    # Through collective_rpc go only metadata (meta), row lists (ids/masks, ~0.03 % of the states' bytes at
+    # hidden 7168) and the shard's progress entry; the driver keeps matching, skips, progress and the manifest.
+
+    def eagle3_capture_meta(self) -> dict[str, dict[str, Any]] | None:
+        """Assemble every buffered request and keep it here; return {internal_req_id: {num_tokens, filled,
+        finite}} (what the driver checks before it decides a sample is stored or skipped). TP rank != 0: None."""
+        if not getattr(self, "_eagle3_keep", False):
+            return None
+        ready = getattr(self, "_eagle3_ready", {})
+        new = {}
+        for rid in self._eagle3_pieces:
+            states, scales, filled = self._eagle3_assemble(rid)
+            ready[rid] = (states, scales, rid not in self._eagle3_bad)
+            new[rid] = {"num_tokens": int(states.shape[0]), "filled": filled, "finite": rid not in self._eagle3_bad}
+        self._eagle3_reset()
+        self._eagle3_ready = ready
+        return new
+
+    def eagle3_capture_drop(self, rids: list[str]) -> None:
+        """Forget assembled requests the driver skips (non-finite states)."""
+        for rid in rids:
+            getattr(self, "_eagle3_ready", {}).pop(rid, None)
+
+    def eagle3_capture_write_shard(self, out_dir: str, shard_id: int, rows: list[list[Any]], first_index: int,
+                                   next_index: int, skipped: dict[str, int], num_aux: int, hidden_size: int,
+                                   storage_dtype: str) -> dict[str, Any] | None:
+        """Write shard `shard_id` into `out_dir` from the assembled requests named in `rows` ([rid, index,
+        sample_id, input_ids, loss_mask] in shard order) with eagle3.capture.storage.write_shard — the same
+        file, byte for byte, as the driver would write — forget them, and return its progress entry."""
+        if not getattr(self, "_eagle3_keep", False):
+            return None
+        from pathlib import Path
+
+        from eagle3.capture.quant import Stored
+        from eagle3.capture.storage import TORCH_DTYPES, ShardBuffer, write_shard
+
+        ready = self._eagle3_ready
+        buf = ShardBuffer(first_index=first_index, next_index=first_index)
+        for rid, index, sample_id, ids, mask in rows:
+            states, scales, finite = ready.pop(rid)
+            buf.add_stored(int(index), str(sample_id), torch.tensor(ids, dtype=torch.int64),
+                           torch.tensor(mask, dtype=torch.int8), Stored(states, scales, finite), num_aux)
+        buf.next_index, buf.skipped = int(next_index), dict(skipped)
+        return write_shard(Path(out_dir), int(shard_id), buf, num_aux, hidden_size, TORCH_DTYPES[storage_dtype])
+
     def eagle3_capture_stop(self) -> None:
         """Stop producing aux states (the hooks stay but become pass-through)."""
         runner = self.model_runner  # type: ignore[attr-defined]
         runner.get_model().set_aux_hidden_state_layers(())
         self._eagle3_reset()
+        self._eagle3_ready = {}
