@@ -14,7 +14,8 @@ its compute is small so the prefill is not the only thing measured. Layers [1, 1
 one distinct aux layer; the copies are made in the worker's stack like distinct ones). Prompts: random token
 ids, `--prompt-tokens` each, one generate() per round (as VLLMBackend.capture: generate, then one pop).
 
-Per round: generate (prefill + recording) s, pop (collective_rpc: assemble + encode in the worker, transfer,
+Then the same rounds with the worker writer (capture.writer = worker): meta (assemble + metadata back) and
+write_shard (the worker writes + hashes the shard) s. Per driver round: generate (prefill + recording) s, pop (collective_rpc: assemble + encode in the worker, transfer,
 msgpack decode) s, decode_states s, shard write (save_safetensors_hashed to --workdir) s, and bytes. Reported:
 bytes/s of pop alone, of pop + decode + write (the driver's whole share), and of the shard write alone (what
 writing shards in the worker would leave: write + hash, no encode / transfer / decode),
@@ -159,11 +160,34 @@ def main() -> int:
         r["prefill_tokens_per_s"] = ntok / r["generate_s"]
         rounds.append(r)
         print(json.dumps(r), flush=True)
+    # the worker writer (capture.writer = "worker"): meta (assemble, metadata back) + write_shard in the worker
+    worker_rounds = []
+    for i in range(args.rounds):
+        ps = prompts(args.tokens_per_round)
+        t0 = time.perf_counter()
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        t1 = time.perf_counter()
+        meta = llm.collective_rpc("eagle3_capture_meta")[0]
+        t2 = time.perf_counter()
+        by_ext = {rid.rsplit("-", 1)[0]: rid for rid in meta}
+        rows = [[by_ext[o.request_id], k, f"s{k}", list(p["prompt_token_ids"]), [1] * len(p["prompt_token_ids"])]
+                for k, (o, p) in enumerate(zip(outs, ps, strict=True))]
+        ntok = sum(m["num_tokens"] for m in meta.values())
+        entry = llm.collective_rpc("eagle3_capture_write_shard", args=(
+            str(work), 900 + i, rows, 0, len(rows), {}, len(layers), 7168, args.storage_dtype))[0]
+        t3 = time.perf_counter()
+        (work / entry["file"]).unlink()
+        nbytes = ntok * KIMI_STATE_BYTES if args.storage_dtype == "bfloat16" else entry["bytes"]
+        r = {"tokens": ntok, "bytes": nbytes, "file_bytes": entry["bytes"], "generate_s": t1 - t0, "meta_s": t2 - t1,
+             "worker_write_s": t3 - t2, "bytes_per_s": nbytes / (t3 - t1)}
+        worker_rounds.append(r)
+        print(json.dumps({"worker_writer": r}), flush=True)
     llm.collective_rpc("eagle3_capture_stop")
     need = plan_rates()
     cal = calibrate(rounds[0]["bytes"])
     best = {k: max(r[k] for r in rounds) for k in ("pop_bytes_per_s", "driver_path_bytes_per_s", "worker_write_bytes_per_s")}
     med = {k: sorted(r[k] for r in rounds)[len(rounds) // 2] for k in best}
+    med["worker_writer_bytes_per_s"] = sorted(r["bytes_per_s"] for r in worker_rounds)[len(worker_rounds) // 2]
 
     import vllm
 
@@ -176,7 +200,7 @@ def main() -> int:
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "target": {**spec.__dict__, "engine_dtype": args.dtype}, "layers": layers, "capture_info": info,
         "storage_dtype": args.storage_dtype, "engine": {k: v for k, v in kw.items() if k != "model"},
-        "engine_start_s": engine_start_s, "rounds": rounds, "best": best, "median": med, "calibration": cal,
+        "engine_start_s": engine_start_s, "rounds": rounds, "worker_writer_rounds": worker_rounds, "best": best, "median": med, "calibration": cal,
         "pop_in_memcpys": med["pop_bytes_per_s"] and cal["memcpy_bytes_per_s"] / med["pop_bytes_per_s"],
         "needed_on_8_gpus": need, "kimi_state_bytes_per_token": KIMI_STATE_BYTES,
         "headroom_median": {hw: {k: med[k] / v["needed_bytes_per_s"] for k in med}
@@ -202,20 +226,26 @@ def main() -> int:
         md.append(f"| {i + 1} | {r['tokens']} | {r['bytes'] / gb:.2f} | {r['generate_s']:.2f} | {r['pop_s']:.2f} | "
                   f"{r['decode_s']:.3f} | {r['driver_write_s']:.2f} | {r['pop_bytes_per_s'] / gb:.2f} | "
                   f"{r['driver_path_bytes_per_s'] / gb:.2f} | {r['worker_write_bytes_per_s'] / gb:.2f} |")
+    md += ["", "Worker writer (capture.writer = worker: `eagle3_capture_meta` + `eagle3_capture_write_shard` in the "
+           "worker, metadata back):", "", "| round | tokens | generate s | meta s | worker write s | GB/s |",
+           "|---|---|---|---|---|---|"]
+    md += [f"| {i + 1} | {r['tokens']} | {r['generate_s']:.2f} | {r['meta_s']:.2f} | {r['worker_write_s']:.2f} | "
+           f"{r['bytes_per_s'] / gb:.3f} |" for i, r in enumerate(worker_rounds)]
     md += ["", f"Single-thread primitives on this box (same bytes): memcpy {cal['memcpy_bytes_per_s'] / gb:.2f} GB/s, "
            f"numpy tobytes {cal['tobytes_bytes_per_s'] / gb:.2f} GB/s, sha256 {cal['sha256_bytes_per_s'] / gb:.2f} GB/s; "
            f"the median pop costs as much as {res['pop_in_memcpys']:.1f} memcpys of its bytes."]
     md += ["", "Needed on 8 GPUs (`eagle3 plan --config configs/kimi-k2.5.yaml --hardware HW --num-gpus 8`: capture "
            "tokens/s x 57,344 bytes/token) vs the median measured here:", "",
-           "| hardware | capture tokens/s | needed GB/s | pop headroom | driver path headroom | worker write headroom |",
-           "|---|---|---|---|---|---|"]
+           "| hardware | capture tokens/s | needed GB/s | pop headroom | driver path headroom | write-only headroom "
+           "| worker writer headroom |", "|---|---|---|---|---|---|---|"]
     for hw, v in need.items():
         if "needed_bytes_per_s" not in v:
             md.append(f"| {hw} | error: {v.get('error', '')[:80]} |")
             continue
         h = res["headroom_median"][hw]
         md.append(f"| {hw} | {v['capture_tokens_per_s']:,.0f} | {v['needed_bytes_per_s'] / gb:.2f} | "
-                  f"{h['pop_bytes_per_s']:.2f}× | {h['driver_path_bytes_per_s']:.2f}× | {h['worker_write_bytes_per_s']:.2f}× |")
+                  f"{h['pop_bytes_per_s']:.2f}× | {h['driver_path_bytes_per_s']:.2f}× | {h['worker_write_bytes_per_s']:.2f}× "
+                  f"| {h['worker_writer_bytes_per_s']:.2f}× |")
     with atomic_path(out.with_suffix(".md")) as tmp:
         tmp.write_text("\n".join(md) + "\n")
     print("\n".join(md))
