@@ -173,8 +173,9 @@ def main() -> int:
         rows = [[by_ext[o.request_id], k, f"s{k}", list(p["prompt_token_ids"]), [1] * len(p["prompt_token_ids"])]
                 for k, (o, p) in enumerate(zip(outs, ps, strict=True))]
         ntok = sum(m["num_tokens"] for m in meta.values())
-        entry = llm.collective_rpc("eagle3_capture_write_shard", args=(
-            str(work), 900 + i, rows, 0, len(rows), {}, len(layers), 7168, args.storage_dtype))[0]
+        llm.collective_rpc("eagle3_capture_write_shard", args=(
+            str(work), 900 + i, rows, 0, len(rows), {}, len(layers), 7168, args.storage_dtype, "never"))
+        entry = llm.collective_rpc("eagle3_capture_wait_shard", args=(900 + i,))[0]
         t3 = time.perf_counter()
         (work / entry["file"]).unlink()
         nbytes = ntok * KIMI_STATE_BYTES if args.storage_dtype == "bfloat16" else entry["bytes"]

@@ -214,13 +214,27 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     backend_info: dict[str, Any] = {}
     worker = cfg.backend == "vllm" and cfg.writer == "worker"
     rids: list[str] = []  # worker writer: the worker-held states of buf's samples, in order
+    pending: list[int] = []  # worker writer: the shard being written (at most one; counted once it is complete)
 
-    def flush(final: bool = False) -> dict[str, Any]:
+    def finish_pending() -> None:
+        if pending:
+            shards.append(backend.wait_shard(pending.pop()))
+            save_progress(out, config_hash, shards)
+
+    def flush(final: bool = False) -> None:
+        """Write `buf` as the next shard; the driver writer records it at once, the worker writer when the
+        worker's (background) write is complete — at the next flush or at the end, overlapping the capture."""
         if worker:
-            return backend.write_shard(out, len(shards), buf, rids, n_aux, info.hidden_size, cfg.storage_dtype)
-        if final:
-            return write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype)
-        return write_shard(out, len(shards), buf)
+            finish_pending()
+            backend.start_write_shard(out, len(shards), buf, rids, n_aux, info.hidden_size, cfg.storage_dtype,
+                                      cfg.worker_background)
+            pending.append(len(shards))
+            if final:
+                finish_pending()
+            return
+        shards.append(write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype) if final
+                      else write_shard(out, len(shards), buf))
+        save_progress(out, config_hash, shards)
 
     if start < n_total:
         backend = _make_backend(cfg, layers, max_model_len, llm=llm)
@@ -240,13 +254,13 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
                     buf.add_stored(r.index, r.sample_id, r.input_ids, r.loss_mask, r.stored, n_aux)
                     tokens_now += int(r.input_ids.shape[0])
                 if buf.num_tokens >= cfg.shard_tokens:
-                    shards.append(flush())
-                    save_progress(out, config_hash, shards)
+                    flush()
                     buf = ShardBuffer(first_index=r.index + 1, next_index=r.index + 1)
                     rids = []
+            finish_pending()
             if buf.sample_ids or buf.skipped:
                 if buf.sample_ids or not shards:
-                    shards.append(flush(final=True))
+                    flush(final=True)
                 else:  # only skips since the last shard: fold them into its entry
                     _fold(shards[-1], buf)
                 save_progress(out, config_hash, shards)

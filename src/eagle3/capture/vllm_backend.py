@@ -141,19 +141,22 @@ class VLLMBackend:
             self.llm.collective_rpc("eagle3_capture_drop", args=(bad,))
         return result
 
-    def write_shard(self, out: str, shard_id: int, buf: Any, rids: list[str], num_aux: int, hidden_size: int,
-                    storage_dtype: str) -> dict[str, Any]:
+    def start_write_shard(self, out: str, shard_id: int, buf: Any, rids: list[str], num_aux: int, hidden_size: int,
+                          storage_dtype: str, background: str = "auto") -> None:
         """Have the worker write shard `shard_id` of `buf` (an eagle3.capture.storage.ShardBuffer holding the
-        driver's bookkeeping: indices, sample ids, input_ids, loss_mask, skips) with the states of `rids`;
-        returns the shard's progress entry, as storage.write_shard does in the driver."""
+        driver's bookkeeping: indices, sample ids, input_ids, loss_mask, skips) with the states of `rids`; on a
+        GPU engine it writes in the background. `wait_shard(shard_id)` returns its progress entry."""
         rows = [[rid, i, sid, ids.tolist(), mask.tolist()] for rid, i, sid, ids, mask
                 in zip(rids, buf.sample_index, buf.sample_ids, buf.input_ids, buf.loss_mask, strict=True)]
-        entry = self.llm.collective_rpc("eagle3_capture_write_shard", args=(
+        got = self.llm.collective_rpc("eagle3_capture_write_shard", args=(
             str(out), shard_id, rows, buf.first_index, buf.next_index, dict(buf.skipped), num_aux, hidden_size,
-            storage_dtype))[0]
-        if entry is None:
-            raise RuntimeError("capture (vllm): the worker wrote no shard (TP rank 0 returned nothing)")
-        return entry
+            storage_dtype, background))[0]
+        if got is None:
+            raise RuntimeError("capture (vllm): TP rank 0 did not take the shard (no states kept there?)")
+
+    def wait_shard(self, shard_id: int) -> dict[str, Any]:
+        """The progress entry of a shard started with start_write_shard, once its file is complete."""
+        return self.llm.collective_rpc("eagle3_capture_wait_shard", args=(shard_id,))[0]
 
     def close(self) -> None:
         if self.llm is not None:
