@@ -492,7 +492,7 @@ def markdown(res: dict) -> str:
               f"{fm['executed_flops_per_token_incl_full_vocab_argmax'] / 1e9:.3f}"]
     for r in res.get("configs", []):
         pr = r.get("profile")
-        if pr:
+        if isinstance(pr, dict):  # True = asked for; a dict once torch.profiler ran (CUDA, budget left)
             L += ["", f"Profile of {r['name']} (torch.profiler, {pr['steps']} steps): GPU busy "
                   f"{pr['gpu_ms_per_step']:.1f} ms/step of {r['ms_per_step']:.1f} ms wall", "",
                   "| kernel group | ms/step |", "|---|---|"]
