@@ -2,12 +2,12 @@
 # Issue 19 in ONE device call on one GPU: our train step and the peer's (speculators 0.9.0), same card, same clock.
 #
 #   phase 1  ours, Llama-3.1-8B draft dims (benchmarks/train_step.py --dims llama-3.1-8b), fresh inductor + Triton
-#            caches (the "fresh machine" first step incl. compilation); writes the compile cache file after each config;
-#            torch.profiler kernel groups of the first config (in the JSON; the kernel table in logs.tgz)
+#            caches (the "fresh machine" first step incl. compilation); writes the compile cache file after each config
 #   phase 2  the peer (.peerbench/bench_eagle3.py, a copy of ../shared/peerbench) at the same configs, own caches
 #   phase 3  compile cache round trip: a second process, EMPTY inductor/Triton caches, seeded only by
 #            torch.compiler.load_cache_artifacts(phase 1's file) -> its first step (same machine, not a fresh one);
-#            then, budget permitting, the GPU numerics check (fast step incl. the padded flex kernel vs the naive
+#            then, budget permitting, torch.profiler kernel groups of that step (in ours_cache.json; the kernel table
+#            in logs.tgz) and the GPU numerics check (fast step incl. the padded flex kernel vs the naive
 #            reference, values and grads, small draft) and the attention-only fp32 check
 #   phase 4  ours at Kimi-K2.5 draft dims (hidden 7168, 64 heads of 112, intermediate 18432, Vd 32000 of 163,840)
 #   phase 5  (--ddp N, N GPUs) ours through DDP on N GPUs (torchrun), rows "K7-T8192-DDPxN"
@@ -83,8 +83,7 @@ B=$(min 170 $(($(left) - RES_PEER - RES_CACHE - RES_KIMI - RES_DDP - 10)))
 # shellcheck disable=SC2086
 TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_llama "$B" \
   $TS --dims llama-3.1-8b --budget-s "$B" --label ours-llama --compile-cache "$W/llama.cache" \
-  --configs $OURS --out-dir "$W/ours-llama" --profile
-cp "$W/ours-llama/train_step_profile.txt" "$W/logs/" 2>/dev/null  # kernel table of the first config (in logs.tgz)
+  --configs $OURS --out-dir "$W/ours-llama" --compile-guess-s 45
 
 # phase 2: the peer, same dims, own caches
 if [ "$DO_PEER" = 1 ]; then
@@ -107,7 +106,8 @@ if [ "$DO_CACHE" = 1 ] && [ -f "$W/llama.cache" ]; then
   # shellcheck disable=SC2086
   TORCHINDUCTOR_CACHE_DIR=$W/ind-cache TRITON_CACHE_DIR=$W/triton-cache run cache "$B" \
     ${TS/--skip-numerics/} --dims llama-3.1-8b --budget-s "$B" --label cache-loaded --compile-cache "$W/llama-copy.cache" \
-    --warmup 2 --iters 5 --configs ${OURS%% *} --out-dir "$W/cache"
+    --warmup 2 --iters 5 --configs ${OURS%% *} --out-dir "$W/cache" --profile
+  cp "$W/cache/train_step_profile.txt" "$W/logs/" 2>/dev/null  # kernel table of that config (in logs.tgz)
 elif [ "$DO_CACHE" = 1 ]; then
   echo "cache: phase 1 wrote no compile cache file (no compiled config finished)" | tee -a "$W/logs/phases.txt"
 fi
