@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without PYTHONPATH=src too
 
 from eagle3.model.draft import DraftConfig  # noqa: E402
+from eagle3.train import attention  # noqa: E402
 from eagle3.train.flops import count_step_bytes as bytes_model  # noqa: E402
 from eagle3.train.flops import count_train_flops as flop_model  # noqa: E402
 from eagle3.train.step import (  # noqa: E402
@@ -720,13 +721,15 @@ def main(argv=None) -> int:
         if i == min(3, len(configs)):
             numerics()
         r = run_config(c, m, device, args, deadline, rates)
-        if r.get("status") == "error" and c["compile"] and c["compile_mode"] == "split":
-            # the split compile is new (issue 19): one failure sends this and later configs to the old mode
-            print(json.dumps({"split_compile_failed": r.get("reason")}), flush=True)
-            args.compile_mode = "layer"
+        if r.get("status") == "error" and c["kind"] == "fast" and (c["compile_mode"] == "split" or attention.PAD_KEYS):
+            # the split compile and the padded flex keys are new (issue 19): one failure sends this and later
+            # configs to the old layer compile and per-step key lengths, and says so in the row
+            print(json.dumps({"issue19_path_failed": r.get("reason")}), flush=True)
+            args.compile_mode, attention.PAD_KEYS = "layer", False
             for later in configs[i:]:
                 later["compile_mode"] = "layer"
-            r = dict(run_config(c, m, device, args, deadline, rates), split_error=r.get("reason"))
+            r = dict(run_config(c, m, device, args, deadline, rates), issue19_path_error=r.get("reason"),
+                     fallback="compile_mode=layer, padded flex keys off")
         res["configs"].append(r)
         finalize(res)
         print(json.dumps({k: v for k, v in r.items() if k != "naive_extra"}, default=str), flush=True)

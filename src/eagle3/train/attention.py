@@ -157,6 +157,11 @@ def flex_ttt_attention(q, keys, values, block_masks, compiled: bool, padded: boo
     return fn(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, d)
 
 
+#: default of make_ttt_attention(padded=None) for the compiled flex kernel (benchmarks/train_step.py turns it off when
+#: a config fails with it, to retry the per-step key lengths of before)
+PAD_KEYS = True
+
+
 def resolve_kind(kind: str, device: torch.device) -> str:
     if kind == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
@@ -178,7 +183,7 @@ def make_ttt_attention(kind: str, doc_ids: torch.Tensor, steps: int, compiled: b
     bs = 128 if doc_ids.shape[1] >= 128 else 16
     compiled = doc_ids.device.type == "cuda" if compiled is None else compiled
     if padded is None:  # eager flex (CPU) applies mask_mod densely and ignores the cut block lists: compiled only
-        padded = compiled and doc_ids.shape[1] % bs == 0
+        padded = PAD_KEYS and compiled and doc_ids.shape[1] % bs == 0
     masks = (padded_block_masks if padded else flex_block_masks)(doc_ids, steps, block_size=bs)
     return functools.partial(flex_ttt_attention, block_masks=masks, compiled=compiled, padded=padded)
 
