@@ -49,7 +49,8 @@ def our_rows(res: dict) -> list[dict]:
         out.append({"config": f"K{c['K']}-T{c['seq']}" + (f"-DDPx{world}" if world > 1 else ""), "dims": dims, "ours_status": c.get("status"),
                     "ours_reason": c.get("reason"), "ours_ms": c.get("ms_per_step"), "ours_tok_s": c.get("tokens_per_s"),
                     "ours_first_step_s": c.get("first_step_s"), "ours_peak_gib": c.get("peak_mem_gib"),
-                    "ours_mfu": c.get("mfu"), "ours_compile_mode": c.get("compile_mode"), "ours_compile": c.get("compile")})
+                    "ours_mfu": c.get("mfu"), "ours_compile_mode": c.get("compile_mode"), "ours_compile": c.get("compile"),
+                    "ours_fallback": c.get("fallback"), "ours_fallback_reason": c.get("issue19_path_error")})
     return out
 
 
@@ -113,10 +114,15 @@ def merge(ours: list[Path], peer: Path | None, cache_run: Path | None, command: 
                 "config": f"K{first.get('K')}-T{first.get('seq')}", "dims": cres.get("dims_name"),
                 "status": first.get("status"), "first_step_s_cache_loaded": first.get("first_step_s"),
                 "first_step_s_cold": cold.get("ours_first_step_s"), "ms_per_step": first.get("ms_per_step"),
-                "load": cres.get("compile_cache"),
+                "load": cres.get("compile_cache"), "profile": first.get("profile"),
                 "note": "second process on the SAME machine, with its own empty TORCHINDUCTOR_CACHE_DIR and "
                         "TRITON_CACHE_DIR, seeded only by torch.compiler.load_cache_artifacts of the first "
                         "process's file; not a fresh machine (driver/CUDA caches and the page cache are warm)"}
+        if cres is not None:
+            n = cres.get("numerics") or {}
+            out["numerics"] = {"pass": n.get("pass"), "fp32_pass": n.get("fp32_pass"),
+                               "bf16_fast_vs_naive": n.get("bf16_fast_vs_naive"), "skipped": n.get("skipped"),
+                               "error": n.get("error"), "attention_only": n.get("attention_only_fp32_check")}
     return out
 
 
@@ -132,12 +138,16 @@ def markdown(res: dict) -> str:
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["configs"]:
         st = "" if r.get("ours_status") in ("ok", None) else f" ({r['ours_status']})"
+        st += f" (fallback: {r['ours_fallback']})" if r.get("ours_fallback") else ""
         L.append(f"| {r['dims']} | {r['config']}{st} | {fmt(r.get('ours_ms'))} | {fmt(r.get('ours_tok_s'), 0)} | "
                  f"{fmt(r.get('peer_ms'))} | {fmt(r.get('peer_tok_s'), 0)} | {fmt(r.get('ratio'), 2, '×')} | "
                  f"{fmt(r.get('ours_first_step_s'))} | {fmt(r.get('peer_first_step_s'))} | "
                  f"{fmt(r.get('ours_peak_gib'))} | {fmt(r.get('peer_peak_gib'))} | "
                  f"{fmt(100 * r['ours_mfu'] if r.get('ours_mfu') else None, 1, '%')} | "
                  f"{fmt(100 * r['peer_mfu'] if r.get('peer_mfu') else None, 1, '%')} |")
+    num = res.get("numerics")
+    if num:
+        L += ["", f"GPU numerics (cache phase: fast step incl. the padded flex kernel vs the naive reference): {num}"]
     c = res.get("compile_cache_round_trip")
     if c:
         if "first_step_s_cache_loaded" in c:

@@ -140,3 +140,8 @@ def test_gpu_step_vs_peer_smoke_and_merge(tmp_path):
     assert rows[("llama-3.1-8b", "K3-T2048")]["peer_status"] == "budget"
     assert any("nothing-here" in x for x in m["missing"]) and "missing" in m["compile_cache_round_trip"]["status"]
     assert "| llama-3.1-8b | K7-T64 |" in step_vs_peer.markdown(m)
+    # a cache-phase process's output (here: the same smoke run standing in for it) -> the round trip + numerics
+    m = step_vs_peer.merge([ours], None, ours, "cmd")
+    rt = m["compile_cache_round_trip"]
+    assert rt["config"] == "K7-T64" and rt["first_step_s_cache_loaded"] == t64["first_step_s"] == rt["first_step_s_cold"]
+    assert "SAME machine" in rt["note"] and "numerics" in m and "Compile cache round trip" in step_vs_peer.markdown(m)
