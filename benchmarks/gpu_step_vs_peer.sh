@@ -88,7 +88,11 @@ TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_lla
 # phase 2: the peer, same dims, own caches
 if [ "$DO_PEER" = 1 ]; then
   if [ -d .whl ] && [ -d .peerbench ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" .whl/*.whl \
+    # only the peer's set (.whl/ may also hold the refbench calls' wheels, e.g. datasets, whose own needs are absent
+    # here: the peer's pb_stubs stands in for datasets only when it is NOT importable)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" \
+      .whl/speculators-*.whl .whl/loguru-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl .whl/pydantic_settings-*.whl \
+      .whl/python_dotenv-*.whl .whl/annotated_types-*.whl .whl/typing_inspection-*.whl .whl/typing_extensions-*.whl \
       > "$W/logs/pip.log" 2>&1
     B=$(min 180 $(($(left) - RES_CACHE - RES_KIMI - RES_DDP - 10)))
     PYTHONPATH=$W/site TORCHDYNAMO_SUPPRESS_ERRORS=1 TORCHINDUCTOR_CACHE_DIR=$W/ind-peer TRITON_CACHE_DIR=$W/triton-peer \
