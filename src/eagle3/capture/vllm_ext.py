@@ -2,7 +2,9 @@
 
 This is the ONLY module of the repository that touches vLLM internals. It is loaded inside vLLM's
 worker process(es) via ``LLM(..., worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension")``
-and driven from the driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``.
+and driven from the driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop /
+stop (states to the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``, where
+TP rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM internals involved).
 Verified against vllm 0.32.0 (v1 engine, ``GPUModelRunner``/``CPUModelRunner`` from
 ``vllm/v1/worker/gpu_model_runner.py``; the opt-in V2 model runner is not supported and is refused).
 
