@@ -8,10 +8,31 @@
 #   .device/regen/val.jsonl the 300 validation prompts (last 300 GSM8K-train rows, numbers changed:
 #                           benchmarks/perturb_prompts.py, seed 0) answered the same way; checkpoint selection only
 # A fresh checkout has none of them (they are git-ignored); `SKIP_REGEN=1` only rebuilds .whl and the copy.
+#
+# `bash benchmarks/device_carry.sh peer` builds instead what benchmarks/gpu_step_vs_peer.sh carries
+# (`carry: [".whl", ".peerbench"]`): the peer harness copied from ../shared/peerbench into .peerbench/ and its
+# wheels added to .whl/ (speculators==0.9.0, loguru, pydantic, pydantic-core, pydantic-settings, python-dotenv,
+# annotated-types, typing-inspection, typing-extensions; Python 3.12 manylinux, --no-deps, the .venv's versions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=${PY:-.venv/bin/python}
 ver() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
+download() {  # shellcheck disable=SC2068
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $@
+}
+if [ "${1:-}" = peer ]; then
+  mkdir -p .whl
+  pkgs="speculators==0.9.0"
+  for p in loguru pydantic pydantic_core pydantic-settings python-dotenv annotated-types typing-inspection typing_extensions; do
+    pkgs="$pkgs $p==$(ver $p)"
+  done
+  # shellcheck disable=SC2086
+  download $pkgs
+  rm -rf .peerbench && cp -r ../shared/peerbench .peerbench && chmod -R u+w .peerbench
+  du -sh .whl .peerbench
+  exit 0
+fi
 mkdir -p .whl .device/regen
 rm -f .whl/*.whl
 pkgs=""
@@ -19,8 +40,7 @@ for p in pydantic pydantic_core annotated-types typing-inspection typing_extensi
   pkgs="$pkgs $p==$(ver $p)"
 done
 # shellcheck disable=SC2086
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pkgs
+download $pkgs
 rm -rf .device/refbench && cp -r ../shared/refbench .device/ && chmod -R u+w .device/refbench
 rm -f .device/refbench/data/sharegpt_sample.json
 [ "${SKIP_REGEN:-0}" = 1 ] && { du -sh .whl .device; exit 0; }

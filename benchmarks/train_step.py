@@ -3,7 +3,8 @@
 
     PYTHONPATH=src python3 benchmarks/train_step.py --budget-s 240 --out-dir $OUT     # H200, real dims
     PYTHONPATH=src python3 benchmarks/train_step.py --smoke                            # tiny CPU run, temp dir
-    bash benchmarks/train_step_gpu.sh    # 2 GPUs, one call: split --configs per GPU, then --ddp, then --merge
+    bash benchmarks/gpu_step_vs_peer.sh  # one call: ours (Llama-8B + Kimi-K2.5 dims) + the peer + compile cache
+                                         # round trip [+ --ddp N], merged by benchmarks/step_vs_peer.py
 
 One run reports, side by side (benchmarks/results/train_step.{json,md} unless --out-dir / --smoke):
   1. the FLOP model (per token, summed over the K TTT steps; see `flop_model`) and the bytes floor (weights +
@@ -45,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without PYTHONPATH=src too
 
 from eagle3.model.draft import DraftConfig  # noqa: E402
+from eagle3.train import attention  # noqa: E402
 from eagle3.train.flops import count_step_bytes as bytes_model  # noqa: E402
 from eagle3.train.flops import count_train_flops as flop_model  # noqa: E402
 from eagle3.train.step import (  # noqa: E402
@@ -57,6 +59,11 @@ from eagle3.train.step import (  # noqa: E402
 
 #: Llama-3.1-8B-like draft (issue 5)
 REAL = dict(H=4096, Ht=4096, n_aux=3, nh=32, kvh=8, d=128, inter=14336, V=128256, Vd=32000)
+#: Kimi-K2.5's draft (configs/kimi-k2.5.yaml train.draft over configs/targets/kimi-k2.5.json: hidden 7168, 64 heads
+#: of 112, intermediate 18432, draft vocab 32000 over the 163,840-token target vocab; issue 19)
+KIMI = dict(H=7168, Ht=7168, n_aux=3, nh=64, kvh=64, d=112, inter=18432, V=163840, Vd=32000)
+#: --dims name -> dims
+DIMS = {"llama-3.1-8b": REAL, "kimi-k2.5": KIMI}
 #: tiny dims for --smoke (CPU)
 SMOKE = dict(H=32, Ht=32, n_aux=3, nh=4, kvh=2, d=8, inter=64, V=256, Vd=64)
 #: the numerics check's draft
@@ -322,11 +329,16 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         s = build_benchmark(draft_config(m), batch_size=B, seq_len=T, steps=K, device=str(device), dtype=args.dtype,
-                            attention=c["attention"], compile=c["compile"])
+                            attention=c["attention"], compile=c["compile"], compile_mode=c["compile_mode"])
         if world > 1:
             from eagle3.train.parallel import wrap
 
-            ddp = wrap(TTTModule(s.model), args.dist)
+            ddp = wrap(TTTModule(s.model), args.dist, fsdp=args.fsdp)
+            if args.fsdp:  # FSDP2: parameters are now sharded DTensors; the optimizer must hold those
+                s.optimizer = torch.optim.AdamW([p for p in s.model.parameters() if p.requires_grad], lr=1e-4,
+                                                betas=(0.9, 0.95), foreach=True)
+                c = dict(c, name=c["name"].replace("DDP", "FSDP2"))
+                r["name"], r["parallel"] = c["name"], "fsdp2"
             step = lambda: ddp_step(s, ddp)  # noqa: E731
         else:
             step = (lambda: naive_step(s)) if kind == "naive" else (lambda: run_benchmark_step(s))
@@ -379,6 +391,38 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
         if cuda:
             torch.cuda.empty_cache()
     return r
+
+
+# ------------------------------------------------------------------------------------------------ compile cache
+
+
+def load_compile_cache(path: Path) -> dict:
+    """torch.compiler.load_cache_artifacts(FILE) when FILE exists (what a second machine does with the first one's
+    file; eagle3.train.trainer.load_compile_cache in the trainer); returns what happened, for the results."""
+    if not path.is_file():
+        return {"path": str(path), "loaded": False, "reason": "no file yet (this process will write it)"}
+    t0 = time.monotonic()
+    try:
+        info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    except Exception as e:  # noqa: BLE001 - only a speed-up: compile from scratch and say so
+        return {"path": str(path), "loaded": False, "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+    if info is None:
+        return {"path": str(path), "loaded": False, "reason": "unreadable (corrupt, or another torch wrote it)"}
+    return {"path": str(path), "loaded": True, "bytes": path.stat().st_size, "load_s": round(time.monotonic() - t0, 2),
+            "artifacts": {str(k): len(v) for k, v in info.artifacts.items()}}
+
+
+def save_compile_cache(path: Path) -> dict:
+    """Every torch.compile artifact of this process so far -> FILE (temp name, then rename)."""
+    t0 = time.monotonic()
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return {"path": str(path), "bytes": 0, "reason": "torch.compiler.save_cache_artifacts returned nothing"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(saved[0])
+    os.replace(tmp, path)
+    return {"path": str(path), "bytes": len(saved[0]), "save_s": round(time.monotonic() - t0, 2)}
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -449,7 +493,7 @@ def markdown(res: dict) -> str:
               f"{fm['executed_flops_per_token_incl_full_vocab_argmax'] / 1e9:.3f}"]
     for r in res.get("configs", []):
         pr = r.get("profile")
-        if pr:
+        if isinstance(pr, dict):  # True = asked for; a dict once torch.profiler ran (CUDA, budget left)
             L += ["", f"Profile of {r['name']} (torch.profiler, {pr['steps']} steps): GPU busy "
                   f"{pr['gpu_ms_per_step']:.1f} ms/step of {r['ms_per_step']:.1f} ms wall", "",
                   "| kernel group | ms/step |", "|---|---|"]
@@ -514,10 +558,22 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="+", metavar="KIND:K:SEQ[:BATCH]", default=None,
                    help="run these instead of the default list, e.g. fast:7:8192 naive:7:2048 fast:7:8192:2 "
                    "(to split the list over GPUs, one process each)")
+    p.add_argument("--fsdp", action="store_true", help="with --ddp: FSDP2 (fully_shard per layer + root, "
+                   "eagle3.train.parallel.wrap(fsdp=True)) instead of DDP")
     p.add_argument("--ddp", action="store_true", help="under torchrun: the fast configs through DDP on every "
                    "rank (eagle3.train.parallel), tokens/s over all ranks; rank 0 writes the results")
     p.add_argument("--skip-numerics", action="store_true", help="leave the numerics check to another process")
     p.add_argument("--label", default=None, help="where this process ran (e.g. GPU0), kept with each config")
+    p.add_argument("--compile-mode", choices=("layer", "split"), default="split",
+                   help="Eagle3Draft.compile_blocks mode: split = the blocks around the attention kernel compiled "
+                   "once for all TTT steps (issue 19), layer = each decoder layer whole, recompiled per step")
+    p.add_argument("--compile-guess-s", type=float, default=90.0,
+                   help="compile time a compiled config is assumed to add (budget planning only)")
+    p.add_argument("--dims", choices=sorted(DIMS), default="llama-3.1-8b", help="draft dimensions of the real run "
+                   "(--smoke always uses tiny dims)")
+    p.add_argument("--compile-cache", type=Path, default=None, metavar="FILE",
+                   help="torch.compiler cache artifacts: loaded before the first config when FILE exists, rewritten "
+                   "after every config that ran (eagle3.train.trainer's compile_cache, same format)")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
                    help="no run: combine DIR/train_step.json of several processes into --out-dir")
     args = p.parse_args(argv)
@@ -545,7 +601,7 @@ def main(argv=None) -> int:
     if args.out_dir is None:
         args.out_dir = (Path(tempfile.mkdtemp(prefix="train_step_smoke_")) if args.smoke
                         else Path(__file__).resolve().parent / "results")
-    m = SMOKE if args.smoke else REAL
+    m = SMOKE if args.smoke else DIMS[args.dims]
     fast_att = "flex" if cuda else "sdpa"  # flex is forward-only on CPU
     big, mid, small = (64, 48, 32) if args.smoke else (8192, 4096, 2048)
 
@@ -554,8 +610,8 @@ def main(argv=None) -> int:
 
     def cfg(name, kind, T, K, B=1):
         c = dict(name=name, kind=kind, seq=T, K=K, batch=B, attention=fast_att if kind == "fast" else "naive",
-                 compile=comp(T) if kind == "fast" else False)
-        c["compile_guess_s"] = 120 if c["compile"] else 30
+                 compile=comp(T) if kind == "fast" else False, compile_mode=args.compile_mode)
+        c["compile_guess_s"] = args.compile_guess_s if c["compile"] else 30
         if args.label:
             c["ran_on"] = args.label
         return c
@@ -589,7 +645,7 @@ def main(argv=None) -> int:
         machine["gpu_mem_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
     res = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine, "smoke": args.smoke,
-           "dims": m, "budget_s": args.budget_s, "batch_note": "one packed row per step (batch 1, 2 documents/row) "
+           "dims": m, "dims_name": f"smoke:{args.dims}" if args.smoke else args.dims, "budget_s": args.budget_s, "batch_note": "one packed row per step (batch 1, 2 documents/row) "
            "like the Speculators anchor, unless the config says batch > 1",
            "dtype": "bf16 autocast, fp32 master weights, fused AdamW (fp32 states)", "configs": [],
            "flop_model": {f"T{c['seq']}_K{c['K']}": flop_model(m, c["seq"], c["K"])
@@ -639,6 +695,9 @@ def main(argv=None) -> int:
                        "compute_floor_ms": 1e3 * hm["model_flops_per_token"] * big / rates["bf16_matmul_flops"],
                        "bytes_floor_ms": 1e3 * hb["bytes_per_step"] / rates["hbm_bytes_per_s"]}
     print(json.dumps({"rates": rates, "headline": res["headline"]}), flush=True)
+    if args.compile_cache:
+        res["compile_cache"] = load_compile_cache(args.compile_cache)
+        print(json.dumps({"compile_cache": res["compile_cache"]}), flush=True)
     save()
 
     # 2. configs in priority order, the GPU numerics check after the first three (compiles are the slow part)
@@ -662,9 +721,20 @@ def main(argv=None) -> int:
         if i == min(3, len(configs)):
             numerics()
         r = run_config(c, m, device, args, deadline, rates)
+        if r.get("status") == "error" and c["kind"] == "fast" and (c["compile_mode"] == "split" or attention.PAD_KEYS):
+            # the split compile and the padded flex keys are new (issue 19): one failure sends this and later
+            # configs to the old layer compile and per-step key lengths, and says so in the row
+            print(json.dumps({"issue19_path_failed": r.get("reason")}), flush=True)
+            args.compile_mode, attention.PAD_KEYS = "layer", False
+            for later in configs[i:]:
+                later["compile_mode"] = "layer"
+            r = dict(run_config(c, m, device, args, deadline, rates), issue19_path_error=r.get("reason"),
+                     fallback="compile_mode=layer, padded flex keys off")
         res["configs"].append(r)
         finalize(res)
         print(json.dumps({k: v for k, v in r.items() if k != "naive_extra"}, default=str), flush=True)
+        if args.compile_cache and r.get("status") == "ok" and r.get("compile"):
+            res.setdefault("compile_cache", {})["saved"] = save_compile_cache(args.compile_cache)
         save()
     if "numerics" not in res:
         numerics()

@@ -267,3 +267,19 @@ def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
     )
     p = subprocess.run([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json"))], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_worker_writer_writes_the_driver_shards_byte_for_byte(vllm_llama, tiny_llama, prepared_llama, tmp_path):
+    """capture.writer = "worker" (issue 19): TP rank 0's worker writes the shards from the states it assembled (in a
+    background thread, overlapping the next chunk's prefill) and only metadata crosses collective_rpc; the files
+    are the driver-mode files byte for byte (same sha256), with the same progress entries and counts."""
+    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "w", backend="vllm",
+                        layers=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400, writer="worker",
+                        worker_background="always")  # the thread path (auto: only on a GPU engine)
+    res = run_capture(cfg)
+    mw, md = load_manifest(res.out), load_manifest(vllm_llama.out)
+    assert [s["sha256"] for s in mw["shards"]] == [s["sha256"] for s in md["shards"]] and len(mw["shards"]) >= 2
+    assert mw["shards"] == md["shards"] and mw["config_hash"] == md["config_hash"]
+    assert res.num_tokens == vllm_llama.num_tokens and res.num_skipped == {}
+    assert not list(res.out.glob("*.tmp"))

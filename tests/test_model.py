@@ -70,16 +70,28 @@ def test_naive_mask_is_the_eagle3_pattern():
         assert out[t].item() == pytest.approx(sum(allowed) / len(allowed))
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_flex_matches_naive_forward(steps):
-    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below."""
-    B, T = 2, 32
+@pytest.mark.parametrize("steps,T,padded", [(1, 32, None), (3, 32, None), (3, 40, None),
+                                            pytest.param(4, 48, True, marks=pytest.mark.slow)])
+def test_flex_matches_naive_forward(steps, T, padded):
+    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below. padded: every step's
+    keys zero-padded to K*T with block lists cut per step (one compiled kernel for all steps); T=40 is not a
+    multiple of the block size (16 here), so the default falls back to (j+1)T keys."""
+    B = 2
     doc = docs(B, T)
     q, ks, vs = qkv(B, T, steps, dtype=torch.float32)
     q, ks, vs = q.detach(), [k.detach() for k in ks], [v.detach() for v in vs]
     with torch.no_grad():
         ref = naive_ttt_attention(q, ks, vs, doc)
-        got = make_ttt_attention("flex", doc, steps, compiled=False)(q, ks, vs)
+        # padded needs the compiled kernel (it skips the cut blocks; eager flex does not): inductor's CPU flex
+        fn = make_ttt_attention("flex", doc, steps, compiled=bool(padded), padded=padded)
+        assert fn.keywords["padded"] is bool(padded)
+        # every step: the TTT loop calls it with the keys so far (step j sees j+1 of them)
+        got = fn(q, ks, vs)
+        for j in range(steps - 1):
+            part = fn(q, ks[: j + 1], vs[: j + 1])
+            want = naive_ttt_attention(q, ks[: j + 1], vs[: j + 1], doc)
+            ok = (doc >= 0)[:, None, :, None].expand_as(want)
+            torch.testing.assert_close(part[ok], want[ok], rtol=1e-4, atol=1e-4)
     valid = (doc >= 0)[:, None, :, None].expand_as(ref)  # fully-masked padding rows are kernel-defined
     torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
 

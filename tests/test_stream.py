@@ -245,3 +245,16 @@ def test_pipeline_flow_streams_when_enabled(tiny_llama, tmp_path, monkeypatch, p
     assert "capture" not in manifests and manifests["train"]["result"]["steps"] > 0
     assert w.peak_bytes <= cfg.stream.spool_cap_bytes
     assert (tmp_path / "draft" / "model.safetensors").is_file()
+
+
+def test_stream_capture_refuses_the_worker_writer(tmp_path):
+    """capture.writer = worker is not wired into the spool (it writes each shard in the driver after waiting for
+    room): a clear error naming the field and the fix, recorded in the ledger for the consumer, no silent fallback."""
+    from eagle3.capture.spool import run_stream_capture
+    from eagle3.config import ConfigError, StreamCaptureConfig
+
+    cfg = StreamCaptureConfig(target=str(tmp_path / "t"), data=str(tmp_path / "d"), out=tmp_path / "spool",
+                              writer="worker")
+    with pytest.raises(ConfigError, match="capture.writer = 'worker' is not supported in streaming mode.*writer: driver"):
+        run_stream_capture(cfg)
+    assert "writer" in json.loads((tmp_path / "spool" / "ledger.json").read_text())["error"]

@@ -75,13 +75,14 @@ def test_soft_ce_chunked_equals_full_softmax():
             torch.testing.assert_close(a, b)
 
 
-def test_fused_soft_ce_equals_soft_ce_values_and_grads():
+@pytest.mark.parametrize("chunk_rows", [8, 64])  # 64 >= 37 rows: one chunk (grad_w from one GEMM, issue 19)
+def test_fused_soft_ce_equals_soft_ce_values_and_grads(chunk_rows):
     from eagle3.train.loss import fused_soft_ce
 
     h, w, tgt, weight = ce_inputs(1, 37, 0.7)
     grads = []
     for fn in (soft_ce, fused_soft_ce):
-        total, am = fn(h, w, tgt, weight, chunk_rows=8)
+        total, am = fn(h, w, tgt, weight, chunk_rows=chunk_rows)
         (1.7 * total).backward()
         grads.append((total.detach(), am, h.grad.clone(), w.grad.clone()))
         h.grad = w.grad = None
@@ -92,16 +93,17 @@ def test_fused_soft_ce_equals_soft_ce_values_and_grads():
         assert torch.allclose(fused_soft_ce(h, w, tgt, weight, chunk_rows=8)[0], t1, rtol=1e-12)
 
 
-def test_fused_soft_ce_under_bf16_autocast():
+@pytest.mark.parametrize("chunk_rows", [8, 128])
+def test_fused_soft_ce_under_bf16_autocast(chunk_rows):
     """fp32 leaves under bf16 autocast (the trainer's mixed precision): GEMMs in bf16, fp32 softmax statistics and
-    loss; value and grads agree with the autograd loss at bf16 tolerance."""
+    loss; value and grads agree with the autograd loss at bf16 tolerance (several chunks, and one)."""
     from eagle3.train.loss import fused_soft_ce
 
     h, w, tgt, weight = ce_inputs(2, 37, 0.7, dtype=torch.float32)
     res = []
     for fn in (soft_ce, fused_soft_ce):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            total, _ = fn(h, w, tgt, weight, chunk_rows=8)
+            total, _ = fn(h, w, tgt, weight, chunk_rows=chunk_rows)
         assert total.dtype == torch.float32
         res.append((total.detach(), *torch.autograd.grad(total, [h, w])))
     (t1, gh1, gw1), (t2, gh2, gw2) = res
@@ -473,3 +475,38 @@ def test_midlayer_feature_loss_needs_the_copied_layers(captured, tiny_llama, tmp
     with pytest.raises(ConfigError, match="use aux id 3"):  # 3 draft layers copy layers 3, 4: they read id 3
         run_train(_cfg(tmp_path / "bad", tiny_llama, vocab, **{**ok, "draft": {"num_hidden_layers": 3}}),
                   samples=samples, manifest=manifest)
+
+
+@pytest.mark.slow
+def test_split_compile_matches_eager_and_compiles_once():
+    """compile_blocks("split") (issue 19): the blocks around the attention kernel are compiled once for all TTT
+    steps (3 graphs: midlayer pre, midlayer post, final norm, whatever K), and the compiled step's loss and grads
+    under bf16 autocast match the eager step's (the draft's matrices cast once per unroll in both)."""
+    from torch._dynamo.utils import counters
+
+    from eagle3.model.draft import DraftConfig
+    from eagle3.train.step import build_benchmark, ttt_forward
+
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=4096, rms_norm_eps=1e-5, vocab_size=256, draft_vocab_size=64,
+                      target_hidden_size=32, num_aux=3)
+
+    def run(mode):
+        torch._dynamo.reset()
+        counters.clear()
+        s = build_benchmark(cfg, batch_size=1, seq_len=32, steps=3, device="cpu", dtype=torch.float32,
+                            attention="sdpa", compile=mode is not None, compile_mode=mode or "layer")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_forward(s.model, s.batch, s.head, steps=3, attention="sdpa")
+        out.loss.backward()
+        return out.loss.item(), {n: p.grad for n, p in s.model.named_parameters() if p.grad is not None}
+
+    l0, g0 = run(None)
+    l1, g1 = run("split")
+    assert counters["stats"]["unique_graphs"] == 3
+    assert l1 == pytest.approx(l0, rel=1e-3) and set(g1) == set(g0)
+    for n in g0:
+        assert ((g1[n] - g0[n]).abs().max() / g0[n].abs().max()).item() < 3e-2, n
+    with pytest.raises(ValueError, match="expected 'layer' or 'split'"):
+        build_benchmark(cfg, seq_len=32, steps=1, device="cpu", dtype=torch.float32, compile=True,
+                        compile_mode="whole")

@@ -257,6 +257,14 @@ class CaptureConfig(StageConfig):
     limit: int | None = Field(None, gt=0, description="Capture at most this many samples")
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     min_free_disk_gb: float = Field(1.0, ge=0, description="Refuse to start unless this much disk stays free after the capture")
+    writer: Literal["driver", "worker"] = Field(
+        "driver", description="vllm backend: who writes the shards. driver = states go through collective_rpc to this "
+        "process (fine for small targets); worker = TP rank 0's worker writes them where it assembled them, only "
+        "metadata crosses (Kimi-scale states: 57 KB/token, ~1-8 GB/s on 8 GPUs, more than the driver path carries; "
+        "docs/scaling.md). Same files byte for byte; needs `out` on a filesystem the worker sees (one node)")
+    worker_background: Literal["auto", "always", "never"] = Field(
+        "auto", description="writer = worker: write each shard in a thread of the worker while the engine prefills "
+        "the next chunk (auto = on a GPU engine; on a CPU engine the write would only compete with the forward)")
 
     _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
     _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))

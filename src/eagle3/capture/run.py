@@ -233,6 +233,30 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     backend = None
     t_cap = time.time()
     backend_info: dict[str, Any] = {}
+    worker = cfg.backend == "vllm" and cfg.writer == "worker"
+    rids: list[str] = []  # worker writer: the worker-held states of buf's samples, in order
+    pending: list[int] = []  # worker writer: the shard being written (at most one; counted once it is complete)
+
+    def finish_pending() -> None:
+        if pending:
+            shards.append(backend.wait_shard(pending.pop()))
+            save_progress(out, config_hash, shards)
+
+    def flush(final: bool = False) -> None:
+        """Write `buf` as the next shard; the driver writer records it at once, the worker writer when the
+        worker's (background) write is complete — at the next flush or at the end, overlapping the capture."""
+        if worker:
+            finish_pending()
+            backend.start_write_shard(out, len(shards), buf, rids, n_aux, info.hidden_size, cfg.storage_dtype,
+                                      cfg.worker_background)
+            pending.append(len(shards))
+            if final:
+                finish_pending()
+            return
+        shards.append(write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype) if final
+                      else write_shard(out, len(shards), buf))
+        save_progress(out, config_hash, shards)
+
     if start < n_total:
         backend = _make_backend(cfg, layers, max_model_len, llm=llm)
         backend_info = backend.start()
@@ -242,21 +266,26 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
             # chunks (and so the backend's batches) start where an uninterrupted run's would: a resumed run recomputes
             # the rows of the chunk holding `start` and drops those before it, so its states are bit-identical
             first = chunk_start(lengths, start, chunk_tokens)
-            for r in capture_rows(backend, ds, lengths, range(first, n_total), chunk_tokens, ci.length_limit):
+            for r in capture_rows(backend, ds, lengths, range(first, n_total), chunk_tokens, ci.length_limit, refs=worker):
                 if r.index < start:
                     continue
                 if r.skip:
                     buf.skip(r.index, r.skip)
+                elif worker:  # the driver keeps the bookkeeping; the states stay in the worker
+                    buf.add(r.index, r.sample_id, r.input_ids, r.loss_mask, None, None)
+                    rids.append(r.stored.rid)
+                    tokens_now += int(r.input_ids.shape[0])
                 else:
                     buf.add_stored(r.index, r.sample_id, r.input_ids, r.loss_mask, r.stored, n_aux)
                     tokens_now += int(r.input_ids.shape[0])
                 if buf.num_tokens >= cfg.shard_tokens:
-                    shards.append(write_shard(out, len(shards), buf))
-                    save_progress(out, config_hash, shards)
+                    flush()
                     buf = ShardBuffer(first_index=r.index + 1, next_index=r.index + 1)
+                    rids = []
+            finish_pending()
             if buf.sample_ids or buf.skipped:
                 if buf.sample_ids or not shards:
-                    shards.append(write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype))
+                    flush(final=True)
                 else:  # only skips since the last shard: fold them into its entry
                     _fold(shards[-1], buf)
                 save_progress(out, config_hash, shards)
@@ -322,7 +351,7 @@ class CapturedRow:
 
 
 def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_tokens: int,
-                 max_model_len: int | None) -> Iterator[CapturedRow]:
+                 max_model_len: int | None, refs: bool = False) -> Iterator[CapturedRow]:
     """Run the started `backend` over the prepared rows `rows` (dataset row numbers, in any order), chunks of
     consecutive entries up to chunk_tokens tokens (at least one row), and yield one CapturedRow per row in
     order. `max_model_len`: rows of that many tokens or more are skipped as too long (vLLM's limit)."""
@@ -345,7 +374,9 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
             todo.append(np.asarray(batch["input_ids"][k]))
             todo_k.append(k)
         # Stored per sample: already in the storage dtype (converted by the backend on its device)
-        got = dict(zip(todo_k, backend.capture(todo) if todo else [], strict=True))
+        # refs: vllm_backend.WorkerStates handles (the worker keeps the states and writes the shards)
+        got = dict(zip(todo_k, (backend.capture_refs(todo) if refs else backend.capture(todo)) if todo else [],
+                       strict=True))
         for k, i in enumerate(idx):
             st = got.get(k)
             skip = "empty" if int(lengths[i]) == 0 else "too_long" if st is None else None if st.finite else "non_finite"

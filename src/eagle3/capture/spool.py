@@ -243,6 +243,9 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     from eagle3.train.data import split_indices
 
     t0 = time.time()
+    if cfg.writer == "worker":
+        raise ConfigError("capture.writer = 'worker' is not supported in streaming mode yet (the spool writes each "
+                          "shard in the driver after waiting for room): set capture.writer: driver for stream-capture")
     ci = load_capture_inputs(cfg)
     info, layers, ds, n_total, lengths = ci.info, ci.layers, ci.ds, ci.n_total, ci.lengths
     max_len, max_model_len, spool = ci.max_len, ci.max_model_len, Path(cfg.out)

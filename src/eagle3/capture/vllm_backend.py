@@ -14,6 +14,7 @@ Scripts that create an engine need an ``if __name__ == "__main__":`` guard (vLLM
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,15 @@ def engine_kwargs(target: str, dtype: str, batch_tokens: int, max_model_len: int
         tensor_parallel_size=tensor_parallel_size,
         seed=0,
     )
+
+
+@dataclass
+class WorkerStates:
+    """A sample's states held by the TP-rank-0 worker (capture.writer = "worker"): its internal request id."""
+
+    rid: str
+    finite: bool
+    num_tokens: int
 
 
 class VLLMBackend:
@@ -99,6 +109,54 @@ class VLLMBackend:
                 )
             result.append(st)
         return result
+
+    # ---- capture.writer = "worker": the TP-rank-0 worker writes the shards (eagle3.capture.vllm_ext) ----
+
+    def capture_refs(self, samples: list[np.ndarray]) -> list[WorkerStates]:
+        """Like `capture`, but the states stay in the worker: one WorkerStates handle per sample (same checks:
+        every position recorded). Non-finite samples are dropped in the worker at once (the driver skips them)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in samples]
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        meta = self.llm.collective_rpc("eagle3_capture_meta")[0]  # TP rank 0 holds the states
+        by_external = {rid.rsplit("-", 1)[0]: (rid, m) for rid, m in meta.items()}
+        result, bad = [], []
+        for out, sample in zip(outputs, samples, strict=True):
+            got = by_external.get(out.request_id) or by_external.get(out.request_id.rsplit("-", 1)[0])
+            if got is None:
+                raise RuntimeError(f"capture (vllm): no states recorded for request {out.request_id}")
+            rid, m = got
+            if m["num_tokens"] != len(sample) or m["filled"] != len(sample):
+                raise RuntimeError(
+                    f"capture (vllm): request {rid} recorded {m['filled']}/{m['num_tokens']} positions of a "
+                    f"{len(sample)}-token prompt (prefix caching on, or an unsupported vLLM runner?)"
+                )
+            if not m["finite"]:
+                bad.append(rid)
+            result.append(WorkerStates(rid, bool(m["finite"]), len(sample)))
+        if bad:
+            self.llm.collective_rpc("eagle3_capture_drop", args=(bad,))
+        return result
+
+    def start_write_shard(self, out: str, shard_id: int, buf: Any, rids: list[str], num_aux: int, hidden_size: int,
+                          storage_dtype: str, background: str = "auto") -> None:
+        """Have the worker write shard `shard_id` of `buf` (an eagle3.capture.storage.ShardBuffer holding the
+        driver's bookkeeping: indices, sample ids, input_ids, loss_mask, skips) with the states of `rids`; on a
+        GPU engine it writes in the background. `wait_shard(shard_id)` returns its progress entry."""
+        rows = [[rid, i, sid, ids.tolist(), mask.tolist()] for rid, i, sid, ids, mask
+                in zip(rids, buf.sample_index, buf.sample_ids, buf.input_ids, buf.loss_mask, strict=True)]
+        got = self.llm.collective_rpc("eagle3_capture_write_shard", args=(
+            str(out), shard_id, rows, buf.first_index, buf.next_index, dict(buf.skipped), num_aux, hidden_size,
+            storage_dtype, background))[0]
+        if got is None:
+            raise RuntimeError("capture (vllm): TP rank 0 did not take the shard (no states kept there?)")
+
+    def wait_shard(self, shard_id: int) -> dict[str, Any]:
+        """The progress entry of a shard started with start_write_shard, once its file is complete."""
+        return self.llm.collective_rpc("eagle3_capture_wait_shard", args=(shard_id,))[0]
 
     def close(self) -> None:
         if self.llm is not None:

@@ -2,7 +2,9 @@
 
 This is the ONLY module of the repository that touches vLLM internals. It is loaded inside vLLM's
 worker process(es) via ``LLM(..., worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension")``
-and driven from the driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``.
+and driven from the driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop /
+stop (states to the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``, where
+TP rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM internals involved).
 Verified against vllm 0.32.0 (v1 engine, ``GPUModelRunner``/``CPUModelRunner`` from
 ``vllm/v1/worker/gpu_model_runner.py``; the opt-in V2 model runner is not supported and is refused).
 
@@ -249,8 +251,99 @@ class CaptureWorkerExtension:
         self._eagle3_reset()
         return out
 
+    # Worker-side shard writing (capture.writer = "worker", issue 19): the states never leave this process.
+    # Through collective_rpc go only metadata (meta), row lists (ids/masks, ~0.03 % of the states' bytes at
+    # hidden 7168) and the shard's progress entry; the driver keeps matching, skips, progress and the manifest.
+
+    def eagle3_capture_meta(self) -> dict[str, dict[str, Any]] | None:
+        """Assemble every buffered request and keep it here; return {internal_req_id: {num_tokens, filled,
+        finite}} (what the driver checks before it decides a sample is stored or skipped). TP rank != 0: None."""
+        if not getattr(self, "_eagle3_keep", False):
+            return None
+        ready = getattr(self, "_eagle3_ready", {})
+        new = {}
+        for rid in self._eagle3_pieces:
+            states, scales, filled = self._eagle3_assemble(rid)
+            ready[rid] = (states, scales, rid not in self._eagle3_bad)
+            new[rid] = {"num_tokens": int(states.shape[0]), "filled": filled, "finite": rid not in self._eagle3_bad}
+        self._eagle3_reset()
+        self._eagle3_ready = ready
+        return new
+
+    def eagle3_capture_drop(self, rids: list[str]) -> None:
+        """Forget assembled requests the driver skips (non-finite states)."""
+        for rid in rids:
+            getattr(self, "_eagle3_ready", {}).pop(rid, None)
+
+    def eagle3_capture_write_shard(self, out_dir: str, shard_id: int, rows: list[list[Any]], first_index: int,
+                                   next_index: int, skipped: dict[str, int], num_aux: int, hidden_size: int,
+                                   storage_dtype: str, background: str = "auto") -> dict[str, Any] | None:
+        """Start writing shard `shard_id` into `out_dir` from the assembled requests named in `rows` ([rid, index,
+        sample_id, input_ids, loss_mask] in shard order) with eagle3.capture.storage's shard writer — the same
+        file, byte for byte, as the driver would write — and forget them; returns {"pending": shard_id}, and
+        `eagle3_capture_wait_shard(shard_id)` returns the shard's progress entry once the file is complete.
+
+        background: "auto" = in a thread when the engine runs on a GPU (file writes and sha256 release the GIL,
+        so the GPUs keep prefilling the next chunk while rank 0 writes), "always", "never" (written before
+        returning; a CPU engine would only compete with its own forward for the cores)."""
+        if not getattr(self, "_eagle3_keep", False):
+            return None
+        import threading
+
+        take = {rid: self._eagle3_ready.pop(rid) for rid, *_ in rows}  # now: the next meta refills _ready
+        args = (out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size, storage_dtype, take)
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["entry"] = self._eagle3_write(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the driver by eagle3_capture_wait_shard
+                box["error"] = f"{type(e).__name__}: {e}"
+
+        on_gpu = str(getattr(self.model_runner, "device", "cpu")).startswith("cuda")  # type: ignore[attr-defined]
+        th = None
+        if background == "always" or (background == "auto" and on_gpu):
+            th = threading.Thread(target=work, name=f"eagle3-shard-{shard_id}", daemon=True)
+            th.start()
+        else:
+            work()
+        self._eagle3_writes = getattr(self, "_eagle3_writes", {})
+        self._eagle3_writes[int(shard_id)] = (th, box)
+        return {"pending": int(shard_id), "background": th is not None}
+
+    def eagle3_capture_wait_shard(self, shard_id: int) -> dict[str, Any] | None:
+        """The progress entry of shard `shard_id` once its file is complete (raises the writer's error)."""
+        if not getattr(self, "_eagle3_keep", False):
+            return None
+        th, box = self._eagle3_writes.pop(int(shard_id))
+        if th is not None:
+            th.join()
+        if "error" in box:
+            raise RuntimeError(f"eagle3 capture: writing shard {shard_id} in the worker failed: {box['error']}")
+        return box["entry"]
+
+    @staticmethod
+    def _eagle3_write(out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size,
+                      storage_dtype, take) -> dict[str, Any]:
+        from pathlib import Path
+
+        from eagle3.capture.quant import Stored
+        from eagle3.capture.storage import TORCH_DTYPES, ShardBuffer, _write_shard
+
+        buf = ShardBuffer(first_index=first_index, next_index=first_index)
+        for rid, index, sample_id, ids, mask in rows:
+            states, scales, finite = take[rid]
+            buf.add_stored(int(index), str(sample_id), torch.tensor(ids, dtype=torch.int64),
+                           torch.tensor(mask, dtype=torch.int8), Stored(states, scales, finite), num_aux)
+        buf.next_index, buf.skipped = int(next_index), dict(skipped)
+        # _write_shard, not write_shard: its single_threaded() would change the process-wide torch thread count
+        # under the engine's feet from a background thread
+        return _write_shard(Path(out_dir), int(shard_id), buf, num_aux, hidden_size, TORCH_DTYPES[storage_dtype],
+                            None)
+
     def eagle3_capture_stop(self) -> None:
         """Stop producing aux states (the hooks stay but become pass-through)."""
         runner = self.model_runner  # type: ignore[attr-defined]
         runner.get_model().set_aux_hidden_state_layers(())
         self._eagle3_reset()
+        self._eagle3_ready = {}

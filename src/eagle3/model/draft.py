@@ -230,16 +230,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kvh * self.d, bias=False)
         self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: tuple[list, list], attn_fn: AttnFn) -> torch.Tensor:
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape  # x: (B, T, 2H) in the midlayer, (B, T, H) in later layers
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)  # (B, nh, T, d)
         k = self.k_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)  # (B, kvh, T, d)
         v = self.v_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)  # (B, kvh, T, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, nh|kvh, T, d)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v  # (B, nh|kvh, T, d)
+
+    def out(self, y: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = y.shape  # (B, nh, T, d)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.d))  # (B, T, H)
+
+    def forward(self, x, cos, sin, cache: tuple[list, list], attn_fn: AttnFn) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)  # (B, nh|kvh, T, d)
         cache[0].append(k)
         cache[1].append(v)
-        y = attn_fn(q, cache[0], cache[1])  # (B, nh, T, d)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.d))  # (B, T, H)
+        return self.out(attn_fn(q, cache[0], cache[1]))  # (B, T, H)
 
 
 class MLP(nn.Module):
@@ -266,8 +272,19 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, emb, hidden, cos, sin, cache, attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self.pre(emb, hidden, cos, sin)  # (B, nh|kvh, T, d)
+        cache[0].append(k)
+        cache[1].append(v)
+        return self.post(hidden, attn_fn(q, cache[0], cache[1]))  # (B, T, H) x2
+
+    def pre(self, emb, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before the attention kernel: norms, concat, q/k/v, rope. Shapes do not depend on the TTT step."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
-        residual = hidden + F.dropout(self.self_attn(x, cos, sin, cache, attn_fn), self.p, self.training)  # (B, T, H)
+        return self.self_attn.project(x, cos, sin)  # (B, nh|kvh, T, d)
+
+    def post(self, hidden, y) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after the attention kernel: o_proj, residual, MLP. y: (B, nh, T, d)."""
+        residual = hidden + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
         h = F.dropout(self.mlp(self.post_attention_layernorm(residual)), self.p, self.training)  # (B, T, H)
         return h, residual
 
@@ -284,9 +301,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, residual, cos, sin, cache, attn_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        residual, q, k, v = self.pre(h, residual, cos, sin)  # (B, T, H), (B, nh|kvh, T, d)
+        cache[0].append(k)
+        cache[1].append(v)
+        return self.post(residual, attn_fn(q, cache[0], cache[1]))  # (B, T, H) x2
+
+    def pre(self, h, residual, cos, sin) -> tuple[torch.Tensor, ...]:
         residual = h + residual  # (B, T, H)
-        attn = self.self_attn(self.input_layernorm(residual), cos, sin, cache, attn_fn)  # (B, T, H)
-        residual = residual + F.dropout(attn, self.p, self.training)  # (B, T, H)
+        return (residual, *self.self_attn.project(self.input_layernorm(residual), cos, sin))
+
+    def post(self, residual, y) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
         h = F.dropout(self.mlp(self.post_attention_layernorm(residual)), self.p, self.training)  # (B, T, H)
         return h, residual
 
@@ -319,11 +344,27 @@ class Eagle3Draft(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
-    def compile_blocks(self) -> None:
-        """torch.compile what runs once per TTT step (decoder layer, final norm); the unrolled loop stays eager."""
-        self.midlayer.compile()
-        for layer in self.layers.values():
-            layer.compile()
+    def compile_blocks(self, mode: str = "layer") -> None:
+        """torch.compile what runs once per TTT step; the unrolled loop stays eager.
+
+        layer  each decoder layer whole (attention kernel inside) + the final norm. The layer's graph depends on
+               the TTT step (its KV list grows), so it is compiled K times, forward and backward (~2 min at K=7
+               on an H200, issue 19).
+        split  each layer's `pre` (norms, q/k/v, rope) and `post` (o_proj, residual, MLP) compiled on their own
+               (static shapes): their graphs are the same at every TTT step, so each compiles once; the attention
+               kernel between them is compiled by eagle3.train.attention (one flex kernel for all steps when the
+               keys are padded to K*T). Same math, same values."""
+        if mode not in ("layer", "split"):
+            raise ValueError(f"compile_blocks(mode={mode!r}): expected 'layer' or 'split'")
+        if mode == "layer":
+            self.midlayer.compile()
+            for layer in self.layers.values():
+                layer.compile()
+        else:
+            for layer in (self.midlayer, *self.layers.values()):
+                # instance attributes shadow the methods; forward() calls self.pre / self.post
+                layer.pre = torch.compile(layer.pre, dynamic=False)
+                layer.post = torch.compile(layer.post, dynamic=False)
         self.norm.compile()
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ Three exact kernels with one signature `fn(q, keys, values) -> (B, nh, T, d)`, b
   sdpa   CPU/exact fallback: the causal block's scores (T, T) and the j diagonal scores (T, j) go through one
          softmax (equivalently: the two partial log-sum-exps combined); never builds the (j+1)T-wide key axis
   flex   torch flex_attention with a block mask over the concatenated keys; the diagonal blocks make the
-         extra steps cost ~1 block per query block. GPU path (torch.compile'd); forward-only on CPU.
+         extra steps cost ~1 block per query block. GPU path (torch.compile'd); forward-only on CPU. Keys padded
+         to K*T with zeros (never visited: not in the block lists) so one compiled kernel serves every step.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _compiled_flex():
 
 
 def flex_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128):
-    """One BlockMask per TTT step j over the (j+1)T concatenated keys."""
+    """One BlockMask per TTT step j over the (j+1)T concatenated keys (`flex_ttt_attention` with padded=False)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, T = doc_ids.shape
@@ -95,14 +96,70 @@ def flex_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128):
     return [make(j) for j in range(steps)]
 
 
-def flex_ttt_attention(q, keys, values, block_masks, compiled: bool):
+def padded_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128):
+    """One BlockMask per TTT step j, all over the same K*T key axis (keys of steps > j are zero padding), all with
+    the SAME mask_mod: the compiled flex kernel sees one shape and one mask function at every step and compiles
+    once (forward and backward) instead of K times, and the block mask itself is built once (one compile too).
+
+    Step j's mask = the K-step mask restricted to the kv blocks of slots 0..j: the blocks of later slots are
+    dropped from the block lists, so the kernel never visits them and their (zero) keys never enter the
+    softmax. Exact only when T is a multiple of block_size (no block straddles two slots) and only for the
+    compiled kernel, which honours the block lists (eager flex evaluates mask_mod densely and would let the
+    padding's diagonal in); eagle3.train.bench.check_flex verifies it on the device, values and grads."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    B, T = doc_ids.shape
+    if T % block_size:
+        raise ValueError(f"padded_block_masks: T={T} is not a multiple of block_size={block_size}")
+
+    def mask_mod(b, h, qi, kv):
+        s, u = kv // T, kv % T
+        causal = (u <= qi) & (doc_ids[b, u] == doc_ids[b, qi])
+        return ((s == 0) & causal) | ((s > 0) & (u == qi))
+
+    full = create_block_mask(mask_mod, B, None, T, steps * T, device=doc_ids.device, BLOCK_SIZE=block_size,
+                             _compile=doc_ids.is_cuda)
+    # kv_indices rows list a q block's kv blocks in ascending order first (the rest is filler), so step j keeps
+    # the leading entries with index < (j+1)*T/block_size
+    n_kv = full.kv_indices.shape[-1]
+    pos = torch.arange(n_kv, device=doc_ids.device)  # (n_kv,)
+
+    def count(num, idx, limit):  # num: (B, 1, nq); idx: (B, 1, nq, n_kv)
+        listed = pos < num[..., None]  # (B, 1, nq, n_kv)
+        return (listed & (idx < limit)).sum(-1).to(num.dtype)  # (B, 1, nq)
+
+    masks = []
+    for j in range(steps):
+        limit = (j + 1) * T // block_size
+        has_full = full.full_kv_num_blocks is not None
+        masks.append(BlockMask.from_kv_blocks(
+            count(full.kv_num_blocks, full.kv_indices, limit), full.kv_indices,
+            count(full.full_kv_num_blocks, full.full_kv_indices, limit) if has_full else None,
+            full.full_kv_indices if has_full else None,
+            BLOCK_SIZE=full.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(T, steps * T)))
+    return masks
+
+
+def flex_ttt_attention(q, keys, values, block_masks, compiled: bool, padded: bool = False):
+    """padded: the keys/values of the steps still to come are zeros, so every step's key axis is K*T long
+    (block_masks from `padded_block_masks`); otherwise (j+1)T (`flex_block_masks`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = _compiled_flex() if compiled else flex_attention
-    k = torch.cat(keys, dim=2)  # (B, kvh, (j+1)T, d)
-    v = torch.cat(values, dim=2)  # (B, kvh, (j+1)T, d)
-    bm = block_masks[len(keys) - 1]
+    j = len(keys) - 1
+    if padded and j + 1 < len(block_masks):
+        B, kvh, T, d = keys[0].shape
+        z = keys[0].new_zeros(B, kvh, (len(block_masks) - 1 - j) * T, d)  # (B, kvh, (K-1-j)T, d)
+        keys, values = [*keys, z], [*values, z]
+    k = torch.cat(keys, dim=2)  # (B, kvh, (j+1)T or KT, d)
+    v = torch.cat(values, dim=2)  # (B, kvh, (j+1)T or KT, d)
+    bm = block_masks[j]
     return fn(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, d)
+
+
+#: default of make_ttt_attention(padded=None) for the compiled flex kernel (benchmarks/train_step.py turns it off when
+#: a config fails with it, to retry the per-step key lengths of before)
+PAD_KEYS = True
 
 
 def resolve_kind(kind: str, device: torch.device) -> str:
@@ -113,16 +170,22 @@ def resolve_kind(kind: str, device: torch.device) -> str:
     return kind
 
 
-def make_ttt_attention(kind: str, doc_ids: torch.Tensor, steps: int, compiled: bool | None = None):
-    """The attention callable for one packed batch. doc_ids: (B, T) int, padding rows get their own ids."""
+def make_ttt_attention(kind: str, doc_ids: torch.Tensor, steps: int, compiled: bool | None = None,
+                       padded: bool | None = None):
+    """The attention callable for one packed batch. doc_ids: (B, T) int, padding rows get their own ids.
+    flex only: `padded` (default: when T is a multiple of the block size) = every step's keys padded to K*T, one
+    compiled kernel for all steps (`padded_block_masks`)."""
     kind = resolve_kind(kind, doc_ids.device)
     if kind == "naive":
         return functools.partial(naive_ttt_attention, doc_ids=doc_ids)
     if kind == "sdpa":
         return functools.partial(sdpa_ttt_attention, mask=causal_doc_mask(doc_ids))
-    masks = flex_block_masks(doc_ids, steps, block_size=128 if doc_ids.shape[1] >= 128 else 16)
+    bs = 128 if doc_ids.shape[1] >= 128 else 16
     compiled = doc_ids.device.type == "cuda" if compiled is None else compiled
-    return functools.partial(flex_ttt_attention, block_masks=masks, compiled=compiled)
+    if padded is None:  # eager flex (CPU) applies mask_mod densely and ignores the cut block lists: compiled only
+        padded = PAD_KEYS and compiled and doc_ids.shape[1] % bs == 0
+    masks = (padded_block_masks if padded else flex_block_masks)(doc_ids, steps, block_size=bs)
+    return functools.partial(flex_ttt_attention, block_masks=masks, compiled=compiled, padded=padded)
 
 
 __all__ = ["make_ttt_attention", "naive_ttt_attention", "sdpa_ttt_attention", "flex_ttt_attention"]

@@ -144,8 +144,11 @@ class _FusedSoftCE(torch.autograd.Function):
                 argmax[a : a + chunk_rows] = am
                 if need_grad:
                     torch.mm(g, wc, out=grad_h[a : a + chunk_rows])  # (c, H)
-                    gw = (g.T @ hc).to(acc)  # (Vd, H)
-                    grad_w = gw if grad_w is None else grad_w.add_(gw)
+                    if chunk_rows >= B * T:  # one chunk: the GEMM's own fp32 accumulation, no fp32 round trip
+                        grad_w = g.T @ hc  # (Vd, H) in cdt
+                    else:
+                        gw = (g.T @ hc).to(acc)  # (Vd, H)
+                        grad_w = gw if grad_w is None else grad_w.add_(gw)
         if need_grad:
             ctx.save_for_backward(grad_h.reshape(B, T, H).to(h.dtype), grad_w.to(w.dtype))
         return total, argmax.reshape(B, T)

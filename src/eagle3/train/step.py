@@ -19,6 +19,7 @@ later layers are the target's layers after that aux state (init_layers_from_targ
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,25 @@ class StepOutput:
     valid: torch.Tensor | None = None  # (K, B, T) bool, only with return_correct: step j's row is supervised
 
 
+def linear_weight_casts(model: torch.nn.Module, device_type: str) -> dict[str, torch.Tensor]:
+    """Under autocast: every trainable fp32 matrix (the Linear weights) cast ONCE to the autocast dtype, by name.
+
+    Each weight is used by all K TTT steps. Cast inside every compiled block, each use re-reads the fp32 master
+    (K casts) and sends an fp32 gradient back that AccumulateGrad adds into .grad (K fp32 read-modify-writes of
+    every weight; ~12 ms per K=7/8192 step on an H200, docs/NOTES.md). Cast once here, the K uses share one bf16
+    tensor: autograd sums their gradients in bf16 and one cast brings the sum to the fp32 .grad — the same
+    arithmetic as eager autocast, whose weight-cast cache does exactly this (so the naive reference agrees).
+    Empty (no-op) without autocast, for fp32 autocast, and for FSDP2's sharded (DTensor) parameters, whose mixed
+    precision policy owns the casts."""
+    if not torch.is_autocast_enabled(device_type):
+        return {}
+    dt = torch.get_autocast_dtype(device_type)
+    params = list(model.named_parameters())
+    if dt == torch.float32 or any(type(p) not in (torch.nn.Parameter, torch.Tensor) for _, p in params):
+        return {}
+    return {n: p.to(dt) for n, p in params if p.requires_grad and p.ndim == 2 and p.dtype == torch.float32}
+
+
 def ttt_forward(
     model: Eagle3Draft,
     batch: PackedBatch,
@@ -65,7 +85,36 @@ def ttt_forward(
     steps: int = 7,
     loss_decay: float = 0.8,
     attention: str = "auto",
-    loss_chunk_rows: int = 4096,
+    loss_chunk_rows: int = 8192,
+    return_correct: bool = False,
+    fused_loss: bool = True,
+    temperature: float = 1.0,
+    feature_weight: float = 0.0,
+    mid_feature_weight: float = 0.0,
+    mid_target_block: int = -1,
+) -> StepOutput:
+    """The unrolled TTT forward (body: `_ttt_forward`), with the draft's matrices cast once to the autocast dtype
+    for the whole unroll (`linear_weight_casts`)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    casts = linear_weight_casts(model, batch.input_ids.device.type)
+    ctx = _reparametrize_module(model, casts, strict=False) if casts else contextlib.nullcontext()
+    with ctx:
+        return _ttt_forward(model, batch, head, steps=steps, loss_decay=loss_decay, attention=attention,
+                            loss_chunk_rows=loss_chunk_rows, return_correct=return_correct, fused_loss=fused_loss,
+                            temperature=temperature, feature_weight=feature_weight,
+                            mid_feature_weight=mid_feature_weight, mid_target_block=mid_target_block)
+
+
+def _ttt_forward(
+    model: Eagle3Draft,
+    batch: PackedBatch,
+    head: TargetHead,
+    *,
+    steps: int = 7,
+    loss_decay: float = 0.8,
+    attention: str = "auto",
+    loss_chunk_rows: int = 8192,
     return_correct: bool = False,
     fused_loss: bool = True,
     temperature: float = 1.0,
@@ -199,6 +248,7 @@ def build_benchmark(
     dtype: torch.dtype = torch.bfloat16,
     attention: str = "auto",
     compile: bool = False,
+    compile_mode: str = "layer",
 ) -> BenchmarkSetup:
     """Random draft + random frozen target head + one synthetic packed batch, all on `device`.
     Real dims: DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -207,7 +257,7 @@ def build_benchmark(
     torch.manual_seed(0)
     model = Eagle3Draft(cfg).to(device)
     if compile:
-        model.compile_blocks()
+        model.compile_blocks(compile_mode)
     head = TargetHead(
         norm_weight=torch.ones(cfg.target_hidden_size),
         eps=cfg.rms_norm_eps,

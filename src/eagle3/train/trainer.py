@@ -513,7 +513,11 @@ def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> Tr
 
     ttt = parallel.wrap(TTTModule(model), d, fsdp=cfg.parallel == "fsdp")
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    # fused: one kernel over all tensors on CUDA (the step's AdamW 8.4 ms vs its 2.8 ms byte floor in the H200
+    # profile, docs/NOTES.md); FSDP2's sharded DTensor params keep the default (foreach) path
+    fused = d.device.type == "cuda" and cfg.parallel != "fsdp"
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                            fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
     ema = WeightAverage(params, cfg.ema_decay) if cfg.ema_decay > 0 else None
 
