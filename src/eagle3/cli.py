@@ -121,25 +121,30 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft models for your own target LLM.")
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS,
+                         help="on failure, print the traceback too (default: only the diagnosis)")
+    parser.add_argument("--verbose", "-v", action="store_true", default=False,
+                        help="on failure, print the traceback too (default: only the diagnosis)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for stage, cls in {**STAGES, **STREAM_STAGES}.items():
-        p = sub.add_parser(stage, help=STAGE_HELP[stage], description=STAGE_HELP[stage])
+        p = sub.add_parser(stage, help=STAGE_HELP[stage], description=STAGE_HELP[stage], parents=[verbose])
         p.add_argument(
             "--config",
             metavar="FILE",
             help="YAML with this stage's fields, or a pipeline config (its resolved `" + stage + "` section); flags override it",
         )
         _add_field_flags(p, cls)
-    plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP)
+    plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP, parents=[verbose])
     _add_field_flags(plan, PlanConfig)
     from eagle3.train.estimate import EstimateConfig
 
-    estimate = sub.add_parser("estimate", help=ESTIMATE_HELP, description=ESTIMATE_HELP)
+    estimate = sub.add_parser("estimate", help=ESTIMATE_HELP, description=ESTIMATE_HELP, parents=[verbose])
     _add_field_flags(estimate, EstimateConfig)
-    stream = sub.add_parser("stream", help="streaming mode: stream-capture and stream-train at once in this process "
+    stream = sub.add_parser("stream", parents=[verbose], help="streaming mode: stream-capture and stream-train at once in this process "
                             "(bounded disk; prepare and vocab must have run)")
     stream.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML with a `stream:` section")
-    run = sub.add_parser("run", help="run the whole pipeline (Prefect flow on the embedded local API)")
+    run = sub.add_parser("run", parents=[verbose], help="run the whole pipeline (Prefect flow on the embedded local API)")
     run.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML (see configs/)")
     run.add_argument("--no-prefect", action="store_true", help="run the stages in-process without Prefect")
     return parser
@@ -163,7 +168,7 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
                 values = getattr(pipe.resolved(), stage).model_dump(exclude={"stage"})
         else:
             values = raw
-    flat = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    flat = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
     from eagle3.config import deep_merge
 
     values = deep_merge(values, _nest(flat))
@@ -177,7 +182,7 @@ def build_tool_config(cls: type[BaseModel], args: argparse.Namespace) -> Any:
     from eagle3.config import format_validation_error
 
     try:
-        return cls.model_validate(_nest({k: v for k, v in vars(args).items() if k != "command"}))
+        return cls.model_validate(_nest({k: v for k, v in vars(args).items() if k not in ("command", "verbose")}))
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, "command line")) from None
 
@@ -196,11 +201,16 @@ def _jsonable(obj: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from eagle3.console import configure_output
+
+    configure_output(verbose=getattr(args, "verbose", False))  # before vLLM or Prefect is imported
     try:
         if args.command == "run":
-            from eagle3.pipeline import run_pipeline_from_file
+            from eagle3.pipeline import run_pipeline_from_file, summarize_run
 
             result = run_pipeline_from_file(args.config, use_prefect=not args.no_prefect)
+            print(summarize_run(args.config, result))
+            return 0
         elif args.command == "stream":
             from eagle3.config import load_pipeline_config
             from eagle3.stream import run_stream
