@@ -55,9 +55,11 @@ def eagle3_pipeline(
     Returns {stage: manifest}.
     """
     config, gpu_pool, gpu_limit = apply_blocks(config, target_source, storage, hardware)
-    ensure_target(config)
     cfg = config.resolved()
     stage = StageRunner(cfg, dispatch=dispatch, gpu_pool=gpu_pool, gpu_limit=gpu_limit)
+    if config.fetch_target:                        # 0. a known target into `target` (eagle3 fetch-target)
+        stage("fetch-target", config=config.fetch_target_config())
+    ensure_target(config)
 
     if cfg.regenerate.enabled:
         stage("regenerate")                        # 1. the target writes the answers (on-policy data)

@@ -41,6 +41,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     "train": ("train", "model"),
     "export": ("export.py", "model"),
     "evaluate": ("evaluate.py",),
+    "fetch-target": ("targets.py",),
 }
 COMMON_CODE = ("config.py", "io.py")
 

@@ -182,6 +182,7 @@ vocab_task = _stage_task("vocab")
 train_task = _stage_task("train")
 export_task = _stage_task("export")
 evaluate_task = _stage_task("evaluate")
+fetch_target_task = _stage_task("fetch-target")
 
 STAGE_TASKS = {
     "prepare": prepare_task,
@@ -191,6 +192,7 @@ STAGE_TASKS = {
     "train": train_task,
     "export": export_task,
     "evaluate": evaluate_task,
+    "fetch-target": fetch_target_task,
 }
 
 

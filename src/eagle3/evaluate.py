@@ -1,23 +1,44 @@
-"""`eagle3 evaluate`: mean acceptance length τ of an EAGLE-3 draft in real vLLM, plus decode speed.
+"""`eagle3 evaluate`: mean acceptance length τ of a speculative method in real vLLM, per prompt category and
+sampling temperature, with the draft's cost relative to the target and the decode speed-up it buys.
 
 Protocol (refbench README): vLLM offline, `LLM(model=target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": k})`, the first
-`num_prompts` prompts through the target's chat template with the generation prompt (prompts are the
-turns before the first assistant turn of each row), greedy unless `temperature > 0`, `max_tokens`.
+speculative_config=...)`, the first `num_prompts` prompts through the target's chat template with the generation
+prompt (prompts are the turns before the first assistant turn of each row), `max_tokens` per prompt.
+`method: eagle3` serves the trained draft (`{"method": "eagle3", "model": draft, "num_speculative_tokens": k}`);
+`method: ngram` is vLLM's prompt-lookup proposer (`prompt_lookup_min` 2, `prompt_lookup_max` 4 by default), the
+baseline with no draft at all.
 
     τ = 1 + vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts
 
 read from `llm.get_metrics()` (the engine is built with `disable_log_stats=False`), together with
-`vllm:spec_decode_num_accepted_tokens_per_pos` (accepted count at draft position 1..k). A one-prompt
-warm-up runs first; its counts are subtracted (metrics are snapshotted before and after the timed run).
+`vllm:spec_decode_num_accepted_tokens_per_pos` (accepted count at draft position 1..k). vLLM's counters are
+global to the engine, so each (temperature, category) is its own `generate` call and its τ comes from the
+counters' difference across that call; the row `category: "all"` sums a temperature's calls. A one-prompt
+warm-up runs first. Passes: `temperatures` (e.g. [0.0, 0.6]; sampled passes use `top_p`), each over every
+category, in one engine. The headline fields (acceptance_length, num_drafts, ...) are the first temperature's
+"all" row, as before categories existed.
 
-With `baseline` the same prompts are decoded again without speculation under the same engine settings
-for generated tokens/s with and without the draft (and the fraction of identical greedy outputs, a
-sanity check of lossless verification; on CPU small numeric differences between batch shapes can flip
-a few near-tie tokens). Each engine runs in its own spawned process, so two engines never coexist in
-memory and their Prometheus counters never mix.
+With `baseline` the same calls run again without speculation under the same engine settings, for generated
+tokens/s with and without speculation (and, greedy only, the fraction of identical outputs, a sanity check of
+lossless verification; on CPU small numeric differences between batch shapes can flip a few near-tie tokens).
+Each engine runs in its own spawned process, so two engines never coexist in memory and their Prometheus
+counters never mix.
 
-Writes `out/results.json` and `out/acceptance.png` (bar chart of per-position acceptance).
+Cost (`draft_cost` in results.json; `draft_cost` below): parameters of the draft (what it reads: fc, decoder
+layers, its lm_head over the draft vocabulary, norms; the embedding is the target's) over the target's; FLOPs of
+one speculation round (fc once + k draft steps of one token, weights only) over the FLOPs of one target forward
+per token (decoder layers + lm_head, weights only; attention over the context left out of both); and a modelled
+decode speed-up for a memory-bound GPU (small batch): the time of a step is the time to read the weights, so a
+verify step reads the target once (k + 1 positions in one pass) and the k draft steps read the draft k times:
+
+    speed-up = τ / (1 + r),   r = (fc bytes + k · draft step bytes) / target bytes  (≈ k · c, c = draft / target)
+
+(same dtype for both; MoE targets: the active parameters of one token, a lower bound on what k + 1 tokens read;
+ngram: r = 0, its lookup reads no weights). It leaves out the KV-cache reads, the proposer's host overhead and
+sampling, so it is an upper bound of what a real GPU shows; the measured tokens/s beside it is this machine's.
+
+Writes `out/results.json` (headline fields, `rows`, `draft_cost`), `out/results.md` (the rows as a table) and
+`out/acceptance.png` (bar chart of per-position acceptance).
 """
 
 from __future__ import annotations
@@ -27,17 +48,20 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eagle3.config import EvaluateConfig
-from eagle3.io import atomic_path, write_json
+from eagle3.io import atomic_path, write_json, write_text
 
 log = logging.getLogger(__name__)
 
 RESULTS = "results.json"
 CHART = "acceptance.png"
+#: the category of prompts whose row has none
+UNCATEGORIZED = "uncategorized"
 
 M_DRAFTS = "vllm:spec_decode_num_drafts"
 M_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -49,7 +73,7 @@ M_PROMPT_TOKENS = "vllm:prompt_tokens"
 
 @dataclass
 class DecodeRun:
-    """One engine's timed pass over the prompts."""
+    """One engine's timed pass over the prompts (the first temperature, all categories)."""
 
     speculative: bool
     num_prompts: int
@@ -61,13 +85,36 @@ class DecodeRun:
 
 
 @dataclass
+class CategoryResult:
+    """τ and speed of one (category, temperature): one row of results.json's `rows`."""
+
+    method: str
+    category: str  # "all": every prompt of this temperature
+    temperature: float
+    num_prompts: int
+    tau: float | None  # None when the proposer made no drafts (ngram on prompts without repeats)
+    num_drafts: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    generated_tokens: int
+    tokens_per_s: float
+    baseline_tokens_per_s: float | None = None
+    measured_speedup: float | None = None
+    #: τ / (1 + r), the memory-bound model of the module docstring
+    modelled_speedup: float | None = None
+    #: greedy only: fraction of prompts whose output is identical with and without speculation
+    outputs_match_baseline: float | None = None
+    draft_cost_ratio: float | None = None
+
+
+@dataclass
 class EvaluateResult:
     out: Path
     results_path: Path
     chart_path: Path | None
     num_prompts: int
     num_speculative_tokens: int
-    #: τ, mean acceptance length (1 + accepted / drafts); at most k + 1
+    #: τ, mean acceptance length (1 + accepted / drafts); at most k + 1 (first temperature, all categories)
     acceptance_length: float
     num_drafts: int
     num_draft_tokens: int
@@ -82,6 +129,11 @@ class EvaluateResult:
     #: fraction of prompts whose greedy output is identical with and without the draft
     outputs_match_baseline: float | None = None
     prompts_skipped: dict[str, int] = field(default_factory=dict)
+    method: str = "eagle3"
+    #: one per (category, temperature), "all" rows included
+    rows: list[CategoryResult] = field(default_factory=list)
+    #: see draft_cost()
+    draft_cost: dict[str, Any] = field(default_factory=dict)
 
 
 def simulate_acceptance_length(per_step_acc: list[float]) -> float:
@@ -127,8 +179,10 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def decode_job(llm_kwargs: dict[str, Any], prompts: list[list[int]], sampling: dict[str, Any]) -> dict[str, Any]:
-    """Build one engine, warm it up, time greedy decoding of `prompts`; runs in a spawned process."""
+def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int]]]],
+               samplings: list[dict[str, Any]]) -> dict[str, Any]:
+    """Build one engine, warm it up, then per sampling (temperature) and per group (category) one timed
+    `generate` call whose metrics are the counters' difference across it; runs in a spawned process."""
     from eagle3.vllm_engine import setup_cpu_env, shutdown_engine
 
     setup_cpu_env()
@@ -137,23 +191,124 @@ def decode_job(llm_kwargs: dict[str, Any], prompts: list[list[int]], sampling: d
     t0 = time.time()
     llm = LLM(**llm_kwargs)
     startup = time.time() - t0
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(**{**sampling, "max_tokens": 8}), use_tqdm=False)
-    before = _metrics_dict(llm.get_metrics())
-    t1 = time.time()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
-    seconds = time.time() - t1
-    # the stats logger updates counters when outputs are processed; read them after generate returns
-    after = _metrics_dict(llm.get_metrics())
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    first = groups[0][1][0]
+    llm.generate([{"prompt_token_ids": first}], SamplingParams(**{**samplings[0], "max_tokens": 8}), use_tqdm=False)
+    calls = []
+    for sampling in samplings:
+        for category, prompts in groups:
+            before = _metrics_dict(llm.get_metrics())
+            t1 = time.time()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
+            seconds = time.time() - t1
+            # the stats logger updates counters when outputs are processed; read them after generate returns
+            after = _metrics_dict(llm.get_metrics())
+            calls.append({
+                "temperature": sampling["temperature"],
+                "category": category,
+                "seconds": seconds,
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+                "metrics": _diff(after, before),
+            })
     shutdown_engine(llm)
+    return {"startup_s": startup, "calls": calls, "loadavg_1m": os.getloadavg()[0]}
+
+
+def _sum_calls(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The calls of one temperature as one: metrics summed, tokens concatenated, seconds added."""
+    metrics: dict[str, Any] = {}
+    for c in calls:
+        for k, v in c["metrics"].items():
+            if isinstance(v, list):
+                prev = metrics.get(k, [])
+                metrics[k] = [(prev[i] if i < len(prev) else 0) + (v[i] if i < len(v) else 0)
+                              for i in range(max(len(prev), len(v)))]
+            else:
+                metrics[k] = metrics.get(k, 0) + v
     return {
-        "startup_s": startup,
-        "seconds": seconds,
-        "tokens": tokens,
-        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
-        "metrics": _diff(after, before),
-        "loadavg_1m": os.getloadavg()[0],
+        "temperature": calls[0]["temperature"],
+        "category": "all",
+        "seconds": sum(c["seconds"] for c in calls),
+        "tokens": [t for c in calls for t in c["tokens"]],
+        "finish_reasons": [r for c in calls for r in c["finish_reasons"]],
+        "metrics": metrics,
     }
+
+
+# ------------------------------------------------------------------------------------ the draft's cost
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _draft_param_counts(draft: Path) -> dict[str, int]:
+    """Parameters per tensor group of the exported draft, from the safetensors headers (exact): fc, layers (the
+    decoder layers: midlayer.* / layers.*), lm_head, norm; the maps d2t/t2d and a carried embedding are not
+    weights the draft reads per step (vLLM shares the target's embedding)."""
+    import math as _math
+
+    from safetensors import safe_open
+
+    groups: dict[str, int] = {"fc": 0, "layers": 0, "lm_head": 0, "norm": 0}
+    for f in sorted(draft.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if name in ("d2t", "t2d") or "embed_tokens" in name:
+                    continue
+                n = _math.prod(st.get_slice(name).get_shape())
+                if name.startswith("fc."):
+                    groups["fc"] += n
+                elif name.startswith("lm_head"):
+                    groups["lm_head"] += n
+                elif name.startswith(("midlayer.", "layers.")):
+                    groups["layers"] += n
+                else:
+                    groups["norm"] += n
+    return groups
+
+
+def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "eagle3") -> dict[str, Any]:
+    """The draft's cost relative to the target (see the module docstring): parameter ratio, FLOPs of one speculation
+    round (fc + k draft steps) over one target forward per token, and r of the memory-bound speed-up model."""
+    from eagle3.train.flops import count_target_params
+
+    tcfg = _read_config(Path(target) / "config.json")
+    tc = tcfg.get("text_config") or tcfg
+    tp = count_target_params(tc)
+    H, V = int(tc["hidden_size"]), int(tc["vocab_size"])
+    target_read = tp["layers_active_per_token"] + V * H  # decoder layers + lm_head (tied: the embedding matrix)
+    model = ("memory-bound decode: a step's time = the bytes of weights it reads; a round = one target verify pass "
+             "(reads the target once) + k draft steps (read the draft k times, fc once); speed-up = τ / (1 + r)")
+    if method == "ngram" or draft is None:
+        return {"method": method, "k": k, "draft_params": 0, "target_params": tp["total"],
+                "target_params_read_per_token": target_read, "param_ratio": 0.0, "flops_ratio": 0.0,
+                "bytes_ratio_per_round": 0.0, "c": 0.0, "model": model + "; ngram reads no weights (r = 0)"}
+    g = _draft_param_counts(draft)
+    step = g["layers"] + g["lm_head"] + g["norm"]  # what each draft step multiplies with
+    draft_params = step + g["fc"]
+    round_params = g["fc"] + k * step
+    return {
+        "method": method,
+        "k": k,
+        "draft_params": draft_params,
+        "draft_params_by_group": g,
+        "target_params": tp["total"],
+        "target_params_read_per_token": target_read,
+        "param_ratio": round(draft_params / tp["total"], 5),
+        # 2 FLOPs per multiply-add on both sides cancel: FLOPs ratio = multiply-adds per round / per target token
+        "flops_ratio": round(round_params / target_read, 5),
+        "bytes_ratio_per_round": round(round_params / target_read, 5),
+        "c": round(step / target_read, 5),
+        "model": model,
+        "flops_convention": "weights only, one token per draft step, fc once per round; attention over the "
+                            "context left out on both sides; target = decoder layers (MoE: active) + lm_head",
+    }
+
+
+def modelled_speedup(tau: float | None, cost: dict[str, Any]) -> float | None:
+    return None if tau is None else round(tau / (1.0 + cost["bytes_ratio_per_round"]), 3)
 
 
 # ------------------------------------------------------------------------------------ the stage
@@ -170,7 +325,8 @@ def _check_draft(draft: Path, k: int) -> dict[str, Any]:
     return dcfg
 
 
-def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], list[str], dict[str, int]]:
+def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], list[str], list[str], dict[str, int]]:
+    """(token ids, sample ids, categories, skip counts) of the prompts that fit max_model_len - max_tokens."""
     from transformers import AutoTokenizer
 
     from eagle3.data.formats import read_prompts
@@ -182,7 +338,7 @@ def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], 
     tok = AutoTokenizer.from_pretrained(target)
     if not tok.chat_template:
         raise ValueError(f"{target}: the tokenizer has no chat template; evaluate renders prompts with it")
-    ids, names, skipped = [], [], dict(read.skipped)
+    ids, names, categories, skipped = [], [], [], dict(read.skipped)
     limit = cfg.max_model_len - cfg.max_tokens
     for c in convs:
         x = tok.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -194,9 +350,18 @@ def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], 
             continue
         ids.append(x)
         names.append(c.sample_id)
+        categories.append(c.category or UNCATEGORIZED)
     if not ids:
         raise ValueError(f"{cfg.prompts}: no prompt fits max_model_len - max_tokens = {limit} tokens; raise --max-model-len")
-    return ids, names, skipped
+    return ids, names, categories, skipped
+
+
+def group_by_category(prompts: list[list[int]], categories: list[str]) -> list[tuple[str, list[int]]]:
+    """[(category, prompt indices)] in order of first appearance."""
+    out: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        out.setdefault(c, []).append(i)
+    return list(out.items())
 
 
 def _plot(path: Path, rates: list[float], counts: list[int], tau: float, k: int, title: str) -> None:
@@ -221,64 +386,113 @@ def _plot(path: Path, rates: list[float], counts: list[int], tau: float, k: int,
     plt.close(fig)
 
 
+def speculative_config(cfg: EvaluateConfig) -> dict[str, Any]:
+    k = cfg.num_speculative_tokens
+    if cfg.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": cfg.prompt_lookup_min,
+                "prompt_lookup_max": cfg.prompt_lookup_max}
+    return {"method": "eagle3", "model": str(cfg.draft), "num_speculative_tokens": k}
+
+
+def _row(method: str, call: dict[str, Any], base: dict[str, Any] | None, cost: dict[str, Any]) -> CategoryResult:
+    m = call["metrics"]
+    drafts, accepted = int(m.get(M_DRAFTS, 0)), int(m.get(M_ACCEPTED, 0))
+    per_pos = [int(x) for x in m.get(M_PER_POS, [])]
+    per_pos += [0] * (cost["k"] - len(per_pos))
+    tau = round(1.0 + accepted / drafts, 4) if drafts else None
+    gen = sum(len(t) for t in call["tokens"])
+    tps = round(gen / call["seconds"], 1) if call["seconds"] > 0 else 0.0
+    base_tps = match = None
+    if base is not None:
+        base_gen = sum(len(t) for t in base["tokens"])
+        base_tps = round(base_gen / base["seconds"], 1) if base["seconds"] > 0 else None
+        if call["temperature"] == 0:
+            same = sum(a == b for a, b in zip(call["tokens"], base["tokens"], strict=True))
+            match = round(same / len(call["tokens"]), 4)
+    return CategoryResult(
+        method=method, category=call["category"], temperature=call["temperature"], num_prompts=len(call["tokens"]),
+        tau=tau, num_drafts=drafts, num_accepted_tokens=accepted, accepted_per_position=per_pos,
+        generated_tokens=gen, tokens_per_s=tps, baseline_tokens_per_s=base_tps,
+        measured_speedup=round(tps / base_tps, 3) if base_tps else None,
+        modelled_speedup=modelled_speedup(tau, cost), outputs_match_baseline=match,
+        draft_cost_ratio=cost["flops_ratio"],
+    )
+
+
+def rows_of(method: str, job: dict[str, Any], base_job: dict[str, Any] | None, cost: dict[str, Any],
+            temperatures: list[float], with_categories: bool) -> tuple[list[CategoryResult], dict[float, dict]]:
+    """Rows per (category, temperature) plus an "all" row per temperature; also the "all" calls by temperature."""
+    rows, totals = [], {}
+    for t in temperatures:
+        calls = [c for c in job["calls"] if c["temperature"] == t]
+        bcalls = [c for c in base_job["calls"] if c["temperature"] == t] if base_job else [None] * len(calls)
+        total = _sum_calls(calls)
+        btotal = _sum_calls(bcalls) if base_job else None
+        totals[t] = {"spec": total, "base": btotal}
+        if with_categories:
+            rows += [_row(method, c, b, cost) for c, b in zip(calls, bcalls, strict=True)]
+        rows.append(_row(method, total, btotal, cost))
+    return rows, totals
+
+
 def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
-    """Measure τ (and tokens/s with and without the draft); see the module docstring."""
+    """Measure τ per category and temperature (and tokens/s with and without speculation); see the module docstring."""
     from eagle3.vllm_engine import engine_kwargs, run_in_subprocess
 
-    cfg.require("target", "draft", "prompts", "out")
-    target, draft, out = str(cfg.target), Path(cfg.draft), Path(cfg.out)
+    cfg.require("target", "prompts", "out")
+    if cfg.method == "eagle3":
+        cfg.require("draft")
+    target, out = str(cfg.target), Path(cfg.out)
+    draft = Path(cfg.draft) if cfg.method == "eagle3" else None
     if not (Path(target) / "config.json").is_file():
         raise FileNotFoundError(f"--target {target}: no config.json there")
-    dcfg = _check_draft(draft, cfg.num_speculative_tokens)
+    dcfg = _check_draft(draft, cfg.num_speculative_tokens) if draft is not None else {}
     k = cfg.num_speculative_tokens
-    prompts, names, skipped = _render_prompts(target, cfg)
-    sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
+    prompts, names, categories, skipped = _render_prompts(target, cfg)
+    by_cat = group_by_category(prompts, categories)
+    with_categories = not (len(by_cat) == 1 and by_cat[0][0] == UNCATEGORIZED)
+    groups = [(c, [prompts[i] for i in idx]) for c, idx in by_cat]
+    order = [i for _, idx in by_cat for i in idx]  # prompt order of the "all" rows
+    temps = cfg.passes
+    samplings = [{"temperature": t, "top_p": cfg.top_p if t > 0 else 1.0, "max_tokens": cfg.max_tokens,
+                  "seed": cfg.seed} for t in temps]
     common = dict(dtype=cfg.dtype, max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed)
-    spec_kwargs = engine_kwargs(
-        target,
-        speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": k},
-        disable_log_stats=False,
-        **common,
-    )
-    log.info("evaluate: %d prompts, k=%d, draft %s", len(prompts), k, draft)
-    spec = run_in_subprocess(decode_job, spec_kwargs, prompts, sampling)
+    spec_kwargs = engine_kwargs(target, speculative_config=speculative_config(cfg), disable_log_stats=False, **common)
+    log.info("evaluate: %s, %d prompts in %d categories, temperatures %s, k=%d", cfg.method, len(prompts),
+             len(groups), temps, k)
+    spec = run_in_subprocess(decode_job, spec_kwargs, groups, samplings)
     base = None
     if cfg.baseline:
         base_kwargs = engine_kwargs(target, disable_log_stats=False, **common)
-        base = run_in_subprocess(decode_job, base_kwargs, prompts, sampling)
+        base = run_in_subprocess(decode_job, base_kwargs, groups, samplings)
 
-    m = spec["metrics"]
+    cost = draft_cost(target, draft, k, cfg.method)
+    rows, totals = rows_of(cfg.method, spec, base, cost, temps, with_categories)
+    head = totals[temps[0]]["spec"]
+    m = head["metrics"]
     drafts = int(m.get(M_DRAFTS, 0))
-    accepted = int(m.get(M_ACCEPTED, 0))
-    per_pos = [int(x) for x in m.get(M_PER_POS, [])]
-    if len(per_pos) < k:
-        per_pos += [0] * (k - len(per_pos))
-    if drafts == 0:
+    if drafts == 0 and cfg.method == "eagle3":
         raise RuntimeError(
             f"vLLM reported no speculative drafts ({M_DRAFTS} = 0) for draft {draft}: the draft was not used; "
             "check the engine log above"
         )
-    tau = 1.0 + accepted / drafts
-    rates = [c / drafts for c in per_pos]
+    accepted = int(m.get(M_ACCEPTED, 0))
+    per_pos = [int(x) for x in m.get(M_PER_POS, [])]
+    per_pos += [0] * (k - len(per_pos))
+    tau = 1.0 + accepted / drafts if drafts else 1.0
+    rates = [c / drafts if drafts else 0.0 for c in per_pos]
 
-    def run_summary(r: dict[str, Any] | None, speculative: bool) -> DecodeRun | None:
-        if r is None:
+    def run_summary(job: dict[str, Any] | None, call: dict[str, Any] | None, speculative: bool) -> DecodeRun | None:
+        if job is None or call is None:
             return None
-        gen = sum(len(t) for t in r["tokens"])
-        return DecodeRun(
-            speculative=speculative,
-            num_prompts=len(r["tokens"]),
-            generated_tokens=gen,
-            seconds=round(r["seconds"], 3),
-            tokens_per_s=round(gen / r["seconds"], 1),
-            startup_s=round(r["startup_s"], 1),
-            metrics=r["metrics"],
-        )
+        gen = sum(len(t) for t in call["tokens"])
+        return DecodeRun(speculative=speculative, num_prompts=len(call["tokens"]), generated_tokens=gen,
+                         seconds=round(call["seconds"], 3), tokens_per_s=round(gen / call["seconds"], 1),
+                         startup_s=round(job["startup_s"], 1), metrics=call["metrics"])
 
-    spec_run, base_run = run_summary(spec, True), run_summary(base, False)
-    match = None
-    if base is not None:
-        match = sum(a == b for a, b in zip(spec["tokens"], base["tokens"], strict=True)) / len(prompts)
+    spec_run = run_summary(spec, head, True)
+    base_run = run_summary(base, totals[temps[0]]["base"], False)
+    head_row = next(r for r in rows if r.category == "all" and r.temperature == temps[0])
     result = EvaluateResult(
         out=out,
         results_path=out / RESULTS,
@@ -294,24 +508,54 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         spec_tokens_per_s=spec_run.tokens_per_s,
         baseline_tokens_per_s=base_run.tokens_per_s if base_run else None,
         speedup=round(spec_run.tokens_per_s / base_run.tokens_per_s, 3) if base_run else None,
-        outputs_match_baseline=round(match, 4) if match is not None else None,
+        outputs_match_baseline=head_row.outputs_match_baseline,
         prompts_skipped=skipped,
+        method=cfg.method,
+        rows=rows,
+        draft_cost=cost,
     )
-    _plot(out / CHART, rates, per_pos, tau, k, f"{Path(target).name} + {draft.name}")
+    label = draft.name if draft is not None else f"ngram {cfg.prompt_lookup_min}-{cfg.prompt_lookup_max}"
+    _plot(out / CHART, rates, per_pos, tau, k, f"{Path(target).name} + {label}")
     import vllm
 
     payload = {
         **{k2: v for k2, v in asdict(result).items() if k2 not in ("out", "results_path", "chart_path")},
         "speculative_run": asdict(spec_run),
         "baseline_run": asdict(base_run) if base_run else None,
-        "finish_reasons": {r: spec["finish_reasons"].count(r) for r in set(spec["finish_reasons"])},
+        "finish_reasons": {r: head["finish_reasons"].count(r) for r in set(head["finish_reasons"])},
         "config": cfg.model_dump(mode="json"),
         "engine": {k2: v for k2, v in spec_kwargs.items()},
+        "engine_startup_s": {"speculative": round(spec["startup_s"], 1),
+                             "baseline": round(base["startup_s"], 1) if base else None},
         "draft_config": {x: dcfg.get(x) for x in ("architectures", "draft_vocab_size", "eagle_config", "num_hidden_layers")},
         "env": {x: v for x, v in os.environ.items() if x.startswith("VLLM_CPU")},
         "loadavg_1m": [spec.get("loadavg_1m"), base.get("loadavg_1m") if base else None],
         "vllm_version": vllm.__version__,
-        "prompt_ids": names,
+        "prompt_ids": [names[i] for i in order],
+        "prompt_categories": dict(Counter(categories)),
     }
     write_json(out / RESULTS, payload)
+    write_text(out / "results.md", format_rows(result))
     return result
+
+
+def format_rows(result: EvaluateResult) -> str:
+    """results.md: the rows as a markdown table, with the cost line under it."""
+    c = result.draft_cost
+    lines = [
+        f"# evaluate: {result.method}, k = {result.num_speculative_tokens}\n",
+        f"Draft cost: {c.get('draft_params', 0):,} parameters ({100 * c.get('param_ratio', 0):.2f} % of the target's "
+        f"{c.get('target_params', 0):,}); FLOPs of one round (k draft steps) / one target token = "
+        f"{c.get('flops_ratio', 0):.3f}. Modelled speed-up (memory-bound GPU) = τ / (1 + {c.get('bytes_ratio_per_round', 0):.3f}).\n",
+        "| category | temperature | prompts | τ | modelled speed-up | tokens/s | baseline tokens/s | measured speed-up | greedy outputs = baseline |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(x: Any, fmt: str = "{:.3f}") -> str:
+        return "–" if x is None else fmt.format(x)
+
+    for r in result.rows:
+        lines.append(f"| {r.category} | {r.temperature:g} | {r.num_prompts} | {f(r.tau)} | {f(r.modelled_speedup)} | "
+                     f"{f(r.tokens_per_s, '{:.1f}')} | {f(r.baseline_tokens_per_s, '{:.1f}')} | {f(r.measured_speedup)} | "
+                     f"{f(r.outputs_match_baseline, '{:.2f}')} |")
+    return "\n".join(lines) + "\n"

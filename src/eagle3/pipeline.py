@@ -30,7 +30,12 @@ class PipelineResult:
 
 
 def ensure_target(cfg: PipelineConfig) -> None:
-    """Demo only: build the tiny random target the config points at when it does not exist yet."""
+    """Put the target in place: fetch the registry target `fetch_target` names into `target` (reused when
+    already there), or (demo only) build the tiny random target when it does not exist yet."""
+    if (fetch := cfg.fetch_target_config()) is not None:
+        from eagle3.targets import run_fetch_target
+
+        run_fetch_target(fetch)
     if cfg.build_tiny_target and not (Path(cfg.target) / "config.json").is_file():
         from eagle3.testing.tiny import TinySpec, build_tiny_target
 

@@ -6,6 +6,11 @@ vLLM's EAGLE-3 head uses:
   d2t: int64 [N], offsets such that target_id = draft_id + d2t[draft_id]
   t2d: bool  [V], True where a target id is in the draft vocabulary
 When fewer than N distinct tokens were seen, the lowest unused ids fill the rest (so N is exact).
+
+coverage.json and coverage.md hold the coverage table: the fraction of supervised tokens the top-n tokens
+cover, for n = N/8 .. 4N and the usual draft sizes (1k .. 64k) up to the target vocabulary — what choosing
+another draft vocab size would keep (a large target vocabulary, e.g. SmolLM2's 49,152 or Llama-3's 128k,
+is mostly unused by any one dataset).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from eagle3.config import ConfigError, VocabConfig
-from eagle3.io import atomic_path, sha256_file, write_json
+from eagle3.io import atomic_path, sha256_file, write_json, write_text
 
 VOCAB_FILE = "vocab.safetensors"
+#: draft vocab sizes always in the coverage table (those up to the target vocabulary)
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 @dataclass
@@ -96,6 +103,21 @@ def coverage_at_sizes(counts: np.ndarray, sizes: list[int]) -> dict[int, float]:
     return out
 
 
+def format_coverage(cov: dict[int, float], draft_vocab_size: int, target_vocab_size: int, num_supervised: int,
+                    num_seen: int) -> str:
+    """The coverage table as markdown."""
+    lines = [
+        f"# Draft vocabulary coverage\n\n{num_supervised} supervised tokens, {num_seen} distinct of the target's "
+        f"{target_vocab_size}; chosen draft vocab size {draft_vocab_size}.\n",
+        "| draft vocab size | % of target vocab | coverage of supervised tokens |",
+        "|---:|---:|---:|",
+    ]
+    for n, c in sorted(cov.items()):
+        mark = " (chosen)" if n == draft_vocab_size else ""
+        lines.append(f"| {n}{mark} | {100 * n / target_vocab_size:.1f} % | {100 * c:.2f} % |")
+    return "\n".join(lines) + "\n"
+
+
 def save_vocab(vocab: DraftVocab, out_dir: str | Path) -> Path:
     import torch
     from safetensors.torch import save_file
@@ -137,7 +159,7 @@ def run_vocab(cfg: VocabConfig) -> VocabResult:
     counts = count_supervised_tokens(list(ds["input_ids"]), list(ds["loss_mask"]), V)
     vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
     N = cfg.draft_vocab_size
-    sizes = sorted({s for s in (N // 8, N // 4, N // 2, N, 2 * N, 4 * N) if 0 < s <= V})
+    sizes = sorted({s for s in (N // 8, N // 4, N // 2, N, 2 * N, 4 * N, *COVERAGE_SIZES, V) if 0 < s <= V})
     cov = coverage_at_sizes(counts, sizes)
     num_seen = int((counts > 0).sum())
     out = Path(cfg.out)
@@ -156,6 +178,7 @@ def run_vocab(cfg: VocabConfig) -> VocabResult:
         "prepared_manifest": {k: manifest.get(k) for k in ("source", "source_sha256", "tokenizer_sha256", "num_samples")},
     }
     write_json(out / "coverage.json", report)
+    write_text(out / "coverage.md", format_coverage(cov, N, V, int(counts.sum()), num_seen))
     return VocabResult(
         out=out,
         draft_vocab_size=N,

@@ -79,6 +79,8 @@ class Conversation:
     sample_id: str
     #: [{"role": "system"|"user"|"assistant", "content": str}, ...]
     messages: list[dict[str, str]]
+    #: the row's optional `category` (e.g. a domain: math, coding, ...); evaluate reports τ per category
+    category: str | None = None
 
 
 @dataclass
@@ -207,7 +209,10 @@ def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Con
         raise _RowError("no_assistant_turn", "has no assistant turn")
     sid = row.get("id", row.get("sample_id"))
     sample_id = str(sid) if sid not in (None, "") else f"row-{index}"
-    return Conversation(sample_id=sample_id, messages=messages), fmt
+    category = row.get("category")
+    if category is not None and not isinstance(category, str):
+        raise _RowError("bad_category", f"`category` is a {type(category).__name__}, not a string")
+    return Conversation(sample_id=sample_id, messages=messages, category=category or None), fmt
 
 
 # ---------------------------------------------------------------------------------------------- input
@@ -385,7 +390,7 @@ def read_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, sp
             res.skipped["no_user_turn"] += 1
             res.skip_examples.setdefault("no_user_turn", []).append(f"{c.sample_id}: an assistant turn comes before any user turn")
             continue
-        kept.append(Conversation(sample_id=c.sample_id, messages=msgs))
+        kept.append(Conversation(sample_id=c.sample_id, messages=msgs, category=c.category))
     if not kept:
         raise ValueError(f"{res.source}: no usable prompts (skipped: {dict(res.skipped)}). {FORMAT_HELP}")
     res.conversations = kept

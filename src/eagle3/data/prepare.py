@@ -6,7 +6,9 @@ Two ways to find the assistant tokens:
   (`return_assistant_tokens_mask=True`);
 - otherwise: render growing prefixes of the conversation, check that each rendering is a prefix of the
   next (else the template is not prefix-stable and we refuse, naming the message), and mark the tokens
-  whose characters fall inside an assistant turn's span.
+  whose characters fall inside an assistant turn's span. The span ends with the turn's stop token (the
+  tokenizer's eos, e.g. ChatML's `<|im_end|>`): template glue after it (ChatML's newline) is not written by
+  the model, so it is not supervised — as a `{% generation %}` block around content + stop token marks it.
 Both paths give the same masks for the same template (tests/test_prepare.py checks that).
 """
 
@@ -87,7 +89,7 @@ def tokenize_with_prefix_mask(tok, messages: list[dict[str, str]], sample_id: st
         if len(before) < prev_end:
             raise TemplateError(f"chat template rendering shrank at message {i} of sample {sample_id}")
         if msg["role"] == "assistant":
-            spans.append((len(before), len(upto)))
+            spans.append((len(before), _end_at_stop_token(upto, len(before), getattr(tok, "eos_token", None))))
         prev_end = len(upto)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -96,6 +98,17 @@ def tokenize_with_prefix_mask(tok, messages: list[dict[str, str]], sample_id: st
         inside = end > start and any(s <= start and end <= e for s, e in spans)
         mask.append(1 if inside else 0)
     return ids, mask
+
+
+def _end_at_stop_token(text: str, start: int, stop: str | None) -> int:
+    """End of the assistant span text[start:]: just after its last stop token when only whitespace follows
+    it (template glue), else the end of the text."""
+    end = len(text)
+    if stop:
+        at = text.rfind(stop, start)
+        if at >= 0 and not text[at + len(stop):].strip():
+            end = at + len(stop)
+    return end
 
 
 def tokenize_conversation(tok, conv: Conversation, use_generation: bool) -> tuple[list[int], list[int]]:
