@@ -72,7 +72,8 @@ class StageRunner:
         config = config if config is not None else getattr(self.cfg, stage)
         upstream = {n: self.manifests[n] for n in needs if n in self.manifests}
         index = len(self.manifests) + 1
-        with StageLine(stage, index, max(index, len(enabled_stages(self.cfg)))) as line:  # one line per stage
+        total = len(enabled_stages(self.cfg)) + bool(getattr(self.cfg, "fetch_target", None))
+        with StageLine(stage, index, max(index, total)) as line:  # one progress line per stage
             m = run_stage(stage, config, upstream, run_name=self.run_name, deployment=self.deployment_for(stage),
                           gpu_limit=self.gpu_limit)
             line.done(m.get("result"), cached=bool(m.get("cached")), wall_s=None if m.get("cached") else m.get("wall_s"))

@@ -31,4 +31,14 @@ fi
 bash scripts/venv.sh
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "${cmd[@]}"
+"${cmd[@]}"
+if [ "$config" != configs/demo.yaml ]; then
+  # the baseline a draft has to beat: vLLM's n-gram (prompt lookup) speculation on the same held-out prompts
+  work=$(.venv/bin/python -c "from eagle3.config import load_pipeline_config as c; print(c('$config').work_dir)")
+  echo "[n-gram] vLLM's n-gram speculation on the same prompts, for comparison" >&2
+  .venv/bin/eagle3 ${flags[@]+"${flags[@]}"} evaluate --config "$config" --method ngram --no-baseline \
+    --out "$work/evaluate-ngram" > /dev/null
+  echo
+  echo "τ on the held-out prompts ($work/evaluate, $work/evaluate-ngram):"
+  .venv/bin/python -m eagle3.console compare "$work/evaluate" "$work/evaluate-ngram"
+fi

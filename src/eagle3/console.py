@@ -46,6 +46,7 @@ def configure_output(verbose: bool = False) -> None:
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.setLevel(level)  # libraries that set their own logger's level (Prefect: INFO) propagate here
         root.addHandler(handler)
     root.setLevel(level)
     progress = logging.getLogger(PROGRESS)  # the one line per stage: on in both modes, plain text
@@ -99,14 +100,52 @@ def tokens_per_target_step(generated_tokens: int, accepted_tokens: int) -> float
     return generated_tokens / steps if steps > 0 else float("nan")
 
 
+def _all_row(r: dict[str, Any]) -> dict[str, Any]:
+    """The evaluate result's row over every prompt at the first temperature (the result itself if it has none)."""
+    rows = [x for x in r.get("rows") or [] if isinstance(x, dict) and x.get("category") == "all"]
+    return rows[0] if rows else r
+
+
 def evaluate_figure(r: dict[str, Any]) -> str:
     tau = r.get("acceptance_length")
-    parts = [f"τ {tau:.2f}" if isinstance(tau, int | float) else "τ ?"]
+    row = _all_row(r)
+    parts = [f"τ {tau:.2f}" if isinstance(tau, int | float) else "τ -"]
+    gen, acc = row.get("generated_tokens"), row.get("num_accepted_tokens", r.get("num_accepted_tokens"))
+    if isinstance(gen, int) and isinstance(acc, int):
+        parts.append(f"{tokens_per_target_step(gen, acc):.2f} tokens/target step")
     if r.get("spec_tokens_per_s"):
         parts.append(f"{r['spec_tokens_per_s']:.0f} tokens/s")
     if r.get("baseline_tokens_per_s"):
         parts.append(f"plain {r['baseline_tokens_per_s']:.0f} tokens/s")
     return ", ".join(parts)
+
+
+def compare_methods(results: list[str | Path]) -> str:
+    """Side by side, from evaluate's results.json files (one per method, same prompts): τ as vLLM reports it
+    (over the steps that drafted), generated tokens per target forward pass (every step: the figure that
+    compares methods, since n-gram drafts only where the text repeats), and decode speed."""
+    import json
+
+    lines = [f"  {'method':<8} {'τ (drafting steps)':>18} {'tokens / target step':>21} {'steps drafted':>14} "
+             f"{'tokens/s':>9}"]
+    for path in results:
+        p = Path(path)
+        r = json.loads((p / "results.json" if p.is_dir() else p).read_text())
+        row = _all_row(r)
+        gen, acc = int(row.get("generated_tokens") or 0), int(row.get("num_accepted_tokens") or 0)
+        drafts = int(row.get("num_drafts") or r.get("num_drafts") or 0)
+        steps = gen - acc
+        tau = r.get("acceptance_length")
+        tau_txt = f"{tau:.2f}" if isinstance(tau, int | float) and drafts else "-"
+        lines.append(f"  {r.get('method', 'eagle3'):<8} {tau_txt:>18} {tokens_per_target_step(gen, acc):>21.2f} "
+                     f"{(drafts / steps if steps > 0 else 0):>13.0%} {row.get('tokens_per_s') or r.get('spec_tokens_per_s') or 0:>9.1f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m eagle3.console compare RESULTS [RESULTS ...]
+    if len(sys.argv) < 3 or sys.argv[1] != "compare":
+        sys.exit("usage: python -m eagle3.console compare EVALUATE_DIR_OR_RESULTS_JSON [...]")
+    print(compare_methods(sys.argv[2:]))
 
 
 class StageLine:
