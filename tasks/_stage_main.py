@@ -47,6 +47,8 @@ def main(argv: list[str]) -> int:
     # the parent copies these lines into the run log; WARNING+ lines stay visible there (eagle3.console)
     logging.basicConfig(level=os.environ.get("EAGLE3_LOG_LEVEL", "INFO").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
+    # vLLM applies VLLM_LOGGING_LEVEL when its logging is set up, after `import vllm` has already logged
+    logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     from eagle3.cli import _jsonable, resolve_function
     from eagle3.config import build_stage_config
     from tasks.errors import classify_exception
