@@ -416,7 +416,7 @@ def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_pa
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True)))
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
-           "PYTHONPATH": str(root)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
     for k in ("EAGLE3_INPROCESS", "PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED", "VLLM_LOGGING_LEVEL",
               "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"):
         env.pop(k, None)  # what `eagle3 run` sets by itself (flows/__init__.py, eagle3.console) is under test
