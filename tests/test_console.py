@@ -107,6 +107,8 @@ def test_key_figures_name_what_each_stage_did():
         "110 steps, loss 7.100, val acc@1 0.430"
     assert key_figure("export", {"format": "vllm"}) == "vllm draft"
     assert key_figure("unknown-stage", {}) == ""
+    assert key_figure("fetch-target", {"name": "smollm2-135m-instruct", "dtype": "bfloat16", "reused": True,
+                                       "out": "runs/t"}) == "smollm2-135m-instruct (bfloat16) reused at runs/t"
 
 
 def test_child_warnings_stay_visible():

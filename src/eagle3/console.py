@@ -70,6 +70,8 @@ def key_figure(stage: str, result: Any) -> str:
     r = result if isinstance(result, dict) else getattr(result, "__dict__", {}) or {}
     g = r.get
     try:
+        if stage == "fetch-target":
+            return f"{g('name')} ({g('dtype')}) {'reused' if g('reused') else 'converted'} at {g('out')}"
         if stage == "regenerate":
             return f"{_num(g('num_written'))} conversations, {_num(g('generated_tokens'))} tokens generated"
         if stage == "prepare":
