@@ -6,7 +6,8 @@ Quiet (the default of the `eagle3` command):
     "Starting temporary server", no task state lines; the stages' own output, which the Prefect layer copies
     into the task log at INFO, stays in the run's log in the Prefect API / UI (a stage line the child
     logged at WARNING or above is copied at WARNING, so it shows here too);
-  * transformers and the Python `logging` tree show warnings and errors;
+  * transformers and the Python `logging` tree show warnings and errors, without the progress bars of
+    transformers / huggingface_hub / datasets;
   * each pipeline stage prints one progress line (logger `eagle3.progress`, always on), and `eagle3 run`
     ends on `format_summary`'s table instead of the manifests' JSON.
 Verbose: every library's INFO logging, as before.
@@ -33,6 +34,10 @@ QUIET_ENV = {
     # still holds every stage's output
     "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
     "TRANSFORMERS_VERBOSITY": "error",
+    # progress bars of the stages that run in this process (fetch-target's GGUF conversion, prepare's dataset
+    # save): transformers follows huggingface_hub's switch, datasets has its own
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
 }
 
 
