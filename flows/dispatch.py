@@ -11,6 +11,8 @@ from prefect import get_run_logger
 from tasks.stages import GPU_STAGES, run_stage
 
 from eagle3.config import PipelineConfig, StageConfig
+from eagle3.console import StageLine
+from eagle3.pipeline import enabled_stages
 
 Dispatch = Literal["auto", "local", "deployments"]
 
@@ -69,7 +71,11 @@ class StageRunner:
         """Run `stage` on the outputs of the stages named in `needs`; return its manifest."""
         config = config if config is not None else getattr(self.cfg, stage)
         upstream = {n: self.manifests[n] for n in needs if n in self.manifests}
-        m = run_stage(stage, config, upstream, run_name=self.run_name, deployment=self.deployment_for(stage),
-                      gpu_limit=self.gpu_limit)
+        index = len(self.manifests) + 1
+        total = len(enabled_stages(self.cfg)) + bool(getattr(self.cfg, "fetch_target", None))
+        with StageLine(stage, index, max(index, total)) as line:  # one progress line per stage
+            m = run_stage(stage, config, upstream, run_name=self.run_name, deployment=self.deployment_for(stage),
+                          gpu_limit=self.gpu_limit)
+            line.done(m.get("result"), cached=bool(m.get("cached")), wall_s=None if m.get("cached") else m.get("wall_s"))
         self.manifests[stage] = m
         return m

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,12 +23,24 @@ BLOCK = re.compile(r"<!-- PLAN (?P<flags>[^>]*?) -->\n.*?<!-- /PLAN -->", re.S)
 
 
 def render(flags: str) -> str:
-    """The block for `eagle3 plan <flags>`: the command line and what it prints (run from the repo root)."""
-    argv = [sys.executable, "-m", "eagle3.cli", "plan", *shlex.split(flags)]
-    p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    if p.returncode != 0:
-        raise SystemExit(f"eagle3 plan {flags} failed ({p.returncode}):\n{p.stderr}")
-    return f"<!-- PLAN {flags} -->\n```\n$ eagle3 plan {flags}\n{p.stdout.rstrip()}\n```\n<!-- /PLAN -->"
+    """The block for `eagle3 plan <flags>`: the command line and what it prints (run from the repo root, in this
+    process: the CLI's own main(), without paying a Python + torch start-up per block)."""
+    import contextlib
+    import io
+    import os
+
+    from eagle3.cli import main
+
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["plan", *shlex.split(flags)])
+    finally:
+        os.chdir(cwd)
+    if rc != 0:
+        raise SystemExit(f"eagle3 plan {flags} failed ({rc}):\n{err.getvalue()}")
+    return f"<!-- PLAN {flags} -->\n```\n$ eagle3 plan {flags}\n{out.getvalue().rstrip()}\n```\n<!-- /PLAN -->"
 
 
 def regenerate(text: str) -> str:
@@ -42,12 +53,12 @@ def main() -> int:
     mode.add_argument("--write", action="store_true", help="rewrite docs/scaling.md in place (atomically)")
     mode.add_argument("--check", action="store_true", help="fail if docs/scaling.md is out of date")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
     old = DOC.read_text()
     if not BLOCK.search(old):
         raise SystemExit(f"{DOC} has no <!-- PLAN ... --> block")
     new = regenerate(old)
     if args.write:
-        sys.path.insert(0, str(ROOT / "src"))
         from eagle3.io import atomic_path
 
         with atomic_path(DOC) as tmp:

@@ -42,6 +42,13 @@ def start_parent_watchdog(interval_s: float = 2.0, grace_s: float = 10.0) -> thr
 def main(argv: list[str]) -> int:
     stage, config_json, result_json = argv
     start_parent_watchdog()
+    import logging
+
+    # the parent copies these lines into the run log; WARNING+ lines stay visible there (eagle3.console)
+    logging.basicConfig(level=os.environ.get("EAGLE3_LOG_LEVEL", "INFO").upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    # vLLM applies VLLM_LOGGING_LEVEL when its logging is set up, after `import vllm` has already logged
+    logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     from eagle3.cli import _jsonable, resolve_function
     from eagle3.config import build_stage_config
     from eagle3.diagnose import describe_failure

@@ -33,6 +33,10 @@ KILL_GRACE_S = 15.0
 _PROGRESS_RE = re.compile(r"(?:\|\s*|step\s+|samples?\s+|shard\s+)(\d+)\s*/\s*(\d+)", re.IGNORECASE)
 
 
+#: a line the child's logging (tasks/_stage_main.py's format) wrote at WARNING or above
+_WARNING_RE = re.compile(r"(WARNING|ERROR|CRITICAL) [\w.]+: ")
+
+
 def stage_timeout_s(stage: str) -> float:
     env = os.environ.get(f"EAGLE3_{stage.upper()}_TIMEOUT_S")
     return float(env) if env else float(DEFAULT_TIMEOUT_S.get(stage, 6 * 3600))
@@ -149,7 +153,8 @@ def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[floa
                     continue
             tail.append(line)
             del tail[:-200]
-            log.info("%s", line)
+            # the child's own warnings stay visible when the log shows warnings only (eagle3.console)
+            (log.warning if _WARNING_RE.match(line) else log.info)("%s", line)
     if buf.strip():
         line = buf.decode(errors="replace").rstrip()
         tail.append(line)

@@ -134,19 +134,23 @@ def test_capture_stage_refuses_before_writing(tiny_llama, tmp_path):
     assert not list((tmp_path / "o").glob("shard-*"))
 
 
-def test_cli_table_and_json():
-    base = [sys.executable, "-m", "eagle3.cli", "plan", "--config", KIMI["config"], "--target-config",
-            KIMI["target_config"], "--num-samples", "10000", "--mean-tokens", "1500", "--hardware", "rtx-pro-6000"]
-    p = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert p.returncode == 0, p.stderr
-    assert "57,353 B (57,344 B states = 56.0 KiB" in p.stdout and "mode" in p.stdout and "GPU-h" in p.stdout
-    j = subprocess.run(base + ["--format", "json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    res = json.loads(j.stdout)
+def test_cli_table_and_json(capsys):
+    """The `eagle3 plan` command line, through the CLI's main() in this process (the entry point's code path
+    without a Python + torch start-up per call)."""
+    from eagle3.cli import main
+
+    base = ["plan", "--config", KIMI["config"], "--target-config", KIMI["target_config"], "--num-samples", "10000",
+            "--mean-tokens", "1500", "--hardware", "rtx-pro-6000"]
+    assert main(base) == 0
+    out = capsys.readouterr()
+    assert "57,353 B (57,344 B states = 56.0 KiB" in out.out and "mode" in out.out and "GPU-h" in out.out, out.err
+    assert main(base + ["--format", "json"]) == 0
+    res = json.loads(capsys.readouterr().out)
     assert res["storage"]["bytes_per_token"] == 57_353 and res["hardware"]["name"] == "rtx-pro-6000"
     assert res["mode"] in ("offline", "streaming") and res["capture"]["hours"] > 0 and res["train"]["gpu_hours"] > 0
-    bad = subprocess.run(base[:6] + ["--target-config", "/nonexistent/config.json", "--num-samples", "1",
-                                     "--mean-tokens", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert bad.returncode == 2 and "--target-config" in bad.stderr
+    assert main(base[:3] + ["--target-config", "/nonexistent/config.json", "--num-samples", "1", "--mean-tokens",
+                            "1"]) == 2
+    assert "--target-config" in capsys.readouterr().err
 
 
 def test_every_profile_says_where_its_numbers_come_from():

@@ -223,11 +223,16 @@ def _jsonable(obj: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from eagle3.console import configure_output
+
+    configure_output(verbose=getattr(args, "verbose", False))  # before vLLM or Prefect is imported
     try:
         if args.command == "run":
-            from eagle3.pipeline import run_pipeline_from_file
+            from eagle3.pipeline import run_pipeline_from_file, summarize_run
 
             result = run_pipeline_from_file(args.config, use_prefect=not args.no_prefect)
+            print(summarize_run(args.config, result))
+            return 0
         elif args.command == "stream":
             from eagle3.config import load_pipeline_config
             from eagle3.stream import run_stream

@@ -635,6 +635,10 @@ class PipelineConfig(BaseModel):
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
+    plan: dict[str, Any] = Field(
+        default_factory=dict, description="`eagle3 plan`'s defaults for this config: any PlanConfig field (target_config, "
+        "num_samples, mean_tokens, target_weight_bits, ...); the command's flags override them (eagle3.plan)"
+    )
 
     _known_fetch_target = field_validator("fetch_target")(lambda cls, v: FetchTargetConfig._known(v))
 

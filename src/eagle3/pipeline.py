@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import PipelineConfig, load_pipeline_config
+from eagle3.console import StageLine
 
 log = logging.getLogger("eagle3.pipeline")
 
@@ -69,16 +70,19 @@ def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     ensure_target(cfg)
     resolved = cfg.resolved()
     result = PipelineResult(name=cfg.name, work_dir=cfg.work_dir)
-    for stage in enabled_stages(cfg):
+    stages = enabled_stages(cfg)
+    for i, stage in enumerate(stages, start=1):
         t0 = time.time()
         log.info("stage %s: starting", stage)
-        if stage == "stream":
-            from eagle3.stream import run_stream
+        with StageLine(stage, i, len(stages)) as line:  # the one progress line per stage
+            if stage == "stream":
+                from eagle3.stream import run_stream
 
-            result.stages[stage] = run_stream(cfg)
-        else:
-            result.stages[stage] = resolve_function(stage)(getattr(resolved, stage))
-        result.wall_s[stage] = round(time.time() - t0, 2)
+                result.stages[stage] = run_stream(cfg)
+            else:
+                result.stages[stage] = resolve_function(stage)(getattr(resolved, stage))
+            result.wall_s[stage] = round(time.time() - t0, 2)
+            line.done(result.stages[stage], wall_s=result.wall_s[stage])
         log.info("stage %s: done in %.1f s", stage, result.wall_s[stage])
     return result
 
@@ -98,3 +102,32 @@ def run_pipeline_from_file(path: str | Path, use_prefect: bool = True) -> Any:
             with dir_lock(cfg.work_dir, "pipeline work dir"):
                 return eagle3_pipeline(cfg)
     return run_pipeline(cfg)
+
+
+def summarize_run(config_path: str | Path, result: Any) -> str:
+    """The table `eagle3 run` ends on (eagle3.console.format_summary), after writing the full result (every
+    stage's manifest or result) to <work_dir>/run_summary.json."""
+    from eagle3.cli import _jsonable
+    from eagle3.console import format_summary, summary_rows
+    from eagle3.io import write_json
+
+    cfg = load_pipeline_config(config_path)
+    if isinstance(result, PipelineResult):
+        stages, wall_s, prefect = result.stages, result.wall_s, False
+    else:
+        stages, wall_s, prefect = dict(result), None, True
+    work = Path(cfg.work_dir)
+    where: dict[str, str] = {}
+    if work.is_dir():
+        full = work / "run_summary.json"
+        write_json(full, _jsonable({"config": str(config_path), "stages": stages, "wall_s": wall_s}))
+        where["details"] = str(full)
+        plots = sorted(str(p) for p in work.rglob("*.png"))
+        if plots:
+            where["plots"] = ", ".join(plots[:6]) + (f" (+{len(plots) - 6} more)" if len(plots) > 6 else "")
+    if "export" in stages:
+        where["draft"] = f"{cfg.resolved().export.out}  (vLLM: speculative_config={{\"method\": \"eagle3\", \"model\": ...}})"
+    if prefect:
+        where["prefect"] = ("artifacts of this run (summary, curves, τ) in the local Prefect database: "
+                            "`prefect artifact ls`, or `prefect server start` and its UI's Artifacts page")
+    return format_summary(cfg.name, summary_rows(stages, wall_s), work, where)

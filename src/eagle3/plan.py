@@ -26,9 +26,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
-from eagle3.config import ConfigError, StageConfig, StorageDtype, load_pipeline_config
+from eagle3.config import (
+    ConfigError,
+    StageConfig,
+    StorageDtype,
+    format_validation_error,
+    load_pipeline_config,
+)
 from eagle3.io import read_json
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -302,6 +308,8 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
 
     cfg.require("config")
     pipe = load_pipeline_config(cfg.config).resolved()
+    set_by_caller = set(cfg.model_fields_set)
+    cfg = with_config_defaults(cfg, pipe.plan)
     tpath = Path(cfg.target_config or pipe.target)
     if tpath.is_dir():
         tpath = tpath / "config.json"
@@ -317,7 +325,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     notes: list[str] = []
 
     # dataset size
-    n, mean, source = _dataset_size(cfg, pipe)
+    n, mean, source = _dataset_size(cfg, pipe, set_by_caller)
     num_tokens = int(round(n * mean))
 
     # storage
@@ -394,27 +402,49 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     )
 
 
-def _dataset_size(cfg: PlanConfig, pipe: Any) -> tuple[int, float, str]:
-    """(samples, mean tokens/sample, where they came from): flags, else the prepared manifest, else limits."""
+def with_config_defaults(cfg: PlanConfig, defaults: dict[str, Any]) -> PlanConfig:
+    """`cfg` with the fields its caller did not set taken from the pipeline config's `plan:` section (a preset
+    carries the target shape and dataset size a plan needs; flags override)."""
+    if not defaults:
+        return cfg
+    if "config" in defaults:
+        raise ConfigError(f"{cfg.config}: plan.config: not allowed inside a config (it is the config itself)")
+    try:
+        preset = PlanConfig.model_validate({**defaults, "config": cfg.config})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, f"{cfg.config} (its plan: section)").replace(
+            "\n  ", "\n  plan.")) from None
+    return preset.model_copy(update={k: getattr(cfg, k) for k in cfg.model_fields_set})
+
+
+def _dataset_size(cfg: PlanConfig, pipe: Any, set_by_caller: set[str]) -> tuple[int, float, str]:
+    """(samples, mean tokens/sample, where they came from): flags, else the prepared manifest, else the config's
+    plan: section, else the config's limit."""
     manifest = Path(pipe.capture.data or "") / "manifest.json"
     m = read_json(manifest) if manifest.is_file() else {}
-    n, mean, src = cfg.num_samples, cfg.mean_tokens, []
+    preset = pipe.plan or {}
+    n = cfg.num_samples if "num_samples" in set_by_caller else None
+    mean = cfg.mean_tokens if "mean_tokens" in set_by_caller else None
+    src = ["samples from --num-samples"] if n is not None else []
     if n is None and m.get("num_samples"):
         n, src = int(m["num_samples"]), [f"samples from {manifest}"]
+    elif n is None and preset.get("num_samples"):
+        n, src = int(preset["num_samples"]), [f"samples from {cfg.config}'s plan.num_samples"]
     elif n is None and (pipe.capture.limit or pipe.prepare.limit):
         n, src = int(pipe.capture.limit or pipe.prepare.limit), ["samples from the config's limit"]
-    elif n is not None:
-        src = ["samples from --num-samples"]
-    if mean is None and m.get("num_samples"):
+    if mean is not None:
+        src.append("mean tokens from --mean-tokens")
+    elif m.get("num_samples"):
         mean = m["num_tokens"] / m["num_samples"]
         src.append(f"mean tokens from {manifest}")
-    elif mean is not None:
-        src.append("mean tokens from --mean-tokens")
+    elif preset.get("mean_tokens"):
+        mean = float(preset["mean_tokens"])
+        src.append(f"mean tokens from {cfg.config}'s plan.mean_tokens")
     if n is None or mean is None:
         missing = "--num-samples" if n is None else "--mean-tokens"
         raise ConfigError(
-            f"PlanConfig: the dataset size is unknown ({manifest} does not exist yet): pass {missing} "
-            "(or run `eagle3 prepare` first; its manifest has both)"
+            f"PlanConfig: the dataset size is unknown ({manifest} does not exist yet): pass {missing}, set "
+            f"plan.{missing[2:].replace('-', '_')} in {cfg.config}, or run `eagle3 prepare` first (its manifest has both)"
         )
     if pipe.capture.limit:
         n = min(n, int(pipe.capture.limit))
