@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -117,9 +118,11 @@ def test_train_with_layer_subset_val_capture_and_estimate(captured, tiny_llama, 
     from eagle3.train import run_train
 
     samples, manifest, vocab, path = captured
+    # a second capture dir for validation (train refuses val_captured == captured; the plumbing is what is tested)
+    val = shutil.copytree(path, tmp_path / "val_capture")
     cfg = TrainConfig(target=str(tiny_llama), captured=str(path), vocab=str(vocab), out=tmp_path / "t", max_steps=6,
                       eval_every=3, max_seq_len=64, batch_size=2, ttt_steps=3, lr=3e-3, layers=[1, 5],
-                      val_captured=str(path), preload=True, hidden_noise=0.1, init_head_from_target=True)
+                      val_captured=str(val), preload=True, hidden_noise=0.1, init_head_from_target=True)
     res = run_train(cfg)
     assert res.metadata["aux_layer_ids"] == [1, 5] and res.metadata["captured_layers"] == [1, 2, 3]
     splits = [json.loads(x)["split"] for x in (tmp_path / "t" / "logs" / "metrics.jsonl").read_text().splitlines()]

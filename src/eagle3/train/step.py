@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,33 +78,15 @@ def linear_weight_casts(model: torch.nn.Module, device_type: str) -> dict[str, t
     return {n: p.to(dt) for n, p in params if p.requires_grad and p.ndim == 2 and p.dtype == torch.float32}
 
 
-def ttt_forward(
-    model: Eagle3Draft,
-    batch: PackedBatch,
-    head: TargetHead,
-    *,
-    steps: int = 7,
-    loss_decay: float = 0.8,
-    attention: str = "auto",
-    loss_chunk_rows: int = 8192,
-    return_correct: bool = False,
-    fused_loss: bool = True,
-    temperature: float = 1.0,
-    feature_weight: float = 0.0,
-    mid_feature_weight: float = 0.0,
-    mid_target_block: int = -1,
-) -> StepOutput:
-    """The unrolled TTT forward (body: `_ttt_forward`), with the draft's matrices cast once to the autocast dtype
-    for the whole unroll (`linear_weight_casts`)."""
+def ttt_forward(model: Eagle3Draft, batch: PackedBatch, head: TargetHead, **options: Any) -> StepOutput:
+    """The unrolled TTT forward (body and keyword options: `_ttt_forward`), with the draft's matrices cast once to
+    the autocast dtype for the whole unroll (`linear_weight_casts`)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     casts = linear_weight_casts(model, batch.input_ids.device.type)
     ctx = _reparametrize_module(model, casts, strict=False) if casts else contextlib.nullcontext()
     with ctx:
-        return _ttt_forward(model, batch, head, steps=steps, loss_decay=loss_decay, attention=attention,
-                            loss_chunk_rows=loss_chunk_rows, return_correct=return_correct, fused_loss=fused_loss,
-                            temperature=temperature, feature_weight=feature_weight,
-                            mid_feature_weight=mid_feature_weight, mid_target_block=mid_target_block)
+        return _ttt_forward(model, batch, head, **options)
 
 
 def _ttt_forward(
