@@ -86,7 +86,7 @@ def evaluate(name: str, target: Path, prompts: Path, out: Path, args: argparse.N
         cmd += ["--method", "ngram"] if name == "ngram" else ["--draft", str(out / "drafts" / name)]
         res.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        sh(cmd, res.parent.with_suffix(".log"))
+        sh(cmd, res.parent.parent / f"{name}.log")
         print(f"  {name}: {time.time() - t0:.0f} s", flush=True)
     return json.loads(res.read_text())
 
@@ -104,6 +104,20 @@ def train_summary(out: Path, name: str) -> dict[str, Any]:
             "best_val_step": best.get("step"), "best_val_tau_estimate": best.get("sim_accept_len")}
 
 
+def tokens_per_step(r: dict[str, Any]) -> float | None:
+    """Generated tokens per target forward pass. Every target pass (the prefill included) emits one token plus the
+    draft tokens it accepted, so passes = generated - accepted. This is what compares n-gram with a draft: vLLM's
+    τ = 1 + accepted / drafts counts only the passes that had a draft, and n-gram drafts only where the output
+    repeats its context (an EAGLE draft drafts at every pass, so there both figures agree up to the prefills)."""
+    gen, acc = r.get("generated_tokens"), r.get("num_accepted_tokens")
+    return round(gen / (gen - acc), 4) if gen and acc is not None and gen > acc else None
+
+
+def drafted_fraction(r: dict[str, Any]) -> float | None:
+    gen, acc, drafts = r.get("generated_tokens"), r.get("num_accepted_tokens"), r.get("num_drafts")
+    return round(drafts / (gen - acc), 4) if gen and acc is not None and drafts is not None and gen > acc else None
+
+
 def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, ev in evals.items():
@@ -114,6 +128,8 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
                          "tau": r["tau"], "draft_cost_ratio": r.get("draft_cost_ratio"),
                          "accepted_per_position": r.get("accepted_per_position"),
                          "num_drafts": r.get("num_drafts"), "tokens_per_s": r.get("tokens_per_s"),
+                         "tokens_per_step": tokens_per_step(r),
+                         "drafted_step_fraction": drafted_fraction(r),
                          "modelled_speedup": r.get("modelled_speedup"),
                          "measured_speedup": r.get("measured_speedup")})
     report = report_dir(out)
@@ -147,14 +163,15 @@ def render(r: dict[str, Any]) -> str:
     cats = list(dict.fromkeys(x["category"] for x in rows if x["category"] != "all")) + ["all"]
     lines = [f"# realbench: {r['target']}, k = {r['k']}", "",
              f"{r['date']} · evaluation: {r['eval_machine']} · `{r['command']}`", ""]
-    for temp in sorted({x["temperature"] for x in rows}):
-        lines += [f"## τ at temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"), "",
+    for temp, key, what in [(t, k, w) for t in sorted({x["temperature"] for x in rows})
+                            for k, w in (("tokens_per_step", "tokens per target step"), ("tau", "vLLM τ"))]:
+        lines += [f"## {what} at temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"), "",
                   "| method | data | " + " | ".join(cats) + " | cost ratio |",
                   "|---|---|" + "---|" * (len(cats) + 1)]
         for m, d in methods:
             cell = {x["category"]: x for x in rows if (x["method"], x["train_data"]) == (m, d) and x["temperature"] == temp}
             cost = next((x["draft_cost_ratio"] for x in cell.values() if x.get("draft_cost_ratio") is not None), None)
-            lines.append(f"| {m} | {d or '—'} | " + " | ".join(fmt(cell.get(c, {}).get("tau")) for c in cats)
+            lines.append(f"| {m} | {d or '—'} | " + " | ".join(fmt(cell.get(c, {}).get(key)) for c in cats)
                          + f" | {fmt(cost, 3)} |")
         lines.append("")
     lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings", "training", "evaluate_wall_s")}, indent=1)[:6000], "```", ""]
