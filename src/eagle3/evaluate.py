@@ -31,9 +31,11 @@ per token (decoder layers + lm_head, weights only; attention over the context le
 decode speed-up for a memory-bound GPU (small batch): the time of a step is the time to read the weights, so a
 verify step reads the target once (k + 1 positions in one pass) and the k draft steps read the draft k times:
 
-    speed-up = τ / (1 + r),   r = (fc bytes + k · draft step bytes) / target bytes  (≈ k · c, c = draft / target)
+    speed-up = tokens per target step / (1 + r · f),   r = (fc bytes + k · draft step bytes) / target bytes
+                                                       (≈ k · c, c = draft / target), f = passes that drafted / passes
 
-(same dtype for both; MoE targets: the active parameters of one token, a lower bound on what k + 1 tokens read;
+(tokens per target step, not τ: vLLM's τ counts only the passes that drafted, which flatters n-gram; for an EAGLE
+draft, which drafts at every pass, f = 1 and the two agree up to the prefills; same dtype for both; MoE targets: the active parameters of one token, a lower bound on what k + 1 tokens read;
 ngram: r = 0, its lookup reads no weights). It leaves out the KV-cache reads, the proposer's host overhead and
 sampling, so it is an upper bound of what a real GPU shows; the measured tokens/s beside it is this machine's.
 
@@ -100,7 +102,9 @@ class CategoryResult:
     tokens_per_s: float
     baseline_tokens_per_s: float | None = None
     measured_speedup: float | None = None
-    #: τ / (1 + r), the memory-bound model of the module docstring
+    #: generated tokens per target forward pass (tokens_per_target_step)
+    tokens_per_step: float | None = None
+    #: tokens per step / (1 + r · drafted fraction), the memory-bound model of the module docstring
     modelled_speedup: float | None = None
     #: greedy only: fraction of prompts whose output is identical with and without speculation
     outputs_match_baseline: float | None = None
@@ -280,7 +284,8 @@ def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "ea
     H, V = int(tc["hidden_size"]), int(tc["vocab_size"])
     target_read = tp["layers_active_per_token"] + V * H  # decoder layers + lm_head (tied: the embedding matrix)
     model = ("memory-bound decode: a step's time = the bytes of weights it reads; a round = one target verify pass "
-             "(reads the target once) + k draft steps (read the draft k times, fc once); speed-up = τ / (1 + r)")
+             "(reads the target once) + k draft steps (read the draft k times, fc once); speed-up = tokens per target "
+             "step / (1 + r · fraction of passes that drafted)")
     if method == "ngram" or draft is None:
         return {"method": method, "k": k, "draft_params": 0, "target_params": tp["total"],
                 "target_params_read_per_token": target_read, "param_ratio": 0.0, "flops_ratio": 0.0,
@@ -307,8 +312,22 @@ def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "ea
     }
 
 
-def modelled_speedup(tau: float | None, cost: dict[str, Any]) -> float | None:
-    return None if tau is None else round(tau / (1.0 + cost["bytes_ratio_per_round"]), 3)
+def tokens_per_target_step(generated: int, accepted: int) -> float | None:
+    """Generated tokens per target forward pass: every pass (the prefill included) emits one token plus the draft
+    tokens it accepted, so passes = generated - accepted. Unlike τ (which counts only the passes that drafted) it
+    compares methods that draft at every pass (EAGLE) with ones that draft only sometimes (n-gram)."""
+    return round(generated / (generated - accepted), 4) if generated > accepted else None
+
+
+def modelled_speedup(generated: int, accepted: int, drafts: int, cost: dict[str, Any]) -> float | None:
+    """The memory-bound model of the module docstring on tokens per target step: a pass reads the target once and,
+    when it drafted, the draft's round (r = bytes_ratio_per_round): speed-up = tokens per step / (1 + r · f), f the
+    fraction of passes that drafted (1 for EAGLE; n-gram's r is 0)."""
+    tps = tokens_per_target_step(generated, accepted)
+    if tps is None:
+        return None
+    drafted = min(drafts / (generated - accepted), 1.0)
+    return round(tps / (1.0 + cost["bytes_ratio_per_round"] * drafted), 3)
 
 
 # ------------------------------------------------------------------------------------ the stage
@@ -414,7 +433,8 @@ def _row(method: str, call: dict[str, Any], base: dict[str, Any] | None, cost: d
         tau=tau, num_drafts=drafts, num_accepted_tokens=accepted, accepted_per_position=per_pos,
         generated_tokens=gen, tokens_per_s=tps, baseline_tokens_per_s=base_tps,
         measured_speedup=round(tps / base_tps, 3) if base_tps else None,
-        modelled_speedup=modelled_speedup(tau, cost), outputs_match_baseline=match,
+        tokens_per_step=tokens_per_target_step(gen, accepted),
+        modelled_speedup=modelled_speedup(gen, accepted, drafts, cost), outputs_match_baseline=match,
         draft_cost_ratio=cost["flops_ratio"],
     )
 
