@@ -105,26 +105,24 @@ def train_summary(out: Path, name: str) -> dict[str, Any]:
 
 
 def tokens_per_step(r: dict[str, Any]) -> float | None:
-    """Generated tokens per target forward pass. Every target pass (the prefill included) emits one token plus the
-    draft tokens it accepted, so passes = generated - accepted. This is what compares n-gram with a draft: vLLM's
-    τ = 1 + accepted / drafts counts only the passes that had a draft, and n-gram drafts only where the output
-    repeats its context (an EAGLE draft drafts at every pass, so there both figures agree up to the prefills)."""
-    gen, acc = r.get("generated_tokens"), r.get("num_accepted_tokens")
-    return round(gen / (gen - acc), 4) if gen and acc is not None and gen > acc else None
+    """evaluate's tokens per target step (vLLM's τ counts only the passes that drafted; see eagle3.evaluate)."""
+    from eagle3.evaluate import tokens_per_target_step
+
+    return tokens_per_target_step(r["generated_tokens"], r["num_accepted_tokens"])
 
 
 def drafted_fraction(r: dict[str, Any]) -> float | None:
-    gen, acc, drafts = r.get("generated_tokens"), r.get("num_accepted_tokens"), r.get("num_drafts")
-    return round(drafts / (gen - acc), 4) if gen and acc is not None and drafts is not None and gen > acc else None
+    steps = r["generated_tokens"] - r["num_accepted_tokens"]
+    return round(r["num_drafts"] / steps, 4) if steps > 0 else None
 
 
 def modelled_per_step(r: dict[str, Any]) -> float | None:
-    """evaluate's memory-bound model on tokens per target step: a target pass reads the target once, a pass that
-    drafted also reads the draft (cost r of the target per round), so speed-up = tokens per step / (1 + r · drafted
-    fraction). evaluate's own `modelled_speedup` puts vLLM's τ in the numerator, which overstates n-gram (it drafts
-    on a fifth of the steps); for a draft that drafts at every step the two agree."""
-    tps, f, r_cost = tokens_per_step(r), drafted_fraction(r), r.get("draft_cost_ratio") or 0.0
-    return round(tps / (1.0 + r_cost * min(f or 0.0, 1.0)), 3) if tps else None
+    """evaluate's memory-bound speed-up model, on tokens per target step (recomputed from the counts, so results
+    written before evaluate reported it read the same)."""
+    from eagle3.evaluate import modelled_speedup
+
+    cost = {"bytes_ratio_per_round": r.get("draft_cost_ratio") or 0.0}
+    return modelled_speedup(r["generated_tokens"], r["num_accepted_tokens"], r["num_drafts"], cost)
 
 
 def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace) -> dict[str, Any]:
