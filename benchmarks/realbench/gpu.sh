@@ -6,7 +6,7 @@
 #   bash benchmarks/realbench/gpu.sh data       # call 2: carry [.device/gguf_b]; join + fetch-target, synthesize,
 #                                               #   regenerate, prepare, capture, vocab   (~5 min on one H200)
 #   bash benchmarks/realbench/gpu.sh train      # call 3: no carry; train + export every draft, pack, first files
-#   bash benchmarks/realbench/gpu.sh collect N  # call 4+: the N-th batch of packed files (8 files per call)
+#   bash benchmarks/realbench/gpu.sh collect N  # call 4+: the N-th batch of packed files (4 per call)
 #
 # The carry is built here by `bash benchmarks/realbench/carry.sh`. The GGUF (98 MB) is larger than one call
 # carries (64 MiB), so `stage` parks the first half under /tmp and `data` joins it with the second; if the
@@ -119,7 +119,6 @@ make_data() {
     prep_gsm8k/manifest.json prep_synth/manifest.json prep_chat/manifest.json prep_mix/manifest.json \
     cap_gsm8k/manifest.json cap_synth/manifest.json cap_chat/manifest.json vocab_gsm8k/coverage.json \
     vocab_synth/coverage.json vocab_mix/coverage.json target/manifest.json
-  tail -n 3 "$S"/*.log > "$R/data_logs_tail.txt" 2>&1
   cat "$R/timings.txt"
 }
 
@@ -157,14 +156,14 @@ cmd_train() {
       || echo "pack $name failed" >> "$R/timings.txt"
   done
   (cd "$S/pack" && for f in *.tar.xz; do split -b 15M -d "$f" "$f.part"; rm "$f"; done; ls -la) > "$R/pack.txt"
-  tail -n 5 "$S"/train_*.log > "$R/train_logs_tail.txt" 2>&1
   cmd_collect 0
 }
 
-cmd_collect() {  # the N-th group of 6 packed files (timings/pack lists ride along)
+PER_CALL=4  # packed files per call: a call brings back at most 64 MiB in all, and one draft packs to ~14.5 MB
+cmd_collect() {  # the N-th group of PER_CALL packed files (the call's report tarball rides along)
   local n=${1:-0} i=0
   for f in $(ls "$S/pack" | sort); do
-    if [ $((i / 6)) -eq "$n" ]; then cp "$S/pack/$f" "$OUT/"; fi
+    if [ $((i / PER_CALL)) -eq "$n" ]; then cp "$S/pack/$f" "$OUT/"; fi
     i=$((i + 1))
   done
   echo "collect $n: $(ls "$OUT" | tr '\n' ' ') (of $i packed files)"
