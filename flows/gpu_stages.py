@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
+from tasks.dispatch import heartbeat
 from tasks.stages import run_stage
 
 from eagle3.config import CaptureConfig, EvaluateConfig, RegenerateConfig, TrainConfig
@@ -19,22 +20,26 @@ Upstream = dict[str, dict[str, Any]]
 @flow(name="eagle3-regenerate", log_prints=True)
 def regenerate_stage(config: RegenerateConfig, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
     """Stage 1 on a GPU pool: the target answers the dataset's prompts."""
-    return run_stage("regenerate", config, upstream, run_name=run_name)
+    with heartbeat(config.out):  # the parent re-dispatches a run whose heartbeat stops (tasks/dispatch.py)
+        return run_stage("regenerate", config, upstream, run_name=run_name)
 
 
 @flow(name="eagle3-capture", log_prints=True)
 def capture_stage(config: CaptureConfig, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
     """Stage 3 on a GPU pool: aux + last hidden states of the target."""
-    return run_stage("capture", config, upstream, run_name=run_name)
+    with heartbeat(config.out):  # the parent re-dispatches a run whose heartbeat stops (tasks/dispatch.py)
+        return run_stage("capture", config, upstream, run_name=run_name)
 
 
 @flow(name="eagle3-train", log_prints=True)
 def train_stage(config: TrainConfig, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
     """Stage 5 on a GPU pool: train the draft."""
-    return run_stage("train", config, upstream, run_name=run_name)
+    with heartbeat(config.out):  # the parent re-dispatches a run whose heartbeat stops (tasks/dispatch.py)
+        return run_stage("train", config, upstream, run_name=run_name)
 
 
 @flow(name="eagle3-evaluate", log_prints=True)
 def evaluate_stage(config: EvaluateConfig, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
     """Stage 7 on a GPU pool: τ in real vLLM."""
-    return run_stage("evaluate", config, upstream, run_name=run_name)
+    with heartbeat(config.out):  # the parent re-dispatches a run whose heartbeat stops (tasks/dispatch.py)
+        return run_stage("evaluate", config, upstream, run_name=run_name)

@@ -16,6 +16,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.deployments import run_deployment
 from prefect.tasks import exponential_backoff
+from tasks.dispatch import heartbeat
 from tasks.errors import StageCrashed, retry_transient_only
 from tasks.stages import NUM_RETRIES, RETRY_BASE_S, as_stage_config
 from tasks.subprocess_runner import run_stage_subprocess
@@ -45,12 +46,14 @@ def stream_side(stage: str, config: dict[str, Any], deployment: str | None = Non
     if not deployment:
         return call_side(stage, config)
     get_run_logger().info("%s: dispatching to deployment %s", stage, deployment)
-    from tasks.dispatch import wait_named
+    from tasks.dispatch import child_env, wait_for
 
-    run = wait_named(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=0),
-                     f"{stage} on {deployment}")
-    if run.state is None or not run.state.is_completed():
-        raise StageCrashed(stage, f"deployment run {run.name} ended {run.state.name if run.state else 'without a state'}")
+    run = wait_for(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=0,
+                                  job_variables={"env": child_env()}),
+                   f"{stage} on {deployment}", config.get("out"))
+    if run.state is None or not run.state.is_completed():  # a crashed or lost side is retried by this task
+        how = f"{run.state.name}: {run.state.message}" if run.state else "without a state"
+        raise StageCrashed(stage, f"deployment run {run.name} ended {how}")
     return {"deployment": deployment, "flow_run": str(run.id)}
 
 
@@ -70,10 +73,12 @@ def streaming(config: PipelineConfig, capture_deployment: str | None = None,
 @flow(name="eagle3-stream-capture", log_prints=True)
 def stream_capture_stage(config: StreamCaptureConfig) -> dict[str, Any]:
     """The producer on its own work pool (deployed in prefect.yaml)."""
-    return call_side("stream-capture", config.model_dump(mode="json"))
+    with heartbeat(config.out):
+        return call_side("stream-capture", config.model_dump(mode="json"))
 
 
 @flow(name="eagle3-stream-train", log_prints=True)
 def stream_train_stage(config: StreamTrainConfig) -> dict[str, Any]:
     """The consumer on its own work pool (deployed in prefect.yaml)."""
-    return call_side("stream-train", config.model_dump(mode="json"))
+    with heartbeat(config.out):
+        return call_side("stream-train", config.model_dump(mode="json"))

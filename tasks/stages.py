@@ -49,6 +49,9 @@ MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_byte
 PROGRESS_STAGES = ("capture", "train")
 
 NUM_RETRIES = int(os.environ.get("EAGLE3_NUM_RETRIES", "2"))
+#: lease on the GPU slot: renewed every 3/4 of it while the stage runs; a holder whose host died frees the slot
+#: when its lease runs out (Prefect's repossessor), so this bounds how long the stage's next run waits for it
+GPU_LEASE_S = max(60.0, float(os.environ.get("EAGLE3_GPU_LEASE_S", "120")))  # Prefect's minimum is 60 s
 RETRY_BASE_S = float(os.environ.get("EAGLE3_RETRY_BASE_S", "10"))
 
 def runs_in_subprocess(stage: str) -> bool:
@@ -105,7 +108,7 @@ def gpu_slot(stage: str, waited: dict[str, float] | None = None):
     from prefect.concurrency.sync import concurrency
 
     get_run_logger().info("stage %s: waiting for GPU slot %r", stage, name)
-    with concurrency(name, occupy=1, strict=True):
+    with concurrency(name, occupy=1, strict=True, lease_duration=GPU_LEASE_S):
         wait_s = time.time() - t0
         if waited is not None:
             waited["slot_wait_s"] = round(wait_s, 2)

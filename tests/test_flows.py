@@ -361,6 +361,73 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
     assert waited["slot_wait_s"] >= hold_s / 2, waited
 
 
+def test_heartbeat_tells_a_live_gpu_run_from_a_lost_one(prefect_harness, monkeypatch, tmp_path):
+    """A GPU stage run beats into its out dir (outside its outputs); the parent's wait leaves a run that beats
+    alone and sets one that is Running but silent Crashed, saying what it last heard (the whole path, with a
+    killed worker, is tests/test_prefect_server.py::test_a_gpu_stage_whose_host_dies_runs_again)."""
+    import json
+    import threading
+
+    import tasks.dispatch as dispatch
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Running
+    from tasks.manifest import list_outputs
+
+    from eagle3.io import write_json
+
+    monkeypatch.setattr(dispatch, "POLL_INTERVAL_S", 0.1)
+
+    @flow(name="beating")
+    def beating(out: str) -> list[int]:
+        with dispatch.heartbeat(out, interval_s=0.1) as path:
+            seen = []
+            for _ in range(5):
+                time.sleep(0.15)
+                seen.append(json.loads(path.read_text())["num_beats"])
+            return seen
+
+    live = tmp_path / "live"
+    seen = beating(str(live))
+    assert seen == sorted(seen) and seen[-1] > seen[0], seen
+    beat = dispatch.read_heartbeat(live)
+    assert beat["pid"] == os.getpid() and beat["flow_run_id"] and beat["interval_s"] == 0.1
+    assert (live / dispatch.HEARTBEAT_FILE).is_file() and list_outputs(live) == {}  # never part of the outputs
+
+    @flow(name="stand-in-child")
+    def child() -> None:
+        pass
+
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(child)
+        silent, alive = (client.create_flow_run(child, name=n) for n in ("silent", "alive"))
+        for fr in (silent, alive):
+            client.set_flow_run_state(fr.id, Running(), force=True)
+        stop = threading.Event()
+
+        def beat_for_alive() -> None:  # beats for 2.5 s (well past lost_after_s), then completes
+            for n in range(25):
+                write_json(tmp_path / "alive-out" / dispatch.HEARTBEAT_FILE,
+                                    {"flow_run_id": str(alive.id), "num_beats": n, "pid": 1, "host": "h", "time": "t"})
+                if stop.wait(0.1):
+                    return
+            client.set_flow_run_state(alive.id, Completed(), force=True)
+
+        (tmp_path / "alive-out").mkdir()
+        t = threading.Thread(target=beat_for_alive)
+        t.start()
+        try:
+            done = dispatch.wait_for(alive, "alive", tmp_path / "alive-out", lost_after_s=1.0)
+        finally:
+            stop.set()
+            t.join()
+        assert done.state.is_completed(), done.state
+        lost = dispatch.wait_for(silent, "silent", tmp_path / "silent-out", lost_after_s=1.0)
+    assert flow_id and lost.state.is_crashed(), lost.state
+    assert "lost: Running, but no heartbeat at all" in lost.state.message, lost.state.message
+    assert "EAGLE3_LOST_AFTER_S=1" in lost.state.message
+
+
 def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
     """capture's child process dies once (exit 1, no result): the task retries and the flow completes."""
     import tasks.subprocess_runner as runner

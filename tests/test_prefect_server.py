@@ -163,6 +163,12 @@ class Stack:
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
             "EAGLE3_REPO_DIR": str(ROOT),
             "EAGLE3_RETRY_BASE_S": "1",
+            # a lost GPU host (test_a_gpu_stage_whose_host_dies_runs_again): beat every second, lost after 15 s,
+            # and the dead holder's GPU slot freed after Prefect's shortest lease (60 s) + one repossessor loop
+            "EAGLE3_HEARTBEAT_S": "1",
+            "EAGLE3_LOST_AFTER_S": "15",
+            "EAGLE3_GPU_LEASE_S": "60",
+            "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
         for key in ("EAGLE3_INPROCESS", "PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
@@ -398,3 +404,41 @@ def test_schedules_create_runs_and_a_scheduled_run_executes(stack, tiny_cfg):
     assert run, "the scheduler created no run for the new schedule"
     fr = stack.wait_flow_run(run["id"], timeout_s=300)
     assert fr["state"]["type"] == "COMPLETED", f"{fr['state']}\n{stack.tail_logs()}"
+
+
+def test_a_gpu_stage_whose_host_dies_runs_again(stack, tiny_llama, tmp_path_factory):
+    """The gpu-1x worker and the capture run under it are SIGKILLed as soon as that run is Running (a lost host:
+    nobody reports its state); a new worker comes up. The parent marks the silent run Crashed and dispatches
+    capture again, and the pipeline completes."""
+    import psutil
+
+    cfg = tiny_config(tiny_llama, tmp_path_factory.mktemp("lost-host"), eval_prompts=False)
+    run_id = stack.deploy_run(params_for(cfg))
+    deadline, child = time.time() + 300, None
+    while child is None:
+        assert time.time() < deadline, f"no Running capture run\n{stack.tail_logs()}"
+        runs = stack.post("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run_id]}}})
+        child = next((r for r in runs if r["name"] == "tiny-capture" and r["state"]["type"] == "RUNNING"), None)
+        time.sleep(0.3)
+    name, worker = next((n, p) for n, p in stack.procs if n == "worker-gpu-1x")
+    tree = [psutil.Process(worker.pid), *psutil.Process(worker.pid).children(recursive=True)]
+    for p in tree:  # freeze all first, so no process of the "host" gets to report anything
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.suspend()
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    worker.wait(timeout=30)
+    stack.procs.remove((name, worker))
+    stack.start("worker-gpu-1x", worker.args[-1].removeprefix("exec "))  # the replacement host
+
+    fr = stack.wait_flow_run(run_id, timeout_s=480)
+    assert fr["state"]["type"] == "COMPLETED", f"{fr['state']}\n{stack.tail_logs()}"
+    children = {c["name"]: c for c in stack.post("/flow_runs/filter",
+                                                 {"flow_runs": {"parent_flow_run_id": {"any_": [run_id]}}})}
+    assert sorted(children) == ["tiny-capture", "tiny-capture-again1", "tiny-train"], sorted(children)
+    lost = children["tiny-capture"]["state"]
+    assert lost["type"] == "CRASHED" and "lost: Running, but" in lost["message"], lost
+    assert "EAGLE3_LOST_AFTER_S=15" in lost["message"] and "its host or process is gone" in lost["message"], lost
+    assert children["tiny-capture-again1"]["state"]["type"] == "COMPLETED"
+    assert (Path(cfg.resolved().export.out) / "config.json").is_file()
