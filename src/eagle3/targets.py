@@ -195,10 +195,12 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
     template, generation config) into `out`."""
     require_gguf_deps()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from eagle3.hf import load_causal_lm
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model = load_causal_lm(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # The weights are plain tensors now; the quantizer would make save_pretrained refuse the model and write a
     # quantization_config that makes loaders look for GGUF tensors.
     model.hf_quantizer = None

@@ -49,10 +49,11 @@ class HFBackend:
 
     def start(self) -> dict[str, Any]:
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from eagle3.hf import load_causal_lm
 
         dtype = getattr(torch, self.dtype_name)
-        self.model = AutoModelForCausalLM.from_pretrained(self.target, dtype=dtype).to(self.device).eval()
+        self.model = load_causal_lm(self.target, dtype=dtype).to(self.device).eval()
         self._pre_norm: list[Any] = []
         _final_norm(self.model).register_forward_pre_hook(lambda _m, args: self._pre_norm.append(args[0]))
         return {"device": self.device, "chunk_tokens": self.batch_tokens}

@@ -29,13 +29,15 @@ class HfGenerator:
 
     def __init__(self, target: str, device: str = "auto", dtype: str = "auto", batch_size: int = 256):
         import torch
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
+
+        from eagle3.hf import load_causal_lm
 
         self.device = resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         self.batch_size = batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = load_causal_lm(target, dtype=getattr(torch, dtype)).to(self.device).eval()
         gen_cfg = GenerationConfig.from_model_config(self.model.config)
         eos = gen_cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}

@@ -255,8 +255,11 @@ def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="dee
         write_json(tmp / "config.json", config)
         write_json(tmp / "preprocessor_config.json", {"media_proc_cfg": KIMI_K25_MEDIA_PROC})
         # the renamed checkpoint must load back into transformers as the very model that was saved
-        back, info = Kimi_K25ForConditionalGeneration.from_pretrained(str(tmp), dtype=torch.bfloat16,
-                                                                     output_loading_info=True)
+        from eagle3.hf import LOAD_LOCK
+
+        with LOAD_LOCK:  # see eagle3.hf: transformers' loads are not thread-safe
+            back, info = Kimi_K25ForConditionalGeneration.from_pretrained(str(tmp), dtype=torch.bfloat16,
+                                                                         output_loading_info=True)
         bad = {k: sorted(v) for k, v in info.items() if v}
         ref, got = model.state_dict(), back.state_dict()
         diff = sorted(k for k in ref if k not in got or not torch.equal(ref[k], got[k]))
@@ -313,9 +316,9 @@ def make_word_emitter(target: str | Path, end_of_turn_share: float = 0.15, seed:
     save = lambda: save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(out / "model.safetensors"),  # noqa: E731
                              metadata={"format": "pt"})
     save()
-    from transformers import AutoModelForCausalLM
+    from eagle3.hf import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    model = load_causal_lm(out, dtype=torch.float32)
     probe = torch.randint(0, cfg["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         h0 = model(probe, output_hidden_states=True).hidden_states[-1][..., 0].mean().item()  # the normed feature

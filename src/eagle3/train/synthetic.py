@@ -18,9 +18,9 @@ def capture_samples(target: str | Path, num: int = 16, layers=(1, 2, 3), min_len
 
     Token ids are random (seeded) so tiny random targets work; layer id k = hidden_states[k] (vLLM semantics);
     last_hidden_states is the output of the last decoder layer before the final norm (forward hook)."""
-    from transformers import AutoModelForCausalLM
+    from eagle3.hf import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    model = load_causal_lm(target, dtype=torch.float32).eval()
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     grab: dict[str, torch.Tensor] = {}
@@ -91,9 +91,9 @@ def write_captured(out: str | Path, samples: list[dict[str, Any]], manifest: dic
 @torch.no_grad()
 def greedy_continuations(target: str | Path, num: int, prompt_len: int = 6, new_tokens: int = 40, seed: int = 0):
     """Random prompts + the target's own greedy continuation (self-distillation data for tiny targets)."""
-    from transformers import AutoModelForCausalLM
+    from eagle3.hf import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    model = load_causal_lm(target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(10, model.config.vocab_size, (num, prompt_len), generator=g)
     out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
