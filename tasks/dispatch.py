@@ -13,8 +13,8 @@ from prefect import get_run_logger, task
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
-from tasks.errors import StageCrashed, StageError
-from tasks.manifest import read_stamp
+from eagle3_prefect.tasks.errors import StageCrashed, StageError
+from eagle3_prefect.tasks.manifest import MANIFEST_KEYS, read_stamp
 
 #: how often the parent polls the child flow run
 POLL_INTERVAL_S = 3.0
@@ -62,6 +62,4 @@ def dispatch_stage(stage: str, config: dict[str, Any], upstream: dict[str, Any],
     if not stamp or stamp.get("status") != "done":
         raise StageError(stage, f"deployment run {flow_run.name} completed but {config['out']} holds no finished "
                                 "stamp: is the work dir on storage both pools can see?")
-    from tasks.stages import MANIFEST_KEYS
-
     return {k: stamp.get(k) for k in MANIFEST_KEYS}
