@@ -1,8 +1,8 @@
 """Failure alerts: a Prefect automation that sends a notification when an eagle3 pipeline, retrain, sweep or
 streaming run ends Failed or Crashed. scripts/deploy.sh runs it after `prefect deploy --all`.
 
-    python -m blocks.alerts --webhook-url https://hooks.example.com/eagle3   # saves a webhook block, then the automation
-    python -m blocks.alerts --block slack-webhook/oncall                     # any saved notification block instead
+    python -m eagle3_prefect.blocks.alerts --webhook-url https://hooks.example.com/eagle3   # saves a webhook block, then the automation
+    python -m eagle3_prefect.blocks.alerts --block slack-webhook/oncall                     # any saved notification block instead
 
 The default destination is a Custom Webhook block (`custom-webhook/eagle3-alerts`) that POSTs
 {"subject": ..., "body": ...} as JSON; `--block <type slug>/<name>` names any other notification block
@@ -85,7 +85,7 @@ def create_failure_automation(block: Block, flow_names: tuple[str, ...] = ALERT_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m blocks.alerts", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m eagle3_prefect.blocks.alerts", description=__doc__.splitlines()[0])
     parser.add_argument("--webhook-url", default=os.environ.get("EAGLE3_ALERT_WEBHOOK_URL"),
                         help="POST alerts here (default: $EAGLE3_ALERT_WEBHOOK_URL)")
     parser.add_argument("--block", default=os.environ.get("EAGLE3_ALERT_BLOCK"),

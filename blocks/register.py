@@ -1,8 +1,8 @@
 """Register the eagle3 block types with the Prefect API in PREFECT_API_URL (or the embedded one).
 
-    python -m blocks.register [--example]
+    python -m eagle3_prefect.blocks.register [--example]
 
-Same as `prefect block register -m blocks.eagle3_blocks`. --example also saves documents named "demo"
+Same as `prefect block register -m eagle3_prefect.blocks.eagle3_blocks`. --example also saves documents named "demo"
 (local target path from configs/demo.yaml, storage under runs/, a 1-GPU profile).
 """
 
@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 
-from blocks.eagle3_blocks import BLOCK_TYPES, HardwareProfile, StorageLocation, TargetModelSource
+from eagle3_prefect.blocks.eagle3_blocks import (
+    BLOCK_TYPES,
+    HardwareProfile,
+    StorageLocation,
+    TargetModelSource,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m blocks.register", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m eagle3_prefect.blocks.register", description=__doc__.splitlines()[0])
     parser.add_argument("--example", action="store_true", help='also save example blocks named "demo"')
     args = parser.parse_args(argv)
     for cls in BLOCK_TYPES:

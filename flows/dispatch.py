@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prefect import get_run_logger
-from tasks.stages import GPU_STAGES, run_stage
 
 from eagle3.config import PipelineConfig, StageConfig
 from eagle3.console import StageLine
 from eagle3.pipeline import enabled_stages
+from eagle3_prefect.tasks.stages import GPU_STAGES, run_stage
 
 Dispatch = Literal["auto", "local", "deployments"]
 

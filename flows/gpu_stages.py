@@ -2,44 +2,36 @@
 eagle3-regenerate/gpu-1x, eagle3-capture/gpu-8x, ...). The pipeline flow launches them with
 `run_deployment` (tasks/dispatch.py); each runs the same cached, verified stage task a local run uses.
 Parameters are the stage's own config model, so the UI shows a form for a one-off stage run too.
-"""
 
-from __future__ import annotations
+One flow per stage the registry marks `gpu` (eagle3.stages), named `<stage>_stage` here (the prefect.yaml
+entrypoints, e.g. eagle3_prefect.flows.gpu_stages:capture_stage) and `eagle3-<stage>` on the server.
+"""
 
 from typing import Any
 
-from prefect import flow
-from tasks.dispatch import heartbeat
-from tasks.stages import run_stage
+from prefect import Flow, flow
 
-from eagle3.config import CaptureConfig, EvaluateConfig, RegenerateConfig, TrainConfig
+from eagle3.stages import STAGES
+from eagle3_prefect.tasks.dispatch import heartbeat
+from eagle3_prefect.tasks.stages import GPU_STAGES, run_stage
 
 Upstream = dict[str, dict[str, Any]]
 
 
-@flow(name="eagle3-regenerate", log_prints=True)
-def regenerate_stage(config: RegenerateConfig, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
-    """Stage 1 on a GPU pool: the target answers the dataset's prompts."""
-    with heartbeat(config.out):  # the parent re-dispatches a run whose heartbeat stops (tasks/dispatch.py)
-        return run_stage("regenerate", config, upstream, run_name=run_name)
+def stage_flow(stage: str) -> Flow:
+    """The flow `eagle3-<stage>`: runs the stage's task on this worker; its `config` parameter is typed by
+    the stage's config class (the server validates it against that schema)."""
+
+    def body(config, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
+        with heartbeat(config.out):  # the parent dispatches again a run whose heartbeat stops (tasks/dispatch.py)
+            return run_stage(stage, config, upstream, run_name=run_name)
+
+    body.__annotations__["config"] = STAGES[stage].config
+    body.__name__ = body.__qualname__ = f"{stage}_stage"
+    body.__module__ = __name__
+    body.__doc__ = f"{stage} on a GPU pool: {STAGES[stage].help}."
+    return flow(body, name=f"eagle3-{stage}", log_prints=True)
 
 
-@flow(name="eagle3-capture", log_prints=True)
-def capture_stage(config: CaptureConfig, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
-    """Stage 3 on a GPU pool: aux + last hidden states of the target."""
-    with heartbeat(config.out):  # the parent re-dispatches a run whose heartbeat stops (tasks/dispatch.py)
-        return run_stage("capture", config, upstream, run_name=run_name)
-
-
-@flow(name="eagle3-train", log_prints=True)
-def train_stage(config: TrainConfig, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
-    """Stage 5 on a GPU pool: train the draft."""
-    with heartbeat(config.out):  # the parent re-dispatches a run whose heartbeat stops (tasks/dispatch.py)
-        return run_stage("train", config, upstream, run_name=run_name)
-
-
-@flow(name="eagle3-evaluate", log_prints=True)
-def evaluate_stage(config: EvaluateConfig, upstream: Upstream | None = None, run_name: str = "eagle3") -> dict[str, Any]:
-    """Stage 7 on a GPU pool: τ in real vLLM."""
-    with heartbeat(config.out):  # the parent re-dispatches a run whose heartbeat stops (tasks/dispatch.py)
-        return run_stage("evaluate", config, upstream, run_name=run_name)
+for _stage in GPU_STAGES:
+    globals()[f"{_stage}_stage"] = stage_flow(_stage)

@@ -9,15 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
-from tasks.artifacts import artifact_key
-from tasks.manifest import content_sha256, list_outputs
 
 from eagle3.config import PipelineConfig
 from eagle3.lock import dir_lock
-from eagle3.pipeline import ensure_target
+from eagle3.pipeline import enabled_stages, ensure_target
 from eagle3.preflight import require_pipeline
-from flows.dispatch import DEFAULT_GPU_POOL, Dispatch, StageRunner
-from flows.report import pipeline_summary
+from eagle3.stages import STAGES, STREAM_STEP
+from eagle3_prefect.flows.dispatch import DEFAULT_GPU_POOL, Dispatch, StageRunner
+from eagle3_prefect.flows.report import pipeline_summary
+from eagle3_prefect.tasks.artifacts import artifact_key
+from eagle3_prefect.tasks.manifest import content_sha256, list_outputs
 
 
 def apply_blocks(config: PipelineConfig, target_source: str | None, storage: str | None,
@@ -26,7 +27,11 @@ def apply_blocks(config: PipelineConfig, target_source: str | None, storage: str
     pool, limit = DEFAULT_GPU_POOL, None
     if not (target_source or storage or hardware):
         return config, pool, limit
-    from blocks.eagle3_blocks import HardwareProfile, StorageLocation, TargetModelSource
+    from eagle3_prefect.blocks.eagle3_blocks import (
+        HardwareProfile,
+        StorageLocation,
+        TargetModelSource,
+    )
 
     cfg = config.model_copy(deep=True)
     if storage:
@@ -75,30 +80,17 @@ def run_stages(config: PipelineConfig, dispatch: Dispatch, gpu_pool: str, gpu_li
     ensure_target(config)
     require_pipeline(config)                       # pre-flight: every config error before a GPU stage starts
 
-    if cfg.synthesize.enabled:
-        stage("synthesize")                        # 0. the target writes prompts (per domain)
-    if cfg.mix.sources and len(cfg.mix.sources) > 1:
-        stage("mix", *(["synthesize"] if cfg.synthesize.enabled else []))  # 0b. sources mixed by weight
-    if cfg.regenerate.enabled:
-        stage("regenerate", *(["mix"] if "mix" in stage.manifests else []))  # 1. the target writes the answers
-    stage("prepare")                               # 2. chats -> token ids + assistant loss masks
-    #   (after regenerate, prepare's `data` is regenerated/conversations.jsonl: keyed by that file's
-    #    content, so a regenerate rerun that writes the same answers leaves prepare cached)
-    if cfg.stream.enabled:                         # bounded disk: 4. vocab, then 3 + 5 at once via the spool
-        from flows.streaming import streaming
+    for step in enabled_stages(cfg):              # the registry's order (eagle3.stages), as `eagle3 run --no-prefect`
+        if step == STREAM_STEP:                    # bounded disk: vocab ran; capture + train at once via the spool
+            from eagle3_prefect.flows.streaming import streaming
 
-        stage("vocab", "prepare")
-        result = streaming(config)["stream-train"]  # export's upstream: the training dir, keyed by its content
-        files = list_outputs(cfg.train.out)
-        stage.manifests["train"] = {"stage": "train", "out": str(cfg.train.out), "content_sha256": content_sha256(files),
-                                    "num_files": len(files), "result": result}
-    else:
-        stage("capture", "prepare")                # 3. aux + last hidden states of the target
-        stage("vocab", "prepare")                  # 4. draft vocabulary (d2t / t2d)
-        stage("train", "capture", "vocab")         # 5. the EAGLE-3 draft
-    stage("export", "train")                       # 6. a directory vLLM loads
-    if cfg.eval_prompts:
-        stage("evaluate", "export")                # 7. τ in real vLLM
+            result = streaming(config)["stream-train"]  # export's upstream: the training dir, keyed by its content
+            files = list_outputs(cfg.train.out)
+            stage.manifests["train"] = {"stage": "train", "out": str(cfg.train.out),
+                                        "content_sha256": content_sha256(files), "num_files": len(files),
+                                        "result": result}
+        else:
+            stage(step, *STAGES[step].needs)       # on the manifests of the stages it reads
 
     pipeline_summary(cfg.name, stage.manifests, key=artifact_key(cfg.name, "pipeline"))
     ran = [s for s, m in stage.manifests.items() if not m.get("cached")]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact
-from tasks.artifacts import find_tau
+
+from eagle3_prefect.tasks.artifacts import find_tau
 
 
 def pipeline_summary(name: str, manifests: dict[str, dict[str, Any]], key: str) -> None:

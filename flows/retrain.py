@@ -19,13 +19,13 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from tasks.artifacts import artifact_key, find_tau
-from tasks.manifest import fingerprint_path, sha256_json
 
 from eagle3.config import ConfigError, PipelineConfig
 from eagle3.lock import dir_lock
-from flows.dispatch import Dispatch
-from flows.pipeline import eagle3_pipeline
+from eagle3_prefect.flows.dispatch import Dispatch
+from eagle3_prefect.flows.pipeline import eagle3_pipeline
+from eagle3_prefect.tasks.artifacts import artifact_key, find_tau
+from eagle3_prefect.tasks.manifest import fingerprint_path, sha256_json
 
 CURRENT = "current.json"
 HISTORY = "drafts.jsonl"

@@ -1,9 +1,9 @@
 """Streaming (bounded-disk) mode as a Prefect flow: the producer (stream-capture) and the consumer
 (stream-train) run concurrently, each as its own task, and meet only through the spool directory.
 
-    from flows.streaming import streaming; streaming(load_pipeline_config("my.yaml"))
+    from eagle3_prefect.flows.streaming import streaming; streaming(load_pipeline_config("my.yaml"))
 
-By default both sides run as subprocesses of this flow run (`python -m tasks._stage_main`, like the GPU
+By default both sides run as subprocesses of this flow run (`python -m eagle3_prefect.tasks._stage_main`, like the GPU
 stages). With `capture_deployment` / `train_deployment` (e.g. "eagle3-stream-capture/gpu-8x",
 "eagle3-stream-train/gpu-1x", prefect.yaml) a side runs as a run of that deployment on its work pool: the
 spool must then be on storage both hosts see. Each side resumes by itself, so a crashed side is retried.
@@ -16,26 +16,25 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.deployments import run_deployment
 from prefect.tasks import exponential_backoff
-from tasks.dispatch import heartbeat
-from tasks.errors import StageCrashed, retry_transient_only
-from tasks.stages import NUM_RETRIES, RETRY_BASE_S, as_stage_config
-from tasks.subprocess_runner import run_stage_subprocess
 
 from eagle3.config import PipelineConfig, StreamCaptureConfig, StreamTrainConfig
+from eagle3_prefect.tasks.dispatch import heartbeat
+from eagle3_prefect.tasks.errors import StageCrashed, retry_transient_only
+from eagle3_prefect.tasks.stages import NUM_RETRIES, RETRY_BASE_S, as_stage_config
+from eagle3_prefect.tasks.subprocess_runner import run_stage_subprocess
 
 SIDES = ("stream-capture", "stream-train")
 
 
 def call_side(stage: str, config: dict[str, Any]) -> dict[str, Any]:
     """Run one side's library function: in a subprocess, or here when EAGLE3_INPROCESS names it (tests)."""
-    from tasks.stages import runs_in_subprocess
-
-    from eagle3.cli import _jsonable, resolve_function
+    from eagle3.stages import jsonable, run_stage_function
+    from eagle3_prefect.tasks.stages import runs_in_subprocess
 
     cfg = as_stage_config(stage, config)
     if runs_in_subprocess("capture" if stage == "stream-capture" else "train"):
         return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger())
-    return _jsonable(resolve_function(stage)(cfg))
+    return jsonable(run_stage_function(stage, cfg))
 
 
 @task(name="stream-side", task_run_name="{stage}", retries=NUM_RETRIES,
@@ -46,7 +45,7 @@ def stream_side(stage: str, config: dict[str, Any], deployment: str | None = Non
     if not deployment:
         return call_side(stage, config)
     get_run_logger().info("%s: dispatching to deployment %s", stage, deployment)
-    from tasks.dispatch import child_env, wait_for
+    from eagle3_prefect.tasks.dispatch import child_env, wait_for
 
     run = wait_for(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=0,
                                   job_variables={"env": child_env()}),

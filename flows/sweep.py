@@ -17,14 +17,23 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
-from tasks.artifacts import artifact_key, find_per_position, find_tau, find_value, png_markdown
 
 from eagle3.config import ConfigError, LayerId, PipelineConfig
 from eagle3.lock import dir_lock
 from eagle3.pipeline import ensure_target
 from eagle3.preflight import require_pipeline
-from flows.dispatch import Dispatch, StageRunner
+from eagle3.stages import STAGES
+from eagle3_prefect.flows.dispatch import Dispatch, StageRunner
+from eagle3_prefect.tasks.artifacts import (
+    artifact_key,
+    find_per_position,
+    find_tau,
+    find_value,
+    png_markdown,
+)
 
+#: the stages each branch runs on the shared prepare / vocab outputs (the rest of the pipeline after them)
+BRANCH_STAGES = ("capture", "train", "export", "evaluate")
 _LOSS_KEYS = ("final_val_loss", "val_loss", "final_loss", "final_train_loss", "train_loss", "loss")
 
 
@@ -58,11 +67,9 @@ def sweep_branch(config: PipelineConfig, layers: list[int], shared: dict[str, di
         stage = StageRunner(cfg, dispatch=dispatch, run_name=f"{cfg.name}-{layers_tag(layers)}")
         stage.manifests.update(shared)
         t0 = time.time()
-        stage("capture", "prepare")
-        stage("train", "capture", "vocab")
-        stage("export", "train")
-        if cfg.eval_prompts:
-            stage("evaluate", "export")
+        for step in BRANCH_STAGES:
+            if STAGES[step].enabled(cfg):
+                stage(step, *STAGES[step].needs)
         wall = time.time() - t0
     m = stage.manifests
     result = (m.get("evaluate") or {}).get("result") or {}
@@ -150,7 +157,7 @@ def sweep(config: PipelineConfig, layer_sets: list[list[int]], max_concurrency: 
     if cfg.regenerate.enabled:
         shared("regenerate")
     shared("prepare")
-    shared("vocab", "prepare")
+    shared("vocab", *STAGES["vocab"].needs)
 
     slots = threading.BoundedSemaphore(max_concurrency)
     futures = [sweep_branch.submit(cfg, list(ls), shared.manifests, dispatch, slots) for ls in layer_sets]

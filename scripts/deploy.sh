@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${PREFECT_API_URL:?set PREFECT_API_URL to the server, e.g. http://127.0.0.1:4200/api}"
-python -m blocks.register
+python -m eagle3_prefect.blocks.register
 EAGLE3_REPO_DIR=${EAGLE3_REPO_DIR:-$PWD} prefect --no-prompt deploy --all
-python -m blocks.alerts
+python -m eagle3_prefect.blocks.alerts

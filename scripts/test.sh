@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 bash scripts/venv.sh
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-.venv/bin/ruff check src tests flows tasks blocks benchmarks
+.venv/bin/ruff check src tests flows tasks blocks benchmarks scripts
+# who may import whom, and no import cycle (contracts in pyproject.toml [tool.importlinter]; docs/architecture.md)
+.venv/bin/lint-imports
 # PostgreSQL for tests/test_prefect_server.py (it runs a throwaway cluster of its own from the Debian package's
 # binaries, SQLite without them): installed here when missing, as root with apt-get (CI). EAGLE3_TEST_POSTGRES=0
 # skips it (the test then uses SQLite).

@@ -1,4 +1,4 @@
-"""Subprocess entry: `python -m tasks._stage_main STAGE CONFIG_JSON RESULT_JSON`.
+"""Subprocess entry: `python -m eagle3_prefect.tasks._stage_main STAGE CONFIG_JSON RESULT_JSON`.
 
 Runs one library stage function in a fresh process (clean CUDA / vLLM state) and writes either
 {"ok": true, "result": ...} or {"ok": false, "kind": ..., "type": ..., "message": ...} to RESULT_JSON.
@@ -49,16 +49,15 @@ def main(argv: list[str]) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     # vLLM applies VLLM_LOGGING_LEVEL when its logging is set up, after `import vllm` has already logged
     logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
-    from eagle3.cli import _jsonable, resolve_function
-    from eagle3.config import build_stage_config
     from eagle3.diagnose import describe_failure
-    from tasks.errors import classify_exception
+    from eagle3.stages import build_stage_config, jsonable, run_stage_function
+    from eagle3_prefect.tasks.errors import classify_exception
 
     out = Path(result_json)
     try:
         values = json.loads(Path(config_json).read_text())
         cfg = build_stage_config(stage, values, source=f"{stage} config from the flow")
-        result = resolve_function(stage)(cfg)
+        result = run_stage_function(stage, cfg)
     except BaseException as exc:  # noqa: BLE001 - classified and reported to the parent
         kind = classify_exception(exc)
         traceback.print_exc()
@@ -67,7 +66,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         return {"config": 2, "oom": 3}.get(kind, 1)
-    out.write_text(json.dumps({"ok": True, "result": _jsonable(result)}, default=str))
+    out.write_text(json.dumps({"ok": True, "result": jsonable(result)}, default=str))
     return 0
 
 

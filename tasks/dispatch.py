@@ -33,8 +33,8 @@ from prefect.deployments import run_deployment
 from prefect.states import Crashed
 
 from eagle3.io import write_json
-from tasks.errors import StageCrashed, StageError
-from tasks.manifest import read_stamp
+from eagle3_prefect.tasks.errors import StageCrashed, StageError
+from eagle3_prefect.tasks.manifest import MANIFEST_KEYS, read_stamp
 
 #: how often the parent polls the child flow run
 POLL_INTERVAL_S = 3.0
@@ -169,6 +169,4 @@ def dispatch_stage(stage: str, config: dict[str, Any], upstream: dict[str, Any],
     if not stamp or stamp.get("status") != "done":
         raise StageError(stage, f"deployment run {flow_run.name} completed but {config['out']} holds no finished "
                                 "stamp: is the work dir on storage both pools can see?")
-    from tasks.stages import MANIFEST_KEYS
-
     return {k: stamp.get(k) for k in MANIFEST_KEYS}

@@ -28,23 +28,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from eagle3.stages import STAGES
+
 #: bump to invalidate every cached stage (e.g. after changing what a manifest contains)
 CACHE_EPOCH = 1
 STAMP = ".eagle3-stage.json"
+#: what a stage task returns (the stamp in the output dir holds these plus the file list)
+MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "slot_wait_s", "result")
 
-#: library sources (relative to the eagle3 package) that make up each stage's code version
-STAGE_CODE: dict[str, tuple[str, ...]] = {
-    "synthesize": ("data/synthesize.py", "data/generate_hf.py"),
-    "mix": ("data/mix.py", "data/formats.py"),
-    "prepare": ("data/prepare.py", "data/formats.py", "data/prepared.py"),
-    "regenerate": ("data/regenerate.py", "data/formats.py"),
-    "capture": ("capture",),
-    "vocab": ("vocab.py", "data/prepared.py"),
-    "train": ("train", "model"),
-    "export": ("export.py", "model"),
-    "evaluate": ("evaluate.py",),
-    "fetch-target": ("targets.py",),
-}
+#: library sources (relative to the eagle3 package) that make up each stage's code version (eagle3.stages)
+STAGE_CODE: dict[str, tuple[str, ...]] = {name: s.code for name, s in STAGES.items() if s.code}
 COMMON_CODE = ("config.py", "io.py")
 
 #: config fields that name inputs read from outside the pipeline's own outputs

@@ -1,5 +1,5 @@
 """One Prefect task per pipeline stage. Each loads its stage config, calls ONE library function
-(`eagle3.cli.STAGE_FUNCTIONS[stage]`), and returns a small JSON-able manifest:
+(its `function` in the stage registry, eagle3.stages), and returns a small JSON-able manifest:
 
     {"stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "result": {...}}
 
@@ -23,10 +23,12 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import CachePolicy
 from prefect.tasks import exponential_backoff
 
-from eagle3.config import StageConfig, build_stage_config
-from tasks import artifacts
-from tasks.errors import retry_transient_only
-from tasks.manifest import (
+from eagle3.config import StageConfig
+from eagle3.stages import STAGES, build_stage_config, jsonable, run_stage_function
+from eagle3_prefect.tasks import artifacts
+from eagle3_prefect.tasks.errors import retry_transient_only
+from eagle3_prefect.tasks.manifest import (
+    MANIFEST_KEYS,
     config_dict,
     content_sha256,
     list_outputs,
@@ -36,15 +38,14 @@ from tasks.manifest import (
     verify_outputs,
     write_stamp,
 )
-from tasks.progress import make_probe
-from tasks.subprocess_runner import run_stage_subprocess
+from eagle3_prefect.tasks.progress import make_probe
+from eagle3_prefect.tasks.subprocess_runner import run_stage_subprocess
 
-#: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts)
-GPU_STAGES = ("regenerate", "capture", "train", "evaluate")
-#: stages run in a subprocess: the GPU stages plus synthesize (an engine of the target, but no deployment of its own)
-SUBPROCESS_STAGES = (*GPU_STAGES, "synthesize")
-#: what a stage task returns (the stamp in the output dir holds these plus the file list)
-MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "slot_wait_s", "result")
+#: stages with a GPU stage flow and deployments of their own (flows/gpu_stages.py, prefect.yaml)
+GPU_STAGES = tuple(n for n, s in STAGES.items() if s.gpu)
+#: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts): the GPU stages
+#: plus synthesize (an engine of the target, but no deployment of its own)
+SUBPROCESS_STAGES = tuple(n for n, s in STAGES.items() if s.subprocess)
 #: stages that get a progress artifact
 PROGRESS_STAGES = ("capture", "train")
 
@@ -120,13 +121,11 @@ def call_library(stage: str, cfg: StageConfig, on_progress=None,
                  waited: dict[str, float] | None = None) -> dict[str, Any]:
     """Run the library function for `stage`, in a subprocess for GPU stages; return its result as JSON.
     The GPU slot wait goes to waited["slot_wait_s"] (not stage time)."""
-    from eagle3.cli import _jsonable, resolve_function
-
     with gpu_slot(stage, waited):
         if runs_in_subprocess(stage):
             return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger(),
                                         on_progress=on_progress, probe=make_probe(stage, cfg))
-        return _jsonable(resolve_function(stage)(cfg))
+        return jsonable(run_stage_function(stage, cfg))
 
 
 def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: dict[str, Any],
@@ -196,29 +195,8 @@ def _stage_task(stage: str):
     )
 
 
-synthesize_task = _stage_task("synthesize")
-mix_task = _stage_task("mix")
-prepare_task = _stage_task("prepare")
-regenerate_task = _stage_task("regenerate")
-capture_task = _stage_task("capture")
-vocab_task = _stage_task("vocab")
-train_task = _stage_task("train")
-export_task = _stage_task("export")
-evaluate_task = _stage_task("evaluate")
-fetch_target_task = _stage_task("fetch-target")
-
-STAGE_TASKS = {
-    "synthesize": synthesize_task,
-    "mix": mix_task,
-    "prepare": prepare_task,
-    "regenerate": regenerate_task,
-    "capture": capture_task,
-    "vocab": vocab_task,
-    "train": train_task,
-    "export": export_task,
-    "evaluate": evaluate_task,
-    "fetch-target": fetch_target_task,
-}
+#: one task per stage that a flow runs (the streaming sides run in flows/streaming.py's `stream-side` task)
+STAGE_TASKS = {name: _stage_task(name) for name, s in STAGES.items() if s.kind != "stream"}
 
 
 def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any]] | None = None, *,
@@ -231,7 +209,7 @@ def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any
     key = stage_cache_key(stage, config, upstream)
     ok, reason = verify_outputs(config.out, key)
     if deployment:
-        from tasks.dispatch import dispatch_stage
+        from eagle3_prefect.tasks.dispatch import dispatch_stage
 
         t = dispatch_stage.with_options(cache_policy=StageCachePolicy(stage=stage), name=f"dispatch-{stage}",
                                         task_run_name=f"{stage}@{deployment.split('/')[0]}")

@@ -21,9 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import ERROR_CLASSES, StageCrashed, StageTimeout
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from eagle3_prefect.tasks.errors import ERROR_CLASSES, StageCrashed, StageTimeout
 
 #: default wall-clock limit per stage, overridable with EAGLE3_<STAGE>_TIMEOUT_S
 DEFAULT_TIMEOUT_S = {"regenerate": 12 * 3600, "capture": 24 * 3600, "train": 72 * 3600, "evaluate": 6 * 3600}
@@ -44,7 +42,7 @@ def stage_timeout_s(stage: str) -> float:
 
 def build_command(stage: str, config_json: Path, result_json: Path) -> list[str]:
     """The child command line (a function so tests can substitute a failing child)."""
-    return [sys.executable, "-u", "-m", "tasks._stage_main", stage, str(config_json), str(result_json)]
+    return [sys.executable, "-u", "-m", "eagle3_prefect.tasks._stage_main", stage, str(config_json), str(result_json)]
 
 
 def parse_progress(line: str) -> float | None:
@@ -79,8 +77,7 @@ def run_stage_subprocess(
     with tempfile.TemporaryDirectory(prefix=f"eagle3-{stage}-") as tmp:
         config_json, result_json = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_json.write_text(json.dumps(config, default=str))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ)  # the child imports eagle3 / eagle3_prefect as this process does (installed)
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = build_command(stage, config_json, result_json)
         log.info("stage %s: starting %s (timeout %.0f s)", stage, " ".join(cmd[:5]), timeout_s)

@@ -8,9 +8,9 @@ from eagle3.config import (
     ConfigError,
     PipelineConfig,
     TrainConfig,
-    build_stage_config,
     load_pipeline_config,
 )
+from eagle3.stages import build_stage_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

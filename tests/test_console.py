@@ -7,7 +7,6 @@ import json
 import logging
 
 import pytest
-from tasks.subprocess_runner import _WARNING_RE
 
 from eagle3.console import (
     QUIET_ENV,
@@ -19,6 +18,7 @@ from eagle3.console import (
     summary_rows,
     tokens_per_target_step,
 )
+from eagle3_prefect.tasks.subprocess_runner import _WARNING_RE
 
 
 @pytest.fixture

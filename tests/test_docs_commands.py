@@ -21,7 +21,8 @@ import pytest
 
 from eagle3.cli import build_parser as _build_parser
 from eagle3.cli import main
-from eagle3.config import STAGES, load_pipeline_config
+from eagle3.config import load_pipeline_config
+from eagle3.stages import stage_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/scaling.md")
@@ -72,7 +73,7 @@ def expand(cmd: str) -> list[list[str]]:
     for i, tok in enumerate(argv):
         prev = argv[i - 1] if i else ""
         if tok == "<stage>":
-            options.append(list(STAGES))
+            options.append(list(stage_names("pipeline")))
         elif "|" in tok:
             options.append(tok.split("|"))
         elif tok == "FILE" and prev == "--config" and argv[0] in ("plan", "run"):

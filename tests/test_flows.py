@@ -158,18 +158,20 @@ def prefect_harness(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fast_stages():
     """Stages in the test process; evaluate replaced by fake_evaluate."""
-    import eagle3.cli
+    import dataclasses
+
+    from eagle3.stages import STAGES
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EAGLE3_INPROCESS", "all")
-        mp.setitem(eagle3.cli.STAGE_FUNCTIONS, "evaluate", f"{__name__}:fake_evaluate")
+        mp.setitem(STAGES, "evaluate", dataclasses.replace(STAGES["evaluate"], function=f"{__name__}:fake_evaluate"))
         yield
 
 
 @pytest.fixture(scope="module")
 def base(prefect_harness, fast_stages, tiny_llama, tmp_path_factory):
     """The tiny pipeline's config and its first (uncached) run."""
-    from flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     cfg = tiny_config(tiny_llama, tmp_path_factory.mktemp("work"))
     state, run_id, wall = run_flow(eagle3_pipeline, cfg, dispatch="local")
@@ -202,7 +204,7 @@ def test_first_run_executes_every_stage_and_reports(base):
 
 
 def test_unchanged_rerun_executes_nothing_and_is_fast(base):
-    from flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     state, run_id, wall = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")
     assert state.is_completed()
@@ -218,7 +220,7 @@ def test_lost_result_storage_adopts_verified_outputs(base, prefect_harness):
     no stage recomputes; the tasks just re-record their manifests."""
     import shutil
 
-    from flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     stamps = {s: json.loads((Path(m["out"]) / ".eagle3-stage.json").read_text())["finished_at"]
               for s, m in base["manifests"].items()}
@@ -236,7 +238,7 @@ def test_lost_result_storage_adopts_verified_outputs(base, prefect_harness):
 
 
 def test_train_config_change_reruns_train_export_evaluate_only(base):
-    from flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     cfg = base["cfg"].model_copy(deep=True)
     cfg.train.lr = 3e-4
@@ -249,7 +251,7 @@ def test_train_config_change_reruns_train_export_evaluate_only(base):
 
 
 def test_deleted_capture_shard_is_detected_and_capture_reruns(base):
-    from flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     cfg = base["cfg"]
     shards = sorted(Path(cfg.resolved().capture.out).rglob("*.safetensors"))
@@ -267,7 +269,7 @@ def test_deleted_capture_shard_is_detected_and_capture_reruns(base):
 
 
 def test_altered_output_file_is_detected(base):
-    from flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     vocab_file = Path(base["cfg"].resolved().vocab.out) / "coverage.json"
     vocab_file.write_text(vocab_file.read_text() + " ")
@@ -277,7 +279,7 @@ def test_altered_output_file_is_detected(base):
 
 
 def test_config_error_fails_fast_without_retries(base):
-    from flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     cfg = base["cfg"].model_copy(deep=True)
     cfg.vocab.draft_vocab_size = 10_000_000
@@ -293,8 +295,8 @@ def test_config_error_fails_fast_without_retries(base):
 def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
     """A bad layer id fails the pipeline (and a sweep) as Failed before any task runs; a run on a work dir
     another process holds fails at once, naming the holder."""
-    from flows.pipeline import eagle3_pipeline
-    from flows.sweep import layer_sweep
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.sweep import layer_sweep
 
     cfg = base["cfg"].model_copy(deep=True)
     cfg.capture.layers = [1, 2, 9]
@@ -334,7 +336,8 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.concurrency.sync import concurrency
-    from tasks.stages import gpu_slot
+
+    from eagle3_prefect.tasks.stages import gpu_slot
 
     with get_client(sync_client=True) as client:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="gpu-host-slot-test", limit=1))
@@ -368,13 +371,13 @@ def test_heartbeat_tells_a_live_gpu_run_from_a_lost_one(prefect_harness, monkeyp
     import json
     import threading
 
-    import tasks.dispatch as dispatch
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.states import Completed, Running
-    from tasks.manifest import list_outputs
 
+    import eagle3_prefect.tasks.dispatch as dispatch
     from eagle3.io import write_json
+    from eagle3_prefect.tasks.manifest import list_outputs
 
     monkeypatch.setattr(dispatch, "POLL_INTERVAL_S", 0.1)
 
@@ -430,9 +433,10 @@ def test_heartbeat_tells_a_live_gpu_run_from_a_lost_one(prefect_harness, monkeyp
 
 def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
     """capture's child process dies once (exit 1, no result): the task retries and the flow completes."""
-    import tasks.subprocess_runner as runner
-    from flows.dispatch import StageRunner
     from prefect import flow
+
+    import eagle3_prefect.tasks.subprocess_runner as runner
+    from eagle3_prefect.flows.dispatch import StageRunner
 
     real = runner.build_command
     marker = tmp_path / "crashed-once"
@@ -465,7 +469,7 @@ def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
 
 
 def test_layer_sweep_compares_and_picks_a_winner(base):
-    from flows.sweep import layer_sweep
+    from eagle3_prefect.flows.sweep import layer_sweep
 
     state, run_id, wall = run_flow(layer_sweep, base["cfg"], [[1, 2, 3], [2, 3, 4]], max_concurrency=2,
                                    dispatch="local")
@@ -488,7 +492,7 @@ def test_layer_sweep_compares_and_picks_a_winner(base):
 
 
 def test_retrain_promotes_better_keeps_current_when_worse(base, tmp_path, monkeypatch):
-    from flows.retrain import retrain
+    from eagle3_prefect.flows.retrain import retrain
 
     data = tmp_path / "chats.jsonl"
     lines = (ASSETS / "demo_chats.jsonl").read_text().splitlines()
@@ -522,10 +526,14 @@ def test_retrain_promotes_better_keeps_current_when_worse(base, tmp_path, monkey
 
 
 def test_blocks_keep_the_token_secret(prefect_harness, tiny_llama, tmp_path):
-    from blocks.eagle3_blocks import HardwareProfile, StorageLocation, TargetModelSource
-    from blocks.register import main as register
+    from eagle3_prefect.blocks.eagle3_blocks import (
+        HardwareProfile,
+        StorageLocation,
+        TargetModelSource,
+    )
+    from eagle3_prefect.blocks.register import main as register
 
-    assert register(["--example"]) == 0  # the documented `python -m blocks.register --example`
+    assert register(["--example"]) == 0  # the documented `python -m eagle3_prefect.blocks.register --example`
     assert HardwareProfile.load("demo").work_pool == "gpu-1x"
     src = TargetModelSource(hub_id="org/model", revision="abc123", token="hf_secret_value")
     assert "hf_secret_value" not in repr(src) and "hf_secret_value" not in str(src.model_dump())
@@ -548,10 +556,10 @@ def test_fetch_target_task_stamps_the_target_and_caches(prefect_harness, smollm2
     import shutil
 
     from prefect import flow
-    from tasks.manifest import read_stamp
-    from tasks.stages import run_stage
 
     from eagle3.pipeline import ensure_target
+    from eagle3_prefect.tasks.manifest import read_stamp
+    from eagle3_prefect.tasks.stages import run_stage
 
     target = tmp_path / "smol"
     shutil.copytree(smollm2, target)
@@ -578,9 +586,7 @@ def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_pa
     cfg = tiny_config(tiny_llama, tmp_path / "work", eval_prompts=False)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True)))
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results")}
     for k in ("EAGLE3_INPROCESS", "PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED", "VLLM_LOGGING_LEVEL",
               "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"):
         env.pop(k, None)  # what `eagle3 run` sets by itself (flows/__init__.py, eagle3.console) is under test

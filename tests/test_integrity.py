@@ -330,10 +330,9 @@ def test_cli_diagnoses_a_truncated_checkpoint_without_traceback(capture, tiny_ll
 def test_disk_full_is_a_diagnosis_naming_the_file(tmp_path):
     """A real ENOSPC (writing /dev/full) inside an atomic write: the error names the file being written, and the
     CLI/Prefect message says what to do."""
-    from tasks.errors import classify_exception
-
     from eagle3.diagnose import describe_failure
     from eagle3.io import atomic_path
+    from eagle3_prefect.tasks.errors import classify_exception
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")

@@ -160,7 +160,6 @@ class Stack:
             "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
             # test speed only: the scheduler's main loop (default 60 s) picks up a schedule added later
             "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
             "EAGLE3_REPO_DIR": str(ROOT),
             "EAGLE3_RETRY_BASE_S": "1",
             # a lost GPU host (test_a_gpu_stage_whose_host_dies_runs_again): beat every second, lost after 15 s,

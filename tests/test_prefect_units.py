@@ -15,15 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_retry_classification():
-    from tasks.errors import (
+    from eagle3.config import ConfigError
+    from eagle3_prefect.tasks.errors import (
         EngineStartError,
         StageCrashed,
         StageOOMError,
         classify_exception,
         is_transient,
     )
-
-    from eagle3.config import ConfigError
 
     assert not is_transient(ConfigError("train.lr = -1: must be > 0"))
     assert not is_transient(FileNotFoundError("no such data"))
@@ -36,7 +35,7 @@ def test_retry_classification():
 
 
 def _patch_child(monkeypatch, code: str):
-    import tasks.subprocess_runner as runner
+    import eagle3_prefect.tasks.subprocess_runner as runner
 
     monkeypatch.setattr(runner, "build_command", lambda stage, c, r: [sys.executable, "-u", "-c", code, str(r)])
     return runner
@@ -58,7 +57,7 @@ def test_subprocess_streams_output_and_progress(monkeypatch):
 
 
 def test_subprocess_classified_failures(monkeypatch):
-    from tasks.errors import StageConfigError, StageCrashed, StageOOMError
+    from eagle3_prefect.tasks.errors import StageConfigError, StageCrashed, StageOOMError
 
     code = ("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps({'ok': False, 'kind': 'config', "
             "'type': 'ConfigError', 'message': 'capture.layers = [99]: the target has 5 layers'}))\nsys.exit(2)")
@@ -74,7 +73,7 @@ def test_subprocess_classified_failures(monkeypatch):
 
 
 def test_subprocess_timeout_kills_the_process_group(monkeypatch, tmp_path):
-    from tasks.errors import StageTimeout
+    from eagle3_prefect.tasks.errors import StageTimeout
 
     pidfile = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time\n"
@@ -104,8 +103,8 @@ def test_stage_main_reports_config_errors(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"data": str(tmp_path / "missing"), "out": str(tmp_path / "v"), "draft_vocab_size": 0}))
     res = tmp_path / "r.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "tasks._stage_main", "vocab", str(cfg), str(res)], env=env,
+    env = dict(os.environ)  # eagle3_prefect is installed (pip install -e .)
+    p = subprocess.run([sys.executable, "-m", "eagle3_prefect.tasks._stage_main", "vocab", str(cfg), str(res)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     report = json.loads(res.read_text())
@@ -113,7 +112,8 @@ def test_stage_main_reports_config_errors(tmp_path):
 
 
 def test_cache_key_and_verification(tmp_path):
-    from tasks.manifest import (
+    from eagle3.config import VocabConfig
+    from eagle3_prefect.tasks.manifest import (
         content_sha256,
         list_outputs,
         prepare_out_dir,
@@ -121,8 +121,6 @@ def test_cache_key_and_verification(tmp_path):
         verify_outputs,
         write_stamp,
     )
-
-    from eagle3.config import VocabConfig
 
     up = {"prepare": {"out": str(tmp_path / "prepared"), "content_sha256": "a" * 64}}
     cfg = VocabConfig(data=str(tmp_path / "prepared"), out=tmp_path / "vocab", draft_vocab_size=8)
@@ -161,24 +159,37 @@ def test_prefect_yaml_deployments():
     retrain = by[("retrain", "retrain-nightly")]
     assert retrain["schedules"][0]["cron"]
     assert ("layer_sweep", "layer-sweep") in by
-    for stage in ("regenerate", "capture", "train", "evaluate"):
+    from eagle3.stages import STAGES
+
+    gpu_stages = [n for n, s in STAGES.items() if s.gpu]  # the registry's GPU stages: one flow each, on both pools
+    assert gpu_stages == ["regenerate", "capture", "train", "evaluate"]
+    assert {fn.removesuffix("_stage") for fn, _ in by if fn.endswith("_stage") and "stream" not in fn} == set(gpu_stages)
+    for stage in gpu_stages:
         for pool in ("gpu-1x", "gpu-8x"):
             d = by[(f"{stage}_stage", pool)]
             assert d["work_pool"]["name"] == pool
             assert d["work_pool"]["job_variables"]["env"]["EAGLE3_GPU_LIMIT"]
     import importlib
 
-    for d in deps:
+    from prefect import Flow
+
+    for d in deps:  # module entrypoints of the installed package (`prefect deploy` imports them the same way)
         path, fn = d["entrypoint"].split(":")
-        mod = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-        assert callable(getattr(mod, fn))
+        assert path.startswith("eagle3_prefect.flows."), d["entrypoint"]
+        flow = getattr(importlib.import_module(path), fn)
+        assert isinstance(flow, Flow), d["entrypoint"]
+    from eagle3_prefect.flows.gpu_stages import (
+        capture_stage,  # typed by the registry's config class
+    )
+
+    assert capture_stage.parameters.properties["config"]["$ref"].endswith("CaptureConfig")
 
 
 def test_progress_probes_read_stage_files(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from tasks.progress import make_probe
+    from eagle3_prefect.tasks.progress import make_probe
 
     train = SimpleNamespace(out=tmp_path / "train", max_steps=10, epochs=1.0)
     probe = make_probe("train", train)
@@ -201,12 +212,12 @@ def test_stage_process_dies_with_its_parent(tmp_path):
     import subprocess
 
     pidfile = tmp_path / "stage.pid"
-    stage = ("import os, time\nfrom tasks._stage_main import start_parent_watchdog\n"
+    stage = ("import os, time\nfrom eagle3_prefect.tasks._stage_main import start_parent_watchdog\n"
              f"start_parent_watchdog(interval_s=0.2, grace_s=1)\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
              "time.sleep(300)")
     parent = ("import subprocess, sys, time\n"
               f"subprocess.Popen([sys.executable, '-c', {stage!r}], start_new_session=True)\ntime.sleep(300)")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)  # eagle3_prefect is installed (pip install -e .)
     p = subprocess.Popen([sys.executable, "-c", parent], env=env)
     for _ in range(200):
         if pidfile.exists() and pidfile.read_text():

@@ -193,7 +193,7 @@ def test_sigkill_of_both_sides_resumes_and_trains_every_sample_once(stream_input
 
 @pytest.mark.usefixtures("prefect_harness")
 def test_prefect_flow_runs_both_sides_concurrently(stream_inputs, tmp_path, monkeypatch):
-    from flows.streaming import streaming
+    from eagle3_prefect.flows.streaming import streaming
 
     monkeypatch.setenv("EAGLE3_INPROCESS", "all")
     cfg = stream_config(stream_inputs, tmp_path)
@@ -236,7 +236,7 @@ def test_eagle3_run_streams_when_enabled(tiny_llama, tmp_path):
 
 
 def test_pipeline_flow_streams_when_enabled(tiny_llama, tmp_path, monkeypatch, prefect_harness):  # noqa: F811
-    from flows.pipeline import eagle3_pipeline
+    from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     monkeypatch.setenv("EAGLE3_INPROCESS", "all")
     cfg = pipeline_stream_config(tiny_llama, tmp_path)

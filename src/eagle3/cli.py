@@ -1,5 +1,6 @@
-"""`eagle3` command line. Each stage's flags are generated from its config class (config.py), so every
-flag is a field, `--help` shows the field's description and default, and validation errors name the field.
+"""`eagle3` command line. One sub-command per stage of the stage registry (eagle3.stages); its flags are
+generated from the stage's config class, so every flag is a field, `--help` shows the field's description and
+default, and validation errors name the field.
 
     eagle3 prepare --target T --data D --out DIR [--max-seq-len N] [--limit N]
     eagle3 capture --target T --data PREPARED --out DIR [--layers 2,4,5] [--backend vllm|hf]
@@ -10,8 +11,6 @@ flag is a field, `--help` shows the field's description and default, and validat
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
 import json
 import sys
 import types
@@ -21,52 +20,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from eagle3.config import (
-    SOURCE_STAGES,
-    STAGES,
-    STREAM_STAGES,
-    ConfigError,
-    PipelineConfig,
-    build_stage_config,
-    load_yaml,
-)
+from eagle3.config import ConfigError, PipelineConfig, load_yaml
 from eagle3.plan import PlanConfig
-
-#: stage -> "module:function"; imported lazily so `eagle3 --help` stays fast.
-STAGE_FUNCTIONS = {
-    "synthesize": "eagle3.data.synthesize:run_synthesize",
-    "mix": "eagle3.data.mix:run_mix",
-    "prepare": "eagle3.data.prepare:run_prepare",
-    "regenerate": "eagle3.data.regenerate:run_regenerate",
-    "capture": "eagle3.capture:run_capture",
-    "vocab": "eagle3.vocab:run_vocab",
-    "train": "eagle3.train:run_train",
-    "export": "eagle3.export:run_export",
-    "evaluate": "eagle3.evaluate:run_evaluate",
-    "stream-capture": "eagle3.capture.spool:run_stream_capture",
-    "stream-train": "eagle3.train.stream:run_stream_train",
-    "fetch-target": "eagle3.targets:run_fetch_target",
-}
-
-STAGE_HELP = {
-    "synthesize": "user prompts the target writes itself, per domain (Magpie-style), filtered and deduplicated",
-    "mix": "several chat/prompt sources -> one file, each source's share set by its weight",
-    "prepare": "chat data -> token ids + assistant-only loss masks (target's chat template)",
-    "regenerate": "replace dataset answers with the target's own answers (vLLM)",
-    "capture": "record aux + last-layer hidden states of the target (vLLM worker extension or transformers)",
-    "vocab": "draft vocabulary (d2t/t2d) from supervised-token frequencies",
-    "train": "train the EAGLE-3 draft with training-time test",
-    "export": "write a draft directory vLLM (or speculators) loads",
-    "evaluate": "mean acceptance length τ in real vLLM per prompt category and temperature (eagle3 draft or ngram), "
-    "with the draft's cost and a modelled speed-up",
-    "stream-capture": "streaming mode, producer: capture every epoch into a spool capped at --spool-cap-gb",
-    "stream-train": "streaming mode, consumer: train on the spool's shards, deleting each once checkpointed",
-    "fetch-target": "a known target model (registry: eagle3.targets) as a plain HF directory: weights, tokenizer, "
-    "chat template, manifest with provenance; offline once cached",
-}
-
-#: per command, config fields taken as positional arguments instead of flags
-POSITIONAL_FIELDS = {"fetch-target": ("name",)}
+from eagle3.stages import STAGES, build_stage_config, jsonable, run_stage_function, stage_names
 
 PLAN_HELP = ("estimate disk, capture time and training GPU-hours of a pipeline config on a hardware profile, and "
              "which capture mode (offline or streaming) fits the disk")
@@ -74,11 +30,6 @@ PLAN_HELP = ("estimate disk, capture time and training GPU-hours of a pipeline c
 
 ESTIMATE_HELP = ("offline τ of a trained draft on captured held-out prompts: replays greedy drafting rounds as "
                  "vLLM runs them (no engine needed; picks checkpoints)")
-
-
-def resolve_function(stage: str):
-    module, func = STAGE_FUNCTIONS[stage].split(":")
-    return getattr(importlib.import_module(module), func)
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -145,14 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", "-v", action="store_true", default=False,
                         help="on failure, print the traceback too (default: only the diagnosis)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for stage, cls in {**STAGES, **STREAM_STAGES, **SOURCE_STAGES}.items():
-        p = sub.add_parser(stage, help=STAGE_HELP[stage], description=STAGE_HELP[stage], parents=[verbose])
+    for stage, spec in STAGES.items():
+        p = sub.add_parser(stage, help=spec.help, description=spec.help, parents=[verbose])
         p.add_argument(
             "--config",
             metavar="FILE",
             help="YAML with this stage's fields, or a pipeline config (its resolved `" + stage + "` section); flags override it",
         )
-        _add_field_flags(p, cls, positional=POSITIONAL_FIELDS.get(stage, ()))
+        _add_field_flags(p, spec.config, positional=spec.positional)
     plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP, parents=[verbose])
     _add_field_flags(plan, PlanConfig)
     from eagle3.train.estimate import EstimateConfig
@@ -169,23 +120,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def stage_config_from_args(stage: str, args: argparse.Namespace):
+    source_stages, stream_stages = stage_names("source"), stage_names("stream")
     values: dict[str, Any] = {}
     source = "command line"
     if getattr(args, "config", None):
         raw = load_yaml(args.config)
         source = f"{args.config} + command line"
-        if stage in SOURCE_STAGES and raw.get("fetch_target") and "target" in raw:  # a pipeline config
+        if stage in source_stages and raw.get("fetch_target") and "target" in raw:  # a pipeline config
             from eagle3.config import load_pipeline_config
 
             values = load_pipeline_config(args.config).fetch_target_config().model_dump(exclude={"stage"})
-        elif "target" in raw and ("data" in raw or "synthesize" in raw) and (stage in PipelineConfig.model_fields or stage in STREAM_STAGES) and (
-            any(k in raw for k in STAGES) or "work_dir" in raw
+        elif "target" in raw and ("data" in raw or "synthesize" in raw) and (stage in PipelineConfig.model_fields or stage in stream_stages) and (
+            any(k in raw for k in stage_names("pipeline")) or "work_dir" in raw
         ):
             from eagle3.config import load_pipeline_config
 
             pipe = load_pipeline_config(args.config)
-            if stage in STREAM_STAGES:  # the producer / consumer side of the pipeline's streaming mode
-                values = pipe.stream_stages()[list(STREAM_STAGES).index(stage)].model_dump(exclude={"stage"})
+            if stage in stream_stages:  # the producer / consumer side of the pipeline's streaming mode
+                values = pipe.stream_stages()[stream_stages.index(stage)].model_dump(exclude={"stage"})
             else:
                 values = getattr(pipe.resolved(), stage).model_dump(exclude={"stage"})
         else:
@@ -207,18 +159,6 @@ def build_tool_config(cls: type[BaseModel], args: argparse.Namespace) -> Any:
         return cls.model_validate(_nest({k: v for k, v in vars(args).items() if k not in ("command", "verbose")}))
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, "command line")) from None
-
-
-def _jsonable(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             result = estimate_acceptance(build_tool_config(EstimateConfig, args))
         else:
             cfg = stage_config_from_args(args.command, args)
-            result = resolve_function(args.command)(cfg)
+            result = run_stage_function(args.command, cfg)
     except Exception as e:  # noqa: BLE001 - a diagnosis for what the user can fix; bugs keep their traceback
         from eagle3.diagnose import describe_failure
 
@@ -265,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"eagle3 {args.command}: error: {message}", file=sys.stderr)
         return 2
-    print(json.dumps(_jsonable(result), indent=2, default=str))
+    print(json.dumps(jsonable(result), indent=2, default=str))
     return 0
 
 

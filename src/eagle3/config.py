@@ -589,25 +589,6 @@ class StreamTrainConfig(TrainConfig, SpoolSettings):
     captured: str | None = Field(None, description="Spool directory to train from (pipeline: stream.spool)")
 
 
-STAGES: dict[str, type[StageConfig]] = {
-    "synthesize": SynthesizeConfig,
-    "mix": MixConfig,
-    "prepare": PrepareConfig,
-    "regenerate": RegenerateConfig,
-    "capture": CaptureConfig,
-    "vocab": VocabConfig,
-    "train": TrainConfig,
-    "export": ExportConfig,
-    "evaluate": EvaluateConfig,
-}
-
-#: the two sides of streaming mode; not pipeline sections (both are derived by PipelineConfig.stream_stages)
-STREAM_STAGES: dict[str, type[StageConfig]] = {"stream-capture": StreamCaptureConfig, "stream-train": StreamTrainConfig}
-
-#: commands that bring a pipeline input into place (not pipeline sections; `fetch_target:` names the target)
-SOURCE_STAGES: dict[str, type[StageConfig]] = {"fetch-target": FetchTargetConfig}
-
-
 class PipelineConfig(BaseModel):
     """The whole pipeline. Stage paths left unset are derived from target/data/work_dir."""
 
@@ -753,14 +734,6 @@ def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = No
         return PipelineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, str(path))) from None
-
-
-def build_stage_config(stage: str, values: dict[str, Any], source: str = "arguments") -> StageConfig:
-    cls = {**STAGES, **STREAM_STAGES, **SOURCE_STAGES}[stage]
-    try:
-        return cls.model_validate(values)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source)) from None
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -1,24 +1,33 @@
-"""The whole pipeline in stage order. `eagle3 run` uses the Prefect flow (flows/pipeline.py) when Prefect
-is installed, which adds caching, retries and artifacts; `run_pipeline` is the same sequence in-process,
-with no orchestration, for machines without Prefect (e.g. a bare GPU box).
+"""The whole pipeline in stage order (eagle3.stages). `eagle3 run` hands the config to the orchestration
+layer that registers itself as a pipeline runner (the Prefect flow, eagle3_prefect.flows.pipeline, which
+adds caching, retries and artifacts) when it is installed; `run_pipeline` is the same sequence in-process,
+with no orchestration, for machines without Prefect (e.g. a bare GPU box) and for `eagle3 run --no-prefect`.
+
+The library never imports the layer above it: the Prefect layer declares its runner as an entry point
+(group `eagle3.pipeline_runners` in pyproject.toml) and this module finds it by that name.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eagle3.config import PipelineConfig, load_pipeline_config
 from eagle3.console import StageLine
+from eagle3.stages import STAGES, STREAM_STEP, jsonable, pipeline_order, run_stage_function
 
 log = logging.getLogger("eagle3.pipeline")
 
-STAGE_ORDER = ("synthesize", "mix", "regenerate", "prepare", "capture", "vocab", "train", "export", "evaluate")
+STAGE_ORDER = pipeline_order(streaming=False)
 #: stream.enabled (bounded disk): vocab first, then capture + train at once through the spool (eagle3.stream)
-STREAM_ORDER = ("synthesize", "mix", "regenerate", "prepare", "vocab", "stream", "export", "evaluate")
+STREAM_ORDER = pipeline_order(streaming=True)
+
+#: entry point group of pipeline runners: `name = "module:function"`, the function taking a PipelineConfig
+RUNNER_GROUP = "eagle3.pipeline_runners"
 
 
 @dataclass
@@ -43,18 +52,9 @@ def ensure_target(cfg: PipelineConfig) -> None:
 
 
 def enabled_stages(cfg: PipelineConfig) -> list[str]:
-    stages = []
-    for s in STREAM_ORDER if cfg.stream.enabled else STAGE_ORDER:
-        if s == "regenerate" and not cfg.regenerate.enabled:
-            continue
-        if s == "synthesize" and not cfg.synthesize.enabled:
-            continue
-        if s == "mix" and len(cfg.mix_sources()) < 2:
-            continue
-        if s == "evaluate" and not cfg.eval_prompts:
-            continue
-        stages.append(s)
-    return stages
+    """The steps `eagle3 run` takes for this config, in order (each stage's `enabled` in eagle3.stages)."""
+    order = STREAM_ORDER if cfg.stream.enabled else STAGE_ORDER
+    return [s for s in order if s == STREAM_STEP or STAGES[s].enabled(cfg)]
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
@@ -65,8 +65,6 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
 
 
 def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
-    from eagle3.cli import resolve_function
-
     ensure_target(cfg)
     resolved = cfg.resolved()
     result = PipelineResult(name=cfg.name, work_dir=cfg.work_dir)
@@ -75,39 +73,53 @@ def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
         t0 = time.time()
         log.info("stage %s: starting", stage)
         with StageLine(stage, i, len(stages)) as line:  # the one progress line per stage
-            if stage == "stream":
+            if stage == STREAM_STEP:
                 from eagle3.stream import run_stream
 
                 result.stages[stage] = run_stream(cfg)
             else:
-                result.stages[stage] = resolve_function(stage)(getattr(resolved, stage))
+                result.stages[stage] = run_stage_function(stage, getattr(resolved, stage))
             result.wall_s[stage] = round(time.time() - t0, 2)
             line.done(result.stages[stage], wall_s=result.wall_s[stage])
         log.info("stage %s: done in %.1f s", stage, result.wall_s[stage])
     return result
 
 
+def find_runner(name: str = "prefect") -> Callable[[PipelineConfig], Any] | None:
+    """The pipeline runner an installed orchestration layer registered under `name` in RUNNER_GROUP, or
+    None (with a warning saying why) when there is none or it cannot load (e.g. Prefect not installed)."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group=RUNNER_GROUP, name=name)
+    if not found:
+        log.warning("no %r pipeline runner is registered (entry point group %s; the Prefect layer declares it in "
+                    "pyproject.toml: reinstall with `pip install -e .`); running the stages in-process",
+                    name, RUNNER_GROUP)
+        return None
+    ep = next(iter(found))
+    try:
+        return ep.load()
+    except ImportError as e:
+        if "prefect" not in str(e):
+            raise
+        log.warning("Prefect layer not available (%s); running the stages in-process", e)
+        return None
+
+
 def run_pipeline_from_file(path: str | Path, use_prefect: bool = True) -> Any:
     cfg = load_pipeline_config(path)
-    if use_prefect:
-        try:
-            from flows.pipeline import eagle3_pipeline
-        except ImportError as e:
-            if "prefect" not in str(e) and "flows" not in str(e):
-                raise
-            log.warning("Prefect layer not available (%s); running the stages in-process", e)
-        else:
-            from eagle3.lock import dir_lock
+    runner = find_runner("prefect") if use_prefect else None
+    if runner is None:
+        return run_pipeline(cfg)
+    from eagle3.lock import dir_lock
 
-            with dir_lock(cfg.work_dir, "pipeline work dir"):
-                return eagle3_pipeline(cfg)
-    return run_pipeline(cfg)
+    with dir_lock(cfg.work_dir, "pipeline work dir"):
+        return runner(cfg)
 
 
 def summarize_run(config_path: str | Path, result: Any) -> str:
     """The table `eagle3 run` ends on (eagle3.console.format_summary), after writing the full result (every
     stage's manifest or result) to <work_dir>/run_summary.json."""
-    from eagle3.cli import _jsonable
     from eagle3.console import format_summary, summary_rows
     from eagle3.io import write_json
 
@@ -120,7 +132,7 @@ def summarize_run(config_path: str | Path, result: Any) -> str:
     where: dict[str, str] = {}
     if work.is_dir():
         full = work / "run_summary.json"
-        write_json(full, _jsonable({"config": str(config_path), "stages": stages, "wall_s": wall_s}))
+        write_json(full, jsonable({"config": str(config_path), "stages": stages, "wall_s": wall_s}))
         where["details"] = str(full)
         plots = sorted(str(p) for p in work.rglob("*.png"))
         if plots:
