@@ -72,9 +72,10 @@ def test_cli_flags_reach_the_draft_overrides():
 
 def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
     """A draft checkpoint with random weights (norm weights away from 1 so each norm matters), as run_train saves it."""
+    from eagle3.train.checkpoint import draft_metadata, save_model_dir
     from eagle3.train.synthetic import write_vocab
     from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
-    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+    from eagle3.train.trainer import build_draft
 
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=root / "train",
@@ -87,7 +88,7 @@ def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.startswith("fc_norm."):
                 p.uniform_(0.5, 1.5)
-    return save_model_dir(root / "train" / "final", model, metadata(cfg, model.cfg, {"layers": [1, 2, 4]}, tcfg, step=1))
+    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, {"layers": [1, 2, 4]}, tcfg, step=1))
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])

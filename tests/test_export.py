@@ -17,9 +17,10 @@ from eagle3.io import write_json
 @pytest.fixture(scope="module")
 def checkpoint(tiny_llama, tmp_path_factory):
     """A checkpoint dir as run_train writes it (random weights), with its capture manifest on disk."""
+    from eagle3.train.checkpoint import draft_metadata, save_model_dir
     from eagle3.train.synthetic import write_vocab
     from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
-    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+    from eagle3.train.trainer import build_draft
 
     root = tmp_path_factory.mktemp("export")
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
@@ -31,7 +32,7 @@ def checkpoint(tiny_llama, tmp_path_factory):
     tcfg = read_target_config(tiny_llama)
     d2t, t2d = load_vocab(vocab)
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
-    return save_model_dir(root / "train" / "final", model, metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
 
 
 def test_export_vllm_layout(checkpoint, tmp_path):
@@ -137,9 +138,10 @@ def test_vllm_loads_exported_draft(checkpoint, tiny_llama, tmp_path):
 
 def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     """vLLM keeps no d2t when draft vocab == target vocab and fails on the key: export must drop it."""
+    from eagle3.train.checkpoint import draft_metadata, save_model_dir
     from eagle3.train.synthetic import write_vocab
     from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
-    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+    from eagle3.train.trainer import build_draft
 
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(512))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=tmp_path / "train")
@@ -147,7 +149,7 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     d2t, t2d = load_vocab(vocab)
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
     manifest = {"layers": [1, 2, 4]}
-    ck = save_model_dir(tmp_path / "train" / "final", model, metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    ck = save_model_dir(tmp_path / "train" / "final", model, draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     w = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (512, 128)

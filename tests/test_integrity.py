@@ -183,7 +183,7 @@ class _Payload:
 
 
 def test_planted_pickle_in_a_checkpoint_is_refused(capture, tiny_llama, tmp_path):
-    from eagle3.train.trainer import UnsafeCheckpointError
+    from eagle3.train.checkpoint import UnsafeCheckpointError
 
     cap, vocab = capture
     run_train(_train_cfg(tmp_path / "t", tiny_llama, cap, vocab), stop_after=2)

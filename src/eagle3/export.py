@@ -67,7 +67,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for sub in ("best", "final"):
         if (p / sub / WEIGHTS).is_file() and (p / sub / METADATA).is_file():
             return p / sub
-    from eagle3.train.trainer import latest_checkpoint
+    from eagle3.train.checkpoint import latest_checkpoint
 
     ck = latest_checkpoint(p)
     if ck is None:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from eagle3.config import ConfigError
 from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
+from eagle3.train.checkpoint import METADATA, WEIGHTS
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS, PackedBatch, TTTModule, summarize
@@ -130,7 +131,6 @@ def score_batches(ttt: torch.nn.Module, batches: list[PackedBatch], head: Target
 
 def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, dict]:
     """An Eagle3Draft from a training output (best/, final/, a checkpoint) or an exported vLLM-format dir."""
-    from eagle3.train.trainer import METADATA, WEIGHTS
 
     path = Path(path)
     if not (path / METADATA).is_file():
