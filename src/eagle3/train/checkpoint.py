@@ -54,8 +54,8 @@ def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_c
     return {
         "format": "eagle3-draft/1",
         "draft_config": dcfg.to_dict(),
-        "aux_layer_ids": list(cfg.layers or manifest["layers"]),
-        "captured_layers": list(manifest["layers"]),
+        "aux_layer_ids": list(cfg.aux_layer_ids or manifest["aux_layer_ids"]),
+        "captured_aux_layer_ids": list(manifest["aux_layer_ids"]),
         "target": str(Path(cfg.target).resolve()),
         "target_hidden_size": tc["hidden_size"],
         "target_vocab_size": tc["vocab_size"],

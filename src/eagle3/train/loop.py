@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eagle3.config import TrainConfig
+from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, TrainConfig
 from eagle3.integrity import nonfinite_tensors
 from eagle3.model.draft import Eagle3Draft
 from eagle3.train import parallel
@@ -191,7 +191,7 @@ def step_options(run: Run) -> dict[str, Any]:
 def validate(run: Run, batches) -> dict[str, float]:
     """Validation metrics; tau_estimate (replayed greedy rounds at k = num_speculative_tokens) picks best/."""
     cfg = run.cfg
-    k = min(cfg.num_speculative_tokens, cfg.ttt_steps)
+    k = min(cfg.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS, cfg.ttt_steps)
     m = score_batches(run.ttt, batches, run.head, steps=cfg.ttt_steps, device=run.d.device, dtype=run.amp_dtype,
                       replay_k=k, loss_decay=cfg.loss_decay, attention=cfg.attention)
     m["loss"] = sum(cfg.loss_decay**j * m[f"loss_{j}"] for j in range(cfg.ttt_steps))

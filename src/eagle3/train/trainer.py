@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from eagle3.compat import migrate_record
 from eagle3.config import ConfigError, TrainConfig
 from eagle3.integrity import check_target_identity, target_identity
 from eagle3.lock import dir_lock
@@ -64,8 +65,8 @@ class TrainResult:
 
 
 def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num_aux: int,
-                aux_ids: list[int] | None = None) -> Eagle3Draft:
-    """The draft for this target and vocab, initialised as cfg asks; aux_ids (fc's input order) is needed by
+                aux_layer_ids: list[int] | None = None) -> Eagle3Draft:
+    """The draft for this target and vocab, initialised as cfg asks; aux_layer_ids (fc's input order) is needed by
     init_layers_from_target."""
     tc = text_config(target_cfg)
     if t2d.numel() != tc["vocab_size"]:
@@ -84,7 +85,7 @@ def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num
             model.lm_head.weight.copy_(tensors["lm_head"][torch.arange(d2t.numel()) + d2t].float())
             model.norm.weight.copy_(tensors["norm"].float())
     if cfg.init_layers_from_target:
-        init_layers_from_target(model, tensors["layers"], aux_ids)
+        init_layers_from_target(model, tensors["layers"], aux_layer_ids)
     freeze_parameters(model, cfg.freeze)
     return model
 
@@ -149,7 +150,7 @@ def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> Tr
     d = setup(cfg)
     inputs = read_inputs(cfg, manifest if source is None else source.manifest)
     model = build_draft(cfg, inputs.target_cfg, inputs.tensors, inputs.d2t, inputs.t2d,
-                        num_aux=len(inputs.aux_layer_ids), aux_ids=inputs.aux_layer_ids).to(d.device)
+                        num_aux=len(inputs.aux_layer_ids), aux_layer_ids=inputs.aux_layer_ids).to(d.device)
     check_midlayer_target(cfg, model, inputs)
     run = build_run(cfg, d, inputs, model, samples, source)
     build_optimizer(run)
@@ -187,6 +188,7 @@ def read_inputs(cfg: TrainConfig, manifest: dict | None) -> Inputs:
         from eagle3.capture import load_combined_manifest
 
         manifest = load_combined_manifest(cfg.captured)
+    manifest = migrate_record(manifest)  # a manifest given in memory may use the old key names
     target_cfg = read_target_config(cfg.target)
     tc = text_config(target_cfg)
     if manifest.get("hidden_size", tc["hidden_size"]) != tc["hidden_size"]:
@@ -201,7 +203,7 @@ def read_inputs(cfg: TrainConfig, manifest: dict | None) -> Inputs:
     if cfg.init_layers_from_target:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = load_vocab(cfg.vocab)
-    aux_layer_ids = list(cfg.layers or manifest["layers"])
+    aux_layer_ids = list(cfg.aux_layer_ids or manifest["aux_layer_ids"])
     return Inputs(manifest, target_cfg, tensors, identity, d2t, t2d, aux_layer_ids)
 
 
@@ -233,9 +235,9 @@ def read_samples(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, samples, so
     if verify and source is None and isinstance(cfg.captured, str) and (preload or isinstance(
             samples, (CapturedDataset, ConcatSamples))):
         how += ", every shard sha256-verified"
-    if cfg.layers is not None and not preload:
-        samples = SelectedLayers(samples, inputs.manifest["layers"], ids, L)
-    progress(d, f"{len(samples)} samples ({how}, layers {ids}) in {time.perf_counter() - t_load:.1f} s")
+    if cfg.aux_layer_ids is not None and not preload:
+        samples = SelectedLayers(samples, inputs.manifest["aux_layer_ids"], ids, L)
+    progress(d, f"{len(samples)} samples ({how}, aux_layer_ids {ids}) in {time.perf_counter() - t_load:.1f} s")
     return samples, verify
 
 
@@ -291,7 +293,7 @@ def read_val_captured(cfg: TrainConfig, inputs: Inputs, source, verify: bool) ->
     vm = load_combined_manifest(cfg.val_captured)
     check_target_identity(vm, inputs.identity, what=f"val_captured={cfg.val_captured}", target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError)
-    vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm["layers"], inputs.aux_layer_ids,
+    vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm["aux_layer_ids"], inputs.aux_layer_ids,
                         inputs.num_hidden_layers)
     return eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size)
 
