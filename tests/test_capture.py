@@ -184,14 +184,14 @@ def test_layer_ids_below_one_fail_the_schema():
     import pydantic
 
     for layers in ([0, 2], [-1]):
-        with pytest.raises(pydantic.ValidationError, match=r"layers\.0\n.*greater than or equal to 1"):
+        with pytest.raises(pydantic.ValidationError, match=r"aux_layer_ids\.0\n.*greater than or equal to 1"):
             CaptureConfig(aux_layer_ids=layers)
 
 
 @pytest.mark.parametrize("layers", [[2, 5], [1, 2, 7]])
 def test_bad_layer_ids(tiny_llama, prepared_llama, tmp_path, layers):
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", aux_layer_ids=layers, backend="hf")
-    with pytest.raises(ConfigError, match=r"layers = .*valid aux ids .* are 1\.\.4"):
+    with pytest.raises(ConfigError, match=r"aux_layer_ids = .*valid aux ids .* are 1\.\.4"):
         run_capture(cfg)
     assert not (tmp_path / "o").exists()
 

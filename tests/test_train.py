@@ -384,7 +384,7 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
     assert sorted(tensors["layers"]) == [L - 2, L - 1]
     aux_ids = [L - 2, 1] if deepest_first else [1, L - 2]
     draft = build_draft(cfg, target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool),
-                        num_aux=2, aux_ids=aux_ids).eval()
+                        num_aux=2, aux_layer_ids=aux_ids).eval()
     target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     ids = torch.randint(6, V, (1, 40), generator=torch.Generator().manual_seed(0))  # (1, T)
     with torch.no_grad():
@@ -401,7 +401,7 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
     with pytest.raises(ConfigError, match="intermediate_size >= the target's"):
         build_draft(cfg.model_copy(update={"draft": DraftOverrides(num_hidden_layers=3, intermediate_size=inter - 8)}),
                     target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool), num_aux=2,
-                    aux_ids=[1, L - 2])
+                    aux_layer_ids=[1, L - 2])
 
 
 def test_layers_from_target_refuse_non_llama_layers(tiny_qwen3):
