@@ -124,7 +124,7 @@ def main() -> None:
         "num_prompts": len(rows),
         "num_tokens": num_tokens,
         "engine": {k: v for k, v in kw.items() if k != "model"},
-        "layers": manifest["layers"],
+        "aux_layer_ids": manifest["aux_layer_ids"],
         "storage_dtype": dtypes[0],
         "bytes_written": written[dtypes[0]],
         "engine_start_s": round(engine_start_s, 2),

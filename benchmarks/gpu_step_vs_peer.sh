@@ -17,7 +17,7 @@
 # $OUT gets <= 8 files: train_step_vs_peer.{json,md}, ours_llama.json, ours_kimi.json, ours_cache.json,
 # peer_results.json, gpu.txt, logs.tgz.
 #
-# Carry (build on the CPU host: `bash benchmarks/device_carry.sh peer`): [".whl", ".peerbench"] — the wheels
+# Carry (build on the CPU host: `bash benchmarks/gpu_call.sh carry peer`): [".whl", ".peerbench"] — the wheels
 # speculators==0.9.0, loguru, pydantic, pydantic-core, pydantic-settings, python-dotenv, annotated-types,
 # typing-inspection, typing-extensions (Python 3.12 manylinux) and the peer harness. Torch, transformers, Triton
 # come from the GPU image.
@@ -99,7 +99,7 @@ if [ "$DO_PEER" = 1 ]; then
       run peer "$B" $PY .peerbench/bench_eagle3.py --configs "$PEER" --out "$W/peer" \
       --budget-s $((B - 60)) --hard-limit-s $((B - 5))
   else
-    echo "peer: .whl/ or .peerbench/ not carried (bash benchmarks/device_carry.sh peer)" | tee -a "$W/logs/phases.txt"
+    echo "peer: .whl/ or .peerbench/ not carried (bash benchmarks/gpu_call.sh carry peer)" | tee -a "$W/logs/phases.txt"
   fi
 fi
 

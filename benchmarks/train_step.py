@@ -11,7 +11,7 @@ One run reports, side by side (benchmarks/results/train_step.{json,md} unless --
      grads + AdamW state read/written per optimizer step; see `bytes_model`) -> floor = max(FLOPs/rate, bytes/BW)
   2. the bf16 matmul rate (8192^3 torch.matmul, mean of 10 after warm-up) and HBM bandwidth (4 GiB device copy)
      measured in this run -> MFU = achieved model FLOP/s / measured bf16 matmul rate
-  3. configurations: the fast path (`eagle3.train.step.run_benchmark_step`, flex attention, torch.compile'd
+  3. configurations: the fast path (`step_setup.run_benchmark_step`, flex attention, torch.compile'd
      midlayer where it pays) at seq 2048/4096/8192 with K=7 and K=3 at 8192, and the naive reference
      (full materialized TTT mask via attention="naive", loss in one unchunked chunk) at 2048 and 8192 (OOM caught);
      ms/step = median of N timed steps (CUDA events; no host sync inside the timed loop except the final one)
@@ -49,13 +49,10 @@ from eagle3.model.draft import DraftConfig  # noqa: E402
 from eagle3.train import attention  # noqa: E402
 from eagle3.train.flops import count_step_bytes as bytes_model  # noqa: E402
 from eagle3.train.flops import count_train_flops as flop_model  # noqa: E402
-from eagle3.train.step import (  # noqa: E402
-    StepOutput,
-    TTTModule,
-    build_benchmark,
-    run_benchmark_step,
-    ttt_forward,
-)
+from eagle3.train.step import StepOutput, TTTModule, ttt_forward  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_setup import build_benchmark, check_flex, run_benchmark_step  # noqa: E402
 
 #: Llama-3.1-8B-like draft (issue 5)
 REAL = dict(H=4096, Ht=4096, n_aux=3, nh=32, kvh=8, d=128, inter=14336, V=128256, Vd=32000)
@@ -739,9 +736,7 @@ def main(argv=None) -> int:
     if "numerics" not in res:
         numerics()
     if cuda and fast_att == "flex" and res["numerics"].get("pass") is not None and deadline - time.monotonic() > 30:
-        try:  # the attention kernel alone (fp32), eagle3.train.bench.check_flex
-            from eagle3.train.bench import check_flex
-
+        try:  # the attention kernel alone (fp32), step_setup.check_flex
             res["numerics"]["attention_only_fp32_check"] = check_flex(str(device))
         except Exception as e:  # noqa: BLE001
             res["numerics"]["attention_only_fp32_check"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

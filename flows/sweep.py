@@ -45,7 +45,7 @@ def branch_config(config: PipelineConfig, layers: list[int]) -> PipelineConfig:
     """The pipeline config of one branch: shared prepare/regenerate/vocab outputs, own capture onwards."""
     c = config.model_copy(deep=True)
     root = c.work_dir / "sweep" / layers_tag(layers)
-    c.capture.layers = list(layers)
+    c.capture.aux_layer_ids = list(layers)
     c.capture.out = root / "captured"
     c.train.captured, c.train.out = str(root / "captured"), root / "train"
     c.export.checkpoint, c.export.out = str(root / "train"), root / "draft"

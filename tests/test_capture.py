@@ -75,9 +75,9 @@ def check_golden(capture_dir: Path, target: Path) -> dict[str, float]:
     worst, worst_wrong = 0.0, 1e9
     for s, (hs, pre) in zip(samples, ref, strict=True):
         T = s["input_ids"].shape[0]
-        assert s["aux_hidden_states"].shape == (T, len(m["layers"]), m["hidden_size"])
+        assert s["aux_hidden_states"].shape == (T, len(m["aux_layer_ids"]), m["hidden_size"])
         assert s["last_hidden_states"].shape == (T, m["hidden_size"])
-        for a, k in enumerate(m["layers"]):
+        for a, k in enumerate(m["aux_layer_ids"]):
             got = s["aux_hidden_states"][:, a]  # [T, H]
             worst = max(worst, rel_err(got, hs[k]))
             # discriminating: the neighbouring ids must NOT match
@@ -106,7 +106,7 @@ def prepared_qwen3(tiny_qwen3, tmp_path_factory):
 def vllm_llama(tiny_llama, prepared_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("cap") / "llama_vllm"
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=out, backend="vllm",
-                        layers=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400)
+                        aux_layer_ids=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400)
     return run_capture(cfg)
 
 
@@ -121,13 +121,13 @@ def test_vllm_golden_qwen3(tiny_qwen3, prepared_qwen3, tmp_path):
     cfg = CaptureConfig(target=str(tiny_qwen3), data=str(prepared_qwen3), out=tmp_path / "q", backend="vllm",
                         batch_tokens=BATCH_TOKENS)
     res = run_capture(cfg)
-    assert res.layers == [1, 3, 4]
+    assert res.aux_layer_ids == [1, 3, 4]
     print("qwen3 vllm", check_golden(res.out, tiny_qwen3))
 
 
 def test_hf_golden_llama_and_qwen3(tiny_llama, prepared_llama, tiny_qwen3, prepared_qwen3, tmp_path):
     for name, target, prep in (("llama", tiny_llama, prepared_llama), ("qwen3", tiny_qwen3, prepared_qwen3)):
-        cfg = CaptureConfig(target=str(target), data=str(prep), out=tmp_path / name, backend="hf", layers=[1, 2, 4],
+        cfg = CaptureConfig(target=str(target), data=str(prep), out=tmp_path / name, backend="hf", aux_layer_ids=[1, 2, 4],
                             device="cpu", batch_tokens=512, shard_tokens=400)
         res = run_capture(cfg)
         print(name, "hf", check_golden(res.out, target))
@@ -135,7 +135,7 @@ def test_hf_golden_llama_and_qwen3(tiny_llama, prepared_llama, tiny_qwen3, prepa
 
 def test_vllm_and_hf_agree(vllm_llama, tiny_llama, prepared_llama, tmp_path):
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "hf", backend="hf",
-                        layers=[1, 2, 4], batch_tokens=512)
+                        aux_layer_ids=[1, 2, 4], batch_tokens=512)
     hf = list(load_captured(run_capture(cfg).out))
     vl = list(load_captured(vllm_llama.out))
     for a, b in zip(hf, vl, strict=True):
@@ -147,7 +147,7 @@ def test_vllm_and_hf_agree(vllm_llama, tiny_llama, prepared_llama, tmp_path):
 
 def test_manifest_and_reader(vllm_llama, prepared_llama):
     m = load_manifest(vllm_llama.out)
-    assert m["layers"] == [1, 2, 4] and m["hidden_size"] == 128 and m["dtype"] == "bfloat16"
+    assert m["aux_layer_ids"] == [1, 2, 4] and m["hidden_size"] == 128 and m["dtype"] == "bfloat16"
     assert m["num_hidden_layers"] == 5 and "before the final norm" in m["last_semantics"]
     assert m["tokenizer_sha256"] == "tok-hash" and m["chat_template_sha256"] == "tpl-hash"
     assert m["versions"]["vllm"] and m["versions"]["torch"] and m["target_config_sha256"]
@@ -172,11 +172,11 @@ def test_manifest_and_reader(vllm_llama, prepared_llama):
 
 def test_rerun_of_finished_capture_is_a_noop(vllm_llama, tiny_llama, prepared_llama):
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=vllm_llama.out, backend="vllm",
-                        layers=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400)
+                        aux_layer_ids=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400)
     res = run_capture(cfg)  # no engine is started: the manifest matches
     assert res.num_samples == vllm_llama.num_samples and res.capture_s == 0.0
     with pytest.raises(ValueError, match="different settings"):
-        run_capture(cfg.model_copy(update={"layers": [1, 2, 3]}))
+        run_capture(cfg.model_copy(update={"aux_layer_ids": [1, 2, 3]}))
 
 
 def test_layer_ids_below_one_fail_the_schema():
@@ -184,14 +184,14 @@ def test_layer_ids_below_one_fail_the_schema():
     import pydantic
 
     for layers in ([0, 2], [-1]):
-        with pytest.raises(pydantic.ValidationError, match=r"layers\.0\n.*greater than or equal to 1"):
-            CaptureConfig(layers=layers)
+        with pytest.raises(pydantic.ValidationError, match=r"aux_layer_ids\.0\n.*greater than or equal to 1"):
+            CaptureConfig(aux_layer_ids=layers)
 
 
 @pytest.mark.parametrize("layers", [[2, 5], [1, 2, 7]])
 def test_bad_layer_ids(tiny_llama, prepared_llama, tmp_path, layers):
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", layers=layers, backend="hf")
-    with pytest.raises(ConfigError, match=r"layers = .*valid aux ids .* are 1\.\.4"):
+    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", aux_layer_ids=layers, backend="hf")
+    with pytest.raises(ConfigError, match=r"aux_layer_ids = .*valid aux ids .* are 1\.\.4"):
         run_capture(cfg)
     assert not (tmp_path / "o").exists()
 
@@ -203,7 +203,7 @@ def test_missing_paths(tiny_llama, tmp_path):
 
 def test_disk_space_refusal(tiny_llama, prepared_llama, tmp_path):
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", backend="hf",
-                        layers=[1, 2, 4], min_free_disk_gb=1e9)
+                        aux_layer_ids=[1, 2, 4], min_free_disk_gb=1e9)
     with pytest.raises(ValueError, match=r"min_free_disk_gb = 1000000000.0 GB .* free"):
         run_capture(cfg)
     assert not list((tmp_path / "o").glob("shard-*"))
@@ -230,7 +230,7 @@ def test_non_finite_samples_are_skipped_and_counted(tiny_llama, prepared_llama, 
     w["model.embed_tokens.weight"][poison] = float("nan")
     save_file(w, str(weights), metadata={"format": "pt"})
     res = run_capture(CaptureConfig(target=str(bad), data=str(prepared_llama), out=tmp_path / "o", backend="hf",
-                                    layers=[1, 2, 4], batch_tokens=256, shard_tokens=300))
+                                    aux_layer_ids=[1, 2, 4], batch_tokens=256, shard_tokens=300))
     assert res.num_skipped == {"non_finite": expected}
     assert res.num_samples == NUM_PROMPTS - expected
     m = load_manifest(res.out)
@@ -243,7 +243,7 @@ def test_non_finite_samples_are_skipped_and_counted(tiny_llama, prepared_llama, 
 def test_storage_dtypes_and_limit(tiny_llama, prepared_llama, tmp_path):
     for dt, torch_dt in (("float16", torch.float16), ("float32", torch.float32)):
         res = run_capture(CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / dt,
-                                        backend="hf", layers=[1, 2, 4], storage_dtype=dt, limit=3))
+                                        backend="hf", aux_layer_ids=[1, 2, 4], storage_dtype=dt, limit=3))
         s = list(load_captured(res.out))
         assert len(s) == 3 and s[0]["aux_hidden_states"].dtype == torch_dt
         assert json.loads((tmp_path / dt / "manifest.json").read_text())["dtype"] == dt
@@ -255,7 +255,7 @@ def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
     import sys
 
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", backend="hf",
-                        layers=[1, 2, 4], limit=2)
+                        aux_layer_ids=[1, 2, 4], limit=2)
     code = (
         "import sys, json\n"
         "sys.modules['vllm'] = None  # any `import vllm` now raises ImportError\n"
@@ -275,7 +275,7 @@ def test_worker_writer_writes_the_driver_shards_byte_for_byte(vllm_llama, tiny_l
     background thread, overlapping the next chunk's prefill) and only metadata crosses collective_rpc; the files
     are the driver-mode files byte for byte (same sha256), with the same progress entries and counts."""
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "w", backend="vllm",
-                        layers=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400, writer="worker",
+                        aux_layer_ids=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400, writer="worker",
                         worker_background="always")  # the thread path (auto: only on a GPU engine)
     res = run_capture(cfg)
     mw, md = load_manifest(res.out), load_manifest(vllm_llama.out)

@@ -22,7 +22,7 @@ FP8_REL_ERR = 0.05
 
 
 def _cfg(target, data, out, **kw):
-    base = dict(target=str(target), data=str(data), out=out, backend="hf", layers=[1, 2, 4], device="cpu",
+    base = dict(target=str(target), data=str(data), out=out, backend="hf", aux_layer_ids=[1, 2, 4], device="cpu",
                 dtype="float32", batch_tokens=512, shard_tokens=400)
     return CaptureConfig(**{**base, **kw})
 
@@ -123,7 +123,7 @@ def test_trainer_reader_dequantizes_fp8(captures):
 
     ref = list(load_captured(captures["fp8"].out))
     ds = CapturedDataset(captures["fp8"].out)
-    ram = preload_samples(captures["fp8"].out, ds.manifest["layers"], ds.manifest["num_hidden_layers"])
+    ram = preload_samples(captures["fp8"].out, ds.manifest["aux_layer_ids"], ds.manifest["num_hidden_layers"])
     for i in (0, len(ref) // 2, len(ref) - 1):
         for k in ("aux_hidden_states", "last_hidden_states"):
             assert ds[i][k].dtype == torch.bfloat16 and torch.equal(ds[i][k], ref[i][k]), (i, k)
@@ -132,7 +132,7 @@ def test_trainer_reader_dequantizes_fp8(captures):
 
 def test_fp8_manifest_and_bytes(captures):
     m = load_manifest(captures["fp8"].out)
-    H, A = m["hidden_size"], len(m["layers"])
+    H, A = m["hidden_size"], len(m["aux_layer_ids"])
     assert m["dtype"] == "fp8" and m["storage"]["dtype"] == "float8_e4m3fn"
     assert m["storage"]["reader_dtype"] == "bfloat16"
     assert m["storage"]["scales"]["aux_hidden_states"] == {"key": "aux_hidden_states_scale", "dtype": "float32",
@@ -191,7 +191,7 @@ def test_vllm_fp8_in_worker(tiny_llama, prepared, captures, tmp_path):
     """vLLM backend, float32 engine, fp8 conversion inside the worker: matches the hf float32 capture
     within the fp8 bound, and the stored scales are exactly absmax/448 of the worker's rows."""
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared), out=tmp_path / "v", backend="vllm",
-                        layers=[1, 2, 4], dtype="float32", storage_dtype="fp8", batch_tokens=64, shard_tokens=400)
+                        aux_layer_ids=[1, 2, 4], dtype="float32", storage_dtype="fp8", batch_tokens=64, shard_tokens=400)
     res = run_capture(cfg)
     assert res.num_samples == captures["float32"].num_samples and res.num_skipped == {}
     worst = 0.0

@@ -32,7 +32,7 @@ def prepared_many(tiny_llama, tmp_path_factory):
 def _cfg(target, data, out):
     # batch_tokens < 2 x shortest sample: every hf batch is one sample, so the numerics do not depend
     # on where a run starts (bitwise comparison below)
-    return CaptureConfig(target=str(target), data=str(data), out=out, backend="hf", layers=[1, 2, 4],
+    return CaptureConfig(target=str(target), data=str(data), out=out, backend="hf", aux_layer_ids=[1, 2, 4],
                          device="cpu", batch_tokens=30, shard_tokens=150)
 
 

@@ -35,11 +35,11 @@ def test_bad_value_names_field_and_value():
 
 
 def test_layers_parse_and_validate():
-    assert CaptureConfig(layers="2,4,5").layers == [2, 4, 5]
+    assert CaptureConfig(aux_layer_ids="2,4,5").aux_layer_ids == [2, 4, 5]
     with pytest.raises(ValueError, match="duplicates"):
-        CaptureConfig(layers=[2, 2])
+        CaptureConfig(aux_layer_ids=[2, 2])
     with pytest.raises(ValueError, match="comma-separated"):
-        CaptureConfig(layers="2,x")
+        CaptureConfig(aux_layer_ids="2,x")
 
 
 def test_require_names_the_flag():
@@ -66,3 +66,40 @@ def test_pipeline_resolution_fills_paths():
     assert cfg.train.captured == str(Path("w/captured"))
     cfg2 = PipelineConfig(target="T", data="D.jsonl", regenerate={"enabled": False}).resolved()
     assert cfg2.prepare.data == "D.jsonl"
+
+
+@pytest.mark.parametrize("section", ["capture", "train"])
+def test_old_layers_key_is_an_error_naming_the_new_key(tmp_path, section):
+    """The aux ids are `aux_layer_ids` since session 8: an old `layers:` key is refused, naming the new key."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"target: t\ndata: d\n{section}:\n  layers: [2, 4, 5]\n")
+    with pytest.raises(ConfigError, match=rf"{section}\.layers: renamed to {section}\.aux_layer_ids"):
+        load_pipeline_config(p)
+    with pytest.raises(ConfigError, match=r"layers: renamed to aux_layer_ids"):
+        build_stage_config(section, {"layers": [2, 4, 5]})
+    p.write_text(f"target: t\ndata: d\n{section}:\n  aux_layer_ids: [2, 4, 5]\n")
+    assert getattr(load_pipeline_config(p), section).aux_layer_ids == [2, 4, 5]
+
+
+def test_num_speculative_tokens_is_set_once_in_evaluate():
+    """train picks its best checkpoint at the k evaluate serves with; a different train value is refused."""
+    cfg = PipelineConfig(target="t", data="d", evaluate={"num_speculative_tokens": 5}).resolved()
+    assert cfg.train.num_speculative_tokens == 5 and cfg.evaluate.num_speculative_tokens == 5
+    assert cfg.stream_stages()[1].num_speculative_tokens == 5
+    assert PipelineConfig(target="t", data="d").resolved().train.num_speculative_tokens == 3
+    PipelineConfig.model_validate(cfg.model_dump())  # a resolved config (same k in both) reloads
+    with pytest.raises(ValueError, match=r"train.num_speculative_tokens = 4 but evaluate.num_speculative_tokens = 3"):
+        PipelineConfig(target="t", data="d", train={"num_speculative_tokens": 4})
+    assert TrainConfig().num_speculative_tokens is None  # standalone: the default k (3) at selection
+
+
+def test_records_with_old_key_names_are_migrated():
+    from eagle3.compat import migrate_record
+
+    old = {"layers": [1, 2, 4], "captured_layers": [1, 2, 4, 5], "hidden_size": 8,
+           "train_config": {"layers": [1, 2], "lr": 1e-3}}
+    new = migrate_record(old)
+    assert new == {"aux_layer_ids": [1, 2, 4], "captured_aux_layer_ids": [1, 2, 4, 5], "hidden_size": 8,
+                   "train_config": {"aux_layer_ids": [1, 2], "lr": 1e-3}}
+    assert old["layers"] == [1, 2, 4]  # the input is left as it was
+    assert migrate_record(new) == new

@@ -1,10 +1,14 @@
-"""Every command line in README.md and docs/scaling.md works as written (docs/operations.md's are issue 20's).
+"""Every command line in README.md, docs/scaling.md and benchmarks/README.md works as written (docs/operations.md's
+are issue 20's).
 
 Each documented command is found (fenced blocks and inline code spans) and must be classified here: an
 `eagle3` command is parsed by the real CLI parser with its placeholders filled in (FILE = every preset in
 configs/ for `eagle3 plan`, `h200|b300|...` = each alternative), and run for real where that is cheap
 (`eagle3 plan` on every preset and profile, configs loaded and validated); `bash scripts/demo.sh` runs with
---dry-run (the eagle3 command it would run, checked the same way); the rest names the test that runs it.
+--dry-run (the eagle3 command it would run, checked the same way); `bash benchmarks/gpu_call.sh run ... -- CMD`
+runs with --dry-run (CMD checked the same way when it is an eagle3 or benchmark command); any other benchmark
+command (`python benchmarks/X.py --flag ...`, `bash benchmarks/X.sh ...`) must name an existing script that defines
+every flag it passes; the rest names the test that runs it.
 A new command in the docs that fits none of these fails the test, so the docs cannot drift unnoticed.
 """
 
@@ -25,7 +29,7 @@ from eagle3.config import load_pipeline_config
 from eagle3.stages import stage_names
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/scaling.md")
+DOCS = ("README.md", "docs/scaling.md", "benchmarks/README.md")
 PRESETS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml"))
 
 #: documented commands run by other tests (command prefix -> where)
@@ -60,9 +64,36 @@ def documented_commands() -> list[tuple[str, str, bool]]:
                 if cmd and not cmd.startswith("#"):
                     found.append((doc, " ".join(cmd.split()), True))
         for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
-            if re.match(r"(\.venv/bin/)?eagle3 [a-z]|bash scripts/|python scripts/", span):
+            if re.match(r"(\.venv/bin/)?eagle3 [a-z]|bash scripts/|python scripts/|" + BENCH, span):
                 found.append((doc, span, False))
     return found
+
+
+#: a benchmark command: `[PYTHONPATH=src] [.venv/bin/]python[3] benchmarks/X.py ...` or `bash benchmarks/X.sh ...`
+BENCH = r"(PYTHONPATH=src )?((\.venv/bin/)?python3? |bash )benchmarks/"
+
+
+def check_benchmark(cmd: str, capsys) -> None:
+    """The script exists and defines every --flag the command passes (argparse's add_argument or the shell's case);
+    gpu_call.sh run is run with --dry-run and its inner command checked the same way."""
+    argv = shlex.split(re.sub(r"^PYTHONPATH=src ", "", cmd))
+    script = next(a for a in argv if a.startswith("benchmarks/"))
+    path = ROOT / script
+    assert path.is_file(), f"`{cmd}`: {script} does not exist"
+    rest = argv[argv.index(script) + 1:]
+    own = rest[:rest.index("--")] if "--" in rest else rest
+    text = path.read_text()
+    for flag in (a.split("=")[0] for a in own if a.startswith("--")):
+        assert f'"{flag}"' in text or f"{flag})" in text, f"`{cmd}`: {script} defines no {flag}"
+    if script == "benchmarks/gpu_call.sh" and own[:1] == ["run"]:
+        p = subprocess.run(["bash", script, "run", "--dry-run", *own[1:], "--", *rest[len(own) + 1:]], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, f"`{cmd}`: {p.stderr}"
+        inner = " ".join(rest[len(own) + 1:])
+        if re.match(r"python3? -m eagle3\.cli ", inner):
+            check_eagle3([shlex.split(inner)[3:]], capsys)
+        elif re.match(BENCH, inner):
+            check_benchmark(inner, capsys)
 
 
 def expand(cmd: str) -> list[list[str]]:
@@ -138,6 +169,8 @@ def test_every_documented_command_works(capsys, monkeypatch):
             continue
         if re.match(r"(\.venv/bin/)?eagle3 ", cmd):
             check_eagle3(expand(cmd), capsys, whole)
+        elif re.match(BENCH, cmd):
+            check_benchmark(cmd, capsys)
         elif cmd.startswith("bash scripts/demo.sh"):
             p = subprocess.run(["bash", "scripts/demo.sh", "--dry-run", *shlex.split(cmd)[2:]], cwd=ROOT,
                                capture_output=True, text=True, timeout=60)

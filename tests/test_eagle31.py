@@ -72,9 +72,11 @@ def test_cli_flags_reach_the_draft_overrides():
 
 def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
     """A draft checkpoint with random weights (norm weights away from 1 so each norm matters), as run_train saves it."""
-    from eagle3.train.synthetic import write_vocab
+    from tests.synthetic_capture import write_vocab
+
+    from eagle3.train.checkpoint import draft_metadata, save_model_dir
     from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
-    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+    from eagle3.train.trainer import build_draft
 
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=root / "train",
@@ -87,7 +89,7 @@ def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.startswith("fc_norm."):
                 p.uniform_(0.5, 1.5)
-    return save_model_dir(root / "train" / "final", model, metadata(cfg, model.cfg, {"layers": [1, 2, 4]}, tcfg, step=1))
+    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, {"aux_layer_ids": [1, 2, 4]}, tcfg, step=1))
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
@@ -211,10 +213,11 @@ def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, inprocess_vllm, va
 def test_train_eagle31_learns_and_exports(tiny_llama, tmp_path):
     """run_train with both switches: fc_norm weights are trained (moved off 1), the loss falls, the checkpoint's
     draft config carries the switches, and export writes them."""
-    from eagle3.train import run_train
-    from eagle3.train.synthetic import capture_samples, frequent_ids, write_vocab
+    from tests.synthetic_capture import capture_samples, frequent_ids, write_vocab
 
-    samples, manifest = capture_samples(tiny_llama, num=12, layers=(1, 2, 4), min_len=16, max_len=32)
+    from eagle3.train import run_train
+
+    samples, manifest = capture_samples(tiny_llama, num=12, aux_layer_ids=(1, 2, 4), min_len=16, max_len=32)
     vocab = write_vocab(tmp_path / "vocab", 512, frequent_ids(samples, 200, 512))
     cfg = TrainConfig(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp_path / "train",
                       max_steps=16, lr=5e-3, warmup_steps=2, max_seq_len=64, ttt_steps=2, eval_every=16,

@@ -25,9 +25,9 @@ from eagle3.train.step import TTTModule
 
 @pytest.fixture(scope="module")
 def captured(tiny_llama, tmp_path_factory):
-    from eagle3.train.synthetic import capture_samples, frequent_ids, write_captured, write_vocab
+    from tests.synthetic_capture import capture_samples, frequent_ids, write_captured, write_vocab
 
-    samples, manifest = capture_samples(tiny_llama, num=14, layers=(1, 2, 3), min_len=16, max_len=40)
+    samples, manifest = capture_samples(tiny_llama, num=14, aux_layer_ids=(1, 2, 3), min_len=16, max_len=40)
     tmp = tmp_path_factory.mktemp("est")
     vocab = write_vocab(tmp / "vocab", 512, frequent_ids(samples, 200, 512))
     return samples, manifest, vocab, write_captured(tmp / "cap", samples, manifest, shard_samples=5)
@@ -52,13 +52,13 @@ def test_replay_rounds_counts_like_the_engine():
 
 def test_selected_layers_reads_the_last_layer_as_id_L(captured):
     samples, manifest, _, path = captured
-    sel = SelectedLayers(samples, manifest["layers"], [3, 5, 1], num_hidden_layers=5)
+    sel = SelectedLayers(samples, manifest["aux_layer_ids"], [3, 5, 1], num_hidden_layers=5)
     s, raw = sel[2], samples[2]
     assert torch.equal(s["aux_hidden_states"][:, 0], torch.as_tensor(raw["aux_hidden_states"])[:, 2])
     assert torch.equal(s["aux_hidden_states"][:, 1], torch.as_tensor(raw["last_hidden_states"]))
     assert torch.equal(s["aux_hidden_states"][:, 2], torch.as_tensor(raw["aux_hidden_states"])[:, 0])
-    with pytest.raises(ValueError, match=r"TrainConfig.layers = \[4\]: id\(s\) \[4\] were not captured"):
-        SelectedLayers(samples, manifest["layers"], [4], num_hidden_layers=5)
+    with pytest.raises(ValueError, match=r"TrainConfig.aux_layer_ids = \[4\]: id\(s\) \[4\] were not captured"):
+        SelectedLayers(samples, manifest["aux_layer_ids"], [4], num_hidden_layers=5)
     ram = preload_samples(path, [3, 5, 1], num_hidden_layers=5)
     assert len(ram) == len(samples)
     for i in (0, 7, 13):  # across shards, equal to the memory-mapped selection
@@ -121,10 +121,10 @@ def test_train_with_layer_subset_val_capture_and_estimate(captured, tiny_llama, 
     # a second capture dir for validation (train refuses val_captured == captured; the plumbing is what is tested)
     val = shutil.copytree(path, tmp_path / "val_capture")
     cfg = TrainConfig(target=str(tiny_llama), captured=str(path), vocab=str(vocab), out=tmp_path / "t", max_steps=6,
-                      eval_every=3, max_seq_len=64, batch_size=2, ttt_steps=3, lr=3e-3, layers=[1, 5],
+                      eval_every=3, max_seq_len=64, batch_size=2, ttt_steps=3, lr=3e-3, aux_layer_ids=[1, 5],
                       val_captured=str(val), preload=True, hidden_noise=0.1, init_head_from_target=True)
     res = run_train(cfg)
-    assert res.metadata["aux_layer_ids"] == [1, 5] and res.metadata["captured_layers"] == [1, 2, 3]
+    assert res.metadata["aux_layer_ids"] == [1, 5] and res.metadata["captured_aux_layer_ids"] == [1, 2, 3]
     splits = [json.loads(x)["split"] for x in (tmp_path / "t" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert splits.count("val") == 2 and splits.count("heldout") == 2  # val_fraction's split is still logged
     best = json.loads((tmp_path / "t" / "best" / "eagle3_draft.json").read_text())

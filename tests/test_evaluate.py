@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from tests.random_draft import build_random_draft
 
 from eagle3.config import EvaluateConfig
 from eagle3.evaluate import EvaluateResult, run_evaluate, simulate_acceptance_length
-from eagle3.testing.random_draft import build_random_draft
 
 K = 3
 

@@ -17,21 +17,23 @@ from eagle3.io import write_json
 @pytest.fixture(scope="module")
 def checkpoint(tiny_llama, tmp_path_factory):
     """A checkpoint dir as run_train writes it (random weights), with its capture manifest on disk."""
-    from eagle3.train.synthetic import write_vocab
+    from tests.synthetic_capture import write_vocab
+
+    from eagle3.train.checkpoint import draft_metadata, save_model_dir
     from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
-    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+    from eagle3.train.trainer import build_draft
 
     root = tmp_path_factory.mktemp("export")
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
     captured = root / "captured"
-    manifest = {"format": "eagle3-capture/1", "layers": [1, 2, 4], "hidden_size": 128, "num_samples": 3,
+    manifest = {"format": "eagle3-capture/1", "aux_layer_ids": [1, 2, 4], "hidden_size": 128, "num_samples": 3,
                 "target": str(tiny_llama), "shards": []}
     write_json(captured / "manifest.json", manifest)
     cfg = TrainConfig(target=str(tiny_llama), captured=str(captured), vocab=str(vocab), out=root / "train")
     tcfg = read_target_config(tiny_llama)
     d2t, t2d = load_vocab(vocab)
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
-    return save_model_dir(root / "train" / "final", model, metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
 
 
 def test_export_vllm_layout(checkpoint, tmp_path):
@@ -97,7 +99,7 @@ def test_layer_ids_disagreeing_with_capture_refused(checkpoint, tmp_path):
     meta = json.loads((ck / "eagle3_draft.json").read_text())
     meta["aux_layer_ids"] = [1, 2, 3]
     write_json(ck / "eagle3_draft.json", meta)
-    with pytest.raises(ExportError, match=r"aux_layer_ids=\[1, 2, 3\].*layers=\[1, 2, 4\]"):
+    with pytest.raises(ExportError, match=r"aux_layer_ids=\[1, 2, 3\].*aux_layer_ids=\[1, 2, 4\]"):
         run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     meta["aux_layer_ids"], meta["captured"] = [1, 2], "/nonexistent"
     write_json(ck / "eagle3_draft.json", meta)
@@ -137,17 +139,19 @@ def test_vllm_loads_exported_draft(checkpoint, tiny_llama, tmp_path):
 
 def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     """vLLM keeps no d2t when draft vocab == target vocab and fails on the key: export must drop it."""
-    from eagle3.train.synthetic import write_vocab
+    from tests.synthetic_capture import write_vocab
+
+    from eagle3.train.checkpoint import draft_metadata, save_model_dir
     from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
-    from eagle3.train.trainer import build_draft, metadata, save_model_dir
+    from eagle3.train.trainer import build_draft
 
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(512))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=tmp_path / "train")
     tcfg = read_target_config(tiny_llama)
     d2t, t2d = load_vocab(vocab)
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
-    manifest = {"layers": [1, 2, 4]}
-    ck = save_model_dir(tmp_path / "train" / "final", model, metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    manifest = {"aux_layer_ids": [1, 2, 4]}
+    ck = save_model_dir(tmp_path / "train" / "final", model, draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     w = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (512, 128)
@@ -162,14 +166,14 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path, num_layers
     tokens accepted by vLLM's EAGLE-3 proposer; an untrained one would get ~1/512 per position. With 2 layers it
     checks the extra layer's wiring (residual, norms, its own KV cache per step) against vLLM's."""
     pytest.importorskip("vllm")
+    from tests.synthetic_capture import capture_samples, greedy_continuations, write_vocab
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eagle3.train import run_train
-    from eagle3.train.synthetic import capture_samples, greedy_continuations, write_vocab
 
     ids, plen = greedy_continuations(tiny_llama, 16, prompt_len=6, new_tokens=40)
-    samples, manifest = capture_samples(tiny_llama, layers=(1, 2, 4), token_ids=ids, prompt_lens=plen)
+    samples, manifest = capture_samples(tiny_llama, aux_layer_ids=(1, 2, 4), token_ids=ids, prompt_lens=plen)
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(0, 512))
     cfg = TrainConfig(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp_path / "train",
                       max_steps=300, lr=5e-3, warmup_steps=10, schedule="constant", max_seq_len=256, ttt_steps=3,
@@ -194,7 +198,7 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path, num_layers
 
 
 def test_vocab_rebuilt_after_training_refused(checkpoint, tmp_path):
-    from eagle3.train.synthetic import write_vocab
+    from tests.synthetic_capture import write_vocab
 
     ck = _copy(checkpoint, tmp_path)
     meta = json.loads((ck / "eagle3_draft.json").read_text())
@@ -203,3 +207,29 @@ def test_vocab_rebuilt_after_training_refused(checkpoint, tmp_path):
     with pytest.raises(ExportError, match="d2t differs"):
         run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     assert not (tmp_path / "draft").exists()
+
+
+def test_checkpoint_and_capture_with_old_key_names_still_export(checkpoint, tmp_path):
+    """A checkpoint and capture written before the aux-id rename (`layers`, `captured_layers`) export as before;
+    the exported eagle3_draft.json carries the new names, config.json vLLM's own key."""
+    root = tmp_path / "old"
+    shutil.copytree(checkpoint.parent.parent, root)
+    ck = root / "train" / "final"
+    meta = json.loads((ck / "eagle3_draft.json").read_text())
+    meta["captured_layers"] = meta.pop("captured_aux_layer_ids")
+    meta["train_config"]["layers"] = meta["train_config"].pop("aux_layer_ids")
+    meta["captured"] = str(root / "captured")
+    write_json(ck / "eagle3_draft.json", meta)
+    m = json.loads((root / "captured" / "manifest.json").read_text())
+    m["layers"] = m.pop("aux_layer_ids")
+    write_json(root / "captured" / "manifest.json", m)
+    out = tmp_path / "draft"
+    run_export(ExportConfig(checkpoint=str(ck), out=out))
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    exported = json.loads((out / "eagle3_draft.json").read_text())
+    assert exported["captured_aux_layer_ids"] == [1, 2, 4] and "captured_layers" not in exported
+    assert "aux_layer_ids" in exported["train_config"] and "layers" not in exported["train_config"]
+    m["layers"] = [1, 2, 3]  # still checked against the capture under its old key
+    write_json(root / "captured" / "manifest.json", m)
+    with pytest.raises(ExportError, match=r"capture manifest's aux_layer_ids=\[1, 2, 3\]"):
+        run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft2"))

@@ -299,11 +299,11 @@ def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
     from eagle3_prefect.flows.sweep import layer_sweep
 
     cfg = base["cfg"].model_copy(deep=True)
-    cfg.capture.layers = [1, 2, 9]
+    cfg.capture.aux_layer_ids = [1, 2, 9]
     t0 = time.time()
     state, run_id, _ = run_flow(eagle3_pipeline, cfg, dispatch="local")
     assert state.is_failed() and state.type.value == "FAILED", state
-    assert "capture.layers = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; use ids in 1..4" in state.message
+    assert "capture.aux_layer_ids = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; use ids in 1..4" in state.message
     assert _read_task_runs(run_id) == []
     state, run_id, _ = run_flow(layer_sweep, base["cfg"], [[1, 2], [2, 7]], dispatch="local")
     assert state.is_failed() and "layer_sets[1] = [2, 7]: id(s) [7] out of range" in state.message, state.message

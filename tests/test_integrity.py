@@ -38,7 +38,7 @@ def prepared(tiny_llama, tmp_path_factory):
 
 
 def _cap_cfg(target, data, out, **kw):
-    base = dict(target=str(target), data=str(data), out=out, backend="hf", layers=[1, 2, 4], device="cpu",
+    base = dict(target=str(target), data=str(data), out=out, backend="hf", aux_layer_ids=[1, 2, 4], device="cpu",
                 batch_tokens=30, shard_tokens=300, dtype="float32", storage_dtype="float32")
     return CaptureConfig(**{**base, **kw})
 
@@ -46,7 +46,7 @@ def _cap_cfg(target, data, out, **kw):
 @pytest.fixture(scope="module")
 def capture(tiny_llama, prepared, tmp_path_factory):
     """A finished hf capture of the tiny target (several shards) and a vocab for it."""
-    from eagle3.train.synthetic import write_vocab
+    from tests.synthetic_capture import write_vocab
 
     root = tmp_path_factory.mktemp("cap")
     res = run_capture(_cap_cfg(tiny_llama, prepared, root / "cap"))
@@ -111,8 +111,9 @@ def test_already_complete_capture_is_verified_and_repaired(capture, tiny_llama, 
 def _nan_capture(cap: Path, out: Path, which: list[int]) -> tuple[Path, list[str]]:
     """A capture written like eagle3's (valid sha256) whose samples `which` hold NaN states: what a target that
     overflowed would record if nothing checked it."""
+    from tests.synthetic_capture import write_captured
+
     from eagle3.capture.storage import load_manifest
-    from eagle3.train.synthetic import write_captured
 
     samples = list(load_captured(cap))
     for i in which:
@@ -183,7 +184,7 @@ class _Payload:
 
 
 def test_planted_pickle_in_a_checkpoint_is_refused(capture, tiny_llama, tmp_path):
-    from eagle3.train.trainer import UnsafeCheckpointError
+    from eagle3.train.checkpoint import UnsafeCheckpointError
 
     cap, vocab = capture
     run_train(_train_cfg(tmp_path / "t", tiny_llama, cap, vocab), stop_after=2)

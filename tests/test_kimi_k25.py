@@ -91,7 +91,7 @@ def captured(kimi, tmp_path_factory):
     """The vLLM capture of the prepared chats (one engine, float32: a random router's near-ties flip experts in bf16)."""
     target, prepared = kimi
     res = run_capture(CaptureConfig(target=str(target), data=str(prepared), out=tmp_path_factory.mktemp("cap") / "tp1",
-                                    backend="vllm", layers=LAYERS, dtype="float32", batch_tokens=MAX_MODEL_LEN,
+                                    backend="vllm", aux_layer_ids=LAYERS, dtype="float32", batch_tokens=MAX_MODEL_LEN,
                                     shard_tokens=400))
     assert res.num_skipped == {}
     return res.out
@@ -125,7 +125,7 @@ def test_vllm_capture_matches_transformers(kimi, captured):
     state = the input of the language model's final norm. Neighbouring ids must not match."""
     target, _ = kimi
     m = load_manifest(captured)
-    assert m["layers"] == LAYERS and m["num_hidden_layers"] == NUM_LAYERS and m["hidden_size"] == 128
+    assert m["aux_layer_ids"] == LAYERS and m["num_hidden_layers"] == NUM_LAYERS and m["hidden_size"] == 128
     samples = list(load_captured(captured))
     assert len(samples) == m["num_samples"] >= NUM_CHATS - 2
     ref = kimi_reference_states(target, [s["input_ids"] for s in samples])
@@ -257,7 +257,7 @@ def vllm_eagle3_load(checks: list[dict]) -> list[dict]:
 def preset_draft(tmp_path_factory):
     """The Kimi-K2.5 preset's draft at real size, built on the meta device: (export config dir, target config dir,
     export shapes, draft config, aux ids)."""
-    from eagle3.capture.run import resolve_layers
+    from eagle3.capture.storage import resolve_aux_layer_ids
     from eagle3.config import load_pipeline_config
     from eagle3.export import vllm_config
     from eagle3.model.draft import (
@@ -269,7 +269,7 @@ def preset_draft(tmp_path_factory):
 
     cfg = load_pipeline_config(ROOT / "configs/kimi-k2.5.yaml").resolved()
     tcfg = json.loads((ROOT / "configs/targets/kimi-k2.5.json").read_text())
-    ids = resolve_layers(cfg.capture.layers, text_config(tcfg)["num_hidden_layers"])
+    ids = resolve_aux_layer_ids(cfg.capture.aux_layer_ids, text_config(tcfg)["num_hidden_layers"])
     dcfg = draft_config_from_target(tcfg, num_aux=len(ids), draft_vocab_size=cfg.vocab.draft_vocab_size,
                                     overrides=cfg.train.draft)
     with torch.device("meta"):
@@ -379,12 +379,12 @@ def test_vllm_capture_tp2(kimi, captured, tmp_path, monkeypatch):
     elif torch.cuda.device_count() < 2:
         pytest.skip(f"tensor_parallel_size=2 needs 2 GPUs, {torch.cuda.device_count()} visible")
     res = run_capture(CaptureConfig(target=str(target), data=str(prepared), out=tmp_path / "tp2", backend="vllm",
-                                    layers=LAYERS, dtype="float32", batch_tokens=MAX_MODEL_LEN, shard_tokens=400,
+                                    aux_layer_ids=LAYERS, dtype="float32", batch_tokens=MAX_MODEL_LEN, shard_tokens=400,
                                     tensor_parallel_size=2))
     assert res.num_skipped == {}
     m1, m2 = load_manifest(captured), load_manifest(res.out)
     assert m2["capture_config"]["tensor_parallel_size"] == 2
-    assert (m2["num_samples"], m2["num_tokens"], m2["layers"]) == (m1["num_samples"], m1["num_tokens"], m1["layers"])
+    assert (m2["num_samples"], m2["num_tokens"], m2["aux_layer_ids"]) == (m1["num_samples"], m1["num_tokens"], m1["aux_layer_ids"])
     s1, s2 = list(iter_shards(captured)), list(iter_shards(res.out))
     assert [s["sample_ids"] for s in s2] == [s["sample_ids"] for s in s1]  # no duplicated or missing rows
     worst = 0.0

@@ -40,7 +40,7 @@ def family(request, tmp_path_factory):
     prepared = make_prepared(target, root / "prepared")
     # float32 compute: in bf16 a random router's near-ties flip experts (rel err 0.10-0.16 vs fp32, both backends)
     cap = run_capture(CaptureConfig(target=str(target), data=str(prepared), out=root / "captured", backend="hf",
-                                    layers=LAYERS, dtype="float32", batch_tokens=64, shard_tokens=400))
+                                    aux_layer_ids=LAYERS, dtype="float32", batch_tokens=64, shard_tokens=400))
     return arch, target, prepared, cap.out
 
 
@@ -55,10 +55,10 @@ def test_hf_capture_matches_transformers(family):
 
 def test_capture_train_export(family, tmp_path):
     import torch
+    from tests.synthetic_capture import write_vocab
 
     from eagle3.export import run_export
     from eagle3.train import run_train
-    from eagle3.train.synthetic import write_vocab
 
     arch, target, prepared, captured = family
     tcfg = json.loads((target / "config.json").read_text())
@@ -90,7 +90,7 @@ def test_vllm_capture_moe(family, tmp_path):
     pytest.importorskip("vllm")
     _, target, prepared, _ = family
     res = run_capture(CaptureConfig(target=str(target), data=str(prepared), out=tmp_path / "cap", backend="vllm",
-                                    layers=LAYERS, dtype="float32", batch_tokens=64, shard_tokens=400))
+                                    aux_layer_ids=LAYERS, dtype="float32", batch_tokens=64, shard_tokens=400))
     assert check_golden(res.out, target)["match"] < 0.01
 
 

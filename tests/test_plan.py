@@ -29,7 +29,7 @@ KIMI = dict(config=str(ROOT / "configs/kimi-k2.5.yaml"), target_config=str(ROOT 
 def test_kimi_k25_bytes_per_token_and_fp8_halves_it():
     r = run_plan(PlanConfig(**KIMI, num_samples=1000, mean_tokens=1000, storage_dtype="bfloat16"))
     st = r.storage
-    assert r.layers == [2, 30, 58] and st.hidden_size == 7168  # read from the nested text_config
+    assert r.aux_layer_ids == [2, 30, 58] and st.hidden_size == 7168  # read from the nested text_config
     assert st.state_bytes_per_token == 4 * 7168 * 2 == 57_344  # the issue's "~56 KiB for 4 captured layers"
     assert st.bytes_per_token == 57_344 + 8 + 1  # + int64 token id + int8 loss mask
     assert st.total_bytes == 1000 * 1000 * st.bytes_per_token == r.storage_bf16_bytes
@@ -127,7 +127,7 @@ def test_capture_stage_refuses_before_writing(tiny_llama, tmp_path):
     from test_capture import make_prepared
 
     prep = make_prepared(tiny_llama, tmp_path / "prep", num=3)
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prep), out=tmp_path / "o", backend="hf", layers=[1, 2, 4],
+    cfg = CaptureConfig(target=str(tiny_llama), data=str(prep), out=tmp_path / "o", backend="hf", aux_layer_ids=[1, 2, 4],
                         min_free_disk_gb=1e9)
     with pytest.raises(ValueError, match=r"bytes/token: 3 aux \+ 1 last layer x H=128 in bfloat16.*--storage-dtype fp8"):
         run_capture(cfg)
@@ -166,3 +166,18 @@ def test_scaling_doc_figures_come_from_the_command():
     p = subprocess.run([sys.executable, str(ROOT / "scripts/scaling_plans.py"), "--check"], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_measured_figures_ship_as_package_data():
+    """plan reads its anchors from eagle3/assets/measured (declared package data), not a path into the checkout;
+    the shipped copies are the repository's latest measurements."""
+    import tomllib
+
+    from eagle3.plan import RESULTS_DIR
+
+    assert RESULTS_DIR.parent.name == "assets" and RESULTS_DIR.parent.parent == ROOT / "src" / "eagle3"
+    for name in ("capture_throughput.json", "train_step.json"):
+        assert json.loads((RESULTS_DIR / name).read_text()) == json.loads((ROOT / "benchmarks/results" / name).read_text()), (
+            f"benchmarks/results/{name} was re-measured: copy it to src/eagle3/assets/measured/{name}")
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["eagle3"]
+    assert "assets/**/*" in data

@@ -352,13 +352,13 @@ def test_pipeline_deployment_gpu_pool_and_one_run_per_work_dir(stack, tiny_cfg):
 
 def test_config_errors_fail_before_any_stage(stack, tiny_llama, tmp_path_factory):
     cfg = tiny_config(tiny_llama, tmp_path_factory.mktemp("bad"), eval_prompts=False,
-                      capture={"layers": [1, 2, 9]})
+                      capture={"aux_layer_ids": [1, 2, 9]})
     t0 = time.time()
     run_id = stack.deploy_run(params_for(cfg))
     fr = stack.wait_flow_run(run_id, timeout_s=240)
     assert fr["state"]["type"] == "FAILED", fr["state"]
     msg = fr["state"]["message"]
-    assert "capture.layers = [1, 2, 9]" in msg and "[9] out of range for this 5-layer target" in msg, msg
+    assert "capture.aux_layer_ids = [1, 2, 9]" in msg and "[9] out of range for this 5-layer target" in msg, msg
     assert "use ids in 1..4" in msg, msg
     assert not stack.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
     assert not stack.post("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run_id]}}})

@@ -60,9 +60,9 @@ def test_subprocess_classified_failures(monkeypatch):
     from eagle3_prefect.tasks.errors import StageConfigError, StageCrashed, StageOOMError
 
     code = ("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps({'ok': False, 'kind': 'config', "
-            "'type': 'ConfigError', 'message': 'capture.layers = [99]: the target has 5 layers'}))\nsys.exit(2)")
+            "'type': 'ConfigError', 'message': 'capture.aux_layer_ids = [99]: the target has 5 layers'}))\nsys.exit(2)")
     runner = _patch_child(monkeypatch, code)
-    with pytest.raises(StageConfigError, match=r"capture.layers = \[99\]"):
+    with pytest.raises(StageConfigError, match=r"capture.aux_layer_ids = \[99\]"):
         runner.run_stage_subprocess("capture", {})
     runner = _patch_child(monkeypatch, code.replace("'config'", "'oom'"))
     with pytest.raises(StageOOMError):

@@ -19,17 +19,17 @@ from test_flows import tiny_config
 
 def test_a_good_config_passes(tiny_llama, tmp_path):
     assert check_pipeline(tiny_config(tiny_llama, tmp_path)) == []
-    assert check_pipeline(tiny_config(tiny_llama, tmp_path, capture={"layers": [1, 2, 4]}), [[1, 2], [3, 4]]) == []
+    assert check_pipeline(tiny_config(tiny_llama, tmp_path, capture={"aux_layer_ids": [1, 2, 4]}), [[1, 2], [3, 4]]) == []
 
 
 def test_every_problem_is_listed_with_field_value_and_fix(tiny_llama, tmp_path):
-    cfg = tiny_config(tiny_llama, tmp_path, capture={"layers": [1, 2, 9]}, train={"layers": [1, 3]})
+    cfg = tiny_config(tiny_llama, tmp_path, capture={"aux_layer_ids": [1, 2, 9]}, train={"aux_layer_ids": [1, 3]})
     problems = check_pipeline(cfg, [[1, 2, 3], [2, 7]])
-    assert problems[0].startswith("capture.layers = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; "
+    assert problems[0].startswith("capture.aux_layer_ids = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; "
                                   "use ids in 1..4"), problems
     assert problems[1].startswith("layer_sets[1] = [2, 7]: id(s) [7] out of range"), problems
-    assert problems[2].startswith("train.layers = [1, 3]: id(s) [3] are not in capture.layers = [1, 2, 9]"), problems
-    with pytest.raises(ConfigError, match=r"pipeline tiny: the config cannot run .*\n  - capture.layers"):
+    assert problems[2].startswith("train.aux_layer_ids = [1, 3]: id(s) [3] are not in capture.aux_layer_ids = [1, 2, 9]"), problems
+    with pytest.raises(ConfigError, match=r"pipeline tiny: the config cannot run .*\n  - capture.aux_layer_ids"):
         require_pipeline(cfg)
 
 

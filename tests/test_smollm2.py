@@ -130,13 +130,13 @@ def test_capture_equals_transformers_at_the_aux_ids(smollm2, smol_capture):
     from eagle3.capture import load_captured, load_manifest
 
     m = load_manifest(smol_capture.out)
-    assert m["layers"] == [2, 15, 27] and m["num_hidden_layers"] == 30 and m["hidden_size"] == 576
+    assert m["aux_layer_ids"] == [2, 15, 27] and m["num_hidden_layers"] == 30 and m["hidden_size"] == 576
     samples = list(load_captured(smol_capture.out))
     assert len(samples) == NUM_CAPTURE
     ref = reference_states(smollm2, [s["input_ids"] for s in samples])
     worst, worst_wrong = 0.0, 1e9
     for s, (hs, pre) in zip(samples, ref, strict=True):
-        for a, k in enumerate(m["layers"]):
+        for a, k in enumerate(m["aux_layer_ids"]):
             got = s["aux_hidden_states"][:, a]
             worst = max(worst, rel_err(got, hs[k]))
             worst_wrong = min(worst_wrong, rel_err(got, hs[k - 1]), rel_err(got, hs[k + 1]))

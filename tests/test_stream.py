@@ -32,8 +32,9 @@ CAP_GB = 0.0012  # 1.2 MB; 3 epochs of the 40-sample set capture ~7.3 MB
 @pytest.fixture(scope="module")
 def stream_inputs(tiny_llama, tmp_path_factory):
     """(target, prepared dir, vocab dir) shared by the tests."""
+    from tests.synthetic_capture import frequent_ids, write_vocab
+
     from eagle3.data.prepared import load_prepared
-    from eagle3.train.synthetic import frequent_ids, write_vocab
 
     base = tmp_path_factory.mktemp("stream-inputs")
     prepared = make_prepared(tiny_llama, base / "prepared", num=40, step=8)
@@ -47,7 +48,7 @@ def stream_config(inputs, work: Path, **stream) -> PipelineConfig:
     return PipelineConfig.model_validate({
         "name": "stream", "target": str(target), "data": "unused-prepared-is-given", "work_dir": str(work),
         "regenerate": {"enabled": False},
-        "capture": {"data": str(prepared), "backend": "hf", "device": "cpu", "dtype": "float32", "layers": [1, 2, 4],
+        "capture": {"data": str(prepared), "backend": "hf", "device": "cpu", "dtype": "float32", "aux_layer_ids": [1, 2, 4],
                     "batch_tokens": 512, "shard_tokens": 128},
         "vocab": {"out": str(vocab)},
         "train": {"vocab": str(vocab), "ttt_steps": 2, "epochs": 3, "max_seq_len": 128, "warmup_steps": 2,
@@ -126,7 +127,7 @@ def test_config_errors_name_the_fields(stream_inputs, tmp_path):
     from eagle3.train.stream import SpoolSource
 
     consume = stream_config(stream_inputs, tmp_path / "c").stream_stages()[1]
-    for field, value, message in (("layers", [1, 2], "train.layers is not supported"),
+    for field, value, message in (("aux_layer_ids", [1, 2], "train.aux_layer_ids is not supported"),
                                   ("preload", True, "train.preload = true is not supported")):
         with pytest.raises(ConfigError, match=message):
             SpoolSource(consume.model_copy(update={field: value}))
@@ -213,7 +214,7 @@ def pipeline_stream_config(tiny_llama, tmp_path) -> PipelineConfig:
     return PipelineConfig.model_validate({
         "name": "stream-run", "target": str(tiny_llama), "data": str(assets / "demo_chats.jsonl"),
         "work_dir": str(tmp_path), "regenerate": {"enabled": False}, "prepare": {"max_seq_len": 128, "limit": 24},
-        "capture": {"backend": "hf", "device": "cpu", "dtype": "float32", "layers": [1, 2, 4], "batch_tokens": 512,
+        "capture": {"backend": "hf", "device": "cpu", "dtype": "float32", "aux_layer_ids": [1, 2, 4], "batch_tokens": 512,
                     "shard_tokens": 128},
         "vocab": {"draft_vocab_size": 64},
         "train": {"ttt_steps": 2, "epochs": 2, "max_seq_len": 128, "warmup_steps": 2, "eval_every": 20,

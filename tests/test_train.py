@@ -18,9 +18,9 @@ from eagle3.train.step import PackedBatch, summarize, ttt_forward
 
 @pytest.fixture(scope="module")
 def captured(tiny_llama, tmp_path_factory):
-    from eagle3.train.synthetic import capture_samples, frequent_ids, write_vocab
+    from tests.synthetic_capture import capture_samples, frequent_ids, write_vocab
 
-    samples, manifest = capture_samples(tiny_llama, num=20, layers=(1, 2, 4), min_len=16, max_len=40)
+    samples, manifest = capture_samples(tiny_llama, num=20, aux_layer_ids=(1, 2, 4), min_len=16, max_len=40)
     vocab = write_vocab(tmp_path_factory.mktemp("vocab"), 512, frequent_ids(samples, 200, 512))
     return samples, manifest, vocab
 
@@ -295,13 +295,14 @@ def test_tiny_end_to_end_reduces_loss(captured, tiny_llama, tmp_path):
 
 
 def test_captured_dir_is_read_lazily_and_exactly(captured, tmp_path):
+    from tests.synthetic_capture import write_captured
+
     from eagle3.train.data import CapturedDataset, load_samples
-    from eagle3.train.synthetic import write_captured
 
     samples, manifest, _ = captured
     path = write_captured(tmp_path / "cap", samples[:7], manifest, shard_samples=3)
     ds = load_samples(path)
-    assert isinstance(ds, CapturedDataset) and len(ds) == 7 and ds.manifest["layers"] == [1, 2, 4]
+    assert isinstance(ds, CapturedDataset) and len(ds) == 7 and ds.manifest["aux_layer_ids"] == [1, 2, 4]
     for i in (0, 3, 6):
         for k in ("input_ids", "aux_hidden_states", "last_hidden_states"):
             assert torch.equal(ds[i][k], torch.as_tensor(samples[i][k])), (i, k)
@@ -314,11 +315,11 @@ def test_several_captures_train_as_one(captured, tiny_llama, tmp_path):
     samples, memory-mapped and preloaded; export checks the combined manifest; a capture of another layer set is
     refused before training, naming the field and both dirs."""
     from safetensors.torch import load_file
+    from tests.synthetic_capture import write_captured
 
     from eagle3.config import ConfigError, ExportConfig
     from eagle3.export import run_export
     from eagle3.train import run_train
-    from eagle3.train.synthetic import write_captured
 
     samples, manifest, vocab = captured
     one = write_captured(tmp_path / "one", samples, manifest, shard_samples=6)
@@ -334,8 +335,8 @@ def test_several_captures_train_as_one(captured, tiny_llama, tmp_path):
     run_export(ExportConfig(checkpoint=str(rb.final_dir), out=tmp_path / "draft"))
     assert (tmp_path / "draft" / "config.json").is_file()
 
-    c = write_captured(tmp_path / "c", samples[9:], {**manifest, "layers": [1, 2, 3]})
-    with pytest.raises(ConfigError, match=r"c/manifest.json has layers=\[1, 2, 3\] but .*a/manifest.json has \[1, 2, 4\]"):
+    c = write_captured(tmp_path / "c", samples[9:], {**manifest, "aux_layer_ids": [1, 2, 3]})
+    with pytest.raises(ConfigError, match=r"c/manifest.json has aux_layer_ids=\[1, 2, 3\] but .*a/manifest.json has \[1, 2, 4\]"):
         run_train(_cfg(tmp_path / "bad", tiny_llama, vocab, captured=f"{a},{c}"))
     with pytest.raises(ConfigError, match="empty entry"):
         run_train(_cfg(tmp_path / "bad2", tiny_llama, vocab, captured=f"{a},"))
@@ -383,7 +384,7 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
     assert sorted(tensors["layers"]) == [L - 2, L - 1]
     aux_ids = [L - 2, 1] if deepest_first else [1, L - 2]
     draft = build_draft(cfg, target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool),
-                        num_aux=2, aux_ids=aux_ids).eval()
+                        num_aux=2, aux_layer_ids=aux_ids).eval()
     target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     ids = torch.randint(6, V, (1, 40), generator=torch.Generator().manual_seed(0))  # (1, T)
     with torch.no_grad():
@@ -400,7 +401,7 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
     with pytest.raises(ConfigError, match="intermediate_size >= the target's"):
         build_draft(cfg.model_copy(update={"draft": DraftOverrides(num_hidden_layers=3, intermediate_size=inter - 8)}),
                     target_cfg, tensors, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool), num_aux=2,
-                    aux_ids=[1, L - 2])
+                    aux_layer_ids=[1, L - 2])
 
 
 def test_layers_from_target_refuse_non_llama_layers(tiny_qwen3):
@@ -482,10 +483,11 @@ def test_split_compile_matches_eager_and_compiles_once():
     """compile_blocks("split") (issue 19): the blocks around the attention kernel are compiled once for all TTT
     steps (3 graphs: midlayer pre, midlayer post, final norm, whatever K), and the compiled step's loss and grads
     under bf16 autocast match the eager step's (the draft's matrices cast once per unroll in both)."""
+    from benchmarks.step_setup import build_benchmark
     from torch._dynamo.utils import counters
 
     from eagle3.model.draft import DraftConfig
-    from eagle3.train.step import build_benchmark, ttt_forward
+    from eagle3.train.step import ttt_forward
 
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       max_position_embeddings=4096, rms_norm_eps=1e-5, vocab_size=256, draft_vocab_size=64,

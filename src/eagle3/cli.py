@@ -3,7 +3,7 @@ generated from the stage's config class, so every flag is a field, `--help` show
 default, and validation errors name the field.
 
     eagle3 prepare --target T --data D --out DIR [--max-seq-len N] [--limit N]
-    eagle3 capture --target T --data PREPARED --out DIR [--layers 2,4,5] [--backend vllm|hf]
+    eagle3 capture --target T --data PREPARED --out DIR [--aux-layer-ids 2,4,5] [--backend vllm|hf]
     eagle3 fetch-target smollm2-135m-instruct --out DIR   # a known target as a plain HF dir
     eagle3 run --config configs/demo.yaml          # the whole pipeline
 """

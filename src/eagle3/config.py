@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3.compat import RENAMED_CONFIG_KEYS
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong. The message names the field, the bad value and the fix."""
@@ -214,6 +216,10 @@ class MixConfig(StageConfig):
     _parse_sources = field_validator("sources", mode="before")(lambda cls, v: parse_mix_sources(v))
 
 
+#: k, the draft tokens per speculative step, where nothing sets it. In a pipeline it is set once, as
+#: evaluate.num_speculative_tokens; train (best-checkpoint selection) and estimate read that value
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
 #: an aux layer id (>= 1: id 0 would be the embeddings); the upper bound depends on the target (eagle3.preflight)
 LayerId = Annotated[int, Field(ge=1)]
@@ -225,16 +231,16 @@ def parse_layer_ids(value: Any) -> Any:
         try:
             return [int(x) for x in value.replace(" ", "").split(",") if x]
         except ValueError:
-            raise ValueError(f"layers must be comma-separated integers like 2,4,5; got {value!r}") from None
+            raise ValueError(f"aux_layer_ids must be comma-separated integers like 2,4,5; got {value!r}") from None
     return value
 
 
 def check_layer_ids(value: list[int] | None) -> list[int] | None:
     if value is not None:
         if not value:
-            raise ValueError("layers must name at least one layer id")
+            raise ValueError("aux_layer_ids must name at least one layer id")
         if len(set(value)) != len(value):
-            raise ValueError(f"layers has duplicates: {value}")
+            raise ValueError(f"aux_layer_ids has duplicates: {value}")
     return value
 
 
@@ -242,7 +248,7 @@ class CaptureConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
     data: str | None = Field(None, description="Prepared dataset dir (output of `eagle3 prepare`)")
     out: Path | None = Field(None, description="Output directory for safetensors shards + manifest.json")
-    layers: list[LayerId] | None = Field(
+    aux_layer_ids: list[LayerId] | None = Field(
         None,
         description="Aux layer ids in vLLM EAGLE-3 semantics (id k = output of decoder layer k-1 = "
         "transformers output_hidden_states[k]); default (2, L//2, L-3). Comma-separated on the CLI",
@@ -266,8 +272,8 @@ class CaptureConfig(StageConfig):
         "auto", description="writer = worker: write each shard in a thread of the worker while the engine prefills "
         "the next chunk (auto = on a GPU engine; on a CPU engine the write would only compete with the forward)")
 
-    _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
-    _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))
+    _parse_layers = field_validator("aux_layer_ids", mode="before")(lambda cls, v: parse_layer_ids(v))
+    _check_layers = field_validator("aux_layer_ids", mode="after")(lambda cls, v: check_layer_ids(v))
 
 
 class VocabConfig(StageConfig):
@@ -338,7 +344,7 @@ class TrainConfig(StageConfig):
         "ddp", description="Under torchrun: ddp replicates the draft; fsdp shards it (FSDP2) for large drafts"
     )
     draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
-    layers: list[LayerId] | None = Field(
+    aux_layer_ids: list[LayerId] | None = Field(
         None,
         description="Train on these of the captured aux ids (the last layer's id L is read from the captured "
         "last_hidden_states); default: all captured aux ids. One wide capture then serves a layer sweep",
@@ -348,8 +354,9 @@ class TrainConfig(StageConfig):
         description="Capture dir of validation prompts (ideally ones the target never trained on); used instead "
         "of the held-out val_fraction split to pick the best checkpoint",
     )
-    num_speculative_tokens: int = Field(
-        3, gt=0, description="k the draft will be served with: the best checkpoint maximises the validation τ estimate at k"
+    num_speculative_tokens: int | None = Field(
+        None, gt=0, description="k the draft will be served with: the best checkpoint maximises the validation τ "
+        "estimate at k. In a pipeline it is evaluate.num_speculative_tokens (set k there, once); standalone default 3"
     )
     hidden_noise: float = Field(
         0.0, ge=0, description="Std of Gaussian noise added to the aux states in training, relative to each state's RMS"
@@ -411,8 +418,8 @@ class TrainConfig(StageConfig):
         "weights differ from those the capture recorded (a warning instead of an error)"
     )
 
-    _parse_layers = field_validator("layers", mode="before")(lambda cls, v: parse_layer_ids(v))
-    _check_layers = field_validator("layers", mode="after")(lambda cls, v: check_layer_ids(v))
+    _parse_layers = field_validator("aux_layer_ids", mode="before")(lambda cls, v: parse_layer_ids(v))
+    _check_layers = field_validator("aux_layer_ids", mode="after")(lambda cls, v: check_layer_ids(v))
 
     @field_validator("freeze", mode="before")
     @classmethod
@@ -473,7 +480,9 @@ class EvaluateConfig(StageConfig):
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest n-gram looked up in the context")
     out: Path | None = Field(None, description="Output dir for results.json and the chart")
     num_prompts: int = Field(200, gt=0, description="Evaluate on the first N prompts")
-    num_speculative_tokens: int = Field(3, gt=0, description="Draft tokens per step (k)")
+    num_speculative_tokens: int = Field(
+        DEFAULT_NUM_SPECULATIVE_TOKENS, gt=0, description="Draft tokens per step (k). In a pipeline the one place k "
+        "is set: train picks its best checkpoint at this k too")
     max_tokens: int = Field(128, gt=0, description="Generated tokens per prompt")
     temperature: float = Field(0.0, description="Sampling temperature (0 = greedy)")
     max_model_len: int = Field(1024, gt=0, description="vLLM max_model_len")
@@ -636,6 +645,16 @@ class PipelineConfig(BaseModel):
         return FetchTargetConfig(name=self.fetch_target, out=Path(self.target)) if self.fetch_target else None
 
     @model_validator(mode="after")
+    def _one_num_speculative_tokens(self) -> PipelineConfig:
+        k_train, k_eval = self.train.num_speculative_tokens, self.evaluate.num_speculative_tokens
+        if k_train is not None and k_train != k_eval:
+            raise ValueError(
+                f"train.num_speculative_tokens = {k_train} but evaluate.num_speculative_tokens = {k_eval}: k is set once, "
+                "as evaluate.num_speculative_tokens (train picks its best checkpoint at that k); remove it from train"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_sources(self) -> PipelineConfig:
         if not self.data and not self.synthesize.enabled and not self.mix.sources:
             raise ValueError("data is not set and synthesize.enabled is false: give the training chats as `data`, "
@@ -669,7 +688,8 @@ class PipelineConfig(BaseModel):
         _fill(c.prepare, target=c.target, data=prepare_data, out=w / "prepared")
         _fill(c.capture, target=c.target, data=str(w / "prepared"), out=w / "captured")
         _fill(c.vocab, data=str(w / "prepared"), out=w / "vocab")
-        _fill(c.train, target=c.target, captured=str(w / "captured"), vocab=str(w / "vocab"), out=w / "train")
+        _fill(c.train, target=c.target, captured=str(w / "captured"), vocab=str(w / "vocab"), out=w / "train",
+              num_speculative_tokens=c.evaluate.num_speculative_tokens)
         _fill(c.export, checkpoint=str(w / "train"), out=w / "draft", target=c.target)
         _fill(c.evaluate, target=c.target, draft=str(w / "draft"), prompts=c.eval_prompts, out=w / "evaluate")
         return c
@@ -703,7 +723,10 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config in {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and e["loc"] and e["loc"][-1] in RENAMED_CONFIG_KEYS:
+            new = ".".join([*(str(p) for p in e["loc"][:-1]), RENAMED_CONFIG_KEYS[e["loc"][-1]]])
+            lines.append(f"  {loc}: renamed to {new} in session 8 (same meaning and values): rename the key")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"  {loc}: unknown key (remove it or check its spelling)")
         elif e["type"] == "missing":
             lines.append(f"  {loc}: required field is missing")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.compat import migrate_record
 from eagle3.config import ConfigError, ExportConfig
 from eagle3.integrity import check_target_identity, nonfinite_tensors, target_identity
 from eagle3.io import atomic_dir, read_json, read_safetensors, write_json
@@ -67,7 +68,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for sub in ("best", "final"):
         if (p / sub / WEIGHTS).is_file() and (p / sub / METADATA).is_file():
             return p / sub
-    from eagle3.train.trainer import latest_checkpoint
+    from eagle3.train.checkpoint import latest_checkpoint
 
     ck = latest_checkpoint(p)
     if ck is None:
@@ -87,7 +88,7 @@ def _manifest(captured: str | None) -> dict | None:
         return None
     header = Path(captured) / "stream.json"
     if header.is_file() and not (Path(captured) / "manifest.json").is_file():  # trained from a streaming spool:
-        return read_json(header)  # its header carries the capture's layers and hidden size
+        return migrate_record(read_json(header))  # its header carries the capture's aux_layer_ids and hidden size
     return load_combined_manifest(captured)
 
 
@@ -96,13 +97,13 @@ def validate(meta: dict, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], ta
     ids = list(meta["aux_layer_ids"])
     tc = text_config(target_cfg)
     L = tc.get("num_hidden_layers")
-    captured = list(manifest.get("layers", ids)) if manifest is not None else None
+    captured = list(manifest.get("aux_layer_ids", ids)) if manifest is not None else None
     if captured is not None and captured != ids:
-        # a layer subset (TrainConfig.layers) is fine when the checkpoint says it was chosen from this capture
-        if meta.get("captured_layers") != captured or not set(ids) <= set(captured) | {L}:
+        # a layer subset (TrainConfig.aux_layer_ids) is fine when the checkpoint says it was chosen from this capture
+        if meta.get("captured_aux_layer_ids") != captured or not set(ids) <= set(captured) | {L}:
             raise ExportError(
-                f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's layers="
-                f"{manifest['layers']}; the draft was trained on the manifest's layers, re-train or fix the metadata"
+                f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's aux_layer_ids="
+                f"{manifest['aux_layer_ids']}; the draft was trained on the manifest's aux_layer_ids, re-train or fix the metadata"
             )
     if len(ids) != dcfg.num_aux or len(set(ids)) != len(ids):
         raise ExportError(f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads {dcfg.num_aux} states)")
@@ -205,7 +206,7 @@ def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg
 def run_export(cfg: ExportConfig) -> ExportResult:
     cfg.require("checkpoint", "out")
     ck = resolve_checkpoint(cfg.checkpoint)
-    meta = read_json(ck / METADATA)
+    meta = migrate_record(read_json(ck / METADATA))
     dcfg = DraftConfig.from_dict(meta["draft_config"])
     target = cfg.target or meta["target"]
     tpath = Path(target) / "config.json"

@@ -8,12 +8,12 @@ and which capture mode fits the disk — before anything runs.
 Where the numbers come from:
   storage   exact: eagle3.capture.storage.bytes_per_token (aux layers + last layer, storage dtype, ids, mask,
             fp8 scales) x samples x mean tokens/sample (flags, else the prepared manifest under work_dir).
-  capture   measured: benchmarks/results/capture_throughput.json (capture tokens/s of the refbench target on the
+  capture   measured: capture_throughput.json (eagle3/assets/measured, from benchmarks/results) (capture tokens/s of the refbench target on the
             2-core CPU, and capture / plain-prefill overhead). GPU profiles: the target's prefill FLOPs/token
             (eagle3.train.flops, MoE-active and MLA aware) at the fraction of the datasheet bf16 rate that the
             measured H200 training step reaches, times the profile's TFLOP/s ratio to the H200, capped by the
             tensor-parallel all-reduce traffic over the profile's interconnect.
-  training  measured: benchmarks/results/train_step.json (H200 tokens/s of a Llama-8B-like draft), scaled by the
+  training  measured: train_step.json (eagle3/assets/measured) (H200 tokens/s of a Llama-8B-like draft), scaled by the
             draft's FLOPs/token (eagle3.train.flops.count_train_flops at train.max_seq_len, train.ttt_steps) and
             the profile's TFLOP/s ratio to the H200; data-parallel scaling assumed linear (not measured yet).
 Every estimate is a first-order model: the JSON carries the anchors and the ratios used, so it can be checked.
@@ -37,7 +37,9 @@ from eagle3.config import (
 )
 from eagle3.io import read_json
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+#: the measured figures every estimate scales from, shipped as package data (copies of benchmarks/results/
+#: capture_throughput.json and train_step.json; tests/test_plan.py checks they match the repository's)
+RESULTS_DIR = Path(__file__).resolve().parent / "assets" / "measured"
 
 #: dense bf16 datasheet rate of the H200 the measured figures ran on: the unit of every GPU ratio
 H200_BF16_TFLOPS = 989.4
@@ -73,7 +75,7 @@ class PlanConfig(StageConfig):
     )
     epochs: float | None = Field(None, gt=0, description="Training epochs (default: train.epochs)")
     results_dir: str | None = Field(
-        None, description="Measured figures to scale from (default: this repository's benchmarks/results)"
+        None, description="Dir of capture_throughput.json + train_step.json to scale from (default: the figures shipped with eagle3, eagle3/assets/measured; a repository checkout's benchmarks/results after a new measurement)"
     )
     format: Literal["table", "json"] = Field("table", description="table: human-readable; json: the PlanResult")
 
@@ -159,7 +161,7 @@ class PlanResult:
     num_samples: int
     mean_tokens: float
     sample_source: str
-    layers: list[int]
+    aux_layer_ids: list[int]
     storage: StorageEstimate
     storage_fp8_bytes: int
     storage_bf16_bytes: int
@@ -257,7 +259,7 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
     for p in (cap_p, train_p):
         if not p.is_file():
             raise ConfigError(f"PlanConfig.results_dir = {str(rdir)!r}: {p.name} is missing; point --results-dir at "
-                              "benchmarks/results of this repository")
+                              "a dir holding both (benchmarks/results of a repository checkout)")
     cap = read_json(cap_p)
     per = (cap.get("per_storage_dtype") or {}).get(storage_dtype) or (cap.get("per_storage_dtype") or {}).get(
         "bfloat16") or cap
@@ -296,7 +298,7 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
 
 def run_plan(cfg: PlanConfig) -> PlanResult:
     """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is run."""
-    from eagle3.capture.run import resolve_layers
+    from eagle3.capture.storage import resolve_aux_layer_ids
     from eagle3.model.draft import draft_config_from_target, text_config
     from eagle3.train.flops import (
         count_draft_params,
@@ -329,12 +331,12 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     num_tokens = int(round(n * mean))
 
     # storage
-    layers = resolve_layers(pipe.capture.layers, int(tc["num_hidden_layers"]))
+    aux_layer_ids = resolve_aux_layer_ids(pipe.capture.aux_layer_ids, int(tc["num_hidden_layers"]))
     dtype = cfg.storage_dtype or pipe.capture.storage_dtype
     H = int(tc["hidden_size"])
-    st = estimate_storage(len(layers), H, dtype, num_tokens)
-    fp8 = estimate_storage(len(layers), H, "fp8", num_tokens)
-    bf16 = estimate_storage(len(layers), H, "bfloat16", num_tokens)
+    st = estimate_storage(len(aux_layer_ids), H, dtype, num_tokens)
+    fp8 = estimate_storage(len(aux_layer_ids), H, "fp8", num_tokens)
+    bf16 = estimate_storage(len(aux_layer_ids), H, "bfloat16", num_tokens)
 
     # disk + mode
     if cfg.disk_tb is not None:
@@ -361,7 +363,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     capture = _capture_rate(hw, num_gpus, tp, tc, t_flops, anchors["capture"], anchors["train"], num_tokens)
 
     # draft training
-    draft = draft_config_from_target(target_cfg, num_aux=len(layers), draft_vocab_size=pipe.vocab.draft_vocab_size,
+    draft = draft_config_from_target(target_cfg, num_aux=len(aux_layer_ids), draft_vocab_size=pipe.vocab.draft_vocab_size,
                                      overrides=pipe.train.draft)
     m = draft_dims(draft)
     d_flops = count_train_flops(m, pipe.train.max_seq_len, pipe.train.ttt_steps)["model_flops_per_token"]
@@ -391,7 +393,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         config=str(cfg.config), target_config=str(tpath),
         hardware={**asdict(hw), "num_gpus": num_gpus, "disk_source": disk_src,
                   "ratio_vs_h200": None if hw.bf16_tflops is None else round(hw.bf16_tflops / H200_BF16_TFLOPS, 3)},
-        num_samples=n, mean_tokens=mean, sample_source=source, layers=layers, storage=st,
+        num_samples=n, mean_tokens=mean, sample_source=source, aux_layer_ids=aux_layer_ids, storage=st,
         storage_fp8_bytes=fp8.total_bytes, storage_bf16_bytes=bf16.total_bytes, disk_bytes=disk,
         disk_reserve_bytes=reserve, mode=mode, mode_reason=reason, spool_cap_bytes=spool,
         target_params=tparams["total"], target_active_params=tparams["active_per_token"],
@@ -534,7 +536,7 @@ def format_plan(r: PlanResult) -> str:
                         f"(x{hw['ratio_vs_h200']:.2f} H200)" if hw["bf16_tflops"] else "")),
         ("dataset", f"{r.num_samples:,} samples x {r.mean_tokens:,.0f} tokens = {st.num_tokens:,} tokens "
                     f"({r.sample_source})"),
-        ("captured layers", f"aux {r.layers} + last, H = {st.hidden_size}, {st.storage_dtype}"),
+        ("captured layers", f"aux {r.aux_layer_ids} + last, H = {st.hidden_size}, {st.storage_dtype}"),
         ("bytes/token", f"{st.bytes_per_token:,} B ({st.state_bytes_per_token:,} B states = "
                         f"{st.state_bytes_per_token / 1024:.1f} KiB + ids/mask/scales)"),
         ("storage", f"{_fmt_bytes(st.total_bytes)} ({st.storage_dtype}); bf16 {_fmt_bytes(r.storage_bf16_bytes)}, "

@@ -31,16 +31,16 @@ def read_num_layers(target: str | Path) -> int:
         raise ConfigError(f"{p}: no usable num_hidden_layers ({e}); is `target` a decoder-only LM directory?") from None
 
 
-def check_layer_ids(field: str, layers: list[int] | None, num_layers: int, last_ok: bool = False) -> str | None:
+def check_layer_ids(field: str, aux_layer_ids: list[int] | None, num_layers: int, last_ok: bool = False) -> str | None:
     """None when every aux id is in 1..L-1 (1..L with last_ok: train may pick the last layer, id L; None = the
     default set), else the problem as one line."""
-    if layers is None:
+    if aux_layer_ids is None:
         return None
     top = num_layers if last_ok else num_layers - 1
-    bad = [k for k in layers if not 1 <= k <= top]
+    bad = [k for k in aux_layer_ids if not 1 <= k <= top]
     if not bad:
         return None
-    return (f"{field} = {list(layers)}: id(s) {bad} out of range for this {num_layers}-layer target; use ids in "
+    return (f"{field} = {list(aux_layer_ids)}: id(s) {bad} out of range for this {num_layers}-layer target; use ids in "
             f"1..{top} (id k = output of decoder layer k-1; the last layer is always captured)")
 
 
@@ -52,7 +52,7 @@ def _check_path(field: str, value: str | None, what: str, problems: list[str]) -
 def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
     """The planner's disk check for capture, once prepare's manifest gives the token count (else None: the
     capture stage checks again itself before writing)."""
-    from eagle3.capture.run import resolve_layers
+    from eagle3.capture.storage import resolve_aux_layer_ids
     from eagle3.io import read_json
     from eagle3.model.draft import text_config
     from eagle3.plan import check_capture_fits, estimate_storage
@@ -66,8 +66,8 @@ def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
     if c.capture.limit and m.get("num_samples"):
         num_tokens = int(num_tokens * min(1.0, c.capture.limit / m["num_samples"]))
     hidden = int(text_config(read_json(Path(c.target) / "config.json"))["hidden_size"])
-    layers = resolve_layers(c.capture.layers, num_layers)
-    est = estimate_storage(len(layers), hidden, c.capture.storage_dtype, num_tokens)
+    aux_layer_ids = resolve_aux_layer_ids(c.capture.aux_layer_ids, num_layers)
+    est = estimate_storage(len(aux_layer_ids), hidden, c.capture.storage_dtype, num_tokens)
     out = Path(c.capture.out)
     if out.is_dir():  # a capture already there (a rerun, a resume) holds its bytes already
         held = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
@@ -94,16 +94,17 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
     if problems:  # without the target's config the layer and disk checks cannot run
         return problems
     num_layers = read_num_layers(target)
-    for field, layers in (("capture.layers", cfg.capture.layers), ("train.layers", cfg.train.layers),
+    for field, ids in (("capture.aux_layer_ids", cfg.capture.aux_layer_ids), ("train.aux_layer_ids", cfg.train.aux_layer_ids),
                           *((f"layer_sets[{i}]", list(ls)) for i, ls in enumerate(layer_sets or []))):
-        p = check_layer_ids(field, layers, num_layers, last_ok=field == "train.layers")
+        p = check_layer_ids(field, ids, num_layers, last_ok=field == "train.aux_layer_ids")
         if p:
             problems.append(p)
-    if cfg.capture.layers is not None and cfg.train.layers is not None:
-        extra = [k for k in cfg.train.layers if k not in cfg.capture.layers and k != num_layers]
+    if cfg.capture.aux_layer_ids is not None and cfg.train.aux_layer_ids is not None:
+        extra = [k for k in cfg.train.aux_layer_ids if k not in cfg.capture.aux_layer_ids and k != num_layers]
         if extra:
-            problems.append(f"train.layers = {cfg.train.layers}: id(s) {extra} are not in capture.layers = "
-                            f"{cfg.capture.layers}; capture them too or pick train.layers from those")
+            problems.append(f"train.aux_layer_ids = {cfg.train.aux_layer_ids}: id(s) {extra} are not in "
+                            f"capture.aux_layer_ids = {cfg.capture.aux_layer_ids}; capture them too or pick "
+                            "train.aux_layer_ids from those")
     if not problems:
         disk = _disk_problem(cfg, num_layers)
         if disk:

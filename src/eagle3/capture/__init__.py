@@ -2,7 +2,7 @@
 
 Public API (other stages rely on these names):
     run_capture(cfg: CaptureConfig) -> CaptureResult
-    load_manifest(dir) -> dict                 # layers, hidden_size, dtype, num_samples, shards, ...
+    load_manifest(dir) -> dict                 # aux_layer_ids, hidden_size, dtype, num_samples, shards, ...
     load_combined_manifest("dir[,dir...]")     # several captures read as one dataset (checked to agree)
     load_captured(dir) -> Iterator[dict]       # one sample: input_ids, loss_mask, aux_hidden_states,
                                                #   last_hidden_states, sample_id, sample_index

@@ -39,9 +39,9 @@ def _final_norm(model: Any) -> Any:
 class HFBackend:
     name = "hf"
 
-    def __init__(self, target: str, layers: list[int], dtype: str, device: str, batch_tokens: int,
+    def __init__(self, target: str, aux_layer_ids: list[int], dtype: str, device: str, batch_tokens: int,
                  storage_dtype: str | None = None):
-        self.target, self.layers, self.dtype_name = target, list(layers), dtype
+        self.target, self.aux_layer_ids, self.dtype_name = target, list(aux_layer_ids), dtype
         self.storage_dtype = storage_dtype or dtype
         self.device = resolve_device(device)
         self.batch_tokens = batch_tokens
@@ -60,7 +60,7 @@ class HFBackend:
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
         """States of each sample in storage form (eagle3.capture.quant.Stored: [T, A + 1, H], aux in
-        `layers` order then last), converted on the device, returned on CPU."""
+        `aux_layer_ids` order then last), converted on the device, returned on CPU."""
         import torch
 
         out: list[Any] = [None] * len(samples)
@@ -94,7 +94,7 @@ class HFBackend:
         hs = res.hidden_states
         last = self._pre_norm[-1]  # [B, Tmax, H]
         # stack + convert to the storage dtype on the device: only storage bytes cross to the CPU
-        states, scales, row_ok = stack_to_storage([hs[k] for k in self.layers] + [last], self.storage_dtype)
+        states, scales, row_ok = stack_to_storage([hs[k] for k in self.aux_layer_ids] + [last], self.storage_dtype)
         states = states.cpu()  # [B, Tmax, A+1, H]
         scales = None if scales is None else scales.cpu()  # [B, Tmax, A+1]
         row_ok = row_ok.cpu()  # [B, Tmax]

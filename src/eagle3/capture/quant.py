@@ -29,7 +29,7 @@ FP8_READ_DTYPE = torch.bfloat16
 class Stored:
     """One sample's states in storage form."""
 
-    states: torch.Tensor  # [T, A+1, H] storage dtype (aux in `layers` order, then last)
+    states: torch.Tensor  # [T, A+1, H] storage dtype (aux in `aux_layer_ids` order, then last)
     scales: torch.Tensor | None  # [T, A+1] float32 (fp8 only)
     finite: bool  # False: some state of the sample was NaN/inf in the compute dtype (or overflowed)
 

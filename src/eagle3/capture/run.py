@@ -32,6 +32,7 @@ from .storage import (
     TORCH_DTYPES,
     ShardBuffer,
     load_progress,
+    resolve_aux_layer_ids,
     save_progress,
     storage_info,
     write_shard,
@@ -44,7 +45,7 @@ class CaptureResult:
     num_samples: int
     num_tokens: int
     num_skipped: dict[str, int]
-    layers: list[int]
+    aux_layer_ids: list[int]
     hidden_size: int
     storage_dtype: str
     bytes_written: int
@@ -79,36 +80,6 @@ def target_info(target: str | Path) -> TargetInfo:
         raise ConfigError(f"{p} has no {e.args[0]!r} (nor in text_config): not a decoder-only LM config") from None
 
 
-def resolve_layers(layers: list[int] | None, num_layers: int) -> list[int]:
-    """Default (2, L//2, L-3); otherwise every id must be in 1..L-1.
-
-    For small targets where the default ids collide (L < 8, e.g. (2, 2, 2) at L=5; vLLM would dedupe
-    them and a 3-layer draft could not run) the default falls back to (1, L//2, L-2), printing a note.
-    """
-    if layers is None:
-        ids = [2, num_layers // 2, num_layers - 3]
-        if len(set(ids)) != 3 or min(ids) < 1:
-            alt = [1, num_layers // 2, num_layers - 2]
-            if len(set(alt)) == 3 and min(alt) >= 1:
-                print(f"capture: default layers (2, L//2, L-3) = {ids} collide for L={num_layers}; using {alt}",
-                      file=sys.stderr, flush=True)
-                return alt
-        if len(set(ids)) != 3 or min(ids) < 1:
-            raise ConfigError(
-                f"CaptureConfig.layers: the default (2, L//2, L-3) is not usable for a target with "
-                f"L={num_layers} layers ({ids}); pass --layers with distinct ids in 1..{num_layers - 1}"
-            )
-        return ids
-    bad = [k for k in layers if not 1 <= k <= num_layers - 1]
-    if bad:
-        raise ConfigError(
-            f"CaptureConfig.layers = {list(layers)}: id(s) {bad} out of range; valid aux ids for this "
-            f"{num_layers}-layer target are 1..{num_layers - 1} (id k = output of decoder layer k-1; "
-            f"the last layer is always captured separately as last_hidden_states)"
-        )
-    return list(layers)
-
-
 def _version(*names: str) -> str | None:
     for n in names:
         try:
@@ -125,14 +96,14 @@ def _disk_check(out: Path, est: Any, min_free_gb: float, sample_tokens: list[int
     return check_capture_fits(out, est, min_free_gb, sample_tokens)
 
 
-def _make_backend(cfg: CaptureConfig, layers: list[int], max_model_len: int, llm: Any = None) -> Any:
+def _make_backend(cfg: CaptureConfig, aux_layer_ids: list[int], max_model_len: int, llm: Any = None) -> Any:
     if cfg.backend == "hf":
         from .hf_backend import HFBackend
 
-        return HFBackend(str(cfg.target), layers, cfg.dtype, cfg.device, cfg.batch_tokens, cfg.storage_dtype)
+        return HFBackend(str(cfg.target), aux_layer_ids, cfg.dtype, cfg.device, cfg.batch_tokens, cfg.storage_dtype)
     from .vllm_backend import VLLMBackend
 
-    return VLLMBackend(str(cfg.target), layers, cfg.dtype, cfg.batch_tokens, max_model_len,
+    return VLLMBackend(str(cfg.target), aux_layer_ids, cfg.dtype, cfg.batch_tokens, max_model_len,
                        cfg.tensor_parallel_size, llm=llm, storage_dtype=cfg.storage_dtype)
 
 
@@ -142,7 +113,7 @@ class CaptureInputs:
     rows, and the settings a resumed run must match."""
 
     info: TargetInfo
-    layers: list[int]
+    aux_layer_ids: list[int]
     ds: Any  # the prepared HF dataset
     prepared_manifest: dict[str, Any]
     n_total: int  # rows to capture (cfg.limit applied)
@@ -158,7 +129,7 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
 
     cfg.require("target", "data", "out")
     info = target_info(cfg.target)
-    layers = resolve_layers(cfg.layers, info.num_hidden_layers)
+    aux_layer_ids = resolve_aux_layer_ids(cfg.aux_layer_ids, info.num_hidden_layers)
     ds = load_prepared(cfg.data)
     prep_manifest = load_prepared_manifest(cfg.data)
     n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
@@ -173,11 +144,12 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     hashed = {
         "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
         "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
-        "layers": layers, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
+        # hash input only; "layers" (its name before session 8) keeps the hash, so an interrupted capture resumes
+        "layers": aux_layer_ids, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
         "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
         "max_model_len": max_model_len,
     }
-    return CaptureInputs(info, layers, ds, prep_manifest, n_total, lengths, max_len, max_model_len, hashed, length_limit)
+    return CaptureInputs(info, aux_layer_ids, ds, prep_manifest, n_total, lengths, max_len, max_model_len, hashed, length_limit)
 
 
 def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
@@ -190,7 +162,7 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
 
 
 def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> CaptureResult:
-    info, layers, ds, n_total, lengths, max_model_len = ci.info, ci.layers, ci.ds, ci.n_total, ci.lengths, ci.max_model_len
+    info, aux_layer_ids, ds, n_total, lengths, max_model_len = ci.info, ci.aux_layer_ids, ci.ds, ci.n_total, ci.lengths, ci.max_model_len
     prep_manifest, out, hashed = ci.prepared_manifest, Path(cfg.out), ci.hashed
     config_hash = sha256_json(hashed)
     if (out / MANIFEST).is_file():
@@ -217,7 +189,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     resumed = len(shards)
 
     remaining_tokens = int(lengths[start:].sum())
-    est = estimate_storage(len(layers), info.hidden_size, cfg.storage_dtype, remaining_tokens)
+    est = estimate_storage(len(aux_layer_ids), info.hidden_size, cfg.storage_dtype, remaining_tokens)
     bpt, needed = est.bytes_per_token, est.total_bytes
     print(
         f"capture: {n_total - start} samples / {remaining_tokens} tokens to go (resuming after {resumed} shards); "
@@ -227,7 +199,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     _disk_check(out, est, cfg.min_free_disk_gb, lengths[start:].tolist())
 
     store_dtype = TORCH_DTYPES[cfg.storage_dtype]
-    n_aux = len(layers)
+    n_aux = len(aux_layer_ids)
     buf = ShardBuffer(first_index=start, next_index=start)
     tokens_now = 0
     backend = None
@@ -258,7 +230,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         save_progress(out, config_hash, shards)
 
     if start < n_total:
-        backend = _make_backend(cfg, layers, max_model_len, llm=llm)
+        backend = _make_backend(cfg, aux_layer_ids, max_model_len, llm=llm)
         backend_info = backend.start()
         chunk_tokens = int(backend_info.get("chunk_tokens", cfg.batch_tokens))
         t_cap = time.time()
@@ -308,7 +280,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         "prepared_manifest_sha256": hashed["prepared_manifest"],
         "tokenizer_sha256": prep_manifest.get("tokenizer_sha256"),
         "chat_template_sha256": prep_manifest.get("chat_template_sha256"),
-        "layers": layers,
+        "aux_layer_ids": aux_layer_ids,
         "layer_semantics": LAYER_SEMANTICS,
         "last_semantics": LAST_SEMANTICS,
         "num_hidden_layers": info.num_hidden_layers,
@@ -439,7 +411,7 @@ def _result(out: Path, m: dict[str, Any], resumed: int, wall: float, cap: float,
         num_samples=m["num_samples"],
         num_tokens=m["num_tokens"],
         num_skipped=dict(m["num_skipped"]),
-        layers=list(m["layers"]),
+        aux_layer_ids=list(m["aux_layer_ids"]),
         hidden_size=m["hidden_size"],
         storage_dtype=m["dtype"],
         bytes_written=sum(s["bytes"] for s in m["shards"]),

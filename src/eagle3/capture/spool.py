@@ -6,7 +6,7 @@ covers it. Every epoch is captured again (exact epochs, no replay buffer: docs/N
 
 Spool layout (one directory; every file in it counts against the cap, temp files included)::
 
-    stream.json     header, written once: config hash, layers, hidden size, storage dtype, bytes/token,
+    stream.json     header, written once: config hash, aux_layer_ids, hidden size, storage dtype, bytes/token,
                     the validation rows, the training rows and their token counts, epochs, seed
     ledger.json     the producer's commit record, rewritten atomically after each shard: where the next
                     sample is (phase, epoch, position in the epoch's order), the shards written and not yet
@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from eagle3.compat import migrate_record
 from eagle3.config import ConfigError, StreamCaptureConfig
 from eagle3.io import read_json, sha256_json, write_json
 
@@ -189,7 +190,7 @@ class _Producer:
             else:
                 seq, out = led["next_seq"], self.spool
             out.mkdir(exist_ok=True)
-            entry = write_shard(out, seq, buf, len(h["layers"]), h["hidden_size"], TORCH_DTYPES[h["dtype"]],
+            entry = write_shard(out, seq, buf, len(h["aux_layer_ids"]), h["hidden_size"], TORCH_DTYPES[h["dtype"]],
                                 before_write=self.wait_for_room)
             entry.update(seq=seq, epoch=epoch if phase == "train" else -1)
             if phase == "val":
@@ -206,7 +207,7 @@ class _Producer:
 
     def capture(self, phase: str, epoch: int, rows: list[int], start: int, capture_fn: Callable) -> None:
         """Capture rows[start:] (positions in this phase's order), committing a shard every shard_tokens."""
-        n_aux = len(self.header["layers"])
+        n_aux = len(self.header["aux_layer_ids"])
         buf = ShardBuffer(first_index=start, next_index=start)
         pos = start
         for r in capture_fn(rows[start:]):
@@ -247,16 +248,16 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
         raise ConfigError("capture.writer = 'worker' is not supported in streaming mode yet (the spool writes each "
                           "shard in the driver after waiting for room): set capture.writer: driver for stream-capture")
     ci = load_capture_inputs(cfg)
-    info, layers, ds, n_total, lengths = ci.info, ci.layers, ci.ds, ci.n_total, ci.lengths
+    info, aux_layer_ids, ds, n_total, lengths = ci.info, ci.aux_layer_ids, ci.ds, ci.n_total, ci.lengths
     max_len, max_model_len, spool = ci.max_len, ci.max_model_len, Path(cfg.out)
     limit_len = ci.length_limit
     usable = (lengths > 0) & (lengths < limit_len if limit_len else True)  # rows that will be captured
-    bpt = bytes_per_token(len(layers), info.hidden_size, cfg.storage_dtype)
+    bpt = bytes_per_token(len(aux_layer_ids), info.hidden_size, cfg.storage_dtype)
     hashed = {**ci.hashed, "epochs": cfg.epochs, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
     config_hash = sha256_json(hashed)
 
     spool.mkdir(parents=True, exist_ok=True)
-    header = read_state(spool, HEADER)
+    header = migrate_record(read_state(spool, HEADER))
     if header and header.get("config_hash") != config_hash:
         raise ValueError(
             f"{spool / HEADER} belongs to a streaming run with other settings (config_hash {header.get('config_hash')} "
@@ -272,7 +273,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
             "format": SPOOL_FORMAT, "capture_format": FORMAT, "config_hash": config_hash, "stage": "stream-capture",
             "target": hashed["target"], "target_config_sha256": info.config_sha256, "data": hashed["data"],
             "target_weights_sha256": target_weights_sha256(cfg.target),  # train compares it (eagle3.integrity)
-            "layers": layers, "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size,
+            "aux_layer_ids": aux_layer_ids, "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size,
             "dtype": cfg.storage_dtype, "storage": storage_info(cfg.storage_dtype), "compute_dtype": cfg.dtype,
             "backend": cfg.backend, "bytes_per_token": bpt, "shard_tokens": cfg.shard_tokens,
             "max_shard_bytes": shard_max, "val_bytes_estimate": val_bytes, "cap_bytes": cfg.spool_cap_bytes,
@@ -313,7 +314,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     def capture_fn(rows: list[int]) -> Any:
         nonlocal backend
         if backend is None:
-            backend = _make_backend(cfg, layers, max_model_len)
+            backend = _make_backend(cfg, aux_layer_ids, max_model_len)
             info_b = backend.start()
             capture_fn.chunk_tokens = int(info_b.get("chunk_tokens", cfg.batch_tokens))  # type: ignore[attr-defined]
         return capture_rows(backend, ds, lengths, rows, capture_fn.chunk_tokens, limit_len)  # type: ignore[attr-defined]

@@ -51,10 +51,10 @@ class WorkerStates:
 class VLLMBackend:
     name = "vllm"
 
-    def __init__(self, target: str, layers: list[int], dtype: str, batch_tokens: int, max_model_len: int,
+    def __init__(self, target: str, aux_layer_ids: list[int], dtype: str, batch_tokens: int, max_model_len: int,
                  tensor_parallel_size: int = 1, llm: Any = None, storage_dtype: str | None = None,
                  **engine_overrides: Any):
-        self.target, self.layers = target, list(layers)
+        self.target, self.aux_layer_ids = target, list(aux_layer_ids)
         self.storage_dtype = storage_dtype  # None: the engine dtype
         self.kwargs = engine_kwargs(target, dtype, batch_tokens, max_model_len, tensor_parallel_size)
         self.kwargs.update(engine_overrides)
@@ -68,19 +68,19 @@ class VLLMBackend:
             from vllm import LLM
 
             self.llm = LLM(worker_extension_cls=EXTENSION, **self.kwargs)
-        infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.layers, self.storage_dtype))
+        infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.aux_layer_ids, self.storage_dtype))
         info = dict(infos[0])
         # Prompts per generate() call: many engine steps' worth keeps the engine full (a partly filled
         # step only at the end of each call), while the worker's buffered states stay <= ~1 GiB.
         # The worker buffers states in the storage dtype (fp8: 1 byte + scales).
         item = {"float32": 4, "fp8": 1}.get(info.get("storage_dtype") or info["dtype"], 2)
-        per_token = (len(self.layers) + 1) * int(info["hidden_size"]) * item
+        per_token = (len(self.aux_layer_ids) + 1) * int(info["hidden_size"]) * item
         info["chunk_tokens"] = max(self.batch_tokens, min(max(8 * self.batch_tokens, 16384), (1 << 30) // per_token))
         return info
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
         """States of each sample in storage form (eagle3.capture.quant.Stored: [T, A + 1, H], aux in
-        `layers` order then last; converted inside the worker)."""
+        `aux_layer_ids` order then last; converted inside the worker)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -38,6 +38,11 @@ Hooks and why each one exists
 5. Prefix caching must be off (``enable_prefix_caching=False``, set by the driver): a cache hit would
    skip the forward of the cached prefix and those positions would never be recorded. The driver
    also checks that every position of every prompt was filled.
+6. ``llm.llm_engine.engine_core.shutdown()`` (driver side, ``shutdown_engine_core``; used by every stage that
+   starts an in-process ``vllm.LLM``: regenerate, synthesize, evaluate, capture). ``vllm.LLM`` has no public
+   close: its engine-core process and workers, with their KV cache, live until the object is garbage
+   collected, and a second engine started in the same process meanwhile (a test session, a pipeline run in
+   one process) finds the memory taken. Calling the engine core's own shutdown frees them at once.
 
 Compilation: the driver uses ``enforce_eager=True``. vLLM's ``support_torch_compile`` compiles the
 decoder once and drops dynamo guards, so aux layers set through collective_rpc after engine start-up
@@ -100,8 +105,8 @@ def _frombytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tenso
 class CaptureWorkerExtension:
     """Mixed into vLLM's Worker class; every public method is a collective_rpc verb."""
 
-    def eagle3_capture_start(self, layer_ids: list[int], storage_dtype: str | None = None) -> dict[str, Any]:
-        """Install the hooks and record `layer_ids` (+ last layer pre-norm) from now on.
+    def eagle3_capture_start(self, aux_layer_ids: list[int], storage_dtype: str | None = None) -> dict[str, Any]:
+        """Install the hooks and record `aux_layer_ids` (+ last layer pre-norm) from now on.
 
         storage_dtype (bfloat16/float16/float32/fp8; None = the engine dtype): states are converted to it
         on the device, right after each forward (eagle3.capture.quant.to_storage), so buffers and the
@@ -126,7 +131,7 @@ class CaptureWorkerExtension:
         hf = runner.model_config.hf_config
         text = getattr(hf, "text_config", None) or hf
         num_layers = int(text.num_hidden_layers)
-        want = [int(k) for k in layer_ids] + [num_layers]
+        want = [int(k) for k in aux_layer_ids] + [num_layers]
         ids = sorted(set(want))
         model.set_aux_hidden_state_layers(tuple(ids))
         self._eagle3_perm = [ids.index(k) for k in want]
@@ -347,3 +352,13 @@ class CaptureWorkerExtension:
         runner.get_model().set_aux_hidden_state_layers(())
         self._eagle3_reset()
         self._eagle3_ready = {}
+
+
+def shutdown_engine_core(llm: Any) -> bool:
+    """Hook 6: stop an in-process ``vllm.LLM``'s engine-core process and workers now (see the module docstring).
+    False when this vLLM has no such handle (nothing to stop, or another layout: the caller drops the object)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is None or not hasattr(core, "shutdown"):
+        return False
+    core.shutdown()
+    return True

@@ -105,7 +105,7 @@ def padded_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128)
     dropped from the block lists, so the kernel never visits them and their (zero) keys never enter the
     softmax. Exact only when T is a multiple of block_size (no block straddles two slots) and only for the
     compiled kernel, which honours the block lists (eager flex evaluates mask_mod densely and would let the
-    padding's diagonal in); eagle3.train.bench.check_flex verifies it on the device, values and grads."""
+    padding's diagonal in); benchmarks/step_setup.py's check_flex verifies it on the device, values and grads."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     B, T = doc_ids.shape

@@ -125,20 +125,20 @@ def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = T
 class SelectedLayers(Sequence):
     """Samples whose aux states are a subset of the captured ones, in the given order.
 
-    `captured` are the capture's aux ids (manifest `layers`); id `num_hidden_layers` (the last decoder layer's
+    `captured` are the capture's aux ids (manifest `aux_layer_ids`); id `num_hidden_layers` (the last decoder layer's
     output, which vLLM's EAGLE-3 can also feed the draft) is read from `last_hidden_states`. One capture of many
     layers thus serves a sweep over layer sets without capturing again."""
 
-    def __init__(self, samples: Sequence[dict[str, Any]], captured: list[int], layers: list[int], num_hidden_layers: int):
+    def __init__(self, samples: Sequence[dict[str, Any]], captured: list[int], aux_layer_ids: list[int], num_hidden_layers: int):
         avail = list(captured) + [num_hidden_layers]
-        missing = [k for k in layers if k not in avail]
+        missing = [k for k in aux_layer_ids if k not in avail]
         if missing:
             raise ValueError(
-                f"TrainConfig.layers = {list(layers)}: id(s) {missing} were not captured (captured aux ids "
+                f"TrainConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {missing} were not captured (captured aux ids "
                 f"{list(captured)}, plus {num_hidden_layers} = the last layer); capture them or pick from those"
             )
-        self.samples, self.layers = samples, list(layers)
-        self._cols = [avail.index(k) for k in layers]
+        self.samples, self.aux_layer_ids = samples, list(aux_layer_ids)
+        self._cols = [avail.index(k) for k in aux_layer_ids]
         self._last = len(captured)
 
     def __len__(self) -> int:
@@ -149,18 +149,18 @@ class SelectedLayers(Sequence):
         aux = torch.as_tensor(s["aux_hidden_states"])  # (T, A, H)
         if self._last in self._cols:
             aux = torch.cat([aux, torch.as_tensor(s["last_hidden_states"])[:, None]], dim=1)  # (T, A+1, H)
-        s["aux_hidden_states"] = aux[:, self._cols]  # (T, len(layers), H)
+        s["aux_hidden_states"] = aux[:, self._cols]  # (T, len(aux_layer_ids), H)
         return s
 
 
-def preload_samples(path: str | Path, layers: list[int], num_hidden_layers: int, verify: bool = True) -> list[dict[str, Any]]:
+def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layers: int, verify: bool = True) -> list[dict[str, Any]]:
     """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
-    reads, not page faults per sample), keeping only the aux states of `layers` (SelectedLayers semantics).
-    RAM needed: tokens x (len(layers) + 1) x H x 2 B."""
+    reads, not page faults per sample), keeping only the aux states of `aux_layer_ids` (SelectedLayers semantics).
+    RAM needed: tokens x (len(aux_layer_ids) + 1) x H x 2 B."""
     from eagle3.capture import capture_dirs, load_combined_manifest
     from eagle3.capture.storage import iter_shards, shard_samples
 
-    captured = load_combined_manifest(path)["layers"]
+    captured = load_combined_manifest(path)["aux_layer_ids"]
     out: list[dict[str, Any]] = []
     if verify:
         from eagle3.capture.storage import verify_capture
@@ -168,7 +168,7 @@ def preload_samples(path: str | Path, layers: list[int], num_hidden_layers: int,
         for d in capture_dirs(path):
             verify_capture(d)
     for shard in (sh for d in capture_dirs(path) for sh in iter_shards(d)):
-        picked = SelectedLayers(list(shard_samples(shard)), captured, layers, num_hidden_layers)
+        picked = SelectedLayers(list(shard_samples(shard)), captured, aux_layer_ids, num_hidden_layers)
         for i in range(len(picked)):
             s = picked[i]  # aux: a fresh tensor (indexed); the rest: views, cloned so the shard can be freed
             out.append({**s, "input_ids": s["input_ids"].clone(), "loss_mask": s["loss_mask"].clone(),

@@ -22,8 +22,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
-from eagle3.config import ConfigError
+from eagle3.compat import migrate_record
+from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError
 from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
+from eagle3.train.checkpoint import METADATA, WEIGHTS
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS, PackedBatch, TTTModule, summarize
@@ -130,12 +132,11 @@ def score_batches(ttt: torch.nn.Module, batches: list[PackedBatch], head: Target
 
 def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, dict]:
     """An Eagle3Draft from a training output (best/, final/, a checkpoint) or an exported vLLM-format dir."""
-    from eagle3.train.trainer import METADATA, WEIGHTS
 
     path = Path(path)
     if not (path / METADATA).is_file():
         raise ConfigError(f"draft={path}: no {METADATA}; pass a directory written by `eagle3 train` or `eagle3 export`")
-    meta = json.loads((path / METADATA).read_text())
+    meta = migrate_record(json.loads((path / METADATA).read_text()))
     model = Eagle3Draft(DraftConfig.from_dict(meta["draft_config"]))
     sd = load_file(str(path / WEIGHTS))
     if "d2t" not in sd:  # full-vocab vLLM export: lm_head rows already in target order
@@ -160,7 +161,9 @@ class EstimateConfig(BaseModel):
     captured: Path = Field(..., description="Capture dir of held-out prompts (ideally ones the target never trained "
                            "on), or several comma-separated; it must hold the draft's aux layers")
     target: Path = Field(..., description="Target model dir (frozen embedding, final norm and lm_head)")
-    num_speculative_tokens: int = Field(3, gt=0, description="k, the draft tokens per round")
+    num_speculative_tokens: int | None = Field(
+        None, gt=0, description="k, the draft tokens per round (default: the k the draft was trained for, recorded in "
+        "its eagle3_draft.json train_config; 3 when it records none)")
     max_new_tokens: int | None = Field(128, gt=0, description="Replay only the first N answer tokens (refbench "
                                        "evaluates 128); unset = whole answers")
     max_seq_len: int = Field(2048, gt=0, description="Packed sequence length")
@@ -178,7 +181,7 @@ def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
     tensors = load_target_tensors(cfg.target)
     tc = text_config(read_target_config(cfg.target))
     try:
-        samples = SelectedLayers(load_samples(cfg.captured), manifest["layers"], meta["aux_layer_ids"],
+        samples = SelectedLayers(load_samples(cfg.captured), manifest["aux_layer_ids"], meta["aux_layer_ids"],
                                  tc["num_hidden_layers"])
     except ValueError as e:
         raise ConfigError(f"captured={cfg.captured} cannot feed draft={cfg.draft}: {e}") from None
@@ -186,7 +189,8 @@ def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
     head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
                       torch.arange(model.cfg.draft_vocab_size) + model.d2t).to(device, dtype)
     batches = eval_batches(samples, list(range(len(samples))), cfg.max_seq_len, cfg.batch_size)
-    k = cfg.num_speculative_tokens
+    k = (cfg.num_speculative_tokens or (meta.get("train_config") or {}).get("num_speculative_tokens")
+         or DEFAULT_NUM_SPECULATIVE_TOKENS)
     m = score_batches(TTTModule(model).to(device), batches, head, steps=k, device=device, dtype=dtype,
                       attention=cfg.attention, replay_k=k, max_new_tokens=cfg.max_new_tokens)
     return Estimate(tau=m["tau_replay"], tau_per_row=tau_from_metrics(m, k),

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eagle3.model.draft import DraftConfig, Eagle3Draft
+from eagle3.model.draft import Eagle3Draft
 from eagle3.train.attention import make_ttt_attention
 from eagle3.train.loss import TargetHead, compute_targets, fused_soft_ce, soft_ce
 
@@ -183,85 +183,6 @@ def summarize(stats: torch.Tensor) -> dict[str, float]:
         accept += prod
     out["sim_accept_len"] = accept
     out["num_rows"] = s[0, 0].item() if len(s) else 0.0  # supervised step-0 rows summed into these stats
-    return out
-
-
-# ------------------------------------------------------------------------------------------- benchmarking
-
-
-@dataclass
-class BenchmarkSetup:
-    model: Eagle3Draft
-    optimizer: torch.optim.Optimizer
-    head: TargetHead
-    batch: PackedBatch
-    steps: int
-    attention: str
-    dtype: torch.dtype
-
-
-def synthetic_batch(cfg: DraftConfig, batch_size: int, seq_len: int, device, dtype, docs_per_row: int = 2) -> PackedBatch:
-    g = torch.Generator().manual_seed(0)
-    B, T = batch_size, seq_len
-    bounds = torch.linspace(0, T, docs_per_row + 1).long()
-    doc = torch.zeros(B, T, dtype=torch.long)
-    pos = torch.zeros(B, T, dtype=torch.long)
-    for i in range(docs_per_row):
-        a, b = bounds[i].item(), bounds[i + 1].item()
-        doc[:, a:b] = i
-        pos[:, a:b] = torch.arange(b - a)
-    batch = PackedBatch(
-        input_ids=torch.randint(0, cfg.vocab_size, (B, T), generator=g),
-        positions=pos,
-        doc_ids=doc,
-        loss_mask=torch.rand(B, T, generator=g) < 0.7,
-        aux=torch.randn(B, T, cfg.num_aux * cfg.target_hidden_size, generator=g),
-        last_hidden=torch.randn(B, T, cfg.target_hidden_size, generator=g),
-    )
-    return batch.to(device, dtype)
-
-
-def build_benchmark(
-    cfg: DraftConfig,
-    *,
-    batch_size: int = 1,
-    seq_len: int = 2048,
-    steps: int = 7,
-    device: str = "cuda",
-    dtype: torch.dtype = torch.bfloat16,
-    attention: str = "auto",
-    compile: bool = False,
-    compile_mode: str = "layer",
-) -> BenchmarkSetup:
-    """Random draft + random frozen target head + one synthetic packed batch, all on `device`.
-    Real dims: DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
-    num_aux=3, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0)."""
-    torch.manual_seed(0)
-    model = Eagle3Draft(cfg).to(device)
-    if compile:
-        model.compile_blocks(compile_mode)
-    head = TargetHead(
-        norm_weight=torch.ones(cfg.target_hidden_size),
-        eps=cfg.rms_norm_eps,
-        lm_head=torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02,
-        draft_ids=torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values,
-    ).to(device, dtype)
-    model.d2t.copy_(head.draft_ids - torch.arange(cfg.draft_vocab_size, device=head.draft_ids.device))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), fused=device != "cpu")
-    return BenchmarkSetup(model, opt, head, synthetic_batch(cfg, batch_size, seq_len, device, dtype), steps, attention, dtype)
-
-
-def run_benchmark_step(s: BenchmarkSetup, grad_clip: float = 0.5) -> StepOutput:
-    """Forward + backward + clip + AdamW step under autocast; returns tensors (no host sync)."""
-    dev = s.batch.input_ids.device.type
-    with torch.autocast(dev, dtype=s.dtype, enabled=s.dtype != torch.float32):
-        out = ttt_forward(s.model, s.batch, s.head, steps=s.steps, attention=s.attention)
-    out.loss.backward()
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(s.model.parameters(), grad_clip, foreach=True)
-    s.optimizer.step()
-    s.optimizer.zero_grad(set_to_none=True)
     return out
 
 

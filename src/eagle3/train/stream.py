@@ -37,6 +37,7 @@ from eagle3.capture.spool import (
     spool_bytes,
 )
 from eagle3.capture.storage import load_shard, shard_samples
+from eagle3.compat import migrate_record
 from eagle3.config import ConfigError, StreamTrainConfig
 from eagle3.io import atomic_path, write_json
 from eagle3.train.data import collate, empty_row, pack
@@ -85,13 +86,13 @@ class SpoolSource:
     def __init__(self, cfg: StreamTrainConfig):
         cfg.require("captured", "out")
         self.cfg, self.spool = cfg, Path(cfg.captured)
-        if getattr(cfg, "layers", None):
-            raise ConfigError("train.layers is not supported in streaming mode: capture only the aux layers you train "
-                              "on (capture.layers)")
+        if getattr(cfg, "aux_layer_ids", None):
+            raise ConfigError("train.aux_layer_ids is not supported in streaming mode: capture only the aux layers "
+                              "you train on (capture.aux_layer_ids)")
         if getattr(cfg, "preload", False):
             raise ConfigError("train.preload = true is not supported in streaming mode (the spool is read shard by "
                               "shard as it arrives); set train.preload: false")
-        self.manifest: dict[str, Any] = _wait(self.spool, cfg, HEADER, lambda: read_state(self.spool, HEADER) or None)
+        self.manifest: dict[str, Any] = _wait(self.spool, cfg, HEADER, lambda: migrate_record(read_state(self.spool, HEADER)) or None)
         consumed = read_state(self.spool, CONSUMED)
         fresh = not any((Path(cfg.out) / "checkpoints").glob("step-*")) or not cfg.resume
         if fresh and (consumed.get("released_below", 0) > 0 or consumed.get("done")):
@@ -122,7 +123,7 @@ class StreamLoader:
         self.source, self.cfg, self.spool = source, cfg, source.spool
         self.T, self.B, self.rank, self.world = cfg.max_seq_len, cfg.batch_size, rank, world
         h = source.manifest
-        self.n_aux, self.hidden = len(h["layers"]), h["hidden_size"]
+        self.n_aux, self.hidden = len(h["aux_layer_ids"]), h["hidden_size"]
         self.per_epoch = sum(1 for i in h["train_rows"] if h["row_tokens"][i] > 0)
         self.seq, self.j = 0, 0  # next sample: shard seq, sample within it
         self.epoch, self.in_epoch = 0, 0  # epoch of the last sample taken, samples taken in it

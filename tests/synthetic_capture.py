@@ -1,4 +1,4 @@
-"""Test/demo helpers: captured-sample dicts from a small transformers target, and a vocab dir.
+"""Test helpers: captured-sample dicts from a small transformers target, and a vocab dir.
 
 Not used by training itself; the real inputs come from `eagle3 capture` and `eagle3 vocab`.
 """
@@ -12,7 +12,7 @@ import torch
 
 
 @torch.no_grad()
-def capture_samples(target: str | Path, num: int = 16, layers=(1, 2, 3), min_len=24, max_len=64, seed=0,
+def capture_samples(target: str | Path, num: int = 16, aux_layer_ids=(1, 2, 3), min_len=24, max_len=64, seed=0,
                     token_ids: list | None = None, prompt_lens: list | None = None):
     """(samples, manifest) in eagle3.capture's format, by running the target in transformers on CPU.
 
@@ -38,13 +38,13 @@ def capture_samples(target: str | Path, num: int = 16, layers=(1, 2, 3), min_len
             ids = torch.as_tensor(token_ids[i]).long()
             n = len(ids)
         out = model(ids[None], output_hidden_states=True)
-        aux = torch.stack([out.hidden_states[k][0] for k in layers], dim=1)  # (T, n_aux, H)
+        aux = torch.stack([out.hidden_states[k][0] for k in aux_layer_ids], dim=1)  # (T, n_aux, H)
         mask = torch.ones(n, dtype=torch.int8)
         mask[: (n // 4 if prompt_lens is None else prompt_lens[i])] = 0  # a "prompt" that is not supervised
         samples.append({"input_ids": ids.long(), "loss_mask": mask, "aux_hidden_states": aux.to(torch.bfloat16),
                         "last_hidden_states": grab["last"][0].to(torch.bfloat16), "sample_id": f"s{i}"})
     hook.remove()
-    manifest = {"layers": list(layers), "hidden_size": model.config.hidden_size, "num_samples": len(samples),
+    manifest = {"aux_layer_ids": list(aux_layer_ids), "hidden_size": model.config.hidden_size, "num_samples": len(samples),
                 "target": str(target)}
     return samples, manifest
 

@@ -6,7 +6,7 @@ fuses the aux hidden states, `norm`, a `lm_head` over the draft vocabulary and t
 the target's embedding is shared (no `embed_tokens` in the file). Acceptance of a random draft is ~0,
 so τ ≈ 1; it proves the wiring, not quality.
 
-    from eagle3.testing.random_draft import build_random_draft
+    from tests.random_draft import build_random_draft
     build_random_draft("path/to/target", "path/to/draft", draft_vocab_size=256)
 """
 

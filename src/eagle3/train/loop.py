@@ -1,0 +1,342 @@
+"""The training loop: optimizer steps, validation, checkpoints, over what `run_train` built (a `Run`).
+
+Loss normalisation: each micro-batch's loss is sum_j loss_decay**j * (mean soft-CE over its supervised,
+in-draft-vocab rows of step j); micro-batches are averaged (/grad_accum) and DDP/FSDP average over ranks.
+Resume restores weights, optimizer, scheduler, step, loader (epoch, cursor) and RNG, so N steps straight ==
+N/2 + resume + N/2 bit-exactly on CPU fp32 (tests/test_train.py) and across FSDP ranks (checked with gloo).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, TrainConfig
+from eagle3.integrity import nonfinite_tensors
+from eagle3.model.draft import Eagle3Draft
+from eagle3.train import parallel
+from eagle3.train.average import WeightAverage
+from eagle3.train.checkpoint import (
+    RAW_WEIGHTS,
+    WEIGHTS,
+    check_draft_weights,
+    read_checkpoint,
+    read_latest_good_checkpoint,
+    save_checkpoint,
+    save_compile_cache,
+    save_model_dir,
+)
+from eagle3.train.estimate import score_batches, tau_from_metrics
+from eagle3.train.loss import TargetHead
+from eagle3.train.metrics import MetricsLog, progress
+from eagle3.train.step import STAT_COLUMNS, summarize
+
+
+class NonFiniteError(ValueError):
+    """Training met NaN/inf (in a batch's hidden states, the loss or the gradient) more often than
+    max_nonfinite_steps allows."""
+
+
+@dataclass
+class Run:
+    """Everything the loop reads, built once by run_train."""
+
+    cfg: TrainConfig
+    d: parallel.Dist
+    out: Path
+    model: Eagle3Draft
+    ttt: torch.nn.Module  # TTTModule(model), wrapped for DDP/FSDP
+    head: TargetHead
+    loader: Any  # PackedLoader or a streaming loader
+    val: list  # validation batches (they pick best/)
+    heldout: list  # the held-out train split, logged only, when val_captured validates
+    total: int  # optimizer steps of the whole run
+    amp_dtype: torch.dtype
+    aux_layer_ids: list[int]
+    draft_metadata: Callable[[int, dict], dict]  # (step, validation metrics) -> eagle3_draft.json
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    opt: torch.optim.Optimizer | None = None
+    sched: Any = None
+    ema: WeightAverage | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def sharded_optim(self) -> bool:
+        return self.cfg.parallel == "fsdp" and self.d.world > 1
+
+    @property
+    def optim_shard(self) -> str | None:
+        return f"rank-{self.d.rank}-of-{self.d.world}.pt" if self.sharded_optim else None
+
+
+@dataclass
+class TrainState:
+    """What the loop advances (and a checkpoint's trainer_state.json records)."""
+
+    step: int = 0
+    best: float = -1.0  # best validation tau_estimate so far
+    num_skipped: int = 0  # non-finite steps skipped
+    last_loss: float | None = None
+    val_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def lr_lambda(cfg: TrainConfig, total: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * t)) if cfg.schedule == "cosine" else 1 - t
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f
+
+
+def build_optimizer(run: Run) -> None:
+    """AdamW over the trainable parameters, the lr schedule and the weight average (cfg.ema_decay > 0)."""
+    cfg = run.cfg
+    run.params = [p for p in run.model.parameters() if p.requires_grad]
+    # fused: one kernel over all tensors on CUDA (the step's AdamW 8.4 ms vs its 2.8 ms byte floor in the H200
+    # profile, docs/NOTES.md); FSDP2's sharded DTensor params keep the default (foreach) path
+    fused = run.d.device.type == "cuda" and cfg.parallel != "fsdp"
+    run.opt = torch.optim.AdamW(run.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                                fused=fused or None)
+    run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lr_lambda(cfg, run.total))
+    run.ema = WeightAverage(run.params, cfg.ema_decay) if cfg.ema_decay > 0 else None
+
+
+def add_hidden_noise(aux: torch.Tensor, num_aux: int, scale: float) -> torch.Tensor:
+    """aux (B, T, A*H) + N(0, (scale * rms)^2) per state, rms taken over each state's H features."""
+    x = aux.unflatten(-1, (num_aux, -1))  # (B, T, A, H)
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()  # (B, T, A, 1)
+    return (x + (torch.randn_like(x, dtype=torch.float32) * rms * scale).to(x.dtype)).flatten(-2)  # (B, T, A*H)
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+def averaged(run: Run):
+    """Context in which the model holds the weight average, when there is one (validation, saving)."""
+    return run.ema.applied() if run.ema is not None else nullcontext()
+
+
+def gather_weights(run: Run) -> dict[str, torch.Tensor]:
+    """The full state to save: the weight average when there is one."""
+    if run.ema is None:
+        return parallel.full_state_dict(run.ttt, run.d)
+    with run.ema.applied():  # copies: a state dict may share the parameters' storage, which the swap back rewrites
+        return {k: v.detach().clone() for k, v in parallel.full_state_dict(run.ttt, run.d).items()}
+
+
+def load_weights(run: Run, sd: dict[str, torch.Tensor], path: Path) -> None:
+    check_draft_weights(run.model, sd, path)
+    parallel.load_full_state_dict(run.ttt, {"draft." + k: v for k, v in sd.items()}, run.d)
+
+
+def refuse_nonfinite(sd: dict[str, torch.Tensor], where: str, step: int) -> None:
+    bad = nonfinite_tensors(sd)
+    if bad:
+        raise NonFiniteError(f"step {step}: the draft weights to be saved as {where} hold NaN/inf ({', '.join(bad[:4])}); "
+                             "nothing was written. Training diverged: lower lr, raise warmup_steps or check the capture")
+
+
+def resume(run: Run) -> TrainState:
+    """The state of the newest checkpoint of run.out that reads back whole (every rank: the oldest any rank
+    could read), applied to model, optimizer, scheduler, loader and RNG; a fresh state when there is none."""
+    d = run.d
+    ck = read_latest_good_checkpoint(run.out, d.device, run.optim_shard, lambda m: progress(d, m))
+    if d.world > 1:
+        got = torch.tensor([ck.trainer_state["step"] if ck is not None else -1], device=d.device)
+        torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MIN)
+        if ck is not None and int(got.item()) != ck.trainer_state["step"]:
+            ck = read_checkpoint(run.out / "checkpoints" / f"step-{int(got.item())}", d.device, run.optim_shard) \
+                if int(got.item()) >= 0 else None
+    if ck is None:
+        return TrainState()
+    load_weights(run, ck.weights, ck.path / WEIGHTS)
+    if run.ema is not None:  # model.safetensors holds the average (or, from a run without one, the weights)
+        run.ema.reset()
+        if ck.raw is not None:
+            load_weights(run, ck.raw, ck.path / RAW_WEIGHTS)
+    run.opt.load_state_dict(ck.optimizer)
+    run.sched.load_state_dict(ck.scheduler)
+    st = ck.trainer_state
+    run.loader.load_state_dict(st)
+    progress(d, f"resumed from {ck.path} (step {st['step']})")
+    torch.set_rng_state(ck.rng["torch"])
+    random.setstate(ck.rng["python"])
+    if d.device.type == "cuda" and "cuda" in ck.rng:
+        torch.cuda.set_rng_state_all(ck.rng["cuda"])
+    return TrainState(step=st["step"], best=st["best"], num_skipped=st.get("num_skipped_steps", 0))
+
+
+# ------------------------------------------------------------------------------------------ steps
+
+def step_options(run: Run) -> dict[str, Any]:
+    cfg = run.cfg
+    return dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention,
+                temperature=cfg.distill_temperature, feature_weight=cfg.feature_loss_weight,
+                mid_feature_weight=cfg.midlayer_feature_loss_weight,
+                mid_target_block=run.aux_layer_ids.index(max(run.aux_layer_ids)))
+
+
+def validate(run: Run, batches) -> dict[str, float]:
+    """Validation metrics; tau_estimate (replayed greedy rounds at k = num_speculative_tokens) picks best/."""
+    cfg = run.cfg
+    k = min(cfg.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS, cfg.ttt_steps)
+    m = score_batches(run.ttt, batches, run.head, steps=cfg.ttt_steps, device=run.d.device, dtype=run.amp_dtype,
+                      replay_k=k, loss_decay=cfg.loss_decay, attention=cfg.attention)
+    m["loss"] = sum(cfg.loss_decay**j * m[f"loss_{j}"] for j in range(cfg.ttt_steps))
+    m["tau_per_row"] = tau_from_metrics(m, k)
+    m["tau_estimate"] = m["tau_replay"]  # picks the best checkpoint: tracks vLLM's τ (docs/NOTES.md)
+    return m
+
+
+def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """grad_accum micro-batches forward and backward: (per-step stats, the step's loss, NaN/inf batch reports)."""
+    cfg, d = run.cfg, run.d
+    cuda = d.device.type == "cuda"
+    step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
+    step_loss, problems = torch.zeros((), device=d.device), []
+    for micro in range(cfg.grad_accum):
+        b = next(run.loader)
+        if getattr(run.loader, "last_nonfinite", None):  # NaN/inf in the batch's hidden states: which samples
+            problems.append(run.loader.last_nonfinite)
+        b = b.to(d.device, run.amp_dtype if cuda else torch.float32)
+        if cfg.hidden_noise > 0:
+            b.aux = add_hidden_noise(b.aux, len(run.aux_layer_ids), cfg.hidden_noise)
+        if cfg.supervise == "all":  # every token of every conversation, prompts too (validation: assistant only)
+            b.loss_mask = b.doc_ids >= 0  # (B, T)
+        sync = micro == cfg.grad_accum - 1 or d.world == 1
+        ctx = run.ttt.no_sync() if not sync and hasattr(run.ttt, "no_sync") else nullcontext()
+        with ctx, torch.autocast(d.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+            loss, stats = run.ttt(b, run.head, **options)
+        with ctx:
+            (loss / cfg.grad_accum).backward()
+        step_stats += stats
+        step_loss += loss.detach() / cfg.grad_accum
+    return step_stats, step_loss, problems
+
+
+def skip_if_nonfinite(run: Run, state: TrainState, step_loss, gnorm, problems: list[str], log: MetricsLog) -> bool:
+    """True (gradients dropped, the step counted as skipped) when the loss, gradient or a batch on any rank is
+    non-finite; NonFiniteError once more than max_nonfinite_steps were skipped."""
+    cfg, d = run.cfg, run.d
+    gfull = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+    flags = torch.stack([(~torch.isfinite(step_loss)).float(), torch.tensor(float(bool(problems)), device=d.device)])
+    parallel.all_reduce_sum(flags, d)  # every rank skips the same steps
+    if bool(torch.isfinite(gfull)) and not bool(flags.sum() > 0):  # one host sync per step
+        return False
+    run.opt.zero_grad(set_to_none=True)
+    state.num_skipped += 1
+    what = (f"step {state.step + 1}: loss {step_loss.item():.4g}, gradient norm {float(gfull):.4g}; "
+            + (f"the batch holds NaN/inf hidden states: {'; '.join(problems)}. The capture is corrupt: "
+               "capture those samples again" if problems else
+               "the batch is finite, so training diverged: lower lr, raise warmup_steps or set grad_clip")
+            + (" (a rank's batch held NaN/inf hidden states)" if not problems and flags[1] > 0 else ""))
+    if state.num_skipped > cfg.max_nonfinite_steps:
+        raise NonFiniteError(f"non-finite training step ({state.num_skipped} so far, max_nonfinite_steps="
+                             f"{cfg.max_nonfinite_steps}): {what}")
+    progress(d, f"skipped non-finite step ({state.num_skipped} of at most {cfg.max_nonfinite_steps}): {what}")
+    log.log(state.step, "skipped", {"num_skipped_steps": state.num_skipped})
+    return True
+
+
+def save(run: Run, state: TrainState, *, save_now: bool, best_now: bool) -> None:
+    """Write checkpoints/step-N (save_now) and/or best/ (best_now); every rank joins the gathers."""
+    d, step = run.d, state.step
+    raw = parallel.full_state_dict(run.ttt, d) if run.ema is not None and save_now else None
+    full = gather_weights(run)
+    refuse_nonfinite(full, f"checkpoint step-{step}", step)
+    shards = None
+    if run.sharded_optim and save_now:
+        shards = run.out / "checkpoints" / f".optim-step-{step}"
+        shards.mkdir(parents=True, exist_ok=True)
+        torch.save(run.opt.state_dict(), shards / run.optim_shard)
+        parallel.barrier(d)
+    meta = run.draft_metadata(step, state.val_metrics)
+    if d.main and best_now:
+        save_model_dir(run.out / "best", full, meta)
+    if d.main and save_now:
+        ckpt = save_checkpoint(run.out, full, run.opt, run.sched, step, run.loader, state.best, meta,
+                               optim_shards=shards, raw=raw, num_skipped_steps=state.num_skipped)
+        run.loader.on_checkpoint(ckpt)
+
+
+def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | None = None) -> None:
+    """Optimizer steps until run.total (or stop_after steps in this call); validates every eval_every and saves
+    every save_every steps, and at the end."""
+    cfg, d = run.cfg, run.d
+    options = step_options(run)
+    train_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
+    loss_acc, n_acc, done_here = torch.zeros((), device=d.device), 0, 0
+    run.model.train()
+    while state.step < run.total and (stop_after is None or done_here < stop_after):
+        step_stats, step_loss, problems = forward_backward(run, options)
+        gnorm = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        if skip_if_nonfinite(run, state, step_loss, gnorm, problems, log):
+            continue
+        train_stats += step_stats
+        loss_acc += step_loss
+        run.opt.step()
+        run.sched.step()
+        run.opt.zero_grad(set_to_none=True)
+        if run.ema is not None:
+            run.ema.update(state.step)
+        state.step, done_here, n_acc = state.step + 1, done_here + 1, n_acc + 1
+        step = state.step
+        if step % cfg.log_every == 0 or step == run.total:
+            parallel.all_reduce_sum(train_stats, d)
+            m = summarize(train_stats)
+            state.last_loss = loss_acc.item() / n_acc
+            m.update(loss=state.last_loss, lr=run.sched.get_last_lr()[0],
+                     grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                     epoch=run.loader.epoch_progress())
+            log.log(step, "train", m)
+            progress(d, f"step {step}/{run.total} loss {state.last_loss:.4f} acc_0 {m['acc_0']:.3f} epoch "
+                        f"{m['epoch']:.2f} {time.perf_counter() - run.t_start:.0f} s")
+            train_stats.zero_(), loss_acc.zero_()
+            n_acc = 0
+        best_now = False
+        if run.val and (step % cfg.eval_every == 0 or step == run.total):
+            with averaged(run):
+                state.val_metrics = validate(run, run.val)
+                log.log(step, "val", state.val_metrics)
+                if run.heldout:
+                    log.log(step, "heldout", validate(run, run.heldout))
+            val_m = state.val_metrics
+            progress(d, f"step {step} validation tau_estimate {val_m['tau_estimate']:.3f}")
+            if not math.isfinite(val_m["loss"]):  # a NaN model scores τ 1.0: it must never become best/
+                progress(d, f"step {step}: validation loss is {val_m['loss']}; this model cannot become best/")
+            elif val_m["tau_estimate"] > state.best:
+                state.best, best_now = val_m["tau_estimate"], True
+            if step == cfg.eval_every:  # train and eval graphs compiled by now: a run cut short still leaves them
+                save_compile_cache(cfg.compile_cache, d)
+        save_now = step % cfg.save_every == 0 or step == run.total or (stop_after is not None and done_here == stop_after)
+        save_now = run.loader.wants_checkpoint() or save_now  # (every rank asks: a streaming loader syncs the answer)
+        if d.world > 1:  # every rank joins the gather below; rank 0 decides
+            flag = torch.tensor([float(best_now)], device=d.device)
+            torch.distributed.broadcast(flag, 0)
+            best_now = bool(flag.item())
+        if save_now or best_now:
+            save(run, state, save_now=save_now, best_now=best_now)
+        parallel.barrier(d)
+
+
+def save_final(run: Run, state: TrainState) -> None:
+    """final/ (the weight average when there is one), once the run reached its last step."""
+    full = gather_weights(run)
+    refuse_nonfinite(full, "final/", state.step)
+    if run.d.main:
+        save_model_dir(run.out / "final", full, run.draft_metadata(state.step, state.val_metrics))
+
+
+__all__ = ["Run", "TrainState", "NonFiniteError", "build_optimizer", "resume", "train_loop", "save_final"]
