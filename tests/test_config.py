@@ -103,3 +103,12 @@ def test_records_with_old_key_names_are_migrated():
                    "train_config": {"aux_layer_ids": [1, 2], "lr": 1e-3}}
     assert old["layers"] == [1, 2, 4]  # the input is left as it was
     assert migrate_record(new) == new
+
+
+def test_a_renamed_flag_names_the_new_one(capsys):
+    from eagle3.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["capture", "--layers", "2,4,5"])
+    assert e.value.code == 2
+    assert "--layers was renamed to --aux-layer-ids" in capsys.readouterr().err

@@ -11,6 +11,7 @@ default, and validation errors name the field.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import types
@@ -88,6 +89,27 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _RenamedFlag(argparse.Action):
+    """A flag whose field was renamed: refused with the new name (eagle3.compat.RENAMED_CONFIG_KEYS)."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001 - argparse's signature
+        parser.error(f"{option_string} was renamed to {self.new}: use {self.new} (same meaning and values)")
+
+
+def _add_renamed_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    from eagle3.compat import RENAMED_CONFIG_KEYS
+
+    for old, new in RENAMED_CONFIG_KEYS.items():
+        if new in model.model_fields and old not in model.model_fields:
+            parser.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS,
+                                default=argparse.SUPPRESS,
+                                action=functools.partial(_RenamedFlag, new="--" + new.replace("_", "-")))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft models for your own target LLM.")
     verbose = argparse.ArgumentParser(add_help=False)
@@ -104,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="YAML with this stage's fields, or a pipeline config (its resolved `" + stage + "` section); flags override it",
         )
         _add_field_flags(p, spec.config, positional=spec.positional)
+        _add_renamed_flags(p, spec.config)
     plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP, parents=[verbose])
     _add_field_flags(plan, PlanConfig)
     from eagle3.train.estimate import EstimateConfig

@@ -725,7 +725,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden" and e["loc"] and e["loc"][-1] in RENAMED_CONFIG_KEYS:
             new = ".".join([*(str(p) for p in e["loc"][:-1]), RENAMED_CONFIG_KEYS[e["loc"][-1]]])
-            lines.append(f"  {loc}: renamed to {new} in session 8 (same meaning and values): rename the key")
+            lines.append(f"  {loc}: renamed to {new} (same meaning and values): rename the key")
         elif e["type"] == "extra_forbidden":
             lines.append(f"  {loc}: unknown key (remove it or check its spelling)")
         elif e["type"] == "missing":
