@@ -21,8 +21,10 @@ category, in one engine. The headline fields (acceptance_length, num_drafts, ...
 With `baseline` the same calls run again without speculation under the same engine settings, for generated
 tokens/s with and without speculation (and, greedy only, the fraction of identical outputs, a sanity check of
 lossless verification; on CPU small numeric differences between batch shapes can flip a few near-tie tokens).
-Each engine runs in its own spawned process, so two engines never coexist in memory and their Prometheus
-counters never mix.
+The engines run one after the other in one spawned process (`decode_jobs`; vLLM imported once), each shut down
+before the next starts, so two engines never coexist in memory; vLLM re-creates its Prometheus collectors per
+engine and every figure is a counter difference around one `generate` call, so their counters never mix. On the
+CPU the engine core and worker run inside that process (eagle3.vllm_engine, "engine in process").
 
 Cost (`draft_cost` in results.json; `draft_cost` below): parameters of the draft (what it reads: fc, decoder
 layers, its lm_head over the draft vocabulary, norms; the embedding is the target's) over the target's; FLOPs of
