@@ -92,6 +92,24 @@ def check_golden(capture_dir: Path, target: Path) -> dict[str, float]:
     return {"match": worst, "neighbour": worst_wrong}
 
 
+def capture_job(cfg: CaptureConfig):
+    """run_capture(cfg) in a process of its own (`capture_in_subprocess`), the engine inside it on the CPU."""
+    from eagle3.vllm_engine import setup_cpu_env
+
+    setup_cpu_env(engine_in_process=True)
+    return run_capture(cfg)
+
+
+def capture_in_subprocess(cfg: CaptureConfig):
+    """A vLLM capture whose engine is started by run_capture itself, in a spawned process that exists for it: one
+    vLLM import (eagle3.vllm_engine's "engine in process") instead of an engine-core and a worker process that each
+    import vLLM again. This module's llama_engine keeps vLLM's default layout (engine core and worker in processes
+    of their own, the captured states crossing them), the one a GPU run has."""
+    from eagle3.vllm_engine import run_in_subprocess
+
+    return run_in_subprocess(capture_job, cfg)
+
+
 @pytest.fixture(scope="module")
 def prepared_llama(tiny_llama, tmp_path_factory):
     return make_prepared(tiny_llama, tmp_path_factory.mktemp("prep") / "llama")
@@ -102,12 +120,34 @@ def prepared_qwen3(tiny_qwen3, tmp_path_factory):
     return make_prepared(tiny_qwen3, tmp_path_factory.mktemp("prep") / "qwen3")
 
 
+def llama_cfg(tiny_llama, prepared_llama, out, **kw) -> CaptureConfig:
+    return CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=out, backend="vllm",
+                         aux_layer_ids=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400, **kw)
+
+
 @pytest.fixture(scope="module")
-def vllm_llama(tiny_llama, prepared_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cap") / "llama_vllm"
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=out, backend="vllm",
-                        aux_layer_ids=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400)
-    return run_capture(cfg)
+def llama_engine(tiny_llama, prepared_llama, tmp_path_factory):
+    """The engine capture starts for these settings (worker extension, the prepared data's max_model_len), built
+    once for the driver-writer and the worker-writer captures of this module (test_vllm_golden_qwen3 and
+    test_capture_fp8 cover run_capture starting its own)."""
+    from vllm import LLM
+
+    from eagle3.capture.run import load_capture_inputs
+    from eagle3.capture.vllm_backend import EXTENSION, engine_kwargs
+    from eagle3.vllm_engine import shutdown_engine
+
+    cfg = llama_cfg(tiny_llama, prepared_llama, tmp_path_factory.mktemp("cap") / "unused")
+    ci = load_capture_inputs(cfg)
+    llm = LLM(worker_extension_cls=EXTENSION, **engine_kwargs(str(tiny_llama), cfg.dtype, cfg.batch_tokens,
+                                                              ci.max_model_len, 1))
+    yield llm
+    shutdown_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def vllm_llama(tiny_llama, prepared_llama, llama_engine, tmp_path_factory):
+    return run_capture(llama_cfg(tiny_llama, prepared_llama, tmp_path_factory.mktemp("cap") / "llama_vllm"),
+                       llm=llama_engine)
 
 
 def test_vllm_golden_llama(vllm_llama, tiny_llama):
@@ -120,7 +160,7 @@ def test_vllm_golden_qwen3(tiny_qwen3, prepared_qwen3, tmp_path):
     # default layers: (2, L//2, L-3) = (2, 3, 3) collides at L=6 -> fallback (1, L//2, L-2) = (1, 3, 4)
     cfg = CaptureConfig(target=str(tiny_qwen3), data=str(prepared_qwen3), out=tmp_path / "q", backend="vllm",
                         batch_tokens=BATCH_TOKENS)
-    res = run_capture(cfg)
+    res = capture_in_subprocess(cfg)
     assert res.aux_layer_ids == [1, 3, 4]
     print("qwen3 vllm", check_golden(res.out, tiny_qwen3))
 
@@ -270,14 +310,15 @@ def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
 
 
 @pytest.mark.slow
-def test_worker_writer_writes_the_driver_shards_byte_for_byte(vllm_llama, tiny_llama, prepared_llama, tmp_path):
+def test_worker_writer_writes_the_driver_shards_byte_for_byte(vllm_llama, llama_engine, tiny_llama, prepared_llama,
+                                                             tmp_path):
     """capture.writer = "worker" (issue 19): TP rank 0's worker writes the shards from the states it assembled (in a
     background thread, overlapping the next chunk's prefill) and only metadata crosses collective_rpc; the files
-    are the driver-mode files byte for byte (same sha256), with the same progress entries and counts."""
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "w", backend="vllm",
-                        aux_layer_ids=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400, writer="worker",
-                        worker_background="always")  # the thread path (auto: only on a GPU engine)
-    res = run_capture(cfg)
+    are the driver-mode files byte for byte (same sha256), with the same progress entries and counts. Same engine
+    as the driver-mode capture (the writer is chosen per capture, not per engine)."""
+    cfg = llama_cfg(tiny_llama, prepared_llama, tmp_path / "w", writer="worker",
+                    worker_background="always")  # the thread path (auto: only on a GPU engine)
+    res = run_capture(cfg, llm=llama_engine)
     mw, md = load_manifest(res.out), load_manifest(vllm_llama.out)
     assert [s["sha256"] for s in mw["shards"]] == [s["sha256"] for s in md["shards"]] and len(mw["shards"]) >= 2
     assert mw["shards"] == md["shards"] and mw["config_hash"] == md["config_hash"]

@@ -13,7 +13,7 @@ from eagle3.capture import iter_shards, load_captured, load_manifest, run_captur
 from eagle3.capture.quant import FP8_MAX, dequantize_fp8, quantize_fp8, to_storage
 from eagle3.capture.storage import bytes_per_token, save_safetensors_hashed
 from eagle3.config import CaptureConfig
-from test_capture import make_prepared, rel_err
+from test_capture import capture_in_subprocess, make_prepared, rel_err
 from test_capture_resume import kill_capture_after_first_shard
 
 #: fp8 round-trip bound, ||dequant(quant(x)) - x|| / ||x|| per sample; e4m3 has 3 mantissa bits
@@ -192,7 +192,7 @@ def test_vllm_fp8_in_worker(tiny_llama, prepared, captures, tmp_path):
     within the fp8 bound, and the stored scales are exactly absmax/448 of the worker's rows."""
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared), out=tmp_path / "v", backend="vllm",
                         aux_layer_ids=[1, 2, 4], dtype="float32", storage_dtype="fp8", batch_tokens=64, shard_tokens=400)
-    res = run_capture(cfg)
+    res = capture_in_subprocess(cfg)
     assert res.num_samples == captures["float32"].num_samples and res.num_skipped == {}
     worst = 0.0
     for a, b in zip(load_captured(res.out), load_captured(captures["float32"].out), strict=True):

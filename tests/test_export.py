@@ -124,17 +124,27 @@ def test_target_mismatch_refused(checkpoint, tiny_llama, tmp_path, field, value,
     assert not (tmp_path / "draft").exists()
 
 
+def serve(target, draft, prompts: list[list[int]], sampling: dict) -> dict:
+    """One generate call of `prompts` by vLLM serving `target` with the EAGLE-3 `draft` (k = 3, bf16): evaluate's
+    engine job in a spawned process, the engine inside it (one vLLM import, not three); its tokens and metrics."""
+    from eagle3.evaluate import decode_job
+    from eagle3.vllm_engine import run_in_subprocess
+
+    kw = dict(model=str(target), speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3},
+              enforce_eager=True, dtype="bfloat16", max_model_len=512, disable_log_stats=False)
+    return run_in_subprocess(decode_job, kw, [("all", prompts)], [sampling])
+
+
 @pytest.mark.vllm
 def test_vllm_loads_exported_draft(checkpoint, tiny_llama, tmp_path):
     pytest.importorskip("vllm")
-    from vllm import LLM, SamplingParams
+    from transformers import AutoTokenizer
 
     out = tmp_path / "draft"
     run_export(ExportConfig(checkpoint=str(checkpoint), out=out))
-    llm = LLM(model=str(tiny_llama), speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3},
-              enforce_eager=True, dtype="bfloat16", max_model_len=512)
-    res = llm.generate(["Hello the world is"], SamplingParams(max_tokens=12, temperature=0.0))
-    assert len(res[0].outputs[0].token_ids) > 0
+    job = serve(tiny_llama, out, [AutoTokenizer.from_pretrained(str(tiny_llama))("Hello the world is")["input_ids"]],
+                {"max_tokens": 12, "temperature": 0.0})
+    assert len(job["calls"][0]["tokens"][0]) > 0
 
 
 def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
@@ -158,22 +168,29 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     torch.testing.assert_close(w["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16))
 
 
+@pytest.fixture(scope="module")
+def greedy_data(tiny_llama):
+    """The target's own greedy continuations (16 x (6 + 40) tokens) and their states at layers (1, 2, 4)."""
+    from tests.synthetic_capture import capture_samples, greedy_continuations
+
+    ids, plen = greedy_continuations(tiny_llama, 16, prompt_len=6, new_tokens=40)
+    samples, manifest = capture_samples(tiny_llama, aux_layer_ids=(1, 2, 4), token_ids=ids, prompt_lens=plen)
+    return ids, samples, manifest
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("num_layers", [1, 2])
-def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path, num_layers):
+def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, greedy_data, tmp_path, num_layers):
     """Semantics check end to end: a draft trained (TTT, K=3) on the target's own greedy continuations gets
     tokens accepted by vLLM's EAGLE-3 proposer; an untrained one would get ~1/512 per position. With 2 layers it
     checks the extra layer's wiring (residual, norms, its own KV cache per step) against vLLM's."""
     pytest.importorskip("vllm")
-    from tests.synthetic_capture import capture_samples, greedy_continuations, write_vocab
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from tests.synthetic_capture import write_vocab
 
     from eagle3.train import run_train
 
-    ids, plen = greedy_continuations(tiny_llama, 16, prompt_len=6, new_tokens=40)
-    samples, manifest = capture_samples(tiny_llama, aux_layer_ids=(1, 2, 4), token_ids=ids, prompt_lens=plen)
+    ids, samples, manifest = greedy_data
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(0, 512))
     cfg = TrainConfig(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp_path / "train",
                       max_steps=300, lr=5e-3, warmup_steps=10, schedule="constant", max_seq_len=256, ttt_steps=3,
@@ -184,14 +201,11 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, tmp_path, num_layers
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == num_layers
     keys = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert ("layers.1.self_attn.q_proj.weight" in keys) == (num_layers == 2)
-    llm = LLM(model=str(tiny_llama), speculative_config={"method": "eagle3", "model": str(tmp_path / "draft"),
-                                                          "num_speculative_tokens": 3},
-              enforce_eager=True, dtype="bfloat16", max_model_len=512, disable_log_stats=False)
-    llm.generate([TokensPrompt(prompt_token_ids=x[:6].tolist()) for x in ids],
-                 SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    m = {x.name: x for x in llm.get_metrics()}
-    drafts = m["vllm:spec_decode_num_drafts"].value
-    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    job = serve(tiny_llama, tmp_path / "draft", [x[:6].tolist() for x in ids],
+                {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True})
+    m = job["calls"][0]["metrics"]  # the counters' difference across the generate call
+    drafts = m["vllm:spec_decode_num_drafts"]
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     print(f"num_layers={num_layers}: drafts {drafts}, accepted per position {per_pos}")
     # measured 2026-11-30: 1 layer 106/433 = 0.24, 2 layers 99/428 = 0.23 at position 1; untrained ~ 0.002
     assert drafts > 0 and per_pos[0] / drafts > 0.12, (drafts, per_pos)

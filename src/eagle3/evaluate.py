@@ -21,8 +21,10 @@ category, in one engine. The headline fields (acceptance_length, num_drafts, ...
 With `baseline` the same calls run again without speculation under the same engine settings, for generated
 tokens/s with and without speculation (and, greedy only, the fraction of identical outputs, a sanity check of
 lossless verification; on CPU small numeric differences between batch shapes can flip a few near-tie tokens).
-Each engine runs in its own spawned process, so two engines never coexist in memory and their Prometheus
-counters never mix.
+The engines run one after the other in one spawned process (`decode_jobs`; vLLM imported once), each shut down
+before the next starts, so two engines never coexist in memory; vLLM re-creates its Prometheus collectors per
+engine and every figure is a counter difference around one `generate` call, so their counters never mix. On the
+CPU the engine core and worker run inside that process (eagle3.vllm_engine, "engine in process").
 
 Cost (`draft_cost` in results.json; `draft_cost` below): parameters of the draft (what it reads: fc, decoder
 layers, its lm_head over the draft vocabulary, norms; the embedding is the target's) over the target's; FLOPs of
@@ -183,13 +185,20 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def decode_jobs(llm_kwargs: list[dict[str, Any]], groups: list[tuple[str, list[list[int]]]],
+                samplings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`decode_job` for each engine in turn, in one spawned process (one vLLM import for all of them)."""
+    return [decode_job(kw, groups, samplings) for kw in llm_kwargs]
+
+
 def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int]]]],
                samplings: list[dict[str, Any]]) -> dict[str, Any]:
     """Build one engine, warm it up, then per sampling (temperature) and per group (category) one timed
-    `generate` call whose metrics are the counters' difference across it; runs in a spawned process."""
+    `generate` call whose metrics are the counters' difference across it; runs in a spawned process
+    (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it (eagle3.vllm_engine)."""
     from eagle3.vllm_engine import setup_cpu_env, shutdown_engine
 
-    setup_cpu_env()
+    setup_cpu_env(engine_in_process=llm_kwargs.get("tensor_parallel_size", 1) == 1)
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
@@ -482,11 +491,11 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     spec_kwargs = engine_kwargs(target, speculative_config=speculative_config(cfg), disable_log_stats=False, **common)
     log.info("evaluate: %s, %d prompts in %d categories, temperatures %s, k=%d", cfg.method, len(prompts),
              len(groups), temps, k)
-    spec = run_in_subprocess(decode_job, spec_kwargs, groups, samplings)
-    base = None
+    jobs = [spec_kwargs]
     if cfg.baseline:
-        base_kwargs = engine_kwargs(target, disable_log_stats=False, **common)
-        base = run_in_subprocess(decode_job, base_kwargs, groups, samplings)
+        jobs.append(engine_kwargs(target, disable_log_stats=False, **common))
+    # both engines, one after the other, in one spawned process: vLLM is imported once
+    spec, base = (run_in_subprocess(decode_jobs, jobs, groups, samplings) + [None])[:2]
 
     cost = draft_cost(target, draft, k, cfg.method)
     rows, totals = rows_of(cfg.method, spec, base, cost, temps, with_categories)

