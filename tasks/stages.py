@@ -85,9 +85,12 @@ def as_stage_config(stage: str, config: StageConfig | dict[str, Any]) -> StageCo
 
 def gpu_limit_name() -> str | None:
     """Name of the global concurrency limit guarding this host's GPUs, from EAGLE3_GPU_LIMIT (the GPU
-    deployments set it, e.g. "gpu-host-{host}"); None on the embedded default (no limit)."""
+    deployments set it, e.g. "gpu-host-{host}"); None on the embedded default (no limit). {host} is
+    EAGLE3_NODE_NAME when set (a Kubernetes pod's hostname is the pod's, not the GPU node's: set it from the
+    downward API's spec.nodeName), else the hostname."""
     template = os.environ.get("EAGLE3_GPU_LIMIT", "").strip()
-    return template.format(host=socket.gethostname()).lower() if template else None
+    host = os.environ.get("EAGLE3_NODE_NAME", "").strip() or socket.gethostname()
+    return template.format(host=host).lower() if template else None
 
 
 @contextlib.contextmanager

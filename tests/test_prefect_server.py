@@ -162,8 +162,8 @@ class Stack:
             "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
             "EAGLE3_REPO_DIR": str(ROOT),
             "EAGLE3_RETRY_BASE_S": "1",
-            # a lost GPU host (test_a_gpu_stage_whose_host_dies_runs_again): beat every second, lost after 15 s,
-            # and the dead holder's GPU slot freed after Prefect's shortest lease (60 s) + one repossessor loop
+            # a lost GPU host (test_a_gpu_stage_whose_host_dies_runs_again): beat every second, lost after 15 s;
+            # a dead holder's GPU slot is freed after Prefect's shortest lease (60 s) + one repossessor loop
             "EAGLE3_HEARTBEAT_S": "1",
             "EAGLE3_LOST_AFTER_S": "15",
             "EAGLE3_GPU_LEASE_S": "60",
@@ -429,7 +429,10 @@ def test_a_gpu_stage_whose_host_dies_runs_again(stack, tiny_llama, tmp_path_fact
             p.kill()
     worker.wait(timeout=30)
     stack.procs.remove((name, worker))
-    stack.start("worker-gpu-1x", worker.args[-1].removeprefix("exec "))  # the replacement host
+    # the replacement host: another node, so another GPU slot (the dead run's stays taken until its lease runs out)
+    stack.sh('prefect gcl create "gpu-host-replacement-node" --limit 1')
+    node = f"EAGLE3_NODE_NAME=replacement-node {worker.args[-1].removeprefix('exec ')}"
+    stack.start("worker-gpu-1x", f"env {node}")
 
     fr = stack.wait_flow_run(run_id, timeout_s=480)
     assert fr["state"]["type"] == "COMPLETED", f"{fr['state']}\n{stack.tail_logs()}"
@@ -440,4 +443,8 @@ def test_a_gpu_stage_whose_host_dies_runs_again(stack, tiny_llama, tmp_path_fact
     assert lost["type"] == "CRASHED" and "lost: Running, but" in lost["message"], lost
     assert "EAGLE3_LOST_AFTER_S=15" in lost["message"] and "its host or process is gone" in lost["message"], lost
     assert children["tiny-capture-again1"]["state"]["type"] == "COMPLETED"
+    task_runs = stack.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [children["tiny-capture-again1"]["id"]]}}})
+    logs = stack.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [children["tiny-capture-again1"]["id"]]},
+                                                "text": {"query": "got GPU slot"}}})
+    assert task_runs and any("'gpu-host-replacement-node'" in log["message"] for log in logs), logs
     assert (Path(cfg.resolved().export.out) / "config.json").is_file()
