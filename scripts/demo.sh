@@ -36,8 +36,19 @@ if [ "$config" != configs/demo.yaml ]; then
   # the baseline a draft has to beat: vLLM's n-gram (prompt lookup) speculation on the same held-out prompts
   work=$(.venv/bin/python -c "from eagle3.config import load_pipeline_config as c; print(c('$config').work_dir)")
   echo "[n-gram] vLLM's n-gram speculation on the same prompts, for comparison" >&2
-  .venv/bin/eagle3 ${flags[@]+"${flags[@]}"} evaluate --config "$config" --method ngram --no-baseline \
-    --out "$work/evaluate-ngram" > /dev/null
+  ngram=(.venv/bin/eagle3 ${flags[@]+"${flags[@]}"} evaluate --config "$config" --method ngram --no-baseline
+         --out "$work/evaluate-ngram")
+  if [ ${#flags[@]} -gt 0 ]; then
+    "${ngram[@]}" > /dev/null
+  else  # quiet: vLLM's and torch's start-up lines go to a log, shown only if the evaluation fails
+    log="$work/evaluate-ngram.log"
+    mkdir -p "$work"
+    if ! "${ngram[@]}" > /dev/null 2> "$log"; then
+      tail -n 30 "$log" >&2
+      echo "[n-gram] failed; its whole log: $log" >&2
+      exit 1
+    fi
+  fi
   echo
   echo "τ on the held-out prompts ($work/evaluate, $work/evaluate-ngram):"
   .venv/bin/python -m eagle3.console compare "$work/evaluate" "$work/evaluate-ngram"
