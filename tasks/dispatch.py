@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -64,14 +65,16 @@ def heartbeat(out: str | Path | None, interval_s: float | None = None) -> Iterat
     stop = threading.Event()
 
     def beat() -> None:
-        num_beats = 0
+        num_beats = num_failed = 0
         while True:
             num_beats += 1
             try:  # the stage may wipe its out dir at start (tasks/manifest.prepare_out_dir): the next beat rewrites
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_json(path, {**me, "num_beats": num_beats, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-            except OSError:
-                pass
+            except OSError as e:  # said once; a beat that never lands shows in the parent as a lost run
+                if num_failed == 0:
+                    logging.getLogger("eagle3.heartbeat").warning("cannot write the heartbeat %s: %s", path, e)
+                num_failed += 1
             if stop.wait(interval_s):
                 return
 
