@@ -1,32 +1,40 @@
 #!/usr/bin/env bash
 # realbench, the GPU half: SmolLM2-135M-Instruct on a GPU host without vLLM (the `device` H200), in device calls
-# to ONE warm machine (it stays warm ~30 s after a call; /tmp survives between calls, the repo copy is re-sent).
+# to ONE warm machine (it stays warm ~30 s after a call; /tmp and processes started with setsid survive between
+# calls, the repo copy is re-sent).
 #
-#   bash benchmarks/realbench/gpu.sh stage      # call 1: carry [.whl, .device/gguf_a, .device/rbdata]
-#   bash benchmarks/realbench/gpu.sh data       # call 2: carry [.device/gguf_b]; join + fetch-target, synthesize,
-#                                               #   regenerate, prepare, capture, vocab   (~5 min on one H200)
-#   bash benchmarks/realbench/gpu.sh train      # call 3: no carry; train + export every draft, pack, first files
-#   bash benchmarks/realbench/gpu.sh collect N  # call 4+: the N-th batch of packed files (4 per call)
+#   bash benchmarks/realbench/gpu.sh stage      # every call that carries a part: parks the wheels, the GGUF parts
+#                                               #   (.device/gguf_a|b|c) and the refbench data (.device/rbdata)
+#   bash benchmarks/realbench/gpu.sh start      # detached (setsid): data, then train, then pack; returns at once
+#   bash benchmarks/realbench/gpu.sh wait S     # waits up to S seconds for the detached run, prints its timings
+#   bash benchmarks/realbench/gpu.sh collect N  # the N-th batch of packed files (4 per call) + the report so far
+#   bash benchmarks/realbench/gpu.sh data|train # the two halves of `start`, in the foreground (one call each)
 #
 # The carry is built here by `bash benchmarks/realbench/carry.sh`. The GGUF (98 MB) is larger than one call
-# carries (64 MiB), so `stage` parks the first half under /tmp and `data` joins it with the second; if the
-# machine went back in between, `data` stops at once and says so. Everything else a later call needs stays
-# under $S. Each call writes what it measured to $OUT (logs, manifests, timings); `report.py` does the rest here.
+# carries (64 MiB with the repo), so it travels in three parts, and `stage` parks each under /tmp as it comes;
+# `data` joins them and checks the sha256, and stops at once, naming the missing part, if the machine went back
+# in between. Everything else a later call needs stays under $S. Each call writes what it measured to $OUT (logs,
+# manifests, timings); `report.py` does the rest here.
 set -uo pipefail
 S=${REALBENCH_DIR:-/tmp/eagle3-realbench}
 OUT=${OUT:-$S/out}
 R=$S/report  # everything a call measured; packed into $OUT/report_<call>.tgz when the call ends (8 files come back)
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GGUF_PARTS="00 01 02"                  # .device/gguf_a/gguf.part.00, gguf_b/...01, gguf_c/...02 (carry.sh)
 DEVICE=${DEVICE:-cuda}
-NUM_GSM8K=${NUM_GSM8K:-2000}           # GSM8K-train questions answered by the target
-NUM_SYNTH=${NUM_SYNTH:-2400}           # synthesized training prompts asked for (before dedup/filters)
+NUM_GSM8K=${NUM_GSM8K:-7473}           # GSM8K-train questions answered by the target (7473: all of them)
+NUM_SYNTH=${NUM_SYNTH:-8000}           # synthesized training prompts asked for (before dedup/filters)
 NUM_SYNTH_EVAL=${NUM_SYNTH_EVAL:-320}  # synthesized prompts from the held-out seed (eval only)
 SYNTH_TRAIN_SEED=0 SYNTH_EVAL_SEED=777
+REGEN_SHARDS=${REGEN_SHARDS:-3}        # generation processes per large source, side by side on the one GPU
+REGEN_BATCH=${REGEN_BATCH:-896} SYNTH_BATCH=${SYNTH_BATCH:-2048} SYNTH_EVAL_BATCH=${SYNTH_EVAL_BATCH:-512}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
 EPOCHS=${EPOCHS:-10}
-TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-360}  # wall limit of each training process (all run at once on the GPU)
+TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-780}  # wall limit of each training process (all run at once on the GPU)
 REGEN_MAX_NEW=${REGEN_MAX_NEW:-256} SYNTH_MAX_NEW=${SYNTH_MAX_NEW:-160}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}           # e.g. "--max-steps 2" for a dry run on the CPU
+# the drafts: name:method:training data (method eagle3.1 adds fc_norm + norm_output to the same recipe)
+RUNS=${RUNS:-"eagle3-mix:eagle3:mix eagle3.1-mix:eagle3.1:mix eagle3.1-gsm8k:eagle3.1:gsm8k eagle3.1-synth:eagle3.1:synth"}
 PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python SKIP_WHEELS=1 DEVICE=cpu + small sizes
 mkdir -p "$S" "$OUT" "$R"
 die() { echo "realbench: $*" | tee -a "$R/timings.txt" >&2; exit 1; }
@@ -35,13 +43,13 @@ pack_report() { tail -n 4 "$S"/*.log > "$R/logs_tail.txt" 2>&1; tar czf "$OUT/re
 
 setup_python() {
   if [ "${SKIP_WHEELS:-0}" = 1 ]; then export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1; return; fi
-  [ -d "$S/whl" ] || die "$S/whl is missing: run 'gpu.sh stage' first on this machine (it was given back?)"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$S/site" "$S"/whl/*.whl \
-    >/dev/null || die "wheel install failed"
+  [ -d "$S/whl" ] || die "$S/whl is missing: run 'gpu.sh stage' (carrying .whl) first on this machine (it was given back?)"
+  [ -d "$S/site" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$S/site" "$S"/whl/*.whl >/dev/null || die "wheel install failed"
   export PYTHONPATH=$S/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
   export TOKENIZERS_PARALLELISM=false
 }
-BUDGET_S=${BUDGET_S:-550}  # each call stops its stages by then, so its report still comes back (call limit 600 s)
+BUDGET_S=${BUDGET_S:-100000}  # foreground `data`/`train` in one call: BUDGET_S=550 stops their stages in time
 E() { timeout -k 5 $((BUDGET_S - SECONDS > 5 ? BUDGET_S - SECONDS : 5)) $PY -m eagle3.cli "$@"; }
 
 gpu_info() {
@@ -50,75 +58,112 @@ gpu_info() {
     > "$R/gpu.txt" 2>&1
 }
 
-cmd_stage() {
-  [ -f .device/gguf_a/gguf.part.00 ] || die "carry .device/gguf_a (built by benchmarks/realbench/carry.sh)"
-  cp .device/gguf_a/gguf.part.00 "$S/" && cp -r .whl "$S/whl" && cp -r .device/rbdata "$S/rbdata" || die "copy failed"
+cmd_stage() {  # park whatever this call carried; idempotent
+  local n=0 d p
+  if [ -d .whl ] && [ ! -d "$S/whl" ]; then cp -r .whl "$S/whl" && n=$((n + 1)); fi
+  if [ -d .device/rbdata ] && [ ! -d "$S/rbdata" ]; then cp -r .device/rbdata "$S/rbdata" && n=$((n + 1)); fi
+  for d in .device/gguf_a .device/gguf_b .device/gguf_c; do
+    for p in "$d"/gguf.part.*; do [ -f "$p" ] && cp "$p" "$S/" && n=$((n + 1)); done
+  done
+  [ "$n" -gt 0 ] || die "stage: nothing carried (carry .whl, .device/gguf_a|b|c, .device/rbdata from carry.sh)"
   ls -la "$S" | tee "$R/stage.txt"
 }
 
+missing_parts() {
+  local m="" p
+  [ -d "$S/whl" ] || [ "${SKIP_WHEELS:-0}" = 1 ] || m="$m .whl"
+  [ -d "$S/rbdata" ] || m="$m .device/rbdata"
+  for p in $GGUF_PARTS; do [ -f "$S/gguf.part.$p" ] || m="$m gguf.part.$p"; done
+  echo "$m"
+}
+
 cmd_data() {
-  setup_python; gpu_info; stamp data-start
   local T=$S/target
-  if [ ! -f "$T/manifest.json" ]; then join_gguf; fi  # a rerun of `data` on the same machine reuses every finished stage
+  if [ ! -f "$T/manifest.json" ]; then  # a rerun of `data` on the same machine reuses every finished stage
+    local m; m=$(missing_parts)
+    [ -z "$m" ] || die "not parked under $S:$m. The machine was given back between the 'stage' calls (each part's \
+call must come within the machine's warm window, ~30 s), or a part was never carried: stage them all again."
+  fi
+  setup_python; gpu_info; stamp data-start
+  if [ ! -f "$T/manifest.json" ]; then join_gguf; fi
   E fetch-target smollm2-135m-instruct --gguf "$S/smollm2.gguf" --out "$T" > "$R/fetch.json" || die "fetch-target failed"
   stamp fetched
   make_data
 }
 
 join_gguf() {
-  [ -f "$S/gguf.part.00" ] || die "the first half of the GGUF is gone from $S: the machine was given back after \
-'gpu.sh stage'. Run 'stage' again and send 'data' within the machine's warm window (~30 s)."
-  [ -f .device/gguf_b/gguf.part.01 ] || die "carry .device/gguf_b (the second half)"
-  cat "$S/gguf.part.00" .device/gguf_b/gguf.part.01 > "$S/smollm2.gguf"
+  local p; for p in $GGUF_PARTS; do cat "$S/gguf.part.$p"; done > "$S/smollm2.gguf"
   echo "$GGUF_SHA256  $S/smollm2.gguf" | sha256sum -c --quiet || die "joined GGUF has the wrong sha256"
 }
 
+regen_sharded() {  # name data: the target answers every prompt (greedy), REGEN_SHARDS processes side by side
+  local name=$1 data=$2 n=$REGEN_SHARDS i
+  [ "$name" = chat ] && n=1
+  mkdir -p "$S/shards_$name" && rm -f "$S/shards_$name"/part.*
+  split -n "l/$n" -d -a 2 --additional-suffix=.jsonl "$data" "$S/shards_$name/part."
+  for part in "$S/shards_$name"/part.*.jsonl; do
+    i=${part%.jsonl}; i=${i##*.}
+    E regenerate --target "$S/target" --data "$part" --out "$S/regen_${name}_$i" --backend hf --device "$DEVICE" \
+      --max-new-tokens "$REGEN_MAX_NEW" --temperature 0 --batch-size "$REGEN_BATCH" --max-model-len 2048 \
+      > "$R/regen_${name}_$i.json" 2> "$S/regen_${name}_$i.log" &
+  done
+}
+
 make_data() {
-  local T=$S/target
+  local T=$S/target name
   $PY benchmarks/realbench/sources.py train --refbench-data "$S/rbdata" --num-gsm8k "$NUM_GSM8K" --out "$S/src" \
     > "$R/sources_train.json" || die "sources failed"
-  # prompts the target writes itself: the training seed and, separately, the held-out seed
-  E synthesize --target "$T" --out "$S/synth_train" --backend hf --device "$DEVICE" --num-prompts "$NUM_SYNTH" --max-new-tokens "$SYNTH_MAX_NEW" --batch-size 512 \
-    --seed $SYNTH_TRAIN_SEED > "$R/synth_train.json" 2> "$S/synth_train.log" || die "synthesize (train) failed"
-  E synthesize --target "$T" --out "$S/synth_eval" --backend hf --device "$DEVICE" --num-prompts "$NUM_SYNTH_EVAL" --max-new-tokens "$SYNTH_MAX_NEW" --batch-size 512 \
-    --seed $SYNTH_EVAL_SEED > "$R/synth_eval.json" 2> "$S/synth_eval.log" || die "synthesize (eval) failed"
+  # prompts the target writes itself: the training seed and, separately, the held-out seed (side by side)
+  E synthesize --target "$T" --out "$S/synth_train" --backend hf --device "$DEVICE" --num-prompts "$NUM_SYNTH" \
+    --max-new-tokens "$SYNTH_MAX_NEW" --batch-size "$SYNTH_BATCH" --seed $SYNTH_TRAIN_SEED \
+    > "$R/synth_train.json" 2> "$S/synth_train.log" &
+  local synth_train=$!
+  E synthesize --target "$T" --out "$S/synth_eval" --backend hf --device "$DEVICE" --num-prompts "$NUM_SYNTH_EVAL" \
+    --max-new-tokens "$SYNTH_MAX_NEW" --batch-size "$SYNTH_EVAL_BATCH" --seed $SYNTH_EVAL_SEED \
+    > "$R/synth_eval.json" 2> "$S/synth_eval.log" &
+  local synth_eval=$!
+  # GSM8K and the user's chats need no synthesis: their answers start at once
+  regen_sharded gsm8k "$S/src/gsm8k.jsonl"
+  regen_sharded chat "$S/src/chat_train.jsonl"
+  wait $synth_train || die "synthesize (train) failed"
+  wait $synth_eval || die "synthesize (eval) failed"
   stamp synthesized
   $PY benchmarks/realbench/sources.py eval --refbench-data "$S/rbdata" --synth-eval "$S/synth_eval/prompts.jsonl" \
     --synth-train "$S/synth_train/prompts.jsonl" --out "$R/eval_prompts.jsonl" > "$R/sources_eval.json" \
     || die "eval prompts failed"
-  # the target answers every training prompt (greedy, <= 256 new tokens): three streams side by side on the GPU
-  declare -A data=([gsm8k]=$S/src/gsm8k.jsonl [synth]=$S/synth_train/prompts.jsonl [chat]=$S/src/chat_train.jsonl)
-  for name in gsm8k synth chat; do
-    E regenerate --target "$T" --data "${data[$name]}" --out "$S/regen_$name" --backend hf --device "$DEVICE" \
-      --max-new-tokens "$REGEN_MAX_NEW" --temperature 0 --batch-size 512 --max-model-len 2048 \
-      > "$R/regen_$name.json" 2> "$S/regen_$name.log" &
-  done
+  regen_sharded synth "$S/synth_train/prompts.jsonl"
   wait
-  for name in gsm8k synth chat; do [ -s "$S/regen_$name/conversations.jsonl" ] || die "regenerate $name failed"; done
   stamp regenerated
-  cat "$S"/regen_{gsm8k,synth,chat}/conversations.jsonl > "$S/mix.jsonl"
+  for name in gsm8k synth chat; do
+    for f in "$S/shards_$name"/part.*.jsonl; do  # one regen_<name>_<NN> dir per shard
+      f=${f%.jsonl}; f=$S/regen_${name}_${f##*.}
+      [ -s "$f/conversations.jsonl" ] || die "regenerate ${f##*/} failed (log: ${f##*/}.log)"
+    done
+    cat "$S"/regen_"${name}"_[0-9][0-9]/conversations.jsonl > "$S/regen_$name.jsonl"
+  done
+  cat "$S"/regen_{gsm8k,synth,chat}.jsonl > "$S/mix.jsonl"
   for name in gsm8k synth chat mix; do
-    local src=$S/regen_$name/conversations.jsonl; [ $name = mix ] && src=$S/mix.jsonl
+    local src=$S/regen_$name.jsonl; [ $name = mix ] && src=$S/mix.jsonl
     E prepare --target "$T" --data "$src" --out "$S/prep_$name" --max-seq-len 2048 > "$R/prep_$name.json" \
       2> "$S/prep_$name.log" &
   done
   wait
   stamp prepared
-  for name in gsm8k synth chat; do
+  for name in gsm8k synth chat; do  # side by side: each is mostly its own host-side writing
     E capture --target "$T" --data "$S/prep_$name" --out "$S/cap_$name" --backend hf --device "$DEVICE" \
-      --batch-tokens 65536 > "$R/cap_$name.json" 2> "$S/cap_$name.log" || die "capture $name failed"
+      --batch-tokens 65536 > "$R/cap_$name.json" 2> "$S/cap_$name.log" &
   done
+  wait
+  for name in gsm8k synth chat; do [ -s "$R/cap_$name.json" ] || die "capture $name failed"; done
   stamp captured
   for name in gsm8k synth mix; do
     E vocab --data "$S/prep_$name" --out "$S/vocab_$name" --draft-vocab-size "$DRAFT_VOCAB" > "$R/vocab_$name.json" \
       || die "vocab $name failed"
   done
   stamp data-done
-  tar czf "$R/data_manifests.tgz" -C "$S" --ignore-failed-read synth_train/manifest.json synth_eval/manifest.json \
-    synth_train/prompts.jsonl regen_gsm8k/manifest.json regen_synth/manifest.json regen_chat/manifest.json \
-    prep_gsm8k/manifest.json prep_synth/manifest.json prep_chat/manifest.json prep_mix/manifest.json \
-    cap_gsm8k/manifest.json cap_synth/manifest.json cap_chat/manifest.json vocab_gsm8k/coverage.json \
-    vocab_synth/coverage.json vocab_mix/coverage.json target/manifest.json
+  (cd "$S" && tar czf "$R/data_manifests.tgz" --ignore-failed-read synth_train/manifest.json synth_eval/manifest.json \
+    synth_train/prompts.jsonl regen_*_*/manifest.json prep_*/manifest.json cap_*/manifest.json \
+    vocab_*/coverage.json target/manifest.json)
   cat "$R/timings.txt"
 }
 
@@ -135,7 +180,7 @@ train_one() {  # name method data
   [ "$method" = eagle3.1 ] && extra=("${EAGLE31[@]}")
   timeout -k 5 "$TRAIN_BUDGET_S" $PY -m eagle3.cli train --target "$S/target" --captured "$captured" --vocab "$vocab" \
     --out "$S/train_$name" "${RECIPE[@]}" "${extra[@]}" $TRAIN_EXTRA > "$S/train_$name.json" 2> "$S/train_$name.log"
-  echo "train $name rc=$?" >> "$R/timings.txt"
+  echo "train $name rc=$? $(date -u +%FT%TZ)" >> "$R/timings.txt"
   E export --checkpoint "$S/train_$name" --out "$S/drafts/$name" --target "$S/target" > "$S/export_$name.json" \
     2>> "$S/train_$name.log" || echo "export $name failed" >> "$R/timings.txt"
 }
@@ -143,12 +188,11 @@ train_one() {  # name method data
 cmd_train() {
   [ -d "$S/cap_gsm8k" ] || die "no captures under $S: run 'data' first on this machine (it was given back?)"
   setup_python; stamp train-start
-  local runs=(eagle3-gsm8k:eagle3:gsm8k eagle3-synth:eagle3:synth eagle3-mix:eagle3:mix
-              eagle3.1-gsm8k:eagle3.1:gsm8k eagle3.1-synth:eagle3.1:synth eagle3.1-mix:eagle3.1:mix)
+  local runs=($RUNS)
   for r in "${runs[@]}"; do IFS=: read -r name method data <<< "$r"; train_one "$name" "$method" "$data" & done
   wait
   stamp train-done
-  # pack: each draft's directory + its training log/metrics, split in <= 15 MiB pieces, 8 files per collect call
+  # pack: each draft's directory + its training log/metrics, split in <= 15 MiB pieces, 4 files per collect call
   rm -rf "$S/pack" && mkdir -p "$S/pack"
   for r in "${runs[@]}"; do
     name=${r%%:*}
@@ -156,7 +200,29 @@ cmd_train() {
       || echo "pack $name failed" >> "$R/timings.txt"
   done
   (cd "$S/pack" && for f in *.tar.xz; do split -b 15M -d "$f" "$f.part"; rm "$f"; done; ls -la) > "$R/pack.txt"
-  cmd_collect 0
+  stamp packed
+}
+
+cmd_start() {  # data + train + pack, detached from the call (setsid): later calls `wait` and `collect`
+  local m; m=$(missing_parts)
+  [ -z "$m" ] || [ -f "$S/target/manifest.json" ] || die "start: not parked under $S:$m (stage every part first)"
+  [ -f "$S/pipeline.pid" ] && kill -0 "$(cat "$S/pipeline.pid")" 2>/dev/null && die "start: already running"
+  rm -rf "$S/code" && mkdir -p "$S/code" && cp -r src benchmarks "$S/code/"  # the repo copy is re-sent by each call
+  (cd "$S/code" && setsid nohup bash benchmarks/realbench/gpu.sh pipeline > "$S/pipeline.log" 2>&1 < /dev/null &
+   echo $! > "$S/pipeline.pid")
+  stamp "started pid $(cat "$S/pipeline.pid")"
+}
+
+cmd_pipeline() { (cmd_data) || { stamp pipeline-failed-data; exit 1; }; cmd_train; stamp pipeline-done; }
+
+cmd_wait() {  # up to $1 s for the detached pipeline; the report so far comes back with the call either way
+  local until=$((SECONDS + ${1:-500}))
+  while [ $SECONDS -lt $until ]; do
+    tac "$R/timings.txt" 2>/dev/null | sed '/started pid/q' | grep -q "pipeline-done\|pipeline-failed\|realbench:" && break
+    [ -f "$S/pipeline.pid" ] && ! kill -0 "$(cat "$S/pipeline.pid")" 2>/dev/null && break
+    sleep 5
+  done
+  cat "$R/timings.txt"; tail -n 3 "$S/pipeline.log"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null
 }
 
 PER_CALL=4  # packed files per call: a call brings back at most 64 MiB in all, and one draft packs to ~14.5 MB
@@ -169,11 +235,15 @@ cmd_collect() {  # the N-th group of PER_CALL packed files (the call's report ta
   echo "collect $n: $(ls "$OUT" | tr '\n' ' ') (of $i packed files)"
 }
 
-trap 'pack_report "${1:-}"' EXIT
-case "${1:-}" in
+verb=${1:-}
+[ "$verb" = pipeline ] || trap 'pack_report "$verb"' EXIT
+case "$verb" in
   stage) cmd_stage ;;
+  start) cmd_start ;;
+  pipeline) cmd_pipeline ;;
+  wait) cmd_wait "${2:-500}" ;;
   data) cmd_data ;;
   train) cmd_train ;;
   collect) cmd_collect "${2:-0}" ;;
-  *) die "usage: gpu.sh stage|data|train|collect N" ;;
+  *) die "usage: gpu.sh stage|start|wait S|collect N|data|train" ;;
 esac

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/realbench/report.py --gpu-dir DIR --out-dir runs/realbench [--methods a,b] \
         [--num-per-category N] [--max-tokens 128] [--temperatures 0.0,0.6]
 
---gpu-dir holds what the device calls brought back (`gpu.sh data|train|collect`): report_*.tgz and the drafts'
+--gpu-dir holds what the device calls brought back (`gpu.sh stage|start|wait|collect`): report_*.tgz and the drafts'
 `<name>.tar.xz.partNN` pieces. This script
   1. joins and unpacks the pieces (drafts under OUT/drafts/<name>, each draft's training metrics beside it);
   2. fetches the target here (`eagle3 fetch-target smollm2-135m-instruct`: same GGUF, same conversion);
@@ -150,7 +150,8 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
         if (report / "timings.txt").is_file() else None,
         "eval_prompts": read(report / "eval_prompts.manifest.json"),
         "synthesize": {s: read(report / f"synth_{s}.json") for s in ("train", "eval")},
-        "regenerate": {s: read(report / f"regen_{s}.json") for s in ("gsm8k", "synth", "chat")},
+        "regenerate": {s: read(report / f"regen_{s}.json") or {p.stem: read(p) for p in sorted(report.glob(f"regen_{s}_*.json"))}
+                       for s in ("gsm8k", "synth", "chat")},  # one file per source, or one per shard (gpu.sh since session 9)
         "prepare": {s: read(report / f"prep_{s}.json") for s in ("gsm8k", "synth", "chat", "mix")},
         "vocab": {s: read(report / f"vocab_{s}.json") for s in ("gsm8k", "synth", "mix")},
         "training": {n: train_summary(out, n) for n in names},

@@ -37,7 +37,7 @@ def _hash_bit(text: str) -> int:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(path.read_text().split("\n"), 1):  # not splitlines(): U+2028 etc. occur inside rows
         if line.strip():
             try:
                 rows.append(json.loads(line))
