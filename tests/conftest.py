@@ -35,9 +35,10 @@ if NUM_WORKERS > 1:
 # under xdist they are handed out first so that the short files fill the gaps at the end (files not listed
 # follow in collection order).
 LONGEST_FILES = (
-    "test_prefect_server.py", "test_flows.py", "test_export.py", "test_smollm2.py", "test_kimi_k25.py",
-    "test_capture.py", "test_evaluate.py", "test_synthesize.py", "test_regenerate.py", "test_eagle31.py",
-    "test_integrity.py", "test_train.py",
+    "test_prefect_server.py", "test_flows.py", "test_kimi_k25.py", "test_export.py", "test_smollm2.py",
+    "test_evaluate.py", "test_capture.py", "test_stream.py", "test_train_step_bench.py", "test_train.py",
+    "test_regenerate.py", "test_capture_fp8.py", "test_synthesize.py", "test_sampling_fix.py", "test_eagle31.py",
+    "test_integrity.py", "test_capture_resume.py", "test_model.py",
 )
 
 
@@ -45,6 +46,7 @@ def pytest_collection_modifyitems(config, items):
     if NUM_WORKERS > 1:
         rank = {name: i for i, name in enumerate(LONGEST_FILES)}
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+
 
 REFBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "refbench"
 
