@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README, .ci/run): builds/updates .venv, then runs the whole suite on the CPU.
+# The test command (README, .ci/run): builds/updates .venv, then runs the whole suite on the CPU (two pytest-xdist
+# workers: pyproject's addopts; `bash scripts/test.sh -n 0` runs it serially).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/venv.sh

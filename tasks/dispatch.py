@@ -37,8 +37,8 @@ from eagle3.io import write_json
 from eagle3_prefect.tasks.errors import StageCrashed, StageError
 from eagle3_prefect.tasks.manifest import MANIFEST_KEYS, read_stamp
 
-#: how often the parent polls the child flow run
-POLL_INTERVAL_S = 3.0
+#: how often the parent polls the child flow run (EAGLE3_DISPATCH_POLL_S: the server tests poll faster)
+POLL_INTERVAL_S = float(os.environ.get("EAGLE3_DISPATCH_POLL_S", "3"))
 HEARTBEAT_FILE = ".eagle3-heartbeat.json"  # a dot-file: never part of the stage's outputs (tasks/manifest.py)
 #: the child writes its heartbeat this often; the parent passes min(this, LOST_AFTER_S / 4) to its children
 HEARTBEAT_S = float(os.environ.get("EAGLE3_HEARTBEAT_S", "30"))

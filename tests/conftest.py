@@ -1,7 +1,14 @@
-"""Session-wide fixtures: tiny targets built locally (no hub), cached for the whole test session."""
+"""Session-wide fixtures: tiny targets built locally (no hub), cached for the whole test session.
+
+The suite runs on two pytest-xdist workers (pyproject addopts: `-n 2 --dist loadfile --no-loadscope-reorder`;
+`-n 0` runs it serially). `--dist loadfile` keeps each test file on one worker, so a module's engine fixture is
+started once; session fixtures here are built once per worker (cheap, or serialised: see `smollm2`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from pathlib import Path
 
@@ -12,6 +19,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+NUM_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if NUM_WORKERS > 1:
+    # Two workers share the cores: one OpenMP thread each (torch in the worker and every process it starts,
+    # vLLM's engines included), unbound, so that no worker's spinning threads starve the other's (vLLM's auto
+    # binding would pin both workers' engines to the same core). Never over what the user set.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The longest test files (sum of their tests' durations, benchmarks/results/suite_time_session9.md), longest first:
+# under xdist they are handed out first so that the short files fill the gaps at the end (files not listed
+# follow in collection order).
+LONGEST_FILES = (
+    "test_prefect_server.py", "test_flows.py", "test_kimi_k25.py", "test_export.py", "test_smollm2.py",
+    "test_evaluate.py", "test_capture.py", "test_stream.py", "test_train_step_bench.py", "test_train.py",
+    "test_regenerate.py", "test_capture_fp8.py", "test_synthesize.py", "test_sampling_fix.py", "test_eagle31.py",
+    "test_integrity.py", "test_capture_resume.py", "test_model.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if NUM_WORKERS > 1:
+        rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+
 
 REFBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "refbench"
 
@@ -55,10 +90,15 @@ def smollm2() -> Path:
     from eagle3.targets import FetchTargetError, default_cache_dir, fetch_target
 
     out = default_cache_dir() / "targets" / "smollm2-135m-instruct"
-    try:
-        fetch_target("smollm2-135m-instruct", out)
-    except FetchTargetError as e:
-        pytest.skip(f"SmolLM2 target unavailable: {e}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one fetch at a time: the xdist workers share the cache, and a second fetch swaps the directory in again
+    with open(out.parent / ".smollm2-135m-instruct.fetch.lock", "a") as lock, contextlib.ExitStack() as unlock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        unlock.callback(fcntl.flock, lock, fcntl.LOCK_UN)
+        try:
+            fetch_target("smollm2-135m-instruct", out)
+        except FetchTargetError as e:
+            pytest.skip(f"SmolLM2 target unavailable: {e}")
     return out
 
 

@@ -168,6 +168,8 @@ class Stack:
             "EAGLE3_LOST_AFTER_S": "15",
             "EAGLE3_GPU_LEASE_S": "60",
             "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1",
+            # test speed only: the parent notices a finished GPU stage run within 0.5 s (default 3 s)
+            "EAGLE3_DISPATCH_POLL_S": "0.5",
             "TOKENIZERS_PARALLELISM": "false",
         }
         for key in ("EAGLE3_INPROCESS", "PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
@@ -261,7 +263,7 @@ class Stack:
             fr = self.flow_run(flow_run_id)
             if fr["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
                 return fr
-            time.sleep(2)
+            time.sleep(0.5)
         raise TimeoutError(f"flow run {flow_run_id} still {fr['state']['name']} after {timeout_s} s\n{self.tail_logs()}")
 
     def tail_logs(self) -> str:
@@ -274,7 +276,7 @@ class Stack:
                     os.killpg(p.pid, signal.SIGTERM)
         for _name, p in reversed(self.procs):
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
