@@ -206,12 +206,15 @@ cmd_train() {
 cmd_start() {  # data + train + pack, detached from the call (setsid): later calls `wait` and `collect`
   local m; m=$(missing_parts)
   [ -z "$m" ] || [ -f "$S/target/manifest.json" ] || die "start: not parked under $S:$m (stage every part first)"
-  [ -f "$S/pipeline.pid" ] && kill -0 "$(cat "$S/pipeline.pid")" 2>/dev/null && die "start: already running"
+  pipeline_alive && die "start: already running"
   rm -rf "$S/code" && mkdir -p "$S/code" && cp -r src benchmarks "$S/code/"  # the repo copy is re-sent by each call
-  (cd "$S/code" && setsid nohup bash benchmarks/realbench/gpu.sh pipeline > "$S/pipeline.log" 2>&1 < /dev/null &
-   echo $! > "$S/pipeline.pid")
-  stamp "started pid $(cat "$S/pipeline.pid")"
+  (cd "$S/code" && setsid nohup bash benchmarks/realbench/gpu.sh pipeline > "$S/pipeline.log" 2>&1 < /dev/null &)
+  sleep 1; stamp "started pid $(pgrep -f "gpu[.]sh pipeline" | head -1)"
 }
+
+# the detached run, by its command line: setsid forks (its child is the pipeline, not $!), and in a later call the
+# pid of an earlier call's child says nothing. The [.] keeps pgrep from matching a shell whose command names it.
+pipeline_alive() { pgrep -f "realbench/gpu[.]sh pipeline" >/dev/null; }
 
 cmd_pipeline() { (cmd_data) || { stamp pipeline-failed-data; exit 1; }; cmd_train; stamp pipeline-done; }
 
@@ -219,7 +222,7 @@ cmd_wait() {  # up to $1 s for the detached pipeline; the report so far comes ba
   local until=$((SECONDS + ${1:-500}))
   while [ $SECONDS -lt $until ]; do
     tac "$R/timings.txt" 2>/dev/null | sed '/started pid/q' | grep -q "pipeline-done\|pipeline-failed\|realbench:" && break
-    [ -f "$S/pipeline.pid" ] && ! kill -0 "$(cat "$S/pipeline.pid")" 2>/dev/null && break
+    pipeline_alive || break
     sleep 5
   done
   cat "$R/timings.txt"; tail -n 3 "$S/pipeline.log"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null
