@@ -51,12 +51,15 @@ def main(argv: list[str]) -> int:
     logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     from eagle3.diagnose import describe_failure
     from eagle3.stages import build_stage_config, jsonable, run_stage_function
+    from eagle3.vllm_engine import setup_stage_process_env
     from eagle3_prefect.tasks.errors import classify_exception
 
     out = Path(result_json)
     try:
         values = json.loads(Path(config_json).read_text())
         cfg = build_stage_config(stage, values, source=f"{stage} config from the flow")
+        # this process exists for this one stage: an engine stage's vLLM engine runs inside it (eagle3.vllm_engine)
+        setup_stage_process_env(stage, cfg)
         result = run_stage_function(stage, cfg)
     except BaseException as exc:  # noqa: BLE001 - classified and reported to the parent
         kind = classify_exception(exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -21,3 +22,56 @@ def test_run_in_subprocess():
     assert run_in_subprocess(os.getpid) != os.getpid()
     with pytest.raises(RuntimeError, match="ValueError"):
         run_in_subprocess(int, "not a number")
+
+
+def test_engine_in_process_fails_by_model_type(tmp_path):
+    from eagle3.vllm_engine import engine_in_process_fails
+
+    def target(name: str, cfg: dict) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return str(tmp_path / name)
+
+    assert not engine_in_process_fails(target("llama", {"model_type": "llama"}))
+    assert engine_in_process_fails(target("dsv3", {"model_type": "deepseek_v3"}))
+    # Kimi-K2.5: a multimodal wrapper whose text model is DeepSeek-V3
+    assert engine_in_process_fails(target("k25", {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3"}}))
+    assert not engine_in_process_fails(tmp_path / "missing")
+    assert not engine_in_process_fails(None)
+
+
+SETUP_IN_CHILD = """
+import json, os, sys
+for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+    os.environ.pop(k, None)
+from eagle3.config import CaptureConfig, RegenerateConfig, TrainConfig
+from eagle3.vllm_engine import setup_stage_process_env
+llama, dsv3 = sys.argv[1:]
+print(json.dumps({
+    "train": setup_stage_process_env("train", TrainConfig(target=llama)),
+    "hf": setup_stage_process_env("regenerate", RegenerateConfig(target=llama, backend="hf")),
+    "tp2": setup_stage_process_env("capture", CaptureConfig(target=llama, tensor_parallel_size=2)),
+    "dsv3": setup_stage_process_env("capture", CaptureConfig(target=dsv3)),
+    "capture": setup_stage_process_env("capture", CaptureConfig(target=llama)),
+}))
+"""
+
+
+def test_setup_stage_process_env_only_for_engine_stages(tmp_path):
+    """A stage process runs an engine stage's vLLM engine in itself (one vLLM import instead of three) except
+    for other stages, the hf backend, TP > 1 and the targets that fail in process; in a child process, since
+    it changes the process's env and torch threads."""
+    import subprocess
+    import sys
+
+    paths = []
+    for name, model_type in (("llama", "llama"), ("dsv3", "deepseek_v3")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": model_type}))
+        paths.append(str(tmp_path / name))
+    out = subprocess.run([sys.executable, "-c", SETUP_IN_CHILD, *paths], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["train"] == got["hf"] == got["tp2"] == got["dsv3"] == {}
+    assert got["capture"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert got["capture"]["OMP_NUM_THREADS"] == "1"
