@@ -38,8 +38,6 @@ QUIET_ENV = {
     # save): transformers follows huggingface_hub's switch, datasets has its own
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-    # plain tqdm bars that no library switch reaches (transformers' "Converting and de-quantizing GGUF tensors")
-    "TQDM_DISABLE": "1",
 }
 
 

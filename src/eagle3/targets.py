@@ -20,6 +20,7 @@ manifest matches (same source, same GGUF, same dtype, files unaltered) is reused
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +192,27 @@ def require_gguf_deps() -> None:
         )
 
 
+@contextlib.contextmanager
+def _quiet_gguf_progress() -> Iterator[None]:
+    """transformers' GGUF loader draws a plain tqdm bar ("Converting and de-quantizing GGUF tensors") that none of
+    its progress switches reach; in a quiet run (HF_HUB_DISABLE_PROGRESS_BARS, set by eagle3.console) it gets a
+    disabled bar for the length of the load. A process-wide TQDM_DISABLE would also silence regenerate's bar, whose
+    lines the Prefect layer reads as the stage's progress."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() not in ("1", "true", "yes"):
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
     """Dequantize the GGUF with transformers and save a plain HF directory (weights, tokenizer, chat
     template, generation config) into `out`."""
@@ -200,7 +223,8 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
     from eagle3.hf import load_causal_lm
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = load_causal_lm(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    with _quiet_gguf_progress():
+        model = load_causal_lm(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # The weights are plain tensors now; the quantizer would make save_pretrained refuse the model and write a
     # quantization_config that makes loaders look for GGUF tensors.
     model.hf_quantizer = None
