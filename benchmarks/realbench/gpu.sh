@@ -216,7 +216,11 @@ cmd_start() {  # data + train + pack, detached from the call (setsid): later cal
 # pid of an earlier call's child says nothing. The [.] keeps pgrep from matching a shell whose command names it.
 pipeline_alive() { pgrep -f "realbench/gpu[.]sh pipeline" >/dev/null; }
 
-cmd_pipeline() { (cmd_data) || { stamp pipeline-failed-data; exit 1; }; cmd_train; stamp pipeline-done; }
+cmd_pipeline() {  # (setsid made this shell its process group's leader: its stage processes share the group)
+  # a failed data half leaves its side-by-side stages running: stop them, or a new `start` would race them
+  (cmd_data) || { stamp pipeline-failed-data; pkill -g $$ -f "eagle3[.]cli"; exit 1; }
+  cmd_train; stamp pipeline-done
+}
 
 cmd_wait() {  # up to $1 s for the detached pipeline; the report so far comes back with the call either way
   local until=$((SECONDS + ${1:-500}))
