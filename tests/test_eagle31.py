@@ -140,38 +140,50 @@ def _install_recorder(worker):
     return type(model).__name__
 
 
-@pytest.fixture
-def inprocess_vllm(monkeypatch):
-    """The engine core in this process, so the test can reach the draft module; vLLM caches its env vars once an
-    engine starts, so the cache is dropped afterwards (later engines in the session read the env again)."""
-    pytest.importorskip("vllm")
-    import vllm.envs
+def record_vllm_draft_calls(target: str, draft: str) -> list:
+    """Runs in a spawned process of its own (eagle3.vllm_engine.run_in_subprocess): a real vLLM engine with the
+    engine core in that process, so the draft module is reachable; greedy, 3 tokens; returns every recorded draft
+    call. Not in the pytest worker: an engine there rewires kernels across everything the worker has imported (it
+    failed once on llvmlite's `_lib_fn_wrapper`, imported by an earlier test) and disables torch.set_num_threads
+    for the rest of the worker's session."""
+    import os
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    yield
-    vllm.envs.disable_envs_cache()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=target, speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 3},
+              enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
+    assert llm.collective_rpc(_install_recorder) == ["Eagle3LlamaForCausalLM"]
+    llm.generate(["Hello the world is"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    record = llm.collective_rpc(lambda w: w.model_runner.drafter.model._eagle3_record)[0]
+    return _map_tensors(record, lambda t: t.numpy())  # by value: a torch tensor would cross as a handle to this
+    # process's shared memory, gone once it exits
+
+
+def _map_tensors(x, fn):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(v, fn) for k, v in x.items()}
+    return fn(x) if hasattr(x, "shape") else x
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
-def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, inprocess_vllm, variant):
+def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, variant):
     """The exported draft runs in a real vLLM engine (k = 3, float32); every draft call's inputs and outputs are
     recorded and replayed through our Eagle3Draft loaded from the same exported weights: combine (fc_norm + fc),
     the lm_head input and the state passed to the next step must match, and vLLM must feed that state to its next
     draft step. The other setting of norm_output / fc_norm must NOT match, so the check sees the semantics."""
-    from vllm import LLM, SamplingParams
+    pytest.importorskip("vllm")
+    from eagle3.vllm_engine import run_in_subprocess
 
     on = variant == "eagle3.1"
     ck = _checkpoint(tiny_llama, tmp_path, fc_norm=on, norm_output=on)
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
-    llm = LLM(model=str(tiny_llama), speculative_config={"method": "eagle3", "model": str(tmp_path / "draft"),
-                                                          "num_speculative_tokens": 3},
-              enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
-    assert llm.collective_rpc(_install_recorder) == ["Eagle3LlamaForCausalLM"]
-    llm.generate(["Hello the world is"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    record = llm.collective_rpc(lambda w: w.model_runner.drafter.model._eagle3_record)[0]
-    del llm
+    record = _map_tensors(run_in_subprocess(record_vllm_draft_calls, str(tiny_llama), str(tmp_path / "draft")),
+                          torch.from_numpy)
 
     meta = json.loads((ck / "eagle3_draft.json").read_text())
     exported = {k: v.float() for k, v in load_file(str(tmp_path / "draft" / "model.safetensors")).items()}
