@@ -110,3 +110,22 @@ def test_second_fetch_reuses_and_a_damaged_dir_is_rebuilt_check(smollm2, tmp_pat
     assert manifest is None and "differ" in why
     assert reusable(smollm2, SMOL, "bfloat16")[0] is not None
     assert Path(again["out"]) == smollm2
+
+
+def test_quiet_run_hides_only_the_gguf_conversion_bar(monkeypatch):
+    """A quiet run (HF_HUB_DISABLE_PROGRESS_BARS, eagle3.console) hands transformers' GGUF loader a disabled tqdm bar
+    for the length of the load and puts its own back after; a verbose run leaves the loader's bar alone."""
+    pytest.importorskip("gguf")
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from eagle3.targets import _quiet_gguf_progress
+
+    original = gguf_utils.tqdm
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    with _quiet_gguf_progress():
+        assert gguf_utils.tqdm is original
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with _quiet_gguf_progress():
+        bar = gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")
+        assert bar.disable and list(bar) == [0, 1, 2]
+    assert gguf_utils.tqdm is original

