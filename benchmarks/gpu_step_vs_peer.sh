@@ -12,6 +12,10 @@
 #   phase 4  ours at Kimi-K2.5 draft dims (hidden 7168, 64 heads of 112, intermediate 18432, Vd 32000 of 163,840)
 #   phase 5  (--ddp N, N GPUs) ours through DDP on N GPUs (torchrun), rows "K7-T8192-DDPxN"
 #   merge    benchmarks/step_vs_peer.py -> $OUT/train_step_vs_peer.{json,md} (the issue's shape; null where not run)
+# Compile cache across machines (two calls, two fresh machines): --export-cache puts phase 1's cache file into $OUT as
+# compile_cache.tgz.part00, .part01, ... (gzip, 15 MB parts: $OUT returns files of <= 16 MiB); on this host
+# `cat compile_cache.tgz.part* > DIR/compile_cache.tgz` and carry DIR; the next call's --import-cache DIR seeds
+# phase 1 with it (fresh inductor/Triton caches, the file alone), so its first step is the cross-machine figure.
 # Each phase runs under `timeout` with its own --budget-s (its watchdog writes partial results) taken from what is
 # left of --budget-s; a phase that fails or overruns leaves null fields, the merge always runs.
 # $OUT gets <= 8 files: train_step_vs_peer.{json,md}, ours_llama.json, ours_kimi.json, ours_cache.json,
@@ -25,12 +29,13 @@
 # Usage (defaults shown):
 #   bash benchmarks/gpu_step_vs_peer.sh --budget-s 500 --ours "fast:7:8192 fast:7:2048" --peer 2048:7,8192:7 \
 #        --kimi "fast:7:8192 fast:3:8192" [--compile-mode split] [--no-peer] [--no-kimi] [--no-cache] [--out DIR] \
-#        [--ddp 2 --ddp-configs "fast:7:8192"]
+#        [--ddp 2 --ddp-configs "fast:7:8192"] [--export-cache] [--import-cache DIR]
 #   bash benchmarks/gpu_step_vs_peer.sh --smoke --out /tmp/x     # CPU: tiny dims, no peer (it needs CUDA)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TOTAL=500 OURS="fast:7:8192 fast:7:2048" PEER="2048:7,8192:7" KIMI="fast:7:8192 fast:3:8192" MODE=split
 SMOKE=0 DO_PEER=1 DO_KIMI=1 DO_CACHE=1 OUTDIR=${OUT:-/tmp/step-vs-peer-out} DDP=0 DDP_CONFIGS="fast:7:8192"
+EXPORT_CACHE=0 IMPORT_CACHE="" EXTRA_TS="" 
 CMD="bash benchmarks/gpu_step_vs_peer.sh $*"
 while [ $# -gt 0 ]; do
   case $1 in
@@ -46,6 +51,9 @@ while [ $# -gt 0 ]; do
     --no-peer) DO_PEER=0 ;;
     --no-kimi) DO_KIMI=0 ;;
     --no-cache) DO_CACHE=0 ;;
+    --export-cache) EXPORT_CACHE=1 ;;
+    --import-cache) IMPORT_CACHE=$2; shift ;;
+    --argmax-in-step) EXTRA_TS="--argmax-in-step" ;;
     *) echo "gpu_step_vs_peer.sh: unknown argument $1 (see the header for the options)" >&2; exit 2 ;;
   esac
   shift
@@ -57,7 +65,7 @@ W=$(mktemp -d /tmp/step-vs-peer.XXXX)
 mkdir -p "$OUTDIR" "$W/logs"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-16}
 PY=${PYTHON:-python3}
-TS="$PY benchmarks/train_step.py --compile on --compile-mode $MODE --skip-numerics --fill-batch 0"
+TS="$PY benchmarks/train_step.py --compile on --compile-mode $MODE --skip-numerics --fill-batch 0 $EXTRA_TS"
 if [ "$SMOKE" = 1 ]; then
   TS="$PY benchmarks/train_step.py --smoke --device cpu --skip-numerics --fill-batch 0 --compile-mode $MODE"
   DDP_CONFIGS="fast:3:32"
@@ -78,7 +86,15 @@ run() {
 DO_DDP=$((DDP > 1 ? 1 : 0))
 RES_PEER=$((DO_PEER * 150)) RES_CACHE=$((DO_CACHE * 40)) RES_KIMI=$((DO_KIMI * 90)) RES_DDP=$((DO_DDP * 60))
 
-# phase 1: ours, Llama-8B dims, cold caches
+# phase 1: ours, Llama-8B dims, cold caches (or seeded by another machine's cache file: --import-cache)
+if [ -n "$IMPORT_CACHE" ]; then
+  if [ ! -f "$IMPORT_CACHE/compile_cache.tgz" ]; then
+    echo "gpu_step_vs_peer.sh: --import-cache $IMPORT_CACHE has no compile_cache.tgz (join the parts of the exporting" \
+         "call: cat compile_cache.tgz.part* > $IMPORT_CACHE/compile_cache.tgz, and carry $IMPORT_CACHE)" >&2
+    exit 2
+  fi
+  tar xzf "$IMPORT_CACHE/compile_cache.tgz" -C "$W" && echo "phase 1 seeded: $(ls -la "$W/llama.cache")" | tee -a "$W/logs/phases.txt"
+fi
 B=$(min 170 $(($(left) - RES_PEER - RES_CACHE - RES_KIMI - RES_DDP - 10)))
 # shellcheck disable=SC2086
 TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_llama "$B" \
@@ -143,6 +159,10 @@ PEER_ARG=() CACHE_ARG=() EXTRA_DIRS=()
 $PY benchmarks/step_vs_peer.py --ours "$W/ours-llama" "${EXTRA_DIRS[@]}" "${PEER_ARG[@]}" "${CACHE_ARG[@]}" \
   --out-dir "$OUTDIR" --command "$CMD" > "$W/logs/merge.log" 2>&1
 cp "$W/ours-llama/train_step.json" "$OUTDIR/ours_llama.json" 2>/dev/null
+if [ "$EXPORT_CACHE" = 1 ] && [ -f "$W/llama.cache" ]; then
+  tar czf "$W/compile_cache.tgz" -C "$W" llama.cache && split -b 15000000 -d "$W/compile_cache.tgz" "$OUTDIR/compile_cache.tgz.part"
+  ls -la "$W/llama.cache" "$W/compile_cache.tgz" >> "$W/logs/phases.txt"
+fi
 cp "$W/ours-kimi/train_step.json" "$OUTDIR/ours_kimi.json" 2>/dev/null
 cp "$W/cache/train_step.json" "$OUTDIR/ours_cache.json" 2>/dev/null
 cp "$W/peer/results.json" "$OUTDIR/peer_results.json" 2>/dev/null

@@ -12,7 +12,7 @@ import torch
 
 from eagle3.model.draft import DraftConfig, Eagle3Draft
 from eagle3.train.attention import make_ttt_attention, naive_ttt_attention
-from eagle3.train.loss import TargetHead
+from eagle3.train.loss import TargetHead, compute_target_argmax
 from eagle3.train.step import PackedBatch, StepOutput, ttt_forward
 
 
@@ -59,8 +59,11 @@ def build_benchmark(
     attention: str = "auto",
     compile: bool = False,
     compile_mode: str = "layer",
+    target_argmax: bool = True,
 ) -> BenchmarkSetup:
-    """Random draft + random frozen target head + one synthetic packed batch, all on `device`.
+    """Random draft + random frozen target head + one synthetic packed batch, all on `device`. `target_argmax`: the
+    batch carries the target's full-vocab argmax computed once, as the trainer's batches do (False: the step
+    computes it from the full-vocab head, the pipeline before 2026-12-01 and streaming mode).
     Real dims: DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
     num_aux=3, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0)."""
@@ -76,7 +79,11 @@ def build_benchmark(
     ).to(device, dtype)
     model.d2t.copy_(head.draft_ids - torch.arange(cfg.draft_vocab_size, device=head.draft_ids.device))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), fused=device != "cpu")
-    return BenchmarkSetup(model, opt, head, synthetic_batch(cfg, batch_size, seq_len, device, dtype), steps, attention, dtype)
+    batch = synthetic_batch(cfg, batch_size, seq_len, device, dtype)
+    if target_argmax:
+        flat = batch.last_hidden.reshape(batch_size * seq_len, -1)  # (B*T, Ht)
+        batch.target_argmax = compute_target_argmax(head, flat).reshape(batch_size, seq_len)  # (B, T)
+    return BenchmarkSetup(model, opt, head, batch, steps, attention, dtype)
 
 
 def run_benchmark_step(s: BenchmarkSetup, grad_clip: float = 0.5) -> StepOutput:

@@ -326,7 +326,8 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         s = build_benchmark(draft_config(m), batch_size=B, seq_len=T, steps=K, device=str(device), dtype=args.dtype,
-                            attention=c["attention"], compile=c["compile"], compile_mode=c["compile_mode"])
+                            attention=c["attention"], compile=c["compile"], compile_mode=c["compile_mode"],
+                            target_argmax=not args.argmax_in_step)
         if world > 1:
             from eagle3.train.parallel import wrap
 
@@ -559,6 +560,8 @@ def main(argv=None) -> int:
                    "eagle3.train.parallel.wrap(fsdp=True)) instead of DDP")
     p.add_argument("--ddp", action="store_true", help="under torchrun: the fast configs through DDP on every "
                    "rank (eagle3.train.parallel), tokens/s over all ranks; rank 0 writes the results")
+    p.add_argument("--argmax-in-step", action="store_true", help="the step computes the target's full-vocab argmax "
+                   "(the full-vocab head GEMM) instead of reading it from the batch, as before 2026-12-01")
     p.add_argument("--skip-numerics", action="store_true", help="leave the numerics check to another process")
     p.add_argument("--label", default=None, help="where this process ran (e.g. GPU0), kept with each config")
     p.add_argument("--compile-mode", choices=("layer", "split"), default="split",

@@ -237,6 +237,58 @@ def test_packing_is_document_aware_and_resumable():
     assert sum(int(b.doc_ids.max()) + 1 for b in eval_batches(s, [0, 1, 2], 10, 1)) == 3
 
 
+def test_target_argmax_once_per_sample_gives_the_same_step():
+    """The argmax computed once per sample (PackedBatch.target_argmax) = the one the step computes from the full head;
+    the step then reads only the head's draft-vocab rows and its loss, stats and gradients are unchanged."""
+    from eagle3.train.loss import compute_target_argmax, compute_targets
+
+    model, head, batch = tiny_setup()
+    B, T = batch.input_ids.shape
+    ref = compute_targets(head, batch.last_hidden, 4)
+    am = compute_target_argmax(head, batch.last_hidden.reshape(B * T, -1), chunk_rows=7).reshape(B, T)  # (B, T)
+    assert torch.equal(am, ref.argmax[:, :T])
+    got = compute_targets(head, batch.last_hidden, 4, argmax=am)
+    for a, b in ((got.logits, ref.logits), (got.argmax, ref.argmax), (got.in_vocab, ref.in_vocab)):
+        torch.testing.assert_close(a, b)
+    assert 0 < int(ref.in_vocab.sum()) < B * T  # both kinds of rows occur: the mask is exercised
+    fast = PackedBatch(*(getattr(batch, f) for f in ("input_ids", "positions", "doc_ids", "loss_mask", "aux",
+                                                     "last_hidden")), target_argmax=am)
+    outs = []
+    for b in (batch, fast):
+        model.zero_grad()
+        out = ttt_forward(model, b, head, steps=3, attention="naive")
+        out.loss.backward()
+        outs.append((out.loss.detach(), out.stats, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1])
+    for a, b in zip(outs[0][2], outs[1][2], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_attach_target_argmax_packs_with_padding_and_truncation(captured, tmp_path):
+    from tests.synthetic_capture import write_captured
+
+    from eagle3.train.data import attach_target_argmax, load_samples, pack_batch
+    from eagle3.train.loss import compute_target_argmax
+
+    samples, manifest, _ = captured
+    ds = load_samples(write_captured(tmp_path / "cap", samples[:5], manifest, shard_samples=2))
+    g = torch.Generator().manual_seed(1)
+    Ht = samples[0]["last_hidden_states"].shape[-1]
+    head = TargetHead(torch.ones(Ht), 1e-6, torch.randn(512, Ht, generator=g), torch.arange(0, 512, 3))
+    with_am = attach_target_argmax(ds, head, "cpu", chunk_tokens=50)  # several flushes
+    for i in range(5):
+        want = compute_target_argmax(head, torch.as_tensor(samples[i]["last_hidden_states"]).float())
+        assert with_am[i]["target_argmax"].dtype == torch.int32 and torch.equal(with_am[i]["target_argmax"].long(), want)
+    n0, n1 = len(samples[0]["input_ids"]), len(samples[1]["input_ids"])
+    T = n0 + n1 // 2  # the second sample is truncated, the second row padded
+    b = pack_batch([[with_am[0], with_am[1]], [with_am[2]]], T)
+    assert b.target_argmax[0].tolist() == with_am[0]["target_argmax"].tolist() + with_am[1]["target_argmax"][: T - n0].tolist()
+    n2 = min(len(samples[2]["input_ids"]), T)
+    assert (b.target_argmax[1, n2:] == -1).all() and b.target_argmax[1, :n2].tolist() == with_am[2]["target_argmax"][:n2].tolist()
+    assert pack_batch([[ds[0]]], T).target_argmax is None  # without it the step computes the argmax itself
+
+
 def _cfg(tmp, tiny_llama, vocab, **kw):
     base = dict(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp, max_steps=4, lr=1e-3,
                 warmup_steps=1, max_seq_len=64, ttt_steps=2, eval_every=2, save_every=2, log_every=1,

@@ -1,7 +1,8 @@
 """Captured samples -> document-aware packed batches, with a resumable position.
 
 A sample is a dict: input_ids (T,) int64, loss_mask (T,), aux_hidden_states (T, n_aux, Ht),
-last_hidden_states (T, Ht), sample_id str (the format of `eagle3.capture.load_captured`).
+last_hidden_states (T, Ht), sample_id str (the format of `eagle3.capture.load_captured`); after
+`attach_target_argmax` also target_argmax (T,) int32, the target's full-vocab argmax at each row.
 
 Order: samples are split once into train/val by a seeded permutation; every epoch visits the train
 indices in a fresh seeded permutation (seed + epoch), packing greedily in that order into rows of
@@ -75,6 +76,11 @@ class CapturedDataset(Sequence):
             "shard": str(self._files[si]),
         }
 
+    def last_hidden_states(self, i: int) -> torch.Tensor:
+        """Sample i's (T, Ht) last hidden states alone (attach_target_argmax reads only these)."""
+        si, a, b, _ = self._index[i]
+        return self._states(self._handle(si), "last_hidden_states", a, b)
+
     @staticmethod
     def _states(h, key: str, a: int, b: int) -> torch.Tensor:
         """Rows a:b of a state tensor; fp8 captures are dequantized with their per-token scales (to bfloat16, as
@@ -103,6 +109,10 @@ class ConcatSamples(Sequence):
             raise IndexError(i)
         k = bisect.bisect_right(self._ends, i)
         return self.parts[k][i - (self._ends[k - 1] if k else 0)]
+
+    def last_hidden_states(self, i: int) -> torch.Tensor:
+        k = bisect.bisect_right(self._ends, i)
+        return read_last_hidden(self.parts[k], i - (self._ends[k - 1] if k else 0))
 
 
 def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = True) -> Sequence[dict[str, Any]]:
@@ -152,6 +162,57 @@ class SelectedLayers(Sequence):
         s["aux_hidden_states"] = aux[:, self._cols]  # (T, len(aux_layer_ids), H)
         return s
 
+    def last_hidden_states(self, i: int) -> torch.Tensor:
+        return read_last_hidden(self.samples, i)
+
+
+def read_last_hidden(samples: Sequence[dict[str, Any]], i: int) -> torch.Tensor:
+    """Sample i's (T, Ht) last hidden states, without reading its aux states where the sequence can."""
+    if hasattr(samples, "last_hidden_states"):
+        return samples.last_hidden_states(i)
+    return torch.as_tensor(samples[i]["last_hidden_states"])
+
+
+class WithTargetArgmax(Sequence):
+    """Samples with `target_argmax` added: (T,) int32, the target's full-vocab argmax at each row."""
+
+    def __init__(self, samples: Sequence[dict[str, Any]], argmax: list[torch.Tensor]):
+        self.samples, self.argmax = samples, argmax
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.samples[i], "target_argmax": self.argmax[i]}
+
+    def last_hidden_states(self, i: int) -> torch.Tensor:
+        return read_last_hidden(self.samples, i)
+
+
+def attach_target_argmax(samples: Sequence[dict[str, Any]], head, device, chunk_tokens: int = 16384) -> WithTargetArgmax:
+    """The target's full-vocab argmax of every sample, computed once (eagle3.train.loss.compute_target_argmax, on
+    `device` in the head's dtype, as the step would) instead of in every step of every epoch: the step then computes
+    only the head's draft-vocab rows. Reads only the last hidden states; keeps 4 bytes per token in RAM."""
+    from eagle3.train.loss import compute_target_argmax
+
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    todo: list[tuple[int, torch.Tensor]] = []
+
+    def flush():
+        x = torch.cat([h for _, h in todo]).to(device, head.lm_head.dtype, non_blocking=True)  # (n, Ht)
+        am = compute_target_argmax(head, x).to("cpu", torch.int32)  # (n,)
+        for (i, _), part in zip(todo, am.split([len(h) for _, h in todo]), strict=True):
+            out[i] = part
+        todo.clear()
+
+    for i in range(len(samples)):
+        todo.append((i, read_last_hidden(samples, i)))
+        if sum(len(h) for _, h in todo) >= chunk_tokens:
+            flush()
+    if todo:
+        flush()
+    return WithTargetArgmax(samples, out)
+
 
 def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layers: int, verify: bool = True) -> list[dict[str, Any]]:
     """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
@@ -200,7 +261,7 @@ def empty_row(T: int, n_aux: int, hidden: int, dtype: torch.dtype) -> dict[str, 
 def pack(samples: list[dict[str, Any]], max_seq_len: int) -> dict[str, torch.Tensor]:
     """Concatenate samples into one row of exactly max_seq_len tokens (padding: doc -1, mask 0)."""
     batch = pack_batch([samples], max_seq_len)  # (1, T, ...)
-    return {f: getattr(batch, f)[0] for f in batch.__dataclass_fields__}
+    return {f: getattr(batch, f)[0] for f in batch.__dataclass_fields__ if getattr(batch, f) is not None}
 
 
 def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatch:
@@ -218,6 +279,8 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatc
         aux=torch.empty(B, T, n_aux * Ht, dtype=dt),  # (B, T, A*Ht); padding zeroed below
         last_hidden=torch.empty(B, T, Ht, dtype=dt),  # (B, T, Ht)
     )
+    if all("target_argmax" in s for docs in rows for s in docs):  # else the step computes it
+        out.target_argmax = torch.full((B, T), -1, dtype=torch.long)  # (B, T)
     for r, docs in enumerate(rows):
         a = 0
         for d, s in enumerate(docs):
@@ -230,6 +293,8 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatc
             out.loss_mask[r, a : a + n] = torch.as_tensor(s["loss_mask"][:n]).bool()
             out.aux[r, a : a + n] = torch.as_tensor(s["aux_hidden_states"][:n]).reshape(n, n_aux * Ht)
             out.last_hidden[r, a : a + n] = torch.as_tensor(s["last_hidden_states"][:n])
+            if out.target_argmax is not None:
+                out.target_argmax[r, a : a + n] = s["target_argmax"][:n]
             a += n
         out.aux[r, a:] = 0
         out.last_hidden[r, a:] = 0
@@ -255,7 +320,8 @@ def nonfinite_samples(batch: PackedBatch, rows: list[list[dict[str, Any]]]) -> s
 
 
 def collate(rows: list[dict[str, torch.Tensor]]) -> PackedBatch:
-    return PackedBatch(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+    keys = [k for k in rows[0] if all(k in r for r in rows)]  # target_argmax only when every row has it
+    return PackedBatch(**{k: torch.stack([r[k] for r in rows]) for k in keys})
 
 
 @dataclass

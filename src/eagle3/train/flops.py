@@ -32,10 +32,11 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
       draft_lm_head  2 * H * Vd
     trainable total x3 (backward ~ 2x forward); plus the frozen target lm_head restricted to the draft vocab
     (target distribution), forward only, ONCE per token: targets are computed once per batch and each TTT step
-    reads them shifted by j (eagle3.train.loss.compute_targets). Our implementation runs the full-vocab target
-    head instead (once per token; the out-of-vocab argmax mask needs it, and the draft-vocab logits are a column
-    subset of it): reported as `target_lm_head_full` (executed, not in the model count, same as the anchor which
-    restricts to the draft vocab).
+    reads them shifted by j (eagle3.train.loss.compute_targets). The out-of-vocab mask also needs the target's
+    full-vocab argmax: the trainer computes it once per sample before training (not per step since 2026-12-01), a
+    streaming run in the step from the full-vocab head: `target_lm_head_full` and
+    `executed_flops_per_token_incl_full_vocab_argmax` give that case (not in the model count, which, like the peer,
+    restricts the target head to the draft vocab).
     """
     H, Ht, nh, kvh, d, inter, V, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux"))
     n = m.get("n_layers", 1)  # layers after the first read width H, not 2H
@@ -85,7 +86,7 @@ def count_step_bytes(m: dict, K: int) -> dict:
                                            + AdamW (read p, g, m, v = 16; write p, m, v = 12)        = 38 B
       per use (fc once, the rest K times): bf16 weight read fwd (2) + bwd dX (2) + dW write bf16 (2)
                                            + fp32 grad accumulate (read 4 + write 4)                  = 14 B
-      frozen: target lm_head read once in bf16 (full vocab, as executed for the argmax) + draft-vocab rows (2 B each)
+      frozen: target lm_head's draft-vocab rows read once in bf16 (2 B each; the full-vocab argmax is per sample)
     """
     once_b, use_b = 38, 14
     total, terms = 0, {}
@@ -94,7 +95,7 @@ def count_step_bytes(m: dict, K: int) -> dict:
         b = n * (once_b + use_b * uses)
         terms[name] = float(b)
         total += b
-    frozen = 2 * m["Ht"] * (m["V"] + m["Vd"])
+    frozen = 2 * m["Ht"] * m["Vd"]
     terms["target_lm_head_frozen"] = float(frozen)
     total += frozen
     n_train = sum(n for n, _ in count_draft_params(m).values())

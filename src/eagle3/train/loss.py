@@ -9,6 +9,11 @@ loss (the draft can never propose that token, so the renormalised in-vocab distr
 confidently wrong), but it stays in the metrics as a miss (acceptance there is 0 in vLLM too).
 This matches SpecForge's `position_mask = t2d[target_argmax] & loss_mask`.
 
+The full-vocab argmax is a property of the sample, not of the step: the trainer computes it once per sample
+before training (`compute_target_argmax`, carried as `PackedBatch.target_argmax`), so an epoch's steps compute only
+the draft-vocab columns (Vd of V rows of the head: 4096 of 49,152 for SmolLM2, 32,000 of 128,256 for Llama-3.1).
+A batch without it (streaming mode, tests) gets both from one full-vocab GEMM here.
+
 Memory: target logits are computed once per batch, row-chunked (the full-vocab (rows, V) matrix only ever
 exists for `chunk_rows`), and kept over the draft vocab only. Two losses with equal values and gradients:
 `soft_ce` (autograd; the draft's (rows, Vd) fp32 log-softmax per row chunk inside activation checkpointing, the
@@ -34,10 +39,21 @@ class TargetHead:
     eps: float
     lm_head: torch.Tensor  # (V, Ht) full target head (for the full-vocab argmax)
     draft_ids: torch.Tensor  # (Vd,) long: target id of each draft id (= arange + d2t)
+    draft_lm_head: torch.Tensor | None = None  # (Vd, Ht) the head's draft-vocab rows; filled on construction
+
+    def __post_init__(self):
+        if self.draft_lm_head is None:
+            self.draft_lm_head = self.lm_head.index_select(0, self.draft_ids.to(self.lm_head.device))  # (Vd, Ht)
 
     def to(self, device, dtype=None) -> TargetHead:
         dt = dtype or self.lm_head.dtype
         return TargetHead(self.norm_weight.to(device, dt), self.eps, self.lm_head.to(device, dt), self.draft_ids.to(device))
+
+    def normed(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final RMSNorm of (..., Ht) pre-norm states, in the head's dtype (fp32 statistics)."""
+        x = last_hidden.to(self.lm_head.dtype)  # (..., Ht)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (..., Ht)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.norm_weight
 
 
 @dataclass
@@ -48,25 +64,41 @@ class Targets:
 
 
 @torch.no_grad()
-def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk_rows: int = 2048) -> Targets:
-    """last_hidden: (B, T, Ht) output of the target's last decoder layer, before its final norm."""
+def compute_target_argmax(head: TargetHead, last_hidden: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+    """(N,) long: the target's full-vocab argmax of each row of last_hidden (N, Ht), chunked over rows (the (rows, V)
+    logits only ever exist for `chunk_rows`). The same arithmetic as compute_targets' fallback."""
+    out = torch.empty(last_hidden.shape[0], dtype=torch.long, device=last_hidden.device)  # (N,)
+    for a in range(0, last_hidden.shape[0], chunk_rows):
+        out[a : a + chunk_rows] = (head.normed(last_hidden[a : a + chunk_rows]) @ head.lm_head.T).argmax(-1)  # (c,)
+    return out
+
+
+@torch.no_grad()
+def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk_rows: int = 2048,
+                    argmax: torch.Tensor | None = None) -> Targets:
+    """last_hidden: (B, T, Ht) output of the target's last decoder layer, before its final norm; argmax: (B, T) the
+    full-vocab argmax of those rows if already known (compute_target_argmax; -1 on padding), else computed here from
+    the full-vocab GEMM that also gives the draft-vocab columns."""
     B, T, _ = last_hidden.shape
     Vd = head.draft_ids.numel()
-    dt = head.lm_head.dtype
-    logits = torch.zeros(B, T + pad, Vd, dtype=dt, device=last_hidden.device)  # (B, T+pad, Vd)
-    argmax = torch.full((B, T + pad), -1, dtype=torch.long, device=last_hidden.device)  # (B, T+pad)
-    t2d = torch.zeros(head.lm_head.shape[0], dtype=torch.bool, device=last_hidden.device)  # (V,)
+    dev = last_hidden.device
+    logits = torch.zeros(B, T + pad, Vd, dtype=head.lm_head.dtype, device=dev)  # (B, T+pad, Vd)
+    full_argmax = torch.full((B, T + pad), -1, dtype=torch.long, device=dev)  # (B, T+pad)
+    t2d = torch.zeros(head.lm_head.shape[0], dtype=torch.bool, device=dev)  # (V,)
     t2d.index_fill_(0, head.draft_ids, True)  # not `t2d[ids] = True`: that copies the scalar host->device (a sync)
+    if argmax is not None:
+        full_argmax[:, :T] = argmax
     for a in range(0, T, max(1, chunk_rows // B)):
-        x = last_hidden[:, a : a + chunk_rows // B].to(dt)  # (B, c, Ht)
-        xf = x.to(torch.promote_types(dt, torch.float32))  # (B, c, Ht)
-        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + head.eps)).to(dt) * head.norm_weight  # (B, c, Ht)
+        x = head.normed(last_hidden[:, a : a + chunk_rows // B])  # (B, c, Ht)
         c = x.shape[1]
-        full = x @ head.lm_head.T  # (B, c, V): one GEMM gives the argmax and the draft-vocab columns
-        argmax[:, a : a + c] = full.argmax(-1)  # (B, c)
-        logits[:, a : a + c] = full.index_select(-1, head.draft_ids)  # (B, c, Vd)
-    in_vocab = t2d[argmax.clamp(min=0)] & (argmax >= 0)  # (B, T+pad)
-    return Targets(logits, argmax, in_vocab)
+        if argmax is not None:  # only the Vd draft-vocab rows of the head
+            logits[:, a : a + c] = x @ head.draft_lm_head.T  # (B, c, Vd)
+        else:  # one GEMM gives the argmax and the draft-vocab columns
+            full = x @ head.lm_head.T  # (B, c, V)
+            full_argmax[:, a : a + c] = full.argmax(-1)  # (B, c)
+            logits[:, a : a + c] = full.index_select(-1, head.draft_ids)  # (B, c, Vd)
+    in_vocab = t2d[full_argmax.clamp(min=0)] & (full_argmax >= 0)  # (B, T+pad)
+    return Targets(logits, full_argmax, in_vocab)
 
 
 def _chunk_ce(h, w, tgt, weight):

@@ -42,9 +42,13 @@ class PackedBatch:
     loss_mask: torch.Tensor  # (B, T) bool, 1 = supervised (assistant) token
     aux: torch.Tensor  # (B, T, n_aux*Ht)
     last_hidden: torch.Tensor  # (B, T, Ht) target's last decoder layer output, before its final norm
+    target_argmax: torch.Tensor | None = None  # (B, T) long: the target's full-vocab argmax per row (-1 = padding),
+    #   computed once per sample before training (eagle3.train.data.attach_target_argmax); None: the step computes it
 
     def to(self, device, float_dtype=None) -> PackedBatch:
         def mv(x):
+            if x is None:
+                return None
             x = x.to(device, non_blocking=True)
             return x.to(float_dtype) if float_dtype is not None and x.is_floating_point() else x
 
@@ -108,7 +112,7 @@ def _ttt_forward(
     ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
     B, T = ids.shape
     pad = steps + 2
-    tg = compute_targets(head, batch.last_hidden, pad)  # logits (B, T+pad, Vd)
+    tg = compute_targets(head, batch.last_hidden, pad, argmax=batch.target_argmax)  # logits (B, T+pad, Vd)
     doc_p = F.pad(doc, (0, pad), value=-2)  # (B, T+pad)
     mask_p = F.pad(batch.loss_mask.bool(), (0, pad), value=False)  # (B, T+pad)
     ids_p = F.pad(ids, (0, pad), value=0)  # (B, T+pad)

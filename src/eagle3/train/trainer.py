@@ -35,6 +35,7 @@ from eagle3.train.data import (
     ConcatSamples,
     PackedLoader,
     SelectedLayers,
+    attach_target_argmax,
     eval_batches,
     load_samples,
     preload_samples,
@@ -257,6 +258,7 @@ def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3D
             f"manifest lists {dcfg.num_aux} layers of hidden size {dcfg.target_hidden_size}; the capture is inconsistent"
         )
     if source is None:
+        samples = with_target_argmax(samples, head, d)
         train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
         loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world,
                               prefetch=2)
@@ -265,7 +267,7 @@ def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3D
     val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size)  # every rank (FSDP forward is collective)
     heldout = []
     if cfg.val_captured:  # unseen prompts pick the checkpoint; the held-out train split is still logged
-        val, heldout = read_val_captured(cfg, inputs, source, verify), val
+        val, heldout = read_val_captured(cfg, inputs, source, verify, head, d), val
     per_step = cfg.batch_size * cfg.grad_accum * d.world
     rows = source.num_rows(cfg) if source is not None else cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len)
     total = cfg.max_steps or max(1, math.ceil(rows / per_step))
@@ -281,7 +283,16 @@ def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3D
                draft_metadata=meta, t_start=t_start)
 
 
-def read_val_captured(cfg: TrainConfig, inputs: Inputs, source, verify: bool) -> list:
+def with_target_argmax(samples, head: TargetHead, d: parallel.Dist):
+    """The samples with the target's full-vocab argmax computed once (eagle3.train.data.attach_target_argmax)."""
+    t0 = time.perf_counter()
+    samples = attach_target_argmax(samples, head, d.device)
+    progress(d, f"target argmax of {len(samples)} samples in {time.perf_counter() - t0:.1f} s (once, not per epoch)")
+    return samples
+
+
+def read_val_captured(cfg: TrainConfig, inputs: Inputs, source, verify: bool, head: TargetHead,
+                      d: parallel.Dist) -> list:
     """Validation batches from val_captured, a capture of other prompts than the training ones."""
     from eagle3.capture import capture_dirs, load_combined_manifest
 
@@ -295,6 +306,7 @@ def read_val_captured(cfg: TrainConfig, inputs: Inputs, source, verify: bool) ->
                           allow=cfg.allow_target_mismatch, error=ConfigError)
     vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm["aux_layer_ids"], inputs.aux_layer_ids,
                         inputs.num_hidden_layers)
+    vs = with_target_argmax(vs, head, d)
     return eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size)
 
 
