@@ -31,11 +31,13 @@
 #        --kimi "fast:7:8192 fast:3:8192" [--compile-mode split] [--no-peer] [--no-kimi] [--no-cache] [--out DIR] \
 #        [--ddp 2 --ddp-configs "fast:7:8192"] [--export-cache] [--import-cache DIR]
 #   bash benchmarks/gpu_step_vs_peer.sh --smoke --out /tmp/x     # CPU: tiny dims, no peer (it needs CUDA)
+# --export-cache-dirs / --import-cache-dirs DIR: the same round trip with phase 1's whole TORCHINDUCTOR_CACHE_DIR and
+# TRITON_CACHE_DIR (cache_dirs.tgz.partNN; join into DIR/cache_dirs.tgz) instead of the torch.compiler artifact file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TOTAL=500 OURS="fast:7:8192 fast:7:2048" PEER="2048:7,8192:7" KIMI="fast:7:8192 fast:3:8192" MODE=split
 SMOKE=0 DO_PEER=1 DO_KIMI=1 DO_CACHE=1 OUTDIR=${OUT:-/tmp/step-vs-peer-out} DDP=0 DDP_CONFIGS="fast:7:8192"
-EXPORT_CACHE=0 IMPORT_CACHE="" EXTRA_TS="" 
+EXPORT_CACHE=0 IMPORT_CACHE="" EXTRA_TS="" EXPORT_DIRS=0 IMPORT_DIRS="" 
 CMD="bash benchmarks/gpu_step_vs_peer.sh $*"
 while [ $# -gt 0 ]; do
   case $1 in
@@ -53,6 +55,8 @@ while [ $# -gt 0 ]; do
     --no-cache) DO_CACHE=0 ;;
     --export-cache) EXPORT_CACHE=1 ;;
     --import-cache) IMPORT_CACHE=$2; shift ;;
+    --export-cache-dirs) EXPORT_DIRS=1 ;;
+    --import-cache-dirs) IMPORT_DIRS=$2; shift ;;
     --argmax-in-step) EXTRA_TS="--argmax-in-step" ;;
     *) echo "gpu_step_vs_peer.sh: unknown argument $1 (see the header for the options)" >&2; exit 2 ;;
   esac
@@ -95,6 +99,13 @@ if [ -n "$IMPORT_CACHE" ]; then
   fi
   tar xzf "$IMPORT_CACHE/compile_cache.tgz" -C "$W" && echo "phase 1 seeded: $(ls -la "$W/llama.cache")" | tee -a "$W/logs/phases.txt"
 fi
+if [ -n "$IMPORT_DIRS" ]; then
+  if [ ! -f "$IMPORT_DIRS/cache_dirs.tgz" ]; then
+    echo "gpu_step_vs_peer.sh: --import-cache-dirs $IMPORT_DIRS has no cache_dirs.tgz" >&2
+    exit 2
+  fi
+  tar xzf "$IMPORT_DIRS/cache_dirs.tgz" -C "$W" && echo "phase 1 seeded: $(du -sh "$W/ind-ours" "$W/triton-ours" | tr '\n' ' ')" | tee -a "$W/logs/phases.txt"
+fi
 B=$(min 170 $(($(left) - RES_PEER - RES_CACHE - RES_KIMI - RES_DDP - 10)))
 # shellcheck disable=SC2086
 TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_llama "$B" \
@@ -122,11 +133,11 @@ fi
 # phase 3: the compile cache round trip (first config of --ours, empty caches, the artifact file only)
 if [ "$DO_CACHE" = 1 ] && [ -f "$W/llama.cache" ]; then
   cp "$W/llama.cache" "$W/llama-copy.cache"  # the second process rewrites its file; keep phase 1's intact
-  B=$(min 90 $(($(left) - RES_KIMI - RES_DDP - 10)))
+  B=$(min 150 $(($(left) - RES_KIMI - RES_DDP - 10)))
   # shellcheck disable=SC2086
   TORCHINDUCTOR_CACHE_DIR=$W/ind-cache TRITON_CACHE_DIR=$W/triton-cache run cache "$B" \
     ${TS/--skip-numerics/} --dims llama-3.1-8b --budget-s "$B" --label cache-loaded --compile-cache "$W/llama-copy.cache" \
-    --warmup 2 --iters 5 --configs ${OURS%% *} --out-dir "$W/cache" --profile
+    --warmup 2 --iters 5 --configs ${OURS%% *} --out-dir "$W/cache" --profile --compile-guess-s 20
   cp "$W/cache/train_step_profile.txt" "$W/logs/" 2>/dev/null  # kernel table of that config (in logs.tgz)
 elif [ "$DO_CACHE" = 1 ]; then
   echo "cache: phase 1 wrote no compile cache file (no compiled config finished)" | tee -a "$W/logs/phases.txt"
@@ -159,6 +170,10 @@ PEER_ARG=() CACHE_ARG=() EXTRA_DIRS=()
 $PY benchmarks/step_vs_peer.py --ours "$W/ours-llama" "${EXTRA_DIRS[@]}" "${PEER_ARG[@]}" "${CACHE_ARG[@]}" \
   --out-dir "$OUTDIR" --command "$CMD" > "$W/logs/merge.log" 2>&1
 cp "$W/ours-llama/train_step.json" "$OUTDIR/ours_llama.json" 2>/dev/null
+if [ "$EXPORT_DIRS" = 1 ] && [ -d "$W/ind-ours" ]; then
+  tar czf "$W/cache_dirs.tgz" -C "$W" ind-ours triton-ours && split -b 15000000 -d "$W/cache_dirs.tgz" "$OUTDIR/cache_dirs.tgz.part"
+  ls -la "$W/cache_dirs.tgz" >> "$W/logs/phases.txt"
+fi
 if [ "$EXPORT_CACHE" = 1 ] && [ -f "$W/llama.cache" ]; then
   tar czf "$W/compile_cache.tgz" -C "$W" llama.cache && split -b 15000000 -d "$W/compile_cache.tgz" "$OUTDIR/compile_cache.tgz.part"
   ls -la "$W/llama.cache" "$W/compile_cache.tgz" >> "$W/logs/phases.txt"

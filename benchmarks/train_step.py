@@ -340,10 +340,13 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
             step = lambda: ddp_step(s, ddp)  # noqa: E731
         else:
             step = (lambda: naive_step(s)) if kind == "naive" else (lambda: run_benchmark_step(s))
+        before = compile_counters()
         t0 = time.monotonic()
         out = step()
         sync(device)
         r["first_step_s"] = round(time.monotonic() - t0, 3)  # includes compilation
+        diff = {k: round(v - before.get(k, 0), 2) for k, v in compile_counters().items()}
+        r["first_step_compile"] = {k: v for k, v in diff.items() if v >= (0.5 if k.startswith("seconds.") else 1)}
         warm = []
         for _ in range(max(0, args.warmup - 1)):
             t0 = time.monotonic()
@@ -392,6 +395,21 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
 
 
 # ------------------------------------------------------------------------------------------------ compile cache
+
+
+def compile_counters() -> dict:
+    """torch.compile's cache counters (FX graph cache and AOT autograd cache hits/misses, graphs compiled) and
+    dynamo's cumulative compile seconds per phase: what the first step spent and whether a loaded cache was used."""
+    from torch._dynamo.utils import counters
+
+    out = {f"{group}.{k}": v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+           if "cache" in k or k in ("ok", "total")}
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+        out.update({f"seconds.{k}": round(sum(v), 2) for k, v in compilation_time_metrics.items()})
+    except ImportError:  # moved in some torch versions: the counters alone still say hit or miss
+        pass
+    return out
 
 
 def load_compile_cache(path: Path) -> dict:
