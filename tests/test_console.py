@@ -99,6 +99,25 @@ def test_tokens_per_target_step_counts_steps_without_drafts(tmp_path):
     assert "1.42" in next(ln for ln in text.splitlines() if "eagle3" in ln)
 
 
+def test_one_results_dir_with_comparisons_prints_every_method(tmp_path):
+    """evaluate with `compare: [ngram]` writes one results.json: the draft's `rows`, n-gram's `comparisons`."""
+    def row(method, category, temperature, gen, acc, drafts, tau):
+        return {"method": method, "category": category, "temperature": temperature, "generated_tokens": gen,
+                "num_accepted_tokens": acc, "num_drafts": drafts, "tau": tau, "tokens_per_s": 60.0}
+
+    (tmp_path / "evaluate").mkdir()
+    result = {"method": "eagle3", "acceptance_length": 1.42, "num_drafts": 1900, "spec_tokens_per_s": 60.0,
+              "rows": [row("eagle3", "all", 0.0, 2700, 800, 1900, 1.42), row("eagle3", "all", 0.6, 2600, 700, 1800, 1.39)],
+              "comparisons": [row("ngram", "chat", 0.0, 1000, 300, 100, 4.0), row("ngram", "all", 0.0, 3308, 926, 520, 2.78),
+                              row("ngram", "all", 0.6, 3000, 500, 400, 2.25)]}
+    (tmp_path / "evaluate" / "results.json").write_text(json.dumps(result))
+    lines = compare_methods([tmp_path / "evaluate"]).splitlines()
+    assert [ln.split()[0] for ln in lines[1:]] == ["eagle3", "ngram"]  # each method's first-temperature "all" row
+    assert lines[2].split()[1:4] == ["2.78", "1.39", "22%"]
+    fig = key_figure("evaluate", result)
+    assert fig.startswith("τ 1.42, 1.42 tokens/target step") and "| ngram τ 2.78, 1.39 tokens/target step" in fig
+
+
 def test_key_figures_name_what_each_stage_did():
     assert key_figure("regenerate", {"num_written": 192, "generated_tokens": 20000}) == \
         "192 conversations, 20,000 tokens generated"

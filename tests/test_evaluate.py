@@ -62,7 +62,7 @@ def test_evaluate_random_draft(tiny_llama, tmp_path):
     cfg = EvaluateConfig(
         target=str(tiny_llama), draft=str(draft.path), prompts=str(categorized_prompts(tmp_path / "p.jsonl")),
         out=tmp_path / "eval", num_prompts=8, num_speculative_tokens=K, max_tokens=24, max_model_len=256,
-        dtype="float32", baseline=True, temperatures="0.0,0.6",
+        dtype="float32", baseline=True, temperatures="0.0,0.6", compare="ngram",
     )
     res = run_evaluate(cfg)
     assert isinstance(res, EvaluateResult)
@@ -108,8 +108,34 @@ def test_evaluate_random_draft(tiny_llama, tmp_path):
     assert [s["expand_correct_after"] for s in data["sampling_fix"]] == [True if on_cpu_platform() else None]
     assert data["baseline_run"]["speculative"] is False
     assert len(data["rows"]) == 8 and data["draft_cost"]["model"].startswith("memory-bound")
-    assert "| math | 0 | 4 |" in (tmp_path / "eval" / "results.md").read_text()
+    md = (tmp_path / "eval" / "results.md").read_text()
+    assert "| eagle3 | math | 0 | 4 |" in md
     assert res.chart_path.read_bytes()[:4] == b"\x89PNG"
+    # compare: [ngram]: vLLM's n-gram engine in the same process, same prompts, categories and temperatures, its
+    # rows in `comparisons` (the readers of `rows` see the draft alone), timed against the same baseline engine
+    assert [(r.method, r.category, r.temperature, r.num_prompts) for r in res.comparisons] == [
+        ("ngram", c, t, n) for _, c, t, n in [(r.method, r.category, r.temperature, r.num_prompts) for r in res.rows]]
+    assert {r.method for r in res.rows} == {"eagle3"} and len(data["comparisons"]) == 8
+    assert data["comparison_engines"]["ngram"]["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert [s["expand_correct_after"] for s in data["comparison_engines"]["ngram"]["sampling_fix"]] == \
+        [True if on_cpu_platform() else None]
+    assert data["engine_startup_s"]["ngram"] > 0
+    for r, main in zip(res.comparisons, res.rows, strict=True):
+        assert r.tau is None or 1.0 <= r.tau <= K + 1
+        steps = r.generated_tokens - r.num_accepted_tokens
+        assert 0.0 <= r.num_drafts / steps <= 1.0 and r.num_drafts * K >= r.num_accepted_tokens
+        assert r.draft_cost_ratio == 0.0 and r.tokens_per_s > 0
+        assert r.baseline_tokens_per_s == main.baseline_tokens_per_s  # the one plain-decoding engine
+        assert r.modelled_speedup == pytest.approx(r.tokens_per_step, abs=1e-3)  # n-gram reads no weights
+    ngram_all = next(r for r in res.comparisons if r.category == "all")
+    assert "| ngram | all | 0 | 8 |" in md and "Side by side" in md
+    from eagle3.console import compare_methods, key_figure
+
+    text = compare_methods([tmp_path / "eval"])  # one dir holds both methods
+    assert [ln.split()[0] for ln in text.splitlines()[1:]] == ["eagle3", "ngram"]
+    assert f"{ngram_all.tokens_per_step:.2f}" in text.splitlines()[2] and text in md
+    assert key_figure("evaluate", data).count("tokens/target step") == 2
 
 
 def test_evaluate_ngram_needs_no_draft(tiny_llama, tmp_path):
@@ -146,3 +172,20 @@ def test_evaluate_errors(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="temperatures"):
         EvaluateConfig(temperatures="0.0,warm")
     assert EvaluateConfig(temperatures="0,0.6").passes == [0.0, 0.6] and EvaluateConfig().passes == [0.0]
+    # compare: a list of methods measured beside `method` (the CLI passes a comma-separated string)
+    assert EvaluateConfig(compare="ngram").compare == ["ngram"] and EvaluateConfig().compare == []
+    with pytest.raises(ValueError, match=r"compare: 'medusa' is not a method evaluate can compare; allowed: ngram"):
+        EvaluateConfig(compare=["medusa"])
+    with pytest.raises(ValueError, match="compare: 'ngram' is already the evaluated method"):
+        EvaluateConfig(method="ngram", compare="ngram")
+    with pytest.raises(ValueError, match="names a method twice"):
+        EvaluateConfig(compare="ngram,ngram")
+
+
+def test_compare_is_part_of_the_stage_cache_key(tmp_path):
+    """A cached evaluate without the n-gram rows is not reused for a config that asks for them."""
+    from eagle3_prefect.tasks.manifest import stage_cache_key
+
+    cfg = EvaluateConfig(target=str(tmp_path / "t"), prompts=str(tmp_path / "p.jsonl"), out=tmp_path / "eval")
+    assert stage_cache_key("evaluate", cfg, {}) != stage_cache_key("evaluate", cfg.model_copy(update={"compare": ["ngram"]}), {})
+    assert stage_cache_key("evaluate", cfg, {}) == stage_cache_key("evaluate", EvaluateConfig(**cfg.model_dump()), {})

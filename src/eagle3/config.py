@@ -460,6 +460,10 @@ class ExportConfig(StageConfig):
     )
 
 
+#: methods `EvaluateConfig.compare` can measure beside the evaluated one (no draft of their own to pass)
+COMPARE_METHODS = ("ngram",)
+
+
 class EvaluateConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
     draft: str | None = Field(None, description="Exported draft dir (method eagle3)")
@@ -488,6 +492,11 @@ class EvaluateConfig(StageConfig):
     max_model_len: int = Field(1024, gt=0, description="vLLM max_model_len")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Target dtype")
     baseline: bool = Field(True, description="Also time plain decoding of the same prompts")
+    compare: list[str] = Field(
+        default_factory=list, description="Methods measured beside `method` on the same prompts, temperatures, k and "
+        f"max_tokens, each one more engine in the same process (rows in results.json's `comparisons`); one of: "
+        f"{', '.join(COMPARE_METHODS)} (comma-separated on the CLI)"
+    )
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: int = Field(0, description="Engine seed")
     split: str = Field("train", description="Split to read when --prompts is a DatasetDict directory")
@@ -509,8 +518,27 @@ class EvaluateConfig(StageConfig):
             raise ValueError(f"temperatures must name at least one temperature, none negative; got {v}")
         return v
 
+    @field_validator("compare", mode="before")
+    @classmethod
+    def _parse_compare(cls, v: Any) -> Any:
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+    @field_validator("compare", mode="after")
+    @classmethod
+    def _check_compare(cls, v: list[str]) -> list[str]:
+        for m in v:
+            if m not in COMPARE_METHODS:
+                raise ValueError(f"compare: {m!r} is not a method evaluate can compare; allowed: "
+                                 f"{', '.join(COMPARE_METHODS)}")
+        if len(set(v)) < len(v):
+            raise ValueError(f"compare: {v} names a method twice; name each once")
+        return v
+
     @model_validator(mode="after")
     def _check_lookup(self) -> EvaluateConfig:
+        if self.method in self.compare:
+            raise ValueError(f"compare: {self.method!r} is already the evaluated method (method={self.method!r}); "
+                             "remove it from compare")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max={self.prompt_lookup_max}; "

@@ -124,29 +124,64 @@ def evaluate_figure(r: dict[str, Any]) -> str:
         parts.append(f"{r['spec_tokens_per_s']:.0f} tokens/s")
     if r.get("baseline_tokens_per_s"):
         parts.append(f"plain {r['baseline_tokens_per_s']:.0f} tokens/s")
-    return ", ".join(parts)
+    compared = []
+    for e in comparison_entries(r)[1:]:  # the methods of evaluate's `compare`, after the evaluated one
+        tau_c = f"τ {e['tau']:.2f}" if e["tau"] is not None else "τ -"
+        tps = tokens_per_target_step(e["generated_tokens"], e["num_accepted_tokens"])
+        compared.append(f"{e['method']} {tau_c}, {tps:.2f} tokens/target step, {e['tokens_per_s']:.0f} tokens/s")
+    return " | ".join([", ".join(parts), *compared])
+
+
+def comparison_entries(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per method of an evaluate result (results.json or the stage's result): the evaluated method's
+    row over every prompt at the first temperature, then that row of each method in its `comparisons` (evaluate's
+    `compare`). Entry: method, tau (None where it never drafted), generated_tokens, num_accepted_tokens,
+    num_drafts, tokens_per_s."""
+    row = _all_row(r)
+    drafts = int(row.get("num_drafts") or r.get("num_drafts") or 0)
+    tau = r.get("acceptance_length")
+    out = [{"method": r.get("method", "eagle3"), "tau": tau if isinstance(tau, int | float) and drafts else None,
+            "generated_tokens": int(row.get("generated_tokens") or 0),
+            "num_accepted_tokens": int(row.get("num_accepted_tokens") or 0), "num_drafts": drafts,
+            "tokens_per_s": row.get("tokens_per_s") or r.get("spec_tokens_per_s") or 0.0}]
+    seen = set()
+    for c in r.get("comparisons") or []:
+        if not isinstance(c, dict) or c.get("category") != "all" or c.get("method") in seen:
+            continue
+        seen.add(c.get("method"))
+        out.append({"method": c.get("method"), "tau": c.get("tau") if c.get("num_drafts") else None,
+                    "generated_tokens": int(c.get("generated_tokens") or 0),
+                    "num_accepted_tokens": int(c.get("num_accepted_tokens") or 0),
+                    "num_drafts": int(c.get("num_drafts") or 0), "tokens_per_s": c.get("tokens_per_s") or 0.0})
+    return out
+
+
+def format_comparison(entries: list[dict[str, Any]]) -> str:
+    """`comparison_entries` side by side: τ as vLLM reports it (over the steps that drafted), generated tokens per
+    target forward pass (every step: the figure that compares methods, since n-gram drafts only where the text
+    repeats), the fraction of steps that drafted, and decode speed."""
+    lines = [f"  {'method':<8} {'τ (drafting steps)':>18} {'tokens / target step':>21} {'steps drafted':>14} "
+             f"{'tokens/s':>9}"]
+    for e in entries:
+        gen, acc = e["generated_tokens"], e["num_accepted_tokens"]
+        steps = gen - acc
+        tau_txt = f"{e['tau']:.2f}" if e["tau"] is not None else "-"
+        lines.append(f"  {e['method']:<8} {tau_txt:>18} {tokens_per_target_step(gen, acc):>21.2f} "
+                     f"{(e['num_drafts'] / steps if steps > 0 else 0):>13.0%} {e['tokens_per_s']:>9.1f}")
+    return "\n".join(lines)
 
 
 def compare_methods(results: list[str | Path]) -> str:
-    """Side by side, from evaluate's results.json files (one per method, same prompts): τ as vLLM reports it
-    (over the steps that drafted), generated tokens per target forward pass (every step: the figure that
-    compares methods, since n-gram drafts only where the text repeats), and decode speed."""
+    """Side by side, from evaluate's results.json files (same prompts): each file's method, then the methods it
+    measured beside it (`compare`); one directory evaluated with `compare: [ngram]` is enough, and directories of
+    separate evaluations (one method each) still compare."""
     import json
 
-    lines = [f"  {'method':<8} {'τ (drafting steps)':>18} {'tokens / target step':>21} {'steps drafted':>14} "
-             f"{'tokens/s':>9}"]
+    entries = []
     for path in results:
         p = Path(path)
-        r = json.loads((p / "results.json" if p.is_dir() else p).read_text())
-        row = _all_row(r)
-        gen, acc = int(row.get("generated_tokens") or 0), int(row.get("num_accepted_tokens") or 0)
-        drafts = int(row.get("num_drafts") or r.get("num_drafts") or 0)
-        steps = gen - acc
-        tau = r.get("acceptance_length")
-        tau_txt = f"{tau:.2f}" if isinstance(tau, int | float) and drafts else "-"
-        lines.append(f"  {r.get('method', 'eagle3'):<8} {tau_txt:>18} {tokens_per_target_step(gen, acc):>21.2f} "
-                     f"{(drafts / steps if steps > 0 else 0):>13.0%} {row.get('tokens_per_s') or r.get('spec_tokens_per_s') or 0:>9.1f}")
-    return "\n".join(lines)
+        entries += comparison_entries(json.loads((p / "results.json" if p.is_dir() else p).read_text()))
+    return format_comparison(entries)
 
 
 if __name__ == "__main__":  # python -m eagle3.console compare RESULTS [RESULTS ...]

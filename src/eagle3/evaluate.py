@@ -35,6 +35,16 @@ before the next starts, so two engines never coexist in memory; vLLM re-creates 
 engine and every figure is a counter difference around one `generate` call, so their counters never mix. On the
 CPU the engine core and worker run inside that process (eagle3.vllm_engine, "engine in process").
 
+With `compare` (e.g. `[ngram]`, `--compare ngram`) each named method is measured too, as one more engine in the
+same spawned process (after the baseline), on the same prompts, categories, temperatures, k and max_tokens, with
+the speculative_config `method: <name>` would use. Its rows go to results.json's `comparisons` (same shape as
+`rows`, their own `method`; baseline tokens/s and greedy match against the same plain-decoding engine; cost 0 for
+ngram), not to `rows`: everything that reads `rows` and the headline fields reads the evaluated method alone, as
+before. results.md lists both and ends on the side-by-side table of `python -m eagle3.console compare`, which reads
+one results dir with comparisons as well as separate dirs; the stage's line appends each compared method's τ,
+tokens per target step and tokens/s. One process instead of a second `eagle3 evaluate --method ngram` saves that
+process's Python, torch, vLLM and tokenizer start-up (NOTES.md, session 10, issue 17).
+
 Cost (`draft_cost` in results.json; `draft_cost` below): parameters of the draft (what it reads: fc, decoder
 layers, its lm_head over the draft vocabulary, norms; the embedding is the target's) over the target's; FLOPs of
 one speculation round (fc once + k draft steps of one token, weights only) over the FLOPs of one target forward
@@ -50,7 +60,7 @@ draft, which drafts at every pass, f = 1 and the two agree up to the prefills; s
 ngram: r = 0, its lookup reads no weights). It leaves out the KV-cache reads, the proposer's host overhead and
 sampling, so it is an upper bound of what a real GPU shows; the measured tokens/s beside it is this machine's.
 
-Writes `out/results.json` (headline fields, `rows`, `draft_cost`), `out/results.md` (the rows as a table) and
+Writes `out/results.json` (headline fields, `rows`, `draft_cost`, `comparisons`), `out/results.md` (the rows as a table) and
 `out/acceptance.png` (bar chart of per-position acceptance).
 """
 
@@ -67,6 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import EvaluateConfig
+from eagle3.console import comparison_entries, format_comparison
 from eagle3.io import atomic_path, write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -152,6 +163,8 @@ class EvaluateResult:
     rows: list[CategoryResult] = field(default_factory=list)
     #: see draft_cost()
     draft_cost: dict[str, Any] = field(default_factory=dict)
+    #: the rows of the methods of cfg.compare (same shape as `rows`, their own `method`), in cfg.compare's order
+    comparisons: list[CategoryResult] = field(default_factory=list)
 
 
 def simulate_acceptance_length(per_step_acc: list[float]) -> float:
@@ -447,9 +460,10 @@ def _plot(path: Path, rates: list[float], counts: list[int], tau: float, k: int,
     plt.close(fig)
 
 
-def speculative_config(cfg: EvaluateConfig) -> dict[str, Any]:
+def speculative_config(cfg: EvaluateConfig, method: str | None = None) -> dict[str, Any]:
+    """vLLM's speculative_config of `method` (default cfg.method; a method of cfg.compare for its engine)."""
     k = cfg.num_speculative_tokens
-    if cfg.method == "ngram":
+    if (method or cfg.method) == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": cfg.prompt_lookup_min,
                 "prompt_lookup_max": cfg.prompt_lookup_max}
     return {"method": "eagle3", "model": str(cfg.draft), "num_speculative_tokens": k}
@@ -527,17 +541,27 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
                                 **common, **fix)
     log.info("evaluate: %s, %d prompts in %d categories, temperatures %s, k=%d", cfg.method, len(prompts),
              len(groups), temps, k)
+    compare_kwargs = {m: engine_kwargs(target, speculative_config=speculative_config(cfg, m), disable_log_stats=False,
+                                       **common, **fix) for m in cfg.compare}
     jobs = [spec_kwargs]
     if cfg.baseline:
         jobs.append(engine_kwargs(target, disable_log_stats=False, **common))
-    # both engines, one after the other, in one spawned process: vLLM is imported once
-    spec, base = (run_in_subprocess(decode_jobs, jobs, groups, samplings) + [None])[:2]
-    sampled_problem = sampling_fix_problem(spec.get("sampling_fix")) if sampled else None
+    jobs += compare_kwargs.values()
+    # every engine, one after the other, in one spawned process: vLLM is imported once
+    done = run_in_subprocess(decode_jobs, jobs, groups, samplings)
+    spec, base = done[0], (done[1] if cfg.baseline else None)
+    compared = dict(zip(cfg.compare, done[1 + cfg.baseline:], strict=True))
+    sampled_problem = None
+    if sampled:
+        problems = {m: sampling_fix_problem(j.get("sampling_fix")) for m, j in {cfg.method: spec, **compared}.items()}
+        sampled_problem = "; ".join(f"{m}: {p}" for m, p in problems.items() if p) or None
     if sampled_problem:
         log.warning("evaluate: the sampled rows (temperature > 0) are not reliable: %s", sampled_problem)
 
     cost = draft_cost(target, draft, k, cfg.method)
     rows, totals = rows_of(cfg.method, spec, base, cost, temps, with_categories)
+    comparisons = [r for m, job in compared.items()
+                   for r in rows_of(m, job, base, draft_cost(target, None, k, m), temps, with_categories)[0]]
     head = totals[temps[0]]["spec"]
     m = head["metrics"]
     drafts = int(m.get(M_DRAFTS, 0))
@@ -583,6 +607,7 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         method=cfg.method,
         rows=rows,
         draft_cost=cost,
+        comparisons=comparisons,
     )
     label = draft.name if draft is not None else f"ngram {cfg.prompt_lookup_min}-{cfg.prompt_lookup_max}"
     _plot(out / CHART, rates, per_pos, tau, k, f"{Path(target).name} + {label}")
@@ -596,7 +621,12 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         "config": cfg.model_dump(mode="json"),
         "engine": {k2: v for k2, v in spec_kwargs.items()},
         "engine_startup_s": {"speculative": round(spec["startup_s"], 1),
-                             "baseline": round(base["startup_s"], 1) if base else None},
+                             "baseline": round(base["startup_s"], 1) if base else None,
+                             **{m: round(j["startup_s"], 1) for m, j in compared.items()}},
+        # the engines of cfg.compare: their speculative_config and the worker's sampling-fix answer
+        "comparison_engines": {m: {"speculative_config": compare_kwargs[m]["speculative_config"],
+                                   "sampling_fix": j.get("sampling_fix"), "loadavg_1m": j.get("loadavg_1m")}
+                               for m, j in compared.items()},
         "draft_config": {x: dcfg.get(x) for x in ("architectures", "draft_vocab_size", "eagle_config", "num_hidden_layers")},
         "env": {x: v for x, v in os.environ.items() if x.startswith("VLLM_CPU")},
         "loadavg_1m": [spec.get("loadavg_1m"), base.get("loadavg_1m") if base else None],
@@ -610,6 +640,9 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     }
     write_json(out / RESULTS, payload)
     write_text(out / "results.md", format_rows(result))
+    if comparisons:
+        log.info("evaluate: %s and %s side by side\n%s", cfg.method, ", ".join(cfg.compare),
+                 format_comparison(comparison_entries(payload)))
     return result
 
 
@@ -621,15 +654,22 @@ def format_rows(result: EvaluateResult) -> str:
         f"Draft cost: {c.get('draft_params', 0):,} parameters ({100 * c.get('param_ratio', 0):.2f} % of the target's "
         f"{c.get('target_params', 0):,}); FLOPs of one round (k draft steps) / one target token = "
         f"{c.get('flops_ratio', 0):.3f}. Modelled speed-up (memory-bound GPU) = τ / (1 + {c.get('bytes_ratio_per_round', 0):.3f}).\n",
-        "| category | temperature | prompts | τ | modelled speed-up | tokens/s | baseline tokens/s | measured speed-up | greedy outputs = baseline |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | category | temperature | prompts | τ | tokens per target step | modelled speed-up | tokens/s | "
+        "baseline tokens/s | measured speed-up | greedy outputs = baseline |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(x: Any, fmt: str = "{:.3f}") -> str:
         return "–" if x is None else fmt.format(x)
 
-    for r in result.rows:
-        lines.append(f"| {r.category} | {r.temperature:g} | {r.num_prompts} | {f(r.tau)} | {f(r.modelled_speedup)} | "
+    for r in result.rows + result.comparisons:
+        lines.append(f"| {r.method} | {r.category} | {r.temperature:g} | {r.num_prompts} | {f(r.tau)} | "
+                     f"{f(r.tokens_per_step)} | {f(r.modelled_speedup)} | "
                      f"{f(r.tokens_per_s, '{:.1f}')} | {f(r.baseline_tokens_per_s, '{:.1f}')} | {f(r.measured_speedup)} | "
                      f"{f(r.outputs_match_baseline, '{:.2f}')} |")
+    if result.comparisons:
+        first = next(r.temperature for r in result.rows if r.category == "all")
+        lines += ["", f"Side by side, every prompt at temperature {first:g} (τ counts only the steps that drafted, "
+                  "tokens per target step counts every step):", "",
+                  "```", format_comparison(comparison_entries(asdict(result))), "```"]
     return "\n".join(lines) + "\n"
