@@ -591,7 +591,8 @@ def main(argv=None) -> int:
                    "(--smoke always uses tiny dims)")
     p.add_argument("--compile-cache", type=Path, default=None, metavar="FILE",
                    help="torch.compiler cache artifacts: loaded before the first config when FILE exists, rewritten "
-                   "after every config that ran (eagle3.train.trainer's compile_cache, same format)")
+                   "after every config that ran (the FILE format of the trainer's compile_cache; its directory format: "
+                   "TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR, see gpu_step_vs_peer.sh --export-cache-dirs)")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="DIR",
                    help="no run: combine DIR/train_step.json of several processes into --out-dir")
     args = p.parse_args(argv)

@@ -394,25 +394,51 @@ def test_several_captures_train_as_one(captured, tiny_llama, tmp_path):
         run_train(_cfg(tmp_path / "bad2", tiny_llama, vocab, captured=f"{a},"))
 
 
-def test_compile_cache_is_written_and_reloaded(captured, tiny_llama, tmp_path, capfd):
-    """compile_cache: the compiled draft's artifacts are written after the first validation and at the end, and a
-    second run loads them before compiling (what a fresh GPU machine needs to skip most of the compile)."""
+def test_compile_cache_dir_holds_what_compiles_while_training(captured, tiny_llama, tmp_path, capfd):
+    """compile_cache = a directory: while training, torch.compile's inductor and Triton caches live in it (what a
+    copy on a fresh GPU machine needs to skip the compile); the variables are restored afterwards."""
+    import os
+
+    from eagle3.train import run_train
+    from eagle3.train.checkpoint import compile_cache_dir
+    from eagle3.train.parallel import Dist
+
+    samples, manifest, vocab = captured
+    cache = tmp_path / "compile-cache"
+    before = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    run_train(_cfg(tmp_path / "a", tiny_llama, vocab, max_steps=2, eval_every=1, compile_cache=str(cache)),
+              samples=samples, manifest=manifest)
+    assert "compile cache: " in capfd.readouterr().err and (cache / "inductor").is_dir() and (cache / "triton").is_dir()
+    assert {k: os.environ.get(k) for k in before} == before  # restored
+    # what compiles inside lands in the directory (the draft's graphs take ~30 s to compile on this CPU: a small
+    # function stands in; the GPU round trip of the real ones is in benchmarks/results/compile_cache_round_trip.md)
+    d = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    with compile_cache_dir(str(cache), d):
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((cache / "inductor").resolve())
+        torch.compile(lambda x: x * 3 - 1)(torch.ones(5))
+    assert list((cache / "inductor").rglob("*.py")), "no compiled code written into the cache directory"
+    assert {k: os.environ.get(k) for k in before} == before
+
+
+def test_compile_cache_artifact_file_is_written_and_reloaded(captured, tiny_llama, tmp_path, capfd):
+    """compile_cache = an existing FILE (the earlier format): the process's torch.compile artifacts are rewritten into
+    it after the first validation and at the end, and a second run loads them; a broken file costs the compile time,
+    not the run."""
     from eagle3.train import run_train
 
     samples, manifest, vocab = captured
     cache = tmp_path / "compile-cache.bin"
-    # what the trainer saves is every artifact of the process: a small compiled function stands in for the draft's
-    # graphs (compiling those on this CPU takes ~30 s cold; the GPU run compiles them for real)
-    torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    cache.write_bytes(b"")  # an existing file selects the artifact format
+    torch.compile(lambda x: x * 2 + 1)(torch.ones(3))  # stands in for the draft's graphs (see above)
     kw = dict(max_steps=2, eval_every=1, compile_cache=str(cache))
     run_train(_cfg(tmp_path / "a", tiny_llama, vocab, **kw), samples=samples, manifest=manifest)
-    assert cache.is_file() and cache.stat().st_size > 0 and not list(tmp_path.glob(f".{cache.name}.*"))  # no temp left
+    assert cache.stat().st_size > 0 and not list(tmp_path.glob(f".{cache.name}.*"))  # no temp left
     err = capfd.readouterr().err
-    assert "compile cache: " in err and "written to" in err and "loaded" not in err
+    assert "written to" in err and "artifacts loaded" not in err
     run_train(_cfg(tmp_path / "b", tiny_llama, vocab, **kw), samples=samples, manifest=manifest)
     loaded = [line for line in capfd.readouterr().err.splitlines() if "artifacts loaded from" in line]
     assert loaded and int(loaded[0].split("compile cache: ")[1].split()[0]) > 0
-    cache.write_bytes(b"not a cache")  # a broken cache costs the compile time, not the run
+    cache.write_bytes(b"not a cache")
     run_train(_cfg(tmp_path / "c", tiny_llama, vocab, **kw), samples=samples, manifest=manifest)
     assert "not loaded" in capfd.readouterr().err
 

@@ -12,7 +12,9 @@ skipped for the one before it (read_latest_good_checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pickle
 import random
 import re
@@ -221,9 +223,47 @@ def check_draft_weights(model: Eagle3Draft, sd: dict[str, torch.Tensor], path: P
 
 
 
+#: torch.compile's cache locations, pointed into a compile_cache directory while training runs
+COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def is_artifact_file(path: str | None) -> bool:
+    """compile_cache names an existing FILE: the torch.compiler.save_cache_artifacts bundle of earlier versions."""
+    return bool(path) and Path(path).is_file()
+
+
+@contextlib.contextmanager
+def compile_cache_dir(path: str | None, d: Dist):
+    """While training: torch.compile's own caches (inductor graphs and autotuning, Triton kernels) live in
+    `path`/inductor and `path`/triton, so whatever compiled here is found there by the next run, on this machine or
+    on another one the directory is copied to (same GPU type and software). On two fresh H200s the first K7-T8192
+    step went from 51 s to 6 s this way; the artifact bundle (torch.compiler.save_cache_artifacts) missed every graph
+    across machines in 2 of 2 tries (docs/NOTES.md, session 10). The variables are restored afterwards."""
+    if not path or is_artifact_file(path):
+        yield
+        return
+    root = Path(path)
+    before = {k: os.environ.get(k) for k in COMPILE_CACHE_ENV}
+    for k, sub in COMPILE_CACHE_ENV.items():
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        os.environ[k] = str((root / sub).resolve())
+    files = [f for f in root.rglob("*") if f.is_file()]
+    progress(d, f"compile cache: {root} ({len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB "
+                "there already)")
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def load_compile_cache(path: str | None, d: Dist) -> None:
-    """Seed torch.compile's caches from `path` (written by save_compile_cache on the same GPU and software)."""
-    if path and Path(path).is_file():
+    """An artifact FILE (is_artifact_file): seed torch.compile's caches from it (torch.compiler.load_cache_artifacts).
+    A directory needs nothing here (compile_cache_dir)."""
+    if is_artifact_file(path):
         try:
             info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
         except Exception as e:  # only a speed-up: train anyway, compiling from scratch, and say so
@@ -237,8 +277,9 @@ def load_compile_cache(path: str | None, d: Dist) -> None:
 
 
 def save_compile_cache(path: str | None, d: Dist) -> None:
-    """Write every torch.compile artifact of this process to `path` (atomically; rank 0 only)."""
-    if not path or not d.main:
+    """An artifact FILE: rewrite it with every torch.compile artifact of this process (atomically; rank 0 only). A
+    directory is written by torch itself as it compiles (compile_cache_dir)."""
+    if not is_artifact_file(path) or not d.main:
         return
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:

@@ -29,7 +29,12 @@ from eagle3.integrity import check_target_identity, target_identity
 from eagle3.lock import dir_lock
 from eagle3.model.draft import Eagle3Draft, draft_config_from_target, text_config
 from eagle3.train import parallel
-from eagle3.train.checkpoint import draft_metadata, load_compile_cache, save_compile_cache
+from eagle3.train.checkpoint import (
+    compile_cache_dir,
+    draft_metadata,
+    load_compile_cache,
+    save_compile_cache,
+)
 from eagle3.train.data import (
     CapturedDataset,
     ConcatSamples,
@@ -149,6 +154,11 @@ def run_train(
 
 def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> TrainResult:
     d = setup(cfg)
+    with compile_cache_dir(cfg.compile_cache, d):
+        return _train(cfg, d, samples=samples, manifest=manifest, stop_after=stop_after, source=source)
+
+
+def _train(cfg: TrainConfig, d: parallel.Dist, *, samples, manifest, stop_after, source) -> TrainResult:
     inputs = read_inputs(cfg, manifest if source is None else source.manifest)
     model = build_draft(cfg, inputs.target_cfg, inputs.tensors, inputs.d2t, inputs.t2d,
                         num_aux=len(inputs.aux_layer_ids), aux_layer_ids=inputs.aux_layer_ids).to(d.device)
