@@ -578,6 +578,8 @@ def main(argv=None) -> int:
                    "eagle3.train.parallel.wrap(fsdp=True)) instead of DDP")
     p.add_argument("--ddp", action="store_true", help="under torchrun: the fast configs through DDP on every "
                    "rank (eagle3.train.parallel), tokens/s over all ranks; rank 0 writes the results")
+    p.add_argument("--flex-compile-mode", default=None, help="torch.compile mode of the flex attention kernel "
+                   "(eagle3.train.attention.FLEX_COMPILE_MODE), e.g. max-autotune-no-cudagraphs")
     p.add_argument("--argmax-in-step", action="store_true", help="the step computes the target's full-vocab argmax "
                    "(the full-vocab head GEMM) instead of reading it from the batch, as before 2026-12-01")
     p.add_argument("--skip-numerics", action="store_true", help="leave the numerics check to another process")
@@ -600,6 +602,7 @@ def main(argv=None) -> int:
         return merge_results(args.merge, args.out_dir or Path(__file__).resolve().parent / "results")
     t_begin = time.monotonic()
     deadline = t_begin + args.budget_s - 4.0  # leave time to write the results
+    attention.FLEX_COMPILE_MODE = args.flex_compile_mode
     args.dist = None
     if args.ddp:
         from eagle3.train.parallel import setup

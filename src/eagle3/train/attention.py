@@ -75,7 +75,7 @@ def _compiled_flex():
 
     # one compiled kernel per TTT step (the key length grows with the step): stay under the recompile limit
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, mode=FLEX_COMPILE_MODE)
 
 
 def flex_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128):
@@ -156,6 +156,10 @@ def flex_ttt_attention(q, keys, values, block_masks, compiled: bool, padded: boo
     bm = block_masks[j]
     return fn(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, d)
 
+
+#: torch.compile mode of the flex kernel (None: inductor's default block sizes; "max-autotune-no-cudagraphs" times
+#: several kernel configurations at compile time and keeps the fastest; benchmarks/train_step.py --flex-compile-mode)
+FLEX_COMPILE_MODE: str | None = None
 
 #: default of make_ttt_attention(padded=None) for the compiled flex kernel (benchmarks/train_step.py turns it off when
 #: a config fails with it, to retry the per-step key lengths of before)
