@@ -289,6 +289,58 @@ def test_attach_target_argmax_packs_with_padding_and_truncation(captured, tmp_pa
     assert pack_batch([[ds[0]]], T).target_argmax is None  # without it the step computes the argmax itself
 
 
+_SHARDED_ARGMAX = """
+import sys
+import torch
+from eagle3.train import parallel
+from eagle3.train.data import attach_target_argmax, load_samples
+from eagle3.train.loss import TargetHead
+from eagle3.train.target import load_target_tensors, load_vocab
+from eagle3.train.trainer import with_target_argmax
+
+captured, target, vocab, out = sys.argv[1:]
+d = parallel.setup("cpu")
+t = load_target_tensors(target)
+d2t, _ = load_vocab(vocab)
+head = TargetHead(t["norm"], 1e-6, t["lm_head"], torch.arange(d2t.numel()) + d2t)
+samples = load_samples(captured)
+got = with_target_argmax(samples, head, d)
+want = attach_target_argmax(samples, head, "cpu")
+ok = all(torch.equal(got[i]["target_argmax"], want[i]["target_argmax"]) for i in range(len(samples)))
+open(f"{out}.{d.rank}", "w").write(f"{ok} {len(samples)}")
+parallel.teardown(d)
+"""
+
+
+def test_target_argmax_is_computed_in_shares_across_ranks(captured, tiny_llama, tmp_path):
+    """Under torchrun each rank computes every world-th sample's argmax and all ranks end with the whole table, equal
+    to one process's; then `eagle3 train` runs through DDP on 2 CPU processes (gloo) with it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.synthetic_capture import write_captured
+
+    samples, manifest, vocab = captured
+    cap = write_captured(tmp_path / "cap", samples[:9], manifest, shard_samples=4)
+    script = tmp_path / "sharded.py"
+    script.write_text(_SHARDED_ARGMAX)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "src"), str(root)]), OMP_NUM_THREADS="1")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    p = subprocess.run([*run, str(script), str(cap), str(tiny_llama), str(vocab), str(tmp_path / "ok")], env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [(tmp_path / f"ok.{r}").read_text() for r in (0, 1)] == ["True 9", "True 9"]
+    p = subprocess.run([*run, "-m", "eagle3.cli", "train", "--target", str(tiny_llama), "--captured", str(cap),
+                        "--vocab", str(vocab), "--out", str(tmp_path / "ddp"), "--max-steps", "2", "--device", "cpu",
+                        "--max-seq-len", "64", "--ttt-steps", "2", "--eval-every", "2", "--val-fraction", "0.2"],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "target argmax of 9 samples (5 on this rank)" in p.stderr and (tmp_path / "ddp" / "final").is_dir()
+
+
 def _cfg(tmp, tiny_llama, vocab, **kw):
     base = dict(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp, max_steps=4, lr=1e-3,
                 warmup_steps=1, max_seq_len=64, ttt_steps=2, eval_every=2, save_every=2, log_every=1,

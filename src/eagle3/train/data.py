@@ -189,13 +189,14 @@ class WithTargetArgmax(Sequence):
         return read_last_hidden(self.samples, i)
 
 
-def attach_target_argmax(samples: Sequence[dict[str, Any]], head, device, chunk_tokens: int = 16384) -> WithTargetArgmax:
-    """The target's full-vocab argmax of every sample, computed once (eagle3.train.loss.compute_target_argmax, on
-    `device` in the head's dtype, as the step would) instead of in every step of every epoch: the step then computes
-    only the head's draft-vocab rows. Reads only the last hidden states; keeps 4 bytes per token in RAM."""
+def compute_sample_argmax(samples: Sequence[dict[str, Any]], head, device, indices: Iterable[int],
+                          chunk_tokens: int = 16384) -> dict[int, torch.Tensor]:
+    """{i: (T_i,) int32} the target's full-vocab argmax of samples i in `indices` (eagle3.train.loss.
+    compute_target_argmax, on `device` in the head's dtype, as the step would), reading only their last hidden
+    states, in chunks of ~chunk_tokens rows."""
     from eagle3.train.loss import compute_target_argmax
 
-    out: list[torch.Tensor | None] = [None] * len(samples)
+    out: dict[int, torch.Tensor] = {}
     todo: list[tuple[int, torch.Tensor]] = []
 
     def flush():
@@ -205,13 +206,24 @@ def attach_target_argmax(samples: Sequence[dict[str, Any]], head, device, chunk_
             out[i] = part
         todo.clear()
 
-    for i in range(len(samples)):
+    pending = 0
+    for i in indices:
         todo.append((i, read_last_hidden(samples, i)))
-        if sum(len(h) for _, h in todo) >= chunk_tokens:
+        pending += len(todo[-1][1])
+        if pending >= chunk_tokens:
             flush()
+            pending = 0
     if todo:
         flush()
-    return WithTargetArgmax(samples, out)
+    return out
+
+
+def attach_target_argmax(samples: Sequence[dict[str, Any]], head, device, chunk_tokens: int = 16384) -> WithTargetArgmax:
+    """The target's full-vocab argmax of every sample, computed once instead of in every step of every epoch: the step
+    then computes only the head's draft-vocab rows. Keeps 4 bytes per token in RAM. (Several ranks: each computes a
+    share, see eagle3.train.trainer.with_target_argmax.)"""
+    got = compute_sample_argmax(samples, head, device, range(len(samples)), chunk_tokens)
+    return WithTargetArgmax(samples, [got[i] for i in range(len(samples))])
 
 
 def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layers: int, verify: bool = True) -> list[dict[str, Any]]:

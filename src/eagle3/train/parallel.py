@@ -84,6 +84,15 @@ def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
+def all_gather_objects(obj, d: Dist) -> list:
+    """Every rank's picklable `obj`, in rank order ([obj] in one process)."""
+    if d.world == 1:
+        return [obj]
+    out = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier(d: Dist) -> None:
     if d.world > 1:
         dist.barrier()

@@ -40,7 +40,8 @@ from eagle3.train.data import (
     ConcatSamples,
     PackedLoader,
     SelectedLayers,
-    attach_target_argmax,
+    WithTargetArgmax,
+    compute_sample_argmax,
     eval_batches,
     load_samples,
     preload_samples,
@@ -293,12 +294,23 @@ def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3D
                draft_metadata=meta, t_start=t_start)
 
 
-def with_target_argmax(samples, head: TargetHead, d: parallel.Dist):
-    """The samples with the target's full-vocab argmax computed once (eagle3.train.data.attach_target_argmax)."""
+def with_target_argmax(samples, head: TargetHead, d: parallel.Dist) -> WithTargetArgmax:
+    """The samples with the target's full-vocab argmax computed once (eagle3.train.data.compute_sample_argmax): each
+    rank computes every world-th sample (each reads 1/world of the last hidden states, not all of them), then every
+    rank gets the whole table (the loader's packing hands any sample to any rank)."""
     t0 = time.perf_counter()
-    samples = attach_target_argmax(samples, head, d.device)
-    progress(d, f"target argmax of {len(samples)} samples in {time.perf_counter() - t0:.1f} s (once, not per epoch)")
-    return samples
+    mine = compute_sample_argmax(samples, head, d.device, range(d.rank, len(samples), d.world))
+    idx = list(mine)
+    lengths = [len(mine[i]) for i in idx]
+    flat = torch.cat([mine[i] for i in idx]).numpy() if idx else None  # one array: pickles as raw bytes
+    table: list[torch.Tensor | None] = [None] * len(samples)
+    for r_idx, r_lengths, r_flat in parallel.all_gather_objects((idx, lengths, flat), d):
+        parts = torch.from_numpy(r_flat).split(r_lengths) if r_idx else []
+        for i, part in zip(r_idx, parts, strict=True):
+            table[i] = part
+    progress(d, f"target argmax of {len(samples)} samples ({len(idx)} on this rank) in "
+                f"{time.perf_counter() - t0:.1f} s (once, not per epoch)")
+    return WithTargetArgmax(samples, table)
 
 
 def read_val_captured(cfg: TrainConfig, inputs: Inputs, source, verify: bool, head: TargetHead,
