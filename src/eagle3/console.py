@@ -100,9 +100,10 @@ def key_figure(stage: str, result: Any) -> str:
 
 
 def tokens_per_target_step(generated_tokens: int, accepted_tokens: int) -> float:
-    """Generated tokens per target forward pass: every step yields one token plus its accepted drafts.
-    Unlike vLLM's mean acceptance length (counted over steps that drafted), this counts the steps where a
-    method proposed nothing (n-gram when no match), so different methods compare on it."""
+    """Generated tokens per target forward pass: every pass (the prefill included) emits one token plus the draft
+    tokens it accepted, so passes = generated - accepted. Unlike vLLM's mean acceptance length (counted over the
+    passes that drafted), this counts the passes where a method proposed nothing (n-gram when no match), so
+    different methods compare on it. NaN where no pass ran."""
     steps = generated_tokens - accepted_tokens
     return generated_tokens / steps if steps > 0 else float("nan")
 

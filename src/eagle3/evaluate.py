@@ -78,6 +78,7 @@ from typing import Any
 
 from eagle3.config import EvaluateConfig
 from eagle3.console import comparison_entries, format_comparison
+from eagle3.console import tokens_per_target_step as console_tokens_per_target_step
 from eagle3.io import atomic_path, write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -368,10 +369,9 @@ def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "ea
 
 
 def tokens_per_target_step(generated: int, accepted: int) -> float | None:
-    """Generated tokens per target forward pass: every pass (the prefill included) emits one token plus the draft
-    tokens it accepted, so passes = generated - accepted. Unlike τ (which counts only the passes that drafted) it
-    compares methods that draft at every pass (EAGLE) with ones that draft only sometimes (n-gram)."""
-    return round(generated / (generated - accepted), 4) if generated > accepted else None
+    """eagle3.console.tokens_per_target_step (the one definition: every target pass, the prefill included, emits one
+    token plus the draft tokens it accepted), rounded for results.json; None where no pass ran."""
+    return round(console_tokens_per_target_step(generated, accepted), 4) if generated > accepted else None
 
 
 def modelled_speedup(generated: int, accepted: int, drafts: int, cost: dict[str, Any]) -> float | None:

@@ -43,7 +43,7 @@ class PackedBatch:
     aux: torch.Tensor  # (B, T, n_aux*Ht)
     last_hidden: torch.Tensor  # (B, T, Ht) target's last decoder layer output, before its final norm
     target_argmax: torch.Tensor | None = None  # (B, T) long: the target's full-vocab argmax per row (-1 = padding),
-    #   computed once per sample before training (eagle3.train.data.attach_target_argmax); None: the step computes it
+    #   computed once per sample before training (eagle3.train.trainer.with_target_argmax); None: the step computes it
 
     def to(self, device, float_dtype=None) -> PackedBatch:
         def mv(x):
