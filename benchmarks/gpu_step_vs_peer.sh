@@ -29,6 +29,7 @@
 # Usage (defaults shown):
 #   bash benchmarks/gpu_step_vs_peer.sh --budget-s 500 --ours "fast:7:8192 fast:7:2048" --peer 2048:7,8192:7 \
 #        --kimi "fast:7:8192 fast:3:8192" [--compile-mode split] [--no-peer] [--no-kimi] [--no-cache] [--out DIR] \
+#        [--ours-max-s 170 (phase 1's budget at most: a cold compile per config, ~110 s at K7-T8192)] \
 #        [--ddp 2 --ddp-configs "fast:7:8192"] [--export-cache] [--import-cache DIR]
 #   bash benchmarks/gpu_step_vs_peer.sh --smoke --out /tmp/x     # CPU: tiny dims, no peer (it needs CUDA)
 # --export-cache-dirs / --import-cache-dirs DIR: the same round trip with phase 1's whole TORCHINDUCTOR_CACHE_DIR and
@@ -37,12 +38,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 TOTAL=500 OURS="fast:7:8192 fast:7:2048" PEER="2048:7,8192:7" KIMI="fast:7:8192 fast:3:8192" MODE=split
 SMOKE=0 DO_PEER=1 DO_KIMI=1 DO_CACHE=1 OUTDIR=${OUT:-/tmp/step-vs-peer-out} DDP=0 DDP_CONFIGS="fast:7:8192"
-EXPORT_CACHE=0 IMPORT_CACHE="" EXTRA_TS="" EXPORT_DIRS=0 IMPORT_DIRS="" 
+EXPORT_CACHE=0 IMPORT_CACHE="" EXTRA_TS="" EXPORT_DIRS=0 IMPORT_DIRS="" OURS_MAX_S=170
 CMD="bash benchmarks/gpu_step_vs_peer.sh $*"
 while [ $# -gt 0 ]; do
   case $1 in
     --budget-s) TOTAL=$2; shift ;;
     --ours) OURS=$2; shift ;;
+    --ours-max-s) OURS_MAX_S=$2; shift ;;
     --peer) PEER=$2; shift ;;
     --kimi) KIMI=$2; shift ;;
     --compile-mode) MODE=$2; shift ;;
@@ -106,7 +108,7 @@ if [ -n "$IMPORT_DIRS" ]; then
   fi
   tar xzf "$IMPORT_DIRS/cache_dirs.tgz" -C "$W" && echo "phase 1 seeded: $(du -sh "$W/ind-ours" "$W/triton-ours" | tr '\n' ' ')" | tee -a "$W/logs/phases.txt"
 fi
-B=$(min 170 $(($(left) - RES_PEER - RES_CACHE - RES_KIMI - RES_DDP - 10)))
+B=$(min "$OURS_MAX_S" $(($(left) - RES_PEER - RES_CACHE - RES_KIMI - RES_DDP - 10)))
 # shellcheck disable=SC2086
 TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_llama "$B" \
   $TS --dims llama-3.1-8b --budget-s "$B" --label ours-llama --compile-cache "$W/llama.cache" \

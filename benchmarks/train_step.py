@@ -580,6 +580,9 @@ def main(argv=None) -> int:
                    "rank (eagle3.train.parallel), tokens/s over all ranks; rank 0 writes the results")
     p.add_argument("--flex-compile-mode", default=None, help="torch.compile mode of the flex attention kernel "
                    "(eagle3.train.attention.FLEX_COMPILE_MODE), e.g. max-autotune-no-cudagraphs")
+    p.add_argument("--no-split-diagonal", action="store_true", help="flex over all keys concatenated (padded to "
+                   "K*T, as before 2026-12-02) instead of the step-0 keys plus the merged diagonal "
+                   "(eagle3.train.attention.SPLIT_DIAGONAL)")
     p.add_argument("--argmax-in-step", action="store_true", help="the step computes the target's full-vocab argmax "
                    "(the full-vocab head GEMM) instead of reading it from the batch, as before 2026-12-01")
     p.add_argument("--skip-numerics", action="store_true", help="leave the numerics check to another process")
@@ -603,6 +606,7 @@ def main(argv=None) -> int:
     t_begin = time.monotonic()
     deadline = t_begin + args.budget_s - 4.0  # leave time to write the results
     attention.FLEX_COMPILE_MODE = args.flex_compile_mode
+    attention.SPLIT_DIAGONAL = not args.no_split_diagonal
     args.dist = None
     if args.ddp:
         from eagle3.train.parallel import setup
@@ -743,6 +747,13 @@ def main(argv=None) -> int:
         if i == min(3, len(configs)):
             numerics()
         r = run_config(c, m, device, args, deadline, rates)
+        if r.get("status") == "error" and c["kind"] == "fast" and attention.SPLIT_DIAGONAL:
+            # the split flex attention (step-0 keys + merged diagonal) is new (2026-12-02): one failure sends this
+            # and later configs back to the padded keys of session 10, and says so in the row
+            print(json.dumps({"split_diagonal_failed": r.get("reason")}), flush=True)
+            attention.SPLIT_DIAGONAL = False
+            r = dict(run_config(c, m, device, args, deadline, rates), split_diagonal_error=r.get("reason"),
+                     fallback="flex split diagonal off (padded keys)")
         if r.get("status") == "error" and c["kind"] == "fast" and (c["compile_mode"] == "split" or attention.PAD_KEYS):
             # the split compile and the padded flex keys are new (issue 19): one failure sends this and later
             # configs to the old layer compile and per-step key lengths, and says so in the row
@@ -752,6 +763,8 @@ def main(argv=None) -> int:
                 later["compile_mode"] = "layer"
             r = dict(run_config(c, m, device, args, deadline, rates), issue19_path_error=r.get("reason"),
                      fallback="compile_mode=layer, padded flex keys off")
+        if c["kind"] == "fast" and c["attention"] == "flex":
+            r["flex_split_diagonal"] = attention.SPLIT_DIAGONAL
         res["configs"].append(r)
         finalize(res)
         print(json.dumps({k: v for k, v in r.items() if k != "naive_extra"}, default=str), flush=True)

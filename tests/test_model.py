@@ -7,7 +7,14 @@ import torch
 
 from eagle3.config import DraftOverrides
 from eagle3.model.draft import DraftConfig, DraftConfigError, Eagle3Draft, draft_config_from_target
-from eagle3.train.attention import make_ttt_attention, naive_ttt_attention
+from eagle3.train.attention import (
+    causal_doc_mask,
+    flex_split_attention,
+    flex_ttt_attention,
+    make_ttt_attention,
+    merge_diagonal,
+    naive_ttt_attention,
+)
 
 TARGET_CFG = {
     "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -70,12 +77,13 @@ def test_naive_mask_is_the_eagle3_pattern():
         assert out[t].item() == pytest.approx(sum(allowed) / len(allowed))
 
 
-@pytest.mark.parametrize("steps,T,padded", [(1, 32, None), (3, 32, None), (3, 40, None),
+@pytest.mark.parametrize("steps,T,padded", [(1, 32, None), (3, 32, None), (3, 40, None), (3, 40, False),
                                             pytest.param(4, 48, True, marks=pytest.mark.slow)])
 def test_flex_matches_naive_forward(steps, T, padded):
-    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below. padded: every step's
-    keys zero-padded to K*T with block lists cut per step (one compiled kernel for all steps); T=40 is not a
-    multiple of the block size (16 here), so the default falls back to (j+1)T keys."""
+    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below. padded None (the
+    default): the step-0 keys through flex plus the merged diagonal (flex_split_attention); False: the (j+1)T
+    concatenated keys; True: every step's keys zero-padded to K*T with block lists cut per step (one compiled kernel
+    for all steps; T=48 is a multiple of the block size, 16 here)."""
     B = 2
     doc = docs(B, T)
     q, ks, vs = qkv(B, T, steps, dtype=torch.float32)
@@ -84,7 +92,8 @@ def test_flex_matches_naive_forward(steps, T, padded):
         ref = naive_ttt_attention(q, ks, vs, doc)
         # padded needs the compiled kernel (it skips the cut blocks; eager flex does not): inductor's CPU flex
         fn = make_ttt_attention("flex", doc, steps, compiled=bool(padded), padded=padded)
-        assert fn.keywords["padded"] is bool(padded)
+        want_fn = flex_split_attention if padded is None else flex_ttt_attention
+        assert fn.func is want_fn and fn.keywords.get("padded", None) is (None if padded is None else bool(padded))
         # every step: the TTT loop calls it with the keys so far (step j sees j+1 of them)
         got = fn(q, ks, vs)
         for j in range(steps - 1):
@@ -94,6 +103,26 @@ def test_flex_matches_naive_forward(steps, T, padded):
             torch.testing.assert_close(part[ok], want[ok], rtol=1e-4, atol=1e-4)
     valid = (doc >= 0)[:, None, :, None].expand_as(ref)  # fully-masked padding rows are kernel-defined
     torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_merge_diagonal_values_and_grads(steps):
+    """flex_split_attention's arithmetic on the CPU (flex has no CPU backward): the causal block's output and
+    log-sum-exp, merged with the diagonal keys, give the naive kernel's values and gradients (float64), the
+    gradient through the log-sum-exp included."""
+    B, T, nh, kvh, d = 2, 20, 4, 2, 8
+    doc = docs(B, T)
+    q, ks, vs = qkv(B, T, steps, nh=nh, kvh=kvh, d=d)
+    s = (q @ ks[0].repeat_interleave(nh // kvh, 1).transpose(-1, -2)) * d**-0.5  # (B, nh, T, T)
+    s = s.masked_fill(~causal_doc_mask(doc), float("-inf"))
+    o0 = s.softmax(-1) @ vs[0].repeat_interleave(nh // kvh, 1)  # (B, nh, T, d)
+    got = merge_diagonal(o0, s.logsumexp(-1), q, ks[1:], vs[1:])
+    ref = naive_ttt_attention(q, ks, vs, doc)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), [q, *ks, *vs]),
+                    torch.autograd.grad((ref * w).sum(), [q, *ks, *vs]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward needs CUDA")

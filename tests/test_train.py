@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -86,9 +87,14 @@ def test_fused_soft_ce_equals_soft_ce_values_and_grads(chunk_rows):
         (1.7 * total).backward()
         grads.append((total.detach(), am, h.grad.clone(), w.grad.clone()))
         h.grad = w.grad = None
-    (t1, a1, gh1, gw1), (t2, a2, gh2, gw2) = grads
-    assert torch.allclose(t1, t2, rtol=1e-12) and torch.equal(a1, a2)
-    assert torch.allclose(gh1, gh2, atol=1e-12) and torch.allclose(gw1, gw2, atol=1e-12)
+    total, am = fused_soft_ce(h, w, tgt, weight, chunk_rows=chunk_rows, tgt_lse=tgt.logsumexp(-1))  # Targets.lse
+    (1.7 * total).backward()
+    grads.append((total.detach(), am, h.grad.clone(), w.grad.clone()))
+    h.grad = w.grad = None
+    (t1, a1, gh1, gw1), *rest = grads
+    for t2, a2, gh2, gw2 in rest:
+        assert torch.allclose(t1, t2, rtol=1e-12) and torch.equal(a1, a2)
+        assert torch.allclose(gh1, gh2, atol=1e-12) and torch.allclose(gw1, gw2, atol=1e-12)
     with torch.no_grad():  # evaluation: no gradient work, same value
         assert torch.allclose(fused_soft_ce(h, w, tgt, weight, chunk_rows=8)[0], t1, rtol=1e-12)
 
@@ -112,16 +118,44 @@ def test_fused_soft_ce_under_bf16_autocast(chunk_rows):
         assert (a - b).abs().max() <= 2e-2 * b.abs().max(), (a - b).abs().max()
 
 
-def test_ttt_forward_fused_loss_equals_unfused():
+@pytest.mark.parametrize("chunk_rows", [7, 4096])  # several chunks per step (fp32 head-grad sum), and one (in-GEMM sum)
+def test_ttt_forward_fused_loss_equals_unfused(chunk_rows):
+    """The fused loss (target log-sum-exp once per batch, the head's gradient summed over the steps by
+    SharedHeadGrad) against the autograd reference; a second backward through the kept graph gives the same grads."""
     model, head, batch = tiny_setup(seed=3)
     res = []
     for fused in (True, False):
         model.zero_grad()
-        out = ttt_forward(model, batch, head, steps=3, attention="naive", loss_chunk_rows=7, fused_loss=fused)
-        out.loss.backward()
+        out = ttt_forward(model, batch, head, steps=3, attention="naive", loss_chunk_rows=chunk_rows, fused_loss=fused)
+        (0.5 * out.loss).backward(retain_graph=True)
+        first = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad()
+        (0.5 * out.loss).backward()  # the upstream factor (0.5) reaches the head's summed gradient too
+        assert all(torch.equal(a, p.grad) for a, p in zip(first, [p for p in model.parameters() if p.grad is not None],
+                                                            strict=True))
         res.append((out.loss.detach(), out.stats, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(res[0][0], res[1][0], rtol=1e-10) and torch.allclose(res[0][1], res[1][1], rtol=1e-10)
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(res[0][2], res[1][2], strict=True))
+
+
+def test_ttt_forward_fused_loss_under_bf16_autocast():
+    """The trainer's mixed precision (fp32 master weights, bf16 autocast; the matrices cast once per unroll): the
+    fused loss's head gradient, summed over the steps inside bf16 GEMMs, agrees with the autograd reference."""
+    model, head, batch = tiny_setup(seed=4)
+    model.float()
+    batch = batch.to("cpu", torch.float32)
+    head = TargetHead(head.norm_weight.float(), head.eps, head.lm_head.float(), head.draft_ids)
+    res = []
+    for fused in (True, False):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_forward(model, batch, head, steps=3, attention="sdpa", loss_chunk_rows=4096, fused_loss=fused)
+        out.loss.backward()
+        res.append((out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = res
+    assert l0 == pytest.approx(l1, rel=1e-3) and set(g0) == set(g1) and "lm_head.weight" in g0
+    for n in g0:
+        assert ((g0[n] - g1[n]).abs().max() / g1[n].abs().max()).item() < 3e-2, n
 
 
 def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_weight=0.0, mid_weight=0.0, mid_block=0):
@@ -201,6 +235,42 @@ def test_distill_temperature_and_feature_losses_match_reference(temperature, fea
     assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
 
 
+def test_step_metrics_match_a_per_step_reference():
+    """ttt_forward forms every step's masks and metrics at once (_step_masks, after the loop); this is the explicit
+    per-step version: valid rows, top-1 agreement, rows whose earlier steps were all right (cond), loss rows."""
+    model, head, batch = tiny_setup(seed=2)
+    steps = 3
+    batch.loss_mask[0, 5:9] = 0  # some unsupervised rows inside a document
+    out = ttt_forward(model, batch, head, steps=steps, attention="naive", loss_chunk_rows=5, return_correct=True)
+    doc, T = batch.doc_ids, batch.doc_ids.shape[1]
+    x = batch.last_hidden
+    full = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm_weight) @ head.lm_head.T
+    tgt_argmax, in_vocab = full.argmax(-1), torch.isin(full.argmax(-1), head.draft_ids)  # (B, T)
+    attn = make_ttt_attention("naive", doc, steps)
+    hidden, cache = model.combine(batch.aux), model.new_cache()
+    joint = doc >= 0
+    for j in range(steps):
+        ids = torch.cat([batch.input_ids[:, 1 + j :], torch.zeros(doc.shape[0], 1 + j, dtype=torch.long)], 1)
+        o, hidden = model.step(ids, hidden, batch.positions + j, cache, attn)
+        am = model.lm_head(o).argmax(-1)  # (B, T) draft ids
+        valid = torch.zeros_like(joint)
+        loss_rows = 0
+        for b, t in itertools.product(range(doc.shape[0]), range(T)):
+            r = t + 1 + j
+            if r + 1 < T and doc[b, t] >= 0 and doc[b, r] == doc[b, t] == doc[b, r + 1] and batch.loss_mask[b, r + 1]:
+                valid[b, t] = True
+                loss_rows += int(in_vocab[b, r])
+        shifted = F.pad(tgt_argmax, (0, 1 + j), value=-1)[:, 1 + j :]  # (B, T): the target's token at row t+1+j
+        correct = ((am + model.d2t[am]) == shifted) & valid
+        cond = joint & valid
+        want = [valid.sum(), correct.sum(), cond.sum(), (cond & correct).sum()]
+        assert out.stats[j, :4].tolist() == [float(v) for v in want], j
+        assert out.stats[j, 5].item() == loss_rows
+        assert torch.equal(out.correct[j], correct) and torch.equal(out.valid[j], valid)
+        joint = joint & correct
+    assert out.stats[:, 0].sum() > 0 and out.stats[:, 2].sum() < out.stats[:, 0].sum() + 1
+
+
 def test_metrics_summary():
     # step 0: 10 valid, 8 correct; step 1: 10 valid, 5 correct, 8 rows whose step 0 was right, 4 of them right
     stats = torch.tensor([[10, 8, 10, 8, 20.0, 10, 0], [10, 5, 8, 4, 30.0, 10, 0]])
@@ -248,8 +318,9 @@ def test_target_argmax_once_per_sample_gives_the_same_step():
     am = compute_target_argmax(head, batch.last_hidden.reshape(B * T, -1), chunk_rows=7).reshape(B, T)  # (B, T)
     assert torch.equal(am, ref.argmax[:, :T])
     got = compute_targets(head, batch.last_hidden, 4, argmax=am)
-    for a, b in ((got.logits, ref.logits), (got.argmax, ref.argmax), (got.in_vocab, ref.in_vocab)):
+    for a, b in ((got.logits, ref.logits), (got.argmax, ref.argmax), (got.in_vocab, ref.in_vocab), (got.lse, ref.lse)):
         torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ref.lse, ref.logits.logsumexp(-1))  # per row of the stored logits, padding rows too
     assert 0 < int(ref.in_vocab.sum()) < B * T  # both kinds of rows occur: the mask is exercised
     fast = PackedBatch(*(getattr(batch, f) for f in ("input_ids", "positions", "doc_ids", "loss_mask", "aux",
                                                      "last_hidden")), target_argmax=am)

@@ -154,7 +154,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()  # (..., D)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., D)
-        return self.weight * xf.to(x.dtype)  # (..., D)
+        # in x's dtype: under autocast (bf16 x, fp32 weight) the product would otherwise be fp32, and the final
+        # norm's output (the lm_head input, K times per step) would travel as (B, T, H) fp32 into a bf16 GEMM
+        return (self.weight * xf.to(x.dtype)).to(x.dtype)  # (..., D)
 
 
 def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:

@@ -11,9 +11,13 @@ Three exact kernels with one signature `fn(q, keys, values) -> (B, nh, T, d)`, b
   naive  the full (T, (j+1)T) mask over all concatenated keys (reference; tests only)
   sdpa   CPU/exact fallback: the causal block's scores (T, T) and the j diagonal scores (T, j) go through one
          softmax (equivalently: the two partial log-sum-exps combined); never builds the (j+1)T-wide key axis
-  flex   torch flex_attention with a block mask over the concatenated keys; the diagonal blocks make the
-         extra steps cost ~1 block per query block. GPU path (torch.compile'd); forward-only on CPU. Keys padded
-         to K*T with zeros (never visited: not in the block lists) so one compiled kernel serves every step.
+  flex   torch flex_attention (GPU path, torch.compile'd; forward-only on CPU). Default (SPLIT_DIAGONAL): the
+         kernel sees only the step-0 keys under the causal document mask and also returns its log-sum-exp; the
+         j diagonal scores are merged in by one small compiled kernel (`merge_diagonal`, the sdpa fallback's
+         arithmetic). Every step then calls the same (T, T) kernel: no (j+1)T key axis is concatenated, and
+         no 128x128 block is spent on the j diagonal keys of each query row. Otherwise: a block mask over the
+         concatenated keys, padded to K*T with zeros (never visited: not in the block lists) so one compiled
+         kernel serves every step.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ from __future__ import annotations
 import functools
 
 import torch
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:  # torch < 2.9: flex_attention(return_lse=True)
+    _AuxRequest = None
 
 
 def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -66,6 +75,66 @@ def sdpa_ttt_attention(q, keys, values, mask):
     out = p0.to(q.dtype) @ v0  # (B, nh, T, d)
     vd = torch.stack([repeat_kv(v, rep) for v in values[1:]], -1)  # (B, nh, T, d, j)
     return out + (vd * pd[..., None, :].to(q.dtype)).sum(-1)  # (B, nh, T, d)
+
+
+def merge_diagonal(o0: torch.Tensor, lse0: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor],
+                   values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention over [causal block | j diagonal keys] from the causal block's result alone: o0 (B, nh, T, d) and
+    its log-sum-exp lse0 (B, nh, T) (natural log, scores scaled by d**-0.5), plus the j diagonal keys/values
+    (B, kvh, T, d) of steps 1..j at the same row. One softmax over all T+j scores, fp32 statistics:
+        out = (exp(lse0 - m) o0 + sum_i exp(s_i - m) v_i) / (exp(lse0 - m) + sum_i exp(s_i - m)),  s_i = q.k_i/sqrt(d)
+    Differentiable in every input, lse0 included (flex_attention backpropagates through its returned lse)."""
+    B, nh, T, d = q.shape
+    kvh = keys[0].shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qg = q.view(B, kvh, nh // kvh, T, d).to(acc)  # (B, kvh, rep, T, d): GQA without repeating k/v
+    scores = [(qg * k[:, :, None].to(acc)).sum(-1) * d**-0.5 for k in keys]  # j x (B, kvh, rep, T)
+    l0 = lse0.view(B, kvh, nh // kvh, T).to(acc)  # (B, kvh, rep, T)
+    m = functools.reduce(torch.maximum, scores, l0)  # (B, kvh, rep, T)
+    w0 = (l0 - m).exp()  # (B, kvh, rep, T)
+    ws = [(s - m).exp() for s in scores]  # j x (B, kvh, rep, T)
+    z = functools.reduce(torch.add, ws, w0)  # (B, kvh, rep, T)
+    out = w0[..., None] * o0.view(B, kvh, nh // kvh, T, d).to(acc)  # (B, kvh, rep, T, d)
+    for w, v in zip(ws, values, strict=True):
+        out = out + w[..., None] * v[:, :, None].to(acc)  # (B, kvh, rep, T, d)
+    return (out / z[..., None]).to(q.dtype).view(B, nh, T, d)  # (B, nh, T, d)
+
+
+@functools.cache
+def _compiled_merge():
+    # one small pointwise graph per number of diagonal keys j = 1..K-1 (forward and backward)
+    return torch.compile(merge_diagonal, dynamic=False)
+
+
+def flex_split_attention(q, keys, values, block_mask, compiled: bool):
+    """Step j: flex over the step-0 keys (causal, document-aware) with its log-sum-exp, then `merge_diagonal` with
+    the j diagonal keys. block_mask: the (T, T) causal document mask (`causal_doc_block_mask`), the same at every step."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if compiled else flex_attention
+    gqa = q.shape[1] != keys[0].shape[1]
+    if _AuxRequest is not None:
+        o0, aux = fn(q, keys[0], values[0], block_mask=block_mask, enable_gqa=gqa, return_aux=_AuxRequest(lse=True))
+        lse0 = aux.lse  # (B, nh, T)
+    else:  # torch < 2.9
+        o0, lse0 = fn(q, keys[0], values[0], block_mask=block_mask, enable_gqa=gqa, return_lse=True)  # (B, nh, T, d), (B, nh, T)
+    if len(keys) == 1:
+        return o0
+    merge = _compiled_merge() if compiled else merge_diagonal
+    return merge(o0, lse0, q, keys[1:], values[1:])  # (B, nh, T, d)
+
+
+def causal_doc_block_mask(doc_ids: torch.Tensor, block_size: int = 128):
+    """The (T, T) BlockMask of the step-0 keys: causal within each document (`flex_split_attention`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = doc_ids.shape
+
+    def mask_mod(b, h, qi, kv):
+        return (kv <= qi) & (doc_ids[b, kv] == doc_ids[b, qi])
+
+    return create_block_mask(mask_mod, B, None, T, T, device=doc_ids.device, BLOCK_SIZE=block_size,
+                             _compile=doc_ids.is_cuda)
 
 
 @functools.cache
@@ -165,6 +234,11 @@ FLEX_COMPILE_MODE: str | None = None
 #: a config fails with it, to retry the per-step key lengths of before)
 PAD_KEYS = True
 
+#: flex: the step-0 keys through the kernel and the diagonal keys merged after it (`flex_split_attention`); False:
+#: all keys concatenated under one block mask (padded to K*T when PAD_KEYS). benchmarks/train_step.py turns it off
+#: when a config fails with it
+SPLIT_DIAGONAL = True
+
 
 def resolve_kind(kind: str, device: torch.device) -> str:
     if kind == "auto":
@@ -177,8 +251,9 @@ def resolve_kind(kind: str, device: torch.device) -> str:
 def make_ttt_attention(kind: str, doc_ids: torch.Tensor, steps: int, compiled: bool | None = None,
                        padded: bool | None = None):
     """The attention callable for one packed batch. doc_ids: (B, T) int, padding rows get their own ids.
-    flex only: `padded` (default: when T is a multiple of the block size) = every step's keys padded to K*T, one
-    compiled kernel for all steps (`padded_block_masks`)."""
+    flex only: SPLIT_DIAGONAL (default) = `flex_split_attention`, unless `padded` is True; otherwise `padded`
+    (default: when T is a multiple of the block size) = every step's keys padded to K*T, one compiled kernel for all
+    steps (`padded_block_masks`), else per-step key lengths (`flex_block_masks`)."""
     kind = resolve_kind(kind, doc_ids.device)
     if kind == "naive":
         return functools.partial(naive_ttt_attention, doc_ids=doc_ids)
@@ -186,10 +261,13 @@ def make_ttt_attention(kind: str, doc_ids: torch.Tensor, steps: int, compiled: b
         return functools.partial(sdpa_ttt_attention, mask=causal_doc_mask(doc_ids))
     bs = 128 if doc_ids.shape[1] >= 128 else 16
     compiled = doc_ids.device.type == "cuda" if compiled is None else compiled
+    if SPLIT_DIAGONAL and padded is None:
+        return functools.partial(flex_split_attention, block_mask=causal_doc_block_mask(doc_ids, bs), compiled=compiled)
     if padded is None:  # eager flex (CPU) applies mask_mod densely and ignores the cut block lists: compiled only
         padded = PAD_KEYS and compiled and doc_ids.shape[1] % bs == 0
     masks = (padded_block_masks if padded else flex_block_masks)(doc_ids, steps, block_size=bs)
     return functools.partial(flex_ttt_attention, block_masks=masks, compiled=compiled, padded=padded)
 
 
-__all__ = ["make_ttt_attention", "naive_ttt_attention", "sdpa_ttt_attention", "flex_ttt_attention"]
+__all__ = ["make_ttt_attention", "naive_ttt_attention", "sdpa_ttt_attention", "flex_ttt_attention",
+           "flex_split_attention", "merge_diagonal"]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from eagle3.model.draft import Eagle3Draft
 from eagle3.train.attention import make_ttt_attention
-from eagle3.train.loss import TargetHead, compute_targets, fused_soft_ce, soft_ce
+from eagle3.train.loss import SharedHeadGrad, TargetHead, compute_targets, fused_soft_ce, soft_ce
 
 #: columns of StepOutput.stats, one row per TTT step
 STAT_COLUMNS = ("n_valid", "n_correct", "n_cond", "n_cond_correct", "ce_sum", "n_loss", "feat_sum")
@@ -116,6 +116,8 @@ def _ttt_forward(
     doc_p = F.pad(doc, (0, pad), value=-2)  # (B, T+pad)
     mask_p = F.pad(batch.loss_mask.bool(), (0, pad), value=False)  # (B, T+pad)
     ids_p = F.pad(ids, (0, pad), value=0)  # (B, T+pad)
+    # every step's row masks at once (a few kernels, not a few per step): step j at row t reads row t+1+j
+    valid, weight, n_loss = _step_masks(doc, doc_p, mask_p, tg.in_vocab, steps)  # (K, B, T) x2, (K,)
     feat_p = _rms_normalize(F.pad(batch.last_hidden, (0, 0, 0, pad))) if feature_weight > 0 else None  # (B, T+pad, Ht)
     mid_p = None
     if mid_feature_weight > 0:
@@ -125,42 +127,62 @@ def _ttt_forward(
     hidden = model.combine(batch.aux)  # (B, T, H)
     cache = model.new_cache()  # per layer: keys/values of every TTT step so far
     loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-    rows, joint = [], (doc >= 0)  # (B, T) all previous steps correct
-    corrects, valids = [], []
+    argmaxes, ce_sums, feat_sums = [], [], []
+    coef = loss_decay ** torch.arange(steps, device=n_loss.device) / n_loss.clamp(min=1.0)  # (K,) step j's CE factor
+    shared = SharedHeadGrad()  # the head's gradient summed over the K steps inside the fused loss's GEMMs
     for j in range(steps):
         r = 1 + j
         states = [] if mid_p is not None else None
         out, hidden = model.step(ids_p[:, r : r + T], hidden, pos + j, cache, attn, states)  # (B, T, H) x2
-        same = (doc_p[:, r : r + T] == doc) & (doc_p[:, r + 1 : r + 1 + T] == doc) & (doc >= 0)  # (B, T)
-        valid = same & mask_p[:, r + 1 : r + 1 + T]  # (B, T)
-        weight = (valid & tg.in_vocab[:, r : r + T]).float()  # (B, T)
-        ce = fused_soft_ce if fused_loss else soft_ce  # same values and gradients; fused: no recompute
-        if temperature == 1.0:
-            ce_sum, am = ce(out, model.lm_head.weight, tg.logits[:, r : r + T], weight, loss_chunk_rows)
-        else:  # logits / temperature on both sides: scale the draft's input (linear head) and the target's logits
-            ce_sum, am = ce(out / temperature, model.lm_head.weight, tg.logits[:, r : r + T] / temperature, weight,
-                            loss_chunk_rows)
-        n_loss = weight.sum()
-        loss = loss + (loss_decay**j) * ce_sum / n_loss.clamp(min=1.0)
+        h, tgt = out, tg.logits[:, r : r + T]  # (B, T, H), (B, T, Vd)
+        if temperature != 1.0:  # logits / temperature on both sides: scale the draft's input (linear head) and the target's
+            h, tgt = h / temperature, tgt / temperature
+        if not fused_loss:  # the autograd reference: same values and gradients
+            ce_sum, am = soft_ce(h, model.lm_head.weight, tgt, weight[j], loss_chunk_rows)
+        else:
+            lse = tg.lse[:, r : r + T] if temperature == 1.0 else None  # the target rows' softmax normaliser
+            ce_sum, am = fused_soft_ce(h, model.lm_head.weight, tgt, weight[j], loss_chunk_rows, tgt_lse=lse,
+                                       grad_scale=coef[j], shared=shared)
+        loss = loss + ce_sum * coef[j]
         feat_sum = loss.new_zeros(())
         if feat_p is not None:
             err = (_rms_normalize(hidden) - feat_p[:, r : r + T]).pow(2).mean(-1)  # (B, T)
-            feat_sum = (err * valid).sum()
-            loss = loss + feature_weight * (loss_decay**j) * feat_sum / valid.sum().clamp(min=1)
+            feat_sum = (err * valid[j]).sum()
+            loss = loss + feature_weight * (loss_decay**j) * feat_sum / valid[j].sum().clamp(min=1)
         if mid_p is not None:
             err = (_rms_normalize(states[0]) - mid_p[:, r : r + T]).pow(2).mean(-1)  # (B, T)
-            loss = loss + mid_feature_weight * (loss_decay**j) * (err * valid).sum() / valid.sum().clamp(min=1)
-        correct = ((am + model.d2t[am]) == tg.argmax[:, r : r + T]) & valid  # (B, T)
-        cond = joint & valid  # (B, T)
-        rows.append(torch.stack([valid.sum(), correct.sum(), cond.sum(), (cond & correct).sum()]).float())
-        rows[-1] = torch.cat([rows[-1], ce_sum.detach()[None], n_loss[None], feat_sum.detach().float()[None]])
-        joint = joint & correct
-        if return_correct:
-            corrects.append(correct)
-            valids.append(valid)
+            loss = loss + mid_feature_weight * (loss_decay**j) * (err * valid[j]).sum() / valid[j].sum().clamp(min=1)
+        argmaxes.append(am)
+        ce_sums.append(ce_sum.detach())
+        feat_sums.append(feat_sum.detach())
+    # the metrics, for all steps at once
+    am = torch.stack(argmaxes)  # (K, B, T) draft ids
+    correct = ((am + model.d2t[am]) == _windows(tg.argmax, 1, steps, T)) & valid  # (K, B, T)
+    # cond: rows whose earlier steps were all correct (step 0: every real row), i.e. the step is reached in vLLM
+    joint = torch.cat([(doc >= 0)[None], correct[:-1]]).to(torch.uint8).cumprod(0).bool()  # (K, B, T)
+    cond = joint & valid  # (K, B, T)
+    dt = torch.promote_types(loss.dtype, torch.float32)
+    counts = [x.sum((1, 2)).to(dt) for x in (valid, correct, cond, cond & correct)]  # 4 x (K,)
+    stats = torch.stack([*counts, torch.stack(ce_sums).to(dt), n_loss.to(dt), torch.stack(feat_sums).to(dt)], 1)
     if return_correct:
-        return StepOutput(loss, torch.stack(rows), torch.stack(corrects), torch.stack(valids))
-    return StepOutput(loss, torch.stack(rows))
+        return StepOutput(loss, stats, correct, valid)
+    return StepOutput(loss, stats)
+
+
+def _windows(x: torch.Tensor, start: int, n: int, T: int) -> torch.Tensor:
+    """(B, T+pad) -> (n, B, T) contiguous: windows start..start+n-1 of width T (window r = columns r..r+T-1)."""
+    return x.unfold(1, T, 1)[:, start : start + n].transpose(0, 1).contiguous()  # (n, B, T)
+
+
+def _step_masks(doc, doc_p, mask_p, in_vocab, steps: int):
+    """Per TTT step j: valid (K, B, T) bool: row t is supervised at step j (rows t..t+2+j in one document, and
+    loss_mask[t+2+j]); weight (K, B, T) float: valid and the target's argmax at row t+1+j is in the draft vocab
+    (the loss's rows); n_loss (K,): weight summed."""
+    T = doc.shape[1]
+    d = _windows(doc_p, 1, steps + 1, T) == doc  # (K+1, B, T): row t+1+i in row t's document
+    valid = d[:-1] & d[1:] & (doc >= 0) & _windows(mask_p, 2, steps, T)  # (K, B, T)
+    weight = (valid & _windows(in_vocab, 1, steps, T)).float()  # (K, B, T)
+    return valid, weight, weight.sum((1, 2))
 
 
 def _rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
