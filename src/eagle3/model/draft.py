@@ -354,8 +354,8 @@ class Eagle3Draft(nn.Module):
                on an H200, issue 19).
         split  each layer's `pre` (norms, q/k/v, rope) and `post` (o_proj, residual, MLP) compiled on their own
                (static shapes): their graphs are the same at every TTT step, so each compiles once; the attention
-               kernel between them is compiled by eagle3.train.attention (one flex kernel for all steps when the
-               keys are padded to K*T). Same math, same values."""
+               kernel between them is compiled by eagle3.train.attention (one flex kernel over the step-0 keys for
+               all steps, plus one small merge of the diagonal keys per step count). Same math, same values."""
         if mode not in ("layer", "split"):
             raise ValueError(f"compile_blocks(mode={mode!r}): expected 'layer' or 'split'")
         if mode == "layer":
