@@ -110,7 +110,7 @@ def _ttt_forward(
     mid_target_block: int = -1,
 ) -> StepOutput:
     ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
-    B, T = ids.shape
+    T = ids.shape[1]  # ids: (B, T)
     pad = steps + 2
     tg = compute_targets(head, batch.last_hidden, pad, argmax=batch.target_argmax)  # logits (B, T+pad, Vd)
     doc_p = F.pad(doc, (0, pad), value=-2)  # (B, T+pad)
@@ -128,7 +128,8 @@ def _ttt_forward(
     cache = model.new_cache()  # per layer: keys/values of every TTT step so far
     loss = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     argmaxes, ce_sums, feat_sums = [], [], []
-    coef = loss_decay ** torch.arange(steps, device=n_loss.device) / n_loss.clamp(min=1.0)  # (K,) step j's CE factor
+    decay = loss_decay ** torch.arange(steps, device=loss.device, dtype=loss.dtype)  # (K,)
+    coef = decay / n_loss.to(loss.dtype).clamp(min=1.0)  # (K,) step j's CE factor: decay^j / its loss rows
     shared = SharedHeadGrad()  # the head's gradient summed over the K steps inside the fused loss's GEMMs
     for j in range(steps):
         r = 1 + j
