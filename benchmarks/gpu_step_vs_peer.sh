@@ -7,7 +7,7 @@
 #   phase 3  compile cache round trip: a second process, EMPTY inductor/Triton caches, seeded only by
 #            torch.compiler.load_cache_artifacts(phase 1's file) -> its first step (same machine, not a fresh one);
 #            then, budget permitting, torch.profiler kernel groups of that step (in ours_cache.json; the kernel table
-#            in logs.tgz) and the GPU numerics check (fast step incl. the padded flex kernel vs the naive
+#            in logs.tgz) and the GPU numerics check (fast step incl. its flex attention vs the naive
 #            reference, values and grads, small draft) and the attention-only fp32 check
 #   phase 4  ours at Kimi-K2.5 draft dims (hidden 7168, 64 heads of 112, intermediate 18432, Vd 32000 of 163,840)
 #   phase 5  (--ddp N, N GPUs) ours through DDP on N GPUs (torchrun), rows "K7-T8192-DDPxN"

@@ -147,7 +147,7 @@ def markdown(res: dict) -> str:
                  f"{fmt(100 * r['peer_mfu'] if r.get('peer_mfu') else None, 1, '%')} |")
     num = res.get("numerics")
     if num:
-        L += ["", f"GPU numerics (cache phase: fast step incl. the padded flex kernel vs the naive reference): {num}"]
+        L += ["", f"GPU numerics (cache phase: fast step incl. its flex attention vs the naive reference): {num}"]
     c = res.get("compile_cache_round_trip")
     if c:
         if "first_step_s_cache_loaded" in c:
