@@ -138,6 +138,20 @@ def test_ttt_forward_fused_loss_equals_unfused(chunk_rows):
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(res[0][2], res[1][2], strict=True))
 
 
+def test_fused_loss_with_a_zero_step_weight_matches_unfused():
+    """loss_decay 0 weighs steps 1.. by 0 (their grad_scale is 0): the fused loss's gradients stay finite and equal
+    the autograd reference's (the upstream factor is not recovered as 0/0)."""
+    model, head, batch = tiny_setup(seed=6)
+    grads = []
+    for fused in (True, False):
+        model.zero_grad()
+        out = ttt_forward(model, batch, head, steps=3, loss_decay=0.0, attention="naive", fused_loss=fused)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for n in grads[1]:
+        assert torch.isfinite(grads[0][n]).all() and torch.allclose(grads[0][n], grads[1][n], atol=1e-10), n
+
+
 def test_ttt_forward_fused_loss_under_bf16_autocast():
     """The trainer's mixed precision (fp32 master weights, bf16 autocast; the matrices cast once per unroll): the
     fused loss's head gradient, summed over the steps inside bf16 GEMMs, agrees with the autograd reference."""
@@ -268,7 +282,7 @@ def test_step_metrics_match_a_per_step_reference():
         assert out.stats[j, 5].item() == loss_rows
         assert torch.equal(out.correct[j], correct) and torch.equal(out.valid[j], valid)
         joint = joint & correct
-    assert out.stats[:, 0].sum() > 0 and out.stats[:, 2].sum() < out.stats[:, 0].sum() + 1
+    assert out.stats[0, 0] > 0 and (out.stats[1:, 2] < out.stats[1:, 0]).any()  # the chain cut some rows
 
 
 def test_metrics_summary():

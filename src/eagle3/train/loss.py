@@ -242,7 +242,9 @@ class _FusedSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_argmax):
         grad_h, grad_scale, *own = ctx.saved_tensors
-        f = grad_total / grad_scale  # () the upstream factor (grad_scale was folded into the forward's gradient)
+        # () the upstream factor (grad_scale was folded into the forward's gradient); a zero grad_scale (a step whose
+        # loss weight is 0, e.g. loss_decay**j underflowing) made the gradient 0 already: 0, not 0/0
+        f = torch.where(grad_scale != 0, grad_total / grad_scale, torch.zeros_like(grad_total))
         if ctx.shared is None:
             grad_w = own[0] * f.to(own[0].dtype)
         else:  # the unroll's summed head gradient, returned by its first call only
