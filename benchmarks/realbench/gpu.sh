@@ -26,14 +26,17 @@ NUM_GSM8K=${NUM_GSM8K:-7473}           # GSM8K-train questions answered by the t
 NUM_SYNTH=${NUM_SYNTH:-8000}           # synthesized training prompts asked for (before dedup/filters)
 NUM_SYNTH_EVAL=${NUM_SYNTH_EVAL:-320}  # synthesized prompts from the held-out seed (eval only)
 SYNTH_TRAIN_SEED=0 SYNTH_EVAL_SEED=777
+SYNTH_SHARDS=${SYNTH_SHARDS:-1}        # synthesize (train) processes side by side, seeds SYNTH_TRAIN_SEED + i, joined
 REGEN_SHARDS=${REGEN_SHARDS:-3}        # generation processes per large source, side by side on the one GPU
+REGEN_SHARDS_SYNTH=${REGEN_SHARDS_SYNTH:-$REGEN_SHARDS}  # ... for the synthesized prompts
 REGEN_BATCH=${REGEN_BATCH:-896} SYNTH_BATCH=${SYNTH_BATCH:-2048} SYNTH_EVAL_BATCH=${SYNTH_EVAL_BATCH:-512}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
 EPOCHS=${EPOCHS:-10}
 TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-780}  # wall limit of each training process (all run at once on the GPU)
 REGEN_MAX_NEW=${REGEN_MAX_NEW:-256} SYNTH_MAX_NEW=${SYNTH_MAX_NEW:-160}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}           # e.g. "--max-steps 2" for a dry run on the CPU
-# the drafts: name:method:training data (method eagle3.1 adds fc_norm + norm_output to the same recipe)
+# the drafts: name:method:training data[:extra train flags, comma-separated] (method eagle3.1 adds fc_norm +
+# norm_output to the same recipe), e.g. "eagle3.1w-mix:eagle3.1:mix:--draft-intermediate-size=4608"
 RUNS=${RUNS:-"eagle3-mix:eagle3:mix eagle3.1-mix:eagle3.1:mix eagle3.1-gsm8k:eagle3.1:gsm8k eagle3.1-synth:eagle3.1:synth"}
 PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python SKIP_WHEELS=1 DEVICE=cpu + small sizes
 mkdir -p "$S" "$OUT" "$R"
@@ -99,6 +102,7 @@ join_gguf() {
 regen_sharded() {  # name data: the target answers every prompt (greedy), REGEN_SHARDS processes side by side
   local name=$1 data=$2 n=$REGEN_SHARDS i
   [ "$name" = chat ] && n=1
+  [ "$name" = synth ] && n=$REGEN_SHARDS_SYNTH
   mkdir -p "$S/shards_$name" && rm -f "$S/shards_$name"/part.*
   split -n "l/$n" -d -a 2 --additional-suffix=.jsonl "$data" "$S/shards_$name/part."
   for part in "$S/shards_$name"/part.*.jsonl; do
@@ -113,11 +117,17 @@ make_data() {
   local T=$S/target name
   $PY benchmarks/realbench/sources.py train --refbench-data "$S/rbdata" --num-gsm8k "$NUM_GSM8K" --out "$S/src" \
     > "$R/sources_train.json" || die "sources failed"
-  # prompts the target writes itself: the training seed and, separately, the held-out seed (side by side)
-  E synthesize --target "$T" --out "$S/synth_train" --backend hf --device "$DEVICE" --num-prompts "$NUM_SYNTH" \
-    --max-new-tokens "$SYNTH_MAX_NEW" --batch-size "$SYNTH_BATCH" --seed $SYNTH_TRAIN_SEED \
-    > "$R/synth_train.json" 2> "$S/synth_train.log" &
-  local synth_train=$!
+  # prompts the target writes itself: the training seeds (SYNTH_SHARDS processes) and, separately, the held-out seed,
+  # all side by side
+  local i seed shard_dirs="" synth_pids=()
+  for ((i = 0; i < SYNTH_SHARDS; i++)); do
+    seed=$((SYNTH_TRAIN_SEED + i))
+    [ "$seed" != "$SYNTH_EVAL_SEED" ] || die "synthesize shard $i would use the held-out seed $SYNTH_EVAL_SEED"
+    E synthesize --target "$T" --out "$S/synth_train_$i" --backend hf --device "$DEVICE" \
+      --num-prompts $((NUM_SYNTH / SYNTH_SHARDS)) --max-new-tokens "$SYNTH_MAX_NEW" --batch-size "$SYNTH_BATCH" \
+      --seed "$seed" > "$R/synth_train_$i.json" 2> "$S/synth_train_$i.log" &
+    synth_pids+=($!); shard_dirs="$shard_dirs,$S/synth_train_$i"
+  done
   E synthesize --target "$T" --out "$S/synth_eval" --backend hf --device "$DEVICE" --num-prompts "$NUM_SYNTH_EVAL" \
     --max-new-tokens "$SYNTH_MAX_NEW" --batch-size "$SYNTH_EVAL_BATCH" --seed $SYNTH_EVAL_SEED \
     > "$R/synth_eval.json" 2> "$S/synth_eval.log" &
@@ -125,8 +135,10 @@ make_data() {
   # GSM8K and the user's chats need no synthesis: their answers start at once
   regen_sharded gsm8k "$S/src/gsm8k.jsonl"
   regen_sharded chat "$S/src/chat_train.jsonl"
-  wait $synth_train || die "synthesize (train) failed"
+  for i in "${!synth_pids[@]}"; do wait "${synth_pids[$i]}" || die "synthesize (train shard $i) failed"; done
   wait $synth_eval || die "synthesize (eval) failed"
+  $PY benchmarks/realbench/sources.py join-synth --shards "${shard_dirs#,}" --out "$S/synth_train" \
+    > "$R/synth_train.json" || die "joining the synthesize shards failed"
   stamp synthesized
   $PY benchmarks/realbench/sources.py eval --refbench-data "$S/rbdata" --synth-eval "$S/synth_eval/prompts.jsonl" \
     --synth-train "$S/synth_train/prompts.jsonl" --out "$R/eval_prompts.jsonl" > "$R/sources_eval.json" \
@@ -161,7 +173,7 @@ make_data() {
       || die "vocab $name failed"
   done
   stamp data-done
-  (cd "$S" && tar czf "$R/data_manifests.tgz" --ignore-failed-read synth_train/manifest.json synth_eval/manifest.json \
+  (cd "$S" && tar czf "$R/data_manifests.tgz" --ignore-failed-read synth_train*/manifest.json synth_eval/manifest.json \
     synth_train/prompts.jsonl regen_*_*/manifest.json prep_*/manifest.json cap_*/manifest.json \
     vocab_*/coverage.json target/manifest.json)
   cat "$R/timings.txt"
@@ -173,11 +185,12 @@ RECIPE=(--device "$DEVICE" --ttt-steps 3 --num-speculative-tokens 3 --epochs "$E
   --max-seq-len 2048 --batch-size 8 --eval-every 50 --save-every 200 --val-fraction 0.02 --seed 0)
 EAGLE31=(--draft-fc-norm --draft-norm-output)
 
-train_one() {  # name method data
+train_one() {  # name method data [extra flags, comma-separated]
   local name=$1 method=$2 data=$3 extra=()
   local captured="$S/cap_$data" vocab="$S/vocab_$data"
   [ "$data" = mix ] && captured="$S/cap_gsm8k,$S/cap_synth,$S/cap_chat"
   [ "$method" = eagle3.1 ] && extra=("${EAGLE31[@]}")
+  [ -n "${4:-}" ] && extra+=(${4//,/ })
   timeout -k 5 "$TRAIN_BUDGET_S" $PY -m eagle3.cli train --target "$S/target" --captured "$captured" --vocab "$vocab" \
     --out "$S/train_$name" "${RECIPE[@]}" "${extra[@]}" $TRAIN_EXTRA > "$S/train_$name.json" 2> "$S/train_$name.log"
   echo "train $name rc=$? $(date -u +%FT%TZ)" >> "$R/timings.txt"
@@ -189,7 +202,9 @@ cmd_train() {
   [ -d "$S/cap_gsm8k" ] || die "no captures under $S: run 'data' first on this machine (it was given back?)"
   setup_python; stamp train-start
   local runs=($RUNS)
-  for r in "${runs[@]}"; do IFS=: read -r name method data <<< "$r"; train_one "$name" "$method" "$data" & done
+  for r in "${runs[@]}"; do
+    IFS=: read -r name method data flags <<< "$r"; train_one "$name" "$method" "$data" "$flags" &
+  done
   wait
   stamp train-done
   # pack: each draft's directory + its training log/metrics, split in <= 15 MiB pieces, 4 files per collect call

@@ -63,9 +63,17 @@ def unpack(gpu_dir: Path, out: Path) -> list[str]:
 
 
 def method_of(name: str) -> tuple[str, str]:
-    """'eagle3.1-mix' -> ('eagle3.1', 'mix')."""
+    """'eagle3.1-mix' -> ('eagle3.1', 'mix'): the name's parts (gpu.sh's RUNS names drafts <label>-<data>)."""
     method, _, data = name.rpartition("-")
     return method, data
+
+
+def draft_shape(out: Path, name: str) -> dict[str, Any]:
+    """What a row says about the draft, from its exported config.json (not from its name): the method (EAGLE-3.1
+    when fc_norm or norm_output is on), its decoder layers and MLP width."""
+    cfg = json.loads((out / "drafts" / name / "config.json").read_text())
+    return {"method": "eagle3.1" if cfg.get("fc_norm") or cfg.get("norm_output") else "eagle3",
+            "draft_layers": cfg["num_hidden_layers"], "draft_intermediate_size": cfg["intermediate_size"]}
 
 
 def report_dir(out: Path) -> Path:
@@ -128,9 +136,11 @@ def modelled_per_step(r: dict[str, Any]) -> float | None:
 def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, ev in evals.items():
-        method, data = ("ngram", None) if name == "ngram" else method_of(name)
+        shape = ({"method": "ngram", "draft_layers": None, "draft_intermediate_size": None} if name == "ngram"
+                 else draft_shape(out, name))
+        data = None if name == "ngram" else method_of(name)[1]
         for r in ev["rows"]:
-            rows.append({"method": method, "draft_layers": None if name == "ngram" else 1, "train_data": data,
+            rows.append({**shape, "draft": name, "train_data": data,
                          "category": r["category"], "temperature": r["temperature"], "num_prompts": r["num_prompts"],
                          "tau": r["tau"], "draft_cost_ratio": r.get("draft_cost_ratio"),
                          "accepted_per_position": r.get("accepted_per_position"),
@@ -148,13 +158,15 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
         "gpu": (report / "gpu.txt").read_text().strip().splitlines() if (report / "gpu.txt").is_file() else None,
         "gpu_timings": (report / "timings.txt").read_text().strip().splitlines()
         if (report / "timings.txt").is_file() else None,
-        "eval_prompts": read(report / "eval_prompts.manifest.json"),
+        "eval_prompts": read(args.prompts.with_suffix(".manifest.json")) if args.prompts
+        else read(report / "eval_prompts.manifest.json"),
+        "eval_prompts_file": str(args.prompts or report / "eval_prompts.jsonl"),
         "synthesize": {s: read(report / f"synth_{s}.json") for s in ("train", "eval")},
         "regenerate": {s: read(report / f"regen_{s}.json") or {p.stem: read(p) for p in sorted(report.glob(f"regen_{s}_*.json"))}
                        for s in ("gsm8k", "synth", "chat")},  # one file per source, or one per shard (gpu.sh since session 9)
         "prepare": {s: read(report / f"prep_{s}.json") for s in ("gsm8k", "synth", "chat", "mix")},
         "vocab": {s: read(report / f"vocab_{s}.json") for s in ("gsm8k", "synth", "mix")},
-        "training": {n: train_summary(out, n) for n in names},
+        "training": {n: train_summary(out, n) for n in dict.fromkeys([*names, *evals]) if n != "ngram"},
         "evaluate_engine_startup_s": {n: e.get("engine_startup_s") for n, e in evals.items()},
         "evaluate_first_pass_s": {n: (e.get("speculative_run") or {}).get("seconds") for n, e in evals.items()},
         "draft_cost": {n: e.get("draft_cost") for n, e in evals.items() if n != "ngram"},
@@ -168,19 +180,23 @@ def fmt(x: Any, nd: int = 2) -> str:
 
 def render(r: dict[str, Any]) -> str:
     rows = r["rows"]
-    methods = list(dict.fromkeys((x["method"], x["train_data"]) for x in rows))
+    drafts = list(dict.fromkeys(x.get("draft", x["method"]) for x in rows))
     cats = list(dict.fromkeys(x["category"] for x in rows if x["category"] != "all")) + ["all"]
     lines = [f"# realbench: {r['target']}, k = {r['k']}", "",
              f"{r['date']} · evaluation: {r['eval_machine']} · `{r['command']}`", ""]
     for temp, key, what in [(t, k, w) for t in sorted({x["temperature"] for x in rows})
                             for k, w in (("tokens_per_step", "tokens per target step"), ("tau", "vLLM τ"))]:
         lines += [f"## {what} at temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"), "",
-                  "| method | data | " + " | ".join(cats) + " | cost ratio | modelled speed-up (all) |",
-                  "|---|---|" + "---|" * (len(cats) + 2)]
-        for m, d in methods:
-            cell = {x["category"]: x for x in rows if (x["method"], x["train_data"]) == (m, d) and x["temperature"] == temp}
+                  "| draft | method | data | " + " | ".join(cats) + " | cost ratio | modelled speed-up (all) |",
+                  "|---|---|---|" + "---|" * (len(cats) + 2)]
+        for name in drafts:
+            cell = {x["category"]: x for x in rows if x.get("draft", x["method"]) == name and x["temperature"] == temp}
+            if not cell:
+                continue
+            first = next(iter(cell.values()))
             cost = next((x["draft_cost_ratio"] for x in cell.values() if x.get("draft_cost_ratio") is not None), None)
-            lines.append(f"| {m} | {d or '—'} | " + " | ".join(fmt(cell.get(c, {}).get(key)) for c in cats)
+            lines.append(f"| {name} | {first['method']} | {first['train_data'] or '—'} | "
+                         + " | ".join(fmt(cell.get(c, {}).get(key)) for c in cats)
                          + f" | {fmt(cost, 3)} | {fmt(cell.get('all', {}).get('modelled_speedup'))} |")
         lines.append("")
     lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings", "training", "evaluate_engine_startup_s", "evaluate_first_pass_s")}, indent=1)[:6000], "```", ""]
@@ -198,13 +214,16 @@ def main() -> None:
                     help="methods evaluated at every temperature; the others greedy only (CPU time)")
     ap.add_argument("--dtype", default="bfloat16", help="target (and draft) dtype in vLLM")
     ap.add_argument("--results-name", default="realbench")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="held-out prompts to evaluate instead of the ones the GPU call wrote (e.g. an earlier run's, "
+                         "to compare drafts on the same prompts; check it against the new training synthesis)")
     args = ap.parse_args()
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     names = unpack(args.gpu_dir, out)
     target = out / "target"
     sh([str(REPO / ".venv/bin/eagle3"), "fetch-target", TARGET_NAME, "--out", str(target)], out / "fetch.log")
-    prompts = report_dir(out) / "eval_prompts.jsonl"
+    prompts = args.prompts or report_dir(out) / "eval_prompts.jsonl"
     if not prompts.is_file():
         sys.exit(f"{prompts} is missing: the 'data' call writes it")
     drafts = sorted(names, key=lambda n: (method_of(n)[1] != "mix", n))  # the mix drafts first

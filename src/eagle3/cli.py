@@ -57,9 +57,11 @@ def _add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], pr
         if isinstance(tp, type) and issubclass(tp, BaseModel):
             _add_field_flags(parser, tp, prefix=f"{dest}.")
             continue
-        default = None if field.default_factory else field.default
+        default = None if field.default_factory or field.is_required() else field.default
         desc = field.description or ""
         help_text = f"{desc} (default: {default})" if default is not None else desc
+        if field.is_required():
+            help_text = f"{desc} (required)" if desc else "(required)"
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
         origin = typing.get_origin(tp)
         if tp is bool:

@@ -287,14 +287,16 @@ class DraftOverrides(BaseModel):
     """Draft dimensions; unset fields are derived from the target's config."""
 
     model_config = ConfigDict(extra="forbid")
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    max_position_embeddings: int | None = None
-    rope_theta: float | None = None
-    rms_norm_eps: float | None = None
+    hidden_size: int | None = Field(None, description="Draft hidden size (default: the target's; vLLM's EAGLE-3 "
+                                    "reads the target's embedding, so it must equal the target's)")
+    intermediate_size: int | None = Field(None, description="Draft MLP width (default: the target's); a wider "
+                                          "one-layer draft costs more per draft step (see `evaluate`'s cost ratio)")
+    num_attention_heads: int | None = Field(None, description="Draft attention heads (default: the target's)")
+    num_key_value_heads: int | None = Field(None, description="Draft KV heads (default: the target's)")
+    head_dim: int | None = Field(None, description="Draft head dim (default: the target's)")
+    max_position_embeddings: int | None = Field(None, description="Longest position (default: the target's)")
+    rope_theta: float | None = Field(None, description="RoPE base (default: the target's)")
+    rms_norm_eps: float | None = Field(None, description="RMSNorm epsilon (default: the target's)")
     num_hidden_layers: int | None = Field(None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)")
     fc_norm: bool | None = Field(
         None, description="EAGLE-3.1: one RMSNorm per aux state before fc (vLLM config key fc_norm; adds "

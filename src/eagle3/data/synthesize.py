@@ -173,14 +173,24 @@ class NearDuplicateIndex:
         sig = ((self.a[:, None] * h[None, :] + self.b[:, None]) % np.uint64(self.PRIME)).min(axis=1)  # (P,)
         return [(i, sig[i * self.rows : (i + 1) * self.rows].tobytes()) for i in range(self.bands)]
 
+    def _has_near_duplicate(self, sh: set[str], keys: list[tuple[int, bytes]]) -> bool:
+        for j in {j for key in keys for j in self.buckets.get(key, ())}:
+            other = self.shingles[j]
+            if len(sh & other) / len(sh | other) >= self.threshold:
+                return True
+        return False
+
+    def contains(self, norm: str) -> bool:
+        """True when a near-duplicate of `norm` is indexed (`norm` itself is not added)."""
+        sh = self._shingles(norm)
+        return self._has_near_duplicate(sh, self._bands(sh))
+
     def add_if_new(self, norm: str) -> bool:
         """Index `norm` and return True, or return False when a near-duplicate is already indexed."""
         sh = self._shingles(norm)
         keys = self._bands(sh)
-        for j in {j for key in keys for j in self.buckets.get(key, ())}:
-            other = self.shingles[j]
-            if len(sh & other) / len(sh | other) >= self.threshold:
-                return False
+        if self._has_near_duplicate(sh, keys):
+            return False
         self.shingles.append(sh)
         for key in keys:
             self.buckets.setdefault(key, []).append(len(self.shingles) - 1)
