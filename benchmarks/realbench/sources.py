@@ -12,8 +12,9 @@
 `eval` writes one .jsonl of `{"prompt", "category"}` rows, never overlapping any training prompt:
   math              the first N rows of GSM8K test (refbench's gsm8k_eval200)
   chat              the ShareGPT sample's distinct first user turns whose hash is odd
-  <domain>          synthesized prompts from a seed never used for training, minus any whose normalised text is
-                    also in the training synthesis; at most N per domain
+  <domain>          synthesized prompts from a seed never used for training; at most N per domain
+Every category drops the prompts that are, or nearly are, also in the training synthesis (synthesize's normalisation
+and 5-gram Jaccard >= 0.7): the target can write "What is your name?" or a GSM8K-like puzzle itself.
 `join-synth` joins `eagle3 synthesize` runs made side by side with different seeds (one process per shard: the hf
 backend is bound by Python, not by the GPU) into one synthesize-shaped directory: prompts.jsonl with ids made unique
 (`synth-s<shard>-<domain>-<i>`), minus the prompts that duplicate or nearly duplicate one kept from an earlier shard
