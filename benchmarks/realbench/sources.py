@@ -93,17 +93,24 @@ def build_train(args: argparse.Namespace) -> dict[str, Any]:
     return {"gsm8k": len(gsm), "chat_train": len(chats)}
 
 
+def synthesize_jaccard() -> float:
+    """`synthesize`'s own near-duplicate threshold (SynthesizeConfig.near_duplicate_jaccard's default)."""
+    from eagle3.config import SynthesizeConfig
+
+    return SynthesizeConfig.model_fields["near_duplicate_jaccard"].default
+
+
 class TrainingSynthesis:
     """Is a held-out prompt also (or nearly) one the target wrote for training? The same normalisation and
     near-duplicate test as `synthesize` (character 5-gram Jaccard >= 0.7): the target can write a ShareGPT-like
     "What is your name?" or a GSM8K-like puzzle, so every category is checked, not only the synthesized ones."""
 
-    def __init__(self, path: Path, threshold: float = 0.7):
+    def __init__(self, path: Path, threshold: float | None = None):
         from eagle3.data.synthesize import NearDuplicateIndex, normalize
 
         self.normalize = normalize
         self.exact: set[str] = set()
-        self.near = NearDuplicateIndex(threshold)
+        self.near = NearDuplicateIndex(threshold or synthesize_jaccard())
         for r in _read_jsonl(path):
             norm = normalize(prompt_text(r))
             self.exact.add(norm)
@@ -154,7 +161,8 @@ def join_synth(args: argparse.Namespace) -> dict[str, Any]:
 
     out = Path(args.out)
     exact: set[str] = set()
-    near = NearDuplicateIndex(args.near_duplicate_jaccard) if args.near_duplicate_jaccard < 1 else None
+    jaccard = args.near_duplicate_jaccard or synthesize_jaccard()
+    near = NearDuplicateIndex(jaccard) if jaccard < 1 else None
     rows: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
     counts: Counter[str] = Counter()
@@ -211,8 +219,8 @@ def main() -> None:
     j = sub.add_parser("join-synth")
     j.add_argument("--shards", required=True, help="comma-separated synthesize output directories")
     j.add_argument("--out", required=True)
-    j.add_argument("--near-duplicate-jaccard", type=float, default=0.7,
-                   help="synthesize's own default; 1 = exact duplicates only")
+    j.add_argument("--near-duplicate-jaccard", type=float, default=None,
+                   help="default: synthesize's own (near_duplicate_jaccard); 1 = exact duplicates only")
     args = ap.parse_args()
     build = {"train": build_train, "eval": build_eval, "join-synth": join_synth}[args.cmd]
     print(json.dumps(build(args)))
