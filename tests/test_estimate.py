@@ -80,7 +80,7 @@ def test_pack_batch_and_prefetch_equal_the_plain_loader(captured):
     one = pack(rows[0], 64)
     assert all(torch.equal(one[f], getattr(b, f)[0]) for f in one)
     plain = PackedLoader(samples, range(12), 64, 2, seed=1)
-    ahead = PackedLoader(samples, range(12), 64, 2, seed=1, prefetch=3)
+    ahead = PackedLoader(samples, range(12), 64, 2, seed=1, prefetch=3, num_workers=2)  # packed side by side
     for _ in range(9):  # crosses epochs
         x, y = next(plain), next(ahead)
         assert x.target_argmax is None and y.target_argmax is None  # these samples carry none
@@ -89,8 +89,9 @@ def test_pack_batch_and_prefetch_equal_the_plain_loader(captured):
     resumed = PackedLoader(samples, range(12), 64, 2, seed=1, prefetch=2)
     resumed.load_state_dict(ahead.state_dict())
     assert torch.equal(next(resumed).input_ids, next(plain).input_ids)
-    with pytest.raises(RuntimeError, match="after the prefetch thread started"):
+    with pytest.raises(RuntimeError, match="after batches were planned ahead"):
         ahead.load_state_dict({"epoch": 0, "cursor": 0})
+    ahead.close(finished=False)
 
 
 def test_padded_eval_batches_score_the_same(captured, tiny_llama):

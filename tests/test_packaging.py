@@ -14,7 +14,12 @@ PREFECT_LAYER = ("flows", "tasks", "blocks")
 def test_every_package_is_listed_under_our_names():
     setup = PYPROJECT["tool"]["setuptools"]
     listed = set(setup["packages"])
-    library = {".".join(p.parent.relative_to(ROOT / "src").parts) for p in (ROOT / "src" / "eagle3").rglob("__init__.py")}
+    src = ROOT / "src"
+    library = {".".join(p.parent.relative_to(src).parts) for p in (src / "eagle3").rglob("__init__.py")}
+    # data directories (no __init__.py, files other than Python caches): setuptools drops those not listed
+    library |= {".".join(d.relative_to(src).parts) for d in (src / "eagle3").rglob("*")
+                if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists()
+                and any(f.is_file() for f in d.iterdir())}
     layer = {f"eagle3_prefect.{d}" for d in PREFECT_LAYER}
     assert listed == library | layer, f"pyproject.toml [tool.setuptools] packages: add {library - listed}, drop {listed - library - layer}"
     assert {p.split(".")[0] for p in listed} == {"eagle3", "eagle3_prefect"}  # no top-level flows / tasks / blocks

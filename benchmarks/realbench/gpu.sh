@@ -31,12 +31,17 @@ REGEN_SHARDS=${REGEN_SHARDS:-3}        # generation processes per large source, 
 REGEN_SHARDS_SYNTH=${REGEN_SHARDS_SYNTH:-$REGEN_SHARDS}  # ... for the synthesized prompts
 REGEN_BATCH=${REGEN_BATCH:-896} SYNTH_BATCH=${SYNTH_BATCH:-2048} SYNTH_EVAL_BATCH=${SYNTH_EVAL_BATCH:-512}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
+EXTRA_VOCABS=${EXTRA_VOCABS:-}         # more draft vocab sizes for the mix, e.g. "16384" -> $S/vocab_mix_16384
+CAPTURE_LAYERS=${CAPTURE_LAYERS:-}     # aux ids to capture (default: the target's (2, L//2, L-3)); a wide capture
+TRAIN_LAYERS=${TRAIN_LAYERS:-}         #   serves a layer sweep: every draft trains on TRAIN_LAYERS unless its flags
+                                       #   say --aux-layer-ids=...
 EPOCHS=${EPOCHS:-10}
 TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-780}  # wall limit of each training process (all run at once on the GPU)
 REGEN_MAX_NEW=${REGEN_MAX_NEW:-256} SYNTH_MAX_NEW=${SYNTH_MAX_NEW:-160}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}           # e.g. "--max-steps 2" for a dry run on the CPU
 # the drafts: name:method:training data[:extra train flags, comma-separated] (method eagle3.1 adds fc_norm +
-# norm_output to the same recipe), e.g. "eagle3.1w-mix:eagle3.1:mix:--draft-intermediate-size=4608"
+# norm_output to the same recipe), e.g. "eagle3.1w-mix:eagle3.1:mix:--draft-intermediate-size=4608"; @S@ in a
+# flag is this run's directory (e.g. --vocab=@S@/vocab_mix_16384); later flags override the recipe's
 RUNS=${RUNS:-"eagle3-mix:eagle3:mix eagle3.1-mix:eagle3.1:mix eagle3.1-gsm8k:eagle3.1:gsm8k eagle3.1-synth:eagle3.1:synth"}
 PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python SKIP_WHEELS=1 DEVICE=cpu + small sizes
 mkdir -p "$S" "$OUT" "$R"
@@ -57,7 +62,8 @@ E() { timeout -k 5 $((BUDGET_S - SECONDS > 5 ? BUDGET_S - SECONDS : 5)) $PY -m e
 
 gpu_info() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u +%FT%TZ;
-    $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'; } \
+    $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+    df -h "$S"; nproc; free -g; } \
     > "$R/gpu.txt" 2>&1
 }
 
@@ -163,7 +169,8 @@ make_data() {
   stamp prepared
   for name in gsm8k synth chat; do  # side by side: each is mostly its own host-side writing
     E capture --target "$T" --data "$S/prep_$name" --out "$S/cap_$name" --backend hf --device "$DEVICE" \
-      --batch-tokens 65536 > "$R/cap_$name.json" 2> "$S/cap_$name.log" &
+      --batch-tokens 65536 ${CAPTURE_LAYERS:+--aux-layer-ids "$CAPTURE_LAYERS"} > "$R/cap_$name.json" \
+      2> "$S/cap_$name.log" &
   done
   wait
   for name in gsm8k synth chat; do [ -s "$R/cap_$name.json" ] || die "capture $name failed"; done
@@ -171,6 +178,11 @@ make_data() {
   for name in gsm8k synth mix; do
     E vocab --data "$S/prep_$name" --out "$S/vocab_$name" --draft-vocab-size "$DRAFT_VOCAB" > "$R/vocab_$name.json" \
       || die "vocab $name failed"
+  done
+  local size
+  for size in $EXTRA_VOCABS; do
+    E vocab --data "$S/prep_mix" --out "$S/vocab_mix_$size" --draft-vocab-size "$size" > "$R/vocab_mix_$size.json" \
+      || die "vocab mix $size failed"
   done
   stamp data-done
   (cd "$S" && tar czf "$R/data_manifests.tgz" --ignore-failed-read synth_train*/manifest.json synth_eval/manifest.json \
@@ -182,7 +194,8 @@ make_data() {
 # One draft per (method, training data). EAGLE-3.1 adds fc_norm + norm_output to the same recipe.
 RECIPE=(--device "$DEVICE" --ttt-steps 3 --num-speculative-tokens 3 --epochs "$EPOCHS" --lr 2e-3 --warmup-steps 100
   --weight-decay 0.1 --hidden-noise 0.1 --supervise all --init-head-from-target --feature-loss-weight 20
-  --max-seq-len 2048 --batch-size 8 --eval-every 50 --save-every 200 --val-fraction 0.02 --seed 0)
+  --max-seq-len 2048 --batch-size 8 --eval-every 50 --save-every 200 --val-fraction 0.02 --seed 0
+  ${TRAIN_LAYERS:+--aux-layer-ids "$TRAIN_LAYERS"})
 EAGLE31=(--draft-fc-norm --draft-norm-output)
 
 train_one() {  # name method data [extra flags, comma-separated]
@@ -190,7 +203,8 @@ train_one() {  # name method data [extra flags, comma-separated]
   local captured="$S/cap_$data" vocab="$S/vocab_$data"
   [ "$data" = mix ] && captured="$S/cap_gsm8k,$S/cap_synth,$S/cap_chat"
   [ "$method" = eagle3.1 ] && extra=("${EAGLE31[@]}")
-  [ -n "${4:-}" ] && extra+=(${4//,/ })
+  local flags=${4:-}; flags=${flags//@S@/$S}
+  [ -n "$flags" ] && extra+=(${flags//,--/ --})  # split at ",--": a value may hold commas (--aux-layer-ids=2,15,29)
   timeout -k 5 "$TRAIN_BUDGET_S" $PY -m eagle3.cli train --target "$S/target" --captured "$captured" --vocab "$vocab" \
     --out "$S/train_$name" "${RECIPE[@]}" "${extra[@]}" $TRAIN_EXTRA > "$S/train_$name.json" 2> "$S/train_$name.log"
   echo "train $name rc=$? $(date -u +%FT%TZ)" >> "$R/timings.txt"
@@ -201,19 +215,27 @@ train_one() {  # name method data [extra flags, comma-separated]
 cmd_train() {
   [ -d "$S/cap_gsm8k" ] || die "no captures under $S: run 'data' first on this machine (it was given back?)"
   setup_python; stamp train-start
-  local runs=($RUNS)
+  # several trainers share the host's cores: each gets TRAIN_THREADS intra-op threads (its packing threads apart)
+  export OMP_NUM_THREADS=${TRAIN_THREADS:-2}
+  local runs=($RUNS) pids=()
   for r in "${runs[@]}"; do
     IFS=: read -r name method data flags <<< "$r"; train_one "$name" "$method" "$data" "$flags" &
+    pids+=($!)
   done
-  wait
+  # GPU utilization and memory every 10 s while they train (is the GPU or the host the limit?)
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 10 > "$R/gpu_util.csv" 2>&1 &
+  local smi=$!
+  wait "${pids[@]}"
+  kill $smi 2>/dev/null
   stamp train-done
   # pack: each draft's directory + its training log/metrics, split in <= 15 MiB pieces, 4 files per collect call
   rm -rf "$S/pack" && mkdir -p "$S/pack"
-  for r in "${runs[@]}"; do
+  for r in "${runs[@]}"; do  # side by side: xz is single-threaded
     name=${r%%:*}
-    tar cJf "$S/pack/$name.tar.xz" -C "$S" "drafts/$name" "train_$name/logs" "train_$name.json" 2>/dev/null \
-      || echo "pack $name failed" >> "$R/timings.txt"
+    { tar cJf "$S/pack/$name.tar.xz" -C "$S" "drafts/$name" "train_$name/logs" "train_$name.json" 2>/dev/null \
+      || echo "pack $name failed" >> "$R/timings.txt"; } &
   done
+  wait
   (cd "$S/pack" && for f in *.tar.xz; do split -b 15M -d "$f" "$f.part"; rm "$f"; done; ls -la) > "$R/pack.txt"
   stamp packed
 }

@@ -403,6 +403,10 @@ class TrainConfig(StageConfig):
         default_factory=list, description="Draft parameters kept fixed, by name prefix (fc, midlayer, layers, "
         "layers.2, norm, lm_head): e.g. the layers copied by init_layers_from_target and the head from the target"
     )
+    num_loader_workers: int = Field(
+        2, ge=1, description="Threads packing training batches ahead of the GPU (each packs one batch; a small "
+        "draft on a fast GPU waits for one thread: the trainer logs that share of the wall time as loader_wait_frac)"
+    )
     preload: bool = Field(
         False, description="Read the capture into RAM once (sequential shard reads, only the trained layers kept) "
         "instead of memory-mapping it per sample; for captures that fit in RAM"

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ class CapturedDataset(Sequence):
         self.path = Path(path)
         self.manifest = verify_capture(self.path) if verify else load_manifest(self.path)
         self._files, self._index, self._handles = [], [], {}
+        self._lock = threading.Lock()  # the loader's packing threads share the open shards
         for si, entry in enumerate(self.manifest["shards"]):
             f = self.path / entry["file"]
             if not f.is_file():
@@ -57,12 +60,31 @@ class CapturedDataset(Sequence):
     def __len__(self) -> int:
         return len(self._index)
 
+    #: shards kept open at once (the loader's packing threads read samples of neighbouring batches)
+    MAX_OPEN_SHARDS = 8
+
     def _handle(self, si: int):
         from safetensors import safe_open
 
-        if si not in self._handles:
-            self._handles = {si: safe_open(str(self._files[si]), framework="pt")}  # keep one shard open
-        return self._handles[si]
+        with self._lock:
+            h = self._handles.pop(si, None)
+            if h is None:
+                h = safe_open(str(self._files[si]), framework="pt")
+            self._handles[si] = h  # most recently used last
+            while len(self._handles) > self.MAX_OPEN_SHARDS:
+                del self._handles[next(iter(self._handles))]
+            return h
+
+    def num_tokens(self, i: int) -> int:
+        """Sample i's length, without reading it (the loader plans batches from lengths alone)."""
+        _, a, b, _ = self._index[i]
+        return b - a
+
+    def __getstate__(self) -> dict[str, Any]:  # open shards and the lock stay with their process
+        return {**self.__dict__, "_handles": {}, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         si, a, b, sid = self._index[i]
@@ -113,6 +135,10 @@ class ConcatSamples(Sequence):
     def last_hidden_states(self, i: int) -> torch.Tensor:
         k = bisect.bisect_right(self._ends, i)
         return read_last_hidden(self.parts[k], i - (self._ends[k - 1] if k else 0))
+
+    def num_tokens(self, i: int) -> int:
+        k = bisect.bisect_right(self._ends, i)
+        return sample_num_tokens(self.parts[k], i - (self._ends[k - 1] if k else 0))
 
 
 def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = True) -> Sequence[dict[str, Any]]:
@@ -165,6 +191,16 @@ class SelectedLayers(Sequence):
     def last_hidden_states(self, i: int) -> torch.Tensor:
         return read_last_hidden(self.samples, i)
 
+    def num_tokens(self, i: int) -> int:
+        return sample_num_tokens(self.samples, i)
+
+
+def sample_num_tokens(samples: Sequence[dict[str, Any]], i: int) -> int:
+    """Sample i's length, without reading its states where the sequence can."""
+    if hasattr(samples, "num_tokens"):
+        return samples.num_tokens(i)
+    return len(samples[i]["input_ids"])
+
 
 def read_last_hidden(samples: Sequence[dict[str, Any]], i: int) -> torch.Tensor:
     """Sample i's (T, Ht) last hidden states, without reading its aux states where the sequence can."""
@@ -187,6 +223,9 @@ class WithTargetArgmax(Sequence):
 
     def last_hidden_states(self, i: int) -> torch.Tensor:
         return read_last_hidden(self.samples, i)
+
+    def num_tokens(self, i: int) -> int:
+        return sample_num_tokens(self.samples, i)
 
 
 def compute_sample_argmax(samples: Sequence[dict[str, Any]], head, device, indices: Iterable[int],
@@ -276,9 +315,10 @@ def pack(samples: list[dict[str, Any]], max_seq_len: int) -> dict[str, torch.Ten
     return {f: getattr(batch, f)[0] for f in batch.__dataclass_fields__ if getattr(batch, f) is not None}
 
 
-def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatch:
+def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: bool = False) -> PackedBatch:
     """Each list of samples packed into one row of a (B, max_seq_len) batch, written in place (no per-row
-    buffers, no stack copy)."""
+    buffers, no stack copy). `pin_memory`: the hidden states are packed straight into page-locked memory (torch's
+    caching host allocator), so the step's copy to the GPU is one asynchronous DMA."""
     B, T = len(rows), max_seq_len
     first = next(docs[0] for docs in rows if docs)
     n_aux, Ht = first["aux_hidden_states"].shape[-2:]
@@ -288,8 +328,8 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatc
         positions=torch.zeros(B, T, dtype=torch.long),
         doc_ids=torch.full((B, T), -1, dtype=torch.long),
         loss_mask=torch.zeros(B, T, dtype=torch.bool),
-        aux=torch.empty(B, T, n_aux * Ht, dtype=dt),  # (B, T, A*Ht); padding zeroed below
-        last_hidden=torch.empty(B, T, Ht, dtype=dt),  # (B, T, Ht)
+        aux=torch.empty(B, T, n_aux * Ht, dtype=dt, pin_memory=pin_memory),  # (B, T, A*Ht); padding zeroed below
+        last_hidden=torch.empty(B, T, Ht, dtype=dt, pin_memory=pin_memory),  # (B, T, Ht)
     )
     if all("target_argmax" in s for docs in rows for s in docs):  # else the step computes it
         out.target_argmax = torch.full((B, T), -1, dtype=torch.long)  # (B, T)
@@ -313,11 +353,10 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int) -> PackedBatc
     return out
 
 
-def nonfinite_samples(batch: PackedBatch, rows: list[list[dict[str, Any]]]) -> str | None:
-    """None when the batch's hidden states are all finite, else which samples hold NaN/inf ("<shard file> sample
-    <id>", with their first bad row). Checked on the host where the batch is packed (the prefetch thread)."""
-    if bool(torch.isfinite(batch.aux).all()) and bool(torch.isfinite(batch.last_hidden).all()):
-        return None
+def nonfinite_samples(rows: list[list[dict[str, Any]]]) -> str | None:
+    """None when the samples' hidden states are all finite, else which samples hold NaN/inf ("<shard file> sample
+    <id>", with their first bad row). The training step checks its batch on the device (one fused reduction, no host
+    pass over the states); this names the samples once a check failed."""
     found = []
     for docs in rows:
         for s in docs:
@@ -328,7 +367,7 @@ def nonfinite_samples(batch: PackedBatch, rows: list[list[dict[str, Any]]]) -> s
                     shard = Path(s["shard"]).name if s.get("shard") else "(in memory)"
                     found.append(f"{shard} sample {s.get('sample_id', '?')} ({key} row {int(bad[0])} of {x.shape[0]})")
                     break
-    return ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "") if found else "unknown rows"
+    return ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "") if found else None
 
 
 def collate(rows: list[dict[str, torch.Tensor]]) -> PackedBatch:
@@ -345,28 +384,39 @@ class LoaderState:
 class PackedLoader:
     """Infinite, resumable iterator of PackedBatch over `indices` of `samples` (rank-sharded by row).
 
-    With `prefetch` > 0 a background thread packs that many batches ahead (packing is host work: reading
-    memory-mapped shards and copying tens of MB per batch, which otherwise stalls a GPU step); state_dict() is
-    still the position after the last batch handed out, so checkpoints resume exactly."""
+    Packing a batch is host work (reading memory-mapped shards, copying tens of MB per batch) that would otherwise
+    stall a GPU step. With `prefetch` > 0 the loader plans batches in order from the samples' lengths alone (cheap,
+    on the caller's thread) and `num_workers` threads pack up to `prefetch` of them ahead (the copies release the
+    GIL, so the threads pack side by side); batches still come out in plan order, identical to prefetch=0.
+    `pin_memory` (CUDA training) packs the hidden states into page-locked memory.
+    state_dict() is the position after the last batch handed out, so checkpoints resume exactly. `wait_s` is the
+    time the caller spent waiting for a batch (the trainer logs its share of the wall time)."""
 
-    def __init__(self, samples, indices, max_seq_len, batch_size, seed, state=None, rank=0, world=1, prefetch=0):
+    def __init__(self, samples, indices, max_seq_len, batch_size, seed, state=None, rank=0, world=1, prefetch=0,
+                 num_workers=1, pin_memory=False):
         self.samples, self.indices = samples, list(indices)
         self.T, self.B, self.seed = max_seq_len, batch_size, seed
         self.state = state or LoaderState()
         self.rank, self.world = rank, world
-        self.prefetch = prefetch
-        self._queue: queue.Queue | None = None
+        self.prefetch, self.num_workers, self.pin_memory = prefetch, max(1, num_workers), pin_memory
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[Future] = deque()
         self._handed = LoaderState(self.state.epoch, self.state.cursor)  # position after the last batch out
+        self._order_cache: tuple[int, list[int]] | None = None
+        self.wait_s = 0.0
         if not self.indices:
             raise ValueError("no training samples: lower val_fraction or capture more data")
-        #: the samples with NaN/inf hidden states in the last batch handed out ("<shard> sample <id>"), or None
-        self.last_nonfinite: str | None = None
+        #: the samples of the last batch handed out (lists per row): `nonfinite_samples` names the bad ones
+        self.last_rows: list[list[dict[str, Any]]] = []
 
     def _order(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return [self.indices[i] for i in torch.randperm(len(self.indices), generator=g).tolist()]
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order_cache = (epoch, [self.indices[i] for i in torch.randperm(len(self.indices), generator=g).tolist()])
+        return self._order_cache[1]
 
-    def _next_docs(self) -> list[dict[str, Any]]:
+    def _next_docs(self) -> list[int]:
+        """The sample indices of the next row, from their lengths alone."""
         st = self.state
         order = self._order(st.epoch)
         docs, used = [], 0
@@ -376,29 +426,25 @@ class PackedLoader:
                     break
                 st.epoch, st.cursor = st.epoch + 1, 0
                 order = self._order(st.epoch)
-            s = self.samples[order[st.cursor]]
-            n = len(s["input_ids"])
+            i = order[st.cursor]
+            n = sample_num_tokens(self.samples, i)
             if docs and used + n > self.T:
                 break
-            docs.append(s)
+            docs.append(i)
             used += n
             st.cursor += 1
             if used >= self.T:
                 break
         return docs
 
-    def _make_batch(self) -> tuple[PackedBatch, LoaderState, str | None]:
+    def _plan(self) -> tuple[list[list[int]], LoaderState]:
         rows = [self._next_docs() for _ in range(self.B * self.world)]  # every rank walks the same order
-        mine = rows[self.rank :: self.world]
-        batch = pack_batch(mine, self.T)
-        return batch, LoaderState(self.state.epoch, self.state.cursor), nonfinite_samples(batch, mine)
+        return rows[self.rank :: self.world], LoaderState(self.state.epoch, self.state.cursor)
 
-    def _produce(self, q: queue.Queue) -> None:
-        try:
-            while True:
-                q.put(self._make_batch())
-        except BaseException as e:  # handed to the consumer, which raises it
-            q.put(e)
+    def _pack(self, plan: tuple[list[list[int]], LoaderState]) -> tuple[PackedBatch, LoaderState, list]:
+        mine, after = plan
+        rows = [[self.samples[i] for i in docs] for docs in mine]
+        return pack_batch(rows, self.T, self.pin_memory), after, rows
 
     def epoch_progress(self) -> float:
         return self._handed.epoch + self._handed.cursor / len(self.indices)
@@ -409,8 +455,8 @@ class PackedLoader:
         return {"epoch": self._handed.epoch, "cursor": self._handed.cursor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._queue is not None:
-            raise RuntimeError("load_state_dict after the prefetch thread started; restore the position first")
+        if self._pending:
+            raise RuntimeError("load_state_dict after batches were planned ahead; restore the position first")
         self.state = LoaderState(int(state["epoch"]), int(state["cursor"]))
         self._handed = LoaderState(self.state.epoch, self.state.cursor)
 
@@ -422,23 +468,25 @@ class PackedLoader:
         """Called with each checkpoint dir once written (main rank)."""
 
     def close(self, finished: bool) -> None:
-        """End of the training call (`finished`: the last step was taken). The prefetch thread is a daemon
-        blocked on a full queue; it holds no resources worth joining for."""
+        """End of the training call: batches packed ahead are dropped, the packing threads end."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._pending = None, deque()
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return self
 
     def __next__(self) -> PackedBatch:
+        t0 = time.perf_counter()
         if self.prefetch <= 0:
-            batch, self._handed, self.last_nonfinite = self._make_batch()
-            return batch
-        if self._queue is None:
-            self._queue = queue.Queue(maxsize=self.prefetch)
-            threading.Thread(target=self._produce, args=(self._queue,), daemon=True, name="eagle3-prefetch").start()
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        batch, self._handed, self.last_nonfinite = item
+            batch, self._handed, self.last_rows = self._pack(self._plan())
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="eagle3-pack")
+            while len(self._pending) < self.prefetch:
+                self._pending.append(self._pool.submit(self._pack, self._plan()))
+            batch, self._handed, self.last_rows = self._pending.popleft().result()  # raises a packing error
+        self.wait_s += time.perf_counter() - t0
         return batch
 
 

@@ -34,6 +34,7 @@ from eagle3.train.checkpoint import (
     save_compile_cache,
     save_model_dir,
 )
+from eagle3.train.data import nonfinite_samples
 from eagle3.train.estimate import score_batches, tau_from_metrics
 from eagle3.train.loss import TargetHead
 from eagle3.train.metrics import MetricsLog, progress
@@ -200,17 +201,31 @@ def validate(run: Run, batches) -> dict[str, float]:
     return m
 
 
-def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """grad_accum micro-batches forward and backward: (per-step stats, the step's loss, NaN/inf batch reports)."""
+@dataclass
+class BatchCheck:
+    """Whether a step's batches hold NaN/inf hidden states: a device flag (checked with the step's one host sync)
+    and, per micro-batch, its samples, to name the bad ones only once the flag is set."""
+
+    bad: torch.Tensor  # () bool on the device
+    rows: list[list[list[dict[str, Any]]]]  # per micro-batch, the loader's last_rows ([] when it keeps none)
+
+    def describe(self) -> list[str]:
+        found = [nonfinite_samples(rows) for rows in self.rows]
+        return [f for f in found if f] or ["samples not named (the loader keeps no rows)"]
+
+
+def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, BatchCheck]:
+    """grad_accum micro-batches forward and backward: (per-step stats, the step's loss, the NaN/inf batch check)."""
     cfg, d = run.cfg, run.d
     cuda = d.device.type == "cuda"
     step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
-    step_loss, problems = torch.zeros((), device=d.device), []
+    step_loss = torch.zeros((), device=d.device)
+    check = BatchCheck(torch.zeros((), dtype=torch.bool, device=d.device), [])
     for micro in range(cfg.grad_accum):
         b = next(run.loader)
-        if getattr(run.loader, "last_nonfinite", None):  # NaN/inf in the batch's hidden states: which samples
-            problems.append(run.loader.last_nonfinite)
+        check.rows.append(getattr(run.loader, "last_rows", []))
         b = b.to(d.device, run.amp_dtype if cuda else torch.float32)
+        check.bad |= ~(torch.isfinite(b.aux).all() & torch.isfinite(b.last_hidden).all())  # no host sync
         if cfg.hidden_noise > 0:
             b.aux = add_hidden_noise(b.aux, len(run.aux_layer_ids), cfg.hidden_noise)
         if cfg.supervise == "all":  # every token of every conversation, prompts too (validation: assistant only)
@@ -223,18 +238,19 @@ def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, t
             (loss / cfg.grad_accum).backward()
         step_stats += stats
         step_loss += loss.detach() / cfg.grad_accum
-    return step_stats, step_loss, problems
+    return step_stats, step_loss, check
 
 
-def skip_if_nonfinite(run: Run, state: TrainState, step_loss, gnorm, problems: list[str], log: MetricsLog) -> bool:
+def skip_if_nonfinite(run: Run, state: TrainState, step_loss, gnorm, check: BatchCheck, log: MetricsLog) -> bool:
     """True (gradients dropped, the step counted as skipped) when the loss, gradient or a batch on any rank is
     non-finite; NonFiniteError once more than max_nonfinite_steps were skipped."""
     cfg, d = run.cfg, run.d
     gfull = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-    flags = torch.stack([(~torch.isfinite(step_loss)).float(), torch.tensor(float(bool(problems)), device=d.device)])
+    flags = torch.stack([(~torch.isfinite(step_loss)).float(), check.bad.float(), (~torch.isfinite(gfull)).float()])
     parallel.all_reduce_sum(flags, d)  # every rank skips the same steps
-    if bool(torch.isfinite(gfull)) and not bool(flags.sum() > 0):  # one host sync per step
+    if not bool(flags.sum() > 0):  # the one host sync per step
         return False
+    problems = check.describe() if bool(check.bad) else []  # this rank's bad samples, named from the host copies
     run.opt.zero_grad(set_to_none=True)
     state.num_skipped += 1
     what = (f"step {state.step + 1}: loss {step_loss.item():.4g}, gradient norm {float(gfull):.4g}; "
@@ -278,11 +294,12 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
     options = step_options(run)
     train_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
     loss_acc, n_acc, done_here = torch.zeros((), device=d.device), 0, 0
+    wait_mark, wall_mark = getattr(run.loader, "wait_s", 0.0), time.perf_counter()
     run.model.train()
     while state.step < run.total and (stop_after is None or done_here < stop_after):
-        step_stats, step_loss, problems = forward_backward(run, options)
+        step_stats, step_loss, check = forward_backward(run, options)
         gnorm = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        if skip_if_nonfinite(run, state, step_loss, gnorm, problems, log):
+        if skip_if_nonfinite(run, state, step_loss, gnorm, check, log):
             continue
         train_stats += step_stats
         loss_acc += step_loss
@@ -300,6 +317,10 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
             m.update(loss=state.last_loss, lr=run.sched.get_last_lr()[0],
                      grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
                      epoch=run.loader.epoch_progress())
+            wait_now, wall_now = getattr(run.loader, "wait_s", 0.0), time.perf_counter()
+            # the share of the wall time (validation and checkpoints included) spent waiting for a packed batch
+            m["loader_wait_frac"] = (wait_now - wait_mark) / max(wall_now - wall_mark, 1e-9)
+            wait_mark, wall_mark = wait_now, wall_now
             log.log(step, "train", m)
             progress(d, f"step {step}/{run.total} loss {state.last_loss:.4f} acc_0 {m['acc_0']:.3f} epoch "
                         f"{m['epoch']:.2f} {time.perf_counter() - run.t_start:.0f} s")

@@ -171,12 +171,14 @@ def _train(cfg: TrainConfig, d: parallel.Dist, *, samples, manifest, stop_after,
     load_compile_cache(cfg.compile_cache, d)
     if cfg.compile:
         model.compile_blocks()
-    train_loop(run, state, log, stop_after)
-    if state.step >= run.total:
-        save_final(run, state)
-    save_compile_cache(cfg.compile_cache, d)
-    log.close()
-    run.loader.close(finished=state.step >= run.total)
+    try:
+        train_loop(run, state, log, stop_after)
+        if state.step >= run.total:
+            save_final(run, state)
+        save_compile_cache(cfg.compile_cache, d)
+    finally:
+        log.close()
+        run.loader.close(finished=state.step >= run.total)
     parallel.teardown(d)
     out = run.out
     meta = run.draft_metadata(state.step, state.val_metrics)
@@ -272,7 +274,8 @@ def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3D
         samples = with_target_argmax(samples, head, d)
         train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
         loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world,
-                              prefetch=2)
+                              prefetch=2 * cfg.num_loader_workers, num_workers=cfg.num_loader_workers,
+                              pin_memory=d.device.type == "cuda")
     else:  # streaming: every spool sample here is validation; training rows come from the loader
         val_idx, loader = list(range(len(samples))), source.loader(cfg, d.rank, d.world)
     val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size)  # every rank (FSDP forward is collective)
