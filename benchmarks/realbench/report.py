@@ -69,11 +69,22 @@ def method_of(name: str) -> tuple[str, str]:
 
 
 def draft_shape(out: Path, name: str) -> dict[str, Any]:
-    """What a row says about the draft, from its exported config.json (not from its name): the method (EAGLE-3.1
-    when fc_norm or norm_output is on), its decoder layers and MLP width."""
+    """What a row says about the draft, from its exported config.json and eagle3_draft.json (not from its name):
+    the method (EAGLE-3.1 when fc_norm or norm_output is on), its decoder layers, MLP width and training data."""
     cfg = json.loads((out / "drafts" / name / "config.json").read_text())
     return {"method": "eagle3.1" if cfg.get("fc_norm") or cfg.get("norm_output") else "eagle3",
-            "draft_layers": cfg["num_hidden_layers"], "draft_intermediate_size": cfg["intermediate_size"]}
+            "draft_layers": cfg["num_hidden_layers"], "draft_intermediate_size": cfg["intermediate_size"],
+            "train_data": train_data_of(out / "drafts" / name / "eagle3_draft.json", name)}
+
+
+def train_data_of(meta_path: Path, name: str) -> str:
+    """gsm8k / synth / mix, from the captures the draft was trained on (gpu.sh names them cap_<source>; the mix is
+    cap_gsm8k + cap_synth + cap_chat); a draft exported without that record falls back to its name's suffix."""
+    captured = json.loads(meta_path.read_text()).get("captured") if meta_path.is_file() else None
+    if not captured:
+        return method_of(name)[1]
+    sources = {Path(c).name.removeprefix("cap_") for c in captured.split(",")}
+    return sources.pop() if len(sources) == 1 else "mix"
 
 
 def report_dir(out: Path) -> Path:
@@ -136,11 +147,10 @@ def modelled_per_step(r: dict[str, Any]) -> float | None:
 def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, ev in evals.items():
-        shape = ({"method": "ngram", "draft_layers": None, "draft_intermediate_size": None} if name == "ngram"
-                 else draft_shape(out, name))
-        data = None if name == "ngram" else method_of(name)[1]
+        shape = ({"method": "ngram", "draft_layers": None, "draft_intermediate_size": None, "train_data": None}
+                 if name == "ngram" else draft_shape(out, name))
         for r in ev["rows"]:
-            rows.append({**shape, "draft": name, "train_data": data,
+            rows.append({**shape, "draft": name,
                          "category": r["category"], "temperature": r["temperature"], "num_prompts": r["num_prompts"],
                          "tau": r["tau"], "draft_cost_ratio": r.get("draft_cost_ratio"),
                          "accepted_per_position": r.get("accepted_per_position"),
