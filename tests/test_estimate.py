@@ -94,6 +94,22 @@ def test_pack_batch_and_prefetch_equal_the_plain_loader(captured):
     ahead.close(finished=False)
 
 
+def test_threads_packing_from_the_shards_equal_the_plain_loader(captured):
+    """Batches planned from the capture's sample lengths alone and packed by several threads reading the memory-
+    mapped shards side by side come out as the in-memory loader packs them, in order."""
+    from eagle3.train.data import load_samples
+
+    samples, path = captured[0], captured[3]
+    memory = PackedLoader(samples, range(14), 64, 2, seed=1)
+    disk = PackedLoader(load_samples(path), range(14), 64, 2, seed=1, prefetch=5, num_workers=3)
+    for _ in range(12):  # several epochs, three shards
+        x, y = next(memory), next(disk)
+        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__ if f != "target_argmax")
+        assert memory.state_dict() == disk.state_dict() and memory.last_rows == disk.last_rows
+    assert disk.name_nonfinite(disk.last_rows) is None and disk.wait_s > 0
+    disk.close(finished=False)
+
+
 def test_padded_eval_batches_score_the_same(captured, tiny_llama):
     from eagle3.train.loss import TargetHead
     from eagle3.train.target import load_target_tensors, load_vocab

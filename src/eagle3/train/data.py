@@ -80,12 +80,6 @@ class CapturedDataset(Sequence):
         _, a, b, _ = self._index[i]
         return b - a
 
-    def __getstate__(self) -> dict[str, Any]:  # open shards and the lock stay with their process
-        return {**self.__dict__, "_handles": {}, "_lock": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
-
     def __getitem__(self, i: int) -> dict[str, Any]:
         si, a, b, sid = self._index[i]
         h = self._handle(si)
@@ -406,8 +400,8 @@ class PackedLoader:
         self.wait_s = 0.0
         if not self.indices:
             raise ValueError("no training samples: lower val_fraction or capture more data")
-        #: the samples of the last batch handed out (lists per row): `nonfinite_samples` names the bad ones
-        self.last_rows: list[list[dict[str, Any]]] = []
+        #: the sample indices of the last batch handed out, per row: `name_nonfinite` names the bad samples
+        self.last_rows: list[list[int]] = []
 
     def _order(self, epoch: int) -> list[int]:
         if self._order_cache is None or self._order_cache[0] != epoch:
@@ -441,10 +435,14 @@ class PackedLoader:
         rows = [self._next_docs() for _ in range(self.B * self.world)]  # every rank walks the same order
         return rows[self.rank :: self.world], LoaderState(self.state.epoch, self.state.cursor)
 
-    def _pack(self, plan: tuple[list[list[int]], LoaderState]) -> tuple[PackedBatch, LoaderState, list]:
+    def _pack(self, plan: tuple[list[list[int]], LoaderState]) -> tuple[PackedBatch, LoaderState, list[list[int]]]:
         mine, after = plan
-        rows = [[self.samples[i] for i in docs] for docs in mine]
-        return pack_batch(rows, self.T, self.pin_memory), after, rows
+        return pack_batch([[self.samples[i] for i in docs] for docs in mine], self.T, self.pin_memory), after, mine
+
+    def name_nonfinite(self, rows: list[list[int]]) -> str | None:
+        """Which of these samples (a batch's `last_rows`) hold NaN/inf hidden states, read again: the step found
+        its batch non-finite on the device, and only then are the samples read a second time to name them."""
+        return nonfinite_samples([[self.samples[i] for i in docs] for docs in rows])
 
     def epoch_progress(self) -> float:
         return self._handed.epoch + self._handed.cursor / len(self.indices)

@@ -34,7 +34,6 @@ from eagle3.train.checkpoint import (
     save_compile_cache,
     save_model_dir,
 )
-from eagle3.train.data import nonfinite_samples
 from eagle3.train.estimate import score_batches, tau_from_metrics
 from eagle3.train.loss import TargetHead
 from eagle3.train.metrics import MetricsLog, progress
@@ -204,14 +203,17 @@ def validate(run: Run, batches) -> dict[str, float]:
 @dataclass
 class BatchCheck:
     """Whether a step's batches hold NaN/inf hidden states: a device flag (checked with the step's one host sync)
-    and, per micro-batch, its samples, to name the bad ones only once the flag is set."""
+    and, per micro-batch, the loader's sample indices, to name the bad samples only once the flag is set."""
 
     bad: torch.Tensor  # () bool on the device
-    rows: list[list[list[dict[str, Any]]]]  # per micro-batch, the loader's last_rows ([] when it keeps none)
+    loader: Any
+    rows: list[list[list[int]]]  # per micro-batch, the loader's last_rows
 
     def describe(self) -> list[str]:
-        found = [nonfinite_samples(rows) for rows in self.rows]
-        return [f for f in found if f] or ["samples not named (the loader keeps no rows)"]
+        if not hasattr(self.loader, "name_nonfinite"):
+            return ["samples not named (this loader keeps no sample indices)"]
+        found = [self.loader.name_nonfinite(rows) for rows in self.rows]
+        return [f for f in found if f] or ["no sample reads as NaN/inf on the host (values beyond the training dtype's range?)"]
 
 
 def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, BatchCheck]:
@@ -220,7 +222,7 @@ def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, t
     cuda = d.device.type == "cuda"
     step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
     step_loss = torch.zeros((), device=d.device)
-    check = BatchCheck(torch.zeros((), dtype=torch.bool, device=d.device), [])
+    check = BatchCheck(torch.zeros((), dtype=torch.bool, device=d.device), run.loader, [])
     for micro in range(cfg.grad_accum):
         b = next(run.loader)
         check.rows.append(getattr(run.loader, "last_rows", []))
