@@ -404,8 +404,8 @@ class TrainConfig(StageConfig):
         "layers.2, norm, lm_head): e.g. the layers copied by init_layers_from_target and the head from the target"
     )
     num_loader_workers: int = Field(
-        2, ge=1, description="Threads packing training batches ahead of the GPU (each packs one batch; a small "
-        "draft on a fast GPU waits for one thread: the trainer logs that share of the wall time as loader_wait_frac)"
+        2, ge=1, description="Threads packing training batches ahead of the step, a whole batch each (a small draft on "
+        "a fast GPU outruns one thread); the train log's loader_wait_frac is the share of the wall time spent waiting"
     )
     preload: bool = Field(
         False, description="Read the capture into RAM once (sequential shard reads, only the trained layers kept) "

@@ -252,7 +252,7 @@ def skip_if_nonfinite(run: Run, state: TrainState, step_loss, gnorm, check: Batc
     parallel.all_reduce_sum(flags, d)  # every rank skips the same steps
     if not bool(flags.sum() > 0):  # the one host sync per step
         return False
-    problems = check.describe() if bool(check.bad) else []  # this rank's bad samples, named from the host copies
+    problems = check.describe() if bool(check.bad) else []  # this rank's bad samples, read again to name them
     run.opt.zero_grad(set_to_none=True)
     state.num_skipped += 1
     what = (f"step {state.step + 1}: loss {step_loss.item():.4g}, gradient norm {float(gfull):.4g}; "
