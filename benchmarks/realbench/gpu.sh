@@ -37,6 +37,7 @@ TRAIN_LAYERS=${TRAIN_LAYERS:-}         #   serves a layer sweep: every draft tra
                                        #   say --aux-layer-ids=...
 EPOCHS=${EPOCHS:-10}
 TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-780}  # wall limit of each training process (all run at once on the GPU)
+TRAIN_THREADS=${TRAIN_THREADS:-2}      # intra-op CPU threads per training process (several share the host's cores)
 REGEN_MAX_NEW=${REGEN_MAX_NEW:-256} SYNTH_MAX_NEW=${SYNTH_MAX_NEW:-160}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}           # e.g. "--max-steps 2" for a dry run on the CPU
 # the drafts: name:method:training data[:extra train flags, comma-separated] (method eagle3.1 adds fc_norm +
@@ -217,8 +218,7 @@ train_one() {  # name method data [extra flags, comma-separated]
 cmd_train() {
   [ -d "$S/cap_gsm8k" ] || die "no captures under $S: run 'data' first on this machine (it was given back?)"
   setup_python; stamp train-start
-  # several trainers share the host's cores: each gets TRAIN_THREADS intra-op threads (its packing threads apart)
-  export OMP_NUM_THREADS=${TRAIN_THREADS:-2}
+  export OMP_NUM_THREADS=$TRAIN_THREADS  # each trainer's intra-op threads (its batch-packing threads apart)
   local runs=($RUNS) pids=()
   for r in "${runs[@]}"; do
     IFS=: read -r name method data flags <<< "$r"; train_one "$name" "$method" "$data" "$flags" &
@@ -234,7 +234,8 @@ cmd_train() {
   rm -rf "$S/pack" && mkdir -p "$S/pack"
   for r in "${runs[@]}"; do  # side by side: xz is single-threaded
     name=${r%%:*}
-    { tar cJf "$S/pack/$name.tar.xz" -C "$S" "drafts/$name" "train_$name/logs" "train_$name.json" 2>/dev/null \
+    { tar cJf "$S/pack/$name.tar.xz" -C "$S" "drafts/$name" "train_$name/logs" "train_$name.json" "train_$name.log" \
+      2>/dev/null \
       || echo "pack $name failed" >> "$R/timings.txt"; } &
   done
   wait
