@@ -43,7 +43,8 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}           # e.g. "--max-steps 2" for a dry run on t
 # the drafts: name:method:training data[:extra train flags, comma-separated] (method eagle3.1 adds fc_norm +
 # norm_output to the same recipe), e.g. "eagle3.1w-mix:eagle3.1:mix:--draft-intermediate-size=4608"; @S@ in a
 # flag is this run's directory (e.g. --vocab=@S@/vocab_mix_16384); later flags override the recipe's
-RUNS=${RUNS:-"eagle3-mix:eagle3:mix eagle3.1-mix:eagle3.1:mix eagle3.1-gsm8k:eagle3.1:gsm8k eagle3.1-synth:eagle3.1:synth"}
+RUNS=${RUNS:-"eagle3-mix:eagle3:mix eagle3.1-mix:eagle3.1:mix eagle3-gsm8k:eagle3:gsm8k eagle3.1-gsm8k:eagle3.1:gsm8k
+  eagle3-synth:eagle3:synth eagle3.1-synth:eagle3.1:synth"}  # the whole grid: 6 trainers share the GPU (session 14: 9 at once)
 PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python SKIP_WHEELS=1 DEVICE=cpu + small sizes
 mkdir -p "$S" "$OUT" "$R"
 die() { echo "realbench: $*" | tee -a "$R/timings.txt" >&2; exit 1; }
