@@ -167,6 +167,16 @@ def test_train_with_layer_subset_val_capture_and_estimate(captured, tiny_llama, 
     assert sum(k["share"] for k in fa["by_token_kind"].values()) == pytest.approx(1.0, abs=1e-3)
     assert "draft_failures" in failures.markdown({"name": "draft_failures", "command": "c", **fa})
 
+    # benchmarks/realbench/ngram_rows.py: its per-row accepts, replayed in rounds, are the estimator's rounds
+    spec = importlib.util.spec_from_file_location("ngram_rows", Path(__file__).parents[1] / "benchmarks/realbench/ngram_rows.py")
+    rows = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rows)
+    total = {"draft_rounds": 0, "draft_accepted": 0}
+    for _, ids, supervised, accepts in rows.draft_accepts_per_sample(tmp_path / "draft", Path(path), tiny_llama, k=3):
+        c = rows.replay_answer(ids, supervised, accepts, k=3, min_n=2, max_n=4, max_new_tokens=None)
+        total = {key: total[key] + c[key] for key in total}
+    assert (total["draft_rounds"], total["draft_accepted"]) == (est.num_rounds, sum(est.accepted_per_position))
+
 
 def test_estimate_cli_names_a_bad_draft_dir(captured, tiny_llama, tmp_path, capsys):
     from eagle3.cli import main

@@ -23,27 +23,29 @@ def test_propose_takes_the_longest_suffix_then_its_earliest_occurrence() -> None
 
 
 def test_replays_count_rounds_as_vllm_does() -> None:
-    # prompt 0..3 (unsupervised), answer 4..13; row t drafts ids[t+2 ..]; the first round sits at row 5
+    # prompt ids[0..3], answer ids[4..13]: the prefill made ids[4], so the first round sits at row 3 (drafting
+    # ids[5..]) and the last at row 11 (drafting ids[13])
     ids = [9, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 0]
     supervised = [False] * 4 + [True] * 10
     accepts = [0] * len(ids)
-    accepts[5], accepts[9] = 3, 1  # the draft: 3 at row 5 (-> row 9), 1 at row 9 (-> row 11 = end - 3)
+    accepts[4], accepts[5], accepts[8], accepts[9] = 2, 3, 1, 1
     c = ngram_rows.replay_answer(ids, supervised, accepts, k=3, min_n=2, max_n=4, max_new_tokens=None)
-    assert (c["draft_rounds"], c["draft_accepted"]) == (3, 4)
-    # n-gram: row 5's context ids[:7] ends (1, 2, 3), first seen at 1 -> proposes (1, 2, 3) = ids[7:10], all 3
-    # accepted -> row 9: context ends (1, 2, 3, 1), first seen at 1 -> (2, 3, 1) vs ids[11:14] = (2, 3, 0): 2 accepted
-    assert (c["ngram_drafts"], c["ngram_accepted"], c["ngram_steps"]) == (2, 5, 2)
-    assert c["draft_on_ngram_rows_accepted"] == 3 + 1
+    # the draft: rows 3 (0) -> 4 (2) -> 7 (0) -> 8 (1) -> 10 (0) -> 11 (0)
+    assert (c["draft_rounds"], c["draft_accepted"]) == (6, 3)
+    # n-gram: row 3's context (9, 1, 2, 3, 1) has no recurring suffix: one token, no draft; row 4's ends (1, 2), first
+    # seen at 1 -> (3, 1, 2) = ids[6:9], 3 accepted; row 8's ends (3, 1, 2, 3), seen at 3 -> (1, 2, 3) = ids[10:13]
+    assert (c["ngram_steps"], c["ngram_drafts"], c["ngram_accepted"], c["ngram_tokens"]) == (3, 2, 6, 9)
+    assert c["draft_on_ngram_rows_accepted"] == 2 + 1  # the draft at rows 4 and 8
     s = ngram_rows.summarize(c)
-    assert s["ngram_tau"] == 3.5 and s["draft_tau_on_ngram_rows"] == 3.0
-    # the first 3 answer tokens only: rows 5..6
+    assert s["ngram_tau"] == 4.0 and s["draft_tau_on_ngram_rows"] == 2.5 and s["ngram_tokens_per_step"] == 3.0
+    # the first 3 answer tokens only: rows 3..4
     c = ngram_rows.replay_answer(ids, supervised, accepts, k=3, min_n=2, max_n=4, max_new_tokens=3)
-    assert (c["draft_rounds"], c["ngram_drafts"]) == (1, 1)
+    assert (c["draft_rounds"], c["ngram_steps"], c["ngram_drafts"]) == (2, 2, 1)
 
 
 def test_a_step_without_a_match_decodes_one_token_and_counts_no_draft() -> None:
     ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     supervised = [False, False] + [True] * 8
     c = ngram_rows.replay_answer(ids, supervised, [0] * len(ids), k=3, min_n=2, max_n=4, max_new_tokens=None)
-    assert c["ngram_drafts"] == 0 and c["ngram_steps"] == c["ngram_tokens"] == 5  # rows 3..7
+    assert c["ngram_drafts"] == 0 and c["ngram_steps"] == c["ngram_tokens"] == 7  # rows 1..7
     assert ngram_rows.summarize(c)["ngram_tau"] is None

@@ -15,8 +15,8 @@ target passes that drafted, and n-gram drafts only where the context repeats. Th
   a match decodes one token and counts no draft (`tau` as vLLM counts it, and tokens per target step);
 - on the rows where n-gram drafted in its own replay, the tokens the draft would have had accepted at the same rows.
 
-Rows follow the capture's layout: row t holds the target's state after token t+1 and drafts tokens t+2..t+1+k
-(eagle3.train.estimate.replay_rounds). Category = the sample id's prefix before the first '-' (realbench's ids,
+Rows follow the capture's layout: row t pairs the target's state at token t with token t+1 and drafts tokens
+t+2..t+1+k; rounds start and end where eagle3.train.estimate.replay_rounds puts them. Category = the sample id's prefix before the first '-' (realbench's ids,
 e.g. "math-3"). Prints and writes one JSON object: overall and per category.
 """
 
@@ -60,15 +60,16 @@ def replay_answer(ids: list[int], supervised: list[bool], draft_accepts: list[in
     and the draft on n-gram's drafting rows."""
     c = {"draft_rounds": 0, "draft_accepted": 0, "ngram_steps": 0, "ngram_drafts": 0, "ngram_accepted": 0,
          "ngram_tokens": 0, "draft_on_ngram_rows_accepted": 0}
-    r0 = next((r for r, s in enumerate(supervised) if s), None)
-    if r0 is None:
+    first = next((r for r, s in enumerate(supervised) if s), None)
+    if first is None or first == 0:
         return c
     end = len(ids)
-    while end > r0 and not supervised[end - 1]:
+    while end > first and not supervised[end - 1]:
         end -= 1
-    # the answer tokens are ids[r0 .. end-1]; row t drafts ids[t+2 ..]; the first round sits at row r0 + 1 (the
-    # target's prefill produced ids[r0 + 1]), the last row with a token to draft is end - 3
-    start = r0 + 1
+    # the answer tokens are ids[first .. end-1] and row t drafts ids[t+2 ..]: the target's prefill produced
+    # ids[first], so the first round drafts ids[first+1 ..] from row first - 1 (as replay_rounds); the last row with
+    # an answer token to draft is end - 3
+    start = first - 1
     last_row = end - 3
     if max_new_tokens is not None:
         last_row = min(last_row, start + max_new_tokens - 2)
@@ -113,22 +114,11 @@ def summarize(c: dict[str, int]) -> dict[str, Any]:
 def draft_accepts_per_sample(draft: Path, captured: Path, target: Path, k: int, rows_per_batch: int = 8):
     """(sample_id, ids, supervised, accepts per row) per captured sample: the draft's TTT unroll over the capture,
     one sample per packed row, as `eagle3 estimate` runs it."""
-    from eagle3.capture import load_combined_manifest
-    from eagle3.model.draft import text_config
-    from eagle3.train.data import SelectedLayers, load_samples, pack_batch
-    from eagle3.train.estimate import load_draft_dir
-    from eagle3.train.loss import TargetHead
+    from eagle3.train.data import pack_batch
+    from eagle3.train.estimate import load_for_replay
     from eagle3.train.step import TTTModule
-    from eagle3.train.target import load_target_tensors, read_target_config
 
-    model, meta = load_draft_dir(draft, target)
-    manifest = load_combined_manifest(captured)
-    tc = text_config(read_target_config(target))
-    samples = SelectedLayers(load_samples(captured), manifest["aux_layer_ids"], meta["aux_layer_ids"],
-                             tc["num_hidden_layers"])
-    tensors = load_target_tensors(target)
-    head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
-                      torch.arange(model.cfg.draft_vocab_size) + model.d2t)
+    model, _, samples, head = load_for_replay(draft, captured, target)
     ttt = TTTModule(model).eval()
     for a in range(0, len(samples), rows_per_batch):
         group = [samples[i] for i in range(a, min(a + rows_per_batch, len(samples)))]

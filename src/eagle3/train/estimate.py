@@ -172,22 +172,31 @@ class EstimateConfig(BaseModel):
     attention: Literal["auto", "flex", "sdpa", "naive"] = Field("auto", description="TTT attention kernel")
 
 
-def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    model, meta = load_draft_dir(cfg.draft, cfg.target)
+def load_for_replay(draft: str | Path, captured: str | Path, target: str | Path
+                    ) -> tuple[Eagle3Draft, dict, SelectedLayers, TargetHead]:
+    """What a replay of `draft` over a capture needs (on the CPU, float32): the draft and its metadata, the captured
+    samples at the draft's aux layers, and the target's head over the draft vocabulary."""
     from eagle3.capture import load_combined_manifest
 
-    manifest = load_combined_manifest(cfg.captured)
-    tensors = load_target_tensors(cfg.target)
-    tc = text_config(read_target_config(cfg.target))
+    model, meta = load_draft_dir(draft, target)
+    manifest = load_combined_manifest(captured)
+    tensors = load_target_tensors(target)
+    tc = text_config(read_target_config(target))
     try:
-        samples = SelectedLayers(load_samples(cfg.captured), manifest["aux_layer_ids"], meta["aux_layer_ids"],
+        samples = SelectedLayers(load_samples(captured), manifest["aux_layer_ids"], meta["aux_layer_ids"],
                                  tc["num_hidden_layers"])
     except ValueError as e:
-        raise ConfigError(f"captured={cfg.captured} cannot feed draft={cfg.draft}: {e}") from None
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        raise ConfigError(f"captured={captured} cannot feed draft={draft}: {e}") from None
     head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
-                      torch.arange(model.cfg.draft_vocab_size) + model.d2t).to(device, dtype)
+                      torch.arange(model.cfg.draft_vocab_size) + model.d2t)
+    return model, meta, samples, head
+
+
+def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    model, meta, samples, head = load_for_replay(cfg.draft, cfg.captured, cfg.target)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    head = head.to(device, dtype)
     batches = eval_batches(samples, list(range(len(samples))), cfg.max_seq_len, cfg.batch_size)
     k = (cfg.num_speculative_tokens or (meta.get("train_config") or {}).get("num_speculative_tokens")
          or DEFAULT_NUM_SPECULATIVE_TOKENS)
