@@ -172,7 +172,17 @@ def test_ttt_forward_fused_loss_under_bf16_autocast():
         assert ((g0[n] - g1[n]).abs().max() / g1[n].abs().max()).item() < 3e-2, n
 
 
-def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_weight=0.0, mid_weight=0.0, mid_block=0):
+def is_copy(ids, doc, b, p):
+    """Token p of row b continues a span repeated earlier in its document: the 3-gram ending at p (one document's)
+    also ends at an earlier q of that document. Explicit loops, for the references."""
+    if p < 2 or doc[b, p] < 0 or not doc[b, p - 2] == doc[b, p]:
+        return False
+    return any(doc[b, q - 2] == doc[b, q] == doc[b, p] and torch.equal(ids[b, q - 2 : q + 1], ids[b, p - 2 : p + 1])
+               for q in range(2, p))
+
+
+def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_weight=0.0, mid_weight=0.0, mid_block=0,
+                   copy_weight=1.0):
     """Independent, unchunked: full target softmax, explicit shifted loops, naive attention. The feature term
     uses the normed outputs: at init the final norm's weight is 1, so they are the RMS-normalised pre-norm hidden."""
     B, T = batch.input_ids.shape
@@ -208,8 +218,9 @@ def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_we
                 mid = mid + (unit(mids[j][b, t]) - unit(block[b, r])).pow(2).mean()
                 if full[b, r].argmax() not in head.draft_ids:  # out-of-draft-vocab target: excluded from the loss
                     continue
-                num = num - ((sub[b, r] / temperature).softmax(-1) * logq[b, t]).sum()
-                den += 1
+                w = copy_weight if is_copy(batch.input_ids, batch.doc_ids, b, r + 1) else 1.0
+                num = num - w * ((sub[b, r] / temperature).softmax(-1) * logq[b, t]).sum()
+                den += w
         total = total + decay**j * (num / max(den, 1) + (feature_weight * feat + mid_weight * mid) / max(n_feat, 1))
     return total
 
@@ -247,6 +258,39 @@ def test_distill_temperature_and_feature_losses_match_reference(temperature, fea
     assert (out.stats[:, 6] > 0).all() == (feature_weight > 0)  # the feature error is reported when it ran
     out.loss.backward()
     assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
+
+
+def test_copy_rows_match_explicit_loops():
+    from eagle3.train.step import copy_rows
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 3, (3, 40), generator=g)  # 3 symbols: many 3-grams repeat
+    doc = torch.zeros(3, 40, dtype=torch.long)
+    doc[0, 17:] = 1  # a second document: its 3-grams do not match the first's
+    doc[1, 30:] = -1  # padding
+    doc[2, 5:], doc[2, 6:] = 1, 2  # a one-token document
+    ids[0, 17:20] = ids[0, 0:3]  # a repeat across documents only: not a copy
+    got = copy_rows(ids, doc, vocab_size=3)
+    want = torch.tensor([[is_copy(ids, doc, b, p) for p in range(40)] for b in range(3)])
+    assert torch.equal(got, want)
+    assert 10 < want.sum() < 3 * 40 - 10  # the case exercises both answers
+    assert not got[1, 30:].any()
+    with pytest.raises(ValueError, match="2\\*\\*21"):
+        copy_rows(ids, doc, vocab_size=2**21)
+
+
+def test_copy_weight_matches_reference():
+    """copy_weight scales the CE of the copy rows (the per-step mean is over the weighted rows); metrics unchanged."""
+    model, head, batch = tiny_setup(seed=4)
+    batch.input_ids[:] = batch.input_ids % 4  # small alphabet: some 3-grams repeat
+    kw = dict(steps=3, loss_decay=0.7, attention="naive", loss_chunk_rows=5)
+    out = ttt_forward(model, batch, head, copy_weight=5.0, **kw)
+    ref = reference_loss(model, head, batch, 3, 0.7, copy_weight=5.0)
+    torch.testing.assert_close(out.loss, torch.as_tensor(ref, dtype=out.loss.dtype))
+    plain = ttt_forward(model, batch, head, **kw)
+    assert not torch.allclose(out.loss, plain.loss)
+    torch.testing.assert_close(out.stats[:, :4], plain.stats[:, :4])
+    torch.testing.assert_close(ttt_forward(model, batch, head, copy_weight=1.0, **kw).loss, plain.loss)
 
 
 def test_step_metrics_match_a_per_step_reference():

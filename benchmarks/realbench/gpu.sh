@@ -217,7 +217,11 @@ train_one() {  # name method data [extra flags, comma-separated]
 }
 
 cmd_train() {
-  [ -d "$S/cap_gsm8k" ] || die "no captures under $S: run 'data' first on this machine (it was given back?)"
+  local c  # every source's capture finished (its manifest is written last), or no trainer starts
+  for c in gsm8k synth chat; do
+    [ -f "$S/cap_$c/manifest.json" ] || die "no finished capture $S/cap_$c: run 'data' (again) on this machine \
+(it was given back, or a stage ran out of BUDGET_S; see $R/timings.txt)"
+  done
   setup_python; stamp train-start
   export OMP_NUM_THREADS=$TRAIN_THREADS  # each trainer's intra-op threads (its batch-packing threads apart)
   local runs=($RUNS) pids=()

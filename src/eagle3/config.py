@@ -393,6 +393,11 @@ class TrainConfig(StageConfig):
         1.0, gt=0, description="Divide draft and target logits by this before the soft cross-entropy: < 1 sharpens "
         "the target towards its argmax (what greedy acceptance checks), > 1 softens it"
     )
+    copy_weight: float = Field(
+        1.0, gt=0, description="Loss weight of the rows whose token continues a span repeated earlier in its document "
+        "(the 3-gram ending at it occurred before: where prompt lookup drafts the right token), relative to the other "
+        "rows'; > 1 teaches the draft to copy the context where a greedy target repeats itself. Validation is unweighted"
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on each draft layer's attention and MLP outputs in training")
     ema_decay: float = Field(
         0.0, ge=0, lt=1, description="Keep an exponential moving average of the weights with this decay (e.g. 0.999); "

@@ -184,7 +184,7 @@ def step_options(run: Run) -> dict[str, Any]:
     cfg = run.cfg
     return dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention,
                 temperature=cfg.distill_temperature, feature_weight=cfg.feature_loss_weight,
-                mid_feature_weight=cfg.midlayer_feature_loss_weight,
+                mid_feature_weight=cfg.midlayer_feature_loss_weight, copy_weight=cfg.copy_weight,
                 mid_target_block=run.aux_layer_ids.index(max(run.aux_layer_ids)))
 
 

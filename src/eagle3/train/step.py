@@ -15,6 +15,8 @@ and the RMS-normalised last hidden state of the target at row t+1+j (what the ta
 EAGLE-1's feature regression: 384-wide supervision per row instead of one distribution. `mid_feature_weight`
 does the same for the midlayer's output against aux block `mid_target_block` at row t+1+j: for a draft whose
 later layers are the target's layers after that aux state (init_layers_from_target), the state they expect.
+`copy_weight` multiplies the soft CE of every row whose token continues a span repeated earlier in its document
+(`copy_rows`: the 3-gram ending at the token occurred before), the rows on which prompt lookup drafts and is right.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def _ttt_forward(
     feature_weight: float = 0.0,
     mid_feature_weight: float = 0.0,
     mid_target_block: int = -1,
+    copy_weight: float = 1.0,
 ) -> StepOutput:
     ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
     T = ids.shape[1]  # ids: (B, T)
@@ -118,6 +121,10 @@ def _ttt_forward(
     ids_p = F.pad(ids, (0, pad), value=0)  # (B, T+pad)
     # every step's row masks at once (a few kernels, not a few per step): step j at row t reads row t+1+j
     valid, weight, n_loss = _step_masks(doc, doc_p, mask_p, tg.in_vocab, steps)  # (K, B, T) x2, (K,)
+    if copy_weight != 1.0:  # step j at row t predicts token t+2+j: weight it by whether that token is a copy
+        rows = 1.0 + (copy_weight - 1.0) * copy_rows(ids, doc, head.lm_head.shape[0]).to(weight.dtype)  # (B, T)
+        weight = weight * _windows(F.pad(rows, (0, pad), value=1.0), 2, steps, T)  # (K, B, T)
+        n_loss = weight.sum((1, 2))  # (K,): each step's CE is the weighted mean over its rows
     feat_p = _rms_normalize(F.pad(batch.last_hidden, (0, 0, 0, pad))) if feature_weight > 0 else None  # (B, T+pad, Ht)
     mid_p = None
     if mid_feature_weight > 0:
@@ -184,6 +191,32 @@ def _step_masks(doc, doc_p, mask_p, in_vocab, steps: int):
     valid = d[:-1] & d[1:] & (doc >= 0) & _windows(mask_p, 2, steps, T)  # (K, B, T)
     weight = (valid & _windows(in_vocab, 1, steps, T)).float()  # (K, B, T)
     return valid, weight, weight.sum((1, 2))
+
+
+def copy_rows(ids: torch.Tensor, doc: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, T) bool: token p continues a span repeated earlier in its document, i.e. the 3-gram ids[p-2..p] (all three
+    in one document) also ends at an earlier position of that document: where prompt lookup's proposal (the tokens
+    after an earlier occurrence of the context's suffix) holds the right token. Exact (each 3-gram is one int64 key,
+    so vocab_size < 2**21), on the device, without a host sync: one sort groups equal (document, key) pairs in
+    position order, and every pair but the first of its group is a copy."""
+    if vocab_size >= 2**21:
+        raise ValueError(f"copy_rows: vocab_size {vocab_size} >= 2**21 does not fit a 3-gram in one int64 key")
+    B, T = ids.shape
+    rep = torch.zeros(B, T, dtype=torch.bool, device=ids.device)  # (B, T)
+    if T < 3:
+        return rep
+    same = (doc[:, :-2] == doc[:, 2:]) & (doc[:, 2:] >= 0)  # (B, T-2): the 3-gram ending at p = 2.. is one document's
+    key = (ids[:, :-2] * vocab_size + ids[:, 1:-1]) * vocab_size + ids[:, 2:]  # (B, T-2) >= 0
+    unique = -1 - torch.arange(B * (T - 2), device=ids.device).view(B, T - 2)  # (B, T-2) < 0: matches nothing
+    key = torch.where(same, key, unique).flatten()  # (N,)
+    group = (torch.arange(B, device=ids.device)[:, None] * T + doc[:, 2:].clamp(min=0)).flatten()  # (N,) document
+    by_key = torch.sort(key, stable=True).indices  # (N,) position order kept within a key
+    order = by_key[torch.sort(group[by_key], stable=True).indices]  # (N,) by (document, key, position)
+    k, g = key[order], group[order]  # (N,)
+    later = torch.zeros_like(k, dtype=torch.bool)  # (N,)
+    later[1:] = (k[1:] == k[:-1]) & (g[1:] == g[:-1])
+    rep[:, 2:] = torch.zeros_like(later).scatter(0, order, later).view(B, T - 2)
+    return rep
 
 
 def _rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
