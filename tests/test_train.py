@@ -275,6 +275,9 @@ def test_copy_rows_match_explicit_loops():
     assert torch.equal(got, want)
     assert 10 < want.sum() < 3 * 40 - 10  # the case exercises both answers
     assert not got[1, 30:].any()
+    far = doc.clone()
+    far[0, 17:] = 40  # doc ids need not be row-local: row * T + doc id would put this and row 1's doc 0 together
+    assert torch.equal(copy_rows(ids, far, vocab_size=3), want)
     with pytest.raises(ValueError, match="2\\*\\*21"):
         copy_rows(ids, doc, vocab_size=2**21)
 

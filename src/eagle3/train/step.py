@@ -209,7 +209,10 @@ def copy_rows(ids: torch.Tensor, doc: torch.Tensor, vocab_size: int) -> torch.Te
     key = (ids[:, :-2] * vocab_size + ids[:, 1:-1]) * vocab_size + ids[:, 2:]  # (B, T-2) >= 0
     unique = -1 - torch.arange(B * (T - 2), device=ids.device).view(B, T - 2)  # (B, T-2) < 0: matches nothing
     key = torch.where(same, key, unique).flatten()  # (N,)
-    group = (torch.arange(B, device=ids.device)[:, None] * T + doc[:, 2:].clamp(min=0)).flatten()  # (N,) document
+    # a document (packed documents are contiguous) is named by its row and first column, whatever its doc id
+    cols = torch.arange(T, device=ids.device).expand(B, T)  # (B, T)
+    starts = torch.where(F.pad(doc[:, 1:] != doc[:, :-1], (1, 0), value=True), cols, 0).cummax(1).values  # (B, T)
+    group = (torch.arange(B, device=ids.device)[:, None] * T + starts[:, 2:]).flatten()  # (N,)
     by_key = torch.sort(key, stable=True).indices  # (N,) position order kept within a key
     order = by_key[torch.sort(group[by_key], stable=True).indices]  # (N,) by (document, key, position)
     k, g = key[order], group[order]  # (N,)
