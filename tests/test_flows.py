@@ -342,16 +342,19 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
     with get_client(sync_client=True) as client:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="gpu-host-slot-test", limit=1))
     monkeypatch.setenv("EAGLE3_GPU_LIMIT", "gpu-host-slot-test")
-    held, hold_s = threading.Event(), 4.0
+    held, release, hold_s = threading.Event(), threading.Event(), 4.0
 
     def another_stage() -> None:
         with concurrency("gpu-host-slot-test", occupy=1, strict=True):
             held.set()
-            time.sleep(hold_s)
+            release.wait(60)
 
     @flow(name="slot-wait")
     def take_slot() -> dict:
         waited: dict = {}
+        # the other stage frees the slot hold_s after this flow asks for it, however long the flow took to start
+        # (on a loaded 2-core host that took over 2 s, and a fixed hold left the wait shorter than hold_s / 2)
+        threading.Timer(hold_s, release.set).start()
         with gpu_slot("train", waited):
             pass
         return waited
