@@ -197,8 +197,8 @@ def copy_rows(ids: torch.Tensor, doc: torch.Tensor, vocab_size: int) -> torch.Te
     """(B, T) bool: token p continues a span repeated earlier in its document, i.e. the 3-gram ids[p-2..p] (all three
     in one document) also ends at an earlier position of that document: where prompt lookup's proposal (the tokens
     after an earlier occurrence of the context's suffix) holds the right token. Exact (each 3-gram is one int64 key,
-    so vocab_size < 2**21), on the device, without a host sync: one sort groups equal (document, key) pairs in
-    position order, and every pair but the first of its group is a copy."""
+    so vocab_size < 2**21), on the device, without a host sync: two stable sorts group equal (document, key) pairs
+    in position order, and every pair but the first of its group is a copy."""
     if vocab_size >= 2**21:
         raise ValueError(f"copy_rows: vocab_size {vocab_size} >= 2**21 does not fit a 3-gram in one int64 key")
     B, T = ids.shape
