@@ -119,6 +119,7 @@ def draft_accepts_per_sample(draft: Path, captured: Path, target: Path, k: int, 
     from eagle3.train.step import TTTModule
 
     model, _, samples, head = load_for_replay(draft, captured, target)
+    head = head.to("cpu", torch.float32)  # as `eagle3 estimate` on a CPU: the target's bf16 head is emulated, and slow
     ttt = TTTModule(model).eval()
     for a in range(0, len(samples), rows_per_batch):
         group = [samples[i] for i in range(a, min(a + rows_per_batch, len(samples)))]
