@@ -289,6 +289,20 @@ def test_storage_dtypes_and_limit(tiny_llama, prepared_llama, tmp_path):
         assert json.loads((tmp_path / dt / "manifest.json").read_text())["dtype"] == dt
 
 
+def test_auto_compute_dtype_is_recorded_by_name(tiny_llama, prepared_llama, tmp_path):
+    """`dtype: auto` (the default) is made concrete before anything hashes or records it: the manifest names the
+    dtype used, and the same capture asked for by that name is already complete (not a different capture)."""
+    from eagle3.vllm_engine import cpu_has_native_bf16
+
+    kw = dict(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", backend="hf", device="cpu",
+              aux_layer_ids=[1, 2, 4], limit=2)
+    res = run_capture(CaptureConfig(**kw))
+    used = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert CaptureConfig(**kw).dtype == "auto" and load_manifest(res.out)["compute_dtype"] == used
+    again = run_capture(CaptureConfig(**kw, dtype=used))
+    assert again.resumed_shards == res.num_shards and again.num_samples == res.num_samples == 2
+
+
 def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
     """The GPU training box has no vLLM: `import vllm` is made to fail, the hf capture still runs."""
     import subprocess

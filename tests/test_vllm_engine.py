@@ -7,12 +7,16 @@ import os
 
 import pytest
 
-from eagle3.vllm_engine import engine_kwargs, resolve_dtype, run_in_subprocess
+from eagle3.vllm_engine import cpu_has_native_bf16, engine_kwargs, resolve_dtype, run_in_subprocess
 
 
 def test_resolve_dtype_and_kwargs(tiny_llama):
     assert resolve_dtype("bfloat16") == "bfloat16"
     assert resolve_dtype("auto") in ("float32", "bfloat16")
+    # a transformers model's device decides instead of vLLM's platform: a GPU takes bf16, a CPU without
+    # native bf16 (AVX2 only: emulated, 4-50x slower) float32
+    assert resolve_dtype("auto", device="cuda:0") == "bfloat16"
+    assert resolve_dtype("auto", device="cpu") == ("bfloat16" if cpu_has_native_bf16() else "float32")
     kw = engine_kwargs(str(tiny_llama), dtype="float32", max_model_len=128, speculative_config={"method": "eagle3"})
     assert kw["model"] == kw["tokenizer"] == str(tiny_llama)
     assert kw["dtype"] == "float32" and kw["max_model_len"] == 128 and kw["speculative_config"]["method"] == "eagle3"

@@ -257,7 +257,9 @@ class CaptureConfig(StageConfig):
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size (vllm backend)")
     batch_tokens: int = Field(8192, gt=0, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
     max_model_len: int | None = Field(None, gt=0, description="Engine max_model_len (default: longest prepared sample)")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Target compute dtype")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Target compute dtype; auto = float32 on CPUs without native bf16, bfloat16 elsewhere "
+        "(the manifest records the one used)")
     storage_dtype: StorageDtype = Field("bfloat16", description="dtype of the stored hidden states; fp8 = e4m3 with a float32 scale per token and layer (half the disk of bf16; the reader returns bf16)")
     shard_tokens: int = Field(262144, gt=0, description="Tokens per safetensors shard (the unit of resume)")
     limit: int | None = Field(None, gt=0, description="Capture at most this many samples")
@@ -503,7 +505,9 @@ class EvaluateConfig(StageConfig):
     max_tokens: int = Field(128, gt=0, description="Generated tokens per prompt")
     temperature: float = Field(0.0, description="Sampling temperature (0 = greedy)")
     max_model_len: int = Field(1024, gt=0, description="vLLM max_model_len")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Target dtype")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Target and draft dtype in vLLM; auto = float32 on CPUs without native bf16, bfloat16 "
+        "elsewhere (results.json records the one used)")
     baseline: bool = Field(True, description="Also time plain decoding of the same prompts")
     compare: list[str] = Field(
         default_factory=list, description="Methods measured beside `method` on the same prompts, temperatures, k and "

@@ -619,6 +619,7 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         "baseline_run": asdict(base_run) if base_run else None,
         "finish_reasons": {r: head["finish_reasons"].count(r) for r in set(head["finish_reasons"])},
         "config": cfg.model_dump(mode="json"),
+        "dtype": spec_kwargs["dtype"],  # the one used (cfg.dtype may say auto)
         "engine": {k2: v for k2, v in spec_kwargs.items()},
         "engine_startup_s": {"speculative": round(spec["startup_s"], 1),
                              "baseline": round(base["startup_s"], 1) if base else None,

@@ -152,10 +152,27 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     return CaptureInputs(info, aux_layer_ids, ds, prep_manifest, n_total, lengths, max_len, max_model_len, hashed, length_limit)
 
 
+def resolve_compute_dtype(cfg: CaptureConfig) -> CaptureConfig:
+    """`dtype: auto` made concrete where the capture runs (float32 on a CPU without native bf16, where bf16 is
+    emulated and measured 4-50x slower; bfloat16 elsewhere), before anything hashes or records it: a resumed
+    capture, the manifest's compute_dtype and an explicit `dtype` all see the same name."""
+    if cfg.dtype != "auto":
+        return cfg
+    from eagle3.vllm_engine import resolve_dtype
+
+    device = None
+    if cfg.backend == "hf":
+        from .hf_backend import resolve_device
+
+        device = resolve_device(cfg.device)
+    return cfg.model_copy(update={"dtype": resolve_dtype("auto", device=device)})
+
+
 def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     """Run the capture stage. `llm`: optionally an already started vllm.LLM created with
     ``worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
     t0 = time.time()
+    cfg = resolve_compute_dtype(cfg)
     ci = load_capture_inputs(cfg)
     with dir_lock(cfg.out, "capture out"):
         return _capture(cfg, ci, llm, t0)

@@ -41,7 +41,13 @@ from eagle3.compat import migrate_record
 from eagle3.config import ConfigError, StreamCaptureConfig
 from eagle3.io import read_json, sha256_json, write_json
 
-from .run import _make_backend, capture_rows, load_capture_inputs, target_weights_sha256
+from .run import (
+    _make_backend,
+    capture_rows,
+    load_capture_inputs,
+    resolve_compute_dtype,
+    target_weights_sha256,
+)
 from .storage import FORMAT, TORCH_DTYPES, ShardBuffer, bytes_per_token, storage_info, write_shard
 
 SPOOL_FORMAT = "eagle3-spool/1"
@@ -247,6 +253,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     if cfg.writer == "worker":
         raise ConfigError("capture.writer = 'worker' is not supported in streaming mode yet (the spool writes each "
                           "shard in the driver after waiting for room): set capture.writer: driver for stream-capture")
+    cfg = resolve_compute_dtype(cfg)
     ci = load_capture_inputs(cfg)
     info, aux_layer_ids, ds, n_total, lengths = ci.info, ci.aux_layer_ids, ci.ds, ci.n_total, ci.lengths
     max_len, max_model_len, spool = ci.max_len, ci.max_model_len, Path(cfg.out)
