@@ -141,7 +141,7 @@ def _install_recorder(worker):
 
 
 def record_vllm_draft_calls(target: str, draft: str) -> list:
-    """Runs in a spawned process of its own (eagle3.vllm_engine.run_in_subprocess): a real vLLM engine with the
+    """Runs in a fresh process of its own (eagle3.vllm_engine.run_in_subprocess): a real vLLM engine with the
     engine core in that process, so the draft module is reachable; greedy, 3 tokens; returns every recorded draft
     call. Not in the pytest worker: an engine there rewires kernels across everything the worker has imported (it
     failed once on llvmlite's `_lib_fn_wrapper`, imported by an earlier test) and disables torch.set_num_threads

@@ -126,7 +126,7 @@ def test_target_mismatch_refused(checkpoint, tiny_llama, tmp_path, field, value,
 
 def serve(target, draft, prompts: list[list[int]], sampling: dict) -> dict:
     """One generate call of `prompts` by vLLM serving `target` with the EAGLE-3 `draft` (k = 3, bf16): evaluate's
-    engine job in a spawned process, the engine inside it (one vLLM import, not three); its tokens and metrics."""
+    engine job in a fresh process (run_in_subprocess), the engine inside it (one vLLM import, not three); its tokens and metrics."""
     from eagle3.evaluate import decode_job
     from eagle3.vllm_engine import run_in_subprocess
 

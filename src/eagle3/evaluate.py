@@ -30,13 +30,13 @@ results.json keeps the worker's answer (`sampling_fix`) and says why the sampled
 With `baseline` the same calls run again without speculation under the same engine settings, for generated
 tokens/s with and without speculation (and, greedy only, the fraction of identical outputs, a sanity check of
 lossless verification; on CPU small numeric differences between batch shapes can flip a few near-tie tokens).
-The engines run one after the other in one spawned process (`decode_jobs`; vLLM imported once), each shut down
-before the next starts, so two engines never coexist in memory; vLLM re-creates its Prometheus collectors per
+The engines run one after the other in one fresh process (`decode_jobs`; forked from a server that imported
+vLLM), each shut down before the next starts, so two engines never coexist in memory; vLLM re-creates its Prometheus collectors per
 engine and every figure is a counter difference around one `generate` call, so their counters never mix. On the
 CPU the engine core and worker run inside that process (eagle3.vllm_engine, "engine in process").
 
 With `compare` (e.g. `[ngram]`, `--compare ngram`) each named method is measured too, as one more engine in the
-same spawned process (after the baseline), on the same prompts, categories, temperatures, k and max_tokens, with
+same fresh process (after the baseline), on the same prompts, categories, temperatures, k and max_tokens, with
 the speculative_config `method: <name>` would use. Its rows go to results.json's `comparisons` (same shape as
 `rows`, their own `method`; baseline tokens/s and greedy match against the same plain-decoding engine; cost 0 for
 ngram), not to `rows`: everything that reads `rows` and the headline fields reads the evaluated method alone, as
@@ -213,14 +213,14 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 def decode_jobs(llm_kwargs: list[dict[str, Any]], groups: list[tuple[str, list[list[int]]]],
                 samplings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`decode_job` for each engine in turn, in one spawned process (one vLLM import for all of them)."""
+    """`decode_job` for each engine in turn, in one fresh process (`run_in_subprocess`; one vLLM import for all)."""
     return [decode_job(kw, groups, samplings) for kw in llm_kwargs]
 
 
 def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int]]]],
                samplings: list[dict[str, Any]]) -> dict[str, Any]:
     """Build one engine, warm it up, then per sampling (temperature) and per group (category) one timed
-    `generate` call whose metrics are the counters' difference across it; runs in a spawned process
+    `generate` call whose metrics are the counters' difference across it; runs in a fresh process
     (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it (eagle3.vllm_engine).
     An engine built with `SAMPLING_FIX_EXTENSION` gets the CPU rejection-sampler fix first (`sampling_fix`)."""
     from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env, shutdown_engine
@@ -547,7 +547,7 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     if cfg.baseline:
         jobs.append(engine_kwargs(target, disable_log_stats=False, **common))
     jobs += compare_kwargs.values()
-    # every engine, one after the other, in one spawned process: vLLM is imported once
+    # every engine, one after the other, in one fresh process forked from a server that imported vLLM once
     done = run_in_subprocess(decode_jobs, jobs, groups, samplings)
     spec, base = done[0], (done[1] if cfg.baseline else None)
     compared = dict(zip(cfg.compare, done[1 + cfg.baseline:], strict=True))
