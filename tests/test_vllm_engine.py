@@ -28,6 +28,22 @@ def test_run_in_subprocess():
         run_in_subprocess(int, "not a number")
 
 
+def _env_and_cwd(name: str) -> tuple[str | None, str]:
+    return os.environ.get(name), os.getcwd()
+
+
+def test_a_job_has_the_callers_environment_and_directory(tmp_path, monkeypatch):
+    """Jobs fork from a server that started earlier, with the environment and directory of that moment: each job
+    still sees the caller's as they are now, as a spawned process would (and does, with EAGLE3_JOB_START=spawn)."""
+    first = run_in_subprocess(os.getpid)  # the fork server is up by now
+    monkeypatch.setenv("EAGLE3_TEST_MARK", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    assert run_in_subprocess(_env_and_cwd, "EAGLE3_TEST_MARK") == ("set after the server started", str(tmp_path))
+    assert run_in_subprocess(os.getpid) not in (first, os.getpid())  # a fresh process per job
+    monkeypatch.setenv("EAGLE3_JOB_START", "spawn")
+    assert run_in_subprocess(_env_and_cwd, "EAGLE3_TEST_MARK") == ("set after the server started", str(tmp_path))
+
+
 def test_engine_in_process_fails_by_model_type(tmp_path):
     from eagle3.vllm_engine import engine_in_process_fails
 

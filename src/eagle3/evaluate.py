@@ -31,9 +31,10 @@ With `baseline` the same calls run again without speculation under the same engi
 tokens/s with and without speculation (and, greedy only, the fraction of identical outputs, a sanity check of
 lossless verification; on CPU small numeric differences between batch shapes can flip a few near-tie tokens).
 The engines run one after the other in one fresh process (`decode_jobs`; forked from a server that imported
-vLLM), each shut down before the next starts, so two engines never coexist in memory; vLLM re-creates its Prometheus collectors per
-engine and every figure is a counter difference around one `generate` call, so their counters never mix. On the
-CPU the engine core and worker run inside that process (eagle3.vllm_engine, "engine in process").
+vLLM), each shut down before the next starts, so two engines never coexist in memory; vLLM re-creates its
+Prometheus collectors per engine and every figure is a counter difference around one `generate` call, so their
+counters never mix. On the CPU the engine core and worker run inside that process (eagle3.vllm_engine, "engine in
+process").
 
 With `compare` (e.g. `[ngram]`, `--compare ngram`) each named method is measured too, as one more engine in the
 same fresh process (after the baseline), on the same prompts, categories, temperatures, k and max_tokens, with

@@ -231,8 +231,9 @@ def _job_context() -> Any:
     """The multiprocessing context of `run_in_subprocess`: a fork server that has imported vLLM, so that every job
     after the first in a process starts in ~0.1 s instead of importing vLLM again (~15 s on the 2-core box; the
     test suite runs ~20 jobs per worker). Where vLLM is not installed the server preloads nothing. A job still gets
-    a fresh process of its own (own engine, own metrics) with the caller's environment and working directory
-    (`_child` applies them: the server keeps those of its own start). EAGLE3_JOB_START=spawn falls back to spawn."""
+    a fresh process of its own (own engine, own metrics) with the caller's working directory (multiprocessing
+    sends it) and environment (`_child` applies it: the server keeps the one of its own start).
+    EAGLE3_JOB_START=spawn falls back to spawn."""
     if os.environ.get("EAGLE3_JOB_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -240,14 +241,11 @@ def _job_context() -> Any:
     return ctx
 
 
-def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
-           env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, env: dict[str, str] | None = None) -> None:
     code = 0
     if env is not None:  # the caller's, as spawn would give (a fork server child has the server's)
         os.environ.clear()
         os.environ.update(env)
-    if cwd is not None:
-        os.chdir(cwd)
     try:
         queue.put(("ok", fn(*args, **kwargs)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
@@ -274,7 +272,7 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     t0 = time.time()
     ctx = _job_context()
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs, dict(os.environ), os.getcwd()), daemon=False)
+    proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs, dict(os.environ)), daemon=False)
     proc.start()
     result = None
     try:
