@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How many bytes/s of hidden states the capture's driver path carries, at Kimi-K2.5's width (issue 19, item 4).
+"""How many bytes/s of hidden states the capture's driver path carries, at Kimi-K2.5's width.
 
     python benchmarks/capture_rpc_bandwidth.py [--tokens-per-round 8192] [--rounds 3] [--storage-dtype bfloat16]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call of this workplace, generically: the GPU host (the lead's `device` H200) has no vLLM, no pydantic and
+# One GPU call, generically: the GPU host (an H200 machine reached one command at a time) has no vLLM, no pydantic and
 # no datasets, and reaches no network; what a call needs travels with it as git-ignored "carry" dirs.
 #
 #   bash benchmarks/gpu_call.sh carry [refbench|peer] [--skip-regen]      # HERE (CPU host): build the carry

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19 in ONE device call on one GPU: our train step and the peer's (speculators 0.9.0), same card, same clock.
+# Training speed against the peer in ONE device call on one GPU: our train step and the peer's (speculators 0.9.0), same card, same clock.
 #
 #   phase 1  ours, Llama-3.1-8B draft dims (benchmarks/train_step.py --dims llama-3.1-8b), fresh inductor + Triton
 #            caches (the "fresh machine" first step incl. compilation); writes the compile cache file after each config

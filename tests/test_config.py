@@ -70,7 +70,7 @@ def test_pipeline_resolution_fills_paths():
 
 @pytest.mark.parametrize("section", ["capture", "train"])
 def test_old_layers_key_is_an_error_naming_the_new_key(tmp_path, section):
-    """The aux ids are `aux_layer_ids` since session 8: an old `layers:` key is refused, naming the new key."""
+    """The aux ids are `aux_layer_ids` since 2026-12-01: an old `layers:` key is refused, naming the new key."""
     p = tmp_path / "c.yaml"
     p.write_text(f"target: t\ndata: d\n{section}:\n  layers: [2, 4, 5]\n")
     with pytest.raises(ConfigError, match=rf"{section}\.layers: renamed to {section}\.aux_layer_ids"):

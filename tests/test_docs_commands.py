@@ -182,7 +182,7 @@ def test_every_documented_command_works(capsys, monkeypatch):
 
 
 def test_plan_runs_on_every_preset_without_size_flags(capsys, monkeypatch):
-    """`eagle3 plan --config <preset> --hardware <profile>` (issue 17: it demanded --target-config, then
+    """`eagle3 plan --config <preset> --hardware <profile>` (it once demanded --target-config, then
     --num-samples); the preset's plan: section supplies both, and a flag still overrides it."""
     monkeypatch.chdir(ROOT)
     for preset in PRESETS:

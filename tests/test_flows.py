@@ -602,7 +602,7 @@ def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_pa
         assert p.returncode == 0, p.stderr[-3000:]
         manifests = json.loads((tmp_path / "work" / "run_summary.json").read_text())["stages"]
         assert list(manifests) == ["prepare", "capture", "vocab", "train", "export"]
-        # quiet by default (issue 17): one line per stage, no engine/Prefect INFO chatter, no traceback (the
+        # quiet by default: one line per stage, no engine/Prefect INFO chatter, no traceback (the
         # telemetry heartbeat's "database is locked"), and a summary table at the end
         assert "Traceback" not in p.stderr and "database is locked" not in p.stderr, p.stderr[-3000:]
         assert " INFO " not in p.stderr and "| INFO" not in p.stderr, p.stderr[-3000:]

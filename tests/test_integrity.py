@@ -1,4 +1,4 @@
-"""Integrity under faults (issue 15): one test per probe of the hostile-tester session, on the tiny toy target.
+"""Integrity under faults: one test per probe of a hostile tester, on the tiny toy target.
 
 Corrupt captures never train or ship (sha256 verified on open and by the "already complete" shortcut; NaN batches
 stop training naming shard, sample and step; best/ is finite; export refuses NaN weights); no code runs from a

@@ -1,4 +1,4 @@
-"""The package installs under its own names (issue 18): the library as `eagle3`, the Prefect layer's top-level
+"""The package installs under its own names: the library as `eagle3`, the Prefect layer's top-level
 directories as `eagle3_prefect.flows` / `.tasks` / `.blocks`, nothing else at the top of site-packages; the
 stage registry is the one list of stages; `eagle3 run` finds the Prefect flow through an entry point."""
 

@@ -76,7 +76,7 @@ def test_soft_ce_chunked_equals_full_softmax():
             torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("chunk_rows", [8, 64])  # 64 >= 37 rows: one chunk (grad_w from one GEMM, issue 19)
+@pytest.mark.parametrize("chunk_rows", [8, 64])  # 64 >= 37 rows: one chunk (grad_w from one GEMM)
 def test_fused_soft_ce_equals_soft_ce_values_and_grads(chunk_rows):
     from eagle3.train.loss import fused_soft_ce
 
@@ -595,7 +595,8 @@ def test_compile_cache_dir_holds_what_compiles_while_training(captured, tiny_lla
     assert "compile cache: " in capfd.readouterr().err and (cache / "inductor").is_dir() and (cache / "triton").is_dir()
     assert {k: os.environ.get(k) for k in before} == before  # restored
     # what compiles inside lands in the directory (the draft's graphs take ~30 s to compile on this CPU: a small
-    # function stands in; the GPU round trip of the real ones is in benchmarks/results/compile_cache_round_trip.md)
+    # function stands in; the GPU round trip of the real ones is in
+    # benchmarks/results/history/2026-12-01-compile-cache-round-trip.md)
     d = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
     with compile_cache_dir(str(cache), d):
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((cache / "inductor").resolve())
@@ -742,7 +743,7 @@ def test_midlayer_feature_loss_needs_the_copied_layers(captured, tiny_llama, tmp
 
 @pytest.mark.slow
 def test_split_compile_matches_eager_and_compiles_once():
-    """compile_blocks("split") (issue 19): the blocks around the attention kernel are compiled once for all TTT
+    """compile_blocks("split"): the blocks around the attention kernel are compiled once for all TTT
     steps (3 graphs: midlayer pre, midlayer post, final norm, whatever K), and the compiled step's loss and grads
     under bf16 autocast match the eager step's (the draft's matrices cast once per unroll in both)."""
     from benchmarks.step_setup import build_benchmark

@@ -83,7 +83,7 @@ def test_split_configs_ddp_and_merge(tmp_path):
 
 def test_fsdp2_step_on_cpu_processes(tmp_path):
     """The step through FSDP2 (eagle3.train.parallel.wrap(fsdp=True): fully_shard per layer + root) under torchrun
-    on 2 CPU processes (gloo): the code path a Kimi-K2.5 draft takes over several GPUs (issue 19, item 3)."""
+    on 2 CPU processes (gloo): the code path a Kimi-K2.5 draft takes over several GPUs."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "benchmarks/train_step.py", "--smoke", "--budget-s", "120", "--skip-numerics", "--ddp", "--fsdp",

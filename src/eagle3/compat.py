@@ -1,4 +1,4 @@
-"""Old key names of files written before session 8, read as aliases: the one place that migrates them.
+"""Old key names of files written before 2026-12-01, read as aliases: the one place that migrates them.
 
 The aux layer ids (vLLM EAGLE-3 semantics: id k = output of decoder layer k-1) went by several names; they are
 `aux_layer_ids` everywhere now: in configs (capture/train sections), capture manifests and spool headers, and a

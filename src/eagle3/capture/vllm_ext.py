@@ -51,7 +51,7 @@ Hooks and why each one exists
    and top-p, int32 top-k) is never written. ``apply_sampling_constraints`` then divides the target logits at
    every draft position by uninitialized memory and applies garbage top-p/top-k, so with temperature > 0 the
    acceptance test and the recovered tokens use a distribution unrelated to the request's, and a top-k request
-   can kill the engine (upstream: vllm-project/vllm issue 55005, fix PR 55006, both open). ``fix_cpu_expand``
+   can kill the engine (upstream: vllm-project/vllm#55005, fix #55006, both open). ``fix_cpu_expand``
    checks ``rejection_sampler.expand_batch_to_tokens`` on a float32 and an int32 input and, only when it loses
    values, replaces that module attribute (its only callers are in the same module) with a torch version at the
    caller's dtype (``expand_batch_to_tokens`` below, the Triton kernel's semantics). vLLM's own override registry
@@ -272,7 +272,7 @@ class CaptureWorkerExtension:
         self._eagle3_reset()
         return out
 
-    # Worker-side shard writing (capture.writer = "worker", issue 19): the states never leave this process.
+    # Worker-side shard writing (capture.writer = "worker"): the states never leave this process.
     # Through collective_rpc go only metadata (meta), row lists (ids/masks, ~0.03 % of the states' bytes at
     # hidden 7168) and the shard's progress entry; the driver keeps matching, skips, progress and the manifest.
 

@@ -351,7 +351,7 @@ class Eagle3Draft(nn.Module):
 
         layer  each decoder layer whole (attention kernel inside) + the final norm. The layer's graph depends on
                the TTT step (its KV list grows), so it is compiled K times, forward and backward (~2 min at K=7
-               on an H200, issue 19).
+               on an H200).
         split  each layer's `pre` (norms, q/k/v, rope) and `post` (o_proj, residual, MLP) compiled on their own
                (static shapes): their graphs are the same at every TTT step, so each compiles once; the attention
                kernel between them is compiled by eagle3.train.attention (one flex kernel over the step-0 keys for

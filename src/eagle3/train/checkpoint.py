@@ -238,7 +238,7 @@ def compile_cache_dir(path: str | None, d: Dist):
     `path`/inductor and `path`/triton, so whatever compiled here is found there by the next run, on this machine or
     on another one the directory is copied to (same GPU type and software). On two fresh H200s the first K7-T8192
     step went from 51 s to 6 s this way; the artifact bundle (torch.compiler.save_cache_artifacts) missed every graph
-    across machines in 2 of 2 tries (docs/NOTES.md, session 10). The variables are restored afterwards."""
+    across machines in 2 of 2 tries (docs/history/2026-12.md). The variables are restored afterwards."""
     if not path or is_artifact_file(path):
         yield
         return
