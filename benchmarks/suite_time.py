@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest -q -p no:cacheprovider --durations=0 > /tmp/suite.log 2>&1   # one run (the README's
                                                                                           # environment: scripts/test.sh)
     .venv/bin/python benchmarks/suite_time.py --log before=/tmp/a.log --log after=/tmp/b.log \
-        --out benchmarks/results/suite_time_NAME --note "2026-12-02, this 2-core CPU, ..."
+        --out benchmarks/results/suite_time --note "2026-12-02, a 2-core CPU, ..."
 
 Writes NAME.json (every run: wall seconds from pytest's summary, the sum of test durations, the per-file sums and the
 slowest items) and NAME.md (a table of the files, longest first, one column per run). The sum of durations over the

@@ -1,0 +1,74 @@
+"""The quick tier (`bash scripts/test.sh --quick`): which tests it leaves out, and its guard against engines
+and Prefect API servers (tests/quick_guard/sitecustomize.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import add_quick_tier_marks
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = "not vllm and not slow and not prefect"
+
+
+class FakeItem:
+    def __init__(self, nodeid: str, fixturenames: tuple[str, ...] = ()):
+        self.nodeid, self.fixturenames, self.marks = nodeid, fixturenames, set()
+
+    def add_marker(self, mark: str) -> None:
+        self.marks.add(mark)
+
+
+@pytest.mark.parametrize(("nodeid", "fixtures", "marks"), [
+    ("tests/test_capture.py::test_manifest_and_reader", ("vllm_llama", "prepared_llama"), {"vllm"}),
+    ("tests/test_regenerate.py::test_regenerate_resume_after_kill", ("tiny_llama", "llm"), {"vllm"}),
+    ("tests/test_stream.py::test_pipeline_flow_streams_when_enabled", ("prefect_harness",), {"prefect"}),
+    ("tests/test_flows.py::test_anything_new", (), {"prefect"}),
+    ("tests/test_evaluate.py::test_evaluate_random_draft", ("tiny_llama",), {"vllm"}),
+    ("tests/test_train.py::test_resume_is_exact[plain]", ("captured",), {"slow"}),
+    ("tests/test_sampling_fix.py::test_cpu_rejection_sampler_accepts_with_target_probability[0.9]", (), {"slow"}),
+    ("tests/test_capture.py::test_bad_layer_ids[x]", ("tiny_llama", "prepared_llama"), set()),
+    ("tests/test_config.py::test_anything", (), set()),
+])
+def test_marks_by_fixture_and_by_name(nodeid, fixtures, marks):
+    item = FakeItem(nodeid, fixtures)
+    add_quick_tier_marks(item)
+    assert item.marks == marks
+
+
+def test_the_test_command_selects_the_quick_tier():
+    out = subprocess.run(["bash", "scripts/test.sh", "--dry-run", "--quick", "-x"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    assert f"PYTHONPATH={ROOT}/tests/quick_guard" in out
+    assert out.strip().splitlines()[-1] == ".venv/bin/python -m pytest -m not\\ vllm\\ and\\ not\\ slow\\ and\\ not\\ prefect -x"
+    full = subprocess.run(["bash", "scripts/test.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=30, check=True).stdout
+    assert "quick_guard" not in full and full.strip().splitlines()[-1] == ".venv/bin/python -m pytest"
+
+
+@pytest.mark.slow  # imports vLLM and Prefect's server in a child process (~20 s on 2 cores)
+def test_the_guard_stops_an_engine_and_a_prefect_api_and_names_the_mark():
+    code = (
+        "from vllm import LLM\n"
+        "try:\n"
+        "    LLM(model='/nonexistent-target')\n"
+        "except Exception as e:\n"
+        "    print('vllm', type(e).__name__, e)\n"
+        "from prefect.server.api.server import SubprocessASGIServer\n"
+        "print('prefect start', SubprocessASGIServer.start.__qualname__)\n"
+        "try:\n"
+        "    SubprocessASGIServer.start(None)\n"
+        "except Exception as e:\n"
+        "    print('prefect', type(e).__name__, e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "quick_guard")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300).stdout
+    assert "vllm QuickTierError" in out and "@pytest.mark.vllm" in out, out
+    assert "prefect start refuse.<locals>.start" in out, out  # the guard replaced it: no server was started
+    assert "prefect QuickTierError" in out and "@pytest.mark.prefect" in out, out
