@@ -109,7 +109,7 @@ def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[s
 
 def topk_probe(target: str, prompts: list[list[int]], max_tokens: int, fix: bool) -> str:
     """Spawned: a top-k request (T 0.6, top_k 20), with the stock kernels or the fix; returns how the engine ended
-    (top-k kills the engine both ways: see NOTES.md)."""
+    (top-k kills the engine both ways: see docs/history/)."""
     from eagle3.vllm_engine import engine_kwargs, setup_cpu_env, shutdown_engine
 
     setup_cpu_env()

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The test command (README, .ci/run): builds/updates .venv, then runs the whole suite on the CPU (two pytest-xdist
-# workers: pyproject's addopts; `bash scripts/test.sh -n 0` runs it serially). Other arguments go to pytest.
+# The test command (README, .ci/run): builds/updates .venv, then runs the whole suite on the CPU
+# (two pytest-xdist workers: pyproject's addopts; `bash scripts/test.sh -n 0` runs it serially).
+# Other arguments go to pytest.
 #
-#   bash scripts/test.sh --quick     the unit tests only: no vLLM engine, no Prefect API, nothing slow (markers
-#                                    vllm / prefect / slow; tests/conftest.py), under 2 minutes on 2 cores;
-#                                    tests/quick_guard stops a test that would start an engine or a Prefect API
+#   bash scripts/test.sh --quick     the unit tests only: no vLLM engine, no Prefect API, nothing
+#                                    slow (marks vllm / prefect / slow, some set in conftest.py),
+#                                    under 2 minutes on 2 cores; tests/quick_guard stops a test that
+#                                    would start an engine or a Prefect API anyway
 #   bash scripts/test.sh --dry-run   print the commands instead of running them
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -43,36 +43,50 @@ LONGEST_FILES = (
 )
 
 
-# ------------------------------------------------------------------ the quick tier (scripts/test.sh --quick)
-# `bash scripts/test.sh --quick` runs `-m "not vllm and not slow and not prefect"`: the unit tests, without a
-# vLLM engine, a Prefect API or anything slow, in under two minutes on 2 cores. A test gets those marks from
-# its own decorator, from a fixture it uses (below), or from MARKED_HERE (tests that start an engine, a Prefect
-# API or long subprocesses themselves, or import vLLM: each took >= 3 s, 2-core CPU, 2026-12-03).
-# tests/quick_guard stops, in the quick tier, any test that would still start an engine or a Prefect API.
+# ---------------------------------------------------------- the quick tier (scripts/test.sh --quick)
+# `bash scripts/test.sh --quick` runs `-m "not vllm and not slow and not prefect"`: the unit tests,
+# without a vLLM engine, a Prefect API or anything slow, in under two minutes on 2 cores. A test gets
+# those marks from its own decorator, from a fixture it uses (FIXTURE_MARKS), or from MARKED_HERE:
+# tests that start an engine, a Prefect API or long subprocesses themselves, or import vLLM (each
+# took >= 3 s on a 2-core CPU, 2026-12-03). In the quick tier, tests/quick_guard stops any test that
+# would still start an engine or a Prefect API.
 FIXTURE_MARKS = {
-    "vllm": {"llama_engine", "vllm_llama", "llm", "smol_engine", "smol_capture", "chatml_llm", "vllm_loads"},
+    "vllm": {"llama_engine", "vllm_llama", "llm", "smol_engine", "smol_capture", "chatml_llm",
+             "vllm_loads"},
     "prefect": {"prefect_harness", "stack"},
 }
 MARKED_HERE = {
-    "vllm": ("test_capture.py::test_vllm_golden_qwen3", "test_evaluate.py::test_evaluate_random_draft",
-             "test_evaluate.py::test_evaluate_ngram_needs_no_draft"),
-    "prefect": ("test_flows.py::", "test_prefect_server.py::", "test_stream.py::test_eagle3_run_streams_when_enabled"),
+    "vllm": (
+        "test_capture.py::test_vllm_golden_qwen3",
+        "test_evaluate.py::test_evaluate_random_draft",
+        "test_evaluate.py::test_evaluate_ngram_needs_no_draft",
+    ),
+    "prefect": (
+        "test_flows.py::",
+        "test_prefect_server.py::",
+        "test_stream.py::test_eagle3_run_streams_when_enabled",
+    ),
     "slow": (
-        "test_capture.py::test_hf_backend_runs_without_vllm", "test_capture_fp8.py::test_fp8_sigkill_then_resume",
+        "test_capture.py::test_hf_backend_runs_without_vllm",
+        "test_capture_fp8.py::test_fp8_sigkill_then_resume",
         "test_capture_resume.py::test_sigkill_then_resume_equals_uninterrupted",
         "test_estimate.py::test_padded_eval_batches_score_the_same",
         "test_estimate.py::test_train_with_layer_subset_val_capture_and_estimate",
         "test_integrity.py::test_hf_resume_after_sigkill_is_bit_exact_with_multi_sample_batches",
+        "test_moe_targets.py::test_yarn_rope_matches_vllm",
         "test_plan.py::test_scaling_doc_figures_come_from_the_command",
-        "test_moe_targets.py::test_yarn_rope_matches_vllm", "test_sampling_fix.py::",
         "test_prefect_units.py::test_subprocess_timeout_kills_the_process_group",
+        "test_sampling_fix.py::",
         "test_stream.py::test_sigkill_of_both_sides_resumes_and_trains_every_sample_once",
         "test_stream.py::test_stream_trains_through_a_spool_five_times_smaller_than_the_capture",
         "test_train.py::test_compile_cache_dir_holds_what_compiles_while_training",
         "test_train.py::test_target_argmax_is_computed_in_shares_across_ranks",
-        "test_train.py::test_resume_is_exact", "test_train.py::test_compile_cache_artifact_file_is_written_and_reloaded",
-        "test_train.py::test_several_captures_train_as_one", "test_train_step_bench.py::test_split_configs_ddp_and_merge",
-        "test_train_step_bench.py::test_fsdp2_step_on_cpu_processes", "test_train_step_bench.py::test_train_step_smoke",
+        "test_train.py::test_resume_is_exact",
+        "test_train.py::test_compile_cache_artifact_file_is_written_and_reloaded",
+        "test_train.py::test_several_captures_train_as_one",
+        "test_train_step_bench.py::test_split_configs_ddp_and_merge",
+        "test_train_step_bench.py::test_fsdp2_step_on_cpu_processes",
+        "test_train_step_bench.py::test_train_step_smoke",
         "test_train_step_bench.py::test_gpu_step_vs_peer_smoke_and_merge",
         "test_vllm_engine.py::test_setup_stage_process_env_only_for_engine_stages",
     ),
@@ -80,7 +94,7 @@ MARKED_HERE = {
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "prefect: runs a Prefect flow or API server (left out by --quick)")
+    config.addinivalue_line("markers", "prefect: runs a Prefect flow or API server (not in --quick)")
 
 
 def add_quick_tier_marks(item) -> None:

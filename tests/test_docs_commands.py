@@ -1,13 +1,13 @@
-"""Every command line in README.md, docs/scaling.md, docs/decisions/ and benchmarks/README.md works as written
-(docs/operations.md's are run by tests/test_prefect_server.py).
+"""Every command line in README.md, docs/scaling.md, docs/decisions/ and benchmarks/README.md works
+as written (docs/operations.md's are run by tests/test_prefect_server.py).
 
 Each documented command is found (fenced blocks and inline code spans) and must be classified here: an
 `eagle3` command is parsed by the real CLI parser with its placeholders filled in (FILE = every preset in
 configs/ for `eagle3 plan`, `h200|b300|...` = each alternative), and run for real where that is cheap
 (`eagle3 plan` on every preset and profile, configs loaded and validated); `bash scripts/demo.sh` runs with
 --dry-run (the eagle3 command it would run, checked the same way); `bash benchmarks/gpu_call.sh run ... -- CMD`
-runs with --dry-run (CMD checked the same way when it is an eagle3 or benchmark command); `bash scripts/test.sh ...`
-runs with --dry-run (its pytest command must parse: --quick selects by markers); any other benchmark
+runs with --dry-run (CMD checked the same way when it is an eagle3 or benchmark command);
+`bash scripts/test.sh ...` runs with --dry-run (its pytest command must parse); any other benchmark
 command (`python benchmarks/X.py --flag ...`, `bash benchmarks/X.sh ...`) must name an existing script that defines
 every flag it passes; the rest names the test that runs it.
 A new command in the docs that fits none of these fails the test, so the docs cannot drift unnoticed.
@@ -184,19 +184,22 @@ def test_every_documented_command_works(capsys, monkeypatch):
     assert not unclassified, "documented commands no test runs: " + "; ".join(unclassified)
 
 
+QUICK_MARKS = "not vllm and not slow and not prefect"
+
+
 def check_test_command(cmd: str) -> None:
-    """`bash scripts/test.sh [ARGS]` with --dry-run: it accepts ARGS and prints a pytest command that pytest parses
-    (collection only: the suite itself is what CI runs); --quick selects by the markers conftest registers."""
+    """`bash scripts/test.sh [ARGS]` with --dry-run: it accepts ARGS and prints a pytest command that
+    pytest parses (the suite itself is what CI runs); --quick selects the quick tier by marks."""
     argv = shlex.split(cmd)[2:]
-    p = subprocess.run(["bash", "scripts/test.sh", "--dry-run", *argv], cwd=ROOT, capture_output=True, text=True,
-                       timeout=30)
+    p = subprocess.run(["bash", "scripts/test.sh", "--dry-run", *argv], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, f"`{cmd}`: {p.stderr}"
     pytest_argv = shlex.split(p.stdout.strip().splitlines()[-1])
     assert pytest_argv[:3] == [".venv/bin/python", "-m", "pytest"], f"`{cmd}` runs {pytest_argv}"
     if "--quick" in argv:
-        assert "not vllm and not slow and not prefect" in pytest_argv and "tests/quick_guard" in p.stdout, p.stdout
-    config = pytest.Config.fromdictargs({}, pytest_argv[3:])  # parses pyproject's addopts and these
-    assert config.getoption("markexpr") == ("not vllm and not slow and not prefect" if "--quick" in argv else "")
+        assert QUICK_MARKS in pytest_argv and "tests/quick_guard" in p.stdout, p.stdout
+    config = pytest.Config.fromdictargs({}, pytest_argv[3:])  # pyproject's addopts and these
+    assert config.getoption("markexpr") == (QUICK_MARKS if "--quick" in argv else "")
 
 
 def test_plan_runs_on_every_preset_without_size_flags(capsys, monkeypatch):

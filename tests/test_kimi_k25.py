@@ -31,7 +31,7 @@ from test_capture import MATCH, MISMATCH, rel_err
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-# yarn as Kimi-K2.5 ships it (vLLM's DeepSeek rope path matches transformers only with it, see docs/NOTES.md)
+# yarn as Kimi-K2.5 ships it (vLLM's DeepSeek rope path matches transformers only with it, see docs/history/)
 YARN = (("rope_type", "yarn"), ("factor", 4.0), ("original_max_position_embeddings", 1024), ("beta_fast", 32.0),
         ("beta_slow", 1.0), ("mscale", 1.0), ("mscale_all_dim", 1.0))
 NUM_LAYERS = 4

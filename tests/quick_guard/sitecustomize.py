@@ -1,7 +1,7 @@
-"""Loaded by every Python process of the quick tier (`bash scripts/test.sh --quick` puts this directory on
-PYTHONPATH, so the stage subprocesses and engine jobs of a test load it too): the quick tier starts no vLLM
-engine and no Prefect API server. A test that would is stopped where it starts one, with an error that
-names the mark it lacks, instead of slowing the tier down. Importing vLLM or Prefect stays allowed."""
+"""Loaded by every Python process of the quick tier (`bash scripts/test.sh --quick` puts this
+directory on PYTHONPATH, so the stage subprocesses and engine jobs of a test load it too): the quick
+tier starts no vLLM engine and no Prefect API server. A test that would is stopped where it starts
+one, with an error that names the mark it lacks. Importing vLLM or Prefect stays allowed."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import importlib.abc
 import importlib.util
 import sys
 
-#: module -> (class, method that starts it, what it starts, the mark a test that does it needs)
+#: module -> (class, the method that starts it, what it starts, the mark a test doing it needs)
 GUARDS = {
     "vllm.entrypoints.llm": ("LLM", "__init__", "a vLLM engine", "vllm"),
-    "prefect.server.api.server": ("SubprocessASGIServer", "start", "a Prefect API server", "prefect"),
+    "prefect.server.api.server": ("SubprocessASGIServer", "start", "a Prefect API server",
+                                  "prefect"),
 }
 
 
@@ -24,12 +25,13 @@ def refuse(what: str, mark: str):
     def start(*args, **kwargs):
         raise QuickTierError(
             f"the quick tier (bash scripts/test.sh --quick) starts no {what}: mark this test "
-            f"@pytest.mark.{mark}, or list it in tests/conftest.py MARKED_HERE; the full suite still runs it")
+            f"@pytest.mark.{mark}, or list it in tests/conftest.py MARKED_HERE; the full suite "
+            "still runs it")
     return start
 
 
 class GuardFinder(importlib.abc.MetaPathFinder):
-    """Finds the guarded modules as usual, then replaces their starting method once they are executed."""
+    """Finds a guarded module as usual, then replaces its starting method once it has run."""
 
     def find_spec(self, name, path=None, target=None):
         if name not in GUARDS:

@@ -2,7 +2,7 @@
 
 `eagle3 stream-capture` (run_stream_capture) runs concurrently with `eagle3 stream-train`
 (eagle3.train.stream), which trains on the shards as they arrive and deletes each one once a checkpoint
-covers it. Every epoch is captured again (exact epochs, no replay buffer: docs/NOTES.md, "Streaming").
+covers it. Every epoch is captured again (exact epochs, no replay buffer: docs/history/, "Streaming").
 
 Spool layout (one directory; every file in it counts against the cap, temp files included)::
 

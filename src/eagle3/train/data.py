@@ -491,7 +491,7 @@ class PackedLoader:
 def eval_batches(samples, indices, max_seq_len, batch_size) -> list[PackedBatch]:
     """Validation batches in index order, packed the same way. The last batch is filled up with empty rows (all
     padding, no supervised token) so every batch has the training shape: a compiled attention kernel is then
-    not compiled again for an odd batch size (on the GPU that cost ~30 s per new shape, docs/NOTES.md)."""
+    not compiled again for an odd batch size (on the GPU that cost ~30 s per new shape, docs/history/)."""
     rows, docs, used = [], [], 0
     for i in indices:
         s = samples[i]

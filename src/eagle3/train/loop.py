@@ -106,7 +106,7 @@ def build_optimizer(run: Run) -> None:
     cfg = run.cfg
     run.params = [p for p in run.model.parameters() if p.requires_grad]
     # fused: one kernel over all tensors on CUDA (the step's AdamW 8.4 ms vs its 2.8 ms byte floor in the H200
-    # profile, docs/NOTES.md); FSDP2's sharded DTensor params keep the default (foreach) path
+    # profile, docs/history/); FSDP2's sharded DTensor params keep the default (foreach) path
     fused = run.d.device.type == "cuda" and cfg.parallel != "fsdp"
     run.opt = torch.optim.AdamW(run.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                                 fused=fused or None)
@@ -196,7 +196,7 @@ def validate(run: Run, batches) -> dict[str, float]:
                       replay_k=k, loss_decay=cfg.loss_decay, attention=cfg.attention)
     m["loss"] = sum(cfg.loss_decay**j * m[f"loss_{j}"] for j in range(cfg.ttt_steps))
     m["tau_per_row"] = tau_from_metrics(m, k)
-    m["tau_estimate"] = m["tau_replay"]  # picks the best checkpoint: tracks vLLM's τ (docs/NOTES.md)
+    m["tau_estimate"] = m["tau_replay"]  # picks the best checkpoint: tracks vLLM's τ (docs/history/)
     return m
 
 

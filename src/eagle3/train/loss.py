@@ -257,7 +257,7 @@ def fused_soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: t
                   shared: SharedHeadGrad | None = None):
     """Same value and gradients as soft_ce (tests/test_train.py), without the checkpointed recompute: one head
     matmul fewer per step and far fewer passes over (rows, Vd) float32 blocks (the step's main non-GEMM cost
-    on an H200, docs/NOTES.md). The target logits get no gradient (they are the frozen target's). tgt_lse: (B, T)
+    on an H200, docs/history/). The target logits get no gradient (they are the frozen target's). tgt_lse: (B, T)
     log-sum-exp of tgt's rows if known (Targets.lse), else computed per chunk. grad_scale: () the factor the
     caller's loss multiplies the result by, if known (folded into the gradient, no scaling pass in backward);
     shared: one SharedHeadGrad for all calls of a TTT unroll (their head gradients summed in the GEMMs)."""

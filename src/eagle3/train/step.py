@@ -70,7 +70,7 @@ def linear_weight_casts(model: torch.nn.Module, device_type: str) -> dict[str, t
 
     Each weight is used by all K TTT steps. Cast inside every compiled block, each use re-reads the fp32 master
     (K casts) and sends an fp32 gradient back that AccumulateGrad adds into .grad (K fp32 read-modify-writes of
-    every weight; ~12 ms per K=7/8192 step on an H200, docs/NOTES.md). Cast once here, the K uses share one bf16
+    every weight; ~12 ms per K=7/8192 step on an H200, docs/history/). Cast once here, the K uses share one bf16
     tensor: autograd sums their gradients in bf16 and one cast brings the sum to the fp32 .grad — the same
     arithmetic as eager autocast, whose weight-cast cache does exactly this (so the naive reference agrees).
     Empty (no-op) without autocast, for fp32 autocast, and for FSDP2's sharded (DTensor) parameters, whose mixed
