@@ -67,7 +67,12 @@ class VLLMBackend:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             from vllm import LLM
 
+            from eagle3.lock import record_engine_processes
+            from eagle3.vllm_engine import engines_die_with_parent
+
+            engines_die_with_parent()
             self.llm = LLM(worker_extension_cls=EXTENSION, **self.kwargs)
+            record_engine_processes()  # in the out dir's lock file: a later run finds them if they outlive this one
         infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.aux_layer_ids, self.storage_dtype))
         info = dict(infos[0])
         # Prompts per generate() call: many engine steps' worth keeps the engine full (a partly filled
