@@ -351,6 +351,20 @@ def test_job_of_run_in_subprocess_dies_with_its_caller(tmp_path, sig):
             os.kill(job, signal.SIGKILL)
 
 
+def test_vllm_plugin_leaves_a_fork_server_job_running(tmp_path):
+    """The plugin runs in every process that loads vLLM's plugins, a job of run_in_subprocess with its engine in
+    process included: its parent is the fork server, not the caller multiprocessing names, and it must run on."""
+    script = tmp_path / "caller.py"
+    script.write_text("import os\nimport eagle3.vllm_engine as ve\n"
+                      "from eagle3.capture.vllm_ext import die_with_parent_plugin\n"
+                      "if __name__ == '__main__':\n"
+                      "    ve.FORKSERVER_PRELOAD = []\n"
+                      "    os.environ['EAGLE3_ENGINE_DIES_WITH_PARENT'] = '1'\n"
+                      "    print('job returned', ve.run_in_subprocess(die_with_parent_plugin))\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and "job returned None" in p.stdout, p.stderr[-2000:]
+
+
 def _start_time(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
 

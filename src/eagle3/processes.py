@@ -28,9 +28,11 @@ DIE_WITH_PARENT_ENV = "EAGLE3_ENGINE_DIES_WITH_PARENT"
 
 def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGKILL) -> bool:
     """Have the kernel send `sig` to this process when its parent dies; exit now (status 1) if `parent_pid` (default:
-    multiprocessing's record of the parent, when this is a multiprocessing child) is no longer the parent. The signal
-    follows the parent *thread* that started this process: start such processes from a thread that lives as long as
-    they should. Returns False where prctl is not available (not Linux)."""
+    multiprocessing's record of the process that started this one, when it is a multiprocessing child) died before
+    the signal was armed. (A fork server's child has the server as its parent but the server's client as
+    `parent_pid`: while that client runs, nothing is wrong.) The signal follows the parent *thread* that started
+    this process: start such processes from a thread that lives as long as they should. Returns False where prctl
+    is not available (not Linux)."""
     if parent_pid is None:
         import multiprocessing
 
@@ -42,8 +44,8 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGKILL) ->
             return False
     except (OSError, AttributeError):
         return False
-    if parent_pid is not None and os.getppid() != parent_pid:  # it died before the signal was armed
-        os._exit(1)
+    if parent_pid is not None and os.getppid() != parent_pid and not is_running(parent_pid):
+        os._exit(1)  # it died before the signal was armed
     return True
 
 
