@@ -109,23 +109,27 @@ def _int_fields(model: type[BaseModel]):
             tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
         if typing.get_origin(tp) is typing.Annotated:
             tp = typing.get_args(tp)[0]
-        if tp is int:
+        if tp in (int, float):
             yield name
 
 
 def test_booleans_are_refused_for_every_count_field():
-    """`limit: true` was read as 1: every integer field of every config refuses a boolean, naming the field."""
+    """`limit: true` was read as 1: every number field of every config (stage configs, plan, estimate) refuses a
+    boolean, naming the field."""
     import eagle3.config as config
+    from eagle3.plan import PlanConfig
+    from eagle3.train.estimate import EstimateConfig
 
     models = [c for c in vars(config).values() if isinstance(c, type) and issubclass(c, BaseModel)
-              and c.__module__ == config.__name__]
+              and c.__module__ == config.__name__] + [PlanConfig, EstimateConfig]
     checked = []
     for model in models:
         for name in _int_fields(model):
             with pytest.raises(ValidationError, match=rf"{name}[\s\S]*boolean"):
                 model.model_validate({name: True})
             checked.append(f"{model.__name__}.{name}")
-    assert "PrepareConfig.limit" in checked and "MixConfig.num_rows" in checked and len(checked) > 40, checked
+    assert {"PrepareConfig.limit", "MixConfig.num_rows", "TrainConfig.epochs", "PlanConfig.num_gpus"} <= set(checked)
+    assert len(checked) > 90, checked
 
 
 def test_limit_true_in_a_config_file_is_a_one_paragraph_error(tmp_path, capsys, tiny_llama):
@@ -233,10 +237,12 @@ def test_token_ids_outside_the_target_vocab_name_shard_sample_and_id(tmp_path, c
 
 
 def test_corrupt_draft_weights_are_named_before_an_engine_starts(tmp_path, capsys, tiny_llama):
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    (draft / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}" + b"\0" * 64)
+    from tests.random_draft import build_random_draft
+
+    draft = build_random_draft(tiny_llama, tmp_path / "draft", draft_vocab_size=256, aux_layer_ids=[1, 2, 4]).path
+    weights = draft / "model.safetensors"
+    assert weights.is_file()
+    weights.write_bytes(struct.pack("<Q", 1 << 40) + weights.read_bytes()[8:])  # "header too large"
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello"}, {"prompt": "world"}])
     t0 = time.time()
     rc, err = run_cli(capsys, "evaluate", "--target", tiny_llama, "--draft", draft, "--prompts", prompts,
