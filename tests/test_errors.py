@@ -415,6 +415,35 @@ def test_lock_file_records_the_engine_processes(tmp_path):
         child.wait()
 
 
+LOCKED_JOB = """
+import json, os, sys, time
+import eagle3.vllm_engine as ve
+from eagle3.lock import LOCK_NAME, dir_lock
+
+def job(path):
+    time.sleep(2.5)  # the caller records what runs below it about once a second
+    return os.getpid(), json.loads(open(path).read())
+
+if __name__ == "__main__":
+    ve.FORKSERVER_PRELOAD = []
+    with dir_lock(sys.argv[1], "evaluate out") as lock:
+        pid, held = ve.run_in_subprocess(job, str(lock))
+    print(json.dumps({"job": pid, "engines": [e["pid"] for e in held.get("engines", [])]}))
+"""
+
+
+def test_a_running_job_is_recorded_in_the_callers_lock_file(tmp_path):
+    """evaluate's engines run in a job of run_in_subprocess (forked by the fork server, not a child of the caller):
+    while it runs, the caller records it, and what it starts, in the lock files it holds."""
+    script = tmp_path / "caller.py"
+    script.write_text(LOCKED_JOB)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["job"] in got["engines"], got
+
+
 def test_engine_processes_get_a_parent_death_signal(tmp_path):
     """What the vLLM plugin does in each engine process (EngineCore, Worker): SIGKILL when its parent dies, and an
     exit at once when the parent is already gone."""

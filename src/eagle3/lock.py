@@ -178,8 +178,9 @@ def _raise_if_stale_engines(path: Path, what: str, holder: dict) -> None:
         f"(lock file {path})")
 
 
-#: helper processes of multiprocessing that end by themselves when their parent does (not engines)
-_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "multiprocessing.semaphore_tracker")
+#: helper processes of multiprocessing that end by themselves once their clients are gone (not engines). The fork
+#: server is kept: its jobs carry its command line (an evaluate job is the engine), and it runs on only while a job does
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.semaphore_tracker")
 
 
 def record_engine_processes() -> list[dict]:
