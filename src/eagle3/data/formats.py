@@ -330,7 +330,14 @@ def _json_array(path: Path) -> list[Any] | None:
         head = f.read(4096).removeprefix(BOM).lstrip()
     if not head.startswith(b"["):
         return None
-    text = path.read_bytes().removeprefix(BOM).decode("utf-8", errors="replace")
+    raw = path.read_bytes().removeprefix(BOM)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(f"{path}: one JSON array (it starts with `[`) that is not valid UTF-8 at line {line}: fix or "
+                        "re-encode it, or write one row per line (JSON Lines), where a bad line is skipped and "
+                        "counted") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
