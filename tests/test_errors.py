@@ -220,6 +220,26 @@ def test_manifest_that_lost_a_shard_entry_is_refused(tmp_path, capsys, captured,
     assert not (tmp_path / "t" / "final").exists()
 
 
+def test_capture_rebuilds_a_manifest_that_lost_a_shard_entry(tmp_path, tiny_llama):
+    from eagle3.capture import load_manifest, run_capture
+    from eagle3.config import CaptureConfig
+    from test_capture import make_prepared
+
+    prepared = make_prepared(tiny_llama, tmp_path / "prepared", num=8, step=9)
+    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared), out=tmp_path / "cap", backend="hf",
+                        aux_layer_ids=[1, 2, 4], device="cpu", batch_tokens=60, shard_tokens=60, dtype="float32",
+                        storage_dtype="float32")
+    first = run_capture(cfg)
+    m = json.loads((cfg.out / "manifest.json").read_text())
+    assert first.num_shards >= 3
+    lost = m["shards"].pop(1)
+    (cfg.out / "manifest.json").write_text(json.dumps(m))
+    again = run_capture(cfg)
+    assert again.num_samples == first.num_samples == 8 and again.resumed_shards == 1
+    rebuilt = load_manifest(cfg.out)  # covers its samples again
+    assert rebuilt["shards"][1]["sha256"] == lost["sha256"]  # captured again bit for bit
+
+
 # ------------------------------------------------------------------------------------ one error path
 def test_token_ids_outside_the_target_vocab_name_shard_sample_and_id(tmp_path, capsys, captured, tiny_llama):
     from tests.synthetic_capture import write_captured
