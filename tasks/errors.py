@@ -64,7 +64,8 @@ def classify_exception(exc: BaseException) -> str:
         return exc.kind
     from eagle3.errors import UserError
 
-    if isinstance(exc, UserError):  # a diagnosis (eagle3.errors): the same again until someone acts on it
+    # a diagnosis (eagle3.errors): the same again until someone acts on it
+    if isinstance(exc, UserError):
         return "config"
     name = type(exc).__name__.lower()
     text = f"{name}: {exc}".lower()

@@ -113,7 +113,7 @@ def run_stage_subprocess(
         finally:
             if proc.poll() is None:  # cancelled or interrupted: never leave an engine behind
                 _kill_group(proc)
-            else:  # it ended (or crashed) on its own: what it started in its group (engines) ends with it
+            else:  # it ended (or crashed) on its own: what it started in its group ends with it
                 _kill_rest_of_group(proc.pid)
         reader.join(timeout=10)
         wall_s = time.time() - t0
@@ -202,9 +202,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _kill_rest_of_group(pgid: int) -> None:
-    """SIGKILL what is left of the stage's process group (its id is the stage process's pid: start_new_session)
-    once the stage process itself has exited: a stage that crashed (SIGKILL, OOM killer, segfault) cannot stop the
-    engine processes it started, and they would run on under PID 1 holding memory and GPUs."""
+    """SIGKILL what is left of the stage's process group (its id is the stage process's pid:
+    start_new_session) once the stage process itself has exited: a stage that crashed (SIGKILL, OOM
+    killer, segfault) cannot stop the engine processes it started, and they would run on under PID 1
+    holding memory and GPUs."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -32,14 +32,16 @@ class ConfigError(UserError, ValueError):
 
 
 def refuse_bool(value: Any) -> Any:
-    """A number field given `true`/`false` (YAML `limit: true` would read as 1): refused, not converted."""
+    """A number field given `true`/`false` (YAML `limit: true` would read as 1): refused, not
+    converted."""
     if isinstance(value, bool):
-        raise ValueError(f"{str(value).lower()} is a boolean, but a number is expected here; write the number "
-                         "(e.g. 100), or leave the key out for its default")
+        raise ValueError(f"{str(value).lower()} is a boolean, but a number is expected here; write "
+                         "the number (e.g. 100), or leave the key out for its default")
     return value
 
 
-#: an integer field (a count, a size, a seed): whole numbers from YAML, JSON or the CLI; booleans refused
+#: an integer field (a count, a size, a seed): whole numbers from YAML, JSON or the CLI; booleans
+#: refused
 Count = Annotated[int, BeforeValidator(refuse_bool)]
 #: a real-valued field (a weight, a fraction, a rate): numbers; booleans refused
 Number = Annotated[float, BeforeValidator(refuse_bool)]
@@ -74,8 +76,9 @@ class PrepareConfig(StageConfig):
     limit: Count | None = Field(None, gt=0, description="Use at most this many input rows (all when unset)")
     split: str = Field("train", description="Split to read when --data is a DatasetDict directory")
     max_skipped_fraction: Number = Field(
-        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more than this share of "
-        "the input rows is skipped (bad JSON, missing fields, nothing to supervise, ...); 1 = never stop")
+        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        "than this share of the input rows is skipped (bad JSON, missing fields, nothing to "
+        "supervise, ...); 1 = never stop")
     trust_remote_code: bool = Field(
         False,
         description="Run the tokenizer's own Python code from the target directory (tokenizer_config.json "
@@ -96,8 +99,9 @@ class RegenerateConfig(StageConfig):
     max_model_len: Count = Field(4096, gt=0, description="vLLM max_model_len; longer prompts are skipped and counted")
     limit: Count | None = Field(None, gt=0, description="Use at most this many input rows")
     max_skipped_fraction: Number = Field(
-        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more than this share of "
-        "the input rows cannot be read (bad JSON, missing fields, ...), before anything is generated; 1 = never stop")
+        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        "than this share of the input rows cannot be read (bad JSON, missing fields, ...), before "
+        "anything is generated; 1 = never stop")
     tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: Count = Field(0, description="Sampling seed")
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)")
@@ -240,8 +244,9 @@ class MixConfig(StageConfig):
         None, gt=0, description="Rows in the mix (default: the most possible without repeating a row of any source)")
     seed: Count = Field(0, description="Seed of the row sampling and the shuffle")
     max_skipped_fraction: Number = Field(
-        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more than this share of "
-        "a source's rows cannot be read (bad JSON, missing fields, ...); 1 = never stop")
+        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        "than this share of a source's rows cannot be read (bad JSON, missing fields, ...); 1 = "
+        "never stop")
     data_weight: Number = Field(1.0, gt=0, description="Pipeline only: weight of the pipeline's `data`")
     synthesize_weight: Number = Field(1.0, gt=0, description="Pipeline only: weight of synthesize's prompts")
 

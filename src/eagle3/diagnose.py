@@ -1,10 +1,10 @@
 """Failures the user can act on, turned into one message: what happened, where, and what to do.
 
-The one error path (eagle3.errors): stages raise `UserError` where the cause is known, and this module is the
-top-level translation for everything else. Used by the CLI (`eagle3 ...` prints the message and exits non-zero;
-the traceback only with --verbose) and by the Prefect tasks (tasks/_stage_main.py), so both say the same thing.
-`describe_failure` returns None for an exception that is neither a UserError nor a well-known family (a bug: its
-traceback is what helps).
+The one error path (eagle3.errors): stages raise `UserError` where the cause is known, and this
+module is the top-level translation for everything else. Used by the CLI (`eagle3 ...` prints the
+message and exits non-zero; the traceback only with --verbose) and by the Prefect tasks
+(tasks/_stage_main.py), so both say the same thing. `describe_failure` returns None for an exception
+that is neither a UserError nor a well-known family (a bug: its traceback is what helps).
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import errno
 import os
 
 
-#: exceptions whose message is already the diagnosis besides UserError (raised by the library with a file / field
-#: and a fix in their message, but not yet as UserError)
+#: exceptions whose message is already the diagnosis besides UserError (raised by the library with a
+#: file / field and a fix in their message, but not yet as UserError)
 def _known() -> tuple[type[BaseException], ...]:
     return (FileNotFoundError, NotADirectoryError, ValueError)
 
 
 def describe_failure(exc: BaseException) -> str | None:
-    """The diagnosis of `exc` as one paragraph, or None when it is not a failure the user can act on (a bug)."""
+    """The diagnosis of `exc` as one paragraph, or None when it is not a failure the user can act on
+    (a bug)."""
     from eagle3.errors import UserError
 
     if isinstance(exc, UserError):
@@ -30,7 +31,8 @@ def describe_failure(exc: BaseException) -> str | None:
 
 
 def translate(exc: BaseException) -> str | None:
-    """Well-known exception families that reach the top without passing a boundary that knew their cause."""
+    """Well-known exception families that reach the top without passing a boundary that knew their
+    cause."""
     from safetensors import SafetensorError
 
     from eagle3.errors import disk_full_error, is_disk_full

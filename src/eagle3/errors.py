@@ -1,15 +1,16 @@
 """The one kind of failure a user is shown as a diagnosis instead of a traceback.
 
-A stage raises `UserError` (or a subclass) at the boundary where the cause is known: the reader of a file names
-the file, a config check names the field, a data check names the row, and each says the fix. Its message is the
-whole diagnosis, one paragraph. The CLI prints it as ``eagle3 <command>: error: <message>`` (the traceback only
-with ``-v``), the Prefect layer reports the same message, and `eagle3.vllm_engine.run_in_subprocess` carries it
-back from a child process unchanged. Well-known exception families that reach the top without passing such a
-boundary (an OSError with ENOSPC, a SafetensorError, torch's writer failing on a full disk) are translated there by
+A stage raises `UserError` (or a subclass) at the boundary where the cause is known: the reader of a
+file names the file, a config check names the field, a data check names the row, and each says the
+fix. Its message is the whole diagnosis, one paragraph. The CLI prints it as ``eagle3 <command>:
+error: <message>`` (the traceback only with ``-v``), the Prefect layer reports the same message, and
+`eagle3.vllm_engine.run_in_subprocess` carries it back from a child process unchanged. Well-known
+exception families that reach the top without passing such a boundary (an OSError with ENOSPC, a
+SafetensorError, torch's writer failing on a full disk) are translated there by
 `eagle3.diagnose.describe_failure`; anything else is a bug and keeps its traceback.
 
-The classes also derive from the builtin a caller may already catch (ValueError, OSError, RuntimeError), so
-raising them instead of the builtin breaks no `except`.
+The classes also derive from the builtin a caller may already catch (ValueError, OSError,
+RuntimeError), so raising them instead of the builtin breaks no `except`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 
 
 class UserError(Exception):
-    """A failure the user can fix; the message names the file / field / row, the bad value and the fix."""
+    """A failure the user can fix; the message names the file / field / row, the bad value and the
+    fix."""
 
 
 class DataLossError(UserError, ValueError):
@@ -54,7 +56,8 @@ def fmt_bytes(num_bytes: float) -> str:
 
 
 def free_bytes(path: str | Path) -> tuple[int | None, Path]:
-    """(free bytes, the existing directory they were measured at) for the filesystem that holds `path`."""
+    """(free bytes, the existing directory they were measured at) for the filesystem that holds
+    `path`."""
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -65,24 +68,31 @@ def free_bytes(path: str | Path) -> tuple[int | None, Path]:
 
 
 def disk_full_error(path: str | Path, needed_bytes: int | None = None) -> DiskFullError:
-    """The diagnosis of a write to `path` that the full disk stopped: free and needed space, and the fix."""
+    """The diagnosis of a write to `path` that the full disk stopped: free and needed space, and the
+    fix."""
     free, at = free_bytes(path)
     have = f"{fmt_bytes(free)} free" if free is not None else "free space unknown"
     need = f", {fmt_bytes(needed_bytes)} needed for it" if needed_bytes else ""
     return DiskFullError(
-        f"disk full (or quota exceeded) while writing {path} ({have} on the filesystem of {at}{need}). Free space "
-        "there or point --out at a larger disk, then run the same command again: finished shards and checkpoints "
-        "are kept and the stage resumes from them", path)
+        f"disk full (or quota exceeded) while writing {path} ({have} on the filesystem of {at}"
+        f"{need}). Free space there or point --out at a larger disk, then run the same command "
+        "again: finished shards and checkpoints are kept and the stage resumes from them",
+        path,
+    )
 
 
 #: what torch's zip writer (torch.save) says when its stream fails, which a full disk makes it do
-TORCH_WRITE_FAILURES = ("inline_container.cc", "pytorchstreamwriter failed", "unexpected pos",
-                        "iostream error")
+TORCH_WRITE_FAILURES = (
+    "inline_container.cc",
+    "pytorchstreamwriter failed",
+    "unexpected pos",
+    "iostream error",
+)
 
 
 def is_disk_full(exc: BaseException, path: str | Path | None = None) -> bool:
-    """True for an OSError ENOSPC/EDQUOT, and for torch's writer failing (a RuntimeError that names no errno) while
-    the filesystem of `path` has (almost) nothing left."""
+    """True for an OSError ENOSPC/EDQUOT, and for torch's writer failing (a RuntimeError that names
+    no errno) while the filesystem of `path` has (almost) nothing left."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     if isinstance(exc, RuntimeError) and path is not None:

@@ -402,8 +402,9 @@ def _check_draft(draft: Path, k: int) -> dict[str, Any]:
 
 
 def _check_weight_files(draft: Path) -> None:
-    """Read every weight file's safetensors header (and check the file holds what it declares) before an engine
-    starts: a truncated or overwritten file is named here, not in vLLM's loader ~80 lines of traceback later."""
+    """Read every weight file's safetensors header (and check the file holds what it declares)
+    before an engine starts: a truncated or overwritten file is named here, not in vLLM's loader ~80
+    lines of traceback later."""
     from safetensors import safe_open
 
     from eagle3.io import corrupt_file_errors
@@ -563,8 +564,9 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     if cfg.baseline:
         jobs.append(engine_kwargs(target, disable_log_stats=False, **common))
     jobs += compare_kwargs.values()
-    # every engine, one after the other, in one fresh process forked from a server that imported vLLM once; the
-    # out dir's lock records that process and its engines (a later run names them if they outlive this one)
+    # every engine, one after the other, in one fresh process forked from a server that imported
+    # vLLM once; the out dir's lock records that process and its engines (a later run names them if
+    # they outlive this one)
     with dir_lock(out, "evaluate out"):
         done = run_in_subprocess(decode_jobs, jobs, groups, samplings)
     spec, base = done[0], (done[1] if cfg.baseline else None)

@@ -19,9 +19,10 @@ from eagle3.errors import UserError, disk_full_error, is_disk_full
 def atomic_path(path: str | Path, needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temp path next to `path`; rename it onto `path` only if the block succeeds.
 
-    A killed or failing writer never leaves a half-written file under the final name. A write that the full disk
-    stops (ENOSPC, or torch's writer failing there) is raised as eagle3.errors.DiskFullError naming `path`, the free
-    space and `needed_bytes` (the size of what is written, where the caller knows it).
+    A killed or failing writer never leaves a half-written file under the final name. A write that
+    the full disk stops (ENOSPC, or torch's writer failing there) is raised as
+    eagle3.errors.DiskFullError naming `path`, the free space and `needed_bytes` (the size of what
+    is written, where the caller knows it).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,7 +41,8 @@ def atomic_path(path: str | Path, needed_bytes: int | None = None) -> Iterator[P
     except (OSError, RuntimeError) as e:
         if is_disk_full(e, path):
             raise disk_full_error(path, needed_bytes) from e
-        if isinstance(e, OSError) and e.filename is None:  # a failed write names no file: name the one written
+        # a failed write names no file: name the one written
+        if isinstance(e, OSError) and e.filename is None:
             e.filename = str(path)
         raise
     finally:
@@ -50,8 +52,9 @@ def atomic_path(path: str | Path, needed_bytes: int | None = None) -> Iterator[P
 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, needed_bytes: int | None = None) -> Iterator[Path]:
-    """Like atomic_path for a directory: build it under a temp name, then swap it in (a full disk: DiskFullError
-    naming the directory and `needed_bytes`, its whole size where the caller knows it)."""
+    """Like atomic_path for a directory: build it under a temp name, then swap it in (a full disk:
+    DiskFullError naming the directory and `needed_bytes`, its whole size where the caller knows
+    it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
@@ -62,7 +65,8 @@ def atomic_dir(path: str | Path, needed_bytes: int | None = None) -> Iterator[Pa
         try:
             yield tmp
         except (OSError, RuntimeError) as e:
-            if is_disk_full(e, tmp):  # named as the directory being written (the temp names inside it vanish)
+            # named as the directory being written (the temp names inside it vanish)
+            if is_disk_full(e, tmp):
                 raise disk_full_error(path, needed_bytes) from e
             if isinstance(e, OSError) and e.filename is None:
                 e.filename = str(path)
@@ -137,8 +141,8 @@ def sha256_tree(root: str | Path, pattern: str = "*") -> str:
 
 
 def tensor_nbytes(obj: Any) -> int:
-    """Bytes of the tensors in `obj` (a tensor, or dicts / lists / tuples of them, e.g. a state dict or an optimizer's
-    state_dict): about what torch.save or safetensors writes for it."""
+    """Bytes of the tensors in `obj` (a tensor, or dicts / lists / tuples of them, e.g. a state dict
+    or an optimizer's state_dict): about what torch.save or safetensors writes for it."""
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):
         return int(obj.element_size() * obj.numel())
     if isinstance(obj, dict):

@@ -134,9 +134,10 @@ def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None
 
 
 def engines_die_with_parent() -> None:
-    """Call before starting a vLLM engine: the engine-core and worker processes vLLM spawns then receive SIGKILL when
-    the process that started them dies (eagle3.capture.vllm_ext.die_with_parent_plugin reads this environment
-    variable in each of them); EAGLE3_ENGINE_DIES_WITH_PARENT=0 in the environment turns it off."""
+    """Call before starting a vLLM engine: the engine-core and worker processes vLLM spawns then
+    receive SIGKILL when the process that started them dies
+    (eagle3.capture.vllm_ext.die_with_parent_plugin reads this environment variable in each of
+    them); EAGLE3_ENGINE_DIES_WITH_PARENT=0 in the environment turns it off."""
     from eagle3.processes import DIE_WITH_PARENT_ENV
 
     os.environ.setdefault(DIE_WITH_PARENT_ENV, "1")
@@ -251,12 +252,13 @@ def _job_context() -> Any:
     return ctx
 
 
-def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, env: dict[str, str] | None = None,
-           caller: int | None = None) -> None:
+def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
+           env: dict[str, str] | None = None, caller: int | None = None) -> None:
     from eagle3.processes import die_with_parent, watch_process
 
-    # dies with the caller: a SIGKILL when the fork server (or, under spawn, the caller) dies, and a thread that
-    # watches the caller, which the fork server outlives while any job runs (each job holds its `alive` pipe)
+    # dies with the caller: a SIGKILL when the fork server (or, under spawn, the caller) dies, and a
+    # thread that watches the caller, which the fork server outlives while any job runs (each job
+    # holds its `alive` pipe)
     die_with_parent(os.getppid())
     if caller is not None:
         watch_process(caller)
@@ -290,11 +292,12 @@ def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, env: d
 def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) in a fresh process (own vLLM engine, own metrics) and return its result.
 
-    `fn` must be importable (a module-level function) and its result picklable. A failure in the child is
-    re-raised here as RuntimeError carrying the child's traceback, except an eagle3.errors.UserError (a diagnosis),
-    re-raised as it is with the child's traceback as a note; a child that dies without a result (killed, out of
-    memory) is a RuntimeError naming its exit code. The child dies with this process (eagle3.processes), and while
-    it runs, it and its engine processes are recorded in the lock files this process holds (eagle3.lock).
+    `fn` must be importable (a module-level function) and its result picklable. A failure in the
+    child is re-raised here as RuntimeError carrying the child's traceback, except an
+    eagle3.errors.UserError (a diagnosis), re-raised as it is with the child's traceback as a note;
+    a child that dies without a result (killed, out of memory) is a RuntimeError naming its exit
+    code. The child dies with this process (eagle3.processes), and while it runs, it and its engine
+    processes are recorded in the lock files this process holds (eagle3.lock).
     """
     import time
 
@@ -303,7 +306,8 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     t0 = time.time()
     ctx = _job_context()
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs, dict(os.environ), os.getpid()), daemon=False)
+    proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs, dict(os.environ), os.getpid()),
+                       daemon=False)
     proc.start()
     result = None
     try:
@@ -312,7 +316,8 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 result = queue.get(timeout=1.0)
                 break
             except Exception:  # queue.Empty
-                record_engine_processes()  # the job and the engines it started since (no-op without a lock)
+                # the job and the engines it started since (no-op without a lock)
+                record_engine_processes()
                 if not proc.is_alive():
                     try:
                         result = queue.get(timeout=1.0)

@@ -196,8 +196,8 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
                 if int(e["first_index"]) != (keep[-1]["next_index"] if keep else 0):
                     break
                 keep.append(e)
-            print(f"capture: {out / MANIFEST} no longer covers its samples; keeping its first {len(keep)} shard(s) and "
-                  "capturing the rest again", file=sys.stderr, flush=True)
+            print(f"capture: {out / MANIFEST} no longer covers its samples; keeping its first "
+                  f"{len(keep)} shard(s) and capturing the rest again", file=sys.stderr, flush=True)
             m["shards"] = keep
         bad = storage.corrupt_shards(out, m["shards"])
         if not bad and not gap:
@@ -207,8 +207,9 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         # a finished capture whose shards no longer match: reopen it, so that the resume below keeps the good
         # shards before the first bad one and captures the rest again
         if bad:
-            print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 ({', '.join(bad[:5])}); "
-                  "capturing again from the first bad one", file=sys.stderr, flush=True)
+            print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 "
+                  f"({', '.join(bad[:5])}); capturing again from the first bad one",
+                  file=sys.stderr, flush=True)
         save_progress(out, config_hash, m["shards"])
         (out / MANIFEST).unlink()
     out.mkdir(parents=True, exist_ok=True)

@@ -364,9 +364,10 @@ def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> l
 
 
 def coverage_problem(path: str | Path, manifest: dict[str, Any]) -> str | None:
-    """What is wrong when the shard list of a finished capture's manifest no longer covers its samples (an entry
-    lost or edited away: the reader would train on fewer samples without a word), else None. Checks the shards'
-    sample counts against `num_samples` and their row ranges (first_index..next_index) for gaps."""
+    """What is wrong when the shard list of a finished capture's manifest no longer covers its
+    samples (an entry lost or edited away: the reader would train on fewer samples without a word),
+    else None. Checks the shards' sample counts against `num_samples` and their row ranges
+    (first_index..next_index) for gaps."""
     path = Path(path)
     shards = manifest.get("shards") or []
     listed = sum(int(e.get("num_samples", 0)) for e in shards)
@@ -386,17 +387,19 @@ def coverage_problem(path: str | Path, manifest: dict[str, Any]) -> str | None:
     unlisted = sorted(f.name for f in path.glob("shard-*.safetensors") if f.name not in names)
     what = f"shards holding {listed} of the {total} samples it records" if total is not None else \
         f"shards holding {listed} samples"
-    where = (": rows " + ", ".join(f"{a}..{b}" for a, b in gaps) + " of the prepared dataset are in no listed shard"
-             if gaps else "")
+    spans = ", ".join(f"{a}..{b}" for a, b in gaps)
+    where = f": rows {spans} of the prepared dataset are in no listed shard" if gaps else ""
     files = f" ({', '.join(unlisted[:5])} on disk but not listed)" if unlisted else ""
-    return (f"capture {path}: {path / MANIFEST} lists {what}{where}{files}; the manifest was edited or damaged, and "
-            "training on it would silently drop those samples. Run `eagle3 capture` again with the same settings and "
-            f"--out {path}: it rebuilds the manifest, keeping the shards before the first gap and capturing the rest")
+    return (f"capture {path}: {path / MANIFEST} lists {what}{where}{files}; the manifest was "
+            "edited or damaged, and training on it would silently drop those samples. Run "
+            f"`eagle3 capture` again with the same settings and --out {path}: it rebuilds the "
+            "manifest, keeping the shards before the first gap and capturing the rest")
 
 
 def load_manifest(path: str | Path, check: bool = True) -> dict[str, Any]:
-    """The manifest of a finished capture (layer ids, hidden size, dtype, num_samples, shards, ...). `check`: refuse
-    one whose shards do not cover its samples (`coverage_problem`, raised as eagle3.errors.UserError)."""
+    """The manifest of a finished capture (layer ids, hidden size, dtype, num_samples, shards, ...).
+    `check`: refuse one whose shards do not cover its samples (`coverage_problem`, raised as
+    eagle3.errors.UserError)."""
     path = Path(path)
     m = path / MANIFEST
     if not m.is_file():

@@ -102,7 +102,8 @@ class ReadResult:
     formats: Counter = field(default_factory=Counter)
     #: skip reason -> first few "row N: what was wrong" strings
     skip_examples: dict[str, list[str]] = field(default_factory=dict)
-    #: skip reason -> where the first few skipped rows are ("line 4" of a JSONL file, "row 3" (0-based) otherwise)
+    #: skip reason -> where the first few skipped rows are ("line 4" of a JSONL file, "row 3"
+    #: (0-based) otherwise)
     skip_rows: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -229,7 +230,7 @@ def _iter_jsonl(path: Path) -> Iterator[Any]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if lineno == 1:
-                raw = raw.removeprefix(BOM)  # a UTF-8 byte order mark (Windows editors) is not part of row 1
+                raw = raw.removeprefix(BOM)  # a UTF-8 byte order mark is not part of row 1
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -323,9 +324,10 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
 
 
 def _json_array(path: Path) -> list[Any] | None:
-    """The rows of a `.jsonl` file that holds one JSON array (a pretty-printed `.json` saved as `.jsonl`: read line
-    by line it would lose every row but the last), or None when it is JSON Lines. An array that does not parse is
-    refused with a hint: skipping its lines would drop the whole file."""
+    """The rows of a `.jsonl` file that holds one JSON array (a pretty-printed `.json` saved as
+    `.jsonl`: read line by line it would lose every row but the last), or None when it is JSON
+    Lines. An array that does not parse is refused with a hint: skipping its lines would drop the
+    whole file."""
     with open(path, "rb") as f:
         head = f.read(4096).removeprefix(BOM).lstrip()
     if not head.startswith(b"["):
@@ -335,20 +337,23 @@ def _json_array(path: Path) -> list[Any] | None:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise UserError(f"{path}: one JSON array (it starts with `[`) that is not valid UTF-8 at line {line}: fix or "
-                        "re-encode it, or write one row per line (JSON Lines), where a bad line is skipped and "
-                        "counted") from None
+        raise UserError(f"{path}: one JSON array (it starts with `[`) that is not valid UTF-8 "
+                        f"at line {line}: fix or re-encode it, or write one row per line (JSON "
+                        "Lines), where a bad line is skipped and counted") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        if "Extra data" in str(e) and "\n" in text.strip():  # `[...]` then more lines: JSON Lines after all
+        # `[...]` then more lines: JSON Lines after all
+        if "Extra data" in str(e) and "\n" in text.strip():
             return None
         raise UserError(
-            f"{path} starts with `[`, so it is read as one JSON array (JSON Lines has one row per line), but it is not "
-            f"valid JSON ({e}): fix the array, or write one row per line (JSON Lines)") from None
+            f"{path} starts with `[`, so it is read as one JSON array (JSON Lines has one row "
+            f"per line), but it is not valid JSON ({e}): fix the array, or write one row per line "
+            "(JSON Lines)") from None
     if not isinstance(data, list):
         return None
-    log.info("%s holds one JSON array of %d rows: read as such (not as JSON Lines)", path, len(data))
+    log.info("%s holds one JSON array of %d rows: read as such (not as JSON Lines)", path,
+             len(data))
     return data
 
 
@@ -418,8 +423,8 @@ def read_conversations(
         )
     if skipped:
         log.warning("%s: skipped %d of %d rows: %s", source, sum(skipped.values()), num_rows, dict(skipped))
-    return ReadResult(conversations=convs, skipped=skipped, num_rows=num_rows, source=source, formats=formats,
-                      skip_examples=examples, skip_rows=where)
+    return ReadResult(conversations=convs, skipped=skipped, num_rows=num_rows, source=source,
+                      formats=formats, skip_examples=examples, skip_rows=where)
 
 
 def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -467,11 +472,11 @@ def _where(locations: list[str], count: int) -> str:
     return text + (", ..." if count > len(locations) else "")
 
 
-def check_skipped(source: str, num_rows: int, skipped: dict[str, int], skip_rows: dict[str, list[str]],
-                  max_fraction: float, what: str = "") -> None:
-    """Raise DataLossError when more than `max_fraction` of the `num_rows` input rows of `source` were skipped: the
-    reasons by count with the first rows of each, and the two fixes (the rows, or the limit). `what` prefixes the
-    input's name (e.g. "mix: sources[1]")."""
+def check_skipped(source: str, num_rows: int, skipped: dict[str, int],
+                  skip_rows: dict[str, list[str]], max_fraction: float, what: str = "") -> None:
+    """Raise DataLossError when more than `max_fraction` of the `num_rows` input rows of `source`
+    were skipped: the reasons by count with the first rows of each, and the two fixes (the rows, or
+    the limit). `what` prefixes the input's name (e.g. "mix: sources[1]")."""
     num_skipped = sum(skipped.values())
     if not num_rows or num_skipped <= max_fraction * num_rows:
         return
@@ -480,10 +485,11 @@ def check_skipped(source: str, num_rows: int, skipped: dict[str, int], skip_rows
         f"{reason} {n}" + (f" ({_where(skip_rows[reason], n)})" if skip_rows.get(reason) else "")
         for reason, n in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])) if n)
     raise DataLossError(
-        f"{what + ' ' if what else ''}{source}: {num_skipped} of {num_rows} input rows ({frac:.1%}) were skipped, more "
-        f"than max_skipped_fraction = {max_fraction:g} allows: {reasons}. Fix those rows (the log names each one's "
-        f"problem; {FORMAT_HELP}), or accept the loss with --max-skipped-fraction {_ceil(frac)} "
-        "(`max_skipped_fraction:` in the config file)")
+        f"{what + ' ' if what else ''}{source}: {num_skipped} of {num_rows} input rows "
+        f"({frac:.1%}) were skipped, more than max_skipped_fraction = {max_fraction:g} allows: "
+        f"{reasons}. Fix those rows (the log names each one's problem; {FORMAT_HELP}), or accept "
+        f"the loss with --max-skipped-fraction {_ceil(frac)} (`max_skipped_fraction:` in the "
+        "config file)")
 
 
 def _ceil(frac: float) -> str:

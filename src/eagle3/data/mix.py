@@ -53,7 +53,8 @@ def run_mix(cfg: MixConfig) -> MixResult:
     t0 = time.time()
     reads = [read_conversations(s.path, require_assistant=False) for s in cfg.sources]
     for i, r in enumerate(reads):
-        check_skipped(r.source, r.num_rows, r.skipped, r.skip_rows, cfg.max_skipped_fraction, f"mix: sources[{i}]")
+        check_skipped(r.source, r.num_rows, r.skipped, r.skip_rows, cfg.max_skipped_fraction,
+                      f"mix: sources[{i}]")
     sizes = [len(r.conversations) for r in reads]
     weights = [s.weight for s in cfg.sources]
     shares = [w / sum(weights) for w in weights]

@@ -189,7 +189,8 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
         raise ValueError(
             f"no usable conversations in {cfg.data}: {read.num_rows} rows read, skipped {dict(skipped)}"
         )
-    check_skipped(read.source, read.num_rows, skipped, skip_rows, cfg.max_skipped_fraction, "prepare:")
+    check_skipped(read.source, read.num_rows, skipped, skip_rows, cfg.max_skipped_fraction,
+                  "prepare:")
     data_path = Path(cfg.data)
     manifest = {
         "stage": "prepare",

@@ -217,9 +217,10 @@ def _append_rows(path: Path, rows: list[dict[str, Any]]) -> int:
         return f.tell()
 
 
-def run_regenerate(cfg: RegenerateConfig, llm: Any = None, on_batch: Callable[[int, int], None] | None = None
-                   ) -> RegenerateResult:
-    """See `_regenerate`; one writer per out dir (eagle3.lock), which also records the engine's processes."""
+def run_regenerate(cfg: RegenerateConfig, llm: Any = None,
+                   on_batch: Callable[[int, int], None] | None = None) -> RegenerateResult:
+    """See `_regenerate`; one writer per out dir (eagle3.lock), which also records the engine's
+    processes."""
     cfg.require("target", "data", "out")
     with dir_lock(cfg.out, "regenerate out"):
         return _regenerate(cfg, llm, on_batch)
@@ -257,7 +258,8 @@ def _regenerate(
         )
 
     read = read_conversations(cfg.data, limit=cfg.limit, require_assistant=False)
-    check_skipped(read.source, read.num_rows, read.skipped, read.skip_rows, cfg.max_skipped_fraction, "regenerate:")
+    check_skipped(read.source, read.num_rows, read.skipped, read.skip_rows,
+                  cfg.max_skipped_fraction, "regenerate:")
     convs = list(enumerate(read.conversations))
 
     start, stats = 0, _Stats()

@@ -263,7 +263,8 @@ def _fingerprint(cfg: SynthesizeConfig) -> str:
 
 
 def run_synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
-    """See `_synthesize`; one writer per out dir (eagle3.lock), which also records the engine's processes."""
+    """See `_synthesize`; one writer per out dir (eagle3.lock), which also records the engine's
+    processes."""
     cfg.require("target", "out")
     with dir_lock(cfg.out, "synthesize out"):
         return _synthesize(cfg, llm)

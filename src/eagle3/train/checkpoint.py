@@ -100,7 +100,8 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoade
     is moved into the checkpoint instead of saving `opt` (whose state is sharded). `raw`: the raw weights when
     `model` is their moving average (resume reads both)."""
     final = out / "checkpoints" / f"step-{step}"
-    # what the directory will hold, named if the disk fills while it is written (eagle3.errors.DiskFullError)
+    # what the directory will hold, named if the disk fills while it is written
+    # (eagle3.errors.DiskFullError)
     needed = (_draft_nbytes(model) * (1 if raw is None else 2)
               + (tensor_nbytes(opt.state_dict()) if optim_shards is None else 0))
     with atomic_dir(final, needed_bytes=needed) as tmp:
