@@ -30,14 +30,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    """`eagle3 ARGV` in this process: (exit code, stderr). The CLI's environment defaults are undone
-    after."""
+    """`eagle3 ARGV` in this process: (exit code, stderr). What the CLI sets up for a terminal (its
+    environment defaults, its log handlers on this test's captured stderr) is undone after."""
+    import logging
+
+    from eagle3.console import PROGRESS
+
     env = dict(os.environ)
+    loggers = [logging.getLogger(), logging.getLogger(PROGRESS)]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
     try:
         rc = main([str(a) for a in argv])
     finally:
         os.environ.clear()
         os.environ.update(env)
+        for lg, handlers, level, propagate in saved:
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate = propagate
     return rc, capsys.readouterr().err
 
 
