@@ -62,6 +62,11 @@ def classify_exception(exc: BaseException) -> str:
     """Map an exception raised by a library stage function to a StageError kind."""
     if isinstance(exc, StageError):
         return exc.kind
+    from eagle3.errors import UserError
+
+    # a diagnosis (eagle3.errors): the same again until someone acts on it
+    if isinstance(exc, UserError):
+        return "config"
     name = type(exc).__name__.lower()
     text = f"{name}: {exc}".lower()
     if isinstance(exc, MemoryError) or any(m in text for m in _OOM_MARKERS):

@@ -113,6 +113,8 @@ def run_stage_subprocess(
         finally:
             if proc.poll() is None:  # cancelled or interrupted: never leave an engine behind
                 _kill_group(proc)
+            else:  # it ended (or crashed) on its own: what it started in its group ends with it
+                _kill_rest_of_group(proc.pid)
         reader.join(timeout=10)
         wall_s = time.time() - t0
         report = _read_report(result_json)
@@ -197,6 +199,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def _kill_rest_of_group(pgid: int) -> None:
+    """SIGKILL what is left of the stage's process group (its id is the stage process's pid:
+    start_new_session) once the stage process itself has exited: a stage that crashed (SIGKILL, OOM
+    killer, segfault) cannot stop the engine processes it started, and they would run on under PID 1
+    holding memory and GPUs."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _read_report(path: Path) -> dict[str, Any] | None:

@@ -370,7 +370,8 @@ def test_bad_utf8_line_is_skipped_and_counted_naming_file_and_line(tiny_llama, t
     assert len(res.conversations) == 2 and res.skipped == {"invalid_utf8": 1}
     assert "line 2: not valid UTF-8" in res.skip_examples["invalid_utf8"][0]
     assert any(str(data) in r.getMessage() and "line 2" in r.getMessage() for r in caplog.records)
-    out = run_prepare(PrepareConfig(target=str(tiny_llama), data=str(data), out=tmp_path / "prep"))
+    out = run_prepare(PrepareConfig(target=str(tiny_llama), data=str(data), out=tmp_path / "prep",
+                                    max_skipped_fraction=0.5))  # 1 of 3 rows skipped
     assert out.num_samples == 2 and out.skipped == {"invalid_utf8": 1}
     bad_json = tmp_path / "chats.json"
     bad_json.write_bytes(b'[\n' + good.encode() + b',\n{"x": "\xff"}\n]')

@@ -73,7 +73,8 @@ def test_run_prepare_counts_every_skip_reason(tiny_llama, tmp_path):
         "{not json",
     ]
     data = _write_jsonl(tmp_path / "chats.jsonl", rows)
-    res = run_prepare(PrepareConfig(target=str(tiny_llama), data=str(data), out=tmp_path / "prep", max_seq_len=128))
+    res = run_prepare(PrepareConfig(target=str(tiny_llama), data=str(data), out=tmp_path / "prep",
+                                    max_seq_len=128, max_skipped_fraction=1))  # 6 of 9 skipped
     assert res.num_samples == 3
     assert res.skipped == {
         "empty_content": 1,

@@ -34,11 +34,14 @@ ESTIMATE_HELP = ("offline τ of a trained draft on captured held-out prompts: re
 
 
 def _unwrap_optional(tp: Any) -> Any:
+    """`X | None` -> X, and `Annotated[X, ...]` (eagle3.config.Count, Number) -> X."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
-            return args[0]
+            tp = args[0]
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
     return tp
 
 

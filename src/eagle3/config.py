@@ -13,13 +13,38 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from eagle3.compat import RENAMED_CONFIG_KEYS
+from eagle3.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is wrong. The message names the field, the bad value and the fix."""
+
+
+def refuse_bool(value: Any) -> Any:
+    """A number field given `true`/`false` (YAML `limit: true` would read as 1): refused, not
+    converted."""
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is a boolean, but a number is expected here; write "
+                         "the number (e.g. 100), or leave the key out for its default")
+    return value
+
+
+#: an integer field (a count, a size, a seed): whole numbers from YAML, JSON or the CLI; booleans
+#: refused
+Count = Annotated[int, BeforeValidator(refuse_bool)]
+#: a real-valued field (a weight, a fraction, a rate): numbers; booleans refused
+Number = Annotated[float, BeforeValidator(refuse_bool)]
 
 
 class StageConfig(BaseModel):
@@ -47,9 +72,13 @@ class PrepareConfig(StageConfig):
         "`question`/`answer` pairs) or a local HF `datasets` directory",
     )
     out: Path | None = Field(None, description="Output directory (HF dataset on disk + manifest.json)")
-    max_seq_len: int = Field(2048, gt=0, description="Truncate tokenized conversations to this many tokens")
-    limit: int | None = Field(None, gt=0, description="Use at most this many input rows (all when unset)")
+    max_seq_len: Count = Field(2048, gt=0, description="Truncate tokenized conversations to this many tokens")
+    limit: Count | None = Field(None, gt=0, description="Use at most this many input rows (all when unset)")
     split: str = Field("train", description="Split to read when --data is a DatasetDict directory")
+    max_skipped_fraction: Number = Field(
+        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        "than this share of the input rows is skipped (bad JSON, missing fields, nothing to "
+        "supervise, ...); 1 = never stop")
     trust_remote_code: bool = Field(
         False,
         description="Run the tokenizer's own Python code from the target directory (tokenizer_config.json "
@@ -63,14 +92,18 @@ class RegenerateConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir, served by vLLM to write the answers")
     data: str | None = Field(None, description="Chat data file (same formats as prepare)")
     out: Path | None = Field(None, description="Output directory; writes conversations.jsonl that prepare accepts")
-    max_new_tokens: int = Field(256, gt=0, description="Longest regenerated answer, in tokens")
-    temperature: float = Field(0.0, ge=0, description="Sampling temperature (0 = greedy)")
-    top_p: float = Field(1.0, description="Nucleus sampling mass")
-    batch_size: int = Field(256, gt=0, description="Conversations sent to vLLM per batch (the unit of resume)")
-    max_model_len: int = Field(4096, gt=0, description="vLLM max_model_len; longer prompts are skipped and counted")
-    limit: int | None = Field(None, gt=0, description="Use at most this many input rows")
-    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
-    seed: int = Field(0, description="Sampling seed")
+    max_new_tokens: Count = Field(256, gt=0, description="Longest regenerated answer, in tokens")
+    temperature: Number = Field(0.0, ge=0, description="Sampling temperature (0 = greedy)")
+    top_p: Number = Field(1.0, description="Nucleus sampling mass")
+    batch_size: Count = Field(256, gt=0, description="Conversations sent to vLLM per batch (the unit of resume)")
+    max_model_len: Count = Field(4096, gt=0, description="vLLM max_model_len; longer prompts are skipped and counted")
+    limit: Count | None = Field(None, gt=0, description="Use at most this many input rows")
+    max_skipped_fraction: Number = Field(
+        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        "than this share of the input rows cannot be read (bad JSON, missing fields, ...), before "
+        "anything is generated; 1 = never stop")
+    tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size")
+    seed: Count = Field(0, description="Sampling seed")
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)")
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -90,7 +123,7 @@ class SynthDomain(BaseModel):
     seeds: list[str] = Field(
         default_factory=list, description="Seed phrases: each prompt starts with one (picked at random) and the "
         "target continues it; empty = the target writes the whole message")
-    weight: float = Field(1.0, gt=0, description="Share of num_prompts for this domain (relative to the others)")
+    weight: Number = Field(1.0, gt=0, description="Share of num_prompts for this domain (relative to the others)")
 
 
 #: domain -> steering; the system prompts describe the user who is about to write (Magpie-style)
@@ -138,32 +171,32 @@ class SynthesizeConfig(StageConfig):
     enabled: bool = Field(False, description="Pipeline only: synthesize prompts with the target and mix them into the data")
     target: str | None = Field(None, description="Target model dir: it writes the user messages (its chat template)")
     out: Path | None = Field(None, description="Output directory; writes prompts.jsonl (messages + category) and manifest.json")
-    num_prompts: int = Field(1000, gt=0, description="Prompts to keep, over all domains (split by domain weight)")
+    num_prompts: Count = Field(1000, gt=0, description="Prompts to keep, over all domains (split by domain weight)")
     domains: dict[str, SynthDomain] = Field(
         default_factory=lambda: {k: SynthDomain(**v) for k, v in DEFAULT_SYNTH_DOMAINS.items()},
         description="Domain name (the rows' `category`) -> {system, seeds, weight}; on the CLI a JSON object or "
         "names of the defaults (coding,writing,reasoning,math,extraction,roleplay,stem,humanities)")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the written prompts")
-    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling mass")
-    max_new_tokens: int = Field(256, gt=0, description="Longest user message; one that does not end its turn by then is dropped (truncated)")
-    min_chars: int = Field(16, ge=1, description="Drop messages shorter than this (characters, after stripping)")
-    max_chars: int = Field(4000, gt=0, description="Drop messages longer than this (characters)")
-    max_repeated_fraction: float = Field(
+    temperature: Number = Field(1.0, gt=0, description="Sampling temperature of the written prompts")
+    top_p: Number = Field(0.95, gt=0, le=1, description="Nucleus sampling mass")
+    max_new_tokens: Count = Field(256, gt=0, description="Longest user message; one that does not end its turn by then is dropped (truncated)")
+    min_chars: Count = Field(16, ge=1, description="Drop messages shorter than this (characters, after stripping)")
+    max_chars: Count = Field(4000, gt=0, description="Drop messages longer than this (characters)")
+    max_repeated_fraction: Number = Field(
         0.5, ge=0, le=1, description="Drop a message when more than this fraction of its word 3-grams repeat an "
         "earlier one (degenerate loops)")
-    min_letter_fraction: float = Field(
+    min_letter_fraction: Number = Field(
         0.5, ge=0, le=1, description="Drop a message when fewer than this fraction of its non-space characters are "
         "letters, or it holds U+FFFD (non-text: byte soup, symbol runs)")
-    near_duplicate_jaccard: float = Field(
+    near_duplicate_jaccard: Number = Field(
         0.7, gt=0, le=1, description="Drop a message whose character 5-gram set has at least this Jaccard "
         "similarity with a kept one (MinHash candidates, exact check); 1 = exact duplicates only")
-    max_attempts_factor: float = Field(
+    max_attempts_factor: Number = Field(
         4.0, ge=1, description="Stop after generating this many x num_prompts messages even when some domain is "
         "short (the shortfall is reported in the manifest)")
-    batch_size: int = Field(256, gt=0, description="Messages generated per call (hf backend: per padded batch)")
-    max_model_len: int = Field(4096, gt=0, description="vLLM max_model_len")
-    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
-    seed: int = Field(0, description="Seed of sampling, seed-phrase choice and MinHash")
+    batch_size: Count = Field(256, gt=0, description="Messages generated per call (hf backend: per padded batch)")
+    max_model_len: Count = Field(4096, gt=0, description="vLLM max_model_len")
+    tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size")
+    seed: Count = Field(0, description="Seed of sampling, seed-phrase choice and MinHash")
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)")
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -183,7 +216,7 @@ class SynthesizeConfig(StageConfig):
 class MixSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str = Field(..., description="Chat or prompt data (same formats as prepare)")
-    weight: float = Field(1.0, gt=0, description="Share of the mixed rows drawn from this source (relative)")
+    weight: Number = Field(1.0, gt=0, description="Share of the mixed rows drawn from this source (relative)")
 
 
 def parse_mix_sources(value: Any) -> Any:
@@ -207,11 +240,15 @@ class MixConfig(StageConfig):
         default_factory=list, description="Sources to mix, PATH=WEIGHT,... on the CLI. In a pipeline, `data` "
         "(weight data_weight) and synthesize's prompts (weight synthesize_weight) are added to these")
     out: Path | None = Field(None, description="Output directory; writes conversations.jsonl and manifest.json")
-    num_rows: int | None = Field(
+    num_rows: Count | None = Field(
         None, gt=0, description="Rows in the mix (default: the most possible without repeating a row of any source)")
-    seed: int = Field(0, description="Seed of the row sampling and the shuffle")
-    data_weight: float = Field(1.0, gt=0, description="Pipeline only: weight of the pipeline's `data`")
-    synthesize_weight: float = Field(1.0, gt=0, description="Pipeline only: weight of synthesize's prompts")
+    seed: Count = Field(0, description="Seed of the row sampling and the shuffle")
+    max_skipped_fraction: Number = Field(
+        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        "than this share of a source's rows cannot be read (bad JSON, missing fields, ...); 1 = "
+        "never stop")
+    data_weight: Number = Field(1.0, gt=0, description="Pipeline only: weight of the pipeline's `data`")
+    synthesize_weight: Number = Field(1.0, gt=0, description="Pipeline only: weight of synthesize's prompts")
 
     _parse_sources = field_validator("sources", mode="before")(lambda cls, v: parse_mix_sources(v))
 
@@ -222,7 +259,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
 #: an aux layer id (>= 1: id 0 would be the embeddings); the upper bound depends on the target (eagle3.preflight)
-LayerId = Annotated[int, Field(ge=1)]
+LayerId = Annotated[Count, Field(ge=1)]
 
 
 def parse_layer_ids(value: Any) -> Any:
@@ -254,17 +291,17 @@ class CaptureConfig(StageConfig):
         "transformers output_hidden_states[k]); default (2, L//2, L-3). Comma-separated on the CLI",
     )
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: worker extension in a vLLM engine; hf: transformers forward")
-    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size (vllm backend)")
-    batch_tokens: int = Field(8192, gt=0, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
-    max_model_len: int | None = Field(None, gt=0, description="Engine max_model_len (default: longest prepared sample)")
+    tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size (vllm backend)")
+    batch_tokens: Count = Field(8192, gt=0, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
+    max_model_len: Count | None = Field(None, gt=0, description="Engine max_model_len (default: longest prepared sample)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Target compute dtype; auto = float32 on CPUs without native bf16, bfloat16 elsewhere "
         "(the manifest records the one used)")
     storage_dtype: StorageDtype = Field("bfloat16", description="dtype of the stored hidden states; fp8 = e4m3 with a float32 scale per token and layer (half the disk of bf16; the reader returns bf16)")
-    shard_tokens: int = Field(262144, gt=0, description="Tokens per safetensors shard (the unit of resume)")
-    limit: int | None = Field(None, gt=0, description="Capture at most this many samples")
+    shard_tokens: Count = Field(262144, gt=0, description="Tokens per safetensors shard (the unit of resume)")
+    limit: Count | None = Field(None, gt=0, description="Capture at most this many samples")
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
-    min_free_disk_gb: float = Field(1.0, ge=0, description="Refuse to start unless this much disk stays free after the capture")
+    min_free_disk_gb: Number = Field(1.0, ge=0, description="Refuse to start unless this much disk stays free after the capture")
     writer: Literal["driver", "worker"] = Field(
         "driver", description="vllm backend: who writes the shards. driver = states go through collective_rpc to this "
         "process (fine for small targets); worker = TP rank 0's worker writes them where it assembled them, only "
@@ -281,7 +318,7 @@ class CaptureConfig(StageConfig):
 class VocabConfig(StageConfig):
     data: str | None = Field(None, description="Prepared dataset dir (token frequencies over loss-masked tokens)")
     out: Path | None = Field(None, description="Output directory for vocab.safetensors + coverage.json")
-    draft_vocab_size: int = Field(32000, gt=0, description="Number of target tokens the draft can propose")
+    draft_vocab_size: Count = Field(32000, gt=0, description="Number of target tokens the draft can propose")
 
 
 
@@ -289,17 +326,17 @@ class DraftOverrides(BaseModel):
     """Draft dimensions; unset fields are derived from the target's config."""
 
     model_config = ConfigDict(extra="forbid")
-    hidden_size: int | None = Field(None, description="Draft hidden size (default: the target's; vLLM's EAGLE-3 "
+    hidden_size: Count | None = Field(None, description="Draft hidden size (default: the target's; vLLM's EAGLE-3 "
                                     "reads the target's embedding, so it must equal the target's)")
-    intermediate_size: int | None = Field(None, description="Draft MLP width (default: the target's); a wider "
+    intermediate_size: Count | None = Field(None, description="Draft MLP width (default: the target's); a wider "
                                           "one-layer draft costs more per draft step (see `evaluate`'s cost ratio)")
-    num_attention_heads: int | None = Field(None, description="Draft attention heads (default: the target's)")
-    num_key_value_heads: int | None = Field(None, description="Draft KV heads (default: the target's)")
-    head_dim: int | None = Field(None, description="Draft head dim (default: the target's)")
-    max_position_embeddings: int | None = Field(None, description="Longest position (default: the target's)")
-    rope_theta: float | None = Field(None, description="RoPE base (default: the target's)")
-    rms_norm_eps: float | None = Field(None, description="RMSNorm epsilon (default: the target's)")
-    num_hidden_layers: int | None = Field(None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)")
+    num_attention_heads: Count | None = Field(None, description="Draft attention heads (default: the target's)")
+    num_key_value_heads: Count | None = Field(None, description="Draft KV heads (default: the target's)")
+    head_dim: Count | None = Field(None, description="Draft head dim (default: the target's)")
+    max_position_embeddings: Count | None = Field(None, description="Longest position (default: the target's)")
+    rope_theta: Number | None = Field(None, description="RoPE base (default: the target's)")
+    rms_norm_eps: Number | None = Field(None, description="RMSNorm epsilon (default: the target's)")
+    num_hidden_layers: Count | None = Field(None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)")
     fc_norm: bool | None = Field(
         None, description="EAGLE-3.1: one RMSNorm per aux state before fc (vLLM config key fc_norm; adds "
         "num_aux x target hidden parameters). Default off (EAGLE-3)")
@@ -316,26 +353,26 @@ class TrainConfig(StageConfig):
         "target, tokenizer, chat template and aux layers")
     vocab: str | None = Field(None, description="Vocab dir (output of `eagle3 vocab`)")
     out: Path | None = Field(None, description="Output dir for checkpoints, logs and curves")
-    ttt_steps: int = Field(7, gt=0, description="Training-time-test unroll depth K")
-    loss_decay: float = Field(0.8, gt=0, le=1, description="Weight of TTT step j is loss_decay**j")
-    epochs: float = Field(1.0, gt=0, description="Passes over the training split")
-    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (overrides epochs)")
-    lr: float = Field(1e-4, gt=0, description="Peak learning rate")
-    min_lr_ratio: float = Field(0.1, description="Final lr as a fraction of the peak")
+    ttt_steps: Count = Field(7, gt=0, description="Training-time-test unroll depth K")
+    loss_decay: Number = Field(0.8, gt=0, le=1, description="Weight of TTT step j is loss_decay**j")
+    epochs: Number = Field(1.0, gt=0, description="Passes over the training split")
+    max_steps: Count | None = Field(None, gt=0, description="Stop after this many optimizer steps (overrides epochs)")
+    lr: Number = Field(1e-4, gt=0, description="Peak learning rate")
+    min_lr_ratio: Number = Field(0.1, description="Final lr as a fraction of the peak")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup")
-    warmup_steps: int = Field(50, description="Linear warmup steps")
-    weight_decay: float = Field(0.0, description="AdamW weight decay")
-    beta1: float = Field(0.9, description="AdamW beta1")
-    beta2: float = Field(0.95, description="AdamW beta2")
-    grad_clip: float = Field(0.5, description="Max grad norm (0 disables)")
-    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step")
-    max_seq_len: int = Field(2048, gt=0, description="Packed sequence length (document-aware packing)")
-    batch_size: int = Field(1, gt=0, description="Packed sequences per micro-batch")
-    val_fraction: float = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation (ignored for validation when val_captured is set)")
-    eval_every: int = Field(200, gt=0, description="Validate every N optimizer steps (and at the end)")
-    save_every: int = Field(500, gt=0, description="Checkpoint every N optimizer steps (and at the end)")
-    log_every: int = Field(10, gt=0, description="Log train metrics every N optimizer steps")
-    seed: int = Field(0, description="Seed for init, shuffling and dropout")
+    warmup_steps: Count = Field(50, description="Linear warmup steps")
+    weight_decay: Number = Field(0.0, description="AdamW weight decay")
+    beta1: Number = Field(0.9, description="AdamW beta1")
+    beta2: Number = Field(0.95, description="AdamW beta2")
+    grad_clip: Number = Field(0.5, description="Max grad norm (0 disables)")
+    grad_accum: Count = Field(1, gt=0, description="Micro-batches per optimizer step")
+    max_seq_len: Count = Field(2048, gt=0, description="Packed sequence length (document-aware packing)")
+    batch_size: Count = Field(1, gt=0, description="Packed sequences per micro-batch")
+    val_fraction: Number = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation (ignored for validation when val_captured is set)")
+    eval_every: Count = Field(200, gt=0, description="Validate every N optimizer steps (and at the end)")
+    save_every: Count = Field(500, gt=0, description="Checkpoint every N optimizer steps (and at the end)")
+    log_every: Count = Field(10, gt=0, description="Log train metrics every N optimizer steps")
+    seed: Count = Field(0, description="Seed for init, shuffling and dropout")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (CPU trains in float32 unless bfloat16 is forced)")
     attention: Literal["auto", "flex", "sdpa", "naive"] = Field("auto", description="TTT attention kernel")
@@ -360,11 +397,11 @@ class TrainConfig(StageConfig):
         description="Capture dir of validation prompts (ideally ones the target never trained on); used instead "
         "of the held-out val_fraction split to pick the best checkpoint",
     )
-    num_speculative_tokens: int | None = Field(
+    num_speculative_tokens: Count | None = Field(
         None, gt=0, description="k the draft will be served with: the best checkpoint maximises the validation τ "
         "estimate at k. In a pipeline it is evaluate.num_speculative_tokens (set k there, once); standalone default 3"
     )
-    hidden_noise: float = Field(
+    hidden_noise: Number = Field(
         0.0, ge=0, description="Std of Gaussian noise added to the aux states in training, relative to each state's RMS"
     )
     init_head_from_target: bool = Field(
@@ -381,27 +418,27 @@ class TrainConfig(StageConfig):
         "training begins from the target's own computation (needs draft.num_hidden_layers >= 2 and a dense Llama-style "
         "target: plain attention, SwiGLU MLP)"
     )
-    feature_loss_weight: float = Field(
+    feature_loss_weight: Number = Field(
         0.0, ge=0, description="Weight of a feature-regression term (EAGLE-1): per TTT step, the mean squared error "
         "between the RMS-normalised hidden the draft passes on and the target's RMS-normalised last hidden state at "
         "the same row; more signal per row than the token distribution alone, for small training sets"
     )
-    midlayer_feature_loss_weight: float = Field(
+    midlayer_feature_loss_weight: Number = Field(
         0.0, ge=0, description="With init_layers_from_target: weight of the same regression for the first layer's "
         "output against the deepest aux state at the next row, the input the target's copied layers expect there "
         "(needs the deepest aux id = L - draft layers + 1, e.g. 5 for 4 draft layers on an 8-layer target)"
     )
-    distill_temperature: float = Field(
+    distill_temperature: Number = Field(
         1.0, gt=0, description="Divide draft and target logits by this before the soft cross-entropy: < 1 sharpens "
         "the target towards its argmax (what greedy acceptance checks), > 1 softens it"
     )
-    copy_weight: float = Field(
+    copy_weight: Number = Field(
         1.0, gt=0, description="Loss weight of the rows whose token continues a span repeated earlier in its document "
         "(the 3-gram ending at it occurred before: where prompt lookup drafts the right token), relative to the other "
         "rows'; > 1 teaches the draft to copy the context where a greedy target repeats itself. Validation is unweighted"
     )
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on each draft layer's attention and MLP outputs in training")
-    ema_decay: float = Field(
+    dropout: Number = Field(0.0, ge=0, lt=1, description="Dropout on each draft layer's attention and MLP outputs in training")
+    ema_decay: Number = Field(
         0.0, ge=0, lt=1, description="Keep an exponential moving average of the weights with this decay (e.g. 0.999); "
         "validation, best/, final/ and checkpoints' model.safetensors then hold the average (the raw weights "
         "resume from raw.safetensors). 0 = off"
@@ -410,7 +447,7 @@ class TrainConfig(StageConfig):
         default_factory=list, description="Draft parameters kept fixed, by name prefix (fc, midlayer, layers, "
         "layers.2, norm, lm_head): e.g. the layers copied by init_layers_from_target and the head from the target"
     )
-    num_loader_workers: int = Field(
+    num_loader_workers: Count = Field(
         2, ge=1, description="Threads packing training batches ahead of the step, a whole batch each (a small draft on "
         "a fast GPU outruns one thread); the train log's loader_wait_frac is the share of the wall time spent waiting"
     )
@@ -423,7 +460,7 @@ class TrainConfig(StageConfig):
         True, description="Check every capture shard's sha256 against its manifest before training (local rank 0 "
         "reads the capture once per host, in parallel threads); a corrupt capture is refused, naming the shards"
     )
-    max_nonfinite_steps: int = Field(
+    max_nonfinite_steps: Count = Field(
         0, ge=0, description="Optimizer steps whose batch, loss or gradient is non-finite (NaN/inf) that are skipped "
         "(counted in the log) before training stops with an error naming the shard, sample and step; 0 = stop at the "
         "first"
@@ -490,21 +527,21 @@ class EvaluateConfig(StageConfig):
         "eagle3", description="eagle3: the trained draft (--draft); ngram: vLLM's prompt-lookup proposer, no draft "
         "(the baseline a draft has to beat)"
     )
-    temperatures: list[float] | None = Field(
+    temperatures: list[Number] | None = Field(
         None, description="Sampling temperatures, each its own pass over the prompts in the same engine, e.g. "
         "0.0,0.6 (comma-separated on the CLI); default: [temperature]. The headline τ is the first one's"
     )
-    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus mass of the sampled passes (temperature > 0)")
-    prompt_lookup_min: int = Field(2, ge=1, description="ngram: shortest n-gram looked up in the context")
-    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest n-gram looked up in the context")
+    top_p: Number = Field(0.95, gt=0, le=1, description="Nucleus mass of the sampled passes (temperature > 0)")
+    prompt_lookup_min: Count = Field(2, ge=1, description="ngram: shortest n-gram looked up in the context")
+    prompt_lookup_max: Count = Field(4, ge=1, description="ngram: longest n-gram looked up in the context")
     out: Path | None = Field(None, description="Output dir for results.json and the chart")
-    num_prompts: int = Field(200, gt=0, description="Evaluate on the first N prompts")
-    num_speculative_tokens: int = Field(
+    num_prompts: Count = Field(200, gt=0, description="Evaluate on the first N prompts")
+    num_speculative_tokens: Count = Field(
         DEFAULT_NUM_SPECULATIVE_TOKENS, gt=0, description="Draft tokens per step (k). In a pipeline the one place k "
         "is set: train picks its best checkpoint at this k too")
-    max_tokens: int = Field(128, gt=0, description="Generated tokens per prompt")
-    temperature: float = Field(0.0, description="Sampling temperature (0 = greedy)")
-    max_model_len: int = Field(1024, gt=0, description="vLLM max_model_len")
+    max_tokens: Count = Field(128, gt=0, description="Generated tokens per prompt")
+    temperature: Number = Field(0.0, description="Sampling temperature (0 = greedy)")
+    max_model_len: Count = Field(1024, gt=0, description="vLLM max_model_len")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Target and draft dtype in vLLM; auto = float32 on CPUs without native bf16, bfloat16 "
         "elsewhere (results.json records the one used)")
@@ -514,8 +551,8 @@ class EvaluateConfig(StageConfig):
         f"max_tokens, each one more engine in the same process (rows in results.json's `comparisons`); one of: "
         f"{', '.join(COMPARE_METHODS)} (comma-separated on the CLI)"
     )
-    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size")
-    seed: int = Field(0, description="Engine seed")
+    tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size")
+    seed: Count = Field(0, description="Engine seed")
     split: str = Field("train", description="Split to read when --prompts is a DatasetDict directory")
 
     @field_validator("temperatures", mode="before")
@@ -598,12 +635,12 @@ class FetchTargetConfig(StageConfig):
 class SpoolSettings(BaseModel):
     """The spool of streaming mode: its cap and how the two sides wait for each other."""
 
-    spool_cap_gb: float = Field(
+    spool_cap_gb: Number = Field(
         100.0, gt=0, description="Streaming: most the spool may hold at any moment, temp files and ledgers "
         "included (GB = 1e9 bytes); it must fit the validation shards plus a few capture shards"
     )
-    poll_interval_s: float = Field(0.5, gt=0, description="Streaming: how often a waiting side looks at the spool again")
-    stall_timeout_s: float = Field(
+    poll_interval_s: Number = Field(0.5, gt=0, description="Streaming: how often a waiting side looks at the spool again")
+    stall_timeout_s: Number = Field(
         3600.0, gt=0, description="Streaming: a side waiting this long without the other side making progress fails"
     )
 
@@ -628,12 +665,12 @@ class StreamCaptureConfig(CaptureConfig, SpoolSettings):
     """The producer side of streaming mode (`eagle3 stream-capture`)."""
 
     out: Path | None = Field(None, description="Spool directory the shards go to (pipeline: stream.spool)")
-    epochs: int = Field(1, gt=0, description="Passes over the data, each captured again (pipeline: train.epochs)")
-    val_fraction: float = Field(
+    epochs: Count = Field(1, gt=0, description="Passes over the data, each captured again (pipeline: train.epochs)")
+    val_fraction: Number = Field(
         0.05, ge=0, lt=1, description="Samples held out for validation, captured once and kept in the spool "
         "for the whole run (pipeline: train.val_fraction)"
     )
-    seed: int = Field(0, description="Seed of the validation split and of each epoch's order (pipeline: train.seed)")
+    seed: Count = Field(0, description="Seed of the validation split and of each epoch's order (pipeline: train.seed)")
 
 
 class StreamTrainConfig(TrainConfig, SpoolSettings):
@@ -765,19 +802,21 @@ def _fill(stage: StageConfig, **values: Any) -> None:
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config in {source}:"]
+    """One paragraph: `invalid config in SOURCE: field = value: what is wrong; next field ...`."""
+    parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden" and e["loc"] and e["loc"][-1] in RENAMED_CONFIG_KEYS:
             new = ".".join([*(str(p) for p in e["loc"][:-1]), RENAMED_CONFIG_KEYS[e["loc"][-1]]])
-            lines.append(f"  {loc}: renamed to {new} (same meaning and values): rename the key")
+            parts.append(f"{loc}: renamed to {new} (same meaning and values): rename the key")
         elif e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key (remove it or check its spelling)")
+            parts.append(f"{loc}: unknown key (remove it or check its spelling)")
         elif e["type"] == "missing":
-            lines.append(f"  {loc}: required field is missing")
+            parts.append(f"{loc}: required field is missing")
         else:
-            lines.append(f"  {loc} = {e.get('input')!r}: {e['msg']}")
-    return "\n".join(lines)
+            msg = e["msg"].removeprefix("Value error, ")
+            parts.append(f"{loc} = {e.get('input')!r}: {msg}")
+    return f"invalid config in {source}: " + "; ".join(parts)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -1,44 +1,44 @@
 """Failures the user can act on, turned into one message: what happened, where, and what to do.
 
-Used by the CLI (`eagle3 ...` prints the message and exits non-zero; the traceback only with --verbose) and by the
-Prefect tasks (tasks/errors.py), so both say the same thing. `describe_failure` returns None for an exception that
-is not one of these (a bug: its traceback is what helps)."""
+The one error path (eagle3.errors): stages raise `UserError` where the cause is known, and this
+module is the top-level translation for everything else. Used by the CLI (`eagle3 ...` prints the
+message and exits non-zero; the traceback only with --verbose) and by the Prefect tasks
+(tasks/_stage_main.py), so both say the same thing. `describe_failure` returns None for an exception
+that is neither a UserError nor a well-known family (a bug: its traceback is what helps).
+"""
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
-from pathlib import Path
 
 
-#: exceptions whose message is already the diagnosis (they name the file/field and the fix)
+#: exceptions whose message is already the diagnosis besides UserError (raised by the library with a
+#: file / field and a fix in their message, but not yet as UserError)
 def _known() -> tuple[type[BaseException], ...]:
-    from eagle3.config import ConfigError
-    from eagle3.lock import LockedError
-
-    return (ConfigError, LockedError, FileNotFoundError, NotADirectoryError, ValueError)
-
-
-def _free(path: str) -> str:
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return f"{shutil.disk_usage(p).free / 1e9:.2f} GB free on the filesystem of {p} now"
-    except OSError:
-        return "free space unknown"
+    return (FileNotFoundError, NotADirectoryError, ValueError)
 
 
 def describe_failure(exc: BaseException) -> str | None:
-    """The diagnosis of `exc`, or None when it is not a failure the user can act on (a bug)."""
+    """The diagnosis of `exc` as one paragraph, or None when it is not a failure the user can act on
+    (a bug)."""
+    from eagle3.errors import UserError
+
+    if isinstance(exc, UserError):
+        return " ".join(str(exc).split("\n"))
+    message = translate(exc)
+    return None if message is None else " ".join(message.split("\n"))
+
+
+def translate(exc: BaseException) -> str | None:
+    """Well-known exception families that reach the top without passing a boundary that knew their
+    cause."""
     from safetensors import SafetensorError
 
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        where = exc.filename or "?"
-        return (f"disk full (or quota exceeded) while writing {where} ({_free(str(where))}). Free space there or point "
-                "--out at a larger disk, then run the same command again: finished shards/checkpoints are kept and the "
-                "stage resumes")
+    from eagle3.errors import disk_full_error, is_disk_full
+
+    if isinstance(exc, OSError) and is_disk_full(exc):
+        return str(disk_full_error(exc.filename or "?"))
     if isinstance(exc, PermissionError) or (isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM)):
         where = exc.filename or "?"
         return (f"permission denied on {where} (running as uid {os.getuid()}): make it readable/writable for this "

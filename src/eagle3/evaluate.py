@@ -397,7 +397,22 @@ def _check_draft(draft: Path, k: int) -> dict[str, Any]:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
     if not any(draft.glob("*.safetensors")):
         raise FileNotFoundError(f"--draft {draft}: no *.safetensors weights; re-run `eagle3 export`")
+    _check_weight_files(draft)
     return dcfg
+
+
+def _check_weight_files(draft: Path) -> None:
+    """Read every weight file's safetensors header (and check the file holds what it declares)
+    before an engine starts: a truncated or overwritten file is named here, not in vLLM's loader ~80
+    lines of traceback later."""
+    from safetensors import safe_open
+
+    from eagle3.io import corrupt_file_errors
+
+    fix = f"export the draft again (`eagle3 export --checkpoint TRAIN_OUT --out {draft}`)"
+    for f in sorted(draft.glob("*.safetensors")):
+        with corrupt_file_errors(f, "draft weights", fix), safe_open(str(f), "pt") as st:
+            list(st.keys())
 
 
 def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], list[str], list[str], dict[str, int]]:
@@ -514,6 +529,7 @@ def rows_of(method: str, job: dict[str, Any], base_job: dict[str, Any] | None, c
 
 def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     """Measure τ per category and temperature (and tokens/s with and without speculation); see the module docstring."""
+    from eagle3.lock import dir_lock
     from eagle3.vllm_engine import engine_kwargs, run_in_subprocess
 
     cfg.require("target", "prompts", "out")
@@ -548,8 +564,11 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     if cfg.baseline:
         jobs.append(engine_kwargs(target, disable_log_stats=False, **common))
     jobs += compare_kwargs.values()
-    # every engine, one after the other, in one fresh process forked from a server that imported vLLM once
-    done = run_in_subprocess(decode_jobs, jobs, groups, samplings)
+    # every engine, one after the other, in one fresh process forked from a server that imported
+    # vLLM once; the out dir's lock records that process and its engines (a later run names them if
+    # they outlive this one)
+    with dir_lock(out, "evaluate out"):
+        done = run_in_subprocess(decode_jobs, jobs, groups, samplings)
     spec, base = done[0], (done[1] if cfg.baseline else None)
     compared = dict(zip(cfg.compare, done[1 + cfg.baseline:], strict=True))
     sampled_problem = None

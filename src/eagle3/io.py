@@ -12,12 +12,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eagle3.errors import UserError, disk_full_error, is_disk_full
+
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temp path next to `path`; rename it onto `path` only if the block succeeds.
 
-    A killed or failing writer never leaves a half-written file under the final name.
+    A killed or failing writer never leaves a half-written file under the final name. A write that
+    the full disk stops (ENOSPC, or torch's writer failing there) is raised as
+    eagle3.errors.DiskFullError naming `path`, the free space and `needed_bytes` (the size of what
+    is written, where the caller knows it).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,8 +38,11 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         # over ours), and a draft vLLM serves as another user must be readable (0644 under umask 022)
         tmp_path.chmod(0o666 & ~umask)
         os.replace(tmp_path, path)
-    except OSError as e:
-        if e.filename is None:  # a failed write (disk full) names no file: name the one being written
+    except (OSError, RuntimeError) as e:
+        if is_disk_full(e, path):
+            raise disk_full_error(path, needed_bytes) from e
+        # a failed write names no file: name the one written
+        if isinstance(e, OSError) and e.filename is None:
             e.filename = str(path)
         raise
     finally:
@@ -43,8 +51,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Like atomic_path for a directory: build it under a temp name, then swap it in."""
+def atomic_dir(path: str | Path, needed_bytes: int | None = None) -> Iterator[Path]:
+    """Like atomic_path for a directory: build it under a temp name, then swap it in (a full disk:
+    DiskFullError naming the directory and `needed_bytes`, its whole size where the caller knows
+    it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
@@ -54,8 +64,11 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     try:
         try:
             yield tmp
-        except OSError as e:
-            if e.filename is None:
+        except (OSError, RuntimeError) as e:
+            # named as the directory being written (the temp names inside it vanish)
+            if is_disk_full(e, tmp):
+                raise disk_full_error(path, needed_bytes) from e
+            if isinstance(e, OSError) and e.filename is None:
                 e.filename = str(path)
             raise
         _normal_modes(tmp, umask)
@@ -127,7 +140,19 @@ def sha256_tree(root: str | Path, pattern: str = "*") -> str:
     return h.hexdigest()
 
 
-class CorruptFileError(ValueError):
+def tensor_nbytes(obj: Any) -> int:
+    """Bytes of the tensors in `obj` (a tensor, or dicts / lists / tuples of them, e.g. a state dict
+    or an optimizer's state_dict): about what torch.save or safetensors writes for it."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return int(obj.element_size() * obj.numel())
+    if isinstance(obj, dict):
+        return sum(tensor_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_nbytes(v) for v in obj)
+    return 0
+
+
+class CorruptFileError(UserError, ValueError):
     """A file exists but cannot be read as what it should be (truncated, overwritten, foreign)."""
 
 

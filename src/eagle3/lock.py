@@ -9,6 +9,14 @@ says who held it, so the next writer reports that it takes over a stale lock and
 release; a writer that locked a file someone unlinked meanwhile tries again on the new file (the lock is on the
 inode, and the name must still point to it).
 
+A stage that starts engine processes (vLLM's engine core and workers, a job of
+eagle3.vllm_engine.run_in_subprocess) records them in the lock files it holds
+(`record_engine_processes`: pid, start time, name). They end with their parent
+(eagle3.processes.die_with_parent), but if some survive a run that died anyway, the next writer of
+the directory finds them still running (same pid and start time, read from /proc) and stops, naming
+them and the kill command, instead of starting a second engine beside them (or letting a worker that
+writes shards race the new run).
+
 Re-entrant within a process (the pipeline locks its work dir, a stage locks its out dir under it; a stage called
 twice in one process is fine). flock is advisory and local to the host on most network filesystems: two hosts
 writing one NFS directory are not stopped by it.
@@ -28,14 +36,22 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from eagle3 import processes
+from eagle3.errors import UserError, fmt_bytes
+
 LOCK_NAME = ".eagle3.lock"
 
 _held: dict[str, int] = {}  # realpath of the lock file -> re-entry count (this process)
+_fds: dict[str, int] = {}  # realpath of the lock file -> its open descriptor (held here)
 _held_guard = threading.Lock()
 
 
-class LockedError(RuntimeError):
+class LockedError(UserError, RuntimeError):
     """Another live process writes this directory."""
+
+
+class StaleEngineError(UserError, RuntimeError):
+    """Engine processes of an earlier run on this directory still run after that run died."""
 
 
 def _holder(path: Path) -> dict:
@@ -88,11 +104,13 @@ def dir_lock(directory: str | Path, what: str = "directory") -> Iterator[Path]:
     fd = _acquire(path, what)
     with _held_guard:
         _held[key] = 1
+        _fds[key] = fd
     try:
         yield path
     finally:
         with _held_guard:
             _held.pop(key, None)
+            _fds.pop(key, None)
         with contextlib.suppress(OSError):
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
                 path.unlink()
@@ -109,6 +127,10 @@ def _acquire(path: Path, what: str) -> int:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             h = _holder(path)
+            here = h.get("host") == socket.gethostname()
+            if h.get("pid") is not None and here and not _pid_alive(int(h["pid"])):
+                # the holder died; a child of it kept the lock open
+                _raise_if_stale_engines(path, what, h)
             raise LockedError(
                 f"{what} {path.parent} is being written by {_describe(h)}: one writer per directory. Wait for it to "
                 f"finish, stop it, or use another directory (lock file {path})"
@@ -123,6 +145,12 @@ def _acquire(path: Path, what: str) -> int:
         old = _holder(path)
         if old.get("pid") is not None:
             alive = old.get("host") == socket.gethostname() and _pid_alive(int(old["pid"]))
+            if old.get("host") == socket.gethostname():
+                try:
+                    _raise_if_stale_engines(path, what, old)
+                except StaleEngineError:
+                    os.close(fd)
+                    raise
             state = "dead" if not alive else "no longer holding it"
             print(f"eagle3: taking over the stale lock of {what} {path.parent} left by {_describe(old)} ({state})",
                   file=sys.stderr, flush=True)
@@ -132,3 +160,62 @@ def _acquire(path: Path, what: str) -> int:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         return fd
     raise LockedError(f"{what} {path.parent}: could not take the lock file {path} (it keeps being replaced)")
+
+
+def _raise_if_stale_engines(path: Path, what: str, holder: dict) -> None:
+    """StaleEngineError when engine processes that `holder` (an earlier writer's lock record) listed
+    still run."""
+    left = [e for e in holder.get("engines") or []
+            if isinstance(e, dict) and e.get("pid")
+            and processes.is_running(int(e["pid"]), e.get("start_time"))]
+    if not left:
+        return
+    pids = " ".join(str(int(e["pid"])) for e in left)
+
+    def one(e: dict) -> str:
+        rss = processes.rss_bytes(int(e["pid"]))
+        return f"pid {int(e['pid'])} ({e.get('name') or processes.name(int(e['pid']))}" + (
+            f", {fmt_bytes(rss)} RSS)" if rss else ")")
+
+    raise StaleEngineError(
+        f"{what} {path.parent}: the run that wrote it before ({_describe(holder)}) is gone, but "
+        f"{len(left)} engine process(es) it started still run: {', '.join(one(e) for e in left)}. "
+        f"They hold memory (and GPUs) and may still write here: end them with `kill {pids}` "
+        f"(`kill -9 {pids}` if they stay), then run again (lock file {path})")
+
+
+#: helper processes of multiprocessing that end by themselves once their clients are gone (not
+#: engines). The fork server is kept: its jobs carry its command line (an evaluate job is the
+#: engine), and it runs on only while a job does
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.semaphore_tracker")
+
+
+def record_engine_processes() -> list[dict]:
+    """Write the processes below this one (the engines a stage started: pid, start time, name) into
+    every lock file this process holds, so that the next writer of those directories finds them if
+    they outlive this run. Call it once an engine has started (and again when the set changes); a
+    process that holds no lock records nothing. Returns the list recorded."""
+    with _held_guard:
+        held = list(_fds.items())
+    if not held:
+        return []
+    engines = []
+    for pid in processes.descendants():
+        started, title = processes.start_time(pid), processes.name(pid)
+        if started is None or any(h in title for h in _HELPERS):
+            continue
+        engines.append({"pid": pid, "start_time": started, "name": title})
+    for _, fd in held:
+        try:
+            raw = os.pread(fd, 1 << 20, 0)
+            record = json.loads(raw.decode() or "{}")
+        except (OSError, ValueError):
+            continue
+        if record.get("engines") == engines:
+            continue
+        record["engines"] = engines
+        data = json.dumps(record).encode()
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+    return engines

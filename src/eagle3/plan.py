@@ -30,6 +30,8 @@ from pydantic import Field, ValidationError
 
 from eagle3.config import (
     ConfigError,
+    Count,
+    Number,
     StageConfig,
     StorageDtype,
     format_validation_error,
@@ -63,17 +65,17 @@ class PlanConfig(StageConfig):
         "preset targets are in configs/targets/)",
     )
     hardware: HardwareName = Field("h200", description="Hardware profile (eagle3.plan.HARDWARE; sources in docs/scaling.md)")
-    num_gpus: int | None = Field(None, gt=0, description="GPUs on the machine (default: the profile's)")
-    disk_tb: float | None = Field(None, gt=0, description="Local disk for captures, TB = 1e12 bytes (default: the profile's)")
-    num_samples: int | None = Field(
+    num_gpus: Count | None = Field(None, gt=0, description="GPUs on the machine (default: the profile's)")
+    disk_tb: Number | None = Field(None, gt=0, description="Local disk for captures, TB = 1e12 bytes (default: the profile's)")
+    num_samples: Count | None = Field(
         None, gt=0, description="Samples to capture (default: the prepared manifest, else the config's limit)"
     )
-    mean_tokens: float | None = Field(None, gt=0, description="Mean tokens per sample (default: the prepared manifest)")
+    mean_tokens: Number | None = Field(None, gt=0, description="Mean tokens per sample (default: the prepared manifest)")
     storage_dtype: StorageDtype | None = Field(None, description="Storage dtype of the states (default: capture.storage_dtype)")
-    target_weight_bits: int | None = Field(
+    target_weight_bits: Count | None = Field(
         None, gt=0, description="Bits per target weight in GPU memory (default: the config's quantization_config, else 16)"
     )
-    epochs: float | None = Field(None, gt=0, description="Training epochs (default: train.epochs)")
+    epochs: Number | None = Field(None, gt=0, description="Training epochs (default: train.epochs)")
     results_dir: str | None = Field(
         None, description="Dir of capture_throughput.json + train_step.json to scale from (default: the figures shipped with eagle3, eagle3/assets/measured; a repository checkout's benchmarks/results after a new measurement)"
     )

@@ -110,6 +110,7 @@ def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None
     and the worker run in this process on one unbound OpenMP thread instead of two spawned processes (not
     with `all_cores`, nor where the user set VLLM_ENABLE_V1_MULTIPROCESSING).
     """
+    engines_die_with_parent()
     if not on_cpu_platform():
         return {}
     wanted = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib) if kv_cache_gib else DEFAULT_KVCACHE_GIB}
@@ -130,6 +131,16 @@ def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None
     if applied:
         log.info("vLLM CPU env defaults: %s", applied)
     return applied
+
+
+def engines_die_with_parent() -> None:
+    """Call before starting a vLLM engine: the engine-core and worker processes vLLM spawns then
+    receive SIGKILL when the process that started them dies
+    (eagle3.capture.vllm_ext.die_with_parent_plugin reads this environment variable in each of
+    them); EAGLE3_ENGINE_DIES_WITH_PARENT=0 in the environment turns it off."""
+    from eagle3.processes import DIE_WITH_PARENT_ENV
+
+    os.environ.setdefault(DIE_WITH_PARENT_ENV, "1")
 
 
 #: model_type values (the target's config.json, or its text_config's) whose engine does not start in process on
@@ -241,7 +252,16 @@ def _job_context() -> Any:
     return ctx
 
 
-def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, env: dict[str, str] | None = None) -> None:
+def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
+           env: dict[str, str] | None = None, caller: int | None = None) -> None:
+    from eagle3.processes import die_with_parent, watch_process
+
+    # dies with the caller: a SIGKILL when the fork server (or, under spawn, the caller) dies, and a
+    # thread that watches the caller, which the fork server outlives while any job runs (each job
+    # holds its `alive` pipe)
+    die_with_parent(os.getppid())
+    if caller is not None:
+        watch_process(caller)
     code = 0
     if env is not None:  # the caller's, as spawn would give (a fork server child has the server's)
         os.environ.clear()
@@ -249,8 +269,17 @@ def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, env: d
     try:
         queue.put(("ok", fn(*args, **kwargs)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        from eagle3.errors import UserError
+
         code = 1
-        queue.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        tb = traceback.format_exc()
+        if isinstance(e, UserError):  # the diagnosis crosses as is (its traceback for --verbose)
+            try:
+                queue.put(("user_error", (e, tb)))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+                queue.put(("user_error", (UserError(str(e)), tb)))
+        else:
+            queue.put(("error", f"{type(e).__name__}: {e}\n{tb}"))
     # Deliver the result, then leave at once: interpreter teardown with a (shut down) vLLM engine
     # can hang for minutes in atexit/GC, and nothing else in this process needs cleaning up.
     queue.close()
@@ -263,16 +292,22 @@ def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, env: d
 def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) in a fresh process (own vLLM engine, own metrics) and return its result.
 
-    `fn` must be importable (a module-level function) and its result picklable. A failure in the child is
-    re-raised here as RuntimeError carrying the child's traceback; a child that dies without a result
-    (killed, out of memory) is a RuntimeError naming its exit code.
+    `fn` must be importable (a module-level function) and its result picklable. A failure in the
+    child is re-raised here as RuntimeError carrying the child's traceback, except an
+    eagle3.errors.UserError (a diagnosis), re-raised as it is with the child's traceback as a note;
+    a child that dies without a result (killed, out of memory) is a RuntimeError naming its exit
+    code. The child dies with this process (eagle3.processes), and while it runs, it and its engine
+    processes are recorded in the lock files this process holds (eagle3.lock).
     """
     import time
+
+    from eagle3.lock import record_engine_processes
 
     t0 = time.time()
     ctx = _job_context()
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs, dict(os.environ)), daemon=False)
+    proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs, dict(os.environ), os.getpid()),
+                       daemon=False)
     proc.start()
     result = None
     try:
@@ -281,6 +316,8 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 result = queue.get(timeout=1.0)
                 break
             except Exception:  # queue.Empty
+                # the job and the engines it started since (no-op without a lock)
+                record_engine_processes()
                 if not proc.is_alive():
                     try:
                         result = queue.get(timeout=1.0)
@@ -297,6 +334,10 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if result is None:
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} subprocess died without a result (exit code {proc.exitcode})")
     status, value = result
+    if status == "user_error":
+        exc, tb = value
+        exc.add_note(f"in the {getattr(fn, '__name__', fn)} subprocess:\n{tb}")
+        raise exc
     if status == "error":
         raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its subprocess: {value}")
     return value

@@ -183,21 +183,33 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     prep_manifest, out, hashed = ci.prepared_manifest, Path(cfg.out), ci.hashed
     config_hash = sha256_json(hashed)
     if (out / MANIFEST).is_file():
-        m = storage.load_manifest(out)
+        m = storage.load_manifest(out, check=False)
         if m.get("config_hash") != config_hash:
             raise ValueError(
                 f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.get('config_hash')} "
                 f"!= {config_hash}): use a new --out directory or delete {out}"
             )
+        gap = storage.coverage_problem(out, m)
+        if gap:  # a shard entry lost: keep the shards before the gap, capture the rest
+            keep = []
+            for e in m["shards"]:
+                if int(e["first_index"]) != (keep[-1]["next_index"] if keep else 0):
+                    break
+                keep.append(e)
+            print(f"capture: {out / MANIFEST} no longer covers its samples; keeping its first "
+                  f"{len(keep)} shard(s) and capturing the rest again", file=sys.stderr, flush=True)
+            m["shards"] = keep
         bad = storage.corrupt_shards(out, m["shards"])
-        if not bad:
+        if not bad and not gap:
             print(f"capture: {out} is already complete ({m['num_samples']} samples, {len(m['shards'])} shards "
                   "sha256-verified)", file=sys.stderr, flush=True)
             return _result(out, m, resumed=len(m["shards"]), wall=time.time() - t0, cap=0.0, tok_now=0)
         # a finished capture whose shards no longer match: reopen it, so that the resume below keeps the good
         # shards before the first bad one and captures the rest again
-        print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 ({', '.join(bad[:5])}); "
-              "capturing again from the first bad one", file=sys.stderr, flush=True)
+        if bad:
+            print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 "
+                  f"({', '.join(bad[:5])}); capturing again from the first bad one",
+                  file=sys.stderr, flush=True)
         save_progress(out, config_hash, m["shards"])
         (out / MANIFEST).unlink()
     out.mkdir(parents=True, exist_ok=True)

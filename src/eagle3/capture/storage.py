@@ -244,9 +244,10 @@ def _write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int, hidde
     name = shard_name(shard_id)
     path = out / name
     metadata = {"format": FORMAT, "sample_ids": json.dumps(buf.sample_ids)}
+    nbytes = safetensors_nbytes(tensors, metadata)
     if before_write is not None:
-        before_write(safetensors_nbytes(tensors, metadata))
-    with atomic_path(path) as tmp:
+        before_write(nbytes)
+    with atomic_path(path, needed_bytes=nbytes) as tmp:
         digest = save_safetensors_hashed(tensors, tmp, metadata)
     return {
         "file": name,
@@ -362,8 +363,43 @@ def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> l
 # ----------------------------------------------------------------------------------------- reader
 
 
-def load_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of a finished capture (layer ids, hidden size, dtype, num_samples, shards, ...)."""
+def coverage_problem(path: str | Path, manifest: dict[str, Any]) -> str | None:
+    """What is wrong when the shard list of a finished capture's manifest no longer covers its
+    samples (an entry lost or edited away: the reader would train on fewer samples without a word),
+    else None. Checks the shards' sample counts against `num_samples` and their row ranges
+    (first_index..next_index) for gaps."""
+    path = Path(path)
+    shards = manifest.get("shards") or []
+    listed = sum(int(e.get("num_samples", 0)) for e in shards)
+    total = manifest.get("num_samples")
+    gaps, expect = [], 0
+    if shards and all("first_index" in e and "next_index" in e for e in shards):
+        for e in shards:
+            if int(e["first_index"]) > expect:
+                gaps.append((expect, int(e["first_index"]) - 1))
+            expect = max(expect, int(e["next_index"]))
+        end = manifest.get("num_input_samples")
+        if end is not None and expect < int(end):
+            gaps.append((expect, int(end) - 1))
+    if (total is None or listed == int(total)) and not gaps:
+        return None
+    names = {e.get("file") for e in shards}
+    unlisted = sorted(f.name for f in path.glob("shard-*.safetensors") if f.name not in names)
+    what = f"shards holding {listed} of the {total} samples it records" if total is not None else \
+        f"shards holding {listed} samples"
+    spans = ", ".join(f"{a}..{b}" for a, b in gaps)
+    where = f": rows {spans} of the prepared dataset are in no listed shard" if gaps else ""
+    files = f" ({', '.join(unlisted[:5])} on disk but not listed)" if unlisted else ""
+    return (f"capture {path}: {path / MANIFEST} lists {what}{where}{files}; the manifest was "
+            "edited or damaged, and training on it would silently drop those samples. Run "
+            f"`eagle3 capture` again with the same settings and --out {path}: it rebuilds the "
+            "manifest, keeping the shards before the first gap and capturing the rest")
+
+
+def load_manifest(path: str | Path, check: bool = True) -> dict[str, Any]:
+    """The manifest of a finished capture (layer ids, hidden size, dtype, num_samples, shards, ...).
+    `check`: refuse one whose shards do not cover its samples (`coverage_problem`, raised as
+    eagle3.errors.UserError)."""
     path = Path(path)
     m = path / MANIFEST
     if not m.is_file():
@@ -373,6 +409,11 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     manifest = read_json(m)
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{m}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    problem = coverage_problem(path, manifest) if check else None
+    if problem:
+        from eagle3.errors import UserError
+
+        raise UserError(problem)
     return migrate_record(manifest)
 
 

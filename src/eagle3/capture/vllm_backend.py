@@ -67,7 +67,13 @@ class VLLMBackend:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             from vllm import LLM
 
+            from eagle3.lock import record_engine_processes
+            from eagle3.vllm_engine import engines_die_with_parent
+
+            engines_die_with_parent()
             self.llm = LLM(worker_extension_cls=EXTENSION, **self.kwargs)
+            # in the out dir's lock file: a later run finds them if they outlive this one
+            record_engine_processes()
         infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.aux_layer_ids, self.storage_dtype))
         info = dict(infos[0])
         # Prompts per generate() call: many engine steps' worth keeps the engine full (a partly filled
@@ -161,9 +167,9 @@ class VLLMBackend:
     def close(self) -> None:
         if self.llm is not None:
             self.llm.collective_rpc("eagle3_capture_stop")
+            # its engine processes end now, while the out dir's lock (which lists them) is held
             if self._owns:
-                del self.llm
-                self.llm = None
-                import gc
+                from eagle3.vllm_engine import shutdown_engine
 
-                gc.collect()
+                llm, self.llm = self.llm, None
+                shutdown_engine(llm)

@@ -1,11 +1,12 @@
 """vLLM worker extension that records EAGLE-3 aux hidden states for every prompt token.
 
 This is the ONLY module of the repository that touches vLLM internals. It is loaded inside vLLM's
-worker process(es) via ``LLM(..., worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension")``
-and driven from the driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop /
-stop (states to the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``, where
-TP rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM internals involved).
-Verified against vllm 0.32.0 (v1 engine, ``GPUModelRunner``/``CPUModelRunner`` from
+worker process(es) (and, as a vLLM plugin, in the engine-core process: hook 8) via ``LLM(...,
+worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension")`` and driven from the driver
+with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop / stop (states to
+the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``, where TP
+rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM internals
+involved). Verified against vllm 0.32.0 (v1 engine, ``GPUModelRunner``/``CPUModelRunner`` from
 ``vllm/v1/worker/gpu_model_runner.py``; the opt-in V2 model runner is not supported and is refused).
 
 Hooks and why each one exists
@@ -59,6 +60,25 @@ Hooks and why each one exists
    built worker (``'_lib_fn_wrapper' object has no attribute 'get'``). The fix must run in the worker, after
    ``init_worker`` registered the platform's stand-ins, hence a collective_rpc verb:
    ``llm.collective_rpc("eagle3_fix_cpu_sampling")``.
+
+8. Engine processes die with their parent (``die_with_parent_plugin``, every stage that starts vLLM:
+   capture, regenerate, synthesize, evaluate). vLLM starts its engine-core process and its worker
+   processes itself (multiprocessing spawn, ``v1/engine/utils.py``,
+   ``v1/executor/multiproc_executor.py``) and neither notices when the process that started it dies:
+   the engine core installs SIGTERM/SIGINT handlers that keep it alive until its own shutdown, and a
+   worker's death pipe (EOF when the engine core exits) is watched only once the worker has started.
+   So a SIGKILLed ``eagle3 capture`` left ``VLLM::EngineCore`` and ``VLLM::Worker`` under PID 1
+   (~3.6 GB RSS, hostile test of 2026-12-03). No eagle3 code runs in the engine core otherwise (the
+   worker extension is loaded in workers only), but vLLM runs its general plugins, the entry point
+   group ``vllm.general_plugins`` (``pyproject.toml``), in every process it starts:
+   ``EngineCore.__init__`` (``v1/engine/core.py``) loads them before it starts the workers,
+   ``WorkerWrapperBase.init_worker`` (``v1/worker/worker_base.py``) before the worker names itself
+   ``VLLM::Worker``. The plugin arms ``PR_SET_PDEATHSIG`` (SIGKILL) through
+   eagle3.processes.die_with_parent, only where the process that started vLLM asked for it
+   (EAGLE3_ENGINE_DIES_WITH_PARENT=1, set by eagle3.vllm_engine.engines_die_with_parent) and only in
+   a process multiprocessing started (never in the driver, which loads the plugins too). Chained:
+   the driver's death kills the engine core, whose death kills the workers. A package installed
+   without the entry point (an install older than it: `pip install -e .` again) just lacks the hook.
 
 Compilation: the driver uses ``enforce_eager=True``. vLLM's ``support_torch_compile`` compiles the
 decoder once and drops dynamo guards, so aux layers set through collective_rpc after engine start-up
@@ -368,6 +388,20 @@ class CaptureWorkerExtension:
         runner.get_model().set_aux_hidden_state_layers(())
         self._eagle3_reset()
         self._eagle3_ready = {}
+
+
+def die_with_parent_plugin() -> None:
+    """Hook 8: vLLM general plugin (entry point ``vllm.general_plugins``
+    ``eagle3_die_with_parent``), run by vLLM in each process it starts: SIGKILL this engine process
+    when its parent dies (see the module docstring)."""
+    import multiprocessing
+    import os
+
+    from eagle3.processes import DIE_WITH_PARENT_ENV, die_with_parent
+
+    if os.environ.get(DIE_WITH_PARENT_ENV) != "1" or multiprocessing.parent_process() is None:
+        return  # not asked for, or the driver itself (vLLM loads the plugins there too)
+    die_with_parent()
 
 
 def shutdown_engine_core(llm: Any) -> bool:

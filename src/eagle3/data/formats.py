@@ -37,7 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.errors import DataLossError, UserError
+
 log = logging.getLogger(__name__)
+
+BOM = b"\xef\xbb\xbf"
 
 ROLE_ALIASES = {
     "system": "system",
@@ -98,6 +102,9 @@ class ReadResult:
     formats: Counter = field(default_factory=Counter)
     #: skip reason -> first few "row N: what was wrong" strings
     skip_examples: dict[str, list[str]] = field(default_factory=dict)
+    #: skip reason -> where the first few skipped rows are ("line 4" of a JSONL file, "row 3"
+    #: (0-based) otherwise)
+    skip_rows: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def num_skipped(self) -> int:
@@ -222,6 +229,8 @@ def _iter_jsonl(path: Path) -> Iterator[Any]:
     """Yield parsed rows; an unparsable or non-UTF-8 line yields an _InvalidLine (counted by the caller)."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(BOM)  # a UTF-8 byte order mark is not part of row 1
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -280,10 +289,11 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
         return loaded, name
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _JSONL(path), name
+        array = _json_array(path)
+        return (_JSONL(path), name) if array is None else (array, name)
     if suffix == ".json":
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as e:
             line = path.read_bytes()[: e.start].count(b"\n") + 1
             raise ValueError(f"{path}: not valid UTF-8 at line {line} (byte {e.start} of the file); a .json file is "
@@ -313,6 +323,40 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
     )
 
 
+def _json_array(path: Path) -> list[Any] | None:
+    """The rows of a `.jsonl` file that holds one JSON array (a pretty-printed `.json` saved as
+    `.jsonl`: read line by line it would lose every row but the last), or None when it is JSON
+    Lines. An array that does not parse is refused with a hint: skipping its lines would drop the
+    whole file."""
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(BOM).lstrip()
+    if not head.startswith(b"["):
+        return None
+    raw = path.read_bytes().removeprefix(BOM)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UserError(f"{path}: one JSON array (it starts with `[`) that is not valid UTF-8 "
+                        f"at line {line}: fix or re-encode it, or write one row per line (JSON "
+                        "Lines), where a bad line is skipped and counted") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        # `[...]` then more lines: JSON Lines after all
+        if "Extra data" in str(e) and "\n" in text.strip():
+            return None
+        raise UserError(
+            f"{path} starts with `[`, so it is read as one JSON array (JSON Lines has one row "
+            f"per line), but it is not valid JSON ({e}): fix the array, or write one row per line "
+            "(JSON Lines)") from None
+    if not isinstance(data, list):
+        return None
+    log.info("%s holds one JSON array of %d rows: read as such (not as JSON Lines)", path,
+             len(data))
+    return data
+
+
 def _pick_split(dd: Any, split: str, name: str) -> Any:
     if split not in dd:
         raise ValueError(f"{name}: DatasetDict has no split {split!r}; pass --split with one of {sorted(dd)}")
@@ -338,6 +382,7 @@ def read_conversations(
         raise ValueError(f"limit must be > 0, got {limit}")
     skipped: Counter = Counter()
     examples: dict[str, list[str]] = {}
+    where: dict[str, list[str]] = {}
     formats: Counter = Counter()
     rows, source = _load_rows(path_or_dataset, split)
     what = "line" if isinstance(rows, _JSONL) else "row"
@@ -346,25 +391,25 @@ def read_conversations(
     convs: list[Conversation] = []
     num_rows = 0
 
-    def skip(reason: str, msg: str) -> None:
+    def skip(reason: str, loc: str, detail: str) -> None:
         skipped[reason] += 1
         ex = examples.setdefault(reason, [])
         if len(ex) < MAX_EXAMPLES:
-            ex.append(msg)
-            log.warning("%s: %s skipped (%s)", source, msg, reason)
+            ex.append(f"{loc}: {detail}")
+            where.setdefault(reason, []).append(loc)
+            log.warning("%s: %s: %s skipped (%s)", source, loc, detail, reason)
 
     for index, row in enumerate(rows):
         if limit is not None and num_rows >= limit:
             break
         num_rows += 1
         if isinstance(row, _InvalidLine):
-            skip(row.reason, f"line {row.lineno}: {row.error}")
+            skip(row.reason, f"line {row.lineno}", row.error)
             continue
         try:
             conv, fmt = parse_row(row, index, require_assistant=require_assistant)
         except _RowError as e:
-            loc = f"line {index + 1}" if what == "line" else f"row {index}"
-            skip(e.reason, f"{loc}: {e.detail}")
+            skip(e.reason, f"line {index + 1}" if what == "line" else f"row {index}", e.detail)
             continue
         formats[fmt] += 1
         convs.append(conv)
@@ -378,9 +423,8 @@ def read_conversations(
         )
     if skipped:
         log.warning("%s: skipped %d of %d rows: %s", source, sum(skipped.values()), num_rows, dict(skipped))
-    return ReadResult(
-        conversations=convs, skipped=skipped, num_rows=num_rows, source=source, formats=formats, skip_examples=examples
-    )
+    return ReadResult(conversations=convs, skipped=skipped, num_rows=num_rows, source=source,
+                      formats=formats, skip_examples=examples, skip_rows=where)
 
 
 def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -404,6 +448,7 @@ def read_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, sp
         if not any(m["role"] == "user" for m in msgs):
             res.skipped["no_user_turn"] += 1
             res.skip_examples.setdefault("no_user_turn", []).append(f"{c.sample_id}: an assistant turn comes before any user turn")
+            res.skip_rows.setdefault("no_user_turn", []).append(f"sample {c.sample_id}")
             continue
         kept.append(Conversation(sample_id=c.sample_id, messages=msgs, category=c.category))
     if not kept:
@@ -415,3 +460,40 @@ def read_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, sp
 def iter_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, split: str = "train") -> Iterator[Conversation]:
     """Yield each usable row's prompt: its messages up to (not including) the first assistant turn."""
     yield from read_prompts(path_or_dataset, limit=limit, split=split).conversations
+
+
+def _where(locations: list[str], count: int) -> str:
+    """["line 4", "line 8"] -> "lines 4, 8" (", ..." when more rows were skipped than listed)."""
+    units = {loc.split(" ", 1)[0] for loc in locations}
+    if len(units) == 1 and all(" " in loc for loc in locations):
+        text = f"{units.pop()}s " + ", ".join(loc.split(" ", 1)[1] for loc in locations)
+    else:
+        text = ", ".join(locations)
+    return text + (", ..." if count > len(locations) else "")
+
+
+def check_skipped(source: str, num_rows: int, skipped: dict[str, int],
+                  skip_rows: dict[str, list[str]], max_fraction: float, what: str = "") -> None:
+    """Raise DataLossError when more than `max_fraction` of the `num_rows` input rows of `source`
+    were skipped: the reasons by count with the first rows of each, and the two fixes (the rows, or
+    the limit). `what` prefixes the input's name (e.g. "mix: sources[1]")."""
+    num_skipped = sum(skipped.values())
+    if not num_rows or num_skipped <= max_fraction * num_rows:
+        return
+    frac = num_skipped / num_rows
+    reasons = ", ".join(
+        f"{reason} {n}" + (f" ({_where(skip_rows[reason], n)})" if skip_rows.get(reason) else "")
+        for reason, n in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])) if n)
+    raise DataLossError(
+        f"{what + ' ' if what else ''}{source}: {num_skipped} of {num_rows} input rows "
+        f"({frac:.1%}) were skipped, more than max_skipped_fraction = {max_fraction:g} allows: "
+        f"{reasons}. Fix those rows (the log names each one's problem; {FORMAT_HELP}), or accept "
+        f"the loss with --max-skipped-fraction {_ceil(frac)} (`max_skipped_fraction:` in the "
+        "config file)")
+
+
+def _ceil(frac: float) -> str:
+    """The smallest 3-decimal fraction >= frac, as text (0.125 -> "0.125", 0.1234 -> "0.124")."""
+    import math
+
+    return f"{math.ceil(frac * 1000 - 1e-9) / 1000:g}"

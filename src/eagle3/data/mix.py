@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import ConfigError, MixConfig
-from eagle3.data.formats import read_conversations
+from eagle3.data.formats import check_skipped, read_conversations
 from eagle3.io import atomic_path, write_json
 
 OUTPUT = "conversations.jsonl"
@@ -52,6 +52,9 @@ def run_mix(cfg: MixConfig) -> MixResult:
         raise ConfigError("MixConfig.sources is empty: pass --sources PATH=WEIGHT,PATH=WEIGHT")
     t0 = time.time()
     reads = [read_conversations(s.path, require_assistant=False) for s in cfg.sources]
+    for i, r in enumerate(reads):
+        check_skipped(r.source, r.num_rows, r.skipped, r.skip_rows, cfg.max_skipped_fraction,
+                      f"mix: sources[{i}]")
     sizes = [len(r.conversations) for r in reads]
     weights = [s.weight for s in cfg.sources]
     shares = [w / sum(weights) for w in weights]

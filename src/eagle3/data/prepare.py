@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import PrepareConfig
-from eagle3.data.formats import Conversation, read_conversations
+from eagle3.data.formats import MAX_EXAMPLES, Conversation, check_skipped, read_conversations
 from eagle3.data.prepared import save_prepared
 from eagle3.io import sha256_file, sha256_text
 
@@ -159,19 +159,26 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
     use_generation = has_generation_markers(tok.chat_template)
     read = read_conversations(cfg.data, limit=cfg.limit, split=cfg.split, require_assistant=True)
     skipped: Counter[str] = Counter(read.skipped)
+    skip_rows = {k: list(v) for k, v in read.skip_rows.items()}
+
+    def skip(reason: str, conv: Conversation) -> None:
+        skipped[reason] += 1
+        if len(skip_rows.setdefault(reason, [])) < MAX_EXAMPLES:
+            skip_rows[reason].append(f"sample {conv.sample_id}")
+
     rows: list[dict[str, Any]] = []
     seen_ids: Counter[str] = Counter()
     num_truncated = num_tokens = num_supervised = 0
     for conv in read.conversations:
         ids, mask = tokenize_conversation(tok, conv, use_generation)
         if sum(mask) == 0:
-            skipped["no_supervised_tokens"] += 1
+            skip("no_supervised_tokens", conv)
             continue
         if len(ids) > cfg.max_seq_len:
             ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
             num_truncated += 1
             if sum(mask) == 0:
-                skipped["no_supervised_tokens_after_truncation"] += 1
+                skip("no_supervised_tokens_after_truncation", conv)
                 continue
         seen_ids[conv.sample_id] += 1
         sample_id = conv.sample_id if seen_ids[conv.sample_id] == 1 else f"{conv.sample_id}#{seen_ids[conv.sample_id]}"
@@ -182,6 +189,8 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
         raise ValueError(
             f"no usable conversations in {cfg.data}: {read.num_rows} rows read, skipped {dict(skipped)}"
         )
+    check_skipped(read.source, read.num_rows, skipped, skip_rows, cfg.max_skipped_fraction,
+                  "prepare:")
     data_path = Path(cfg.data)
     manifest = {
         "stage": "prepare",

@@ -32,7 +32,7 @@ def save_prepared(rows: Iterable[dict[str, Any]], out: str | Path, manifest: dic
     columns = {c: [r[c] for r in rows] for c in COLUMNS}
     ds = datasets.Dataset.from_dict(columns, features=features)
     out = Path(out)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, needed_bytes=ds.data.nbytes) as tmp:
         ds.save_to_disk(str(tmp / "data"))
         write_json(tmp / MANIFEST, manifest)
     return out

@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RegenerateConfig
-from eagle3.data.formats import Conversation, read_conversations
+from eagle3.data.formats import Conversation, check_skipped, read_conversations
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
+from eagle3.lock import dir_lock, record_engine_processes
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,16 @@ def _append_rows(path: Path, rows: list[dict[str, Any]]) -> int:
         return f.tell()
 
 
-def run_regenerate(
+def run_regenerate(cfg: RegenerateConfig, llm: Any = None,
+                   on_batch: Callable[[int, int], None] | None = None) -> RegenerateResult:
+    """See `_regenerate`; one writer per out dir (eagle3.lock), which also records the engine's
+    processes."""
+    cfg.require("target", "data", "out")
+    with dir_lock(cfg.out, "regenerate out"):
+        return _regenerate(cfg, llm, on_batch)
+
+
+def _regenerate(
     cfg: RegenerateConfig,
     llm: Any = None,
     on_batch: Callable[[int, int], None] | None = None,
@@ -248,6 +258,8 @@ def run_regenerate(
         )
 
     read = read_conversations(cfg.data, limit=cfg.limit, require_assistant=False)
+    check_skipped(read.source, read.num_rows, read.skipped, read.skip_rows,
+                  cfg.max_skipped_fraction, "regenerate:")
     convs = list(enumerate(read.conversations))
 
     start, stats = 0, _Stats()
@@ -288,6 +300,7 @@ def run_regenerate(
             from vllm import LLM
 
             llm = LLM(**engine)
+            record_engine_processes()
         gen = _VllmGenerator(llm, cfg)
 
     bs = cfg.batch_size

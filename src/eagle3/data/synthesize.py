@@ -40,6 +40,7 @@ from typing import Any
 
 from eagle3.config import SynthesizeConfig
 from eagle3.io import atomic_path, read_json, sha256_json, write_json
+from eagle3.lock import dir_lock, record_engine_processes
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,7 @@ class _VllmBackend:
             from vllm import LLM
 
             llm = LLM(**self.engine)
+            record_engine_processes()
         self.llm = llm
 
     def generate(self, prompts: list[list[int]], seeds: list[int], stop_id: int) -> list[tuple[list[int], str]]:
@@ -261,6 +263,14 @@ def _fingerprint(cfg: SynthesizeConfig) -> str:
 
 
 def run_synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
+    """See `_synthesize`; one writer per out dir (eagle3.lock), which also records the engine's
+    processes."""
+    cfg.require("target", "out")
+    with dir_lock(cfg.out, "synthesize out"):
+        return _synthesize(cfg, llm)
+
+
+def _synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
     """Write `cfg.num_prompts` user prompts with `cfg.target` (see the module docstring). `llm`: an existing
     `vllm.LLM` of the target to reuse (tests, notebooks)."""
     from transformers import AutoTokenizer

@@ -34,6 +34,7 @@ from eagle3.io import (
     atomic_path,
     corrupt_file_errors,
     read_safetensors,
+    tensor_nbytes,
     write_json,
 )
 from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
@@ -82,6 +83,12 @@ def _draft_sd(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in sd.items() if not k.startswith("embed_tokens.")}
 
 
+def _draft_nbytes(model) -> int:
+    """Bytes _draft_sd(model) holds, without copying it."""
+    sd = model if isinstance(model, dict) else model.state_dict()
+    return tensor_nbytes({k: v for k, v in sd.items() if "embed_tokens." not in k})
+
+
 def _save_weights(model, path: Path) -> None:
     with atomic_path(path) as tmp:
         save_file(_draft_sd(model), str(tmp))
@@ -93,7 +100,11 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoade
     is moved into the checkpoint instead of saving `opt` (whose state is sharded). `raw`: the raw weights when
     `model` is their moving average (resume reads both)."""
     final = out / "checkpoints" / f"step-{step}"
-    with atomic_dir(final) as tmp:
+    # what the directory will hold, named if the disk fills while it is written
+    # (eagle3.errors.DiskFullError)
+    needed = (_draft_nbytes(model) * (1 if raw is None else 2)
+              + (tensor_nbytes(opt.state_dict()) if optim_shards is None else 0))
+    with atomic_dir(final, needed_bytes=needed) as tmp:
         _save_weights(model, tmp / WEIGHTS)
         if raw is not None:
             _save_weights(raw, tmp / RAW_WEIGHTS)
@@ -113,7 +124,7 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoade
 
 
 def save_model_dir(path: Path, model: Eagle3Draft, meta: dict) -> Path:
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, needed_bytes=_draft_nbytes(model)) as tmp:
         _save_weights(model, tmp / WEIGHTS)
         write_json(tmp / METADATA, meta)
     return path

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
 import threading
 import time
 from collections import deque
@@ -110,6 +111,23 @@ class CapturedDataset(Sequence):
         return x
 
 
+    def find_token_out_of_range(self, vocab_size: int) -> tuple[str, str, int, int] | None:
+        """(shard file, sample id, token id, position in the sample) of the first token id outside
+        0..vocab_size-1, or None; reads each shard's input_ids once (8 bytes per token, not the
+        states)."""
+        for si, f in enumerate(self._files):
+            h = self._handle(si)
+            ids = h.get_tensor("input_ids")  # (N,)
+            bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+            if bad.numel():
+                at = int(bad[0])
+                off = h.get_tensor("sample_offsets")  # (S+1,)
+                j = int(torch.searchsorted(off, torch.tensor(at), right=True)) - 1
+                sid = json.loads(h.metadata()["sample_ids"])[j]
+                return f.name, sid, int(ids[at]), at - int(off[j])
+        return None
+
+
 class ConcatSamples(Sequence):
     """Several sample sequences read as one, in order (captures made in parallel or added later)."""
 
@@ -187,6 +205,47 @@ class SelectedLayers(Sequence):
 
     def num_tokens(self, i: int) -> int:
         return sample_num_tokens(self.samples, i)
+
+
+def find_token_out_of_range(samples: Sequence[dict[str, Any]],
+                            vocab_size: int) -> tuple[str, str, int, int] | None:
+    """(shard, sample id, token id, position) of the first input token id outside the target's
+    vocabulary (0.. vocab_size-1) in `samples`, or None. A capture dir is checked shard by shard
+    (its input_ids only); other sequences sample by sample."""
+    if isinstance(samples, CapturedDataset):
+        return samples.find_token_out_of_range(vocab_size)
+    if isinstance(samples, ConcatSamples):
+        hits = (find_token_out_of_range(p, vocab_size) for p in samples.parts)
+        return next((hit for hit in hits if hit), None)
+    for i in range(len(samples)):
+        s = samples[i]
+        ids = torch.as_tensor(s["input_ids"])
+        bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+        if bad.numel():
+            at = int(bad[0])
+            shard = Path(s["shard"]).name if s.get("shard") else "(in memory)"
+            return shard, str(s.get("sample_id", i)), int(ids[at]), at
+    return None
+
+
+def check_token_ids(samples: Sequence[dict[str, Any]], vocab_size: int, captured: Any,
+                    target: Any) -> None:
+    """TokenRangeError naming the shard, sample, id and vocabulary when a captured token id is not
+    one of the target's (data prepared for another tokenizer; the states are the other target's
+    too): the embedding lookup would fail mid-training with `IndexError: index out of range in
+    self`, naming nothing."""
+    from eagle3.errors import TokenRangeError
+
+    hit = find_token_out_of_range(samples, vocab_size)
+    if hit is None:
+        return
+    shard, sid, tok, pos = hit
+    raise TokenRangeError(
+        f"captured={captured}: {shard} sample {sid} holds token id {tok} (position {pos}), but "
+        f"the target {target} has a vocabulary of {vocab_size} tokens (ids 0..{vocab_size - 1}): "
+        "the data was prepared for another tokenizer. Prepare and capture it again with this "
+        f"target (`eagle3 prepare --target {target}`, then `eagle3 capture`), or train with the "
+        "target the capture was made with")
 
 
 def sample_num_tokens(samples: Sequence[dict[str, Any]], i: int) -> int:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 from eagle3.compat import migrate_record
-from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError
+from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError, Count
 from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
 from eagle3.train.checkpoint import METADATA, WEIGHTS
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
@@ -162,13 +162,13 @@ class EstimateConfig(BaseModel):
     captured: Path = Field(..., description="Capture dir of held-out prompts (ideally ones the target never trained "
                            "on), or several comma-separated; it must hold the draft's aux layers")
     target: Path = Field(..., description="Target model dir (frozen embedding, final norm and lm_head)")
-    num_speculative_tokens: int | None = Field(
+    num_speculative_tokens: Count | None = Field(
         None, gt=0, description="k, the draft tokens per round (default: the k the draft was trained for, recorded in "
         "its eagle3_draft.json train_config; 3 when it records none)")
-    max_new_tokens: int | None = Field(128, gt=0, description="Replay only the first N answer tokens (refbench "
+    max_new_tokens: Count | None = Field(128, gt=0, description="Replay only the first N answer tokens (refbench "
                                        "evaluates 128); unset = whole answers")
-    max_seq_len: int = Field(2048, gt=0, description="Packed sequence length")
-    batch_size: int = Field(4, gt=0, description="Packed sequences per forward")
+    max_seq_len: Count = Field(2048, gt=0, description="Packed sequence length")
+    batch_size: Count = Field(4, gt=0, description="Packed sequences per forward")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     attention: Literal["auto", "flex", "sdpa", "naive"] = Field("auto", description="TTT attention kernel")
 

@@ -41,6 +41,7 @@ from eagle3.train.data import (
     PackedLoader,
     SelectedLayers,
     WithTargetArgmax,
+    check_token_ids,
     compute_sample_argmax,
     eval_batches,
     load_samples,
@@ -249,6 +250,7 @@ def read_samples(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, samples, so
     if verify and source is None and isinstance(cfg.captured, str) and (preload or isinstance(
             samples, (CapturedDataset, ConcatSamples))):
         how += ", every shard sha256-verified"
+    check_token_ids(samples, int(inputs.tensors["embed"].shape[0]), cfg.captured, cfg.target)
     if cfg.aux_layer_ids is not None and not preload:
         samples = SelectedLayers(samples, inputs.manifest["aux_layer_ids"], ids, L)
     progress(d, f"{len(samples)} samples ({how}, aux_layer_ids {ids}) in {time.perf_counter() - t_load:.1f} s")
