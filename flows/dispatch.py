@@ -18,21 +18,24 @@ from eagle3_prefect.tasks.stages import GPU_STAGES, RESULT_DIR, run_stage
 
 Dispatch = Literal["auto", "local", "deployments"]
 
-#: GPU stage flows (flows/gpu_stages.py) by stage; their deployments are "<flow name>/stage · <stage> · <pool>"
+#: GPU stage flows (flows/gpu_stages.py) by stage; their deployments are "<flow name>/stage ·
+#: <stage> · <pool>"
 STAGE_FLOW_NAMES = {s: f"eagle3-{s}" for s in GPU_STAGES}
 DEFAULT_GPU_POOL = "gpu-1x"
 
 
 def stage_deployment(stage: str, pool: str) -> str:
-    """The full name of `stage`'s deployment on `pool` (prefect.yaml), e.g. "eagle3-train/stage · train · gpu-1x":
-    named for what it runs, and sorted after the deployments a person starts in the UI's list."""
+    """The full name of `stage`'s deployment on `pool` (prefect.yaml), e.g. "eagle3-train/stage ·
+    train · gpu-1x": named for what it runs, and sorted after the deployments a person starts in the
+    UI's list."""
     return f"eagle3-{stage}/stage · {stage} · {pool}"
 
 
 def absolute_config(config: PipelineConfig) -> PipelineConfig:
-    """`config` with its work dir and inputs as absolute, resolved paths: every process of the run (a GPU stage
-    on another worker, in another working directory) and every record (cache keys, stamps, artifacts) names the
-    same files, and two checkouts that both say `runs/demo` never share outputs or cache entries."""
+    """`config` with its work dir and inputs as absolute, resolved paths: every process of the run
+    (a GPU stage on another worker, in another working directory) and every record (cache keys,
+    stamps, artifacts) names the same files, and two checkouts that both say `runs/demo` never share
+    outputs or cache entries."""
     c = config.model_copy(deep=True)
     c.work_dir = Path(c.work_dir).expanduser().resolve()
     for name in ("target", "data", "eval_prompts"):
@@ -46,8 +49,8 @@ _checked_lost_run_automation: list[bool] = []
 
 
 def check_lost_run_automation() -> None:
-    """Warn (once per process) when the server lacks the automation that finds a lost GPU stage run: without it
-    a run whose host dies stays Running and its parent waits for it."""
+    """Warn (once per process) when the server lacks the automation that finds a lost GPU stage run:
+    without it a run whose host dies stays Running and its parent waits for it."""
     if _checked_lost_run_automation:
         return
     _checked_lost_run_automation.append(True)
@@ -62,8 +65,9 @@ def check_lost_run_automation() -> None:
         return
     if not found:
         get_run_logger().warning(
-            "the automation %s is not on this server: a GPU stage run whose host or process is lost stays Running "
-            "and this run waits for it. Create it: python -m eagle3_prefect.blocks.alerts (scripts/deploy.sh)",
+            "the automation %s is not on this server: a GPU stage run whose host or process is "
+            "lost stays Running and this run waits for it. Create it: "
+            "python -m eagle3_prefect.blocks.alerts (scripts/deploy.sh)",
             LOST_AUTOMATION_NAME)
 
 
@@ -102,7 +106,8 @@ class StageRunner:
 
     @property
     def cache_dir(self) -> Path:
-        """Where the stage tasks keep their cache records: <work_dir>/.prefect-results (tasks/stages.py)."""
+        """Where the stage tasks keep their cache records: <work_dir>/.prefect-results
+        (tasks/stages.py)."""
         return Path(self.cfg.work_dir) / RESULT_DIR
 
     def deployment_for(self, stage: str) -> str | None:
@@ -130,7 +135,7 @@ class StageRunner:
             m = run_stage(stage, config, upstream, run_name=self.run_name, deployment=self.deployment_for(stage),
                           gpu_limit=self.gpu_limit, cache_dir=self.cache_dir)
             line.done(m.get("result"), cached=bool(m.get("cached")), wall_s=None if m.get("cached") else m.get("wall_s"))
-        if m.get("cached") or m.get("deployment"):  # its report artifacts were made elsewhere: this run gets its own
+        if m.get("cached") or m.get("deployment"):  # reports made elsewhere: this run's own
             artifacts.stage_reports(self.run_name, m)
         self.manifests[stage] = m
         return m

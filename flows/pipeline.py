@@ -57,15 +57,15 @@ def eagle3_pipeline(
     """regenerate (optional) → prepare → capture → vocab → train → export → evaluate.
 
     dispatch: "auto" runs GPU stages as their own deployments when a Prefect server has them, else
-    here; "local" always here; "deployments" always as deployments. target_source / storage / hardware
-    name blocks (TargetModelSource, StorageLocation, HardwareProfile) that override the config.
-    Returns {stage: manifest}.
+    here; "local" always here; "deployments" always as deployments. target_source / storage /
+    hardware name blocks (TargetModelSource, StorageLocation, HardwareProfile) that override the
+    config. Returns {stage: manifest}.
 
     One pipeline per work dir: the run holds <work_dir>/.eagle3.lock (eagle3.lock; released when the
-    process ends, crash included) and a second run on the same work dir fails at once, naming the flow run
-    that holds it. A run that takes over from a lost one closes it and says so in its summary.
-    The config is checked (eagle3.preflight) before any stage starts: a bad value fails the run, naming
-    the field, the value and the fix, before a GPU is taken.
+    process ends, crash included) and a second run on the same work dir fails at once, naming the
+    flow run that holds it. A run that takes over from a lost one closes it and says so in its
+    summary. The config is checked (eagle3.preflight) before any stage starts: a bad value fails the
+    run, naming the field, the value and the fix, before a GPU is taken.
     """
     config, gpu_pool, gpu_limit = apply_blocks(config, target_source, storage, hardware)
     config = absolute_config(config)
@@ -96,7 +96,8 @@ def run_stages(config: PipelineConfig, dispatch: Dispatch, gpu_pool: str, gpu_li
         else:
             stage(step, *STAGES[step].needs)       # on the manifests of the stages it reads
 
-    pipeline_summary(cfg.name, stage.manifests, key=artifact_key(cfg.name, "pipeline"), takeover=takeover)
+    pipeline_summary(cfg.name, stage.manifests, key=artifact_key(cfg.name, "pipeline"),
+                     takeover=takeover)
     ran = [s for s, m in stage.manifests.items() if not m.get("cached")]
     get_run_logger().info("pipeline %s: ran %s, cached %s", cfg.name, ran or "nothing",
                           [s for s in stage.manifests if s not in ran] or "nothing")

@@ -80,7 +80,8 @@ def retrain(config: PipelineConfig, min_tau_gain: float = 0.0, dispatch: Dispatc
         raise ConfigError("retrain: eval_prompts is not set; the promotion gate compares τ on held-out prompts, "
                           "so set `eval_prompts:` to a prompts .jsonl")
     config = absolute_config(config)
-    with work_dir_lock(config.work_dir, "retrain work_dir"):  # one retrain (or pipeline) per work dir
+    # one retrain (or pipeline) per work dir
+    with work_dir_lock(config.work_dir, "retrain work_dir"):
         return retrain_locked(config, min_tau_gain, dispatch)
 
 

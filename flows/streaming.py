@@ -3,10 +3,12 @@
 
     from eagle3_prefect.flows.streaming import streaming; streaming(load_pipeline_config("my.yaml"))
 
-By default both sides run as subprocesses of this flow run (`python -m eagle3_prefect.tasks._stage_main`, like the GPU
-stages). With `capture_deployment` / `train_deployment` (e.g. "eagle3-stream-capture/stage · stream-capture · gpu-1x",
-"eagle3-stream-train/stage · stream-train · gpu-1x", prefect.yaml) a side runs as a run of that deployment: the
-spool must then be on storage both hosts see. Each side resumes by itself, so a crashed side is retried.
+By default both sides run as subprocesses of this flow run
+(`python -m eagle3_prefect.tasks._stage_main`, like the GPU stages). With `capture_deployment` /
+`train_deployment` (e.g. "eagle3-stream-capture/stage · stream-capture · gpu-1x",
+"eagle3-stream-train/stage · stream-train · gpu-1x", prefect.yaml) a side runs as a run of that
+deployment: the spool must then be on storage both hosts see. Each side resumes by itself, so a
+crashed side is retried.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def stream_side(stage: str, config: dict[str, Any], deployment: str | None = Non
     get_run_logger().info("%s: dispatching to deployment %s", stage, deployment)
     from eagle3_prefect.tasks.dispatch import close_task_runs, wait_for
 
-    run = wait_for(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=0),
-                   f"{stage} on {deployment}")
+    run = wait_for(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True,
+                                  timeout=0), f"{stage} on {deployment}")
     if run.state is None or not run.state.is_completed():  # a crashed or lost side is retried by this task
         how = f"{run.state.name}: {run.state.message}" if run.state else "without a state"
         if run.state is not None and run.state.is_crashed():

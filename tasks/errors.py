@@ -47,8 +47,9 @@ class StageTimeout(StageError):
 
 
 class StageRunFailed(StageError):
-    """A stage's own flow run (a deployment run on a GPU pool) failed: its log holds the error and its traceback;
-    the parent only reports it. Not retried here (the child's task already retried what was transient)."""
+    """A stage's own flow run (a deployment run on a GPU pool) failed: its log holds the error and
+    its traceback; the parent only reports it. Not retried here (the child's task already retried
+    what was transient)."""
 
     kind = "child"
 
@@ -87,13 +88,15 @@ def classify_exception(exc: BaseException) -> str:
     return "crash"
 
 
-#: StageError kinds whose message says all a person needs (what, where, the fix): no traceback at ERROR level
+#: StageError kinds whose message says all a person needs (what, where, the fix): no traceback at
+#: ERROR level
 USER_ERROR_KINDS = {"config", "oom", "timeout", "child"}
 
 
 def is_user_error(exc: BaseException) -> bool:
-    """A failure the message explains (a config or input error, a held lock, OOM at a fixed batch, a timeout,
-    a failed child run): its traceback helps no one reading the run's log, so it is logged at DEBUG."""
+    """A failure the message explains (a config or input error, a held lock, OOM at a fixed batch, a
+    timeout, a failed child run): its traceback helps no one reading the run's log, so it is logged
+    at DEBUG."""
     from pydantic import ValidationError
 
     from eagle3.config import ConfigError

@@ -1,11 +1,13 @@
-"""One error, one ERROR record: a filter on Prefect's run loggers for failures whose message is the diagnosis.
+"""One error, one ERROR record: a filter on Prefect's run loggers for failures whose message is the
+diagnosis.
 
-Without it one config error fills a run's log with three ERROR records and two 20-30 line tracebacks: the task
-engine's "Task run failed with exception", the flow engine's "Encountered exception during execution" and the
-entrypoint's "Engine execution exited with unexpected exception" (plus "Finished in state Failed" at ERROR).
-For an exception `is_user_error` accepts (tasks/errors.py) the filter keeps the first record of it in each flow
-run at ERROR as `<type>: <message>` and moves its traceback to a DEBUG record; the repeats of the same error in
-that run go to DEBUG, and a "Finished in state Failed(...)" that only restates it goes to INFO. A bug (any other
+Without it one config error fills a run's log with three ERROR records and two 20-30 line
+tracebacks: the task engine's "Task run failed with exception", the flow engine's "Encountered
+exception during execution" and the entrypoint's "Engine execution exited with unexpected exception"
+(plus "Finished in state Failed" at ERROR). For an exception `is_user_error` accepts
+(tasks/errors.py) the filter keeps the first record of it in each flow run at ERROR as `<type>:
+<message>` and moves its traceback to a DEBUG record; the repeats of the same error in that run go
+to DEBUG, and a "Finished in state Failed(...)" that only restates it goes to INFO. A bug (any other
 exception) keeps Prefect's records and tracebacks as they are.
 """
 
@@ -61,9 +63,15 @@ class OneErrorRecord(logging.Filter):
             record.exc_info, record.exc_text = None, None
             self._emitting.on = True
             try:  # the traceback, for whoever runs at DEBUG
-                logging.getLogger(record.name).debug("traceback of the error above", exc_info=exc_info,
-                                                     extra={k: getattr(record, k) for k in
-                                                            ("flow_run_id", "task_run_id") if hasattr(record, k)})
+                logging.getLogger(record.name).debug(
+                    "traceback of the error above",
+                    exc_info=exc_info,
+                    extra={
+                        k: getattr(record, k)
+                        for k in ("flow_run_id", "task_run_id")
+                        if hasattr(record, k)
+                    },
+                )
             finally:
                 self._emitting.on = False
             return True
@@ -79,8 +87,8 @@ class OneErrorRecord(logging.Filter):
 
 
 def _probe(text: str) -> str:
-    """A piece of the error's text that survives the repr() in "Finished in state Failed('...')": its first line
-    up to any quote or backslash (repr escapes those)."""
+    """A piece of the error's text that survives the repr() in "Finished in state Failed('...')":
+    its first line up to any quote or backslash (repr escapes those)."""
     line = text.splitlines()[0] if text else ""
     for i, ch in enumerate(line):
         if ch in "'\"\\":

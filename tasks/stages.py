@@ -56,8 +56,9 @@ NUM_RETRIES = int(os.environ.get("EAGLE3_NUM_RETRIES", "2"))
 #: when its lease runs out (Prefect's repossessor), so this bounds how long the stage's next run waits for it
 GPU_LEASE_S = max(60.0, float(os.environ.get("EAGLE3_GPU_LEASE_S", "120")))  # Prefect's minimum is 60 s
 RETRY_BASE_S = float(os.environ.get("EAGLE3_RETRY_BASE_S", "10"))
-#: the stage tasks' cache records (Prefect's result storage) go to <work_dir>/.prefect-results, not to Prefect's
-#: process-wide default (~/.prefect/storage whatever PREFECT_HOME says): each work dir's records are its own
+#: the stage tasks' cache records (Prefect's result storage) go to <work_dir>/.prefect-results, not
+#: to Prefect's process-wide default (~/.prefect/storage whatever PREFECT_HOME says): each work
+#: dir's records are its own
 RESULT_DIR = ".prefect-results"
 
 
@@ -68,23 +69,22 @@ def _load_storage_block(ref: str) -> Any:
     try:
         return Block.load(ref)
     except ValueError as e:
-        raise ConfigError(f"EAGLE3_RESULT_STORAGE = {ref!r}: no such block on this server ({e}); save a filesystem "
-                          "block first (e.g. remote-file-system/<name>) or unset it to keep the cache records under "
-                          "the work dir") from None
+        raise ConfigError(f"EAGLE3_RESULT_STORAGE = {ref!r}: no such block on this server ({e}); "
+                          "save a filesystem block first (e.g. remote-file-system/<name>) or unset "
+                          "it to keep the cache records under the work dir") from None
 
 
 def result_storage(cache_dir: str | Path | None) -> Any:
-    """Where the stage tasks keep their cache records: the saved filesystem block EAGLE3_RESULT_STORAGE names
-    (`<block type slug>/<name>`: to share them across hosts on purpose), else `cache_dir` (a local directory,
-    <work_dir>/.prefect-results), else Prefect's default (None)."""
+    """Where the stage tasks keep their cache records: the saved filesystem block
+    EAGLE3_RESULT_STORAGE names (`<block type slug>/<name>`: to share them across hosts on purpose),
+    else `cache_dir` (a local directory, <work_dir>/.prefect-results), else Prefect's default
+    (None)."""
     ref = os.environ.get("EAGLE3_RESULT_STORAGE", "").strip()
     if ref:
         return _load_storage_block(ref)
     if cache_dir is None:
         return None
-    from prefect.filesystems import LocalFileSystem
-
-    return LocalFileSystem(basepath=str(Path(cache_dir).resolve()))
+    return Path(cache_dir).resolve()  # prefect makes it a LocalFileSystem (an unsaved block is refused)
 
 
 def runs_in_subprocess(stage: str) -> bool:
@@ -177,7 +177,8 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
         logger.info("stage %s: %s already holds verified output of key %s; not re-running", stage, out, key)
         return {k: stamp.get(k) for k in MANIFEST_KEYS}
     action = prepare_out_dir(stage, out, key)
-    resumed_from = describe_resume_point(stage, out) if action.startswith(("resuming", "damaged")) else None
+    resumes = action.startswith(("resuming", "damaged"))
+    resumed_from = describe_resume_point(stage, out) if resumes else None
     logger.info("stage %s: key %s, output %s (%s%s)", stage, key, out, action,
                 f": from {resumed_from}" if resumed_from else "")
     write_stamp(out, {"stage": stage, "key": key, "status": "running", "started_at": time.time()})
@@ -240,9 +241,10 @@ STAGE_TASKS = {name: _stage_task(name) for name, s in STAGES.items() if s.kind !
 def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any]] | None = None, *,
               run_name: str = "eagle3", deployment: str | None = None,
               gpu_limit: str | None = None, cache_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run one stage through its task (or, with `deployment`, as a run of that deployment on its work
-    pool), honouring a cache hit only when the stamped outputs still verify. The returned manifest has
-    `cached: true` when the stage did not execute. cache_dir: where the cache records go (result_storage)."""
+    """Run one stage through its task (or, with `deployment`, as a run of that deployment on its
+    work pool), honouring a cache hit only when the stamped outputs still verify. The returned
+    manifest has `cached: true` when the stage did not execute. cache_dir: where the cache records
+    go (result_storage)."""
     upstream = slim_upstream(upstream or {})
     key = stage_cache_key(stage, config, upstream)
     ok, reason = verify_outputs(config.out, key)
@@ -251,8 +253,8 @@ def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any
 
         t = dispatch_stage.with_options(cache_policy=StageCachePolicy(stage=stage), name=f"dispatch-{stage}",
                                         task_run_name=f"{stage}@{deployment.split('/')[0]}")
-        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment, gpu_limit,
-                       str(Path(cache_dir).resolve()) if cache_dir else None)
+        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment,
+                       gpu_limit, str(Path(cache_dir).resolve()) if cache_dir else None)
     else:
         t, args = STAGE_TASKS[stage], (config, upstream, run_name)
     storage = result_storage(cache_dir)

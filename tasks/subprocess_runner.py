@@ -33,10 +33,12 @@ _PROGRESS_RE = re.compile(r"(?:\|\s*|step\s+|samples?\s+|shard\s+)(\d+)\s*/\s*(\
 
 #: a line the child's logging (tasks/_stage_main.py's format) wrote at WARNING or above
 _WARNING_RE = re.compile(r"(WARNING|ERROR|CRITICAL) [\w.]+: ")
-#: a line vLLM's own logging wrote ("(EngineCore_DP0 pid=12) WARNING 12-03 07:01:02 [file.py:12] ..."): it stays in
-#: the stage's log file; only its ERROR/CRITICAL lines reach the run's log too
-_VLLM_RE = re.compile(r"^(?:\S*\([\w-]+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d ")
-#: the stage's whole output goes to <out>/.eagle3-logs/<stage>-<time>.log (a dot-dir: never part of its outputs)
+#: a line vLLM's own logging wrote ("(EngineCore_DP0 pid=12) WARNING 12-03 07:01:02 [file.py:12]
+#: ..."): it stays in the stage's log file; only its ERROR/CRITICAL lines reach the run's log too
+_VLLM_RE = re.compile(r"^(?:\S*\([\w-]+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                      r"\d\d-\d\d \d\d:\d\d:\d\d ")
+#: the stage's whole output goes to <out>/.eagle3-logs/<stage>-<time>.log (a dot-dir: never part of
+#: its outputs)
 LOG_DIR = ".eagle3-logs"
 #: a temp dir of run_stage_subprocess: eagle3-<stage>-<pid of the process that made it>-<random>
 _TMP_RE = re.compile(r"^eagle3-[a-z-]+?-(\d+)-[\w]+$")
@@ -64,8 +66,9 @@ def parse_progress(line: str) -> float | None:
 
 
 def remove_stale_temp_dirs(tmp_root: str | Path | None = None) -> list[str]:
-    """Delete the temp dirs (config.json, result.json) of stage runs whose process is gone (SIGKILLed, a lost
-    host that came back): the names carry the pid; a live pid's dir is kept. Returns the removed names."""
+    """Delete the temp dirs (config.json, result.json) of stage runs whose process is gone
+    (SIGKILLed, a lost host that came back): the names carry the pid; a live pid's dir is kept.
+    Returns the removed names."""
     import shutil
 
     removed = []
@@ -118,8 +121,8 @@ def run_stage_subprocess(
     timeout_s = timeout_s if timeout_s is not None else stage_timeout_s(stage)
     stale = remove_stale_temp_dirs()
     if stale:
-        log.info("stage %s: removed %d temp dir(s) of stage runs whose process is gone: %s", stage, len(stale),
-                 ", ".join(stale[:5]))
+        log.info("stage %s: removed %d temp dir(s) of stage runs whose process is gone: %s", stage,
+                 len(stale), ", ".join(stale[:5]))
     log_path = stage_log_path(stage, config)
     log_file = None
     if log_path is not None:
@@ -128,7 +131,8 @@ def run_stage_subprocess(
             log_file = open(log_path, "a", buffering=1, errors="replace")
             log.info("stage %s: its whole output (vLLM's log included) goes to %s", stage, log_path)
         except OSError as e:
-            log.warning("stage %s: cannot write its log file %s (%s); vLLM's lines are not kept", stage, log_path, e)
+            log.warning("stage %s: cannot write its log file %s (%s); vLLM's lines are not kept",
+                        stage, log_path, e)
     try:
         return _run(stage, config, timeout_s, log, on_progress, probe, log_file)
     finally:
@@ -153,7 +157,8 @@ def _run(stage: str, config: dict[str, Any], timeout_s: float, log: Any,
         )
         tail: list[str] = []
         progress: list[float] = []
-        reader = threading.Thread(target=_pump, args=(proc, log, tail, progress, log_file), daemon=True)
+        reader = threading.Thread(target=_pump, args=(proc, log, tail, progress, log_file),
+                                  daemon=True)
         reader.start()
         deadline = t0 + timeout_s
         reported = -1.0
@@ -193,17 +198,19 @@ def _run(stage: str, config: dict[str, Any], timeout_s: float, log: Any,
 
 
 def relay_level(line: str) -> int | None:
-    """The level a child's output line goes to the run's log at; None: the stage's log file only (vLLM's own
-    INFO/WARNING/DEBUG lines: engine set-up chatter a person reading the run does not act on)."""
+    """The level a child's output line goes to the run's log at; None: the stage's log file only
+    (vLLM's own INFO/WARNING/DEBUG lines: engine set-up chatter a person reading the run does not
+    act on)."""
     m = _VLLM_RE.match(line)
     if m:
         return logging.WARNING if m.group(1) in ("ERROR", "CRITICAL") else None
     return logging.WARNING if _WARNING_RE.match(line) else logging.INFO
 
 
-def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[float], log_file: Any = None) -> None:
-    """Copy the child's output into the stage's log file and, but for vLLM's chatter, into the run's log line by
-    line (tqdm's \\r updates become progress)."""
+def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[float],
+          log_file: Any = None) -> None:
+    """Copy the child's output into the stage's log file and, but for vLLM's chatter, into the run's
+    log line by line (tqdm's \\r updates become progress)."""
     assert proc.stdout is not None
     buf = b""
     while True:

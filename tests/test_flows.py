@@ -216,8 +216,9 @@ def test_unchanged_rerun_executes_nothing_and_is_fast(base):
 
 
 def test_cache_records_live_in_the_work_dir(base, prefect_harness):
-    """Every stage's cache record is a file under <work_dir>/.prefect-results, named by its content key; Prefect's
-    process-wide result storage (PREFECT_LOCAL_STORAGE_PATH, ~/.prefect/storage by default) holds none."""
+    """Every stage's cache record is a file under <work_dir>/.prefect-results, named by its content
+    key; Prefect's process-wide result storage (PREFECT_LOCAL_STORAGE_PATH, ~/.prefect/storage by
+    default) holds none."""
     records = Path(base["cfg"].work_dir) / ".prefect-results"
     for stage, m in base["manifests"].items():
         assert (records / m["key"]).is_file(), (stage, sorted(p.name for p in records.iterdir()))
@@ -225,8 +226,8 @@ def test_cache_records_live_in_the_work_dir(base, prefect_harness):
 
 
 def test_lost_result_storage_adopts_verified_outputs(base, prefect_harness):
-    """Prefect's cache records gone (the work dir's .prefect-results wiped): the stamps still verify, so
-    no stage recomputes; the tasks just re-record their manifests."""
+    """Prefect's cache records gone (the work dir's .prefect-results wiped): the stamps still
+    verify, so no stage recomputes; the tasks just re-record their manifests."""
     import shutil
 
     from eagle3_prefect.flows.pipeline import eagle3_pipeline

@@ -162,9 +162,10 @@ class Stack:
             "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
             "EAGLE3_REPO_DIR": str(ROOT),
             "EAGLE3_RETRY_BASE_S": "1",
-            # lost runs (test_lost_runs_are_crashed_alerted_and_resumed) are found with the documented defaults
-            # (Prefect's heartbeat every 30 s, EAGLE3_LOST_AFTER_S=60); a dead holder's GPU slot is freed after
-            # Prefect's shortest lease (60 s) + one repossessor loop
+            # lost runs (test_lost_runs_are_crashed_alerted_and_resumed) are found with the
+            # documented defaults (Prefect's heartbeat every 30 s, EAGLE3_LOST_AFTER_S=60); a dead
+            # holder's GPU slot is freed after Prefect's shortest lease (60 s) + one repossessor
+            # loop
             "EAGLE3_GPU_LEASE_S": "60",
             "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1",
             # test speed only: the parent notices a finished GPU stage run within 0.5 s (default 3 s)
@@ -219,8 +220,8 @@ class Stack:
                 self.outputs[line] = p.stdout + p.stderr
 
     def kill_tree(self, name: str) -> tuple[list[int], str]:
-        """SIGKILL the process `name` started and everything under it at once (a lost host: nobody reports
-        anything); returns the killed pids and the command that started it."""
+        """SIGKILL the process `name` started and everything under it at once (a lost host: nobody
+        reports anything); returns the killed pids and the command that started it."""
         import psutil
 
         proc = next(p for n, p in self.procs if n == name)
@@ -343,7 +344,8 @@ def tiny_cfg(tiny_llama, tmp_path_factory):
 # ------------------------------------------------------------------------------------------ tests
 def test_pipeline_deployment_gpu_pool_and_one_run_per_work_dir(stack, tiny_cfg):
     cfg, work = tiny_cfg, tiny_cfg.work_dir
-    # the UI's Deployments page (A to Z) leads with what a person runs; the GPU stages are named for what they do
+    # the UI's Deployments page (A to Z) leads with what a person runs; the GPU stages are named for
+    # what they do
     first = stack.post("/deployments/filter", {"sort": "NAME_ASC", "limit": 3})
     assert [d["name"] for d in first] == ["layer-sweep", "pipeline", "retrain-nightly"], first
     deployments = {d["name"] for d in stack.post("/deployments/filter", {})}
@@ -381,7 +383,8 @@ def test_pipeline_deployment_gpu_pool_and_one_run_per_work_dir(stack, tiny_cfg):
     for key in ("tiny-pipeline", "tiny-prepare-summary", "tiny-capture-summary", "tiny-capture-progress",
                 "tiny-train-summary", "tiny-train-progress", "tiny-train-metrics", "tiny-draft"):
         assert key in arts, (key, sorted(arts))
-    # the pipeline run's own Artifacts tab has the training curves and metrics (train ran as a child run)
+    # the pipeline run's own Artifacts tab has the training curves and metrics (train ran as a child
+    # run)
     own = stack.artifacts_of(done)
     assert {"tiny-pipeline", "tiny-train-metrics", "tiny-train-curves"} <= set(own), sorted(own)
     assert arts["tiny-draft"]["type"] == "markdown"      # a link artifact is stored as markdown (the doc says so)
@@ -397,7 +400,8 @@ def test_pipeline_deployment_gpu_pool_and_one_run_per_work_dir(stack, tiny_cfg):
                       / "storage"):
         assert not [p for p in elsewhere.rglob("*") if p.name in stage_keys], elsewhere
 
-    # the losing run's failure reached the webhook through the automation deploy.sh created, naming the holder
+    # the losing run's failure reached the webhook through the automation deploy.sh created, naming
+    # the holder
     alert = stack.receiver.wait_for(lost["name"], timeout_s=90)
     assert "eagle3-pipeline" in alert["subject"] and "Failed" in alert["subject"], alert
     assert runs[done]["name"] in alert["body"], alert
@@ -405,8 +409,9 @@ def test_pipeline_deployment_gpu_pool_and_one_run_per_work_dir(stack, tiny_cfg):
 
 
 def test_config_errors_fail_before_any_stage(stack, tiny_llama, tmp_path_factory):
-    """Every problem in one pass (a missing eval_prompts file does not hide two bad aux-id lists), before any stage,
-    as one ERROR record of a few lines in the run's log (the tracebacks at DEBUG)."""
+    """Every problem in one pass (a missing eval_prompts file does not hide two bad aux-id lists),
+    before any stage, as one ERROR record of a few lines in the run's log (the tracebacks at DEBUG).
+    """
     work = tmp_path_factory.mktemp("bad")
     cfg = tiny_config(tiny_llama, work, eval_prompts=False, capture={"aux_layer_ids": [1, 2, 9]},
                       train={"aux_layer_ids": [1, 3]})
@@ -486,15 +491,18 @@ def wait_until(what: str, predicate, timeout_s: float, stack: Stack, poll_s: flo
 
 
 def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_factory):
-    """Two runs lose their processes, with the documented defaults (heartbeat 30 s, lost after 60 s):
+    """Two runs lose their processes, with the documented defaults (heartbeat 30 s, lost after 60
+    s):
 
     1. a pipeline run on the cpu worker (dispatch: local) is SIGKILLed with its worker during capture. The server's
-       automation eagle3-run-lost sets it Crashed, the alert goes out; the next run on its work dir takes the
-       lock over, closes the task runs the lost one left Running, resumes capture from its shards and says so;
+    automation eagle3-run-lost sets it Crashed, the alert goes out; the next run on its work dir
+    takes the lock over, closes the task runs the lost one left Running, resumes capture from its
+    shards and says so;
     2. a GPU host dies: the gpu-1x worker and the train run under it are SIGKILLed after a checkpoint. The train
-       run is set Crashed (alert), its parent closes its `train` task run and runs it again on a new worker (another
-       node), which resumes from the checkpoint; the summary names the crash, the time lost and the checkpoint;
-       metrics.jsonl and TensorBoard hold each step once; the dead run's temp dir is gone.
+    run is set Crashed (alert), its parent closes its `train` task run and runs it again on a new
+    worker (another node), which resumes from the checkpoint; the summary names the crash, the time
+    lost and the checkpoint; metrics.jsonl and TensorBoard hold each step once; the dead run's temp
+    dir is gone.
     """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -509,7 +517,8 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     t_kill_b = time.time()
     stack.start("worker-cpu", cpu_worker)
 
-    # 2. the pipeline run (here in a process of its own) whose train run's GPU host dies after a checkpoint
+    # 2. the pipeline run (here in a process of its own) whose train run's GPU host dies after a
+    # checkpoint
     cfg_a = tiny_config(tiny_llama, tmp_path_factory.mktemp("lost-host"), eval_prompts=False, name="lost-host",
                         train={"max_steps": 60, "save_every": 10, "log_every": 2, "eval_every": 30})
     (stack.home / "lost-host.json").write_text(cfg_a.model_dump_json())
@@ -532,7 +541,8 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     stack.sh('prefect gcl create "gpu-host-replacement-node" --limit 1')
     stack.start("worker-gpu-1x", f"env EAGLE3_NODE_NAME=replacement-node {gpu_worker}")
 
-    # 1: found and ended by the automation within about a minute, alerted; then the next run takes over
+    # 1: found and ended by the automation within about a minute, alerted; then the next run takes
+    # over
     fr_b = stack.wait_flow_run(run_b, timeout_s=150)
     found_b_s = time.time() - t_kill_b
     assert fr_b["state"]["type"] == "CRASHED" and "no flow-run heartbeat for 60 s" in fr_b["state"]["message"], fr_b
@@ -540,7 +550,8 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     assert "eagle3-pipeline" in alert["subject"] and "Crashed" in alert["subject"], alert
     run_b2 = stack.deploy_run({**params_for(cfg_b), "dispatch": "local"})
 
-    # 2: the lost train run is Crashed and alerted, its parent runs it again, and the pipeline completes
+    # 2: the lost train run is Crashed and alerted, its parent runs it again, and the pipeline
+    # completes
     fr_a = stack.wait_flow_run(_parent_of(stack, "lost-host-capture"), timeout_s=420)
     assert fr_a["state"]["type"] == "COMPLETED", f"{fr_a['state']}\n{stack.tail_logs()}"
     children = stack.children_of(fr_a["id"])
@@ -579,7 +590,8 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
 
 
 def _parent_of(stack: Stack, child_name: str) -> str:
-    """The id of the flow run whose stage run is named `child_name` (a pipeline run started outside a deployment)."""
+    """The id of the flow run whose stage run is named `child_name` (a pipeline run started outside
+    a deployment)."""
     (child,) = stack.post("/flow_runs/filter", {"flow_runs": {"name": {"any_": [child_name]}}})
     (task_run,) = stack.post("/task_runs/filter", {"task_runs": {"id": {"any_": [child["parent_task_run_id"]]}}})
     return task_run["flow_run_id"]

@@ -194,7 +194,8 @@ def test_prefect_yaml_deployments():
 
 
 def test_cache_keys_use_absolute_paths(tmp_path, monkeypatch):
-    """Two checkouts whose configs both say `runs/demo` key their stages apart; the same absolute dirs key alike."""
+    """Two checkouts whose configs both say `runs/demo` key their stages apart; the same absolute
+    dirs key alike."""
     from eagle3.config import VocabConfig
     from eagle3_prefect.tasks.manifest import stage_cache_key
 
@@ -212,8 +213,8 @@ def test_cache_keys_use_absolute_paths(tmp_path, monkeypatch):
 
 
 def test_stage_output_goes_to_its_log_file_and_vllm_chatter_stays_there(monkeypatch, tmp_path):
-    """The stage's whole output lands in <out>/.eagle3-logs/; the run's log gets eagle3's lines (warnings as
-    warnings) and vLLM's errors, not vLLM's INFO/WARNING lines."""
+    """The stage's whole output lands in <out>/.eagle3-logs/; the run's log gets eagle3's lines
+    (warnings as warnings) and vLLM's errors, not vLLM's INFO/WARNING lines."""
     lines = ["train: step 1/2 loss 1.0", "WARNING eagle3.train: lr is high",
              "(EngineCore_DP0 pid=12) WARNING 12-03 07:01:02 [config.py:1] chunked prefill is off",
              "INFO 12-03 07:01:03 [core.py:2] init engine", "ERROR 12-03 07:01:04 [core.py:3] engine died"]
@@ -237,7 +238,8 @@ def test_stage_output_goes_to_its_log_file_and_vllm_chatter_stays_there(monkeypa
 
 
 def test_stale_stage_temp_dirs_are_removed(tmp_path):
-    """A SIGKILLed stage run leaves its temp dir; the next stage run on the host removes it (not a live one's)."""
+    """A SIGKILLed stage run leaves its temp dir; the next stage run on the host removes it (not a
+    live one's)."""
     import subprocess
 
     from eagle3_prefect.tasks.subprocess_runner import remove_stale_temp_dirs
@@ -254,8 +256,9 @@ def test_stale_stage_temp_dirs_are_removed(tmp_path):
 
 
 def test_one_config_error_is_one_error_record():
-    """A config error reported by the task, the flow and the entrypoint is one ERROR record without a traceback
-    (the traceback at DEBUG); "Finished in state Failed" restating it is INFO; a bug keeps its traceback."""
+    """A config error reported by the task, the flow and the entrypoint is one ERROR record without
+    a traceback (the traceback at DEBUG); "Finished in state Failed" restating it is INFO; a bug
+    keeps its traceback."""
     import logging
 
     import eagle3_prefect.flows  # noqa: F401 - installs the filter

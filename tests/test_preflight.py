@@ -43,7 +43,8 @@ def test_missing_paths(tiny_llama, tmp_path):
 
 
 def test_a_missing_path_does_not_hide_the_other_problems(tiny_llama, tmp_path):
-    """One pass: a missing eval_prompts file is listed next to the two bad aux-id lists it used to hide."""
+    """One pass: a missing eval_prompts file is listed next to the two bad aux-id lists it used to
+    hide."""
     cfg = tiny_config(tiny_llama, tmp_path, eval_prompts=False, capture={"aux_layer_ids": [1, 2, 9]},
                       train={"aux_layer_ids": [1, 3]})
     cfg.eval_prompts = str(tmp_path / "gone.jsonl")
@@ -90,8 +91,9 @@ def test_work_dir_lock_is_released_when_its_holder_is_killed(tmp_path):
 
 
 def test_work_dir_lock_names_the_flow_run_that_holds_it(tmp_path):
-    """The lock records the holder's flow run (name, id, link): a second writer's error names it, and the writer
-    that takes over from a killed holder is handed that record (to close the lost run)."""
+    """The lock records the holder's flow run (name, id, link): a second writer's error names it,
+    and the writer that takes over from a killed holder is handed that record (to close the lost
+    run)."""
     from eagle3.lock import LockedError, dir_lock
 
     run = {"flow_run_name": "tiny-pipeline-gentle-owl", "flow_run_id": "0b5e-id",

@@ -508,8 +508,9 @@ def test_resume_is_exact(captured, tiny_llama, tmp_path, extra):
 
 
 def test_a_resumed_run_logs_each_step_once(captured, tiny_llama, tmp_path):
-    """A run that logged steps 3-4 and died before checkpointing step 4 is resumed from step 2: it logs 3-4 again,
-    so metrics.jsonl drops the lost run's 3-4 first and TensorBoard's events are written anew (no step twice)."""
+    """A run that logged steps 3-4 and died before checkpointing step 4 is resumed from step 2: it
+    logs 3-4 again, so metrics.jsonl drops the lost run's 3-4 first and TensorBoard's events are
+    written anew (no step twice)."""
     import shutil
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

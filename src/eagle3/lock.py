@@ -1,19 +1,19 @@
 """One writer per directory: an advisory lock (fcntl.flock) on `<dir>/.eagle3.lock`.
 
-Two captures into one --out, or two trainings into one out dir, corrupt each other (a second capture's start-up
-deletes the shards the first one just wrote). `dir_lock(path, what)` makes the second one fail at once, naming
-the holder (pid, host, command, start time, and the orchestrator's run when the caller names it: `holder=`),
-which the lock file records as JSON.
+Two captures into one --out, or two trainings into one out dir, corrupt each other (a second
+capture's start-up deletes the shards the first one just wrote). `dir_lock(path, what)` makes the
+second one fail at once, naming the holder (pid, host, command, start time, and the orchestrator's
+run when the caller names it: `holder=`), which the lock file records as JSON.
 
-A process that dies (SIGKILL, OOM, a lost node) releases its flock with its file descriptors; the file it leaves
-says who held it, so the next writer reports that it takes over a stale lock and goes on (`on_stale` is called
-with that record, so an orchestrator can close the run that held it). The file is unlinked on
-release; a writer that locked a file someone unlinked meanwhile tries again on the new file (the lock is on the
-inode, and the name must still point to it).
+A process that dies (SIGKILL, OOM, a lost node) releases its flock with its file descriptors; the
+file it leaves says who held it, so the next writer reports that it takes over a stale lock and goes
+on (`on_stale` is called with that record, so an orchestrator can close the run that held it). The
+file is unlinked on release; a writer that locked a file someone unlinked meanwhile tries again on
+the new file (the lock is on the inode, and the name must still point to it).
 
-Re-entrant within a process (the pipeline locks its work dir, a stage locks its out dir under it; a stage called
-twice in one process is fine). flock is advisory and local to the host on most network filesystems: two hosts
-writing one NFS directory are not stopped by it.
+Re-entrant within a process (the pipeline locks its work dir, a stage locks its out dir under it; a
+stage called twice in one process is fine). flock is advisory and local to the host on most network
+filesystems: two hosts writing one NFS directory are not stopped by it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def _holder(path: Path) -> dict:
 
 
 def describe_holder(h: dict) -> str:
-    """The holder recorded in a lock file, in words: its run (name, id, link) when recorded, then its process."""
+    """The holder recorded in a lock file, in words: its run (name, id, link) when recorded, then
+    its process."""
     if not h:
         return "an unknown process"
     proc = (f"pid {h.get('pid')} on host {h.get('host')} (`{h.get('command', '?')}`, since "
@@ -60,7 +61,8 @@ def describe_holder(h: dict) -> str:
 
 
 def read_holder(directory: str | Path) -> dict:
-    """The record of the lock file in `directory` (its last holder, live or not); {} when there is none."""
+    """The record of the lock file in `directory` (its last holder, live or not); {} when there is
+    none."""
     return _holder(Path(directory) / LOCK_NAME)
 
 
@@ -77,12 +79,13 @@ def _pid_alive(pid: int) -> bool:
 @contextlib.contextmanager
 def dir_lock(directory: str | Path, what: str = "directory", holder: dict | None = None,
              on_stale: Callable[[dict], None] | None = None) -> Iterator[Path]:
-    """Hold the writer lock of `directory` (created if missing) for the block; `what` names the directory in
-    errors (e.g. "capture out"). Raises LockedError naming the holder when another live process has it.
+    """Hold the writer lock of `directory` (created if missing) for the block; `what` names the
+    directory in errors (e.g. "capture out"). Raises LockedError naming the holder when another live
+    process has it.
 
-    holder: fields recorded beside pid/host/command (`flow_run_name`, `flow_run_id`, `flow_run_url`: the run
-    that holds the lock, named in the error a second writer gets). on_stale(record): called once the lock is
-    taken over from a holder that is gone, with what its lock file said."""
+    holder: fields recorded beside pid/host/command (`flow_run_name`, `flow_run_id`, `flow_run_url`:
+    the run that holds the lock, named in the error a second writer gets). on_stale(record): called
+    once the lock is taken over from a holder that is gone, with what its lock file said."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
@@ -129,8 +132,9 @@ def _acquire(path: Path, what: str, extra: dict) -> tuple[int, dict]:
                 raise
             h = _holder(path)
             raise LockedError(
-                f"{what} {path.parent} is being written by {describe_holder(h)}: one writer per directory. Wait for it to "
-                f"finish, stop it, or use another directory (lock file {path})"
+                f"{what} {path.parent} is being written by {describe_holder(h)}: one writer per "
+                "directory. Wait for it to finish, stop it, or use another directory "
+                f"(lock file {path})"
             ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -143,10 +147,11 @@ def _acquire(path: Path, what: str, extra: dict) -> tuple[int, dict]:
         if old.get("pid") is not None:
             alive = old.get("host") == socket.gethostname() and _pid_alive(int(old["pid"]))
             old["state"] = "dead" if not alive else "no longer holding it"
-            print(f"eagle3: taking over the stale lock of {what} {path.parent} left by {describe_holder(old)} "
-                  f"({old['state']})", file=sys.stderr, flush=True)
+            print(f"eagle3: taking over the stale lock of {what} {path.parent} left by "
+                  f"{describe_holder(old)} ({old['state']})", file=sys.stderr, flush=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **{k: v for k, v in extra.items() if v is not None}}
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              **{k: v for k, v in extra.items() if v is not None}}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         return fd, old if old.get("pid") is not None else {}

@@ -11,10 +11,10 @@ from eagle3.io import atomic_path
 
 
 class MetricsLog:
-    """logs/metrics.jsonl and tb/ of one training run. A run that resumes from a checkpoint repeats the steps the
-    interrupted run logged after that checkpoint: its first record (step S) drops every earlier record of step
-    >= S from metrics.jsonl, and TensorBoard's event files are written again from the kept records, so neither
-    holds a step twice."""
+    """logs/metrics.jsonl and tb/ of one training run. A run that resumes from a checkpoint repeats
+    the steps the interrupted run logged after that checkpoint: its first record (step S) drops
+    every earlier record of step >= S from metrics.jsonl, and TensorBoard's event files are written
+    again from the kept records, so neither holds a step twice."""
 
     def __init__(self, out: Path, enabled: bool):
         self.enabled, self.out = enabled, out
@@ -28,7 +28,8 @@ class MetricsLog:
         return self.out / "logs" / "metrics.jsonl"
 
     def _start(self, step: int) -> None:
-        """Before the first record of this run (at `step`): drop what a lost run logged from `step` on."""
+        """Before the first record of this run (at `step`): drop what a lost run logged from `step`
+        on."""
         self._started = True
         kept, dropped = [], []
         if self.path.is_file():
@@ -42,13 +43,15 @@ class MetricsLog:
         if dropped:
             steps = [r["step"] for r in dropped if r is not None]
             span = f" of steps {min(steps)}..{max(steps)}" if steps else ""
-            print(f"train: metrics.jsonl: dropped {len(dropped)} record(s){span} that an interrupted run wrote "
-                  f"after its last checkpoint; this run logs from step {step}", file=sys.stderr, flush=True)
+            print(f"train: metrics.jsonl: dropped {len(dropped)} record(s){span} that an "
+                  f"interrupted run wrote after its last checkpoint; this run logs from step "
+                  f"{step}",
+                  file=sys.stderr, flush=True)
             with atomic_path(self.path) as tmp:
                 Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in kept))
         tb_dir = self.out / "tb"
         rewrite_tb = bool(dropped) and tb_dir.is_dir()
-        if rewrite_tb:  # the old event files hold the dropped steps: write the kept ones into a fresh file
+        if rewrite_tb:  # the old event files hold the dropped steps: the kept ones go to a new file
             for f in tb_dir.glob("events.out.tfevents.*"):
                 f.unlink()
         try:
@@ -63,7 +66,8 @@ class MetricsLog:
 
     def _add_scalars(self, step: int, split: str, metrics: dict) -> None:
         for k, v in metrics.items():
-            if k not in ("step", "split") and isinstance(v, int | float) and not isinstance(v, bool):
+            numeric = isinstance(v, int | float) and not isinstance(v, bool)
+            if numeric and k not in ("step", "split"):
                 self.tb.add_scalar(f"{split}/{k}", v, step)
 
     def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
