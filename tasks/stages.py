@@ -84,7 +84,8 @@ def result_storage(cache_dir: str | Path | None) -> Any:
         return _load_storage_block(ref)
     if cache_dir is None:
         return None
-    return Path(cache_dir).resolve()  # prefect makes it a LocalFileSystem (an unsaved block is refused)
+    # prefect makes a path a LocalFileSystem (a block must be saved first)
+    return Path(cache_dir).resolve()
 
 
 def runs_in_subprocess(stage: str) -> bool:

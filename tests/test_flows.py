@@ -222,7 +222,9 @@ def test_cache_records_live_in_the_work_dir(base, prefect_harness):
     records = Path(base["cfg"].work_dir) / ".prefect-results"
     for stage, m in base["manifests"].items():
         assert (records / m["key"]).is_file(), (stage, sorted(p.name for p in records.iterdir()))
-    assert not [p for p in Path(prefect_harness).rglob("eagle3-*")], sorted(Path(prefect_harness).rglob("*"))
+    assert not [p for p in Path(prefect_harness).rglob("eagle3-*")], sorted(
+        Path(prefect_harness).rglob("*")
+    )
 
 
 def test_lost_result_storage_adopts_verified_outputs(base, prefect_harness):

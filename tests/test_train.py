@@ -520,12 +520,16 @@ def test_a_resumed_run_logs_each_step_once(captured, tiny_llama, tmp_path):
     samples, manifest, vocab = captured
     out = tmp_path / "run"
     run_train(_cfg(out, tiny_llama, vocab), samples=samples, manifest=manifest)
-    shutil.rmtree(out / "checkpoints" / "step-4")  # the crash: steps 3-4 logged, their checkpoint never written
+    shutil.rmtree(
+        out / "checkpoints" / "step-4"
+    )  # the crash: steps 3-4 logged, their checkpoint never written
     shutil.rmtree(out / "final")
     run_train(_cfg(out, tiny_llama, vocab), samples=samples, manifest=manifest)
     rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     keys = [(r["step"], r["split"]) for r in rows]
-    assert len(keys) == len(set(keys)) and [s for s, sp in keys if sp == "train"] == [1, 2, 3, 4], keys
+    assert len(keys) == len(set(keys)) and [s for s, sp in keys if sp == "train"] == [1, 2, 3, 4], (
+        keys
+    )
     events = sorted((out / "tb").glob("events.out.tfevents.*"))
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
