@@ -1,5 +1,6 @@
-"""`prefect worker start` that stops when told to: python -m eagle3_prefect.flows.worker --pool cpu
---type process
+"""`prefect worker start` that stops when told to:
+
+    python -m eagle3_prefect.flows.worker --pool cpu --type process
 
 Prefect's worker turns its first SIGTERM into a SIGINT to itself and waits for that to end it.
 Started in the background of a script (`... &`) a process has SIGINT ignored, so that SIGINT does
@@ -8,10 +9,16 @@ shutdown still took 8+ s. This entry point gives SIGINT its default handler back
 shutdown: SIGTERM (or SIGINT) stops the worker gracefully, and if it is still there after
 EAGLE3_WORKER_STOP_S (default 3 s) it exits anyway. Flow runs it started are processes of their own
 and go on (Prefect's behaviour); every argument is `prefect worker start`'s.
+
+It also keeps a failed run's log to one ERROR record: a flow run that reported Failed itself (a
+config error: tasks/logs.py) leaves its process with status 1, which the worker logged as a second
+ERROR ("Process for flow run ... exited with status code: 1"); here that line is INFO when the run's
+state is already Failed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -34,6 +41,24 @@ def install_stop_handlers(*_args, **_kwargs) -> None:
     above)."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop)
+
+
+class FailedRunExitIsInfo(logging.Filter):
+    """The worker's "exited with status code: 1" of a run whose own state is Failed is INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "exited with status code: 1;" in record.getMessage():
+            run_id = getattr(record, "flow_run_id", None)
+            try:
+                from prefect.client.orchestration import get_client
+
+                with get_client(sync_client=True) as client:
+                    state = client.read_flow_run(run_id).state if run_id else None
+            except Exception:  # noqa: BLE001 - keep the record as it is
+                state = None
+            if state is not None and state.is_failed():
+                record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
 
 
 def main(argv: list[str] | None = None) -> None:
