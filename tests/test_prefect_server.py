@@ -605,8 +605,8 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     out_b = Path(cfg_b.resolved().capture.out)
     run_b = stack.deploy_run({**params_for(cfg_b), "dispatch": "local"})
     wait_until(
-        "a capture shard of the first run",
-        lambda: list(out_b.glob("*.safetensors")),
+        "a finished capture shard of the first run",
+        lambda: read_json(out_b / "progress.json").get("shards"),
         300,
         stack,
         0.2,
@@ -637,13 +637,10 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     out_a = Path(cfg_a.resolved().train.out)
 
     def checkpointed_and_past_it() -> bool:
-        rows = (
-            (out_a / "logs" / "metrics.jsonl").read_text().splitlines()
-            if (out_a / "logs").is_dir()
-            else []
-        )
+        metrics = out_a / "logs" / "metrics.jsonl"
+        rows = metrics.read_text().splitlines() if metrics.is_file() else []
         ckpts = list((out_a / "checkpoints").glob("step-*/trainer_state.json"))
-        return bool(ckpts) and any(json.loads(r)["step"] > 10 for r in rows if r.strip())
+        return bool(ckpts) and any(read_json(r, text=True).get("step", 0) > 10 for r in rows)
 
     wait_until("a train checkpoint and metrics after it", checkpointed_and_past_it, 400, stack, 0.2)
     dead_pids, gpu_worker = stack.kill_tree("worker-gpu-1x")
@@ -724,6 +721,15 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
         f"{found_a_s:.0f} s (train) "
         f"after their processes were killed; test {time.time() - t_start:.0f} s"
     )
+
+
+def read_json(source: Path | str, text: bool = False) -> dict:
+    """A JSON object from a file (or a line, with text=True) being written meanwhile; {} until it
+    parses."""
+    try:
+        return json.loads(source if text else Path(source).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _parent_of(stack: Stack, child_name: str) -> str:
