@@ -622,7 +622,7 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
         tmp_path_factory.mktemp("lost-host"),
         eval_prompts=False,
         name="lost-host",
-        train={"max_steps": 60, "save_every": 10, "log_every": 2, "eval_every": 30},
+        train={"max_steps": 120, "save_every": 10, "log_every": 2, "eval_every": 60},
     )
     (stack.home / "lost-host.json").write_text(cfg_a.model_dump_json())
     stack.start(
@@ -699,7 +699,7 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     acc = EventAccumulator(str(out_a / "tb"))
     acc.Reload()
     steps = [e.step for e in acc.Scalars("train/loss")]
-    assert steps == sorted(set(steps)) and steps[-1] == 60, steps
+    assert steps == sorted(set(steps)) and steps[-1] == 120, steps
     left = [
         p
         for p in Path(tempfile.gettempdir()).glob("eagle3-*")
