@@ -44,20 +44,24 @@ def install_stop_handlers(*_args, **_kwargs) -> None:
 
 
 class FailedRunExitIsInfo(logging.Filter):
-    """The worker's "exited with status code: 1" of a run whose own state is Failed is INFO."""
+    """The worker's "exited with status code: 1" of a run whose own state is Failed is INFO (the
+    run's log already has its error); WARNING when the state cannot be read."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR and "exited with status code: 1;" in record.getMessage():
             run_id = getattr(record, "flow_run_id", None)
+            level = logging.WARNING
             try:
                 from prefect.client.orchestration import get_client
 
                 with get_client(sync_client=True) as client:
-                    state = client.read_flow_run(run_id).state if run_id else None
-            except Exception:  # noqa: BLE001 - keep the record as it is
-                state = None
-            if state is not None and state.is_failed():
-                record.levelno, record.levelname = logging.INFO, "INFO"
+                    state = client.read_flow_run(run_id).state
+                if state is not None and state.is_failed():
+                    level = logging.INFO
+            except Exception as e:  # noqa: BLE001 - a log level is never worth failing the worker
+                print(f"eagle3 worker: cannot read the state of flow run {run_id}: {e!r}",
+                      file=sys.stderr, flush=True)
+            record.levelno, record.levelname = level, logging.getLevelName(level)
         return True
 
 

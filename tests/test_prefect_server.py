@@ -380,9 +380,8 @@ def test_pipeline_deployment_gpu_pool_and_one_run_per_work_dir(stack, tiny_cfg):
     assert "is being written by" in msg and str(work) in msg, lost["state"]
     # the lock names the run that holds it: its name, id and UI link (not prefect's engine.py)
     assert (
-        f"flow run {runs[done]['name']!r} "
-        f"({done}, http://127.0.0.1:{stack.port}/runs/flow-run/{done})"
-        in msg
+        f"flow run {runs[done]['name']!r} ({done}, http://127.0.0.1:{stack.port}/" in msg
+        and f"/flow-run/{done}): pid " in msg
     ), msg
     assert not stack.task_runs_of(lost["id"])  # no stage started
 
@@ -554,7 +553,7 @@ def test_a_worker_started_in_the_background_stops_on_sigterm(stack):
     )
     pid = int(shell.stdout.readline())
     try:
-        wait_until("the worker to start", lambda: "started" in log.read_text(), 120, stack, 0.5)
+        wait_until("the worker to start", lambda: "started" in read_text(log), 120, stack, 0.5)
         t0 = time.time()
         os.kill(pid, signal.SIGTERM)
         shell.wait(timeout=30)
@@ -721,6 +720,10 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
         f"{found_a_s:.0f} s (train) "
         f"after their processes were killed; test {time.time() - t_start:.0f} s"
     )
+
+
+def read_text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
 
 
 def read_json(source: Path | str, text: bool = False) -> dict:
