@@ -592,37 +592,16 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     t_start = time.time()
-    # 1. the pipeline run whose host (the cpu worker) is lost during capture
-    cfg_b = tiny_config(
-        tiny_llama,
-        tmp_path_factory.mktemp("lost-parent"),
-        eval_prompts=False,
-        name="lost-parent",
-        prepare={"limit": 24},
-        capture={"shard_tokens": 128},
-    )
+    # 1. a pipeline run on the cpu worker, lost with its worker during capture
+    cfg_b = tiny_config(tiny_llama, tmp_path_factory.mktemp("lost-parent"), eval_prompts=False,
+                        name="lost-parent", prepare={"limit": 24}, capture={"shard_tokens": 128})
     out_b = Path(cfg_b.resolved().capture.out)
     run_b = stack.deploy_run({**params_for(cfg_b), "dispatch": "local"})
-    wait_until(
-        "a finished capture shard of the first run",
-        lambda: read_json(out_b / "progress.json").get("shards"),
-        300,
-        stack,
-        0.2,
-    )
-    _, cpu_worker = stack.kill_tree("worker-cpu")
-    t_kill_b = time.time()
-    stack.start("worker-cpu", cpu_worker)
-
-    # 2. the pipeline run (here in a process of its own) whose train run's GPU host dies after a
-    # checkpoint
-    cfg_a = tiny_config(
-        tiny_llama,
-        tmp_path_factory.mktemp("lost-host"),
-        eval_prompts=False,
-        name="lost-host",
-        train={"max_steps": 120, "save_every": 10, "log_every": 2, "eval_every": 60},
-    )
+    # 2. at the same time, a pipeline run (in a process of its own) whose train run's host dies
+    cfg_a = tiny_config(tiny_llama, tmp_path_factory.mktemp("lost-host"), eval_prompts=False,
+                        name="lost-host", train={"max_steps": 120, "save_every": 10,
+                                                 "log_every": 2, "eval_every": 60})
+    out_a = Path(cfg_a.resolved().train.out)
     (stack.home / "lost-host.json").write_text(cfg_a.model_dump_json())
     stack.start(
         "pipeline-lost-host",
@@ -633,20 +612,32 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
         'eagle3_pipeline(cfg, dispatch="deployments")\''
         f" {stack.home / 'lost-host.json'}",
     )
-    out_a = Path(cfg_a.resolved().train.out)
 
-    def checkpointed_and_past_it() -> bool:
+    def capturing() -> bool:  # a finished shard of the first run's capture
+        return bool(read_json(out_b / "progress.json").get("shards"))
+
+    def checkpointed_and_past_it() -> bool:  # a train checkpoint and metrics logged after it
         metrics = out_a / "logs" / "metrics.jsonl"
         rows = metrics.read_text().splitlines() if metrics.is_file() else []
         ckpts = list((out_a / "checkpoints").glob("step-*/trainer_state.json"))
         return bool(ckpts) and any(read_json(r, text=True).get("step", 0) > 10 for r in rows)
 
-    wait_until("a train checkpoint and metrics after it", checkpointed_and_past_it, 400, stack, 0.2)
-    dead_pids, gpu_worker = stack.kill_tree("worker-gpu-1x")
-    t_kill_a = time.time()
-    # the replacement host: another node, so another GPU slot (the dead run's stays taken until its lease runs out)
-    stack.sh('prefect gcl create "gpu-host-replacement-node" --limit 1')
-    stack.start("worker-gpu-1x", f"env EAGLE3_NODE_NAME=replacement-node {gpu_worker}")
+    t_kill_a = t_kill_b = None
+    deadline = time.time() + 400
+    while t_kill_a is None or t_kill_b is None:  # whichever comes first
+        assert time.time() < deadline, f"no capture shard or train checkpoint\n{stack.tail_logs()}"
+        if t_kill_b is None and capturing():
+            _, cpu_worker = stack.kill_tree("worker-cpu")
+            t_kill_b = time.time()
+            stack.start("worker-cpu", cpu_worker)
+        if t_kill_a is None and checkpointed_and_past_it():
+            dead_pids, gpu_worker = stack.kill_tree("worker-gpu-1x")
+            t_kill_a = time.time()
+            # the replacement host: another node, so another GPU slot (the dead run's stays taken
+            # until its lease runs out)
+            stack.sh('prefect gcl create "gpu-host-replacement-node" --limit 1')
+            stack.start("worker-gpu-1x", f"env EAGLE3_NODE_NAME=replacement-node {gpu_worker}")
+        time.sleep(0.2)
 
     # 1: found and ended by the automation within about a minute, alerted; then the next run takes
     # over
