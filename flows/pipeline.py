@@ -11,12 +11,12 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from eagle3.config import PipelineConfig
-from eagle3.lock import dir_lock
 from eagle3.pipeline import enabled_stages, ensure_target
 from eagle3.preflight import require_pipeline
 from eagle3.stages import STAGES, STREAM_STEP
-from eagle3_prefect.flows.dispatch import DEFAULT_GPU_POOL, Dispatch, StageRunner
+from eagle3_prefect.flows.dispatch import DEFAULT_GPU_POOL, Dispatch, StageRunner, absolute_config
 from eagle3_prefect.flows.report import pipeline_summary
+from eagle3_prefect.flows.runlock import work_dir_lock
 from eagle3_prefect.tasks.artifacts import artifact_key
 from eagle3_prefect.tasks.manifest import content_sha256, list_outputs
 
@@ -57,22 +57,26 @@ def eagle3_pipeline(
     """regenerate (optional) → prepare → capture → vocab → train → export → evaluate.
 
     dispatch: "auto" runs GPU stages as their own deployments when a Prefect server has them, else
-    here; "local" always here; "deployments" always as deployments. target_source / storage / hardware
-    name blocks (TargetModelSource, StorageLocation, HardwareProfile) that override the config.
-    Returns {stage: manifest}.
+    here; "local" always here; "deployments" always as deployments. target_source / storage /
+    hardware name blocks (TargetModelSource, StorageLocation, HardwareProfile) that override the
+    config. Returns {stage: manifest}.
 
     One pipeline per work dir: the run holds <work_dir>/.eagle3.lock (eagle3.lock; released when the
-    process ends, crash included) and a second run on the same work dir fails at once, naming the holder.
-    The config is checked (eagle3.preflight) before any stage starts: a bad value fails the run, naming
-    the field, the value and the fix, before a GPU is taken.
+    process ends, crash included) and a second run on the same work dir fails at once, naming the
+    flow run that holds it. A run that takes over from a lost one closes it and says so in its
+    summary. The config is checked (eagle3.preflight) before any stage starts: a bad value fails the
+    run, naming the field, the value and the fix, before a GPU is taken.
     """
     config, gpu_pool, gpu_limit = apply_blocks(config, target_source, storage, hardware)
-    with dir_lock(config.work_dir, "pipeline work_dir"):
-        return run_stages(config, dispatch, gpu_pool, gpu_limit)
+    config = absolute_config(config)
+    with work_dir_lock(config.work_dir, "pipeline work_dir") as takeover:
+        return run_stages(config, dispatch, gpu_pool, gpu_limit, takeover)
 
 
-def run_stages(config: PipelineConfig, dispatch: Dispatch, gpu_pool: str, gpu_limit: str | None) -> dict[str, Any]:
-    """The stages in order (the work dir is locked); the config is checked once the target is there."""
+def run_stages(config: PipelineConfig, dispatch: Dispatch, gpu_pool: str, gpu_limit: str | None,
+               takeover: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The stages in order (the work dir is locked); the config is checked once the target is there.
+    takeover: the lost run this one took the work dir over from (its summary says so)."""
     cfg = config.resolved()
     stage = StageRunner(cfg, dispatch=dispatch, gpu_pool=gpu_pool, gpu_limit=gpu_limit)
     if config.fetch_target:                        # 0. a known target into `target` (eagle3 fetch-target)
@@ -92,7 +96,8 @@ def run_stages(config: PipelineConfig, dispatch: Dispatch, gpu_pool: str, gpu_li
         else:
             stage(step, *STAGES[step].needs)       # on the manifests of the stages it reads
 
-    pipeline_summary(cfg.name, stage.manifests, key=artifact_key(cfg.name, "pipeline"))
+    pipeline_summary(cfg.name, stage.manifests, key=artifact_key(cfg.name, "pipeline"),
+                     takeover=takeover)
     ran = [s for s, m in stage.manifests.items() if not m.get("cached")]
     get_run_logger().info("pipeline %s: ran %s, cached %s", cfg.name, ran or "nothing",
                           [s for s in stage.manifests if s not in ran] or "nothing")

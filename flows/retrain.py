@@ -21,9 +21,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from eagle3.config import ConfigError, PipelineConfig
-from eagle3.lock import dir_lock
-from eagle3_prefect.flows.dispatch import Dispatch
+from eagle3_prefect.flows.dispatch import Dispatch, absolute_config
 from eagle3_prefect.flows.pipeline import eagle3_pipeline
+from eagle3_prefect.flows.runlock import work_dir_lock
 from eagle3_prefect.tasks.artifacts import artifact_key, find_tau
 from eagle3_prefect.tasks.manifest import fingerprint_path, sha256_json
 
@@ -79,7 +79,9 @@ def retrain(config: PipelineConfig, min_tau_gain: float = 0.0, dispatch: Dispatc
     if not config.eval_prompts:
         raise ConfigError("retrain: eval_prompts is not set; the promotion gate compares τ on held-out prompts, "
                           "so set `eval_prompts:` to a prompts .jsonl")
-    with dir_lock(config.work_dir, "retrain work_dir"):  # one retrain (or pipeline) per work dir
+    config = absolute_config(config)
+    # one retrain (or pipeline) per work dir
+    with work_dir_lock(config.work_dir, "retrain work_dir"):
         return retrain_locked(config, min_tau_gain, dispatch)
 
 

@@ -3,10 +3,12 @@
 
     from eagle3_prefect.flows.streaming import streaming; streaming(load_pipeline_config("my.yaml"))
 
-By default both sides run as subprocesses of this flow run (`python -m eagle3_prefect.tasks._stage_main`, like the GPU
-stages). With `capture_deployment` / `train_deployment` (e.g. "eagle3-stream-capture/gpu-8x",
-"eagle3-stream-train/gpu-1x", prefect.yaml) a side runs as a run of that deployment on its work pool: the
-spool must then be on storage both hosts see. Each side resumes by itself, so a crashed side is retried.
+By default both sides run as subprocesses of this flow run
+(`python -m eagle3_prefect.tasks._stage_main`, like the GPU stages). With `capture_deployment` /
+`train_deployment` (e.g. "eagle3-stream-capture/stage · stream-capture · gpu-1x",
+"eagle3-stream-train/stage · stream-train · gpu-1x", prefect.yaml) a side runs as a run of that
+deployment: the spool must then be on storage both hosts see. Each side resumes by itself, so a
+crashed side is retried.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from prefect.deployments import run_deployment
 from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig, StreamCaptureConfig, StreamTrainConfig
-from eagle3_prefect.tasks.dispatch import heartbeat
 from eagle3_prefect.tasks.errors import StageCrashed, retry_transient_only
 from eagle3_prefect.tasks.stages import NUM_RETRIES, RETRY_BASE_S, as_stage_config
 from eagle3_prefect.tasks.subprocess_runner import run_stage_subprocess
@@ -45,13 +46,14 @@ def stream_side(stage: str, config: dict[str, Any], deployment: str | None = Non
     if not deployment:
         return call_side(stage, config)
     get_run_logger().info("%s: dispatching to deployment %s", stage, deployment)
-    from eagle3_prefect.tasks.dispatch import child_env, wait_for
+    from eagle3_prefect.tasks.dispatch import close_task_runs, wait_for
 
-    run = wait_for(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=0,
-                                  job_variables={"env": child_env()}),
-                   f"{stage} on {deployment}", config.get("out"))
+    run = wait_for(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True,
+                                  timeout=0), f"{stage} on {deployment}")
     if run.state is None or not run.state.is_completed():  # a crashed or lost side is retried by this task
         how = f"{run.state.name}: {run.state.message}" if run.state else "without a state"
+        if run.state is not None and run.state.is_crashed():
+            close_task_runs(run.id, f"its flow run {run.name} crashed: {run.state.message}")
         raise StageCrashed(stage, f"deployment run {run.name} ended {how}")
     return {"deployment": deployment, "flow_run": str(run.id)}
 
@@ -72,12 +74,10 @@ def streaming(config: PipelineConfig, capture_deployment: str | None = None,
 @flow(name="eagle3-stream-capture", log_prints=True)
 def stream_capture_stage(config: StreamCaptureConfig) -> dict[str, Any]:
     """The producer on its own work pool (deployed in prefect.yaml)."""
-    with heartbeat(config.out):
-        return call_side("stream-capture", config.model_dump(mode="json"))
+    return call_side("stream-capture", config.model_dump(mode="json"))
 
 
 @flow(name="eagle3-stream-train", log_prints=True)
 def stream_train_stage(config: StreamTrainConfig) -> dict[str, Any]:
     """The consumer on its own work pool (deployed in prefect.yaml)."""
-    with heartbeat(config.out):
-        return call_side("stream-train", config.model_dump(mode="json"))
+    return call_side("stream-train", config.model_dump(mode="json"))

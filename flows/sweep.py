@@ -19,11 +19,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from eagle3.config import ConfigError, LayerId, PipelineConfig
-from eagle3.lock import dir_lock
 from eagle3.pipeline import ensure_target
 from eagle3.preflight import require_pipeline
 from eagle3.stages import STAGES
-from eagle3_prefect.flows.dispatch import Dispatch, StageRunner
+from eagle3_prefect.flows.dispatch import Dispatch, StageRunner, absolute_config
+from eagle3_prefect.flows.runlock import work_dir_lock
 from eagle3_prefect.tasks.artifacts import (
     artifact_key,
     find_per_position,
@@ -144,7 +144,8 @@ def layer_sweep(config: PipelineConfig,
         raise ConfigError("layer_sweep: layer_sets = []: name at least one layer set, e.g. [[1, 2, 3], [2, 3, 4]]")
     if max_concurrency < 1:
         raise ConfigError(f"layer_sweep: max_concurrency = {max_concurrency}: use 1 or more (branches in flight)")
-    with dir_lock(config.work_dir, "layer sweep work_dir"):
+    config = absolute_config(config)
+    with work_dir_lock(config.work_dir, "layer sweep work_dir"):
         ensure_target(config)
         require_pipeline(config, layer_sets, what="layer sweep")
         return sweep(config, layer_sets, max_concurrency, dispatch)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The deploy step (docs/operations.md): block types, every deployment in prefect.yaml, and the failure alert
-# automation, against the server in PREFECT_API_URL. Alerts go to $EAGLE3_ALERT_WEBHOOK_URL (a webhook) or
-# $EAGLE3_ALERT_BLOCK (any saved notification block, <type slug>/<name>); with neither it says so.
+# The deploy step (docs/operations.md): block types, every deployment in prefect.yaml, and the
+# automations eagle3-run-lost (a run without heartbeats is set Crashed) and eagle3-run-failed
+# (alerts), against the server in PREFECT_API_URL. Alerts go to $EAGLE3_ALERT_WEBHOOK_URL (a
+# webhook) or $EAGLE3_ALERT_BLOCK (any saved notification block, <type slug>/<name>); with neither
+# it says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${PREFECT_API_URL:?set PREFECT_API_URL to the server, e.g. http://127.0.0.1:4200/api}"

@@ -72,7 +72,9 @@ def stage_summary(run_name: str, manifest: dict[str, Any], action: str) -> None:
         f"- output: `{manifest['out']}`\n- cache key: `{manifest['key']}`\n"
         f"- content sha256: `{manifest['content_sha256']}`\n"
         f"- files: {manifest['num_files']} ({manifest['num_bytes'] / 1e6:.2f} MB)\n"
-        f"- wall time: {manifest['wall_s']:.1f} s\n- before the run: {action}\n\n"
+        f"- wall time: {manifest['wall_s']:.1f} s\n- before the run: {action}\n"
+        + (f"- resumed from: {manifest['resumed_from']}\n" if manifest.get("resumed_from") else "")
+        + "\n"
         f"| field | value |\n|---|---|\n{rows}\n"
     )
     create_markdown_artifact(markdown=md, key=artifact_key(run_name, manifest["stage"], "summary"),
@@ -207,3 +209,17 @@ def exported_draft(run_name: str, out: Path) -> None:
     )
     create_markdown_artifact(markdown=md, key=artifact_key(run_name, "draft", "usage"),
                              description="how to serve the draft")
+
+
+def stage_reports(run_name: str, manifest: dict[str, Any]) -> None:
+    """The report artifacts of one stage (training curves and metrics, τ and its chart, the draft),
+    made in the calling run from the files the stage wrote: a pipeline run shows them although its
+    GPU stages ran as runs of their own (or were cached)."""
+    stage, out = manifest.get("stage"), Path(manifest.get("out") or "")
+    if stage == "train":
+        train_metrics(run_name, out)
+    elif stage == "evaluate":
+        result = manifest.get("result")
+        evaluate_result(run_name, out, result if isinstance(result, dict) else {})
+    elif stage == "export":
+        exported_draft(run_name, out)

@@ -46,6 +46,14 @@ class StageTimeout(StageError):
     kind = "timeout"
 
 
+class StageRunFailed(StageError):
+    """A stage's own flow run (a deployment run on a GPU pool) failed: its log holds the error and
+    its traceback; the parent only reports it. Not retried here (the child's task already retried
+    what was transient)."""
+
+    kind = "child"
+
+
 ERROR_CLASSES: dict[str, type[StageError]] = {
     c.kind: c for c in (StageConfigError, StageOOMError, StageCrashed, EngineStartError, StageTimeout)
 }
@@ -83,6 +91,25 @@ def classify_exception(exc: BaseException) -> str:
                   | PermissionError | NotImplementedError | AssertionError):
         return "config"
     return "crash"
+
+
+#: StageError kinds whose message says all a person needs (what, where, the fix): no traceback at
+#: ERROR level
+USER_ERROR_KINDS = {"config", "oom", "timeout", "child"}
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """A failure the message explains (a config or input error, a held lock, OOM at a fixed batch, a
+    timeout, a failed child run): its traceback helps no one reading the run's log, so it is logged
+    at DEBUG."""
+    from pydantic import ValidationError
+
+    from eagle3.config import ConfigError
+    from eagle3.lock import LockedError
+
+    if isinstance(exc, StageError):
+        return exc.kind in USER_ERROR_KINDS
+    return isinstance(exc, ConfigError | LockedError | ValidationError)
 
 
 def is_transient(exc: BaseException | None) -> bool:

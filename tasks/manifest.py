@@ -1,17 +1,19 @@
-"""Content identity of stage runs: cache keys, output manifests and the stamp that proves an output is intact.
+"""Content identity of stage runs: cache keys, output manifests and the stamp that proves an output
+is intact.
 
 A stage's cache key is the sha256 of
   - the stage name and its code version (the library sources the stage runs, plus CACHE_EPOCH),
-  - the stage's resolved config (every field, paths included),
+  - the stage's resolved config (every field; paths absolute and resolved: two checkouts'
+    `runs/demo` differ),
   - the content hashes of its upstream stages' outputs (from their manifests),
   - fingerprints of the external inputs it reads directly (target dir, data file, eval prompts).
 So an unchanged stage keeps its key across runs, a changed config changes its key and (through the
 output content hash) the keys of everything downstream, and nothing upstream.
 
 After a stage runs, `<out>/.eagle3-stage.json` (the stamp) records the key and every output file
-(size, mtime, sha256). A cache hit is only honoured when the stamp carries the same key and the files
-still verify; otherwise the stage runs again (Prefect's own cache would return a path to files that
-are gone or altered).
+(size, mtime, sha256). A cache hit is only honoured when the stamp carries the same key and the
+files still verify; otherwise the stage runs again (Prefect's own cache would return a path to files
+that are gone or altered).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from eagle3.stages import STAGES
 CACHE_EPOCH = 1
 STAMP = ".eagle3-stage.json"
 #: what a stage task returns (the stamp in the output dir holds these plus the file list)
-MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s", "slot_wait_s", "result")
+MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s",
+                 "slot_wait_s", "resumed_from", "result")
 
 #: library sources (relative to the eagle3 package) that make up each stage's code version (eagle3.stages)
 STAGE_CODE: dict[str, tuple[str, ...]] = {name: s.code for name, s in STAGES.items() if s.code}
@@ -42,6 +45,11 @@ COMMON_CODE = ("config.py", "io.py")
 
 #: config fields that name inputs read from outside the pipeline's own outputs
 EXTERNAL_INPUT_FIELDS = ("target", "data", "prompts")
+#: config fields holding a local path: keyed by the absolute, resolved path (two checkouts that both
+#: write `runs/demo` are two different outputs, never one cache entry)
+PATH_FIELDS = frozenset({"target", "data", "out", "captured", "vocab", "checkpoint", "draft",
+                         "prompts", "spool", "work_dir", "compile_cache", "gguf", "cache_dir",
+                         "path"})
 
 #: files whose deletion makes a stage redo its work while keeping verified partial outputs
 #: (capture resumes from progress.json, re-verifying every shard); other stages are wiped instead
@@ -126,9 +134,21 @@ def config_dict(cfg: BaseModel | dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(cfg, default=str))
 
 
+def absolute_paths(value: Any, key: str | None = None) -> Any:
+    """`value` (a config as JSON) with every relative path in a PATH_FIELDS field made absolute and
+    resolved against this process's working directory."""
+    if isinstance(value, dict):
+        return {k: absolute_paths(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [absolute_paths(v, key) for v in value]
+    if key in PATH_FIELDS and isinstance(value, str) and value and "://" not in value:
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
 def stage_cache_key(stage: str, cfg: BaseModel | dict[str, Any], upstream: dict[str, dict[str, Any]]) -> str:
     """The content key of one stage run (see the module docstring)."""
-    conf = config_dict(cfg)
+    conf = absolute_paths(config_dict(cfg))
     upstream_outs = {str(Path(m["out"]).resolve()) for m in upstream.values() if m.get("out")}
     external = {}
     for name in EXTERNAL_INPUT_FIELDS:
@@ -228,6 +248,27 @@ def prepare_out_dir(stage: str, out: str | Path, key: str) -> str:
         return "damaged output: removed completion marker, library resumes"
     _wipe(out)
     return "damaged output: removed"
+
+
+def describe_resume_point(stage: str, out: str | Path) -> str | None:
+    """What a run of `stage` that resumes in `out` starts from, in words (the summary's "from which
+    checkpoint"); None for stages that do not resume."""
+    out = Path(out)
+    if stage in ("train", "stream-train"):
+        steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*")
+                       if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+        if not steps:
+            return "step 0 (no checkpoint was written)"
+        return f"checkpoint step {steps[-1]} ({out / 'checkpoints' / f'step-{steps[-1]}'})"
+    if stage == "capture":
+        try:
+            shards = json.loads((out / "progress.json").read_text()).get("shards") or []
+        except (OSError, ValueError):
+            shards = []
+        if not shards:
+            return "sample 0 (no shard was finished)"
+        return f"{len(shards)} finished shard(s), sample {shards[-1].get('next_index', '?')}"
+    return None
 
 
 def _wipe(out: Path) -> None:

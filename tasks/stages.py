@@ -12,6 +12,7 @@ Retries: transient failures only (tasks/errors.py). GPU-heavy stages run in a su
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -23,7 +24,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import CachePolicy
 from prefect.tasks import exponential_backoff
 
-from eagle3.config import StageConfig
+from eagle3.config import ConfigError, StageConfig
 from eagle3.stages import STAGES, build_stage_config, jsonable, run_stage_function
 from eagle3_prefect.tasks import artifacts
 from eagle3_prefect.tasks.errors import retry_transient_only
@@ -31,6 +32,7 @@ from eagle3_prefect.tasks.manifest import (
     MANIFEST_KEYS,
     config_dict,
     content_sha256,
+    describe_resume_point,
     list_outputs,
     prepare_out_dir,
     read_stamp,
@@ -54,6 +56,37 @@ NUM_RETRIES = int(os.environ.get("EAGLE3_NUM_RETRIES", "2"))
 #: when its lease runs out (Prefect's repossessor), so this bounds how long the stage's next run waits for it
 GPU_LEASE_S = max(60.0, float(os.environ.get("EAGLE3_GPU_LEASE_S", "120")))  # Prefect's minimum is 60 s
 RETRY_BASE_S = float(os.environ.get("EAGLE3_RETRY_BASE_S", "10"))
+#: the stage tasks' cache records (Prefect's result storage) go to <work_dir>/.prefect-results, not
+#: to Prefect's process-wide default (~/.prefect/storage whatever PREFECT_HOME says): each work
+#: dir's records are its own
+RESULT_DIR = ".prefect-results"
+
+
+@functools.cache
+def _load_storage_block(ref: str) -> Any:
+    from prefect.blocks.core import Block
+
+    try:
+        return Block.load(ref)
+    except ValueError as e:
+        raise ConfigError(f"EAGLE3_RESULT_STORAGE = {ref!r}: no such block on this server ({e}); "
+                          "save a filesystem block first (e.g. remote-file-system/<name>) or unset "
+                          "it to keep the cache records under the work dir") from None
+
+
+def result_storage(cache_dir: str | Path | None) -> Any:
+    """Where the stage tasks keep their cache records: the saved filesystem block
+    EAGLE3_RESULT_STORAGE names (`<block type slug>/<name>`: to share them across hosts on purpose),
+    else `cache_dir` (a local directory, <work_dir>/.prefect-results), else Prefect's default
+    (None)."""
+    ref = os.environ.get("EAGLE3_RESULT_STORAGE", "").strip()
+    if ref:
+        return _load_storage_block(ref)
+    if cache_dir is None:
+        return None
+    # prefect makes a path a LocalFileSystem (a block must be saved first)
+    return Path(cache_dir).resolve()
+
 
 def runs_in_subprocess(stage: str) -> bool:
     """GPU stages run in a subprocess, unless EAGLE3_INPROCESS names them ("all" or "capture,train")."""
@@ -145,7 +178,10 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
         logger.info("stage %s: %s already holds verified output of key %s; not re-running", stage, out, key)
         return {k: stamp.get(k) for k in MANIFEST_KEYS}
     action = prepare_out_dir(stage, out, key)
-    logger.info("stage %s: key %s, output %s (%s)", stage, key, out, action)
+    resumes = action.startswith(("resuming", "damaged"))
+    resumed_from = describe_resume_point(stage, out) if resumes else None
+    logger.info("stage %s: key %s, output %s (%s%s)", stage, key, out, action,
+                f": from {resumed_from}" if resumed_from else "")
     write_stamp(out, {"stage": stage, "key": key, "status": "running", "started_at": time.time()})
     progress = artifacts.Progress(run_name, stage) if stage in PROGRESS_STAGES else None
     t0, waited = time.time(), {"slot_wait_s": 0.0}
@@ -163,6 +199,7 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
         "num_bytes": sum(v[0] for v in files.values()),
         "wall_s": round(wall_s, 2),
         "slot_wait_s": waited["slot_wait_s"],
+        "resumed_from": resumed_from,
         "result": result,
     }
     write_stamp(out, {**manifest, "status": "done", "files": files, "upstream": upstream,
@@ -204,10 +241,11 @@ STAGE_TASKS = {name: _stage_task(name) for name, s in STAGES.items() if s.kind !
 
 def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any]] | None = None, *,
               run_name: str = "eagle3", deployment: str | None = None,
-              gpu_limit: str | None = None) -> dict[str, Any]:
-    """Run one stage through its task (or, with `deployment`, as a run of that deployment on its work
-    pool), honouring a cache hit only when the stamped outputs still verify. The returned manifest has
-    `cached: true` when the stage did not execute."""
+              gpu_limit: str | None = None, cache_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run one stage through its task (or, with `deployment`, as a run of that deployment on its
+    work pool), honouring a cache hit only when the stamped outputs still verify. The returned
+    manifest has `cached: true` when the stage did not execute. cache_dir: where the cache records
+    go (result_storage)."""
     upstream = slim_upstream(upstream or {})
     key = stage_cache_key(stage, config, upstream)
     ok, reason = verify_outputs(config.out, key)
@@ -216,13 +254,19 @@ def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any
 
         t = dispatch_stage.with_options(cache_policy=StageCachePolicy(stage=stage), name=f"dispatch-{stage}",
                                         task_run_name=f"{stage}@{deployment.split('/')[0]}")
-        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment, gpu_limit)
+        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment,
+                       gpu_limit, str(Path(cache_dir).resolve()) if cache_dir else None)
     else:
         t, args = STAGE_TASKS[stage], (config, upstream, run_name)
+    storage = result_storage(cache_dir)
+    if storage is not None:
+        t = t.with_options(result_storage=storage)
     if not ok:
         get_run_logger().info("stage %s: no reusable cached result (%s)", stage, reason)
         t = t.with_options(refresh_cache=True)
     state = t(*args, return_state=True)
     manifest = dict(state.result())  # raises the stage's error when it failed
     manifest["cached"] = state.name == "Cached"
+    if deployment:
+        manifest["deployment"] = deployment
     return manifest

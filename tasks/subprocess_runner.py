@@ -33,6 +33,15 @@ _PROGRESS_RE = re.compile(r"(?:\|\s*|step\s+|samples?\s+|shard\s+)(\d+)\s*/\s*(\
 
 #: a line the child's logging (tasks/_stage_main.py's format) wrote at WARNING or above
 _WARNING_RE = re.compile(r"(WARNING|ERROR|CRITICAL) [\w.]+: ")
+#: a line vLLM's own logging wrote ("(EngineCore_DP0 pid=12) WARNING 12-03 07:01:02 [file.py:12]
+#: ..."): it stays in the stage's log file; only its ERROR/CRITICAL lines reach the run's log too
+_VLLM_RE = re.compile(r"^(?:\S*\([\w-]+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                      r"\d\d-\d\d \d\d:\d\d:\d\d ")
+#: the stage's whole output goes to <out>/.eagle3-logs/<stage>-<time>.log (a dot-dir: never part of
+#: its outputs)
+LOG_DIR = ".eagle3-logs"
+#: a temp dir of run_stage_subprocess: eagle3-<stage>-<pid of the process that made it>-<random>
+_TMP_RE = re.compile(r"^eagle3-[a-z-]+?-(\d+)-[\w]+$")
 
 
 def stage_timeout_s(stage: str) -> float:
@@ -56,6 +65,42 @@ def parse_progress(line: str) -> float | None:
     return done / total
 
 
+def remove_stale_temp_dirs(tmp_root: str | Path | None = None) -> list[str]:
+    """Delete the temp dirs (config.json, result.json) of stage runs whose process is gone
+    (SIGKILLed, a lost host that came back): the names carry the pid; a live pid's dir is kept.
+    Returns the removed names."""
+    import shutil
+
+    removed = []
+    root = Path(tmp_root or tempfile.gettempdir())
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        m = _TMP_RE.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or someone else's: PermissionError below)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d.name)
+    return removed
+
+
+def stage_log_path(stage: str, config: dict[str, Any]) -> Path | None:
+    """<out>/.eagle3-logs/<stage>-<UTC time>.log for a stage with an out dir, else None."""
+    out = config.get("out")
+    if not out:
+        return None
+    return Path(out) / LOG_DIR / f"{stage}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.log"
+
+
 def run_stage_subprocess(
     stage: str,
     config: dict[str, Any],
@@ -74,7 +119,31 @@ def run_stage_subprocess(
     """
     log = log or logging.getLogger(f"eagle3.tasks.{stage}")
     timeout_s = timeout_s if timeout_s is not None else stage_timeout_s(stage)
-    with tempfile.TemporaryDirectory(prefix=f"eagle3-{stage}-") as tmp:
+    stale = remove_stale_temp_dirs()
+    if stale:
+        log.info("stage %s: removed %d temp dir(s) of stage runs whose process is gone: %s", stage,
+                 len(stale), ", ".join(stale[:5]))
+    log_path = stage_log_path(stage, config)
+    log_file = None
+    if log_path is not None:
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = open(log_path, "a", buffering=1, errors="replace")
+            log.info("stage %s: its whole output (vLLM's log included) goes to %s", stage, log_path)
+        except OSError as e:
+            log.warning("stage %s: cannot write its log file %s (%s); vLLM's lines are not kept",
+                        stage, log_path, e)
+    try:
+        return _run(stage, config, timeout_s, log, on_progress, probe, log_file)
+    finally:
+        if log_file is not None:
+            log_file.close()
+
+
+def _run(stage: str, config: dict[str, Any], timeout_s: float, log: Any,
+         on_progress: Callable[[float], None] | None, probe: Callable[[], float | None] | None,
+         log_file: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"eagle3-{stage}-{os.getpid()}-") as tmp:
         config_json, result_json = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_json.write_text(json.dumps(config, default=str))
         env = dict(os.environ)  # the child imports eagle3 / eagle3_prefect as this process does (installed)
@@ -88,7 +157,8 @@ def run_stage_subprocess(
         )
         tail: list[str] = []
         progress: list[float] = []
-        reader = threading.Thread(target=_pump, args=(proc, log, tail, progress), daemon=True)
+        reader = threading.Thread(target=_pump, args=(proc, log, tail, progress, log_file),
+                                  daemon=True)
         reader.start()
         deadline = t0 + timeout_s
         reported = -1.0
@@ -129,8 +199,20 @@ def run_stage_subprocess(
         raise StageCrashed(stage, f"process {how} after {wall_s:.1f} s without a result; last output:\n{last}")
 
 
-def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[float]) -> None:
-    """Copy the child's output into the log line by line (tqdm's \\r updates become progress)."""
+def relay_level(line: str) -> int | None:
+    """The level a child's output line goes to the run's log at; None: the stage's log file only
+    (vLLM's own INFO/WARNING/DEBUG lines: engine set-up chatter a person reading the run does not
+    act on)."""
+    m = _VLLM_RE.match(line)
+    if m:
+        return logging.WARNING if m.group(1) in ("ERROR", "CRITICAL") else None
+    return logging.WARNING if _WARNING_RE.match(line) else logging.INFO
+
+
+def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[float],
+          log_file: Any = None) -> None:
+    """Copy the child's output into the stage's log file and, but for vLLM's chatter, into the run's
+    log line by line (tqdm's \\r updates become progress)."""
     assert proc.stdout is not None
     buf = b""
     while True:
@@ -144,6 +226,7 @@ def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[floa
             line = raw.decode(errors="replace").rstrip()
             if not line:
                 continue
+            _write(log_file, line)
             frac = parse_progress(line)
             if frac is not None:
                 progress.append(frac)
@@ -153,11 +236,24 @@ def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[floa
             tail.append(line)
             del tail[:-200]
             # the child's own warnings stay visible when the log shows warnings only (eagle3.console)
-            (log.warning if _WARNING_RE.match(line) else log.info)("%s", line)
+            level = relay_level(line)
+            if level is not None:
+                (log.warning if level >= logging.WARNING else log.info)("%s", line)
     if buf.strip():
         line = buf.decode(errors="replace").rstrip()
+        _write(log_file, line)
         tail.append(line)
-        log.info("%s", line)
+        if relay_level(line) is not None:
+            log.info("%s", line)
+
+
+def _write(log_file: Any, line: str) -> None:
+    if log_file is None:
+        return
+    try:
+        log_file.write(line + "\n")
+    except (OSError, ValueError):  # a full disk or a closed file: the run's log still has the line
+        pass
 
 
 def _probe(probe: Callable[[], float | None] | None) -> float | None:

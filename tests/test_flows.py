@@ -215,17 +215,28 @@ def test_unchanged_rerun_executes_nothing_and_is_fast(base):
     print(f"first run {base['wall_s']:.1f} s, cached rerun {wall:.1f} s")
 
 
+def test_cache_records_live_in_the_work_dir(base, prefect_harness):
+    """Every stage's cache record is a file under <work_dir>/.prefect-results, named by its content
+    key; Prefect's process-wide result storage (PREFECT_LOCAL_STORAGE_PATH, ~/.prefect/storage by
+    default) holds none."""
+    records = Path(base["cfg"].work_dir) / ".prefect-results"
+    for stage, m in base["manifests"].items():
+        assert (records / m["key"]).is_file(), (stage, sorted(p.name for p in records.iterdir()))
+    assert not [p for p in Path(prefect_harness).rglob("eagle3-*")], sorted(
+        Path(prefect_harness).rglob("*")
+    )
+
+
 def test_lost_result_storage_adopts_verified_outputs(base, prefect_harness):
-    """Prefect's cache records gone (another PREFECT_HOME, storage wiped): the stamps still verify, so
-    no stage recomputes; the tasks just re-record their manifests."""
+    """Prefect's cache records gone (the work dir's .prefect-results wiped): the stamps still
+    verify, so no stage recomputes; the tasks just re-record their manifests."""
     import shutil
 
     from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     stamps = {s: json.loads((Path(m["out"]) / ".eagle3-stage.json").read_text())["finished_at"]
               for s, m in base["manifests"].items()}
-    for child in Path(prefect_harness).iterdir():
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    shutil.rmtree(Path(base["cfg"].work_dir) / ".prefect-results")
     state, run_id, wall = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")
     assert state.is_completed(), state.message
     assert set(stage_states(run_id).values()) == {"Completed"}
@@ -365,73 +376,6 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
     waited = take_slot()
     t.join()
     assert waited["slot_wait_s"] >= hold_s / 2, waited
-
-
-def test_heartbeat_tells_a_live_gpu_run_from_a_lost_one(prefect_harness, monkeypatch, tmp_path):
-    """A GPU stage run beats into its out dir (outside its outputs); the parent's wait leaves a run that beats
-    alone and sets one that is Running but silent Crashed, saying what it last heard (the whole path, with a
-    killed worker, is tests/test_prefect_server.py::test_a_gpu_stage_whose_host_dies_runs_again)."""
-    import json
-    import threading
-
-    from prefect import flow
-    from prefect.client.orchestration import get_client
-    from prefect.states import Completed, Running
-
-    import eagle3_prefect.tasks.dispatch as dispatch
-    from eagle3.io import write_json
-    from eagle3_prefect.tasks.manifest import list_outputs
-
-    monkeypatch.setattr(dispatch, "POLL_INTERVAL_S", 0.1)
-
-    @flow(name="beating")
-    def beating(out: str) -> list[int]:
-        with dispatch.heartbeat(out, interval_s=0.1) as path:
-            seen = []
-            for _ in range(5):
-                time.sleep(0.15)
-                seen.append(json.loads(path.read_text())["num_beats"])
-            return seen
-
-    live = tmp_path / "live"
-    seen = beating(str(live))
-    assert seen == sorted(seen) and seen[-1] > seen[0], seen
-    beat = dispatch.read_heartbeat(live)
-    assert beat["pid"] == os.getpid() and beat["flow_run_id"] and beat["interval_s"] == 0.1
-    assert (live / dispatch.HEARTBEAT_FILE).is_file() and list_outputs(live) == {}  # never part of the outputs
-
-    @flow(name="stand-in-child")
-    def child() -> None:
-        pass
-
-    with get_client(sync_client=True) as client:
-        flow_id = client.create_flow(child)
-        silent, alive = (client.create_flow_run(child, name=n) for n in ("silent", "alive"))
-        for fr in (silent, alive):
-            client.set_flow_run_state(fr.id, Running(), force=True)
-        stop = threading.Event()
-
-        def beat_for_alive() -> None:  # beats for 2.5 s (well past lost_after_s), then completes
-            for n in range(25):
-                write_json(tmp_path / "alive-out" / dispatch.HEARTBEAT_FILE,
-                                    {"flow_run_id": str(alive.id), "num_beats": n, "pid": 1, "host": "h", "time": "t"})
-                if stop.wait(0.1):
-                    return
-            client.set_flow_run_state(alive.id, Completed(), force=True)
-
-        (tmp_path / "alive-out").mkdir()
-        t = threading.Thread(target=beat_for_alive)
-        t.start()
-        try:
-            done = dispatch.wait_for(alive, "alive", tmp_path / "alive-out", lost_after_s=1.0)
-        finally:
-            stop.set()
-            t.join()
-        assert done.state.is_completed(), done.state
-        lost = dispatch.wait_for(silent, "silent", tmp_path / "silent-out", lost_after_s=1.0)
-    assert flow_id and lost.state.is_crashed(), lost.state
-    assert "lost: Running, but no heartbeat at all" in lost.state.message, lost.state.message
-    assert "EAGLE3_LOST_AFTER_S=1" in lost.state.message
 
 
 def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):

@@ -160,20 +160,44 @@ def test_prefect_yaml_deployments():
     assert retrain["schedules"][0]["cron"]
     assert ("layer_sweep", "layer-sweep") in by
     from eagle3.stages import STAGES
+    from eagle3_prefect.flows.dispatch import stage_deployment
 
-    gpu_stages = [n for n, s in STAGES.items() if s.gpu]  # the registry's GPU stages: one flow each, on both pools
+    gpu_stages = [
+        n for n, s in STAGES.items() if s.gpu
+    ]  # the registry's GPU stages: one flow each, on both pools
     assert gpu_stages == ["regenerate", "capture", "train", "evaluate"]
-    assert {fn.removesuffix("_stage") for fn, _ in by if fn.endswith("_stage") and "stream" not in fn} == set(gpu_stages)
+    assert {
+        fn.removesuffix("_stage") for fn, _ in by if fn.endswith("_stage") and "stream" not in fn
+    } == set(gpu_stages)
     for stage in gpu_stages:
-        for pool in ("gpu-1x", "gpu-8x"):
-            d = by[(f"{stage}_stage", pool)]
-            assert d["work_pool"]["name"] == pool
+        for pool in (
+            "gpu-1x",
+            "gpu-8x",
+        ):  # named for what it runs: "eagle3-train/stage · train · gpu-1x"
+            d = by[(f"{stage}_stage", stage_deployment(stage, pool).split("/")[1])]
+            assert d["work_pool"]["name"] == pool and "stage" in d["tags"]
             assert d["work_pool"]["job_variables"]["env"]["EAGLE3_GPU_LIMIT"]
+    # the UI's deployment list (A to Z) leads with what a person runs: pipeline, sweep and retrain
+    names = sorted(d["name"] for d in deps)
+    assert names[:3] == ["layer-sweep", "pipeline", "retrain-nightly"], names
+    assert [d["name"] for d in deps if "entry" in d["tags"]] == [
+        "pipeline",
+        "retrain-nightly",
+        "layer-sweep",
+        "streaming",
+    ]
+    # every run sends Prefect's flow-run heartbeat every 30 s (the lost-run automation's clock)
+    assert all(
+        d["work_pool"]["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
+        for d in deps
+    )
     import importlib
 
     from prefect import Flow
 
-    for d in deps:  # module entrypoints of the installed package (`prefect deploy` imports them the same way)
+    for d in (
+        deps
+    ):  # module entrypoints of the installed package (`prefect deploy` imports them the same way)
         path, fn = d["entrypoint"].split(":")
         assert path.startswith("eagle3_prefect.flows."), d["entrypoint"]
         flow = getattr(importlib.import_module(path), fn)
@@ -183,6 +207,146 @@ def test_prefect_yaml_deployments():
     )
 
     assert capture_stage.parameters.properties["config"]["$ref"].endswith("CaptureConfig")
+
+
+def test_cache_keys_use_absolute_paths(tmp_path, monkeypatch):
+    """Two checkouts whose configs both say `runs/demo` key their stages apart; the same absolute
+    dirs key alike."""
+    from eagle3.config import VocabConfig
+    from eagle3_prefect.tasks.manifest import stage_cache_key
+
+    up = {"prepare": {"out": "runs/demo/prepared", "content_sha256": "a" * 64}}
+    cfg = VocabConfig(data="runs/demo/prepared", out="runs/demo/vocab", draft_vocab_size=8)
+    keys = []
+    for checkout in ("one", "two"):
+        (tmp_path / checkout).mkdir()
+        monkeypatch.chdir(tmp_path / checkout)
+        keys.append(stage_cache_key("vocab", cfg, up))
+    assert keys[0] != keys[1]
+    absolute = cfg.model_copy(
+        update={
+            "data": str(tmp_path / "two" / "runs/demo/prepared"),
+            "out": tmp_path / "two" / "runs/demo/vocab",
+        }
+    )
+    assert stage_cache_key("vocab", absolute, up) == keys[1]
+
+
+def test_stage_output_goes_to_its_log_file_and_vllm_chatter_stays_there(monkeypatch, tmp_path):
+    """The stage's whole output lands in <out>/.eagle3-logs/; the run's log gets eagle3's lines
+    (warnings as warnings) and vLLM's errors, not vLLM's INFO/WARNING lines."""
+    lines = [
+        "train: step 1/2 loss 1.0",
+        "WARNING eagle3.train: lr is high",
+        "(EngineCore_DP0 pid=12) WARNING 12-03 07:01:02 [config.py:1] chunked prefill is off",
+        "INFO 12-03 07:01:03 [core.py:2] init engine",
+        "ERROR 12-03 07:01:04 [core.py:3] engine died",
+    ]
+    code = (
+        "import json, sys\n"
+        + "".join(f"print({line!r}, flush=True)\n" for line in lines)
+        + "open(sys.argv[1], 'w').write(json.dumps({'ok': True, 'result': {}}))"
+    )
+    runner = _patch_child(monkeypatch, code)
+    seen: list[tuple[str, str]] = []
+
+    class Log:
+        def info(self, fmt, *args):
+            seen.append(("info", fmt % args))
+
+        def warning(self, fmt, *args):
+            seen.append(("warning", fmt % args))
+
+    runner.run_stage_subprocess("train", {"out": str(tmp_path / "train")}, log=Log())
+    relayed = [(level, text) for level, text in seen if "stage train:" not in text]
+    assert relayed == [("info", lines[0]), ("warning", lines[1]), ("warning", lines[4])], seen
+    (log_file,) = (tmp_path / "train" / ".eagle3-logs").glob("train-*.log")
+    assert log_file.read_text().splitlines() == lines
+
+
+def test_stale_stage_temp_dirs_are_removed(tmp_path):
+    """A SIGKILLed stage run leaves its temp dir; the next stage run on the host removes it (not a
+    live one's)."""
+    import subprocess
+
+    from eagle3_prefect.tasks.subprocess_runner import remove_stale_temp_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, os.getpid()):
+        (tmp_path / f"eagle3-train-{pid}-a1b2c3").mkdir()
+        (tmp_path / f"eagle3-train-{pid}-a1b2c3" / "config.json").write_text("{}")
+    (tmp_path / "eagle3-train-notmine").mkdir()
+    assert remove_stale_temp_dirs(tmp_path) == [f"eagle3-train-{dead.pid}-a1b2c3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"eagle3-train-{os.getpid()}-a1b2c3", "eagle3-train-notmine"]
+    )
+
+
+def test_one_config_error_is_one_error_record():
+    """A config error reported by the task, the flow and the entrypoint is one ERROR record without
+    a traceback (the traceback at DEBUG); "Finished in state Failed" restating it is INFO; a bug
+    keeps its traceback."""
+    import logging
+
+    import eagle3_prefect.flows  # noqa: F401 - installs the filter
+    from eagle3.config import ConfigError
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    loggers = [logging.getLogger(name) for name in ("prefect.task_runs", "prefect.flow_runs")]
+    saved = [(lg.handlers, lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:  # only this test's handler: Prefect's own would send the records to an API
+        lg.handlers, lg.propagate = [Keep(level=logging.DEBUG)], False
+        lg.setLevel(logging.DEBUG)
+    try:
+        err = ConfigError(
+            "vocab.draft_vocab_size = 10000000: above the target's vocab (512); use 512 or less"
+        )
+        try:
+            raise err
+        except ConfigError:
+            extra = {"flow_run_id": "run-1"}
+            logging.getLogger("prefect.task_runs").error(
+                "Task run failed with exception: %r", err, exc_info=True, extra=extra
+            )
+            logging.getLogger("prefect.task_runs").error(
+                f"Finished in state Failed('Task run encountered an exception ConfigError: {err}')",
+                extra=extra,
+            )
+            logging.getLogger("prefect.flow_runs").exception(
+                "Encountered exception during execution: %r", err, extra=extra
+            )
+            logging.getLogger("prefect.flow_runs").error(
+                "Engine execution exited with unexpected exception", exc_info=True, extra=extra
+            )
+        try:
+            raise KeyError("bug")
+        except KeyError:
+            logging.getLogger("prefect.flow_runs").exception(
+                "Encountered exception during execution", extra=extra
+            )
+    finally:
+        for lg, (handlers, level, propagate) in zip(loggers, saved, strict=True):
+            lg.handlers, lg.propagate = handlers, propagate
+            lg.setLevel(level)
+    errors = [r for r in records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [
+        f"ConfigError: {err}",
+        "Encountered exception during execution",
+    ]
+    assert (
+        errors[0].exc_info is None and errors[1].exc_info is not None
+    )  # the bug keeps its traceback
+    assert sum(r.levelno == logging.DEBUG and r.exc_info is not None for r in records) == 3
+    assert any(
+        r.levelno == logging.INFO and r.getMessage().startswith("Finished in state Failed")
+        for r in records
+    )
 
 
 def test_progress_probes_read_stage_files(tmp_path):

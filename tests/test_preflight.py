@@ -42,6 +42,27 @@ def test_missing_paths(tiny_llama, tmp_path):
     assert any(p.startswith("eval_prompts = 'gone.jsonl' does not exist") for p in problems), problems
 
 
+def test_a_missing_path_does_not_hide_the_other_problems(tiny_llama, tmp_path):
+    """One pass: a missing eval_prompts file is listed next to the two bad aux-id lists it used to
+    hide."""
+    cfg = tiny_config(
+        tiny_llama,
+        tmp_path,
+        eval_prompts=False,
+        capture={"aux_layer_ids": [1, 2, 9]},
+        train={"aux_layer_ids": [1, 3]},
+    )
+    cfg.eval_prompts = str(tmp_path / "gone.jsonl")
+    problems = check_pipeline(cfg, [[2, 7]])
+    assert len(problems) == 4, problems
+    assert problems[0].startswith(f"eval_prompts = {cfg.eval_prompts!r} does not exist"), problems
+    assert problems[1].startswith("capture.aux_layer_ids = [1, 2, 9]: id(s) [9] out of range"), (
+        problems
+    )
+    assert problems[2].startswith("layer_sets[0] = [2, 7]: id(s) [7] out of range"), problems
+    assert problems[3].startswith("train.aux_layer_ids = [1, 3]: id(s) [3] are not in"), problems
+
+
 def test_capture_that_cannot_fit_the_disk(tiny_llama, tmp_path):
     """Once prepare's manifest gives the token count, the planner's disk check runs before capture."""
     cfg = tiny_config(tiny_llama, tmp_path, capture={"min_free_disk_gb": 1e9})
@@ -74,3 +95,50 @@ def test_work_dir_lock_is_released_when_its_holder_is_killed(tmp_path):
     with dir_lock(tmp_path, "pipeline work_dir") as path:
         assert json.loads(Path(path).read_text())["pid"] == os.getpid()
     assert time.time() - t0 < 5
+
+
+def test_work_dir_lock_names_the_flow_run_that_holds_it(tmp_path):
+    """The lock records the holder's flow run (name, id, link): a second writer's error names it,
+    and the writer that takes over from a killed holder is handed that record (to close the lost
+    run)."""
+    from eagle3.lock import LockedError, dir_lock
+
+    run = {
+        "flow_run_name": "tiny-pipeline-gentle-owl",
+        "flow_run_id": "0b5e-id",
+        "flow_run_url": "http://127.0.0.1:4200/runs/flow-run/0b5e-id",
+    }
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys, time; from eagle3.lock import dir_lock\n"
+            "with dir_lock(sys.argv[1], 'pipeline work_dir', holder=json.loads(sys.argv[2])):\n"
+            "    print('held', flush=True); time.sleep(600)",
+            str(tmp_path),
+            json.dumps(run),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockedError) as e:
+            with dir_lock(tmp_path, "pipeline work_dir"):
+                pass
+        assert (
+            "is being written by flow run 'tiny-pipeline-gentle-owl' "
+            f"(0b5e-id, {run['flow_run_url']}): "
+            f"pid {holder.pid} on host"
+        ) in str(e.value), e.value
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+    stale: list[dict] = []
+    with dir_lock(
+        tmp_path, "pipeline work_dir", holder={"flow_run_name": "next"}, on_stale=stale.append
+    ) as path:
+        assert json.loads(Path(path).read_text())["flow_run_name"] == "next"
+    assert (
+        len(stale) == 1 and stale[0]["flow_run_id"] == "0b5e-id" and stale[0]["state"] == "dead"
+    ), stale

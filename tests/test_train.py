@@ -507,6 +507,36 @@ def test_resume_is_exact(captured, tiny_llama, tmp_path, extra):
     assert [r["loss"] for r in la] == [r["loss"] for r in lb]
 
 
+def test_a_resumed_run_logs_each_step_once(captured, tiny_llama, tmp_path):
+    """A run that logged steps 3-4 and died before checkpointing step 4 is resumed from step 2: it
+    logs 3-4 again, so metrics.jsonl drops the lost run's 3-4 first and TensorBoard's events are
+    written anew (no step twice)."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from eagle3.train import run_train
+
+    samples, manifest, vocab = captured
+    out = tmp_path / "run"
+    run_train(_cfg(out, tiny_llama, vocab), samples=samples, manifest=manifest)
+    shutil.rmtree(
+        out / "checkpoints" / "step-4"
+    )  # the crash: steps 3-4 logged, their checkpoint never written
+    shutil.rmtree(out / "final")
+    run_train(_cfg(out, tiny_llama, vocab), samples=samples, manifest=manifest)
+    rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["step"], r["split"]) for r in rows]
+    assert len(keys) == len(set(keys)) and [s for s, sp in keys if sp == "train"] == [1, 2, 3, 4], (
+        keys
+    )
+    events = sorted((out / "tb").glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert len(events) == 1 and steps == [1, 2, 3, 4], (events, steps)
+
+
 def test_tiny_end_to_end_reduces_loss(captured, tiny_llama, tmp_path):
     from eagle3.train import run_train
 

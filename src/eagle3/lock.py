@@ -1,13 +1,15 @@
 """One writer per directory: an advisory lock (fcntl.flock) on `<dir>/.eagle3.lock`.
 
-Two captures into one --out, or two trainings into one out dir, corrupt each other (a second capture's start-up
-deletes the shards the first one just wrote). `dir_lock(path, what)` makes the second one fail at once, naming
-the holder (pid, host, command, start time), which the lock file records as JSON.
+Two captures into one --out, or two trainings into one out dir, corrupt each other (a second
+capture's start-up deletes the shards the first one just wrote). `dir_lock(path, what)` makes the
+second one fail at once, naming the holder (pid, host, command, start time, and the orchestrator's
+run when the caller names it: `holder=`), which the lock file records as JSON.
 
-A process that dies (SIGKILL, OOM, a lost node) releases its flock with its file descriptors; the file it leaves
-says who held it, so the next writer reports that it takes over a stale lock and goes on. The file is unlinked on
-release; a writer that locked a file someone unlinked meanwhile tries again on the new file (the lock is on the
-inode, and the name must still point to it).
+A process that dies (SIGKILL, OOM, a lost node) releases its flock with its file descriptors; the
+file it leaves says who held it, so the next writer reports that it takes over a stale lock and goes
+on (`on_stale` is called with that record, so an orchestrator can close the run that held it). The
+file is unlinked on release; a writer that locked a file someone unlinked meanwhile tries again on
+the new file (the lock is on the inode, and the name must still point to it).
 
 A stage that starts engine processes (vLLM's engine core and workers, a job of
 eagle3.vllm_engine.run_in_subprocess) records them in the lock files it holds
@@ -17,9 +19,9 @@ the directory finds them still running (same pid and start time, read from /proc
 them and the kill command, instead of starting a second engine beside them (or letting a worker that
 writes shards race the new run).
 
-Re-entrant within a process (the pipeline locks its work dir, a stage locks its out dir under it; a stage called
-twice in one process is fine). flock is advisory and local to the host on most network filesystems: two hosts
-writing one NFS directory are not stopped by it.
+Re-entrant within a process (the pipeline locks its work dir, a stage locks its out dir under it; a
+stage called twice in one process is fine). flock is advisory and local to the host on most network
+filesystems: two hosts writing one NFS directory are not stopped by it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from eagle3 import processes
@@ -61,11 +63,23 @@ def _holder(path: Path) -> dict:
         return {}
 
 
-def _describe(h: dict) -> str:
+def describe_holder(h: dict) -> str:
+    """The holder recorded in a lock file, in words: its run (name, id, link) when recorded, then
+    its process."""
     if not h:
         return "an unknown process"
-    return (f"pid {h.get('pid')} on host {h.get('host')} (`{h.get('command', '?')}`, since "
+    proc = (f"pid {h.get('pid')} on host {h.get('host')} (`{h.get('command', '?')}`, since "
             f"{h.get('started', '?')})")
+    if not h.get("flow_run_name") and not h.get("flow_run_id"):
+        return proc
+    where = ", ".join(str(h[k]) for k in ("flow_run_id", "flow_run_url") if h.get(k))
+    return f"flow run {h.get('flow_run_name') or '?'!r} ({where}): {proc}"
+
+
+def read_holder(directory: str | Path) -> dict:
+    """The record of the lock file in `directory` (its last holder, live or not); {} when there is
+    none."""
+    return _holder(Path(directory) / LOCK_NAME)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -79,9 +93,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def dir_lock(directory: str | Path, what: str = "directory") -> Iterator[Path]:
-    """Hold the writer lock of `directory` (created if missing) for the block; `what` names the directory in
-    errors (e.g. "capture out"). Raises LockedError naming the holder when another live process has it."""
+def dir_lock(directory: str | Path, what: str = "directory", holder: dict | None = None,
+             on_stale: Callable[[dict], None] | None = None) -> Iterator[Path]:
+    """Hold the writer lock of `directory` (created if missing) for the block; `what` names the
+    directory in errors (e.g. "capture out"). Raises LockedError naming the holder when another live
+    process has it.
+
+    holder: fields recorded beside pid/host/command (`flow_run_name`, `flow_run_id`, `flow_run_url`:
+    the run that holds the lock, named in the error a second writer gets). on_stale(record): called
+    once the lock is taken over from a holder that is gone, with what its lock file said."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
@@ -101,11 +121,13 @@ def dir_lock(directory: str | Path, what: str = "directory") -> Iterator[Path]:
                 if not _held[key]:
                     del _held[key]
         return
-    fd = _acquire(path, what)
+    fd, stale = _acquire(path, what, holder or {})
     with _held_guard:
         _held[key] = 1
         _fds[key] = fd
     try:
+        if stale and on_stale is not None:
+            on_stale(stale)
         yield path
     finally:
         with _held_guard:
@@ -117,7 +139,7 @@ def dir_lock(directory: str | Path, what: str = "directory") -> Iterator[Path]:
         os.close(fd)
 
 
-def _acquire(path: Path, what: str) -> int:
+def _acquire(path: Path, what: str, extra: dict) -> tuple[int, dict]:
     for _ in range(100):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -132,8 +154,9 @@ def _acquire(path: Path, what: str) -> int:
                 # the holder died; a child of it kept the lock open
                 _raise_if_stale_engines(path, what, h)
             raise LockedError(
-                f"{what} {path.parent} is being written by {_describe(h)}: one writer per directory. Wait for it to "
-                f"finish, stop it, or use another directory (lock file {path})"
+                f"{what} {path.parent} is being written by {describe_holder(h)}: one writer per "
+                "directory. Wait for it to finish, stop it, or use another directory "
+                f"(lock file {path})"
             ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -151,14 +174,15 @@ def _acquire(path: Path, what: str) -> int:
                 except StaleEngineError:
                     os.close(fd)
                     raise
-            state = "dead" if not alive else "no longer holding it"
-            print(f"eagle3: taking over the stale lock of {what} {path.parent} left by {_describe(old)} ({state})",
-                  file=sys.stderr, flush=True)
+            old["state"] = "dead" if not alive else "no longer holding it"
+            print(f"eagle3: taking over the stale lock of {what} {path.parent} left by "
+                  f"{describe_holder(old)} ({old['state']})", file=sys.stderr, flush=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              **{k: v for k, v in extra.items() if v is not None}}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
-        return fd
+        return fd, old if old.get("pid") is not None else {}
     raise LockedError(f"{what} {path.parent}: could not take the lock file {path} (it keeps being replaced)")
 
 
@@ -178,7 +202,7 @@ def _raise_if_stale_engines(path: Path, what: str, holder: dict) -> None:
             f", {fmt_bytes(rss)} RSS)" if rss else ")")
 
     raise StaleEngineError(
-        f"{what} {path.parent}: the run that wrote it before ({_describe(holder)}) is gone, but "
+        f"{what} {path.parent}: the run that wrote it before ({describe_holder(holder)}) is gone, but "
         f"{len(left)} engine process(es) it started still run: {', '.join(one(e) for e in left)}. "
         f"They hold memory (and GPUs) and may still write here: end them with `kill {pids}` "
         f"(`kill -9 {pids}` if they stay), then run again (lock file {path})")

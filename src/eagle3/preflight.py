@@ -80,32 +80,43 @@ def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
 
 
 def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = None) -> list[str]:
-    """Every problem found in `cfg` (and in the sweep's `layer_sets`), one line each; [] when it can run."""
+    """Every problem found in `cfg` (and in the sweep's `layer_sets`), one line each; [] when it can
+    run. One pass: a missing path does not hide the checks that do not need it (only those reading
+    the target's config.json wait for a usable one)."""
     problems: list[str] = []
     target = Path(cfg.target)
+    num_layers = None
     if not (target / "config.json").is_file():
         fix = "a model directory holding config.json" + ("" if cfg.build_tiny_target else
                                                           " (or build_tiny_target: true for the demo)")
         problems.append(f"target = {cfg.target!r} has no config.json; point it at {fix}")
+    else:
+        try:
+            num_layers = read_num_layers(target)
+        except ConfigError as e:
+            problems.append(str(e))
     _check_path("data", cfg.data, "the chat data file or a local datasets directory", problems)
     if not cfg.data:
         problems.append("data is empty; set it to the chat data file")
     _check_path("eval_prompts", cfg.eval_prompts, "a prompts .jsonl (or unset it to skip evaluate)", problems)
-    if problems:  # without the target's config the layer and disk checks cannot run
-        return problems
-    num_layers = read_num_layers(target)
-    for field, ids in (("capture.aux_layer_ids", cfg.capture.aux_layer_ids), ("train.aux_layer_ids", cfg.train.aux_layer_ids),
-                          *((f"layer_sets[{i}]", list(ls)) for i, ls in enumerate(layer_sets or []))):
-        p = check_layer_ids(field, ids, num_layers, last_ok=field == "train.aux_layer_ids")
-        if p:
-            problems.append(p)
-    if cfg.capture.aux_layer_ids is not None and cfg.train.aux_layer_ids is not None:
-        extra = [k for k in cfg.train.aux_layer_ids if k not in cfg.capture.aux_layer_ids and k != num_layers]
+    layer_problems = []
+    if num_layers is not None:
+        for field, ids in (("capture.aux_layer_ids", cfg.capture.aux_layer_ids),
+                           ("train.aux_layer_ids", cfg.train.aux_layer_ids),
+                           *((f"layer_sets[{i}]", list(ls))
+                             for i, ls in enumerate(layer_sets or []))):
+            p = check_layer_ids(field, ids, num_layers, last_ok=field == "train.aux_layer_ids")
+            if p:
+                layer_problems.append(p)
+    capture_ids, train_ids = cfg.capture.aux_layer_ids, cfg.train.aux_layer_ids
+    if num_layers is not None and capture_ids is not None and train_ids is not None:
+        extra = [k for k in train_ids if k not in capture_ids and k != num_layers]
         if extra:
-            problems.append(f"train.aux_layer_ids = {cfg.train.aux_layer_ids}: id(s) {extra} are not in "
-                            f"capture.aux_layer_ids = {cfg.capture.aux_layer_ids}; capture them too or pick "
-                            "train.aux_layer_ids from those")
-    if not problems:
+            layer_problems.append(f"train.aux_layer_ids = {train_ids}: id(s) {extra} are not in "
+                                  f"capture.aux_layer_ids = {capture_ids}; capture them too or "
+                                  "pick train.aux_layer_ids from those")
+    problems += layer_problems
+    if num_layers is not None and not layer_problems:  # the disk estimate needs valid layer ids
         disk = _disk_problem(cfg, num_layers)
         if disk:
             problems.append(disk)
