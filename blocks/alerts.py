@@ -224,13 +224,19 @@ def create_lost_run_automation(after_s: float | None = None) -> Automation:
     ).create()
 
 
-def drain_events() -> None:
-    """Send what the client still queues (events of the blocks and automations just saved) before
-    the process exits, so that its exit does not print Prefect's "Still processing items: N items
-    remaining..."."""
-    from prefect.events.worker import EventsWorker
+def drain_events(timeout_s: float = 10.0) -> None:
+    """Wait until Prefect's client has sent what it still queues (the events of the blocks and
+    automations just saved, log records) before the process exits. Its exit stops those queues,
+    and a queue stopped with items left prints "Still processing items: N items remaining..."
+    (the last line deploy.sh printed); an empty one exits silently."""
+    import threading
 
-    EventsWorker.drain_all(timeout=10)
+    from prefect._internal.concurrency.services import QueueService
+
+    for service in list(QueueService._instances.values()):
+        waiter = threading.Thread(target=service.wait_until_empty, daemon=True)
+        waiter.start()
+        waiter.join(timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         StorageLocation(base_path="runs").save("demo", overwrite=True)
         HardwareProfile(work_pool="gpu-1x", num_gpus=1, tensor_parallel_size=1).save("demo", overwrite=True)
         print('saved example blocks named "demo"')
+    from eagle3_prefect.blocks.alerts import drain_events
+
+    drain_events()
     return 0
 
 

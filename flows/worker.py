@@ -69,12 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     import prefect.utilities.processutils as processutils
     from prefect.cli import app
 
-    processutils.setup_signal_handlers_worker = (
-        install_stop_handlers  # the CLI imports it when it starts
-    )
-    signal.signal(
-        signal.SIGINT, signal.default_int_handler
-    )  # a `&` in a script starts us with SIGINT ignored
+    processutils.setup_signal_handlers_worker = install_stop_handlers  # the CLI imports it later
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # `&` in a script: SIGINT is ignored
+    logging.getLogger("prefect.flow_runs.runner").addFilter(FailedRunExitIsInfo())
     sys.argv = ["prefect", "worker", "start", *(sys.argv[1:] if argv is None else argv)]
     app()
 

@@ -55,9 +55,9 @@ class OneErrorRecord(logging.Filter):
                 first = key not in self._seen and not record.getMessage().startswith(_REPEATS)
                 if first:
                     self._seen.append(key)
-            if not first:
+            if not first:  # a DEBUG record: only where DEBUG records are wanted
                 _demote(record, logging.DEBUG)
-                return True
+                return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
             exc_info = record.exc_info
             record.msg, record.args = f"{type(exc).__name__}: {text}", ()
             record.exc_info, record.exc_text = None, None
