@@ -100,14 +100,15 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("train", TrainConfig, "eagle3.train:run_train",
           "train the EAGLE-3 draft with training-time test", needs=("capture", "vocab"), subprocess=True, gpu=True,
           code=("train", "model")),
-    # refine: on-policy rounds on the trained draft; when it runs, export reads its output instead of train's
+    # refine: on-policy rounds on the trained draft; when it runs, export reads its output
     Stage("refine", RefineConfig, "eagle3.refine:run_refine",
-          "on-policy refinement of a trained draft: target rollouts of training prompts, the draft's rounds "
-          "replayed on them, training at the rounds it drafted (from the first rejected token on), per-position "
-          "acceptance before/after on a validation split", needs=("train", "prepare", "capture", "vocab"),
-          subprocess=True, gpu=True, enabled=lambda c: c.refine.enabled,
-          code=("refine.py", "data/rollout.py", "data/regenerate.py", "data/generate_hf.py", "data/prepared.py",
-                "capture", "train", "model", "export.py")),
+          "on-policy refinement of a trained draft: target rollouts of training prompts, the "
+          "draft's rounds replayed on them as vLLM runs them, training at those rounds (up to "
+          "each first rejected token), per-position acceptance before/after on a validation split",
+          needs=("train", "prepare", "capture", "vocab"), subprocess=True, gpu=True,
+          enabled=lambda c: c.refine.enabled,
+          code=("refine.py", "data/rollout.py", "data/regenerate.py", "data/generate_hf.py",
+                "data/prepared.py", "capture", "train", "model", "export.py")),
     Stage("export", ExportConfig, "eagle3.export:run_export",
           "write a draft directory vLLM (or speculators) loads", needs=("train", "refine"),
           code=("export.py", "model")),

@@ -130,21 +130,23 @@ class _VllmGenerator:
 
     def generate(self, prompts: list[list[int]], seeds: list[int | None],
                  temperature: float | None = None) -> list[tuple[list[int], str, str]]:
-        """(token ids, text, finish reason) per prompt; `temperature` overrides the config's for this call."""
+        """(token ids, text, finish reason) per prompt; `temperature` overrides the config's
+        for this call."""
         from vllm import SamplingParams
 
         cfg = self.cfg
         temp = cfg.temperature if temperature is None else temperature
         params = [
-            SamplingParams(temperature=temp, top_p=cfg.top_p if temp > 0 else 1.0, max_tokens=cfg.max_new_tokens,
-                           seed=seed)
+            SamplingParams(temperature=temp, top_p=cfg.top_p if temp > 0 else 1.0,
+                           max_tokens=cfg.max_new_tokens, seed=seed)
             for seed in seeds
         ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason or "unknown") for o in outputs]
 
     def close(self) -> None:
-        """Shut the engine down when this generator started it (its memory is free for the next engine)."""
+        """Shut the engine down when this generator started it (its memory is then free for
+        the next engine)."""
         if self.owned and self.llm is not None:
             from eagle3.vllm_engine import shutdown_engine
 
@@ -163,7 +165,8 @@ class _HfBackendGenerator:
 
     def generate(self, prompts: list[list[int]], seeds: list[int | None],
                  temperature: float | None = None) -> list[tuple[list[int], str, str]]:
-        """As _VllmGenerator.generate; one seed per call (seeds[0], else cfg.seed) seeds the whole batch."""
+        """As _VllmGenerator.generate; one seed per call (the first given, else cfg.seed) seeds
+        the whole batch."""
         cfg = self.cfg
         temp = cfg.temperature if temperature is None else temperature
         seed = next((x for x in seeds if x is not None), cfg.seed)
@@ -175,13 +178,15 @@ class _HfBackendGenerator:
         self.gen.close()
 
 
-def open_generator(cfg: RegenerateConfig, tok: _Tokenizer, llm: Any = None) -> tuple[Any, dict[str, Any]]:
-    """The target as a generator of cfg's backend (`generate(prompts, seeds, temperature=None)` -> (token ids,
-    text, finish reason) per prompt; `close()`), and the engine settings it runs with. `llm`: a started
-    vllm.LLM to reuse (not shut down by close())."""
+def open_generator(cfg: RegenerateConfig, tok: _Tokenizer,
+                   llm: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The target as a generator of cfg's backend (`generate(prompts, seeds, temperature=None)`
+    -> (token ids, text, finish reason) per prompt; `close()`), and the engine settings it runs
+    with. `llm`: a started vllm.LLM to reuse (close() leaves it running)."""
     if cfg.backend == "hf":
         gen: Any = _HfBackendGenerator(cfg, tok)
-        return gen, {"backend": "hf", "device": gen.gen.device, "dtype": str(gen.gen.model.dtype).removeprefix("torch.")}
+        dtype = str(gen.gen.model.dtype).removeprefix("torch.")
+        return gen, {"backend": "hf", "device": gen.gen.device, "dtype": dtype}
     from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
 
     engine = engine_kwargs(
@@ -316,7 +321,7 @@ def run_regenerate(
     tok = _Tokenizer(cfg.target)
     gen, engine = open_generator(cfg, tok, llm)
     if isinstance(gen, _VllmGenerator):
-        gen.owned = False  # as before: the engine lives as long as this process (or the caller's `llm`)
+        gen.owned = False  # as before: the engine lives as long as this process (or `llm`)
 
     bs = cfg.batch_size
     bar = tqdm(total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True)

@@ -331,8 +331,9 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: b
     )
     if all("target_argmax" in s for docs in rows for s in docs):  # else the step computes it
         out.target_argmax = torch.full((B, T), -1, dtype=torch.long)  # (B, T)
-    if any(docs for docs in rows) and all("step_weight" in s for docs in rows for s in docs):  # refine's rollouts
-        out.step_weight = torch.zeros(B, T, first["step_weight"].shape[-1])  # (B, T, K): padding weighs 0
+    if all("step_weight" in s for docs in rows for s in docs):  # refine's rollouts
+        K = first["step_weight"].shape[-1]
+        out.step_weight = torch.zeros(B, T, K)  # (B, T, K): padding weighs 0
     for r, docs in enumerate(rows):
         a = 0
         for d, s in enumerate(docs):
@@ -501,13 +502,14 @@ def eval_batches(samples, indices, max_seq_len, batch_size) -> list[PackedBatch]
     padding, no supervised token) so every batch has the training shape: a compiled attention kernel is then
     not compiled again for an odd batch size (on the GPU that cost ~30 s per new shape, docs/NOTES.md)."""
     rows = eval_rows(samples, indices, max_seq_len, batch_size)
-    return [pack_batch([[samples[i] for i in docs] for docs in rows[a : a + batch_size]], max_seq_len)
-            for a in range(0, len(rows), batch_size)]
+    return [pack_batch([[samples[i] for i in docs] for docs in rows[a : a + batch_size]],
+                       max_seq_len) for a in range(0, len(rows), batch_size)]
 
 
 def eval_rows(samples, indices, max_seq_len, batch_size) -> list[list[int]]:
-    """eval_batches' rows: the sample indices each packed row holds, in order (document d of a row is its d-th
-    sample, `doc_ids` d in the batch), filled up to whole batches with empty rows."""
+    """eval_batches' rows: the sample indices each packed row holds, in order (document d of a
+    row is its d-th sample, `doc_ids` d in the batch), filled up to whole batches with empty
+    rows."""
     rows, docs, used = [], [], 0
     for i in indices:
         n = min(sample_num_tokens(samples, i), max_seq_len)
