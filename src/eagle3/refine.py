@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -124,6 +125,9 @@ def read_plan(cfg: RefineConfig) -> Plan:
     from eagle3.model.draft import text_config
 
     cfg.require("target", "checkpoint", "data", "out")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("eagle3 refine runs in one process on one device (its rollouts and "
+                          "rounds are not split across ranks); start it without torchrun")
     ck = resolve_checkpoint(cfg.checkpoint)
     meta = migrate_record(read_json(ck / METADATA))
     tpath = Path(cfg.target) / "config.json"
