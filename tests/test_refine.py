@@ -208,3 +208,37 @@ def test_cli_flags_and_refusals(piped, tmp_path):
         run_refine(base.model_copy(update={"vocab": other}))
     with pytest.raises(ConfigError, match="max-new-tokens"):
         run_refine(base.model_copy(update={"max_new_tokens": 500}))
+
+
+def test_mixed_loader_spreads_the_supervised_share_and_resumes():
+    """supervised_share s: micro-batch i is supervised iff floor((i+1)s) > floor(is), so s of them,
+    evenly spread; the state (both loaders' positions and the count) resumes the same sequence;
+    rollout batches carry step weights, supervised ones none."""
+    from tests.test_train import fake_samples
+
+    from eagle3.train.data import PackedLoader
+    from eagle3.train.onpolicy import MixedLoader, StepWeighted
+
+    rollouts = StepWeighted(fake_samples([5, 3, 9, 4]), [torch.ones(n, 2) for n in (5, 3, 9, 4)])
+    supervised = fake_samples([6, 2, 7])
+
+    def mixed(share):
+        return MixedLoader(PackedLoader(rollouts, range(4), 10, 1, seed=0),
+                           PackedLoader(supervised, range(3), 10, 1, seed=0), share)
+
+    loader = mixed(0.25)
+    sources = []
+    for _ in range(8):
+        b = next(loader)
+        sources.append(loader.last_source)
+        assert (b.step_weight is not None) == (loader.last_source == "rollouts")
+    assert sources == ["rollouts", "rollouts", "rollouts", "supervised"] * 2
+    first = mixed(0.5)
+    for _ in range(3):
+        next(first)
+    again = mixed(0.5)
+    again.load_state_dict(first.state_dict())
+    for _ in range(4):
+        assert torch.equal(next(first).input_ids, next(again).input_ids)
+    with pytest.raises(ValueError, match="needs supervised batches"):
+        MixedLoader(PackedLoader(rollouts, range(4), 10, 1, seed=0), None, 0.5)
