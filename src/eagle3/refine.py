@@ -325,6 +325,8 @@ def open_runtime(plan: Plan) -> Runtime:
 
     d = parallel.setup(plan.train.device)
     cuda = d.device.type == "cuda"
+    if cuda:  # as the trainer: host work packs small tensors; a full OpenMP team oversubscribes
+        torch.set_num_threads(min(torch.get_num_threads(), 4))
     amp = torch.bfloat16 if cuda and plan.train.dtype == "bfloat16" else torch.float32
     tensors = load_target_tensors(plan.cfg.target)
     eps = text_config(read_target_config(plan.cfg.target)).get("rms_norm_eps", 1e-6)
@@ -443,6 +445,7 @@ def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Pa
 
     c, tc = plan.cfg, plan.train.model_copy(update={"out": out})
     shutil.rmtree(out, ignore_errors=True)
+    torch.manual_seed(tc.seed + r)  # dropout and hidden noise, as the trainer seeds them
     cuda = rt.d.device.type == "cuda"
     ahead = dict(prefetch=2 * tc.num_loader_workers if cuda else 0,
                  num_workers=tc.num_loader_workers, pin_memory=cuda)
