@@ -54,7 +54,8 @@ def eagle3_pipeline(
     storage: str | None = None,
     hardware: str | None = None,
 ) -> dict[str, Any]:
-    """regenerate (optional) → prepare → capture → vocab → train → export → evaluate.
+    """regenerate (optional) → prepare → capture → vocab → train → refine (optional) → export →
+    evaluate.
 
     dispatch: "auto" runs GPU stages as their own deployments when a Prefect server has them, else
     here; "local" always here; "deployments" always as deployments. target_source / storage /
