@@ -84,7 +84,9 @@ def test_pack_batch_and_prefetch_equal_the_plain_loader(captured):
     for _ in range(9):  # crosses epochs
         x, y = next(plain), next(ahead)
         assert x.target_argmax is None and y.target_argmax is None  # these samples carry none
-        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__ if f != "target_argmax")
+        assert x.step_weight is None and y.step_weight is None
+        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__
+                   if f not in ("target_argmax", "step_weight"))
         assert plain.state_dict() == ahead.state_dict()  # the position handed out, not the producer's
     resumed = PackedLoader(samples, range(12), 64, 2, seed=1, prefetch=2)
     resumed.load_state_dict(ahead.state_dict())
@@ -104,7 +106,8 @@ def test_threads_packing_from_the_shards_equal_the_plain_loader(captured):
     disk = PackedLoader(load_samples(path), range(14), 64, 2, seed=1, prefetch=5, num_workers=3)
     for _ in range(12):  # several epochs, three shards
         x, y = next(memory), next(disk)
-        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__ if f != "target_argmax")
+        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__
+                   if f not in ("target_argmax", "step_weight"))
         assert memory.state_dict() == disk.state_dict() and memory.last_rows == disk.last_rows
     assert disk.name_nonfinite(disk.last_rows) is None and disk.wait_s > 0
     disk.close(finished=False)

@@ -61,9 +61,10 @@ def test_one_stage_registry():
     assert set(STAGES) <= set(commands)
     assert STAGE_ORDER == stage_names("pipeline")
     assert set(STAGE_ORDER) <= set(PipelineConfig.model_fields)  # every pipeline stage is a config section
-    assert STREAM_ORDER == ("synthesize", "mix", "regenerate", "prepare", "vocab", "stream", "export", "evaluate")
+    assert STREAM_ORDER == ("synthesize", "mix", "regenerate", "prepare", "vocab", "stream", "refine", "export",
+                            "evaluate")
     assert set(STAGE_TASKS) == set(STAGES) - set(stage_names("stream"))
-    assert GPU_STAGES == ("regenerate", "capture", "train", "evaluate")
+    assert GPU_STAGES == ("regenerate", "capture", "train", "refine", "evaluate")
     assert set(SUBPROCESS_STAGES) == {*GPU_STAGES, "synthesize"}
     for name, stage in STAGES.items():
         assert callable(stage.resolve()), name

@@ -162,7 +162,7 @@ def test_prefect_yaml_deployments():
     from eagle3.stages import STAGES
 
     gpu_stages = [n for n, s in STAGES.items() if s.gpu]  # the registry's GPU stages: one flow each, on both pools
-    assert gpu_stages == ["regenerate", "capture", "train", "evaluate"]
+    assert gpu_stages == ["regenerate", "capture", "train", "refine", "evaluate"]
     assert {fn.removesuffix("_stage") for fn, _ in by if fn.endswith("_stage") and "stream" not in fn} == set(gpu_stages)
     for stage in gpu_stages:
         for pool in ("gpu-1x", "gpu-8x"):

@@ -182,9 +182,11 @@ def is_copy(ids, doc, b, p):
 
 
 def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_weight=0.0, mid_weight=0.0, mid_block=0,
-                   copy_weight=1.0):
+                   copy_weight=1.0, step_weight=None, accept_until_fail=False):
     """Independent, unchunked: full target softmax, explicit shifted loops, naive attention. The feature term
-    uses the normed outputs: at init the final norm's weight is 1, so they are the RMS-normalised pre-norm hidden."""
+    uses the normed outputs: at init the final norm's weight is 1, so they are the RMS-normalised pre-norm hidden.
+    step_weight (B, T, K): row t's weight at step j; accept_until_fail: step j's CE at row t times the draft's
+    probability of the target's argmax token at each step i < j there (not in the row count)."""
     B, T = batch.input_ids.shape
     x = batch.last_hidden
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm_weight
@@ -219,7 +221,14 @@ def reference_loss(model, head, batch, steps, decay, temperature=1.0, feature_we
                 if full[b, r].argmax() not in head.draft_ids:  # out-of-draft-vocab target: excluded from the loss
                     continue
                 w = copy_weight if is_copy(batch.input_ids, batch.doc_ids, b, r + 1) else 1.0
-                num = num - w * ((sub[b, r] / temperature).softmax(-1) * logq[b, t]).sum()
+                w = w * (1.0 if step_weight is None else float(step_weight[b, t, j]))
+                reach = 1.0
+                for i in range(j if accept_until_fail else 0):  # P(draft token i is the target's argmax)
+                    tok = int(full[b, t + 1 + i].argmax())
+                    hit = (head.draft_ids == tok).nonzero()
+                    p_i = F.softmax(model.lm_head(outs[i][b, t]), -1)[int(hit[0, 0])].item() if len(hit) else 0.0
+                    reach = reach * p_i
+                num = num - w * reach * ((sub[b, r] / temperature).softmax(-1) * logq[b, t]).sum()
                 den += w
         total = total + decay**j * (num / max(den, 1) + (feature_weight * feat + mid_weight * mid) / max(n_feat, 1))
     return total
@@ -258,6 +267,52 @@ def test_distill_temperature_and_feature_losses_match_reference(temperature, fea
     assert (out.stats[:, 6] > 0).all() == (feature_weight > 0)  # the feature error is reported when it ran
     out.loss.backward()
     assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("with_step_weight,accept_until_fail", [(True, False), (False, True), (True, True)],
+                         ids=["step_weight", "accept_until_fail", "both"])
+def test_row_weights_match_reference(with_step_weight, accept_until_fail):
+    """batch.step_weight (refine's replayed rounds) and loss_weighting=accept_until_fail weigh the rows as the
+    explicit reference does, fused and unfused, and only the loss: the argmax metrics stay as they were."""
+    model, head, batch = tiny_setup(seed=2)
+    g = torch.Generator().manual_seed(3)
+    if with_step_weight:
+        batch.step_weight = torch.randint(0, 3, (*batch.input_ids.shape, 3), generator=g).double()  # (B, T, K)
+    kw = dict(steps=3, loss_decay=0.7, attention="naive", loss_chunk_rows=5,
+              loss_weighting="accept_until_fail" if accept_until_fail else "uniform")
+    ref = reference_loss(model, head, batch, 3, 0.7, step_weight=batch.step_weight,
+                         accept_until_fail=accept_until_fail)
+    for fused in (True, False):
+        out = ttt_forward(model, batch, head, fused_loss=fused, **kw)
+        torch.testing.assert_close(out.loss, torch.as_tensor(ref, dtype=out.loss.dtype))
+    plain = ttt_forward(model, PackedBatch(*(getattr(batch, f) for f in list(batch.__dataclass_fields__)[:7])),
+                        head, steps=3, loss_decay=0.7, attention="naive")
+    assert not torch.allclose(out.loss, plain.loss)
+    torch.testing.assert_close(out.stats[:, :4], plain.stats[:, :4])
+
+
+def test_accept_on_next_token_scores_the_sequence_token():
+    """accept_on=next_token compares step j at row t with token t+2+j: on a sequence that IS the target's greedy
+    continuation it equals the target_argmax criterion, and on another sequence it differs from it."""
+    model, head, batch = tiny_setup(seed=4)
+    model.lm_head.weight.data.zero_()  # every draft token is draft id 0: hits wherever that token is the truth
+    x = batch.last_hidden
+    argmax = ((x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.eps) * head.norm_weight) @ head.lm_head.T
+              ).argmax(-1)  # (B, T) the target's argmax at each row
+    token0 = int(head.draft_ids[0])
+    argmax[:, ::2] = token0  # many rows where the draft's token is the target's
+    batch.target_argmax = argmax
+    greedy = PackedBatch(**{**batch.__dict__, "input_ids": torch.cat([batch.input_ids[:, :1], argmax[:, :-1]], 1)})
+    by_argmax = ttt_forward(model, greedy, head, steps=3, attention="naive", return_correct=True)
+    by_token = ttt_forward(model, greedy, head, steps=3, attention="naive", return_correct=True,
+                           accept_on="next_token")
+    assert by_argmax.correct.any() and torch.equal(by_token.correct, by_argmax.correct)
+    other = ttt_forward(model, batch, head, steps=3, attention="naive", return_correct=True, accept_on="next_token")
+    want = (batch.input_ids == token0)  # step j at row t is right iff token t+2+j is the draft's token
+    for j in range(3):
+        expect = torch.zeros_like(want)
+        expect[:, : -(2 + j)] = want[:, 2 + j :]
+        assert torch.equal(other.correct[j], expect & other.valid[j]), j
 
 
 def test_copy_rows_match_explicit_loops():

@@ -221,6 +221,8 @@ class MixConfig(StageConfig):
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
+#: how the TTT loss weighs the rows of step j (TrainConfig.loss_weighting, eagle3.train.step)
+LossWeighting = Literal["uniform", "accept_until_fail"]
 #: an aux layer id (>= 1: id 0 would be the embeddings); the upper bound depends on the target (eagle3.preflight)
 LayerId = Annotated[int, Field(ge=1)]
 
@@ -401,6 +403,11 @@ class TrainConfig(StageConfig):
         "rows'; > 1 teaches the draft to copy the context where a greedy target repeats itself. Validation is unweighted"
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on each draft layer's attention and MLP outputs in training")
+    loss_weighting: LossWeighting = Field(
+        "uniform", description="uniform: every supervised row of TTT step j weighs the same; accept_until_fail: "
+        "row t of step j weighs the draft's own probability (detached) of having drafted the target's tokens at "
+        "steps < j there, i.e. of step j being reached in a greedy round (each step's CE is still divided by its "
+        "row count, so later steps weigh less overall). Validation is unweighted")
     ema_decay: float = Field(
         0.0, ge=0, lt=1, description="Keep an exponential moving average of the weights with this decay (e.g. 0.999); "
         "validation, best/, final/ and checkpoints' model.safetensors then hold the average (the raw weights "
@@ -462,6 +469,86 @@ class TrainConfig(StageConfig):
             )
         return self
 
+
+
+class RefineConfig(StageConfig):
+    """`eagle3 refine`: on-policy refinement of a trained draft (eagle3.refine). Each round rolls the target out on
+    prompts of the training sources, replays the draft's drafting rounds on those rollouts as vLLM runs them and
+    continues training the draft at the rounds it drafted, up to the first rejected token, mixed with supervised
+    batches; a validation split of the same sources measures per-position acceptance before and after."""
+
+    enabled: bool = Field(False, description="Pipeline only: run this stage between train and export (export then "
+                          "reads its output)")
+    target: str | None = Field(None, description="Target model dir")
+    checkpoint: str | None = Field(
+        None, description="The draft to refine: a training output dir (`eagle3 train --out`; best/, else final/, else "
+        "its newest checkpoint) or one checkpoint dir in it")
+    data: str | None = Field(
+        None, description="Prepared dataset dir(s) of the TRAINING sources, comma-separated: the turns before each "
+        "first answer are the prompts rolled out (never eval prompts)")
+    vocab: str | None = Field(None, description="Vocab dir (default: the one the checkpoint was trained with; its "
+                              "d2t must equal the checkpoint's)")
+    captured: str | None = Field(
+        None, description="Capture dir(s) of the supervised data mixed in, comma-separated (default: the "
+        "checkpoint's own training capture); unused when supervised_share is 0")
+    out: Path | None = Field(None, description="Output dir, laid out as train's (best/, final/, checkpoints/, "
+                             "logs/metrics.jsonl) plus rounds/ and validation/")
+    backend: Literal["vllm", "hf"] | None = Field(
+        None, description="Rollouts and their capture: vllm engines, or transformers generate + forward (hosts "
+        "without vLLM). Default vllm; in a pipeline the capture section's backend")
+    device: str = Field("auto", description="hf backend and training device: auto, cpu, cuda, cuda:N")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Target compute dtype of the rollouts and their capture (auto: float32 on CPUs without "
+        "native bf16, bfloat16 elsewhere)")
+    storage_dtype: StorageDtype = Field("bfloat16", description="dtype of the captured rollout states")
+    rounds: int = Field(2, gt=0, description="Rounds of rollout -> replay -> training, each from the last one's "
+                        "draft; each round is cached by content (a rerun reuses the rounds whose inputs are "
+                        "unchanged)")
+    temperatures: list[float] = Field(
+        default_factory=lambda: [0.0, 0.6], description="Sampling temperatures of the rollouts, comma-separated; "
+        "every prompt is rolled out once at each")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus mass of the sampled rollouts (temperature > 0)")
+    num_prompts: int = Field(
+        512, gt=0, description="Training prompts rolled out per round; each round takes fresh prompts while the "
+        "data has them (then it wraps around)")
+    num_val_prompts: int = Field(
+        64, gt=0, description="Prompts of the training sources held out from every round and rolled out once: "
+        "per-position acceptance before and after each round, and the round best/ holds")
+    max_new_tokens: int = Field(256, gt=0, description="Longest rollout continuation, in tokens")
+    generate_batch_size: int = Field(256, gt=0, description="Prompts per generate call")
+    capture_batch_tokens: int = Field(8192, gt=0, description="Tokens per capture step (vLLM max_num_batched_tokens"
+                                      " / hf batch)")
+    num_speculative_tokens: int | None = Field(
+        None, gt=0, description="k: rounds are replayed with k draft tokens (default: the k recorded in the "
+        "checkpoint's train_config, else 3). In a pipeline evaluate.num_speculative_tokens")
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate of each round (lower than train's)")
+    steps_per_round: int = Field(100, gt=0, description="Optimizer steps per round")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps at the start of each round")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup, per round")
+    batch_size: int | None = Field(None, gt=0, description="Packed sequences per micro-batch (default: the "
+                                   "checkpoint's)")
+    max_seq_len: int | None = Field(None, gt=0, description="Packed sequence length (default: the checkpoint's); "
+                                    "prompts longer than it minus max_new_tokens are not rolled out")
+    supervised_share: float = Field(
+        0.5, ge=0, lt=1, description="Share of the micro-batches drawn from the supervised capture (the plain TTT "
+        "loss on every row) so that nothing is forgotten; the others are rollout batches")
+    loss_rows: Literal["rounds", "all"] = Field(
+        "rounds", description="rounds: on a rollout, the loss at the drafting rounds vLLM would run with this draft "
+        "(each round's steps up to and including its first rejected token: the next round starts from that "
+        "token); all: every row and step (plain TTT on the target's own rollouts)")
+    rejected_weight: float = Field(
+        1.0, gt=0, description="Loss weight of the first rejected step of each replayed round, relative to the "
+        "accepted steps before it")
+    loss_weighting: LossWeighting = Field("uniform", description="As train.loss_weighting, for the rounds' steps")
+    seed: int = Field(0, description="Seed of the prompt split, the sampled rollouts and the batch order")
+    allow_target_mismatch: bool = Field(
+        False, description="Refine even though the target's config or embedding/norm/lm_head weights differ from "
+        "those the draft was trained with (a warning instead of an error)")
+
+    _parse_temperatures = field_validator("temperatures", mode="before")(
+        lambda cls, v: EvaluateConfig._parse_temperatures(v))
+    _check_temperatures = field_validator("temperatures", mode="after")(
+        lambda cls, v: EvaluateConfig._check_temperatures(v))
 
 
 class ExportConfig(StageConfig):
@@ -667,6 +754,7 @@ class PipelineConfig(BaseModel):
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    refine: RefineConfig = Field(default_factory=RefineConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
@@ -691,11 +779,24 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_num_speculative_tokens(self) -> PipelineConfig:
-        k_train, k_eval = self.train.num_speculative_tokens, self.evaluate.num_speculative_tokens
-        if k_train is not None and k_train != k_eval:
+        k_eval = self.evaluate.num_speculative_tokens
+        for section in ("train", "refine"):
+            k = getattr(self, section).num_speculative_tokens
+            if k is not None and k != k_eval:
+                raise ValueError(
+                    f"{section}.num_speculative_tokens = {k} but evaluate.num_speculative_tokens = {k_eval}: k is set "
+                    f"once, as evaluate.num_speculative_tokens ({section} picks its best checkpoint at that k); remove "
+                    f"it from {section}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _refine_needs_the_capture(self) -> PipelineConfig:
+        if self.refine.enabled and self.stream.enabled and self.refine.supervised_share > 0:
             raise ValueError(
-                f"train.num_speculative_tokens = {k_train} but evaluate.num_speculative_tokens = {k_eval}: k is set once, "
-                "as evaluate.num_speculative_tokens (train picks its best checkpoint at that k); remove it from train"
+                f"refine.enabled with stream.enabled: refine mixes in supervised batches (refine.supervised_share = "
+                f"{self.refine.supervised_share}) from the capture, which streaming mode deletes as it trains; set "
+                "refine.supervised_share: 0 or stream.enabled: false"
             )
         return self
 
@@ -735,7 +836,11 @@ class PipelineConfig(BaseModel):
         _fill(c.vocab, data=str(w / "prepared"), out=w / "vocab")
         _fill(c.train, target=c.target, captured=str(w / "captured"), vocab=str(w / "vocab"), out=w / "train",
               num_speculative_tokens=c.evaluate.num_speculative_tokens)
-        _fill(c.export, checkpoint=str(w / "train"), out=w / "draft", target=c.target)
+        _fill(c.refine, target=c.target, checkpoint=str(w / "train"), data=str(w / "prepared"), vocab=str(w / "vocab"),
+              captured=str(w / "captured"), out=w / "refine", backend=c.capture.backend, device=c.capture.device,
+              num_speculative_tokens=c.evaluate.num_speculative_tokens)
+        trained = w / ("refine" if c.refine.enabled else "train")  # export reads refine's output when it runs
+        _fill(c.export, checkpoint=str(trained), out=w / "draft", target=c.target)
         _fill(c.evaluate, target=c.target, draft=str(w / "draft"), prompts=c.eval_prompts, out=w / "evaluate")
         return c
 

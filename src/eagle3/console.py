@@ -90,6 +90,10 @@ def key_figure(stage: str, result: Any) -> str:
             acc = next((v for k, v in val.items() if k.startswith("acc")), None)
             tail = f", val acc@1 {acc:.3f}" if isinstance(acc, float) else ""
             return f"{_num(g('steps'))} steps, loss {g('train_loss') or float('nan'):.3f}{tail}"
+        if stage == "refine":
+            before, after = (g("tau_before") or {}).get("all"), (g("tau_after") or {}).get("all")
+            return (f"{g('num_rounds')} round(s), {_num(g('num_rejected_blocks'))} rejected blocks, "
+                    f"validation τ {before:.3f} -> {after:.3f} (round {g('selected_round')})")
         if stage == "export":
             return f"{g('format')} draft"
         if stage == "evaluate":

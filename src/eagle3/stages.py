@@ -30,6 +30,7 @@ from eagle3.config import (
     MixConfig,
     PipelineConfig,
     PrepareConfig,
+    RefineConfig,
     RegenerateConfig,
     StageConfig,
     StreamCaptureConfig,
@@ -99,8 +100,17 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("train", TrainConfig, "eagle3.train:run_train",
           "train the EAGLE-3 draft with training-time test", needs=("capture", "vocab"), subprocess=True, gpu=True,
           code=("train", "model")),
+    # refine: on-policy rounds on the trained draft; when it runs, export reads its output instead of train's
+    Stage("refine", RefineConfig, "eagle3.refine:run_refine",
+          "on-policy refinement of a trained draft: target rollouts of training prompts, the draft's rounds "
+          "replayed on them, training at the rounds it drafted (from the first rejected token on), per-position "
+          "acceptance before/after on a validation split", needs=("train", "prepare", "capture", "vocab"),
+          subprocess=True, gpu=True, enabled=lambda c: c.refine.enabled,
+          code=("refine.py", "data/rollout.py", "data/regenerate.py", "data/generate_hf.py", "data/prepared.py",
+                "capture", "train", "model", "export.py")),
     Stage("export", ExportConfig, "eagle3.export:run_export",
-          "write a draft directory vLLM (or speculators) loads", needs=("train",), code=("export.py", "model")),
+          "write a draft directory vLLM (or speculators) loads", needs=("train", "refine"),
+          code=("export.py", "model")),
     Stage("evaluate", EvaluateConfig, "eagle3.evaluate:run_evaluate",
           "mean acceptance length τ in real vLLM per prompt category and temperature (eagle3 draft or ngram), "
           "with the draft's cost and a modelled speed-up",

@@ -85,3 +85,11 @@ class HfGenerator:
                 else:
                     results[i] = Generation(token_ids=toks, finish_reason="length")
         return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        """Drop the model and give its GPU memory back (the next model can load)."""
+        import torch
+
+        self.model = None
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()

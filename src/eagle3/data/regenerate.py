@@ -125,20 +125,31 @@ class _Stats:
 class _VllmGenerator:
     """vLLM offline generation behind the same call as HfGenerator.generate."""
 
-    def __init__(self, llm: Any, cfg: RegenerateConfig):
-        self.llm, self.cfg = llm, cfg
+    def __init__(self, llm: Any, cfg: RegenerateConfig, owned: bool = False):
+        self.llm, self.cfg, self.owned = llm, cfg, owned
 
-    def generate(self, prompts: list[list[int]], seeds: list[int | None]) -> list[tuple[list[int], str, str]]:
+    def generate(self, prompts: list[list[int]], seeds: list[int | None],
+                 temperature: float | None = None) -> list[tuple[list[int], str, str]]:
+        """(token ids, text, finish reason) per prompt; `temperature` overrides the config's for this call."""
         from vllm import SamplingParams
 
         cfg = self.cfg
+        temp = cfg.temperature if temperature is None else temperature
         params = [
-            SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p if cfg.temperature > 0 else 1.0,
-                           max_tokens=cfg.max_new_tokens, seed=seed)
+            SamplingParams(temperature=temp, top_p=cfg.top_p if temp > 0 else 1.0, max_tokens=cfg.max_new_tokens,
+                           seed=seed)
             for seed in seeds
         ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason or "unknown") for o in outputs]
+
+    def close(self) -> None:
+        """Shut the engine down when this generator started it (its memory is free for the next engine)."""
+        if self.owned and self.llm is not None:
+            from eagle3.vllm_engine import shutdown_engine
+
+            shutdown_engine(self.llm)
+        self.llm = None
 
 
 class _HfBackendGenerator:
@@ -150,10 +161,40 @@ class _HfBackendGenerator:
         self.cfg, self.tok = cfg, tok
         self.gen = HfGenerator(str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int | None]) -> list[tuple[list[int], str, str]]:
+    def generate(self, prompts: list[list[int]], seeds: list[int | None],
+                 temperature: float | None = None) -> list[tuple[list[int], str, str]]:
+        """As _VllmGenerator.generate; one seed per call (seeds[0], else cfg.seed) seeds the whole batch."""
         cfg = self.cfg
-        outs = self.gen.generate(prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed=cfg.seed)
+        temp = cfg.temperature if temperature is None else temperature
+        seed = next((x for x in seeds if x is not None), cfg.seed)
+        outs = self.gen.generate(prompts, cfg.max_new_tokens, temp, cfg.top_p, seed=seed)
         return [(g.token_ids, self.tok.tok.decode(g.token_ids, skip_special_tokens=True), g.finish_reason) for g in outs]
+
+    def close(self) -> None:
+        """Drop the model (and its GPU memory)."""
+        self.gen.close()
+
+
+def open_generator(cfg: RegenerateConfig, tok: _Tokenizer, llm: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The target as a generator of cfg's backend (`generate(prompts, seeds, temperature=None)` -> (token ids,
+    text, finish reason) per prompt; `close()`), and the engine settings it runs with. `llm`: a started
+    vllm.LLM to reuse (not shut down by close())."""
+    if cfg.backend == "hf":
+        gen: Any = _HfBackendGenerator(cfg, tok)
+        return gen, {"backend": "hf", "device": gen.gen.device, "dtype": str(gen.gen.model.dtype).removeprefix("torch.")}
+    from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
+
+    engine = engine_kwargs(
+        cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed, enable_prefix_caching=False,
+    )
+    owned = llm is None
+    if owned:
+        setup_cpu_env()
+        from vllm import LLM
+
+        llm = LLM(**engine)
+    return _VllmGenerator(llm, cfg, owned=owned), engine
 
 
 def _regenerate_batch(
@@ -273,22 +314,9 @@ def run_regenerate(
         partial.touch()
 
     tok = _Tokenizer(cfg.target)
-    if cfg.backend == "hf":
-        gen: Any = _HfBackendGenerator(cfg, tok)
-        engine: dict[str, Any] = {"backend": "hf", "device": gen.gen.device, "dtype": str(gen.gen.model.dtype).removeprefix("torch.")}
-    else:
-        from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
-
-        engine = engine_kwargs(
-            cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed, enable_prefix_caching=False,
-        )
-        if llm is None:
-            setup_cpu_env()
-            from vllm import LLM
-
-            llm = LLM(**engine)
-        gen = _VllmGenerator(llm, cfg)
+    gen, engine = open_generator(cfg, tok, llm)
+    if isinstance(gen, _VllmGenerator):
+        gen.owned = False  # as before: the engine lives as long as this process (or the caller's `llm`)
 
     bs = cfg.batch_size
     bar = tqdm(total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True)

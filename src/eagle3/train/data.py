@@ -80,6 +80,10 @@ class CapturedDataset(Sequence):
         _, a, b, _ = self._index[i]
         return b - a
 
+    def sample_ids(self) -> list[str]:
+        """Every sample's id, in order, without reading a sample."""
+        return [sid for *_, sid in self._index]
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         si, a, b, sid = self._index[i]
         h = self._handle(si)
@@ -327,6 +331,8 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: b
     )
     if all("target_argmax" in s for docs in rows for s in docs):  # else the step computes it
         out.target_argmax = torch.full((B, T), -1, dtype=torch.long)  # (B, T)
+    if any(docs for docs in rows) and all("step_weight" in s for docs in rows for s in docs):  # refine's rollouts
+        out.step_weight = torch.zeros(B, T, first["step_weight"].shape[-1])  # (B, T, K): padding weighs 0
     for r, docs in enumerate(rows):
         a = 0
         for d, s in enumerate(docs):
@@ -341,6 +347,8 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: b
             out.last_hidden[r, a : a + n] = torch.as_tensor(s["last_hidden_states"][:n])
             if out.target_argmax is not None:
                 out.target_argmax[r, a : a + n] = s["target_argmax"][:n]
+            if out.step_weight is not None:
+                out.step_weight[r, a : a + n] = torch.as_tensor(s["step_weight"][:n])
             a += n
         out.aux[r, a:] = 0
         out.last_hidden[r, a:] = 0
@@ -492,17 +500,24 @@ def eval_batches(samples, indices, max_seq_len, batch_size) -> list[PackedBatch]
     """Validation batches in index order, packed the same way. The last batch is filled up with empty rows (all
     padding, no supervised token) so every batch has the training shape: a compiled attention kernel is then
     not compiled again for an odd batch size (on the GPU that cost ~30 s per new shape, docs/NOTES.md)."""
+    rows = eval_rows(samples, indices, max_seq_len, batch_size)
+    return [pack_batch([[samples[i] for i in docs] for docs in rows[a : a + batch_size]], max_seq_len)
+            for a in range(0, len(rows), batch_size)]
+
+
+def eval_rows(samples, indices, max_seq_len, batch_size) -> list[list[int]]:
+    """eval_batches' rows: the sample indices each packed row holds, in order (document d of a row is its d-th
+    sample, `doc_ids` d in the batch), filled up to whole batches with empty rows."""
     rows, docs, used = [], [], 0
     for i in indices:
-        s = samples[i]
-        n = min(len(s["input_ids"]), max_seq_len)
+        n = min(sample_num_tokens(samples, i), max_seq_len)
         if docs and used + n > max_seq_len:
             rows.append(docs)
             docs, used = [], 0
-        docs.append(s)
+        docs.append(i)
         used += n
     if docs:
         rows.append(docs)
     if rows and len(rows) % batch_size:
         rows += [[]] * (batch_size - len(rows) % batch_size)
-    return [pack_batch(rows[a : a + batch_size], max_seq_len) for a in range(0, len(rows), batch_size)]
+    return rows

@@ -185,7 +185,7 @@ def step_options(run: Run) -> dict[str, Any]:
     return dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention,
                 temperature=cfg.distill_temperature, feature_weight=cfg.feature_loss_weight,
                 mid_feature_weight=cfg.midlayer_feature_loss_weight, copy_weight=cfg.copy_weight,
-                mid_target_block=run.aux_layer_ids.index(max(run.aux_layer_ids)))
+                mid_target_block=run.aux_layer_ids.index(max(run.aux_layer_ids)), loss_weighting=cfg.loss_weighting)
 
 
 def validate(run: Run, batches) -> dict[str, float]:

@@ -8,6 +8,13 @@ Step j (0-based) at row t reads token ids[t+1+j] and is trained against the targ
 (which predicts token t+2+j); the row is supervised iff rows t..t+2+j lie in one document and
 loss_mask[t+2+j] (1 = assistant token). Rope positions of step j are pos[t]+j, as in vLLM's drafting loop.
 
+Row weights: `batch.step_weight` (B, T, K) multiplies step j's weight at row t (on-policy refinement trains only
+the drafting rounds the draft ran, eagle3.refine); `loss_weighting="accept_until_fail"` multiplies it by the draft's
+own probability (detached) of having drafted the target's tokens at steps < j, the chance that step j is reached.
+`accept_on="next_token"` scores a step correct when the draft's token is the sequence's next token rather than the
+target's argmax: on a sampled rollout that is exactly vLLM's acceptance (it drafts greedily with one-hot draft
+probabilities, so a rejected draft token is never the emitted one).
+
 Two optional terms: `temperature` divides both the draft's and the target's logits before the soft CE (< 1
 sharpens the target towards its argmax, which is all greedy acceptance scores); `feature_weight` adds, per step,
 the mean squared error between the RMS-normalised pre-norm hidden the draft outputs (what its next step reads)
@@ -46,6 +53,8 @@ class PackedBatch:
     last_hidden: torch.Tensor  # (B, T, Ht) target's last decoder layer output, before its final norm
     target_argmax: torch.Tensor | None = None  # (B, T) long: the target's full-vocab argmax per row (-1 = padding),
     #   computed once per sample before training (eagle3.train.trainer.with_target_argmax); None: the step computes it
+    step_weight: torch.Tensor | None = None  # (B, T, K) float: loss weight of TTT step j at row t (eagle3.refine's
+    #   rollouts: the replayed rounds' steps); None: every supervised row of every step weighs 1
 
     def to(self, device, float_dtype=None) -> PackedBatch:
         def mv(x):
@@ -111,7 +120,13 @@ def _ttt_forward(
     mid_feature_weight: float = 0.0,
     mid_target_block: int = -1,
     copy_weight: float = 1.0,
+    loss_weighting: str = "uniform",
+    accept_on: str = "target_argmax",
 ) -> StepOutput:
+    if loss_weighting not in ("uniform", "accept_until_fail"):
+        raise ValueError(f"loss_weighting={loss_weighting!r}: use uniform or accept_until_fail")
+    if accept_on not in ("target_argmax", "next_token"):
+        raise ValueError(f"accept_on={accept_on!r}: use target_argmax or next_token")
     ids, doc, pos = batch.input_ids, batch.doc_ids, batch.positions
     T = ids.shape[1]  # ids: (B, T)
     pad = steps + 2
@@ -125,6 +140,15 @@ def _ttt_forward(
         rows = 1.0 + (copy_weight - 1.0) * copy_rows(ids, doc, head.lm_head.shape[0]).to(weight.dtype)  # (B, T)
         weight = weight * _windows(F.pad(rows, (0, pad), value=1.0), 2, steps, T)  # (K, B, T)
         n_loss = weight.sum((1, 2))  # (K,): each step's CE is the weighted mean over its rows
+    if batch.step_weight is not None:  # (B, T, K>=steps): only the rows and steps given weight are trained
+        if batch.step_weight.shape[-1] < steps:
+            raise ValueError(f"batch.step_weight has {batch.step_weight.shape[-1]} steps, the unroll {steps}")
+        weight = weight * batch.step_weight[..., :steps].permute(2, 0, 1).to(weight.dtype)  # (K, B, T)
+        n_loss = weight.sum((1, 2))  # (K,)
+    reach, tgt_draft = None, None
+    if loss_weighting == "accept_until_fail":  # step j's rows weighted by P(draft drafted steps < j right), detached
+        reach = torch.ones_like(weight[0])  # (B, T)
+        tgt_draft = _draft_ids_of(head, model, _windows(tg.argmax, 1, steps, T))  # (K, B, T) draft id or -1
     feat_p = _rms_normalize(F.pad(batch.last_hidden, (0, 0, 0, pad))) if feature_weight > 0 else None  # (B, T+pad, Ht)
     mid_p = None
     if mid_feature_weight > 0:
@@ -145,12 +169,15 @@ def _ttt_forward(
         h, tgt = out, tg.logits[:, r : r + T]  # (B, T, H), (B, T, Vd)
         if temperature != 1.0:  # logits / temperature on both sides: scale the draft's input (linear head) and the target's
             h, tgt = h / temperature, tgt / temperature
+        w_j = weight[j] if reach is None else weight[j] * reach  # (B, T)
         if not fused_loss:  # the autograd reference: same values and gradients
-            ce_sum, am = soft_ce(h, model.lm_head.weight, tgt, weight[j], loss_chunk_rows)
+            ce_sum, am = soft_ce(h, model.lm_head.weight, tgt, w_j, loss_chunk_rows)
         else:
             lse = tg.lse[:, r : r + T] if temperature == 1.0 else None  # the target rows' softmax normaliser
-            ce_sum, am = fused_soft_ce(h, model.lm_head.weight, tgt, weight[j], loss_chunk_rows, tgt_lse=lse,
+            ce_sum, am = fused_soft_ce(h, model.lm_head.weight, tgt, w_j, loss_chunk_rows, tgt_lse=lse,
                                        grad_scale=coef[j], shared=shared)
+        if reach is not None and j + 1 < steps:
+            reach = reach * draft_token_prob(out, model.lm_head.weight, tgt_draft[j], loss_chunk_rows)  # (B, T)
         loss = loss + ce_sum * coef[j]
         feat_sum = loss.new_zeros(())
         if feat_p is not None:
@@ -165,7 +192,9 @@ def _ttt_forward(
         feat_sums.append(feat_sum.detach())
     # the metrics, for all steps at once
     am = torch.stack(argmaxes)  # (K, B, T) draft ids
-    correct = ((am + model.d2t[am]) == _windows(tg.argmax, 1, steps, T)) & valid  # (K, B, T)
+    # step j at row t drafts token t+2+j: the target's argmax at row t+1+j, or the sequence's own token there
+    truth = _windows(tg.argmax, 1, steps, T) if accept_on == "target_argmax" else _windows(ids_p, 2, steps, T)
+    correct = ((am + model.d2t[am]) == truth) & valid  # (K, B, T)
     # cond: rows whose earlier steps were all correct (step 0: every real row), i.e. the step is reached in vLLM
     joint = torch.cat([(doc >= 0)[None], correct[:-1]]).to(torch.uint8).cumprod(0).bool()  # (K, B, T)
     cond = joint & valid  # (K, B, T)
@@ -175,6 +204,30 @@ def _ttt_forward(
     if return_correct:
         return StepOutput(loss, stats, correct, valid)
     return StepOutput(loss, stats)
+
+
+def _draft_ids_of(head: TargetHead, model: Eagle3Draft, target_ids: torch.Tensor) -> torch.Tensor:
+    """Target token ids (any shape; -1 = none) -> the draft vocabulary's ids of those tokens, -1 where the draft
+    vocabulary lacks them."""
+    inv = torch.full((model.t2d.numel() + 1,), -1, dtype=torch.long, device=target_ids.device)  # (V+1,): [V] = none
+    inv[head.draft_ids.to(target_ids.device)] = torch.arange(head.draft_ids.numel(), device=target_ids.device)
+    return inv[torch.where(target_ids >= 0, target_ids, model.t2d.numel())]
+
+
+@torch.no_grad()
+def draft_token_prob(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, chunk_rows: int = 8192) -> torch.Tensor:
+    """(B, T) fp32: softmax(h @ w.T)[ids] per row, 0 where ids < 0 (the token is outside the draft vocabulary).
+    h: (B, T, H) the draft's normed output; w: (Vd, H) its head; ids: (B, T) draft ids. Row-chunked: the (rows, Vd)
+    logits only ever exist for `chunk_rows` rows."""
+    B, T, H = h.shape
+    hf, idf = h.reshape(B * T, H), ids.reshape(B * T)  # (N, H), (N,)
+    out = torch.zeros(B * T, dtype=torch.float32, device=h.device)  # (N,)
+    for a in range(0, B * T, chunk_rows):
+        logits = (hf[a : a + chunk_rows] @ w.T.to(hf.dtype)).float()  # (c, Vd)
+        i = idf[a : a + chunk_rows]  # (c,)
+        picked = logits.gather(1, i.clamp(min=0)[:, None])[:, 0]  # (c,)
+        out[a : a + chunk_rows] = torch.where(i >= 0, (picked - logits.logsumexp(-1)).exp(), 0.0)
+    return out.view(B, T)
 
 
 def _windows(x: torch.Tensor, start: int, n: int, T: int) -> torch.Tensor:
