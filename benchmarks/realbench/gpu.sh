@@ -52,10 +52,10 @@ PEER_EPOCHS=${PEER_EPOCHS:-10}         # its CLI reference's basic usage (its sc
 PEER_BUDGET_S=${PEER_BUDGET_S:-660}    # wall limit of its trainer (a stopped run keeps the epochs it finished)
 # our `refine` stage on the recipe draft, when the library has it (`eagle3.cli refine --help` succeeds)
 REFINE_RUN=${REFINE_RUN:-eagle3.1-mix} # the RUNS entry refined ("" = none)
-REFINE_ROUNDS=${REFINE_ROUNDS:-2} REFINE_PROMPTS=${REFINE_PROMPTS:-1024} REFINE_MAX_NEW=${REFINE_MAX_NEW:-256}
+REFINE_ROUNDS=${REFINE_ROUNDS:-2} REFINE_PROMPTS=${REFINE_PROMPTS:-512} REFINE_MAX_NEW=${REFINE_MAX_NEW:-256}
 REFINE_LR=${REFINE_LR:-2e-5} REFINE_STEPS=${REFINE_STEPS:-100} REFINE_TEMPS=${REFINE_TEMPS:-0.0,0.6}
 REFINE_BUDGET_S=${REFINE_BUDGET_S:-480}
-REFINE_EXTRA=${REFINE_EXTRA:-}         # more refine flags, e.g. "--supervised-share 0.3"
+REFINE_EXTRA=${REFINE_EXTRA:-"--generate-batch-size 512"}  # more refine flags
 PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python SKIP_WHEELS=1 DEVICE=cpu + small sizes
 mkdir -p "$S" "$OUT" "$R"
 die() { echo "realbench: $*" | tee -a "$R/timings.txt" >&2; exit 1; }
