@@ -330,7 +330,7 @@ def render(r: dict[str, Any]) -> str:
                                       f"{fmt(cell.get(c, {}).get('tau'))}" for c in cats)
                          + f" | {fmt(cost, 3)} | {fmt(cell.get('all', {}).get('modelled_speedup'))} |")
         lines.append("")
-    if r.get("goals"):
+    if any(isinstance(g, dict) for g in (r.get("goals") or {}).values()):
         lines += ["## Goals (greedy tokens per target step, per category)", ""]
         for key, g in r["goals"].items():
             if isinstance(g, dict):
