@@ -41,6 +41,7 @@ from typing import Any
 
 from eagle3.config import RegenerateConfig
 from eagle3.data.formats import Conversation, read_conversations
+from eagle3.identity import describe_difference, target_fingerprint
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
 
 log = logging.getLogger(__name__)
@@ -251,6 +252,7 @@ def run_regenerate(
     convs = list(enumerate(read.conversations))
 
     start, stats = 0, _Stats()
+    weights = target_fingerprint(cfg.target)  # every weight file: the model of the answers
     if progress_path.is_file() and partial.is_file():
         prog = read_json(progress_path)
         if prog.get("fingerprint") != fp:
@@ -258,6 +260,12 @@ def run_regenerate(
                 f"{progress_path} belongs to a run with other settings "
                 f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or delete {out}"
             )
+        before = prog.get("target_fingerprint")
+        differs = before and weights and describe_difference(before, weights)
+        if differs:
+            raise ValueError(f"{progress_path}: the answers so far were written by other target "
+                             f"weights ({differs}); resuming would mix two models: pass a new "
+                             f"--out or delete {out}")
         start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
         if start > len(convs):
             raise ValueError(
@@ -299,7 +307,9 @@ def run_regenerate(
         size = _append_rows(partial, rows)
         written += len(rows)
         done = min(b + bs, len(convs))
-        write_json(progress_path, {"fingerprint": fp, "rows_done": done, "bytes": size, "written": written, "stats": stats.to_json()})
+        write_json(progress_path, {"fingerprint": fp, "rows_done": done, "bytes": size,
+                                   "written": written, "stats": stats.to_json(),
+                                   "target_fingerprint": weights})
         bar.update(done - b)
         rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
         bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
@@ -314,6 +324,7 @@ def run_regenerate(
         "fingerprint": fp,
         "limit": cfg.limit,
         "target": str(cfg.target),
+        "target_fingerprint": weights,
         "data": str(cfg.data),
         "output": OUTPUT,
         "counts": {
