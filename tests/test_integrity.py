@@ -238,9 +238,10 @@ def permuted_target(tiny_llama, tmp_path_factory):
 def test_train_and_export_refuse_another_target(capture, tiny_llama, permuted_target, tmp_path, capfd):
     cap, vocab = capture
     manifest = json.loads((cap / "manifest.json").read_text())
-    assert set(manifest["target_weights_sha256"]) == {"embed", "norm", "lm_head"}
-    with pytest.raises(ConfigError, match=r"captured=.*another target .*lm_head weights sha256 \w+\.\.\. \(recorded\) "
-                                          r"!= \w+\.\.\. \(target\).*--allow-target-mismatch"):
+    assert manifest["target_fingerprint"]["files"].keys() == {"model.safetensors"}
+    with pytest.raises(ConfigError, match=r"captured=.*another target .*weights sha256 \w+\.\.\. "
+                                          r"\(recorded\) != \w+\.\.\. \(target\): "
+                                          r"model.safetensors differs.*--allow-target-mismatch"):
         run_train(_train_cfg(tmp_path / "t", permuted_target, cap, vocab))
     eps = tmp_path / "eps"
     shutil.copytree(tiny_llama, eps)
@@ -252,8 +253,8 @@ def test_train_and_export_refuse_another_target(capture, tiny_llama, permuted_ta
     res = run_train(_train_cfg(tmp_path / "ok", permuted_target, cap, vocab, max_steps=2, allow_target_mismatch=True))
     assert "warning (allow_target_mismatch=true)" in capfd.readouterr().err
     good = run_train(_train_cfg(tmp_path / "good", tiny_llama, cap, vocab, max_steps=2))
-    assert good.metadata["target_weights_sha256"] == manifest["target_weights_sha256"]
-    with pytest.raises(ExportError, match=r"checkpoint .* another target .*lm_head weights sha256"):
+    assert good.metadata["target_fingerprint"] == manifest["target_fingerprint"]
+    with pytest.raises(ExportError, match=r"checkpoint .* another target .*safetensors differs"):
         run_export(ExportConfig(checkpoint=str(good.final_dir), out=tmp_path / "d", target=str(permuted_target)))
     assert not (tmp_path / "d").exists()
     run_export(ExportConfig(checkpoint=str(res.final_dir), out=tmp_path / "d2", allow_target_mismatch=True))

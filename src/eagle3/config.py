@@ -464,6 +464,19 @@ class TrainConfig(StageConfig):
         "instead of memory-mapping it per sample; for captures that fit in RAM"
     )
     resume: bool = Field(True, description="Resume from the latest checkpoint in --out when present")
+    force_resume: bool = Field(
+        False, description="Resume even though settings that may change mid-run differ from the "
+        "checkpoint's (lr, schedule, warmup, epochs, max_steps, ttt_steps, batch shape, loss "
+        "weights, dropout, ...): a warning lists them and the new values apply from the resumed "
+        "step. Never over another capture, vocab, target, draft shape, aux ids, seed, "
+        "val_fraction, freeze or parallel mode (eagle3.train.resume_inputs)"
+    )
+    keep_checkpoints: int = Field(
+        3, ge=0, description="Keep the newest N checkpoints/step-* dirs plus the one with the best "
+        "validation tau estimate; older ones are deleted as new ones are written (each holds the "
+        "weights and the optimizer state: ~18 GB for a Kimi-K2.5 draft). best/ and final/ are "
+        "separate and always kept. 0 keeps every checkpoint"
+    )
     verify_capture: bool = Field(
         True, description="Check every capture shard's sha256 against its manifest before training (local rank 0 "
         "reads the capture once per host, in parallel threads); a corrupt capture is refused, naming the shards"
@@ -474,8 +487,8 @@ class TrainConfig(StageConfig):
         "first"
     )
     allow_target_mismatch: bool = Field(
-        False, description="Train even though the target's config.json sha256, layer count or embedding/norm/lm_head "
-        "weights differ from those the capture recorded (a warning instead of an error)"
+        False, description="Train even though the target's config.json sha256, layer count or "
+        "weight files differ from those the capture recorded (a warning instead of an error)"
     )
 
     _parse_layers = field_validator("aux_layer_ids", mode="before")(lambda cls, v: parse_layer_ids(v))
@@ -605,8 +618,9 @@ class ExportConfig(StageConfig):
     format: Literal["vllm", "speculators"] = Field("vllm", description="vllm: LlamaForCausalLMEagle3; speculators: speculators eagle3")
     target: str | None = Field(None, description="Target model dir to validate against (default: the one trained with)")
     allow_target_mismatch: bool = Field(
-        False, description="Export even though the target's config.json sha256, layer count or embedding/norm/lm_head "
-        "weights differ from those the draft was trained and captured with (a warning instead of an error)"
+        False, description="Export even though the target's config.json sha256, layer count or "
+        "weight files differ from those the draft was trained and captured with (a warning instead "
+        "of an error)"
     )
 
 
@@ -617,6 +631,11 @@ COMPARE_METHODS = ("ngram",)
 class EvaluateConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
     draft: str | None = Field(None, description="Exported draft dir (method eagle3)")
+    allow_target_mismatch: bool = Field(
+        False, description="Evaluate even though the target's config.json or weight files differ "
+        "from those the draft was trained and exported for (its eagle3_draft.json; a warning "
+        "instead of an error)"
+    )
     prompts: str | None = Field(
         None, description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`, and an "
         "optional `category` per row (τ is reported per category)"

@@ -415,6 +415,31 @@ def _check_weight_files(draft: Path) -> None:
             list(st.keys())
 
 
+def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any]:
+    """The target's identity (eagle3.integrity.target_identity), after comparing it with the one
+    the exported draft records (its eagle3_draft.json): a draft served with another target than it
+    was trained for proposes what that target would not say, and τ measures nothing useful. A
+    mismatch is a ConfigError naming both, unless cfg.allow_target_mismatch (a warning). A draft not
+    exported by eagle3 (no eagle3_draft.json) is not compared."""
+    from eagle3.compat import migrate_record
+    from eagle3.config import ConfigError
+    from eagle3.integrity import check_target_identity, target_identity
+
+    identity = target_identity(cfg.target)
+    meta_path = draft / "eagle3_draft.json" if draft is not None else None
+    if meta_path is None:
+        return identity
+    if not meta_path.is_file():
+        log.warning("evaluate: %s has no eagle3_draft.json (not exported by eagle3 export): the "
+                    "target it was made for cannot be compared with --target %s", draft, cfg.target)
+        return identity
+    meta = migrate_record(_read_config(meta_path))
+    check_target_identity(meta, identity, what=f"draft {draft}", target=cfg.target,
+                          allow=cfg.allow_target_mismatch, error=ConfigError,
+                          redo="export a draft trained for this one")
+    return identity
+
+
 def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], list[str], list[str], dict[str, int]]:
     """(token ids, sample ids, categories, skip counts) of the prompts that fit max_model_len - max_tokens."""
     from transformers import AutoTokenizer
@@ -540,6 +565,7 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     if not (Path(target) / "config.json").is_file():
         raise FileNotFoundError(f"--target {target}: no config.json there")
     dcfg = _check_draft(draft, cfg.num_speculative_tokens) if draft is not None else {}
+    target_id = check_draft_target(cfg, draft)
     k = cfg.num_speculative_tokens
     prompts, names, categories, skipped = _render_prompts(target, cfg)
     by_cat = group_by_category(prompts, categories)
@@ -639,6 +665,9 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         "baseline_run": asdict(base_run) if base_run else None,
         "finish_reasons": {r: head["finish_reasons"].count(r) for r in set(head["finish_reasons"])},
         "config": cfg.model_dump(mode="json"),
+        # the target measured: config.json and every weight file (eagle3.identity)
+        "target_config_sha256": target_id["config_sha256"],
+        "target_fingerprint": target_id["fingerprint"],
         "dtype": spec_kwargs["dtype"],  # the one used (cfg.dtype may say auto)
         "engine": {k2: v for k2, v in spec_kwargs.items()},
         "engine_startup_s": {"speculative": round(spec["startup_s"], 1),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,12 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.compat import migrate_record
 from eagle3.config import ConfigError, ExportConfig
-from eagle3.integrity import check_target_identity, nonfinite_tensors, target_identity
+from eagle3.integrity import (
+    check_target_identity,
+    identity_record,
+    nonfinite_tensors,
+    target_identity,
+)
 from eagle3.io import atomic_dir, read_json, read_safetensors, write_json
 from eagle3.model.draft import DraftConfig, expected_export_shapes, text_config
 
@@ -222,12 +228,22 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         )
     manifest = _manifest(meta.get("captured"))
     validate(meta, dcfg, tensors, target_cfg, manifest)
-    identity = target_identity(target)  # config sha256, layer count, embedding/norm/lm_head sha256
-    check_target_identity(meta, identity, what=f"checkpoint {ck}", target=target, allow=cfg.allow_target_mismatch,
-                          error=ExportError)
+    identity = target_identity(target)  # config sha256, layer count, every weight file's sha256
+    if identity["fingerprint"] is None:
+        print(f"export: target={target} holds no weight files (a config-only dir): its config is "
+              "checked, its weights cannot be", file=sys.stderr, flush=True)
+    check_target_identity(meta, identity, what=f"checkpoint {ck}", target=target,
+                          allow=cfg.allow_target_mismatch, error=ExportError,
+                          redo="train again with this one")
     if manifest is not None:
-        check_target_identity(manifest, identity, what=f"capture {meta.get('captured')}", target=target,
-                              allow=cfg.allow_target_mismatch, error=ExportError)
+        check_target_identity(manifest, identity, what=f"capture {meta.get('captured')}",
+                              target=target, allow=cfg.allow_target_mismatch, error=ExportError)
+    # the draft's record of its target, for evaluate: the one export checked it against (or, with
+    # allow_target_mismatch, was told to serve it with); a config-only target: the trained-with one
+    serves = {}
+    if identity["fingerprint"] is not None:
+        serves = {**identity_record(identity), "target": str(Path(target).resolve()),
+                  "target_num_layers": identity["num_hidden_layers"]}
     vocab_file = Path(meta.get("vocab") or "") / "vocab.safetensors"
     if meta.get("vocab") and vocab_file.is_file():
         d2t = load_file(str(vocab_file))["d2t"].long()
@@ -259,7 +275,7 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     with atomic_dir(cfg.out) as tmp:
         save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
-        write_json(tmp / METADATA, {**meta, "export_format": cfg.format})
+        write_json(tmp / METADATA, {**meta, **serves, "export_format": cfg.format})
         for name in TOKENIZER_FILES:
             if (Path(target) / name).is_file():
                 shutil.copy2(Path(target) / name, tmp / name)

@@ -1,10 +1,13 @@
 """Checks that keep a corrupt or foreign input from becoming a shipped draft.
 
 - `nonfinite_tensors`: names of tensors holding NaN/inf (training refuses to save them, export to write them).
-- `target_identity` / `check_target_identity`: which target a capture or a draft belongs to: the sha256 of its
-  config.json, its layer count and a sha256 of the three tensors training reads from it (embedding, final norm,
-  lm_head). A target with the same hidden size but other layers, another norm or a permuted lm_head trains and
-  exports without any shape error, so capture records these, and train and export compare them.
+- `target_identity` / `check_target_identity`: which target a capture or a draft belongs to: the
+  sha256 of its config.json, its layer count and the fingerprint of every weight file
+  (eagle3.identity). A target with the same shapes but other decoder layers, another norm or a
+  permuted lm_head trains and exports without any shape error, so regenerate, capture, train and
+  export record these, and every stage that reads another's output compares them (capture's resume
+  and evaluate included). Records from before 2026-12-03 hold a sha256 of the embedding, final norm
+  and lm_head only: those are compared instead, with a warning (eagle3.compat).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from eagle3.compat import recorded_target_fingerprint
+from eagle3.identity import describe_difference, target_fingerprint
 
 #: the target tensors fingerprinted (as eagle3.train.target.load_target_tensors names them)
 FINGERPRINTED = ("embed", "norm", "lm_head")
@@ -32,30 +38,57 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def target_identity(target: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """{"config_sha256", "num_hidden_layers", "weights_sha256": {embed, norm, lm_head}} of a target dir.
-    `tensors`: the load_target_tensors result when the caller has it already (not read again)."""
+def target_identity(target: str | Path,
+                    tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """{"target", "config_sha256", "num_hidden_layers", "fingerprint"} of a target dir:
+    `fingerprint` is eagle3.identity.target_fingerprint (every weight file; None for a config-only
+    dir). The old fingerprint of embedding / norm / lm_head (`weights_sha256`) is added only when
+    `tensors` (the load_target_tensors result) are given, or when a record from before 2026-12-03
+    needs it (legacy_weights_sha256)."""
     from eagle3.io import read_json, sha256_file
     from eagle3.model.draft import text_config
-    from eagle3.train.target import load_target_tensors
 
     p = Path(target) / "config.json"
-    if tensors is None:
-        try:
-            tensors = load_target_tensors(target)
-        except (FileNotFoundError, KeyError):  # a config-only target dir (export needs no weights): not compared
-            tensors = None
-    return {
+    out = {
+        "target": str(target),
         "config_sha256": sha256_file(p),
         "num_hidden_layers": text_config(read_json(p)).get("num_hidden_layers"),
-        "weights_sha256": None if tensors is None else {k: tensor_sha256(tensors[k]) for k in FINGERPRINTED},
+        "fingerprint": target_fingerprint(target),
     }
+    if tensors is not None:
+        out["weights_sha256"] = {k: tensor_sha256(tensors[k]) for k in FINGERPRINTED}
+    return out
 
 
-def identity_mismatches(recorded: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """What differs between a recorded identity (a capture manifest's `target_config_sha256`, `num_hidden_layers`,
-    `target_weights_sha256`, or a draft's `target_config_sha256`, `target_num_layers`, `target_weights_sha256`) and
-    `actual` (target_identity). Fields the record lacks (older captures) are not compared."""
+def legacy_weights_sha256(actual: dict[str, Any]) -> dict[str, str] | None:
+    """The embedding / final norm / lm_head sha256 of the target of `actual` (target_identity),
+    read once; None when the target dir does not hold them (a config-only dir)."""
+    if "weights_sha256" not in actual:
+        from eagle3.train.target import load_target_tensors
+
+        try:
+            tensors = load_target_tensors(actual["target"])
+        except (FileNotFoundError, KeyError):
+            tensors = None
+        actual["weights_sha256"] = (None if tensors is None
+                                    else {k: tensor_sha256(tensors[k]) for k in FINGERPRINTED})
+    return actual["weights_sha256"]
+
+
+def identity_record(actual: dict[str, Any]) -> dict[str, Any]:
+    """The fields a record (manifest, progress file, draft metadata) keeps of a target_identity."""
+    return {"target_config_sha256": actual["config_sha256"],
+            "target_fingerprint": actual["fingerprint"]}
+
+
+def identity_mismatches(recorded: dict[str, Any], actual: dict[str, Any],
+                        what: str = "the record") -> list[str]:
+    """What differs between a recorded identity (a capture manifest's `target_config_sha256`,
+    `num_hidden_layers`, `target_fingerprint`, or a draft's `target_config_sha256`,
+    `target_num_layers`, `target_fingerprint`) and `actual` (target_identity). Fields the record
+    lacks are not compared; a record from before 2026-12-03 without `target_fingerprint` has its
+    `target_weights_sha256` (embedding, norm, lm_head) compared instead, with a warning once
+    (eagle3.compat). `what` names the record in that warning."""
     out = []
     pairs = (("target_config_sha256", "config_sha256", "config.json sha256"),
              ("num_hidden_layers", "num_hidden_layers", "num_hidden_layers"),
@@ -63,22 +96,34 @@ def identity_mismatches(recorded: dict[str, Any], actual: dict[str, Any]) -> lis
     for rkey, akey, name in pairs:
         if recorded.get(rkey) is not None and recorded[rkey] != actual[akey]:
             out.append(f"{name} {recorded[rkey]} (recorded) != {actual[akey]} (target)")
-    for k, v in (recorded.get("target_weights_sha256") or {}).items():
-        if v is not None and actual["weights_sha256"] is not None and actual["weights_sha256"].get(k) != v:
-            out.append(f"{k} weights sha256 {v[:16]}... (recorded) != {actual['weights_sha256'].get(k, '?')[:16]}... (target)")
+    fp = recorded_target_fingerprint(recorded, what)
+    if fp is not None:
+        now_fp = actual["fingerprint"]  # None: a config-only dir, whose weights cannot be compared
+        differs = describe_difference(fp, now_fp) if now_fp is not None else None
+        if differs:
+            out.append(differs)
+        return out
+    old = {k: v for k, v in (recorded.get("target_weights_sha256") or {}).items() if v is not None}
+    now = legacy_weights_sha256(actual) if old else None
+    for k, v in old.items():
+        if now is not None and now.get(k) != v:
+            out.append(f"{k} weights sha256 {v[:16]}... (recorded) != "
+                       f"{now.get(k, '?')[:16]}... (target)")
     return out
 
 
-def check_target_identity(recorded: dict[str, Any], actual: dict[str, Any], *, what: str, target: str | Path,
-                          allow: bool, error: type[Exception]) -> None:
-    """Raise `error` naming every mismatch between `recorded` (from `what`) and the target at `target`, unless
-    `allow` (the override flag), which prints them as a warning instead."""
-    bad = identity_mismatches(recorded, actual)
+def check_target_identity(recorded: dict[str, Any], actual: dict[str, Any], *, what: str,
+                          target: str | Path, allow: bool, error: type[Exception],
+                          redo: str = "capture again with this one") -> None:
+    """Raise `error` naming every mismatch between `recorded` (from `what`) and the target at
+    `target`, unless `allow` (the override flag), which prints them as a warning instead. `redo`:
+    the other way out."""
+    bad = identity_mismatches(recorded, actual, what)
     if not bad:
         return
     made_from = recorded.get("target", "?")
     msg = (f"{what} was made from another target than target={target}: {'; '.join(bad)}. Use the target it was "
-           f"made from ({made_from}), capture again with this one, or pass --allow-target-mismatch if this is "
+           f"made from ({made_from}), {redo}, or pass --allow-target-mismatch if this is "
            "intended (e.g. the same weights saved again)")
     if not allow:
         raise error(msg)

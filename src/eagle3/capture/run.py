@@ -1,7 +1,8 @@
 """`eagle3 capture`: record aux-layer and last-layer hidden states of the target for every prepared token.
 
-Flow: validate the config against the target's config.json -> read the prepared dataset -> resume
-from progress.json (completed shards verified by sha256) -> refuse if the disk cannot hold the rest
+Flow: validate the config against the target's config.json -> fingerprint the target's weight
+files (eagle3.identity) -> read the prepared dataset -> resume from progress.json (completed shards
+verified by sha256, made from the same weights) -> refuse if the disk cannot hold the rest
 -> run the backend (vLLM worker extension, or transformers) chunk by chunk -> write shards -> write
 manifest.json last.
 """
@@ -19,7 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from eagle3.compat import recorded_target_fingerprint
 from eagle3.config import CaptureConfig, ConfigError
+from eagle3.identity import describe_difference, target_fingerprint
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
 from eagle3.lock import dir_lock
 from eagle3.plan import estimate_storage
@@ -122,6 +125,8 @@ class CaptureInputs:
     max_model_len: int
     hashed: dict[str, Any]
     length_limit: int | None = None  # rows of this many tokens or more are skipped as too long (capture_rows)
+    #: eagle3.identity.target_fingerprint of the target (every weight file); a resumed run matches
+    target_fingerprint: dict[str, Any] | None = None
 
 
 def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
@@ -149,7 +154,28 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
         "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
         "max_model_len": max_model_len,
     }
-    return CaptureInputs(info, aux_layer_ids, ds, prep_manifest, n_total, lengths, max_len, max_model_len, hashed, length_limit)
+    # not in `hashed` (an interrupted capture of an earlier version still resumes): progress.json
+    # and the manifest record it and a resumed run compares it (check_same_weights)
+    fingerprint = target_fingerprint(cfg.target)
+    return CaptureInputs(info, aux_layer_ids, ds, prep_manifest, n_total, lengths, max_len,
+                         max_model_len, hashed, length_limit, fingerprint)
+
+
+def check_same_weights(record: dict[str, Any], fingerprint: dict[str, Any] | None, path: Path,
+                       what: str) -> None:
+    """Refuse to add to (or to call complete) a capture whose record (progress.json, manifest.json,
+    a spool header at `path`) was made from other target weights: its states would mix two models.
+    A record from before 2026-12-03 has no fingerprint: warned once (eagle3.compat), not
+    compared."""
+    recorded = recorded_target_fingerprint(record, str(path))
+    differs = describe_difference(recorded, fingerprint) if recorded and fingerprint else None
+    if differs:
+        raise ValueError(
+            f"{path}: {what} other target weights ({differs}) than "
+            f"target={record.get('target', '?')} holds now; its states would mix two models. "
+            f"Delete {path.parent} (or use a new --out) to capture again with these weights, or "
+            "put back the weights it was made from")
+
 
 
 def resolve_compute_dtype(cfg: CaptureConfig) -> CaptureConfig:
@@ -189,6 +215,8 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
                 f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.get('config_hash')} "
                 f"!= {config_hash}): use a new --out directory or delete {out}"
             )
+        check_same_weights(m, ci.target_fingerprint, out / MANIFEST,
+                           "this finished capture was made from")
         gap = storage.coverage_problem(out, m)
         if gap:  # a shard entry lost: keep the shards before the gap, capture the rest
             keep = []
@@ -210,9 +238,13 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
             print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 "
                   f"({', '.join(bad[:5])}); capturing again from the first bad one",
                   file=sys.stderr, flush=True)
-        save_progress(out, config_hash, m["shards"])
+        save_progress(out, config_hash, m["shards"], ci.target_fingerprint)
         (out / MANIFEST).unlink()
     out.mkdir(parents=True, exist_ok=True)
+    progress = storage.read_progress(out)
+    if progress is not None and progress.get("shards"):
+        check_same_weights({"target": hashed["target"], **progress}, ci.target_fingerprint,
+                           out / storage.PROGRESS, f"the capture in {out} was started with")
     shards = load_progress(out, config_hash)
     start = shards[-1]["next_index"] if shards else 0
     resumed = len(shards)
@@ -241,7 +273,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     def finish_pending() -> None:
         if pending:
             shards.append(backend.wait_shard(pending.pop()))
-            save_progress(out, config_hash, shards)
+            save_progress(out, config_hash, shards, ci.target_fingerprint)
 
     def flush(final: bool = False) -> None:
         """Write `buf` as the next shard; the driver writer records it at once, the worker writer when the
@@ -256,7 +288,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
             return
         shards.append(write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype) if final
                       else write_shard(out, len(shards), buf))
-        save_progress(out, config_hash, shards)
+        save_progress(out, config_hash, shards, ci.target_fingerprint)
 
     if start < n_total:
         backend = _make_backend(cfg, aux_layer_ids, max_model_len, llm=llm)
@@ -289,7 +321,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
                     flush(final=True)
                 else:  # only skips since the last shard: fold them into its entry
                     _fold(shards[-1], buf)
-                save_progress(out, config_hash, shards)
+                save_progress(out, config_hash, shards, ci.target_fingerprint)
         finally:
             if backend is not None:
                 backend.close()
@@ -313,7 +345,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         "layer_semantics": LAYER_SEMANTICS,
         "last_semantics": LAST_SEMANTICS,
         "num_hidden_layers": info.num_hidden_layers,
-        "target_weights_sha256": target_weights_sha256(cfg.target),
+        "target_fingerprint": ci.target_fingerprint,  # every weight file: train, export compare it
         "hidden_size": info.hidden_size,
         "dtype": cfg.storage_dtype,
         "storage": storage_info(cfg.storage_dtype),
@@ -387,18 +419,6 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
                 yield CapturedRow(a + k, int(i), None, str(batch["sample_id"][k]), torch.as_tensor(batch["input_ids"][k]),
                                   torch.as_tensor(batch["loss_mask"][k]), st)
         a = b
-
-
-def target_weights_sha256(target: str | Path) -> dict[str, str] | None:
-    """sha256 of the target's embedding, final norm and lm_head (eagle3.integrity): train and export compare them to
-    make sure they read the target the states came from. None (not compared later) when they cannot be found."""
-    from eagle3.integrity import target_identity
-
-    found = target_identity(target)["weights_sha256"]
-    if found is None:
-        print(f"capture: no embedding/norm/lm_head found in {target}; no weight fingerprint recorded (train and "
-              "export will not compare weights)", file=sys.stderr, flush=True)
-    return found
 
 
 def chunk_start(lengths: np.ndarray, start: int, chunk_tokens: int) -> int:

@@ -44,9 +44,9 @@ from eagle3.io import read_json, sha256_json, write_json
 from .run import (
     _make_backend,
     capture_rows,
+    check_same_weights,
     load_capture_inputs,
     resolve_compute_dtype,
-    target_weights_sha256,
 )
 from .storage import FORMAT, TORCH_DTYPES, ShardBuffer, bytes_per_token, storage_info, write_shard
 
@@ -270,6 +270,9 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
             f"{spool / HEADER} belongs to a streaming run with other settings (config_hash {header.get('config_hash')} "
             f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the training run using it)"
         )
+    if header:
+        check_same_weights(header, ci.target_fingerprint, spool / HEADER,
+                           "the streaming run was started with")
     train_rows, val_rows = split_indices(n_total, cfg.val_fraction, cfg.seed)
     val_tokens = int(lengths[val_rows][usable[val_rows]].sum()) if val_rows else 0
     use_len = lengths[usable]
@@ -279,7 +282,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
         header = {
             "format": SPOOL_FORMAT, "capture_format": FORMAT, "config_hash": config_hash, "stage": "stream-capture",
             "target": hashed["target"], "target_config_sha256": info.config_sha256, "data": hashed["data"],
-            "target_weights_sha256": target_weights_sha256(cfg.target),  # train compares it (eagle3.integrity)
+            "target_fingerprint": ci.target_fingerprint,  # every weight file: train compares it
             "aux_layer_ids": aux_layer_ids, "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size,
             "dtype": cfg.storage_dtype, "storage": storage_info(cfg.storage_dtype), "compute_dtype": cfg.dtype,
             "backend": cfg.backend, "bytes_per_token": bpt, "shard_tokens": cfg.shard_tokens,

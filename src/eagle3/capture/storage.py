@@ -324,8 +324,17 @@ def verify_capture(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def save_progress(out: Path, config_hash: str, shards: list[dict[str, Any]]) -> None:
-    write_json(out / PROGRESS, {"format": FORMAT, "config_hash": config_hash, "shards": shards})
+def save_progress(out: Path, config_hash: str, shards: list[dict[str, Any]],
+                  target_fingerprint: dict[str, Any] | None = None) -> None:
+    """progress.json: the completed shards and what a resumed run must match (settings, target
+    weights)."""
+    write_json(out / PROGRESS, {"format": FORMAT, "config_hash": config_hash,
+                                "target_fingerprint": target_fingerprint, "shards": shards})
+
+
+def read_progress(out: Path) -> dict[str, Any] | None:
+    """progress.json of an interrupted capture in `out`, None when there is none."""
+    return read_json(out / PROGRESS) if (out / PROGRESS).is_file() else None
 
 
 def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
@@ -461,13 +470,18 @@ def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
                     f"{first.get(key)!r}; captures trained together must come from the same target, tokenizer, chat "
                     "template and aux layers: capture the odd one again with the others' settings"
                 )
-        mw, fw = m.get("target_weights_sha256"), first.get("target_weights_sha256")
-        if mw and fw and mw != fw:  # older captures lack the fingerprint: compared only when both have it
+        for key in ("target_fingerprint", "target_weights_sha256"):  # older ones: the second only
+            mw, fw = m.get(key), first.get(key)
+            if key == "target_fingerprint":
+                mw, fw = (mw or {}).get("sha256"), (fw or {}).get("sha256")
+            if not (mw and fw and mw != fw):  # compared only when both have it
+                continue
             from eagle3.config import ConfigError
 
-            raise ConfigError(f"captured={captured}: {d / MANIFEST} and {dirs[0] / MANIFEST} record different target "
-                              f"weights (target_weights_sha256 {mw} != {fw}); captures trained together must come from "
-                              "the same target: capture the odd one again")
+            raise ConfigError(f"captured={captured}: {d / MANIFEST} and {dirs[0] / MANIFEST} "
+                              f"record different target weights ({key} {mw} != {fw}); captures "
+                              "trained together must come from the same target: capture the odd "
+                              "one again")
     if len(dirs) == 1:
         return first
     counts = {k: sum(m[k] for m in manifests) for k in ("num_samples", "num_tokens") if all(k in m for m in manifests)}

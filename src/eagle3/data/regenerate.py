@@ -41,6 +41,7 @@ from typing import Any
 
 from eagle3.config import RegenerateConfig
 from eagle3.data.formats import Conversation, check_skipped, read_conversations
+from eagle3.identity import describe_difference, target_fingerprint
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
 from eagle3.lock import dir_lock, record_engine_processes
 
@@ -310,6 +311,7 @@ def _regenerate(
     convs = list(enumerate(read.conversations))
 
     start, stats = 0, _Stats()
+    weights = target_fingerprint(cfg.target)  # every weight file: the model of the answers
     if progress_path.is_file() and partial.is_file():
         prog = read_json(progress_path)
         if prog.get("fingerprint") != fp:
@@ -317,6 +319,12 @@ def _regenerate(
                 f"{progress_path} belongs to a run with other settings "
                 f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or delete {out}"
             )
+        before = prog.get("target_fingerprint")
+        differs = before and weights and describe_difference(before, weights)
+        if differs:
+            raise ValueError(f"{progress_path}: the answers so far were written by other target "
+                             f"weights ({differs}); resuming would mix two models: pass a new "
+                             f"--out or delete {out}")
         start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
         if start > len(convs):
             raise ValueError(
@@ -345,7 +353,9 @@ def _regenerate(
         size = _append_rows(partial, rows)
         written += len(rows)
         done = min(b + bs, len(convs))
-        write_json(progress_path, {"fingerprint": fp, "rows_done": done, "bytes": size, "written": written, "stats": stats.to_json()})
+        write_json(progress_path, {"fingerprint": fp, "rows_done": done, "bytes": size,
+                                   "written": written, "stats": stats.to_json(),
+                                   "target_fingerprint": weights})
         bar.update(done - b)
         rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
         bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
@@ -360,6 +370,7 @@ def _regenerate(
         "fingerprint": fp,
         "limit": cfg.limit,
         "target": str(cfg.target),
+        "target_fingerprint": weights,
         "data": str(cfg.data),
         "output": OUTPUT,
         "counts": {

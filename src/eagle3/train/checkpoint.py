@@ -4,16 +4,20 @@
                           ema_decay > 0, the raw weights then in raw.safetensors), optimizer.pt (optimizer +
                           scheduler; under FSDP scheduler only, plus optimizer/rank-R-of-W.pt shards),
                           trainer_state.json (step, loader epoch/cursor, best), rng.pt, eagle3_draft.json
+                          (the run's settings and input identities: resume_inputs compares them)
     best/, final/         model.safetensors + eagle3_draft.json (the draft's metadata, `draft_metadata`)
 
 Every file is written under a temp name and renamed (eagle3.io); a checkpoint that does not read back whole is
-skipped for the one before it (read_latest_good_checkpoint).
+skipped for the one before it (read_latest_good_checkpoint). What a killed save leaves (temp dirs)
+is deleted at the next start (remove_stale_files); train.keep_checkpoints bounds how many step-N
+dirs stay (prune_checkpoints).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import random
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
+from eagle3.compat import migrate_record
 from eagle3.config import ConfigError, TrainConfig
 from eagle3.integrity import nonfinite_tensors
 from eagle3.io import (
@@ -50,9 +55,11 @@ RAW_WEIGHTS = "raw.safetensors"  # the raw training weights beside a weight-aver
 
 
 def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: dict, step: int, metrics=None,
-             identity: dict | None = None) -> dict:
-    """The draft's eagle3_draft.json. `identity` (eagle3.integrity.target_identity of the target trained with) is
-    recorded so that export can check it is given the same target."""
+                   identity: dict | None = None, inputs: dict | None = None) -> dict:
+    """The draft's eagle3_draft.json. `identity` (eagle3.integrity.target_identity of the target
+    trained with) is recorded so that export and evaluate can check they are given the same target;
+    `inputs` (identities of the capture, vocab, validation capture and target:
+    eagle3.train.resume_inputs) so that resume can check it continues the same run."""
     tc = text_config(target_cfg)
     return {
         "format": "eagle3-draft/1",
@@ -64,7 +71,7 @@ def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_c
         "target_vocab_size": tc["vocab_size"],
         "target_num_layers": tc.get("num_hidden_layers"),
         "target_config_sha256": (identity or {}).get("config_sha256"),
-        "target_weights_sha256": (identity or {}).get("weights_sha256"),
+        "target_fingerprint": (identity or {}).get("fingerprint"),  # every weight file's sha256
         "target_max_position_embeddings": tc.get("max_position_embeddings"),
         "draft_vocab_size": dcfg.draft_vocab_size,
         "vocab": str(cfg.vocab),
@@ -72,6 +79,7 @@ def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_c
         "step": step,
         "ttt_steps": cfg.ttt_steps,
         "train_config": cfg.model_dump(mode="json"),  # every flag it was trained with (lr, supervise, init, ...)
+        "inputs": dict(inputs or {}),
         "metrics": metrics or {},
     }
 
@@ -178,6 +186,7 @@ class CheckpointState:
     scheduler: Any
     trainer_state: dict[str, Any]
     rng: dict[str, Any]
+    meta: dict[str, Any]  # its eagle3_draft.json: resume compares it with the new run's
 
 
 def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = None) -> CheckpointState:
@@ -205,7 +214,11 @@ def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = Non
     with corrupt_file_errors(ckpt / "trainer_state.json", "checkpoint state"):
         state = json.loads((ckpt / "trainer_state.json").read_text())
     rng = load_torch_file(ckpt / "rng.pt")
-    return CheckpointState(ckpt, weights, raw, optimizer, st["scheduler"], state, rng)
+    meta = {}
+    if (ckpt / METADATA).is_file():
+        with corrupt_file_errors(ckpt / METADATA, "checkpoint metadata"):
+            meta = migrate_record(json.loads((ckpt / METADATA).read_text()))
+    return CheckpointState(ckpt, weights, raw, optimizer, st["scheduler"], state, rng, meta)
 
 
 def read_latest_good_checkpoint(out: Path, map_location: Any, optim_shard: str | None, say) -> CheckpointState | None:
@@ -225,6 +238,75 @@ def read_latest_good_checkpoint(out: Path, map_location: Any, optim_shard: str |
             "delete the checkpoints dir to start over, or set resume: false with a new out dir"
         )
     return None
+
+
+def remove_stale_files(out: Path) -> list[str]:
+    """Delete what interrupted saves left in a training out dir (the caller holds its writer lock):
+    the temp dirs of checkpoints, best/ and final/ (`.step-N.*.tmp`, checkpoints being pruned too),
+    FSDP optimizer shards not yet moved into a checkpoint (`.optim-step-N`), and the `.NAME.old`
+    copy a swap keeps for a moment, which is put back instead when NAME itself is gone. Returns the
+    names removed (or restored)."""
+    out = Path(out)
+    ours = (".step-", ".best.", ".final.")
+    done = []
+    for root in (out / "checkpoints", out):
+        if not root.is_dir():
+            continue
+        for p in sorted(root.iterdir()):
+            name = p.name
+            stale = name.startswith(ours) and name.endswith(".tmp") or (
+                root.name == "checkpoints" and name.startswith(".optim-step-"))
+            if name.startswith(ours) and name.endswith(".old") and p.is_dir():
+                final = p.with_name(name[1:].removesuffix(".old"))
+                if not final.exists():
+                    os.replace(p, final)
+                    done.append(f"{name} (restored as {final.name})")
+                    continue
+                stale = True
+            if stale:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                done.append(name)
+    return done
+
+
+def checkpoint_tau(ckpt: Path) -> float | None:
+    """The validation tau estimate a checkpoint's eagle3_draft.json records (the last validation
+    before it was saved), None when it has none or its validation loss is not finite (such a model
+    never becomes best)."""
+    try:
+        m = json.loads((ckpt / METADATA).read_text()).get("metrics") or {}
+    except (OSError, ValueError):
+        return None
+    tau, loss = m.get("tau_estimate"), m.get("loss")
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (tau, loss)):
+        return None
+    return float(tau)
+
+
+def prune_checkpoints(out: Path, keep: int, step: int) -> list[str]:
+    """Keep the newest `keep` checkpoints of steps <= `step` plus the one with the best validation
+    tau (the earliest of equals, as best/ is picked); delete the others (renamed to a `.tmp` name
+    first, so that a kill midway leaves only what remove_stale_files deletes). Checkpoints past
+    `step` (an earlier run this one did not resume) are left alone. keep=0 keeps all. Returns the
+    names deleted."""
+    if keep <= 0:
+        return []
+    ours = [p for p in list_checkpoints(out) if _step(p) <= step]  # newest first
+    scored = [(tau, -_step(p), p) for p in ours if (tau := checkpoint_tau(p)) is not None]
+    best = max(scored, key=lambda x: x[:2])[2] if scored else None
+    gone = []
+    for p in ours[keep:]:
+        if p == best:
+            continue
+        doomed = p.with_name(f".{p.name}.prune.tmp")
+        os.replace(p, doomed)
+        shutil.rmtree(doomed)
+        gone.append(p.name)
+    return gone
+
+
+def _step(ckpt: Path) -> int:
+    return int(ckpt.name.removeprefix("step-"))
 
 
 def check_draft_weights(model: Eagle3Draft, sd: dict[str, torch.Tensor], path: Path) -> None:

@@ -28,6 +28,7 @@ from eagle3.train.checkpoint import (
     RAW_WEIGHTS,
     WEIGHTS,
     check_draft_weights,
+    prune_checkpoints,
     read_checkpoint,
     read_latest_good_checkpoint,
     save_checkpoint,
@@ -37,6 +38,7 @@ from eagle3.train.checkpoint import (
 from eagle3.train.estimate import score_batches, tau_from_metrics
 from eagle3.train.loss import TargetHead
 from eagle3.train.metrics import MetricsLog, progress
+from eagle3.train.resume_inputs import check_resume
 from eagle3.train.step import STAT_COLUMNS, summarize
 
 
@@ -161,6 +163,7 @@ def resume(run: Run) -> TrainState:
                 if int(got.item()) >= 0 else None
     if ck is None:
         return TrainState()
+    check_resume(run.cfg, ck.path, ck.meta, run.draft_metadata(ck.trainer_state["step"], {}))
     load_weights(run, ck.weights, ck.path / WEIGHTS)
     if run.ema is not None:  # model.safetensors holds the average (or, from a run without one, the weights)
         run.ema.reset()
@@ -168,6 +171,7 @@ def resume(run: Run) -> TrainState:
             load_weights(run, ck.raw, ck.path / RAW_WEIGHTS)
     run.opt.load_state_dict(ck.optimizer)
     run.sched.load_state_dict(ck.scheduler)
+    apply_optimizer_settings(run)
     st = ck.trainer_state
     run.loader.load_state_dict(st)
     progress(d, f"resumed from {ck.path} (step {st['step']})")
@@ -176,6 +180,20 @@ def resume(run: Run) -> TrainState:
     if d.device.type == "cuda" and "cuda" in ck.rng:
         torch.cuda.set_rng_state_all(ck.rng["cuda"])
     return TrainState(step=st["step"], best=st["best"], num_skipped=st.get("num_skipped_steps", 0))
+
+
+def apply_optimizer_settings(run: Run) -> None:
+    """After loading a checkpoint's optimizer and scheduler: this run's lr, betas and weight decay
+    (the loaded state carries the checkpoint's; they differ only under force_resume). The schedule's
+    shape comes from this run's config and total already (LambdaLR saves no function); its peak is
+    set here. Where nothing changed, the scheduler's own formula gives the same values, bit for
+    bit."""
+    cfg, sched = run.cfg, run.sched
+    sched.base_lrs = [cfg.lr] * len(run.opt.param_groups)
+    for group, lam in zip(run.opt.param_groups, sched.lr_lambdas, strict=True):
+        group.update(initial_lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        group["lr"] = cfg.lr * lam(sched.last_epoch)
+    sched._last_lr = [g["lr"] for g in run.opt.param_groups]
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -288,6 +306,10 @@ def save(run: Run, state: TrainState, *, save_now: bool, best_now: bool) -> None
         ckpt = save_checkpoint(run.out, full, run.opt, run.sched, step, run.loader, state.best, meta,
                                optim_shards=shards, raw=raw, num_skipped_steps=state.num_skipped)
         run.loader.on_checkpoint(ckpt)
+        gone = prune_checkpoints(run.out, run.cfg.keep_checkpoints, step)
+        if gone:
+            progress(d, f"removed {', '.join(gone)} (keep_checkpoints={run.cfg.keep_checkpoints}: "
+                        "the newest ones and the best by validation stay)")
 
 
 def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | None = None) -> None:

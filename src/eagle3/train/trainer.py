@@ -25,7 +25,8 @@ import torch
 
 from eagle3.compat import migrate_record
 from eagle3.config import ConfigError, TrainConfig
-from eagle3.integrity import check_target_identity, target_identity
+from eagle3.integrity import check_target_identity, target_identity, tensor_sha256
+from eagle3.io import sha256_json, sha256_text
 from eagle3.lock import dir_lock
 from eagle3.model.draft import Eagle3Draft, draft_config_from_target, text_config
 from eagle3.train import parallel
@@ -33,6 +34,7 @@ from eagle3.train.checkpoint import (
     compile_cache_dir,
     draft_metadata,
     load_compile_cache,
+    remove_stale_files,
     save_compile_cache,
 )
 from eagle3.train.data import (
@@ -135,6 +137,7 @@ class Inputs:
     d2t: torch.Tensor
     t2d: torch.Tensor
     aux_layer_ids: list[int]  # the aux ids trained on, fc's input order
+    ids: dict[str, Any] = field(default_factory=dict)  # a checkpoint records them (resume_inputs)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -161,6 +164,12 @@ def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> Tr
 
 
 def _train(cfg: TrainConfig, d: parallel.Dist, *, samples, manifest, stop_after, source) -> TrainResult:
+    if d.main:  # this rank holds the out dir's writer lock: nothing else writes there now
+        stale = remove_stale_files(Path(cfg.out))
+        if stale:
+            progress(d, f"removed {len(stale)} stale temporary checkpoint file(s) left by an "
+                        f"interrupted save in {cfg.out}: {', '.join(stale[:4])}"
+                        f"{' ...' if len(stale) > 4 else ''}")
     inputs = read_inputs(cfg, manifest if source is None else source.manifest)
     model = build_draft(cfg, inputs.target_cfg, inputs.tensors, inputs.d2t, inputs.t2d,
                         num_aux=len(inputs.aux_layer_ids), aux_layer_ids=inputs.aux_layer_ids).to(d.device)
@@ -199,6 +208,7 @@ def setup(cfg: TrainConfig) -> parallel.Dist:
 
 def read_inputs(cfg: TrainConfig, manifest: dict | None) -> Inputs:
     """The capture's manifest (checked against the target), the target's frozen tensors and the vocab."""
+    in_memory = manifest is not None and not (Path(str(cfg.captured)) / "stream.json").is_file()
     if manifest is None:
         from eagle3.capture import load_combined_manifest
 
@@ -212,14 +222,37 @@ def read_inputs(cfg: TrainConfig, manifest: dict | None) -> Inputs:
             f"hidden_size={tc['hidden_size']}; capture again with this target"
         )
     tensors = load_target_tensors(cfg.target)
-    identity = target_identity(cfg.target, tensors)
+    # the old embedding/norm/lm_head fingerprint: for a capture from before 2026-12-03 only (compat)
+    identity = target_identity(cfg.target, None if manifest.get("target_fingerprint") else tensors)
     check_target_identity(manifest, identity, what=f"captured={cfg.captured}", target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError)
     if cfg.init_layers_from_target:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = load_vocab(cfg.vocab)
     aux_layer_ids = list(cfg.aux_layer_ids or manifest["aux_layer_ids"])
-    return Inputs(manifest, target_cfg, tensors, identity, d2t, t2d, aux_layer_ids)
+    ids = {
+        "captured_sha256": capture_sha256(cfg.captured, manifest, given=in_memory),
+        "vocab_sha256": sha256_text(tensor_sha256(d2t) + tensor_sha256(t2d)),
+        "target_config_sha256": identity["config_sha256"],
+        "target_weights_sha256": (identity["fingerprint"] or {}).get("sha256"),
+        "val_captured_sha256": capture_sha256(cfg.val_captured, None) if cfg.val_captured else None,
+    }
+    return Inputs(manifest, target_cfg, tensors, identity, d2t, t2d, aux_layer_ids, ids)
+
+
+def capture_sha256(captured: str | None, manifest: dict | None, given: bool = False) -> str:
+    """The content identity of what is trained on: the sha256 of every capture dir's shard hashes
+    (a shard's sha256 is in its manifest: nothing is read again), of a streaming spool's header
+    hash, or of `manifest` itself when it was `given` in memory."""
+    from eagle3.capture import capture_dirs, load_manifest
+
+    if given or not captured:
+        return sha256_json(manifest)
+    dirs = capture_dirs(captured)
+    if all((p / "manifest.json").is_file() for p in dirs):
+        return sha256_json([[s["sha256"] for s in load_manifest(p)["shards"]] for p in dirs])
+    header = manifest or {}
+    return sha256_json({"spool": header.get("config_hash"), "target": header.get("target")})
 
 
 def check_midlayer_target(cfg: TrainConfig, model: Eagle3Draft, inputs: Inputs) -> None:
@@ -292,7 +325,8 @@ def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3D
     ttt = parallel.wrap(TTTModule(model), d, fsdp=cfg.parallel == "fsdp")
 
     def meta(step: int, metrics: dict) -> dict:
-        return draft_metadata(cfg, dcfg, inputs.manifest, inputs.target_cfg, step, metrics, inputs.identity)
+        return draft_metadata(cfg, dcfg, inputs.manifest, inputs.target_cfg, step, metrics,
+                              inputs.identity, inputs.ids)
 
     return Run(cfg=cfg, d=d, out=Path(cfg.out), model=model, ttt=ttt, head=head, loader=loader, val=val,
                heldout=heldout, total=total, amp_dtype=amp_dtype, aux_layer_ids=inputs.aux_layer_ids,

@@ -1,0 +1,118 @@
+"""What a checkpoint records of the run that wrote it, and how a resumed run is compared with it.
+
+Every checkpoint's eagle3_draft.json (eagle3.train.checkpoint.draft_metadata) holds `train_config`
+(every setting), `draft_config` (the draft's shape) and `inputs`: the identities of what it was
+trained on (the capture's content, the vocab's d2t/t2d, the validation capture, the target's weights
+and config). Resume compares them with the new run's before it loads any weight (`check_resume`) and
+refuses a difference, naming each field with its old and new value. RESUME_RULES says, for every
+TrainConfig field, what may change:
+
+    same   never, not even with --force-resume: the checkpoint's weights, optimizer state or data
+           position mean something else under another value (seed and val_fraction pick the
+           train/validation split and the epoch order the loader position counts in; freeze changes
+           the optimizer's parameter list; parallel the optimizer files' layout)
+    force  with force_resume (a warning lists them; the new values apply from the resumed step on)
+    free   any time: no effect on the weights (logging, checkpoint cadence, workers, the init_*
+           settings, which act at step 0 only), or compared by content instead of by path (target,
+           captured, vocab, val_captured, draft: the `inputs` and the draft shape)
+
+The draft's shape (`draft_config` minus dropout, a `force` setting) and the inputs other than the
+validation capture are `same`. Checkpoints written before 2026-12-03 have no `inputs`: eagle3.compat
+warns once and the config and draft shape are compared.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from eagle3.compat import recorded_resume_inputs
+from eagle3.config import ConfigError, TrainConfig
+
+SAME, FORCE, FREE = "same", "force", "free"
+
+SAME_FIELDS = ("seed", "val_fraction", "aux_layer_ids", "freeze", "parallel")
+FORCE_FIELDS = (
+    "lr", "min_lr_ratio", "schedule", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+    "grad_accum", "epochs", "max_steps", "ttt_steps", "loss_decay", "max_seq_len", "batch_size",
+    "dtype", "supervise", "hidden_noise", "feature_loss_weight", "midlayer_feature_loss_weight",
+    "distill_temperature", "copy_weight", "dropout", "ema_decay", "num_speculative_tokens",
+)
+FREE_FIELDS = (
+    "target", "captured", "vocab", "val_captured", "draft", "out",  # compared by content instead
+    "eval_every", "save_every", "log_every", "device", "attention", "compile", "compile_cache",
+    "init_head_from_target", "init_layers_from_target", "num_loader_workers", "preload", "resume",
+    "verify_capture", "max_nonfinite_steps", "allow_target_mismatch", "force_resume",
+    "keep_checkpoints",
+)
+#: TrainConfig field -> same / force / free (module docstring); a test keeps it complete
+RESUME_RULES: dict[str, str] = {
+    **dict.fromkeys(SAME_FIELDS, SAME), **dict.fromkeys(FORCE_FIELDS, FORCE),
+    **dict.fromkeys(FREE_FIELDS, FREE),
+}
+
+#: `inputs` keys (draft_metadata) -> (name in messages, rule)
+INPUT_RULES: dict[str, tuple[str, str]] = {
+    "captured_sha256": ("captured (content)", SAME),
+    "vocab_sha256": ("vocab (d2t/t2d)", SAME),
+    "target_config_sha256": ("target config.json", SAME),
+    "target_weights_sha256": ("target weights", SAME),
+    "val_captured_sha256": ("val_captured (content)", FORCE),
+}
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+        return v[:12] + "..."  # a sha256
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def resume_differences(old: dict[str, Any], new: dict[str, Any],
+                       what: str) -> list[tuple[str, str, str]]:
+    """[(rule, field, "field old -> new")] between the checkpoint's metadata `old` and the new
+    run's `new` (both draft_metadata records), the ones no flag can override first; `what` names the
+    checkpoint in the compat warning."""
+    out = []
+    old_inputs = recorded_resume_inputs(old, what)
+    if old_inputs is not None:
+        for key, (name, rule) in INPUT_RULES.items():
+            a, b = old_inputs.get(key), new["inputs"].get(key)
+            if a != b:
+                out.append((rule, name, f"{name} {_show(a)} -> {_show(b)}"))
+    old_shape, new_shape = dict(old.get("draft_config") or {}), dict(new["draft_config"])
+    for key in sorted(set(old_shape) | set(new_shape)):
+        if key != "dropout" and old_shape and old_shape.get(key) != new_shape.get(key):
+            shown = f"{key} {_show(old_shape.get(key))} -> {_show(new_shape.get(key))}"
+            out.append((SAME, key, shown))
+    old_cfg, new_cfg = old.get("train_config") or {}, new["train_config"]
+    for key, rule in RESUME_RULES.items():
+        if rule != FREE and key in old_cfg and old_cfg[key] != new_cfg.get(key):
+            out.append((rule, key, f"{key} {_show(old_cfg[key])} -> {_show(new_cfg.get(key))}"))
+    return sorted(out, key=lambda d: d[0] != SAME)
+
+
+def check_resume(cfg: TrainConfig, ckpt: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Refuse (ConfigError) to resume `ckpt`, whose eagle3_draft.json is `old`, into a run whose
+    metadata would be `new`, when they differ beyond what RESUME_RULES allows; with cfg.force_resume
+    the `force` differences are printed as a warning and resume goes on."""
+    diffs = resume_differences(old, new, str(ckpt / "eagle3_draft.json"))
+    if not diffs:
+        return
+    listed = "; ".join(d for _, _, d in diffs)
+    never = [f for rule, f, _ in diffs if rule == SAME]
+    head = f"resume from {ckpt}: this run differs from the one that wrote the checkpoint: {listed}."
+    if never:
+        raise ConfigError(
+            f"{head} --force-resume cannot resume over {', '.join(never)} (the checkpoint's "
+            "weights, optimizer state or data position would mean something else): train into a "
+            "new --out, set resume: false to start over in this one, or put back the values it was "
+            "trained with")
+    if not cfg.force_resume:
+        raise ConfigError(f"{head} These may change mid-run: pass --force-resume (force_resume: "
+                          "true) to resume with the new values, or put back the old ones")
+    print(f"eagle3: warning (force_resume=true): resuming {ckpt} with other settings: {listed}",
+          file=sys.stderr, flush=True)
+
+
+__all__ = ["RESUME_RULES", "INPUT_RULES", "check_resume", "resume_differences"]
