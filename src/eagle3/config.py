@@ -471,7 +471,7 @@ class TrainConfig(StageConfig):
         "step. Never over another capture, vocab, target, draft shape, aux ids, seed, "
         "val_fraction, freeze or parallel mode (eagle3.train.resume_inputs)"
     )
-    keep_checkpoints: int = Field(
+    keep_checkpoints: Count = Field(
         3, ge=0, description="Keep the newest N checkpoints/step-* dirs plus the one with the best "
         "validation tau estimate; older ones are deleted as new ones are written (each holds the "
         "weights and the optimizer state: ~18 GB for a Kimi-K2.5 draft). best/ and final/ are "

@@ -38,6 +38,7 @@ FORCE_FIELDS = (
     "grad_accum", "epochs", "max_steps", "ttt_steps", "loss_decay", "max_seq_len", "batch_size",
     "dtype", "supervise", "hidden_noise", "feature_loss_weight", "midlayer_feature_loss_weight",
     "distill_temperature", "copy_weight", "dropout", "ema_decay", "num_speculative_tokens",
+    "loss_weighting",
 )
 FREE_FIELDS = (
     "target", "captured", "vocab", "val_captured", "draft", "out",  # compared by content instead
