@@ -205,7 +205,7 @@ make_data() {
 }
 
 # One draft per (method, training data). EAGLE-3.1 adds fc_norm + norm_output to the same recipe. No feature loss:
-# on SmolLM2 it costs the one-layer draft 0.15 held-out τ (session 13: 2.36 with weight 20, 2.51 without; docs/NOTES.md),
+# on SmolLM2 it costs the one-layer draft 0.15 held-out τ (2026-12-02: 2.36 with weight 20, 2.51 without; docs/history/2026-12.md),
 # though it was refbench's largest lever (configs/refbench-gpu.yaml keeps it)
 RECIPE=(--device "$DEVICE" --ttt-steps 3 --num-speculative-tokens 3 --epochs "$EPOCHS" --lr 2e-3 --warmup-steps 100
   --weight-decay 0.1 --hidden-noise 0.1 --supervise all --init-head-from-target

@@ -6,7 +6,7 @@
 
 CAP is a capture (`eagle3 capture --backend vllm`) of the target's own greedy answers to held-out prompts
 (`eagle3 regenerate` then `eagle3 prepare`), so every answer token is the token vLLM's greedy decoding produces.
-Issue 14's goal compares vLLM's τ of a draft with n-gram's, but vLLM's τ (1 + accepted / drafts) counts only the
+A goal stated as vLLM's τ compares of a draft with n-gram's, but vLLM's τ (1 + accepted / drafts) counts only the
 target passes that drafted, and n-gram drafts only where the context repeats. This script replays, per answer:
 
 - the draft's rounds, as `eagle3 estimate` does (a round at every step; `tau`, the figure vLLM reports);

@@ -246,7 +246,7 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
         "eval_prompts_file": str(args.prompts or report / "eval_prompts.jsonl"),
         "synthesize": {s: read(report / f"synth_{s}.json") for s in ("train", "eval")},
         "regenerate": {s: read(report / f"regen_{s}.json") or {p.stem: read(p) for p in sorted(report.glob(f"regen_{s}_*.json"))}
-                       for s in ("gsm8k", "synth", "chat")},  # one file per source, or one per shard (gpu.sh since session 9)
+                       for s in ("gsm8k", "synth", "chat")},  # one file per source, or one per shard (gpu.sh shards large sources)
         "prepare": {s: read(report / f"prep_{s}.json") for s in ("gsm8k", "synth", "chat", "mix")},
         "vocab": {s: read(report / f"vocab_{s}.json") for s in ("gsm8k", "synth", "mix")},
         "training": {n: train_summary(out, n) for n in dict.fromkeys([*names, *evals]) if n != "ngram"},
