@@ -346,9 +346,16 @@ class TrainConfig(StageConfig):
         "next machine (same GPU type and software), and that run's first step skips the compile: two fresh H200s, "
         "51 s -> 6 s. A path to an existing FILE is read and rewritten as a torch.compiler.save_cache_artifacts "
         "bundle (earlier versions' format)")
-    parallel: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="Under torchrun: ddp replicates the draft; fsdp shards it (FSDP2) for large drafts"
-    )
+    parallel: Literal["auto", "ddp", "fsdp2", "fsdp"] = Field(
+        "auto", description="Under torchrun: ddp replicates the draft on every GPU; fsdp2 shards its weights, "
+        "gradients and AdamW state over the GPUs (torch FSDP2 fully_shard), for drafts whose replicas do not fit; "
+        "auto = fsdp2 when the trainable weights + gradients + AdamW state (16 B per parameter) exceed "
+        "a quarter of one GPU's memory, else ddp. fsdp is read as fsdp2. One process: neither")
+
+    @field_validator("parallel", mode="after")
+    @classmethod
+    def _fsdp_is_fsdp2(cls, v: str) -> str:
+        return "fsdp2" if v == "fsdp" else v
     draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
     aux_layer_ids: list[LayerId] | None = Field(
         None,
