@@ -255,6 +255,11 @@ class CaptureConfig(StageConfig):
     )
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: worker extension in a vLLM engine; hf: transformers forward")
     tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size (vllm backend)")
+    num_engines: int = Field(
+        1, gt=0, description="Engines the prepared rows are split between, each in a process of its own with its own "
+        "GPUs (vllm: tensor_parallel_size GPUs each, slices of CUDA_VISIBLE_DEVICES; hf: one GPU each), all writing "
+        "the one capture directory and manifest; the shards are the same bytes for any number of engines, and a "
+        "rerun resumes every engine's finished shards (eagle3.capture.engines)")
     batch_tokens: int = Field(8192, gt=0, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
     max_model_len: int | None = Field(None, gt=0, description="Engine max_model_len (default: longest prepared sample)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
