@@ -116,40 +116,57 @@ def as_stage_config(stage: str, config: StageConfig | dict[str, Any]) -> StageCo
     return build_stage_config(stage, dict(config), source=f"{stage} task parameters")
 
 
-def gpu_limit_name() -> str | None:
-    """Name of the global concurrency limit guarding this host's GPUs, from EAGLE3_GPU_LIMIT (the GPU
-    deployments set it, e.g. "gpu-host-{host}"); None on the embedded default (no limit). {host} is
-    EAGLE3_NODE_NAME when set (a Kubernetes pod's hostname is the pod's, not the GPU node's: set it from the
-    downward API's spec.nodeName), else the hostname."""
+def gpu_limit_names() -> list[str]:
+    """Names of the global concurrency limits guarding the GPUs this process uses, from EAGLE3_GPU_LIMIT (the GPU
+    deployments set it, e.g. "gpu-host-{host}"); [] on the embedded default (no limit). {host} is EAGLE3_NODE_NAME
+    when set (a Kubernetes pod's hostname is the pod's, not the GPU node's: set it from the downward API's
+    spec.nodeName), else the hostname. {device} keys the slot per GPU: one name per GPU this process sees
+    (CUDA_VISIBLE_DEVICES's entries; unset: every GPU of the host, "cpu" on a host without one), so that one gpu-1x
+    worker per GPU (each started with its own CUDA_VISIBLE_DEVICES) runs one stage per GPU side by side, while a
+    stage that sees all of them (a gpu-8x worker) takes every GPU's slot."""
     template = os.environ.get("EAGLE3_GPU_LIMIT", "").strip()
+    if not template:
+        return []
     host = os.environ.get("EAGLE3_NODE_NAME", "").strip() or socket.gethostname()
-    return template.format(host=host).lower() if template else None
+    devices = visible_devices() if "{device}" in template else [""]
+    return [template.format(host=host, device=dev).lower() for dev in devices]
+
+
+def visible_devices() -> list[str]:
+    """The GPUs a stage of this process would use: CUDA_VISIBLE_DEVICES's entries, else all the host has."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()] or ["none"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] or ["cpu"]
 
 
 @contextlib.contextmanager
 def gpu_slot(stage: str, waited: dict[str, float] | None = None):
-    """Hold this host's GPU slot (strict: a missing limit is an error, never a silent free-for-all).
-    The seconds spent waiting for it go to waited["slot_wait_s"].
+    """Hold this host's GPU slot(s) (strict: a missing limit is an error, never a silent free-for-all).
+    The seconds spent waiting for them go to waited["slot_wait_s"].
 
     Not first-come-first-served: Prefect's global concurrency limits keep no queue; a waiter that gets
     423 Locked sleeps the server's Retry-After and asks again, so after a release whichever waiter asks
     first wins (docs/operations.md, "The GPU slot", gives the arrival-order setup: a work pool
     concurrency limit, whose runs the server hands out oldest first)."""
-    name = gpu_limit_name() if stage in SUBPROCESS_STAGES else None
+    names = gpu_limit_names() if stage in SUBPROCESS_STAGES else []
     t0 = time.time()
-    if not name:
+    if not names:
         if waited is not None:
             waited["slot_wait_s"] = 0.0
         yield
         return
     from prefect.concurrency.sync import concurrency
 
-    get_run_logger().info("stage %s: waiting for GPU slot %r", stage, name)
-    with concurrency(name, occupy=1, strict=True, lease_duration=GPU_LEASE_S):
+    shown = ", ".join(repr(n) for n in names)
+    get_run_logger().info("stage %s: waiting for GPU slot %s", stage, shown)
+    with concurrency(names, occupy=1, strict=True, lease_duration=GPU_LEASE_S):
         wait_s = time.time() - t0
         if waited is not None:
             waited["slot_wait_s"] = round(wait_s, 2)
-        get_run_logger().info("stage %s: got GPU slot %r after %.1f s", stage, name, wait_s)
+        get_run_logger().info("stage %s: got GPU slot %s after %.1f s", stage, shown, wait_s)
         yield
 
 

@@ -294,6 +294,11 @@ class CaptureConfig(StageConfig):
     )
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: worker extension in a vLLM engine; hf: transformers forward")
     tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size (vllm backend)")
+    num_engines: Count = Field(
+        1, gt=0, description="Engines the prepared rows are split between, each in a process of its own with its own "
+        "GPUs (vllm: tensor_parallel_size GPUs each, slices of CUDA_VISIBLE_DEVICES; hf: one GPU each), all writing "
+        "the one capture directory and manifest; the shards are the same bytes for any number of engines, and a "
+        "rerun resumes every engine's finished shards (eagle3.capture.engines)")
     batch_tokens: Count = Field(8192, gt=0, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
     max_model_len: Count | None = Field(None, gt=0, description="Engine max_model_len (default: longest prepared sample)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -385,9 +390,16 @@ class TrainConfig(StageConfig):
         "next machine (same GPU type and software), and that run's first step skips the compile: two fresh H200s, "
         "51 s -> 6 s. A path to an existing FILE is read and rewritten as a torch.compiler.save_cache_artifacts "
         "bundle (earlier versions' format)")
-    parallel: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="Under torchrun: ddp replicates the draft; fsdp shards it (FSDP2) for large drafts"
-    )
+    parallel: Literal["auto", "ddp", "fsdp2", "fsdp"] = Field(
+        "auto", description="Under torchrun: ddp replicates the draft on every GPU; fsdp2 shards its weights, "
+        "gradients and AdamW state over the GPUs (torch FSDP2 fully_shard), for drafts whose replicas do not fit; "
+        "auto = fsdp2 when the trainable weights + gradients + AdamW state (16 B per parameter) exceed "
+        "a quarter of one GPU's memory, else ddp. fsdp is read as fsdp2. One process: neither")
+
+    @field_validator("parallel", mode="after")
+    @classmethod
+    def _fsdp_is_fsdp2(cls, v: str) -> str:
+        return "fsdp2" if v == "fsdp" else v
     draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
     aux_layer_ids: list[LayerId] | None = Field(
         None,

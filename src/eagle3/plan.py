@@ -375,7 +375,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     train = _train_rate(hw, num_gpus, d_flops, anchors, train_tokens)
     if pipe.train.parallel == "ddp" and d_params * 16 > 0.5 * hw.memory_gb * 1e9:
         notes.append(f"draft has {d_params / 1e9:.2f} B trainable parameters = {d_params * 16 / 1e9:.0f} GB of fp32 "
-                     "weights + grads + AdamW state per GPU under ddp: use train.parallel fsdp")
+                     "weights + grads + AdamW state per GPU under ddp: use train.parallel fsdp2 (or auto)")
 
     total_need = st.total_bytes + reserve
     if total_need <= disk:

@@ -27,7 +27,7 @@ from eagle3.io import read_json, sha256_file, sha256_json, write_json
 from eagle3.lock import dir_lock
 from eagle3.plan import estimate_storage
 
-from . import storage
+from . import engines, storage
 from .storage import (
     LAST_SEMANTICS,
     LAYER_SEMANTICS,
@@ -245,19 +245,22 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     if progress is not None and progress.get("shards"):
         check_same_weights({"target": hashed["target"], **progress}, ci.target_fingerprint,
                            out / storage.PROGRESS, f"the capture in {out} was started with")
-    shards = load_progress(out, config_hash)
+    # several engines (eagle3.capture.engines): they capture every shard; the manifest below is written as for one
+    ran = engines.capture_with_engines(cfg, ci, config_hash, llm) if engines.wanted(cfg, out) else None
+    shards = ran.shards if ran is not None else load_progress(out, config_hash)
     start = shards[-1]["next_index"] if shards else 0
-    resumed = len(shards)
+    resumed = ran.num_resumed if ran is not None else len(shards)
 
     remaining_tokens = int(lengths[start:].sum())
     est = estimate_storage(len(aux_layer_ids), info.hidden_size, cfg.storage_dtype, remaining_tokens)
     bpt, needed = est.bytes_per_token, est.total_bytes
-    print(
-        f"capture: {n_total - start} samples / {remaining_tokens} tokens to go (resuming after {resumed} shards); "
-        f"{bpt} bytes/token -> {needed / 1e9:.3f} GB needed in {out}",
-        file=sys.stderr, flush=True,
-    )
-    _disk_check(out, est, cfg.min_free_disk_gb, lengths[start:].tolist())
+    if ran is None:
+        print(
+            f"capture: {n_total - start} samples / {remaining_tokens} tokens to go (resuming after {resumed} shards); "
+            f"{bpt} bytes/token -> {needed / 1e9:.3f} GB needed in {out}",
+            file=sys.stderr, flush=True,
+        )
+        _disk_check(out, est, cfg.min_free_disk_gb, lengths[start:].tolist())
 
     store_dtype = TORCH_DTYPES[cfg.storage_dtype]
     n_aux = len(aux_layer_ids)
@@ -326,6 +329,8 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
             if backend is not None:
                 backend.close()
     cap_s = time.time() - t_cap
+    if ran is not None:
+        cap_s, tokens_now, backend_info = ran.capture_s, ran.num_tokens, ran.info
 
     skipped: dict[str, int] = {}
     for s in shards:

@@ -253,6 +253,9 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     if cfg.writer == "worker":
         raise ConfigError("capture.writer = 'worker' is not supported in streaming mode yet (the spool writes each "
                           "shard in the driver after waiting for room): set capture.writer: driver for stream-capture")
+    if cfg.num_engines > 1:
+        raise ConfigError(f"capture.num_engines = {cfg.num_engines} is not supported in streaming mode yet (one "
+                          "producer fills the spool in order): set capture.num_engines: 1 for stream-capture")
     cfg = resolve_compute_dtype(cfg)
     ci = load_capture_inputs(cfg)
     info, aux_layer_ids, ds, n_total, lengths = ci.info, ci.aux_layer_ids, ci.ds, ci.n_total, ci.lengths

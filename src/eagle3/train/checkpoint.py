@@ -1,10 +1,12 @@
 """Checkpoints and draft dirs of a training run: what is written, how it is read back, and resume.
 
     checkpoints/step-N/   model.safetensors (draft minus the frozen embedding, fp32; the weight average when
-                          ema_decay > 0, the raw weights then in raw.safetensors), optimizer.pt (optimizer +
-                          scheduler; under FSDP scheduler only, plus optimizer/rank-R-of-W.pt shards),
-                          trainer_state.json (step, loader epoch/cursor, best), rng.pt, eagle3_draft.json
-                          (the run's settings and input identities: resume_inputs compares them)
+                          ema_decay > 0, the raw weights then in raw.safetensors), optimizer.pt (the full optimizer
+                          state as one process keys it, whatever the world size, + scheduler; checkpoints of
+                          earlier FSDP runs: scheduler only, plus optimizer/rank-R-of-W.pt shards),
+                          trainer_state.json (step, loader epoch/cursor, best, world size and rows per step),
+                          rng.pt, eagle3_draft.json (the run's settings and input identities: resume_inputs
+                          compares them)
     best/, final/         model.safetensors + eagle3_draft.json (the draft's metadata, `draft_metadata`)
 
 Every file is written under a temp name and renamed (eagle3.io); a checkpoint that does not read back whole is
@@ -103,30 +105,27 @@ def _save_weights(model, path: Path) -> None:
 
 
 def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: dict,
-                    optim_shards: Path | None = None, raw=None, num_skipped_steps: int = 0) -> Path:
-    """`model`: Eagle3Draft or a full state dict. `optim_shards`: a dir of per-rank optimizer files (FSDP) that
-    is moved into the checkpoint instead of saving `opt` (whose state is sharded). `raw`: the raw weights when
-    `model` is their moving average (resume reads both)."""
+                    raw=None, num_skipped_steps: int = 0, layout: dict | None = None) -> Path:
+    """`model`: Eagle3Draft or a full state dict. `opt`: the optimizer, or its full state dict
+    (eagle3.train.parallel.full_optimizer_state: what a sharded FSDP2 optimizer saves). `raw`: the raw weights when
+    `model` is their moving average (resume reads both). `layout`: world size and rows per step, kept in
+    trainer_state.json."""
     final = out / "checkpoints" / f"step-{step}"
     # what the directory will hold, named if the disk fills while it is written
     # (eagle3.errors.DiskFullError)
-    needed = (_draft_nbytes(model) * (1 if raw is None else 2)
-              + (tensor_nbytes(opt.state_dict()) if optim_shards is None else 0))
+    optim = opt.state_dict() if isinstance(opt, torch.optim.Optimizer) else opt
+    needed = _draft_nbytes(model) * (1 if raw is None else 2) + tensor_nbytes(optim)
     with atomic_dir(final, needed_bytes=needed) as tmp:
         _save_weights(model, tmp / WEIGHTS)
         if raw is not None:
             _save_weights(raw, tmp / RAW_WEIGHTS)
-        if optim_shards is not None:
-            shutil.move(str(optim_shards), tmp / "optimizer")
-            torch.save({"scheduler": sched.state_dict()}, tmp / "optimizer.pt")
-        else:
-            torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optimizer.pt")
+        torch.save({"optimizer": optim, "scheduler": sched.state_dict()}, tmp / "optimizer.pt")
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng.pt")
         write_json(tmp / "trainer_state.json", {"step": step, **loader.state_dict(), "best": best,
-                                                "num_skipped_steps": num_skipped_steps})
+                                                "num_skipped_steps": num_skipped_steps, **(layout or {})})
         write_json(tmp / METADATA, meta)
     return final
 
@@ -182,11 +181,12 @@ class CheckpointState:
     path: Path
     weights: dict[str, torch.Tensor]
     raw: dict[str, torch.Tensor] | None
-    optimizer: Any  # the full optimizer state, or this rank's shard (FSDP)
+    optimizer: Any  # the full optimizer state, or this rank's shard (the per-rank FSDP layout of earlier versions)
     scheduler: Any
     trainer_state: dict[str, Any]
     rng: dict[str, Any]
     meta: dict[str, Any]  # its eagle3_draft.json: resume compares it with the new run's
+    optimizer_is_shard: bool = False
 
 
 def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = None) -> CheckpointState:
@@ -203,11 +203,14 @@ def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = Non
         if not (ckpt / name).is_file():
             raise CorruptFileError(f"{ckpt / name} is missing: the checkpoint is incomplete")
     st = load_torch_file(ckpt / "optimizer.pt", map_location)
-    if optim_shard is not None:
-        shard = ckpt / "optimizer" / optim_shard
-        if not shard.is_file():
-            raise ConfigError(f"{ckpt} was saved by a different number of FSDP ranks (no {shard.name}); resume with "
-                              "the same world size or set resume: false")
+    is_shard = "optimizer" not in st  # earlier versions' FSDP checkpoints: one optimizer file per rank
+    if is_shard:
+        shard = ckpt / "optimizer" / (optim_shard or "")
+        if optim_shard is None or not shard.is_file():
+            have = sorted(p.name for p in (ckpt / "optimizer").glob("rank-*.pt"))
+            raise ConfigError(f"{ckpt} holds its optimizer state in per-rank FSDP files ({', '.join(have[:2]) or 'none'}"
+                              f"{', ...' if len(have) > 2 else ''}), the layout of earlier versions, which only the "
+                              "same world size under parallel fsdp2 can read: resume that way, or set resume: false")
         optimizer = load_torch_file(shard, map_location)
     else:
         optimizer = st["optimizer"]
@@ -218,7 +221,7 @@ def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = Non
     if (ckpt / METADATA).is_file():
         with corrupt_file_errors(ckpt / METADATA, "checkpoint metadata"):
             meta = migrate_record(json.loads((ckpt / METADATA).read_text()))
-    return CheckpointState(ckpt, weights, raw, optimizer, st["scheduler"], state, rng, meta)
+    return CheckpointState(ckpt, weights, raw, optimizer, st["scheduler"], state, rng, meta, is_shard)
 
 
 def read_latest_good_checkpoint(out: Path, map_location: Any, optim_shard: str | None, say) -> CheckpointState | None:

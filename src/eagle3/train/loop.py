@@ -3,7 +3,10 @@
 Loss normalisation: each micro-batch's loss is sum_j loss_decay**j * (mean soft-CE over its supervised,
 in-draft-vocab rows of step j); micro-batches are averaged (/grad_accum) and DDP/FSDP average over ranks.
 Resume restores weights, optimizer, scheduler, step, loader (epoch, cursor) and RNG, so N steps straight ==
-N/2 + resume + N/2 bit-exactly on CPU fp32 (tests/test_train.py) and across FSDP ranks (checked with gloo).
+N/2 + resume + N/2 bit-exactly on CPU fp32 (tests/test_train.py). Checkpoints hold the full weights and optimizer
+state, so a run resumes at another world size or wrapping (ddp, fsdp2, one process) as long as the rows per
+step (batch_size x grad_accum x world) stay the same: the same rows then make each step, and only the order of
+the floating-point sums differs (tests/test_multi_gpu_train.py, gloo on the CPU).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch
 
-from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, TrainConfig
+from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError, TrainConfig
 from eagle3.integrity import nonfinite_tensors
 from eagle3.model.draft import Eagle3Draft
 from eagle3.train import parallel
@@ -56,6 +59,7 @@ class Run:
     out: Path
     model: Eagle3Draft
     ttt: torch.nn.Module  # TTTModule(model), wrapped for DDP/FSDP
+    parallel: str  # how ttt is wrapped: none, ddp or fsdp2 (eagle3.train.parallel.choose_parallel)
     head: TargetHead
     loader: Any  # PackedLoader or a streaming loader
     val: list  # validation batches (they pick best/)
@@ -71,12 +75,19 @@ class Run:
     t_start: float = field(default_factory=time.perf_counter)
 
     @property
-    def sharded_optim(self) -> bool:
-        return self.cfg.parallel == "fsdp" and self.d.world > 1
+    def optim_shard(self) -> str | None:
+        """This rank's optimizer file in a checkpoint of the per-rank FSDP layout of earlier versions (read only)."""
+        return f"rank-{self.d.rank}-of-{self.d.world}.pt" if self.parallel == "fsdp2" else None
 
     @property
-    def optim_shard(self) -> str | None:
-        return f"rank-{self.d.rank}-of-{self.d.world}.pt" if self.sharded_optim else None
+    def global_batch_rows(self) -> int:
+        """Packed rows per optimizer step, over every rank and micro-batch."""
+        return self.cfg.batch_size * self.cfg.grad_accum * self.d.world
+
+    def layout(self) -> dict[str, Any]:
+        """How the steps were split (trainer_state.json): a resume must keep global_batch_rows."""
+        return {"world_size": self.d.world, "parallel": self.parallel, "batch_size": self.cfg.batch_size,
+                "grad_accum": self.cfg.grad_accum, "global_batch_rows": self.global_batch_rows}
 
 
 @dataclass
@@ -109,7 +120,7 @@ def build_optimizer(run: Run) -> None:
     run.params = [p for p in run.model.parameters() if p.requires_grad]
     # fused: one kernel over all tensors on CUDA (the step's AdamW 8.4 ms vs its 2.8 ms byte floor in the H200
     # profile, docs/history/); FSDP2's sharded DTensor params keep the default (foreach) path
-    fused = run.d.device.type == "cuda" and cfg.parallel != "fsdp"
+    fused = run.d.device.type == "cuda" and run.parallel != "fsdp2"
     run.opt = torch.optim.AdamW(run.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                                 fused=fused or None)
     run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lr_lambda(cfg, run.total))
@@ -169,12 +180,18 @@ def resume(run: Run) -> TrainState:
         run.ema.reset()
         if ck.raw is not None:
             load_weights(run, ck.raw, ck.path / RAW_WEIGHTS)
-    run.opt.load_state_dict(ck.optimizer)
+    st = ck.trainer_state
+    check_layout(run, st, ck.path)
+    if ck.optimizer_is_shard:  # the per-rank FSDP layout of earlier versions: this rank's own shard
+        run.opt.load_state_dict(ck.optimizer)
+    else:
+        parallel.load_full_optimizer_state(run.opt, ck.optimizer, str(ck.path / "optimizer.pt"))
     run.sched.load_state_dict(ck.scheduler)
     apply_optimizer_settings(run)
-    st = ck.trainer_state
     run.loader.load_state_dict(st)
-    progress(d, f"resumed from {ck.path} (step {st['step']})")
+    was = st.get("world_size")
+    progress(d, f"resumed from {ck.path} (step {st['step']}" + (f", written by {was} process(es), {st.get('parallel')}"
+                                                                  if was is not None else "") + ")")
     torch.set_rng_state(ck.rng["torch"])
     random.setstate(ck.rng["python"])
     if d.device.type == "cuda" and "cuda" in ck.rng:
@@ -194,6 +211,24 @@ def apply_optimizer_settings(run: Run) -> None:
         group.update(initial_lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         group["lr"] = cfg.lr * lam(sched.last_epoch)
     sched._last_lr = [g["lr"] for g in run.opt.param_groups]
+
+
+def check_layout(run: Run, st: dict[str, Any], path: Path) -> None:
+    """A checkpoint resumes at any world size and wrapping, but only with the rows per optimizer step it was
+    written with: the step count, the lr schedule and the loader position all count steps of that size."""
+    saved = st.get("global_batch_rows")
+    if saved is None or saved == run.global_batch_rows:
+        return
+    cfg, world = run.cfg, run.d.world
+    if saved % (cfg.batch_size * world) == 0:
+        fix = f"set grad_accum: {saved // (cfg.batch_size * world)}"
+    else:
+        fix = f"choose batch_size and grad_accum with batch_size x grad_accum x {world} = {saved}"
+    raise ConfigError(
+        f"{path / 'trainer_state.json'}: written with {saved} packed rows per optimizer step (batch_size "
+        f"{st.get('batch_size')} x grad_accum {st.get('grad_accum')} x {st.get('world_size')} process(es)); this run "
+        f"takes {run.global_batch_rows} (batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} x {world}), which "
+        f"would change the step count and the lr schedule: {fix}, or train into a new out dir")
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -252,10 +287,9 @@ def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, t
         if cfg.supervise == "all":  # every token of every conversation, prompts too (validation: assistant only)
             b.loss_mask = b.doc_ids >= 0  # (B, T)
         sync = micro == cfg.grad_accum - 1 or d.world == 1
-        ctx = run.ttt.no_sync() if not sync and hasattr(run.ttt, "no_sync") else nullcontext()
-        with ctx, torch.autocast(d.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
-            loss, stats = run.ttt(b, run.head, **options)
-        with ctx:
+        with parallel.gradient_sync(run.ttt, sync):  # one context around forward and backward
+            with torch.autocast(d.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+                loss, stats = run.ttt(b, run.head, **options)
             (loss / cfg.grad_accum).backward()
         step_stats += stats
         step_loss += loss.detach() / cfg.grad_accum
@@ -293,18 +327,13 @@ def save(run: Run, state: TrainState, *, save_now: bool, best_now: bool) -> None
     raw = parallel.full_state_dict(run.ttt, d) if run.ema is not None and save_now else None
     full = gather_weights(run)
     refuse_nonfinite(full, f"checkpoint step-{step}", step)
-    shards = None
-    if run.sharded_optim and save_now:
-        shards = run.out / "checkpoints" / f".optim-step-{step}"
-        shards.mkdir(parents=True, exist_ok=True)
-        torch.save(run.opt.state_dict(), shards / run.optim_shard)
-        parallel.barrier(d)
+    optim = parallel.full_optimizer_state(run.opt, d) if save_now else None  # every rank: FSDP2 gathers
     meta = run.draft_metadata(step, state.val_metrics)
     if d.main and best_now:
         save_model_dir(run.out / "best", full, meta)
     if d.main and save_now:
-        ckpt = save_checkpoint(run.out, full, run.opt, run.sched, step, run.loader, state.best, meta,
-                               optim_shards=shards, raw=raw, num_skipped_steps=state.num_skipped)
+        ckpt = save_checkpoint(run.out, full, optim, run.sched, step, run.loader, state.best, meta, raw=raw,
+                               num_skipped_steps=state.num_skipped, layout=run.layout())
         run.loader.on_checkpoint(ckpt)
         gone = prune_checkpoints(run.out, run.cfg.keep_checkpoints, step)
         if gone:
@@ -337,8 +366,9 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
         step = state.step
         if step % cfg.log_every == 0 or step == run.total:
             parallel.all_reduce_sum(train_stats, d)
+            parallel.all_reduce_sum(loss_acc, d)  # the mean over every rank's rows, not rank 0's alone
             m = summarize(train_stats)
-            state.last_loss = loss_acc.item() / n_acc
+            state.last_loss = loss_acc.item() / (n_acc * d.world)
             m.update(loss=state.last_loss, lr=run.sched.get_last_lr()[0],
                      grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
                      epoch=run.loader.epoch_progress())

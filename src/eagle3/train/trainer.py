@@ -322,13 +322,16 @@ def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3D
     total = cfg.max_steps or max(1, math.ceil(rows / per_step))
     progress(d, f"{total} steps of {per_step} x {cfg.max_seq_len} tokens ({rows:.0f} packed rows), "
                 f"{len(val)} validation batches")
-    ttt = parallel.wrap(TTTModule(model), d, fsdp=cfg.parallel == "fsdp")
+    mode = parallel.choose_parallel(cfg.parallel, model, d)
+    if d.world > 1:
+        progress(d, f"{d.world} processes: {mode} (train.parallel {cfg.parallel})")
+    ttt = parallel.wrap(TTTModule(model), d, fsdp=mode == "fsdp2")
 
     def meta(step: int, metrics: dict) -> dict:
         return draft_metadata(cfg, dcfg, inputs.manifest, inputs.target_cfg, step, metrics,
                               inputs.identity, inputs.ids)
 
-    return Run(cfg=cfg, d=d, out=Path(cfg.out), model=model, ttt=ttt, head=head, loader=loader, val=val,
+    return Run(cfg=cfg, d=d, out=Path(cfg.out), model=model, ttt=ttt, parallel=mode, head=head, loader=loader, val=val,
                heldout=heldout, total=total, amp_dtype=amp_dtype, aux_layer_ids=inputs.aux_layer_ids,
                draft_metadata=meta, t_start=t_start)
 
