@@ -232,6 +232,7 @@ def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: a
     return {
         "target": TARGET_NAME, "k": args.k, "max_tokens": args.max_tokens, "rows": rows,
         "goals": goals(rows),
+        "not_evaluated": [n for n in (args.methods.split(",") if args.methods else []) if n not in evals],
         "walls_s": walls(report),
         "peer": {"conversion": read(report / "peer_convert.json"), "check": read(report / "peer_check.json"),
                  "train": read(report / "peer_train.json")},
@@ -330,6 +331,8 @@ def render(r: dict[str, Any]) -> str:
                                       f"{fmt(cell.get(c, {}).get('tau'))}" for c in cats)
                          + f" | {fmt(cost, 3)} | {fmt(cell.get('all', {}).get('modelled_speedup'))} |")
         lines.append("")
+    if r.get("not_evaluated"):
+        lines += [f"Not evaluated in this report (no cached evaluation): {', '.join(r['not_evaluated'])}.", ""]
     if any(isinstance(g, dict) for g in (r.get("goals") or {}).values()):
         lines += ["## Goals (greedy tokens per target step, per category)", ""]
         for key, g in r["goals"].items():
