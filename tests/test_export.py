@@ -26,7 +26,7 @@ def checkpoint(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
     captured = root / "captured"
-    manifest = {"format": "eagle3-capture/1", "aux_layer_ids": [1, 2, 4], "hidden_size": 128, "num_samples": 3,
+    manifest = {"format": "eagle3-capture/1", "aux_layer_ids": [1, 2, 4], "hidden_size": 128, "num_samples": 0,
                 "target": str(tiny_llama), "shards": []}
     write_json(captured / "manifest.json", manifest)
     cfg = TrainConfig(target=str(tiny_llama), captured=str(captured), vocab=str(vocab), out=root / "train")
