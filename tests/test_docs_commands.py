@@ -39,6 +39,8 @@ COVERED_ELSEWHERE = {
     "python scripts/scaling_plans.py": "tests/test_plan.py::test_scaling_doc_figures_come_from_the_command",
     "prefect ": "tests/test_prefect_server.py (a real server, pools, deployments and workers)",
     "EAGLE3_REPO_DIR=$PWD prefect ": "tests/test_prefect_server.py",
+    "EAGLE3_REPO_DIR=$PWD bash scripts/deploy.sh": "tests/test_prefect_server.py (runs deploy.sh)",
+    "python -m eagle3_prefect.flows.worker": "tests/test_prefect_server.py (starts the workers)",
     "eagle3 hardware profile": "not a command: the Prefect block type's name (blocks/eagle3_blocks.py)",
 }
 
