@@ -74,7 +74,7 @@ class RoundCounts:
 
     def acceptance_per_position(self) -> list[float]:
         """α at draft positions 1..k: the share of the rounds that reached position j (accepted
-        j-1 tokens) which accepted its token too (the per-position acceptance docs/NOTES.md
+        j-1 tokens) which accepted its token too (the per-position acceptance docs/history/
         reports; vLLM's own per-position rate divides by every round instead)."""
         accepted = self.accepted_per_position
         reached = [self.num_rounds, *accepted[:-1]]
