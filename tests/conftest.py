@@ -31,6 +31,17 @@ if NUM_WORKERS > 1:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Each test leaves os.environ as it found it: a CLI run in-process quietens the console through
+    the environment (eagle3.console), which subprocesses of later tests would otherwise inherit."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 # The longest test files (sum of their tests' durations,
 # benchmarks/results/history/2026-12-01-suite-time-two-xdist-workers.md), longest first:
 # under xdist they are handed out first so that the short files fill the gaps at the end (files not listed

@@ -31,8 +31,9 @@ def prepared(tiny_llama, tmp_path_factory):
 
 def hf_cfg(target, data, out, **kw) -> CaptureConfig:
     # batch_tokens 120: several rows per hf batch, so a chunk's rows must be batched as one engine batches them
-    return CaptureConfig(target=str(target), data=str(data), out=out, backend="hf", aux_layer_ids=[1, 2, 4],
-                         device="cpu", batch_tokens=120, shard_tokens=150, **kw)
+    base = dict(target=str(target), data=str(data), out=out, backend="hf", aux_layer_ids=[1, 2, 4],
+                device="cpu", batch_tokens=120, shard_tokens=150)
+    return CaptureConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")

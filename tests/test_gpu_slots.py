@@ -94,7 +94,8 @@ def test_two_train_runs_hold_their_own_device_slots_at_once(harness, tiny_llama,
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), OMP_NUM_THREADS="1",
                PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_LOCAL_STORAGE_PATH=str(harness),
-               EAGLE3_GPU_LIMIT=TEMPLATE, EAGLE3_INPROCESS="all", EAGLE3_NODE_NAME=host)
+               EAGLE3_GPU_LIMIT=TEMPLATE, EAGLE3_INPROCESS="all", EAGLE3_NODE_NAME=host,
+               PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL="INFO")  # an earlier CLI test may have quietened it
     procs = []
     for d in (0, 1):  # enough steps that each holds its slot well past the other's start-up
         cfg = train_cfg(tiny_llama, inputs, tmp_path / f"draft{d}", max_steps=120, eval_every=120, save_every=120)

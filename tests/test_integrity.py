@@ -214,7 +214,7 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_one_before(capture, tiny
     res = run_train(_train_cfg(tmp_path / "b", tiny_llama, cap, vocab, **kw))
     err = capfd.readouterr().err
     assert "checkpoint step-4 is unreadable" in err and "truncated or corrupt" in err and "resumed from" in err
-    assert "step-2 (step 2)" in err
+    assert "step-2 (step 2, written by 1 process(es)" in err
     assert res.steps == 6
     wa, wb = load_file(str(straight.final_dir / "model.safetensors")), load_file(str(res.final_dir / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

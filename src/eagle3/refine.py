@@ -465,7 +465,9 @@ def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Pa
     def meta(step: int, metrics: dict) -> dict:
         return output_metadata(plan, step0 + step, metrics, {"round": r})
 
-    run = Run(cfg=tc, d=rt.d, out=out, model=model, ttt=parallel.wrap(TTTModule(model), rt.d),
+    mode = parallel.choose_parallel(tc.parallel, model, rt.d)  # as the trainer wraps it
+    ttt = parallel.wrap(TTTModule(model), rt.d, fsdp=mode == "fsdp2")
+    run = Run(cfg=tc, d=rt.d, out=out, model=model, ttt=ttt, parallel=mode,
               head=rt.head, loader=loader, val=[], heldout=[], total=c.steps_per_round,
               amp_dtype=rt.amp, aux_layer_ids=plan.aux_layer_ids, draft_metadata=meta)
     build_optimizer(run)

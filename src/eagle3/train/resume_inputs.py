@@ -10,11 +10,13 @@ TrainConfig field, what may change:
     same   never, not even with --force-resume: the checkpoint's weights, optimizer state or data
            position mean something else under another value (seed and val_fraction pick the
            train/validation split and the epoch order the loader position counts in; freeze changes
-           the optimizer's parameter list; parallel the optimizer files' layout)
+           the optimizer's parameter list)
     force  with force_resume (a warning lists them; the new values apply from the resumed step on)
     free   any time: no effect on the weights (logging, checkpoint cadence, workers, the init_*
-           settings, which act at step 0 only), or compared by content instead of by path (target,
-           captured, vocab, val_captured, draft: the `inputs` and the draft shape)
+           settings, which act at step 0 only), compared by content instead of by path (target,
+           captured, vocab, val_captured, draft: the `inputs` and the draft shape), or checked by
+           eagle3.train.loop.check_layout instead (parallel, batch_size, grad_accum: a checkpoint
+           resumes at any world size and wrapping with the same packed rows per optimizer step)
 
 The draft's shape (`draft_config` minus dropout, a `force` setting) and the inputs other than the
 validation capture are `same`. Checkpoints written before 2026-12-03 have no `inputs`: eagle3.compat
@@ -32,10 +34,10 @@ from eagle3.config import ConfigError, TrainConfig
 
 SAME, FORCE, FREE = "same", "force", "free"
 
-SAME_FIELDS = ("seed", "val_fraction", "aux_layer_ids", "freeze", "parallel")
+SAME_FIELDS = ("seed", "val_fraction", "aux_layer_ids", "freeze")
 FORCE_FIELDS = (
     "lr", "min_lr_ratio", "schedule", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-    "grad_accum", "epochs", "max_steps", "ttt_steps", "loss_decay", "max_seq_len", "batch_size",
+    "epochs", "max_steps", "ttt_steps", "loss_decay", "max_seq_len",
     "dtype", "supervise", "hidden_noise", "feature_loss_weight", "midlayer_feature_loss_weight",
     "distill_temperature", "copy_weight", "dropout", "ema_decay", "num_speculative_tokens",
     "loss_weighting",
@@ -46,6 +48,7 @@ FREE_FIELDS = (
     "init_head_from_target", "init_layers_from_target", "num_loader_workers", "preload", "resume",
     "verify_capture", "max_nonfinite_steps", "allow_target_mismatch", "force_resume",
     "keep_checkpoints",
+    "parallel", "batch_size", "grad_accum",  # rows per optimizer step: check_layout
 )
 #: TrainConfig field -> same / force / free (module docstring); a test keeps it complete
 RESUME_RULES: dict[str, str] = {
