@@ -171,6 +171,7 @@ def evaluate_one(name: str, temp: str, target: Path, prompts: Path, out: Path, a
                "--max-tokens", str(args.max_tokens), "--top-p", "0.95", "--dtype", args.dtype,
                "--temperatures", temp, "--max-model-len", "2048", "--baseline" if baseline else "--no-baseline"]
         cmd += ["--method", "ngram"] if name == "ngram" else ["--draft", str(out / "drafts" / name)]
+        cmd += ["--allow-target-mismatch"] if args.allow_target_mismatch and name != "ngram" else []
         res.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         sh(cmd, res.parent / "evaluate.log")
@@ -395,6 +396,10 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true",
                     help="evaluate nothing: build the results from the evaluations already cached")
     ap.add_argument("--dtype", default="bfloat16", help="target (and draft) dtype in vLLM")
+    ap.add_argument("--allow-target-mismatch", action="store_true",
+                    help="evaluate drafts whose recorded target differs from OUT/target (evaluate warns, "
+                         "naming what differs): e.g. a config.json written by another transformers "
+                         "version on the GPU host, with the same weights")
     ap.add_argument("--results-name", default="realbench")
     ap.add_argument("--prompts", type=Path, default=None,
                     help="held-out prompts to evaluate instead of the ones the GPU call wrote (e.g. an earlier run's, "
