@@ -51,9 +51,13 @@ def perturb_question(question: str, rng: random.Random) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="GSM8K-style .jsonl with `question`")
-    ap.add_argument("--num", type=int, default=400, help="number of prompts (taken from the end of the file)")
+    ap.add_argument(
+        "--num", type=int, default=400, help="number of prompts (taken from the end of the file)"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--from-start", action="store_true", help="take the first --num rows instead of the last")
+    ap.add_argument(
+        "--from-start", action="store_true", help="take the first --num rows instead of the last"
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]

@@ -27,7 +27,9 @@ class BenchmarkSetup:
     dtype: torch.dtype
 
 
-def synthetic_batch(cfg: DraftConfig, batch_size: int, seq_len: int, device, dtype, docs_per_row: int = 2) -> PackedBatch:
+def synthetic_batch(
+    cfg: DraftConfig, batch_size: int, seq_len: int, device, dtype, docs_per_row: int = 2
+) -> PackedBatch:
     g = torch.Generator().manual_seed(0)
     B, T = batch_size, seq_len
     bounds = torch.linspace(0, T, docs_per_row + 1).long()
@@ -77,12 +79,21 @@ def build_benchmark(
         lm_head=torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02,
         draft_ids=torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values,
     ).to(device, dtype)
-    model.d2t.copy_(head.draft_ids - torch.arange(cfg.draft_vocab_size, device=head.draft_ids.device))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), fused=device != "cpu")
+    model.d2t.copy_(
+        head.draft_ids - torch.arange(cfg.draft_vocab_size, device=head.draft_ids.device)
+    )
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        fused=device != "cpu",
+    )
     batch = synthetic_batch(cfg, batch_size, seq_len, device, dtype)
     if target_argmax:
         flat = batch.last_hidden.reshape(batch_size * seq_len, -1)  # (B*T, Ht)
-        batch.target_argmax = compute_target_argmax(head, flat).reshape(batch_size, seq_len)  # (B, T)
+        batch.target_argmax = compute_target_argmax(head, flat).reshape(
+            batch_size, seq_len
+        )  # (B, T)
     return BenchmarkSetup(model, opt, head, batch, steps, attention, dtype)
 
 
@@ -97,7 +108,6 @@ def run_benchmark_step(s: BenchmarkSetup, grad_clip: float = 0.5) -> StepOutput:
     s.optimizer.step()
     s.optimizer.zero_grad(set_to_none=True)
     return out
-
 
 
 def check_flex(device: str = "cuda") -> dict:
@@ -120,6 +130,8 @@ def check_flex(device: str = "cuda") -> dict:
         w = torch.randn_like(ref)
         ga = torch.autograd.grad((got * w).sum(), leaves)
         gb = torch.autograd.grad((ref * w).sum(), leaves, retain_graph=True)
-        out[kind] = {"max_abs_out": (got - ref).abs().max().item(),
-                     "max_abs_grad": max((a - b).abs().max().item() for a, b in zip(ga, gb, strict=True))}
+        out[kind] = {
+            "max_abs_out": (got - ref).abs().max().item(),
+            "max_abs_grad": max((a - b).abs().max().item() for a, b in zip(ga, gb, strict=True)),
+        }
     return out

@@ -26,7 +26,11 @@ def start_parent_watchdog(interval_s: float = 2.0, grace_s: float = 10.0) -> thr
         while True:
             time.sleep(interval_s)
             if os.getppid() != parent:
-                print(f"stage process: parent {parent} is gone; stopping process group", file=sys.stderr, flush=True)
+                print(
+                    f"stage process: parent {parent} is gone; stopping process group",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for sig in (signal.SIGTERM, signal.SIGKILL):
                     try:
                         os.killpg(os.getpgrp(), sig)
@@ -45,8 +49,10 @@ def main(argv: list[str]) -> int:
     import logging
 
     # the parent copies these lines into the run log; WARNING+ lines stay visible there (eagle3.console)
-    logging.basicConfig(level=os.environ.get("EAGLE3_LOG_LEVEL", "INFO").upper(),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("EAGLE3_LOG_LEVEL", "INFO").upper(),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     # vLLM applies VLLM_LOGGING_LEVEL when its logging is set up, after `import vllm` has already logged
     logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     from eagle3.diagnose import describe_failure
@@ -65,7 +71,16 @@ def main(argv: list[str]) -> int:
         kind = classify_exception(exc)
         traceback.print_exc()
         message = describe_failure(exc) if isinstance(exc, Exception) else None
-        out.write_text(json.dumps({"ok": False, "kind": kind, "type": type(exc).__name__, "message": message or str(exc)}))
+        out.write_text(
+            json.dumps(
+                {
+                    "ok": False,
+                    "kind": kind,
+                    "type": type(exc).__name__,
+                    "message": message or str(exc),
+                }
+            )
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         return {"config": 2, "oom": 3}.get(kind, 1)

@@ -54,7 +54,9 @@ PROGRESS_STAGES = ("capture", "train")
 NUM_RETRIES = int(os.environ.get("EAGLE3_NUM_RETRIES", "2"))
 #: lease on the GPU slot: renewed every 3/4 of it while the stage runs; a holder whose host died frees the slot
 #: when its lease runs out (Prefect's repossessor), so this bounds how long the stage's next run waits for it
-GPU_LEASE_S = max(60.0, float(os.environ.get("EAGLE3_GPU_LEASE_S", "120")))  # Prefect's minimum is 60 s
+GPU_LEASE_S = max(
+    60.0, float(os.environ.get("EAGLE3_GPU_LEASE_S", "120"))
+)  # Prefect's minimum is 60 s
 RETRY_BASE_S = float(os.environ.get("EAGLE3_RETRY_BASE_S", "10"))
 #: the stage tasks' cache records (Prefect's result storage) go to <work_dir>/.prefect-results, not
 #: to Prefect's process-wide default (~/.prefect/storage whatever PREFECT_HOME says): each work
@@ -69,9 +71,11 @@ def _load_storage_block(ref: str) -> Any:
     try:
         return Block.load(ref)
     except ValueError as e:
-        raise ConfigError(f"EAGLE3_RESULT_STORAGE = {ref!r}: no such block on this server ({e}); "
-                          "save a filesystem block first (e.g. remote-file-system/<name>) or unset "
-                          "it to keep the cache records under the work dir") from None
+        raise ConfigError(
+            f"EAGLE3_RESULT_STORAGE = {ref!r}: no such block on this server ({e}); "
+            "save a filesystem block first (e.g. remote-file-system/<name>) or unset "
+            "it to keep the cache records under the work dir"
+        ) from None
 
 
 def result_storage(cache_dir: str | Path | None) -> Any:
@@ -90,7 +94,9 @@ def result_storage(cache_dir: str | Path | None) -> Any:
 
 def runs_in_subprocess(stage: str) -> bool:
     """GPU stages run in a subprocess, unless EAGLE3_INPROCESS names them ("all" or "capture,train")."""
-    inproc = {s.strip() for s in os.environ.get("EAGLE3_INPROCESS", "").lower().split(",") if s.strip()}
+    inproc = {
+        s.strip() for s in os.environ.get("EAGLE3_INPROCESS", "").lower().split(",") if s.strip()
+    }
     return stage in SUBPROCESS_STAGES and not (inproc & {"1", "all", "true", stage})
 
 
@@ -100,14 +106,19 @@ class StageCachePolicy(CachePolicy):
 
     stage: str = ""
 
-    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
-                    **kwargs: Any) -> str | None:
-        return stage_cache_key(self.stage, inputs["config"], slim_upstream(inputs.get("upstream") or {}))
+    def compute_key(
+        self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+    ) -> str | None:
+        return stage_cache_key(
+            self.stage, inputs["config"], slim_upstream(inputs.get("upstream") or {})
+        )
 
 
 def slim_upstream(upstream: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """What a stage needs to know about its inputs: where they are and their content hash."""
-    return {k: {"out": m["out"], "content_sha256": m["content_sha256"]} for k, m in upstream.items()}
+    return {
+        k: {"out": m["out"], "content_sha256": m["content_sha256"]} for k, m in upstream.items()
+    }
 
 
 def as_stage_config(stage: str, config: StageConfig | dict[str, Any]) -> StageConfig:
@@ -170,19 +181,26 @@ def gpu_slot(stage: str, waited: dict[str, float] | None = None):
         yield
 
 
-def call_library(stage: str, cfg: StageConfig, on_progress=None,
-                 waited: dict[str, float] | None = None) -> dict[str, Any]:
+def call_library(
+    stage: str, cfg: StageConfig, on_progress=None, waited: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Run the library function for `stage`, in a subprocess for GPU stages; return its result as JSON.
     The GPU slot wait goes to waited["slot_wait_s"] (not stage time)."""
     with gpu_slot(stage, waited):
         if runs_in_subprocess(stage):
-            return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger(),
-                                        on_progress=on_progress, probe=make_probe(stage, cfg))
+            return run_stage_subprocess(
+                stage,
+                cfg.model_dump(mode="json"),
+                log=get_run_logger(),
+                on_progress=on_progress,
+                probe=make_probe(stage, cfg),
+            )
         return jsonable(run_stage_function(stage, cfg))
 
 
-def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: dict[str, Any],
-                  run_name: str) -> dict[str, Any]:
+def execute_stage(
+    stage: str, config: StageConfig | dict[str, Any], upstream: dict[str, Any], run_name: str
+) -> dict[str, Any]:
     """The body of every stage task: prepare the output dir, call the library, stamp, report."""
     logger = get_run_logger()
     cfg = as_stage_config(stage, config)
@@ -192,18 +210,30 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
     ok, _ = verify_outputs(out, key)
     if ok:  # intact output of this very key (e.g. Prefect's result storage was wiped): adopt it
         stamp = read_stamp(out) or {}
-        logger.info("stage %s: %s already holds verified output of key %s; not re-running", stage, out, key)
+        logger.info(
+            "stage %s: %s already holds verified output of key %s; not re-running", stage, out, key
+        )
         return {k: stamp.get(k) for k in MANIFEST_KEYS}
     action = prepare_out_dir(stage, out, key)
     resumes = action.startswith(("resuming", "damaged"))
     resumed_from = describe_resume_point(stage, out) if resumes else None
-    logger.info("stage %s: key %s, output %s (%s%s)", stage, key, out, action,
-                f": from {resumed_from}" if resumed_from else "")
+    logger.info(
+        "stage %s: key %s, output %s (%s%s)",
+        stage,
+        key,
+        out,
+        action,
+        f": from {resumed_from}" if resumed_from else "",
+    )
     write_stamp(out, {"stage": stage, "key": key, "status": "running", "started_at": time.time()})
     progress = artifacts.Progress(run_name, stage) if stage in PROGRESS_STAGES else None
     t0, waited = time.time(), {"slot_wait_s": 0.0}
-    result = call_library(stage, cfg, on_progress=progress.update if progress else None, waited=waited)
-    wall_s = time.time() - t0 - waited["slot_wait_s"]  # running time only; the slot wait is reported apart
+    result = call_library(
+        stage, cfg, on_progress=progress.update if progress else None, waited=waited
+    )
+    wall_s = (
+        time.time() - t0 - waited["slot_wait_s"]
+    )  # running time only; the slot wait is reported apart
     if progress:
         progress.update(1.0)
     files = list_outputs(out)
@@ -219,8 +249,17 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
         "resumed_from": resumed_from,
         "result": result,
     }
-    write_stamp(out, {**manifest, "status": "done", "files": files, "upstream": upstream,
-                      "config": config_dict(cfg), "finished_at": time.time()})
+    write_stamp(
+        out,
+        {
+            **manifest,
+            "status": "done",
+            "files": files,
+            "upstream": upstream,
+            "config": config_dict(cfg),
+            "finished_at": time.time(),
+        },
+    )
     artifacts.stage_summary(run_name, manifest, action)
     if stage == "train":
         artifacts.train_metrics(run_name, out)
@@ -245,7 +284,9 @@ def _stage_task(stage: str):
         persist_result=True,
         result_serializer="json",
         retries=NUM_RETRIES,
-        retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S) if RETRY_BASE_S > 0 else 0,
+        retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S)
+        if RETRY_BASE_S > 0
+        else 0,
         retry_jitter_factor=0.2 if RETRY_BASE_S > 0 else None,
         retry_condition_fn=retry_transient_only,
         log_prints=False,  # in-process libraries print progress noise; GPU stages stream via the logger
@@ -256,9 +297,16 @@ def _stage_task(stage: str):
 STAGE_TASKS = {name: _stage_task(name) for name, s in STAGES.items() if s.kind != "stream"}
 
 
-def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any]] | None = None, *,
-              run_name: str = "eagle3", deployment: str | None = None,
-              gpu_limit: str | None = None, cache_dir: str | Path | None = None) -> dict[str, Any]:
+def run_stage(
+    stage: str,
+    config: StageConfig,
+    upstream: dict[str, dict[str, Any]] | None = None,
+    *,
+    run_name: str = "eagle3",
+    deployment: str | None = None,
+    gpu_limit: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> dict[str, Any]:
     """Run one stage through its task (or, with `deployment`, as a run of that deployment on its
     work pool), honouring a cache hit only when the stamped outputs still verify. The returned
     manifest has `cached: true` when the stage did not execute. cache_dir: where the cache records
@@ -269,10 +317,20 @@ def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any
     if deployment:
         from eagle3_prefect.tasks.dispatch import dispatch_stage
 
-        t = dispatch_stage.with_options(cache_policy=StageCachePolicy(stage=stage), name=f"dispatch-{stage}",
-                                        task_run_name=f"{stage}@{deployment.split('/')[0]}")
-        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment,
-                       gpu_limit, str(Path(cache_dir).resolve()) if cache_dir else None)
+        t = dispatch_stage.with_options(
+            cache_policy=StageCachePolicy(stage=stage),
+            name=f"dispatch-{stage}",
+            task_run_name=f"{stage}@{deployment.split('/')[0]}",
+        )
+        args: tuple = (
+            stage,
+            config.model_dump(mode="json"),
+            upstream,
+            run_name,
+            deployment,
+            gpu_limit,
+            str(Path(cache_dir).resolve()) if cache_dir else None,
+        )
     else:
         t, args = STAGE_TASKS[stage], (config, upstream, run_name)
     storage = result_storage(cache_dir)

@@ -31,6 +31,7 @@ if NUM_WORKERS > 1:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+
 @pytest.fixture(autouse=True)
 def restore_environment():
     """Each test leaves os.environ as it found it: a CLI run in-process quietens the console through
@@ -47,10 +48,24 @@ def restore_environment():
 # under xdist they are handed out first so that the short files fill the gaps at the end (files not listed
 # follow in collection order).
 LONGEST_FILES = (
-    "test_prefect_server.py", "test_flows.py", "test_kimi_k25.py", "test_export.py", "test_smollm2.py",
-    "test_evaluate.py", "test_capture.py", "test_stream.py", "test_train_step_bench.py", "test_train.py",
-    "test_regenerate.py", "test_capture_fp8.py", "test_synthesize.py", "test_sampling_fix.py", "test_eagle31.py",
-    "test_integrity.py", "test_capture_resume.py", "test_model.py",
+    "test_prefect_server.py",
+    "test_flows.py",
+    "test_kimi_k25.py",
+    "test_export.py",
+    "test_smollm2.py",
+    "test_evaluate.py",
+    "test_capture.py",
+    "test_stream.py",
+    "test_train_step_bench.py",
+    "test_train.py",
+    "test_regenerate.py",
+    "test_capture_fp8.py",
+    "test_synthesize.py",
+    "test_sampling_fix.py",
+    "test_eagle31.py",
+    "test_integrity.py",
+    "test_capture_resume.py",
+    "test_model.py",
 )
 
 
@@ -62,8 +77,15 @@ LONGEST_FILES = (
 # took >= 3 s on a 2-core CPU, 2026-12-03). In the quick tier, tests/quick_guard stops any test that
 # would still start an engine or a Prefect API.
 FIXTURE_MARKS = {
-    "vllm": {"llama_engine", "vllm_llama", "llm", "smol_engine", "smol_capture", "chatml_llm",
-             "vllm_loads"},
+    "vllm": {
+        "llama_engine",
+        "vllm_llama",
+        "llm",
+        "smol_engine",
+        "smol_capture",
+        "chatml_llm",
+        "vllm_loads",
+    },
     "prefect": {"prefect_harness", "stack"},
 }
 MARKED_HERE = {
@@ -105,7 +127,9 @@ MARKED_HERE = {
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "prefect: runs a Prefect flow or API server (not in --quick)")
+    config.addinivalue_line(
+        "markers", "prefect: runs a Prefect flow or API server (not in --quick)"
+    )
 
 
 def add_quick_tier_marks(item) -> None:
@@ -124,7 +148,9 @@ def pytest_collection_modifyitems(config, items):
         add_quick_tier_marks(item)
     if NUM_WORKERS > 1:
         rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+        items.sort(
+            key=lambda item: rank.get(item.path.name, len(rank))
+        )  # stable: order within a file kept
 
 
 REFBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "refbench"
@@ -134,14 +160,18 @@ REFBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "refbench"
 def tiny_llama(tmp_path_factory) -> Path:
     from eagle3.testing.tiny import TinySpec, build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("tiny") / "llama", TinySpec(arch="llama", num_layers=5))
+    return build_tiny_target(
+        tmp_path_factory.mktemp("tiny") / "llama", TinySpec(arch="llama", num_layers=5)
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     from eagle3.testing.tiny import TinySpec, build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("tiny") / "qwen3", TinySpec(arch="qwen3", num_layers=6, seed=1))
+    return build_tiny_target(
+        tmp_path_factory.mktemp("tiny") / "qwen3", TinySpec(arch="qwen3", num_layers=6, seed=1)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -150,7 +180,8 @@ def tiny_llama_plain(tmp_path_factory) -> Path:
     from eagle3.testing.tiny import TinySpec, build_tiny_target
 
     return build_tiny_target(
-        tmp_path_factory.mktemp("tiny") / "llama_plain", TinySpec(arch="llama", num_layers=4, generation_markers=False)
+        tmp_path_factory.mktemp("tiny") / "llama_plain",
+        TinySpec(arch="llama", num_layers=4, generation_markers=False),
     )
 
 
@@ -171,7 +202,10 @@ def smollm2() -> Path:
     out = default_cache_dir() / "targets" / "smollm2-135m-instruct"
     out.parent.mkdir(parents=True, exist_ok=True)
     # one fetch at a time: the xdist workers share the cache, and a second fetch swaps the directory in again
-    with open(out.parent / ".smollm2-135m-instruct.fetch.lock", "a") as lock, contextlib.ExitStack() as unlock:
+    with (
+        open(out.parent / ".smollm2-135m-instruct.fetch.lock", "a") as lock,
+        contextlib.ExitStack() as unlock,
+    ):
         fcntl.flock(lock, fcntl.LOCK_EX)
         unlock.callback(fcntl.flock, lock, fcntl.LOCK_UN)
         try:
@@ -187,5 +221,9 @@ def tiny_chatml(tmp_path_factory) -> Path:
     rewritten to write English-ish words and end its turns (eagle3.testing.tiny.make_word_emitter)."""
     from eagle3.testing.tiny import TinySpec, build_tiny_target, make_word_emitter
 
-    return make_word_emitter(build_tiny_target(tmp_path_factory.mktemp("tiny") / "chatml",
-                                               TinySpec(arch="llama", num_layers=2, chatml=True)))
+    return make_word_emitter(
+        build_tiny_target(
+            tmp_path_factory.mktemp("tiny") / "chatml",
+            TinySpec(arch="llama", num_layers=2, chatml=True),
+        )
+    )

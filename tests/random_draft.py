@@ -69,7 +69,9 @@ def build_random_draft(
         raise ValueError(f"aux_layer_ids must be in 0..{L} for a {L}-layer target, got {aux}")
     if len(set(aux)) != len(aux):
         # vLLM collects each aux layer once, so duplicates would break the fc input width
-        raise ValueError(f"aux_layer_ids has duplicates {aux} (the default for a {L}-layer target); pass distinct ids, e.g. [1, {L // 2}, {L - 1}]")
+        raise ValueError(
+            f"aux_layer_ids has duplicates {aux} (the default for a {L}-layer target); pass distinct ids, e.g. [1, {L // 2}, {L - 1}]"
+        )
     torch_dtype = getattr(torch, dtype)
 
     g = torch.Generator().manual_seed(seed)
@@ -98,7 +100,11 @@ def build_random_draft(
         "d2t": torch.zeros(dv, dtype=torch.int64),
         "t2d": torch.arange(V) < dv,
     }
-    rope = {k: tcfg[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if tcfg.get(k) is not None}
+    rope = {
+        k: tcfg[k]
+        for k in ("rope_parameters", "rope_theta", "rope_scaling")
+        if tcfg.get(k) is not None
+    }
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -126,4 +132,6 @@ def build_random_draft(
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return RandomDraft(path=out, aux_layer_ids=aux, draft_vocab_size=dv, vocab_size=V, hidden_size=H)
+    return RandomDraft(
+        path=out, aux_layer_ids=aux, draft_vocab_size=dv, vocab_size=V, hidden_size=H
+    )

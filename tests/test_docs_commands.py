@@ -30,8 +30,12 @@ from eagle3.config import load_pipeline_config
 from eagle3.stages import stage_names
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/scaling.md", "benchmarks/README.md",
-        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "decisions").glob("*.md")))
+DOCS = (
+    "README.md",
+    "docs/scaling.md",
+    "benchmarks/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "decisions").glob("*.md")),
+)
 PRESETS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml"))
 
 #: documented commands run by other tests (command prefix -> where)
@@ -45,8 +49,16 @@ COVERED_ELSEWHERE = {
 }
 
 #: placeholder -> value when parsing (FILE of `eagle3 plan` / `run` is every preset instead)
-PLACEHOLDERS = {"T": "target", "D": "chats.jsonl", "DIR": "out", "PREPARED": "prepared", "N": "8", "FILE": "x.yaml",
-                "DIR[,DIR...]": "a,b", "your.yaml": "configs/demo.yaml"}
+PLACEHOLDERS = {
+    "T": "target",
+    "D": "chats.jsonl",
+    "DIR": "out",
+    "PREPARED": "prepared",
+    "N": "8",
+    "FILE": "x.yaml",
+    "DIR[,DIR...]": "a,b",
+    "your.yaml": "configs/demo.yaml",
+}
 
 
 def documented_commands() -> list[tuple[str, str, bool]]:
@@ -59,7 +71,9 @@ def documented_commands() -> list[tuple[str, str, bool]]:
         for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
             lines = block.replace("\\\n", " ").splitlines()
             # a shell block is all commands; in any other block only `$ ` lines are (the rest is output)
-            prompted = lang not in ("bash", "sh", "shell") or any(line.startswith("$ ") for line in lines)
+            prompted = lang not in ("bash", "sh", "shell") or any(
+                line.startswith("$ ") for line in lines
+            )
             for line in lines:
                 if prompted and not line.startswith("$ "):
                     continue  # a command's printed output
@@ -83,16 +97,21 @@ def check_benchmark(cmd: str, capsys) -> None:
     script = next(a for a in argv if a.startswith("benchmarks/"))
     path = ROOT / script
     assert path.is_file(), f"`{cmd}`: {script} does not exist"
-    rest = argv[argv.index(script) + 1:]
-    own = rest[:rest.index("--")] if "--" in rest else rest
+    rest = argv[argv.index(script) + 1 :]
+    own = rest[: rest.index("--")] if "--" in rest else rest
     text = path.read_text()
     for flag in (a.split("=")[0] for a in own if a.startswith("--")):
         assert f'"{flag}"' in text or f"{flag})" in text, f"`{cmd}`: {script} defines no {flag}"
     if script == "benchmarks/gpu_call.sh" and own[:1] == ["run"]:
-        p = subprocess.run(["bash", script, "run", "--dry-run", *own[1:], "--", *rest[len(own) + 1:]], cwd=ROOT,
-                           capture_output=True, text=True, timeout=30)
+        p = subprocess.run(
+            ["bash", script, "run", "--dry-run", *own[1:], "--", *rest[len(own) + 1 :]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert p.returncode == 0, f"`{cmd}`: {p.stderr}"
-        inner = " ".join(rest[len(own) + 1:])
+        inner = " ".join(rest[len(own) + 1 :])
         if re.match(r"python3? -m eagle3\.cli ", inner):
             check_eagle3([shlex.split(inner)[3:]], capsys)
         elif re.match(BENCH, inner):
@@ -101,7 +120,9 @@ def check_benchmark(cmd: str, capsys) -> None:
 
 def expand(cmd: str) -> list[list[str]]:
     """argv lists for `eagle3 ...` with placeholders filled in and `a|b|c` alternatives expanded."""
-    cmd = re.sub(r"\[([^\]]*)\]", r"\1", cmd.replace("DIR[,DIR...]", "a,b"))  # optional parts: include them
+    cmd = re.sub(
+        r"\[([^\]]*)\]", r"\1", cmd.replace("DIR[,DIR...]", "a,b")
+    )  # optional parts: include them
     argv = shlex.split(cmd)[1:]
     options: list[list[str]] = []
     for i, tok in enumerate(argv):
@@ -117,7 +138,11 @@ def expand(cmd: str) -> list[list[str]]:
         else:
             options.append([PLACEHOLDERS.get(tok, tok)])
     combos = [list(p) for p in itertools.product(*options)]
-    if len(options) > 1 and PRESETS in options and any(len(o) > 1 and o is not PRESETS for o in options):
+    if (
+        len(options) > 1
+        and PRESETS in options
+        and any(len(o) > 1 and o is not PRESETS for o in options)
+    ):
         # every preset once and every alternative at least once, not the whole product (each plan costs ~0.5 s)
         alt = next(o for o in options if len(o) > 1 and o is not PRESETS)
         i, j = options.index(PRESETS), options.index(alt)
@@ -140,7 +165,9 @@ def check_eagle3(argvs: list[list[str]], capsys, whole: bool = True) -> None:
     for argv in argvs:
         if not whole:  # a mention in prose: the command and its flags exist
             flags = subcommand_flags(argv[0])
-            assert all(a in flags for a in argv[1:] if a.startswith("--")), f"`eagle3 {shlex.join(argv)}`: unknown flag"
+            assert all(a in flags for a in argv[1:] if a.startswith("--")), (
+                f"`eagle3 {shlex.join(argv)}`: unknown flag"
+            )
             if not set(argv[1:]) & {"--config", "--target", "--draft", "--data", "--checkpoint"}:
                 continue
 
@@ -152,7 +179,9 @@ def check_eagle3(argvs: list[list[str]], capsys, whole: bool = True) -> None:
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:  # argparse's own error (unknown flag, missing argument)
-            raise AssertionError(f"`eagle3 {shlex.join(argv)}` does not parse: {capsys.readouterr().err}") from e
+            raise AssertionError(
+                f"`eagle3 {shlex.join(argv)}` does not parse: {capsys.readouterr().err}"
+            ) from e
         if args.command == "plan" and Path(args.config).is_file():
             rc = main(argv)
             out = capsys.readouterr()
@@ -177,8 +206,13 @@ def test_every_documented_command_works(capsys, monkeypatch):
         elif cmd.startswith("bash scripts/test.sh"):
             check_test_command(cmd)
         elif cmd.startswith("bash scripts/demo.sh"):
-            p = subprocess.run(["bash", "scripts/demo.sh", "--dry-run", *shlex.split(cmd)[2:]], cwd=ROOT,
-                               capture_output=True, text=True, timeout=60)
+            p = subprocess.run(
+                ["bash", "scripts/demo.sh", "--dry-run", *shlex.split(cmd)[2:]],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert p.returncode == 0, p.stderr
             check_eagle3([shlex.split(p.stdout.strip().splitlines()[-1])[1:]], capsys)
         else:
@@ -193,8 +227,13 @@ def check_test_command(cmd: str) -> None:
     """`bash scripts/test.sh [ARGS]` with --dry-run: it accepts ARGS and prints a pytest command that
     pytest parses (the suite itself is what CI runs); --quick selects the quick tier by marks."""
     argv = shlex.split(cmd)[2:]
-    p = subprocess.run(["bash", "scripts/test.sh", "--dry-run", *argv], cwd=ROOT,
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["bash", "scripts/test.sh", "--dry-run", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 0, f"`{cmd}`: {p.stderr}"
     pytest_argv = shlex.split(p.stdout.strip().splitlines()[-1])
     assert pytest_argv[:3] == [".venv/bin/python", "-m", "pytest"], f"`{cmd}` runs {pytest_argv}"
@@ -209,11 +248,29 @@ def test_plan_runs_on_every_preset_without_size_flags(capsys, monkeypatch):
     --num-samples); the preset's plan: section supplies both, and a flag still overrides it."""
     monkeypatch.chdir(ROOT)
     for preset in PRESETS:
-        assert load_pipeline_config(preset).plan.get("target_config"), f"{preset} has no plan.target_config"
-        assert main(["plan", "--config", preset, "--hardware", "b300", "--format", "json"]) == 0, capsys.readouterr().err
+        assert load_pipeline_config(preset).plan.get("target_config"), (
+            f"{preset} has no plan.target_config"
+        )
+        assert main(["plan", "--config", preset, "--hardware", "b300", "--format", "json"]) == 0, (
+            capsys.readouterr().err
+        )
         assert '"mode"' in capsys.readouterr().out
-    assert main(["plan", "--config", "configs/kimi-k2.5.yaml", "--hardware", "b300", "--num-samples", "1234",
-                 "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                "configs/kimi-k2.5.yaml",
+                "--hardware",
+                "b300",
+                "--num-samples",
+                "1234",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert '"num_samples": 1234' in out and "samples from --num-samples" in out
     assert "plan.mean_tokens" in out  # the rest still from the preset

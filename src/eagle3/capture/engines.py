@@ -58,7 +58,9 @@ REPORT_EVERY_S = 5.0
 # ------------------------------------------------------------------------------------------------ the plan
 
 
-def plan_shards(lengths: np.ndarray, shard_tokens: int, length_limit: int | None) -> list[tuple[int, int]]:
+def plan_shards(
+    lengths: np.ndarray, shard_tokens: int, length_limit: int | None
+) -> list[tuple[int, int]]:
     """[(first row, next row)] of every shard, cut where a one-engine capture cuts (eagle3.capture.run): a shard
     closes after the row that brings its captured tokens to shard_tokens; rows that are empty or too long
     (>= length_limit) are skipped and count nothing; trailing skipped rows join the last shard; all rows skipped:
@@ -118,16 +120,22 @@ def visible_gpus() -> list[str]:
         return []
 
 
-def engine_environments(cfg: CaptureConfig, num_engines: int, gpus: list[str] | None = None) -> list[dict[str, str]]:
+def engine_environments(
+    cfg: CaptureConfig, num_engines: int, gpus: list[str] | None = None
+) -> list[dict[str, str]]:
     """The environment each engine's process starts with: its GPUs (CUDA_VISIBLE_DEVICES), or on the CPU its share
     of the cores (OMP_NUM_THREADS, unless set)."""
     gpus = visible_gpus() if gpus is None else gpus
     if cfg.backend == "hf" and cfg.device not in ("auto", "cuda", "cpu"):
-        raise ConfigError(f"capture.device = {cfg.device!r} names one device, but num_engines = {num_engines} "
-                          "engines need one GPU each: use device auto (or cuda) and CUDA_VISIBLE_DEVICES to choose them")
+        raise ConfigError(
+            f"capture.device = {cfg.device!r} names one device, but num_engines = {num_engines} "
+            "engines need one GPU each: use device auto (or cuda) and CUDA_VISIBLE_DEVICES to choose them"
+        )
     on_cpu = not gpus or (cfg.backend == "hf" and cfg.device == "cpu")
     if on_cpu:
-        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // num_engines))
+        threads = os.environ.get("OMP_NUM_THREADS") or str(
+            max(1, (os.cpu_count() or 1) // num_engines)
+        )
         return [{"OMP_NUM_THREADS": threads} for _ in range(num_engines)]
     per = cfg.tensor_parallel_size if cfg.backend == "vllm" else 1
     need = per * num_engines
@@ -136,8 +144,12 @@ def engine_environments(cfg: CaptureConfig, num_engines: int, gpus: list[str] | 
         raise ConfigError(
             f"capture.num_engines = {num_engines} x {what} needs {need} GPUs, but this process sees {len(gpus)} "
             f"({','.join(gpus) or 'none'}): lower num_engines (or tensor_parallel_size), or expose more GPUs with "
-            "CUDA_VISIBLE_DEVICES")
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[e * per:(e + 1) * per])} for e in range(num_engines)]
+            "CUDA_VISIBLE_DEVICES"
+        )
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(gpus[e * per : (e + 1) * per])}
+        for e in range(num_engines)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ progress
@@ -158,7 +170,9 @@ def write_engine_progress(path: Path, config_hash: str, record: dict[str, Any]) 
     write_json(path, {"format": FORMAT, "config_hash": config_hash, **record})
 
 
-def collect_done(out: Path, config_hash: str, plan: list[tuple[int, int]]) -> dict[int, dict[str, Any]]:
+def collect_done(
+    out: Path, config_hash: str, plan: list[tuple[int, int]]
+) -> dict[int, dict[str, Any]]:
     """{shard id: progress entry} of every planned shard an earlier run finished whose file still matches its
     sha256 (from progress.json and the engine progress files). Other shard files and temp files are deleted; the
     entries are merged into MERGED_PROGRESS and this run's engine files start empty."""
@@ -169,14 +183,19 @@ def collect_done(out: Path, config_hash: str, plan: list[tuple[int, int]]) -> di
             continue
         prog = read_json(f)
         if prog.get("config_hash") != config_hash:
-            raise ValueError(f"{f} belongs to a capture with different settings (config_hash "
-                             f"{prog.get('config_hash')} != {config_hash}): use a new --out directory or delete {out} "
-                             "to start over")
+            raise ValueError(
+                f"{f} belongs to a capture with different settings (config_hash "
+                f"{prog.get('config_hash')} != {config_hash}): use a new --out directory or delete {out} "
+                "to start over"
+            )
         for entry in prog.get("shards", []):
             entries.setdefault(entry["file"], entry)
     planned = {shard_name(i): (i, span) for i, span in enumerate(plan)}
-    fits = [e for e in entries.values()
-            if e["file"] in planned and (e["first_index"], e["next_index"]) == planned[e["file"]][1]]
+    fits = [
+        e
+        for e in entries.values()
+        if e["file"] in planned and (e["first_index"], e["next_index"]) == planned[e["file"]][1]
+    ]
     bad = set(storage.corrupt_shards(out, fits))
     done = {planned[e["file"]][0]: e for e in fits if e["file"] not in bad}
     keep = {shard_name(i) for i in done}
@@ -185,7 +204,9 @@ def collect_done(out: Path, config_hash: str, plan: list[tuple[int, int]]) -> di
             f.unlink()
     for f in out.glob(".shard-*.tmp"):  # a killed engine's half-written shard
         f.unlink()
-    write_engine_progress(out / MERGED_PROGRESS, config_hash, {"shards": [done[i] for i in sorted(done)]})
+    write_engine_progress(
+        out / MERGED_PROGRESS, config_hash, {"shards": [done[i] for i in sorted(done)]}
+    )
     for f in out.glob(ENGINE_PROGRESS.format(engine="*")):
         f.unlink()
     return done
@@ -205,7 +226,11 @@ class Engine:
 
     @property
     def devices(self) -> str:
-        return f"GPUs {self.env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in self.env else "CPU"
+        return (
+            f"GPUs {self.env['CUDA_VISIBLE_DEVICES']}"
+            if "CUDA_VISIBLE_DEVICES" in self.env
+            else "CPU"
+        )
 
 
 @dataclass
@@ -219,12 +244,16 @@ class EnginesRun:
     info: dict[str, Any]
 
 
-def capture_with_engines(cfg: CaptureConfig, ci: Any, config_hash: str, llm: Any = None) -> EnginesRun:
+def capture_with_engines(
+    cfg: CaptureConfig, ci: Any, config_hash: str, llm: Any = None
+) -> EnginesRun:
     """Capture the shards of `ci` (eagle3.capture.run.CaptureInputs) not finished yet with cfg.num_engines engines;
     return every shard's entry once all are done (the caller writes the manifest)."""
     if llm is not None:
-        raise ConfigError(f"capture.num_engines = {cfg.num_engines}: each engine starts in a process of its own, so "
-                          "an engine passed to run_capture cannot be used; pass none, or num_engines 1")
+        raise ConfigError(
+            f"capture.num_engines = {cfg.num_engines}: each engine starts in a process of its own, so "
+            "an engine passed to run_capture cannot be used; pass none, or num_engines 1"
+        )
     out = Path(cfg.out)
     plan = plan_shards(ci.lengths, cfg.shard_tokens, ci.length_limit)
     done = collect_done(out, config_hash, plan)
@@ -233,22 +262,32 @@ def capture_with_engines(cfg: CaptureConfig, ci: Any, config_hash: str, llm: Any
     envs = engine_environments(cfg, n)
     engines = [Engine(e, envs[e], todo[e::n]) for e in range(n)]
     remaining = int(sum(ci.lengths[a:b].sum() for a, b in (plan[i] for i in todo)))
-    print(f"capture: {len(plan)} shards, {len(done)} done before; {len(todo)} to go ({remaining} tokens) over {n} "
-          f"engine(s): " + "; ".join(f"engine {g.index} on {g.devices}: {len(g.shards)} shards" for g in engines),
-          file=sys.stderr, flush=True)
+    print(
+        f"capture: {len(plan)} shards, {len(done)} done before; {len(todo)} to go ({remaining} tokens) over {n} "
+        f"engine(s): "
+        + "; ".join(f"engine {g.index} on {g.devices}: {len(g.shards)} shards" for g in engines),
+        file=sys.stderr,
+        flush=True,
+    )
     new: dict[int, dict[str, Any]] = {}
     stats: list[dict[str, Any]] = []
     if todo:
         from eagle3.plan import check_capture_fits, estimate_storage
 
-        est = estimate_storage(len(ci.aux_layer_ids), ci.info.hidden_size, cfg.storage_dtype, remaining)
+        est = estimate_storage(
+            len(ci.aux_layer_ids), ci.info.hidden_size, cfg.storage_dtype, remaining
+        )
         check_capture_fits(out, est, cfg.min_free_disk_gb)
-        new, stats = run_engines(cfg, config_hash, plan, [g for g in engines if g.shards], len(done))
+        new, stats = run_engines(
+            cfg, config_hash, plan, [g for g in engines if g.shards], len(done)
+        )
     entries = {**done, **new}
     missing = [shard_name(i) for i in range(len(plan)) if i not in entries]
     if missing:
-        raise RuntimeError(f"capture: the engines ended without {len(missing)} planned shard(s) ({', '.join(missing[:5])})"
-                           f": run the same capture again to capture them")
+        raise RuntimeError(
+            f"capture: the engines ended without {len(missing)} planned shard(s) ({', '.join(missing[:5])})"
+            f": run the same capture again to capture them"
+        )
     shards = [entries[i] for i in range(len(plan))]
     save_progress(out, config_hash, shards)
     for f in engine_progress_files(out):
@@ -258,8 +297,13 @@ def capture_with_engines(cfg: CaptureConfig, ci: Any, config_hash: str, llm: Any
     return EnginesRun(shards, len(done), sum(s["num_tokens"] for s in stats), capture_s, info)
 
 
-def run_engines(cfg: CaptureConfig, config_hash: str, plan: list[tuple[int, int]], engines: list[Engine],
-                num_done_before: int) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+def run_engines(
+    cfg: CaptureConfig,
+    config_hash: str,
+    plan: list[tuple[int, int]],
+    engines: list[Engine],
+    num_done_before: int,
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
     """Start one process per engine, relay its output (prefixed), stop every engine when one fails (the error
     names it, its devices and its last lines); return the new entries by shard id and each engine's figures."""
     out = Path(cfg.out)
@@ -267,16 +311,29 @@ def run_engines(cfg: CaptureConfig, config_hash: str, plan: list[tuple[int, int]
     with tempfile.TemporaryDirectory(prefix="eagle3-engines-") as tmp:
         try:
             for g in engines:
-                job = {"config": cfg.model_dump(mode="json"), "config_hash": config_hash, "engine": g.index,
-                       "num_engines": cfg.num_engines, "shards": [[i, *plan[i]] for i in g.shards],
-                       "progress": str(out / ENGINE_PROGRESS.format(engine=g.index)), "parent_pid": os.getpid()}
+                job = {
+                    "config": cfg.model_dump(mode="json"),
+                    "config_hash": config_hash,
+                    "engine": g.index,
+                    "num_engines": cfg.num_engines,
+                    "shards": [[i, *plan[i]] for i in g.shards],
+                    "progress": str(out / ENGINE_PROGRESS.format(engine=g.index)),
+                    "parent_pid": os.getpid(),
+                }
                 path = Path(tmp) / f"engine-{g.index}.json"
                 write_json(path, job)
-                g.proc = subprocess.Popen([sys.executable, "-u", "-m", "eagle3.capture.engine_main", str(path)],
-                                          env={**os.environ, **g.env}, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, errors="replace",
-                                          start_new_session=True)
-                g.relay = threading.Thread(target=_relay, args=(g,), daemon=True, name=f"eagle3-engine-{g.index}")
+                g.proc = subprocess.Popen(
+                    [sys.executable, "-u", "-m", "eagle3.capture.engine_main", str(path)],
+                    env={**os.environ, **g.env},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    errors="replace",
+                    start_new_session=True,
+                )
+                g.relay = threading.Thread(
+                    target=_relay, args=(g,), daemon=True, name=f"eagle3-engine-{g.index}"
+                )
                 g.relay.start()
             _wait(engines, out, num_done_before, total)
         finally:
@@ -288,9 +345,17 @@ def run_engines(cfg: CaptureConfig, config_hash: str, plan: list[tuple[int, int]
         ids = {shard_name(i): i for i in g.shards}
         for entry in rec["shards"]:
             new[ids[entry["file"]]] = entry
-        stats.append({"engine": g.index, "devices": g.devices, "num_shards": len(rec["shards"]),
-                      "num_tokens": rec.get("num_tokens", 0), "capture_s": rec.get("capture_s", 0.0),
-                      "start_s": rec.get("start_s"), "tokens_per_s": rec.get("tokens_per_s", 0.0)})
+        stats.append(
+            {
+                "engine": g.index,
+                "devices": g.devices,
+                "num_shards": len(rec["shards"]),
+                "num_tokens": rec.get("num_tokens", 0),
+                "capture_s": rec.get("capture_s", 0.0),
+                "start_s": rec.get("start_s"),
+                "tokens_per_s": rec.get("tokens_per_s", 0.0),
+            }
+        )
     return new, stats
 
 
@@ -305,7 +370,11 @@ def _count_done(out: Path, engines: list[Engine]) -> int:
     n = 0
     for g in engines:
         try:
-            n += len(json.loads((out / ENGINE_PROGRESS.format(engine=g.index)).read_text()).get("shards", []))
+            n += len(
+                json.loads((out / ENGINE_PROGRESS.format(engine=g.index)).read_text()).get(
+                    "shards", []
+                )
+            )
         except (OSError, ValueError):
             pass
     return n
@@ -328,7 +397,8 @@ def _wait(engines: list[Engine], out: Path, num_done_before: int, total: int) ->
                 raise RuntimeError(
                     f"capture engine {g.index} of {len(engines)} ({g.devices}) {how}; the other engines were stopped. "
                     f"Every shard already finished is kept: run the same capture again (any --num-engines) to resume. "
-                    f"Its last output:\n{last}")
+                    f"Its last output:\n{last}"
+                )
         if time.monotonic() - last_report >= REPORT_EVERY_S or not running:
             num = num_done_before + _count_done(out, engines)
             if num != reported:
@@ -355,7 +425,9 @@ def _stop(engines: list[Engine]) -> None:
             g.proc.wait()
     for g in engines:
         if g.proc is not None:
-            _signal_group(g.proc, signal.SIGKILL)  # whatever the engine left in its group (vLLM workers)
+            _signal_group(
+                g.proc, signal.SIGKILL
+            )  # whatever the engine left in its group (vLLM workers)
         if g.relay is not None:
             g.relay.join(timeout=5)
 

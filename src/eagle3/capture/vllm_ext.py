@@ -98,8 +98,9 @@ from typing import Any
 import torch
 
 
-def encode_states(states: torch.Tensor, filled: int, scales: torch.Tensor | None = None,
-                  finite: bool = True) -> dict[str, Any]:
+def encode_states(
+    states: torch.Tensor, filled: int, scales: torch.Tensor | None = None, finite: bool = True
+) -> dict[str, Any]:
     """[T, A+1, H] states (+ [T, A+1] float32 fp8 scales) -> msgpack-safe dict (raw little-endian bytes)."""
     states = states.contiguous()
     enc = {
@@ -141,7 +142,9 @@ def _frombytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tenso
 class CaptureWorkerExtension:
     """Mixed into vLLM's Worker class; every public method is a collective_rpc verb."""
 
-    def eagle3_capture_start(self, aux_layer_ids: list[int], storage_dtype: str | None = None) -> dict[str, Any]:
+    def eagle3_capture_start(
+        self, aux_layer_ids: list[int], storage_dtype: str | None = None
+    ) -> dict[str, Any]:
         """Install the hooks and record `aux_layer_ids` (+ last layer pre-norm) from now on.
 
         storage_dtype (bfloat16/float16/float32/fp8; None = the engine dtype): states are converted to it
@@ -150,14 +153,22 @@ class CaptureWorkerExtension:
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = self.model_runner  # type: ignore[attr-defined]
-        for attr in ("_model_forward", "execute_model", "input_batch", "query_start_loc", "requests"):
+        for attr in (
+            "_model_forward",
+            "execute_model",
+            "input_batch",
+            "query_start_loc",
+            "requests",
+        ):
             if not hasattr(runner, attr):
                 raise RuntimeError(
                     f"eagle3 capture: vLLM model runner {type(runner).__name__} has no `{attr}`; this "
                     "extension supports vLLM's v1 GPUModelRunner/CPUModelRunner (unset VLLM_USE_V2_MODEL_RUNNER)"
                 )
         if get_pp_group().world_size > 1:
-            raise RuntimeError("eagle3 capture: pipeline parallel is not supported; use tensor_parallel_size")
+            raise RuntimeError(
+                "eagle3 capture: pipeline parallel is not supported; use tensor_parallel_size"
+            )
         model = runner.get_model()
         if not hasattr(model, "set_aux_hidden_state_layers"):
             raise RuntimeError(
@@ -172,7 +183,9 @@ class CaptureWorkerExtension:
         model.set_aux_hidden_state_layers(tuple(ids))
         self._eagle3_perm = [ids.index(k) for k in want]
         self._eagle3_keep = get_tensor_model_parallel_rank() == 0
-        self._eagle3_storage = storage_dtype or str(runner.model_config.dtype).removeprefix("torch.")
+        self._eagle3_storage = storage_dtype or str(runner.model_config.dtype).removeprefix(
+            "torch."
+        )
         self._eagle3_reset()
         self._eagle3_in_step = False
 
@@ -212,11 +225,15 @@ class CaptureWorkerExtension:
     def _eagle3_reset(self) -> None:
         # rid -> pieces recorded for it, in step order: (positions [k], states [k, A+1, H] storage dtype,
         # fp8 scales [k, A+1] float32 | None). Views of the step's tensor: no per-request copy in the step.
-        self._eagle3_pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        self._eagle3_pieces: dict[
+            str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+        ] = {}
         self._eagle3_len: dict[str, int] = {}  # rid -> prompt length T
         self._eagle3_bad: set[str] = set()  # requests with a non-finite state
 
-    def _eagle3_record(self, runner: Any, aux: list[torch.Tensor], positions: torch.Tensor | None) -> None:
+    def _eagle3_record(
+        self, runner: Any, aux: list[torch.Tensor], positions: torch.Tensor | None
+    ) -> None:
         num_reqs = runner.input_batch.num_reqs
         if num_reqs == 0:
             return
@@ -228,12 +245,15 @@ class CaptureWorkerExtension:
             pos = positions[:n].to("cpu", torch.int64, copy=True)  # [n]
         else:  # M-RoPE models pass [3, n] positions: use token indices from the batch state
             start = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-            pos = torch.cat([torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)])  # [n]
+            pos = torch.cat(
+                [torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)]
+            )  # [n]
         from eagle3.capture.quant import stack_to_storage
 
         # stack + convert on the device, then move only storage bytes
         stored, scales, row_ok = stack_to_storage(
-            [aux[i][:n] for i in self._eagle3_perm], self._eagle3_storage)  # [n, A+1, H], [n, A+1] | None, [n]
+            [aux[i][:n] for i in self._eagle3_perm], self._eagle3_storage
+        )  # [n, A+1, H], [n, A+1] | None, [n]
         stored = stored.to("cpu")
         scales = None if scales is None else scales.to("cpu")
         row_ok = row_ok.to("cpu")
@@ -246,14 +266,18 @@ class CaptureWorkerExtension:
             if num_prompt is None:
                 num_prompt = self._eagle3_len[rid] = len(runner.requests[rid].prompt_token_ids)
                 self._eagle3_pieces[rid] = []
-            p = pos[s:e]  # [e-s] ascending (a request's tokens in one step are consecutive positions)
+            p = pos[
+                s:e
+            ]  # [e-s] ascending (a request's tokens in one step are consecutive positions)
             rows: Any = slice(s, e)
             if int(p[-1]) >= num_prompt:  # decode tokens past the prompt: not recorded
                 keep = p < num_prompt  # [e-s]
                 if not bool(keep.any()):
                     continue
                 p, rows = p[keep], keep.nonzero().squeeze(1) + s  # [k]
-            self._eagle3_pieces[rid].append((p, stored[rows], None if scales is None else scales[rows]))
+            self._eagle3_pieces[rid].append(
+                (p, stored[rows], None if scales is None else scales[rows])
+            )
             if not all_ok and not bool(row_ok[rows].all()):
                 self._eagle3_bad.add(rid)
 
@@ -261,11 +285,18 @@ class CaptureWorkerExtension:
         """(states [T, A+1, H], scales [T, A+1] | None, number of distinct positions recorded)."""
         num_prompt, pieces = self._eagle3_len[rid], self._eagle3_pieces[rid]
         p, st, sc = pieces[0]
-        if len(pieces) == 1 and p.shape[0] == num_prompt and int(p[0]) == 0 and int(p[-1]) == num_prompt - 1:
+        if (
+            len(pieces) == 1
+            and p.shape[0] == num_prompt
+            and int(p[0]) == 0
+            and int(p[-1]) == num_prompt - 1
+        ):
             return st, sc, num_prompt  # whole prompt in one step (the common case): no copy
         # chunked prefill (several steps) or recompute after preemption: scatter by position, later wins
         buf = torch.empty((num_prompt, *st.shape[1:]), dtype=st.dtype)  # [T, A+1, H]
-        sbuf = None if sc is None else torch.zeros((num_prompt, sc.shape[1]), dtype=torch.float32)  # [T, A+1]
+        sbuf = (
+            None if sc is None else torch.zeros((num_prompt, sc.shape[1]), dtype=torch.float32)
+        )  # [T, A+1]
         filled = torch.zeros(num_prompt, dtype=torch.bool)  # [T]
         for p, st, sc in pieces:
             # as raw bytes: index_copy_ has no float8 kernel on CPU (same element size, same result)
@@ -306,7 +337,11 @@ class CaptureWorkerExtension:
         for rid in self._eagle3_pieces:
             states, scales, filled = self._eagle3_assemble(rid)
             ready[rid] = (states, scales, rid not in self._eagle3_bad)
-            new[rid] = {"num_tokens": int(states.shape[0]), "filled": filled, "finite": rid not in self._eagle3_bad}
+            new[rid] = {
+                "num_tokens": int(states.shape[0]),
+                "filled": filled,
+                "finite": rid not in self._eagle3_bad,
+            }
         self._eagle3_reset()
         self._eagle3_ready = ready
         return new
@@ -316,9 +351,19 @@ class CaptureWorkerExtension:
         for rid in rids:
             getattr(self, "_eagle3_ready", {}).pop(rid, None)
 
-    def eagle3_capture_write_shard(self, out_dir: str, shard_id: int, rows: list[list[Any]], first_index: int,
-                                   next_index: int, skipped: dict[str, int], num_aux: int, hidden_size: int,
-                                   storage_dtype: str, background: str = "auto") -> dict[str, Any] | None:
+    def eagle3_capture_write_shard(
+        self,
+        out_dir: str,
+        shard_id: int,
+        rows: list[list[Any]],
+        first_index: int,
+        next_index: int,
+        skipped: dict[str, int],
+        num_aux: int,
+        hidden_size: int,
+        storage_dtype: str,
+        background: str = "auto",
+    ) -> dict[str, Any] | None:
         """Start writing shard `shard_id` into `out_dir` from the assembled requests named in `rows` ([rid, index,
         sample_id, input_ids, loss_mask] in shard order) with eagle3.capture.storage's shard writer — the same
         file, byte for byte, as the driver would write — and forget them; returns {"pending": shard_id}, and
@@ -331,8 +376,21 @@ class CaptureWorkerExtension:
             return None
         import threading
 
-        take = {rid: self._eagle3_ready.pop(rid) for rid, *_ in rows}  # now: the next meta refills _ready
-        args = (out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size, storage_dtype, take)
+        take = {
+            rid: self._eagle3_ready.pop(rid) for rid, *_ in rows
+        }  # now: the next meta refills _ready
+        args = (
+            out_dir,
+            shard_id,
+            rows,
+            first_index,
+            next_index,
+            skipped,
+            num_aux,
+            hidden_size,
+            storage_dtype,
+            take,
+        )
         box: dict[str, Any] = {}
 
         def work() -> None:
@@ -360,12 +418,24 @@ class CaptureWorkerExtension:
         if th is not None:
             th.join()
         if "error" in box:
-            raise RuntimeError(f"eagle3 capture: writing shard {shard_id} in the worker failed: {box['error']}")
+            raise RuntimeError(
+                f"eagle3 capture: writing shard {shard_id} in the worker failed: {box['error']}"
+            )
         return box["entry"]
 
     @staticmethod
-    def _eagle3_write(out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size,
-                      storage_dtype, take) -> dict[str, Any]:
+    def _eagle3_write(
+        out_dir,
+        shard_id,
+        rows,
+        first_index,
+        next_index,
+        skipped,
+        num_aux,
+        hidden_size,
+        storage_dtype,
+        take,
+    ) -> dict[str, Any]:
         from pathlib import Path
 
         from eagle3.capture.quant import Stored
@@ -374,13 +444,26 @@ class CaptureWorkerExtension:
         buf = ShardBuffer(first_index=first_index, next_index=first_index)
         for rid, index, sample_id, ids, mask in rows:
             states, scales, finite = take[rid]
-            buf.add_stored(int(index), str(sample_id), torch.tensor(ids, dtype=torch.int64),
-                           torch.tensor(mask, dtype=torch.int8), Stored(states, scales, finite), num_aux)
+            buf.add_stored(
+                int(index),
+                str(sample_id),
+                torch.tensor(ids, dtype=torch.int64),
+                torch.tensor(mask, dtype=torch.int8),
+                Stored(states, scales, finite),
+                num_aux,
+            )
         buf.next_index, buf.skipped = int(next_index), dict(skipped)
         # _write_shard, not write_shard: its single_threaded() would change the process-wide torch thread count
         # under the engine's feet from a background thread
-        return _write_shard(Path(out_dir), int(shard_id), buf, num_aux, hidden_size, TORCH_DTYPES[storage_dtype],
-                            None)
+        return _write_shard(
+            Path(out_dir),
+            int(shard_id),
+            buf,
+            num_aux,
+            hidden_size,
+            TORCH_DTYPES[storage_dtype],
+            None,
+        )
 
     def eagle3_capture_stop(self) -> None:
         """Stop producing aux states (the hooks stay but become pass-through)."""
@@ -415,8 +498,13 @@ def shutdown_engine_core(llm: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------------ hook 7: CPU sampling fix
-def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
-                           replace_to: int = 0) -> torch.Tensor:
+def expand_batch_to_tokens(
+    x: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
     """``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` in torch, at x's dtype: the tokens of request i
     (``cu_num_tokens`` holds the cumulative counts) get ``x[i]``; values equal to ``replace_from`` become
     ``replace_to`` (compared at x's dtype, as the Triton kernel does: temperature 0 → 1 for greedy rows)."""
@@ -442,15 +530,23 @@ def fix_cpu_expand() -> dict[str, Any]:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return {"platform": str(current_platform.device_type), "expand_correct_before": None, "patched": False,
-                "expand_correct_after": None}
+        return {
+            "platform": str(current_platform.device_type),
+            "expand_correct_before": None,
+            "patched": False,
+            "expand_correct_after": None,
+        }
     from vllm.v1.sample import rejection_sampler as rs
 
     before = _expand_is_correct()
     if not before:
         rs.expand_batch_to_tokens = expand_batch_to_tokens
-    return {"platform": "cpu", "expand_correct_before": before, "patched": not before,
-            "expand_correct_after": _expand_is_correct()}
+    return {
+        "platform": "cpu",
+        "expand_correct_before": before,
+        "patched": not before,
+        "expand_correct_after": _expand_is_correct(),
+    }
 
 
 class SamplingFixExtension:

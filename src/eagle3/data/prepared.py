@@ -17,7 +17,9 @@ MANIFEST = "manifest.json"
 COLUMNS = ("input_ids", "loss_mask", "sample_id")
 
 
-def save_prepared(rows: Iterable[dict[str, Any]], out: str | Path, manifest: dict[str, Any]) -> Path:
+def save_prepared(
+    rows: Iterable[dict[str, Any]], out: str | Path, manifest: dict[str, Any]
+) -> Path:
     """Write rows + manifest atomically (a half-written dataset never appears under `out`)."""
     import datasets
 

@@ -46,13 +46,17 @@ class DraftConfig:
     target_hidden_size: int
     num_aux: int  # number of aux hidden states the fc reads
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # rope_parameters minus rope_theta ({"rope_type": "llama3", ...})
+    rope_scaling: dict[str, Any] | None = (
+        None  # rope_parameters minus rope_theta ({"rope_type": "llama3", ...})
+    )
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     num_hidden_layers: int = 1  # decoder layers: the midlayer + (n-1) plain ones
     dropout: float = 0.0  # on each layer's attention and MLP outputs, training only (not exported)
     fc_norm: bool = False  # EAGLE-3.1: RMSNorm each aux state before fc (vLLM config key `fc_norm`)
-    norm_output: bool = False  # EAGLE-3.1: the next step reads the post-norm state (vLLM config key `norm_output`)
+    norm_output: bool = (
+        False  # EAGLE-3.1: the next step reads the post-norm state (vLLM config key `norm_output`)
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,7 +67,9 @@ class DraftConfig:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise DraftConfigError(f"draft config has unknown keys {sorted(unknown)}; expected a subset of {sorted(names)}")
+            raise DraftConfigError(
+                f"draft config has unknown keys {sorted(unknown)}; expected a subset of {sorted(names)}"
+            )
         return cls(**d)
 
 
@@ -79,8 +85,13 @@ def target_rope(tc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling = params or tc.get("rope_scaling") or None
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    if scaling and "type" in scaling:  # v4 key (Kimi-K2.5, DeepSeek-V3): vLLM and the export read rope_type
-        scaling = {"rope_type": scaling["type"], **{k: v for k, v in scaling.items() if k != "type"}}
+    if (
+        scaling and "type" in scaling
+    ):  # v4 key (Kimi-K2.5, DeepSeek-V3): vLLM and the export read rope_type
+        scaling = {
+            "rope_type": scaling["type"],
+            **{k: v for k, v in scaling.items() if k != "type"},
+        }
     return theta, scaling
 
 
@@ -89,7 +100,11 @@ def draft_config_from_target(
 ) -> DraftConfig:
     """Derive the draft's dimensions from the target's config.json; `overrides` (DraftOverrides) wins per field."""
     tc = text_config(target_cfg)
-    ov = {k: v for k, v in (overrides.model_dump() if overrides is not None else {}).items() if v is not None}
+    ov = {
+        k: v
+        for k, v in (overrides.model_dump() if overrides is not None else {}).items()
+        if v is not None
+    }
     H = tc["hidden_size"]
     heads = tc["num_attention_heads"]
     theta, scaling = target_rope(tc)
@@ -99,8 +114,12 @@ def draft_config_from_target(
         num_attention_heads=ov.get("num_attention_heads", heads),
         num_key_value_heads=ov.get("num_key_value_heads", tc.get("num_key_value_heads", heads)),
         # MLA targets (DeepSeek-V3, Kimi) have no plain head: their `head_dim`, where written, is the rope part
-        head_dim=ov.get("head_dim", (None if tc.get("kv_lora_rank") else tc.get("head_dim")) or H // heads),
-        max_position_embeddings=ov.get("max_position_embeddings", tc.get("max_position_embeddings", 4096)),
+        head_dim=ov.get(
+            "head_dim", (None if tc.get("kv_lora_rank") else tc.get("head_dim")) or H // heads
+        ),
+        max_position_embeddings=ov.get(
+            "max_position_embeddings", tc.get("max_position_embeddings", 4096)
+        ),
         rms_norm_eps=ov.get("rms_norm_eps", tc.get("rms_norm_eps", 1e-6)),
         vocab_size=tc["vocab_size"],
         draft_vocab_size=draft_vocab_size,
@@ -110,7 +129,9 @@ def draft_config_from_target(
         rope_scaling=scaling,
         bos_token_id=tc.get("bos_token_id", target_cfg.get("bos_token_id")),
         eos_token_id=tc.get("eos_token_id", target_cfg.get("eos_token_id")),
-        num_hidden_layers=ov.get("num_hidden_layers", 1),  # the draft's own depth, never the target's
+        num_hidden_layers=ov.get(
+            "num_hidden_layers", 1
+        ),  # the draft's own depth, never the target's
         fc_norm=bool(ov.get("fc_norm", False)),
         norm_output=bool(ov.get("norm_output", False)),
     )
@@ -137,9 +158,13 @@ def check_draft_config(cfg: DraftConfig, tc: dict[str, Any]) -> None:
             f"{cfg.num_key_value_heads}; pick a divisor"
         )
     if cfg.num_hidden_layers < 1:
-        raise DraftConfigError(f"draft.num_hidden_layers={cfg.num_hidden_layers}: an EAGLE-3 draft has at least 1 layer")
+        raise DraftConfigError(
+            f"draft.num_hidden_layers={cfg.num_hidden_layers}: an EAGLE-3 draft has at least 1 layer"
+        )
     if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
-        raise DraftConfigError(f"draft_vocab_size={cfg.draft_vocab_size} must be in [1, target vocab {cfg.vocab_size}]")
+        raise DraftConfigError(
+            f"draft_vocab_size={cfg.draft_vocab_size} must be in [1, target vocab {cfg.vocab_size}]"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- blocks
@@ -175,14 +200,18 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
         wavelen = 2 * math.pi / inv  # (d/2,)
         smooth = (old / wavelen - lo) / (hi - lo)  # (d/2,)
         mid = (1 - smooth) * inv / factor + smooth * inv  # (d/2,)
-        inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid))  # (d/2,)
+        inv = torch.where(
+            wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid)
+        )  # (d/2,)
     elif kind == "yarn":  # as vLLM's YaRNScalingRotaryEmbedding, which serves the exported draft
         factor, old = s["factor"], s["original_max_position_embeddings"]
         fast, slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
         mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
         attn = s.get("attention_factor") or (
-            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
-            else _yarn_mscale(factor))
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            if mscale and mscale_all
+            else _yarn_mscale(factor)
+        )
         if abs(attn - 1.0) > 1e-9:
             raise DraftConfigError(
                 f"rope scaling yarn with attention factor {attn:.4f} (factor {factor}, mscale {mscale}, mscale_all_dim "
@@ -194,7 +223,9 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
             return d * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
 
         lo, hi = max(math.floor(dim_at(fast)), 0), min(math.ceil(dim_at(slow)), d - 1)
-        ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)  # (d/2,)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / ((hi - lo) or 0.001)).clamp(
+            0, 1
+        )  # (d/2,)
         inv = inv / factor * ramp + inv * (1 - ramp)  # (d/2,)
     else:
         raise DraftConfigError(
@@ -208,7 +239,9 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     ang = positions.float()[..., None] * inv_freq  # (B, T, d/2)
     ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, T, d)
     return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -287,7 +320,9 @@ class MidLayer(nn.Module):
     def post(self, hidden, y) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after the attention kernel: o_proj, residual, MLP. y: (B, nh, T, d)."""
         residual = hidden + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
-        h = F.dropout(self.mlp(self.post_attention_layernorm(residual)), self.p, self.training)  # (B, T, H)
+        h = F.dropout(
+            self.mlp(self.post_attention_layernorm(residual)), self.p, self.training
+        )  # (B, T, H)
         return h, residual
 
 
@@ -314,7 +349,9 @@ class DecoderLayer(nn.Module):
 
     def post(self, residual, y) -> tuple[torch.Tensor, torch.Tensor]:
         residual = residual + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
-        h = F.dropout(self.mlp(self.post_attention_layernorm(residual)), self.p, self.training)  # (B, T, H)
+        h = F.dropout(
+            self.mlp(self.post_attention_layernorm(residual)), self.p, self.training
+        )  # (B, T, H)
         return h, residual
 
 
@@ -325,13 +362,17 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         if cfg.fc_norm:  # state_dict names fc_norm.i.weight, the names vLLM loads (model.fc_norm.i)
-            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)
+            )
         else:
             self.fc_norm = None
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         # keys "1".."n-1": state_dict names layers.1.*, the names vLLM loads (midlayer. maps to its layers.0.)
-        self.layers = nn.ModuleDict({str(k): DecoderLayer(cfg) for k in range(1, cfg.num_hidden_layers)})
+        self.layers = nn.ModuleDict(
+            {str(k): DecoderLayer(cfg) for k in range(1, cfg.num_hidden_layers)}
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -373,15 +414,18 @@ class Eagle3Draft(nn.Module):
         """vLLM's combine_hidden_states: (fc_norm per aux state, then) fc. (B, T, n_aux*Ht) -> (B, T, H)"""
         if self.fc_norm is not None:
             chunks = aux.chunk(self.cfg.num_aux, dim=-1)  # n_aux x (B, T, Ht)
-            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)  # (B, T, n_aux*Ht)
+            aux = torch.cat(
+                [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1
+            )  # (B, T, n_aux*Ht)
         return self.fc(aux)  # (B, T, H)
 
     def new_cache(self) -> list[tuple[list, list]]:
         """Per decoder layer: (keys, values) of every TTT step so far (what the layer's KV cache holds in vLLM)."""
         return [([], []) for _ in range(self.cfg.num_hidden_layers)]
 
-    def step(self, input_ids, hidden, positions, cache, attn_fn: AttnFn,
-             states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, input_ids, hidden, positions, cache, attn_fn: AttnFn, states: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: returns (normed output for lm_head, hidden for the next step), both (B, T, H); the hidden
         for the next step is the pre-norm state, or with norm_output the normed one (vLLM's aux_output).
         cache: from new_cache(), extended in place; `states`, when given, gets the midlayer's output (h + residual)."""
@@ -433,11 +477,21 @@ def expected_export_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (H, inter),
         }
 
-    shapes = {"fc.weight": (H, cfg.num_aux * cfg.target_hidden_size), "midlayer.hidden_norm.weight": (H,),
-              **layer("midlayer.", 2 * H)}
+    shapes = {
+        "fc.weight": (H, cfg.num_aux * cfg.target_hidden_size),
+        "midlayer.hidden_norm.weight": (H,),
+        **layer("midlayer.", 2 * H),
+    }
     if cfg.fc_norm:
-        shapes.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux)})
+        shapes.update(
+            {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux)}
+        )
     for k in range(1, cfg.num_hidden_layers):
         shapes.update(layer(f"layers.{k}.", H))
-    return {**shapes, "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,),
-            "t2d": (cfg.vocab_size,)}
+    return {
+        **shapes,
+        "norm.weight": (H,),
+        "lm_head.weight": (cfg.draft_vocab_size, H),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }

@@ -68,8 +68,10 @@ def sdpa_ttt_attention(q, keys, values, mask):
     s0 = (q @ k0.transpose(-1, -2)).to(acc) * scale  # (B, nh, T, T)
     s0 = s0.masked_fill(~mask, float("-inf"))  # (B, nh, T, T)
     if len(keys) == 1:
-        return (s0.softmax(-1).to(q.dtype) @ v0)  # (B, nh, T, d)
-    diag = torch.stack([(q * repeat_kv(k, rep)).sum(-1) for k in keys[1:]], -1).to(acc) * scale  # (B, nh, T, j)
+        return s0.softmax(-1).to(q.dtype) @ v0  # (B, nh, T, d)
+    diag = (
+        torch.stack([(q * repeat_kv(k, rep)).sum(-1) for k in keys[1:]], -1).to(acc) * scale
+    )  # (B, nh, T, j)
     p = torch.cat([s0, diag], dim=-1).softmax(-1)  # (B, nh, T, T+j)
     p0, pd = p[..., :T], p[..., T:]  # (B, nh, T, T), (B, nh, T, j)
     out = p0.to(q.dtype) @ v0  # (B, nh, T, d)
@@ -77,8 +79,13 @@ def sdpa_ttt_attention(q, keys, values, mask):
     return out + (vd * pd[..., None, :].to(q.dtype)).sum(-1)  # (B, nh, T, d)
 
 
-def merge_diagonal(o0: torch.Tensor, lse0: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor],
-                   values: list[torch.Tensor]) -> torch.Tensor:
+def merge_diagonal(
+    o0: torch.Tensor,
+    lse0: torch.Tensor,
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
     """Attention over [causal block | j diagonal keys] from the causal block's result alone: o0 (B, nh, T, d) and
     its log-sum-exp lse0 (B, nh, T) (natural log, scores scaled by d**-0.5), plus the j diagonal keys/values
     (B, kvh, T, d) of steps 1..j at the same row. One softmax over all T+j scores, fp32 statistics:
@@ -114,10 +121,19 @@ def flex_split_attention(q, keys, values, block_mask, compiled: bool):
     fn = _compiled_flex() if compiled else flex_attention
     gqa = q.shape[1] != keys[0].shape[1]
     if _AuxRequest is not None:
-        o0, aux = fn(q, keys[0], values[0], block_mask=block_mask, enable_gqa=gqa, return_aux=_AuxRequest(lse=True))
+        o0, aux = fn(
+            q,
+            keys[0],
+            values[0],
+            block_mask=block_mask,
+            enable_gqa=gqa,
+            return_aux=_AuxRequest(lse=True),
+        )
         lse0 = aux.lse  # (B, nh, T)
     else:  # torch < 2.9
-        o0, lse0 = fn(q, keys[0], values[0], block_mask=block_mask, enable_gqa=gqa, return_lse=True)  # (B, nh, T, d), (B, nh, T)
+        o0, lse0 = fn(
+            q, keys[0], values[0], block_mask=block_mask, enable_gqa=gqa, return_lse=True
+        )  # (B, nh, T, d), (B, nh, T)
     if len(keys) == 1:
         return o0
     merge = _compiled_merge() if compiled else merge_diagonal
@@ -133,8 +149,16 @@ def causal_doc_block_mask(doc_ids: torch.Tensor, block_size: int = 128):
     def mask_mod(b, h, qi, kv):
         return (kv <= qi) & (doc_ids[b, kv] == doc_ids[b, qi])
 
-    return create_block_mask(mask_mod, B, None, T, T, device=doc_ids.device, BLOCK_SIZE=block_size,
-                             _compile=doc_ids.is_cuda)
+    return create_block_mask(
+        mask_mod,
+        B,
+        None,
+        T,
+        T,
+        device=doc_ids.device,
+        BLOCK_SIZE=block_size,
+        _compile=doc_ids.is_cuda,
+    )
 
 
 @functools.cache
@@ -159,8 +183,16 @@ def flex_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128):
             causal = (u <= qi) & (doc_ids[b, u] == doc_ids[b, qi])
             return ((s == 0) & causal) | ((s > 0) & (u == qi))
 
-        return create_block_mask(mask_mod, B, None, T, (j + 1) * T, device=doc_ids.device, BLOCK_SIZE=block_size,
-                                 _compile=doc_ids.is_cuda)  # compiled: never materialises the (T, (j+1)T) mask
+        return create_block_mask(
+            mask_mod,
+            B,
+            None,
+            T,
+            (j + 1) * T,
+            device=doc_ids.device,
+            BLOCK_SIZE=block_size,
+            _compile=doc_ids.is_cuda,
+        )  # compiled: never materialises the (T, (j+1)T) mask
 
     return [make(j) for j in range(steps)]
 
@@ -186,8 +218,16 @@ def padded_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128)
         causal = (u <= qi) & (doc_ids[b, u] == doc_ids[b, qi])
         return ((s == 0) & causal) | ((s > 0) & (u == qi))
 
-    full = create_block_mask(mask_mod, B, None, T, steps * T, device=doc_ids.device, BLOCK_SIZE=block_size,
-                             _compile=doc_ids.is_cuda)
+    full = create_block_mask(
+        mask_mod,
+        B,
+        None,
+        T,
+        steps * T,
+        device=doc_ids.device,
+        BLOCK_SIZE=block_size,
+        _compile=doc_ids.is_cuda,
+    )
     # kv_indices rows list a q block's kv blocks in ascending order first (the rest is filler), so step j keeps
     # the leading entries with index < (j+1)*T/block_size
     n_kv = full.kv_indices.shape[-1]
@@ -201,11 +241,17 @@ def padded_block_masks(doc_ids: torch.Tensor, steps: int, block_size: int = 128)
     for j in range(steps):
         limit = (j + 1) * T // block_size
         has_full = full.full_kv_num_blocks is not None
-        masks.append(BlockMask.from_kv_blocks(
-            count(full.kv_num_blocks, full.kv_indices, limit), full.kv_indices,
-            count(full.full_kv_num_blocks, full.full_kv_indices, limit) if has_full else None,
-            full.full_kv_indices if has_full else None,
-            BLOCK_SIZE=full.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(T, steps * T)))
+        masks.append(
+            BlockMask.from_kv_blocks(
+                count(full.kv_num_blocks, full.kv_indices, limit),
+                full.kv_indices,
+                count(full.full_kv_num_blocks, full.full_kv_indices, limit) if has_full else None,
+                full.full_kv_indices if has_full else None,
+                BLOCK_SIZE=full.BLOCK_SIZE,
+                mask_mod=mask_mod,
+                seq_lengths=(T, steps * T),
+            )
+        )
     return masks
 
 
@@ -248,8 +294,13 @@ def resolve_kind(kind: str, device: torch.device) -> str:
     return kind
 
 
-def make_ttt_attention(kind: str, doc_ids: torch.Tensor, steps: int, compiled: bool | None = None,
-                       padded: bool | None = None):
+def make_ttt_attention(
+    kind: str,
+    doc_ids: torch.Tensor,
+    steps: int,
+    compiled: bool | None = None,
+    padded: bool | None = None,
+):
     """The attention callable for one packed batch. doc_ids: (B, T) int, padding rows get their own ids.
     flex only: SPLIT_DIAGONAL (default) = `flex_split_attention`, unless `padded` is True; otherwise `padded`
     (default: when T is a multiple of the block size) = every step's keys padded to K*T, one compiled kernel for all
@@ -262,12 +313,24 @@ def make_ttt_attention(kind: str, doc_ids: torch.Tensor, steps: int, compiled: b
     bs = 128 if doc_ids.shape[1] >= 128 else 16
     compiled = doc_ids.device.type == "cuda" if compiled is None else compiled
     if SPLIT_DIAGONAL and padded is None:
-        return functools.partial(flex_split_attention, block_mask=causal_doc_block_mask(doc_ids, bs), compiled=compiled)
-    if padded is None:  # eager flex (CPU) applies mask_mod densely and ignores the cut block lists: compiled only
+        return functools.partial(
+            flex_split_attention, block_mask=causal_doc_block_mask(doc_ids, bs), compiled=compiled
+        )
+    if (
+        padded is None
+    ):  # eager flex (CPU) applies mask_mod densely and ignores the cut block lists: compiled only
         padded = PAD_KEYS and compiled and doc_ids.shape[1] % bs == 0
     masks = (padded_block_masks if padded else flex_block_masks)(doc_ids, steps, block_size=bs)
-    return functools.partial(flex_ttt_attention, block_masks=masks, compiled=compiled, padded=padded)
+    return functools.partial(
+        flex_ttt_attention, block_masks=masks, compiled=compiled, padded=padded
+    )
 
 
-__all__ = ["make_ttt_attention", "naive_ttt_attention", "sdpa_ttt_attention", "flex_ttt_attention",
-           "flex_split_attention", "merge_diagonal"]
+__all__ = [
+    "make_ttt_attention",
+    "naive_ttt_attention",
+    "sdpa_ttt_attention",
+    "flex_ttt_attention",
+    "flex_split_attention",
+    "merge_diagonal",
+]

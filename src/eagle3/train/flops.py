@@ -15,9 +15,18 @@ from typing import Any
 
 def draft_dims(cfg: Any) -> dict[str, int]:
     """The `m` dict of the counts below from a DraftConfig (or anything with its attribute names)."""
-    return dict(H=cfg.hidden_size, Ht=cfg.target_hidden_size, n_aux=cfg.num_aux, nh=cfg.num_attention_heads,
-                kvh=cfg.num_key_value_heads, d=cfg.head_dim, inter=cfg.intermediate_size, V=cfg.vocab_size,
-                Vd=cfg.draft_vocab_size, n_layers=getattr(cfg, "num_hidden_layers", 1))
+    return dict(
+        H=cfg.hidden_size,
+        Ht=cfg.target_hidden_size,
+        n_aux=cfg.num_aux,
+        nh=cfg.num_attention_heads,
+        kvh=cfg.num_key_value_heads,
+        d=cfg.head_dim,
+        inter=cfg.intermediate_size,
+        V=cfg.vocab_size,
+        Vd=cfg.draft_vocab_size,
+        n_layers=getattr(cfg, "num_hidden_layers", 1),
+    )
 
 
 def count_train_flops(m: dict, T: int, K: int) -> dict:
@@ -38,7 +47,9 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
     `executed_flops_per_token_incl_full_vocab_argmax` give that case (not in the model count, which, like the peer,
     restricts the target head to the draft vocab).
     """
-    H, Ht, nh, kvh, d, inter, V, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux"))
+    H, Ht, nh, kvh, d, inter, V, Vd, na = (
+        m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux")
+    )
     n = m.get("n_layers", 1)  # layers after the first read width H, not 2H
     fwd = {
         "fc": 2 * na * Ht * H,
@@ -67,7 +78,9 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
 
 def count_draft_params(m: dict) -> dict:
     """Trainable parameter counts and how many times per optimizer step each is used (fc: once; midlayer/lm_head: K)."""
-    H, Ht, nh, kvh, d, inter, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "Vd", "n_aux"))
+    H, Ht, nh, kvh, d, inter, Vd, na = (
+        m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "Vd", "n_aux")
+    )
     n = m.get("n_layers", 1)
     return {
         "fc": (na * Ht * H, "once"),
@@ -99,9 +112,13 @@ def count_step_bytes(m: dict, K: int) -> dict:
     terms["target_lm_head_frozen"] = float(frozen)
     total += frozen
     n_train = sum(n for n, _ in count_draft_params(m).values())
-    return {"trainable_params": n_train, "terms": terms, "bytes_per_step": float(total),
-            "convention": f"{once_b} B/param once (cast, clip, AdamW) + {use_b} B/param per use (bf16 reads fwd/bwd, "
-            "dW, fp32 grad accumulate); frozen target head read once; activations excluded"}
+    return {
+        "trainable_params": n_train,
+        "terms": terms,
+        "bytes_per_step": float(total),
+        "convention": f"{once_b} B/param once (cast, clip, AdamW) + {use_b} B/param per use (bf16 reads fwd/bwd, "
+        "dW, fp32 grad accumulate); frozen target head read once; activations excluded",
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the target
@@ -125,7 +142,11 @@ def _attention_terms(tc: dict) -> tuple[int, int]:
     Kimi: low-rank q and kv, computed un-absorbed as in prefill) or standard multi-head/grouped-query attention."""
     H, nh = int(tc["hidden_size"]), int(tc["num_attention_heads"])
     if tc.get("kv_lora_rank"):
-        nope, rope, v = int(tc["qk_nope_head_dim"]), int(tc["qk_rope_head_dim"]), int(tc["v_head_dim"])
+        nope, rope, v = (
+            int(tc["qk_nope_head_dim"]),
+            int(tc["qk_rope_head_dim"]),
+            int(tc["v_head_dim"]),
+        )
         qr, kvr = tc.get("q_lora_rank"), int(tc["kv_lora_rank"])
         q = H * int(qr) + int(qr) * nh * (nope + rope) if qr else H * nh * (nope + rope)
         kv = H * (kvr + rope) + kvr * nh * (nope + v)
@@ -155,8 +176,13 @@ def count_target_params(tc: dict) -> dict:
             total += attn + router + (n_experts + shared) * 3 * H * moe_inter
             active += attn + router + (k + shared) * 3 * H * moe_inter
     embed = V * H * (1 if tc.get("tie_word_embeddings") else 2)
-    return {"total": total + embed, "active_per_token": active + V * H, "layers_total": total,
-            "layers_active_per_token": active, "embedding_and_lm_head": embed}
+    return {
+        "total": total + embed,
+        "active_per_token": active + V * H,
+        "layers_total": total,
+        "layers_active_per_token": active,
+        "embedding_and_lm_head": embed,
+    }
 
 
 def count_target_forward_flops(tc: dict, seq_len: float) -> dict:
@@ -168,6 +194,10 @@ def count_target_forward_flops(tc: dict, seq_len: float) -> dict:
     L = int(tc["num_hidden_layers"])
     weights = 2 * p["layers_active_per_token"]
     attn = 2 * core * (seq_len / 2) * L
-    return {"weights": float(weights), "attention_core": float(attn), "total": float(weights + attn),
-            "convention": "per prompt token; 2 FLOPs per active decoder parameter + attention over seq_len/2 keys; "
-            "no lm_head (logits for one position per prompt)"}
+    return {
+        "weights": float(weights),
+        "attention_core": float(attn),
+        "total": float(weights + attn),
+        "convention": "per prompt token; 2 FLOPs per active decoder parameter + attention over seq_len/2 keys; "
+        "no lm_head (logits for one position per prompt)",
+    }

@@ -40,21 +40,32 @@ class TargetHead:
     eps: float
     lm_head: torch.Tensor  # (V, Ht) full target head (for the full-vocab argmax)
     draft_ids: torch.Tensor  # (Vd,) long: target id of each draft id (= arange + d2t)
-    draft_lm_head: torch.Tensor | None = None  # (Vd, Ht) the head's draft-vocab rows; filled on construction
+    draft_lm_head: torch.Tensor | None = (
+        None  # (Vd, Ht) the head's draft-vocab rows; filled on construction
+    )
 
     def __post_init__(self):
         if self.draft_lm_head is None:
-            self.draft_lm_head = self.lm_head.index_select(0, self.draft_ids.to(self.lm_head.device))  # (Vd, Ht)
+            self.draft_lm_head = self.lm_head.index_select(
+                0, self.draft_ids.to(self.lm_head.device)
+            )  # (Vd, Ht)
 
     def to(self, device, dtype=None) -> TargetHead:
         dt = dtype or self.lm_head.dtype
-        return TargetHead(self.norm_weight.to(device, dt), self.eps, self.lm_head.to(device, dt), self.draft_ids.to(device))
+        return TargetHead(
+            self.norm_weight.to(device, dt),
+            self.eps,
+            self.lm_head.to(device, dt),
+            self.draft_ids.to(device),
+        )
 
     def normed(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target's final RMSNorm of (..., Ht) pre-norm states, in the head's dtype (fp32 statistics)."""
         x = last_hidden.to(self.lm_head.dtype)  # (..., Ht)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (..., Ht)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.norm_weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        ) * self.norm_weight
 
 
 @dataclass
@@ -62,23 +73,34 @@ class Targets:
     logits: torch.Tensor  # (B, T+pad, Vd) target logits over the draft vocab; zero rows past T
     argmax: torch.Tensor  # (B, T+pad) long: full-vocab target argmax (target ids); -1 past T
     in_vocab: torch.Tensor  # (B, T+pad) bool: argmax is in the draft vocab
-    lse: torch.Tensor | None = None  # (B, T+pad) fp32 log-sum-exp of each row of `logits` (as stored): every TTT
+    lse: torch.Tensor | None = (
+        None  # (B, T+pad) fp32 log-sum-exp of each row of `logits` (as stored): every TTT
+    )
     #   step reads the same rows shifted, so their softmax normaliser is computed once per batch, not K times
 
 
 @torch.no_grad()
-def compute_target_argmax(head: TargetHead, last_hidden: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+def compute_target_argmax(
+    head: TargetHead, last_hidden: torch.Tensor, chunk_rows: int = 4096
+) -> torch.Tensor:
     """(N,) long: the target's full-vocab argmax of each row of last_hidden (N, Ht), chunked over rows (the (rows, V)
     logits only ever exist for `chunk_rows`). The same arithmetic as compute_targets' fallback."""
     out = torch.empty(last_hidden.shape[0], dtype=torch.long, device=last_hidden.device)  # (N,)
     for a in range(0, last_hidden.shape[0], chunk_rows):
-        out[a : a + chunk_rows] = (head.normed(last_hidden[a : a + chunk_rows]) @ head.lm_head.T).argmax(-1)  # (c,)
+        out[a : a + chunk_rows] = (
+            head.normed(last_hidden[a : a + chunk_rows]) @ head.lm_head.T
+        ).argmax(-1)  # (c,)
     return out
 
 
 @torch.no_grad()
-def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk_rows: int = 2048,
-                    argmax: torch.Tensor | None = None) -> Targets:
+def compute_targets(
+    head: TargetHead,
+    last_hidden: torch.Tensor,
+    pad: int,
+    chunk_rows: int = 2048,
+    argmax: torch.Tensor | None = None,
+) -> Targets:
     """last_hidden: (B, T, Ht) output of the target's last decoder layer, before its final norm; argmax: (B, T) the
     full-vocab argmax of those rows if already known (compute_target_argmax; -1 on padding), else computed here from
     the full-vocab GEMM that also gives the draft-vocab columns."""
@@ -87,10 +109,14 @@ def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk
     dev = last_hidden.device
     logits = torch.zeros(B, T + pad, Vd, dtype=head.lm_head.dtype, device=dev)  # (B, T+pad, Vd)
     acc = torch.promote_types(head.lm_head.dtype, torch.float32)
-    lse = torch.full((B, T + pad), math.log(Vd), dtype=acc, device=dev)  # (B, T+pad): zero rows past T
+    lse = torch.full(
+        (B, T + pad), math.log(Vd), dtype=acc, device=dev
+    )  # (B, T+pad): zero rows past T
     full_argmax = torch.full((B, T + pad), -1, dtype=torch.long, device=dev)  # (B, T+pad)
     t2d = torch.zeros(head.lm_head.shape[0], dtype=torch.bool, device=dev)  # (V,)
-    t2d.index_fill_(0, head.draft_ids, True)  # not `t2d[ids] = True`: that copies the scalar host->device (a sync)
+    t2d.index_fill_(
+        0, head.draft_ids, True
+    )  # not `t2d[ids] = True`: that copies the scalar host->device (a sync)
     if argmax is not None:
         full_argmax[:, :T] = argmax
     for a in range(0, T, max(1, chunk_rows // B)):
@@ -102,20 +128,30 @@ def compute_targets(head: TargetHead, last_hidden: torch.Tensor, pad: int, chunk
             full = x @ head.lm_head.T  # (B, c, V)
             full_argmax[:, a : a + c] = full.argmax(-1)  # (B, c)
             logits[:, a : a + c] = full.index_select(-1, head.draft_ids)  # (B, c, Vd)
-        lse[:, a : a + c] = (_compiled_row_lse() if dev.type == "cuda" else _row_lse)(logits[:, a : a + c])  # (B, c)
+        lse[:, a : a + c] = (_compiled_row_lse() if dev.type == "cuda" else _row_lse)(
+            logits[:, a : a + c]
+        )  # (B, c)
     in_vocab = t2d[full_argmax.clamp(min=0)] & (full_argmax >= 0)  # (B, T+pad)
     return Targets(logits, full_argmax, in_vocab, lse)
 
 
 def _chunk_ce(h, w, tgt, weight):
-    acc = torch.promote_types(h.dtype, torch.float32)  # fp32 softmax for bf16 inputs (fp64 stays fp64)
+    acc = torch.promote_types(
+        h.dtype, torch.float32
+    )  # fp32 softmax for bf16 inputs (fp64 stays fp64)
     logq = F.log_softmax((h @ w.T).to(acc), dim=-1)  # (B, c, Vd)
     p = F.softmax(tgt.to(acc), dim=-1)  # (B, c, Vd)
     ce = -(p * logq).sum(-1)  # (B, c)
     return (ce * weight).sum(), logq.argmax(-1)  # (), (B, c)
 
 
-def soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 4096):
+def soft_ce(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    tgt: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_rows: int = 4096,
+):
     """Sum over rows of weight * CE(softmax(tgt), log_softmax(h @ w.T)), chunked; also the draft argmax.
 
     h: (B, T, H) normed draft output; w: (Vd, H) draft lm_head; tgt: (B, T, Vd); weight: (B, T) float.
@@ -145,8 +181,14 @@ def _compiled_row_lse():
     return torch.compile(_row_lse, dynamic=False)
 
 
-def _ce_chunk(logits: torch.Tensor, tgt: torch.Tensor, tgt_lse: torch.Tensor | None, wt: torch.Tensor,
-              grad_scale: torch.Tensor, need_grad: bool):
+def _ce_chunk(
+    logits: torch.Tensor,
+    tgt: torch.Tensor,
+    tgt_lse: torch.Tensor | None,
+    wt: torch.Tensor,
+    grad_scale: torch.Tensor,
+    need_grad: bool,
+):
     """One row chunk of the fused loss: (sum_rows wt * CE, draft argmax (c,), gradient wrt logits or None).
 
     logits: (c, Vd) draft logits (matmul output dtype); tgt: (c, Vd) target logits; tgt_lse: (c,) their log-sum-exp
@@ -159,7 +201,9 @@ def _ce_chunk(logits: torch.Tensor, tgt: torch.Tensor, tgt_lse: torch.Tensor | N
     """
     acc = torch.promote_types(logits.dtype, torch.float32)
     lf = logits.to(acc)  # (c, Vd)
-    logq = torch.log_softmax(lf, dim=-1)  # (c, Vd): its row statistics in one (online) pass over the logits
+    logq = torch.log_softmax(
+        lf, dim=-1
+    )  # (c, Vd): its row statistics in one (online) pass over the logits
     lse_t = _row_lse(tgt) if tgt_lse is None else tgt_lse.to(acc)  # (c,)
     p = (tgt.to(acc) - lse_t[:, None]).exp()  # (c, Vd) softmax(tgt), no reduction over tgt here
     w = wt.to(acc)  # (c,)
@@ -198,11 +242,26 @@ class _FusedSoftCE(torch.autograd.Function):
     then multiplies by grad_total / grad_scale, the upstream factor); shared: a SharedHeadGrad, see there."""
 
     @staticmethod
-    def forward(ctx, h, w, tgt, tgt_lse, weight, grad_scale, chunk_rows: int, need_grad: bool, cdt: torch.dtype,
-                shared: SharedHeadGrad | None):
+    def forward(
+        ctx,
+        h,
+        w,
+        tgt,
+        tgt_lse,
+        weight,
+        grad_scale,
+        chunk_rows: int,
+        need_grad: bool,
+        cdt: torch.dtype,
+        shared: SharedHeadGrad | None,
+    ):
         B, T, H = h.shape
         acc = torch.promote_types(cdt, torch.float32)
-        hf, tf, wf = h.reshape(B * T, H).to(cdt), tgt.reshape(B * T, -1), weight.reshape(B * T)  # (N, H), (N, Vd), (N,)
+        hf, tf, wf = (
+            h.reshape(B * T, H).to(cdt),
+            tgt.reshape(B * T, -1),
+            weight.reshape(B * T),
+        )  # (N, H), (N, Vd), (N,)
         lf = tgt_lse.reshape(B * T) if tgt_lse is not None else None  # (N,)
         wc = w.to(cdt)  # (Vd, H)
         chunk = _compiled_ce_chunk() if h.is_cuda else _ce_chunk
@@ -214,15 +273,29 @@ class _FusedSoftCE(torch.autograd.Function):
             for a in range(0, B * T, chunk_rows):
                 hc = hf[a : a + chunk_rows]  # (c, H)
                 lc = lf[a : a + chunk_rows] if lf is not None else None  # (c,)
-                ce, am, g = chunk(hc @ wc.T, tf[a : a + chunk_rows], lc, wf[a : a + chunk_rows], grad_scale,
-                                  need_grad)  # (), (c,), (c, Vd)
+                ce, am, g = chunk(
+                    hc @ wc.T,
+                    tf[a : a + chunk_rows],
+                    lc,
+                    wf[a : a + chunk_rows],
+                    grad_scale,
+                    need_grad,
+                )  # (), (c,), (c, Vd)
                 total += ce
                 argmax[a : a + chunk_rows] = am
                 if need_grad:
                     torch.mm(g, wc, out=grad_h[a : a + chunk_rows])  # (c, H)
-                    if chunk_rows >= B * T:  # one chunk: the GEMM's own fp32 accumulation, no fp32 round trip
-                        if shared is not None and shared.grad is not None and shared.grad.dtype == cdt:
-                            shared.grad.addmm_(g.T, hc)  # (Vd, H): this step's part added inside the GEMM
+                    if (
+                        chunk_rows >= B * T
+                    ):  # one chunk: the GEMM's own fp32 accumulation, no fp32 round trip
+                        if (
+                            shared is not None
+                            and shared.grad is not None
+                            and shared.grad.dtype == cdt
+                        ):
+                            shared.grad.addmm_(
+                                g.T, hc
+                            )  # (Vd, H): this step's part added inside the GEMM
                         else:
                             grad_w = g.T @ hc  # (Vd, H) in cdt
                     else:
@@ -231,12 +304,19 @@ class _FusedSoftCE(torch.autograd.Function):
         ctx.shared, ctx.index = shared, None
         if need_grad and shared is not None:
             if grad_w is not None:
-                shared.grad = grad_w if shared.grad is None else shared.grad.add_(grad_w.to(shared.grad.dtype))
+                shared.grad = (
+                    grad_w
+                    if shared.grad is None
+                    else shared.grad.add_(grad_w.to(shared.grad.dtype))
+                )
             grad_w, ctx.index = None, shared.num_calls
             shared.num_calls += 1
         if need_grad:
-            ctx.save_for_backward(grad_h.reshape(B, T, H).to(h.dtype), grad_scale,
-                                  *([] if grad_w is None else [grad_w.to(w.dtype)]))
+            ctx.save_for_backward(
+                grad_h.reshape(B, T, H).to(h.dtype),
+                grad_scale,
+                *([] if grad_w is None else [grad_w.to(w.dtype)]),
+            )
         return total, argmax.reshape(B, T)
 
     @staticmethod
@@ -252,9 +332,16 @@ class _FusedSoftCE(torch.autograd.Function):
         return grad_h * f.to(grad_h.dtype), grad_w, None, None, None, None, None, None, None, None
 
 
-def fused_soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, chunk_rows: int = 4096,
-                  tgt_lse: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None,
-                  shared: SharedHeadGrad | None = None):
+def fused_soft_ce(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    tgt: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_rows: int = 4096,
+    tgt_lse: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+    shared: SharedHeadGrad | None = None,
+):
     """Same value and gradients as soft_ce (tests/test_train.py), without the checkpointed recompute: one head
     matmul fewer per step and far fewer passes over (rows, Vd) float32 blocks (the step's main non-GEMM cost
     on an H200, docs/history/). The target logits get no gradient (they are the frozen target's). tgt_lse: (B, T)
@@ -266,5 +353,11 @@ def fused_soft_ce(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, weight: t
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
     lse = tgt_lse.detach() if tgt_lse is not None else None
     acc = torch.promote_types(cdt, torch.float32)
-    scale = torch.ones((), dtype=acc, device=h.device) if grad_scale is None else grad_scale.detach().to(acc)
-    return _FusedSoftCE.apply(h, w, tgt.detach(), lse, weight.detach(), scale, max(1, chunk_rows), need, cdt, shared)
+    scale = (
+        torch.ones((), dtype=acc, device=h.device)
+        if grad_scale is None
+        else grad_scale.detach().to(acc)
+    )
+    return _FusedSoftCE.apply(
+        h, w, tgt.detach(), lse, weight.detach(), scale, max(1, chunk_rows), need, cdt, shared
+    )

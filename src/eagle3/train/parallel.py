@@ -89,8 +89,12 @@ def wrap(model: torch.nn.Module, d: Dist, fsdp: bool = False) -> torch.nn.Module
     from torch.nn.parallel import DistributedDataParallel
 
     # the draft has frozen params (embedding) and buffers; step() is called K times per forward
-    return DistributedDataParallel(model, device_ids=[d.device] if d.device.type == "cuda" else None,
-                                   static_graph=False, find_unused_parameters=False)
+    return DistributedDataParallel(
+        model,
+        device_ids=[d.device] if d.device.type == "cuda" else None,
+        static_graph=False,
+        find_unused_parameters=False,
+    )
 
 
 @contextmanager
@@ -121,7 +125,9 @@ def full_state_dict(module: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor]
         return {k: v.detach().cpu() for k, v in module.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def load_full_state_dict(module: torch.nn.Module, sd: dict[str, torch.Tensor], d: Dist) -> None:
@@ -148,7 +154,9 @@ def full_optimizer_state(opt: torch.optim.Optimizer, d: Dist) -> dict[str, Any] 
         entry = {}
         for name, value in sd["state"][idx].items():
             value = _full_tensor(value)
-            entry[name] = value.detach().cpu().clone() if torch.is_tensor(value) and d.main else value
+            entry[name] = (
+                value.detach().cpu().clone() if torch.is_tensor(value) and d.main else value
+            )
         state[idx] = entry
     return {"state": state, "param_groups": sd["param_groups"]} if d.main else None
 
@@ -161,10 +169,15 @@ def load_full_optimizer_state(opt: torch.optim.Optimizer, sd: dict[str, Any], wh
     state: dict[Any, dict[str, Any]] = {}
     for idx, entry in sd["state"].items():
         if int(idx) >= len(params):
-            raise ValueError(f"{where}: optimizer state for parameter {idx} but this draft trains {len(params)} "
-                             "tensors; the checkpoint belongs to another draft shape (resume: false, or its shape)")
+            raise ValueError(
+                f"{where}: optimizer state for parameter {idx} but this draft trains {len(params)} "
+                "tensors; the checkpoint belongs to another draft shape (resume: false, or its shape)"
+            )
         p = params[int(idx)]
-        state[idx] = {name: _shard_like(value, p, f"{where}: parameter {idx} {name}") for name, value in entry.items()}
+        state[idx] = {
+            name: _shard_like(value, p, f"{where}: parameter {idx} {name}")
+            for name, value in entry.items()
+        }
     opt.load_state_dict({**sd, "state": state})
 
 
@@ -172,13 +185,17 @@ def _shard_like(value: Any, param: torch.Tensor, what: str) -> Any:
     if not torch.is_tensor(value) or value.dim() == 0:  # AdamW's step counter
         return value
     if tuple(value.shape) != tuple(param.shape):
-        raise ValueError(f"{what}: shape {tuple(value.shape)} but the parameter is {tuple(param.shape)}; the checkpoint "
-                         "belongs to another draft shape (resume: false, or train that shape)")
+        raise ValueError(
+            f"{what}: shape {tuple(value.shape)} but the parameter is {tuple(param.shape)}; the checkpoint "
+            "belongs to another draft shape (resume: false, or train that shape)"
+        )
     if hasattr(param, "device_mesh") and not hasattr(value, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
 
         local = value.to(param.device_mesh.device_type)
-        return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)  # no communication
+        return distribute_tensor(
+            local, param.device_mesh, param.placements, src_data_rank=None
+        )  # no communication
     return value
 
 
