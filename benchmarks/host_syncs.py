@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Where does one fast training step synchronise the host with the GPU? Prints the Python stack of every
-synchronizing CUDA call (torch.cuda sync-debug mode) in one step after warm-up. CUDA only; torch only.
+"""Where does one fast training step synchronise the host with the GPU? Prints the Python stack of
+every synchronizing CUDA call (torch.cuda sync-debug mode) in one step after warm-up. CUDA only;
+torch only.
 
     PYTHONPATH=src python3 benchmarks/host_syncs.py --seq 1024 --ttt-steps 3
 """

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Scaling over several GPUs: the train step under torchrun (DDP, FSDP2) and one capture over N engines.
+"""Scaling over several GPUs: the train step under torchrun (DDP, FSDP2) and one capture over N
+engines.
 
     # train: Kimi-K2.5 and Llama-8B draft dims, K = 7, T = 8192, on 1/2/4/8 GPUs (those the host has), DDP + FSDP2
     python3 benchmarks/multi_gpu.py train [--num-gpus 1 2 4 8] [--dims kimi-k2.5 llama-3.1-8b] [--parallel ddp fsdp2]
@@ -8,19 +9,21 @@
     # the CPU proof of both (tiny dims, a tiny random target; 1 and 2 processes), rows labelled dims cpu-tiny:
     python3 benchmarks/multi_gpu.py train --smoke && python3 benchmarks/multi_gpu.py capture --smoke
 
-train runs benchmarks/train_step.py under `torchrun --nproc-per-node N` (its --ddp path: the draft wrapped by
-eagle3.train.parallel.wrap, DDP or FSDP2 `--fsdp`, one packed row of T tokens per GPU per step, bf16 autocast,
-fp32 AdamW, torch.compile'd at T >= 8192 on the GPU). One process is the baseline of both wrappings (no wrapping).
-capture runs `eagle3 capture --num-engines N` (eagle3.capture.engines) into a fresh directory per N; tokens/s is
-every engine's tokens over the slowest engine's capture time (engine start-up excluded; `wall_s` includes it).
+train runs benchmarks/train_step.py under `torchrun --nproc-per-node N` (its --ddp path: the draft
+wrapped by eagle3.train.parallel.wrap, DDP or FSDP2 `--fsdp`, one packed row of T tokens per GPU per
+step, bf16 autocast, fp32 AdamW, torch.compile'd at T >= 8192 on the GPU). One process is the
+baseline of both wrappings (no wrapping). capture runs `eagle3 capture --num-engines N`
+(eagle3.capture.engines) into a fresh directory per N; tokens/s is every engine's tokens over the
+slowest engine's capture time (engine start-up excluded; `wall_s` includes it).
 
-Rows are merged into benchmarks/results/multi_gpu.{json,md} (--out-dir), replacing earlier rows with the same
-what / dims / parallel / num_gpus / gpu:
+Rows are merged into benchmarks/results/multi_gpu.{json,md} (--out-dir), replacing earlier rows with
+the same what / dims / parallel / num_gpus / gpu:
     {"what": "train", "dims", "parallel": "ddp"|"fsdp2", "num_gpus", "tok_s", "efficiency", "peak_gib", "gpu", "date"}
     {"what": "capture", "dims": <target>, "parallel": "engines", "num_gpus", "num_engines", "tok_s", "efficiency", ...}
-efficiency = tok_s(N) / (N / N0 x tok_s(N0)), N0 the smallest count measured in the same call (1 by default): weak
-scaling, every GPU (engine) does the same work as the single one. Goals (docs/scaling.md): train >= 0.90 at the
-largest N (DDP, Kimi-K2.5 dims), FSDP2 within 10 % of DDP, capture over N engines >= 0.9 x N x one engine.
+efficiency = tok_s(N) / (N / N0 x tok_s(N0)), N0 the smallest count measured in the same call (1 by
+default): weak scaling, every GPU (engine) does the same work as the single one. Goals
+(docs/scaling.md): train >= 0.90 at the largest N (DDP, Kimi-K2.5 dims), FSDP2 within 10 % of DDP,
+capture over N engines >= 0.9 x N x one engine.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ def count_gpus() -> int:
 
 
 def add_efficiency(rows: list[dict], group: tuple[str, ...]) -> None:
-    """efficiency of each ok row against the smallest num_gpus of its group (same dims, and for capture the same
-    engine size): tok_s / (N / N0 x tok_s(N0))."""
+    """efficiency of each ok row against the smallest num_gpus of its group (same dims, and for
+    capture the same engine size): tok_s / (N / N0 x tok_s(N0))."""
     base: dict[tuple, dict] = {}
     for r in sorted((r for r in rows if r.get("tok_s")), key=lambda r: r["num_gpus"]):
         base.setdefault(tuple(r.get(k) for k in group), r)
@@ -73,11 +76,12 @@ def add_efficiency(rows: list[dict], group: tuple[str, ...]) -> None:
             r["baseline_num_gpus"] = b["num_gpus"]
 
 
-# ------------------------------------------------------------------------------------------------ train
+# -------------------------------------------------------------------------------------------- train
 
 
 def train_step_run(n: int, dims: str, fsdp: bool, args, work: Path) -> dict:
-    """One torchrun launch of train_step.py on n processes; its (only) config row, with the machine's GPU name."""
+    """One torchrun launch of train_step.py on n processes; its (only) config row, with the
+    machine's GPU name."""
     out = work / f"train-{dims}-{'fsdp2' if fsdp else 'ddp'}-{n}"
     seq = 64 if args.smoke else args.seq
     cmd = [
@@ -167,7 +171,8 @@ def train_rows(args, work: Path) -> list[dict]:
                         "seq": 64 if args.smoke else args.seq,
                         "wall_s": got.get("wall_s"),
                         "note": (
-                            "CPU, tiny dims (train_step.py --smoke), gloo: proves the tool, not a GPU figure"
+                            "CPU, tiny dims (train_step.py --smoke), gloo: proves the tool, not a "
+                            "GPU figure"
                             if args.smoke
                             else "one process: no wrapping"
                             if n == 1
@@ -179,11 +184,12 @@ def train_rows(args, work: Path) -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------------------------------------------------ capture
+# ------------------------------------------------------------------------------------------ capture
 
 
 def tiny_capture_inputs(work: Path) -> tuple[Path, Path]:
-    """A tiny random Llama and a prepared dataset of its tiny conversations (eagle3 prepare), for --smoke."""
+    """A tiny random Llama and a prepared dataset of its tiny conversations (eagle3 prepare), for
+    --smoke."""
     from eagle3.testing.tiny import TinySpec, build_tiny_target, tiny_conversations
 
     target = build_tiny_target(work / "tiny-target", TinySpec(arch="llama", num_layers=5))
@@ -283,7 +289,8 @@ def capture_rows(args, work: Path) -> list[dict]:
     else:
         if not args.target or not args.data:
             raise SystemExit(
-                "multi_gpu capture: --target and --data (a prepared dataset) are needed (or --smoke)"
+                "multi_gpu capture: --target and --data (a prepared dataset) are needed (or "
+                "--smoke)"
             )
         target, data = Path(args.target), Path(args.data)
     gpus = count_gpus()
@@ -333,7 +340,7 @@ def gpu_name() -> str | None:
         return None
 
 
-# ------------------------------------------------------------------------------------------------ results
+# ------------------------------------------------------------------------------------------ results
 
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
@@ -350,10 +357,12 @@ def markdown(rows: list[dict]) -> str:
     lines = [
         "# Multi-GPU scaling: train step (DDP / FSDP2) and capture over N engines",
         "",
-        "Written by `benchmarks/multi_gpu.py` (its docstring: what runs, how efficiency is defined). Rows on "
-        "`cpu` with dims `cpu-tiny` prove the tool on the CPU (gloo, tiny dims); they are not GPU figures.",
+        "Written by `benchmarks/multi_gpu.py` (its docstring: what runs, how efficiency is "
+        "defined). Rows on `cpu` with dims `cpu-tiny` prove the tool on the CPU (gloo, tiny dims); "
+        "they are not GPU figures.",
         "",
-        "| what | dims | parallel | GPUs | engines | tokens/s | efficiency | peak GiB | GPU | status | date |",
+        "| what | dims | parallel | GPUs | engines | tokens/s | efficiency | peak GiB | GPU | "
+        "status | date |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(
@@ -367,9 +376,10 @@ def markdown(rows: list[dict]) -> str:
         ),
     ):
         lines.append(
-            f"| {r['what']} | {r['dims']} | {r['parallel']} | {r['num_gpus']} | {r.get('num_engines', '–')} | "
-            f"{fmt(r.get('tok_s'), ',.0f')} | {fmt(r.get('efficiency'), '.3f')} | "
-            f"{fmt(r.get('peak_gib'), '.1f')} | {r.get('gpu')} | {r.get('status')} | {r['date'][:10]} |"
+            f"| {r['what']} | {r['dims']} | {r['parallel']} | {r['num_gpus']} | "
+            f"{r.get('num_engines', '–')} | {fmt(r.get('tok_s'), ',.0f')} | "
+            f"{fmt(r.get('efficiency'), '.3f')} | {fmt(r.get('peak_gib'), '.1f')} | {r.get('gpu')} "
+            f"| {r.get('status')} | {r['date'][:10]} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,7 +1,9 @@
-"""A TTT training step on synthetic inputs, for the step benchmarks (train_step.py, host_syncs.py) and the tests
-that time or compile one step: random draft + random frozen target head + one synthetic packed batch.
+"""A TTT training step on synthetic inputs, for the step benchmarks (train_step.py, host_syncs.py)
+and the tests that time or compile one step: random draft + random frozen target head + one
+synthetic packed batch.
 
-Needs only torch and the pydantic-free eagle3 modules (the GPU box has no pydantic, Prefect or vLLM).
+Needs only torch and the pydantic-free eagle3 modules (the GPU box has no pydantic, Prefect or
+vLLM).
 """
 
 from __future__ import annotations
@@ -63,12 +65,13 @@ def build_benchmark(
     compile_mode: str = "layer",
     target_argmax: bool = True,
 ) -> BenchmarkSetup:
-    """Random draft + random frozen target head + one synthetic packed batch, all on `device`. `target_argmax`: the
-    batch carries the target's full-vocab argmax computed once, as the trainer's batches do (False: the step
-    computes it from the full-vocab head, the pipeline before 2026-12-01 and streaming mode).
-    Real dims: DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
-    num_aux=3, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0)."""
+    """Random draft + random frozen target head + one synthetic packed batch, all on `device`.
+    `target_argmax`: the batch carries the target's full-vocab argmax computed once, as the
+    trainer's batches do (False: the step computes it from the full-vocab head, the pipeline before
+    2026-12-01 and streaming mode). Real dims: DraftConfig(hidden_size=4096,
+    intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096, num_aux=3,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0)."""
     torch.manual_seed(0)
     model = Eagle3Draft(cfg).to(device)
     if compile:
@@ -111,7 +114,8 @@ def run_benchmark_step(s: BenchmarkSetup, grad_clip: float = 0.5) -> StepOutput:
 
 
 def check_flex(device: str = "cuda") -> dict:
-    """flex and sdpa TTT attention vs the naive kernel (fp32), values and gradients: max abs differences."""
+    """flex and sdpa TTT attention vs the naive kernel (fp32), values and gradients: max abs
+    differences."""
     B, T, steps, nh, kvh, d = 2, 512, 4, 8, 2, 64
     g = torch.Generator(device="cpu").manual_seed(0)
     doc = torch.zeros(B, T, dtype=torch.long)

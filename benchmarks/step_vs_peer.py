@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""Merge one device call's train-step figures, ours and the peer's (speculators 0.9.0), into the training-speed table.
+"""Merge one device call's train-step figures, ours and the peer's (speculators 0.9.0), into the
+training-speed table.
 
     python3 benchmarks/step_vs_peer.py --ours W/ours-llama W/ours-kimi --peer W/peer/results.json \\
         --cache-run W/cache --out-dir $OUT --command "bash benchmarks/gpu_step_vs_peer.sh ..."
 
-Inputs: each --ours DIR holds a `train_step.json` of benchmarks/train_step.py (its `dims_name` says which draft
-dims); --peer is the peer harness's `results.json` (../shared/peerbench/bench_eagle3.py; Llama-3.1-8B draft dims
-by default); --cache-run is a second train_step.py process that loaded the first one's compile cache
-(--compile-cache) on the same machine. Any input may be missing (a phase the budget or a failure cut): its
-fields are null and `missing` says why. Output: `train_step_vs_peer.json` + `.md` in --out-dir, one row per
-(dims, K, T):
+Inputs: each --ours DIR holds a `train_step.json` of benchmarks/train_step.py (its `dims_name` says
+which draft dims); --peer is the peer harness's `results.json` (../shared/peerbench/bench_eagle3.py;
+Llama-3.1-8B draft dims by default); --cache-run is a second train_step.py process that loaded the
+first one's compile cache (--compile-cache) on the same machine. Any input may be missing (a phase
+the budget or a failure cut): its fields are null and `missing` says why. Output:
+`train_step_vs_peer.json` + `.md` in --out-dir, one row per (dims, K, T):
     {"config": "K7-T8192", "dims": "llama-3.1-8b", "ours_tok_s", "peer_tok_s", "ratio", "ours_first_step_s",
      "peer_first_step_s", "gpu", "date", "command", ...ms/step, peak GiB, MFU of both}
 Imports the standard library only (runs anywhere, also on the CPU in the tests).
@@ -23,7 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-#: the peer's default dims (bench_eagle3.py --hidden 4096 ... --draft-vocab 32000) = ours "llama-3.1-8b"
+#: the peer's default dims (bench_eagle3.py --hidden 4096 ... --draft-vocab 32000) = ours
+#: "llama-3.1-8b"
 PEER_DIMS = "llama-3.1-8b"
 
 
@@ -175,9 +177,10 @@ def merge(ours: list[Path], peer: Path | None, cache_run: Path | None, command: 
                 "ms_per_step": first.get("ms_per_step"),
                 "load": cres.get("compile_cache"),
                 "profile": first.get("profile"),
-                "note": "second process on the SAME machine, with its own empty TORCHINDUCTOR_CACHE_DIR and "
-                "TRITON_CACHE_DIR, seeded only by torch.compiler.load_cache_artifacts of the first "
-                "process's file; not a fresh machine (driver/CUDA caches and the page cache are warm)",
+                "note": "second process on the SAME machine, with its own empty "
+                "TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, seeded only by "
+                "torch.compiler.load_cache_artifacts of the first process's file; not a fresh "
+                "machine (driver/CUDA caches and the page cache are warm)",
             }
         if cres is not None:
             n = cres.get("numerics") or {}
@@ -202,16 +205,17 @@ def markdown(res: dict) -> str:
         "",
         f"{res['date']} · `{res['command']}`",
         "",
-        "| dims | config | ours ms | ours tok/s | peer ms | peer tok/s | ratio | ours first step s | "
-        "peer first step s | ours peak GiB | peer peak GiB | ours MFU | peer MFU |",
+        "| dims | config | ours ms | ours tok/s | peer ms | peer tok/s | ratio | ours first step s "
+        "| peer first step s | ours peak GiB | peer peak GiB | ours MFU | peer MFU |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["configs"]:
         st = "" if r.get("ours_status") in ("ok", None) else f" ({r['ours_status']})"
         st += f" (fallback: {r['ours_fallback']})" if r.get("ours_fallback") else ""
         L.append(
-            f"| {r['dims']} | {r['config']}{st} | {fmt(r.get('ours_ms'))} | {fmt(r.get('ours_tok_s'), 0)} | "
-            f"{fmt(r.get('peer_ms'))} | {fmt(r.get('peer_tok_s'), 0)} | {fmt(r.get('ratio'), 2, '×')} | "
+            f"| {r['dims']} | {r['config']}{st} | {fmt(r.get('ours_ms'))} | "
+            f"{fmt(r.get('ours_tok_s'), 0)} | {fmt(r.get('peer_ms'))} | "
+            f"{fmt(r.get('peer_tok_s'), 0)} | {fmt(r.get('ratio'), 2, '×')} | "
             f"{fmt(r.get('ours_first_step_s'))} | {fmt(r.get('peer_first_step_s'))} | "
             f"{fmt(r.get('ours_peak_gib'))} | {fmt(r.get('peer_peak_gib'))} | "
             f"{fmt(100 * r['ours_mfu'] if r.get('ours_mfu') else None, 1, '%')} | "
@@ -221,15 +225,17 @@ def markdown(res: dict) -> str:
     if num:
         L += [
             "",
-            f"GPU numerics (cache phase: fast step incl. its flex attention vs the naive reference): {num}",
+            "GPU numerics (cache phase: fast step incl. its flex attention vs the naive "
+            f"reference): {num}",
         ]
     c = res.get("compile_cache_round_trip")
     if c:
         if "first_step_s_cache_loaded" in c:
             L += [
                 "",
-                f"Compile cache round trip ({c['dims']} {c['config']}): first step {fmt(c['first_step_s_cache_loaded'])} s "
-                f"with the cache loaded vs {fmt(c['first_step_s_cold'])} s cold; {c['note']}.",
+                f"Compile cache round trip ({c['dims']} {c['config']}): first step "
+                f"{fmt(c['first_step_s_cache_loaded'])} s with the cache loaded vs "
+                f"{fmt(c['first_step_s_cold'])} s cold; {c['note']}.",
             ]
         else:
             L += ["", f"Compile cache round trip: {c['status']}"]

@@ -1,13 +1,15 @@
-"""Where the test suite's time goes: per-file sums of a pytest log's `--durations=0` lines, one or more runs side by side.
+"""Where the test suite's time goes: per-file sums of a pytest log's `--durations=0` lines, one or
+more runs side by side.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider --durations=0 > /tmp/suite.log 2>&1   # one run (the README's
                                                                                           # environment: scripts/test.sh)
     .venv/bin/python benchmarks/suite_time.py --log before=/tmp/a.log --log after=/tmp/b.log \
         --out benchmarks/results/suite_time --note "2026-12-02, a 2-core CPU, ..."
 
-Writes NAME.json (every run: wall seconds from pytest's summary, the sum of test durations, the per-file sums and the
-slowest items) and NAME.md (a table of the files, longest first, one column per run). The sum of durations over the
-wall time says how well the xdist workers overlap (2.0 = both busy throughout on two workers).
+Writes NAME.json (every run: wall seconds from pytest's summary, the sum of test durations, the
+per-file sums and the slowest items) and NAME.md (a table of the files, longest first, one column
+per run). The sum of durations over the wall time says how well the xdist workers overlap (2.0 =
+both busy throughout on two workers).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ SUMMARY = re.compile(
 
 
 def parse_log(path: Path) -> dict:
-    """A pytest log -> {"wall_s", "result", "sum_s", "files": {file: s}, "slowest": [[s, phase, nodeid], ...]}."""
+    """A pytest log -> {"wall_s", "result", "sum_s", "files": {file: s}, "slowest": [[s, phase,
+    nodeid], ...]}."""
     files: Counter[str] = Counter()
     items: list[tuple[float, str, str]] = []
     wall, result = None, None
@@ -42,7 +45,8 @@ def parse_log(path: Path) -> dict:
         raise SystemExit(f"suite_time: {path} has no duration lines: run pytest with --durations=0")
     if wall is None:
         raise SystemExit(
-            f"suite_time: {path} has no final summary line ('N passed ... in S s'): was the run cut off?"
+            f"suite_time: {path} has no final summary line ('N passed ... in S s'): was the run "
+            "cut off?"
         )
     total = sum(files.values())
     return {

@@ -149,7 +149,8 @@ def failure_trigger(
 
 
 def save_webhook_block(url: str, name: str = WEBHOOK_BLOCK_NAME) -> CustomWebhookNotificationBlock:
-    """A Custom Webhook notification block POSTing {"subject", "body"} as JSON to `url` (saved as `name`)."""
+    """A Custom Webhook notification block POSTing {"subject", "body"} as JSON to `url` (saved as
+    `name`)."""
     block = CustomWebhookNotificationBlock(
         name="eagle3",
         url=url,
@@ -161,7 +162,8 @@ def save_webhook_block(url: str, name: str = WEBHOOK_BLOCK_NAME) -> CustomWebhoo
 
 
 def load_notification_block(ref: str) -> NotificationBlock:
-    """`<block type slug>/<document name>` of a saved notification block (ConfigError-style message if not)."""
+    """`<block type slug>/<document name>` of a saved notification block (ConfigError-style message
+    if not)."""
     if "/" not in ref:
         raise SystemExit(
             f"--block {ref!r}: write it as <block type slug>/<name>, e.g. slack-webhook/oncall"

@@ -1,4 +1,5 @@
-"""Block types the pipeline flow reads by name (`eagle3_pipeline(..., target_source=, storage=, hardware=)`).
+"""Block types the pipeline flow reads by name (`eagle3_pipeline(..., target_source=, storage=,
+hardware=)`).
 
 python -m eagle3_prefect.blocks.register            # registers the three types with the current PREFECT_API_URL
 python -m eagle3_prefect.blocks.register --example  # ... and saves example documents named "demo"
@@ -17,8 +18,8 @@ from eagle3.config import ConfigError, PipelineConfig
 
 class TargetModelSource(Block):
     """Where the target model comes from: a local directory, or a Hugging Face hub id at a pinned
-    revision (downloaded once into the run's work dir). The token is a SecretStr: the UI and logs show
-    it as ********."""
+    revision (downloaded once into the run's work dir). The token is a SecretStr: the UI and logs
+    show it as ********."""
 
     _block_type_name = "eagle3 target model source"
     _block_type_slug = "eagle3-target-model-source"
@@ -42,11 +43,13 @@ class TargetModelSource(Block):
         return self
 
     def resolve(self, cache_dir: str | Path) -> str:
-        """A local directory holding the model: `path`, or a snapshot of hub_id@revision in cache_dir."""
+        """A local directory holding the model: `path`, or a snapshot of hub_id@revision in
+        cache_dir."""
         if self.path:
             if not (Path(self.path) / "config.json").is_file():
                 raise ConfigError(
-                    f"TargetModelSource.path = {self.path!r} has no config.json; point it at a model directory"
+                    f"TargetModelSource.path = {self.path!r} has no config.json; point it at a "
+                    "model directory"
                 )
             return self.path
         from huggingface_hub import snapshot_download
@@ -94,8 +97,9 @@ class StorageLocation(Block):
 
 
 class HardwareProfile(Block):
-    """The hardware GPU stages run on: the work pool (its deployments are eagle3-<stage>/<work_pool>),
-    GPUs per host, vLLM tensor-parallel size, and the global concurrency limit guarding each host."""
+    """The hardware GPU stages run on: the work pool (its deployments are
+    eagle3-<stage>/<work_pool>), GPUs per host, vLLM tensor-parallel size, and the global
+    concurrency limit guarding each host."""
 
     _block_type_name = "eagle3 hardware profile"
     _block_type_slug = "eagle3-hardware-profile"
@@ -116,8 +120,8 @@ class HardwareProfile(Block):
     def _tp_fits(self) -> HardwareProfile:
         if self.num_gpus and self.tensor_parallel_size > self.num_gpus:
             raise ValueError(
-                f"tensor_parallel_size = {self.tensor_parallel_size} exceeds num_gpus = {self.num_gpus}; "
-                "lower tensor_parallel_size or use a bigger pool"
+                f"tensor_parallel_size = {self.tensor_parallel_size} exceeds num_gpus = "
+                f"{self.num_gpus}; lower tensor_parallel_size or use a bigger pool"
             )
         return self
 

@@ -2,8 +2,9 @@
 
     python -m eagle3_prefect.blocks.register [--example]
 
-Same as `prefect block register -m eagle3_prefect.blocks.eagle3_blocks`. --example also saves documents named "demo"
-(local target path from configs/demo.yaml, storage under runs/, a 1-GPU profile).
+Same as `prefect block register -m eagle3_prefect.blocks.eagle3_blocks`. --example also saves
+documents named "demo" (local target path from configs/demo.yaml, storage under runs/, a 1-GPU
+profile).
 """
 
 from __future__ import annotations

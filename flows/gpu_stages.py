@@ -20,8 +20,8 @@ Upstream = dict[str, dict[str, Any]]
 
 
 def stage_flow(stage: str) -> Flow:
-    """The flow `eagle3-<stage>`: runs the stage's task on this worker; its `config` parameter is typed by
-    the stage's config class (the server validates it against that schema)."""
+    """The flow `eagle3-<stage>`: runs the stage's task on this worker; its `config` parameter is
+    typed by the stage's config class (the server validates it against that schema)."""
 
     def body(
         config,

@@ -1,12 +1,14 @@
-"""Several drafts trained side by side, one GPU each: `train_grid` runs one `train` stage per config (e.g. each
-method on each training set, as benchmarks/realbench trains its grid) and compares their final metrics.
+"""Several drafts trained side by side, one GPU each: `train_grid` runs one `train` stage per config
+(e.g. each method on each training set, as benchmarks/realbench trains its grid) and compares their
+final metrics.
 
-With deployments (dispatch auto on a server, or "deployments") every draft is a flow run of `eagle3-train/<pool>`;
-start one gpu-1x worker per GPU, each with its own CUDA_VISIBLE_DEVICES and a per-device slot
-(EAGLE3_GPU_LIMIT="gpu-host-{host}-gpu{device}", tasks/stages.gpu_limit_names), and the drafts train one per GPU
-at once (docs/scaling.md, "Prefect pools and deployments"). Locally (dispatch "local") they run in this flow run's
-threads. Each draft's capture and vocab are named in its own config; they count in its cache key by the stamps of
-the stages that wrote them (or by content when no stage stamped them).
+With deployments (dispatch auto on a server, or "deployments") every draft is a flow run of
+`eagle3-train/<pool>`; start one gpu-1x worker per GPU, each with its own CUDA_VISIBLE_DEVICES and a
+per-device slot (EAGLE3_GPU_LIMIT="gpu-host-{host}-gpu{device}", tasks/stages.gpu_limit_names), and
+the drafts train one per GPU at once (docs/scaling.md, "Prefect pools and deployments"). Locally
+(dispatch "local") they run in this flow run's threads. Each draft's capture and vocab are named in
+its own config; they count in its cache key by the stamps of the stages that wrote them (or by
+content when no stage stamped them).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from eagle3_prefect.tasks.stages import run_stage
 
 
 def train_inputs(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
-    """The train stage's upstream entries for a config given whole: the capture dir(s) and the vocab dir, by the
-    content hash their stage stamped, or by content."""
+    """The train stage's upstream entries for a config given whole: the capture dir(s) and the vocab
+    dir, by the content hash their stage stamped, or by content."""
     upstream = {}
     for name, path in (("capture", cfg.captured), ("vocab", cfg.vocab)):
         if path is None:
@@ -74,17 +76,19 @@ def train_grid(
     gpu_pool: str = DEFAULT_GPU_POOL,
     run_name: str = "grid",
 ) -> dict[str, Any]:
-    """Train every draft of `runs` ({name: train config}) at once; returns {"rows": [...]} in the order given,
-    each with its out dir, steps, final train loss, validation metrics, wall and GPU-slot wait seconds."""
+    """Train every draft of `runs` ({name: train config}) at once; returns {"rows": [...]} in the
+    order given, each with its out dir, steps, final train loss, validation metrics, wall and
+    GPU-slot wait seconds."""
     if not runs:
         raise ConfigError(
-            "train_grid: runs = {}: name at least one draft, e.g. {'eagle3-mix': {...train config...}}"
+            "train_grid: runs = {}: name at least one draft, e.g. {'eagle3-mix': {...train "
+            "config...}}"
         )
     outs = [str(Path(c.out).resolve()) for c in runs.values() if c.out is not None]
     if len(set(outs)) != len(outs):
         raise ConfigError(
-            f"train_grid: two drafts share an out dir ({sorted(o for o in outs if outs.count(o) > 1)}):"
-            " give each draft its own train.out"
+            "train_grid: two drafts share an out dir "
+            f"({sorted(o for o in outs if outs.count(o) > 1)}): give each draft its own train.out"
         )
     name = f"{STAGE_FLOW_NAMES['train']}/{gpu_pool}"
     use = dispatch == "deployments" or (

@@ -24,7 +24,8 @@ from eagle3_prefect.tasks.manifest import content_sha256, list_outputs
 def apply_blocks(
     config: PipelineConfig, target_source: str | None, storage: str | None, hardware: str | None
 ) -> tuple[PipelineConfig, str, str | None]:
-    """Fill the config from named blocks (blocks/eagle3_blocks.py); returns (config, GPU pool, GPU limit)."""
+    """Fill the config from named blocks (blocks/eagle3_blocks.py); returns (config, GPU pool, GPU
+    limit)."""
     pool, limit = DEFAULT_GPU_POOL, None
     if not (target_source or storage or hardware):
         return config, pool, limit

@@ -1,11 +1,11 @@
-"""Scheduled retraining: run the pipeline on the data as it is now, and promote the new draft only if
-it evaluates better than the current one.
+"""Scheduled retraining: run the pipeline on the data as it is now, and promote the new draft only
+if it evaluates better than the current one.
 
 Each (data content, config) pair gets its own candidate directory under
-<work_dir>/candidates/<data sha>-<config sha>, so an unchanged dataset re-uses every cached stage (and
-the current draft is never overwritten by a candidate). The gate compares τ on the same eval prompts;
-<work_dir>/current.json records which draft is current (and the one before), <work_dir>/current-draft
-is a symlink to it, and <work_dir>/drafts.jsonl logs every decision.
+<work_dir>/candidates/<data sha>-<config sha>, so an unchanged dataset re-uses every cached stage
+(and the current draft is never overwritten by a candidate). The gate compares τ on the same eval
+prompts; <work_dir>/current.json records which draft is current (and the one before),
+<work_dir>/current-draft is a symlink to it, and <work_dir>/drafts.jsonl logs every decision.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ LINK = "current-draft"
 
 
 def candidate_config(config: PipelineConfig) -> PipelineConfig:
-    """The config of this data version's candidate run (own work dir, same target and eval prompts)."""
+    """The config of this data version's candidate run (own work dir, same target and eval
+    prompts)."""
     data_sha = fingerprint_path(config.data)[:12]
     conf_sha = sha256_json(config.model_dump(mode="json", exclude={"work_dir"}))[:8]
     c = config.model_copy(deep=True)
@@ -59,7 +60,8 @@ def gate(new_tau: float, current: dict[str, Any] | None, min_tau_gain: float) ->
         return True, f"τ {new_tau:.3f} > {old:.3f} + {min_tau_gain}"
     return (
         False,
-        f"τ {new_tau:.3f} does not beat the current {old:.3f} + {min_tau_gain}: keeping the current draft",
+        f"τ {new_tau:.3f} does not beat the current {old:.3f} + {min_tau_gain}: keeping the "
+        "current draft",
     )
 
 
@@ -87,8 +89,8 @@ def promote(work_dir: Path, record: dict[str, Any], previous: dict[str, Any] | N
 def retrain(
     config: PipelineConfig, min_tau_gain: float = 0.0, dispatch: Dispatch = "auto"
 ) -> dict[str, Any]:
-    """Run the pipeline on the current data; promote its draft only when τ beats the current draft's.
-    Returns {"promoted", "reason", "current", "candidate"}."""
+    """Run the pipeline on the current data; promote its draft only when τ beats the current
+    draft's. Returns {"promoted", "reason", "current", "candidate"}."""
     if not config.eval_prompts:
         raise ConfigError(
             "retrain: eval_prompts is not set; the promotion gate compares τ on held-out prompts, "
@@ -139,7 +141,8 @@ def retrain_locked(
     )
     create_markdown_artifact(
         markdown=(
-            f"# retrain {config.name}: {'promoted' if promoted else 'kept current draft'}\n\n{reason}\n\n"
+            f"# retrain {config.name}: "
+            f"{'promoted' if promoted else 'kept current draft'}\n\n{reason}\n\n"
             f"| | draft | τ |\n|---|---|---|\n| candidate | `{record['draft']}` | {new_tau:.3f} |\n"
             f"| current (after) | `{now and now['draft']}` | {now and now['tau']} |\n"
         ),

@@ -28,7 +28,8 @@ SIDES = ("stream-capture", "stream-train")
 
 
 def call_side(stage: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Run one side's library function: in a subprocess, or here when EAGLE3_INPROCESS names it (tests)."""
+    """Run one side's library function: in a subprocess, or here when EAGLE3_INPROCESS names it
+    (tests)."""
     from eagle3.stages import jsonable, run_stage_function
     from eagle3_prefect.tasks.stages import runs_in_subprocess
 

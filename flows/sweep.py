@@ -1,6 +1,6 @@
-"""Which target layers should feed the draft? `layer_sweep` shares prepare / regenerate / vocab (none of
-them depends on the layers; all cached across sweeps) and fans out capture → train → export →
-evaluate per layer set, at most `max_concurrency` branches at a time, then compares them and names
+"""Which target layers should feed the draft? `layer_sweep` shares prepare / regenerate / vocab
+(none of them depends on the layers; all cached across sweeps) and fans out capture → train → export
+→ evaluate per layer set, at most `max_concurrency` branches at a time, then compares them and names
 the winner (highest τ; lowest final loss when there are no eval prompts).
 """
 
@@ -32,7 +32,8 @@ from eagle3_prefect.tasks.artifacts import (
     png_markdown,
 )
 
-#: the stages each branch runs on the shared prepare / vocab outputs (the rest of the pipeline after them)
+#: the stages each branch runs on the shared prepare / vocab outputs (the rest of the pipeline after
+#: them)
 BRANCH_STAGES = ("capture", "train", "export", "evaluate")
 _LOSS_KEYS = ("final_val_loss", "val_loss", "final_loss", "final_train_loss", "train_loss", "loss")
 
@@ -42,7 +43,8 @@ def layers_tag(layers: list[int]) -> str:
 
 
 def branch_config(config: PipelineConfig, layers: list[int]) -> PipelineConfig:
-    """The pipeline config of one branch: shared prepare/regenerate/vocab outputs, own capture onwards."""
+    """The pipeline config of one branch: shared prepare/regenerate/vocab outputs, own capture
+    onwards."""
     c = config.model_copy(deep=True)
     root = c.work_dir / "sweep" / layers_tag(layers)
     c.capture.aux_layer_ids = list(layers)
@@ -68,7 +70,8 @@ def sweep_branch(
     dispatch: Dispatch,
     slots: Any = None,
 ) -> dict[str, Any]:
-    """capture → train → export → evaluate for one layer set, on the shared prepare/vocab outputs."""
+    """capture → train → export → evaluate for one layer set, on the shared prepare/vocab
+    outputs."""
     with slots or threading.Semaphore(1):
         cfg = branch_config(config, layers)
         stage = StageRunner(cfg, dispatch=dispatch, run_name=f"{cfg.name}-{layers_tag(layers)}")
@@ -85,7 +88,8 @@ def sweep_branch(
         "tau": find_tau(result),
         "per_position_acceptance": find_per_position(result),
         "train_loss": find_loss(m["train"].get("result") or {}),
-        # running time of the branch's stages; the wait for the GPU slot is apart (it is not stage time)
+        # running time of the branch's stages; the wait for the GPU slot is apart (it is not stage
+        # time)
         "stage_wall_s": round(
             sum(m[s]["wall_s"] for s in ("capture", "train", "export", "evaluate") if s in m), 1
         ),
@@ -158,9 +162,10 @@ def layer_sweep(
 ) -> dict[str, Any]:
     """Train and evaluate one draft per aux layer set; returns {"winner": ..., "rows": [...]}.
 
-    max_concurrency bounds the branches in flight (GPU stages of concurrent branches also queue on the
-    per-host GPU concurrency limit when dispatched to GPU pools). The server checks both parameters'
-    bounds itself (the schema); the flow checks the layer ids against the target before any stage."""
+    max_concurrency bounds the branches in flight (GPU stages of concurrent branches also queue on
+    the per-host GPU concurrency limit when dispatched to GPU pools). The server checks both
+    parameters' bounds itself (the schema); the flow checks the layer ids against the target before
+    any stage."""
     if not layer_sets:
         raise ConfigError(
             "layer_sweep: layer_sets = []: name at least one layer set, e.g. [[1, 2, 3], [2, 3, 4]]"

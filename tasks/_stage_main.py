@@ -1,8 +1,9 @@
 """Subprocess entry: `python -m eagle3_prefect.tasks._stage_main STAGE CONFIG_JSON RESULT_JSON`.
 
 Runs one library stage function in a fresh process (clean CUDA / vLLM state) and writes either
-{"ok": true, "result": ...} or {"ok": false, "kind": ..., "type": ..., "message": ...} to RESULT_JSON.
-Exit status: 0 ok, 2 config/validation error, 3 out of memory, 1 anything else. Imports no Prefect.
+{"ok": true, "result": ...} or {"ok": false, "kind": ..., "type": ..., "message": ...} to
+RESULT_JSON. Exit status: 0 ok, 2 config/validation error, 3 out of memory, 1 anything else. Imports
+no Prefect.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def main(argv: list[str]) -> int:
     start_parent_watchdog()
     import logging
 
-    # the parent copies these lines into the run log; WARNING+ lines stay visible there (eagle3.console)
+    # the parent copies these lines into the run log; WARNING+ lines stay visible there
+    # (eagle3.console)
     logging.basicConfig(
         level=os.environ.get("EAGLE3_LOG_LEVEL", "INFO").upper(),
         format="%(levelname)s %(name)s: %(message)s",
     )
-    # vLLM applies VLLM_LOGGING_LEVEL when its logging is set up, after `import vllm` has already logged
+    # vLLM applies VLLM_LOGGING_LEVEL when its logging is set up, after `import vllm` has already
+    # logged
     logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     from eagle3.diagnose import describe_failure
     from eagle3.stages import build_stage_config, jsonable, run_stage_function
@@ -64,7 +67,8 @@ def main(argv: list[str]) -> int:
     try:
         values = json.loads(Path(config_json).read_text())
         cfg = build_stage_config(stage, values, source=f"{stage} config from the flow")
-        # this process exists for this one stage: an engine stage's vLLM engine runs inside it (eagle3.vllm_engine)
+        # this process exists for this one stage: an engine stage's vLLM engine runs inside it
+        # (eagle3.vllm_engine)
         setup_stage_process_env(stage, cfg)
         result = run_stage_function(stage, cfg)
     except BaseException as exc:  # noqa: BLE001 - classified and reported to the parent

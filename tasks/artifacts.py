@@ -1,6 +1,7 @@
 """Prefect artifacts for the stages: what a person looks at in the UI after a run.
 
-Every function here reads files the stage wrote; none of them can fail the stage (errors are logged).
+Every function here reads files the stage wrote; none of them can fail the stage (errors are
+logged).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from prefect.artifacts import (
 
 log = logging.getLogger("eagle3.tasks.artifacts")
 
-#: PNGs up to this size are embedded in markdown artifacts (data URI); larger ones are linked by path
+#: PNGs up to this size are embedded in markdown artifacts (data URI); larger ones are linked by
+#: path
 EMBED_PNG_MAX_BYTES = 400_000
 
 

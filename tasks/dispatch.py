@@ -32,7 +32,8 @@ from prefect.states import Crashed
 from eagle3_prefect.tasks.errors import StageCrashed, StageError, StageRunFailed
 from eagle3_prefect.tasks.manifest import MANIFEST_KEYS, describe_resume_point, read_stamp
 
-#: how often the parent polls the child flow run (EAGLE3_DISPATCH_POLL_S: the server tests poll faster)
+#: how often the parent polls the child flow run (EAGLE3_DISPATCH_POLL_S: the server tests poll
+#: faster)
 POLL_INTERVAL_S = float(os.environ.get("EAGLE3_DISPATCH_POLL_S", "3"))
 #: new runs of a stage whose run crashed or was lost
 NUM_REDISPATCHES = int(os.environ.get("EAGLE3_NUM_REDISPATCHES", "2"))

@@ -1,4 +1,5 @@
-"""Error classes the tasks raise, and the retry rule: transient failures retry, deterministic ones don't."""
+"""Error classes the tasks raise, and the retry rule: transient failures retry, deterministic ones
+don't."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def classify_exception(exc: BaseException) -> str:
         return "oom"
     if any(m in text for m in _ENGINE_MARKERS):
         return "engine_start"
-    # another writer holds the out dir, the disk is full or read-only: the same again until someone acts
+    # another writer holds the out dir, the disk is full or read-only: the same again until someone
+    # acts
     if type(exc).__name__ == "LockedError" or (
         isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
     ):
@@ -139,8 +141,8 @@ def is_transient(exc: BaseException | None) -> bool:
 
 
 def retry_transient_only(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect `retry_condition_fn`: retry crashes and engine start failures; never config/validation
-    errors, OOM at a fixed batch size, or timeouts."""
+    """Prefect `retry_condition_fn`: retry crashes and engine start failures; never
+    config/validation errors, OOM at a fixed batch size, or timeouts."""
     try:
         state.result(raise_on_failure=True)
     except BaseException as exc:  # noqa: BLE001 - the state's exception is what we classify

@@ -49,7 +49,8 @@ MANIFEST_KEYS = (
     "result",
 )
 
-#: library sources (relative to the eagle3 package) that make up each stage's code version (eagle3.stages)
+#: library sources (relative to the eagle3 package) that make up each stage's code version
+#: (eagle3.stages)
 STAGE_CODE: dict[str, tuple[str, ...]] = {name: s.code for name, s in STAGES.items() if s.code}
 COMMON_CODE = ("config.py", "io.py")
 
@@ -119,8 +120,8 @@ def iter_files(root: Path) -> Iterable[Path]:
 @functools.cache
 def code_version(stage: str) -> str:
     """sha256 over the stage's library sources (and config.py/io.py) plus CACHE_EPOCH. Computed once
-    per process: a flow run keys its stages by the code it started with (each deployment run and each
-    `eagle3 run` is a fresh process)."""
+    per process: a flow run keys its stages by the code it started with (each deployment run and
+    each `eagle3 run` is a fresh process)."""
     import eagle3
 
     root = Path(eagle3.__file__).parent
@@ -137,8 +138,9 @@ def code_version(stage: str) -> str:
 
 
 def fingerprint_path(value: str | Path) -> str:
-    """Content fingerprint of an external input: sha256 for files; for a directory, the sha256 of its
-    small files and (size, mtime) of large ones (model weights), so a multi-GB target is not re-read."""
+    """Content fingerprint of an external input: sha256 for files; for a directory, the sha256 of
+    its small files and (size, mtime) of large ones (model weights), so a multi-GB target is not
+    re-read."""
     p = Path(value)
     if p.is_file():
         return sha256_file_memo(p)
@@ -230,8 +232,9 @@ def write_stamp(out: str | Path, stamp: dict[str, Any]) -> None:
 
 
 def verify_outputs(out: str | Path, key: str) -> tuple[bool, str]:
-    """(True, "") when `out` holds a finished run of `key` whose files are all present and unaltered;
-    otherwise (False, reason). Files whose size and mtime match are trusted; others are re-hashed."""
+    """(True, "") when `out` holds a finished run of `key` whose files are all present and
+    unaltered; otherwise (False, reason). Files whose size and mtime match are trusted; others are
+    re-hashed."""
     out = Path(out)
     stamp = read_stamp(out)
     if stamp is None:

@@ -45,15 +45,16 @@ from eagle3_prefect.tasks.subprocess_runner import run_stage_subprocess
 
 #: stages with a GPU stage flow and deployments of their own (flows/gpu_stages.py, prefect.yaml)
 GPU_STAGES = tuple(n for n, s in STAGES.items() if s.gpu)
-#: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts): the GPU stages
-#: plus synthesize (an engine of the target, but no deployment of its own)
+#: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts): the GPU
+#: stages plus synthesize (an engine of the target, but no deployment of its own)
 SUBPROCESS_STAGES = tuple(n for n, s in STAGES.items() if s.subprocess)
 #: stages that get a progress artifact
 PROGRESS_STAGES = ("capture", "train")
 
 NUM_RETRIES = int(os.environ.get("EAGLE3_NUM_RETRIES", "2"))
-#: lease on the GPU slot: renewed every 3/4 of it while the stage runs; a holder whose host died frees the slot
-#: when its lease runs out (Prefect's repossessor), so this bounds how long the stage's next run waits for it
+#: lease on the GPU slot: renewed every 3/4 of it while the stage runs; a holder whose host died
+#: frees the slot when its lease runs out (Prefect's repossessor), so this bounds how long the
+#: stage's next run waits for it
 GPU_LEASE_S = max(
     60.0, float(os.environ.get("EAGLE3_GPU_LEASE_S", "120"))
 )  # Prefect's minimum is 60 s
@@ -93,7 +94,8 @@ def result_storage(cache_dir: str | Path | None) -> Any:
 
 
 def runs_in_subprocess(stage: str) -> bool:
-    """GPU stages run in a subprocess, unless EAGLE3_INPROCESS names them ("all" or "capture,train")."""
+    """GPU stages run in a subprocess, unless EAGLE3_INPROCESS names them ("all" or
+    "capture,train")."""
     inproc = {
         s.strip() for s in os.environ.get("EAGLE3_INPROCESS", "").lower().split(",") if s.strip()
     }
@@ -128,13 +130,14 @@ def as_stage_config(stage: str, config: StageConfig | dict[str, Any]) -> StageCo
 
 
 def gpu_limit_names() -> list[str]:
-    """Names of the global concurrency limits guarding the GPUs this process uses, from EAGLE3_GPU_LIMIT (the GPU
-    deployments set it, e.g. "gpu-host-{host}"); [] on the embedded default (no limit). {host} is EAGLE3_NODE_NAME
-    when set (a Kubernetes pod's hostname is the pod's, not the GPU node's: set it from the downward API's
-    spec.nodeName), else the hostname. {device} keys the slot per GPU: one name per GPU this process sees
-    (CUDA_VISIBLE_DEVICES's entries; unset: every GPU of the host, "cpu" on a host without one), so that one gpu-1x
-    worker per GPU (each started with its own CUDA_VISIBLE_DEVICES) runs one stage per GPU side by side, while a
-    stage that sees all of them (a gpu-8x worker) takes every GPU's slot."""
+    """Names of the global concurrency limits guarding the GPUs this process uses, from
+    EAGLE3_GPU_LIMIT (the GPU deployments set it, e.g. "gpu-host-{host}"); [] on the embedded
+    default (no limit). {host} is EAGLE3_NODE_NAME when set (a Kubernetes pod's hostname is the
+    pod's, not the GPU node's: set it from the downward API's spec.nodeName), else the hostname.
+    {device} keys the slot per GPU: one name per GPU this process sees (CUDA_VISIBLE_DEVICES's
+    entries; unset: every GPU of the host, "cpu" on a host without one), so that one gpu-1x worker
+    per GPU (each started with its own CUDA_VISIBLE_DEVICES) runs one stage per GPU side by side,
+    while a stage that sees all of them (a gpu-8x worker) takes every GPU's slot."""
     template = os.environ.get("EAGLE3_GPU_LIMIT", "").strip()
     if not template:
         return []
@@ -144,7 +147,8 @@ def gpu_limit_names() -> list[str]:
 
 
 def visible_devices() -> list[str]:
-    """The GPUs a stage of this process would use: CUDA_VISIBLE_DEVICES's entries, else all the host has."""
+    """The GPUs a stage of this process would use: CUDA_VISIBLE_DEVICES's entries, else all the host
+    has."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip()] or ["none"]
@@ -155,13 +159,13 @@ def visible_devices() -> list[str]:
 
 @contextlib.contextmanager
 def gpu_slot(stage: str, waited: dict[str, float] | None = None):
-    """Hold this host's GPU slot(s) (strict: a missing limit is an error, never a silent free-for-all).
-    The seconds spent waiting for them go to waited["slot_wait_s"].
+    """Hold this host's GPU slot(s) (strict: a missing limit is an error, never a silent
+    free-for-all). The seconds spent waiting for them go to waited["slot_wait_s"].
 
-    Not first-come-first-served: Prefect's global concurrency limits keep no queue; a waiter that gets
-    423 Locked sleeps the server's Retry-After and asks again, so after a release whichever waiter asks
-    first wins (docs/operations.md, "The GPU slot", gives the arrival-order setup: a work pool
-    concurrency limit, whose runs the server hands out oldest first)."""
+    Not first-come-first-served: Prefect's global concurrency limits keep no queue; a waiter that
+    gets 423 Locked sleeps the server's Retry-After and asks again, so after a release whichever
+    waiter asks first wins (docs/operations.md, "The GPU slot", gives the arrival-order setup: a
+    work pool concurrency limit, whose runs the server hands out oldest first)."""
     names = gpu_limit_names() if stage in SUBPROCESS_STAGES else []
     t0 = time.time()
     if not names:
@@ -184,8 +188,8 @@ def gpu_slot(stage: str, waited: dict[str, float] | None = None):
 def call_library(
     stage: str, cfg: StageConfig, on_progress=None, waited: dict[str, float] | None = None
 ) -> dict[str, Any]:
-    """Run the library function for `stage`, in a subprocess for GPU stages; return its result as JSON.
-    The GPU slot wait goes to waited["slot_wait_s"] (not stage time)."""
+    """Run the library function for `stage`, in a subprocess for GPU stages; return its result as
+    JSON. The GPU slot wait goes to waited["slot_wait_s"] (not stage time)."""
     with gpu_slot(stage, waited):
         if runs_in_subprocess(stage):
             return run_stage_subprocess(
@@ -289,11 +293,13 @@ def _stage_task(stage: str):
         else 0,
         retry_jitter_factor=0.2 if RETRY_BASE_S > 0 else None,
         retry_condition_fn=retry_transient_only,
-        log_prints=False,  # in-process libraries print progress noise; GPU stages stream via the logger
+        # in-process libraries print progress noise; GPU stages stream via the logger
+        log_prints=False,
     )
 
 
-#: one task per stage that a flow runs (the streaming sides run in flows/streaming.py's `stream-side` task)
+#: one task per stage that a flow runs (the streaming sides run in flows/streaming.py's
+#: `stream-side` task)
 STAGE_TASKS = {name: _stage_task(name) for name, s in STAGES.items() if s.kind != "stream"}
 
 

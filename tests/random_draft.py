@@ -1,10 +1,10 @@
 """A random-weight EAGLE-3 draft directory that vLLM loads (`LlamaForCausalLMEagle3`).
 
 For tests and plumbing checks without a trained draft: the layout is exactly what vLLM's
-`vllm/model_executor/models/llama_eagle3.py` loads (one decoder layer under `midlayer.*`, the `fc` that
-fuses the aux hidden states, `norm`, a `lm_head` over the draft vocabulary and the `d2t`/`t2d` maps);
-the target's embedding is shared (no `embed_tokens` in the file). Acceptance of a random draft is ~0,
-so τ ≈ 1; it proves the wiring, not quality.
+`vllm/model_executor/models/llama_eagle3.py` loads (one decoder layer under `midlayer.*`, the `fc`
+that fuses the aux hidden states, `norm`, a `lm_head` over the draft vocabulary and the `d2t`/`t2d`
+maps); the target's embedding is shared (no `embed_tokens` in the file). Acceptance of a random
+draft is ~0, so τ ≈ 1; it proves the wiring, not quality.
 
     from tests.random_draft import build_random_draft
     build_random_draft("path/to/target", "path/to/draft", draft_vocab_size=256)
@@ -29,7 +29,8 @@ class RandomDraft:
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """(2, L//2, L-3), the EAGLE-3 default, in vLLM semantics (id k = output of decoder layer k-1)."""
+    """(2, L//2, L-3), the EAGLE-3 default, in vLLM semantics (id k = output of decoder layer
+    k-1)."""
     return [2, num_layers // 2, num_layers - 3]
 
 
@@ -70,7 +71,8 @@ def build_random_draft(
     if len(set(aux)) != len(aux):
         # vLLM collects each aux layer once, so duplicates would break the fc input width
         raise ValueError(
-            f"aux_layer_ids has duplicates {aux} (the default for a {L}-layer target); pass distinct ids, e.g. [1, {L // 2}, {L - 1}]"
+            f"aux_layer_ids has duplicates {aux} (the default for a {L}-layer target); pass "
+            f"distinct ids, e.g. [1, {L // 2}, {L - 1}]"
         )
     torch_dtype = getattr(torch, dtype)
 

@@ -1,6 +1,7 @@
-"""One capture over several engines (capture.num_engines): the shards are the bytes one engine writes, one
-manifest, resume per engine after one is killed; the plan and the device split. hf engines on the CPU (a process
-each); the two-vLLM-engine capture is marked slow (two engine start-ups)."""
+"""One capture over several engines (capture.num_engines): the shards are the bytes one engine
+writes, one manifest, resume per engine after one is killed; the plan and the device split. hf
+engines on the CPU (a process each); the two-vLLM-engine capture is marked slow (two engine
+start-ups)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def prepared(tiny_llama, tmp_path_factory):
 
 
 def hf_cfg(target, data, out, **kw) -> CaptureConfig:
-    # batch_tokens 120: several rows per hf batch, so a chunk's rows must be batched as one engine batches them
+    # batch_tokens 120: several rows per hf batch, so a chunk's rows must be batched as one engine
+    # batches them
     base = dict(
         target=str(target),
         data=str(data),
@@ -118,16 +120,17 @@ def test_two_hf_engines_write_the_one_engine_shards(tiny_llama, prepared, one_en
 
 
 RUN = (
-    "import json, sys\nfrom eagle3.config import CaptureConfig\nfrom eagle3.capture import run_capture\n"
+    "import json, sys\nfrom eagle3.config import CaptureConfig\nfrom eagle3.capture import "
+    "run_capture\n"
     "run_capture(CaptureConfig.model_validate(json.loads(sys.argv[1])))\n"
 )
 
 
 @pytest.mark.slow
 def test_a_killed_engine_resumes_with_any_number_of_engines(tiny_llama, prepared, tmp_path):
-    """Engine 1 is frozen (SIGSTOP) once it recorded a shard and SIGKILLed once engine 0 recorded one too: the driver
-    stops engine 0 and fails naming engine 1; the rerun (3 engines) keeps every finished shard of both and captures
-    the rest, byte for byte the one-engine capture."""
+    """Engine 1 is frozen (SIGSTOP) once it recorded a shard and SIGKILLed once engine 0 recorded
+    one too: the driver stops engine 0 and fails naming engine 1; the rerun (3 engines) keeps every
+    finished shard of both and captures the rest, byte for byte the one-engine capture."""
     one = run_capture(
         hf_cfg(tiny_llama, prepared, tmp_path / "one", shard_tokens=60)
     )  # a shard per row
@@ -181,8 +184,9 @@ def test_a_killed_engine_resumes_with_any_number_of_engines(tiny_llama, prepared
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_two_vllm_engines(tiny_llama, tmp_path):
-    """Two vLLM engines (CPU, one process each, engine in process): one manifest, shards from both, states equal to
-    transformers' (the golden check of tests/test_capture.py) and byte for byte one vLLM engine's."""
+    """Two vLLM engines (CPU, one process each, engine in process): one manifest, shards from both,
+    states equal to transformers' (the golden check of tests/test_capture.py) and byte for byte one
+    vLLM engine's."""
     from test_capture import NUM_PROMPTS, capture_in_subprocess
 
     data = make_prepared(tiny_llama, tmp_path / "prep", num=NUM_PROMPTS)

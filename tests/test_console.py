@@ -1,5 +1,6 @@
-"""What `eagle3` prints: quiet defaults that never override the user's environment, the per-stage line, the
-summary table, and the n-gram vs draft comparison (tokens per target step, not only vLLM's τ)."""
+"""What `eagle3` prints: quiet defaults that never override the user's environment, the per-stage
+line, the summary table, and the n-gram vs draft comparison (tokens per target step, not only vLLM's
+τ)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ def test_summary_table_from_flow_manifests(tmp_path):
 
 
 def test_tokens_per_target_step_counts_steps_without_drafts(tmp_path):
-    # n-gram drafted on 520 steps and had 926 tokens accepted: vLLM's τ is 2.78, but over all 2,382 target
-    # steps of 3,308 generated tokens it is 1.39 (measured 2026-12-01 on SmolLM2, 32 prompts)
+    # n-gram drafted on 520 steps and had 926 tokens accepted: vLLM's τ is 2.78, but over all 2,382
+    # target steps of 3,308 generated tokens it is 1.39 (measured 2026-12-01 on SmolLM2, 32 prompts)
     assert tokens_per_target_step(3308, 926) == pytest.approx(1.389, abs=1e-3)
     for method, drafts, acc in (("eagle3", 1900, 800), ("ngram", 520, 926)):
         (tmp_path / method).mkdir()
@@ -140,7 +141,8 @@ def test_tokens_per_target_step_counts_steps_without_drafts(tmp_path):
 
 
 def test_one_results_dir_with_comparisons_prints_every_method(tmp_path):
-    """evaluate with `compare: [ngram]` writes one results.json: the draft's `rows`, n-gram's `comparisons`."""
+    """evaluate with `compare: [ngram]` writes one results.json: the draft's `rows`, n-gram's
+    `comparisons`."""
 
     def row(method, category, temperature, gen, acc, drafts, tau):
         return {
@@ -206,7 +208,8 @@ def test_key_figures_name_what_each_stage_did():
 
 
 def test_child_warnings_stay_visible():
-    """tasks/_stage_main.py logs as 'LEVEL name: message'; the parent copies WARNING+ lines at WARNING."""
+    """tasks/_stage_main.py logs as 'LEVEL name: message'; the parent copies WARNING+ lines at
+    WARNING."""
     assert _WARNING_RE.match(
         "WARNING eagle3.data.regenerate: skipped 3 prompts longer than max_model_len"
     )

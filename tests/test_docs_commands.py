@@ -1,16 +1,17 @@
 """Every command line in README.md, docs/scaling.md, docs/decisions/ and benchmarks/README.md works
 as written (docs/operations.md's are run by tests/test_prefect_server.py).
 
-Each documented command is found (fenced blocks and inline code spans) and must be classified here: an
-`eagle3` command is parsed by the real CLI parser with its placeholders filled in (FILE = every preset in
-configs/ for `eagle3 plan`, `h200|b300|...` = each alternative), and run for real where that is cheap
-(`eagle3 plan` on every preset and profile, configs loaded and validated); `bash scripts/demo.sh` runs with
---dry-run (the eagle3 command it would run, checked the same way); `bash benchmarks/gpu_call.sh run ... -- CMD`
-runs with --dry-run (CMD checked the same way when it is an eagle3 or benchmark command);
-`bash scripts/test.sh ...` runs with --dry-run (its pytest command must parse); any other benchmark
-command (`python benchmarks/X.py --flag ...`, `bash benchmarks/X.sh ...`) must name an existing script that defines
-every flag it passes; the rest names the test that runs it.
-A new command in the docs that fits none of these fails the test, so the docs cannot drift unnoticed.
+Each documented command is found (fenced blocks and inline code spans) and must be classified here:
+an `eagle3` command is parsed by the real CLI parser with its placeholders filled in (FILE = every
+preset in configs/ for `eagle3 plan`, `h200|b300|...` = each alternative), and run for real where
+that is cheap (`eagle3 plan` on every preset and profile, configs loaded and validated); `bash
+scripts/demo.sh` runs with --dry-run (the eagle3 command it would run, checked the same way); `bash
+benchmarks/gpu_call.sh run ... -- CMD` runs with --dry-run (CMD checked the same way when it is an
+eagle3 or benchmark command); `bash scripts/test.sh ...` runs with --dry-run (its pytest command
+must parse); any other benchmark command (`python benchmarks/X.py --flag ...`, `bash benchmarks/X.sh
+...`) must name an existing script that defines every flag it passes; the rest names the test that runs it.
+A new command in the docs that fits none of these fails the test, so the docs cannot drift
+unnoticed.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ COVERED_ELSEWHERE = {
     "EAGLE3_REPO_DIR=$PWD prefect ": "tests/test_prefect_server.py",
     "EAGLE3_REPO_DIR=$PWD bash scripts/deploy.sh": "tests/test_prefect_server.py (runs deploy.sh)",
     "python -m eagle3_prefect.flows.worker": "tests/test_prefect_server.py (starts the workers)",
-    "eagle3 hardware profile": "not a command: the Prefect block type's name (blocks/eagle3_blocks.py)",
+    "eagle3 hardware profile": "not a command: the Prefect block type's name "
+    "(blocks/eagle3_blocks.py)",
 }
 
 #: placeholder -> value when parsing (FILE of `eagle3 plan` / `run` is every preset instead)
@@ -62,15 +64,16 @@ PLACEHOLDERS = {
 
 
 def documented_commands() -> list[tuple[str, str, bool]]:
-    """(where, command, whole) for every command line in the docs: fenced bash/console lines (whole command
-    lines) and inline code spans that start with a command (in prose: a whole command, or a mention such as
-    `eagle3 run --no-prefect` whose flags must exist)."""
+    """(where, command, whole) for every command line in the docs: fenced bash/console lines (whole
+    command lines) and inline code spans that start with a command (in prose: a whole command, or a
+    mention such as `eagle3 run --no-prefect` whose flags must exist)."""
     found = []
     for doc in DOCS:
         text = (ROOT / doc).read_text()
         for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
             lines = block.replace("\\\n", " ").splitlines()
-            # a shell block is all commands; in any other block only `$ ` lines are (the rest is output)
+            # a shell block is all commands; in any other block only `$ ` lines are (the rest is
+            # output)
             prompted = lang not in ("bash", "sh", "shell") or any(
                 line.startswith("$ ") for line in lines
             )
@@ -86,13 +89,15 @@ def documented_commands() -> list[tuple[str, str, bool]]:
     return found
 
 
-#: a benchmark command: `[PYTHONPATH=src] [.venv/bin/]python[3] benchmarks/X.py ...` or `bash benchmarks/X.sh ...`
+#: a benchmark command: `[PYTHONPATH=src] [.venv/bin/]python[3] benchmarks/X.py ...` or `bash
+#: benchmarks/X.sh ...`
 BENCH = r"(PYTHONPATH=src )?((\.venv/bin/)?python3? |bash )benchmarks/"
 
 
 def check_benchmark(cmd: str, capsys) -> None:
-    """The script exists and defines every --flag the command passes (argparse's add_argument or the shell's case);
-    gpu_call.sh run is run with --dry-run and its inner command checked the same way."""
+    """The script exists and defines every --flag the command passes (argparse's add_argument or the
+    shell's case); gpu_call.sh run is run with --dry-run and its inner command checked the same
+    way."""
     argv = shlex.split(re.sub(r"^PYTHONPATH=src ", "", cmd))
     script = next(a for a in argv if a.startswith("benchmarks/"))
     path = ROOT / script
@@ -143,7 +148,8 @@ def expand(cmd: str) -> list[list[str]]:
         and PRESETS in options
         and any(len(o) > 1 and o is not PRESETS for o in options)
     ):
-        # every preset once and every alternative at least once, not the whole product (each plan costs ~0.5 s)
+        # every preset once and every alternative at least once, not the whole product (each plan
+        # costs ~0.5 s)
         alt = next(o for o in options if len(o) > 1 and o is not PRESETS)
         i, j = options.index(PRESETS), options.index(alt)
         combos = [c for c in combos if alt.index(c[j]) == PRESETS.index(c[i]) % len(alt)]
@@ -224,8 +230,9 @@ QUICK_MARKS = "not vllm and not slow and not prefect"
 
 
 def check_test_command(cmd: str) -> None:
-    """`bash scripts/test.sh [ARGS]` with --dry-run: it accepts ARGS and prints a pytest command that
-    pytest parses (the suite itself is what CI runs); --quick selects the quick tier by marks."""
+    """`bash scripts/test.sh [ARGS]` with --dry-run: it accepts ARGS and prints a pytest command
+    that pytest parses (the suite itself is what CI runs); --quick selects the quick tier by
+    marks."""
     argv = shlex.split(cmd)[2:]
     p = subprocess.run(
         ["bash", "scripts/test.sh", "--dry-run", *argv],

@@ -80,8 +80,8 @@ class FakeEvaluateResult:
 
 
 def fake_evaluate(cfg) -> FakeEvaluateResult:
-    """Stand-in for run_evaluate: τ is a deterministic function of the draft's bytes (or EAGLE3_FAKE_TAU);
-    writes results.json and a chart like the real stage."""
+    """Stand-in for run_evaluate: τ is a deterministic function of the draft's bytes (or
+    EAGLE3_FAKE_TAU); writes results.json and a chart like the real stage."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,7 +174,7 @@ def artifacts_by_key(flow_run_id=None) -> dict[str, Any]:
     return {a.key: a for a in arts if a.key}
 
 
-# ------------------------------------------------------------------------------------------ fixtures
+# ----------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
     """One embedded Prefect API for the session; results (the cache records) in a temp dir."""
@@ -365,8 +365,8 @@ def test_config_error_fails_fast_without_retries(base):
 
 
 def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
-    """A bad layer id fails the pipeline (and a sweep) as Failed before any task runs; a run on a work dir
-    another process holds fails at once, naming the holder."""
+    """A bad layer id fails the pipeline (and a sweep) as Failed before any task runs; a run on a
+    work dir another process holds fails at once, naming the holder."""
     from eagle3_prefect.flows.pipeline import eagle3_pipeline
     from eagle3_prefect.flows.sweep import layer_sweep
 
@@ -376,8 +376,8 @@ def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
     state, run_id, _ = run_flow(eagle3_pipeline, cfg, dispatch="local")
     assert state.is_failed() and state.type.value == "FAILED", state
     assert (
-        "capture.aux_layer_ids = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; use ids in 1..4"
-        in state.message
+        "capture.aux_layer_ids = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; use "
+        "ids in 1..4" in state.message
     )
     assert _read_task_runs(run_id) == []
     state, run_id, _ = run_flow(layer_sweep, base["cfg"], [[1, 2], [2, 7]], dispatch="local")
@@ -394,7 +394,8 @@ def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
             sys.executable,
             "-c",
             "import sys, time; from eagle3.lock import dir_lock\n"
-            "with dir_lock(sys.argv[1], 'pipeline work_dir'):\n    print('held', flush=True); time.sleep(600)",
+            "with dir_lock(sys.argv[1], 'pipeline work_dir'):\n    print('held', flush=True); "
+            "time.sleep(600)",
             str(base["cfg"].work_dir),
         ],
         stdout=subprocess.PIPE,
@@ -442,8 +443,9 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
     @flow(name="slot-wait")
     def take_slot() -> dict:
         waited: dict = {}
-        # the other stage frees the slot hold_s after this flow asks for it, however long the flow took to start
-        # (on a loaded 2-core host that took over 2 s, and a fixed hold left the wait shorter than hold_s / 2)
+        # the other stage frees the slot hold_s after this flow asks for it, however long the flow
+        # took to start (on a loaded 2-core host that took over 2 s, and a fixed hold left the wait
+        # shorter than hold_s / 2)
         threading.Timer(hold_s, release.set).start()
         with gpu_slot("train", waited):
             pass
@@ -458,7 +460,8 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
 
 
 def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
-    """capture's child process dies once (exit 1, no result): the task retries and the flow completes."""
+    """capture's child process dies once (exit 1, no result): the task retries and the flow
+    completes."""
     from prefect import flow
 
     import eagle3_prefect.tasks.subprocess_runner as runner
@@ -471,7 +474,8 @@ def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
         cmd = real(stage, config_json, result_json)
         code = (
             "import os, sys; m = sys.argv[1]\n"
-            "if not os.path.exists(m):\n    open(m, 'w').close(); print('simulated crash', flush=True); os._exit(1)\n"
+            "if not os.path.exists(m):\n    open(m, 'w').close(); print('simulated crash', "
+            "flush=True); os._exit(1)\n"
             "os.execv(sys.argv[2], sys.argv[2:])"
         )
         return [sys.executable, "-c", code, str(marker), *cmd]
@@ -586,9 +590,9 @@ def test_blocks_keep_the_token_secret(prefect_harness, tiny_llama, tmp_path):
 
 
 def test_fetch_target_task_stamps_the_target_and_caches(prefect_harness, smollm2, tmp_path):
-    """The fetch-target task (pipeline `fetch_target:`) on a copy of an already fetched SmolLM2 dir: the library reuses
-    it (no conversion), the task stamps the dir, a second run is a verified cache hit, and the in-process pipeline's
-    ensure_target accepts it as well."""
+    """The fetch-target task (pipeline `fetch_target:`) on a copy of an already fetched SmolLM2 dir:
+    the library reuses it (no conversion), the task stamps the dir, a second run is a verified cache
+    hit, and the in-process pipeline's ensure_target accepts it as well."""
     import shutil
 
     from prefect import flow
@@ -618,8 +622,8 @@ def test_fetch_target_task_stamps_the_target_and_caches(prefect_harness, smollm2
 
 @pytest.mark.slow
 def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_path):
-    """`eagle3 run --config FILE` runs the Prefect flow on the embedded API; a second invocation (a new
-    process, a new embedded API) executes no stage."""
+    """`eagle3 run --config FILE` runs the Prefect flow on the embedded API; a second invocation (a
+    new process, a new embedded API) executes no stage."""
     import subprocess
 
     import yaml

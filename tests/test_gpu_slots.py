@@ -1,9 +1,10 @@
 """Per-GPU slots: one gpu-1x worker per GPU, each stage holding its own device's slot
-(EAGLE3_GPU_LIMIT="gpu-host-{host}-gpu{device}"), so drafts train side by side; and the train_grid flow that fans a
-grid of drafts out as separate train stage runs.
+(EAGLE3_GPU_LIMIT="gpu-host-{host}-gpu{device}"), so drafts train side by side; and the train_grid
+flow that fans a grid of drafts out as separate train stage runs.
 
-On the CPU two "devices" are two processes run as a gpu-1x worker runs a dispatched stage (the eagle3-train GPU
-stage flow, with CUDA_VISIBLE_DEVICES 0 or 1) against one Prefect API (the embedded test server)."""
+On the CPU two "devices" are two processes run as a gpu-1x worker runs a dispatched stage (the
+eagle3-train GPU stage flow, with CUDA_VISIBLE_DEVICES 0 or 1) against one Prefect API (the embedded
+test server)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""eagle3.hf: transformers loads from several threads leave weight tying intact, and an untied load of a tied
-config is refused (the CI failure of 2026-12-01: a sweep's concurrent in-process loads left
-PreTrainedModel.tie_weights a no-op, and SmolLM2 then loaded with a random lm_head)."""
+"""eagle3.hf: transformers loads from several threads leave weight tying intact, and an untied load
+of a tied config is refused (the CI failure of 2026-12-01: a sweep's concurrent in-process loads
+left PreTrainedModel.tie_weights a no-op, and SmolLM2 then loaded with a random lm_head)."""
 
 from __future__ import annotations
 

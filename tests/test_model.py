@@ -1,4 +1,5 @@
-"""Draft model + TTT attention: kernels agree with the naive full-mask reference (values and gradients)."""
+"""Draft model + TTT attention: kernels agree with the naive full-mask reference (values and
+gradients)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def test_sdpa_matches_naive_values_and_grads(steps):
 
 
 def test_naive_mask_is_the_eagle3_pattern():
-    """Brute force: row t at step j sees step-0 keys s<=t of its document and only row t of steps 1..j."""
+    """Brute force: row t at step j sees step-0 keys s<=t of its document and only row t of steps
+    1..j."""
     B, T, steps = 1, 6, 3
     doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
     d = 4
@@ -114,17 +116,19 @@ def test_naive_mask_is_the_eagle3_pattern():
     ],
 )
 def test_flex_matches_naive_forward(steps, T, padded):
-    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below. padded None (the
-    default): the step-0 keys through flex plus the merged diagonal (flex_split_attention); False: the (j+1)T
-    concatenated keys; True: every step's keys zero-padded to K*T with block lists cut per step (one compiled kernel
-    for all steps; T=48 is a multiple of the block size, 16 here)."""
+    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below. padded
+    None (the default): the step-0 keys through flex plus the merged diagonal
+    (flex_split_attention); False: the (j+1)T concatenated keys; True: every step's keys zero-padded
+    to K*T with block lists cut per step (one compiled kernel for all steps; T=48 is a multiple of
+    the block size, 16 here)."""
     B = 2
     doc = docs(B, T)
     q, ks, vs = qkv(B, T, steps, dtype=torch.float32)
     q, ks, vs = q.detach(), [k.detach() for k in ks], [v.detach() for v in vs]
     with torch.no_grad():
         ref = naive_ttt_attention(q, ks, vs, doc)
-        # padded needs the compiled kernel (it skips the cut blocks; eager flex does not): inductor's CPU flex
+        # padded needs the compiled kernel (it skips the cut blocks; eager flex does not):
+        # inductor's CPU flex
         fn = make_ttt_attention("flex", doc, steps, compiled=bool(padded), padded=padded)
         want_fn = flex_split_attention if padded is None else flex_ttt_attention
         assert fn.func is want_fn and fn.keywords.get("padded", None) is (
@@ -145,9 +149,9 @@ def test_flex_matches_naive_forward(steps, T, padded):
 
 @pytest.mark.parametrize("steps", [2, 4])
 def test_merge_diagonal_values_and_grads(steps):
-    """flex_split_attention's arithmetic on the CPU (flex has no CPU backward): the causal block's output and
-    log-sum-exp, merged with the diagonal keys, give the naive kernel's values and gradients (float64), the
-    gradient through the log-sum-exp included."""
+    """flex_split_attention's arithmetic on the CPU (flex has no CPU backward): the causal block's
+    output and log-sum-exp, merged with the diagonal keys, give the naive kernel's values and
+    gradients (float64), the gradient through the log-sum-exp included."""
     B, T, nh, kvh, d = 2, 20, 4, 2, 8
     doc = docs(B, T)
     q, ks, vs = qkv(B, T, steps, nh=nh, kvh=kvh, d=d)
@@ -220,8 +224,9 @@ def test_draft_config_from_target_and_overrides():
 
 
 def test_multi_layer_draft_ttt_kernels_agree_and_layers_matter():
-    """A 3-layer draft: the exact CPU kernel (sdpa) == the naive full-mask reference through K steps, values and
-    grads (each layer keeps its own per-step keys); the extra layers change the output (they are wired in)."""
+    """A 3-layer draft: the exact CPU kernel (sdpa) == the naive full-mask reference through K
+    steps, values and grads (each layer keeps its own per-step keys); the extra layers change the
+    output (they are wired in)."""
     from eagle3.train.attention import make_ttt_attention
 
     torch.manual_seed(0)
@@ -255,7 +260,8 @@ def test_multi_layer_draft_ttt_kernels_agree_and_layers_matter():
 
 
 def test_draft_step0_is_a_causal_document_aware_layer():
-    """Step 0 with the TTT kernel == the same layer with plain causal SDPA per document; docs don't leak."""
+    """Step 0 with the TTT kernel == the same layer with plain causal SDPA per document; docs don't
+    leak."""
     torch.manual_seed(0)
     cfg = small_cfg()
     model = Eagle3Draft(cfg).double()

@@ -1,9 +1,11 @@
-"""Training over several processes (torchrun, gloo on the CPU): DDP and FSDP2 train what one process trains,
-and a checkpoint written at one world size resumes at another (2 -> 1 and 1 -> 2, across wrappings too).
+"""Training over several processes (torchrun, gloo on the CPU): DDP and FSDP2 train what one process
+trains, and a checkpoint written at one world size resumes at another (2 -> 1 and 1 -> 2, across
+wrappings too).
 
-One process with grad_accum 2 and two processes with grad_accum 1 take the same two packed rows per step (the
-loader walks one order; rank r keeps rows r::world), so their losses and weights agree up to the order of the
-floating-point sums. The torchrun runs share one launch (a script calling run_train once per job)."""
+One process with grad_accum 2 and two processes with grad_accum 1 take the same two packed rows per
+step (the loader walks one order; rank r keeps rows r::world), so their losses and weights agree up
+to the order of the floating-point sums. The torchrun runs share one launch (a script calling
+run_train once per job)."""
 
 from __future__ import annotations
 
@@ -90,8 +92,8 @@ def assert_same_training(got: Path, want: Path) -> None:
 
 
 def torchrun(base: dict, jobs: list[dict], tmp: Path, timeout_s: float = 300) -> tuple[int, str]:
-    """(exit code, stderr) of the jobs under torchrun on 2 CPU processes; the whole process group is killed on
-    timeout (no rank left behind)."""
+    """(exit code, stderr) of the jobs under torchrun on 2 CPU processes; the whole process group is
+    killed on timeout (no rank left behind)."""
     script = tmp / "jobs.py"
     script.write_text(JOBS)
     env = dict(
@@ -169,8 +171,8 @@ def test_ddp_and_fsdp2_match_one_process_and_resume_across_world_sizes(
 
 
 def test_full_optimizer_state_round_trip_and_shape_check():
-    """One process: the saved optimizer state is the optimizer's own dict on the CPU and loads back; a state of
-    another shape is refused naming the parameter."""
+    """One process: the saved optimizer state is the optimizer's own dict on the CPU and loads back;
+    a state of another shape is refused naming the parameter."""
     from eagle3.train import parallel
 
     d = parallel.Dist()

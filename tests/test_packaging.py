@@ -1,6 +1,7 @@
 """The package installs under its own names: the library as `eagle3`, the Prefect layer's top-level
-directories as `eagle3_prefect.flows` / `.tasks` / `.blocks`, nothing else at the top of site-packages; the
-stage registry is the one list of stages; `eagle3 run` finds the Prefect flow through an entry point."""
+directories as `eagle3_prefect.flows` / `.tasks` / `.blocks`, nothing else at the top of
+site-packages; the stage registry is the one list of stages; `eagle3 run` finds the Prefect flow
+through an entry point."""
 
 import importlib
 import tomllib
@@ -18,7 +19,8 @@ def test_every_package_is_listed_under_our_names():
     library = {
         ".".join(p.parent.relative_to(src).parts) for p in (src / "eagle3").rglob("__init__.py")
     }
-    # data directories (no __init__.py, files other than Python caches): setuptools drops those not listed
+    # data directories (no __init__.py, files other than Python caches): setuptools drops those not
+    # listed
     library |= {
         ".".join(d.relative_to(src).parts)
         for d in (src / "eagle3").rglob("*")
@@ -29,7 +31,8 @@ def test_every_package_is_listed_under_our_names():
     }
     layer = {f"eagle3_prefect.{d}" for d in PREFECT_LAYER}
     assert listed == library | layer, (
-        f"pyproject.toml [tool.setuptools] packages: add {library - listed}, drop {listed - library - layer}"
+        f"pyproject.toml [tool.setuptools] packages: add {library - listed}, drop "
+        f"{listed - library - layer}"
     )
     assert {p.split(".")[0] for p in listed} == {
         "eagle3",
@@ -47,8 +50,9 @@ def test_the_prefect_layer_imports_from_this_checkout():
     for d in PREFECT_LAYER:
         mod = importlib.import_module(f"eagle3_prefect.{d}")
         assert Path(mod.__file__).resolve().parent == ROOT / d, (
-            f"eagle3_prefect.{d} imports from {mod.__file__}, not {ROOT / d}: run `pip install -e .` in this checkout "
-            "(or put a directory with eagle3_prefect/{flows,tasks,blocks} links to it on PYTHONPATH)"
+            f"eagle3_prefect.{d} imports from {mod.__file__}, not {ROOT / d}: run `pip install -e "
+            ".` in this checkout (or put a directory with eagle3_prefect/{flows,tasks,blocks} "
+            "links to it on PYTHONPATH)"
         )
 
 
@@ -66,7 +70,8 @@ def test_eagle3_run_finds_the_prefect_flow_by_entry_point():
 
 
 def test_one_stage_registry():
-    """The CLI commands, the pipeline order, the Prefect tasks and GPU flows all come from eagle3.stages."""
+    """The CLI commands, the pipeline order, the Prefect tasks and GPU flows all come from
+    eagle3.stages."""
     from eagle3.cli import build_parser
     from eagle3.config import PipelineConfig
     from eagle3.pipeline import STAGE_ORDER, STREAM_ORDER

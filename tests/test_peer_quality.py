@@ -1,8 +1,9 @@
-"""benchmarks/peer_quality: our captures -> speculators 0.9.0's training input, checked through its own loader.
+"""benchmarks/peer_quality: our captures -> speculators 0.9.0's training input, checked through its
+own loader.
 
-The peer's loader is needed for the check: these tests run where `speculators` 0.9.0 and `hs_connectors` 0.9.0
-import (e.g. `pip install --no-deps --target DIR speculators==0.9.0 hs-connectors==0.9.0` and
-SPECULATORS_SITE=DIR); elsewhere they are skipped.
+The peer's loader is needed for the check: these tests run where `speculators` 0.9.0 and
+`hs_connectors` 0.9.0 import (e.g. `pip install --no-deps --target DIR speculators==0.9.0
+hs-connectors==0.9.0` and SPECULATORS_SITE=DIR); elsewhere they are skipped.
 """
 
 import importlib.util

@@ -1,15 +1,16 @@
-"""The Prefect layer against a real `prefect server` with process workers, set up by running the bash block
-of docs/operations.md "2. Local server + workers" line by line (so the documented commands cannot drift):
-the deployments in prefect.yaml, hardware-tagged pools, GPU stages dispatched to the gpu-1x pool under the
-per-host concurrency limit, artifacts; schedules that create and run flow runs; the failure-alert automation
-(a webhook receiver on 127.0.0.1); one pipeline per work dir; config errors failing before any stage.
+"""The Prefect layer against a real `prefect server` with process workers, set up by running the
+bash block of docs/operations.md "2. Local server + workers" line by line (so the documented
+commands cannot drift): the deployments in prefect.yaml, hardware-tagged pools, GPU stages
+dispatched to the gpu-1x pool under the per-host concurrency limit, artifacts; schedules that create
+and run flow runs; the failure-alert automation (a webhook receiver on 127.0.0.1); one pipeline per
+work dir; config errors failing before any stage.
 
-The server runs on PostgreSQL when the Debian package's binaries are installed (a throwaway cluster of its own
-on a free port; EAGLE3_TEST_POSTGRES=0 forces SQLite), on SQLite otherwise. One server for the module;
-everything it starts binds 127.0.0.1 and is stopped at the end.
+The server runs on PostgreSQL when the Debian package's binaries are installed (a throwaway cluster
+of its own on a free port; EAGLE3_TEST_POSTGRES=0 forces SQLite), on SQLite otherwise. One server
+for the module; everything it starts binds 127.0.0.1 and is stopped at the end.
 
-Cheapest config: the tiny target, no regenerate, no evaluate (a vLLM engine costs minutes on this CPU;
-the flow-level tests cover the evaluate artifacts with a stand-in).
+Cheapest config: the tiny target, no regenerate, no evaluate (a vLLM engine costs minutes on this
+CPU; the flow-level tests cover the evaluate artifacts with a stand-in).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def free_port() -> int:
 
 
 def doc_block(heading: str) -> list[str]:
-    """The command lines of the first ```bash block under `heading` in docs/operations.md (comments dropped)."""
+    """The command lines of the first ```bash block under `heading` in docs/operations.md (comments
+    dropped)."""
     text = DOC.read_text()
     start = text.index(heading)
     block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
@@ -61,7 +63,7 @@ def doc_block(heading: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-# ------------------------------------------------------------------------------------------ PostgreSQL
+# --------------------------------------------------------------------------------------- PostgreSQL
 def find_postgres_bin() -> Path | None:
     if os.environ.get("EAGLE3_TEST_POSTGRES", "1") == "0":
         return None
@@ -73,8 +75,8 @@ def find_postgres_bin() -> Path | None:
 
 @contextlib.contextmanager
 def postgres_cluster(bindir: Path):
-    """A throwaway PostgreSQL cluster on a free 127.0.0.1 port (trust auth); yields (connection URL, start s).
-    As root, the server runs as the `postgres` user (initdb refuses root)."""
+    """A throwaway PostgreSQL cluster on a free 127.0.0.1 port (trust auth); yields (connection URL,
+    start s). As root, the server runs as the `postgres` user (initdb refuses root)."""
     t0 = time.time()
     root = Path(tempfile.mkdtemp(prefix="eagle3-pg-"))
     as_user: list[str] = []
@@ -138,9 +140,10 @@ def postgres_cluster(bindir: Path):
         shutil.rmtree(root, ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------------------ webhook receiver
+# --------------------------------------------------------------------------------- webhook receiver
 class Receiver:
-    """An HTTP server on 127.0.0.1 recording the JSON bodies POSTed to it (the alert destination)."""
+    """An HTTP server on 127.0.0.1 recording the JSON bodies POSTed to it (the alert
+    destination)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
@@ -176,7 +179,7 @@ class Receiver:
         self.server.server_close()
 
 
-# ------------------------------------------------------------------------------------------ the stack
+# ---------------------------------------------------------------------------------------- the stack
 class Stack:
     """The documented server + workers, each in its own process group, all stopped by close()."""
 
@@ -196,7 +199,8 @@ class Stack:
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "1",
             "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
-            # test speed only: the scheduler's main loop (default 60 s) picks up a schedule added later
+            # test speed only: the scheduler's main loop (default 60 s) picks up a schedule added
+            # later
             "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
             "EAGLE3_REPO_DIR": str(ROOT),
             "EAGLE3_RETRY_BASE_S": "1",
@@ -206,7 +210,8 @@ class Stack:
             # loop
             "EAGLE3_GPU_LEASE_S": "60",
             "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1",
-            # test speed only: the parent notices a finished GPU stage run within 0.5 s (default 3 s)
+            # test speed only: the parent notices a finished GPU stage run within 0.5 s (default 3
+            # s)
             "EAGLE3_DISPATCH_POLL_S": "0.5",
             "TOKENIZERS_PARALLELISM": "false",
         }
@@ -259,7 +264,8 @@ class Stack:
         return p
 
     def run_doc(self, lines: list[str]) -> None:
-        """Run the documented setup; the final `prefect deployment run` line is kept for the tests."""
+        """Run the documented setup; the final `prefect deployment run` line is kept for the
+        tests."""
         for raw in lines:
             line = self.localize(raw)
             if line.startswith("export "):
@@ -370,7 +376,8 @@ class Stack:
                 return fr
             time.sleep(0.5)
         raise TimeoutError(
-            f"flow run {flow_run_id} still {fr['state']['name']} after {timeout_s} s\n{self.tail_logs()}"
+            f"flow run {flow_run_id} still {fr['state']['name']} after {timeout_s} "
+            f"s\n{self.tail_logs()}"
         )
 
     def tail_logs(self) -> str:
@@ -406,7 +413,8 @@ def stack(tmp_path_factory):
         s.run_doc(doc_block("## 2. Local server + workers"))
         s.setup_s, s.postgres_s = time.time() - t0, pg_s
         print(
-            f"\n[server] database {s.database} (cluster start {pg_s:.1f} s); documented setup {s.setup_s:.1f} s"
+            f"\n[server] database {s.database} (cluster start {pg_s:.1f} s); documented setup "
+            f"{s.setup_s:.1f} s"
         )
         yield s
 
@@ -417,7 +425,8 @@ def params_for(cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_cfg(tiny_llama, tmp_path_factory):
-    """The module's pipeline config (one work dir: the scheduled run re-uses the first test's cached stages)."""
+    """The module's pipeline config (one work dir: the scheduled run re-uses the first test's cached
+    stages)."""
     return tiny_config(tiny_llama, tmp_path_factory.mktemp("work"), eval_prompts=False)
 
 

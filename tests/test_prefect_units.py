@@ -1,5 +1,6 @@
 """Unit tests of the Prefect layer's pieces that need no API: retry classification, the subprocess
-runner (streaming, crash, timeout + process-group kill), cache keys and output verification, prefect.yaml."""
+runner (streaming, crash, timeout + process-group kill), cache keys and output verification,
+prefect.yaml."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def test_subprocess_classified_failures(monkeypatch):
 
     code = (
         "import json, sys\nopen(sys.argv[1], 'w').write(json.dumps({'ok': False, 'kind': 'config', "
-        "'type': 'ConfigError', 'message': 'capture.aux_layer_ids = [99]: the target has 5 layers'}))\nsys.exit(2)"
+        "'type': 'ConfigError', 'message': 'capture.aux_layer_ids = [99]: the target has 5 "
+        "layers'}))\nsys.exit(2)"
     )
     runner = _patch_child(monkeypatch, code)
     with pytest.raises(StageConfigError, match=r"capture.aux_layer_ids = \[99\]"):
@@ -402,18 +404,21 @@ def test_progress_probes_read_stage_files(tmp_path):
 
 
 def test_stage_process_dies_with_its_parent(tmp_path):
-    """The task process is SIGKILLed: the stage process (own session) notices and stops its group."""
+    """The task process is SIGKILLed: the stage process (own session) notices and stops its
+    group."""
     import subprocess
 
     pidfile = tmp_path / "stage.pid"
     stage = (
         "import os, time\nfrom eagle3_prefect.tasks._stage_main import start_parent_watchdog\n"
-        f"start_parent_watchdog(interval_s=0.2, grace_s=1)\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+        f"start_parent_watchdog(interval_s=0.2, grace_s=1)\nopen({str(pidfile)!r}, "
+        "'w').write(str(os.getpid()))\n"
         "time.sleep(300)"
     )
     parent = (
         "import subprocess, sys, time\n"
-        f"subprocess.Popen([sys.executable, '-c', {stage!r}], start_new_session=True)\ntime.sleep(300)"
+        f"subprocess.Popen([sys.executable, '-c', {stage!r}], "
+        "start_new_session=True)\ntime.sleep(300)"
     )
     env = dict(os.environ)  # eagle3_prefect is installed (pip install -e .)
     p = subprocess.Popen([sys.executable, "-c", parent], env=env)

@@ -1,4 +1,5 @@
-"""eagle3.preflight: every config problem found before any stage runs, each naming field, value and fix."""
+"""eagle3.preflight: every config problem found before any stage runs, each naming field, value and
+fix."""
 
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def test_a_missing_path_does_not_hide_the_other_problems(tiny_llama, tmp_path):
 
 
 def test_capture_that_cannot_fit_the_disk(tiny_llama, tmp_path):
-    """Once prepare's manifest gives the token count, the planner's disk check runs before capture."""
+    """Once prepare's manifest gives the token count, the planner's disk check runs before
+    capture."""
     cfg = tiny_config(tiny_llama, tmp_path, capture={"min_free_disk_gb": 1e9})
     assert check_pipeline(cfg) == []  # no prepared data yet: capture checks again itself
     prepared = tmp_path / "prepared"
@@ -108,7 +110,8 @@ def test_work_dir_lock_is_released_when_its_holder_is_killed(tmp_path):
             sys.executable,
             "-c",
             "import sys, time; from eagle3.lock import dir_lock\n"
-            "with dir_lock(sys.argv[1], 'pipeline work_dir'):\n    print('held', flush=True); time.sleep(600)",
+            "with dir_lock(sys.argv[1], 'pipeline work_dir'):\n    print('held', flush=True); "
+            "time.sleep(600)",
             str(tmp_path),
         ],
         stdout=subprocess.PIPE,

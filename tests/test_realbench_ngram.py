@@ -1,4 +1,5 @@
-"""benchmarks/realbench/ngram_rows.py: vLLM's prompt-lookup rule and the two replays on hand-made answers."""
+"""benchmarks/realbench/ngram_rows.py: vLLM's prompt-lookup rule and the two replays on hand-made
+answers."""
 
 import importlib.util
 from pathlib import Path
@@ -24,8 +25,8 @@ def test_propose_takes_the_longest_suffix_then_its_earliest_occurrence() -> None
 
 
 def test_replays_count_rounds_as_vllm_does() -> None:
-    # prompt ids[0..3], answer ids[4..13]: the prefill made ids[4], so the first round sits at row 3 (drafting
-    # ids[5..]) and the last at row 11 (drafting ids[13])
+    # prompt ids[0..3], answer ids[4..13]: the prefill made ids[4], so the first round sits at row 3
+    # (drafting ids[5..]) and the last at row 11 (drafting ids[13])
     ids = [9, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 0]
     supervised = [False] * 4 + [True] * 10
     accepts = [0] * len(ids)
@@ -35,8 +36,9 @@ def test_replays_count_rounds_as_vllm_does() -> None:
     )
     # the draft: rows 3 (0) -> 4 (2) -> 7 (0) -> 8 (1) -> 10 (0) -> 11 (0)
     assert (c["draft_rounds"], c["draft_accepted"]) == (6, 3)
-    # n-gram: row 3's context (9, 1, 2, 3, 1) has no recurring suffix: one token, no draft; row 4's ends (1, 2), first
-    # seen at 1 -> (3, 1, 2) = ids[6:9], 3 accepted; row 8's ends (3, 1, 2, 3), seen at 3 -> (1, 2, 3) = ids[10:13]
+    # n-gram: row 3's context (9, 1, 2, 3, 1) has no recurring suffix: one token, no draft; row 4's
+    # ends (1, 2), first seen at 1 -> (3, 1, 2) = ids[6:9], 3 accepted; row 8's ends (3, 1, 2, 3),
+    # seen at 3 -> (1, 2, 3) = ids[10:13]
     assert (c["ngram_steps"], c["ngram_drafts"], c["ngram_accepted"], c["ngram_tokens"]) == (
         3,
         2,

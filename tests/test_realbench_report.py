@@ -1,4 +1,5 @@
-"""benchmarks/realbench/report.py: a row's training data comes from the captures the draft was trained on."""
+"""benchmarks/realbench/report.py: a row's training data comes from the captures the draft was
+trained on."""
 
 import importlib.util
 import json
@@ -97,8 +98,10 @@ def test_stage_walls_from_the_timings(tmp_path: Path) -> None:
     report = _report()
     (tmp_path / "timings.txt").write_text(
         "2026-12-03T09:00:00Z train-start\nrefine available: 1 (REFINE_RUN=eagle3.1-mix)\n"
-        "train eagle3.1-mix rc=0 wall_s=251 2026-12-03T09:04:11Z\npeer convert wall_s=74 2026-12-03T09:01:14Z\n"
-        "refine eagle3.1-mix rc=124 wall_s=480 2026-12-03T09:12:11Z\ntrain peer-mix rc=0 wall_s=402 x\n"
+        "train eagle3.1-mix rc=0 wall_s=251 2026-12-03T09:04:11Z\npeer convert wall_s=74 "
+        "2026-12-03T09:01:14Z\n"
+        "refine eagle3.1-mix rc=124 wall_s=480 2026-12-03T09:12:11Z\ntrain peer-mix rc=0 "
+        "wall_s=402 x\n"
     )
     assert report.walls(tmp_path) == {
         "train eagle3.1-mix": {"wall_s": 251, "rc": "0"},

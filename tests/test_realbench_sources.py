@@ -1,4 +1,5 @@
-"""benchmarks/realbench/sources.py join-synth: synthesize shards made side by side become one prompt set."""
+"""benchmarks/realbench/sources.py join-synth: synthesize shards made side by side become one prompt
+set."""
 
 import json
 import subprocess
@@ -39,7 +40,10 @@ def _join(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_join_synth_drops_cross_shard_duplicates_and_makes_ids_unique(tmp_path: Path) -> None:
-    poem = "Write a short poem about the sea, its waves and the gulls that circle over the harbour at dawn."
+    poem = (
+        "Write a short poem about the sea, its waves and the gulls that circle over the harbour at "
+        "dawn."
+    )
     a = _shard(
         tmp_path / "a",
         [(poem, "writing"), ("Explain recursion in Python with a small example.", "coding")],
@@ -94,7 +98,10 @@ def test_eval_drops_every_category_prompt_the_target_also_wrote_for_training(
 ) -> None:
     data = tmp_path / "refbench"
     data.mkdir()
-    puzzle = "A snail is at the bottom of a 20-foot well. Each day it climbs 3 feet and slips back 2 feet at night."
+    puzzle = (
+        "A snail is at the bottom of a 20-foot well. Each day it climbs 3 feet and slips back 2 "
+        "feet at night."
+    )
     (data / "gsm8k_eval200.jsonl").write_text(
         json.dumps({"question": puzzle})
         + "\n"
@@ -163,8 +170,9 @@ def test_eval_drops_every_category_prompt_the_target_also_wrote_for_training(
         and "Write a haiku about autumn leaves falling in the rain." in texts
     )
     m = json.loads((tmp_path / "eval.manifest.json").read_text())
-    # the puzzle is dropped twice (GSM8K test and the held-out synthesis); "What is your name?" (its hash bit is 1,
-    # so it is a held-out chat prompt) once; "Why is the ocean salty?" (bit 0) is a training chat, never held out
+    # the puzzle is dropped twice (GSM8K test and the held-out synthesis); "What is your name?" (its
+    # hash bit is 1, so it is a held-out chat prompt) once; "Why is the ocean salty?" (bit 0) is a
+    # training chat, never held out
     assert m["dropped"] == {
         "near_duplicate_of_training_synthesis": 2,
         "also_in_training_synthesis": 1,

@@ -23,8 +23,8 @@ FORBIDDEN = {
     "an issue number": re.compile(r"(?i)(?<![a-z])issues?[\s_-]*\d"),
     "a session tag": re.compile(r"\bS\d{1,2}\b"),
     "talk of who built it": re.compile(
-        r"(?i)\bthe l[e]ad\b(?! time)|\bl[e]ad's\b|\bwork[p]lace\b|\bdevic[e] tool\b|`devic[e]` tool|"
-        r"\bhelpe[r] (?:branch(?:es)?|sessions?)\b|\bthe bri[e]f\b|\bbri[e]f's\b"
+        r"(?i)\bthe l[e]ad\b(?! time)|\bl[e]ad's\b|\bwork[p]lace\b|\bdevic[e] tool\b|`devic[e]` "
+        r"tool|\bhelpe[r] (?:branch(?:es)?|sessions?)\b|\bthe bri[e]f\b|\bbri[e]f's\b"
     ),
 }
 

@@ -1,5 +1,5 @@
-"""`eagle3 fetch-target`: the registry, locating and checking the GGUF, conversion, reuse, and the errors a
-user gets when something is missing."""
+"""`eagle3 fetch-target`: the registry, locating and checking the GGUF, conversion, reuse, and the
+errors a user gets when something is missing."""
 
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def test_second_fetch_reuses_and_a_damaged_dir_is_rebuilt_check(smollm2, tmp_pat
     t0 = time.time()
     again = fetch_target("smollm2-135m-instruct", smollm2)
     assert again["reused"] is True and time.time() - t0 < 20
-    # a copy with one altered file is not reused (the rebuild itself is the slow path the fixture already ran)
+    # a copy with one altered file is not reused (the rebuild itself is the slow path the fixture
+    # already ran)
     import shutil
 
     copy = tmp_path / "copy"
@@ -139,8 +140,9 @@ def test_second_fetch_reuses_and_a_damaged_dir_is_rebuilt_check(smollm2, tmp_pat
 
 
 def test_quiet_run_hides_only_the_gguf_conversion_bar(monkeypatch):
-    """A quiet run (HF_HUB_DISABLE_PROGRESS_BARS, eagle3.console) hands transformers' GGUF loader a disabled tqdm bar
-    for the length of the load and puts its own back after; a verbose run leaves the loader's bar alone."""
+    """A quiet run (HF_HUB_DISABLE_PROGRESS_BARS, eagle3.console) hands transformers' GGUF loader a
+    disabled tqdm bar for the length of the load and puts its own back after; a verbose run leaves
+    the loader's bar alone."""
     pytest.importorskip("gguf")
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 

@@ -1,5 +1,6 @@
-"""benchmarks/train_step.py --smoke: the GPU training-step benchmark runs end to end on the CPU at tiny dims,
-imports nothing beyond torch/stdlib and the pydantic-free eagle3 modules, and writes its JSON + markdown."""
+"""benchmarks/train_step.py --smoke: the GPU training-step benchmark runs end to end on the CPU at
+tiny dims, imports nothing beyond torch/stdlib and the pydantic-free eagle3 modules, and writes its
+JSON + markdown."""
 
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ def test_flop_model_real_dims():
 
 
 def test_split_configs_ddp_and_merge(tmp_path):
-    """The one-call multi-process GPU layout (split --configs per GPU, --ddp, --merge) on the CPU: a process per config list, the fast path
-    through DDP under torchrun (gloo, 2 ranks), then --merge with the DDP scaling against the 1-process row."""
+    """The one-call multi-process GPU layout (split --configs per GPU, --ddp, --merge) on the CPU: a
+    process per config list, the fast path through DDP under torchrun (gloo, 2 ranks), then --merge
+    with the DDP scaling against the 1-process row."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     one, ddp, merged = tmp_path / "one", tmp_path / "ddp", tmp_path / "merged"
     cmd = [
@@ -141,8 +143,9 @@ def test_split_configs_ddp_and_merge(tmp_path):
 
 
 def test_fsdp2_step_on_cpu_processes(tmp_path):
-    """The step through FSDP2 (eagle3.train.parallel.wrap(fsdp=True): fully_shard per layer + root) under torchrun
-    on 2 CPU processes (gloo): the code path a Kimi-K2.5 draft takes over several GPUs."""
+    """The step through FSDP2 (eagle3.train.parallel.wrap(fsdp=True): fully_shard per layer + root)
+    under torchrun on 2 CPU processes (gloo): the code path a Kimi-K2.5 draft takes over several
+    GPUs."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     p = subprocess.run(
         [
@@ -181,9 +184,10 @@ def test_fsdp2_step_on_cpu_processes(tmp_path):
 
 
 def test_gpu_step_vs_peer_smoke_and_merge(tmp_path):
-    """benchmarks/gpu_step_vs_peer.sh --smoke on the CPU (our side only: the peer harness needs CUDA), then the
-    merge with a peer results.json in the layout .peerbench/bench_eagle3.py writes: rows in the issue's shape,
-    ratio = ours / peer tokens/s on matching dims + config, peer fields null elsewhere, cache phase reported."""
+    """benchmarks/gpu_step_vs_peer.sh --smoke on the CPU (our side only: the peer harness needs
+    CUDA), then the merge with a peer results.json in the layout .peerbench/bench_eagle3.py writes:
+    rows in the issue's shape, ratio = ours / peer tokens/s on matching dims + config, peer fields
+    null elsewhere, cache phase reported."""
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT / "src"))
     p = subprocess.run(
@@ -231,7 +235,8 @@ def test_gpu_step_vs_peer_smoke_and_merge(tmp_path):
         ]
     )
 
-    # the merge against a peer run: our real smoke output relabelled as the Llama dims, the peer's schema
+    # the merge against a peer run: our real smoke output relabelled as the Llama dims, the peer's
+    # schema
     ours = tmp_path / "ours"
     ours.mkdir()
     mine = json.loads((out / "ours_llama.json").read_text())
@@ -273,7 +278,8 @@ def test_gpu_step_vs_peer_smoke_and_merge(tmp_path):
         and "missing" in m["compile_cache_round_trip"]["status"]
     )
     assert "| llama-3.1-8b | K7-T64 |" in step_vs_peer.markdown(m)
-    # a cache-phase process's output (here: the same smoke run standing in for it) -> the round trip + numerics
+    # a cache-phase process's output (here: the same smoke run standing in for it) -> the round trip
+    # + numerics
     m = step_vs_peer.merge([ours], None, ours, "cmd")
     rt = m["compile_cache_round_trip"]
     assert (

@@ -13,8 +13,8 @@ from eagle3.vllm_engine import cpu_has_native_bf16, engine_kwargs, resolve_dtype
 def test_resolve_dtype_and_kwargs(tiny_llama):
     assert resolve_dtype("bfloat16") == "bfloat16"
     assert resolve_dtype("auto") in ("float32", "bfloat16")
-    # a transformers model's device decides instead of vLLM's platform: a GPU takes bf16, a CPU without
-    # native bf16 (AVX2 only: emulated, 4-50x slower) float32
+    # a transformers model's device decides instead of vLLM's platform: a GPU takes bf16, a CPU
+    # without native bf16 (AVX2 only: emulated, 4-50x slower) float32
     assert resolve_dtype("auto", device="cuda:0") == "bfloat16"
     assert resolve_dtype("auto", device="cpu") == (
         "bfloat16" if cpu_has_native_bf16() else "float32"
@@ -41,8 +41,9 @@ def _env_and_cwd(name: str) -> tuple[str | None, str]:
 
 
 def test_a_job_has_the_callers_environment_and_directory(tmp_path, monkeypatch):
-    """Jobs fork from a server that started earlier, with the environment and directory of that moment: each job
-    still sees the caller's as they are now, as a spawned process would (and does, with EAGLE3_JOB_START=spawn)."""
+    """Jobs fork from a server that started earlier, with the environment and directory of that
+    moment: each job still sees the caller's as they are now, as a spawned process would (and does,
+    with EAGLE3_JOB_START=spawn)."""
     first = run_in_subprocess(os.getpid)  # the fork server is up by now
     monkeypatch.setenv("EAGLE3_TEST_MARK", "set after the server started")
     monkeypatch.chdir(tmp_path)
@@ -94,9 +95,9 @@ print(json.dumps({
 
 
 def test_setup_stage_process_env_only_for_engine_stages(tmp_path):
-    """A stage process runs an engine stage's vLLM engine in itself (one vLLM import instead of three) except
-    for other stages, the hf backend, TP > 1 and the targets that fail in process; in a child process, since
-    it changes the process's env and torch threads."""
+    """A stage process runs an engine stage's vLLM engine in itself (one vLLM import instead of
+    three) except for other stages, the hf backend, TP > 1 and the targets that fail in process; in
+    a child process, since it changes the process's env and torch threads."""
     import subprocess
     import sys
 

@@ -4,17 +4,19 @@
     python benchmarks/peer_quality/check_conversion.py --converted DIR [--num-rows 8] [--out FILE]
 
 For a few rows (the first, the last and evenly spaced ones between) it builds speculators 0.9.0's
-`ArrowDataset` over the converted directory (its default `file` transfer, `on_missing="raise"`), takes its
-`__getitem__` (what its DataLoader workers return before collation) and compares, with `torch.equal`, against
-the same sample read through our reader (`eagle3.train.data.load_samples` over the captures named in
-conversion.json):
-  hidden_states                [T, A * H] == our aux_hidden_states [T, A, H] (the converted ids) flattened
+`ArrowDataset` over the converted directory (its default `file` transfer, `on_missing="raise"`),
+takes its `__getitem__` (what its DataLoader workers return before collation) and compares, with
+`torch.equal`, against the same sample read through our reader (`eagle3.train.data.load_samples`
+over the captures named in conversion.json):
+  hidden_states                [T, A * H] == our aux_hidden_states [T, A, H] (the converted ids)
+                               flattened
   verifier_last_hidden_states  [T, H]     == our last_hidden_states
   input_ids                    [T]        == our input_ids
   loss_mask                    [T]        == our loss_mask
-and that the peer's shift_batch (its Eagle-3 preprocess) drops one row of each, as its collation expects.
-Prints (and writes to --out) a JSON verdict; exits 1 on any difference, naming the row, key and shapes.
-Needs speculators 0.9.0 and hs-connectors 0.9.0 importable (the GPU run installs them from wheels).
+and that the peer's shift_batch (its Eagle-3 preprocess) drops one row of each, as its collation
+expects. Prints (and writes to --out) a JSON verdict; exits 1 on any difference, naming the row, key
+and shapes. Needs speculators 0.9.0 and hs-connectors 0.9.0 importable (the GPU run installs them
+from wheels).
 """
 
 from __future__ import annotations

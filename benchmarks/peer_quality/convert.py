@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Our capture directories -> the training input of the peer, speculators 0.9.0 (offline, `file` backend).
+"""Our capture directories -> the training input of the peer, speculators 0.9.0 (offline, `file`
+backend).
 
     python benchmarks/peer_quality/convert.py --captured CAP[,CAP...] --out DIR [--seed 0] [--workers 8]
 
-What speculators 0.9.0's trainer reads from `--data-path DIR` (train/data.py ArrowDataset, hs_connectors
-FileTransfer, train/cli.py parse_vocab_mappings):
+What speculators 0.9.0's trainer reads from `--data-path DIR` (train/data.py ArrowDataset,
+hs_connectors FileTransfer, train/cli.py parse_vocab_mappings):
   DIR/                      a `datasets` Dataset (save_to_disk), torch format, one row per sample:
                               input_ids int64 [T], loss_mask int64 [T] (1 = assistant token), seq_len int
                             (the columns and dtypes of its prepare_data for pre-tokenized rows)
@@ -12,20 +13,22 @@ FileTransfer, train/cli.py parse_vocab_mappings):
                             row i's states: hidden_states [T, A + 1, H] (the A aux layers in the draft's order,
                             then the verifier's last decoder layer output, before the final norm) and
                             token_ids int64 [T] (must equal row i's input_ids, or the sample is dropped)
-  DIR/token_freq.pt         {token id: count} over the loss-masked input_ids, written by the peer's own
-                            `save_token_frequency_distribution` when speculators is importable (else by the
-                            same count here); the trainer turns it into d2t/t2d at --draft-vocab-size
-Our captures store aux states with vLLM's semantics (aux id k = output of decoder layer k-1), which is what
-the peer's vLLM extraction gives for the same ids, and the last layer's output before the final norm, which
-the peer normalises with the verifier's norm before its lm_head; loss_mask has the same meaning (1 = assistant
-token). Both are copied unchanged, in the capture's storage dtype (bfloat16; fp8 captures are dequantized to
-bfloat16, as our own reader does).
+  DIR/token_freq.pt         {token id: count} over the loss-masked input_ids, written by the peer's
+                            own `save_token_frequency_distribution` when speculators is importable
+                            (else by the same count here); the trainer turns it into d2t/t2d at
+                            --draft-vocab-size
+Our captures store aux states with vLLM's semantics (aux id k = output of decoder layer k-1), which
+is what the peer's vLLM extraction gives for the same ids, and the last layer's output before the
+final norm, which the peer normalises with the verifier's norm before its lm_head; loss_mask has the
+same meaning (1 = assistant token). Both are copied unchanged, in the capture's storage dtype
+(bfloat16; fp8 captures are dequantized to bfloat16, as our own reader does).
 
-Order: the rows are a seeded permutation of all samples of all captures (the peer's prepare_data shuffles the
-same way), so its train/val split, which takes the LAST rows of the dataset as validation, is a random split
-rather than the tail source of a concatenation. Rows without a supervised token are dropped (as the peer's
-prepare_data drops them). `DIR/conversion.json` records the captures, counts, the permutation seed and, per
-row, the capture and sample id it came from (`rows`).
+Order: the rows are a seeded permutation of all samples of all captures (the peer's prepare_data
+shuffles the same way), so its train/val split, which takes the LAST rows of the dataset as
+validation, is a random split rather than the tail source of a concatenation. Rows without a
+supervised token are dropped (as the peer's prepare_data drops them). `DIR/conversion.json` records
+the captures, counts, the permutation seed and, per row, the capture and sample id it came from
+(`rows`).
 """
 
 from __future__ import annotations
@@ -57,14 +60,15 @@ def hs_path(out: Path, i: int) -> Path:
 
 
 def peer_states(sample: dict[str, Any], positions: list[int]) -> torch.Tensor:
-    """[T, A + 1, H]: our aux states at `positions` (indices into the capture's aux ids), then the last
-    layer's output."""
+    """[T, A + 1, H]: our aux states at `positions` (indices into the capture's aux ids), then the
+    last layer's output."""
     aux, last = sample["aux_hidden_states"][:, positions], sample["last_hidden_states"]
     return torch.cat([aux, last.to(aux.dtype).unsqueeze(1)], dim=1).contiguous()
 
 
 def aux_positions(captured_ids: list[int], wanted: list[int] | None) -> list[int]:
-    """Indices into the capture's aux ids of the ids the peer's draft reads (all of them, in order, by default)."""
+    """Indices into the capture's aux ids of the ids the peer's draft reads (all of them, in order,
+    by default)."""
     if wanted is None:
         return list(range(len(captured_ids)))
     missing = [i for i in wanted if i not in captured_ids]
@@ -89,7 +93,8 @@ def _supervised(samples, i: int) -> bool:
 def _write_rows(
     args: tuple[str, str, list[int], list[tuple[int, int]]],
 ) -> list[tuple[int, list[int], list[int]]]:
-    """Worker: write hs_<row>.safetensors for (row, sample index) pairs; returns (row, ids, mask)."""
+    """Worker: write hs_<row>.safetensors for (row, sample index) pairs; returns (row, ids,
+    mask)."""
     from safetensors.torch import save_file
 
     captured, out, positions, pairs = args
@@ -108,7 +113,8 @@ def _write_rows(
 
 
 def sample_origins(captured: str) -> list[dict[str, Any]]:
-    """Per sample index of the combined captures: the capture dir and sample id (conversion.json `rows`)."""
+    """Per sample index of the combined captures: the capture dir and sample id (conversion.json
+    `rows`)."""
     from eagle3.capture import capture_dirs
     from eagle3.train.data import CapturedDataset
 
@@ -120,7 +126,8 @@ def sample_origins(captured: str) -> list[dict[str, Any]]:
 
 
 def write_token_freq(dataset, out: Path) -> str:
-    """token_freq.pt: the peer's own counter when importable (its prepare_data default), else the same count."""
+    """token_freq.pt: the peer's own counter when importable (its prepare_data default), else the
+    same count."""
     path = out / TOKEN_FREQ
     path.unlink(missing_ok=True)
     try:
@@ -203,8 +210,8 @@ def convert(
         "aux_positions": positions,
         "captured_aux_layer_ids": manifest["aux_layer_ids"],
         "hidden_size": manifest["hidden_size"],
-        "hidden_states_layout": "[T, A + 1, H]: aux layers in aux_layer_ids order, then the last decoder "
-        "layer's output before the final norm",
+        "hidden_states_layout": "[T, A + 1, H]: aux layers in aux_layer_ids order, then the last "
+        "decoder layer's output before the final norm",
         "token_freq": freq_by,
         "seconds_states": round(t_states, 1),
         "seconds": round(time.time() - t0, 1),
@@ -232,8 +239,8 @@ def main() -> None:
     ap.add_argument(
         "--aux-layer-ids",
         default=None,
-        help="comma-separated aux ids the peer's draft reads, a subset of the captured ones, in the "
-        "draft's order (default: every captured id, in the capture's order)",
+        help="comma-separated aux ids the peer's draft reads, a subset of the captured ones, in "
+        "the draft's order (default: every captured id, in the capture's order)",
     )
     args = ap.parse_args()
     if args.out.exists() and any(args.out.iterdir()):

@@ -1,30 +1,36 @@
 #!/usr/bin/env python3
-"""Train the peer, speculators 0.9.0, with its own trainer and default recipe; its checkpoint is the draft.
+"""Train the peer, speculators 0.9.0, with its own trainer and default recipe; its checkpoint is the
+draft.
 
     python benchmarks/peer_quality/train_peer.py --target T --data PEER_DATA --out OUT \
         --draft-vocab-size 8192 --aux-layer-ids 2,15,27 [--epochs 10] [--budget-s 780] [-- EXTRA FLAGS]
 
-PEER_DATA is what convert.py wrote. This runs `python -m speculators.train` (its CLI entry point, unmodified)
-with only what the data and the comparison fix:
-  --verifier-name-or-path T      the target (HF directory; the peer reads its config, embedding, lm_head, norm)
-  --data-path PEER_DATA          offline hidden states, `file` backend; --on-missing raise (never ask a vLLM server)
+PEER_DATA is what convert.py wrote. This runs `python -m speculators.train` (its CLI entry point,
+unmodified) with only what the data and the comparison fix:
+  --verifier-name-or-path T      the target (HF directory; the peer reads its config, embedding,
+                                 lm_head, norm)
+  --data-path PEER_DATA          offline hidden states, `file` backend; --on-missing raise (never
+                                 ask a vLLM server)
   --draft-vocab-size V           ours; the peer builds d2t/t2d itself from PEER_DATA/token_freq.pt (its default)
   --target-layer-ids A B C       the capture's aux ids, in order (also its own default [2, L//2, L-3] here)
-  --epochs 10                    the epochs its CLI reference's basic usage names (its schema default is 20)
+  --epochs 10                    the epochs its CLI reference's basic usage names (its schema
+                                 default is 20)
   --train-data-ratio 0.98        the validation share of our recipe (its default 0.9 would train on 8 % less)
   --seed 0, --save-path OUT/checkpoints, --log-dir OUT/logs
-Everything else is its default (speculators 0.9.0 train/config/schema.py): one llama decoder layer, draft
-arch from the verifier, norm_before_fc and norm_output on (eagle3 defaults), norm_before_residual on,
-sliding window 2048, simple_flex_attention, loss kl_div (fused), TTT steps 3 with loss decay 1.0, Muon
-(lr 1e-3, momentum 0.95, weight decay 0.1, 5 Newton-Schulz steps, match_rms_adamw) + AdamW (lr 1e-3,
-weight decay 0.01) for the rest, linear schedule with 1 % warm-up, total_seq_len 8192 packed rows,
-12 loader workers, bf16 autocast, grad clip 1.0, a checkpoint per epoch, checkpoint_best by val loss.
+Everything else is its default (speculators 0.9.0 train/config/schema.py): one llama decoder layer,
+draft arch from the verifier, norm_before_fc and norm_output on (eagle3 defaults),
+norm_before_residual on, sliding window 2048, simple_flex_attention, loss kl_div (fused), TTT steps
+3 with loss decay 1.0, Muon (lr 1e-3, momentum 0.95, weight decay 0.1, 5 Newton-Schulz steps,
+match_rms_adamw) + AdamW (lr 1e-3, weight decay 0.01) for the rest, linear schedule with 1 %
+warm-up, total_seq_len 8192 packed rows, 12 loader workers, bf16 autocast, grad clip 1.0, a
+checkpoint per epoch, checkpoint_best by val loss.
 
-The draft: the checkpoint the peer's trainer marks best (`checkpoints/checkpoint_best`, lowest validation
-loss), else its last epoch; it is the peer's own `save_pretrained` output (speculators format: config.json
-with speculators_model_type eagle3 + model.safetensors), copied as is to OUT/draft (vLLM loads it directly).
-OUT/peer_train.json records the command, wall time, the checkpoint picked and every epoch's val metrics.
-A run stopped by --budget-s keeps the epochs it finished.
+The draft: the checkpoint the peer's trainer marks best (`checkpoints/checkpoint_best`, lowest
+validation loss), else its last epoch; it is the peer's own `save_pretrained` output (speculators
+format: config.json with speculators_model_type eagle3 + model.safetensors), copied as is to
+OUT/draft (vLLM loads it directly). OUT/peer_train.json records the command, wall time, the
+checkpoint picked and every epoch's val metrics. A run stopped by --budget-s keeps the epochs it
+finished.
 """
 
 from __future__ import annotations

@@ -1,23 +1,29 @@
 #!/usr/bin/env python3
-"""The draft against n-gram on the same answer rows: does the draft lose where n-gram chooses to draft?
+"""The draft against n-gram on the same answer rows: does the draft lose where n-gram chooses to
+draft?
 
     .venv/bin/python benchmarks/realbench/ngram_rows.py --draft DRAFT --captured CAP --target TARGET \
         [--max-new-tokens 96] [--k 3] [--min-n 2] [--max-n 4] [--out FILE.json]
 
-CAP is a capture (`eagle3 capture --backend vllm`) of the target's own greedy answers to held-out prompts
-(`eagle3 regenerate` then `eagle3 prepare`), so every answer token is the token vLLM's greedy decoding produces.
-A goal stated as vLLM's τ compares of a draft with n-gram's, but vLLM's τ (1 + accepted / drafts) counts only the
-target passes that drafted, and n-gram drafts only where the context repeats. This script replays, per answer:
+CAP is a capture (`eagle3 capture --backend vllm`) of the target's own greedy answers to held-out
+prompts (`eagle3 regenerate` then `eagle3 prepare`), so every answer token is the token vLLM's
+greedy decoding produces. A goal stated as vLLM's τ compares of a draft with n-gram's, but vLLM's τ
+(1 + accepted / drafts) counts only the target passes that drafted, and n-gram drafts only where the
+context repeats. This script replays, per answer:
 
-- the draft's rounds, as `eagle3 estimate` does (a round at every step; `tau`, the figure vLLM reports);
-- n-gram's rounds: a prompt-lookup proposer with vLLM's rule (the longest suffix of the context, min_n..max_n tokens,
-  that occurs earlier; its earliest occurrence; the next k tokens, fewer at the context's end) where a step without
-  a match decodes one token and counts no draft (`tau` as vLLM counts it, and tokens per target step);
-- on the rows where n-gram drafted in its own replay, the tokens the draft would have had accepted at the same rows.
+- the draft's rounds, as `eagle3 estimate` does (a round at every step; `tau`, the figure vLLM
+  reports);
+- n-gram's rounds: a prompt-lookup proposer with vLLM's rule (the longest suffix of the context,
+  min_n..max_n tokens, that occurs earlier; its earliest occurrence; the next k tokens, fewer at the
+  context's end) where a step without a match decodes one token and counts no draft (`tau` as vLLM
+  counts it, and tokens per target step);
+- on the rows where n-gram drafted in its own replay, the tokens the draft would have had accepted
+  at the same rows.
 
-Rows follow the capture's layout: row t pairs the target's state at token t with token t+1 and drafts tokens
-t+2..t+1+k; rounds start and end where eagle3.train.estimate.replay_rounds puts them. Category = the sample id's prefix before the first '-' (realbench's ids,
-e.g. "math-3"). Prints and writes one JSON object: overall and per category.
+Rows follow the capture's layout: row t pairs the target's state at token t with token t+1 and
+drafts tokens t+2..t+1+k; rounds start and end where eagle3.train.estimate.replay_rounds puts them.
+Category = the sample id's prefix before the first '-' (realbench's ids, e.g. "math-3"). Prints and
+writes one JSON object: overall and per category.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ import torch
 
 
 def propose_ngram(context: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """vLLM's prompt-lookup rule: the longest n in [min_n, max_n] whose last-n-token suffix occurs earlier in
-    `context` (an occurrence may overlap the suffix, not be it); of those occurrences the earliest; the k tokens
-    after it, fewer where the context ends. [] when no suffix of min_n tokens recurs."""
+    """vLLM's prompt-lookup rule: the longest n in [min_n, max_n] whose last-n-token suffix occurs
+    earlier in `context` (an occurrence may overlap the suffix, not be it); of those occurrences the
+    earliest; the k tokens after it, fewer where the context ends. [] when no suffix of min_n tokens
+    recurs."""
     total = len(context)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         suffix = context[total - n :]
@@ -46,7 +53,8 @@ def propose_ngram(context: list[int], min_n: int, max_n: int, k: int) -> list[in
 
 
 def leading_matches(proposal: list[int], truth: list[int]) -> int:
-    """Tokens accepted under greedy verification: the proposal's leading run equal to the target's tokens."""
+    """Tokens accepted under greedy verification: the proposal's leading run equal to the target's
+    tokens."""
     n = 0
     while n < len(proposal) and n < len(truth) and proposal[n] == truth[n]:
         n += 1
@@ -63,9 +71,9 @@ def replay_answer(
     max_n: int,
     max_new_tokens: int | None,
 ) -> dict[str, Any]:
-    """One answer. ids/supervised: the sample's tokens and loss mask; draft_accepts[t]: tokens the draft gets
-    accepted in a round drafted at row t (0..k). Returns summed counts for the draft's rounds, n-gram's rounds,
-    and the draft on n-gram's drafting rows."""
+    """One answer. ids/supervised: the sample's tokens and loss mask; draft_accepts[t]: tokens the
+    draft gets accepted in a round drafted at row t (0..k). Returns summed counts for the draft's
+    rounds, n-gram's rounds, and the draft on n-gram's drafting rows."""
     c = {
         "draft_rounds": 0,
         "draft_accepted": 0,
@@ -81,9 +89,9 @@ def replay_answer(
     end = len(ids)
     while end > first and not supervised[end - 1]:
         end -= 1
-    # the answer tokens are ids[first .. end-1] and row t drafts ids[t+2 ..]: the target's prefill produced
-    # ids[first], so the first round drafts ids[first+1 ..] from row first - 1 (as replay_rounds); the last row with
-    # an answer token to draft is end - 3
+    # the answer tokens are ids[first .. end-1] and row t drafts ids[t+2 ..]: the target's prefill
+    # produced ids[first], so the first round drafts ids[first+1 ..] from row first - 1 (as
+    # replay_rounds); the last row with an answer token to draft is end - 3
     start = first - 1
     last_row = end - 3
     if max_new_tokens is not None:
@@ -131,8 +139,8 @@ def summarize(c: dict[str, int]) -> dict[str, Any]:
 def draft_accepts_per_sample(
     draft: Path, captured: Path, target: Path, k: int, rows_per_batch: int = 8
 ):
-    """(sample_id, ids, supervised, accepts per row) per captured sample: the draft's TTT unroll over the capture,
-    one sample per packed row, as `eagle3 estimate` runs it."""
+    """(sample_id, ids, supervised, accepts per row) per captured sample: the draft's TTT unroll
+    over the capture, one sample per packed row, as `eagle3 estimate` runs it."""
     from eagle3.train.data import pack_batch
     from eagle3.train.estimate import load_for_replay
     from eagle3.train.step import TTTModule

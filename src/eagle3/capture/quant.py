@@ -39,7 +39,8 @@ class Stored:
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., H] -> (q float8_e4m3fn [..., H], scale float32 [...]) with x ~= q * scale[..., None]."""
+    """x [..., H] -> (q float8_e4m3fn [..., H], scale float32 [...]) with x ~= q * scale[...,
+    None]."""
     x32 = x.float()  # [..., H]
     scale = (
         x32.abs().amax(-1) / FP8_MAX
@@ -57,7 +58,8 @@ def dequantize_fp8(
     dtype: torch.dtype = FP8_READ_DTYPE,
     block_rows: int = 16384,
 ) -> torch.Tensor:
-    """q [N, ..., H] fp8, scale [N, ...] float32 -> [N, ..., H] `dtype` (float32 math, one rounding).
+    """q [N, ..., H] fp8, scale [N, ...] float32 -> [N, ..., H] `dtype` (float32 math, one
+    rounding).
 
     Works in blocks of rows so the float32 temporaries stay small for large shards."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device)  # [N, ..., H]
@@ -70,7 +72,8 @@ def dequantize_fp8(
 def to_storage(
     x: torch.Tensor, storage_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """States x [N, A+1, H] (compute dtype) -> (stored [N, A+1, H], scales [N, A+1] | None, row_ok [N] bool).
+    """States x [N, A+1, H] (compute dtype) -> (stored [N, A+1, H], scales [N, A+1] | None, row_ok
+    [N] bool).
 
     row_ok is False for rows holding NaN/inf, including values the cast itself overflowed (fp16).
     Casts keep NaN/inf, so checking the stored values is enough for the float dtypes."""
@@ -84,8 +87,9 @@ def to_storage(
 def stack_to_storage(
     layers: list[torch.Tensor], storage_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Like ``to_storage(torch.stack(layers, dim=-2), storage_dtype)`` for per-layer states [..., H],
-    but for the float dtypes the stack and the cast are one pass (no compute-dtype copy of the stack)."""
+    """Like ``to_storage(torch.stack(layers, dim=-2), storage_dtype)`` for per-layer states [...,
+    H], but for the float dtypes the stack and the cast are one pass (no compute-dtype copy of the
+    stack)."""
     if storage_dtype == "fp8":
         x = torch.stack(layers, dim=-2)  # [..., A+1, H]
         q, scale = quantize_fp8(x)

@@ -20,11 +20,11 @@ With ``storage_dtype = "fp8"`` the two state tensors are float8_e4m3fn and each 
 per row and layer (see eagle3.capture.quant):
     aux_hidden_states_scale   float32 [N, A]   aux_hidden_states  ~= fp8 * scale[..., None]
     last_hidden_states_scale  float32 [N]      last_hidden_states ~= fp8 * scale[..., None]
-The readers (`iter_shards`, `load_captured`) dequantize fp8 shards to bfloat16 and drop the scales, so
-consumers see the same keys for every storage dtype (`iter_shards(..., dequantize=False)` gives the raw
-fp8 values and scales). The manifest's `storage` entry records the encoding and the scale layout.
-No pickle anywhere: safetensors + JSON only. Every file is written under a temp name and renamed, and
-hashed (sha256) while it is written.
+The readers (`iter_shards`, `load_captured`) dequantize fp8 shards to bfloat16 and drop the scales,
+so consumers see the same keys for every storage dtype (`iter_shards(..., dequantize=False)` gives
+the raw fp8 values and scales). The manifest's `storage` entry records the encoding and the scale
+layout. No pickle anywhere: safetensors + JSON only. Every file is written under a temp name and
+renamed, and hashed (sha256) while it is written.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ class ShardBuffer:
         self.next_index = index + 1
 
 
-#: torch dtype -> (safetensors dtype name, rank in safetensors' Dtype enum: its writer orders by it, descending)
+#: torch dtype -> (safetensors dtype name, rank in safetensors' Dtype enum: its writer orders by it,
+#: descending)
 ST_DTYPES = {
     torch.uint8: ("U8", 4),
     torch.int8: ("I8", 5),
@@ -233,8 +234,8 @@ def save_safetensors_hashed(
     """Write `tensors` (CPU) as a safetensors file at `path`, hashing the bytes as they are written;
     return the file's sha256 (no second read of the file).
 
-    Same layout as safetensors' own writer (header JSON with ``__metadata__`` first, tensors ordered by
-    dtype, largest first, then name; header padded with spaces to 8 bytes), so the file is
+    Same layout as safetensors' own writer (header JSON with ``__metadata__`` first, tensors ordered
+    by dtype, largest first, then name; header padded with spaces to 8 bytes), so the file is
     byte-identical to ``safetensors.torch.save`` up to the order of metadata keys, which safetensors
     takes from a hash map (checked in the tests). Readers are safetensors' own."""
     order, head = _safetensors_header(tensors, metadata)
@@ -265,9 +266,9 @@ def write_shard(
     """Write `buf` as shard `shard_id` atomically; return its progress entry (with sha256).
 
     num_aux/hidden_size/dtype only give the shapes of an empty shard (every sample skipped); fp8
-    (`dtype` float8_e4m3fn, or scales in the buffer) adds the scale tensors. `before_write(nbytes)` is
-    called with the file's exact size before its temp file is created (the streaming spool waits there
-    for room).
+    (`dtype` float8_e4m3fn, or scales in the buffer) adds the scale tensors. `before_write(nbytes)`
+    is called with the file's exact size before its temp file is created (the streaming spool waits
+    there for room).
     """
     with single_threaded():
         return _write_shard(out, shard_id, buf, num_aux, hidden_size, dtype, before_write)
@@ -342,8 +343,9 @@ def load_progress(out: Path, config_hash: str) -> list[dict[str, Any]]:
     prog = read_json(p)
     if prog.get("config_hash") != config_hash:
         raise ValueError(
-            f"{p} belongs to a capture with different settings (config_hash {prog.get('config_hash')} != "
-            f"{config_hash}): use a new --out directory or delete {out} to start over"
+            f"{p} belongs to a capture with different settings (config_hash "
+            f"{prog.get('config_hash')} != {config_hash}): use a new --out directory or delete "
+            f"{out} to start over"
         )
     good: list[dict[str, Any]] = []
     for entry in prog.get("shards", []):
@@ -360,9 +362,9 @@ def load_progress(out: Path, config_hash: str) -> list[dict[str, Any]]:
 
 
 def corrupt_shards(out: Path, entries: list[dict[str, Any]], max_threads: int = 8) -> list[str]:
-    """Names of the shards in `entries` (manifest/progress entries) that are missing or whose sha256 differs from
-    the recorded one, in order. Shards are hashed in parallel threads (hashlib releases the GIL): a capture is
-    read once at disk speed."""
+    """Names of the shards in `entries` (manifest/progress entries) that are missing or whose sha256
+    differs from the recorded one, in order. Shards are hashed in parallel threads (hashlib releases
+    the GIL): a capture is read once at disk speed."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -382,17 +384,18 @@ def corrupt_shards(out: Path, entries: list[dict[str, Any]], max_threads: int = 
 
 
 def verify_capture(path: str | Path) -> dict[str, Any]:
-    """Check every shard of the finished capture at `path` against the sha256 its manifest records; return the
-    manifest. Raises ValueError naming the corrupt or missing shards and the fix."""
+    """Check every shard of the finished capture at `path` against the sha256 its manifest records;
+    return the manifest. Raises ValueError naming the corrupt or missing shards and the fix."""
     path = Path(path)
     manifest = load_manifest(path)
     bad = corrupt_shards(path, manifest["shards"])
     if bad:
         raise ValueError(
-            f"capture {path}: {len(bad)} of {len(manifest['shards'])} shard(s) are missing or differ from the sha256 "
-            f"in {path / MANIFEST} ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files are corrupt. Run "
-            f"`eagle3 capture` again with the same settings and --out {path}: it keeps the good shards and captures "
-            "the rest again"
+            f"capture {path}: {len(bad)} of {len(manifest['shards'])} shard(s) are missing or "
+            f"differ from the sha256 in {path / MANIFEST} "
+            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files are corrupt. Run "
+            f"`eagle3 capture` again with the same settings and --out {path}: it keeps the good "
+            "shards and captures the rest again"
         )
     return manifest
 
@@ -425,7 +428,8 @@ def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> l
     """Default (2, L//2, L-3); otherwise every id must be in 1..L-1.
 
     For small targets where the default ids collide (L < 8, e.g. (2, 2, 2) at L=5; vLLM would dedupe
-    them and a 3-layer draft could not run) the default falls back to (1, L//2, L-2), printing a note.
+    them and a 3-layer draft could not run) the default falls back to (1, L//2, L-2), printing a
+    note.
     """
     from eagle3.config import ConfigError
 
@@ -435,23 +439,26 @@ def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> l
             alt = [1, num_layers // 2, num_layers - 2]
             if len(set(alt)) == 3 and min(alt) >= 1:
                 print(
-                    f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for L={num_layers}; using {alt}",
+                    f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for "
+                    f"L={num_layers}; using {alt}",
                     file=sys.stderr,
                     flush=True,
                 )
                 return alt
         if len(set(ids)) != 3 or min(ids) < 1:
             raise ConfigError(
-                f"CaptureConfig.aux_layer_ids: the default (2, L//2, L-3) is not usable for a target with "
-                f"L={num_layers} layers ({ids}); pass --aux-layer-ids with distinct ids in 1..{num_layers - 1}"
+                "CaptureConfig.aux_layer_ids: the default (2, L//2, L-3) is not usable for a "
+                f"target with L={num_layers} layers ({ids}); pass --aux-layer-ids with distinct "
+                f"ids in 1..{num_layers - 1}"
             )
         return ids
     bad = [k for k in aux_layer_ids if not 1 <= k <= num_layers - 1]
     if bad:
         raise ConfigError(
-            f"CaptureConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {bad} out of range; valid aux ids for this "
-            f"{num_layers}-layer target are 1..{num_layers - 1} (id k = output of decoder layer k-1; "
-            f"the last layer is always captured separately as last_hidden_states)"
+            f"CaptureConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {bad} out of range; valid "
+            f"aux ids for this {num_layers}-layer target are 1..{num_layers - 1} (id k = output of "
+            "decoder layer k-1; the last layer is always captured separately as "
+            "last_hidden_states)"
         )
     return list(aux_layer_ids)
 
@@ -523,7 +530,8 @@ def load_manifest(path: str | Path, check: bool = True) -> dict[str, Any]:
     return migrate_record(manifest)
 
 
-# what captures trained as one dataset must share (storage dtype may differ: every reader gives bfloat16 or better)
+# what captures trained as one dataset must share (storage dtype may differ: every reader gives
+# bfloat16 or better)
 MUST_AGREE = (
     "aux_layer_ids",
     "hidden_size",
@@ -535,15 +543,15 @@ MUST_AGREE = (
 
 
 def capture_dirs(captured: str | Path) -> list[Path]:
-    """One capture dir, or several separated by commas (captures made in parallel on several GPUs or hosts, or of
-    data added later), in the order given."""
+    """One capture dir, or several separated by commas (captures made in parallel on several GPUs or
+    hosts, or of data added later), in the order given."""
     parts = [p.strip() for p in str(captured).split(",")]
     if not all(parts):
         from eagle3.config import ConfigError
 
         raise ConfigError(
-            f"captured={str(captured)!r} has an empty entry; give capture dirs separated by commas, "
-            "e.g. runs/cap-0,runs/cap-1"
+            f"captured={str(captured)!r} has an empty entry; give capture dirs separated by "
+            "commas, e.g. runs/cap-0,runs/cap-1"
         )
     seen: dict[str, str] = {}
     for p in parts:
@@ -552,18 +560,19 @@ def capture_dirs(captured: str | Path) -> list[Path]:
             from eagle3.config import ConfigError
 
             raise ConfigError(
-                f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its samples would "
-                "be read twice (and could land in both the training and the validation split); list each "
-                "capture dir once"
+                f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its "
+                "samples would be read twice (and could land in both the training and the "
+                "validation split); list each capture dir once"
             )
         seen[key] = p
     return [Path(p) for p in parts]
 
 
 def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
-    """The manifest of one capture dir, or of several comma-separated ones read as one dataset: the first one's
-    fields with `num_samples`/`num_tokens` summed and `parts` listing the dirs. Refuses captures that disagree on
-    a MUST_AGREE field (another target, tokenizer, chat template or aux layer set)."""
+    """The manifest of one capture dir, or of several comma-separated ones read as one dataset: the
+    first one's fields with `num_samples`/`num_tokens` summed and `parts` listing the dirs. Refuses
+    captures that disagree on a MUST_AGREE field (another target, tokenizer, chat template or aux
+    layer set)."""
     dirs = capture_dirs(captured)
     manifests = [load_manifest(d) for d in dirs]
     first = manifests[0]
@@ -573,9 +582,10 @@ def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
                 from eagle3.config import ConfigError
 
                 raise ConfigError(
-                    f"captured={captured}: {d / MANIFEST} has {key}={m.get(key)!r} but {dirs[0] / MANIFEST} has "
-                    f"{first.get(key)!r}; captures trained together must come from the same target, tokenizer, chat "
-                    "template and aux layers: capture the odd one again with the others' settings"
+                    f"captured={captured}: {d / MANIFEST} has {key}={m.get(key)!r} but "
+                    f"{dirs[0] / MANIFEST} has {first.get(key)!r}; captures trained together must "
+                    "come from the same target, tokenizer, chat template and aux layers: capture "
+                    "the odd one again with the others' settings"
                 )
         for key in ("target_fingerprint", "target_weights_sha256"):  # older ones: the second only
             mw, fw = m.get(key), first.get(key)
@@ -604,12 +614,14 @@ def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
 def iter_shards(
     path: str | Path, verify: bool = False, dequantize: bool = True
 ) -> Iterator[dict[str, Any]]:
-    """Yield one dict per shard: the tensors of the shard format above plus `sample_ids` (list[str]).
+    """Yield one dict per shard: the tensors of the shard format above plus `sample_ids`
+    (list[str]).
 
-    Efficient bulk access for trainers (one safetensors load per shard). `verify=True` checks sha256.
-    fp8 captures: the states are dequantized to bfloat16 and the scale tensors dropped, so the keys and
-    dtypes are those of a bfloat16 capture; `dequantize=False` yields the stored float8_e4m3fn states
-    with their float32 `*_scale` tensors instead (e.g. to dequantize on the GPU).
+    Efficient bulk access for trainers (one safetensors load per shard). `verify=True` checks
+    sha256. fp8 captures: the states are dequantized to bfloat16 and the scale tensors dropped, so
+    the keys and dtypes are those of a bfloat16 capture; `dequantize=False` yields the stored
+    float8_e4m3fn states with their float32 `*_scale` tensors instead (e.g. to dequantize on the
+    GPU).
     """
 
     path = Path(path)
@@ -622,14 +634,15 @@ def iter_shards(
             )
         if verify and sha256_file(f) != entry["sha256"]:
             raise ValueError(
-                f"{f}: sha256 differs from {path / MANIFEST}; the file is corrupt, rerun the capture"
+                f"{f}: sha256 differs from {path / MANIFEST}; the file is corrupt, rerun the "
+                "capture"
             )
         yield load_shard(f, dequantize)
 
 
 def load_shard(f: str | Path, dequantize: bool = True) -> dict[str, Any]:
-    """One shard file's tensors plus `sample_ids` and `file` (its path) (fp8 states dequantized to bfloat16 unless
-    told not to)."""
+    """One shard file's tensors plus `sample_ids` and `file` (its path) (fp8 states dequantized to
+    bfloat16 unless told not to)."""
     from safetensors import safe_open
 
     from eagle3.io import corrupt_file_errors
@@ -646,7 +659,8 @@ def load_shard(f: str | Path, dequantize: bool = True) -> dict[str, Any]:
 
 
 def shard_samples(shard: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The samples of one loaded shard (views into its tensors), in order; keys as `load_captured`."""
+    """The samples of one loaded shard (views into its tensors), in order; keys as
+    `load_captured`."""
     off = shard["sample_offsets"].tolist()
     for j, sid in enumerate(shard["sample_ids"]):
         s, e = off[j], off[j + 1]
@@ -666,7 +680,8 @@ def load_captured(path: str | Path, verify: bool = False) -> Iterator[dict[str, 
 
     Keys: input_ids (int64 [T]), loss_mask (int64 [T]), aux_hidden_states ([T, A, H]),
     last_hidden_states ([T, H]), sample_id (str), sample_index (int: row in the prepared dataset).
-    States come in the manifest's storage dtype, except fp8 captures, which are dequantized to bfloat16.
+    States come in the manifest's storage dtype, except fp8 captures, which are dequantized to
+    bfloat16.
     """
     for shard in iter_shards(path, verify=verify):
         yield from shard_samples(shard)

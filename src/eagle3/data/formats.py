@@ -1,15 +1,15 @@
 """The chat-data reader shared by prepare, regenerate and evaluate.
 
-Inputs: a `.json` file (a list of rows; a file that is really JSON Lines is read as such), a `.jsonl`
-file, a `.parquet`/`.csv` file, a local HF `datasets` directory (`save_to_disk` output: a Dataset or a
-DatasetDict, from which `split` is taken, or a directory of data files that `load_dataset` reads), or an
-in-memory `datasets.Dataset`/`DatasetDict`/list of dicts.
+Inputs: a `.json` file (a list of rows; a file that is really JSON Lines is read as such), a
+`.jsonl` file, a `.parquet`/`.csv` file, a local HF `datasets` directory (`save_to_disk` output: a
+Dataset or a DatasetDict, from which `split` is taken, or a directory of data files that
+`load_dataset` reads), or an in-memory `datasets.Dataset`/`DatasetDict`/list of dicts.
 
 Row formats (detected per row):
 
-* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}``
-  (`from`: human/user -> user; gpt/assistant/chatgpt/bing/bard/model/bot -> assistant; system). Turns
-  that use `role`/`content` inside `conversations` are accepted too.
+* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value":
+  "..."}]}`` (`from`: human/user -> user; gpt/assistant/chatgpt/bing/bard/model/bot -> assistant;
+  system). Turns that use `role`/`content` inside `conversations` are accepted too.
 * OpenAI: ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (content may be a list of
   ``{"type": "text", "text": ...}`` parts; `developer` is read as `system`).
 * Pairs: `question`/`answer`, `prompt`/`response`, `prompt`/`completion`, `instruction`/`output`
@@ -22,9 +22,9 @@ Row formats (detected per row):
 A bad row is skipped and counted under one reason (``ReadResult.skipped``), with the first few
 examples kept in ``ReadResult.skip_examples`` and logged: ``missing_fields``, ``not_a_mapping``,
 ``unknown_role``, ``empty_content``, ``no_user_turn``, ``no_assistant_turn``, ``invalid_json``
-(a JSONL line that does not parse; the warning names the file and line number), ``invalid_utf8`` (a JSONL line
-that is not UTF-8: the line is skipped, the rest of the file is read). No usable row at all is a ValueError
-naming the input.
+(a JSONL line that does not parse; the warning names the file and line number), ``invalid_utf8`` (a
+JSONL line that is not UTF-8: the line is skipped, the rest of the file is read). No usable row at
+all is a ValueError naming the input.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ MAX_EXAMPLES = 5
 
 FORMAT_HELP = (
     "expected rows with `conversations: [{from, value}]` (ShareGPT), `messages: [{role, content}]` "
-    "(OpenAI) or `question`/`answer`, `prompt`/`response`, `prompt`/`completion`, `instruction`/`output` pairs"
+    "(OpenAI) or `question`/`answer`, `prompt`/`response`, `prompt`/`completion`, "
+    "`instruction`/`output` pairs"
 )
 
 
@@ -90,7 +91,8 @@ class Conversation:
     sample_id: str
     #: [{"role": "system"|"user"|"assistant", "content": str}, ...]
     messages: list[dict[str, str]]
-    #: the row's optional `category` (e.g. a domain: math, coding, ...); evaluate reports τ per category
+    #: the row's optional `category` (e.g. a domain: math, coding, ...); evaluate reports τ per
+    #: category
     category: str | None = None
 
 
@@ -132,7 +134,7 @@ class _RowError(Exception):
         self.detail = detail
 
 
-# ----------------------------------------------------------------------------------------------- rows
+# --------------------------------------------------------------------------------------------- rows
 def _content(value: Any, where: str) -> str:
     if value is None:
         return ""
@@ -183,7 +185,8 @@ def _turns(turns: Any, role_key: str, content_key: str, column: str) -> list[dic
         if role is None:
             raise _RowError(
                 "unknown_role",
-                f"{where}.{rk} = {raw_role!r} is not a known role (use one of {sorted(ROLE_ALIASES)})",
+                f"{where}.{rk} = {raw_role!r} is not a known role (use one of "
+                f"{sorted(ROLE_ALIASES)})",
             )
         messages.append({"role": role, "content": _content(turn[ck], where)})
     return messages
@@ -219,7 +222,8 @@ def _pair(row: dict[str, Any], require_assistant: bool) -> tuple[list[dict[str, 
 
 
 def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Conversation, str]:
-    """One input row -> (Conversation, format name). Raises _RowError(reason, detail) for a bad row."""
+    """One input row -> (Conversation, format name). Raises _RowError(reason, detail) for a bad
+    row."""
     if not isinstance(row, dict):
         raise _RowError("not_a_mapping", f"row is a {type(row).__name__}, not a mapping")
     if row.get("messages") is not None:
@@ -247,9 +251,10 @@ def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Con
     return Conversation(sample_id=sample_id, messages=messages, category=category or None), fmt
 
 
-# ---------------------------------------------------------------------------------------------- input
+# -------------------------------------------------------------------------------------------- input
 def _iter_jsonl(path: Path) -> Iterator[Any]:
-    """Yield parsed rows; an unparsable or non-UTF-8 line yields an _InvalidLine (counted by the caller)."""
+    """Yield parsed rows; an unparsable or non-UTF-8 line yields an _InvalidLine (counted by the
+    caller)."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if lineno == 1:
@@ -313,8 +318,8 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
             ) from None
         except FileNotFoundError as e:
             raise ValueError(
-                f"{path} is a directory but neither a `save_to_disk` dataset nor a directory of data files "
-                f"datasets can read ({e})"
+                f"{path} is a directory but neither a `save_to_disk` dataset nor a directory of "
+                f"data files datasets can read ({e})"
             ) from None
         return loaded, name
     suffix = path.suffix.lower()
@@ -327,9 +332,9 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
         except UnicodeDecodeError as e:
             line = path.read_bytes()[: e.start].count(b"\n") + 1
             raise ValueError(
-                f"{path}: not valid UTF-8 at line {line} (byte {e.start} of the file); a .json file is "
-                "parsed as a whole, so fix or re-encode it, or save it as JSON Lines (.jsonl), where a bad "
-                "line is skipped and counted"
+                f"{path}: not valid UTF-8 at line {line} (byte {e.start} of the file); a .json "
+                "file is parsed as a whole, so fix or re-encode it, or save it as JSON Lines "
+                "(.jsonl), where a bad line is skipped and counted"
             ) from None
         try:
             data = json.loads(text)
@@ -459,7 +464,8 @@ def read_conversations(
         detail = ", ".join(f"{k}={v}" for k, v in skipped.items()) or "the input is empty"
         first = next((ex[0] for ex in examples.values() if ex), "")
         raise ValueError(
-            f"{source}: no usable conversations in {num_rows} rows ({detail}){'; e.g. ' + first if first else ''}. "
+            f"{source}: no usable conversations in {num_rows} rows "
+            f"({detail}){'; e.g. ' + first if first else ''}. "
             + FORMAT_HELP
             + ("" if require_assistant else " (prompt-only rows allowed)")
         )
@@ -517,7 +523,8 @@ def read_prompts(
 def iter_prompts(
     path_or_dataset: str | Path | Any, limit: int | None = None, split: str = "train"
 ) -> Iterator[Conversation]:
-    """Yield each usable row's prompt: its messages up to (not including) the first assistant turn."""
+    """Yield each usable row's prompt: its messages up to (not including) the first assistant
+    turn."""
     yield from read_prompts(path_or_dataset, limit=limit, split=split).conversations
 
 

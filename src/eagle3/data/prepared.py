@@ -1,8 +1,8 @@
 """The prepared-dataset format shared by prepare (writer) and capture/vocab (readers).
 
 A prepared dataset is a directory holding a HF `datasets` dataset saved with `save_to_disk`, columns
-`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id` (str),
-plus `manifest.json` describing where it came from.
+`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id`
+(str), plus `manifest.json` describing where it came from.
 """
 
 from __future__ import annotations

@@ -1,19 +1,24 @@
 """The EAGLE-3 draft model, in the layout vLLM's `LlamaForCausalLMEagle3` loads (llama_eagle3.py).
 
     fc_norm.i     EAGLE-3.1 only (`fc_norm`): one RMSNorm per aux state (width H_target) before fc
-    fc            (n_aux*H_target -> H, no bias) over the concatenated aux hidden states of the target
-    midlayer      one Llama decoder layer whose q/k/v read concat(input_layernorm(embed), hidden_norm(h)), width 2H
-    layers.k      optional further plain Llama decoder layers k = 1 .. num_hidden_layers-1 (vLLM 0.32 builds them
-                  from `num_hidden_layers`; each adds the residual, then norm -> attention/MLP, as in Llama)
-    norm          final RMSNorm; its *pre-norm* input (mlp_out + residual) is the hidden fed to the next draft step
-                  (EAGLE-3.1 `norm_output`: its *output* is fed instead, as vLLM's LlamaModel returns it as aux_output)
+    fc            (n_aux*H_target -> H, no bias) over the concatenated aux hidden states of the
+                  target
+    midlayer      one Llama decoder layer whose q/k/v read concat(input_layernorm(embed),
+                  hidden_norm(h)), width 2H
+    layers.k      optional further plain Llama decoder layers k = 1 .. num_hidden_layers-1 (vLLM
+                  0.32 builds them from `num_hidden_layers`; each adds the residual, then norm ->
+                  attention/MLP, as in Llama)
+    norm          final RMSNorm; its *pre-norm* input (mlp_out + residual) is the hidden fed to the
+                  next draft step (EAGLE-3.1 `norm_output`: its *output* is fed instead, as vLLM's
+                  LlamaModel returns it as aux_output)
     lm_head       H -> draft_vocab
     d2t / t2d     draft id -> target id offsets (target = i + d2t[i]); target-id membership mask
     embed_tokens  copied from the target and frozen; not exported (vLLM shares the target's embedding)
 
-Semantics follow vLLM with `norm_before_residual=False`: the residual stream starts from the raw fc/previous
-hidden, `hidden_norm` only feeds attention. Training-time test (TTT) runs `step()` K times; the attention
-kernel that sees the keys of earlier steps is passed in (eagle3.train.attention), so this file stays pure.
+Semantics follow vLLM with `norm_before_residual=False`: the residual stream starts from the raw
+fc/previous hidden, `hidden_norm` only feeds attention. Training-time test (TTT) runs `step()` K
+times; the attention kernel that sees the keys of earlier steps is passed in
+(eagle3.train.attention), so this file stays pure.
 """
 
 from __future__ import annotations
@@ -68,18 +73,21 @@ class DraftConfig:
         unknown = set(d) - names
         if unknown:
             raise DraftConfigError(
-                f"draft config has unknown keys {sorted(unknown)}; expected a subset of {sorted(names)}"
+                f"draft config has unknown keys {sorted(unknown)}; expected a subset of "
+                f"{sorted(names)}"
             )
         return cls(**d)
 
 
 def text_config(target_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language-model part of an HF config.json (nested `text_config` for multimodal targets)."""
+    """The language-model part of an HF config.json (nested `text_config` for multimodal
+    targets)."""
     return target_cfg.get("text_config") or target_cfg
 
 
 def target_rope(tc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
+    """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or v4
+    `rope_theta`/`rope_scaling`."""
     params = dict(tc.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", tc.get("rope_theta", 10000.0)))
     scaling = params or tc.get("rope_scaling") or None
@@ -98,7 +106,8 @@ def target_rope(tc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def draft_config_from_target(
     target_cfg: dict[str, Any], num_aux: int, draft_vocab_size: int, overrides: Any = None
 ) -> DraftConfig:
-    """Derive the draft's dimensions from the target's config.json; `overrides` (DraftOverrides) wins per field."""
+    """Derive the draft's dimensions from the target's config.json; `overrides` (DraftOverrides)
+    wins per field."""
     tc = text_config(target_cfg)
     ov = {
         k: v
@@ -113,7 +122,8 @@ def draft_config_from_target(
         intermediate_size=ov.get("intermediate_size", tc["intermediate_size"]),
         num_attention_heads=ov.get("num_attention_heads", heads),
         num_key_value_heads=ov.get("num_key_value_heads", tc.get("num_key_value_heads", heads)),
-        # MLA targets (DeepSeek-V3, Kimi) have no plain head: their `head_dim`, where written, is the rope part
+        # MLA targets (DeepSeek-V3, Kimi) have no plain head: their `head_dim`, where written, is
+        # the rope part
         head_dim=ov.get(
             "head_dim", (None if tc.get("kv_lora_rank") else tc.get("head_dim")) or H // heads
         ),
@@ -143,23 +153,26 @@ def check_draft_config(cfg: DraftConfig, tc: dict[str, Any]) -> None:
     """Refuse drafts vLLM could not serve next to this target."""
     if cfg.hidden_size != tc["hidden_size"]:
         raise DraftConfigError(
-            f"draft.hidden_size={cfg.hidden_size} differs from the target's hidden_size={tc['hidden_size']}: the draft "
-            "shares the target's token embedding, so unset draft.hidden_size"
+            f"draft.hidden_size={cfg.hidden_size} differs from the target's "
+            f"hidden_size={tc['hidden_size']}: the draft shares the target's token embedding, so "
+            "unset draft.hidden_size"
         )
     tmax = tc.get("max_position_embeddings", 0)
     if cfg.max_position_embeddings < tmax:
         raise DraftConfigError(
-            f"draft.max_position_embeddings={cfg.max_position_embeddings} is below the target's {tmax}: vLLM would cap "
-            f"serving at the draft's length; set it to >= {tmax} or leave it unset"
+            f"draft.max_position_embeddings={cfg.max_position_embeddings} is below the target's "
+            f"{tmax}: vLLM would cap serving at the draft's length; set it to >= {tmax} or leave "
+            "it unset"
         )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise DraftConfigError(
-            f"draft.num_attention_heads={cfg.num_attention_heads} is not a multiple of num_key_value_heads="
-            f"{cfg.num_key_value_heads}; pick a divisor"
+            f"draft.num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}; pick a divisor"
         )
     if cfg.num_hidden_layers < 1:
         raise DraftConfigError(
-            f"draft.num_hidden_layers={cfg.num_hidden_layers}: an EAGLE-3 draft has at least 1 layer"
+            f"draft.num_hidden_layers={cfg.num_hidden_layers}: an EAGLE-3 draft has at least 1 "
+            "layer"
         )
     if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
         raise DraftConfigError(
@@ -167,7 +180,7 @@ def check_draft_config(cfg: DraftConfig, tc: dict[str, Any]) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------------- blocks
+# ------------------------------------------------------------------------------------------- blocks
 
 
 class RMSNorm(nn.Module):
@@ -179,13 +192,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()  # (..., D)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., D)
-        # in x's dtype: under autocast (bf16 x, fp32 weight) the product would otherwise be fp32, and the final
-        # norm's output (the lm_head input, K times per step) would travel as (B, T, H) fp32 into a bf16 GEMM
+        # in x's dtype: under autocast (bf16 x, fp32 weight) the product would otherwise be fp32,
+        # and the final norm's output (the lm_head input, K times per step) would travel as (B, T,
+        # H) fp32 into a bf16 GEMM
         return (self.weight * xf.to(x.dtype)).to(x.dtype)  # (..., D)
 
 
 def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
-    """Inverse frequencies for default / linear / llama3 rope (the types Llama-family targets use)."""
+    """Inverse frequencies for default / linear / llama3 rope (the types Llama-family targets
+    use)."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (d/2,)
     s = cfg.rope_scaling or {}
@@ -214,9 +229,10 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
         )
         if abs(attn - 1.0) > 1e-9:
             raise DraftConfigError(
-                f"rope scaling yarn with attention factor {attn:.4f} (factor {factor}, mscale {mscale}, mscale_all_dim "
-                f"{mscale_all}) is not supported by the trainer (only 1.0, as Kimi-K2.5 / DeepSeek-V3 have); "
-                "override draft.rope_theta and drop the scaling"
+                f"rope scaling yarn with attention factor {attn:.4f} (factor {factor}, mscale "
+                f"{mscale}, mscale_all_dim {mscale_all}) is not supported by the trainer (only "
+                "1.0, as Kimi-K2.5 / DeepSeek-V3 have); override draft.rope_theta and drop the "
+                "scaling"
             )
 
         def dim_at(rot: float) -> float:
@@ -229,8 +245,9 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
         inv = inv / factor * ramp + inv * (1 - ramp)  # (d/2,)
     else:
         raise DraftConfigError(
-            f"rope scaling type {kind!r} is not supported by the trainer (default, linear, llama3, yarn); "
-            "override draft.rope_theta and drop the scaling, or add the type to rope_inv_freq"
+            f"rope scaling type {kind!r} is not supported by the trainer (default, linear, llama3, "
+            "yarn); override draft.rope_theta and drop the scaling, or add the type to "
+            "rope_inv_freq"
         )
     return inv.float()
 
@@ -313,7 +330,8 @@ class MidLayer(nn.Module):
         return self.post(hidden, attn_fn(q, cache[0], cache[1]))  # (B, T, H) x2
 
     def pre(self, emb, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Everything before the attention kernel: norms, concat, q/k/v, rope. Shapes do not depend on the TTT step."""
+        """Everything before the attention kernel: norms, concat, q/k/v, rope. Shapes do not depend
+        on the TTT step."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
         return self.self_attn.project(x, cos, sin)  # (B, nh|kvh, T, d)
 
@@ -327,7 +345,8 @@ class MidLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """vLLM's Eagle3 LlamaDecoderLayer with layer_idx > 0: a plain Llama layer on (h, residual) from the one before."""
+    """vLLM's Eagle3 LlamaDecoderLayer with layer_idx > 0: a plain Llama layer on (h, residual) from
+    the one before."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -369,7 +388,8 @@ class Eagle3Draft(nn.Module):
             self.fc_norm = None
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
-        # keys "1".."n-1": state_dict names layers.1.*, the names vLLM loads (midlayer. maps to its layers.0.)
+        # keys "1".."n-1": state_dict names layers.1.*, the names vLLM loads (midlayer. maps to its
+        # layers.0.)
         self.layers = nn.ModuleDict(
             {str(k): DecoderLayer(cfg) for k in range(1, cfg.num_hidden_layers)}
         )
@@ -390,13 +410,14 @@ class Eagle3Draft(nn.Module):
     def compile_blocks(self, mode: str = "layer") -> None:
         """torch.compile what runs once per TTT step; the unrolled loop stays eager.
 
-        layer  each decoder layer whole (attention kernel inside) + the final norm. The layer's graph depends on
-               the TTT step (its KV list grows), so it is compiled K times, forward and backward (~2 min at K=7
-               on an H200).
-        split  each layer's `pre` (norms, q/k/v, rope) and `post` (o_proj, residual, MLP) compiled on their own
-               (static shapes): their graphs are the same at every TTT step, so each compiles once; the attention
-               kernel between them is compiled by eagle3.train.attention (one flex kernel over the step-0 keys for
-               all steps, plus one small merge of the diagonal keys per step count). Same math, same values."""
+        layer  each decoder layer whole (attention kernel inside) + the final norm. The layer's
+               graph depends on the TTT step (its KV list grows), so it is compiled K times, forward
+               and backward (~2 min at K=7 on an H200).
+        split  each layer's `pre` (norms, q/k/v, rope) and `post` (o_proj, residual, MLP) compiled
+               on their own (static shapes): their graphs are the same at every TTT step, so each
+               compiles once; the attention kernel between them is compiled by
+               eagle3.train.attention (one flex kernel over the step-0 keys for all steps, plus one
+               small merge of the diagonal keys per step count). Same math, same values."""
         if mode not in ("layer", "split"):
             raise ValueError(f"compile_blocks(mode={mode!r}): expected 'layer' or 'split'")
         if mode == "layer":
@@ -411,7 +432,8 @@ class Eagle3Draft(nn.Module):
         self.norm.compile()
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        """vLLM's combine_hidden_states: (fc_norm per aux state, then) fc. (B, T, n_aux*Ht) -> (B, T, H)"""
+        """vLLM's combine_hidden_states: (fc_norm per aux state, then) fc. (B, T, n_aux*Ht) -> (B,
+        T, H)"""
         if self.fc_norm is not None:
             chunks = aux.chunk(self.cfg.num_aux, dim=-1)  # n_aux x (B, T, Ht)
             aux = torch.cat(
@@ -420,15 +442,17 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux)  # (B, T, H)
 
     def new_cache(self) -> list[tuple[list, list]]:
-        """Per decoder layer: (keys, values) of every TTT step so far (what the layer's KV cache holds in vLLM)."""
+        """Per decoder layer: (keys, values) of every TTT step so far (what the layer's KV cache
+        holds in vLLM)."""
         return [([], []) for _ in range(self.cfg.num_hidden_layers)]
 
     def step(
         self, input_ids, hidden, positions, cache, attn_fn: AttnFn, states: list | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: returns (normed output for lm_head, hidden for the next step), both (B, T, H); the hidden
-        for the next step is the pre-norm state, or with norm_output the normed one (vLLM's aux_output).
-        cache: from new_cache(), extended in place; `states`, when given, gets the midlayer's output (h + residual)."""
+        """One draft step: returns (normed output for lm_head, hidden for the next step), both (B,
+        T, H); the hidden for the next step is the pre-norm state, or with norm_output the normed
+        one (vLLM's aux_output). cache: from new_cache(), extended in place; `states`, when given,
+        gets the midlayer's output (h + residual)."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)  # (B, 1, T, d)
         h, residual = self.midlayer(emb, hidden, cos, sin, cache[0], attn_fn)  # (B, T, H) x2
@@ -441,8 +465,9 @@ class Eagle3Draft(nn.Module):
         return out, (out if self.cfg.norm_output else prenorm)
 
     def forward(self, input_ids, aux, positions, attn_fn: AttnFn, steps: int = 1):
-        """Unrolled TTT forward for callers that only need outputs: step j reads ids shifted by j (caller's job
-        to pass `input_ids` as a list per step when it differs). Returns list of normed outputs (B, T, H)."""
+        """Unrolled TTT forward for callers that only need outputs: step j reads ids shifted by j
+        (caller's job to pass `input_ids` as a list per step when it differs). Returns list of
+        normed outputs (B, T, H)."""
         ids = input_ids if isinstance(input_ids, (list, tuple)) else [input_ids] * steps
         hidden, cache, outs = self.combine(aux), self.new_cache(), []  # (B, T, H)
         for j in range(steps):
@@ -454,8 +479,8 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(normed)  # (..., Vd)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under vLLM's names: [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.*, norm.weight,
-        lm_head.weight, d2t, t2d (no embed)."""
+        """Weights under vLLM's names: [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.*,
+        norm.weight, lm_head.weight, d2t, t2d (no embed)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 

@@ -1,5 +1,6 @@
-"""What a training run reports while it runs: logs/metrics.jsonl (one record per log/eval event), tb/
-(TensorBoard scalars, when tensorboard is installed), curves.png at the end, and progress lines on stderr."""
+"""What a training run reports while it runs: logs/metrics.jsonl (one record per log/eval event),
+tb/ (TensorBoard scalars, when tensorboard is installed), curves.png at the end, and progress lines
+on stderr."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""One TTT training step on tensors: the part a GPU benchmark calls (no vLLM, no files, no host syncs).
+"""One TTT training step on tensors: the part a GPU benchmark calls (no vLLM, no files, no host
+syncs).
 
     batch = PackedBatch(...)                      # tensors on the device
     out = ttt_forward(model, batch, head, steps=7)   # loss + per-step stat tensors
     # benchmarks/step_setup.py builds a synthetic batch for this step and times it (benchmarks/train_step.py)
 
-Step j (0-based) at row t reads token ids[t+1+j] and is trained against the target's distribution at row t+1+j
-(which predicts token t+2+j); the row is supervised iff rows t..t+2+j lie in one document and
-loss_mask[t+2+j] (1 = assistant token). Rope positions of step j are pos[t]+j, as in vLLM's drafting loop.
+Step j (0-based) at row t reads token ids[t+1+j] and is trained against the target's distribution at
+row t+1+j (which predicts token t+2+j); the row is supervised iff rows t..t+2+j lie in one document
+and loss_mask[t+2+j] (1 = assistant token). Rope positions of step j are pos[t]+j, as in vLLM's
+drafting loop.
 
 Row weights: `batch.step_weight` (B, T, K) multiplies step j's weight at row t (on-policy
 refinement trains only the drafting rounds the draft ran, eagle3.refine);
@@ -16,15 +18,17 @@ having drafted the target's tokens at steps < j: the chance that step j is reach
 rather than the target's argmax: on a sampled rollout that is exactly vLLM's acceptance (it drafts
 greedily with one-hot draft probabilities, so a rejected draft token is never the emitted one).
 
-Two optional terms: `temperature` divides both the draft's and the target's logits before the soft CE (< 1
-sharpens the target towards its argmax, which is all greedy acceptance scores); `feature_weight` adds, per step,
-the mean squared error between the RMS-normalised pre-norm hidden the draft outputs (what its next step reads)
-and the RMS-normalised last hidden state of the target at row t+1+j (what the target predicts token t+2+j from),
-EAGLE-1's feature regression: 384-wide supervision per row instead of one distribution. `mid_feature_weight`
-does the same for the midlayer's output against aux block `mid_target_block` at row t+1+j: for a draft whose
-later layers are the target's layers after that aux state (init_layers_from_target), the state they expect.
-`copy_weight` multiplies the soft CE of every row whose token continues a span repeated earlier in its document
-(`copy_rows`: the 3-gram ending at the token occurred before), the rows on which prompt lookup drafts and is right.
+Two optional terms: `temperature` divides both the draft's and the target's logits before the soft
+CE (< 1 sharpens the target towards its argmax, which is all greedy acceptance scores);
+`feature_weight` adds, per step, the mean squared error between the RMS-normalised pre-norm hidden
+the draft outputs (what its next step reads) and the RMS-normalised last hidden state of the target
+at row t+1+j (what the target predicts token t+2+j from), EAGLE-1's feature regression: 384-wide
+supervision per row instead of one distribution. `mid_feature_weight` does the same for the
+midlayer's output against aux block `mid_target_block` at row t+1+j: for a draft whose later layers
+are the target's layers after that aux state (init_layers_from_target), the state they expect.
+`copy_weight` multiplies the soft CE of every row whose token continues a span repeated earlier in
+its document (`copy_rows`: the 3-gram ending at the token occurred before), the rows on which prompt
+lookup drafts and is right.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ class PackedBatch:
     target_argmax: torch.Tensor | None = (
         None  # (B, T) long: the target's full-vocab argmax per row (-1 = padding),
     )
-    #   computed once per sample before training (eagle3.train.trainer.with_target_argmax); None: the step computes it
+    #   computed once per sample before training (eagle3.train.trainer.with_target_argmax); None:
+    #   the step computes it
     step_weight: torch.Tensor | None = None  # (B, T, K) float: loss weight of TTT step j at row t
     #   (eagle3.refine's rollouts: the replayed rounds' steps); None: every supervised row weighs 1
 
@@ -84,15 +89,17 @@ class StepOutput:
 
 
 def linear_weight_casts(model: torch.nn.Module, device_type: str) -> dict[str, torch.Tensor]:
-    """Under autocast: every trainable fp32 matrix (the Linear weights) cast ONCE to the autocast dtype, by name.
+    """Under autocast: every trainable fp32 matrix (the Linear weights) cast ONCE to the autocast
+    dtype, by name.
 
-    Each weight is used by all K TTT steps. Cast inside every compiled block, each use re-reads the fp32 master
-    (K casts) and sends an fp32 gradient back that AccumulateGrad adds into .grad (K fp32 read-modify-writes of
-    every weight; ~12 ms per K=7/8192 step on an H200, docs/history/). Cast once here, the K uses share one bf16
-    tensor: autograd sums their gradients in bf16 and one cast brings the sum to the fp32 .grad — the same
-    arithmetic as eager autocast, whose weight-cast cache does exactly this (so the naive reference agrees).
-    Empty (no-op) without autocast, for fp32 autocast, and for FSDP2's sharded (DTensor) parameters, whose mixed
-    precision policy owns the casts."""
+    Each weight is used by all K TTT steps. Cast inside every compiled block, each use re-reads the
+    fp32 master (K casts) and sends an fp32 gradient back that AccumulateGrad adds into .grad (K
+    fp32 read-modify-writes of every weight; ~12 ms per K=7/8192 step on an H200, docs/history/).
+    Cast once here, the K uses share one bf16 tensor: autograd sums their gradients in bf16 and one
+    cast brings the sum to the fp32 .grad — the same arithmetic as eager autocast, whose weight-cast
+    cache does exactly this (so the naive reference agrees). Empty (no-op) without autocast, for
+    fp32 autocast, and for FSDP2's sharded (DTensor) parameters, whose mixed precision policy owns
+    the casts."""
     if not torch.is_autocast_enabled(device_type):
         return {}
     dt = torch.get_autocast_dtype(device_type)
@@ -111,8 +118,8 @@ def linear_weight_casts(model: torch.nn.Module, device_type: str) -> dict[str, t
 def ttt_forward(
     model: Eagle3Draft, batch: PackedBatch, head: TargetHead, **options: Any
 ) -> StepOutput:
-    """The unrolled TTT forward (body and keyword options: `_ttt_forward`), with the draft's matrices cast once to
-    the autocast dtype for the whole unroll (`linear_weight_casts`)."""
+    """The unrolled TTT forward (body and keyword options: `_ttt_forward`), with the draft's
+    matrices cast once to the autocast dtype for the whole unroll (`linear_weight_casts`)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     casts = linear_weight_casts(model, batch.input_ids.device.type)
@@ -153,7 +160,8 @@ def _ttt_forward(
     doc_p = F.pad(doc, (0, pad), value=-2)  # (B, T+pad)
     mask_p = F.pad(batch.loss_mask.bool(), (0, pad), value=False)  # (B, T+pad)
     ids_p = F.pad(ids, (0, pad), value=0)  # (B, T+pad)
-    # every step's row masks at once (a few kernels, not a few per step): step j at row t reads row t+1+j
+    # every step's row masks at once (a few kernels, not a few per step): step j at row t reads row
+    # t+1+j
     valid, weight, n_loss = _step_masks(
         doc, doc_p, mask_p, tg.in_vocab, steps
     )  # (K, B, T) x2, (K,)
@@ -206,7 +214,9 @@ def _ttt_forward(
         h, tgt = out, tg.logits[:, r : r + T]  # (B, T, H), (B, T, Vd)
         if (
             temperature != 1.0
-        ):  # logits / temperature on both sides: scale the draft's input (linear head) and the target's
+            # logits / temperature on both sides: scale the draft's input (linear head) and the
+            # target's
+        ):
             h, tgt = h / temperature, tgt / temperature
         w_j = weight[j] if reach is None else weight[j] * reach  # (B, T)
         if not fused_loss:  # the autograd reference: same values and gradients
@@ -250,7 +260,8 @@ def _ttt_forward(
     else:
         truth = _windows(ids_p, 2, steps, T)  # (K, B, T)
     correct = ((am + model.d2t[am]) == truth) & valid  # (K, B, T)
-    # cond: rows whose earlier steps were all correct (step 0: every real row), i.e. the step is reached in vLLM
+    # cond: rows whose earlier steps were all correct (step 0: every real row), i.e. the step is
+    # reached in vLLM
     joint = (
         torch.cat([(doc >= 0)[None], correct[:-1]]).to(torch.uint8).cumprod(0).bool()
     )  # (K, B, T)
@@ -293,14 +304,15 @@ def draft_token_prob(
 
 
 def _windows(x: torch.Tensor, start: int, n: int, T: int) -> torch.Tensor:
-    """(B, T+pad) -> (n, B, T) contiguous: windows start..start+n-1 of width T (window r = columns r..r+T-1)."""
+    """(B, T+pad) -> (n, B, T) contiguous: windows start..start+n-1 of width T (window r = columns
+    r..r+T-1)."""
     return x.unfold(1, T, 1)[:, start : start + n].transpose(0, 1).contiguous()  # (n, B, T)
 
 
 def _step_masks(doc, doc_p, mask_p, in_vocab, steps: int):
-    """Per TTT step j: valid (K, B, T) bool: row t is supervised at step j (rows t..t+2+j in one document, and
-    loss_mask[t+2+j]); weight (K, B, T) float: valid and the target's argmax at row t+1+j is in the draft vocab
-    (the loss's rows); n_loss (K,): weight summed."""
+    """Per TTT step j: valid (K, B, T) bool: row t is supervised at step j (rows t..t+2+j in one
+    document, and loss_mask[t+2+j]); weight (K, B, T) float: valid and the target's argmax at row
+    t+1+j is in the draft vocab (the loss's rows); n_loss (K,): weight summed."""
     T = doc.shape[1]
     d = _windows(doc_p, 1, steps + 1, T) == doc  # (K+1, B, T): row t+1+i in row t's document
     valid = d[:-1] & d[1:] & (doc >= 0) & _windows(mask_p, 2, steps, T)  # (K, B, T)
@@ -309,11 +321,12 @@ def _step_masks(doc, doc_p, mask_p, in_vocab, steps: int):
 
 
 def copy_rows(ids: torch.Tensor, doc: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B, T) bool: token p continues a span repeated earlier in its document, i.e. the 3-gram ids[p-2..p] (all three
-    in one document) also ends at an earlier position of that document: where prompt lookup's proposal (the tokens
-    after an earlier occurrence of the context's suffix) holds the right token. Exact (each 3-gram is one int64 key,
-    so vocab_size < 2**21), on the device, without a host sync: two stable sorts group equal (document, key) pairs
-    in position order, and every pair but the first of its group is a copy."""
+    """(B, T) bool: token p continues a span repeated earlier in its document, i.e. the 3-gram
+    ids[p-2..p] (all three in one document) also ends at an earlier position of that document: where
+    prompt lookup's proposal (the tokens after an earlier occurrence of the context's suffix) holds
+    the right token. Exact (each 3-gram is one int64 key, so vocab_size < 2**21), on the device,
+    without a host sync: two stable sorts group equal (document, key) pairs in position order, and
+    every pair but the first of its group is a copy."""
     if vocab_size >= 2**21:
         raise ValueError(
             f"copy_rows: vocab_size {vocab_size} >= 2**21 does not fit a 3-gram in one int64 key"
@@ -330,7 +343,8 @@ def copy_rows(ids: torch.Tensor, doc: torch.Tensor, vocab_size: int) -> torch.Te
         B, T - 2
     )  # (B, T-2) < 0: matches nothing
     key = torch.where(same, key, unique).flatten()  # (N,)
-    # a document (packed documents are contiguous) is named by its row and first column, whatever its doc id
+    # a document (packed documents are contiguous) is named by its row and first column, whatever
+    # its doc id
     cols = torch.arange(T, device=ids.device).expand(B, T)  # (B, T)
     starts = (
         torch.where(F.pad(doc[:, 1:] != doc[:, :-1], (1, 0), value=True), cols, 0).cummax(1).values
@@ -353,9 +367,10 @@ def _rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def summarize(stats: torch.Tensor) -> dict[str, float]:
-    """Per-step metrics from summed stats (K, 7): loss_j, acc_j (top-1 agreement), cond_acc_j, feat_j (feature
-    error, only when the feature loss ran), and sim_accept_len = sum_j prod_{i<=j} cond_acc_i (expected accepted
-    draft tokens per round, bonus excluded), num_rows (supervised rows at step 0)."""
+    """Per-step metrics from summed stats (K, 7): loss_j, acc_j (top-1 agreement), cond_acc_j,
+    feat_j (feature error, only when the feature loss ran), and sim_accept_len = sum_j prod_{i<=j}
+    cond_acc_i (expected accepted draft tokens per round, bonus excluded), num_rows (supervised rows
+    at step 0)."""
     s = stats.double().cpu()
     out: dict[str, float] = {}
     prod, accept = 1.0, 0.0
@@ -377,7 +392,8 @@ def summarize(stats: torch.Tensor) -> dict[str, float]:
 
 
 class TTTModule(torch.nn.Module):
-    """Wraps the draft so the whole unrolled TTT forward is one `forward()` (what DDP/FSDP hook into)."""
+    """Wraps the draft so the whole unrolled TTT forward is one `forward()` (what DDP/FSDP hook
+    into)."""
 
     def __init__(self, draft: Eagle3Draft):
         super().__init__()
