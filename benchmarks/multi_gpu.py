@@ -2,11 +2,16 @@
 """Scaling over several GPUs: the train step under torchrun (DDP, FSDP2) and one capture over N
 engines.
 
-    # train: Kimi-K2.5 and Llama-8B draft dims, K = 7, T = 8192, on 1/2/4/8 GPUs (those the host has), DDP + FSDP2
-    python3 benchmarks/multi_gpu.py train [--num-gpus 1 2 4 8] [--dims kimi-k2.5 llama-3.1-8b] [--parallel ddp fsdp2]
-    # capture: the prepared data captured once per engine count (each engine: tensor_parallel_size GPUs)
-    python3 benchmarks/multi_gpu.py capture --target DIR --data PREPARED [--num-engines 1 2 4 8] [--backend vllm]
-    # the CPU proof of both (tiny dims, a tiny random target; 1 and 2 processes), rows labelled dims cpu-tiny:
+    # train: Kimi-K2.5 and Llama-8B draft dims, K = 7, T = 8192, on 1/2/4/8 GPUs (those the host
+    # has), DDP + FSDP2
+    python3 benchmarks/multi_gpu.py train [--num-gpus 1 2 4 8] [--dims kimi-k2.5 llama-3.1-8b] \
+        [--parallel ddp fsdp2]
+    # capture: the prepared data captured once per engine count (each engine:
+    # tensor_parallel_size GPUs)
+    python3 benchmarks/multi_gpu.py capture --target DIR --data PREPARED [--num-engines 1 2 4 8] \
+        [--backend vllm]
+    # the CPU proof of both (tiny dims, a tiny random target; 1 and 2 processes), rows labelled
+    # dims cpu-tiny:
     python3 benchmarks/multi_gpu.py train --smoke && python3 benchmarks/multi_gpu.py capture --smoke
 
 train runs benchmarks/train_step.py under `torchrun --nproc-per-node N` (its --ddp path: the draft
@@ -18,8 +23,10 @@ slowest engine's capture time (engine start-up excluded; `wall_s` includes it).
 
 Rows are merged into benchmarks/results/multi_gpu.{json,md} (--out-dir), replacing earlier rows with
 the same what / dims / parallel / num_gpus / gpu:
-    {"what": "train", "dims", "parallel": "ddp"|"fsdp2", "num_gpus", "tok_s", "efficiency", "peak_gib", "gpu", "date"}
-    {"what": "capture", "dims": <target>, "parallel": "engines", "num_gpus", "num_engines", "tok_s", "efficiency", ...}
+    {"what": "train", "dims", "parallel": "ddp"|"fsdp2", "num_gpus", "tok_s", "efficiency",
+     "peak_gib", "gpu", "date"}
+    {"what": "capture", "dims": <target>, "parallel": "engines", "num_gpus", "num_engines", "tok_s",
+     "efficiency", ...}
 efficiency = tok_s(N) / (N / N0 x tok_s(N0)), N0 the smallest count measured in the same call (1 by
 default): weak scaling, every GPU (engine) does the same work as the single one. Goals
 (docs/scaling.md): train >= 0.90 at the largest N (DDP, Kimi-K2.5 dims), FSDP2 within 10 % of DDP,

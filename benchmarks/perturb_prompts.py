@@ -8,7 +8,8 @@ breaks the memorised answer, which is what the 200 test questions look like to t
 validation and checkpoint selection only, never as training data, so the protocol's training set is
 unchanged.
 
-    python benchmarks/perturb_prompts.py --data ../shared/refbench/data/gsm8k_train.jsonl --num 400 --out FILE
+    python benchmarks/perturb_prompts.py --data ../shared/refbench/data/gsm8k_train.jsonl \
+        --num 400 --out FILE
 
 Augmented training prompts (a documented deviation from the refbench protocol's training set, see
 docs/history/): `--from-start --num 7173 --seed 1` perturbs the first 7,173 rows, so no question

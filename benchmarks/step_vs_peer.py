@@ -11,8 +11,9 @@ Llama-3.1-8B draft dims by default); --cache-run is a second train_step.py proce
 first one's compile cache (--compile-cache) on the same machine. Any input may be missing (a phase
 the budget or a failure cut): its fields are null and `missing` says why. Output:
 `train_step_vs_peer.json` + `.md` in --out-dir, one row per (dims, K, T):
-    {"config": "K7-T8192", "dims": "llama-3.1-8b", "ours_tok_s", "peer_tok_s", "ratio", "ours_first_step_s",
-     "peer_first_step_s", "gpu", "date", "command", ...ms/step, peak GiB, MFU of both}
+    {"config": "K7-T8192", "dims": "llama-3.1-8b", "ours_tok_s", "peer_tok_s", "ratio",
+     "ours_first_step_s", "peer_first_step_s", "gpu", "date", "command", ...ms/step, peak GiB,
+     MFU of both}
 Imports the standard library only (runs anywhere, also on the CPU in the tests).
 """
 

@@ -1,8 +1,8 @@
 """Where the test suite's time goes: per-file sums of a pytest log's `--durations=0` lines, one or
 more runs side by side.
 
-    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=0 > /tmp/suite.log 2>&1   # one run (the README's
-                                                                                          # environment: scripts/test.sh)
+    # one run (the README's environment: scripts/test.sh)
+    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=0 > /tmp/suite.log 2>&1
     .venv/bin/python benchmarks/suite_time.py --log before=/tmp/a.log --log after=/tmp/b.log \
         --out benchmarks/results/suite_time --note "2026-12-02, a 2-core CPU, ..."
 

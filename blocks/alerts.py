@@ -74,10 +74,13 @@ _ALIVE_EVENTS = {
 }
 
 SUBJECT = "eagle3: {{ flow.name }} run {{ flow_run.name }} {{ flow_run.state.name }}"
-BODY = """eagle3 flow run {{ flow.name }}/{{ flow_run.name }} ended {{ flow_run.state.name }} at {{ flow_run.state.timestamp }}.
-Flow run id: {{ flow_run.id }}
-Flow run URL: {{ flow_run|ui_url }}
-Message: {{ flow_run.state.message }}"""
+BODY = (
+    "eagle3 flow run {{ flow.name }}/{{ flow_run.name }} ended {{ flow_run.state.name }} at "
+    "{{ flow_run.state.timestamp }}.\n"
+    "Flow run id: {{ flow_run.id }}\n"
+    "Flow run URL: {{ flow_run|ui_url }}\n"
+    "Message: {{ flow_run.state.message }}"
+)
 
 
 def lost_after_s() -> float:

@@ -1,7 +1,8 @@
 """Block types the pipeline flow reads by name (`eagle3_pipeline(..., target_source=, storage=,
 hardware=)`).
 
-python -m eagle3_prefect.blocks.register            # registers the three types with the current PREFECT_API_URL
+python -m eagle3_prefect.blocks.register            # registers the three types with the current
+                                                    # PREFECT_API_URL
 python -m eagle3_prefect.blocks.register --example  # ... and saves example documents named "demo"
 """
 

@@ -1,7 +1,8 @@
 """The eagle3 pipeline as a Prefect flow. The flow parameter is the PipelineConfig itself, so the
 Prefect UI renders the whole config as a form and validates it before anything runs.
 
-    eagle3 run --config configs/demo.yaml       # embedded local API, every stage in this process tree
+    eagle3 run --config configs/demo.yaml       # embedded local API, every stage in this
+                                                # process tree
 """
 
 from __future__ import annotations

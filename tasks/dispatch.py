@@ -80,7 +80,8 @@ def wait_for(flow_run: Any, name: str) -> Any:
         if flow_run.parent_task_run_id:
             try:
                 client.set_task_run_name(flow_run.parent_task_run_id, name)
-            except Exception as e:  # noqa: BLE001 - a cosmetic name must not fail a GPU stage; say so
+            # a cosmetic name must not fail a GPU stage; say so
+            except Exception as e:  # noqa: BLE001
                 get_run_logger().warning(
                     "could not name the placeholder task run of %s: %s", name, e
                 )

@@ -4,12 +4,13 @@ as written (docs/operations.md's are run by tests/test_prefect_server.py).
 Each documented command is found (fenced blocks and inline code spans) and must be classified here:
 an `eagle3` command is parsed by the real CLI parser with its placeholders filled in (FILE = every
 preset in configs/ for `eagle3 plan`, `h200|b300|...` = each alternative), and run for real where
-that is cheap (`eagle3 plan` on every preset and profile, configs loaded and validated); `bash
-scripts/demo.sh` runs with --dry-run (the eagle3 command it would run, checked the same way); `bash
-benchmarks/gpu_call.sh run ... -- CMD` runs with --dry-run (CMD checked the same way when it is an
-eagle3 or benchmark command); `bash scripts/test.sh ...` runs with --dry-run (its pytest command
-must parse); any other benchmark command (`python benchmarks/X.py --flag ...`, `bash benchmarks/X.sh
-...`) must name an existing script that defines every flag it passes; the rest names the test that runs it.
+that is cheap (`eagle3 plan` on every preset and profile, configs loaded and validated);
+`bash scripts/demo.sh` runs with --dry-run (the eagle3 command it would run, checked the same way);
+`bash benchmarks/gpu_call.sh run ... -- CMD` runs with --dry-run (CMD checked the same way when it
+is an eagle3 or benchmark command); `bash scripts/test.sh ...` runs with --dry-run (its pytest
+command must parse); any other benchmark command (`python benchmarks/X.py --flag ...`,
+`bash benchmarks/X.sh ...`) must name an existing script that defines every flag it passes; the rest
+names the test that runs it.
 A new command in the docs that fits none of these fails the test, so the docs cannot drift
 unnoticed.
 """
@@ -41,7 +42,9 @@ PRESETS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.ya
 
 #: documented commands run by other tests (command prefix -> where)
 COVERED_ELSEWHERE = {
-    "python scripts/scaling_plans.py": "tests/test_plan.py::test_scaling_doc_figures_come_from_the_command",
+    "python scripts/scaling_plans.py": (
+        "tests/test_plan.py::test_scaling_doc_figures_come_from_the_command"
+    ),
     "prefect ": "tests/test_prefect_server.py (a real server, pools, deployments and workers)",
     "EAGLE3_REPO_DIR=$PWD prefect ": "tests/test_prefect_server.py",
     "EAGLE3_REPO_DIR=$PWD bash scripts/deploy.sh": "tests/test_prefect_server.py (runs deploy.sh)",

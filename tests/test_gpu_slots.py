@@ -27,7 +27,8 @@ import json, sys
 from eagle3.config import TrainConfig
 from eagle3_prefect.flows.gpu_stages import train_stage
 
-manifest = train_stage(config=TrainConfig.model_validate(json.loads(sys.argv[1])), upstream={}, run_name=sys.argv[2])
+config = TrainConfig.model_validate(json.loads(sys.argv[1]))
+manifest = train_stage(config=config, upstream={}, run_name=sys.argv[2])
 print(json.dumps({"wall_s": manifest["wall_s"], "slot_wait_s": manifest["slot_wait_s"]}))
 """
 

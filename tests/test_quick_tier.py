@@ -45,7 +45,8 @@ class FakeItem:
         ("tests/test_evaluate.py::test_evaluate_random_draft", ("tiny_llama",), {"vllm"}),
         ("tests/test_train.py::test_resume_is_exact[plain]", ("captured",), {"slow"}),
         (
-            "tests/test_sampling_fix.py::test_cpu_rejection_sampler_accepts_with_target_probability[0.9]",
+            "tests/test_sampling_fix.py::"
+            "test_cpu_rejection_sampler_accepts_with_target_probability[0.9]",
             (),
             {"slow"},
         ),

@@ -2,17 +2,20 @@
 """Our capture directories -> the training input of the peer, speculators 0.9.0 (offline, `file`
 backend).
 
-    python benchmarks/peer_quality/convert.py --captured CAP[,CAP...] --out DIR [--seed 0] [--workers 8]
+    python benchmarks/peer_quality/convert.py --captured CAP[,CAP...] --out DIR [--seed 0] \
+        [--workers 8]
 
 What speculators 0.9.0's trainer reads from `--data-path DIR` (train/data.py ArrowDataset,
 hs_connectors FileTransfer, train/cli.py parse_vocab_mappings):
   DIR/                      a `datasets` Dataset (save_to_disk), torch format, one row per sample:
-                              input_ids int64 [T], loss_mask int64 [T] (1 = assistant token), seq_len int
+                              input_ids int64 [T], loss_mask int64 [T] (1 = assistant token),
+                              seq_len int
                             (the columns and dtypes of its prepare_data for pre-tokenized rows)
   DIR/hidden_states/hs_<i>.safetensors
-                            row i's states: hidden_states [T, A + 1, H] (the A aux layers in the draft's order,
-                            then the verifier's last decoder layer output, before the final norm) and
-                            token_ids int64 [T] (must equal row i's input_ids, or the sample is dropped)
+                            row i's states: hidden_states [T, A + 1, H] (the A aux layers in the
+                            draft's order, then the verifier's last decoder layer output, before
+                            the final norm) and token_ids int64 [T] (must equal row i's input_ids,
+                            or the sample is dropped)
   DIR/token_freq.pt         {token id: count} over the loss-masked input_ids, written by the peer's
                             own `save_token_frequency_distribution` when speculators is importable
                             (else by the same count here); the trainer turns it into d2t/t2d at

@@ -3,7 +3,8 @@
 draft.
 
     python benchmarks/peer_quality/train_peer.py --target T --data PEER_DATA --out OUT \
-        --draft-vocab-size 8192 --aux-layer-ids 2,15,27 [--epochs 10] [--budget-s 780] [-- EXTRA FLAGS]
+        --draft-vocab-size 8192 --aux-layer-ids 2,15,27 [--epochs 10] [--budget-s 780] \
+        [-- EXTRA FLAGS]
 
 PEER_DATA is what convert.py wrote. This runs `python -m speculators.train` (its CLI entry point,
 unmodified) with only what the data and the comparison fix:
@@ -11,11 +12,14 @@ unmodified) with only what the data and the comparison fix:
                                  lm_head, norm)
   --data-path PEER_DATA          offline hidden states, `file` backend; --on-missing raise (never
                                  ask a vLLM server)
-  --draft-vocab-size V           ours; the peer builds d2t/t2d itself from PEER_DATA/token_freq.pt (its default)
-  --target-layer-ids A B C       the capture's aux ids, in order (also its own default [2, L//2, L-3] here)
+  --draft-vocab-size V           ours; the peer builds d2t/t2d itself from PEER_DATA/token_freq.pt
+                                 (its default)
+  --target-layer-ids A B C       the capture's aux ids, in order (also its own default
+                                 [2, L//2, L-3] here)
   --epochs 10                    the epochs its CLI reference's basic usage names (its schema
                                  default is 20)
-  --train-data-ratio 0.98        the validation share of our recipe (its default 0.9 would train on 8 % less)
+  --train-data-ratio 0.98        the validation share of our recipe (its default 0.9 would train on
+                                 8 % less)
   --seed 0, --save-path OUT/checkpoints, --log-dir OUT/logs
 Everything else is its default (speculators 0.9.0 train/config/schema.py): one llama decoder layer,
 draft arch from the verifier, norm_before_fc and norm_output on (eagle3 defaults),

@@ -2,8 +2,8 @@
 """The draft against n-gram on the same answer rows: does the draft lose where n-gram chooses to
 draft?
 
-    .venv/bin/python benchmarks/realbench/ngram_rows.py --draft DRAFT --captured CAP --target TARGET \
-        [--max-new-tokens 96] [--k 3] [--min-n 2] [--max-n 4] [--out FILE.json]
+    .venv/bin/python benchmarks/realbench/ngram_rows.py --draft DRAFT --captured CAP \
+        --target TARGET [--max-new-tokens 96] [--k 3] [--min-n 2] [--max-n 4] [--out FILE.json]
 
 CAP is a capture (`eagle3 capture --backend vllm`) of the target's own greedy answers to held-out
 prompts (`eagle3 regenerate` then `eagle3 prepare`), so every answer token is the token vLLM's

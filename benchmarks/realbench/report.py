@@ -2,8 +2,8 @@
 """realbench, the CPU half: evaluate every method in vLLM on this host and write
 benchmarks/results/realbench.*.
 
-    .venv/bin/python benchmarks/realbench/report.py --gpu-dir DIR --out-dir runs/realbench [--methods a,b] \
-        [--num-per-category N] [--max-tokens 128] [--temperatures 0.0,0.6]
+    .venv/bin/python benchmarks/realbench/report.py --gpu-dir DIR --out-dir runs/realbench \
+        [--methods a,b] [--num-per-category N] [--max-tokens 128] [--temperatures 0.0,0.6]
 
 --gpu-dir holds what the device calls brought back (`gpu.sh stage|start|wait|collect`): report_*.tgz
 and the drafts' `<name>.tar.xz.partNN` pieces. This script

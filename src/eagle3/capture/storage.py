@@ -5,13 +5,15 @@ Layout::
     out/
       shard-00000.safetensors   # tokens of consecutive samples, concatenated
       shard-00001.safetensors
-      progress.json             # completed shards with sha256 (rewritten atomically after each shard)
+      progress.json             # completed shards with sha256 (rewritten atomically after each
+                                # shard)
       manifest.json             # written last: its presence means the capture is complete
 
 Tensors in each shard (N = tokens in the shard, S = samples, A = number of aux layers, H = hidden):
     input_ids          int64   [N]
     loss_mask          int8    [N]
-    aux_hidden_states  dtype   [N, A, H]   (aux id k = output of decoder layer k-1, hidden + residual)
+    aux_hidden_states  dtype   [N, A, H]   (aux id k = output of decoder layer k-1, hidden +
+                                           residual)
     last_hidden_states dtype   [N, H]      (output of the last decoder layer, before the final norm)
     sample_offsets     int64   [S + 1]     (sample j = rows sample_offsets[j]:sample_offsets[j+1])
     sample_index       int64   [S]         (row of the sample in the prepared dataset)

@@ -13,7 +13,8 @@
                   LlamaModel returns it as aux_output)
     lm_head       H -> draft_vocab
     d2t / t2d     draft id -> target id offsets (target = i + d2t[i]); target-id membership mask
-    embed_tokens  copied from the target and frozen; not exported (vLLM shares the target's embedding)
+    embed_tokens  copied from the target and frozen; not exported (vLLM shares the target's
+                  embedding)
 
 Semantics follow vLLM with `norm_before_residual=False`: the residual stream starts from the raw
 fc/previous hidden, `hidden_norm` only feeds attention. Training-time test (TTT) runs `step()` K

@@ -92,7 +92,8 @@ def merge_diagonal(
     nh, T, d) and its log-sum-exp lse0 (B, nh, T) (natural log, scores scaled by d**-0.5), plus the
     j diagonal keys/values (B, kvh, T, d) of steps 1..j at the same row. One softmax over all T+j
     scores, fp32 statistics:
-        out = (exp(lse0 - m) o0 + sum_i exp(s_i - m) v_i) / (exp(lse0 - m) + sum_i exp(s_i - m)),  s_i = q.k_i/sqrt(d)
+        out = (exp(lse0 - m) o0 + sum_i exp(s_i - m) v_i) / (exp(lse0 - m) + sum_i exp(s_i - m)),
+        s_i = q.k_i/sqrt(d)
     Differentiable in every input, lse0 included (flex_attention backpropagates through its returned
     lse)."""
     B, nh, T, d = q.shape

@@ -36,7 +36,8 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
     per token per TTT step j (forward, 2 FLOPs per multiply-add):
       fc             2 * (n_aux*Ht) * H              only at step 0
       qkv            2 * 2H * (nh + 2 kvh) * d       q, k, v read concat(embed, hidden) = 2H
-      attn_core      4 * nh * d * (T/2 + j)          QK^T + PV over the causal half of the step-0 keys + j TTT keys
+      attn_core      4 * nh * d * (T/2 + j)          QK^T + PV over the causal half of the step-0
+                                                     keys + j TTT keys
       o_proj         2 * nh*d * H
       mlp            3 * 2 * H * inter               gate, up, down
       draft_lm_head  2 * H * Vd
@@ -100,11 +101,15 @@ def count_step_bytes(m: dict, K: int) -> dict:
     excluded).
 
     fp32 master weights, bf16 autocast copies, fp32 grads, fused AdamW (fp32 m, v):
-      once per step, per trainable param:  cast fp32->bf16 (read 4 + write 2) + grad-norm clip (read 4)
-                                           + AdamW (read p, g, m, v = 16; write p, m, v = 12)        = 38 B
+      once per step, per trainable param:  cast fp32->bf16 (read 4 + write 2)
+                                           + grad-norm clip (read 4)
+                                           + AdamW (read p, g, m, v = 16; write p, m, v = 12)
+                                           = 38 B
       per use (fc once, the rest K times): bf16 weight read fwd (2) + bwd dX (2) + dW write bf16 (2)
-                                           + fp32 grad accumulate (read 4 + write 4)                  = 14 B
-      frozen: target lm_head's draft-vocab rows read once in bf16 (2 B each; the full-vocab argmax is per sample)
+                                           + fp32 grad accumulate (read 4 + write 4)
+                                           = 14 B
+      frozen: target lm_head's draft-vocab rows read once in bf16 (2 B each; the full-vocab argmax
+      is per sample)
     """
     once_b, use_b = 38, 14
     total, terms = 0, {}

@@ -3,7 +3,8 @@ syncs).
 
     batch = PackedBatch(...)                      # tensors on the device
     out = ttt_forward(model, batch, head, steps=7)   # loss + per-step stat tensors
-    # benchmarks/step_setup.py builds a synthetic batch for this step and times it (benchmarks/train_step.py)
+    # benchmarks/step_setup.py builds a synthetic batch for this step and times it
+    # (benchmarks/train_step.py)
 
 Step j (0-based) at row t reads token ids[t+1+j] and is trained against the target's distribution at
 row t+1+j (which predicts token t+2+j); the row is supervised iff rows t..t+2+j lie in one document
