@@ -1,16 +1,19 @@
-"""Validation prompts the refbench target never trained on: GSM8K-train questions with every number changed.
+"""Validation prompts the refbench target never trained on: GSM8K-train questions with every number
+changed.
 
-The refbench target was trained on GSM8K-train, so its greedy answers to those exact questions are close to
-memorised (low entropy); a validation split of them overstates acceptance on unseen questions (docs/history/,
-refbench quality run). Changing the numbers keeps the task and style but breaks the memorised answer, which is
-what the 200 test questions look like to the target. Used for validation and checkpoint selection only, never
-as training data, so the protocol's training set is unchanged.
+The refbench target was trained on GSM8K-train, so its greedy answers to those exact questions are
+close to memorised (low entropy); a validation split of them overstates acceptance on unseen
+questions (docs/history/, refbench quality run). Changing the numbers keeps the task and style but
+breaks the memorised answer, which is what the 200 test questions look like to the target. Used for
+validation and checkpoint selection only, never as training data, so the protocol's training set is
+unchanged.
 
-    python benchmarks/perturb_prompts.py --data ../shared/refbench/data/gsm8k_train.jsonl --num 400 --out FILE
+    python benchmarks/perturb_prompts.py --data ../shared/refbench/data/gsm8k_train.jsonl \
+        --num 400 --out FILE
 
-Augmented training prompts (a documented deviation from the refbench protocol's training set, see docs/history/):
-`--from-start --num 7173 --seed 1` perturbs the first 7,173 rows, so no question shares its source row with the
-300 validation prompts (the last 300 rows).
+Augmented training prompts (a documented deviation from the refbench protocol's training set, see
+docs/history/): `--from-start --num 7173 --seed 1` perturbs the first 7,173 rows, so no question
+shares its source row with the 300 validation prompts (the last 300 rows).
 """
 
 from __future__ import annotations
@@ -51,9 +54,13 @@ def perturb_question(question: str, rng: random.Random) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="GSM8K-style .jsonl with `question`")
-    ap.add_argument("--num", type=int, default=400, help="number of prompts (taken from the end of the file)")
+    ap.add_argument(
+        "--num", type=int, default=400, help="number of prompts (taken from the end of the file)"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--from-start", action="store_true", help="take the first --num rows instead of the last")
+    ap.add_argument(
+        "--from-start", action="store_true", help="take the first --num rows instead of the last"
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]

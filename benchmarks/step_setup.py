@@ -1,7 +1,9 @@
-"""A TTT training step on synthetic inputs, for the step benchmarks (train_step.py, host_syncs.py) and the tests
-that time or compile one step: random draft + random frozen target head + one synthetic packed batch.
+"""A TTT training step on synthetic inputs, for the step benchmarks (train_step.py, host_syncs.py)
+and the tests that time or compile one step: random draft + random frozen target head + one
+synthetic packed batch.
 
-Needs only torch and the pydantic-free eagle3 modules (the GPU box has no pydantic, Prefect or vLLM).
+Needs only torch and the pydantic-free eagle3 modules (the GPU box has no pydantic, Prefect or
+vLLM).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ class BenchmarkSetup:
     dtype: torch.dtype
 
 
-def synthetic_batch(cfg: DraftConfig, batch_size: int, seq_len: int, device, dtype, docs_per_row: int = 2) -> PackedBatch:
+def synthetic_batch(
+    cfg: DraftConfig, batch_size: int, seq_len: int, device, dtype, docs_per_row: int = 2
+) -> PackedBatch:
     g = torch.Generator().manual_seed(0)
     B, T = batch_size, seq_len
     bounds = torch.linspace(0, T, docs_per_row + 1).long()
@@ -61,12 +65,13 @@ def build_benchmark(
     compile_mode: str = "layer",
     target_argmax: bool = True,
 ) -> BenchmarkSetup:
-    """Random draft + random frozen target head + one synthetic packed batch, all on `device`. `target_argmax`: the
-    batch carries the target's full-vocab argmax computed once, as the trainer's batches do (False: the step
-    computes it from the full-vocab head, the pipeline before 2026-12-01 and streaming mode).
-    Real dims: DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
-    num_aux=3, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0)."""
+    """Random draft + random frozen target head + one synthetic packed batch, all on `device`.
+    `target_argmax`: the batch carries the target's full-vocab argmax computed once, as the
+    trainer's batches do (False: the step computes it from the full-vocab head, the pipeline before
+    2026-12-01 and streaming mode). Real dims: DraftConfig(hidden_size=4096,
+    intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096, num_aux=3,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0)."""
     torch.manual_seed(0)
     model = Eagle3Draft(cfg).to(device)
     if compile:
@@ -77,12 +82,21 @@ def build_benchmark(
         lm_head=torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02,
         draft_ids=torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values,
     ).to(device, dtype)
-    model.d2t.copy_(head.draft_ids - torch.arange(cfg.draft_vocab_size, device=head.draft_ids.device))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), fused=device != "cpu")
+    model.d2t.copy_(
+        head.draft_ids - torch.arange(cfg.draft_vocab_size, device=head.draft_ids.device)
+    )
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        fused=device != "cpu",
+    )
     batch = synthetic_batch(cfg, batch_size, seq_len, device, dtype)
     if target_argmax:
         flat = batch.last_hidden.reshape(batch_size * seq_len, -1)  # (B*T, Ht)
-        batch.target_argmax = compute_target_argmax(head, flat).reshape(batch_size, seq_len)  # (B, T)
+        batch.target_argmax = compute_target_argmax(head, flat).reshape(
+            batch_size, seq_len
+        )  # (B, T)
     return BenchmarkSetup(model, opt, head, batch, steps, attention, dtype)
 
 
@@ -99,9 +113,9 @@ def run_benchmark_step(s: BenchmarkSetup, grad_clip: float = 0.5) -> StepOutput:
     return out
 
 
-
 def check_flex(device: str = "cuda") -> dict:
-    """flex and sdpa TTT attention vs the naive kernel (fp32), values and gradients: max abs differences."""
+    """flex and sdpa TTT attention vs the naive kernel (fp32), values and gradients: max abs
+    differences."""
     B, T, steps, nh, kvh, d = 2, 512, 4, 8, 2, 64
     g = torch.Generator(device="cpu").manual_seed(0)
     doc = torch.zeros(B, T, dtype=torch.long)
@@ -120,6 +134,8 @@ def check_flex(device: str = "cuda") -> dict:
         w = torch.randn_like(ref)
         ga = torch.autograd.grad((got * w).sum(), leaves)
         gb = torch.autograd.grad((ref * w).sum(), leaves, retain_graph=True)
-        out[kind] = {"max_abs_out": (got - ref).abs().max().item(),
-                     "max_abs_grad": max((a - b).abs().max().item() for a, b in zip(ga, gb, strict=True))}
+        out[kind] = {
+            "max_abs_out": (got - ref).abs().max().item(),
+            "max_abs_grad": max((a - b).abs().max().item() for a, b in zip(ga, gb, strict=True)),
+        }
     return out

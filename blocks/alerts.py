@@ -74,10 +74,13 @@ _ALIVE_EVENTS = {
 }
 
 SUBJECT = "eagle3: {{ flow.name }} run {{ flow_run.name }} {{ flow_run.state.name }}"
-BODY = """eagle3 flow run {{ flow.name }}/{{ flow_run.name }} ended {{ flow_run.state.name }} at {{ flow_run.state.timestamp }}.
-Flow run id: {{ flow_run.id }}
-Flow run URL: {{ flow_run|ui_url }}
-Message: {{ flow_run.state.message }}"""
+BODY = (
+    "eagle3 flow run {{ flow.name }}/{{ flow_run.name }} ended {{ flow_run.state.name }} at "
+    "{{ flow_run.state.timestamp }}.\n"
+    "Flow run id: {{ flow_run.id }}\n"
+    "Flow run URL: {{ flow_run|ui_url }}\n"
+    "Message: {{ flow_run.state.message }}"
+)
 
 
 def lost_after_s() -> float:
@@ -149,7 +152,8 @@ def failure_trigger(
 
 
 def save_webhook_block(url: str, name: str = WEBHOOK_BLOCK_NAME) -> CustomWebhookNotificationBlock:
-    """A Custom Webhook notification block POSTing {"subject", "body"} as JSON to `url` (saved as `name`)."""
+    """A Custom Webhook notification block POSTing {"subject", "body"} as JSON to `url` (saved as
+    `name`)."""
     block = CustomWebhookNotificationBlock(
         name="eagle3",
         url=url,
@@ -161,7 +165,8 @@ def save_webhook_block(url: str, name: str = WEBHOOK_BLOCK_NAME) -> CustomWebhoo
 
 
 def load_notification_block(ref: str) -> NotificationBlock:
-    """`<block type slug>/<document name>` of a saved notification block (ConfigError-style message if not)."""
+    """`<block type slug>/<document name>` of a saved notification block (ConfigError-style message
+    if not)."""
     if "/" not in ref:
         raise SystemExit(
             f"--block {ref!r}: write it as <block type slug>/<name>, e.g. slack-webhook/oncall"

@@ -2,8 +2,9 @@
 
     python -m eagle3_prefect.blocks.register [--example]
 
-Same as `prefect block register -m eagle3_prefect.blocks.eagle3_blocks`. --example also saves documents named "demo"
-(local target path from configs/demo.yaml, storage under runs/, a 1-GPU profile).
+Same as `prefect block register -m eagle3_prefect.blocks.eagle3_blocks`. --example also saves
+documents named "demo" (local target path from configs/demo.yaml, storage under runs/, a 1-GPU
+profile).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from eagle3_prefect.blocks.eagle3_blocks import (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3_prefect.blocks.register", description=__doc__.splitlines()[0])
-    parser.add_argument("--example", action="store_true", help='also save example blocks named "demo"')
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3_prefect.blocks.register", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--example", action="store_true", help='also save example blocks named "demo"'
+    )
     args = parser.parse_args(argv)
     for cls in BLOCK_TYPES:
         cls.register_type_and_schema()
@@ -28,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.example:
         TargetModelSource(path="runs/demo/target").save("demo", overwrite=True)
         StorageLocation(base_path="runs").save("demo", overwrite=True)
-        HardwareProfile(work_pool="gpu-1x", num_gpus=1, tensor_parallel_size=1).save("demo", overwrite=True)
+        HardwareProfile(work_pool="gpu-1x", num_gpus=1, tensor_parallel_size=1).save(
+            "demo", overwrite=True
+        )
         print('saved example blocks named "demo"')
     from eagle3_prefect.blocks.alerts import drain_events
 

@@ -68,7 +68,8 @@ def check_lost_run_automation() -> None:
             "the automation %s is not on this server: a GPU stage run whose host or process is "
             "lost stays Running and this run waits for it. Create it: "
             "python -m eagle3_prefect.blocks.alerts (scripts/deploy.sh)",
-            LOST_AUTOMATION_NAME)
+            LOST_AUTOMATION_NAME,
+        )
 
 
 def api_configured() -> bool:
@@ -118,23 +119,38 @@ class StageRunner:
             if self.dispatch == "deployments":
                 self._deployments[stage] = name
             else:
-                self._deployments[stage] = name if api_configured() and deployment_exists(name) else None
+                self._deployments[stage] = (
+                    name if api_configured() and deployment_exists(name) else None
+                )
             where = self._deployments[stage] or "this flow run"
             get_run_logger().info("stage %s runs on %s", stage, where)
             if self._deployments[stage]:
                 check_lost_run_automation()
         return self._deployments[stage]
 
-    def __call__(self, stage: str, *needs: str, config: StageConfig | None = None) -> dict[str, Any]:
+    def __call__(
+        self, stage: str, *needs: str, config: StageConfig | None = None
+    ) -> dict[str, Any]:
         """Run `stage` on the outputs of the stages named in `needs`; return its manifest."""
         config = config if config is not None else getattr(self.cfg, stage)
         upstream = {n: self.manifests[n] for n in needs if n in self.manifests}
         index = len(self.manifests) + 1
         total = len(enabled_stages(self.cfg)) + bool(getattr(self.cfg, "fetch_target", None))
         with StageLine(stage, index, max(index, total)) as line:  # one progress line per stage
-            m = run_stage(stage, config, upstream, run_name=self.run_name, deployment=self.deployment_for(stage),
-                          gpu_limit=self.gpu_limit, cache_dir=self.cache_dir)
-            line.done(m.get("result"), cached=bool(m.get("cached")), wall_s=None if m.get("cached") else m.get("wall_s"))
+            m = run_stage(
+                stage,
+                config,
+                upstream,
+                run_name=self.run_name,
+                deployment=self.deployment_for(stage),
+                gpu_limit=self.gpu_limit,
+                cache_dir=self.cache_dir,
+            )
+            line.done(
+                m.get("result"),
+                cached=bool(m.get("cached")),
+                wall_s=None if m.get("cached") else m.get("wall_s"),
+            )
         if m.get("cached") or m.get("deployment"):  # reports made elsewhere: this run's own
             artifacts.stage_reports(self.run_name, m)
         self.manifests[stage] = m

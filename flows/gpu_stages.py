@@ -20,11 +20,15 @@ Upstream = dict[str, dict[str, Any]]
 
 
 def stage_flow(stage: str) -> Flow:
-    """The flow `eagle3-<stage>`: runs the stage's task on this worker; its `config` parameter is typed by
-    the stage's config class (the server validates it against that schema)."""
+    """The flow `eagle3-<stage>`: runs the stage's task on this worker; its `config` parameter is
+    typed by the stage's config class (the server validates it against that schema)."""
 
-    def body(config, upstream: Upstream | None = None, run_name: str = "eagle3",
-             cache_dir: str | None = None) -> dict[str, Any]:
+    def body(
+        config,
+        upstream: Upstream | None = None,
+        run_name: str = "eagle3",
+        cache_dir: str | None = None,
+    ) -> dict[str, Any]:
         # a lost run of this flow is set Crashed by the server (Prefect's heartbeats,
         # blocks/alerts.py) and run again by its parent (tasks/dispatch.py); cache_dir: where the
         # parent keeps its cache records

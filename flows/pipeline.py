@@ -1,7 +1,8 @@
 """The eagle3 pipeline as a Prefect flow. The flow parameter is the PipelineConfig itself, so the
 Prefect UI renders the whole config as a form and validates it before anything runs.
 
-    eagle3 run --config configs/demo.yaml       # embedded local API, every stage in this process tree
+    eagle3 run --config configs/demo.yaml       # embedded local API, every stage in this
+                                                # process tree
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from eagle3_prefect.tasks.artifacts import artifact_key
 from eagle3_prefect.tasks.manifest import content_sha256, list_outputs
 
 
-def apply_blocks(config: PipelineConfig, target_source: str | None, storage: str | None,
-                 hardware: str | None) -> tuple[PipelineConfig, str, str | None]:
-    """Fill the config from named blocks (blocks/eagle3_blocks.py); returns (config, GPU pool, GPU limit)."""
+def apply_blocks(
+    config: PipelineConfig, target_source: str | None, storage: str | None, hardware: str | None
+) -> tuple[PipelineConfig, str, str | None]:
+    """Fill the config from named blocks (blocks/eagle3_blocks.py); returns (config, GPU pool, GPU
+    limit)."""
     pool, limit = DEFAULT_GPU_POOL, None
     if not (target_source or storage or hardware):
         return config, pool, limit
@@ -74,32 +77,50 @@ def eagle3_pipeline(
         return run_stages(config, dispatch, gpu_pool, gpu_limit, takeover)
 
 
-def run_stages(config: PipelineConfig, dispatch: Dispatch, gpu_pool: str, gpu_limit: str | None,
-               takeover: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_stages(
+    config: PipelineConfig,
+    dispatch: Dispatch,
+    gpu_pool: str,
+    gpu_limit: str | None,
+    takeover: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The stages in order (the work dir is locked); the config is checked once the target is there.
     takeover: the lost run this one took the work dir over from (its summary says so)."""
     cfg = config.resolved()
     stage = StageRunner(cfg, dispatch=dispatch, gpu_pool=gpu_pool, gpu_limit=gpu_limit)
-    if config.fetch_target:                        # 0. a known target into `target` (eagle3 fetch-target)
+    if config.fetch_target:  # 0. a known target into `target` (eagle3 fetch-target)
         stage("fetch-target", config=config.fetch_target_config())
     ensure_target(config)
-    require_pipeline(config)                       # pre-flight: every config error before a GPU stage starts
+    require_pipeline(config)  # pre-flight: every config error before a GPU stage starts
 
-    for step in enabled_stages(cfg):              # the registry's order (eagle3.stages), as `eagle3 run --no-prefect`
-        if step == STREAM_STEP:                    # bounded disk: vocab ran; capture + train at once via the spool
+    for step in enabled_stages(
+        cfg
+    ):  # the registry's order (eagle3.stages), as `eagle3 run --no-prefect`
+        if step == STREAM_STEP:  # bounded disk: vocab ran; capture + train at once via the spool
             from eagle3_prefect.flows.streaming import streaming
 
-            result = streaming(config)["stream-train"]  # export's upstream: the training dir, keyed by its content
+            result = streaming(config)[
+                "stream-train"
+            ]  # export's upstream: the training dir, keyed by its content
             files = list_outputs(cfg.train.out)
-            stage.manifests["train"] = {"stage": "train", "out": str(cfg.train.out),
-                                        "content_sha256": content_sha256(files), "num_files": len(files),
-                                        "result": result}
+            stage.manifests["train"] = {
+                "stage": "train",
+                "out": str(cfg.train.out),
+                "content_sha256": content_sha256(files),
+                "num_files": len(files),
+                "result": result,
+            }
         else:
-            stage(step, *STAGES[step].needs)       # on the manifests of the stages it reads
+            stage(step, *STAGES[step].needs)  # on the manifests of the stages it reads
 
-    pipeline_summary(cfg.name, stage.manifests, key=artifact_key(cfg.name, "pipeline"),
-                     takeover=takeover)
+    pipeline_summary(
+        cfg.name, stage.manifests, key=artifact_key(cfg.name, "pipeline"), takeover=takeover
+    )
     ran = [s for s, m in stage.manifests.items() if not m.get("cached")]
-    get_run_logger().info("pipeline %s: ran %s, cached %s", cfg.name, ran or "nothing",
-                          [s for s in stage.manifests if s not in ran] or "nothing")
+    get_run_logger().info(
+        "pipeline %s: ran %s, cached %s",
+        cfg.name,
+        ran or "nothing",
+        [s for s in stage.manifests if s not in ran] or "nothing",
+    )
     return stage.manifests

@@ -1,11 +1,11 @@
-"""Scheduled retraining: run the pipeline on the data as it is now, and promote the new draft only if
-it evaluates better than the current one.
+"""Scheduled retraining: run the pipeline on the data as it is now, and promote the new draft only
+if it evaluates better than the current one.
 
 Each (data content, config) pair gets its own candidate directory under
-<work_dir>/candidates/<data sha>-<config sha>, so an unchanged dataset re-uses every cached stage (and
-the current draft is never overwritten by a candidate). The gate compares τ on the same eval prompts;
-<work_dir>/current.json records which draft is current (and the one before), <work_dir>/current-draft
-is a symlink to it, and <work_dir>/drafts.jsonl logs every decision.
+<work_dir>/candidates/<data sha>-<config sha>, so an unchanged dataset re-uses every cached stage
+(and the current draft is never overwritten by a candidate). The gate compares τ on the same eval
+prompts; <work_dir>/current.json records which draft is current (and the one before),
+<work_dir>/current-draft is a symlink to it, and <work_dir>/drafts.jsonl logs every decision.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ LINK = "current-draft"
 
 
 def candidate_config(config: PipelineConfig) -> PipelineConfig:
-    """The config of this data version's candidate run (own work dir, same target and eval prompts)."""
+    """The config of this data version's candidate run (own work dir, same target and eval
+    prompts)."""
     data_sha = fingerprint_path(config.data)[:12]
     conf_sha = sha256_json(config.model_dump(mode="json", exclude={"work_dir"}))[:8]
     c = config.model_copy(deep=True)
@@ -57,14 +58,26 @@ def gate(new_tau: float, current: dict[str, Any] | None, min_tau_gain: float) ->
         return True, "current draft has no τ"
     if new_tau > old + min_tau_gain:
         return True, f"τ {new_tau:.3f} > {old:.3f} + {min_tau_gain}"
-    return False, f"τ {new_tau:.3f} does not beat the current {old:.3f} + {min_tau_gain}: keeping the current draft"
+    return (
+        False,
+        f"τ {new_tau:.3f} does not beat the current {old:.3f} + {min_tau_gain}: keeping the "
+        "current draft",
+    )
 
 
 def promote(work_dir: Path, record: dict[str, Any], previous: dict[str, Any] | None) -> None:
     """Write current.json and re-point the current-draft symlink, each atomically."""
     work_dir.mkdir(parents=True, exist_ok=True)
     tmp = work_dir / f".{CURRENT}.tmp"
-    tmp.write_text(json.dumps({**record, "previous": previous and {k: v for k, v in previous.items() if k != "previous"}}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {
+                **record,
+                "previous": previous and {k: v for k, v in previous.items() if k != "previous"},
+            },
+            indent=2,
+        )
+    )
     os.replace(tmp, work_dir / CURRENT)
     link_tmp = work_dir / f".{LINK}.tmp"
     link_tmp.unlink(missing_ok=True)
@@ -73,19 +86,25 @@ def promote(work_dir: Path, record: dict[str, Any], previous: dict[str, Any] | N
 
 
 @flow(name="eagle3-retrain", log_prints=True)
-def retrain(config: PipelineConfig, min_tau_gain: float = 0.0, dispatch: Dispatch = "auto") -> dict[str, Any]:
-    """Run the pipeline on the current data; promote its draft only when τ beats the current draft's.
-    Returns {"promoted", "reason", "current", "candidate"}."""
+def retrain(
+    config: PipelineConfig, min_tau_gain: float = 0.0, dispatch: Dispatch = "auto"
+) -> dict[str, Any]:
+    """Run the pipeline on the current data; promote its draft only when τ beats the current
+    draft's. Returns {"promoted", "reason", "current", "candidate"}."""
     if not config.eval_prompts:
-        raise ConfigError("retrain: eval_prompts is not set; the promotion gate compares τ on held-out prompts, "
-                          "so set `eval_prompts:` to a prompts .jsonl")
+        raise ConfigError(
+            "retrain: eval_prompts is not set; the promotion gate compares τ on held-out prompts, "
+            "so set `eval_prompts:` to a prompts .jsonl"
+        )
     config = absolute_config(config)
     # one retrain (or pipeline) per work dir
     with work_dir_lock(config.work_dir, "retrain work_dir"):
         return retrain_locked(config, min_tau_gain, dispatch)
 
 
-def retrain_locked(config: PipelineConfig, min_tau_gain: float, dispatch: Dispatch) -> dict[str, Any]:
+def retrain_locked(
+    config: PipelineConfig, min_tau_gain: float, dispatch: Dispatch
+) -> dict[str, Any]:
     log = get_run_logger()
     cand = candidate_config(config)
     manifests = eagle3_pipeline(cand, dispatch=dispatch)
@@ -113,11 +132,21 @@ def retrain_locked(config: PipelineConfig, min_tau_gain: float, dispatch: Dispat
     with open(work_dir / HISTORY, "a") as f:
         f.write(json.dumps({**record, "promoted": promoted, "reason": reason}) + "\n")
     now = read_current(work_dir)
-    log.info("retrain %s: %s (%s); current draft %s", config.name, "promoted" if promoted else "kept", reason,
-             now and now["draft"])
+    log.info(
+        "retrain %s: %s (%s); current draft %s",
+        config.name,
+        "promoted" if promoted else "kept",
+        reason,
+        now and now["draft"],
+    )
     create_markdown_artifact(
-        markdown=(f"# retrain {config.name}: {'promoted' if promoted else 'kept current draft'}\n\n{reason}\n\n"
-                  f"| | draft | τ |\n|---|---|---|\n| candidate | `{record['draft']}` | {new_tau:.3f} |\n"
-                  f"| current (after) | `{now and now['draft']}` | {now and now['tau']} |\n"),
-        key=artifact_key(config.name, "retrain"), description="retraining gate decision")
+        markdown=(
+            f"# retrain {config.name}: "
+            f"{'promoted' if promoted else 'kept current draft'}\n\n{reason}\n\n"
+            f"| | draft | τ |\n|---|---|---|\n| candidate | `{record['draft']}` | {new_tau:.3f} |\n"
+            f"| current (after) | `{now and now['draft']}` | {now and now['tau']} |\n"
+        ),
+        key=artifact_key(config.name, "retrain"),
+        description="retraining gate decision",
+    )
     return {"promoted": promoted, "reason": reason, "current": now, "candidate": record}

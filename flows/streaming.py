@@ -28,7 +28,8 @@ SIDES = ("stream-capture", "stream-train")
 
 
 def call_side(stage: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Run one side's library function: in a subprocess, or here when EAGLE3_INPROCESS names it (tests)."""
+    """Run one side's library function: in a subprocess, or here when EAGLE3_INPROCESS names it
+    (tests)."""
     from eagle3.stages import jsonable, run_stage_function
     from eagle3_prefect.tasks.stages import runs_in_subprocess
 
@@ -38,19 +39,29 @@ def call_side(stage: str, config: dict[str, Any]) -> dict[str, Any]:
     return jsonable(run_stage_function(stage, cfg))
 
 
-@task(name="stream-side", task_run_name="{stage}", retries=NUM_RETRIES,
-      retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S) if RETRY_BASE_S > 0 else 0,
-      retry_condition_fn=retry_transient_only)
-def stream_side(stage: str, config: dict[str, Any], deployment: str | None = None) -> dict[str, Any]:
+@task(
+    name="stream-side",
+    task_run_name="{stage}",
+    retries=NUM_RETRIES,
+    retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S) if RETRY_BASE_S > 0 else 0,
+    retry_condition_fn=retry_transient_only,
+)
+def stream_side(
+    stage: str, config: dict[str, Any], deployment: str | None = None
+) -> dict[str, Any]:
     """One side of streaming mode, here or as a run of `deployment`; returns the side's result."""
     if not deployment:
         return call_side(stage, config)
     get_run_logger().info("%s: dispatching to deployment %s", stage, deployment)
     from eagle3_prefect.tasks.dispatch import close_task_runs, wait_for
 
-    run = wait_for(run_deployment(name=deployment, parameters={"config": config}, as_subflow=True,
-                                  timeout=0), f"{stage} on {deployment}")
-    if run.state is None or not run.state.is_completed():  # a crashed or lost side is retried by this task
+    run = wait_for(
+        run_deployment(name=deployment, parameters={"config": config}, as_subflow=True, timeout=0),
+        f"{stage} on {deployment}",
+    )
+    if (
+        run.state is None or not run.state.is_completed()
+    ):  # a crashed or lost side is retried by this task
         how = f"{run.state.name}: {run.state.message}" if run.state else "without a state"
         if run.state is not None and run.state.is_crashed():
             close_task_runs(run.id, f"its flow run {run.name} crashed: {run.state.message}")
@@ -59,14 +70,21 @@ def stream_side(stage: str, config: dict[str, Any], deployment: str | None = Non
 
 
 @flow(name="eagle3-stream", log_prints=True)
-def streaming(config: PipelineConfig, capture_deployment: str | None = None,
-              train_deployment: str | None = None) -> dict[str, Any]:
+def streaming(
+    config: PipelineConfig,
+    capture_deployment: str | None = None,
+    train_deployment: str | None = None,
+) -> dict[str, Any]:
     """Capture and train concurrently through the capped spool (prepare and vocab must have run);
     returns {"stream-capture": result, "stream-train": result}."""
     produce, consume = config.stream_stages()
     futures = {
-        "stream-capture": stream_side.submit("stream-capture", produce.model_dump(mode="json"), capture_deployment),
-        "stream-train": stream_side.submit("stream-train", consume.model_dump(mode="json"), train_deployment),
+        "stream-capture": stream_side.submit(
+            "stream-capture", produce.model_dump(mode="json"), capture_deployment
+        ),
+        "stream-train": stream_side.submit(
+            "stream-train", consume.model_dump(mode="json"), train_deployment
+        ),
     }
     return {side: f.result() for side, f in futures.items()}
 

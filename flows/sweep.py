@@ -1,6 +1,6 @@
-"""Which target layers should feed the draft? `layer_sweep` shares prepare / regenerate / vocab (none of
-them depends on the layers; all cached across sweeps) and fans out capture → train → export →
-evaluate per layer set, at most `max_concurrency` branches at a time, then compares them and names
+"""Which target layers should feed the draft? `layer_sweep` shares prepare / regenerate / vocab
+(none of them depends on the layers; all cached across sweeps) and fans out capture → train → export
+→ evaluate per layer set, at most `max_concurrency` branches at a time, then compares them and names
 the winner (highest τ; lowest final loss when there are no eval prompts).
 """
 
@@ -32,7 +32,8 @@ from eagle3_prefect.tasks.artifacts import (
     png_markdown,
 )
 
-#: the stages each branch runs on the shared prepare / vocab outputs (the rest of the pipeline after them)
+#: the stages each branch runs on the shared prepare / vocab outputs (the rest of the pipeline after
+#: them)
 BRANCH_STAGES = ("capture", "train", "export", "evaluate")
 _LOSS_KEYS = ("final_val_loss", "val_loss", "final_loss", "final_train_loss", "train_loss", "loss")
 
@@ -42,7 +43,8 @@ def layers_tag(layers: list[int]) -> str:
 
 
 def branch_config(config: PipelineConfig, layers: list[int]) -> PipelineConfig:
-    """The pipeline config of one branch: shared prepare/regenerate/vocab outputs, own capture onwards."""
+    """The pipeline config of one branch: shared prepare/regenerate/vocab outputs, own capture
+    onwards."""
     c = config.model_copy(deep=True)
     root = c.work_dir / "sweep" / layers_tag(layers)
     c.capture.aux_layer_ids = list(layers)
@@ -54,14 +56,22 @@ def branch_config(config: PipelineConfig, layers: list[int]) -> PipelineConfig:
 
 
 def find_loss(result: dict[str, Any]) -> float | None:
-    v = find_value(result, _LOSS_KEYS, lambda x: isinstance(x, int | float) and not isinstance(x, bool))
+    v = find_value(
+        result, _LOSS_KEYS, lambda x: isinstance(x, int | float) and not isinstance(x, bool)
+    )
     return None if v is None else float(v)
 
 
 @task(name="sweep-branch", cache_policy=NONE, task_run_name="branch {layers}")
-def sweep_branch(config: PipelineConfig, layers: list[int], shared: dict[str, dict[str, Any]],
-                 dispatch: Dispatch, slots: Any = None) -> dict[str, Any]:
-    """capture → train → export → evaluate for one layer set, on the shared prepare/vocab outputs."""
+def sweep_branch(
+    config: PipelineConfig,
+    layers: list[int],
+    shared: dict[str, dict[str, Any]],
+    dispatch: Dispatch,
+    slots: Any = None,
+) -> dict[str, Any]:
+    """capture → train → export → evaluate for one layer set, on the shared prepare/vocab
+    outputs."""
     with slots or threading.Semaphore(1):
         cfg = branch_config(config, layers)
         stage = StageRunner(cfg, dispatch=dispatch, run_name=f"{cfg.name}-{layers_tag(layers)}")
@@ -78,9 +88,15 @@ def sweep_branch(config: PipelineConfig, layers: list[int], shared: dict[str, di
         "tau": find_tau(result),
         "per_position_acceptance": find_per_position(result),
         "train_loss": find_loss(m["train"].get("result") or {}),
-        # running time of the branch's stages; the wait for the GPU slot is apart (it is not stage time)
-        "stage_wall_s": round(sum(m[s]["wall_s"] for s in ("capture", "train", "export", "evaluate") if s in m), 1),
-        "slot_wait_s": round(sum(m[s].get("slot_wait_s") or 0.0 for s in ("capture", "train", "evaluate") if s in m), 1),
+        # running time of the branch's stages; the wait for the GPU slot is apart (it is not stage
+        # time)
+        "stage_wall_s": round(
+            sum(m[s]["wall_s"] for s in ("capture", "train", "export", "evaluate") if s in m), 1
+        ),
+        "slot_wait_s": round(
+            sum(m[s].get("slot_wait_s") or 0.0 for s in ("capture", "train", "evaluate") if s in m),
+            1,
+        ),
         "this_run_wall_s": round(wall, 1),
         "cached": all(m[s].get("cached") for s in ("capture", "train", "export") if s in m),
         "draft": m["export"]["out"],
@@ -89,6 +105,7 @@ def sweep_branch(config: PipelineConfig, layers: list[int], shared: dict[str, di
 
 def pick_winner(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Highest τ; ties (or no τ) by the lower train loss."""
+
     def score(r: dict[str, Any]) -> tuple[float, float]:
         tau = r["tau"] if r["tau"] is not None else float("-inf")
         loss = r["train_loss"] if r["train_loss"] is not None else float("inf")
@@ -108,7 +125,9 @@ def comparison_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
     metric = "tau" if any(r["tau"] is not None for r in rows) else "train_loss"
     values = [r[metric] if r[metric] is not None else 0.0 for r in rows]
     has_pos = any(r["per_position_acceptance"] for r in rows)
-    fig, axes = plt.subplots(1, 2 if has_pos else 1, figsize=(10 if has_pos else 5, 3.5), squeeze=False)
+    fig, axes = plt.subplots(
+        1, 2 if has_pos else 1, figsize=(10 if has_pos else 5, 3.5), squeeze=False
+    )
     ax = axes[0][0]
     ax.bar(labels, values, color="tab:blue")
     ax.set_xlabel("aux layer ids")
@@ -118,8 +137,12 @@ def comparison_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
         ax2 = axes[0][1]
         for label, r in zip(labels, rows, strict=True):
             if r["per_position_acceptance"]:
-                ax2.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"],
-                         marker="o", label=label)
+                ax2.plot(
+                    range(1, len(r["per_position_acceptance"]) + 1),
+                    r["per_position_acceptance"],
+                    marker="o",
+                    label=label,
+                )
         ax2.set_xlabel("draft position")
         ax2.set_ylabel("acceptance rate")
         ax2.legend()
@@ -131,19 +154,26 @@ def comparison_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 @flow(name="eagle3-layer-sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
-def layer_sweep(config: PipelineConfig,
-                layer_sets: Annotated[list[Annotated[list[LayerId], Field(min_length=1)]], Field(min_length=1)],
-                max_concurrency: Annotated[int, Field(ge=1)] = 1,
-                dispatch: Dispatch = "auto") -> dict[str, Any]:
+def layer_sweep(
+    config: PipelineConfig,
+    layer_sets: Annotated[list[Annotated[list[LayerId], Field(min_length=1)]], Field(min_length=1)],
+    max_concurrency: Annotated[int, Field(ge=1)] = 1,
+    dispatch: Dispatch = "auto",
+) -> dict[str, Any]:
     """Train and evaluate one draft per aux layer set; returns {"winner": ..., "rows": [...]}.
 
-    max_concurrency bounds the branches in flight (GPU stages of concurrent branches also queue on the
-    per-host GPU concurrency limit when dispatched to GPU pools). The server checks both parameters'
-    bounds itself (the schema); the flow checks the layer ids against the target before any stage."""
+    max_concurrency bounds the branches in flight (GPU stages of concurrent branches also queue on
+    the per-host GPU concurrency limit when dispatched to GPU pools). The server checks both
+    parameters' bounds itself (the schema); the flow checks the layer ids against the target before
+    any stage."""
     if not layer_sets:
-        raise ConfigError("layer_sweep: layer_sets = []: name at least one layer set, e.g. [[1, 2, 3], [2, 3, 4]]")
+        raise ConfigError(
+            "layer_sweep: layer_sets = []: name at least one layer set, e.g. [[1, 2, 3], [2, 3, 4]]"
+        )
     if max_concurrency < 1:
-        raise ConfigError(f"layer_sweep: max_concurrency = {max_concurrency}: use 1 or more (branches in flight)")
+        raise ConfigError(
+            f"layer_sweep: max_concurrency = {max_concurrency}: use 1 or more (branches in flight)"
+        )
     config = absolute_config(config)
     with work_dir_lock(config.work_dir, "layer sweep work_dir"):
         ensure_target(config)
@@ -151,7 +181,9 @@ def layer_sweep(config: PipelineConfig,
         return sweep(config, layer_sets, max_concurrency, dispatch)
 
 
-def sweep(config: PipelineConfig, layer_sets: list[list[int]], max_concurrency: int, dispatch: Dispatch) -> dict[str, Any]:
+def sweep(
+    config: PipelineConfig, layer_sets: list[list[int]], max_concurrency: int, dispatch: Dispatch
+) -> dict[str, Any]:
     """The sweep itself (the work dir is locked and the config checked)."""
     cfg = config.resolved()
     shared = StageRunner(cfg, dispatch=dispatch)
@@ -161,24 +193,43 @@ def sweep(config: PipelineConfig, layer_sets: list[list[int]], max_concurrency: 
     shared("vocab", *STAGES["vocab"].needs)
 
     slots = threading.BoundedSemaphore(max_concurrency)
-    futures = [sweep_branch.submit(cfg, list(ls), shared.manifests, dispatch, slots) for ls in layer_sets]
+    futures = [
+        sweep_branch.submit(cfg, list(ls), shared.manifests, dispatch, slots) for ls in layer_sets
+    ]
     rows = [f.result() for f in futures]
     winner = pick_winner(rows)
 
     out = cfg.work_dir / "sweep"
     chart = comparison_chart(rows, out / "comparison.png")
     (out / "comparison.json").write_text(json.dumps({"winner": winner, "rows": rows}, indent=2))
-    table = [{"layers": ",".join(map(str, r["layers"])), "tau": r["tau"],
-              "per_position_acceptance": ", ".join(f"{a:.3f}" for a in r["per_position_acceptance"] or []),
-              "train_loss": r["train_loss"], "wall_s": r["stage_wall_s"],
-              "slot_wait_s": r["slot_wait_s"],
-              "winner": "yes" if r is winner else ""} for r in rows]
-    create_table_artifact(table=table, key=artifact_key(cfg.name, "sweep", "table"),
-                          description=f"layer sweep: winner {winner['layers']}")
-    md = (f"# layer sweep {cfg.name}\n\nWinner: **{winner['layers']}** (τ = {winner['tau']}, "
-          f"train loss = {winner['train_loss']}), draft `{winner['draft']}`\n\n"
-          + (png_markdown(chart, "layer sweep") if chart else ""))
-    create_markdown_artifact(markdown=md, key=artifact_key(cfg.name, "sweep", "winner"),
-                             description="layer sweep winner and chart")
+    table = [
+        {
+            "layers": ",".join(map(str, r["layers"])),
+            "tau": r["tau"],
+            "per_position_acceptance": ", ".join(
+                f"{a:.3f}" for a in r["per_position_acceptance"] or []
+            ),
+            "train_loss": r["train_loss"],
+            "wall_s": r["stage_wall_s"],
+            "slot_wait_s": r["slot_wait_s"],
+            "winner": "yes" if r is winner else "",
+        }
+        for r in rows
+    ]
+    create_table_artifact(
+        table=table,
+        key=artifact_key(cfg.name, "sweep", "table"),
+        description=f"layer sweep: winner {winner['layers']}",
+    )
+    md = (
+        f"# layer sweep {cfg.name}\n\nWinner: **{winner['layers']}** (τ = {winner['tau']}, "
+        f"train loss = {winner['train_loss']}), draft `{winner['draft']}`\n\n"
+        + (png_markdown(chart, "layer sweep") if chart else "")
+    )
+    create_markdown_artifact(
+        markdown=md,
+        key=artifact_key(cfg.name, "sweep", "winner"),
+        description="layer sweep winner and chart",
+    )
     get_run_logger().info("layer sweep %s: winner %s", cfg.name, winner["layers"])
     return {"winner": winner, "rows": rows}

@@ -59,8 +59,11 @@ class FailedRunExitIsInfo(logging.Filter):
                 if state is not None and state.is_failed():
                     level = logging.INFO
             except Exception as e:  # noqa: BLE001 - a log level is never worth failing the worker
-                print(f"eagle3 worker: cannot read the state of flow run {run_id}: {e!r}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"eagle3 worker: cannot read the state of flow run {run_id}: {e!r}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             record.levelno, record.levelname = level, logging.getLevelName(level)
         return True
 

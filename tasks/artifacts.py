@@ -1,6 +1,7 @@
 """Prefect artifacts for the stages: what a person looks at in the UI after a run.
 
-Every function here reads files the stage wrote; none of them can fail the stage (errors are logged).
+Every function here reads files the stage wrote; none of them can fail the stage (errors are
+logged).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from prefect.artifacts import (
 
 log = logging.getLogger("eagle3.tasks.artifacts")
 
-#: PNGs up to this size are embedded in markdown artifacts (data URI); larger ones are linked by path
+#: PNGs up to this size are embedded in markdown artifacts (data URI); larger ones are linked by
+#: path
 EMBED_PNG_MAX_BYTES = 400_000
 
 
@@ -77,8 +79,11 @@ def stage_summary(run_name: str, manifest: dict[str, Any], action: str) -> None:
         + "\n"
         f"| field | value |\n|---|---|\n{rows}\n"
     )
-    create_markdown_artifact(markdown=md, key=artifact_key(run_name, manifest["stage"], "summary"),
-                             description=f"{manifest['stage']} stage summary")
+    create_markdown_artifact(
+        markdown=md,
+        key=artifact_key(run_name, manifest["stage"], "summary"),
+        description=f"{manifest['stage']} stage summary",
+    )
 
 
 class Progress:
@@ -87,8 +92,11 @@ class Progress:
     def __init__(self, run_name: str, stage: str):
         self.id = None
         try:
-            self.id = create_progress_artifact(progress=0.0, key=artifact_key(run_name, stage, "progress"),
-                                               description=f"{stage} progress")
+            self.id = create_progress_artifact(
+                progress=0.0,
+                key=artifact_key(run_name, stage, "progress"),
+                description=f"{stage} progress",
+            )
         except Exception as e:  # noqa: BLE001
             log.warning("progress artifact failed: %s", e)
 
@@ -96,7 +104,9 @@ class Progress:
         if self.id is None:
             return
         try:
-            update_progress_artifact(self.id, progress=round(100.0 * min(max(fraction, 0.0), 1.0), 1))
+            update_progress_artifact(
+                self.id, progress=round(100.0 * min(max(fraction, 0.0), 1.0), 1)
+            )
         except Exception as e:  # noqa: BLE001
             log.warning("progress update failed: %s", e)
 
@@ -131,13 +141,23 @@ def train_metrics(run_name: str, out: Path, max_rows: int = 500) -> None:
         for r in rows:
             cols += [k for k in r if k not in cols and not isinstance(r[k], dict | list)]
         table = [{c: r.get(c) for c in cols} for r in rows]
-        create_table_artifact(table=table, key=artifact_key(run_name, "train", "metrics"),
-                              description="per-step training metrics")
-    pngs = sorted(p for p in out.rglob("*.png") if not any(q.startswith(".") for q in p.relative_to(out).parts))
+        create_table_artifact(
+            table=table,
+            key=artifact_key(run_name, "train", "metrics"),
+            description="per-step training metrics",
+        )
+    pngs = sorted(
+        p
+        for p in out.rglob("*.png")
+        if not any(q.startswith(".") for q in p.relative_to(out).parts)
+    )
     if pngs:
         md = "# training curves\n\n" + "\n\n".join(png_markdown(p, p.stem) for p in pngs[:6])
-        create_markdown_artifact(markdown=md, key=artifact_key(run_name, "train", "curves"),
-                                 description="training curves")
+        create_markdown_artifact(
+            markdown=md,
+            key=artifact_key(run_name, "train", "curves"),
+            description="training curves",
+        )
 
 
 def find_value(result: dict[str, Any], keys: tuple[str, ...], accept: Callable[[Any], bool]) -> Any:
@@ -164,8 +184,11 @@ def find_tau(result: dict[str, Any]) -> float | None:
 
 
 def find_per_position(result: dict[str, Any]) -> list[float] | None:
-    v = find_value(result, ("acceptance_rate_per_position", "per_position_acceptance"),
-                   lambda x: isinstance(x, list) and all(_is_number(y) for y in x))
+    v = find_value(
+        result,
+        ("acceptance_rate_per_position", "per_position_acceptance"),
+        lambda x: isinstance(x, list) and all(_is_number(y) for y in x),
+    )
     return None if v is None else [float(x) for x in v]
 
 
@@ -190,25 +213,37 @@ def evaluate_result(run_name: str, out: Path, result: dict[str, Any]) -> None:
         lines += [(out / "results.md").read_text().replace("# evaluate", "## evaluate", 1), ""]
     scalars = {k: v for k, v in data.items() if isinstance(v, int | float | str) and k != "out"}
     if scalars:
-        lines += ["| field | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in scalars.items()]
+        lines += ["| field | value |", "|---|---|"] + [
+            f"| {k} | {_fmt(v)} |" for k, v in scalars.items()
+        ]
     pngs = sorted(out.glob("*.png"))
     lines += [""] + [png_markdown(p, p.stem) for p in pngs]
-    create_markdown_artifact(markdown="\n".join(lines), key=artifact_key(run_name, "evaluate", "tau"),
-                             description=f"mean acceptance length τ = {tau}")
+    create_markdown_artifact(
+        markdown="\n".join(lines),
+        key=artifact_key(run_name, "evaluate", "tau"),
+        description=f"mean acceptance length τ = {tau}",
+    )
 
 
 @_guard
 def exported_draft(run_name: str, out: Path) -> None:
     """Link to the exported draft directory and the vLLM line that serves it."""
-    create_link_artifact(link=out.resolve().as_uri(), link_text=str(out.resolve()),
-                         key=artifact_key(run_name, "draft"), description="exported EAGLE-3 draft")
+    create_link_artifact(
+        link=out.resolve().as_uri(),
+        link_text=str(out.resolve()),
+        key=artifact_key(run_name, "draft"),
+        description="exported EAGLE-3 draft",
+    )
     md = (
         f"# exported draft\n\n`{out.resolve()}`\n\n```python\n"
-        f"LLM(model=TARGET, speculative_config={{\"method\": \"eagle3\", \"model\": \"{out.resolve()}\", "
-        f"\"num_speculative_tokens\": 3}})\n```\n"
+        f'LLM(model=TARGET, speculative_config={{"method": "eagle3", "model": "{out.resolve()}", '
+        f'"num_speculative_tokens": 3}})\n```\n'
     )
-    create_markdown_artifact(markdown=md, key=artifact_key(run_name, "draft", "usage"),
-                             description="how to serve the draft")
+    create_markdown_artifact(
+        markdown=md,
+        key=artifact_key(run_name, "draft", "usage"),
+        description="how to serve the draft",
+    )
 
 
 def stage_reports(run_name: str, manifest: dict[str, Any]) -> None:

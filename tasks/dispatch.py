@@ -32,7 +32,8 @@ from prefect.states import Crashed
 from eagle3_prefect.tasks.errors import StageCrashed, StageError, StageRunFailed
 from eagle3_prefect.tasks.manifest import MANIFEST_KEYS, describe_resume_point, read_stamp
 
-#: how often the parent polls the child flow run (EAGLE3_DISPATCH_POLL_S: the server tests poll faster)
+#: how often the parent polls the child flow run (EAGLE3_DISPATCH_POLL_S: the server tests poll
+#: faster)
 POLL_INTERVAL_S = float(os.environ.get("EAGLE3_DISPATCH_POLL_S", "3"))
 #: new runs of a stage whose run crashed or was lost
 NUM_REDISPATCHES = int(os.environ.get("EAGLE3_NUM_REDISPATCHES", "2"))
@@ -79,7 +80,8 @@ def wait_for(flow_run: Any, name: str) -> Any:
         if flow_run.parent_task_run_id:
             try:
                 client.set_task_run_name(flow_run.parent_task_run_id, name)
-            except Exception as e:  # noqa: BLE001 - a cosmetic name must not fail a GPU stage; say so
+            # a cosmetic name must not fail a GPU stage; say so
+            except Exception as e:  # noqa: BLE001
                 get_run_logger().warning(
                     "could not name the placeholder task run of %s: %s", name, e
                 )

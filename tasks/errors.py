@@ -1,4 +1,5 @@
-"""Error classes the tasks raise, and the retry rule: transient failures retry, deterministic ones don't."""
+"""Error classes the tasks raise, and the retry rule: transient failures retry, deterministic ones
+don't."""
 
 from __future__ import annotations
 
@@ -55,15 +56,25 @@ class StageRunFailed(StageError):
 
 
 ERROR_CLASSES: dict[str, type[StageError]] = {
-    c.kind: c for c in (StageConfigError, StageOOMError, StageCrashed, EngineStartError, StageTimeout)
+    c.kind: c
+    for c in (StageConfigError, StageOOMError, StageCrashed, EngineStartError, StageTimeout)
 }
 
 #: failures worth another attempt
 TRANSIENT_KINDS = {"crash", "engine_start"}
 
-_OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda error: out of memory", "cannot allocate memory")
-_ENGINE_MARKERS = ("engine core initialization failed", "failed to start the engine", "enginedeaderror",
-                   "engine process failed to start")
+_OOM_MARKERS = (
+    "out of memory",
+    "outofmemoryerror",
+    "cuda error: out of memory",
+    "cannot allocate memory",
+)
+_ENGINE_MARKERS = (
+    "engine core initialization failed",
+    "failed to start the engine",
+    "enginedeaderror",
+    "engine process failed to start",
+)
 
 
 def classify_exception(exc: BaseException) -> str:
@@ -81,14 +92,25 @@ def classify_exception(exc: BaseException) -> str:
         return "oom"
     if any(m in text for m in _ENGINE_MARKERS):
         return "engine_start"
-    # another writer holds the out dir, the disk is full or read-only: the same again until someone acts
-    if type(exc).__name__ == "LockedError" or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT,
-                                                                                            errno.EROFS)):
+    # another writer holds the out dir, the disk is full or read-only: the same again until someone
+    # acts
+    if type(exc).__name__ == "LockedError" or (
+        isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+    ):
         return "config"
     # ConfigError, pydantic ValidationError, TemplateError are ValueErrors; missing inputs are
     # FileNotFoundError; a KeyError/TypeError is a bug: none of them changes on a retry.
-    if isinstance(exc, ValueError | LookupError | TypeError | FileNotFoundError | NotADirectoryError
-                  | PermissionError | NotImplementedError | AssertionError):
+    if isinstance(
+        exc,
+        ValueError
+        | LookupError
+        | TypeError
+        | FileNotFoundError
+        | NotADirectoryError
+        | PermissionError
+        | NotImplementedError
+        | AssertionError,
+    ):
         return "config"
     return "crash"
 
@@ -119,8 +141,8 @@ def is_transient(exc: BaseException | None) -> bool:
 
 
 def retry_transient_only(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect `retry_condition_fn`: retry crashes and engine start failures; never config/validation
-    errors, OOM at a fixed batch size, or timeouts."""
+    """Prefect `retry_condition_fn`: retry crashes and engine start failures; never
+    config/validation errors, OOM at a fixed batch size, or timeouts."""
     try:
         state.result(raise_on_failure=True)
     except BaseException as exc:  # noqa: BLE001 - the state's exception is what we classify

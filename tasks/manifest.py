@@ -36,10 +36,21 @@ from eagle3.stages import STAGES
 CACHE_EPOCH = 1
 STAMP = ".eagle3-stage.json"
 #: what a stage task returns (the stamp in the output dir holds these plus the file list)
-MANIFEST_KEYS = ("stage", "key", "out", "content_sha256", "num_files", "num_bytes", "wall_s",
-                 "slot_wait_s", "resumed_from", "result")
+MANIFEST_KEYS = (
+    "stage",
+    "key",
+    "out",
+    "content_sha256",
+    "num_files",
+    "num_bytes",
+    "wall_s",
+    "slot_wait_s",
+    "resumed_from",
+    "result",
+)
 
-#: library sources (relative to the eagle3 package) that make up each stage's code version (eagle3.stages)
+#: library sources (relative to the eagle3 package) that make up each stage's code version
+#: (eagle3.stages)
 STAGE_CODE: dict[str, tuple[str, ...]] = {name: s.code for name, s in STAGES.items() if s.code}
 COMMON_CODE = ("config.py", "io.py")
 
@@ -47,9 +58,24 @@ COMMON_CODE = ("config.py", "io.py")
 EXTERNAL_INPUT_FIELDS = ("target", "data", "prompts")
 #: config fields holding a local path: keyed by the absolute, resolved path (two checkouts that both
 #: write `runs/demo` are two different outputs, never one cache entry)
-PATH_FIELDS = frozenset({"target", "data", "out", "captured", "vocab", "checkpoint", "draft",
-                         "prompts", "spool", "work_dir", "compile_cache", "gguf", "cache_dir",
-                         "path"})
+PATH_FIELDS = frozenset(
+    {
+        "target",
+        "data",
+        "out",
+        "captured",
+        "vocab",
+        "checkpoint",
+        "draft",
+        "prompts",
+        "spool",
+        "work_dir",
+        "compile_cache",
+        "gguf",
+        "cache_dir",
+        "path",
+    }
+)
 
 #: files whose deletion makes a stage redo its work while keeping verified partial outputs
 #: (capture resumes from progress.json, re-verifying every shard); other stages are wiped instead
@@ -94,12 +120,14 @@ def iter_files(root: Path) -> Iterable[Path]:
 @functools.cache
 def code_version(stage: str) -> str:
     """sha256 over the stage's library sources (and config.py/io.py) plus CACHE_EPOCH. Computed once
-    per process: a flow run keys its stages by the code it started with (each deployment run and each
-    `eagle3 run` is a fresh process)."""
+    per process: a flow run keys its stages by the code it started with (each deployment run and
+    each `eagle3 run` is a fresh process)."""
     import eagle3
 
     root = Path(eagle3.__file__).parent
-    h = hashlib.sha256(f"epoch={CACHE_EPOCH};version={getattr(eagle3, '__version__', '?')}".encode())
+    h = hashlib.sha256(
+        f"epoch={CACHE_EPOCH};version={getattr(eagle3, '__version__', '?')}".encode()
+    )
     for rel in (*STAGE_CODE.get(stage, ()), *COMMON_CODE):
         p = root / rel
         files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
@@ -110,8 +138,9 @@ def code_version(stage: str) -> str:
 
 
 def fingerprint_path(value: str | Path) -> str:
-    """Content fingerprint of an external input: sha256 for files; for a directory, the sha256 of its
-    small files and (size, mtime) of large ones (model weights), so a multi-GB target is not re-read."""
+    """Content fingerprint of an external input: sha256 for files; for a directory, the sha256 of
+    its small files and (size, mtime) of large ones (model weights), so a multi-GB target is not
+    re-read."""
     p = Path(value)
     if p.is_file():
         return sha256_file_memo(p)
@@ -146,7 +175,9 @@ def absolute_paths(value: Any, key: str | None = None) -> Any:
     return value
 
 
-def stage_cache_key(stage: str, cfg: BaseModel | dict[str, Any], upstream: dict[str, dict[str, Any]]) -> str:
+def stage_cache_key(
+    stage: str, cfg: BaseModel | dict[str, Any], upstream: dict[str, dict[str, Any]]
+) -> str:
     """The content key of one stage run (see the module docstring)."""
     conf = absolute_paths(config_dict(cfg))
     upstream_outs = {str(Path(m["out"]).resolve()) for m in upstream.values() if m.get("out")}
@@ -155,7 +186,9 @@ def stage_cache_key(stage: str, cfg: BaseModel | dict[str, Any], upstream: dict[
         value = conf.get(name)
         if value and str(Path(value).resolve()) not in upstream_outs:
             external[name] = fingerprint_path(value)
-    for i, src in enumerate(conf.get("sources") or []):  # mix: every source file (or dir) by content
+    for i, src in enumerate(
+        conf.get("sources") or []
+    ):  # mix: every source file (or dir) by content
         external[f"sources.{i}"] = fingerprint_path(src["path"])
     material = {
         "stage": stage,
@@ -199,8 +232,9 @@ def write_stamp(out: str | Path, stamp: dict[str, Any]) -> None:
 
 
 def verify_outputs(out: str | Path, key: str) -> tuple[bool, str]:
-    """(True, "") when `out` holds a finished run of `key` whose files are all present and unaltered;
-    otherwise (False, reason). Files whose size and mtime match are trusted; others are re-hashed."""
+    """(True, "") when `out` holds a finished run of `key` whose files are all present and
+    unaltered; otherwise (False, reason). Files whose size and mtime match are trusted; others are
+    re-hashed."""
     out = Path(out)
     stamp = read_stamp(out)
     if stamp is None:
@@ -255,8 +289,11 @@ def describe_resume_point(stage: str, out: str | Path) -> str | None:
     checkpoint"); None for stages that do not resume."""
     out = Path(out)
     if stage in ("train", "stream-train"):
-        steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step-*")
-                       if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+        steps = sorted(
+            int(p.name[5:])
+            for p in (out / "checkpoints").glob("step-*")
+            if p.name[5:].isdigit() and (p / "trainer_state.json").is_file()
+        )
         if not steps:
             return "step 0 (no checkpoint was written)"
         return f"checkpoint step {steps[-1]} ({out / 'checkpoints' / f'step-{steps[-1]}'})"

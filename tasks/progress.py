@@ -1,5 +1,5 @@
-"""Progress of a running stage read from the files it writes (the libraries print no per-step lines):
-train's logs/metrics.jsonl (step / max_steps, or epoch / epochs) and capture's progress.json
+"""Progress of a running stage read from the files it writes (the libraries print no per-step
+lines): train's logs/metrics.jsonl (step / max_steps, or epoch / epochs) and capture's progress.json
 (samples done / samples to capture). Each probe returns a fraction in [0, 1] or None."""
 
 from __future__ import annotations

@@ -45,16 +45,19 @@ from eagle3_prefect.tasks.subprocess_runner import run_stage_subprocess
 
 #: stages with a GPU stage flow and deployments of their own (flows/gpu_stages.py, prefect.yaml)
 GPU_STAGES = tuple(n for n, s in STAGES.items() if s.gpu)
-#: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts): the GPU stages
-#: plus synthesize (an engine of the target, but no deployment of its own)
+#: stages whose library call runs in a fresh subprocess (GPU state, engines, hard timeouts): the GPU
+#: stages plus synthesize (an engine of the target, but no deployment of its own)
 SUBPROCESS_STAGES = tuple(n for n, s in STAGES.items() if s.subprocess)
 #: stages that get a progress artifact
 PROGRESS_STAGES = ("capture", "train")
 
 NUM_RETRIES = int(os.environ.get("EAGLE3_NUM_RETRIES", "2"))
-#: lease on the GPU slot: renewed every 3/4 of it while the stage runs; a holder whose host died frees the slot
-#: when its lease runs out (Prefect's repossessor), so this bounds how long the stage's next run waits for it
-GPU_LEASE_S = max(60.0, float(os.environ.get("EAGLE3_GPU_LEASE_S", "120")))  # Prefect's minimum is 60 s
+#: lease on the GPU slot: renewed every 3/4 of it while the stage runs; a holder whose host died
+#: frees the slot when its lease runs out (Prefect's repossessor), so this bounds how long the
+#: stage's next run waits for it
+GPU_LEASE_S = max(
+    60.0, float(os.environ.get("EAGLE3_GPU_LEASE_S", "120"))
+)  # Prefect's minimum is 60 s
 RETRY_BASE_S = float(os.environ.get("EAGLE3_RETRY_BASE_S", "10"))
 #: the stage tasks' cache records (Prefect's result storage) go to <work_dir>/.prefect-results, not
 #: to Prefect's process-wide default (~/.prefect/storage whatever PREFECT_HOME says): each work
@@ -69,9 +72,11 @@ def _load_storage_block(ref: str) -> Any:
     try:
         return Block.load(ref)
     except ValueError as e:
-        raise ConfigError(f"EAGLE3_RESULT_STORAGE = {ref!r}: no such block on this server ({e}); "
-                          "save a filesystem block first (e.g. remote-file-system/<name>) or unset "
-                          "it to keep the cache records under the work dir") from None
+        raise ConfigError(
+            f"EAGLE3_RESULT_STORAGE = {ref!r}: no such block on this server ({e}); "
+            "save a filesystem block first (e.g. remote-file-system/<name>) or unset "
+            "it to keep the cache records under the work dir"
+        ) from None
 
 
 def result_storage(cache_dir: str | Path | None) -> Any:
@@ -89,8 +94,11 @@ def result_storage(cache_dir: str | Path | None) -> Any:
 
 
 def runs_in_subprocess(stage: str) -> bool:
-    """GPU stages run in a subprocess, unless EAGLE3_INPROCESS names them ("all" or "capture,train")."""
-    inproc = {s.strip() for s in os.environ.get("EAGLE3_INPROCESS", "").lower().split(",") if s.strip()}
+    """GPU stages run in a subprocess, unless EAGLE3_INPROCESS names them ("all" or
+    "capture,train")."""
+    inproc = {
+        s.strip() for s in os.environ.get("EAGLE3_INPROCESS", "").lower().split(",") if s.strip()
+    }
     return stage in SUBPROCESS_STAGES and not (inproc & {"1", "all", "true", stage})
 
 
@@ -100,14 +108,19 @@ class StageCachePolicy(CachePolicy):
 
     stage: str = ""
 
-    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
-                    **kwargs: Any) -> str | None:
-        return stage_cache_key(self.stage, inputs["config"], slim_upstream(inputs.get("upstream") or {}))
+    def compute_key(
+        self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+    ) -> str | None:
+        return stage_cache_key(
+            self.stage, inputs["config"], slim_upstream(inputs.get("upstream") or {})
+        )
 
 
 def slim_upstream(upstream: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """What a stage needs to know about its inputs: where they are and their content hash."""
-    return {k: {"out": m["out"], "content_sha256": m["content_sha256"]} for k, m in upstream.items()}
+    return {
+        k: {"out": m["out"], "content_sha256": m["content_sha256"]} for k, m in upstream.items()
+    }
 
 
 def as_stage_config(stage: str, config: StageConfig | dict[str, Any]) -> StageConfig:
@@ -117,13 +130,14 @@ def as_stage_config(stage: str, config: StageConfig | dict[str, Any]) -> StageCo
 
 
 def gpu_limit_names() -> list[str]:
-    """Names of the global concurrency limits guarding the GPUs this process uses, from EAGLE3_GPU_LIMIT (the GPU
-    deployments set it, e.g. "gpu-host-{host}"); [] on the embedded default (no limit). {host} is EAGLE3_NODE_NAME
-    when set (a Kubernetes pod's hostname is the pod's, not the GPU node's: set it from the downward API's
-    spec.nodeName), else the hostname. {device} keys the slot per GPU: one name per GPU this process sees
-    (CUDA_VISIBLE_DEVICES's entries; unset: every GPU of the host, "cpu" on a host without one), so that one gpu-1x
-    worker per GPU (each started with its own CUDA_VISIBLE_DEVICES) runs one stage per GPU side by side, while a
-    stage that sees all of them (a gpu-8x worker) takes every GPU's slot."""
+    """Names of the global concurrency limits guarding the GPUs this process uses, from
+    EAGLE3_GPU_LIMIT (the GPU deployments set it, e.g. "gpu-host-{host}"); [] on the embedded
+    default (no limit). {host} is EAGLE3_NODE_NAME when set (a Kubernetes pod's hostname is the
+    pod's, not the GPU node's: set it from the downward API's spec.nodeName), else the hostname.
+    {device} keys the slot per GPU: one name per GPU this process sees (CUDA_VISIBLE_DEVICES's
+    entries; unset: every GPU of the host, "cpu" on a host without one), so that one gpu-1x worker
+    per GPU (each started with its own CUDA_VISIBLE_DEVICES) runs one stage per GPU side by side,
+    while a stage that sees all of them (a gpu-8x worker) takes every GPU's slot."""
     template = os.environ.get("EAGLE3_GPU_LIMIT", "").strip()
     if not template:
         return []
@@ -133,7 +147,8 @@ def gpu_limit_names() -> list[str]:
 
 
 def visible_devices() -> list[str]:
-    """The GPUs a stage of this process would use: CUDA_VISIBLE_DEVICES's entries, else all the host has."""
+    """The GPUs a stage of this process would use: CUDA_VISIBLE_DEVICES's entries, else all the host
+    has."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip()] or ["none"]
@@ -144,13 +159,13 @@ def visible_devices() -> list[str]:
 
 @contextlib.contextmanager
 def gpu_slot(stage: str, waited: dict[str, float] | None = None):
-    """Hold this host's GPU slot(s) (strict: a missing limit is an error, never a silent free-for-all).
-    The seconds spent waiting for them go to waited["slot_wait_s"].
+    """Hold this host's GPU slot(s) (strict: a missing limit is an error, never a silent
+    free-for-all). The seconds spent waiting for them go to waited["slot_wait_s"].
 
-    Not first-come-first-served: Prefect's global concurrency limits keep no queue; a waiter that gets
-    423 Locked sleeps the server's Retry-After and asks again, so after a release whichever waiter asks
-    first wins (docs/operations.md, "The GPU slot", gives the arrival-order setup: a work pool
-    concurrency limit, whose runs the server hands out oldest first)."""
+    Not first-come-first-served: Prefect's global concurrency limits keep no queue; a waiter that
+    gets 423 Locked sleeps the server's Retry-After and asks again, so after a release whichever
+    waiter asks first wins (docs/operations.md, "The GPU slot", gives the arrival-order setup: a
+    work pool concurrency limit, whose runs the server hands out oldest first)."""
     names = gpu_limit_names() if stage in SUBPROCESS_STAGES else []
     t0 = time.time()
     if not names:
@@ -170,19 +185,26 @@ def gpu_slot(stage: str, waited: dict[str, float] | None = None):
         yield
 
 
-def call_library(stage: str, cfg: StageConfig, on_progress=None,
-                 waited: dict[str, float] | None = None) -> dict[str, Any]:
-    """Run the library function for `stage`, in a subprocess for GPU stages; return its result as JSON.
-    The GPU slot wait goes to waited["slot_wait_s"] (not stage time)."""
+def call_library(
+    stage: str, cfg: StageConfig, on_progress=None, waited: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """Run the library function for `stage`, in a subprocess for GPU stages; return its result as
+    JSON. The GPU slot wait goes to waited["slot_wait_s"] (not stage time)."""
     with gpu_slot(stage, waited):
         if runs_in_subprocess(stage):
-            return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger(),
-                                        on_progress=on_progress, probe=make_probe(stage, cfg))
+            return run_stage_subprocess(
+                stage,
+                cfg.model_dump(mode="json"),
+                log=get_run_logger(),
+                on_progress=on_progress,
+                probe=make_probe(stage, cfg),
+            )
         return jsonable(run_stage_function(stage, cfg))
 
 
-def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: dict[str, Any],
-                  run_name: str) -> dict[str, Any]:
+def execute_stage(
+    stage: str, config: StageConfig | dict[str, Any], upstream: dict[str, Any], run_name: str
+) -> dict[str, Any]:
     """The body of every stage task: prepare the output dir, call the library, stamp, report."""
     logger = get_run_logger()
     cfg = as_stage_config(stage, config)
@@ -192,18 +214,30 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
     ok, _ = verify_outputs(out, key)
     if ok:  # intact output of this very key (e.g. Prefect's result storage was wiped): adopt it
         stamp = read_stamp(out) or {}
-        logger.info("stage %s: %s already holds verified output of key %s; not re-running", stage, out, key)
+        logger.info(
+            "stage %s: %s already holds verified output of key %s; not re-running", stage, out, key
+        )
         return {k: stamp.get(k) for k in MANIFEST_KEYS}
     action = prepare_out_dir(stage, out, key)
     resumes = action.startswith(("resuming", "damaged"))
     resumed_from = describe_resume_point(stage, out) if resumes else None
-    logger.info("stage %s: key %s, output %s (%s%s)", stage, key, out, action,
-                f": from {resumed_from}" if resumed_from else "")
+    logger.info(
+        "stage %s: key %s, output %s (%s%s)",
+        stage,
+        key,
+        out,
+        action,
+        f": from {resumed_from}" if resumed_from else "",
+    )
     write_stamp(out, {"stage": stage, "key": key, "status": "running", "started_at": time.time()})
     progress = artifacts.Progress(run_name, stage) if stage in PROGRESS_STAGES else None
     t0, waited = time.time(), {"slot_wait_s": 0.0}
-    result = call_library(stage, cfg, on_progress=progress.update if progress else None, waited=waited)
-    wall_s = time.time() - t0 - waited["slot_wait_s"]  # running time only; the slot wait is reported apart
+    result = call_library(
+        stage, cfg, on_progress=progress.update if progress else None, waited=waited
+    )
+    wall_s = (
+        time.time() - t0 - waited["slot_wait_s"]
+    )  # running time only; the slot wait is reported apart
     if progress:
         progress.update(1.0)
     files = list_outputs(out)
@@ -219,8 +253,17 @@ def execute_stage(stage: str, config: StageConfig | dict[str, Any], upstream: di
         "resumed_from": resumed_from,
         "result": result,
     }
-    write_stamp(out, {**manifest, "status": "done", "files": files, "upstream": upstream,
-                      "config": config_dict(cfg), "finished_at": time.time()})
+    write_stamp(
+        out,
+        {
+            **manifest,
+            "status": "done",
+            "files": files,
+            "upstream": upstream,
+            "config": config_dict(cfg),
+            "finished_at": time.time(),
+        },
+    )
     artifacts.stage_summary(run_name, manifest, action)
     if stage == "train":
         artifacts.train_metrics(run_name, out)
@@ -245,20 +288,31 @@ def _stage_task(stage: str):
         persist_result=True,
         result_serializer="json",
         retries=NUM_RETRIES,
-        retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S) if RETRY_BASE_S > 0 else 0,
+        retry_delay_seconds=exponential_backoff(backoff_factor=RETRY_BASE_S)
+        if RETRY_BASE_S > 0
+        else 0,
         retry_jitter_factor=0.2 if RETRY_BASE_S > 0 else None,
         retry_condition_fn=retry_transient_only,
-        log_prints=False,  # in-process libraries print progress noise; GPU stages stream via the logger
+        # in-process libraries print progress noise; GPU stages stream via the logger
+        log_prints=False,
     )
 
 
-#: one task per stage that a flow runs (the streaming sides run in flows/streaming.py's `stream-side` task)
+#: one task per stage that a flow runs (the streaming sides run in flows/streaming.py's
+#: `stream-side` task)
 STAGE_TASKS = {name: _stage_task(name) for name, s in STAGES.items() if s.kind != "stream"}
 
 
-def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any]] | None = None, *,
-              run_name: str = "eagle3", deployment: str | None = None,
-              gpu_limit: str | None = None, cache_dir: str | Path | None = None) -> dict[str, Any]:
+def run_stage(
+    stage: str,
+    config: StageConfig,
+    upstream: dict[str, dict[str, Any]] | None = None,
+    *,
+    run_name: str = "eagle3",
+    deployment: str | None = None,
+    gpu_limit: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> dict[str, Any]:
     """Run one stage through its task (or, with `deployment`, as a run of that deployment on its
     work pool), honouring a cache hit only when the stamped outputs still verify. The returned
     manifest has `cached: true` when the stage did not execute. cache_dir: where the cache records
@@ -269,10 +323,20 @@ def run_stage(stage: str, config: StageConfig, upstream: dict[str, dict[str, Any
     if deployment:
         from eagle3_prefect.tasks.dispatch import dispatch_stage
 
-        t = dispatch_stage.with_options(cache_policy=StageCachePolicy(stage=stage), name=f"dispatch-{stage}",
-                                        task_run_name=f"{stage}@{deployment.split('/')[0]}")
-        args: tuple = (stage, config.model_dump(mode="json"), upstream, run_name, deployment,
-                       gpu_limit, str(Path(cache_dir).resolve()) if cache_dir else None)
+        t = dispatch_stage.with_options(
+            cache_policy=StageCachePolicy(stage=stage),
+            name=f"dispatch-{stage}",
+            task_run_name=f"{stage}@{deployment.split('/')[0]}",
+        )
+        args: tuple = (
+            stage,
+            config.model_dump(mode="json"),
+            upstream,
+            run_name,
+            deployment,
+            gpu_limit,
+            str(Path(cache_dir).resolve()) if cache_dir else None,
+        )
     else:
         t, args = STAGE_TASKS[stage], (config, upstream, run_name)
     storage = result_storage(cache_dir)

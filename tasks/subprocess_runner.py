@@ -24,7 +24,12 @@ from typing import Any
 from eagle3_prefect.tasks.errors import ERROR_CLASSES, StageCrashed, StageTimeout
 
 #: default wall-clock limit per stage, overridable with EAGLE3_<STAGE>_TIMEOUT_S
-DEFAULT_TIMEOUT_S = {"regenerate": 12 * 3600, "capture": 24 * 3600, "train": 72 * 3600, "evaluate": 6 * 3600}
+DEFAULT_TIMEOUT_S = {
+    "regenerate": 12 * 3600,
+    "capture": 24 * 3600,
+    "train": 72 * 3600,
+    "evaluate": 6 * 3600,
+}
 KILL_GRACE_S = 15.0
 
 #: "12/345" as printed by tqdm ("45%|####  | 12/345") or "step 12/345"
@@ -35,8 +40,10 @@ _PROGRESS_RE = re.compile(r"(?:\|\s*|step\s+|samples?\s+|shard\s+)(\d+)\s*/\s*(\
 _WARNING_RE = re.compile(r"(WARNING|ERROR|CRITICAL) [\w.]+: ")
 #: a line vLLM's own logging wrote ("(EngineCore_DP0 pid=12) WARNING 12-03 07:01:02 [file.py:12]
 #: ..."): it stays in the stage's log file; only its ERROR/CRITICAL lines reach the run's log too
-_VLLM_RE = re.compile(r"^(?:\S*\([\w-]+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-                      r"\d\d-\d\d \d\d:\d\d:\d\d ")
+_VLLM_RE = re.compile(
+    r"^(?:\S*\([\w-]+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"\d\d-\d\d \d\d:\d\d:\d\d "
+)
 #: the stage's whole output goes to <out>/.eagle3-logs/<stage>-<time>.log (a dot-dir: never part of
 #: its outputs)
 LOG_DIR = ".eagle3-logs"
@@ -51,7 +58,15 @@ def stage_timeout_s(stage: str) -> float:
 
 def build_command(stage: str, config_json: Path, result_json: Path) -> list[str]:
     """The child command line (a function so tests can substitute a failing child)."""
-    return [sys.executable, "-u", "-m", "eagle3_prefect.tasks._stage_main", stage, str(config_json), str(result_json)]
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "eagle3_prefect.tasks._stage_main",
+        stage,
+        str(config_json),
+        str(result_json),
+    ]
 
 
 def parse_progress(line: str) -> float | None:
@@ -112,17 +127,21 @@ def run_stage_subprocess(
 ) -> dict[str, Any]:
     """Run `stage` with `config` in a child process; return the stage result as JSON-able data.
 
-    Progress (0-1) goes to `on_progress`, from the child's progress lines and from `probe` (a function
-    reading the stage's own progress files), every ~2 s from the calling thread.
-    Raises the StageError subclass matching the child's failure (config / oom / crash / engine_start)
-    or StageTimeout after killing the child's process group.
+    Progress (0-1) goes to `on_progress`, from the child's progress lines and from `probe` (a
+    function reading the stage's own progress files), every ~2 s from the calling thread.
+    Raises the StageError subclass matching the child's failure (config / oom / crash /
+    engine_start) or StageTimeout after killing the child's process group.
     """
     log = log or logging.getLogger(f"eagle3.tasks.{stage}")
     timeout_s = timeout_s if timeout_s is not None else stage_timeout_s(stage)
     stale = remove_stale_temp_dirs()
     if stale:
-        log.info("stage %s: removed %d temp dir(s) of stage runs whose process is gone: %s", stage,
-                 len(stale), ", ".join(stale[:5]))
+        log.info(
+            "stage %s: removed %d temp dir(s) of stage runs whose process is gone: %s",
+            stage,
+            len(stale),
+            ", ".join(stale[:5]),
+        )
     log_path = stage_log_path(stage, config)
     log_file = None
     if log_path is not None:
@@ -131,8 +150,12 @@ def run_stage_subprocess(
             log_file = open(log_path, "a", buffering=1, errors="replace")
             log.info("stage %s: its whole output (vLLM's log included) goes to %s", stage, log_path)
         except OSError as e:
-            log.warning("stage %s: cannot write its log file %s (%s); vLLM's lines are not kept",
-                        stage, log_path, e)
+            log.warning(
+                "stage %s: cannot write its log file %s (%s); vLLM's lines are not kept",
+                stage,
+                log_path,
+                e,
+            )
     try:
         return _run(stage, config, timeout_s, log, on_progress, probe, log_file)
     finally:
@@ -140,25 +163,38 @@ def run_stage_subprocess(
             log_file.close()
 
 
-def _run(stage: str, config: dict[str, Any], timeout_s: float, log: Any,
-         on_progress: Callable[[float], None] | None, probe: Callable[[], float | None] | None,
-         log_file: Any) -> dict[str, Any]:
+def _run(
+    stage: str,
+    config: dict[str, Any],
+    timeout_s: float,
+    log: Any,
+    on_progress: Callable[[float], None] | None,
+    probe: Callable[[], float | None] | None,
+    log_file: Any,
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"eagle3-{stage}-{os.getpid()}-") as tmp:
         config_json, result_json = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_json.write_text(json.dumps(config, default=str))
-        env = dict(os.environ)  # the child imports eagle3 / eagle3_prefect as this process does (installed)
+        env = dict(
+            os.environ
+        )  # the child imports eagle3 / eagle3_prefect as this process does (installed)
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = build_command(stage, config_json, result_json)
         log.info("stage %s: starting %s (timeout %.0f s)", stage, " ".join(cmd[:5]), timeout_s)
         t0 = time.time()
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
             cwd=os.getcwd(),
         )
         tail: list[str] = []
         progress: list[float] = []
-        reader = threading.Thread(target=_pump, args=(proc, log, tail, progress, log_file),
-                                  daemon=True)
+        reader = threading.Thread(
+            target=_pump, args=(proc, log, tail, progress, log_file), daemon=True
+        )
         reader.start()
         deadline = t0 + timeout_s
         reported = -1.0
@@ -178,8 +214,11 @@ def _run(stage: str, config: dict[str, Any], timeout_s: float, log: Any,
                     _kill_group(proc)
                     reader.join(timeout=5)
                     raise StageTimeout(
-                        stage, f"exceeded timeout_s={timeout_s:.0f} (set by EAGLE3_{stage.upper()}_TIMEOUT_S); "
-                        "its process group was killed. Raise that limit or shrink the stage's work")
+                        stage,
+                        f"exceeded timeout_s={timeout_s:.0f} (set by "
+                        f"EAGLE3_{stage.upper()}_TIMEOUT_S); its process group was killed. Raise "
+                        "that limit or shrink the stage's work",
+                    )
         finally:
             if proc.poll() is None:  # cancelled or interrupted: never leave an engine behind
                 _kill_group(proc)
@@ -196,7 +235,9 @@ def _run(stage: str, config: dict[str, Any], timeout_s: float, log: Any,
             raise cls(stage, f"{report.get('type')}: {report.get('message')}")
         how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
         last = "\n".join(tail[-20:])
-        raise StageCrashed(stage, f"process {how} after {wall_s:.1f} s without a result; last output:\n{last}")
+        raise StageCrashed(
+            stage, f"process {how} after {wall_s:.1f} s without a result; last output:\n{last}"
+        )
 
 
 def relay_level(line: str) -> int | None:
@@ -209,14 +250,17 @@ def relay_level(line: str) -> int | None:
     return logging.WARNING if _WARNING_RE.match(line) else logging.INFO
 
 
-def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[float],
-          log_file: Any = None) -> None:
+def _pump(
+    proc: subprocess.Popen, log: Any, tail: list[str], progress: list[float], log_file: Any = None
+) -> None:
     """Copy the child's output into the stage's log file and, but for vLLM's chatter, into the run's
     log line by line (tqdm's \\r updates become progress)."""
     assert proc.stdout is not None
     buf = b""
     while True:
-        chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
+        chunk = (
+            proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
+        )
         if not chunk:
             break
         buf += chunk
@@ -235,7 +279,8 @@ def _pump(proc: subprocess.Popen, log: Any, tail: list[str], progress: list[floa
                     continue
             tail.append(line)
             del tail[:-200]
-            # the child's own warnings stay visible when the log shows warnings only (eagle3.console)
+            # the child's own warnings stay visible when the log shows warnings only
+            # (eagle3.console)
             level = relay_level(line)
             if level is not None:
                 (log.warning if level >= logging.WARNING else log.info)("%s", line)
@@ -287,7 +332,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         try:
             proc.wait(timeout=wait_s)
-            # the leader is gone; give the rest of the group (engine cores) the same signal once more
+            # the leader is gone; give the rest of the group (engine cores) the same signal once
+            # more
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:

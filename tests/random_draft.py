@@ -1,10 +1,10 @@
 """A random-weight EAGLE-3 draft directory that vLLM loads (`LlamaForCausalLMEagle3`).
 
 For tests and plumbing checks without a trained draft: the layout is exactly what vLLM's
-`vllm/model_executor/models/llama_eagle3.py` loads (one decoder layer under `midlayer.*`, the `fc` that
-fuses the aux hidden states, `norm`, a `lm_head` over the draft vocabulary and the `d2t`/`t2d` maps);
-the target's embedding is shared (no `embed_tokens` in the file). Acceptance of a random draft is ~0,
-so τ ≈ 1; it proves the wiring, not quality.
+`vllm/model_executor/models/llama_eagle3.py` loads (one decoder layer under `midlayer.*`, the `fc`
+that fuses the aux hidden states, `norm`, a `lm_head` over the draft vocabulary and the `d2t`/`t2d`
+maps); the target's embedding is shared (no `embed_tokens` in the file). Acceptance of a random
+draft is ~0, so τ ≈ 1; it proves the wiring, not quality.
 
     from tests.random_draft import build_random_draft
     build_random_draft("path/to/target", "path/to/draft", draft_vocab_size=256)
@@ -29,7 +29,8 @@ class RandomDraft:
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """(2, L//2, L-3), the EAGLE-3 default, in vLLM semantics (id k = output of decoder layer k-1)."""
+    """(2, L//2, L-3), the EAGLE-3 default, in vLLM semantics (id k = output of decoder layer
+    k-1)."""
     return [2, num_layers // 2, num_layers - 3]
 
 
@@ -69,7 +70,10 @@ def build_random_draft(
         raise ValueError(f"aux_layer_ids must be in 0..{L} for a {L}-layer target, got {aux}")
     if len(set(aux)) != len(aux):
         # vLLM collects each aux layer once, so duplicates would break the fc input width
-        raise ValueError(f"aux_layer_ids has duplicates {aux} (the default for a {L}-layer target); pass distinct ids, e.g. [1, {L // 2}, {L - 1}]")
+        raise ValueError(
+            f"aux_layer_ids has duplicates {aux} (the default for a {L}-layer target); pass "
+            f"distinct ids, e.g. [1, {L // 2}, {L - 1}]"
+        )
     torch_dtype = getattr(torch, dtype)
 
     g = torch.Generator().manual_seed(seed)
@@ -98,7 +102,11 @@ def build_random_draft(
         "d2t": torch.zeros(dv, dtype=torch.int64),
         "t2d": torch.arange(V) < dv,
     }
-    rope = {k: tcfg[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if tcfg.get(k) is not None}
+    rope = {
+        k: tcfg[k]
+        for k in ("rope_parameters", "rope_theta", "rope_scaling")
+        if tcfg.get(k) is not None
+    }
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -126,4 +134,6 @@ def build_random_draft(
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return RandomDraft(path=out, aux_layer_ids=aux, draft_vocab_size=dv, vocab_size=V, hidden_size=H)
+    return RandomDraft(
+        path=out, aux_layer_ids=aux, draft_vocab_size=dv, vocab_size=V, hidden_size=H
+    )

@@ -1,16 +1,18 @@
 """Every command line in README.md, docs/scaling.md, docs/decisions/ and benchmarks/README.md works
 as written (docs/operations.md's are run by tests/test_prefect_server.py).
 
-Each documented command is found (fenced blocks and inline code spans) and must be classified here: an
-`eagle3` command is parsed by the real CLI parser with its placeholders filled in (FILE = every preset in
-configs/ for `eagle3 plan`, `h200|b300|...` = each alternative), and run for real where that is cheap
-(`eagle3 plan` on every preset and profile, configs loaded and validated); `bash scripts/demo.sh` runs with
---dry-run (the eagle3 command it would run, checked the same way); `bash benchmarks/gpu_call.sh run ... -- CMD`
-runs with --dry-run (CMD checked the same way when it is an eagle3 or benchmark command);
-`bash scripts/test.sh ...` runs with --dry-run (its pytest command must parse); any other benchmark
-command (`python benchmarks/X.py --flag ...`, `bash benchmarks/X.sh ...`) must name an existing script that defines
-every flag it passes; the rest names the test that runs it.
-A new command in the docs that fits none of these fails the test, so the docs cannot drift unnoticed.
+Each documented command is found (fenced blocks and inline code spans) and must be classified here:
+an `eagle3` command is parsed by the real CLI parser with its placeholders filled in (FILE = every
+preset in configs/ for `eagle3 plan`, `h200|b300|...` = each alternative), and run for real where
+that is cheap (`eagle3 plan` on every preset and profile, configs loaded and validated);
+`bash scripts/demo.sh` runs with --dry-run (the eagle3 command it would run, checked the same way);
+`bash benchmarks/gpu_call.sh run ... -- CMD` runs with --dry-run (CMD checked the same way when it
+is an eagle3 or benchmark command); `bash scripts/test.sh ...` runs with --dry-run (its pytest
+command must parse); any other benchmark command (`python benchmarks/X.py --flag ...`,
+`bash benchmarks/X.sh ...`) must name an existing script that defines every flag it passes; the rest
+names the test that runs it.
+A new command in the docs that fits none of these fails the test, so the docs cannot drift
+unnoticed.
 """
 
 from __future__ import annotations
@@ -30,36 +32,54 @@ from eagle3.config import load_pipeline_config
 from eagle3.stages import stage_names
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/scaling.md", "benchmarks/README.md",
-        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "decisions").glob("*.md")))
+DOCS = (
+    "README.md",
+    "docs/scaling.md",
+    "benchmarks/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "decisions").glob("*.md")),
+)
 PRESETS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml"))
 
 #: documented commands run by other tests (command prefix -> where)
 COVERED_ELSEWHERE = {
-    "python scripts/scaling_plans.py": "tests/test_plan.py::test_scaling_doc_figures_come_from_the_command",
+    "python scripts/scaling_plans.py": (
+        "tests/test_plan.py::test_scaling_doc_figures_come_from_the_command"
+    ),
     "prefect ": "tests/test_prefect_server.py (a real server, pools, deployments and workers)",
     "EAGLE3_REPO_DIR=$PWD prefect ": "tests/test_prefect_server.py",
     "EAGLE3_REPO_DIR=$PWD bash scripts/deploy.sh": "tests/test_prefect_server.py (runs deploy.sh)",
     "python -m eagle3_prefect.flows.worker": "tests/test_prefect_server.py (starts the workers)",
-    "eagle3 hardware profile": "not a command: the Prefect block type's name (blocks/eagle3_blocks.py)",
+    "eagle3 hardware profile": "not a command: the Prefect block type's name "
+    "(blocks/eagle3_blocks.py)",
 }
 
 #: placeholder -> value when parsing (FILE of `eagle3 plan` / `run` is every preset instead)
-PLACEHOLDERS = {"T": "target", "D": "chats.jsonl", "DIR": "out", "PREPARED": "prepared", "N": "8", "FILE": "x.yaml",
-                "DIR[,DIR...]": "a,b", "your.yaml": "configs/demo.yaml"}
+PLACEHOLDERS = {
+    "T": "target",
+    "D": "chats.jsonl",
+    "DIR": "out",
+    "PREPARED": "prepared",
+    "N": "8",
+    "FILE": "x.yaml",
+    "DIR[,DIR...]": "a,b",
+    "your.yaml": "configs/demo.yaml",
+}
 
 
 def documented_commands() -> list[tuple[str, str, bool]]:
-    """(where, command, whole) for every command line in the docs: fenced bash/console lines (whole command
-    lines) and inline code spans that start with a command (in prose: a whole command, or a mention such as
-    `eagle3 run --no-prefect` whose flags must exist)."""
+    """(where, command, whole) for every command line in the docs: fenced bash/console lines (whole
+    command lines) and inline code spans that start with a command (in prose: a whole command, or a
+    mention such as `eagle3 run --no-prefect` whose flags must exist)."""
     found = []
     for doc in DOCS:
         text = (ROOT / doc).read_text()
         for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
             lines = block.replace("\\\n", " ").splitlines()
-            # a shell block is all commands; in any other block only `$ ` lines are (the rest is output)
-            prompted = lang not in ("bash", "sh", "shell") or any(line.startswith("$ ") for line in lines)
+            # a shell block is all commands; in any other block only `$ ` lines are (the rest is
+            # output)
+            prompted = lang not in ("bash", "sh", "shell") or any(
+                line.startswith("$ ") for line in lines
+            )
             for line in lines:
                 if prompted and not line.startswith("$ "):
                     continue  # a command's printed output
@@ -72,27 +92,34 @@ def documented_commands() -> list[tuple[str, str, bool]]:
     return found
 
 
-#: a benchmark command: `[PYTHONPATH=src] [.venv/bin/]python[3] benchmarks/X.py ...` or `bash benchmarks/X.sh ...`
+#: a benchmark command: `[PYTHONPATH=src] [.venv/bin/]python[3] benchmarks/X.py ...` or `bash
+#: benchmarks/X.sh ...`
 BENCH = r"(PYTHONPATH=src )?((\.venv/bin/)?python3? |bash )benchmarks/"
 
 
 def check_benchmark(cmd: str, capsys) -> None:
-    """The script exists and defines every --flag the command passes (argparse's add_argument or the shell's case);
-    gpu_call.sh run is run with --dry-run and its inner command checked the same way."""
+    """The script exists and defines every --flag the command passes (argparse's add_argument or the
+    shell's case); gpu_call.sh run is run with --dry-run and its inner command checked the same
+    way."""
     argv = shlex.split(re.sub(r"^PYTHONPATH=src ", "", cmd))
     script = next(a for a in argv if a.startswith("benchmarks/"))
     path = ROOT / script
     assert path.is_file(), f"`{cmd}`: {script} does not exist"
-    rest = argv[argv.index(script) + 1:]
-    own = rest[:rest.index("--")] if "--" in rest else rest
+    rest = argv[argv.index(script) + 1 :]
+    own = rest[: rest.index("--")] if "--" in rest else rest
     text = path.read_text()
     for flag in (a.split("=")[0] for a in own if a.startswith("--")):
         assert f'"{flag}"' in text or f"{flag})" in text, f"`{cmd}`: {script} defines no {flag}"
     if script == "benchmarks/gpu_call.sh" and own[:1] == ["run"]:
-        p = subprocess.run(["bash", script, "run", "--dry-run", *own[1:], "--", *rest[len(own) + 1:]], cwd=ROOT,
-                           capture_output=True, text=True, timeout=30)
+        p = subprocess.run(
+            ["bash", script, "run", "--dry-run", *own[1:], "--", *rest[len(own) + 1 :]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert p.returncode == 0, f"`{cmd}`: {p.stderr}"
-        inner = " ".join(rest[len(own) + 1:])
+        inner = " ".join(rest[len(own) + 1 :])
         if re.match(r"python3? -m eagle3\.cli ", inner):
             check_eagle3([shlex.split(inner)[3:]], capsys)
         elif re.match(BENCH, inner):
@@ -101,7 +128,9 @@ def check_benchmark(cmd: str, capsys) -> None:
 
 def expand(cmd: str) -> list[list[str]]:
     """argv lists for `eagle3 ...` with placeholders filled in and `a|b|c` alternatives expanded."""
-    cmd = re.sub(r"\[([^\]]*)\]", r"\1", cmd.replace("DIR[,DIR...]", "a,b"))  # optional parts: include them
+    cmd = re.sub(
+        r"\[([^\]]*)\]", r"\1", cmd.replace("DIR[,DIR...]", "a,b")
+    )  # optional parts: include them
     argv = shlex.split(cmd)[1:]
     options: list[list[str]] = []
     for i, tok in enumerate(argv):
@@ -117,8 +146,13 @@ def expand(cmd: str) -> list[list[str]]:
         else:
             options.append([PLACEHOLDERS.get(tok, tok)])
     combos = [list(p) for p in itertools.product(*options)]
-    if len(options) > 1 and PRESETS in options and any(len(o) > 1 and o is not PRESETS for o in options):
-        # every preset once and every alternative at least once, not the whole product (each plan costs ~0.5 s)
+    if (
+        len(options) > 1
+        and PRESETS in options
+        and any(len(o) > 1 and o is not PRESETS for o in options)
+    ):
+        # every preset once and every alternative at least once, not the whole product (each plan
+        # costs ~0.5 s)
         alt = next(o for o in options if len(o) > 1 and o is not PRESETS)
         i, j = options.index(PRESETS), options.index(alt)
         combos = [c for c in combos if alt.index(c[j]) == PRESETS.index(c[i]) % len(alt)]
@@ -140,7 +174,9 @@ def check_eagle3(argvs: list[list[str]], capsys, whole: bool = True) -> None:
     for argv in argvs:
         if not whole:  # a mention in prose: the command and its flags exist
             flags = subcommand_flags(argv[0])
-            assert all(a in flags for a in argv[1:] if a.startswith("--")), f"`eagle3 {shlex.join(argv)}`: unknown flag"
+            assert all(a in flags for a in argv[1:] if a.startswith("--")), (
+                f"`eagle3 {shlex.join(argv)}`: unknown flag"
+            )
             if not set(argv[1:]) & {"--config", "--target", "--draft", "--data", "--checkpoint"}:
                 continue
 
@@ -152,7 +188,9 @@ def check_eagle3(argvs: list[list[str]], capsys, whole: bool = True) -> None:
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:  # argparse's own error (unknown flag, missing argument)
-            raise AssertionError(f"`eagle3 {shlex.join(argv)}` does not parse: {capsys.readouterr().err}") from e
+            raise AssertionError(
+                f"`eagle3 {shlex.join(argv)}` does not parse: {capsys.readouterr().err}"
+            ) from e
         if args.command == "plan" and Path(args.config).is_file():
             rc = main(argv)
             out = capsys.readouterr()
@@ -177,8 +215,13 @@ def test_every_documented_command_works(capsys, monkeypatch):
         elif cmd.startswith("bash scripts/test.sh"):
             check_test_command(cmd)
         elif cmd.startswith("bash scripts/demo.sh"):
-            p = subprocess.run(["bash", "scripts/demo.sh", "--dry-run", *shlex.split(cmd)[2:]], cwd=ROOT,
-                               capture_output=True, text=True, timeout=60)
+            p = subprocess.run(
+                ["bash", "scripts/demo.sh", "--dry-run", *shlex.split(cmd)[2:]],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert p.returncode == 0, p.stderr
             check_eagle3([shlex.split(p.stdout.strip().splitlines()[-1])[1:]], capsys)
         else:
@@ -190,11 +233,17 @@ QUICK_MARKS = "not vllm and not slow and not prefect"
 
 
 def check_test_command(cmd: str) -> None:
-    """`bash scripts/test.sh [ARGS]` with --dry-run: it accepts ARGS and prints a pytest command that
-    pytest parses (the suite itself is what CI runs); --quick selects the quick tier by marks."""
+    """`bash scripts/test.sh [ARGS]` with --dry-run: it accepts ARGS and prints a pytest command
+    that pytest parses (the suite itself is what CI runs); --quick selects the quick tier by
+    marks."""
     argv = shlex.split(cmd)[2:]
-    p = subprocess.run(["bash", "scripts/test.sh", "--dry-run", *argv], cwd=ROOT,
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["bash", "scripts/test.sh", "--dry-run", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 0, f"`{cmd}`: {p.stderr}"
     pytest_argv = shlex.split(p.stdout.strip().splitlines()[-1])
     assert pytest_argv[:3] == [".venv/bin/python", "-m", "pytest"], f"`{cmd}` runs {pytest_argv}"
@@ -209,11 +258,29 @@ def test_plan_runs_on_every_preset_without_size_flags(capsys, monkeypatch):
     --num-samples); the preset's plan: section supplies both, and a flag still overrides it."""
     monkeypatch.chdir(ROOT)
     for preset in PRESETS:
-        assert load_pipeline_config(preset).plan.get("target_config"), f"{preset} has no plan.target_config"
-        assert main(["plan", "--config", preset, "--hardware", "b300", "--format", "json"]) == 0, capsys.readouterr().err
+        assert load_pipeline_config(preset).plan.get("target_config"), (
+            f"{preset} has no plan.target_config"
+        )
+        assert main(["plan", "--config", preset, "--hardware", "b300", "--format", "json"]) == 0, (
+            capsys.readouterr().err
+        )
         assert '"mode"' in capsys.readouterr().out
-    assert main(["plan", "--config", "configs/kimi-k2.5.yaml", "--hardware", "b300", "--num-samples", "1234",
-                 "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                "configs/kimi-k2.5.yaml",
+                "--hardware",
+                "b300",
+                "--num-samples",
+                "1234",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert '"num_samples": 1234' in out and "samples from --num-samples" in out
     assert "plan.mean_tokens" in out  # the rest still from the preset

@@ -39,13 +39,34 @@ def tiny_config(target: Path, work_dir: Path, *, eval_prompts: bool = True, **ov
         "work_dir": str(work_dir),
         "regenerate": {"enabled": False},
         "prepare": {"max_seq_len": 160, "limit": 8},
-        "capture": {"backend": "hf", "device": "cpu", "dtype": "float32", "storage_dtype": "float32",
-                    "batch_tokens": 512, "shard_tokens": 256},
+        "capture": {
+            "backend": "hf",
+            "device": "cpu",
+            "dtype": "float32",
+            "storage_dtype": "float32",
+            "batch_tokens": 512,
+            "shard_tokens": 256,
+        },
         "vocab": {"draft_vocab_size": 128},
-        "train": {"ttt_steps": 2, "max_steps": 3, "warmup_steps": 1, "max_seq_len": 160, "eval_every": 3,
-                  "save_every": 3, "log_every": 1, "val_fraction": 0.25, "device": "cpu", "dtype": "float32"},
-        "evaluate": {"num_prompts": 2, "max_tokens": 8, "max_model_len": 512, "baseline": False,
-                     "dtype": "float32"},
+        "train": {
+            "ttt_steps": 2,
+            "max_steps": 3,
+            "warmup_steps": 1,
+            "max_seq_len": 160,
+            "eval_every": 3,
+            "save_every": 3,
+            "log_every": 1,
+            "val_fraction": 0.25,
+            "device": "cpu",
+            "dtype": "float32",
+        },
+        "evaluate": {
+            "num_prompts": 2,
+            "max_tokens": 8,
+            "max_model_len": 512,
+            "baseline": False,
+            "dtype": "float32",
+        },
     }
     return PipelineConfig.model_validate(deep_merge(raw, overrides))
 
@@ -59,8 +80,8 @@ class FakeEvaluateResult:
 
 
 def fake_evaluate(cfg) -> FakeEvaluateResult:
-    """Stand-in for run_evaluate: τ is a deterministic function of the draft's bytes (or EAGLE3_FAKE_TAU);
-    writes results.json and a chart like the real stage."""
+    """Stand-in for run_evaluate: τ is a deterministic function of the draft's bytes (or
+    EAGLE3_FAKE_TAU); writes results.json and a chart like the real stage."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,13 +95,19 @@ def fake_evaluate(cfg) -> FakeEvaluateResult:
     per_pos = [round((tau - 1.0) / 3, 4)] * 3
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"acceptance_length": tau, "acceptance_rate_per_position": per_pos}))
+    (out / "results.json").write_text(
+        json.dumps({"acceptance_length": tau, "acceptance_rate_per_position": per_pos})
+    )
     fig, ax = plt.subplots(figsize=(3, 2))
     ax.bar([1, 2, 3], per_pos)
     fig.savefig(out / "acceptance.png", dpi=50)
     plt.close(fig)
-    return FakeEvaluateResult(out=out, acceptance_length=tau, acceptance_rate_per_position=per_pos,
-                              chart_path=out / "acceptance.png")
+    return FakeEvaluateResult(
+        out=out,
+        acceptance_length=tau,
+        acceptance_rate_per_position=per_pos,
+        chart_path=out / "acceptance.png",
+    )
 
 
 def run_flow(flow_fn, *args, **kwargs):
@@ -95,7 +122,9 @@ def _read_task_runs(flow_run_id) -> list[Any]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
     return sorted(runs, key=lambda r: r.created)
 
 
@@ -120,7 +149,10 @@ def child_flow_runs(flow_run_id) -> list[Any]:
 
     with get_client(sync_client=True) as client:
         return client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
+            )
+        )
 
 
 def stage_states(flow_run_id) -> dict[str, str]:
@@ -132,13 +164,17 @@ def artifacts_by_key(flow_run_id=None) -> dict[str, Any]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])) if flow_run_id else None
+    flt = (
+        ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        if flow_run_id
+        else None
+    )
     with get_client(sync_client=True) as client:
         arts = client.read_artifacts(artifact_filter=flt) if flt else client.read_artifacts()
     return {a.key: a for a in arts if a.key}
 
 
-# ------------------------------------------------------------------------------------------ fixtures
+# ----------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
     """One embedded Prefect API for the session; results (the cache records) in a temp dir."""
@@ -150,7 +186,9 @@ def prefect_harness(tmp_path_factory):
     from prefect.testing.utilities import prefect_test_harness
 
     storage = tmp_path_factory.mktemp("prefect-results")
-    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+    with temporary_settings(
+        {PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_SERVER_ANALYTICS_ENABLED: False}
+    ):
         with prefect_test_harness(server_startup_timeout=120):
             yield storage
 
@@ -164,7 +202,11 @@ def fast_stages():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EAGLE3_INPROCESS", "all")
-        mp.setitem(STAGES, "evaluate", dataclasses.replace(STAGES["evaluate"], function=f"{__name__}:fake_evaluate"))
+        mp.setitem(
+            STAGES,
+            "evaluate",
+            dataclasses.replace(STAGES["evaluate"], function=f"{__name__}:fake_evaluate"),
+        )
         yield
 
 
@@ -193,12 +235,22 @@ def test_first_run_executes_every_stage_and_reports(base):
         json.dumps(man)  # JSON-able, no tensors
     assert m["evaluate"]["result"]["acceptance_length"] >= 1.0
     arts = artifacts_by_key(base["run_id"])
-    for key in ("tiny-pipeline", "tiny-prepare-summary", "tiny-capture-summary", "tiny-capture-progress",
-                "tiny-train-progress", "tiny-train-metrics", "tiny-draft", "tiny-evaluate-tau"):
+    for key in (
+        "tiny-pipeline",
+        "tiny-prepare-summary",
+        "tiny-capture-summary",
+        "tiny-capture-progress",
+        "tiny-train-progress",
+        "tiny-train-metrics",
+        "tiny-draft",
+        "tiny-evaluate-tau",
+    ):
         assert key in arts, (key, sorted(arts))
     assert arts["tiny-capture-progress"].data == 100.0
     assert "data:image/png;base64," in arts["tiny-evaluate-tau"].data
-    assert Path(m["export"]["out"]).resolve().as_uri() in arts["tiny-draft"].data  # link to the draft
+    assert (
+        Path(m["export"]["out"]).resolve().as_uri() in arts["tiny-draft"].data
+    )  # link to the draft
     metrics = json.loads(arts["tiny-train-metrics"].data)
     assert metrics and "step" in metrics[0]
 
@@ -234,14 +286,18 @@ def test_lost_result_storage_adopts_verified_outputs(base, prefect_harness):
 
     from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
-    stamps = {s: json.loads((Path(m["out"]) / ".eagle3-stage.json").read_text())["finished_at"]
-              for s, m in base["manifests"].items()}
+    stamps = {
+        s: json.loads((Path(m["out"]) / ".eagle3-stage.json").read_text())["finished_at"]
+        for s, m in base["manifests"].items()
+    }
     shutil.rmtree(Path(base["cfg"].work_dir) / ".prefect-results")
     state, run_id, wall = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")
     assert state.is_completed(), state.message
     assert set(stage_states(run_id).values()) == {"Completed"}
-    after = {s: json.loads((Path(m["out"]) / ".eagle3-stage.json").read_text())["finished_at"]
-             for s, m in state.result().items()}
+    after = {
+        s: json.loads((Path(m["out"]) / ".eagle3-stage.json").read_text())["finished_at"]
+        for s, m in state.result().items()
+    }
     assert after == stamps
     assert wall <= 10.0
     state, run_id, _ = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")
@@ -257,8 +313,13 @@ def test_train_config_change_reruns_train_export_evaluate_only(base):
     assert state.is_completed(), state.message
     states = stage_states(run_id)
     assert {s: states[s] for s in STAGES} == {
-        "prepare": "Cached", "capture": "Cached", "vocab": "Cached",
-        "train": "Completed", "export": "Completed", "evaluate": "Completed"}, states
+        "prepare": "Cached",
+        "capture": "Cached",
+        "vocab": "Cached",
+        "train": "Completed",
+        "export": "Completed",
+        "evaluate": "Completed",
+    }, states
 
 
 def test_deleted_capture_shard_is_detected_and_capture_reruns(base):
@@ -304,8 +365,8 @@ def test_config_error_fails_fast_without_retries(base):
 
 
 def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
-    """A bad layer id fails the pipeline (and a sweep) as Failed before any task runs; a run on a work dir
-    another process holds fails at once, naming the holder."""
+    """A bad layer id fails the pipeline (and a sweep) as Failed before any task runs; a run on a
+    work dir another process holds fails at once, naming the holder."""
     from eagle3_prefect.flows.pipeline import eagle3_pipeline
     from eagle3_prefect.flows.sweep import layer_sweep
 
@@ -314,28 +375,45 @@ def test_config_checked_before_any_stage_and_work_dir_locked(base, tmp_path):
     t0 = time.time()
     state, run_id, _ = run_flow(eagle3_pipeline, cfg, dispatch="local")
     assert state.is_failed() and state.type.value == "FAILED", state
-    assert "capture.aux_layer_ids = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; use ids in 1..4" in state.message
+    assert (
+        "capture.aux_layer_ids = [1, 2, 9]: id(s) [9] out of range for this 5-layer target; use "
+        "ids in 1..4" in state.message
+    )
     assert _read_task_runs(run_id) == []
     state, run_id, _ = run_flow(layer_sweep, base["cfg"], [[1, 2], [2, 7]], dispatch="local")
-    assert state.is_failed() and "layer_sets[1] = [2, 7]: id(s) [7] out of range" in state.message, state.message
+    assert (
+        state.is_failed() and "layer_sets[1] = [2, 7]: id(s) [7] out of range" in state.message
+    ), state.message
     assert _read_task_runs(run_id) == []
     assert time.time() - t0 < 60
 
     import subprocess
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from eagle3.lock import dir_lock\n"
-         "with dir_lock(sys.argv[1], 'pipeline work_dir'):\n    print('held', flush=True); time.sleep(600)",
-         str(base["cfg"].work_dir)], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from eagle3.lock import dir_lock\n"
+            "with dir_lock(sys.argv[1], 'pipeline work_dir'):\n    print('held', flush=True); "
+            "time.sleep(600)",
+            str(base["cfg"].work_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         state, run_id, _ = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")
-        assert state.is_failed() and f"is being written by pid {holder.pid}" in state.message, state.message
+        assert state.is_failed() and f"is being written by pid {holder.pid}" in state.message, (
+            state.message
+        )
         assert _read_task_runs(run_id) == []
     finally:
         holder.kill()
         holder.wait(timeout=10)
-    state, _, _ = run_flow(eagle3_pipeline, base["cfg"], dispatch="local")  # the killed holder freed it
+    state, _, _ = run_flow(
+        eagle3_pipeline, base["cfg"], dispatch="local"
+    )  # the killed holder freed it
     assert state.is_completed(), state.message
 
 
@@ -351,7 +429,9 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
     from eagle3_prefect.tasks.stages import gpu_slot
 
     with get_client(sync_client=True) as client:
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="gpu-host-slot-test", limit=1))
+        client.create_global_concurrency_limit(
+            GlobalConcurrencyLimitCreate(name="gpu-host-slot-test", limit=1)
+        )
     monkeypatch.setenv("EAGLE3_GPU_LIMIT", "gpu-host-slot-test")
     held, release, hold_s = threading.Event(), threading.Event(), 4.0
 
@@ -363,8 +443,9 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
     @flow(name="slot-wait")
     def take_slot() -> dict:
         waited: dict = {}
-        # the other stage frees the slot hold_s after this flow asks for it, however long the flow took to start
-        # (on a loaded 2-core host that took over 2 s, and a fixed hold left the wait shorter than hold_s / 2)
+        # the other stage frees the slot hold_s after this flow asks for it, however long the flow
+        # took to start (on a loaded 2-core host that took over 2 s, and a fixed hold left the wait
+        # shorter than hold_s / 2)
         threading.Timer(hold_s, release.set).start()
         with gpu_slot("train", waited):
             pass
@@ -379,7 +460,8 @@ def test_gpu_slot_wait_is_measured_apart_from_stage_time(prefect_harness, monkey
 
 
 def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
-    """capture's child process dies once (exit 1, no result): the task retries and the flow completes."""
+    """capture's child process dies once (exit 1, no result): the task retries and the flow
+    completes."""
     from prefect import flow
 
     import eagle3_prefect.tasks.subprocess_runner as runner
@@ -390,9 +472,12 @@ def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
 
     def crash_once(stage, config_json, result_json):
         cmd = real(stage, config_json, result_json)
-        code = ("import os, sys; m = sys.argv[1]\n"
-                "if not os.path.exists(m):\n    open(m, 'w').close(); print('simulated crash', flush=True); os._exit(1)\n"
-                "os.execv(sys.argv[2], sys.argv[2:])")
+        code = (
+            "import os, sys; m = sys.argv[1]\n"
+            "if not os.path.exists(m):\n    open(m, 'w').close(); print('simulated crash', "
+            "flush=True); os._exit(1)\n"
+            "os.execv(sys.argv[2], sys.argv[2:])"
+        )
         return [sys.executable, "-c", code, str(marker), *cmd]
 
     monkeypatch.setattr(runner, "build_command", crash_once)
@@ -418,8 +503,9 @@ def test_transient_subprocess_crash_is_retried(base, monkeypatch, tmp_path):
 def test_layer_sweep_compares_and_picks_a_winner(base):
     from eagle3_prefect.flows.sweep import layer_sweep
 
-    state, run_id, wall = run_flow(layer_sweep, base["cfg"], [[1, 2, 3], [2, 3, 4]], max_concurrency=2,
-                                   dispatch="local")
+    state, run_id, wall = run_flow(
+        layer_sweep, base["cfg"], [[1, 2, 3], [2, 3, 4]], max_concurrency=2, dispatch="local"
+    )
     assert state.is_completed(), state.message
     out = state.result()
     rows = out["rows"]
@@ -454,7 +540,9 @@ def test_retrain_promotes_better_keeps_current_when_worse(base, tmp_path, monkey
     link = cfg.work_dir / "current-draft"
     assert link.resolve() == Path(first["candidate"]["draft"]).resolve()
 
-    state, run_id, _ = run_flow(retrain, cfg)  # unchanged data: every stage cached, nothing promoted
+    state, run_id, _ = run_flow(
+        retrain, cfg
+    )  # unchanged data: every stage cached, nothing promoted
     again = state.result()
     assert not again["promoted"] and "unchanged" in again["reason"]
     (pipeline_run,) = child_flow_runs(run_id)
@@ -480,7 +568,9 @@ def test_blocks_keep_the_token_secret(prefect_harness, tiny_llama, tmp_path):
     )
     from eagle3_prefect.blocks.register import main as register
 
-    assert register(["--example"]) == 0  # the documented `python -m eagle3_prefect.blocks.register --example`
+    assert (
+        register(["--example"]) == 0
+    )  # the documented `python -m eagle3_prefect.blocks.register --example`
     assert HardwareProfile.load("demo").work_pool == "gpu-1x"
     src = TargetModelSource(hub_id="org/model", revision="abc123", token="hf_secret_value")
     assert "hf_secret_value" not in repr(src) and "hf_secret_value" not in str(src.model_dump())
@@ -493,13 +583,16 @@ def test_blocks_keep_the_token_secret(prefect_harness, tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size = 8 exceeds num_gpus = 1"):
         HardwareProfile(num_gpus=1, tensor_parallel_size=8)
     cfg = tiny_config(tiny_llama, tmp_path / "w")
-    assert StorageLocation(base_path=str(tmp_path / "runs")).apply(cfg).work_dir == tmp_path / "runs" / "tiny"
+    assert (
+        StorageLocation(base_path=str(tmp_path / "runs")).apply(cfg).work_dir
+        == tmp_path / "runs" / "tiny"
+    )
 
 
 def test_fetch_target_task_stamps_the_target_and_caches(prefect_harness, smollm2, tmp_path):
-    """The fetch-target task (pipeline `fetch_target:`) on a copy of an already fetched SmolLM2 dir: the library reuses
-    it (no conversion), the task stamps the dir, a second run is a verified cache hit, and the in-process pipeline's
-    ensure_target accepts it as well."""
+    """The fetch-target task (pipeline `fetch_target:`) on a copy of an already fetched SmolLM2 dir:
+    the library reuses it (no conversion), the task stamps the dir, a second run is a verified cache
+    hit, and the in-process pipeline's ensure_target accepts it as well."""
     import shutil
 
     from prefect import flow
@@ -517,15 +610,20 @@ def test_fetch_target_task_stamps_the_target_and_caches(prefect_harness, smollm2
         return run_stage("fetch-target", cfg.fetch_target_config())
 
     first, second = fetch(), fetch()
-    assert first["cached"] is False and first["result"]["reused"] is True and second["cached"] is True
-    assert read_stamp(target)["status"] == "done" and "model.safetensors" in read_stamp(target)["files"]
+    assert (
+        first["cached"] is False and first["result"]["reused"] is True and second["cached"] is True
+    )
+    assert (
+        read_stamp(target)["status"] == "done"
+        and "model.safetensors" in read_stamp(target)["files"]
+    )
     ensure_target(cfg)  # reuses (the stamp is a dot-file, not part of the fetched files)
 
 
 @pytest.mark.slow
 def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_path):
-    """`eagle3 run --config FILE` runs the Prefect flow on the embedded API; a second invocation (a new
-    process, a new embedded API) executes no stage."""
+    """`eagle3 run --config FILE` runs the Prefect flow on the embedded API; a second invocation (a
+    new process, a new embedded API) executes no stage."""
     import subprocess
 
     import yaml
@@ -533,22 +631,41 @@ def test_eagle3_run_uses_the_flow_and_caches_across_processes(tiny_llama, tmp_pa
     cfg = tiny_config(tiny_llama, tmp_path / "work", eval_prompts=False)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True)))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results")}
-    for k in ("EAGLE3_INPROCESS", "PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED", "VLLM_LOGGING_LEVEL",
-              "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"):
-        env.pop(k, None)  # what `eagle3 run` sets by itself (flows/__init__.py, eagle3.console) is under test
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "home"),
+        "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
+    }
+    for k in (
+        "EAGLE3_INPROCESS",
+        "PREFECT_API_URL",
+        "PREFECT_SERVER_ANALYTICS_ENABLED",
+        "VLLM_LOGGING_LEVEL",
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL",
+    ):
+        env.pop(
+            k, None
+        )  # what `eagle3 run` sets by itself (flows/__init__.py, eagle3.console) is under test
     walls = []
     for _ in range(2):
         t0 = time.time()
-        p = subprocess.run([sys.executable, "-m", "eagle3.cli", "run", "--config", str(path)], env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            [sys.executable, "-m", "eagle3.cli", "run", "--config", str(path)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         walls.append(time.time() - t0)
         assert p.returncode == 0, p.stderr[-3000:]
         manifests = json.loads((tmp_path / "work" / "run_summary.json").read_text())["stages"]
         assert list(manifests) == ["prepare", "capture", "vocab", "train", "export"]
         # quiet by default: one line per stage, no engine/Prefect INFO chatter, no traceback (the
         # telemetry heartbeat's "database is locked"), and a summary table at the end
-        assert "Traceback" not in p.stderr and "database is locked" not in p.stderr, p.stderr[-3000:]
+        assert "Traceback" not in p.stderr and "database is locked" not in p.stderr, p.stderr[
+            -3000:
+        ]
         assert " INFO " not in p.stderr and "| INFO" not in p.stderr, p.stderr[-3000:]
         assert all(f"] {s}" in p.stderr for s in manifests), p.stderr
         assert "key figure" in p.stdout and "run_summary.json" in p.stdout, p.stdout

@@ -1,9 +1,10 @@
 """Per-GPU slots: one gpu-1x worker per GPU, each stage holding its own device's slot
-(EAGLE3_GPU_LIMIT="gpu-host-{host}-gpu{device}"), so drafts train side by side; and the train_grid flow that fans a
-grid of drafts out as separate train stage runs.
+(EAGLE3_GPU_LIMIT="gpu-host-{host}-gpu{device}"), so drafts train side by side; and the train_grid
+flow that fans a grid of drafts out as separate train stage runs.
 
-On the CPU two "devices" are two processes run as a gpu-1x worker runs a dispatched stage (the eagle3-train GPU
-stage flow, with CUDA_VISIBLE_DEVICES 0 or 1) against one Prefect API (the embedded test server)."""
+On the CPU two "devices" are two processes run as a gpu-1x worker runs a dispatched stage (the
+eagle3-train GPU stage flow, with CUDA_VISIBLE_DEVICES 0 or 1) against one Prefect API (the embedded
+test server)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import json, sys
 from eagle3.config import TrainConfig
 from eagle3_prefect.flows.gpu_stages import train_stage
 
-manifest = train_stage(config=TrainConfig.model_validate(json.loads(sys.argv[1])), upstream={}, run_name=sys.argv[2])
+config = TrainConfig.model_validate(json.loads(sys.argv[1]))
+manifest = train_stage(config=config, upstream={}, run_name=sys.argv[2])
 print(json.dumps({"wall_s": manifest["wall_s"], "slot_wait_s": manifest["slot_wait_s"]}))
 """
 
@@ -38,7 +40,9 @@ def test_slot_names_per_device(monkeypatch):
     monkeypatch.setenv("EAGLE3_GPU_LIMIT", TEMPLATE)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert gpu_limit_names() == ["gpu-host-node-7-gpu3"]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")  # a worker that sees three GPUs takes three slots
+    monkeypatch.setenv(
+        "CUDA_VISIBLE_DEVICES", "0,1,2"
+    )  # a worker that sees three GPUs takes three slots
     assert gpu_limit_names() == [f"gpu-host-node-7-gpu{i}" for i in range(3)]
     monkeypatch.setenv("EAGLE3_GPU_LIMIT", "gpu-host-{host}")  # the host-wide slot, as before
     assert gpu_limit_names() == ["gpu-host-node-7"]
@@ -56,7 +60,9 @@ def harness(tmp_path_factory):
     from prefect.testing.utilities import prefect_test_harness
 
     storage = tmp_path_factory.mktemp("prefect-results")
-    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+    with temporary_settings(
+        {PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_SERVER_ANALYTICS_ENABLED: False}
+    ):
         with prefect_test_harness(server_startup_timeout=120):
             yield storage
 
@@ -66,7 +72,9 @@ def inputs(tiny_llama, tmp_path_factory):
     from tests.synthetic_capture import capture_samples, frequent_ids, write_captured, write_vocab
 
     root = tmp_path_factory.mktemp("grid")
-    samples, manifest = capture_samples(tiny_llama, num=12, aux_layer_ids=(1, 2, 4), min_len=16, max_len=40)
+    samples, manifest = capture_samples(
+        tiny_llama, num=12, aux_layer_ids=(1, 2, 4), min_len=16, max_len=40
+    )
     vocab = write_vocab(root / "vocab", 512, frequent_ids(samples, 200, 512))
     return write_captured(root / "cap", samples, manifest, shard_samples=6), vocab
 
@@ -75,9 +83,22 @@ def train_cfg(tiny_llama, inputs, out, **kw):
     from eagle3.config import TrainConfig
 
     cap, vocab = inputs
-    base = dict(target=str(tiny_llama), captured=str(cap), vocab=str(vocab), out=out, max_steps=4, lr=1e-3,
-                warmup_steps=1, max_seq_len=64, ttt_steps=2, eval_every=4, save_every=4, log_every=2,
-                val_fraction=0.2, device="cpu")
+    base = dict(
+        target=str(tiny_llama),
+        captured=str(cap),
+        vocab=str(vocab),
+        out=out,
+        max_steps=4,
+        lr=1e-3,
+        warmup_steps=1,
+        max_seq_len=64,
+        ttt_steps=2,
+        eval_every=4,
+        save_every=4,
+        log_every=2,
+        val_fraction=0.2,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -92,16 +113,37 @@ def test_two_train_runs_hold_their_own_device_slots_at_once(harness, tiny_llama,
     with get_client(sync_client=True) as client:
         for name in names:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), OMP_NUM_THREADS="1",
-               PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_LOCAL_STORAGE_PATH=str(harness),
-               EAGLE3_GPU_LIMIT=TEMPLATE, EAGLE3_INPROCESS="all", EAGLE3_NODE_NAME=host,
-               PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL="INFO")  # an earlier CLI test may have quietened it
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+        OMP_NUM_THREADS="1",
+        PREFECT_API_URL=PREFECT_API_URL.value(),
+        PREFECT_LOCAL_STORAGE_PATH=str(harness),
+        EAGLE3_GPU_LIMIT=TEMPLATE,
+        EAGLE3_INPROCESS="all",
+        EAGLE3_NODE_NAME=host,
+        PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL="INFO",
+    )  # an earlier CLI test may have quietened it
     procs = []
     for d in (0, 1):  # enough steps that each holds its slot well past the other's start-up
-        cfg = train_cfg(tiny_llama, inputs, tmp_path / f"draft{d}", max_steps=120, eval_every=120, save_every=120)
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(cfg.model_dump(mode="json")), f"dev{d}"],
-                                      env={**env, "CUDA_VISIBLE_DEVICES": str(d)}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        cfg = train_cfg(
+            tiny_llama,
+            inputs,
+            tmp_path / f"draft{d}",
+            max_steps=120,
+            eval_every=120,
+            save_every=120,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, json.dumps(cfg.model_dump(mode="json")), f"dev{d}"],
+                env={**env, "CUDA_VISIBLE_DEVICES": str(d)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     both_held, deadline = False, time.time() + 300
     try:
         with get_client(sync_client=True) as client:
@@ -128,10 +170,14 @@ def test_train_grid_trains_each_draft(harness, tiny_llama, inputs, tmp_path, mon
     from eagle3_prefect.flows.grid import train_grid
 
     monkeypatch.setenv("EAGLE3_INPROCESS", "all")
-    runs = {"a": train_cfg(tiny_llama, inputs, tmp_path / "a"), "b": train_cfg(tiny_llama, inputs, tmp_path / "b",
-                                                                              lr=3e-3)}
+    runs = {
+        "a": train_cfg(tiny_llama, inputs, tmp_path / "a"),
+        "b": train_cfg(tiny_llama, inputs, tmp_path / "b", lr=3e-3),
+    }
     rows = train_grid(runs, dispatch="local")["rows"]
-    assert [r["name"] for r in rows] == ["a", "b"] and all(r["steps"] == 4 and not r["cached"] for r in rows)
+    assert [r["name"] for r in rows] == ["a", "b"] and all(
+        r["steps"] == 4 and not r["cached"] for r in rows
+    )
     assert rows[0]["train_loss"] != rows[1]["train_loss"]
     assert all((tmp_path / n / "final" / "model.safetensors").is_file() for n in ("a", "b"))
     again = train_grid(runs, dispatch="local")["rows"]  # unchanged inputs: both cached

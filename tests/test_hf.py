@@ -1,6 +1,6 @@
-"""eagle3.hf: transformers loads from several threads leave weight tying intact, and an untied load of a tied
-config is refused (the CI failure of 2026-12-01: a sweep's concurrent in-process loads left
-PreTrainedModel.tie_weights a no-op, and SmolLM2 then loaded with a random lm_head)."""
+"""eagle3.hf: transformers loads from several threads leave weight tying intact, and an untied load
+of a tied config is refused (the CI failure of 2026-12-01: a sweep's concurrent in-process loads
+left PreTrainedModel.tie_weights a no-op, and SmolLM2 then loaded with a random lm_head)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,15 @@ def tied_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tied-llama")
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=300, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out
 
@@ -52,6 +59,10 @@ def test_concurrent_loads_keep_tie_weights(tied_llama):
 def test_a_tied_config_loaded_untied_is_refused(tied_llama, monkeypatch):
     from transformers import PreTrainedModel
 
-    monkeypatch.setattr(PreTrainedModel, "tie_weights", lambda self, *a, **k: None)  # what the race leaves behind
-    with pytest.raises(UntiedWeightsError, match="tie_word_embeddings=true.*lm_head separate from embed_tokens"):
+    monkeypatch.setattr(
+        PreTrainedModel, "tie_weights", lambda self, *a, **k: None
+    )  # what the race leaves behind
+    with pytest.raises(
+        UntiedWeightsError, match="tie_word_embeddings=true.*lm_head separate from embed_tokens"
+    ):
         load_causal_lm(tied_llama)

@@ -1,4 +1,5 @@
-"""Draft model + TTT attention: kernels agree with the naive full-mask reference (values and gradients)."""
+"""Draft model + TTT attention: kernels agree with the naive full-mask reference (values and
+gradients)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,32 @@ from eagle3.train.attention import (
 )
 
 TARGET_CFG = {
-    "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "vocab_size": 300, "num_hidden_layers": 6,
-    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
-    "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 300,
+    "num_hidden_layers": 6,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
 def small_cfg(**kw) -> DraftConfig:
-    return draft_config_from_target(TARGET_CFG, num_aux=3, draft_vocab_size=100, overrides=DraftOverrides(**kw))
+    return draft_config_from_target(
+        TARGET_CFG, num_aux=3, draft_vocab_size=100, overrides=DraftOverrides(**kw)
+    )
 
 
 def docs(B: int, T: int) -> torch.Tensor:
@@ -41,8 +58,14 @@ def docs(B: int, T: int) -> torch.Tensor:
 def qkv(B, T, steps, nh=4, kvh=2, d=8, dtype=torch.float64):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, nh, T, d, generator=g, dtype=dtype, requires_grad=True)
-    ks = [torch.randn(B, kvh, T, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(steps)]
-    vs = [torch.randn(B, kvh, T, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(steps)]
+    ks = [
+        torch.randn(B, kvh, T, d, generator=g, dtype=dtype, requires_grad=True)
+        for _ in range(steps)
+    ]
+    vs = [
+        torch.randn(B, kvh, T, d, generator=g, dtype=dtype, requires_grad=True)
+        for _ in range(steps)
+    ]
     return q, ks, vs
 
 
@@ -62,38 +85,55 @@ def test_sdpa_matches_naive_values_and_grads(steps):
 
 
 def test_naive_mask_is_the_eagle3_pattern():
-    """Brute force: row t at step j sees step-0 keys s<=t of its document and only row t of steps 1..j."""
+    """Brute force: row t at step j sees step-0 keys s<=t of its document and only row t of steps
+    1..j."""
     B, T, steps = 1, 6, 3
     doc = torch.tensor([[0, 0, 0, 1, 1, 1]])
     d = 4
     q = torch.zeros(B, 1, T, d)  # uniform attention over the allowed keys
     ks = [torch.zeros(B, 1, T, d) for _ in range(steps)]
     vs = [torch.zeros(B, 1, T, d) for _ in range(steps)]
-    for s in range(steps):  # value encodes (step, row) one-hot in a big vector -> use scalar ids instead
+    for s in range(
+        steps
+    ):  # value encodes (step, row) one-hot in a big vector -> use scalar ids instead
         vs[s][..., 0] = torch.arange(T).float() + 100 * s
     out = naive_ttt_attention(q, ks, vs, doc)[0, 0, :, 0]
     for t in range(T):
-        allowed = [u for u in range(T) if u <= t and doc[0, u] == doc[0, t]] + [t + 100 * s for s in range(1, steps)]
+        allowed = [u for u in range(T) if u <= t and doc[0, u] == doc[0, t]] + [
+            t + 100 * s for s in range(1, steps)
+        ]
         assert out[t].item() == pytest.approx(sum(allowed) / len(allowed))
 
 
-@pytest.mark.parametrize("steps,T,padded", [(1, 32, None), (3, 32, None), (3, 40, None), (3, 40, False),
-                                            pytest.param(4, 48, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "steps,T,padded",
+    [
+        (1, 32, None),
+        (3, 32, None),
+        (3, 40, None),
+        (3, 40, False),
+        pytest.param(4, 48, True, marks=pytest.mark.slow),
+    ],
+)
 def test_flex_matches_naive_forward(steps, T, padded):
-    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below. padded None (the
-    default): the step-0 keys through flex plus the merged diagonal (flex_split_attention); False: the (j+1)T
-    concatenated keys; True: every step's keys zero-padded to K*T with block lists cut per step (one compiled kernel
-    for all steps; T=48 is a multiple of the block size, 16 here)."""
+    """flex_attention runs forward-only on CPU (eager); gradients are checked on CUDA below. padded
+    None (the default): the step-0 keys through flex plus the merged diagonal
+    (flex_split_attention); False: the (j+1)T concatenated keys; True: every step's keys zero-padded
+    to K*T with block lists cut per step (one compiled kernel for all steps; T=48 is a multiple of
+    the block size, 16 here)."""
     B = 2
     doc = docs(B, T)
     q, ks, vs = qkv(B, T, steps, dtype=torch.float32)
     q, ks, vs = q.detach(), [k.detach() for k in ks], [v.detach() for v in vs]
     with torch.no_grad():
         ref = naive_ttt_attention(q, ks, vs, doc)
-        # padded needs the compiled kernel (it skips the cut blocks; eager flex does not): inductor's CPU flex
+        # padded needs the compiled kernel (it skips the cut blocks; eager flex does not):
+        # inductor's CPU flex
         fn = make_ttt_attention("flex", doc, steps, compiled=bool(padded), padded=padded)
         want_fn = flex_split_attention if padded is None else flex_ttt_attention
-        assert fn.func is want_fn and fn.keywords.get("padded", None) is (None if padded is None else bool(padded))
+        assert fn.func is want_fn and fn.keywords.get("padded", None) is (
+            None if padded is None else bool(padded)
+        )
         # every step: the TTT loop calls it with the keys so far (step j sees j+1 of them)
         got = fn(q, ks, vs)
         for j in range(steps - 1):
@@ -101,15 +141,17 @@ def test_flex_matches_naive_forward(steps, T, padded):
             want = naive_ttt_attention(q, ks[: j + 1], vs[: j + 1], doc)
             ok = (doc >= 0)[:, None, :, None].expand_as(want)
             torch.testing.assert_close(part[ok], want[ok], rtol=1e-4, atol=1e-4)
-    valid = (doc >= 0)[:, None, :, None].expand_as(ref)  # fully-masked padding rows are kernel-defined
+    valid = (doc >= 0)[:, None, :, None].expand_as(
+        ref
+    )  # fully-masked padding rows are kernel-defined
     torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("steps", [2, 4])
 def test_merge_diagonal_values_and_grads(steps):
-    """flex_split_attention's arithmetic on the CPU (flex has no CPU backward): the causal block's output and
-    log-sum-exp, merged with the diagonal keys, give the naive kernel's values and gradients (float64), the
-    gradient through the log-sum-exp included."""
+    """flex_split_attention's arithmetic on the CPU (flex has no CPU backward): the causal block's
+    output and log-sum-exp, merged with the diagonal keys, give the naive kernel's values and
+    gradients (float64), the gradient through the log-sum-exp included."""
     B, T, nh, kvh, d = 2, 20, 4, 2, 8
     doc = docs(B, T)
     q, ks, vs = qkv(B, T, steps, nh=nh, kvh=kvh, d=d)
@@ -120,8 +162,11 @@ def test_merge_diagonal_values_and_grads(steps):
     ref = naive_ttt_attention(q, ks, vs, doc)
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
     w = torch.randn_like(ref)
-    for a, b in zip(torch.autograd.grad((got * w).sum(), [q, *ks, *vs]),
-                    torch.autograd.grad((ref * w).sum(), [q, *ks, *vs]), strict=True):
+    for a, b in zip(
+        torch.autograd.grad((got * w).sum(), [q, *ks, *vs]),
+        torch.autograd.grad((ref * w).sum(), [q, *ks, *vs]),
+        strict=True,
+    ):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
@@ -136,17 +181,36 @@ def test_flex_grads_cuda():
     got = make_ttt_attention("flex", doc, steps)(q, ks, vs)
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
     w = torch.randn_like(ref)
-    for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves), strict=True):
+    for a, b in zip(
+        torch.autograd.grad((got * w).sum(), leaves),
+        torch.autograd.grad((ref * w).sum(), leaves),
+        strict=True,
+    ):
         torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-3)
 
 
 def test_draft_config_from_target_and_overrides():
     cfg = small_cfg()
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 16)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        64,
+        4,
+        2,
+        16,
+    )
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
-    assert cfg.max_position_embeddings == 1024 and cfg.vocab_size == 300 and cfg.draft_vocab_size == 100
-    over = small_cfg(intermediate_size=32, num_key_value_heads=1, max_position_embeddings=4096, rope_theta=1e4)
-    assert (over.intermediate_size, over.num_key_value_heads, over.max_position_embeddings) == (32, 1, 4096)
+    assert (
+        cfg.max_position_embeddings == 1024
+        and cfg.vocab_size == 300
+        and cfg.draft_vocab_size == 100
+    )
+    over = small_cfg(
+        intermediate_size=32, num_key_value_heads=1, max_position_embeddings=4096, rope_theta=1e4
+    )
+    assert (over.intermediate_size, over.num_key_value_heads, over.max_position_embeddings) == (
+        32,
+        1,
+        4096,
+    )
     nested = draft_config_from_target({"text_config": TARGET_CFG, "architectures": ["X"]}, 3, 100)
     assert nested.hidden_size == 64
     with pytest.raises(DraftConfigError, match="max_position_embeddings=512"):
@@ -160,8 +224,9 @@ def test_draft_config_from_target_and_overrides():
 
 
 def test_multi_layer_draft_ttt_kernels_agree_and_layers_matter():
-    """A 3-layer draft: the exact CPU kernel (sdpa) == the naive full-mask reference through K steps, values and
-    grads (each layer keeps its own per-step keys); the extra layers change the output (they are wired in)."""
+    """A 3-layer draft: the exact CPU kernel (sdpa) == the naive full-mask reference through K
+    steps, values and grads (each layer keeps its own per-step keys); the extra layers change the
+    output (they are wired in)."""
     from eagle3.train.attention import make_ttt_attention
 
     torch.manual_seed(0)
@@ -177,7 +242,9 @@ def test_multi_layer_draft_ttt_kernels_agree_and_layers_matter():
         outs = model(ids, aux, pos, make_ttt_attention(kind, doc, K), steps=K)
         w = torch.linspace(-1, 1, outs[0].numel(), dtype=torch.float64).view_as(outs[0])
         sum((o * w).sum() * (j + 1) for j, o in enumerate(outs)).backward()
-        return torch.stack(outs), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return torch.stack(outs), {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
 
     ref_out, ref_g = run("naive")
     out, g = run("sdpa")
@@ -193,7 +260,8 @@ def test_multi_layer_draft_ttt_kernels_agree_and_layers_matter():
 
 
 def test_draft_step0_is_a_causal_document_aware_layer():
-    """Step 0 with the TTT kernel == the same layer with plain causal SDPA per document; docs don't leak."""
+    """Step 0 with the TTT kernel == the same layer with plain causal SDPA per document; docs don't
+    leak."""
     torch.manual_seed(0)
     cfg = small_cfg()
     model = Eagle3Draft(cfg).double()
@@ -206,12 +274,21 @@ def test_draft_step0_is_a_causal_document_aware_layer():
 
     def plain(q, ks, vs):
         k, v = ks[0].repeat_interleave(2, 1), vs[0].repeat_interleave(2, 1)
-        return torch.cat([torch.nn.functional.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
-                                                                        is_causal=True) for a, b in ((0, 10), (10, 16))], 2)
+        return torch.cat(
+            [
+                torch.nn.functional.scaled_dot_product_attention(
+                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True
+                )
+                for a, b in ((0, 10), (10, 16))
+            ],
+            2,
+        )
 
     torch.testing.assert_close(out, model(ids, aux, pos, plain)[0])
     # second document alone, positions restarted: identical outputs
-    alone = model(ids[:, 10:], aux[:, 10:], pos[:, 10:], make_ttt_attention("sdpa", doc[:, 10:], 1))[0]
+    alone = model(
+        ids[:, 10:], aux[:, 10:], pos[:, 10:], make_ttt_attention("sdpa", doc[:, 10:], 1)
+    )[0]
     torch.testing.assert_close(out[:, 10:], alone)
 
 
@@ -223,7 +300,9 @@ def test_export_keys_cover_the_state_dict(layers):
     sd = model.export_state_dict()
     shapes = expected_export_shapes(model.cfg)
     assert set(sd) == set(shapes)
-    assert {k.split(".")[1] for k in sd if k.startswith("layers.")} == {str(k) for k in range(1, layers)}
+    assert {k.split(".")[1] for k in sd if k.startswith("layers.")} == {
+        str(k) for k in range(1, layers)
+    }
     assert all(shapes[f"layers.{k}.self_attn.q_proj.weight"] == (64, 64) for k in range(1, layers))
     assert all(tuple(sd[k].shape) == s for k, s in shapes.items())
     assert not model.embed_tokens.weight.requires_grad
@@ -231,16 +310,31 @@ def test_export_keys_cover_the_state_dict(layers):
 
 def test_dropout_only_in_training():
     torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      max_position_embeddings=64, rms_norm_eps=1e-6, vocab_size=50, draft_vocab_size=20,
-                      target_hidden_size=32, num_aux=2, num_hidden_layers=2, dropout=0.3)
+    cfg = DraftConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        vocab_size=50,
+        draft_vocab_size=20,
+        target_hidden_size=32,
+        num_aux=2,
+        num_hidden_layers=2,
+        dropout=0.3,
+    )
     model = Eagle3Draft(cfg)
     plain = Eagle3Draft(DraftConfig(**{**cfg.to_dict(), "dropout": 0.0}))
     plain.load_state_dict(model.state_dict())
     ids, aux, pos = torch.randint(0, 50, (1, 6)), torch.randn(1, 6, 64), torch.arange(6)[None]
     attn = make_ttt_attention("naive", torch.zeros(1, 6, dtype=torch.long), 2)
     model.eval(), plain.eval()
-    same = [torch.equal(a, b) for a, b in zip(model(ids, aux, pos, attn, 2), plain(ids, aux, pos, attn, 2), strict=True)]
+    same = [
+        torch.equal(a, b)
+        for a, b in zip(model(ids, aux, pos, attn, 2), plain(ids, aux, pos, attn, 2), strict=True)
+    ]
     assert all(same)
     model.train()
     assert not torch.allclose(model(ids, aux, pos, attn, 2)[0], plain(ids, aux, pos, attn, 2)[0])

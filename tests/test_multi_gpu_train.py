@@ -1,9 +1,11 @@
-"""Training over several processes (torchrun, gloo on the CPU): DDP and FSDP2 train what one process trains,
-and a checkpoint written at one world size resumes at another (2 -> 1 and 1 -> 2, across wrappings too).
+"""Training over several processes (torchrun, gloo on the CPU): DDP and FSDP2 train what one process
+trains, and a checkpoint written at one world size resumes at another (2 -> 1 and 1 -> 2, across
+wrappings too).
 
-One process with grad_accum 2 and two processes with grad_accum 1 take the same two packed rows per step (the
-loader walks one order; rank r keeps rows r::world), so their losses and weights agree up to the order of the
-floating-point sums. The torchrun runs share one launch (a script calling run_train once per job)."""
+One process with grad_accum 2 and two processes with grad_accum 1 take the same two packed rows per
+step (the loader walks one order; rank r keeps rows r::world), so their losses and weights agree up
+to the order of the floating-point sums. The torchrun runs share one launch (a script calling
+run_train once per job)."""
 
 from __future__ import annotations
 
@@ -41,16 +43,31 @@ def capture(tiny_llama, tmp_path_factory):
     from tests.synthetic_capture import capture_samples, frequent_ids, write_captured, write_vocab
 
     root = tmp_path_factory.mktemp("multi")
-    samples, manifest = capture_samples(tiny_llama, num=12, aux_layer_ids=(1, 2, 4), min_len=16, max_len=40)
+    samples, manifest = capture_samples(
+        tiny_llama, num=12, aux_layer_ids=(1, 2, 4), min_len=16, max_len=40
+    )
     vocab = write_vocab(root / "vocab", 512, frequent_ids(samples, 200, 512))
     return write_captured(root / "cap", samples, manifest, shard_samples=6), vocab
 
 
 def base_cfg(tiny_llama, capture) -> dict:
     cap, vocab = capture
-    return dict(target=str(tiny_llama), captured=str(cap), vocab=str(vocab), max_steps=NUM_STEPS, lr=1e-3,
-                warmup_steps=1, max_seq_len=64, ttt_steps=2, eval_every=2, save_every=2, log_every=1,
-                val_fraction=0.2, device="cpu", batch_size=1)
+    return dict(
+        target=str(tiny_llama),
+        captured=str(cap),
+        vocab=str(vocab),
+        max_steps=NUM_STEPS,
+        lr=1e-3,
+        warmup_steps=1,
+        max_seq_len=64,
+        ttt_steps=2,
+        eval_every=2,
+        save_every=2,
+        log_every=1,
+        val_fraction=0.2,
+        device="cpu",
+        batch_size=1,
+    )
 
 
 def train_losses(out: Path) -> list[float]:
@@ -75,14 +92,31 @@ def assert_same_training(got: Path, want: Path) -> None:
 
 
 def torchrun(base: dict, jobs: list[dict], tmp: Path, timeout_s: float = 300) -> tuple[int, str]:
-    """(exit code, stderr) of the jobs under torchrun on 2 CPU processes; the whole process group is killed on
-    timeout (no rank left behind)."""
+    """(exit code, stderr) of the jobs under torchrun on 2 CPU processes; the whole process group is
+    killed on timeout (no rank left behind)."""
     script = tmp / "jobs.py"
     script.write_text(JOBS)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(script), json.dumps(base), json.dumps(jobs)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]), OMP_NUM_THREADS="1"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            json.dumps(base),
+            json.dumps(jobs),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -93,29 +127,43 @@ def torchrun(base: dict, jobs: list[dict], tmp: Path, timeout_s: float = 300) ->
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp2_match_one_process_and_resume_across_world_sizes(tiny_llama, capture, tmp_path):
+def test_ddp_and_fsdp2_match_one_process_and_resume_across_world_sizes(
+    tiny_llama, capture, tmp_path
+):
     from eagle3.train import run_train
 
     base = base_cfg(tiny_llama, capture)
-    one = dict(grad_accum=2)  # one process, two micro-batches: the rows two processes take in one step each
+    one = dict(
+        grad_accum=2
+    )  # one process, two micro-batches: the rows two processes take in one step each
     ref = tmp_path / "one"
     run_train(TrainConfig(**base, **one, out=ref))
-    run_train(TrainConfig(**base, **one, out=tmp_path / "w1to2"), stop_after=2)  # resumed by 2 processes below
+    run_train(
+        TrainConfig(**base, **one, out=tmp_path / "w1to2"), stop_after=2
+    )  # resumed by 2 processes below
 
-    jobs = [{"cfg": {"out": str(tmp_path / "ddp"), "parallel": "ddp"}},
-            {"cfg": {"out": str(tmp_path / "fsdp2"), "parallel": "fsdp2"}},
-            {"cfg": {"out": str(tmp_path / "w2to1"), "parallel": "fsdp2"}, "stop_after": 2},
-            {"cfg": {"out": str(tmp_path / "w1to2"), "parallel": "ddp"}}]
+    jobs = [
+        {"cfg": {"out": str(tmp_path / "ddp"), "parallel": "ddp"}},
+        {"cfg": {"out": str(tmp_path / "fsdp2"), "parallel": "fsdp2"}},
+        {"cfg": {"out": str(tmp_path / "w2to1"), "parallel": "fsdp2"}, "stop_after": 2},
+        {"cfg": {"out": str(tmp_path / "w1to2"), "parallel": "ddp"}},
+    ]
     rc, err = torchrun(base, jobs, tmp_path)
     assert rc == 0, err[-4000:]
     assert "2 processes: ddp (train.parallel ddp)" in err and "2 processes: fsdp2" in err
     assert "written by 1 process(es), none" in err  # w1to2 resumed at world 2
 
-    st = json.loads((tmp_path / "w2to1" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    st = json.loads(
+        (tmp_path / "w2to1" / "checkpoints" / "step-2" / "trainer_state.json").read_text()
+    )
     assert (st["world_size"], st["parallel"], st["global_batch_rows"]) == (2, "fsdp2", 2)
-    assert not (tmp_path / "w2to1" / "checkpoints" / "step-2" / "optimizer").exists()  # one full optimizer file
+    assert not (
+        tmp_path / "w2to1" / "checkpoints" / "step-2" / "optimizer"
+    ).exists()  # one full optimizer file
     with pytest.raises(ConfigError, match=r"2 packed rows per optimizer step .* set grad_accum: 2"):
-        run_train(TrainConfig(**base, out=tmp_path / "w2to1"))  # grad_accum 1 in one process: half the rows
+        run_train(
+            TrainConfig(**base, out=tmp_path / "w2to1")
+        )  # grad_accum 1 in one process: half the rows
     run_train(TrainConfig(**base, **one, out=tmp_path / "w2to1"))  # FSDP2 at 2 -> one process
 
     for name in ("ddp", "fsdp2", "w2to1", "w1to2"):
@@ -123,8 +171,8 @@ def test_ddp_and_fsdp2_match_one_process_and_resume_across_world_sizes(tiny_llam
 
 
 def test_full_optimizer_state_round_trip_and_shape_check():
-    """One process: the saved optimizer state is the optimizer's own dict on the CPU and loads back; a state of
-    another shape is refused naming the parameter."""
+    """One process: the saved optimizer state is the optimizer's own dict on the CPU and loads back;
+    a state of another shape is refused naming the parameter."""
     from eagle3.train import parallel
 
     d = parallel.Dist()
@@ -150,5 +198,9 @@ def test_parallel_choice():
     one, two = parallel.Dist(), parallel.Dist(rank=0, world=2)
     assert parallel.choose_parallel("fsdp2", model, one) == "none"
     assert [parallel.choose_parallel(w, model, two) for w in ("auto", "ddp", "fsdp2", "fsdp")] == [
-        "ddp", "ddp", "fsdp2", "fsdp2"]
+        "ddp",
+        "ddp",
+        "fsdp2",
+        "fsdp2",
+    ]
     assert TrainConfig(parallel="fsdp").parallel == "fsdp2" and TrainConfig().parallel == "auto"

@@ -1,8 +1,9 @@
-"""benchmarks/peer_quality: our captures -> speculators 0.9.0's training input, checked through its own loader.
+"""benchmarks/peer_quality: our captures -> speculators 0.9.0's training input, checked through its
+own loader.
 
-The peer's loader is needed for the check: these tests run where `speculators` 0.9.0 and `hs_connectors` 0.9.0
-import (e.g. `pip install --no-deps --target DIR speculators==0.9.0 hs-connectors==0.9.0` and
-SPECULATORS_SITE=DIR); elsewhere they are skipped.
+The peer's loader is needed for the check: these tests run where `speculators` 0.9.0 and
+`hs_connectors` 0.9.0 import (e.g. `pip install --no-deps --target DIR speculators==0.9.0
+hs-connectors==0.9.0` and SPECULATORS_SITE=DIR); elsewhere they are skipped.
 """
 
 import importlib.util
@@ -17,12 +18,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if os.environ.get("SPECULATORS_SITE"):
     sys.path.insert(0, os.environ["SPECULATORS_SITE"])
-pytest.importorskip("speculators.train.data", reason="speculators 0.9.0 is not importable (SPECULATORS_SITE)")
+pytest.importorskip(
+    "speculators.train.data", reason="speculators 0.9.0 is not importable (SPECULATORS_SITE)"
+)
 
 
 def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"peer_quality_{name}", REPO / "benchmarks" / "peer_quality"
-                                                  / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"peer_quality_{name}", REPO / "benchmarks" / "peer_quality" / f"{name}.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its worker function is pickled by module name
     spec.loader.exec_module(mod)
@@ -36,7 +40,9 @@ def captures(tiny_llama, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("caps")
     a, man = capture_samples(tiny_llama, num=7, aux_layer_ids=(1, 2, 3), seed=0)
     b, _ = capture_samples(tiny_llama, num=5, aux_layer_ids=(1, 2, 3), seed=1)
-    b[2]["loss_mask"] = torch.zeros_like(b[2]["loss_mask"])  # nothing supervised: the peer drops such rows
+    b[2]["loss_mask"] = torch.zeros_like(
+        b[2]["loss_mask"]
+    )  # nothing supervised: the peer drops such rows
     for s in b:
         s["sample_id"] = "b-" + s["sample_id"]
     write_captured(root / "cap_a", a, man, shard_samples=3)
@@ -49,7 +55,9 @@ def test_the_peers_loader_returns_our_tensors(captures, tmp_path: Path) -> None:
     out = tmp_path / "peer_data"
     rec = conv.convert(captures, out, seed=0, workers=2)
     assert rec["num_rows"] == 11 and rec["num_dropped_unsupervised"] == 1
-    assert rec["token_freq"].startswith("speculators.")  # the peer's own counter wrote token_freq.pt
+    assert rec["token_freq"].startswith(
+        "speculators."
+    )  # the peer's own counter wrote token_freq.pt
     verdict = chk.check(out, num_rows=11)
     assert verdict["equal"], verdict["problems"]
     assert len(verdict["rows_checked"]) == 11

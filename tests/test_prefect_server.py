@@ -1,15 +1,16 @@
-"""The Prefect layer against a real `prefect server` with process workers, set up by running the bash block
-of docs/operations.md "2. Local server + workers" line by line (so the documented commands cannot drift):
-the deployments in prefect.yaml, hardware-tagged pools, GPU stages dispatched to the gpu-1x pool under the
-per-host concurrency limit, artifacts; schedules that create and run flow runs; the failure-alert automation
-(a webhook receiver on 127.0.0.1); one pipeline per work dir; config errors failing before any stage.
+"""The Prefect layer against a real `prefect server` with process workers, set up by running the
+bash block of docs/operations.md "2. Local server + workers" line by line (so the documented
+commands cannot drift): the deployments in prefect.yaml, hardware-tagged pools, GPU stages
+dispatched to the gpu-1x pool under the per-host concurrency limit, artifacts; schedules that create
+and run flow runs; the failure-alert automation (a webhook receiver on 127.0.0.1); one pipeline per
+work dir; config errors failing before any stage.
 
-The server runs on PostgreSQL when the Debian package's binaries are installed (a throwaway cluster of its own
-on a free port; EAGLE3_TEST_POSTGRES=0 forces SQLite), on SQLite otherwise. One server for the module;
-everything it starts binds 127.0.0.1 and is stopped at the end.
+The server runs on PostgreSQL when the Debian package's binaries are installed (a throwaway cluster
+of its own on a free port; EAGLE3_TEST_POSTGRES=0 forces SQLite), on SQLite otherwise. One server
+for the module; everything it starts binds 127.0.0.1 and is stopped at the end.
 
-Cheapest config: the tiny target, no regenerate, no evaluate (a vLLM engine costs minutes on this CPU;
-the flow-level tests cover the evaluate artifacts with a stand-in).
+Cheapest config: the tiny target, no regenerate, no evaluate (a vLLM engine costs minutes on this
+CPU; the flow-level tests cover the evaluate artifacts with a stand-in).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def free_port() -> int:
 
 
 def doc_block(heading: str) -> list[str]:
-    """The command lines of the first ```bash block under `heading` in docs/operations.md (comments dropped)."""
+    """The command lines of the first ```bash block under `heading` in docs/operations.md (comments
+    dropped)."""
     text = DOC.read_text()
     start = text.index(heading)
     block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
@@ -61,18 +63,20 @@ def doc_block(heading: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-# ------------------------------------------------------------------------------------------ PostgreSQL
+# --------------------------------------------------------------------------------------- PostgreSQL
 def find_postgres_bin() -> Path | None:
     if os.environ.get("EAGLE3_TEST_POSTGRES", "1") == "0":
         return None
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4])
+    )
     return Path(found[-1]).parent if found else None
 
 
 @contextlib.contextmanager
 def postgres_cluster(bindir: Path):
-    """A throwaway PostgreSQL cluster on a free 127.0.0.1 port (trust auth); yields (connection URL, start s).
-    As root, the server runs as the `postgres` user (initdb refuses root)."""
+    """A throwaway PostgreSQL cluster on a free 127.0.0.1 port (trust auth); yields (connection URL,
+    start s). As root, the server runs as the `postgres` user (initdb refuses root)."""
     t0 = time.time()
     root = Path(tempfile.mkdtemp(prefix="eagle3-pg-"))
     as_user: list[str] = []
@@ -88,23 +92,58 @@ def postgres_cluster(bindir: Path):
         assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}"
 
     try:
-        run(str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "60", "-o",
-            f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        run(
+            str(bindir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
+        run(
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(log),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "start",
+        )
         try:
-            run(str(bindir.parent / "bin" / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-c",
-                "CREATE DATABASE prefect")
+            run(
+                str(bindir.parent / "bin" / "psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-U",
+                "postgres",
+                "-c",
+                "CREATE DATABASE prefect",
+            )
             yield f"postgresql+asyncpg://postgres@127.0.0.1:{port}/prefect", time.time() - t0
         finally:
-            subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
-                           capture_output=True, timeout=60, cwd=root)
+            subprocess.run(
+                [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+                capture_output=True,
+                timeout=60,
+                cwd=root,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------------------ webhook receiver
+# --------------------------------------------------------------------------------- webhook receiver
 class Receiver:
-    """An HTTP server on 127.0.0.1 recording the JSON bodies POSTed to it (the alert destination)."""
+    """An HTTP server on 127.0.0.1 recording the JSON bodies POSTed to it (the alert
+    destination)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
@@ -131,14 +170,16 @@ class Receiver:
                 if text in json.dumps(b):
                     return b
             time.sleep(1)
-        raise TimeoutError(f"no alert mentioning {text!r} within {timeout_s} s; received {self.bodies}")
+        raise TimeoutError(
+            f"no alert mentioning {text!r} within {timeout_s} s; received {self.bodies}"
+        )
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
 
 
-# ------------------------------------------------------------------------------------------ the stack
+# ---------------------------------------------------------------------------------------- the stack
 class Stack:
     """The documented server + workers, each in its own process group, all stopped by close()."""
 
@@ -158,7 +199,8 @@ class Stack:
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "1",
             "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
-            # test speed only: the scheduler's main loop (default 60 s) picks up a schedule added later
+            # test speed only: the scheduler's main loop (default 60 s) picks up a schedule added
+            # later
             "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
             "EAGLE3_REPO_DIR": str(ROOT),
             "EAGLE3_RETRY_BASE_S": "1",
@@ -168,13 +210,21 @@ class Stack:
             # loop
             "EAGLE3_GPU_LEASE_S": "60",
             "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1",
-            # test speed only: the parent notices a finished GPU stage run within 0.5 s (default 3 s)
+            # test speed only: the parent notices a finished GPU stage run within 0.5 s (default 3
+            # s)
             "EAGLE3_DISPATCH_POLL_S": "0.5",
             "TOKENIZERS_PARALLELISM": "false",
         }
-        for key in ("EAGLE3_INPROCESS", "PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
-                    "EAGLE3_ALERT_WEBHOOK_URL", "EAGLE3_ALERT_BLOCK", "EAGLE3_LOST_AFTER_S",
-                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "EAGLE3_RESULT_STORAGE"):
+        for key in (
+            "EAGLE3_INPROCESS",
+            "PREFECT_API_URL",
+            "PREFECT_API_DATABASE_CONNECTION_URL",
+            "EAGLE3_ALERT_WEBHOOK_URL",
+            "EAGLE3_ALERT_BLOCK",
+            "EAGLE3_LOST_AFTER_S",
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY",
+            "EAGLE3_RESULT_STORAGE",
+        ):
             self.env.pop(key, None)
         if database_url:
             self.env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
@@ -187,30 +237,49 @@ class Stack:
 
     def start(self, name: str, command: str) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "w")
-        p = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=ROOT, env=self.env, stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            ["bash", "-c", f"exec {command}"],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs.append((name, p))
         return p
 
-    def sh(self, command: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        p = subprocess.run(["bash", "-c", command], cwd=ROOT, env=self.env, capture_output=True, text=True,
-                           timeout=timeout)
+    def sh(
+        self, command: str, timeout: float = 300, check: bool = True
+    ) -> subprocess.CompletedProcess:
+        p = subprocess.run(
+            ["bash", "-c", command],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check:
             assert p.returncode == 0, f"{command} failed:\n{p.stdout}\n{p.stderr}"
         return p
 
     def run_doc(self, lines: list[str]) -> None:
-        """Run the documented setup; the final `prefect deployment run` line is kept for the tests."""
+        """Run the documented setup; the final `prefect deployment run` line is kept for the
+        tests."""
         for raw in lines:
             line = self.localize(raw)
             if line.startswith("export "):
-                key, _, value = line[len("export "):].partition("=")
+                key, _, value = line[len("export ") :].partition("=")
                 self.env[key] = shlex.split(value)[0]
             elif line.startswith("prefect deployment run"):
                 self.run_line = line
             elif line.endswith("&"):
                 words = line[:-1].split()
-                name = "server" if words[1] == "server" else f"worker-{words[words.index('--pool') + 1]}"
+                name = (
+                    "server"
+                    if words[1] == "server"
+                    else f"worker-{words[words.index('--pool') + 1]}"
+                )
                 self.start(name, line[:-1].strip())
                 if name == "server":
                     self.env["PREFECT_API_URL"] = self.api
@@ -283,13 +352,16 @@ class Stack:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"prefect server did not come up: {(self.logs / 'server.log').read_text()[-3000:]}")
+        raise TimeoutError(
+            f"prefect server did not come up: {(self.logs / 'server.log').read_text()[-3000:]}"
+        )
 
     def deploy_run(self, params: dict, deployment: str = "eagle3-pipeline/pipeline") -> str:
         """The documented run command with `params` in my-params.json; returns the flow run id."""
         (self.home / "my-params.json").write_text(json.dumps(params))
         line = self.run_line.replace("eagle3-pipeline/pipeline", deployment).replace(
-            "my-params.json", str(self.home / "my-params.json"))
+            "my-params.json", str(self.home / "my-params.json")
+        )
         out = self.sh(line).stdout
         return next(w.split()[-1] for w in out.splitlines() if "UUID" in w)
 
@@ -303,10 +375,15 @@ class Stack:
             if fr["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
                 return fr
             time.sleep(0.5)
-        raise TimeoutError(f"flow run {flow_run_id} still {fr['state']['name']} after {timeout_s} s\n{self.tail_logs()}")
+        raise TimeoutError(
+            f"flow run {flow_run_id} still {fr['state']['name']} after {timeout_s} "
+            f"s\n{self.tail_logs()}"
+        )
 
     def tail_logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n" + p.read_text()[-4000:] for p in sorted(self.logs.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n" + p.read_text()[-4000:] for p in sorted(self.logs.glob("*.log"))
+        )
 
     def close(self) -> None:
         for _name, p in reversed(self.procs):
@@ -335,7 +412,10 @@ def stack(tmp_path_factory):
         cleanup.callback(s.close)
         s.run_doc(doc_block("## 2. Local server + workers"))
         s.setup_s, s.postgres_s = time.time() - t0, pg_s
-        print(f"\n[server] database {s.database} (cluster start {pg_s:.1f} s); documented setup {s.setup_s:.1f} s")
+        print(
+            f"\n[server] database {s.database} (cluster start {pg_s:.1f} s); documented setup "
+            f"{s.setup_s:.1f} s"
+        )
         yield s
 
 
@@ -345,7 +425,8 @@ def params_for(cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_cfg(tiny_llama, tmp_path_factory):
-    """The module's pipeline config (one work dir: the scheduled run re-uses the first test's cached stages)."""
+    """The module's pipeline config (one work dir: the scheduled run re-uses the first test's cached
+    stages)."""
     return tiny_config(tiny_llama, tmp_path_factory.mktemp("work"), eval_prompts=False)
 
 
@@ -509,26 +590,52 @@ def test_schedules_create_runs_and_a_scheduled_run_executes(stack, tiny_cfg):
     assert retrain["schedules"] and retrain["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
     deadline = time.time() + 90
     while True:  # the scheduler creates the nightly runs ahead of time
-        scheduled = stack.post("/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [retrain["id"]]},
-                                                                    "state": {"type": {"any_": ["SCHEDULED"]}}}})
+        scheduled = stack.post(
+            "/flow_runs/filter",
+            {
+                "flow_runs": {
+                    "deployment_id": {"any_": [retrain["id"]]},
+                    "state": {"type": {"any_": ["SCHEDULED"]}},
+                }
+            },
+        )
         if scheduled or time.time() > deadline:
             break
         time.sleep(2)
     server_log = (stack.logs / "server.log").read_text()
-    assert scheduled, f"no scheduled retrain runs; scheduler errors: {server_log.count('bulk DML')} bulk DML"
-    assert all(dt.datetime.fromisoformat(r["expected_start_time"]).astimezone(dt.UTC).hour == 3 for r in scheduled)
+    assert scheduled, (
+        f"no scheduled retrain runs; scheduler errors: {server_log.count('bulk DML')} bulk DML"
+    )
+    assert all(
+        dt.datetime.fromisoformat(r["expected_start_time"]).astimezone(dt.UTC).hour == 3
+        for r in scheduled
+    )
     assert "Can't evaluate bulk DML" not in server_log
 
     # a schedule that is due now, with the tiny (cached) config as its parameters: its run executes
     pipeline = deps["pipeline"]
     anchor = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)).isoformat()
-    stack.post(f"/deployments/{pipeline['id']}/schedules",
-               [{"schedule": {"interval": 3600, "anchor_date": anchor, "timezone": "UTC"}, "active": True,
-                 "parameters": params_for(tiny_cfg)}])
+    stack.post(
+        f"/deployments/{pipeline['id']}/schedules",
+        [
+            {
+                "schedule": {"interval": 3600, "anchor_date": anchor, "timezone": "UTC"},
+                "active": True,
+                "parameters": params_for(tiny_cfg),
+            }
+        ],
+    )
     deadline, run = time.time() + 120, None
     while run is None and time.time() < deadline:
-        runs = stack.post("/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [pipeline["id"]]},
-                                                              "tags": {"all_": ["auto-scheduled"]}}})
+        runs = stack.post(
+            "/flow_runs/filter",
+            {
+                "flow_runs": {
+                    "deployment_id": {"any_": [pipeline["id"]]},
+                    "tags": {"all_": ["auto-scheduled"]},
+                }
+            },
+        )
         run = min(runs, key=lambda r: r["expected_start_time"]) if runs else None
         time.sleep(2)
     assert run, "the scheduler created no run for the new schedule"
@@ -593,14 +700,24 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
 
     t_start = time.time()
     # 1. a pipeline run on the cpu worker, lost with its worker during capture
-    cfg_b = tiny_config(tiny_llama, tmp_path_factory.mktemp("lost-parent"), eval_prompts=False,
-                        name="lost-parent", prepare={"limit": 24}, capture={"shard_tokens": 128})
+    cfg_b = tiny_config(
+        tiny_llama,
+        tmp_path_factory.mktemp("lost-parent"),
+        eval_prompts=False,
+        name="lost-parent",
+        prepare={"limit": 24},
+        capture={"shard_tokens": 128},
+    )
     out_b = Path(cfg_b.resolved().capture.out)
     run_b = stack.deploy_run({**params_for(cfg_b), "dispatch": "local"})
     # 2. at the same time, a pipeline run (in a process of its own) whose train run's host dies
-    cfg_a = tiny_config(tiny_llama, tmp_path_factory.mktemp("lost-host"), eval_prompts=False,
-                        name="lost-host", train={"max_steps": 120, "save_every": 10,
-                                                 "log_every": 2, "eval_every": 60})
+    cfg_a = tiny_config(
+        tiny_llama,
+        tmp_path_factory.mktemp("lost-host"),
+        eval_prompts=False,
+        name="lost-host",
+        train={"max_steps": 120, "save_every": 10, "log_every": 2, "eval_every": 60},
+    )
     out_a = Path(cfg_a.resolved().train.out)
     (stack.home / "lost-host.json").write_text(cfg_a.model_dump_json())
     stack.start(

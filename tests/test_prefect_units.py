@@ -1,5 +1,6 @@
 """Unit tests of the Prefect layer's pieces that need no API: retry classification, the subprocess
-runner (streaming, crash, timeout + process-group kill), cache keys and output verification, prefect.yaml."""
+runner (streaming, crash, timeout + process-group kill), cache keys and output verification,
+prefect.yaml."""
 
 from __future__ import annotations
 
@@ -30,20 +31,27 @@ def test_retry_classification():
     assert not is_transient(StageOOMError("train", "OutOfMemoryError: ..."))
     assert is_transient(StageCrashed("capture", "killed by signal 9"))
     assert is_transient(EngineStartError("evaluate", "engine core initialization failed"))
-    assert classify_exception(RuntimeError("Engine core initialization failed. See root cause above")) == "engine_start"
+    assert (
+        classify_exception(RuntimeError("Engine core initialization failed. See root cause above"))
+        == "engine_start"
+    )
     assert is_transient(RuntimeError("NCCL watchdog timeout"))
 
 
 def _patch_child(monkeypatch, code: str):
     import eagle3_prefect.tasks.subprocess_runner as runner
 
-    monkeypatch.setattr(runner, "build_command", lambda stage, c, r: [sys.executable, "-u", "-c", code, str(r)])
+    monkeypatch.setattr(
+        runner, "build_command", lambda stage, c, r: [sys.executable, "-u", "-c", code, str(r)]
+    )
     return runner
 
 
 def test_subprocess_streams_output_and_progress(monkeypatch):
-    code = ("import json, sys\nfor i in range(1, 5): print(f'step {i}/4 loss 1.0', flush=True)\n"
-            "open(sys.argv[1], 'w').write(json.dumps({'ok': True, 'result': {'n': 4}}))")
+    code = (
+        "import json, sys\nfor i in range(1, 5): print(f'step {i}/4 loss 1.0', flush=True)\n"
+        "open(sys.argv[1], 'w').write(json.dumps({'ok': True, 'result': {'n': 4}}))"
+    )
     runner = _patch_child(monkeypatch, code)
     seen, progress = [], []
 
@@ -51,7 +59,9 @@ def test_subprocess_streams_output_and_progress(monkeypatch):
         def info(self, fmt, *args):
             seen.append(fmt % args)
 
-    assert runner.run_stage_subprocess("train", {}, log=Log(), on_progress=progress.append) == {"n": 4}
+    assert runner.run_stage_subprocess("train", {}, log=Log(), on_progress=progress.append) == {
+        "n": 4
+    }
     assert any("step 4/4 loss" in s for s in seen)
     assert runner.parse_progress(" 45%|####      | 9/20 [00:01<00:02]") == pytest.approx(0.45)
 
@@ -59,8 +69,11 @@ def test_subprocess_streams_output_and_progress(monkeypatch):
 def test_subprocess_classified_failures(monkeypatch):
     from eagle3_prefect.tasks.errors import StageConfigError, StageCrashed, StageOOMError
 
-    code = ("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps({'ok': False, 'kind': 'config', "
-            "'type': 'ConfigError', 'message': 'capture.aux_layer_ids = [99]: the target has 5 layers'}))\nsys.exit(2)")
+    code = (
+        "import json, sys\nopen(sys.argv[1], 'w').write(json.dumps({'ok': False, 'kind': 'config', "
+        "'type': 'ConfigError', 'message': 'capture.aux_layer_ids = [99]: the target has 5 "
+        "layers'}))\nsys.exit(2)"
+    )
     runner = _patch_child(monkeypatch, code)
     with pytest.raises(StageConfigError, match=r"capture.aux_layer_ids = \[99\]"):
         runner.run_stage_subprocess("capture", {})
@@ -76,9 +89,11 @@ def test_subprocess_timeout_kills_the_process_group(monkeypatch, tmp_path):
     from eagle3_prefect.tasks.errors import StageTimeout
 
     pidfile = tmp_path / "grandchild.pid"
-    code = ("import subprocess, sys, time\n"
-            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-            f"open({str(pidfile)!r}, 'w').write(str(p.pid))\ntime.sleep(300)")
+    code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\ntime.sleep(300)"
+    )
     runner = _patch_child(monkeypatch, code)
     monkeypatch.setattr(runner, "KILL_GRACE_S", 2.0)
     t0 = time.time()
@@ -101,11 +116,20 @@ def test_stage_main_reports_config_errors(tmp_path):
     import subprocess
 
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"data": str(tmp_path / "missing"), "out": str(tmp_path / "v"), "draft_vocab_size": 0}))
+    cfg.write_text(
+        json.dumps(
+            {"data": str(tmp_path / "missing"), "out": str(tmp_path / "v"), "draft_vocab_size": 0}
+        )
+    )
     res = tmp_path / "r.json"
     env = dict(os.environ)  # eagle3_prefect is installed (pip install -e .)
-    p = subprocess.run([sys.executable, "-m", "eagle3_prefect.tasks._stage_main", "vocab", str(cfg), str(res)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "eagle3_prefect.tasks._stage_main", "vocab", str(cfg), str(res)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2, p.stderr
     report = json.loads(res.read_text())
     assert report["kind"] == "config" and "draft_vocab_size" in report["message"]
@@ -127,12 +151,16 @@ def test_cache_key_and_verification(tmp_path):
     key = stage_cache_key("vocab", cfg, up)
     assert key == stage_cache_key("vocab", cfg.model_dump(mode="json"), up)
     assert key != stage_cache_key("vocab", cfg.model_copy(update={"draft_vocab_size": 9}), up)
-    assert key != stage_cache_key("vocab", cfg, {"prepare": {**up["prepare"], "content_sha256": "b" * 64}})
+    assert key != stage_cache_key(
+        "vocab", cfg, {"prepare": {**up["prepare"], "content_sha256": "b" * 64}}
+    )
     out = tmp_path / "vocab"
     out.mkdir()
     (out / "a.bin").write_bytes(b"12345")
     files = list_outputs(out)
-    write_stamp(out, {"key": key, "status": "done", "files": files, "content_sha256": content_sha256(files)})
+    write_stamp(
+        out, {"key": key, "status": "done", "files": files, "content_sha256": content_sha256(files)}
+    )
     assert verify_outputs(out, key) == (True, "")
     assert not verify_outputs(out, key + "x")[0]
     os.utime(out / "a.bin", ns=(files["a.bin"][1] + 10**9,) * 2)  # touched, same bytes: still valid
@@ -359,28 +387,39 @@ def test_progress_probes_read_stage_files(tmp_path):
     probe = make_probe("train", train)
     assert probe() is None
     (train.out / "logs").mkdir(parents=True)
-    (train.out / "logs" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 4, "loss": 2.0}\n{"step": 4, "spl')
+    (train.out / "logs" / "metrics.jsonl").write_text(
+        '{"step": 1}\n{"step": 4, "loss": 2.0}\n{"step": 4, "spl'
+    )
     assert probe() == pytest.approx(0.4)
     prepared = tmp_path / "prepared"
     prepared.mkdir()
     (prepared / "manifest.json").write_text(json.dumps({"num_samples": 20}))
     cap = SimpleNamespace(out=tmp_path / "cap", data=str(prepared), limit=8)
     cap.out.mkdir()
-    (cap.out / "progress.json").write_text(json.dumps({"shards": [{"next_index": 2}, {"next_index": 6}]}))
+    (cap.out / "progress.json").write_text(
+        json.dumps({"shards": [{"next_index": 2}, {"next_index": 6}]})
+    )
     assert make_probe("capture", cap)() == pytest.approx(0.75)
     assert make_probe("export", cap) is None
 
 
 def test_stage_process_dies_with_its_parent(tmp_path):
-    """The task process is SIGKILLed: the stage process (own session) notices and stops its group."""
+    """The task process is SIGKILLed: the stage process (own session) notices and stops its
+    group."""
     import subprocess
 
     pidfile = tmp_path / "stage.pid"
-    stage = ("import os, time\nfrom eagle3_prefect.tasks._stage_main import start_parent_watchdog\n"
-             f"start_parent_watchdog(interval_s=0.2, grace_s=1)\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
-             "time.sleep(300)")
-    parent = ("import subprocess, sys, time\n"
-              f"subprocess.Popen([sys.executable, '-c', {stage!r}], start_new_session=True)\ntime.sleep(300)")
+    stage = (
+        "import os, time\nfrom eagle3_prefect.tasks._stage_main import start_parent_watchdog\n"
+        f"start_parent_watchdog(interval_s=0.2, grace_s=1)\nopen({str(pidfile)!r}, "
+        "'w').write(str(os.getpid()))\n"
+        "time.sleep(300)"
+    )
+    parent = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {stage!r}], "
+        "start_new_session=True)\ntime.sleep(300)"
+    )
     env = dict(os.environ)  # eagle3_prefect is installed (pip install -e .)
     p = subprocess.Popen([sys.executable, "-c", parent], env=env)
     for _ in range(200):

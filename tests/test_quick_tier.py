@@ -23,19 +23,37 @@ class FakeItem:
         self.marks.add(mark)
 
 
-@pytest.mark.parametrize(("nodeid", "fixtures", "marks"), [
-    ("tests/test_capture.py::test_manifest_and_reader", ("vllm_llama", "prepared_llama"), {"vllm"}),
-    ("tests/test_regenerate.py::test_regenerate_resume_after_kill", ("tiny_llama", "llm"), {"vllm"}),
-    ("tests/test_stream.py::test_pipeline_flow_streams_when_enabled", ("prefect_harness",),
-     {"prefect"}),
-    ("tests/test_flows.py::test_anything_new", (), {"prefect"}),
-    ("tests/test_evaluate.py::test_evaluate_random_draft", ("tiny_llama",), {"vllm"}),
-    ("tests/test_train.py::test_resume_is_exact[plain]", ("captured",), {"slow"}),
-    ("tests/test_sampling_fix.py::test_cpu_rejection_sampler_accepts_with_target_probability[0.9]",
-     (), {"slow"}),
-    ("tests/test_capture.py::test_bad_layer_ids[x]", ("tiny_llama", "prepared_llama"), set()),
-    ("tests/test_config.py::test_anything", (), set()),
-])
+@pytest.mark.parametrize(
+    ("nodeid", "fixtures", "marks"),
+    [
+        (
+            "tests/test_capture.py::test_manifest_and_reader",
+            ("vllm_llama", "prepared_llama"),
+            {"vllm"},
+        ),
+        (
+            "tests/test_regenerate.py::test_regenerate_resume_after_kill",
+            ("tiny_llama", "llm"),
+            {"vllm"},
+        ),
+        (
+            "tests/test_stream.py::test_pipeline_flow_streams_when_enabled",
+            ("prefect_harness",),
+            {"prefect"},
+        ),
+        ("tests/test_flows.py::test_anything_new", (), {"prefect"}),
+        ("tests/test_evaluate.py::test_evaluate_random_draft", ("tiny_llama",), {"vllm"}),
+        ("tests/test_train.py::test_resume_is_exact[plain]", ("captured",), {"slow"}),
+        (
+            "tests/test_sampling_fix.py::"
+            "test_cpu_rejection_sampler_accepts_with_target_probability[0.9]",
+            (),
+            {"slow"},
+        ),
+        ("tests/test_capture.py::test_bad_layer_ids[x]", ("tiny_llama", "prepared_llama"), set()),
+        ("tests/test_config.py::test_anything", (), set()),
+    ],
+)
 def test_marks_by_fixture_and_by_name(nodeid, fixtures, marks):
     item = FakeItem(nodeid, fixtures)
     add_quick_tier_marks(item)
@@ -43,16 +61,34 @@ def test_marks_by_fixture_and_by_name(nodeid, fixtures, marks):
 
 
 def run_test_command(*args: str) -> list[str]:
-    return subprocess.run(["bash", "scripts/test.sh", "--dry-run", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    return subprocess.run(
+        ["bash", "scripts/test.sh", "--dry-run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.splitlines()
 
 
 def test_the_test_command_selects_the_quick_tier():
     quick = run_test_command("--quick", "-x")
     assert quick[0].startswith(f"PYTHONPATH={ROOT}/tests/quick_guard")
-    assert quick[-1].split() == [".venv/bin/python", "-m", "pytest", "-m",
-                                 "not\\", "vllm\\", "and\\", "not\\", "slow\\", "and\\", "not\\",
-                                 "prefect", "-x"]
+    assert quick[-1].split() == [
+        ".venv/bin/python",
+        "-m",
+        "pytest",
+        "-m",
+        "not\\",
+        "vllm\\",
+        "and\\",
+        "not\\",
+        "slow\\",
+        "and\\",
+        "not\\",
+        "prefect",
+        "-x",
+    ]
     full = run_test_command()
     assert not any("quick_guard" in line for line in full)
     assert full[-1].split() == [".venv/bin/python", "-m", "pytest"]
@@ -74,8 +110,9 @@ def test_the_guard_stops_an_engine_and_a_prefect_api_and_names_the_mark():
         "    print('prefect', type(e).__name__, e)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "quick_guard")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    ).stdout
     assert "vllm QuickTierError" in out and "@pytest.mark.vllm" in out, out
     # the guard replaced the method before anything could call it: no server was started
     assert "prefect start refuse.<locals>.start" in out, out

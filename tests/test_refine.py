@@ -18,20 +18,51 @@ def tiny_pipeline(target: Path, work_dir: Path, **refine):
     from eagle3.config import PipelineConfig
 
     cpu32 = {"device": "cpu", "dtype": "float32"}
-    return PipelineConfig.model_validate({
-        "name": "tiny-refine", "target": str(target), "data": str(ASSETS / "demo_chats.jsonl"),
-        "work_dir": str(work_dir), "regenerate": {"enabled": False},
-        "prepare": {"max_seq_len": 160, "limit": 10},
-        "capture": {"backend": "hf", **cpu32, "storage_dtype": "float32", "batch_tokens": 1024,
-                    "shard_tokens": 4096},
-        "vocab": {"draft_vocab_size": 128},
-        "train": {"ttt_steps": 3, "max_steps": 3, "warmup_steps": 1, "max_seq_len": 160,
-                  "eval_every": 3, "save_every": 3, "log_every": 1, "val_fraction": 0.25, **cpu32},
-        "refine": {"enabled": True, "rounds": 1, "temperatures": [0.0, 0.6], "num_prompts": 3,
-                   "num_val_prompts": 2, "max_new_tokens": 10, "steps_per_round": 6, "lr": 3e-3,
-                   "warmup_steps": 0, "dtype": "float32", "storage_dtype": "float32",
-                   "generate_batch_size": 8, "capture_batch_tokens": 1024, **refine},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "name": "tiny-refine",
+            "target": str(target),
+            "data": str(ASSETS / "demo_chats.jsonl"),
+            "work_dir": str(work_dir),
+            "regenerate": {"enabled": False},
+            "prepare": {"max_seq_len": 160, "limit": 10},
+            "capture": {
+                "backend": "hf",
+                **cpu32,
+                "storage_dtype": "float32",
+                "batch_tokens": 1024,
+                "shard_tokens": 4096,
+            },
+            "vocab": {"draft_vocab_size": 128},
+            "train": {
+                "ttt_steps": 3,
+                "max_steps": 3,
+                "warmup_steps": 1,
+                "max_seq_len": 160,
+                "eval_every": 3,
+                "save_every": 3,
+                "log_every": 1,
+                "val_fraction": 0.25,
+                **cpu32,
+            },
+            "refine": {
+                "enabled": True,
+                "rounds": 1,
+                "temperatures": [0.0, 0.6],
+                "num_prompts": 3,
+                "num_val_prompts": 2,
+                "max_new_tokens": 10,
+                "steps_per_round": 6,
+                "lr": 3e-3,
+                "warmup_steps": 0,
+                "dtype": "float32",
+                "storage_dtype": "float32",
+                "generate_batch_size": 8,
+                "capture_batch_tokens": 1024,
+                **refine,
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -146,18 +177,37 @@ def test_error_position_finder_matches_an_explicit_loop(piped):
     samples = SelectedLayers(raw, raw.manifest["aux_layer_ids"], meta["aux_layer_ids"], 5)
     k, K = 3, 4
     with torch.no_grad():
-        designed = [with_designed_rounds(model, samples[i], k, first=i % (k + 1))
-                    for i in range(len(samples))]
+        designed = [
+            with_designed_rounds(model, samples[i], k, first=i % (k + 1))
+            for i in range(len(samples))
+        ]
     samples = [x for x, _ in designed]
-    got = find_rejected_blocks(TTTModule(model), samples, head, k=k, steps=K, max_seq_len=320,
-                               batch_size=2, device="cpu", dtype=torch.float32, attention="naive",
-                               rejected_weight=2.5)
+    got = find_rejected_blocks(
+        TTTModule(model),
+        samples,
+        head,
+        k=k,
+        steps=K,
+        max_seq_len=320,
+        batch_size=2,
+        device="cpu",
+        dtype=torch.float32,
+        attention="naive",
+        rejected_weight=2.5,
+    )
     seen_n = set()
     for i, s in enumerate(samples):
         b = pack_batch([[s]], len(s["input_ids"]))
         with torch.no_grad():
-            o = ttt_forward(model, b, head, steps=k, attention="naive", return_correct=True,
-                            accept_on="next_token")
+            o = ttt_forward(
+                model,
+                b,
+                head,
+                steps=k,
+                attention="naive",
+                return_correct=True,
+                accept_on="next_token",
+            )
         ok, valid = (o.correct & o.valid)[:, 0], o.valid[0, 0]  # (k, T), (T,)
         want, weights = [], torch.zeros(len(s["input_ids"]), K)
         t = int(valid.nonzero()[0, 0]) + 1
@@ -187,16 +237,53 @@ def test_cli_flags_and_refusals(piped, tmp_path):
 
     cfg, _ = piped
     work = Path(cfg.work_dir)
-    args = build_parser().parse_args([
-        "refine", "--target", str(cfg.target), "--checkpoint", str(work / "train"), "--data",
-        f"{work / 'prepared'},{work / 'prepared'}", "--vocab", str(work / "vocab"), "--out",
-        str(tmp_path / "r"), "--backend", "hf", "--device", "cpu", "--rounds", "2",
-        "--temperatures", "0.0,0.6", "--num-prompts", "5", "--max-new-tokens", "7", "--lr", "1e-5",
-        "--steps-per-round", "3", "--supervised-share", "0.25", "--captured",
-        str(work / "captured")])
+    args = build_parser().parse_args(
+        [
+            "refine",
+            "--target",
+            str(cfg.target),
+            "--checkpoint",
+            str(work / "train"),
+            "--data",
+            f"{work / 'prepared'},{work / 'prepared'}",
+            "--vocab",
+            str(work / "vocab"),
+            "--out",
+            str(tmp_path / "r"),
+            "--backend",
+            "hf",
+            "--device",
+            "cpu",
+            "--rounds",
+            "2",
+            "--temperatures",
+            "0.0,0.6",
+            "--num-prompts",
+            "5",
+            "--max-new-tokens",
+            "7",
+            "--lr",
+            "1e-5",
+            "--steps-per-round",
+            "3",
+            "--supervised-share",
+            "0.25",
+            "--captured",
+            str(work / "captured"),
+        ]
+    )
     r = stage_config_from_args("refine", args)
-    got = (r.backend, r.device, r.rounds, r.temperatures, r.num_prompts, r.max_new_tokens, r.lr,
-           r.steps_per_round, r.supervised_share)
+    got = (
+        r.backend,
+        r.device,
+        r.rounds,
+        r.temperatures,
+        r.num_prompts,
+        r.max_new_tokens,
+        r.lr,
+        r.steps_per_round,
+        r.supervised_share,
+    )
     assert got == ("hf", "cpu", 2, [0.0, 0.6], 5, 7, 1e-5, 3, 0.25)
     base = cfg.resolved().refine.model_copy(update={"out": tmp_path / "r"})
     with pytest.raises(ConfigError, match="--data"):
@@ -223,8 +310,11 @@ def test_mixed_loader_spreads_the_supervised_share_and_resumes():
     supervised = fake_samples([6, 2, 7])
 
     def mixed(share):
-        return MixedLoader(PackedLoader(rollouts, range(4), 10, 1, seed=0),
-                           PackedLoader(supervised, range(3), 10, 1, seed=0), share)
+        return MixedLoader(
+            PackedLoader(rollouts, range(4), 10, 1, seed=0),
+            PackedLoader(supervised, range(3), 10, 1, seed=0),
+            share,
+        )
 
     loader = mixed(0.25)
     sources = []

@@ -23,16 +23,22 @@ FORBIDDEN = {
     "an issue number": re.compile(r"(?i)(?<![a-z])issues?[\s_-]*\d"),
     "a session tag": re.compile(r"\bS\d{1,2}\b"),
     "talk of who built it": re.compile(
-        r"(?i)\bthe l[e]ad\b(?! time)|\bl[e]ad's\b|\bwork[p]lace\b|\bdevic[e] tool\b|`devic[e]` tool|"
-        r"\bhelpe[r] (?:branch(?:es)?|sessions?)\b|\bthe bri[e]f\b|\bbri[e]f's\b"),
+        r"(?i)\bthe l[e]ad\b(?! time)|\bl[e]ad's\b|\bwork[p]lace\b|\bdevic[e] tool\b|`devic[e]` "
+        r"tool|\bhelpe[r] (?:branch(?:es)?|sessions?)\b|\bthe bri[e]f\b|\bbri[e]f's\b"
+    ),
 }
 
 
 def repository_files() -> list[str]:
     """Every file git tracks or would add (untracked and not ignored), relative to the root."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        ).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"not a git checkout ({e}): nothing to list")
     return sorted({name for name in out.decode().split("\0") if name and (ROOT / name).is_file()})
@@ -40,13 +46,15 @@ def repository_files() -> list[str]:
 
 def find_hits(name: str, text: str | None) -> list[str]:
     """'path:line: what: text' for each forbidden match in the file name and (if text) its lines."""
-    hits = [f"{name}: {what} in the file name" for what, pat in FORBIDDEN.items() if pat.search(name)]
+    hits = [
+        f"{name}: {what} in the file name" for what, pat in FORBIDDEN.items() if pat.search(name)
+    ]
     for number, line in enumerate((text or "").splitlines(), start=1):
         for what, pat in FORBIDDEN.items():
             m = pat.search(line)
             if m:
                 start = max(0, m.start() - 40)
-                hits.append(f"{name}:{number}: {what}: ...{line[start:m.end() + 40].strip()}...")
+                hits.append(f"{name}:{number}: {what}: ...{line[start : m.end() + 40].strip()}...")
     return hits
 
 
@@ -61,13 +69,31 @@ def read_text(path: Path) -> str | None:
 def test_the_patterns_catch_every_spelling():
     # the forbidden spellings are assembled here so that this file does not contain them itself
     session, issue = "sess" + "ion", "iss" + "ue"
-    for bad in (f"{session.title()} 17", f"{session}-17", f"realbench_{session}17.md",
-                f"{session}s 9–13", f"{issue} 14's goal", f"{issue}s 14, 18", f"{issue}-20 check",
-                f"{issue}19_path", "the S" + "17 run", "the le" + "ad's tool", "this work" + "place",
-                "hel" + "per branches"):
+    for bad in (
+        f"{session.title()} 17",
+        f"{session}-17",
+        f"realbench_{session}17.md",
+        f"{session}s 9–13",
+        f"{issue} 14's goal",
+        f"{issue}s 14, 18",
+        f"{issue}-20 check",
+        f"{issue}19_path",
+        "the S" + "17 run",
+        "the le" + "ad's tool",
+        "this work" + "place",
+        "hel" + "per branches",
+    ):
         assert find_hits("x.md", bad), bad
-    for fine in (f"the {issue}'s shape", f"a {session} of Prefect", "s1 = shards[0]", "sample s1",
-                 "vllm-project/vllm#55005", "lead time", "the 2-core CPU", "the H200 host"):
+    for fine in (
+        f"the {issue}'s shape",
+        f"a {session} of Prefect",
+        "s1 = shards[0]",
+        "sample s1",
+        "vllm-project/vllm#55005",
+        "lead time",
+        "the 2-core CPU",
+        "the H200 host",
+    ):
         assert not find_hits("x.md", fine), fine
     assert find_hits(f"benchmarks/results/demo_{session}9.md", None)  # the file name alone
 
@@ -76,5 +102,6 @@ def test_no_session_or_issue_numbers_anywhere():
     hits = []
     for name in repository_files():
         hits += find_hits(name, read_text(ROOT / name))
-    assert not hits, (f"{len(hits)} hit(s); cite the date and the feature instead:\n"
-                      + "\n".join(hits[:200]))
+    assert not hits, f"{len(hits)} hit(s); cite the date and the feature instead:\n" + "\n".join(
+        hits[:200]
+    )

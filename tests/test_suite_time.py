@@ -21,7 +21,9 @@ SKIPPED [1] tests/test_model.py:128: flex backward needs CUDA
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("suite_time", REPO / "benchmarks" / "suite_time.py")
+    spec = importlib.util.spec_from_file_location(
+        "suite_time", REPO / "benchmarks" / "suite_time.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -30,13 +32,34 @@ def _tool():
 def test_sums_per_file_and_writes_both_files(tmp_path):
     tool = _tool()
     (tmp_path / "a.log").write_text(LOG)
-    quiet = LOG.replace("100.50s", "50.50s").replace("============ 3 passed", "3 passed")  # -q: no "=" rule
-    (tmp_path / "b.log").write_text(quiet.replace("in 80.00s (0:01:20) =============", "in 60.00s (0:01:00)"))
-    assert tool.main(["--log", f"before={tmp_path / 'a.log'}", "--log", f"after={tmp_path / 'b.log'}",
-                      "--out", str(tmp_path / "r" / "suite"), "--note", "test note"]) == 0
+    quiet = LOG.replace("100.50s", "50.50s").replace(
+        "============ 3 passed", "3 passed"
+    )  # -q: no "=" rule
+    (tmp_path / "b.log").write_text(
+        quiet.replace("in 80.00s (0:01:20) =============", "in 60.00s (0:01:00)")
+    )
+    assert (
+        tool.main(
+            [
+                "--log",
+                f"before={tmp_path / 'a.log'}",
+                "--log",
+                f"after={tmp_path / 'b.log'}",
+                "--out",
+                str(tmp_path / "r" / "suite"),
+                "--note",
+                "test note",
+            ]
+        )
+        == 0
+    )
     runs = json.loads((tmp_path / "r" / "suite.json").read_text())["runs"]
     assert runs["before"]["files"] == {"tests/test_flows.py": 120.8, "tests/test_export.py": 30.2}
-    assert runs["before"]["wall_s"] == 80.0 and runs["before"]["sum_s"] == 151.0 and runs["before"]["overlap"] == 1.89
+    assert (
+        runs["before"]["wall_s"] == 80.0
+        and runs["before"]["sum_s"] == 151.0
+        and runs["before"]["overlap"] == 1.89
+    )
     assert runs["after"]["files"]["tests/test_flows.py"] == 70.8 and runs["after"]["wall_s"] == 60.0
     assert runs["before"]["result"] == "3 passed, 1 skipped, 1 warning"
     md = (tmp_path / "r" / "suite.md").read_text()

@@ -13,13 +13,21 @@ from eagle3.vllm_engine import cpu_has_native_bf16, engine_kwargs, resolve_dtype
 def test_resolve_dtype_and_kwargs(tiny_llama):
     assert resolve_dtype("bfloat16") == "bfloat16"
     assert resolve_dtype("auto") in ("float32", "bfloat16")
-    # a transformers model's device decides instead of vLLM's platform: a GPU takes bf16, a CPU without
-    # native bf16 (AVX2 only: emulated, 4-50x slower) float32
+    # a transformers model's device decides instead of vLLM's platform: a GPU takes bf16, a CPU
+    # without native bf16 (AVX2 only: emulated, 4-50x slower) float32
     assert resolve_dtype("auto", device="cuda:0") == "bfloat16"
-    assert resolve_dtype("auto", device="cpu") == ("bfloat16" if cpu_has_native_bf16() else "float32")
-    kw = engine_kwargs(str(tiny_llama), dtype="float32", max_model_len=128, speculative_config={"method": "eagle3"})
+    assert resolve_dtype("auto", device="cpu") == (
+        "bfloat16" if cpu_has_native_bf16() else "float32"
+    )
+    kw = engine_kwargs(
+        str(tiny_llama), dtype="float32", max_model_len=128, speculative_config={"method": "eagle3"}
+    )
     assert kw["model"] == kw["tokenizer"] == str(tiny_llama)
-    assert kw["dtype"] == "float32" and kw["max_model_len"] == 128 and kw["speculative_config"]["method"] == "eagle3"
+    assert (
+        kw["dtype"] == "float32"
+        and kw["max_model_len"] == 128
+        and kw["speculative_config"]["method"] == "eagle3"
+    )
 
 
 def test_run_in_subprocess():
@@ -33,15 +41,22 @@ def _env_and_cwd(name: str) -> tuple[str | None, str]:
 
 
 def test_a_job_has_the_callers_environment_and_directory(tmp_path, monkeypatch):
-    """Jobs fork from a server that started earlier, with the environment and directory of that moment: each job
-    still sees the caller's as they are now, as a spawned process would (and does, with EAGLE3_JOB_START=spawn)."""
+    """Jobs fork from a server that started earlier, with the environment and directory of that
+    moment: each job still sees the caller's as they are now, as a spawned process would (and does,
+    with EAGLE3_JOB_START=spawn)."""
     first = run_in_subprocess(os.getpid)  # the fork server is up by now
     monkeypatch.setenv("EAGLE3_TEST_MARK", "set after the server started")
     monkeypatch.chdir(tmp_path)
-    assert run_in_subprocess(_env_and_cwd, "EAGLE3_TEST_MARK") == ("set after the server started", str(tmp_path))
+    assert run_in_subprocess(_env_and_cwd, "EAGLE3_TEST_MARK") == (
+        "set after the server started",
+        str(tmp_path),
+    )
     assert run_in_subprocess(os.getpid) not in (first, os.getpid())  # a fresh process per job
     monkeypatch.setenv("EAGLE3_JOB_START", "spawn")
-    assert run_in_subprocess(_env_and_cwd, "EAGLE3_TEST_MARK") == ("set after the server started", str(tmp_path))
+    assert run_in_subprocess(_env_and_cwd, "EAGLE3_TEST_MARK") == (
+        "set after the server started",
+        str(tmp_path),
+    )
 
 
 def test_engine_in_process_fails_by_model_type(tmp_path):
@@ -55,7 +70,9 @@ def test_engine_in_process_fails_by_model_type(tmp_path):
     assert not engine_in_process_fails(target("llama", {"model_type": "llama"}))
     assert engine_in_process_fails(target("dsv3", {"model_type": "deepseek_v3"}))
     # Kimi-K2.5: a multimodal wrapper whose text model is DeepSeek-V3
-    assert engine_in_process_fails(target("k25", {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3"}}))
+    assert engine_in_process_fails(
+        target("k25", {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3"}})
+    )
     assert not engine_in_process_fails(tmp_path / "missing")
     assert not engine_in_process_fails(None)
 
@@ -78,9 +95,9 @@ print(json.dumps({
 
 
 def test_setup_stage_process_env_only_for_engine_stages(tmp_path):
-    """A stage process runs an engine stage's vLLM engine in itself (one vLLM import instead of three) except
-    for other stages, the hf backend, TP > 1 and the targets that fail in process; in a child process, since
-    it changes the process's env and torch threads."""
+    """A stage process runs an engine stage's vLLM engine in itself (one vLLM import instead of
+    three) except for other stages, the hf backend, TP > 1 and the targets that fail in process; in
+    a child process, since it changes the process's env and torch threads."""
     import subprocess
     import sys
 
@@ -89,8 +106,13 @@ def test_setup_stage_process_env_only_for_engine_stages(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({"model_type": model_type}))
         paths.append(str(tmp_path / name))
-    out = subprocess.run([sys.executable, "-c", SETUP_IN_CHILD, *paths], capture_output=True, text=True,
-                         timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SETUP_IN_CHILD, *paths],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     got = json.loads(out.strip().splitlines()[-1])
     assert got["train"] == got["hf"] == got["tp2"] == got["dsv3"] == {}
     assert got["capture"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

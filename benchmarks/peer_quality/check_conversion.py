@@ -4,17 +4,19 @@
     python benchmarks/peer_quality/check_conversion.py --converted DIR [--num-rows 8] [--out FILE]
 
 For a few rows (the first, the last and evenly spaced ones between) it builds speculators 0.9.0's
-`ArrowDataset` over the converted directory (its default `file` transfer, `on_missing="raise"`), takes its
-`__getitem__` (what its DataLoader workers return before collation) and compares, with `torch.equal`, against
-the same sample read through our reader (`eagle3.train.data.load_samples` over the captures named in
-conversion.json):
-  hidden_states                [T, A * H] == our aux_hidden_states [T, A, H] (the converted ids) flattened
+`ArrowDataset` over the converted directory (its default `file` transfer, `on_missing="raise"`),
+takes its `__getitem__` (what its DataLoader workers return before collation) and compares, with
+`torch.equal`, against the same sample read through our reader (`eagle3.train.data.load_samples`
+over the captures named in conversion.json):
+  hidden_states                [T, A * H] == our aux_hidden_states [T, A, H] (the converted ids)
+                               flattened
   verifier_last_hidden_states  [T, H]     == our last_hidden_states
   input_ids                    [T]        == our input_ids
   loss_mask                    [T]        == our loss_mask
-and that the peer's shift_batch (its Eagle-3 preprocess) drops one row of each, as its collation expects.
-Prints (and writes to --out) a JSON verdict; exits 1 on any difference, naming the row, key and shapes.
-Needs speculators 0.9.0 and hs-connectors 0.9.0 importable (the GPU run installs them from wheels).
+and that the peer's shift_batch (its Eagle-3 preprocess) drops one row of each, as its collation
+expects. Prints (and writes to --out) a JSON verdict; exits 1 on any difference, naming the row, key
+and shapes. Needs speculators 0.9.0 and hs-connectors 0.9.0 importable (the GPU run installs them
+from wheels).
 """
 
 from __future__ import annotations
@@ -58,8 +60,14 @@ def check(converted: Path, num_rows: int = 8) -> dict[str, Any]:
     from speculators.train.data import ArrowDataset
 
     record = json.loads((converted / "conversion.json").read_text())
-    peer = ArrowDataset(max_len=8192, datapath=str(converted), on_missing="raise", train_ratio=1.0,
-                        split="train", hidden_states_dtype=torch.bfloat16)
+    peer = ArrowDataset(
+        max_len=8192,
+        datapath=str(converted),
+        on_missing="raise",
+        train_ratio=1.0,
+        split="train",
+        hidden_states_dtype=torch.bfloat16,
+    )
     ours, index = ours_by_origin(record["captured"])
     rows = pick_rows(len(peer), num_rows)
     problems, checked = [], []
@@ -71,27 +79,41 @@ def check(converted: Path, num_rows: int = 8) -> dict[str, Any]:
             problems.append(f"row {r}: the peer's loader returned {got!r} (sample unavailable)")
             continue
         positions = record.get("aux_positions") or list(range(len(record["aux_layer_ids"])))
-        want = {"hidden_states": torch.as_tensor(s["aux_hidden_states"])[:, positions].flatten(1),
-                "verifier_last_hidden_states": torch.as_tensor(s["last_hidden_states"]),
-                "input_ids": torch.as_tensor(s["input_ids"]).to(torch.int64),
-                "loss_mask": torch.as_tensor(s["loss_mask"]).to(torch.int64)}
+        want = {
+            "hidden_states": torch.as_tensor(s["aux_hidden_states"])[:, positions].flatten(1),
+            "verifier_last_hidden_states": torch.as_tensor(s["last_hidden_states"]),
+            "input_ids": torch.as_tensor(s["input_ids"]).to(torch.int64),
+            "loss_mask": torch.as_tensor(s["loss_mask"]).to(torch.int64),
+        }
         for key, w in want.items():
             g = got[key]
             if g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g, w):
-                problems.append(f"row {r} ({origin['capture']}:{origin['sample_id']}) {key}: peer "
-                                f"{tuple(g.shape)} {g.dtype} != ours {tuple(w.shape)} {w.dtype}")
+                problems.append(
+                    f"row {r} ({origin['capture']}:{origin['sample_id']}) {key}: peer "
+                    f"{tuple(g.shape)} {g.dtype} != ours {tuple(w.shape)} {w.dtype}"
+                )
         shifted = shift_batch(got)
         T = want["input_ids"].shape[0]
         if shifted["input_ids"].shape[0] != T - 1 or int(shifted["lengths"][0]) != T - 1:
-            problems.append(f"row {r}: shift_batch gave {shifted['input_ids'].shape[0]} rows for T = {T}")
-        checked.append({"row": r, **origin, "num_tokens": T,
-                        "num_supervised": int(want["loss_mask"].sum())})
-    return {"converted": str(converted), "num_rows_in_dataset": len(peer), "rows_checked": checked,
-            "equal": not problems, "problems": problems}
+            problems.append(
+                f"row {r}: shift_batch gave {shifted['input_ids'].shape[0]} rows for T = {T}"
+            )
+        checked.append(
+            {"row": r, **origin, "num_tokens": T, "num_supervised": int(want["loss_mask"].sum())}
+        )
+    return {
+        "converted": str(converted),
+        "num_rows_in_dataset": len(peer),
+        "rows_checked": checked,
+        "equal": not problems,
+        "problems": problems,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--converted", required=True, type=Path)
     ap.add_argument("--num-rows", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None)

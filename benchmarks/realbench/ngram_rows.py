@@ -1,23 +1,29 @@
 #!/usr/bin/env python3
-"""The draft against n-gram on the same answer rows: does the draft lose where n-gram chooses to draft?
+"""The draft against n-gram on the same answer rows: does the draft lose where n-gram chooses to
+draft?
 
-    .venv/bin/python benchmarks/realbench/ngram_rows.py --draft DRAFT --captured CAP --target TARGET \
-        [--max-new-tokens 96] [--k 3] [--min-n 2] [--max-n 4] [--out FILE.json]
+    .venv/bin/python benchmarks/realbench/ngram_rows.py --draft DRAFT --captured CAP \
+        --target TARGET [--max-new-tokens 96] [--k 3] [--min-n 2] [--max-n 4] [--out FILE.json]
 
-CAP is a capture (`eagle3 capture --backend vllm`) of the target's own greedy answers to held-out prompts
-(`eagle3 regenerate` then `eagle3 prepare`), so every answer token is the token vLLM's greedy decoding produces.
-A goal stated as vLLM's τ compares of a draft with n-gram's, but vLLM's τ (1 + accepted / drafts) counts only the
-target passes that drafted, and n-gram drafts only where the context repeats. This script replays, per answer:
+CAP is a capture (`eagle3 capture --backend vllm`) of the target's own greedy answers to held-out
+prompts (`eagle3 regenerate` then `eagle3 prepare`), so every answer token is the token vLLM's
+greedy decoding produces. A goal stated as vLLM's τ compares of a draft with n-gram's, but vLLM's τ
+(1 + accepted / drafts) counts only the target passes that drafted, and n-gram drafts only where the
+context repeats. This script replays, per answer:
 
-- the draft's rounds, as `eagle3 estimate` does (a round at every step; `tau`, the figure vLLM reports);
-- n-gram's rounds: a prompt-lookup proposer with vLLM's rule (the longest suffix of the context, min_n..max_n tokens,
-  that occurs earlier; its earliest occurrence; the next k tokens, fewer at the context's end) where a step without
-  a match decodes one token and counts no draft (`tau` as vLLM counts it, and tokens per target step);
-- on the rows where n-gram drafted in its own replay, the tokens the draft would have had accepted at the same rows.
+- the draft's rounds, as `eagle3 estimate` does (a round at every step; `tau`, the figure vLLM
+  reports);
+- n-gram's rounds: a prompt-lookup proposer with vLLM's rule (the longest suffix of the context,
+  min_n..max_n tokens, that occurs earlier; its earliest occurrence; the next k tokens, fewer at the
+  context's end) where a step without a match decodes one token and counts no draft (`tau` as vLLM
+  counts it, and tokens per target step);
+- on the rows where n-gram drafted in its own replay, the tokens the draft would have had accepted
+  at the same rows.
 
-Rows follow the capture's layout: row t pairs the target's state at token t with token t+1 and drafts tokens
-t+2..t+1+k; rounds start and end where eagle3.train.estimate.replay_rounds puts them. Category = the sample id's prefix before the first '-' (realbench's ids,
-e.g. "math-3"). Prints and writes one JSON object: overall and per category.
+Rows follow the capture's layout: row t pairs the target's state at token t with token t+1 and
+drafts tokens t+2..t+1+k; rounds start and end where eagle3.train.estimate.replay_rounds puts them.
+Category = the sample id's prefix before the first '-' (realbench's ids, e.g. "math-3"). Prints and
+writes one JSON object: overall and per category.
 """
 
 from __future__ import annotations
@@ -33,42 +39,59 @@ import torch
 
 
 def propose_ngram(context: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """vLLM's prompt-lookup rule: the longest n in [min_n, max_n] whose last-n-token suffix occurs earlier in
-    `context` (an occurrence may overlap the suffix, not be it); of those occurrences the earliest; the k tokens
-    after it, fewer where the context ends. [] when no suffix of min_n tokens recurs."""
+    """vLLM's prompt-lookup rule: the longest n in [min_n, max_n] whose last-n-token suffix occurs
+    earlier in `context` (an occurrence may overlap the suffix, not be it); of those occurrences the
+    earliest; the k tokens after it, fewer where the context ends. [] when no suffix of min_n tokens
+    recurs."""
     total = len(context)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = context[total - n:]
+        suffix = context[total - n :]
         for start in range(0, total - n):  # start < total - n: not the suffix itself
-            if context[start:start + n] == suffix:
-                return context[start + n:start + n + k]
+            if context[start : start + n] == suffix:
+                return context[start + n : start + n + k]
     return []
 
 
 def leading_matches(proposal: list[int], truth: list[int]) -> int:
-    """Tokens accepted under greedy verification: the proposal's leading run equal to the target's tokens."""
+    """Tokens accepted under greedy verification: the proposal's leading run equal to the target's
+    tokens."""
     n = 0
     while n < len(proposal) and n < len(truth) and proposal[n] == truth[n]:
         n += 1
     return n
 
 
-def replay_answer(ids: list[int], supervised: list[bool], draft_accepts: list[int], *, k: int, min_n: int,
-                  max_n: int, max_new_tokens: int | None) -> dict[str, Any]:
-    """One answer. ids/supervised: the sample's tokens and loss mask; draft_accepts[t]: tokens the draft gets
-    accepted in a round drafted at row t (0..k). Returns summed counts for the draft's rounds, n-gram's rounds,
-    and the draft on n-gram's drafting rows."""
-    c = {"draft_rounds": 0, "draft_accepted": 0, "ngram_steps": 0, "ngram_drafts": 0, "ngram_accepted": 0,
-         "ngram_tokens": 0, "draft_on_ngram_rows_accepted": 0}
+def replay_answer(
+    ids: list[int],
+    supervised: list[bool],
+    draft_accepts: list[int],
+    *,
+    k: int,
+    min_n: int,
+    max_n: int,
+    max_new_tokens: int | None,
+) -> dict[str, Any]:
+    """One answer. ids/supervised: the sample's tokens and loss mask; draft_accepts[t]: tokens the
+    draft gets accepted in a round drafted at row t (0..k). Returns summed counts for the draft's
+    rounds, n-gram's rounds, and the draft on n-gram's drafting rows."""
+    c = {
+        "draft_rounds": 0,
+        "draft_accepted": 0,
+        "ngram_steps": 0,
+        "ngram_drafts": 0,
+        "ngram_accepted": 0,
+        "ngram_tokens": 0,
+        "draft_on_ngram_rows_accepted": 0,
+    }
     first = next((r for r, s in enumerate(supervised) if s), None)
     if first is None or first == 0:
         return c
     end = len(ids)
     while end > first and not supervised[end - 1]:
         end -= 1
-    # the answer tokens are ids[first .. end-1] and row t drafts ids[t+2 ..]: the target's prefill produced
-    # ids[first], so the first round drafts ids[first+1 ..] from row first - 1 (as replay_rounds); the last row with
-    # an answer token to draft is end - 3
+    # the answer tokens are ids[first .. end-1] and row t drafts ids[t+2 ..]: the target's prefill
+    # produced ids[first], so the first round drafts ids[first+1 ..] from row first - 1 (as
+    # replay_rounds); the last row with an answer token to draft is end - 3
     start = first - 1
     last_row = end - 3
     if max_new_tokens is not None:
@@ -105,21 +128,27 @@ def summarize(c: dict[str, int]) -> dict[str, Any]:
         "ngram_tau": per(c["ngram_drafts"] + c["ngram_accepted"], c["ngram_drafts"]),
         "ngram_tokens_per_step": per(c["ngram_tokens"], c["ngram_steps"]),
         "ngram_drafted_step_fraction": per(c["ngram_drafts"], c["ngram_steps"]),
-        "draft_tau_on_ngram_rows": per(c["ngram_drafts"] + c["draft_on_ngram_rows_accepted"], c["ngram_drafts"]),
+        "draft_tau_on_ngram_rows": per(
+            c["ngram_drafts"] + c["draft_on_ngram_rows_accepted"], c["ngram_drafts"]
+        ),
         **c,
     }
 
 
 @torch.no_grad()
-def draft_accepts_per_sample(draft: Path, captured: Path, target: Path, k: int, rows_per_batch: int = 8):
-    """(sample_id, ids, supervised, accepts per row) per captured sample: the draft's TTT unroll over the capture,
-    one sample per packed row, as `eagle3 estimate` runs it."""
+def draft_accepts_per_sample(
+    draft: Path, captured: Path, target: Path, k: int, rows_per_batch: int = 8
+):
+    """(sample_id, ids, supervised, accepts per row) per captured sample: the draft's TTT unroll
+    over the capture, one sample per packed row, as `eagle3 estimate` runs it."""
     from eagle3.train.data import pack_batch
     from eagle3.train.estimate import load_for_replay
     from eagle3.train.step import TTTModule
 
     model, _, samples, head = load_for_replay(draft, captured, target)
-    head = head.to("cpu", torch.float32)  # as `eagle3 estimate` on a CPU: the target's bf16 head is emulated, and slow
+    head = head.to(
+        "cpu", torch.float32
+    )  # as `eagle3 estimate` on a CPU: the target's bf16 head is emulated, and slow
     ttt = TTTModule(model).eval()
     for a in range(0, len(samples), rows_per_batch):
         group = [samples[i] for i in range(a, min(a + rows_per_batch, len(samples)))]
@@ -135,8 +164,12 @@ def draft_accepts_per_sample(draft: Path, captured: Path, target: Path, k: int, 
                 while n < k and ok[n][r][t]:
                     n += 1
                 accepts.append(n)
-            yield (str(s.get("sample_id", a + r)), [int(x) for x in s["input_ids"]],
-                   [bool(x) for x in s["loss_mask"]], accepts)
+            yield (
+                str(s.get("sample_id", a + r)),
+                [int(x) for x in s["input_ids"]],
+                [bool(x) for x in s["loss_mask"]],
+                accepts,
+            )
 
 
 def main() -> None:
@@ -151,18 +184,35 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not (args.captured / "manifest.json").is_file():
-        sys.exit(f"--captured {args.captured}: no manifest.json; pass the output dir of `eagle3 capture`")
+        sys.exit(
+            f"--captured {args.captured}: no manifest.json; pass the output dir of `eagle3 capture`"
+        )
     per_cat: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for sid, ids, supervised, accepts in draft_accepts_per_sample(args.draft, args.captured, args.target, args.k):
-        counts = replay_answer(ids, supervised, accepts, k=args.k, min_n=args.min_n, max_n=args.max_n,
-                               max_new_tokens=args.max_new_tokens)
+    for sid, ids, supervised, accepts in draft_accepts_per_sample(
+        args.draft, args.captured, args.target, args.k
+    ):
+        counts = replay_answer(
+            ids,
+            supervised,
+            accepts,
+            k=args.k,
+            min_n=args.min_n,
+            max_n=args.max_n,
+            max_new_tokens=args.max_new_tokens,
+        )
         for cat in (sid.split("-")[0], "all"):
             for key, v in counts.items():
                 per_cat[cat][key] += v
             per_cat[cat]["num_answers"] += 1
-    result = {"draft": str(args.draft), "captured": str(args.captured), "k": args.k, "min_n": args.min_n,
-              "max_n": args.max_n, "max_new_tokens": args.max_new_tokens,
-              "categories": {cat: summarize(dict(c)) for cat, c in per_cat.items()}}
+    result = {
+        "draft": str(args.draft),
+        "captured": str(args.captured),
+        "k": args.k,
+        "min_n": args.min_n,
+        "max_n": args.max_n,
+        "max_new_tokens": args.max_new_tokens,
+        "categories": {cat: summarize(dict(c)) for cat, c in per_cat.items()},
+    }
     text = json.dumps(result, indent=1)
     if args.out:
         tmp = args.out.with_suffix(args.out.suffix + ".tmp")

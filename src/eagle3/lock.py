@@ -68,8 +68,10 @@ def describe_holder(h: dict) -> str:
     its process."""
     if not h:
         return "an unknown process"
-    proc = (f"pid {h.get('pid')} on host {h.get('host')} (`{h.get('command', '?')}`, since "
-            f"{h.get('started', '?')})")
+    proc = (
+        f"pid {h.get('pid')} on host {h.get('host')} (`{h.get('command', '?')}`, since "
+        f"{h.get('started', '?')})"
+    )
     if not h.get("flow_run_name") and not h.get("flow_run_id"):
         return proc
     where = ", ".join(str(h[k]) for k in ("flow_run_id", "flow_run_url") if h.get(k))
@@ -93,8 +95,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def dir_lock(directory: str | Path, what: str = "directory", holder: dict | None = None,
-             on_stale: Callable[[dict], None] | None = None) -> Iterator[Path]:
+def dir_lock(
+    directory: str | Path,
+    what: str = "directory",
+    holder: dict | None = None,
+    on_stale: Callable[[dict], None] | None = None,
+) -> Iterator[Path]:
     """Hold the writer lock of `directory` (created if missing) for the block; `what` names the
     directory in errors (e.g. "capture out"). Raises LockedError naming the holder when another live
     process has it.
@@ -175,23 +181,37 @@ def _acquire(path: Path, what: str, extra: dict) -> tuple[int, dict]:
                     os.close(fd)
                     raise
             old["state"] = "dead" if not alive else "no longer holding it"
-            print(f"eagle3: taking over the stale lock of {what} {path.parent} left by "
-                  f"{describe_holder(old)} ({old['state']})", file=sys.stderr, flush=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              **{k: v for k, v in extra.items() if v is not None}}
+            print(
+                f"eagle3: taking over the stale lock of {what} {path.parent} left by "
+                f"{describe_holder(old)} ({old['state']})",
+                file=sys.stderr,
+                flush=True,
+            )
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": " ".join(sys.argv)[:300],
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **{k: v for k, v in extra.items() if v is not None},
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         return fd, old if old.get("pid") is not None else {}
-    raise LockedError(f"{what} {path.parent}: could not take the lock file {path} (it keeps being replaced)")
+    raise LockedError(
+        f"{what} {path.parent}: could not take the lock file {path} (it keeps being replaced)"
+    )
 
 
 def _raise_if_stale_engines(path: Path, what: str, holder: dict) -> None:
     """StaleEngineError when engine processes that `holder` (an earlier writer's lock record) listed
     still run."""
-    left = [e for e in holder.get("engines") or []
-            if isinstance(e, dict) and e.get("pid")
-            and processes.is_running(int(e["pid"]), e.get("start_time"))]
+    left = [
+        e
+        for e in holder.get("engines") or []
+        if isinstance(e, dict)
+        and e.get("pid")
+        and processes.is_running(int(e["pid"]), e.get("start_time"))
+    ]
     if not left:
         return
     pids = " ".join(str(int(e["pid"])) for e in left)
@@ -199,13 +219,16 @@ def _raise_if_stale_engines(path: Path, what: str, holder: dict) -> None:
     def one(e: dict) -> str:
         rss = processes.rss_bytes(int(e["pid"]))
         return f"pid {int(e['pid'])} ({e.get('name') or processes.name(int(e['pid']))}" + (
-            f", {fmt_bytes(rss)} RSS)" if rss else ")")
+            f", {fmt_bytes(rss)} RSS)" if rss else ")"
+        )
 
     raise StaleEngineError(
-        f"{what} {path.parent}: the run that wrote it before ({describe_holder(holder)}) is gone, but "
-        f"{len(left)} engine process(es) it started still run: {', '.join(one(e) for e in left)}. "
-        f"They hold memory (and GPUs) and may still write here: end them with `kill {pids}` "
-        f"(`kill -9 {pids}` if they stay), then run again (lock file {path})")
+        f"{what} {path.parent}: the run that wrote it before ({describe_holder(holder)}) is gone, "
+        f"but {len(left)} engine process(es) it started still run: "
+        f"{', '.join(one(e) for e in left)}. They hold memory (and GPUs) and may still write here: "
+        f"end them with `kill {pids}` (`kill -9 {pids}` if they stay), then run again (lock file "
+        f"{path})"
+    )
 
 
 #: helper processes of multiprocessing that end by themselves once their clients are gone (not

@@ -12,8 +12,12 @@ import sys
 #: module -> (class, the method that starts it, what it starts, the mark a test doing it needs)
 GUARDS = {
     "vllm.entrypoints.llm": ("LLM", "__init__", "a vLLM engine", "vllm"),
-    "prefect.server.api.server": ("SubprocessASGIServer", "start", "a Prefect API server",
-                                  "prefect"),
+    "prefect.server.api.server": (
+        "SubprocessASGIServer",
+        "start",
+        "a Prefect API server",
+        "prefect",
+    ),
 }
 
 
@@ -26,7 +30,9 @@ def refuse(what: str, mark: str):
         raise QuickTierError(
             f"the quick tier (bash scripts/test.sh --quick) starts no {what}: mark this test "
             f"@pytest.mark.{mark}, or list it in tests/conftest.py MARKED_HERE; the full suite "
-            "still runs it")
+            "still runs it"
+        )
+
     return start
 
 

@@ -5,13 +5,15 @@ Layout::
     out/
       shard-00000.safetensors   # tokens of consecutive samples, concatenated
       shard-00001.safetensors
-      progress.json             # completed shards with sha256 (rewritten atomically after each shard)
+      progress.json             # completed shards with sha256 (rewritten atomically after each
+                                # shard)
       manifest.json             # written last: its presence means the capture is complete
 
 Tensors in each shard (N = tokens in the shard, S = samples, A = number of aux layers, H = hidden):
     input_ids          int64   [N]
     loss_mask          int8    [N]
-    aux_hidden_states  dtype   [N, A, H]   (aux id k = output of decoder layer k-1, hidden + residual)
+    aux_hidden_states  dtype   [N, A, H]   (aux id k = output of decoder layer k-1, hidden +
+                                           residual)
     last_hidden_states dtype   [N, H]      (output of the last decoder layer, before the final norm)
     sample_offsets     int64   [S + 1]     (sample j = rows sample_offsets[j]:sample_offsets[j+1])
     sample_index       int64   [S]         (row of the sample in the prepared dataset)
@@ -20,11 +22,11 @@ With ``storage_dtype = "fp8"`` the two state tensors are float8_e4m3fn and each 
 per row and layer (see eagle3.capture.quant):
     aux_hidden_states_scale   float32 [N, A]   aux_hidden_states  ~= fp8 * scale[..., None]
     last_hidden_states_scale  float32 [N]      last_hidden_states ~= fp8 * scale[..., None]
-The readers (`iter_shards`, `load_captured`) dequantize fp8 shards to bfloat16 and drop the scales, so
-consumers see the same keys for every storage dtype (`iter_shards(..., dequantize=False)` gives the raw
-fp8 values and scales). The manifest's `storage` entry records the encoding and the scale layout.
-No pickle anywhere: safetensors + JSON only. Every file is written under a temp name and renamed, and
-hashed (sha256) while it is written.
+The readers (`iter_shards`, `load_captured`) dequantize fp8 shards to bfloat16 and drop the scales,
+so consumers see the same keys for every storage dtype (`iter_shards(..., dequantize=False)` gives
+the raw fp8 values and scales). The manifest's `storage` entry records the encoding and the scale
+layout. No pickle anywhere: safetensors + JSON only. Every file is written under a temp name and
+renamed, and hashed (sha256) while it is written.
 """
 
 from __future__ import annotations
@@ -52,11 +54,16 @@ LAYER_SEMANTICS = (
     "aux id k = output of decoder layer k-1 (hidden_states + residual) = transformers "
     "output_hidden_states[k]; stored in the order of `aux_layer_ids`"
 )
-LAST_SEMANTICS = "output of the last decoder layer (hidden_states + residual), before the final norm"
+LAST_SEMANTICS = (
+    "output of the last decoder layer (hidden_states + residual), before the final norm"
+)
 
 #: storage_dtype -> dtype of the stored state tensors (fp8: float8_e4m3fn + float32 scales)
 TORCH_DTYPES = STORAGE_TORCH_DTYPES
-SCALE_KEYS = {"aux_hidden_states": "aux_hidden_states_scale", "last_hidden_states": "last_hidden_states_scale"}
+SCALE_KEYS = {
+    "aux_hidden_states": "aux_hidden_states_scale",
+    "last_hidden_states": "last_hidden_states_scale",
+}
 
 
 def shard_name(i: int) -> str:
@@ -77,8 +84,16 @@ def storage_info(storage_dtype: str) -> dict[str, Any]:
         return {
             "dtype": "float8_e4m3fn",
             "scales": {
-                "aux_hidden_states": {"key": SCALE_KEYS["aux_hidden_states"], "dtype": "float32", "shape": "[N, A]"},
-                "last_hidden_states": {"key": SCALE_KEYS["last_hidden_states"], "dtype": "float32", "shape": "[N]"},
+                "aux_hidden_states": {
+                    "key": SCALE_KEYS["aux_hidden_states"],
+                    "dtype": "float32",
+                    "shape": "[N, A]",
+                },
+                "last_hidden_states": {
+                    "key": SCALE_KEYS["last_hidden_states"],
+                    "dtype": "float32",
+                    "shape": "[N]",
+                },
             },
             "scale_layout": "per token, per layer: one float32 scale per row of H values",
             "scale_rule": f"scale = max(|x|) over H / {FP8_MAX:g}; x ~= float(fp8) * scale",
@@ -104,9 +119,17 @@ class ShardBuffer:
     skipped: dict[str, int] = field(default_factory=dict)
     num_tokens: int = 0
 
-    def add(self, index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            aux: torch.Tensor, last: torch.Tensor, aux_scale: torch.Tensor | None = None,
-            last_scale: torch.Tensor | None = None) -> None:
+    def add(
+        self,
+        index: int,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux: torch.Tensor,
+        last: torch.Tensor,
+        aux_scale: torch.Tensor | None = None,
+        last_scale: torch.Tensor | None = None,
+    ) -> None:
         self.input_ids.append(input_ids.to(torch.int64))  # [T]
         self.loss_mask.append(loss_mask.to(torch.int8))  # [T]
         self.aux.append(aux)  # [T, A, H]
@@ -119,22 +142,44 @@ class ShardBuffer:
         self.num_tokens += int(input_ids.shape[0])
         self.next_index = index + 1
 
-    def add_stored(self, index: int, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                   st: Stored, num_aux: int) -> None:
+    def add_stored(
+        self,
+        index: int,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        st: Stored,
+        num_aux: int,
+    ) -> None:
         """Add one sample from its storage form (states [T, A+1, H]: aux in order, then last)."""
         sc = st.scales  # [T, A+1] or None
-        self.add(index, sample_id, input_ids, loss_mask, st.states[:, :num_aux], st.states[:, num_aux],
-                 None if sc is None else sc[:, :num_aux], None if sc is None else sc[:, num_aux])
+        self.add(
+            index,
+            sample_id,
+            input_ids,
+            loss_mask,
+            st.states[:, :num_aux],
+            st.states[:, num_aux],
+            None if sc is None else sc[:, :num_aux],
+            None if sc is None else sc[:, num_aux],
+        )
 
     def skip(self, index: int, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         self.next_index = index + 1
 
 
-#: torch dtype -> (safetensors dtype name, rank in safetensors' Dtype enum: its writer orders by it, descending)
-ST_DTYPES = {torch.uint8: ("U8", 4), torch.int8: ("I8", 5), torch.float8_e4m3fn: ("F8_E4M3", 7),
-             torch.float16: ("F16", 11), torch.bfloat16: ("BF16", 12), torch.float32: ("F32", 15),
-             torch.int64: ("I64", 18)}
+#: torch dtype -> (safetensors dtype name, rank in safetensors' Dtype enum: its writer orders by it,
+#: descending)
+ST_DTYPES = {
+    torch.uint8: ("U8", 4),
+    torch.int8: ("I8", 5),
+    torch.float8_e4m3fn: ("F8_E4M3", 7),
+    torch.float16: ("F16", 11),
+    torch.bfloat16: ("BF16", 12),
+    torch.float32: ("F32", 15),
+    torch.int64: ("I64", 18),
+}
 
 
 @contextlib.contextmanager
@@ -155,7 +200,9 @@ def single_threaded() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def _safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[list[str], bytes]:
+def _safetensors_header(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
+) -> tuple[list[str], bytes]:
     """(tensor order, padded header JSON) of safetensors' layout."""
     order = sorted(tensors, key=lambda k: (-ST_DTYPES[tensors[k].dtype][1], k))
     header: dict[str, Any] = {}
@@ -164,24 +211,33 @@ def _safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, st
     off = 0
     for k in order:
         t = tensors[k]
-        header[k] = {"dtype": ST_DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        header[k] = {
+            "dtype": ST_DTYPES[t.dtype][0],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + t.nbytes],
+        }
         off += t.nbytes
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     return order, head + b" " * (-len(head) % 8)
 
 
-def safetensors_nbytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+def safetensors_nbytes(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> int:
     """Exact size of the file `save_safetensors_hashed(tensors, ..., metadata)` writes."""
-    return 8 + len(_safetensors_header(tensors, metadata)[1]) + sum(t.nbytes for t in tensors.values())
+    return (
+        8 + len(_safetensors_header(tensors, metadata)[1]) + sum(t.nbytes for t in tensors.values())
+    )
 
 
-def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: str | Path,
-                            metadata: dict[str, str] | None = None) -> str:
+def save_safetensors_hashed(
+    tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+) -> str:
     """Write `tensors` (CPU) as a safetensors file at `path`, hashing the bytes as they are written;
     return the file's sha256 (no second read of the file).
 
-    Same layout as safetensors' own writer (header JSON with ``__metadata__`` first, tensors ordered by
-    dtype, largest first, then name; header padded with spaces to 8 bytes), so the file is
+    Same layout as safetensors' own writer (header JSON with ``__metadata__`` first, tensors ordered
+    by dtype, largest first, then name; header padded with spaces to 8 bytes), so the file is
     byte-identical to ``safetensors.torch.save`` up to the order of metadata keys, which safetensors
     takes from a hash map (checked in the tests). Readers are safetensors' own."""
     order, head = _safetensors_header(tensors, metadata)
@@ -200,21 +256,35 @@ def save_safetensors_hashed(tensors: dict[str, torch.Tensor], path: str | Path,
     return h.hexdigest()
 
 
-def write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int = 0, hidden_size: int = 0,
-                dtype: torch.dtype = torch.bfloat16, before_write: Callable[[int], None] | None = None) -> dict[str, Any]:
+def write_shard(
+    out: Path,
+    shard_id: int,
+    buf: ShardBuffer,
+    num_aux: int = 0,
+    hidden_size: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    before_write: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Write `buf` as shard `shard_id` atomically; return its progress entry (with sha256).
 
     num_aux/hidden_size/dtype only give the shapes of an empty shard (every sample skipped); fp8
-    (`dtype` float8_e4m3fn, or scales in the buffer) adds the scale tensors. `before_write(nbytes)` is
-    called with the file's exact size before its temp file is created (the streaming spool waits there
-    for room).
+    (`dtype` float8_e4m3fn, or scales in the buffer) adds the scale tensors. `before_write(nbytes)`
+    is called with the file's exact size before its temp file is created (the streaming spool waits
+    there for room).
     """
     with single_threaded():
         return _write_shard(out, shard_id, buf, num_aux, hidden_size, dtype, before_write)
 
 
-def _write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int, hidden_size: int,
-                 dtype: torch.dtype, before_write: Callable[[int], None] | None) -> dict[str, Any]:
+def _write_shard(
+    out: Path,
+    shard_id: int,
+    buf: ShardBuffer,
+    num_aux: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    before_write: Callable[[int], None] | None,
+) -> dict[str, Any]:
     fp8 = bool(buf.aux_scale) or dtype == torch.float8_e4m3fn
     if not buf.input_ids:
         buf.input_ids = [torch.zeros(0, dtype=torch.int64)]  # [0]
@@ -233,7 +303,9 @@ def _write_shard(out: Path, shard_id: int, buf: ShardBuffer, num_aux: int, hidde
     tensors = {
         "input_ids": torch.cat(buf.input_ids),  # [N]
         "loss_mask": torch.cat(buf.loss_mask),  # [N]
-        "aux_hidden_states": torch.cat(buf.aux),  # [N, A, H]  (one copy out of the [T, A+1, H] views)
+        "aux_hidden_states": torch.cat(
+            buf.aux
+        ),  # [N, A, H]  (one copy out of the [T, A+1, H] views)
         "last_hidden_states": torch.cat(buf.last),  # [N, H]
         "sample_offsets": offsets,  # [S+1]
         "sample_index": torch.tensor(buf.sample_index, dtype=torch.int64),  # [S]
@@ -273,8 +345,9 @@ def load_progress(out: Path, config_hash: str) -> list[dict[str, Any]]:
     prog = read_json(p)
     if prog.get("config_hash") != config_hash:
         raise ValueError(
-            f"{p} belongs to a capture with different settings (config_hash {prog.get('config_hash')} != "
-            f"{config_hash}): use a new --out directory or delete {out} to start over"
+            f"{p} belongs to a capture with different settings (config_hash "
+            f"{prog.get('config_hash')} != {config_hash}): use a new --out directory or delete "
+            f"{out} to start over"
         )
     good: list[dict[str, Any]] = []
     for entry in prog.get("shards", []):
@@ -291,15 +364,19 @@ def load_progress(out: Path, config_hash: str) -> list[dict[str, Any]]:
 
 
 def corrupt_shards(out: Path, entries: list[dict[str, Any]], max_threads: int = 8) -> list[str]:
-    """Names of the shards in `entries` (manifest/progress entries) that are missing or whose sha256 differs from
-    the recorded one, in order. Shards are hashed in parallel threads (hashlib releases the GIL): a capture is
-    read once at disk speed."""
+    """Names of the shards in `entries` (manifest/progress entries) that are missing or whose sha256
+    differs from the recorded one, in order. Shards are hashed in parallel threads (hashlib releases
+    the GIL): a capture is read once at disk speed."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
     def bad(entry: dict[str, Any]) -> bool:
         f = out / entry["file"]
-        return not f.is_file() or f.stat().st_size != entry.get("bytes", f.stat().st_size) or sha256_file(f) != entry["sha256"]
+        return (
+            not f.is_file()
+            or f.stat().st_size != entry.get("bytes", f.stat().st_size)
+            or sha256_file(f) != entry["sha256"]
+        )
 
     if not entries:
         return []
@@ -309,27 +386,39 @@ def corrupt_shards(out: Path, entries: list[dict[str, Any]], max_threads: int = 
 
 
 def verify_capture(path: str | Path) -> dict[str, Any]:
-    """Check every shard of the finished capture at `path` against the sha256 its manifest records; return the
-    manifest. Raises ValueError naming the corrupt or missing shards and the fix."""
+    """Check every shard of the finished capture at `path` against the sha256 its manifest records;
+    return the manifest. Raises ValueError naming the corrupt or missing shards and the fix."""
     path = Path(path)
     manifest = load_manifest(path)
     bad = corrupt_shards(path, manifest["shards"])
     if bad:
         raise ValueError(
-            f"capture {path}: {len(bad)} of {len(manifest['shards'])} shard(s) are missing or differ from the sha256 "
-            f"in {path / MANIFEST} ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files are corrupt. Run "
-            f"`eagle3 capture` again with the same settings and --out {path}: it keeps the good shards and captures "
-            "the rest again"
+            f"capture {path}: {len(bad)} of {len(manifest['shards'])} shard(s) are missing or "
+            f"differ from the sha256 in {path / MANIFEST} "
+            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files are corrupt. Run "
+            f"`eagle3 capture` again with the same settings and --out {path}: it keeps the good "
+            "shards and captures the rest again"
         )
     return manifest
 
 
-def save_progress(out: Path, config_hash: str, shards: list[dict[str, Any]],
-                  target_fingerprint: dict[str, Any] | None = None) -> None:
+def save_progress(
+    out: Path,
+    config_hash: str,
+    shards: list[dict[str, Any]],
+    target_fingerprint: dict[str, Any] | None = None,
+) -> None:
     """progress.json: the completed shards and what a resumed run must match (settings, target
     weights)."""
-    write_json(out / PROGRESS, {"format": FORMAT, "config_hash": config_hash,
-                                "target_fingerprint": target_fingerprint, "shards": shards})
+    write_json(
+        out / PROGRESS,
+        {
+            "format": FORMAT,
+            "config_hash": config_hash,
+            "target_fingerprint": target_fingerprint,
+            "shards": shards,
+        },
+    )
 
 
 def read_progress(out: Path) -> dict[str, Any] | None:
@@ -341,7 +430,8 @@ def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> l
     """Default (2, L//2, L-3); otherwise every id must be in 1..L-1.
 
     For small targets where the default ids collide (L < 8, e.g. (2, 2, 2) at L=5; vLLM would dedupe
-    them and a 3-layer draft could not run) the default falls back to (1, L//2, L-2), printing a note.
+    them and a 3-layer draft could not run) the default falls back to (1, L//2, L-2), printing a
+    note.
     """
     from eagle3.config import ConfigError
 
@@ -350,21 +440,27 @@ def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> l
         if len(set(ids)) != 3 or min(ids) < 1:
             alt = [1, num_layers // 2, num_layers - 2]
             if len(set(alt)) == 3 and min(alt) >= 1:
-                print(f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for L={num_layers}; using {alt}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for "
+                    f"L={num_layers}; using {alt}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return alt
         if len(set(ids)) != 3 or min(ids) < 1:
             raise ConfigError(
-                f"CaptureConfig.aux_layer_ids: the default (2, L//2, L-3) is not usable for a target with "
-                f"L={num_layers} layers ({ids}); pass --aux-layer-ids with distinct ids in 1..{num_layers - 1}"
+                "CaptureConfig.aux_layer_ids: the default (2, L//2, L-3) is not usable for a "
+                f"target with L={num_layers} layers ({ids}); pass --aux-layer-ids with distinct "
+                f"ids in 1..{num_layers - 1}"
             )
         return ids
     bad = [k for k in aux_layer_ids if not 1 <= k <= num_layers - 1]
     if bad:
         raise ConfigError(
-            f"CaptureConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {bad} out of range; valid aux ids for this "
-            f"{num_layers}-layer target are 1..{num_layers - 1} (id k = output of decoder layer k-1; "
-            f"the last layer is always captured separately as last_hidden_states)"
+            f"CaptureConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {bad} out of range; valid "
+            f"aux ids for this {num_layers}-layer target are 1..{num_layers - 1} (id k = output of "
+            "decoder layer k-1; the last layer is always captured separately as "
+            "last_hidden_states)"
         )
     return list(aux_layer_ids)
 
@@ -394,15 +490,20 @@ def coverage_problem(path: str | Path, manifest: dict[str, Any]) -> str | None:
         return None
     names = {e.get("file") for e in shards}
     unlisted = sorted(f.name for f in path.glob("shard-*.safetensors") if f.name not in names)
-    what = f"shards holding {listed} of the {total} samples it records" if total is not None else \
-        f"shards holding {listed} samples"
+    what = (
+        f"shards holding {listed} of the {total} samples it records"
+        if total is not None
+        else f"shards holding {listed} samples"
+    )
     spans = ", ".join(f"{a}..{b}" for a, b in gaps)
     where = f": rows {spans} of the prepared dataset are in no listed shard" if gaps else ""
     files = f" ({', '.join(unlisted[:5])} on disk but not listed)" if unlisted else ""
-    return (f"capture {path}: {path / MANIFEST} lists {what}{where}{files}; the manifest was "
-            "edited or damaged, and training on it would silently drop those samples. Run "
-            f"`eagle3 capture` again with the same settings and --out {path}: it rebuilds the "
-            "manifest, keeping the shards before the first gap and capturing the rest")
+    return (
+        f"capture {path}: {path / MANIFEST} lists {what}{where}{files}; the manifest was "
+        "edited or damaged, and training on it would silently drop those samples. Run "
+        f"`eagle3 capture` again with the same settings and --out {path}: it rebuilds the "
+        "manifest, keeping the shards before the first gap and capturing the rest"
+    )
 
 
 def load_manifest(path: str | Path, check: bool = True) -> dict[str, Any]:
@@ -412,9 +513,14 @@ def load_manifest(path: str | Path, check: bool = True) -> dict[str, Any]:
     path = Path(path)
     m = path / MANIFEST
     if not m.is_file():
-        hint = " (an interrupted capture: rerun `eagle3 capture` with the same --out to finish it)" if (
-            path / PROGRESS).is_file() else " (run `eagle3 capture` first)"
-        raise FileNotFoundError(f"{m} does not exist: {path} is not a finished capture directory{hint}")
+        hint = (
+            " (an interrupted capture: rerun `eagle3 capture` with the same --out to finish it)"
+            if (path / PROGRESS).is_file()
+            else " (run `eagle3 capture` first)"
+        )
+        raise FileNotFoundError(
+            f"{m} does not exist: {path} is not a finished capture directory{hint}"
+        )
     manifest = read_json(m)
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{m}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
@@ -426,37 +532,49 @@ def load_manifest(path: str | Path, check: bool = True) -> dict[str, Any]:
     return migrate_record(manifest)
 
 
-# what captures trained as one dataset must share (storage dtype may differ: every reader gives bfloat16 or better)
-MUST_AGREE = ("aux_layer_ids", "hidden_size", "num_hidden_layers", "target_config_sha256", "tokenizer_sha256",
-              "chat_template_sha256")
+# what captures trained as one dataset must share (storage dtype may differ: every reader gives
+# bfloat16 or better)
+MUST_AGREE = (
+    "aux_layer_ids",
+    "hidden_size",
+    "num_hidden_layers",
+    "target_config_sha256",
+    "tokenizer_sha256",
+    "chat_template_sha256",
+)
 
 
 def capture_dirs(captured: str | Path) -> list[Path]:
-    """One capture dir, or several separated by commas (captures made in parallel on several GPUs or hosts, or of
-    data added later), in the order given."""
+    """One capture dir, or several separated by commas (captures made in parallel on several GPUs or
+    hosts, or of data added later), in the order given."""
     parts = [p.strip() for p in str(captured).split(",")]
     if not all(parts):
         from eagle3.config import ConfigError
 
-        raise ConfigError(f"captured={str(captured)!r} has an empty entry; give capture dirs separated by commas, "
-                          "e.g. runs/cap-0,runs/cap-1")
+        raise ConfigError(
+            f"captured={str(captured)!r} has an empty entry; give capture dirs separated by "
+            "commas, e.g. runs/cap-0,runs/cap-1"
+        )
     seen: dict[str, str] = {}
     for p in parts:
         key = str(Path(p).resolve())
         if key in seen:
             from eagle3.config import ConfigError
 
-            raise ConfigError(f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its samples would "
-                              "be read twice (and could land in both the training and the validation split); list each "
-                              "capture dir once")
+            raise ConfigError(
+                f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its "
+                "samples would be read twice (and could land in both the training and the "
+                "validation split); list each capture dir once"
+            )
         seen[key] = p
     return [Path(p) for p in parts]
 
 
 def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
-    """The manifest of one capture dir, or of several comma-separated ones read as one dataset: the first one's
-    fields with `num_samples`/`num_tokens` summed and `parts` listing the dirs. Refuses captures that disagree on
-    a MUST_AGREE field (another target, tokenizer, chat template or aux layer set)."""
+    """The manifest of one capture dir, or of several comma-separated ones read as one dataset: the
+    first one's fields with `num_samples`/`num_tokens` summed and `parts` listing the dirs. Refuses
+    captures that disagree on a MUST_AGREE field (another target, tokenizer, chat template or aux
+    layer set)."""
     dirs = capture_dirs(captured)
     manifests = [load_manifest(d) for d in dirs]
     first = manifests[0]
@@ -466,9 +584,10 @@ def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
                 from eagle3.config import ConfigError
 
                 raise ConfigError(
-                    f"captured={captured}: {d / MANIFEST} has {key}={m.get(key)!r} but {dirs[0] / MANIFEST} has "
-                    f"{first.get(key)!r}; captures trained together must come from the same target, tokenizer, chat "
-                    "template and aux layers: capture the odd one again with the others' settings"
+                    f"captured={captured}: {d / MANIFEST} has {key}={m.get(key)!r} but "
+                    f"{dirs[0] / MANIFEST} has {first.get(key)!r}; captures trained together must "
+                    "come from the same target, tokenizer, chat template and aux layers: capture "
+                    "the odd one again with the others' settings"
                 )
         for key in ("target_fingerprint", "target_weights_sha256"):  # older ones: the second only
             mw, fw = m.get(key), first.get(key)
@@ -478,23 +597,33 @@ def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
                 continue
             from eagle3.config import ConfigError
 
-            raise ConfigError(f"captured={captured}: {d / MANIFEST} and {dirs[0] / MANIFEST} "
-                              f"record different target weights ({key} {mw} != {fw}); captures "
-                              "trained together must come from the same target: capture the odd "
-                              "one again")
+            raise ConfigError(
+                f"captured={captured}: {d / MANIFEST} and {dirs[0] / MANIFEST} "
+                f"record different target weights ({key} {mw} != {fw}); captures "
+                "trained together must come from the same target: capture the odd "
+                "one again"
+            )
     if len(dirs) == 1:
         return first
-    counts = {k: sum(m[k] for m in manifests) for k in ("num_samples", "num_tokens") if all(k in m for m in manifests)}
+    counts = {
+        k: sum(m[k] for m in manifests)
+        for k in ("num_samples", "num_tokens")
+        if all(k in m for m in manifests)
+    }
     return {**first, **counts, "parts": [str(d) for d in dirs]}
 
 
-def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True) -> Iterator[dict[str, Any]]:
-    """Yield one dict per shard: the tensors of the shard format above plus `sample_ids` (list[str]).
+def iter_shards(
+    path: str | Path, verify: bool = False, dequantize: bool = True
+) -> Iterator[dict[str, Any]]:
+    """Yield one dict per shard: the tensors of the shard format above plus `sample_ids`
+    (list[str]).
 
-    Efficient bulk access for trainers (one safetensors load per shard). `verify=True` checks sha256.
-    fp8 captures: the states are dequantized to bfloat16 and the scale tensors dropped, so the keys and
-    dtypes are those of a bfloat16 capture; `dequantize=False` yields the stored float8_e4m3fn states
-    with their float32 `*_scale` tensors instead (e.g. to dequantize on the GPU).
+    Efficient bulk access for trainers (one safetensors load per shard). `verify=True` checks
+    sha256. fp8 captures: the states are dequantized to bfloat16 and the scale tensors dropped, so
+    the keys and dtypes are those of a bfloat16 capture; `dequantize=False` yields the stored
+    float8_e4m3fn states with their float32 `*_scale` tensors instead (e.g. to dequantize on the
+    GPU).
     """
 
     path = Path(path)
@@ -502,15 +631,20 @@ def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True)
     for entry in manifest["shards"]:
         f = path / entry["file"]
         if not f.is_file():
-            raise FileNotFoundError(f"{f} listed in {path / MANIFEST} is missing: rerun the capture")
+            raise FileNotFoundError(
+                f"{f} listed in {path / MANIFEST} is missing: rerun the capture"
+            )
         if verify and sha256_file(f) != entry["sha256"]:
-            raise ValueError(f"{f}: sha256 differs from {path / MANIFEST}; the file is corrupt, rerun the capture")
+            raise ValueError(
+                f"{f}: sha256 differs from {path / MANIFEST}; the file is corrupt, rerun the "
+                "capture"
+            )
         yield load_shard(f, dequantize)
 
 
 def load_shard(f: str | Path, dequantize: bool = True) -> dict[str, Any]:
-    """One shard file's tensors plus `sample_ids` and `file` (its path) (fp8 states dequantized to bfloat16 unless
-    told not to)."""
+    """One shard file's tensors plus `sample_ids` and `file` (its path) (fp8 states dequantized to
+    bfloat16 unless told not to)."""
     from safetensors import safe_open
 
     from eagle3.io import corrupt_file_errors
@@ -527,7 +661,8 @@ def load_shard(f: str | Path, dequantize: bool = True) -> dict[str, Any]:
 
 
 def shard_samples(shard: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The samples of one loaded shard (views into its tensors), in order; keys as `load_captured`."""
+    """The samples of one loaded shard (views into its tensors), in order; keys as
+    `load_captured`."""
     off = shard["sample_offsets"].tolist()
     for j, sid in enumerate(shard["sample_ids"]):
         s, e = off[j], off[j + 1]
@@ -547,7 +682,8 @@ def load_captured(path: str | Path, verify: bool = False) -> Iterator[dict[str, 
 
     Keys: input_ids (int64 [T]), loss_mask (int64 [T]), aux_hidden_states ([T, A, H]),
     last_hidden_states ([T, H]), sample_id (str), sample_index (int: row in the prepared dataset).
-    States come in the manifest's storage dtype, except fp8 captures, which are dequantized to bfloat16.
+    States come in the manifest's storage dtype, except fp8 captures, which are dequantized to
+    bfloat16.
     """
     for shard in iter_shards(path, verify=verify):
         yield from shard_samples(shard)

@@ -1,15 +1,15 @@
 """The chat-data reader shared by prepare, regenerate and evaluate.
 
-Inputs: a `.json` file (a list of rows; a file that is really JSON Lines is read as such), a `.jsonl`
-file, a `.parquet`/`.csv` file, a local HF `datasets` directory (`save_to_disk` output: a Dataset or a
-DatasetDict, from which `split` is taken, or a directory of data files that `load_dataset` reads), or an
-in-memory `datasets.Dataset`/`DatasetDict`/list of dicts.
+Inputs: a `.json` file (a list of rows; a file that is really JSON Lines is read as such), a
+`.jsonl` file, a `.parquet`/`.csv` file, a local HF `datasets` directory (`save_to_disk` output: a
+Dataset or a DatasetDict, from which `split` is taken, or a directory of data files that
+`load_dataset` reads), or an in-memory `datasets.Dataset`/`DatasetDict`/list of dicts.
 
 Row formats (detected per row):
 
-* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}``
-  (`from`: human/user -> user; gpt/assistant/chatgpt/bing/bard/model/bot -> assistant; system). Turns
-  that use `role`/`content` inside `conversations` are accepted too.
+* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value":
+  "..."}]}`` (`from`: human/user -> user; gpt/assistant/chatgpt/bing/bard/model/bot -> assistant;
+  system). Turns that use `role`/`content` inside `conversations` are accepted too.
 * OpenAI: ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (content may be a list of
   ``{"type": "text", "text": ...}`` parts; `developer` is read as `system`).
 * Pairs: `question`/`answer`, `prompt`/`response`, `prompt`/`completion`, `instruction`/`output`
@@ -22,9 +22,9 @@ Row formats (detected per row):
 A bad row is skipped and counted under one reason (``ReadResult.skipped``), with the first few
 examples kept in ``ReadResult.skip_examples`` and logged: ``missing_fields``, ``not_a_mapping``,
 ``unknown_role``, ``empty_content``, ``no_user_turn``, ``no_assistant_turn``, ``invalid_json``
-(a JSONL line that does not parse; the warning names the file and line number), ``invalid_utf8`` (a JSONL line
-that is not UTF-8: the line is skipped, the rest of the file is read). No usable row at all is a ValueError
-naming the input.
+(a JSONL line that does not parse; the warning names the file and line number), ``invalid_utf8`` (a
+JSONL line that is not UTF-8: the line is skipped, the rest of the file is read). No usable row at
+all is a ValueError naming the input.
 """
 
 from __future__ import annotations
@@ -58,7 +58,12 @@ ROLE_ALIASES = {
 }
 
 #: (prompt key, answer key) pairs, tried in order.
-PAIR_KEYS = (("question", "answer"), ("prompt", "response"), ("prompt", "completion"), ("instruction", "output"))
+PAIR_KEYS = (
+    ("question", "answer"),
+    ("prompt", "response"),
+    ("prompt", "completion"),
+    ("instruction", "output"),
+)
 
 SKIP_REASONS = (
     "invalid_json",
@@ -76,7 +81,8 @@ MAX_EXAMPLES = 5
 
 FORMAT_HELP = (
     "expected rows with `conversations: [{from, value}]` (ShareGPT), `messages: [{role, content}]` "
-    "(OpenAI) or `question`/`answer`, `prompt`/`response`, `prompt`/`completion`, `instruction`/`output` pairs"
+    "(OpenAI) or `question`/`answer`, `prompt`/`response`, `prompt`/`completion`, "
+    "`instruction`/`output` pairs"
 )
 
 
@@ -85,7 +91,8 @@ class Conversation:
     sample_id: str
     #: [{"role": "system"|"user"|"assistant", "content": str}, ...]
     messages: list[dict[str, str]]
-    #: the row's optional `category` (e.g. a domain: math, coding, ...); evaluate reports τ per category
+    #: the row's optional `category` (e.g. a domain: math, coding, ...); evaluate reports τ per
+    #: category
     category: str | None = None
 
 
@@ -127,7 +134,7 @@ class _RowError(Exception):
         self.detail = detail
 
 
-# ----------------------------------------------------------------------------------------------- rows
+# --------------------------------------------------------------------------------------------- rows
 def _content(value: Any, where: str) -> str:
     if value is None:
         return ""
@@ -141,16 +148,24 @@ def _content(value: Any, where: str) -> str:
             elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                raise _RowError("missing_fields", f"{where}: content part {part!r:.80} has no `text`")
-        return "\n".join(parts)  # as vLLM's chat renderer joins text parts: training sees what serving renders
+                raise _RowError(
+                    "missing_fields", f"{where}: content part {part!r:.80} has no `text`"
+                )
+        return "\n".join(
+            parts
+        )  # as vLLM's chat renderer joins text parts: training sees what serving renders
     if isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
-    raise _RowError("missing_fields", f"{where}: content must be a string, got {type(value).__name__}")
+    raise _RowError(
+        "missing_fields", f"{where}: content must be a string, got {type(value).__name__}"
+    )
 
 
 def _turns(turns: Any, role_key: str, content_key: str, column: str) -> list[dict[str, str]]:
     if not isinstance(turns, list):
-        raise _RowError("missing_fields", f"`{column}` must be a list of turns, got {type(turns).__name__}")
+        raise _RowError(
+            "missing_fields", f"`{column}` must be a list of turns, got {type(turns).__name__}"
+        )
     messages = []
     for j, turn in enumerate(turns):
         where = f"{column}[{j}]"
@@ -162,13 +177,16 @@ def _turns(turns: Any, role_key: str, content_key: str, column: str) -> list[dic
         elif rk not in turn and "from" in turn:
             rk, ck = "from", "value"
         if rk not in turn or ck not in turn:
-            raise _RowError("missing_fields", f"{where} lacks `{rk}` or `{ck}` (keys: {sorted(turn)})")
+            raise _RowError(
+                "missing_fields", f"{where} lacks `{rk}` or `{ck}` (keys: {sorted(turn)})"
+            )
         raw_role = turn[rk]
         role = ROLE_ALIASES.get(str(raw_role).strip().lower()) if raw_role is not None else None
         if role is None:
             raise _RowError(
                 "unknown_role",
-                f"{where}.{rk} = {raw_role!r} is not a known role (use one of {sorted(ROLE_ALIASES)})",
+                f"{where}.{rk} = {raw_role!r} is not a known role (use one of "
+                f"{sorted(ROLE_ALIASES)})",
             )
         messages.append({"role": role, "content": _content(turn[ck], where)})
     return messages
@@ -180,7 +198,10 @@ def _pair(row: dict[str, Any], require_assistant: bool) -> tuple[list[dict[str, 
             prompt = _content(row[pk], f"`{pk}`")
             if pk == "instruction" and row.get("input"):
                 prompt = f"{prompt}\n\n{_content(row['input'], '`input`')}"
-            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _content(row[ak], f"`{ak}`")}], "pair"
+            return [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": _content(row[ak], f"`{ak}`")},
+            ], "pair"
     if not require_assistant:
         for pk in ("question", "prompt", "instruction"):
             if pk in row and row[pk] is not None:
@@ -194,11 +215,15 @@ def _pair(row: dict[str, Any], require_assistant: bool) -> tuple[list[dict[str, 
             "no_assistant_turn",
             f"has `{present[0]}` but no answer field (`answer`/`response`/`completion`/`output`)",
         )
-    raise _RowError("missing_fields", f"no `conversations`, `messages` or prompt/answer fields (keys: {sorted(row)[:12]})")
+    raise _RowError(
+        "missing_fields",
+        f"no `conversations`, `messages` or prompt/answer fields (keys: {sorted(row)[:12]})",
+    )
 
 
 def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Conversation, str]:
-    """One input row -> (Conversation, format name). Raises _RowError(reason, detail) for a bad row."""
+    """One input row -> (Conversation, format name). Raises _RowError(reason, detail) for a bad
+    row."""
     if not isinstance(row, dict):
         raise _RowError("not_a_mapping", f"row is a {type(row).__name__}, not a mapping")
     if row.get("messages") is not None:
@@ -208,7 +233,9 @@ def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Con
     else:
         messages, fmt = _pair(row, require_assistant)
     if not messages:
-        raise _RowError("missing_fields", f"`{'messages' if fmt == 'openai' else 'conversations'}` is empty")
+        raise _RowError(
+            "missing_fields", f"`{'messages' if fmt == 'openai' else 'conversations'}` is empty"
+        )
     for j, m in enumerate(messages):
         if not m["content"].strip() and (m["role"] != "assistant" or require_assistant):
             raise _RowError("empty_content", f"turn {j} ({m['role']}) has empty content")
@@ -224,9 +251,10 @@ def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Con
     return Conversation(sample_id=sample_id, messages=messages, category=category or None), fmt
 
 
-# ---------------------------------------------------------------------------------------------- input
+# -------------------------------------------------------------------------------------------- input
 def _iter_jsonl(path: Path) -> Iterator[Any]:
-    """Yield parsed rows; an unparsable or non-UTF-8 line yields an _InvalidLine (counted by the caller)."""
+    """Yield parsed rows; an unparsable or non-UTF-8 line yields an _InvalidLine (counted by the
+    caller)."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if lineno == 1:
@@ -234,8 +262,11 @@ def _iter_jsonl(path: Path) -> Iterator[Any]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield _InvalidLine(lineno, f"not valid UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 4]!r})",
-                                   "invalid_utf8")
+                yield _InvalidLine(
+                    lineno,
+                    f"not valid UTF-8 (byte {e.start} of the line: {raw[e.start : e.start + 4]!r})",
+                    "invalid_utf8",
+                )
                 continue
             if not line.strip():
                 continue
@@ -267,7 +298,9 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
     path = Path(src)
     name = str(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: pass a .json/.jsonl file or a local HF datasets directory")
+        raise FileNotFoundError(
+            f"{path} does not exist: pass a .json/.jsonl file or a local HF datasets directory"
+        )
     if path.is_dir():
         import datasets as ds_mod
 
@@ -280,11 +313,13 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
         try:
             loaded = ds_mod.load_dataset(str(path), split=split)
         except ValueError as e:
-            raise ValueError(f"{path}: could not load split {split!r} with datasets.load_dataset: {e}") from None
+            raise ValueError(
+                f"{path}: could not load split {split!r} with datasets.load_dataset: {e}"
+            ) from None
         except FileNotFoundError as e:
             raise ValueError(
-                f"{path} is a directory but neither a `save_to_disk` dataset nor a directory of data files "
-                f"datasets can read ({e})"
+                f"{path} is a directory but neither a `save_to_disk` dataset nor a directory of "
+                f"data files datasets can read ({e})"
             ) from None
         return loaded, name
     suffix = path.suffix.lower()
@@ -296,17 +331,23 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
             text = path.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as e:
             line = path.read_bytes()[: e.start].count(b"\n") + 1
-            raise ValueError(f"{path}: not valid UTF-8 at line {line} (byte {e.start} of the file); a .json file is "
-                             "parsed as a whole, so fix or re-encode it, or save it as JSON Lines (.jsonl), where a bad "
-                             "line is skipped and counted") from None
+            raise ValueError(
+                f"{path}: not valid UTF-8 at line {line} (byte {e.start} of the file); a .json "
+                "file is parsed as a whole, so fix or re-encode it, or save it as JSON Lines "
+                "(.jsonl), where a bad line is skipped and counted"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             if "Extra data" in str(e):  # JSON Lines saved as .json
                 return _JSONL(path), name
-            raise ValueError(f"{path} is not valid JSON ({e}): fix the file or save it as JSON Lines (.jsonl)") from None
+            raise ValueError(
+                f"{path} is not valid JSON ({e}): fix the file or save it as JSON Lines (.jsonl)"
+            ) from None
         if isinstance(data, dict):
-            lists = [k for k, v in data.items() if isinstance(v, list) and v and isinstance(v[0], dict)]
+            lists = [
+                k for k, v in data.items() if isinstance(v, list) and v and isinstance(v[0], dict)
+            ]
             if len(lists) == 1 and not ({"messages", "conversations"} & set(data)):
                 return data[lists[0]], name  # {"data": [...]} wrapper
             return [data], name
@@ -337,9 +378,11 @@ def _json_array(path: Path) -> list[Any] | None:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise UserError(f"{path}: one JSON array (it starts with `[`) that is not valid UTF-8 "
-                        f"at line {line}: fix or re-encode it, or write one row per line (JSON "
-                        "Lines), where a bad line is skipped and counted") from None
+        raise UserError(
+            f"{path}: one JSON array (it starts with `[`) that is not valid UTF-8 "
+            f"at line {line}: fix or re-encode it, or write one row per line (JSON "
+            "Lines), where a bad line is skipped and counted"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -349,17 +392,21 @@ def _json_array(path: Path) -> list[Any] | None:
         raise UserError(
             f"{path} starts with `[`, so it is read as one JSON array (JSON Lines has one row "
             f"per line), but it is not valid JSON ({e}): fix the array, or write one row per line "
-            "(JSON Lines)") from None
+            "(JSON Lines)"
+        ) from None
     if not isinstance(data, list):
         return None
-    log.info("%s holds one JSON array of %d rows: read as such (not as JSON Lines)", path,
-             len(data))
+    log.info(
+        "%s holds one JSON array of %d rows: read as such (not as JSON Lines)", path, len(data)
+    )
     return data
 
 
 def _pick_split(dd: Any, split: str, name: str) -> Any:
     if split not in dd:
-        raise ValueError(f"{name}: DatasetDict has no split {split!r}; pass --split with one of {sorted(dd)}")
+        raise ValueError(
+            f"{name}: DatasetDict has no split {split!r}; pass --split with one of {sorted(dd)}"
+        )
     return dd[split]
 
 
@@ -417,14 +464,24 @@ def read_conversations(
         detail = ", ".join(f"{k}={v}" for k, v in skipped.items()) or "the input is empty"
         first = next((ex[0] for ex in examples.values() if ex), "")
         raise ValueError(
-            f"{source}: no usable conversations in {num_rows} rows ({detail}){'; e.g. ' + first if first else ''}. "
+            f"{source}: no usable conversations in {num_rows} rows "
+            f"({detail}){'; e.g. ' + first if first else ''}. "
             + FORMAT_HELP
             + ("" if require_assistant else " (prompt-only rows allowed)")
         )
     if skipped:
-        log.warning("%s: skipped %d of %d rows: %s", source, sum(skipped.values()), num_rows, dict(skipped))
-    return ReadResult(conversations=convs, skipped=skipped, num_rows=num_rows, source=source,
-                      formats=formats, skip_examples=examples, skip_rows=where)
+        log.warning(
+            "%s: skipped %d of %d rows: %s", source, sum(skipped.values()), num_rows, dict(skipped)
+        )
+    return ReadResult(
+        conversations=convs,
+        skipped=skipped,
+        num_rows=num_rows,
+        source=source,
+        formats=formats,
+        skip_examples=examples,
+        skip_rows=where,
+    )
 
 
 def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -437,7 +494,9 @@ def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return out
 
 
-def read_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, split: str = "train") -> ReadResult:
+def read_prompts(
+    path_or_dataset: str | Path | Any, limit: int | None = None, split: str = "train"
+) -> ReadResult:
     """Like read_conversations(require_assistant=False), each conversation cut to its first prompt
     (`prompt_messages`). A prompt without a user turn (e.g. the data starts with an assistant turn)
     is skipped as ``no_user_turn``."""
@@ -447,18 +506,25 @@ def read_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, sp
         msgs = prompt_messages(c.messages)
         if not any(m["role"] == "user" for m in msgs):
             res.skipped["no_user_turn"] += 1
-            res.skip_examples.setdefault("no_user_turn", []).append(f"{c.sample_id}: an assistant turn comes before any user turn")
+            res.skip_examples.setdefault("no_user_turn", []).append(
+                f"{c.sample_id}: an assistant turn comes before any user turn"
+            )
             res.skip_rows.setdefault("no_user_turn", []).append(f"sample {c.sample_id}")
             continue
         kept.append(Conversation(sample_id=c.sample_id, messages=msgs, category=c.category))
     if not kept:
-        raise ValueError(f"{res.source}: no usable prompts (skipped: {dict(res.skipped)}). {FORMAT_HELP}")
+        raise ValueError(
+            f"{res.source}: no usable prompts (skipped: {dict(res.skipped)}). {FORMAT_HELP}"
+        )
     res.conversations = kept
     return res
 
 
-def iter_prompts(path_or_dataset: str | Path | Any, limit: int | None = None, split: str = "train") -> Iterator[Conversation]:
-    """Yield each usable row's prompt: its messages up to (not including) the first assistant turn."""
+def iter_prompts(
+    path_or_dataset: str | Path | Any, limit: int | None = None, split: str = "train"
+) -> Iterator[Conversation]:
+    """Yield each usable row's prompt: its messages up to (not including) the first assistant
+    turn."""
     yield from read_prompts(path_or_dataset, limit=limit, split=split).conversations
 
 
@@ -472,8 +538,14 @@ def _where(locations: list[str], count: int) -> str:
     return text + (", ..." if count > len(locations) else "")
 
 
-def check_skipped(source: str, num_rows: int, skipped: dict[str, int],
-                  skip_rows: dict[str, list[str]], max_fraction: float, what: str = "") -> None:
+def check_skipped(
+    source: str,
+    num_rows: int,
+    skipped: dict[str, int],
+    skip_rows: dict[str, list[str]],
+    max_fraction: float,
+    what: str = "",
+) -> None:
     """Raise DataLossError when more than `max_fraction` of the `num_rows` input rows of `source`
     were skipped: the reasons by count with the first rows of each, and the two fixes (the rows, or
     the limit). `what` prefixes the input's name (e.g. "mix: sources[1]")."""
@@ -483,13 +555,16 @@ def check_skipped(source: str, num_rows: int, skipped: dict[str, int],
     frac = num_skipped / num_rows
     reasons = ", ".join(
         f"{reason} {n}" + (f" ({_where(skip_rows[reason], n)})" if skip_rows.get(reason) else "")
-        for reason, n in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])) if n)
+        for reason, n in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))
+        if n
+    )
     raise DataLossError(
         f"{what + ' ' if what else ''}{source}: {num_skipped} of {num_rows} input rows "
         f"({frac:.1%}) were skipped, more than max_skipped_fraction = {max_fraction:g} allows: "
         f"{reasons}. Fix those rows (the log names each one's problem; {FORMAT_HELP}), or accept "
         f"the loss with --max-skipped-fraction {_ceil(frac)} (`max_skipped_fraction:` in the "
-        "config file)")
+        "config file)"
+    )
 
 
 def _ceil(frac: float) -> str:

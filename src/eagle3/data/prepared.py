@@ -1,8 +1,8 @@
 """The prepared-dataset format shared by prepare (writer) and capture/vocab (readers).
 
 A prepared dataset is a directory holding a HF `datasets` dataset saved with `save_to_disk`, columns
-`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id` (str),
-plus `manifest.json` describing where it came from.
+`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id`
+(str), plus `manifest.json` describing where it came from.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ MANIFEST = "manifest.json"
 COLUMNS = ("input_ids", "loss_mask", "sample_id")
 
 
-def save_prepared(rows: Iterable[dict[str, Any]], out: str | Path, manifest: dict[str, Any]) -> Path:
+def save_prepared(
+    rows: Iterable[dict[str, Any]], out: str | Path, manifest: dict[str, Any]
+) -> Path:
     """Write rows + manifest atomically (a half-written dataset never appears under `out`)."""
     import datasets
 

@@ -1,19 +1,25 @@
 """The EAGLE-3 draft model, in the layout vLLM's `LlamaForCausalLMEagle3` loads (llama_eagle3.py).
 
     fc_norm.i     EAGLE-3.1 only (`fc_norm`): one RMSNorm per aux state (width H_target) before fc
-    fc            (n_aux*H_target -> H, no bias) over the concatenated aux hidden states of the target
-    midlayer      one Llama decoder layer whose q/k/v read concat(input_layernorm(embed), hidden_norm(h)), width 2H
-    layers.k      optional further plain Llama decoder layers k = 1 .. num_hidden_layers-1 (vLLM 0.32 builds them
-                  from `num_hidden_layers`; each adds the residual, then norm -> attention/MLP, as in Llama)
-    norm          final RMSNorm; its *pre-norm* input (mlp_out + residual) is the hidden fed to the next draft step
-                  (EAGLE-3.1 `norm_output`: its *output* is fed instead, as vLLM's LlamaModel returns it as aux_output)
+    fc            (n_aux*H_target -> H, no bias) over the concatenated aux hidden states of the
+                  target
+    midlayer      one Llama decoder layer whose q/k/v read concat(input_layernorm(embed),
+                  hidden_norm(h)), width 2H
+    layers.k      optional further plain Llama decoder layers k = 1 .. num_hidden_layers-1 (vLLM
+                  0.32 builds them from `num_hidden_layers`; each adds the residual, then norm ->
+                  attention/MLP, as in Llama)
+    norm          final RMSNorm; its *pre-norm* input (mlp_out + residual) is the hidden fed to the
+                  next draft step (EAGLE-3.1 `norm_output`: its *output* is fed instead, as vLLM's
+                  LlamaModel returns it as aux_output)
     lm_head       H -> draft_vocab
     d2t / t2d     draft id -> target id offsets (target = i + d2t[i]); target-id membership mask
-    embed_tokens  copied from the target and frozen; not exported (vLLM shares the target's embedding)
+    embed_tokens  copied from the target and frozen; not exported (vLLM shares the target's
+                  embedding)
 
-Semantics follow vLLM with `norm_before_residual=False`: the residual stream starts from the raw fc/previous
-hidden, `hidden_norm` only feeds attention. Training-time test (TTT) runs `step()` K times; the attention
-kernel that sees the keys of earlier steps is passed in (eagle3.train.attention), so this file stays pure.
+Semantics follow vLLM with `norm_before_residual=False`: the residual stream starts from the raw
+fc/previous hidden, `hidden_norm` only feeds attention. Training-time test (TTT) runs `step()` K
+times; the attention kernel that sees the keys of earlier steps is passed in
+(eagle3.train.attention), so this file stays pure.
 """
 
 from __future__ import annotations
@@ -46,13 +52,17 @@ class DraftConfig:
     target_hidden_size: int
     num_aux: int  # number of aux hidden states the fc reads
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # rope_parameters minus rope_theta ({"rope_type": "llama3", ...})
+    rope_scaling: dict[str, Any] | None = (
+        None  # rope_parameters minus rope_theta ({"rope_type": "llama3", ...})
+    )
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     num_hidden_layers: int = 1  # decoder layers: the midlayer + (n-1) plain ones
     dropout: float = 0.0  # on each layer's attention and MLP outputs, training only (not exported)
     fc_norm: bool = False  # EAGLE-3.1: RMSNorm each aux state before fc (vLLM config key `fc_norm`)
-    norm_output: bool = False  # EAGLE-3.1: the next step reads the post-norm state (vLLM config key `norm_output`)
+    norm_output: bool = (
+        False  # EAGLE-3.1: the next step reads the post-norm state (vLLM config key `norm_output`)
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,33 +73,48 @@ class DraftConfig:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise DraftConfigError(f"draft config has unknown keys {sorted(unknown)}; expected a subset of {sorted(names)}")
+            raise DraftConfigError(
+                f"draft config has unknown keys {sorted(unknown)}; expected a subset of "
+                f"{sorted(names)}"
+            )
         return cls(**d)
 
 
 def text_config(target_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language-model part of an HF config.json (nested `text_config` for multimodal targets)."""
+    """The language-model part of an HF config.json (nested `text_config` for multimodal
+    targets)."""
     return target_cfg.get("text_config") or target_cfg
 
 
 def target_rope(tc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
+    """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or v4
+    `rope_theta`/`rope_scaling`."""
     params = dict(tc.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", tc.get("rope_theta", 10000.0)))
     scaling = params or tc.get("rope_scaling") or None
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    if scaling and "type" in scaling:  # v4 key (Kimi-K2.5, DeepSeek-V3): vLLM and the export read rope_type
-        scaling = {"rope_type": scaling["type"], **{k: v for k, v in scaling.items() if k != "type"}}
+    if (
+        scaling and "type" in scaling
+    ):  # v4 key (Kimi-K2.5, DeepSeek-V3): vLLM and the export read rope_type
+        scaling = {
+            "rope_type": scaling["type"],
+            **{k: v for k, v in scaling.items() if k != "type"},
+        }
     return theta, scaling
 
 
 def draft_config_from_target(
     target_cfg: dict[str, Any], num_aux: int, draft_vocab_size: int, overrides: Any = None
 ) -> DraftConfig:
-    """Derive the draft's dimensions from the target's config.json; `overrides` (DraftOverrides) wins per field."""
+    """Derive the draft's dimensions from the target's config.json; `overrides` (DraftOverrides)
+    wins per field."""
     tc = text_config(target_cfg)
-    ov = {k: v for k, v in (overrides.model_dump() if overrides is not None else {}).items() if v is not None}
+    ov = {
+        k: v
+        for k, v in (overrides.model_dump() if overrides is not None else {}).items()
+        if v is not None
+    }
     H = tc["hidden_size"]
     heads = tc["num_attention_heads"]
     theta, scaling = target_rope(tc)
@@ -98,9 +123,14 @@ def draft_config_from_target(
         intermediate_size=ov.get("intermediate_size", tc["intermediate_size"]),
         num_attention_heads=ov.get("num_attention_heads", heads),
         num_key_value_heads=ov.get("num_key_value_heads", tc.get("num_key_value_heads", heads)),
-        # MLA targets (DeepSeek-V3, Kimi) have no plain head: their `head_dim`, where written, is the rope part
-        head_dim=ov.get("head_dim", (None if tc.get("kv_lora_rank") else tc.get("head_dim")) or H // heads),
-        max_position_embeddings=ov.get("max_position_embeddings", tc.get("max_position_embeddings", 4096)),
+        # MLA targets (DeepSeek-V3, Kimi) have no plain head: their `head_dim`, where written, is
+        # the rope part
+        head_dim=ov.get(
+            "head_dim", (None if tc.get("kv_lora_rank") else tc.get("head_dim")) or H // heads
+        ),
+        max_position_embeddings=ov.get(
+            "max_position_embeddings", tc.get("max_position_embeddings", 4096)
+        ),
         rms_norm_eps=ov.get("rms_norm_eps", tc.get("rms_norm_eps", 1e-6)),
         vocab_size=tc["vocab_size"],
         draft_vocab_size=draft_vocab_size,
@@ -110,7 +140,9 @@ def draft_config_from_target(
         rope_scaling=scaling,
         bos_token_id=tc.get("bos_token_id", target_cfg.get("bos_token_id")),
         eos_token_id=tc.get("eos_token_id", target_cfg.get("eos_token_id")),
-        num_hidden_layers=ov.get("num_hidden_layers", 1),  # the draft's own depth, never the target's
+        num_hidden_layers=ov.get(
+            "num_hidden_layers", 1
+        ),  # the draft's own depth, never the target's
         fc_norm=bool(ov.get("fc_norm", False)),
         norm_output=bool(ov.get("norm_output", False)),
     )
@@ -122,27 +154,34 @@ def check_draft_config(cfg: DraftConfig, tc: dict[str, Any]) -> None:
     """Refuse drafts vLLM could not serve next to this target."""
     if cfg.hidden_size != tc["hidden_size"]:
         raise DraftConfigError(
-            f"draft.hidden_size={cfg.hidden_size} differs from the target's hidden_size={tc['hidden_size']}: the draft "
-            "shares the target's token embedding, so unset draft.hidden_size"
+            f"draft.hidden_size={cfg.hidden_size} differs from the target's "
+            f"hidden_size={tc['hidden_size']}: the draft shares the target's token embedding, so "
+            "unset draft.hidden_size"
         )
     tmax = tc.get("max_position_embeddings", 0)
     if cfg.max_position_embeddings < tmax:
         raise DraftConfigError(
-            f"draft.max_position_embeddings={cfg.max_position_embeddings} is below the target's {tmax}: vLLM would cap "
-            f"serving at the draft's length; set it to >= {tmax} or leave it unset"
+            f"draft.max_position_embeddings={cfg.max_position_embeddings} is below the target's "
+            f"{tmax}: vLLM would cap serving at the draft's length; set it to >= {tmax} or leave "
+            "it unset"
         )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise DraftConfigError(
-            f"draft.num_attention_heads={cfg.num_attention_heads} is not a multiple of num_key_value_heads="
-            f"{cfg.num_key_value_heads}; pick a divisor"
+            f"draft.num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}; pick a divisor"
         )
     if cfg.num_hidden_layers < 1:
-        raise DraftConfigError(f"draft.num_hidden_layers={cfg.num_hidden_layers}: an EAGLE-3 draft has at least 1 layer")
+        raise DraftConfigError(
+            f"draft.num_hidden_layers={cfg.num_hidden_layers}: an EAGLE-3 draft has at least 1 "
+            "layer"
+        )
     if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
-        raise DraftConfigError(f"draft_vocab_size={cfg.draft_vocab_size} must be in [1, target vocab {cfg.vocab_size}]")
+        raise DraftConfigError(
+            f"draft_vocab_size={cfg.draft_vocab_size} must be in [1, target vocab {cfg.vocab_size}]"
+        )
 
 
-# ---------------------------------------------------------------------------------------------------- blocks
+# ------------------------------------------------------------------------------------------- blocks
 
 
 class RMSNorm(nn.Module):
@@ -154,13 +193,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()  # (..., D)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., D)
-        # in x's dtype: under autocast (bf16 x, fp32 weight) the product would otherwise be fp32, and the final
-        # norm's output (the lm_head input, K times per step) would travel as (B, T, H) fp32 into a bf16 GEMM
+        # in x's dtype: under autocast (bf16 x, fp32 weight) the product would otherwise be fp32,
+        # and the final norm's output (the lm_head input, K times per step) would travel as (B, T,
+        # H) fp32 into a bf16 GEMM
         return (self.weight * xf.to(x.dtype)).to(x.dtype)  # (..., D)
 
 
 def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
-    """Inverse frequencies for default / linear / llama3 rope (the types Llama-family targets use)."""
+    """Inverse frequencies for default / linear / llama3 rope (the types Llama-family targets
+    use)."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (d/2,)
     s = cfg.rope_scaling or {}
@@ -175,31 +216,39 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
         wavelen = 2 * math.pi / inv  # (d/2,)
         smooth = (old / wavelen - lo) / (hi - lo)  # (d/2,)
         mid = (1 - smooth) * inv / factor + smooth * inv  # (d/2,)
-        inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid))  # (d/2,)
+        inv = torch.where(
+            wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid)
+        )  # (d/2,)
     elif kind == "yarn":  # as vLLM's YaRNScalingRotaryEmbedding, which serves the exported draft
         factor, old = s["factor"], s["original_max_position_embeddings"]
         fast, slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
         mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
         attn = s.get("attention_factor") or (
-            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
-            else _yarn_mscale(factor))
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            if mscale and mscale_all
+            else _yarn_mscale(factor)
+        )
         if abs(attn - 1.0) > 1e-9:
             raise DraftConfigError(
-                f"rope scaling yarn with attention factor {attn:.4f} (factor {factor}, mscale {mscale}, mscale_all_dim "
-                f"{mscale_all}) is not supported by the trainer (only 1.0, as Kimi-K2.5 / DeepSeek-V3 have); "
-                "override draft.rope_theta and drop the scaling"
+                f"rope scaling yarn with attention factor {attn:.4f} (factor {factor}, mscale "
+                f"{mscale}, mscale_all_dim {mscale_all}) is not supported by the trainer (only "
+                "1.0, as Kimi-K2.5 / DeepSeek-V3 have); override draft.rope_theta and drop the "
+                "scaling"
             )
 
         def dim_at(rot: float) -> float:
             return d * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
 
         lo, hi = max(math.floor(dim_at(fast)), 0), min(math.ceil(dim_at(slow)), d - 1)
-        ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)  # (d/2,)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / ((hi - lo) or 0.001)).clamp(
+            0, 1
+        )  # (d/2,)
         inv = inv / factor * ramp + inv * (1 - ramp)  # (d/2,)
     else:
         raise DraftConfigError(
-            f"rope scaling type {kind!r} is not supported by the trainer (default, linear, llama3, yarn); "
-            "override draft.rope_theta and drop the scaling, or add the type to rope_inv_freq"
+            f"rope scaling type {kind!r} is not supported by the trainer (default, linear, llama3, "
+            "yarn); override draft.rope_theta and drop the scaling, or add the type to "
+            "rope_inv_freq"
         )
     return inv.float()
 
@@ -208,7 +257,9 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     ang = positions.float()[..., None] * inv_freq  # (B, T, d/2)
     ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, T, d)
     return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -280,19 +331,23 @@ class MidLayer(nn.Module):
         return self.post(hidden, attn_fn(q, cache[0], cache[1]))  # (B, T, H) x2
 
     def pre(self, emb, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Everything before the attention kernel: norms, concat, q/k/v, rope. Shapes do not depend on the TTT step."""
+        """Everything before the attention kernel: norms, concat, q/k/v, rope. Shapes do not depend
+        on the TTT step."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
         return self.self_attn.project(x, cos, sin)  # (B, nh|kvh, T, d)
 
     def post(self, hidden, y) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after the attention kernel: o_proj, residual, MLP. y: (B, nh, T, d)."""
         residual = hidden + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
-        h = F.dropout(self.mlp(self.post_attention_layernorm(residual)), self.p, self.training)  # (B, T, H)
+        h = F.dropout(
+            self.mlp(self.post_attention_layernorm(residual)), self.p, self.training
+        )  # (B, T, H)
         return h, residual
 
 
 class DecoderLayer(nn.Module):
-    """vLLM's Eagle3 LlamaDecoderLayer with layer_idx > 0: a plain Llama layer on (h, residual) from the one before."""
+    """vLLM's Eagle3 LlamaDecoderLayer with layer_idx > 0: a plain Llama layer on (h, residual) from
+    the one before."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -314,7 +369,9 @@ class DecoderLayer(nn.Module):
 
     def post(self, residual, y) -> tuple[torch.Tensor, torch.Tensor]:
         residual = residual + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
-        h = F.dropout(self.mlp(self.post_attention_layernorm(residual)), self.p, self.training)  # (B, T, H)
+        h = F.dropout(
+            self.mlp(self.post_attention_layernorm(residual)), self.p, self.training
+        )  # (B, T, H)
         return h, residual
 
 
@@ -325,13 +382,18 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         if cfg.fc_norm:  # state_dict names fc_norm.i.weight, the names vLLM loads (model.fc_norm.i)
-            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)
+            )
         else:
             self.fc_norm = None
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
-        # keys "1".."n-1": state_dict names layers.1.*, the names vLLM loads (midlayer. maps to its layers.0.)
-        self.layers = nn.ModuleDict({str(k): DecoderLayer(cfg) for k in range(1, cfg.num_hidden_layers)})
+        # keys "1".."n-1": state_dict names layers.1.*, the names vLLM loads (midlayer. maps to its
+        # layers.0.)
+        self.layers = nn.ModuleDict(
+            {str(k): DecoderLayer(cfg) for k in range(1, cfg.num_hidden_layers)}
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -349,13 +411,14 @@ class Eagle3Draft(nn.Module):
     def compile_blocks(self, mode: str = "layer") -> None:
         """torch.compile what runs once per TTT step; the unrolled loop stays eager.
 
-        layer  each decoder layer whole (attention kernel inside) + the final norm. The layer's graph depends on
-               the TTT step (its KV list grows), so it is compiled K times, forward and backward (~2 min at K=7
-               on an H200).
-        split  each layer's `pre` (norms, q/k/v, rope) and `post` (o_proj, residual, MLP) compiled on their own
-               (static shapes): their graphs are the same at every TTT step, so each compiles once; the attention
-               kernel between them is compiled by eagle3.train.attention (one flex kernel over the step-0 keys for
-               all steps, plus one small merge of the diagonal keys per step count). Same math, same values."""
+        layer  each decoder layer whole (attention kernel inside) + the final norm. The layer's
+               graph depends on the TTT step (its KV list grows), so it is compiled K times, forward
+               and backward (~2 min at K=7 on an H200).
+        split  each layer's `pre` (norms, q/k/v, rope) and `post` (o_proj, residual, MLP) compiled
+               on their own (static shapes): their graphs are the same at every TTT step, so each
+               compiles once; the attention kernel between them is compiled by
+               eagle3.train.attention (one flex kernel over the step-0 keys for all steps, plus one
+               small merge of the diagonal keys per step count). Same math, same values."""
         if mode not in ("layer", "split"):
             raise ValueError(f"compile_blocks(mode={mode!r}): expected 'layer' or 'split'")
         if mode == "layer":
@@ -370,21 +433,27 @@ class Eagle3Draft(nn.Module):
         self.norm.compile()
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        """vLLM's combine_hidden_states: (fc_norm per aux state, then) fc. (B, T, n_aux*Ht) -> (B, T, H)"""
+        """vLLM's combine_hidden_states: (fc_norm per aux state, then) fc. (B, T, n_aux*Ht) -> (B,
+        T, H)"""
         if self.fc_norm is not None:
             chunks = aux.chunk(self.cfg.num_aux, dim=-1)  # n_aux x (B, T, Ht)
-            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)  # (B, T, n_aux*Ht)
+            aux = torch.cat(
+                [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1
+            )  # (B, T, n_aux*Ht)
         return self.fc(aux)  # (B, T, H)
 
     def new_cache(self) -> list[tuple[list, list]]:
-        """Per decoder layer: (keys, values) of every TTT step so far (what the layer's KV cache holds in vLLM)."""
+        """Per decoder layer: (keys, values) of every TTT step so far (what the layer's KV cache
+        holds in vLLM)."""
         return [([], []) for _ in range(self.cfg.num_hidden_layers)]
 
-    def step(self, input_ids, hidden, positions, cache, attn_fn: AttnFn,
-             states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: returns (normed output for lm_head, hidden for the next step), both (B, T, H); the hidden
-        for the next step is the pre-norm state, or with norm_output the normed one (vLLM's aux_output).
-        cache: from new_cache(), extended in place; `states`, when given, gets the midlayer's output (h + residual)."""
+    def step(
+        self, input_ids, hidden, positions, cache, attn_fn: AttnFn, states: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: returns (normed output for lm_head, hidden for the next step), both (B,
+        T, H); the hidden for the next step is the pre-norm state, or with norm_output the normed
+        one (vLLM's aux_output). cache: from new_cache(), extended in place; `states`, when given,
+        gets the midlayer's output (h + residual)."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)  # (B, 1, T, d)
         h, residual = self.midlayer(emb, hidden, cos, sin, cache[0], attn_fn)  # (B, T, H) x2
@@ -397,8 +466,9 @@ class Eagle3Draft(nn.Module):
         return out, (out if self.cfg.norm_output else prenorm)
 
     def forward(self, input_ids, aux, positions, attn_fn: AttnFn, steps: int = 1):
-        """Unrolled TTT forward for callers that only need outputs: step j reads ids shifted by j (caller's job
-        to pass `input_ids` as a list per step when it differs). Returns list of normed outputs (B, T, H)."""
+        """Unrolled TTT forward for callers that only need outputs: step j reads ids shifted by j
+        (caller's job to pass `input_ids` as a list per step when it differs). Returns list of
+        normed outputs (B, T, H)."""
         ids = input_ids if isinstance(input_ids, (list, tuple)) else [input_ids] * steps
         hidden, cache, outs = self.combine(aux), self.new_cache(), []  # (B, T, H)
         for j in range(steps):
@@ -410,8 +480,8 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(normed)  # (..., Vd)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under vLLM's names: [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.*, norm.weight,
-        lm_head.weight, d2t, t2d (no embed)."""
+        """Weights under vLLM's names: [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.*,
+        norm.weight, lm_head.weight, d2t, t2d (no embed)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
@@ -433,11 +503,21 @@ def expected_export_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (H, inter),
         }
 
-    shapes = {"fc.weight": (H, cfg.num_aux * cfg.target_hidden_size), "midlayer.hidden_norm.weight": (H,),
-              **layer("midlayer.", 2 * H)}
+    shapes = {
+        "fc.weight": (H, cfg.num_aux * cfg.target_hidden_size),
+        "midlayer.hidden_norm.weight": (H,),
+        **layer("midlayer.", 2 * H),
+    }
     if cfg.fc_norm:
-        shapes.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux)})
+        shapes.update(
+            {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux)}
+        )
     for k in range(1, cfg.num_hidden_layers):
         shapes.update(layer(f"layers.{k}.", H))
-    return {**shapes, "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,),
-            "t2d": (cfg.vocab_size,)}
+    return {
+        **shapes,
+        "norm.weight": (H,),
+        "lm_head.weight": (cfg.draft_vocab_size, H),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }

@@ -1,7 +1,7 @@
 """Training the EAGLE-3 draft with training-time test (TTT).
 
-    run_train(cfg: TrainConfig) -> TrainResult              the `eagle3 train` stage
-    ttt_forward(model, batch, head, steps=7, ...)           one unrolled TTT forward on tensors
+run_train(cfg: TrainConfig) -> TrainResult              the `eagle3 train` stage
+ttt_forward(model, batch, head, steps=7, ...)           one unrolled TTT forward on tensors
 """
 
 from eagle3.train.step import (

@@ -1,8 +1,9 @@
 """An exponential moving average of the draft's trainable weights (`train.ema_decay`).
 
-It only touches each rank's own parameter tensors, so it works alike on one device, under DDP (replicas stay
-equal) and under FSDP2 (each rank averages its shard). The trainer swaps the average in to validate and to
-save best/, final/ and checkpoints, and swaps the raw weights back to keep training.
+It only touches each rank's own parameter tensors, so it works alike on one device, under DDP
+(replicas stay equal) and under FSDP2 (each rank averages its shard). The trainer swaps the average
+in to validate and to save best/, final/ and checkpoints, and swaps the raw weights back to keep
+training.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ class WeightAverage:
 
     @torch.no_grad()
     def update(self, step: int) -> None:
-        """Fold in the weights after optimizer step `step` (0-based); the decay ramps up as (1+step)/(10+step)
-        so the first steps do not keep the random init in the average."""
+        """Fold in the weights after optimizer step `step` (0-based); the decay ramps up as
+        (1+step)/(10+step) so the first steps do not keep the random init in the average."""
         weight = 1.0 - min(self.decay, (1 + step) / (10 + step))
         for s, p in zip(self.shadow, self.params, strict=True):
             s.lerp_(p.detach(), weight)

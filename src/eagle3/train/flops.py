@@ -1,11 +1,11 @@
 """FLOP, parameter and byte counts: the EAGLE-3 draft's training step and the target's forward pass.
 
-Pure arithmetic on config dimensions (no torch, no pydantic), shared by benchmarks/train_step.py (its FLOP/byte
-floors) and eagle3.plan (capture and training time estimates). Convention everywhere: 2 FLOPs per multiply-add,
-counts per token.
+Pure arithmetic on config dimensions (no torch, no pydantic), shared by benchmarks/train_step.py
+(its FLOP/byte floors) and eagle3.plan (capture and training time estimates). Convention everywhere:
+2 FLOPs per multiply-add, counts per token.
 
-Draft dims (`m`): H (draft hidden), Ht (target hidden), n_aux, nh, kvh, d (head dim), inter, V (target vocab),
-Vd (draft vocab); `draft_dims(DraftConfig)` builds it.
+Draft dims (`m`): H (draft hidden), Ht (target hidden), n_aux, nh, kvh, d (head dim), inter, V
+(target vocab), Vd (draft vocab); `draft_dims(DraftConfig)` builds it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,20 @@ from typing import Any
 
 
 def draft_dims(cfg: Any) -> dict[str, int]:
-    """The `m` dict of the counts below from a DraftConfig (or anything with its attribute names)."""
-    return dict(H=cfg.hidden_size, Ht=cfg.target_hidden_size, n_aux=cfg.num_aux, nh=cfg.num_attention_heads,
-                kvh=cfg.num_key_value_heads, d=cfg.head_dim, inter=cfg.intermediate_size, V=cfg.vocab_size,
-                Vd=cfg.draft_vocab_size, n_layers=getattr(cfg, "num_hidden_layers", 1))
+    """The `m` dict of the counts below from a DraftConfig (or anything with its attribute
+    names)."""
+    return dict(
+        H=cfg.hidden_size,
+        Ht=cfg.target_hidden_size,
+        n_aux=cfg.num_aux,
+        nh=cfg.num_attention_heads,
+        kvh=cfg.num_key_value_heads,
+        d=cfg.head_dim,
+        inter=cfg.intermediate_size,
+        V=cfg.vocab_size,
+        Vd=cfg.draft_vocab_size,
+        n_layers=getattr(cfg, "num_hidden_layers", 1),
+    )
 
 
 def count_train_flops(m: dict, T: int, K: int) -> dict:
@@ -26,19 +36,23 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
     per token per TTT step j (forward, 2 FLOPs per multiply-add):
       fc             2 * (n_aux*Ht) * H              only at step 0
       qkv            2 * 2H * (nh + 2 kvh) * d       q, k, v read concat(embed, hidden) = 2H
-      attn_core      4 * nh * d * (T/2 + j)          QK^T + PV over the causal half of the step-0 keys + j TTT keys
+      attn_core      4 * nh * d * (T/2 + j)          QK^T + PV over the causal half of the step-0
+                                                     keys + j TTT keys
       o_proj         2 * nh*d * H
       mlp            3 * 2 * H * inter               gate, up, down
       draft_lm_head  2 * H * Vd
-    trainable total x3 (backward ~ 2x forward); plus the frozen target lm_head restricted to the draft vocab
-    (target distribution), forward only, ONCE per token: targets are computed once per batch and each TTT step
-    reads them shifted by j (eagle3.train.loss.compute_targets). The out-of-vocab mask also needs the target's
-    full-vocab argmax: the trainer computes it once per sample before training (not per step since 2026-12-01), a
-    streaming run in the step from the full-vocab head: `target_lm_head_full` and
-    `executed_flops_per_token_incl_full_vocab_argmax` give that case (not in the model count, which, like the peer,
-    restricts the target head to the draft vocab).
+    trainable total x3 (backward ~ 2x forward); plus the frozen target lm_head restricted to the
+    draft vocab (target distribution), forward only, ONCE per token: targets are computed once per
+    batch and each TTT step reads them shifted by j (eagle3.train.loss.compute_targets). The
+    out-of-vocab mask also needs the target's full-vocab argmax: the trainer computes it once per
+    sample before training (not per step since 2026-12-01), a streaming run in the step from the
+    full-vocab head: `target_lm_head_full` and `executed_flops_per_token_incl_full_vocab_argmax`
+    give that case (not in the model count, which, like the peer, restricts the target head to the
+    draft vocab).
     """
-    H, Ht, nh, kvh, d, inter, V, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux"))
+    H, Ht, nh, kvh, d, inter, V, Vd, na = (
+        m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "V", "Vd", "n_aux")
+    )
     n = m.get("n_layers", 1)  # layers after the first read width H, not 2H
     fwd = {
         "fc": 2 * na * Ht * H,
@@ -52,8 +66,9 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
     target = 2 * Ht * Vd
     total = 3 * trainable_fwd + target
     return {
-        "convention": "per token per optimizer step; trainable x3 (fwd + 2x bwd); frozen target lm_head restricted to "
-        "the draft vocab, forward only, once per token; attention = causal half of step-0 keys + j TTT keys",
+        "convention": "per token per optimizer step; trainable x3 (fwd + 2x bwd); frozen target "
+        "lm_head restricted to the draft vocab, forward only, once per token; attention = causal "
+        "half of step-0 keys + j TTT keys",
         "forward_per_token": {k: float(v) for k, v in fwd.items()},
         "trainable_forward_per_token": float(trainable_fwd),
         "trainable_fwd_bwd_per_token": float(3 * trainable_fwd),
@@ -66,8 +81,11 @@ def count_train_flops(m: dict, T: int, K: int) -> dict:
 
 
 def count_draft_params(m: dict) -> dict:
-    """Trainable parameter counts and how many times per optimizer step each is used (fc: once; midlayer/lm_head: K)."""
-    H, Ht, nh, kvh, d, inter, Vd, na = (m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "Vd", "n_aux"))
+    """Trainable parameter counts and how many times per optimizer step each is used (fc: once;
+    midlayer/lm_head: K)."""
+    H, Ht, nh, kvh, d, inter, Vd, na = (
+        m[k] for k in ("H", "Ht", "nh", "kvh", "d", "inter", "Vd", "n_aux")
+    )
     n = m.get("n_layers", 1)
     return {
         "fc": (na * Ht * H, "once"),
@@ -79,14 +97,19 @@ def count_draft_params(m: dict) -> dict:
 
 
 def count_step_bytes(m: dict, K: int) -> dict:
-    """Bytes floor of one optimizer step: weights + grads + optimizer state only (activations excluded).
+    """Bytes floor of one optimizer step: weights + grads + optimizer state only (activations
+    excluded).
 
     fp32 master weights, bf16 autocast copies, fp32 grads, fused AdamW (fp32 m, v):
-      once per step, per trainable param:  cast fp32->bf16 (read 4 + write 2) + grad-norm clip (read 4)
-                                           + AdamW (read p, g, m, v = 16; write p, m, v = 12)        = 38 B
+      once per step, per trainable param:  cast fp32->bf16 (read 4 + write 2)
+                                           + grad-norm clip (read 4)
+                                           + AdamW (read p, g, m, v = 16; write p, m, v = 12)
+                                           = 38 B
       per use (fc once, the rest K times): bf16 weight read fwd (2) + bwd dX (2) + dW write bf16 (2)
-                                           + fp32 grad accumulate (read 4 + write 4)                  = 14 B
-      frozen: target lm_head's draft-vocab rows read once in bf16 (2 B each; the full-vocab argmax is per sample)
+                                           + fp32 grad accumulate (read 4 + write 4)
+                                           = 14 B
+      frozen: target lm_head's draft-vocab rows read once in bf16 (2 B each; the full-vocab argmax
+      is per sample)
     """
     once_b, use_b = 38, 14
     total, terms = 0, {}
@@ -99,17 +122,23 @@ def count_step_bytes(m: dict, K: int) -> dict:
     terms["target_lm_head_frozen"] = float(frozen)
     total += frozen
     n_train = sum(n for n, _ in count_draft_params(m).values())
-    return {"trainable_params": n_train, "terms": terms, "bytes_per_step": float(total),
-            "convention": f"{once_b} B/param once (cast, clip, AdamW) + {use_b} B/param per use (bf16 reads fwd/bwd, "
-            "dW, fp32 grad accumulate); frozen target head read once; activations excluded"}
+    return {
+        "trainable_params": n_train,
+        "terms": terms,
+        "bytes_per_step": float(total),
+        "convention": f"{once_b} B/param once (cast, clip, AdamW) + {use_b} B/param per use (bf16 "
+        "reads fwd/bwd, dW, fp32 grad accumulate); frozen target head read once; activations "
+        "excluded",
+    }
 
 
-# ------------------------------------------------------------------------------------------------ the target
+# --------------------------------------------------------------------------------------- the target
 
 
 def _layer_kinds(tc: dict) -> list[str]:
-    """'dense' or 'moe' for each decoder layer (DeepSeek-V3 / Kimi: first_k_dense_replace dense layers, then MoE
-    every moe_layer_freq; Qwen3-MoE: MoE where (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers)."""
+    """'dense' or 'moe' for each decoder layer (DeepSeek-V3 / Kimi: first_k_dense_replace dense
+    layers, then MoE every moe_layer_freq; Qwen3-MoE: MoE where (i+1) % decoder_sparse_step == 0 and
+    i not in mlp_only_layers)."""
     L = int(tc["num_hidden_layers"])
     if tc.get("n_routed_experts"):
         k, freq = int(tc.get("first_k_dense_replace") or 0), int(tc.get("moe_layer_freq") or 1)
@@ -121,11 +150,16 @@ def _layer_kinds(tc: dict) -> list[str]:
 
 
 def _attention_terms(tc: dict) -> tuple[int, int]:
-    """(projection parameters per layer, attention-core multiply-adds per token per key): MLA (DeepSeek-V3 /
-    Kimi: low-rank q and kv, computed un-absorbed as in prefill) or standard multi-head/grouped-query attention."""
+    """(projection parameters per layer, attention-core multiply-adds per token per key): MLA
+    (DeepSeek-V3 / Kimi: low-rank q and kv, computed un-absorbed as in prefill) or standard
+    multi-head/grouped-query attention."""
     H, nh = int(tc["hidden_size"]), int(tc["num_attention_heads"])
     if tc.get("kv_lora_rank"):
-        nope, rope, v = int(tc["qk_nope_head_dim"]), int(tc["qk_rope_head_dim"]), int(tc["v_head_dim"])
+        nope, rope, v = (
+            int(tc["qk_nope_head_dim"]),
+            int(tc["qk_rope_head_dim"]),
+            int(tc["v_head_dim"]),
+        )
         qr, kvr = tc.get("q_lora_rank"), int(tc["kv_lora_rank"])
         q = H * int(qr) + int(qr) * nh * (nope + rope) if qr else H * nh * (nope + rope)
         kv = H * (kvr + rope) + kvr * nh * (nope + v)
@@ -136,8 +170,9 @@ def _attention_terms(tc: dict) -> tuple[int, int]:
 
 
 def count_target_params(tc: dict) -> dict:
-    """Parameters of the target's language model (`tc` = text config): total, and active per token (MoE: the
-    routed experts a token uses + shared experts + dense parts). Norms and router biases are left out."""
+    """Parameters of the target's language model (`tc` = text config): total, and active per token
+    (MoE: the routed experts a token uses + shared experts + dense parts). Norms and router biases
+    are left out."""
     H, V = int(tc["hidden_size"]), int(tc["vocab_size"])
     attn, _ = _attention_terms(tc)
     dense_mlp = 3 * H * int(tc["intermediate_size"])
@@ -155,19 +190,29 @@ def count_target_params(tc: dict) -> dict:
             total += attn + router + (n_experts + shared) * 3 * H * moe_inter
             active += attn + router + (k + shared) * 3 * H * moe_inter
     embed = V * H * (1 if tc.get("tie_word_embeddings") else 2)
-    return {"total": total + embed, "active_per_token": active + V * H, "layers_total": total,
-            "layers_active_per_token": active, "embedding_and_lm_head": embed}
+    return {
+        "total": total + embed,
+        "active_per_token": active + V * H,
+        "layers_total": total,
+        "layers_active_per_token": active,
+        "embedding_and_lm_head": embed,
+    }
 
 
 def count_target_forward_flops(tc: dict, seq_len: float) -> dict:
-    """Forward FLOPs per token of a prefill over prompts of `seq_len` tokens (what capture runs): the decoder layers'
-    active weights (2 per active parameter) + attention over the causal half of the prompt (seq_len / 2 keys on
-    average). The lm_head is left out: the engine computes logits for one position per prompt only."""
+    """Forward FLOPs per token of a prefill over prompts of `seq_len` tokens (what capture runs):
+    the decoder layers' active weights (2 per active parameter) + attention over the causal half of
+    the prompt (seq_len / 2 keys on average). The lm_head is left out: the engine computes logits
+    for one position per prompt only."""
     p = count_target_params(tc)
     _, core = _attention_terms(tc)
     L = int(tc["num_hidden_layers"])
     weights = 2 * p["layers_active_per_token"]
     attn = 2 * core * (seq_len / 2) * L
-    return {"weights": float(weights), "attention_core": float(attn), "total": float(weights + attn),
-            "convention": "per prompt token; 2 FLOPs per active decoder parameter + attention over seq_len/2 keys; "
-            "no lm_head (logits for one position per prompt)"}
+    return {
+        "weights": float(weights),
+        "attention_core": float(attn),
+        "total": float(weights + attn),
+        "convention": "per prompt token; 2 FLOPs per active decoder parameter + attention over "
+        "seq_len/2 keys; no lm_head (logits for one position per prompt)",
+    }

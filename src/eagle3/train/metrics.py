@@ -1,5 +1,6 @@
-"""What a training run reports while it runs: logs/metrics.jsonl (one record per log/eval event), tb/
-(TensorBoard scalars, when tensorboard is installed), curves.png at the end, and progress lines on stderr."""
+"""What a training run reports while it runs: logs/metrics.jsonl (one record per log/eval event),
+tb/ (TensorBoard scalars, when tensorboard is installed), curves.png at the end, and progress lines
+on stderr."""
 
 from __future__ import annotations
 
@@ -43,10 +44,13 @@ class MetricsLog:
         if dropped:
             steps = [r["step"] for r in dropped if r is not None]
             span = f" of steps {min(steps)}..{max(steps)}" if steps else ""
-            print(f"train: metrics.jsonl: dropped {len(dropped)} record(s){span} that an "
-                  f"interrupted run wrote after its last checkpoint; this run logs from step "
-                  f"{step}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"train: metrics.jsonl: dropped {len(dropped)} record(s){span} that an "
+                f"interrupted run wrote after its last checkpoint; this run logs from step "
+                f"{step}",
+                file=sys.stderr,
+                flush=True,
+            )
             with atomic_path(self.path) as tmp:
                 Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in kept))
         tb_dir = self.out / "tb"
@@ -119,5 +123,3 @@ def progress(d, message: str) -> None:
     """One line on stderr from the main rank (training writes its metrics to logs/metrics.jsonl)."""
     if d.main:
         print(f"train: {message}", file=sys.stderr, flush=True)
-
-

@@ -75,10 +75,20 @@ class Replay:
 
 
 @torch.no_grad()
-def find_rejected_blocks(ttt: torch.nn.Module, samples: Sequence[dict[str, Any]], head: TargetHead,
-                         *, k: int, steps: int, max_seq_len: int, batch_size: int, device: Any,
-                         dtype: torch.dtype, attention: str = "auto",
-                         rejected_weight: float = 1.0) -> Replay:
+def find_rejected_blocks(
+    ttt: torch.nn.Module,
+    samples: Sequence[dict[str, Any]],
+    head: TargetHead,
+    *,
+    k: int,
+    steps: int,
+    max_seq_len: int,
+    batch_size: int,
+    device: Any,
+    dtype: torch.dtype,
+    attention: str = "auto",
+    rejected_weight: float = 1.0,
+) -> Replay:
     """Replay the draft's rounds (k tokens each) over every sample: packed as eval_batches packs
     them, one TTT forward of k steps per batch on `device`, then iter_rounds per batch, each round
     mapped back to its sample and row. Weights have `steps` (the training unroll's K >= k)
@@ -88,8 +98,9 @@ def find_rejected_blocks(ttt: torch.nn.Module, samples: Sequence[dict[str, Any]]
     was_training = ttt.training
     ttt.eval()
     # numpy while filling (a scalar store per round; torch indexing costs ~10x more per call)
-    weights = [np.zeros((sample_num_tokens(samples, i), steps), np.float32)
-               for i in range(len(samples))]
+    weights = [
+        np.zeros((sample_num_tokens(samples, i), steps), np.float32) for i in range(len(samples))
+    ]
     errors = [np.zeros_like(w) for w in weights]
     rounds: dict[int, list[tuple[int, int]]] = {}
     counts = RoundCounts(0, [0] * k)
@@ -100,8 +111,9 @@ def find_rejected_blocks(ttt: torch.nn.Module, samples: Sequence[dict[str, Any]]
             group = rows[a : a + batch_size]
             b = pack_batch([[samples[i] for i in docs] for docs in group], max_seq_len)
             b = b.to(device, dtype if on_gpu else torch.float32)
-            out = ttt(b, head, steps=k, return_correct=True, attention=attention,
-                      accept_on="next_token")
+            out = ttt(
+                b, head, steps=k, return_correct=True, attention=attention, accept_on="next_token"
+            )
             doc, pos = b.doc_ids.cpu(), b.positions.cpu()  # (B, T)
             for r, t, n in iter_rounds(out[2], out[3], b.doc_ids, k):
                 i, row = group[r][int(doc[r, t])], int(pos[r, t])
@@ -114,8 +126,12 @@ def find_rejected_blocks(ttt: torch.nn.Module, samples: Sequence[dict[str, Any]]
                     weights[i][row, n] = rejected_weight
                     errors[i][row, n] = 1.0
     ttt.train(was_training)
-    return Replay([torch.from_numpy(w) for w in weights], [torch.from_numpy(e) for e in errors],
-                  rounds, counts)
+    return Replay(
+        [torch.from_numpy(w) for w in weights],
+        [torch.from_numpy(e) for e in errors],
+        rounds,
+        counts,
+    )
 
 
 def all_rows_weights(samples: Sequence[dict[str, Any]], steps: int) -> list[torch.Tensor]:
@@ -125,9 +141,18 @@ def all_rows_weights(samples: Sequence[dict[str, Any]], steps: int) -> list[torc
 
 
 @torch.no_grad()
-def weighted_ce(ttt: torch.nn.Module, samples: Sequence[dict[str, Any]], head: TargetHead, *,
-                steps: int, max_seq_len: int, batch_size: int, device: Any, dtype: torch.dtype,
-                **options: Any) -> float:
+def weighted_ce(
+    ttt: torch.nn.Module,
+    samples: Sequence[dict[str, Any]],
+    head: TargetHead,
+    *,
+    steps: int,
+    max_seq_len: int,
+    batch_size: int,
+    device: Any,
+    dtype: torch.dtype,
+    **options: Any,
+) -> float:
     """Mean soft cross-entropy over the weighted (row, step) pairs of `samples` (each carrying
     `step_weight`), every step pooled: e.g. the loss at the rounds' rejected positions
     (Replay.error_masks). NaN when there are none."""
@@ -183,16 +208,21 @@ class MixedLoader:
         return sum(getattr(x, "wait_s", 0.0) for x in loaders if x is not None)
 
     def name_nonfinite(self, rows: list[Any]) -> str | None:
-        found = [(self.supervised if src == "supervised" else self.rollouts).name_nonfinite([docs])
-                 for src, docs in rows]
+        found = [
+            (self.supervised if src == "supervised" else self.rollouts).name_nonfinite([docs])
+            for src, docs in rows
+        ]
         return ", ".join(f for f in found if f) or None
 
     def epoch_progress(self) -> float:
         return self.rollouts.epoch_progress()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "rollouts": self.rollouts.state_dict(),
-                "supervised": self.supervised.state_dict() if self.supervised is not None else None}
+        return {
+            "count": self.count,
+            "rollouts": self.rollouts.state_dict(),
+            "supervised": self.supervised.state_dict() if self.supervised is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count = int(state["count"])
