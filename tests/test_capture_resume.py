@@ -39,8 +39,18 @@ def _cfg(target, data, out):
 def kill_capture_after_first_shard(cfg: CaptureConfig) -> list[dict]:
     """Run `run_capture(cfg)` in a subprocess, SIGKILL it once a shard is recorded in progress.json,
     check the killed run does not look finished, and return the shards it had completed."""
+    # The capture pauses 2 s after each progress.json it writes, so that a run which records its
+    # first shard cannot finish the rest before it is killed (it did, on a fast host, with few
+    # shards); eagle3.io.write_json is wrapped before the capture modules import it.
     code = (
-        "import json, sys\n"
+        "import json, sys, time\n"
+        "import eagle3.io\n"
+        "write_json = eagle3.io.write_json\n"
+        "def slow_write_json(path, *args, **kwargs):\n"
+        "    write_json(path, *args, **kwargs)\n"
+        "    if str(path).endswith('progress.json'):\n"
+        "        time.sleep(2)\n"
+        "eagle3.io.write_json = slow_write_json\n"
         "from eagle3.config import CaptureConfig\n"
         "from eagle3.capture import run_capture\n"
         "run_capture(CaptureConfig.model_validate(json.loads(sys.argv[1])))\n"
