@@ -112,7 +112,7 @@ def test_layer_ids_disagreeing_with_capture_refused(checkpoint, tmp_path):
     ("hidden_size", 256, "hidden_size=256"),
     ("vocab_size", 1024, "vocab_size=512 but the target config says 1024"),
     ("max_position_embeddings", 8192, "max_position_embeddings=4096 < target's 8192"),
-    ("num_hidden_layers", 3, r"ids must lie in \[0, 3\]"),
+    ("num_hidden_layers", 3, r"aux_layer_ids = \[1, 2, 4\]: id\(s\) \[4\] out of range for this 3-layer target"),
 ])
 def test_target_mismatch_refused(checkpoint, tiny_llama, tmp_path, field, value, match):
     other = tmp_path / "other"

@@ -257,8 +257,7 @@ def vllm_eagle3_load(checks: list[dict]) -> list[dict]:
 def preset_draft(tmp_path_factory):
     """The Kimi-K2.5 preset's draft at real size, built on the meta device: (export config dir, target config dir,
     export shapes, draft config, aux ids)."""
-    from eagle3.capture.storage import resolve_aux_layer_ids
-    from eagle3.config import load_pipeline_config
+    from eagle3.config import AuxLayerIds, load_pipeline_config
     from eagle3.export import vllm_config
     from eagle3.model.draft import (
         Eagle3Draft,
@@ -269,7 +268,7 @@ def preset_draft(tmp_path_factory):
 
     cfg = load_pipeline_config(ROOT / "configs/kimi-k2.5.yaml").resolved()
     tcfg = json.loads((ROOT / "configs/targets/kimi-k2.5.json").read_text())
-    ids = resolve_aux_layer_ids(cfg.capture.aux_layer_ids, text_config(tcfg)["num_hidden_layers"])
+    ids = AuxLayerIds.resolve(cfg.capture.aux_layer_ids, text_config(tcfg)["num_hidden_layers"]).as_list()
     dcfg = draft_config_from_target(tcfg, num_aux=len(ids), draft_vocab_size=cfg.vocab.draft_vocab_size,
                                     overrides=cfg.train.draft)
     with torch.device("meta"):

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.compat import migrate_record
-from eagle3.config import ConfigError, ExportConfig
+from eagle3.config import AuxLayerIds, ConfigError, ExportConfig
 from eagle3.integrity import check_target_identity, nonfinite_tensors, target_identity
 from eagle3.io import atomic_dir, read_json, read_safetensors, write_json
 from eagle3.model.draft import DraftConfig, expected_export_shapes, text_config
@@ -107,8 +107,8 @@ def validate(meta: dict, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], ta
             )
     if len(ids) != dcfg.num_aux or len(set(ids)) != len(ids):
         raise ExportError(f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads {dcfg.num_aux} states)")
-    if L is not None and not all(0 <= i <= L for i in ids):
-        raise ExportError(f"aux_layer_ids={ids}: ids must lie in [0, {L}] for a target with {L} layers")
+    if L is not None:  # a draft may read the last layer (id L) when it was trained so (TrainConfig.aux_layer_ids)
+        AuxLayerIds(tuple(ids)).check(L, "checkpoint aux_layer_ids", last_ok=True, error=ExportError)
     if manifest is not None and manifest.get("hidden_size", tc["hidden_size"]) != tc["hidden_size"]:
         raise ExportError(
             f"capture hidden_size={manifest['hidden_size']} but target hidden_size={tc['hidden_size']}: export "

@@ -29,6 +29,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from eagle3.config import (
+    AuxLayerIds,
     ConfigError,
     StageConfig,
     StorageDtype,
@@ -298,7 +299,6 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
 
 def run_plan(cfg: PlanConfig) -> PlanResult:
     """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is run."""
-    from eagle3.capture.storage import resolve_aux_layer_ids
     from eagle3.model.draft import draft_config_from_target, text_config
     from eagle3.train.flops import (
         count_draft_params,
@@ -331,7 +331,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     num_tokens = int(round(n * mean))
 
     # storage
-    aux_layer_ids = resolve_aux_layer_ids(pipe.capture.aux_layer_ids, int(tc["num_hidden_layers"]))
+    aux_layer_ids = AuxLayerIds.resolve(pipe.capture.aux_layer_ids, int(tc["num_hidden_layers"])).as_list()
     dtype = cfg.storage_dtype or pipe.capture.storage_dtype
     H = int(tc["hidden_size"])
     st = estimate_storage(len(aux_layer_ids), H, dtype, num_tokens)

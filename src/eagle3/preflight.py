@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from eagle3.config import ConfigError, PipelineConfig
+from eagle3.config import AuxLayerIds, ConfigError, PipelineConfig
 
 
 def read_num_layers(target: str | Path) -> int:
@@ -31,19 +31,6 @@ def read_num_layers(target: str | Path) -> int:
         raise ConfigError(f"{p}: no usable num_hidden_layers ({e}); is `target` a decoder-only LM directory?") from None
 
 
-def check_layer_ids(field: str, aux_layer_ids: list[int] | None, num_layers: int, last_ok: bool = False) -> str | None:
-    """None when every aux id is in 1..L-1 (1..L with last_ok: train may pick the last layer, id L; None = the
-    default set), else the problem as one line."""
-    if aux_layer_ids is None:
-        return None
-    top = num_layers if last_ok else num_layers - 1
-    bad = [k for k in aux_layer_ids if not 1 <= k <= top]
-    if not bad:
-        return None
-    return (f"{field} = {list(aux_layer_ids)}: id(s) {bad} out of range for this {num_layers}-layer target; use ids in "
-            f"1..{top} (id k = output of decoder layer k-1; the last layer is always captured)")
-
-
 def _check_path(field: str, value: str | None, what: str, problems: list[str]) -> None:
     if value and not Path(value).exists():
         problems.append(f"{field} = {value!r} does not exist; point it at {what}")
@@ -52,7 +39,6 @@ def _check_path(field: str, value: str | None, what: str, problems: list[str]) -
 def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
     """The planner's disk check for capture, once prepare's manifest gives the token count (else None: the
     capture stage checks again itself before writing)."""
-    from eagle3.capture.storage import resolve_aux_layer_ids
     from eagle3.io import read_json
     from eagle3.model.draft import text_config
     from eagle3.plan import check_capture_fits, estimate_storage
@@ -66,7 +52,7 @@ def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
     if c.capture.limit and m.get("num_samples"):
         num_tokens = int(num_tokens * min(1.0, c.capture.limit / m["num_samples"]))
     hidden = int(text_config(read_json(Path(c.target) / "config.json"))["hidden_size"])
-    aux_layer_ids = resolve_aux_layer_ids(c.capture.aux_layer_ids, num_layers)
+    aux_layer_ids = AuxLayerIds.resolve(c.capture.aux_layer_ids, num_layers)
     est = estimate_storage(len(aux_layer_ids), hidden, c.capture.storage_dtype, num_tokens)
     out = Path(c.capture.out)
     if out.is_dir():  # a capture already there (a rerun, a resume) holds its bytes already
@@ -96,7 +82,8 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
     num_layers = read_num_layers(target)
     for field, ids in (("capture.aux_layer_ids", cfg.capture.aux_layer_ids), ("train.aux_layer_ids", cfg.train.aux_layer_ids),
                           *((f"layer_sets[{i}]", list(ls)) for i, ls in enumerate(layer_sets or []))):
-        p = check_layer_ids(field, ids, num_layers, last_ok=field == "train.aux_layer_ids")
+        p = None if ids is None else AuxLayerIds(tuple(ids)).problem(num_layers, field,
+                                                                      last_ok=field == "train.aux_layer_ids")
         if p:
             problems.append(p)
     if cfg.capture.aux_layer_ids is not None and cfg.train.aux_layer_ids is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from eagle3.config import CaptureConfig, ConfigError
+from eagle3.config import AuxLayerIds, CaptureConfig, ConfigError
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
 from eagle3.lock import dir_lock
 from eagle3.plan import estimate_storage
@@ -32,7 +32,6 @@ from .storage import (
     TORCH_DTYPES,
     ShardBuffer,
     load_progress,
-    resolve_aux_layer_ids,
     save_progress,
     storage_info,
     write_shard,
@@ -129,7 +128,7 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
 
     cfg.require("target", "data", "out")
     info = target_info(cfg.target)
-    aux_layer_ids = resolve_aux_layer_ids(cfg.aux_layer_ids, info.num_hidden_layers)
+    aux_layer_ids = AuxLayerIds.resolve(cfg.aux_layer_ids, info.num_hidden_layers).as_list()
     ds = load_prepared(cfg.data)
     prep_manifest = load_prepared_manifest(cfg.data)
     n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,38 +324,6 @@ def verify_capture(path: str | Path) -> dict[str, Any]:
 
 def save_progress(out: Path, config_hash: str, shards: list[dict[str, Any]]) -> None:
     write_json(out / PROGRESS, {"format": FORMAT, "config_hash": config_hash, "shards": shards})
-
-
-def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
-    """Default (2, L//2, L-3); otherwise every id must be in 1..L-1.
-
-    For small targets where the default ids collide (L < 8, e.g. (2, 2, 2) at L=5; vLLM would dedupe
-    them and a 3-layer draft could not run) the default falls back to (1, L//2, L-2), printing a note.
-    """
-    from eagle3.config import ConfigError
-
-    if aux_layer_ids is None:
-        ids = [2, num_layers // 2, num_layers - 3]
-        if len(set(ids)) != 3 or min(ids) < 1:
-            alt = [1, num_layers // 2, num_layers - 2]
-            if len(set(alt)) == 3 and min(alt) >= 1:
-                print(f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for L={num_layers}; using {alt}",
-                      file=sys.stderr, flush=True)
-                return alt
-        if len(set(ids)) != 3 or min(ids) < 1:
-            raise ConfigError(
-                f"CaptureConfig.aux_layer_ids: the default (2, L//2, L-3) is not usable for a target with "
-                f"L={num_layers} layers ({ids}); pass --aux-layer-ids with distinct ids in 1..{num_layers - 1}"
-            )
-        return ids
-    bad = [k for k in aux_layer_ids if not 1 <= k <= num_layers - 1]
-    if bad:
-        raise ConfigError(
-            f"CaptureConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {bad} out of range; valid aux ids for this "
-            f"{num_layers}-layer target are 1..{num_layers - 1} (id k = output of decoder layer k-1; "
-            f"the last layer is always captured separately as last_hidden_states)"
-        )
-    return list(aux_layer_ids)
 
 
 # ----------------------------------------------------------------------------------------- reader

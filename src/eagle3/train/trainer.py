@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from eagle3.compat import migrate_record
-from eagle3.config import ConfigError, TrainConfig
+from eagle3.config import AuxLayerIds, ConfigError, TrainConfig
 from eagle3.integrity import check_target_identity, target_identity
 from eagle3.lock import dir_lock
 from eagle3.model.draft import Eagle3Draft, draft_config_from_target, text_config
@@ -218,6 +218,8 @@ def read_inputs(cfg: TrainConfig, manifest: dict | None) -> Inputs:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = load_vocab(cfg.vocab)
     aux_layer_ids = list(cfg.aux_layer_ids or manifest["aux_layer_ids"])
+    field = "TrainConfig.aux_layer_ids" if cfg.aux_layer_ids else f"captured={cfg.captured}: aux_layer_ids"
+    AuxLayerIds(tuple(aux_layer_ids)).check(tc["num_hidden_layers"], field, last_ok=True)
     return Inputs(manifest, target_cfg, tensors, identity, d2t, t2d, aux_layer_ids)
 
 
