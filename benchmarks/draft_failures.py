@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle3.capture import load_combined_manifest
+from eagle3.artifacts import CaptureManifest
 from eagle3.io import write_text
 from eagle3.model.draft import text_config
 from eagle3.train.attention import make_ttt_attention
@@ -47,7 +47,7 @@ def analyse(draft: str, captured: str, target: str, top_pairs: int = 20) -> dict
     model.eval()
     tc = text_config(read_target_config(target))
     tensors = load_target_tensors(target)
-    samples = SelectedLayers(load_samples(captured), load_combined_manifest(captured)["aux_layer_ids"], meta["aux_layer_ids"],
+    samples = SelectedLayers(load_samples(captured), CaptureManifest.load_combined(captured).aux_layer_ids, meta.aux_layer_ids,
                              tc["num_hidden_layers"])
     head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
                       torch.arange(model.cfg.draft_vocab_size) + model.d2t)

@@ -127,7 +127,7 @@ def test_num_speculative_tokens_is_set_once_in_evaluate():
 
 
 def test_records_with_old_key_names_are_migrated():
-    from eagle3.compat import migrate_record
+    from eagle3.artifacts import migrate_record
 
     old = {"layers": [1, 2, 4], "captured_layers": [1, 2, 4, 5], "hidden_size": 8,
            "train_config": {"layers": [1, 2], "lr": 1e-3}}

@@ -19,8 +19,9 @@ def checkpoint(tiny_llama, tmp_path_factory):
     """A checkpoint dir as run_train writes it (random weights), with its capture manifest on disk."""
     from tests.synthetic_capture import write_vocab
 
+    from eagle3.artifacts import CaptureManifest, DraftVocab
     from eagle3.train.checkpoint import draft_metadata, save_model_dir
-    from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
+    from eagle3.train.target import load_target_tensors, read_target_config
     from eagle3.train.trainer import build_draft
 
     root = tmp_path_factory.mktemp("export")
@@ -31,9 +32,9 @@ def checkpoint(tiny_llama, tmp_path_factory):
     write_json(captured / "manifest.json", manifest)
     cfg = TrainConfig(target=str(tiny_llama), captured=str(captured), vocab=str(vocab), out=root / "train")
     tcfg = read_target_config(tiny_llama)
-    d2t, t2d = load_vocab(vocab)
+    d2t, t2d = DraftVocab.load(vocab).torch_maps()
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
-    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, CaptureManifest.from_dict(manifest, "test"), tcfg, step=1))
 
 
 def test_export_vllm_layout(checkpoint, tmp_path):
@@ -151,17 +152,18 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     """vLLM keeps no d2t when draft vocab == target vocab and fails on the key: export must drop it."""
     from tests.synthetic_capture import write_vocab
 
+    from eagle3.artifacts import CaptureManifest, DraftVocab
     from eagle3.train.checkpoint import draft_metadata, save_model_dir
-    from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
+    from eagle3.train.target import load_target_tensors, read_target_config
     from eagle3.train.trainer import build_draft
 
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(512))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=tmp_path / "train")
     tcfg = read_target_config(tiny_llama)
-    d2t, t2d = load_vocab(vocab)
+    d2t, t2d = DraftVocab.load(vocab).torch_maps()
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
-    manifest = {"aux_layer_ids": [1, 2, 4]}
-    ck = save_model_dir(tmp_path / "train" / "final", model, draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    manifest = {"aux_layer_ids": [1, 2, 4], "hidden_size": 128}
+    ck = save_model_dir(tmp_path / "train" / "final", model, draft_metadata(cfg, model.cfg, CaptureManifest.from_dict(manifest, "test"), tcfg, step=1))
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     w = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (512, 128)

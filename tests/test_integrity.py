@@ -113,13 +113,13 @@ def _nan_capture(cap: Path, out: Path, which: list[int]) -> tuple[Path, list[str
     overflowed would record if nothing checked it."""
     from tests.synthetic_capture import write_captured
 
-    from eagle3.capture.storage import load_manifest
+    from eagle3.artifacts import CaptureManifest
 
     samples = list(load_captured(cap))
     for i in which:
         samples[i]["aux_hidden_states"] = samples[i]["aux_hidden_states"].clone()
         samples[i]["aux_hidden_states"][3, 1, :5] = float("nan")
-    manifest = {k: v for k, v in load_manifest(cap).items() if k not in ("shards", "format", "num_samples")}
+    manifest = {k: v for k, v in CaptureManifest.load(cap).to_dict().items() if k not in ("shards", "format", "num_samples")}
     return write_captured(out, samples, manifest, shard_samples=5), [samples[i]["sample_id"] for i in which]
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.capture import load_captured, load_manifest, run_capture
+from eagle3.artifacts import CaptureManifest
+from eagle3.capture import load_captured, run_capture
 from eagle3.config import CaptureConfig, ExportConfig, PrepareConfig, TrainConfig, VocabConfig
 from test_capture import MATCH, MISMATCH, rel_err
 
@@ -124,10 +125,10 @@ def test_vllm_capture_matches_transformers(kimi, captured):
     """Aux id k = transformers' hidden_states[k] of the language model inside the multimodal wrapper; the extra "last"
     state = the input of the language model's final norm. Neighbouring ids must not match."""
     target, _ = kimi
-    m = load_manifest(captured)
-    assert m["aux_layer_ids"] == LAYERS and m["num_hidden_layers"] == NUM_LAYERS and m["hidden_size"] == 128
+    m = CaptureManifest.load(captured)
+    assert m.aux_layer_ids == LAYERS and m.num_hidden_layers == NUM_LAYERS and m.hidden_size == 128
     samples = list(load_captured(captured))
-    assert len(samples) == m["num_samples"] >= NUM_CHATS - 2
+    assert len(samples) == m.num_samples >= NUM_CHATS - 2
     ref = kimi_reference_states(target, [s["input_ids"] for s in samples])
     worst, worst_wrong = 0.0, 1e9
     for s, (hs, pre) in zip(samples, ref, strict=True):
@@ -381,9 +382,9 @@ def test_vllm_capture_tp2(kimi, captured, tmp_path, monkeypatch):
                                     aux_layer_ids=LAYERS, dtype="float32", batch_tokens=MAX_MODEL_LEN, shard_tokens=400,
                                     tensor_parallel_size=2))
     assert res.num_skipped == {}
-    m1, m2 = load_manifest(captured), load_manifest(res.out)
-    assert m2["capture_config"]["tensor_parallel_size"] == 2
-    assert (m2["num_samples"], m2["num_tokens"], m2["aux_layer_ids"]) == (m1["num_samples"], m1["num_tokens"], m1["aux_layer_ids"])
+    m1, m2 = CaptureManifest.load(captured), CaptureManifest.load(res.out)
+    assert m2.capture_config["tensor_parallel_size"] == 2
+    assert (m2.num_samples, m2.num_tokens, m2.aux_layer_ids) == (m1.num_samples, m1.num_tokens, m1.aux_layer_ids)
     s1, s2 = list(iter_shards(captured)), list(iter_shards(res.out))
     assert [s["sample_ids"] for s in s2] == [s["sample_ids"] for s in s1]  # no duplicated or missing rows
     worst = 0.0

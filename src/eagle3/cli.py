@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from eagle3.config import ConfigError, PipelineConfig, load_yaml
+from eagle3.config import RENAMED_CONFIG_KEYS, ConfigError, PipelineConfig, load_yaml
 from eagle3.plan import PlanConfig
 from eagle3.stages import STAGES, build_stage_config, jsonable, run_stage_function, stage_names
 
@@ -92,7 +92,7 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 class _RenamedFlag(argparse.Action):
-    """A flag whose field was renamed: refused with the new name (eagle3.compat.RENAMED_CONFIG_KEYS)."""
+    """A flag whose field was renamed: refused with the new name (eagle3.config.RENAMED_CONFIG_KEYS)."""
 
     def __init__(self, *args: Any, new: str, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -103,8 +103,6 @@ class _RenamedFlag(argparse.Action):
 
 
 def _add_renamed_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    from eagle3.compat import RENAMED_CONFIG_KEYS
-
     for old, new in RENAMED_CONFIG_KEYS.items():
         if new in model.model_fields and old not in model.model_fields:
             parser.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS,

@@ -18,7 +18,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from eagle3.compat import RENAMED_CONFIG_KEYS
+#: old key -> new key, in the capture: and train: sections of a config (and the stage configs): an error naming the
+#: new key (format_validation_error), not a silent alias, so the YAML gets fixed once (records on disk with old
+#: keys still load: eagle3.artifacts.migrate_record)
+RENAMED_CONFIG_KEYS: dict[str, str] = {"layers": "aux_layer_ids"}
 
 
 class ConfigError(ValueError):

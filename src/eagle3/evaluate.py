@@ -77,14 +77,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.artifacts import EvalResults
 from eagle3.config import EvaluateConfig
 from eagle3.console import comparison_entries, format_comparison
 from eagle3.console import tokens_per_target_step as console_tokens_per_target_step
-from eagle3.io import atomic_path, write_json, write_text
+from eagle3.io import atomic_path, write_text
 
 log = logging.getLogger(__name__)
 
-RESULTS = "results.json"
+RESULTS = EvalResults.FILE
 CHART = "acceptance.png"
 #: the category of prompts whose row has none
 UNCATEGORIZED = "uncategorized"
@@ -640,11 +641,12 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         "prompt_ids": [names[i] for i in order],
         "prompt_categories": dict(Counter(categories)),
     }
-    write_json(out / RESULTS, payload)
+    results = EvalResults.from_dict(payload, str(out / RESULTS))
+    results.save(out)
     write_text(out / "results.md", format_rows(result))
     if comparisons:
         log.info("evaluate: %s and %s side by side\n%s", cfg.method, ", ".join(cfg.compare),
-                 format_comparison(comparison_entries(payload)))
+                 format_comparison(comparison_entries(results)))
     return result
 
 
@@ -673,5 +675,6 @@ def format_rows(result: EvaluateResult) -> str:
         first = next(r.temperature for r in result.rows if r.category == "all")
         lines += ["", f"Side by side, every prompt at temperature {first:g} (τ counts only the steps that drafted, "
                   "tokens per target step counts every step):", "",
-                  "```", format_comparison(comparison_entries(asdict(result))), "```"]
+                  "```", format_comparison(comparison_entries(EvalResults.from_dict(asdict(result), str(result.out)))),
+                  "```"]
     return "\n".join(lines) + "\n"

@@ -32,15 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from eagle3.compat import migrate_record
+from eagle3.artifacts import CaptureManifest, DraftMetadata, DraftVocab, SpoolHeader, capture_dirs
 from eagle3.config import AuxLayerIds, ConfigError, ExportConfig
 from eagle3.integrity import check_target_identity, nonfinite_tensors, target_identity
-from eagle3.io import atomic_dir, read_json, read_safetensors, write_json
+from eagle3.io import atomic_dir, read_safetensors, write_json
 from eagle3.model.draft import DraftConfig, expected_export_shapes, text_config
 
-METADATA = "eagle3_draft.json"
+METADATA = DraftMetadata.FILE
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
@@ -79,39 +79,38 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return ck
 
 
-def _manifest(captured: str | None) -> dict | None:
+def _manifest(captured: str | None) -> CaptureManifest | SpoolHeader | None:
     """The capture the checkpoint was trained on (one dir, several comma-separated, or a streaming spool), or None
     when it is gone (checked against it when it is still there)."""
-    from eagle3.capture import capture_dirs, load_combined_manifest
-
     if not captured or not all(d.is_dir() for d in capture_dirs(captured)):
         return None
-    header = Path(captured) / "stream.json"
-    if header.is_file() and not (Path(captured) / "manifest.json").is_file():  # trained from a streaming spool:
-        return migrate_record(read_json(header))  # its header carries the capture's aux_layer_ids and hidden size
-    return load_combined_manifest(captured)
+    header = Path(captured) / SpoolHeader.FILE
+    if header.is_file() and not (Path(captured) / CaptureManifest.FILE).is_file():  # trained from a streaming spool:
+        return SpoolHeader.read(header)  # its header carries the capture's aux_layer_ids and hidden size
+    return CaptureManifest.load_combined(captured)
 
 
-def validate(meta: dict, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], target_cfg: dict, manifest: dict | None) -> None:
+def validate(meta: DraftMetadata, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], target_cfg: dict,
+             manifest: CaptureManifest | SpoolHeader | None) -> None:
     """Raise ExportError naming the field, the bad value and the fix; never returns partially."""
-    ids = list(meta["aux_layer_ids"])
+    ids = list(meta.aux_layer_ids)
     tc = text_config(target_cfg)
     L = tc.get("num_hidden_layers")
-    captured = list(manifest.get("aux_layer_ids", ids)) if manifest is not None else None
+    captured = list(manifest.aux_layer_ids) if manifest is not None else None
     if captured is not None and captured != ids:
         # a layer subset (TrainConfig.aux_layer_ids) is fine when the checkpoint says it was chosen from this capture
-        if meta.get("captured_aux_layer_ids") != captured or not set(ids) <= set(captured) | {L}:
+        if meta.captured_aux_layer_ids != captured or not set(ids) <= set(captured) | {L}:
             raise ExportError(
                 f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's aux_layer_ids="
-                f"{manifest['aux_layer_ids']}; the draft was trained on the manifest's aux_layer_ids, re-train or fix the metadata"
+                f"{manifest.aux_layer_ids}; the draft was trained on the manifest's aux_layer_ids, re-train or fix the metadata"
             )
     if len(ids) != dcfg.num_aux or len(set(ids)) != len(ids):
         raise ExportError(f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads {dcfg.num_aux} states)")
     if L is not None:  # a draft may read the last layer (id L) when it was trained so (TrainConfig.aux_layer_ids)
         AuxLayerIds(tuple(ids)).check(L, "checkpoint aux_layer_ids", last_ok=True, error=ExportError)
-    if manifest is not None and manifest.get("hidden_size", tc["hidden_size"]) != tc["hidden_size"]:
+    if manifest is not None and manifest.hidden_size != tc["hidden_size"]:
         raise ExportError(
-            f"capture hidden_size={manifest['hidden_size']} but target hidden_size={tc['hidden_size']}: export "
+            f"capture hidden_size={manifest.hidden_size} but target hidden_size={tc['hidden_size']}: export "
             "against the target the data was captured from"
         )
     for name, want in (("target_hidden_size", tc["hidden_size"]), ("vocab_size", tc["vocab_size"])):
@@ -181,7 +180,7 @@ def vllm_config(dcfg: DraftConfig, ids: list[int]) -> dict[str, Any]:
     return {**cfg, **eagle31_keys(dcfg)}
 
 
-def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg: dict) -> dict[str, Any]:
+def speculators_config(dcfg: DraftConfig, ids: list[int], meta: DraftMetadata, target_cfg: dict) -> dict[str, Any]:
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -197,7 +196,7 @@ def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": meta["target"], "architectures": target_cfg.get("architectures", [])},
+            "verifier": {"name_or_path": meta.target, "architectures": target_cfg.get("architectures", [])},
         },
         "torch_dtype": "bfloat16",
     }
@@ -206,9 +205,11 @@ def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg
 def run_export(cfg: ExportConfig) -> ExportResult:
     cfg.require("checkpoint", "out")
     ck = resolve_checkpoint(cfg.checkpoint)
-    meta = migrate_record(read_json(ck / METADATA))
-    dcfg = DraftConfig.from_dict(meta["draft_config"])
-    target = cfg.target or meta["target"]
+    meta = DraftMetadata.load(ck)
+    dcfg = DraftConfig.from_dict(meta.draft_config)
+    if not cfg.target:
+        meta.require("target")
+    target = cfg.target or meta.target
     tpath = Path(target) / "config.json"
     if not tpath.is_file():
         raise ConfigError(f"ExportConfig.target={target!r} has no config.json; pass --target with the target model dir")
@@ -220,24 +221,24 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             f"{ck / WEIGHTS} holds NaN/inf in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: a draft that cannot "
             "propose anything; nothing was written. Export an earlier checkpoint or train again (check the capture)"
         )
-    manifest = _manifest(meta.get("captured"))
+    manifest = _manifest(meta.captured)
     validate(meta, dcfg, tensors, target_cfg, manifest)
     identity = target_identity(target)  # config sha256, layer count, embedding/norm/lm_head sha256
-    check_target_identity(meta, identity, what=f"checkpoint {ck}", target=target, allow=cfg.allow_target_mismatch,
+    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}", target=target, allow=cfg.allow_target_mismatch,
                           error=ExportError)
     if manifest is not None:
-        check_target_identity(manifest, identity, what=f"capture {meta.get('captured')}", target=target,
+        check_target_identity(manifest.recorded_target(), identity, what=f"capture {meta.captured}", target=target,
                               allow=cfg.allow_target_mismatch, error=ExportError)
-    vocab_file = Path(meta.get("vocab") or "") / "vocab.safetensors"
-    if meta.get("vocab") and vocab_file.is_file():
-        d2t = load_file(str(vocab_file))["d2t"].long()
+    vocab_file = Path(meta.vocab or "") / DraftVocab.FILE
+    if meta.vocab and vocab_file.is_file():
+        d2t = DraftVocab.load(meta.vocab).torch_maps()[0]
         if d2t.shape != tensors["d2t"].shape or not torch.equal(d2t, tensors["d2t"].long()):
             raise ExportError(
-                f"the checkpoint's d2t differs from {vocab_file} (vocab={meta['vocab']}): the vocab dir was rebuilt "
+                f"the checkpoint's d2t differs from {vocab_file} (vocab={meta.vocab}): the vocab dir was rebuilt "
                 "after training; export the checkpoint as trained by restoring that vocab or re-train"
             )
 
-    ids = list(meta["aux_layer_ids"])
+    ids = list(meta.aux_layer_ids)
     out_t = {k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
     out_t["d2t"], out_t["t2d"] = out_t["d2t"].long(), out_t["t2d"].bool()
     if dcfg.draft_vocab_size == dcfg.vocab_size:
@@ -259,7 +260,7 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     with atomic_dir(cfg.out) as tmp:
         save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
-        write_json(tmp / METADATA, {**meta, "export_format": cfg.format})
+        meta.model_copy(update={"export_format": cfg.format}).save(tmp)
         for name in TOKENIZER_FILES:
             if (Path(target) / name).is_file():
                 shutil.copy2(Path(target) / name, tmp / name)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from eagle3.artifacts import RecordedTarget
+
 #: the target tensors fingerprinted (as eagle3.train.target.load_target_tensors names them)
 FINGERPRINTED = ("embed", "norm", "lm_head")
 
@@ -52,31 +54,30 @@ def target_identity(target: str | Path, tensors: dict[str, torch.Tensor] | None 
     }
 
 
-def identity_mismatches(recorded: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """What differs between a recorded identity (a capture manifest's `target_config_sha256`, `num_hidden_layers`,
-    `target_weights_sha256`, or a draft's `target_config_sha256`, `target_num_layers`, `target_weights_sha256`) and
-    `actual` (target_identity). Fields the record lacks (older captures) are not compared."""
+def identity_mismatches(recorded: RecordedTarget, actual: dict[str, Any]) -> list[str]:
+    """What differs between a recorded identity (a capture manifest's or spool header's target_config_sha256,
+    num_hidden_layers, target_weights_sha256, or a draft's target_config_sha256, target_num_layers,
+    target_weights_sha256: their `recorded_target()`) and `actual` (target_identity). Fields the record lacks (older
+    captures) are not compared."""
     out = []
-    pairs = (("target_config_sha256", "config_sha256", "config.json sha256"),
-             ("num_hidden_layers", "num_hidden_layers", "num_hidden_layers"),
-             ("target_num_layers", "num_hidden_layers", "num_hidden_layers"))
-    for rkey, akey, name in pairs:
-        if recorded.get(rkey) is not None and recorded[rkey] != actual[akey]:
-            out.append(f"{name} {recorded[rkey]} (recorded) != {actual[akey]} (target)")
-    for k, v in (recorded.get("target_weights_sha256") or {}).items():
+    for value, akey, name in ((recorded.config_sha256, "config_sha256", "config.json sha256"),
+                              (recorded.num_hidden_layers, "num_hidden_layers", "num_hidden_layers")):
+        if value is not None and value != actual[akey]:
+            out.append(f"{name} {value} (recorded) != {actual[akey]} (target)")
+    for k, v in (recorded.weights_sha256 or {}).items():
         if v is not None and actual["weights_sha256"] is not None and actual["weights_sha256"].get(k) != v:
             out.append(f"{k} weights sha256 {v[:16]}... (recorded) != {actual['weights_sha256'].get(k, '?')[:16]}... (target)")
     return out
 
 
-def check_target_identity(recorded: dict[str, Any], actual: dict[str, Any], *, what: str, target: str | Path,
+def check_target_identity(recorded: RecordedTarget, actual: dict[str, Any], *, what: str, target: str | Path,
                           allow: bool, error: type[Exception]) -> None:
     """Raise `error` naming every mismatch between `recorded` (from `what`) and the target at `target`, unless
     `allow` (the override flag), which prints them as a warning instead."""
     bad = identity_mismatches(recorded, actual)
     if not bad:
         return
-    made_from = recorded.get("target", "?")
+    made_from = recorded.target or "?"
     msg = (f"{what} was made from another target than target={target}: {'; '.join(bad)}. Use the target it was "
            f"made from ({made_from}), capture again with this one, or pass --allow-target-mismatch if this is "
            "intended (e.g. the same weights saved again)")

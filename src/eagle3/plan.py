@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from eagle3.artifacts import PreparedMeta
 from eagle3.config import (
     AuxLayerIds,
     ConfigError,
@@ -422,22 +423,23 @@ def with_config_defaults(cfg: PlanConfig, defaults: dict[str, Any]) -> PlanConfi
 def _dataset_size(cfg: PlanConfig, pipe: Any, set_by_caller: set[str]) -> tuple[int, float, str]:
     """(samples, mean tokens/sample, where they came from): flags, else the prepared manifest, else the config's
     plan: section, else the config's limit."""
-    manifest = Path(pipe.capture.data or "") / "manifest.json"
-    m = read_json(manifest) if manifest.is_file() else {}
+    manifest = Path(pipe.capture.data or "") / PreparedMeta.FILE
+    m = PreparedMeta.read(manifest) if manifest.is_file() else PreparedMeta()
     preset = pipe.plan or {}
     n = cfg.num_samples if "num_samples" in set_by_caller else None
     mean = cfg.mean_tokens if "mean_tokens" in set_by_caller else None
     src = ["samples from --num-samples"] if n is not None else []
-    if n is None and m.get("num_samples"):
-        n, src = int(m["num_samples"]), [f"samples from {manifest}"]
+    if n is None and m.num_samples:
+        n, src = int(m.num_samples), [f"samples from {manifest}"]
     elif n is None and preset.get("num_samples"):
         n, src = int(preset["num_samples"]), [f"samples from {cfg.config}'s plan.num_samples"]
     elif n is None and (pipe.capture.limit or pipe.prepare.limit):
         n, src = int(pipe.capture.limit or pipe.prepare.limit), ["samples from the config's limit"]
     if mean is not None:
         src.append("mean tokens from --mean-tokens")
-    elif m.get("num_samples"):
-        mean = m["num_tokens"] / m["num_samples"]
+    elif m.num_samples:
+        m.require("num_tokens")
+        mean = m.num_tokens / m.num_samples
         src.append(f"mean tokens from {manifest}")
     elif preset.get("mean_tokens"):
         mean = float(preset["mean_tokens"])

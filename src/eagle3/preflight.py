@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from eagle3.artifacts import PreparedMeta
 from eagle3.config import AuxLayerIds, ConfigError, PipelineConfig
 
 
@@ -44,13 +45,13 @@ def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
     from eagle3.plan import check_capture_fits, estimate_storage
 
     c = cfg.resolved()
-    manifest = Path(c.capture.data or "") / "manifest.json"
+    manifest = Path(c.capture.data or "") / PreparedMeta.FILE
     if cfg.stream.enabled or not manifest.is_file():
         return None
-    m = read_json(manifest)
-    num_tokens = int(m.get("num_tokens") or 0)
-    if c.capture.limit and m.get("num_samples"):
-        num_tokens = int(num_tokens * min(1.0, c.capture.limit / m["num_samples"]))
+    m = PreparedMeta.read(manifest)
+    num_tokens = int(m.num_tokens or 0)
+    if c.capture.limit and m.num_samples:
+        num_tokens = int(num_tokens * min(1.0, c.capture.limit / m.num_samples))
     hidden = int(text_config(read_json(Path(c.target) / "config.json"))["hidden_size"])
     aux_layer_ids = AuxLayerIds.resolve(c.capture.aux_layer_ids, num_layers)
     est = estimate_storage(len(aux_layer_ids), hidden, c.capture.storage_dtype, num_tokens)

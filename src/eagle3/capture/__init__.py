@@ -1,9 +1,8 @@
 """Capture stage: aux-layer + last-layer hidden states of the target for every prepared token.
 
-Public API (other stages rely on these names):
+Public API (the manifest of a capture dir is eagle3.artifacts.CaptureManifest.load(dir), or
+CaptureManifest.load_combined("dir[,dir...]") for several captures read as one dataset):
     run_capture(cfg: CaptureConfig) -> CaptureResult
-    load_manifest(dir) -> dict                 # aux_layer_ids, hidden_size, dtype, num_samples, shards, ...
-    load_combined_manifest("dir[,dir...]")     # several captures read as one dataset (checked to agree)
     load_captured(dir) -> Iterator[dict]       # one sample: input_ids, loss_mask, aux_hidden_states,
                                                #   last_hidden_states, sample_id, sample_index
     iter_shards(dir) -> Iterator[dict]         # one shard's tensors at once (bulk reading)
@@ -17,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .storage import capture_dirs, iter_shards, load_captured, load_combined_manifest, load_manifest
+from .storage import iter_shards, load_captured
 
-__all__ = ["CaptureResult", "capture_dirs", "iter_shards", "load_captured", "load_combined_manifest", "load_manifest",
-           "run_capture"]
+__all__ = ["CaptureResult", "iter_shards", "load_captured", "run_capture"]
 
 
 def run_capture(cfg: Any, **kwargs: Any):

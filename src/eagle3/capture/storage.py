@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from eagle3.compat import migrate_record
+from eagle3.artifacts import CaptureManifest, ShardEntry
 from eagle3.io import atomic_path, read_json, sha256_file, write_json
 
 from .quant import FP8_MAX, FP8_READ_DTYPE, STORAGE_TORCH_DTYPES, Stored, dequantize_fp8
 
-FORMAT = "eagle3-capture/1"
-MANIFEST = "manifest.json"
-PROGRESS = "progress.json"
+FORMAT = CaptureManifest.FORMAT
+MANIFEST = CaptureManifest.FILE
+PROGRESS = CaptureManifest.PROGRESS_FILE
 LAYER_SEMANTICS = (
     "aux id k = output of decoder layer k-1 (hidden_states + residual) = transformers "
     "output_hidden_states[k]; stored in the order of `aux_layer_ids`"
@@ -288,33 +288,34 @@ def load_progress(out: Path, config_hash: str) -> list[dict[str, Any]]:
     return good
 
 
-def corrupt_shards(out: Path, entries: list[dict[str, Any]], max_threads: int = 8) -> list[str]:
-    """Names of the shards in `entries` (manifest/progress entries) that are missing or whose sha256 differs from
+def corrupt_shards(out: Path, entries: list[ShardEntry], max_threads: int = 8) -> list[str]:
+    """Names of the shards in `entries` (a manifest's shards) that are missing or whose sha256 differs from
     the recorded one, in order. Shards are hashed in parallel threads (hashlib releases the GIL): a capture is
     read once at disk speed."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    def bad(entry: dict[str, Any]) -> bool:
-        f = out / entry["file"]
-        return not f.is_file() or f.stat().st_size != entry.get("bytes", f.stat().st_size) or sha256_file(f) != entry["sha256"]
+    def bad(entry: ShardEntry) -> bool:
+        f = out / entry.file
+        size = f.stat().st_size if entry.bytes is None and f.is_file() else entry.bytes
+        return not f.is_file() or f.stat().st_size != size or sha256_file(f) != entry.sha256
 
     if not entries:
         return []
     with ThreadPoolExecutor(max(1, min(max_threads, os.cpu_count() or 1, len(entries)))) as pool:
         flags = list(pool.map(bad, entries))
-    return [e["file"] for e, b in zip(entries, flags, strict=True) if b]
+    return [e.file for e, b in zip(entries, flags, strict=True) if b]
 
 
-def verify_capture(path: str | Path) -> dict[str, Any]:
+def verify_capture(path: str | Path) -> CaptureManifest:
     """Check every shard of the finished capture at `path` against the sha256 its manifest records; return the
     manifest. Raises ValueError naming the corrupt or missing shards and the fix."""
     path = Path(path)
-    manifest = load_manifest(path)
-    bad = corrupt_shards(path, manifest["shards"])
+    manifest = CaptureManifest.load(path)
+    bad = corrupt_shards(path, manifest.shards)
     if bad:
         raise ValueError(
-            f"capture {path}: {len(bad)} of {len(manifest['shards'])} shard(s) are missing or differ from the sha256 "
+            f"capture {path}: {len(bad)} of {len(manifest.shards)} shard(s) are missing or differ from the sha256 "
             f"in {path / MANIFEST} ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files are corrupt. Run "
             f"`eagle3 capture` again with the same settings and --out {path}: it keeps the good shards and captures "
             "the rest again"
@@ -329,77 +330,6 @@ def save_progress(out: Path, config_hash: str, shards: list[dict[str, Any]]) -> 
 # ----------------------------------------------------------------------------------------- reader
 
 
-def load_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of a finished capture (layer ids, hidden size, dtype, num_samples, shards, ...)."""
-    path = Path(path)
-    m = path / MANIFEST
-    if not m.is_file():
-        hint = " (an interrupted capture: rerun `eagle3 capture` with the same --out to finish it)" if (
-            path / PROGRESS).is_file() else " (run `eagle3 capture` first)"
-        raise FileNotFoundError(f"{m} does not exist: {path} is not a finished capture directory{hint}")
-    manifest = read_json(m)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{m}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
-    return migrate_record(manifest)
-
-
-# what captures trained as one dataset must share (storage dtype may differ: every reader gives bfloat16 or better)
-MUST_AGREE = ("aux_layer_ids", "hidden_size", "num_hidden_layers", "target_config_sha256", "tokenizer_sha256",
-              "chat_template_sha256")
-
-
-def capture_dirs(captured: str | Path) -> list[Path]:
-    """One capture dir, or several separated by commas (captures made in parallel on several GPUs or hosts, or of
-    data added later), in the order given."""
-    parts = [p.strip() for p in str(captured).split(",")]
-    if not all(parts):
-        from eagle3.config import ConfigError
-
-        raise ConfigError(f"captured={str(captured)!r} has an empty entry; give capture dirs separated by commas, "
-                          "e.g. runs/cap-0,runs/cap-1")
-    seen: dict[str, str] = {}
-    for p in parts:
-        key = str(Path(p).resolve())
-        if key in seen:
-            from eagle3.config import ConfigError
-
-            raise ConfigError(f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its samples would "
-                              "be read twice (and could land in both the training and the validation split); list each "
-                              "capture dir once")
-        seen[key] = p
-    return [Path(p) for p in parts]
-
-
-def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
-    """The manifest of one capture dir, or of several comma-separated ones read as one dataset: the first one's
-    fields with `num_samples`/`num_tokens` summed and `parts` listing the dirs. Refuses captures that disagree on
-    a MUST_AGREE field (another target, tokenizer, chat template or aux layer set)."""
-    dirs = capture_dirs(captured)
-    manifests = [load_manifest(d) for d in dirs]
-    first = manifests[0]
-    for d, m in zip(dirs[1:], manifests[1:], strict=True):
-        for key in MUST_AGREE:
-            if m.get(key) != first.get(key):
-                from eagle3.config import ConfigError
-
-                raise ConfigError(
-                    f"captured={captured}: {d / MANIFEST} has {key}={m.get(key)!r} but {dirs[0] / MANIFEST} has "
-                    f"{first.get(key)!r}; captures trained together must come from the same target, tokenizer, chat "
-                    "template and aux layers: capture the odd one again with the others' settings"
-                )
-        mw, fw = m.get("target_weights_sha256"), first.get("target_weights_sha256")
-        if mw and fw and mw != fw:  # older captures lack the fingerprint: compared only when both have it
-            from eagle3.config import ConfigError
-
-            raise ConfigError(f"captured={captured}: {d / MANIFEST} and {dirs[0] / MANIFEST} record different target "
-                              f"weights (target_weights_sha256 {mw} != {fw}); captures trained together must come from "
-                              "the same target: capture the odd one again")
-    if len(dirs) == 1:
-        return first
-    counts = {k: sum(m[k] for m in manifests) for k in ("num_samples", "num_tokens") if all(k in m for m in manifests)}
-    return {**first, **counts, "parts": [str(d) for d in dirs]}
-
-
 def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True) -> Iterator[dict[str, Any]]:
     """Yield one dict per shard: the tensors of the shard format above plus `sample_ids` (list[str]).
 
@@ -410,12 +340,12 @@ def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True)
     """
 
     path = Path(path)
-    manifest = load_manifest(path)
-    for entry in manifest["shards"]:
-        f = path / entry["file"]
+    manifest = CaptureManifest.load(path)
+    for entry in manifest.shards:
+        f = path / entry.file
         if not f.is_file():
             raise FileNotFoundError(f"{f} listed in {path / MANIFEST} is missing: rerun the capture")
-        if verify and sha256_file(f) != entry["sha256"]:
+        if verify and sha256_file(f) != entry.sha256:
             raise ValueError(f"{f}: sha256 differs from {path / MANIFEST}; the file is corrupt, rerun the capture")
         yield load_shard(f, dequantize)
 

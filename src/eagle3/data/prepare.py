@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.artifacts import PreparedMeta
 from eagle3.config import PrepareConfig
 from eagle3.data.formats import Conversation, read_conversations
 from eagle3.data.prepared import save_prepared
@@ -183,26 +184,26 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
             f"no usable conversations in {cfg.data}: {read.num_rows} rows read, skipped {dict(skipped)}"
         )
     data_path = Path(cfg.data)
-    manifest = {
-        "stage": "prepare",
-        "source": str(cfg.data),
-        "source_sha256": sha256_file(data_path) if data_path.is_file() else None,
-        "target": str(cfg.target),
-        "tokenizer_sha256": _tokenizer_hash(cfg.target),
-        "chat_template_sha256": sha256_text(tok.chat_template),
-        "mask_method": "generation_markers" if use_generation else "prefix_rendering",
-        "tokenizer_vocab_size": len(tok),
-        "target_vocab_size": target_vocab_size(cfg.target) or len(tok),
-        "num_rows": read.num_rows,
-        "num_samples": len(rows),
-        "num_tokens": num_tokens,
-        "num_supervised_tokens": num_supervised,
-        "num_truncated": num_truncated,
-        "num_duplicate_ids_renamed": sum(n - 1 for n in seen_ids.values() if n > 1),
-        "max_sample_len": max(len(r["input_ids"]) for r in rows),
-        "skipped": dict(sorted(skipped.items())),
-        "config": cfg.model_dump(mode="json"),
-    }
+    manifest = PreparedMeta(
+        stage="prepare",
+        source=str(cfg.data),
+        source_sha256=sha256_file(data_path) if data_path.is_file() else None,
+        target=str(cfg.target),
+        tokenizer_sha256=_tokenizer_hash(cfg.target),
+        chat_template_sha256=sha256_text(tok.chat_template),
+        mask_method="generation_markers" if use_generation else "prefix_rendering",
+        tokenizer_vocab_size=len(tok),
+        target_vocab_size=target_vocab_size(cfg.target) or len(tok),
+        num_rows=read.num_rows,
+        num_samples=len(rows),
+        num_tokens=num_tokens,
+        num_supervised_tokens=num_supervised,
+        num_truncated=num_truncated,
+        num_duplicate_ids_renamed=sum(n - 1 for n in seen_ids.values() if n > 1),
+        max_sample_len=max(len(r["input_ids"]) for r in rows),
+        skipped=dict(sorted(skipped.items())),
+        config=cfg.model_dump(mode="json"),
+    )
     save_prepared(rows, cfg.out, manifest)
     result = PrepareResult(
         out=Path(cfg.out),
@@ -211,8 +212,8 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
         num_tokens=num_tokens,
         num_supervised_tokens=num_supervised,
         num_truncated=num_truncated,
-        skipped=manifest["skipped"],
-        mask_method=manifest["mask_method"],
+        skipped=manifest.skipped,
+        mask_method=manifest.mask_method,
         wall_s=round(time.time() - t0, 3),
     )
     return result

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
+from eagle3.artifacts import CaptureManifest, DraftMetadata, SpoolHeader
 from eagle3.config import ConfigError, TrainConfig
 from eagle3.integrity import nonfinite_tensors
 from eagle3.io import (
@@ -43,36 +44,36 @@ if TYPE_CHECKING:
     from eagle3.train.data import PackedLoader
     from eagle3.train.parallel import Dist
 
-METADATA = "eagle3_draft.json"
+METADATA = DraftMetadata.FILE
 WEIGHTS = "model.safetensors"
 RAW_WEIGHTS = "raw.safetensors"  # the raw training weights beside a weight-average model.safetensors
 
 
-def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: dict, step: int, metrics=None,
-             identity: dict | None = None) -> dict:
+def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: CaptureManifest | SpoolHeader, target_cfg: dict,
+                   step: int, metrics=None, identity: dict | None = None) -> DraftMetadata:
     """The draft's eagle3_draft.json. `identity` (eagle3.integrity.target_identity of the target trained with) is
     recorded so that export can check it is given the same target."""
     tc = text_config(target_cfg)
-    return {
-        "format": "eagle3-draft/1",
-        "draft_config": dcfg.to_dict(),
-        "aux_layer_ids": list(cfg.aux_layer_ids or manifest["aux_layer_ids"]),
-        "captured_aux_layer_ids": list(manifest["aux_layer_ids"]),
-        "target": str(Path(cfg.target).resolve()),
-        "target_hidden_size": tc["hidden_size"],
-        "target_vocab_size": tc["vocab_size"],
-        "target_num_layers": tc.get("num_hidden_layers"),
-        "target_config_sha256": (identity or {}).get("config_sha256"),
-        "target_weights_sha256": (identity or {}).get("weights_sha256"),
-        "target_max_position_embeddings": tc.get("max_position_embeddings"),
-        "draft_vocab_size": dcfg.draft_vocab_size,
-        "vocab": str(cfg.vocab),
-        "captured": str(cfg.captured),
-        "step": step,
-        "ttt_steps": cfg.ttt_steps,
-        "train_config": cfg.model_dump(mode="json"),  # every flag it was trained with (lr, supervise, init, ...)
-        "metrics": metrics or {},
-    }
+    return DraftMetadata(
+        format=DraftMetadata.FORMAT,
+        draft_config=dcfg.to_dict(),
+        aux_layer_ids=list(cfg.aux_layer_ids or manifest.aux_layer_ids),
+        captured_aux_layer_ids=list(manifest.aux_layer_ids),
+        target=str(Path(cfg.target).resolve()),
+        target_hidden_size=tc["hidden_size"],
+        target_vocab_size=tc["vocab_size"],
+        target_num_layers=tc.get("num_hidden_layers"),
+        target_config_sha256=(identity or {}).get("config_sha256"),
+        target_weights_sha256=(identity or {}).get("weights_sha256"),
+        target_max_position_embeddings=tc.get("max_position_embeddings"),
+        draft_vocab_size=dcfg.draft_vocab_size,
+        vocab=str(cfg.vocab),
+        captured=str(cfg.captured),
+        step=step,
+        ttt_steps=cfg.ttt_steps,
+        train_config=cfg.model_dump(mode="json"),  # every flag it was trained with (lr, supervise, init, ...)
+        metrics=metrics or {},
+    )
 
 
 def _draft_sd(model) -> dict[str, torch.Tensor]:
@@ -87,7 +88,7 @@ def _save_weights(model, path: Path) -> None:
         save_file(_draft_sd(model), str(tmp))
 
 
-def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: dict,
+def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: DraftMetadata,
                     optim_shards: Path | None = None, raw=None, num_skipped_steps: int = 0) -> Path:
     """`model`: Eagle3Draft or a full state dict. `optim_shards`: a dir of per-rank optimizer files (FSDP) that
     is moved into the checkpoint instead of saving `opt` (whose state is sharded). `raw`: the raw weights when
@@ -108,14 +109,14 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoade
         torch.save(rng, tmp / "rng.pt")
         write_json(tmp / "trainer_state.json", {"step": step, **loader.state_dict(), "best": best,
                                                 "num_skipped_steps": num_skipped_steps})
-        write_json(tmp / METADATA, meta)
+        meta.save(tmp)
     return final
 
 
-def save_model_dir(path: Path, model: Eagle3Draft, meta: dict) -> Path:
+def save_model_dir(path: Path, model: Eagle3Draft, meta: DraftMetadata) -> Path:
     with atomic_dir(path) as tmp:
         _save_weights(model, tmp / WEIGHTS)
-        write_json(tmp / METADATA, meta)
+        meta.save(tmp)
     return path
 
 

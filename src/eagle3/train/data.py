@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from eagle3.artifacts import CaptureManifest, capture_dirs
 from eagle3.train.step import PackedBatch
 
 
@@ -38,16 +39,15 @@ class CapturedDataset(Sequence):
 
         from safetensors import safe_open
 
-        from eagle3.capture import load_manifest
         from eagle3.capture.storage import verify_capture
         from eagle3.io import corrupt_file_errors
 
         self.path = Path(path)
-        self.manifest = verify_capture(self.path) if verify else load_manifest(self.path)
+        self.manifest = verify_capture(self.path) if verify else CaptureManifest.load(self.path)
         self._files, self._index, self._handles = [], [], {}
         self._lock = threading.Lock()  # the loader's packing threads share the open shards
-        for si, entry in enumerate(self.manifest["shards"]):
-            f = self.path / entry["file"]
+        for si, entry in enumerate(self.manifest.shards):
+            f = self.path / entry.file
             if not f.is_file():
                 raise FileNotFoundError(f"{f} listed in {self.path}/manifest.json is missing: rerun the capture")
             self._files.append(f)
@@ -138,14 +138,12 @@ class ConcatSamples(Sequence):
 def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = True) -> Sequence[dict[str, Any]]:
     """A capture dir, or several comma-separated ones (random access, memory-mapped), or any iterable of sample
     dicts, as a sequence. A sequence is used as is; a plain iterator (e.g. eagle3.capture.load_captured) is
-    materialised. Several dirs are checked to agree (eagle3.capture.load_combined_manifest) before reading."""
+    materialised. Several dirs are checked to agree (CaptureManifest.load_combined) before reading."""
     if isinstance(source, (str, Path)):
-        from eagle3.capture import capture_dirs, load_combined_manifest
-
         dirs = capture_dirs(source)
         if len(dirs) == 1:
             return CapturedDataset(dirs[0], verify)
-        load_combined_manifest(source)
+        CaptureManifest.load_combined(source)
         return ConcatSamples([CapturedDataset(d, verify) for d in dirs])
     if isinstance(source, Sequence):
         return source
@@ -263,10 +261,9 @@ def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layer
     """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
     reads, not page faults per sample), keeping only the aux states of `aux_layer_ids` (SelectedLayers semantics).
     RAM needed: tokens x (len(aux_layer_ids) + 1) x H x 2 B."""
-    from eagle3.capture import capture_dirs, load_combined_manifest
     from eagle3.capture.storage import iter_shards, shard_samples
 
-    captured = load_combined_manifest(path)["aux_layer_ids"]
+    captured = CaptureManifest.load_combined(path).aux_layer_ids
     out: list[dict[str, Any]] = []
     if verify:
         from eagle3.capture.storage import verify_capture

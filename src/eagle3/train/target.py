@@ -152,14 +152,3 @@ def init_layers_from_target(model: torch.nn.Module, layers: dict[int, dict[str, 
                     )
                 dst.copy_(w.float())
 
-
-def load_vocab(vocab: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t (Vd,) long, t2d (V,) bool) from vocab.safetensors."""
-    from safetensors.torch import load_file
-
-    p = Path(vocab)
-    p = p / "vocab.safetensors" if p.is_dir() else p
-    if not p.is_file():
-        raise FileNotFoundError(f"vocab={vocab}: no vocab.safetensors; run `eagle3 vocab` first")
-    t = load_file(str(p))
-    return t["d2t"].long(), t["t2d"].bool()
