@@ -54,7 +54,7 @@ def main() -> None:
     from eagle3.capture import run_capture
     from eagle3.capture.vllm_backend import EXTENSION, engine_kwargs
     from eagle3.config import CaptureConfig
-    from eagle3.data.prepared import save_prepared
+    from eagle3.prepared import save_prepared
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="capbench."))
     tok = AutoTokenizer.from_pretrained(args.target)

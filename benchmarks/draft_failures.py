@@ -27,7 +27,7 @@ from eagle3.train.attention import make_ttt_attention
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
 from eagle3.train.estimate import load_draft_dir
 from eagle3.train.loss import TargetHead, compute_targets
-from eagle3.train.target import load_target_tensors, read_target_config
+from eagle3.weights import load_target_tensors, read_target_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BUCKETS = [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01)]

@@ -71,9 +71,9 @@ def frequent_ids(samples: list[dict[str, Any]], k: int, target_vocab: int) -> to
 
 
 def write_captured(out: str | Path, samples: list[dict[str, Any]], manifest: dict[str, Any], shard_samples: int = 8) -> Path:
-    """Write samples as a finished capture dir (eagle3.capture.storage shards + manifest.json)."""
+    """Write samples as a finished capture dir (eagle3.shards shards + manifest.json)."""
+    from eagle3 import shards as storage
     from eagle3.artifacts import CaptureManifest
-    from eagle3.capture import storage
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from eagle3.artifacts import CaptureManifest, PreparedMeta
-from eagle3.capture import iter_shards, load_captured, run_capture
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig, ConfigError
+from eagle3.shards import iter_shards, load_captured
 
 NUM_PROMPTS = 10
 BATCH_TOKENS = 64  # << longest prompt (~190 tokens): forces chunked prefill in vLLM
@@ -22,7 +23,7 @@ def make_prepared(target: Path, out: Path, num: int = NUM_PROMPTS, seed: int = 0
     """A prepared dataset of `num` chats of distinct lengths (20, 20+step, ...) tokenized with the target."""
     from transformers import AutoTokenizer
 
-    from eagle3.data.prepared import save_prepared
+    from eagle3.prepared import save_prepared
     from eagle3.testing.tiny import tiny_conversations
 
     tok = AutoTokenizer.from_pretrained(str(target))
@@ -193,8 +194,8 @@ def test_manifest_and_reader(vllm_llama, prepared_llama):
     assert m.tokenizer_sha256 == "tok-hash" and m.chat_template_sha256 == "tpl-hash"
     assert m.versions["vllm"] and m.versions["torch"] and m.target_config_sha256
     assert m.capture_config["batch_tokens"] == BATCH_TOKENS
-    from eagle3.data.prepared import load_prepared
     from eagle3.io import sha256_file
+    from eagle3.prepared import load_prepared
 
     for s in m.shards:
         assert sha256_file(vllm_llama.out / s.file) == s.sha256
@@ -255,7 +256,7 @@ def test_non_finite_samples_are_skipped_and_counted(tiny_llama, prepared_llama, 
     that token are skipped with reason non_finite; the rest are captured."""
     from safetensors.torch import load_file, save_file
 
-    from eagle3.data.prepared import load_prepared
+    from eagle3.prepared import load_prepared
 
     bad = tmp_path / "nan_target"
     shutil.copytree(tiny_llama, bad)
@@ -315,7 +316,7 @@ def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
         "import sys, json\n"
         "sys.modules['vllm'] = None  # any `import vllm` now raises ImportError\n"
         "from eagle3.config import CaptureConfig\n"
-        "from eagle3.capture import run_capture, load_captured\n"
+        "from eagle3.capture import run_capture\nfrom eagle3.shards import load_captured\n"
         "r = run_capture(CaptureConfig.model_validate(json.loads(sys.argv[1])))\n"
         "assert r.num_samples == 2 and len(list(load_captured(r.out))) == 2\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules if sys.modules[m] is not None)\n"

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from eagle3.artifacts import CaptureManifest
-from eagle3.capture import iter_shards, load_captured, run_capture
-from eagle3.capture.quant import FP8_MAX, dequantize_fp8, quantize_fp8, to_storage
-from eagle3.capture.storage import bytes_per_token, save_safetensors_hashed
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig
+from eagle3.quant import FP8_MAX, dequantize_fp8, quantize_fp8, to_storage
+from eagle3.shards import bytes_per_token, iter_shards, load_captured, save_safetensors_hashed
 from test_capture import capture_in_subprocess, make_prepared, rel_err
 from test_capture_resume import kill_capture_after_first_shard
 
@@ -158,14 +158,16 @@ def test_fp8_disk_check_uses_fp8_bytes(tiny_llama, prepared, tmp_path, monkeypat
     """A disk that holds the fp8 capture but not the bf16 one: fp8 starts, bf16 is refused."""
     import collections
 
-    from eagle3 import plan as plan_mod  # the capture's disk check is the planner's
-    from eagle3.data.prepared import load_prepared
+    from eagle3 import (
+        shards,  # the capture's disk check is the planner's (eagle3.shards.check_capture_fits)
+    )
+    from eagle3.prepared import load_prepared
 
     m_tokens = sum(len(x) for x in load_prepared(prepared)["input_ids"])
     need8, need16 = (m_tokens * bytes_per_token(3, 128, dt) for dt in ("fp8", "bfloat16"))
     reserve = int(0.5 * 1024**3)
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(plan_mod.shutil, "disk_usage", lambda _p: usage(10**12, 0, reserve + (need8 + need16) // 2))
+    monkeypatch.setattr(shards.shutil, "disk_usage", lambda _p: usage(10**12, 0, reserve + (need8 + need16) // 2))
     with pytest.raises(ValueError, match="fp8 halves bfloat16"):
         run_capture(_cfg(tiny_llama, prepared, tmp_path / "b", storage_dtype="bfloat16", min_free_disk_gb=0.5))
     res = run_capture(_cfg(tiny_llama, prepared, tmp_path / "f", storage_dtype="fp8", min_free_disk_gb=0.5, limit=2))

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from eagle3.artifacts import CaptureManifest
-from eagle3.capture import load_captured, run_capture
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig
+from eagle3.shards import load_captured
 from test_capture import make_prepared
 
 NUM = 40

@@ -76,8 +76,8 @@ def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
 
     from eagle3.artifacts import CaptureManifest, DraftVocab
     from eagle3.train.checkpoint import draft_metadata, save_model_dir
-    from eagle3.train.target import load_target_tensors, read_target_config
     from eagle3.train.trainer import build_draft
+    from eagle3.weights import load_target_tensors, read_target_config
 
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=root / "train",
@@ -188,7 +188,7 @@ def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, variant):
 
     meta = json.loads((ck / "eagle3_draft.json").read_text())
     exported = {k: v.float() for k, v in load_file(str(tmp_path / "draft" / "model.safetensors")).items()}
-    from eagle3.train.target import load_target_tensors
+    from eagle3.weights import load_target_tensors
 
     def ours(**flags) -> Eagle3Draft:
         m = Eagle3Draft(DraftConfig.from_dict({**meta["draft_config"], **flags}))

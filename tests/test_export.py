@@ -21,8 +21,8 @@ def checkpoint(tiny_llama, tmp_path_factory):
 
     from eagle3.artifacts import CaptureManifest, DraftVocab
     from eagle3.train.checkpoint import draft_metadata, save_model_dir
-    from eagle3.train.target import load_target_tensors, read_target_config
     from eagle3.train.trainer import build_draft
+    from eagle3.weights import load_target_tensors, read_target_config
 
     root = tmp_path_factory.mktemp("export")
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
@@ -154,8 +154,8 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
 
     from eagle3.artifacts import CaptureManifest, DraftVocab
     from eagle3.train.checkpoint import draft_metadata, save_model_dir
-    from eagle3.train.target import load_target_tensors, read_target_config
     from eagle3.train.trainer import build_draft
+    from eagle3.weights import load_target_tensors, read_target_config
 
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(512))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=tmp_path / "train")

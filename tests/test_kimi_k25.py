@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from eagle3.artifacts import CaptureManifest
-from eagle3.capture import load_captured, run_capture
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig, ExportConfig, PrepareConfig, TrainConfig, VocabConfig
+from eagle3.shards import load_captured
 from test_capture import MATCH, MISMATCH, rel_err
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -331,7 +332,7 @@ def test_kimi_preset_draft_at_real_size_in_vllm(vllm_loads, preset_draft):
 def test_vllm_serves_draft_with_kimi_target(kimi, captured, exported):
     """vLLM serves the tiny Kimi-K2.5 with the exported draft (speculative_config method eagle3); its greedy output
     equals plain greedy decoding of the same target, and the draft proposed tokens."""
-    from eagle3.data.prepared import load_prepared
+    from eagle3.prepared import load_prepared
     from eagle3.vllm_engine import engine_kwargs, on_cpu_platform, run_in_subprocess
 
     if on_cpu_platform():
@@ -366,7 +367,7 @@ def test_vllm_capture_tp2(kimi, captured, tmp_path, monkeypatch):
     the two ranks get one core each by hand (VLLM_CPU_OMP_THREADS_BIND), none is reserved for the engine core."""
     import os
 
-    from eagle3.capture import iter_shards
+    from eagle3.shards import iter_shards
     from eagle3.vllm_engine import on_cpu_platform
 
     target, prepared = kimi

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from eagle3.artifacts import PreparedMeta
+from eagle3.chat_formats import Conversation
 from eagle3.config import PrepareConfig
-from eagle3.data.formats import Conversation
 from eagle3.data.prepare import (
     TemplateError,
     load_tokenizer,
@@ -12,7 +12,7 @@ from eagle3.data.prepare import (
     tokenize_with_generation_mask,
     tokenize_with_prefix_mask,
 )
-from eagle3.data.prepared import load_prepared
+from eagle3.prepared import load_prepared
 
 SINGLE = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "It is four."}]
 MULTI = SINGLE + [{"role": "user", "content": "And three?"}, {"role": "assistant", "content": "Six."}]

@@ -77,8 +77,8 @@ def test_chatml_masks_cover_exactly_the_answers(smollm2, system):
 def test_prepared_rows_supervise_answers_only(smollm2, smol_prepared):
     from transformers import AutoTokenizer
 
-    from eagle3.data.formats import read_conversations
-    from eagle3.data.prepared import load_prepared
+    from eagle3.chat_formats import read_conversations
+    from eagle3.prepared import load_prepared
 
     tok = AutoTokenizer.from_pretrained(str(smollm2))
     ds = load_prepared(smol_prepared)
@@ -128,7 +128,7 @@ def test_capture_equals_transformers_at_the_aux_ids(smollm2, smol_capture):
     from tests.test_capture import reference_states, rel_err
 
     from eagle3.artifacts import CaptureManifest
-    from eagle3.capture import load_captured
+    from eagle3.shards import load_captured
 
     m = CaptureManifest.load(smol_capture.out)
     assert m.aux_layer_ids == [2, 15, 27] and m.num_hidden_layers == 30 and m.hidden_size == 576

@@ -428,7 +428,7 @@ from eagle3.train import parallel
 from eagle3.train.data import attach_target_argmax, load_samples
 from eagle3.train.loss import TargetHead
 from eagle3.artifacts import DraftVocab
-from eagle3.train.target import load_target_tensors
+from eagle3.weights import load_target_tensors
 from eagle3.train.trainer import with_target_argmax
 
 captured, target, vocab, out = sys.argv[1:]
@@ -636,8 +636,9 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
     from transformers import AutoModelForCausalLM
 
     from eagle3.config import ConfigError, DraftOverrides
-    from eagle3.train.target import load_target_tensors, load_top_layers, read_target_config
+    from eagle3.train.target import load_top_layers
     from eagle3.train.trainer import build_draft
+    from eagle3.weights import load_target_tensors, read_target_config
 
     target_cfg = read_target_config(tiny_llama)
     L, V, inter = target_cfg["num_hidden_layers"], target_cfg["vocab_size"], target_cfg["intermediate_size"]

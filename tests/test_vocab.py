@@ -3,7 +3,7 @@ import pytest
 
 from eagle3.artifacts import DraftVocab, PreparedMeta
 from eagle3.config import ConfigError, VocabConfig
-from eagle3.data.prepared import save_prepared
+from eagle3.prepared import save_prepared
 from eagle3.vocab import (
     build_draft_vocab,
     count_supervised_tokens,

@@ -19,6 +19,7 @@ a missing required field is an ArtifactError naming the file, the field and the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +220,7 @@ class CaptureManifest(Record):
 
     FILE: ClassVar[str] = "manifest.json"
     FORMAT: ClassVar[str] = "eagle3-capture/1"
-    #: the record of an interrupted capture (eagle3.capture.storage)
+    #: the record of an interrupted capture (eagle3.shards)
     PROGRESS_FILE: ClassVar[str] = "progress.json"
     FIX: ClassVar[str] = "the capture was not written whole by `eagle3 capture`: run it again with this --out"
     #: what captures trained as one dataset must share (the storage dtype may differ: every reader gives bfloat16 or
@@ -462,6 +463,21 @@ class DraftMetadata(Record):
     def trained_num_speculative_tokens(self) -> int | None:
         """The k the draft was trained for (its train_config's num_speculative_tokens), None when not recorded."""
         return (self.train_config or {}).get("num_speculative_tokens")
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """checkpoints/step-N dirs of a training out dir (those with a trainer_state.json), newest first."""
+    steps = []
+    for p in (Path(out) / "checkpoints").glob("step-*"):
+        m = re.fullmatch(r"step-(\d+)", p.name)
+        if m and (p / "trainer_state.json").is_file():
+            steps.append((int(m.group(1)), p))
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = list_checkpoints(out)
+    return found[0] if found else None
 
 
 # --------------------------------------------------------------------------------------------------- evaluate

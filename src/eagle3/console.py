@@ -101,6 +101,14 @@ def key_figure(stage: str, result: Any) -> str:
     return ""
 
 
+def format_bytes(b: float) -> str:
+    """`b` bytes in the largest decimal unit that keeps it >= 1 (1.23 GB)."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
 def tokens_per_target_step(generated_tokens: int, accepted_tokens: int) -> float:
     """Generated tokens per target forward pass: every pass (the prefill included) emits one token plus the draft
     tokens it accepted, so passes = generated - accepted. Unlike vLLM's mean acceptance length (counted over the

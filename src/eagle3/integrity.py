@@ -18,7 +18,7 @@ import torch
 
 from eagle3.artifacts import RecordedTarget
 
-#: the target tensors fingerprinted (as eagle3.train.target.load_target_tensors names them)
+#: the target tensors fingerprinted (as eagle3.weights.load_target_tensors names them)
 FINGERPRINTED = ("embed", "norm", "lm_head")
 
 
@@ -39,7 +39,7 @@ def target_identity(target: str | Path, tensors: dict[str, torch.Tensor] | None 
     `tensors`: the load_target_tensors result when the caller has it already (not read again)."""
     from eagle3.io import read_json, sha256_file
     from eagle3.model.draft import text_config
-    from eagle3.train.target import load_target_tensors
+    from eagle3.weights import load_target_tensors
 
     p = Path(target) / "config.json"
     if tensors is None:

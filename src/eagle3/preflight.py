@@ -7,7 +7,7 @@ value and the fix.
 
 Checks: the input paths exist (target config.json, data, eval prompts); the aux layer ids of capture (and of
 train, and of each sweep layer set) are valid for the target's layer count; the capture fits the disk (the
-planner's own check, eagle3.plan.check_capture_fits) once the prepared data says how many tokens it holds.
+planner's own check, eagle3.shards.check_capture_fits) once the prepared data says how many tokens it holds.
 Reads config files only: no model, no tokenizer, no GPU.
 """
 
@@ -42,7 +42,7 @@ def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
     capture stage checks again itself before writing)."""
     from eagle3.io import read_json
     from eagle3.model.draft import text_config
-    from eagle3.plan import check_capture_fits, estimate_storage
+    from eagle3.shards import check_capture_fits, estimate_storage
 
     c = cfg.resolved()
     manifest = Path(c.capture.data or "") / PreparedMeta.FILE

@@ -207,10 +207,10 @@ def engine_kwargs(
 
 def shutdown_engine(llm: Any) -> None:
     """Stop an in-process `vllm.LLM`'s engine-core/worker processes and drop its memory (the vLLM-internal
-    call is eagle3.capture.vllm_ext.shutdown_engine_core, the one module that touches vLLM internals)."""
+    call is eagle3.vllm_ext.shutdown_engine_core, the one module that touches vLLM internals)."""
     import gc
 
-    from eagle3.capture.vllm_ext import shutdown_engine_core
+    from eagle3.vllm_ext import shutdown_engine_core
 
     if llm is None:
         return

@@ -104,7 +104,7 @@ def format_coverage(cov: dict[int, float], draft_vocab_size: int, target_vocab_s
 
 
 def run_vocab(cfg: VocabConfig) -> VocabResult:
-    from eagle3.data.prepared import load_prepared
+    from eagle3.prepared import load_prepared
 
     cfg.require("data", "out")
     t0 = time.time()

@@ -59,7 +59,7 @@ class HFBackend:
         return {"device": self.device, "chunk_tokens": self.batch_tokens}
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
-        """States of each sample in storage form (eagle3.capture.quant.Stored: [T, A + 1, H], aux in
+        """States of each sample in storage form (eagle3.quant.Stored: [T, A + 1, H], aux in
         `aux_layer_ids` order then last), converted on the device, returned on CPU."""
         import torch
 
@@ -89,7 +89,7 @@ class HFBackend:
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                 output_hidden_states=True, use_cache=False, logits_to_keep=1,
             )
-        from .quant import Stored, stack_to_storage
+        from eagle3.quant import Stored, stack_to_storage
 
         hs = res.hidden_states
         last = self._pre_norm[-1]  # [B, Tmax, H]

@@ -23,15 +23,16 @@ from eagle3.artifacts import CaptureManifest, PreparedMeta
 from eagle3.config import AuxLayerIds, CaptureConfig, ConfigError
 from eagle3.io import read_json, sha256_file, sha256_json
 from eagle3.lock import dir_lock
-from eagle3.plan import estimate_storage
-
-from . import storage
-from .storage import (
+from eagle3.shards import (
+    FORMAT,
     LAST_SEMANTICS,
     LAYER_SEMANTICS,
     MANIFEST,
     TORCH_DTYPES,
     ShardBuffer,
+    check_capture_fits,
+    corrupt_shards,
+    estimate_storage,
     load_progress,
     save_progress,
     storage_info,
@@ -90,9 +91,7 @@ def _version(*names: str) -> str | None:
 
 
 def _disk_check(out: Path, est: Any, min_free_gb: float, sample_tokens: list[int] | None = None) -> int:
-    """Refuse to start when the states cannot fit: the planner's check (eagle3.plan.check_capture_fits)."""
-    from eagle3.plan import check_capture_fits
-
+    """Refuse to start when the states cannot fit: the planner's check (eagle3.shards.check_capture_fits)."""
     return check_capture_fits(out, est, min_free_gb, sample_tokens)
 
 
@@ -125,7 +124,7 @@ class CaptureInputs:
 
 
 def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
-    from eagle3.data.prepared import load_prepared
+    from eagle3.prepared import load_prepared
 
     cfg.require("target", "data", "out")
     info = target_info(cfg.target)
@@ -170,7 +169,7 @@ def resolve_compute_dtype(cfg: CaptureConfig) -> CaptureConfig:
 
 def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     """Run the capture stage. `llm`: optionally an already started vllm.LLM created with
-    ``worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
+    ``worker_extension_cls="eagle3.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
     t0 = time.time()
     cfg = resolve_compute_dtype(cfg)
     ci = load_capture_inputs(cfg)
@@ -189,7 +188,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
                 f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.config_hash} "
                 f"!= {config_hash}): use a new --out directory or delete {out}"
             )
-        bad = storage.corrupt_shards(out, m.shards)
+        bad = corrupt_shards(out, m.shards)
         if not bad:
             print(f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} shards "
                   "sha256-verified)", file=sys.stderr, flush=True)
@@ -288,7 +287,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         for r, c in s["skipped"].items():
             skipped[r] = skipped.get(r, 0) + c
     manifest = CaptureManifest(
-        format=storage.FORMAT,
+        format=FORMAT,
         stage="capture",
         config_hash=config_hash,
         target=hashed["target"],

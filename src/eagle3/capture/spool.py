@@ -4,18 +4,7 @@
 (eagle3.train.stream), which trains on the shards as they arrive and deletes each one once a checkpoint
 covers it. Every epoch is captured again (exact epochs, no replay buffer: docs/NOTES.md, "Streaming").
 
-Spool layout (one directory; every file in it counts against the cap, temp files included)::
-
-    stream.json     header, written once: config hash, aux_layer_ids, hidden size, storage dtype, bytes/token,
-                    the validation rows, the training rows and their token counts, epochs, seed
-    ledger.json     the producer's commit record, rewritten atomically after each shard: where the next
-                    sample is (phase, epoch, position in the epoch's order), the shards written and not yet
-                    released (seq, file, sha256, bytes, epoch, samples), skip counts, `blocked_bytes` (> 0
-                    while waiting for room), `done`, `error`
-    consumed.json   the consumer's record: shards with seq < `released_below` were consumed, checkpointed
-                    and deleted; `done`, `error`
-    val/shard-*.safetensors   validation shards, captured first and kept until training ends
-    shard-*.safetensors       training shards, numbered (seq) across epochs; same format as a capture dir
+Spool layout, the files both sides read and write: eagle3.spool_files.
 
 Back-pressure: before a shard's temp file is created, the producer waits until
 `spool bytes + shard bytes + metadata margin <= cap` (the margin covers the transient second copy of the
@@ -27,7 +16,6 @@ a restart deletes uncommitted files and continues from the ledger's position.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +27,29 @@ import numpy as np
 
 from eagle3.artifacts import SpoolHeader
 from eagle3.config import ConfigError, StreamCaptureConfig
-from eagle3.io import read_json, sha256_json, write_json
+from eagle3.io import sha256_json, write_json
+from eagle3.shards import (
+    FORMAT,
+    TORCH_DTYPES,
+    ShardBuffer,
+    bytes_per_token,
+    storage_info,
+    write_shard,
+)
+from eagle3.splits import split_indices
+from eagle3.spool_files import (
+    CONSUMED,
+    HEADER,
+    LEDGER,
+    META_SLACK_BYTES,
+    SPOOL_FORMAT,
+    VAL_DIR,
+    PeerFailed,
+    epoch_order,
+    meta_margin_bytes,
+    read_state,
+    spool_bytes,
+)
 
 from .run import (
     _make_backend,
@@ -48,60 +58,13 @@ from .run import (
     resolve_compute_dtype,
     target_weights_sha256,
 )
-from .storage import FORMAT, TORCH_DTYPES, ShardBuffer, bytes_per_token, storage_info, write_shard
 
-SPOOL_FORMAT = SpoolHeader.FORMAT
-HEADER, LEDGER, CONSUMED = SpoolHeader.FILE, "ledger.json", "consumed.json"
-VAL_DIR = "val"
-#: room always left for rewriting the ledger files (plus twice their current size), in bytes
-META_SLACK_BYTES = 16384
 #: per-shard allowance for the safetensors header (tensor table, sample ids), in bytes
 SHARD_OVERHEAD_BYTES = 4096
 
 
 class StopProducing(Exception):
     """The consumer is done (e.g. train.max_steps reached): nothing more is needed."""
-
-
-class PeerFailed(RuntimeError):
-    """The other side recorded a failure in the spool (not recorded again: the cause is over there)."""
-
-
-def spool_bytes(spool: Path) -> int:
-    """Total size of every file under `spool` (temp files included)."""
-    total = 0
-    for root, _dirs, files in os.walk(spool):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except FileNotFoundError:  # deleted by the other side meanwhile
-                pass
-    return total
-
-
-def read_state(spool: Path, name: str) -> dict[str, Any]:
-    """ledger.json / consumed.json, or {} when not written yet."""
-    try:
-        return read_json(spool / name)
-    except FileNotFoundError:
-        return {}
-
-
-def meta_margin_bytes(spool: Path) -> int:
-    """Room kept free for rewriting ledger.json and consumed.json (temp copy next to the old file)."""
-    size = 0
-    for name in (LEDGER, CONSUMED):
-        try:
-            size += (spool / name).stat().st_size
-        except FileNotFoundError:
-            pass
-    return 2 * size + META_SLACK_BYTES
-
-
-def epoch_order(train_rows: list[int], seed: int, epoch: int) -> list[int]:
-    """The training rows in epoch `epoch`'s order (a seeded permutation, the same for both sides)."""
-    rng = np.random.default_rng([seed, epoch])
-    return [train_rows[i] for i in rng.permutation(len(train_rows))]
 
 
 def max_shard_bytes(shard_tokens: int, max_sample_tokens: int, bpt: int, min_sample_tokens: int) -> int:
@@ -247,8 +210,6 @@ def run_stream_capture(cfg: StreamCaptureConfig) -> StreamCaptureResult:
 
 
 def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
-    from eagle3.train.data import split_indices
-
     t0 = time.time()
     if cfg.writer == "worker":
         raise ConfigError("capture.writer = 'worker' is not supported in streaming mode yet (the spool writes each "

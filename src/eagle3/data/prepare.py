@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.artifacts import PreparedMeta
+from eagle3.chat_formats import Conversation, read_conversations
 from eagle3.config import PrepareConfig
-from eagle3.data.formats import Conversation, read_conversations
-from eagle3.data.prepared import save_prepared
 from eagle3.io import sha256_file, sha256_text
+from eagle3.prepared import save_prepared
 
 _GENERATION_RE = re.compile(r"{%-?\s*generation\s*-?%}")
 

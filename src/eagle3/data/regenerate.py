@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.chat_formats import Conversation, read_conversations
 from eagle3.config import RegenerateConfig
-from eagle3.data.formats import Conversation, read_conversations
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
 
 log = logging.getLogger(__name__)

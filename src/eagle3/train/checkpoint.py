@@ -17,7 +17,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from eagle3.artifacts import CaptureManifest, DraftMetadata, SpoolHeader
+from eagle3.artifacts import CaptureManifest, DraftMetadata, SpoolHeader, list_checkpoints
 from eagle3.config import ConfigError, TrainConfig
 from eagle3.integrity import nonfinite_tensors
 from eagle3.io import (
@@ -118,21 +117,6 @@ def save_model_dir(path: Path, model: Eagle3Draft, meta: DraftMetadata) -> Path:
         _save_weights(model, tmp / WEIGHTS)
         meta.save(tmp)
     return path
-
-
-def list_checkpoints(out: Path) -> list[Path]:
-    """checkpoints/step-N dirs of a training out dir (those with a trainer_state.json), newest first."""
-    steps = []
-    for p in (Path(out) / "checkpoints").glob("step-*"):
-        m = re.fullmatch(r"step-(\d+)", p.name)
-        if m and (p / "trainer_state.json").is_file():
-            steps.append((int(m.group(1)), p))
-    return [p for _, p in sorted(steps, reverse=True)]
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    found = list_checkpoints(out)
-    return found[0] if found else None
 
 
 class UnsafeCheckpointError(ValueError):

@@ -31,7 +31,7 @@ from eagle3.train.step import PackedBatch
 
 class CapturedDataset(Sequence):
     """Random access to a capture dir's samples without loading it: shards are memory-mapped safetensors
-    (eagle3.capture.storage layout) and a sample reads only its own rows. `verify`: check every shard's sha256
+    (eagle3.shards layout) and a sample reads only its own rows. `verify`: check every shard's sha256
     against the manifest first (a corrupt capture is refused, naming the shards, before anything trains on it)."""
 
     def __init__(self, path: str | Path, verify: bool = True):
@@ -39,8 +39,8 @@ class CapturedDataset(Sequence):
 
         from safetensors import safe_open
 
-        from eagle3.capture.storage import verify_capture
         from eagle3.io import corrupt_file_errors
+        from eagle3.shards import verify_capture
 
         self.path = Path(path)
         self.manifest = verify_capture(self.path) if verify else CaptureManifest.load(self.path)
@@ -101,8 +101,8 @@ class CapturedDataset(Sequence):
     def _states(h, key: str, a: int, b: int) -> torch.Tensor:
         """Rows a:b of a state tensor; fp8 captures are dequantized with their per-token scales (to bfloat16, as
         eagle3.capture.load_captured returns them): the stored fp8 values alone are off by the scale."""
-        from eagle3.capture.quant import dequantize_fp8
-        from eagle3.capture.storage import SCALE_KEYS
+        from eagle3.quant import dequantize_fp8
+        from eagle3.shards import SCALE_KEYS
 
         x = h.get_slice(key)[a:b]
         if x.dtype == torch.float8_e4m3fn:
@@ -261,12 +261,12 @@ def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layer
     """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
     reads, not page faults per sample), keeping only the aux states of `aux_layer_ids` (SelectedLayers semantics).
     RAM needed: tokens x (len(aux_layer_ids) + 1) x H x 2 B."""
-    from eagle3.capture.storage import iter_shards, shard_samples
+    from eagle3.shards import iter_shards, shard_samples
 
     captured = CaptureManifest.load_combined(path).aux_layer_ids
     out: list[dict[str, Any]] = []
     if verify:
-        from eagle3.capture.storage import verify_capture
+        from eagle3.shards import verify_capture
 
         for d in capture_dirs(path):
             verify_capture(d)
@@ -278,14 +278,6 @@ def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layer
                         "last_hidden_states": s["last_hidden_states"].clone()})
         del shard, picked
     return out
-
-
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = int(round(n * val_fraction))
-    if val_fraction > 0 and n >= 2:
-        n_val = max(1, n_val)
-    return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
 def empty_row(T: int, n_aux: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

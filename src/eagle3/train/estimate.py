@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
+from eagle3.acceptance import simulate_acceptance_length
 from eagle3.artifacts import CaptureManifest, DraftMetadata
 from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError
 from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
@@ -28,7 +29,7 @@ from eagle3.train.checkpoint import METADATA, WEIGHTS
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS, PackedBatch, TTTModule, summarize
-from eagle3.train.target import load_target_tensors, read_target_config
+from eagle3.weights import load_target_tensors, read_target_config
 
 
 @dataclass
@@ -46,8 +47,6 @@ class Estimate:
 
 def tau_from_metrics(metrics: dict[str, float], k: int) -> float:
     """1 + sum_{j<k} prod_{i<=j} cond_acc_i from summarize()'s per-step metrics (every row a round start)."""
-    from eagle3.evaluate import simulate_acceptance_length
-
     return simulate_acceptance_length([metrics[f"cond_acc_{j}"] for j in range(k)])
 
 

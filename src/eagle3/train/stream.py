@@ -1,7 +1,7 @@
 """Streaming (bounded-disk) mode, consumer side: train on a spool's shards as the producer writes them.
 
 `eagle3 stream-train` (run_stream_train) is `eagle3 train` with a SpoolSource instead of a capture dir
-(spool layout: eagle3.capture.spool). The loader reads the training shards in order (seq), packs their
+(spool layout: eagle3.spool_files). The loader reads the training shards in order (seq), packs their
 samples into rows exactly as the offline loader does (greedy, rows never span epochs), and records its
 position (shard seq, sample) in every checkpoint. A shard is deleted only after a checkpoint's position
 is past it, so a kill at any point resumes from the latest checkpoint with every sample still on disk.
@@ -26,7 +26,10 @@ from typing import Any
 import torch
 
 from eagle3.artifacts import SpoolHeader
-from eagle3.capture.spool import (
+from eagle3.config import ConfigError, StreamTrainConfig
+from eagle3.io import atomic_path, write_json
+from eagle3.shards import load_shard, shard_samples
+from eagle3.spool_files import (
     CONSUMED,
     HEADER,
     LEDGER,
@@ -37,9 +40,6 @@ from eagle3.capture.spool import (
     read_state,
     spool_bytes,
 )
-from eagle3.capture.storage import load_shard, shard_samples
-from eagle3.config import ConfigError, StreamTrainConfig
-from eagle3.io import atomic_path, write_json
 from eagle3.train.data import collate, empty_row, pack
 
 SAMPLES_LOG = "stream_samples.jsonl"

@@ -28,6 +28,7 @@ from eagle3.config import AuxLayerIds, ConfigError, TrainConfig
 from eagle3.integrity import check_target_identity, target_identity
 from eagle3.lock import dir_lock
 from eagle3.model.draft import Eagle3Draft, draft_config_from_target, text_config
+from eagle3.splits import split_indices
 from eagle3.train import parallel
 from eagle3.train.checkpoint import (
     compile_cache_dir,
@@ -45,18 +46,13 @@ from eagle3.train.data import (
     eval_batches,
     load_samples,
     preload_samples,
-    split_indices,
 )
 from eagle3.train.loop import Run, TrainState, build_optimizer, resume, save_final, train_loop
 from eagle3.train.loss import TargetHead
 from eagle3.train.metrics import MetricsLog, progress
 from eagle3.train.step import TTTModule
-from eagle3.train.target import (
-    init_layers_from_target,
-    load_target_tensors,
-    load_top_layers,
-    read_target_config,
-)
+from eagle3.train.target import init_layers_from_target, load_top_layers
+from eagle3.weights import load_target_tensors, read_target_config
 
 
 @dataclass

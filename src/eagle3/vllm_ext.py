@@ -1,7 +1,7 @@
 """vLLM worker extension that records EAGLE-3 aux hidden states for every prompt token.
 
 This is the ONLY module of the repository that touches vLLM internals. It is loaded inside vLLM's
-worker process(es) via ``LLM(..., worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension")``
+worker process(es) via ``LLM(..., worker_extension_cls="eagle3.vllm_ext.CaptureWorkerExtension")``
 and driven from the driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop /
 stop (states to the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``, where
 TP rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM internals involved).
@@ -125,7 +125,7 @@ class CaptureWorkerExtension:
         """Install the hooks and record `aux_layer_ids` (+ last layer pre-norm) from now on.
 
         storage_dtype (bfloat16/float16/float32/fp8; None = the engine dtype): states are converted to it
-        on the device, right after each forward (eagle3.capture.quant.to_storage), so buffers and the
+        on the device, right after each forward (eagle3.quant.to_storage), so buffers and the
         transfer to the driver hold storage bytes only (half of float32 for bf16, a quarter for fp8)."""
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
@@ -209,7 +209,7 @@ class CaptureWorkerExtension:
         else:  # M-RoPE models pass [3, n] positions: use token indices from the batch state
             start = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
             pos = torch.cat([torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)])  # [n]
-        from eagle3.capture.quant import stack_to_storage
+        from eagle3.quant import stack_to_storage
 
         # stack + convert on the device, then move only storage bytes
         stored, scales, row_ok = stack_to_storage(
@@ -300,7 +300,7 @@ class CaptureWorkerExtension:
                                    next_index: int, skipped: dict[str, int], num_aux: int, hidden_size: int,
                                    storage_dtype: str, background: str = "auto") -> dict[str, Any] | None:
         """Start writing shard `shard_id` into `out_dir` from the assembled requests named in `rows` ([rid, index,
-        sample_id, input_ids, loss_mask] in shard order) with eagle3.capture.storage's shard writer — the same
+        sample_id, input_ids, loss_mask] in shard order) with eagle3.shards's shard writer — the same
         file, byte for byte, as the driver would write — and forget them; returns {"pending": shard_id}, and
         `eagle3_capture_wait_shard(shard_id)` returns the shard's progress entry once the file is complete.
 
@@ -348,8 +348,8 @@ class CaptureWorkerExtension:
                       storage_dtype, take) -> dict[str, Any]:
         from pathlib import Path
 
-        from eagle3.capture.quant import Stored
-        from eagle3.capture.storage import TORCH_DTYPES, ShardBuffer, _write_shard
+        from eagle3.quant import Stored
+        from eagle3.shards import TORCH_DTYPES, ShardBuffer, _write_shard
 
         buf = ShardBuffer(first_index=first_index, next_index=first_index)
         for rid, index, sample_id, ids, mask in rows:

@@ -17,7 +17,7 @@ Tensors in each shard (N = tokens in the shard, S = samples, A = number of aux l
     sample_index       int64   [S]         (row of the sample in the prepared dataset)
 and the sample ids (strings) as JSON in the safetensors metadata key ``sample_ids``.
 With ``storage_dtype = "fp8"`` the two state tensors are float8_e4m3fn and each has a float32 scale
-per row and layer (see eagle3.capture.quant):
+per row and layer (see eagle3.quant):
     aux_hidden_states_scale   float32 [N, A]   aux_hidden_states  ~= fp8 * scale[..., None]
     last_hidden_states_scale  float32 [N]      last_hidden_states ~= fp8 * scale[..., None]
 The readers (`iter_shards`, `load_captured`) dequantize fp8 shards to bfloat16 and drop the scales, so
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,9 @@ from typing import Any
 import torch
 
 from eagle3.artifacts import CaptureManifest, ShardEntry
+from eagle3.console import format_bytes
 from eagle3.io import atomic_path, read_json, sha256_file, write_json
-
-from .quant import FP8_MAX, FP8_READ_DTYPE, STORAGE_TORCH_DTYPES, Stored, dequantize_fp8
+from eagle3.quant import FP8_MAX, FP8_READ_DTYPE, STORAGE_TORCH_DTYPES, Stored, dequantize_fp8
 
 FORMAT = CaptureManifest.FORMAT
 MANIFEST = CaptureManifest.FILE
@@ -325,6 +326,74 @@ def verify_capture(path: str | Path) -> CaptureManifest:
 
 def save_progress(out: Path, config_hash: str, shards: list[dict[str, Any]]) -> None:
     write_json(out / PROGRESS, {"format": FORMAT, "config_hash": config_hash, "shards": shards})
+
+
+# ------------------------------------------------------------------------------------ storage estimates + disk
+
+
+@dataclass
+class StorageEstimate:
+    """What a capture of `num_tokens` tokens takes on disk (eagle3.plan, capture's and preflight's disk checks)."""
+
+    num_aux: int
+    hidden_size: int
+    storage_dtype: str
+    state_bytes_per_token: int  # (A + 1) x H values in the storage dtype
+    bytes_per_token: int  # + int64 id + int8 mask (+ fp8 scales): what one captured token takes on disk
+    num_tokens: int
+    total_bytes: int
+
+
+def estimate_storage(num_aux: int, hidden_size: int, storage_dtype: str, num_tokens: int) -> StorageEstimate:
+    """Disk bytes of a capture of `num_tokens` tokens (the capture's own bytes_per_token: no second formula)."""
+    item = torch.empty((), dtype=TORCH_DTYPES[storage_dtype]).element_size()
+    bpt = bytes_per_token(num_aux, hidden_size, storage_dtype)
+    return StorageEstimate(num_aux, hidden_size, storage_dtype, (num_aux + 1) * hidden_size * item, bpt,
+                           int(num_tokens), int(bpt * num_tokens))
+
+
+def free_disk_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds `path` (its nearest existing parent)."""
+    probe = Path(path)
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def check_capture_fits(out: str | Path, est: StorageEstimate, min_free_gb: float,
+                       sample_tokens: list[int] | None = None) -> int:
+    """Refuse (ValueError) a capture whose states cannot fit the disk at `out` with `min_free_gb` kept free; the
+    message names the numbers and the fixes (fp8, streaming, fewer samples). Returns the free bytes."""
+    free = free_disk_bytes(out)
+    reserve = int(min_free_gb * 1024**3)
+    if est.total_bytes + reserve <= free:
+        return free
+    room = free - reserve
+    fixes = []
+    if est.storage_dtype != "fp8":
+        fp8 = estimate_storage(est.num_aux, est.hidden_size, "fp8", est.num_tokens)
+        fits = "fits" if fp8.total_bytes <= room else "does not fit either"
+        fixes.append(f"--storage-dtype fp8 ({format_bytes(fp8.total_bytes)}, {fits}; fp8 halves bfloat16, bfloat16 "
+                     "halves float32)")
+    if sample_tokens:
+        n_fit, used = 0, 0
+        for t in sample_tokens:
+            if (used + t) * est.bytes_per_token > room:
+                break
+            used += t
+            n_fit += 1
+        fixes.append(f"capture fewer samples (--limit {n_fit} fits)" if n_fit else "capture fewer samples (--limit)")
+    else:
+        fixes.append("capture fewer samples (--limit)")
+    fixes.append("the streaming mode (capture into a bounded spool that training drains; `eagle3 plan` recommends "
+                 "a spool cap)")
+    fixes.append("free space or choose another --out, or lower --min-free-disk-gb")
+    raise ValueError(
+        f"capture needs {format_bytes(est.total_bytes)} in {out} ({est.num_tokens:,} tokens x {est.bytes_per_token:,} "
+        f"bytes/token: {est.num_aux} aux + 1 last layer x H={est.hidden_size} in {est.storage_dtype}) plus "
+        f"CaptureConfig.min_free_disk_gb = {min_free_gb} GB kept free, but only {format_bytes(free)} is free on that "
+        f"disk. Fixes: " + "; ".join(fixes)
+    )
 
 
 # ----------------------------------------------------------------------------------------- reader
