@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Self
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+from safetensors.numpy import load_file, save_file
 
 from eagle3.config import RENAMED_CONFIG_KEYS, ConfigError
 from eagle3.io import atomic_path, read_json, write_json
@@ -384,8 +385,6 @@ class DraftVocab:
 
     def save(self, out_dir: str | Path) -> Path:
         """Write `out_dir`/vocab.safetensors atomically; its path."""
-        from safetensors.numpy import save_file
-
         path = Path(out_dir) / self.FILE
         with atomic_path(path) as tmp:
             save_file({"d2t": np.ascontiguousarray(self.d2t, dtype=np.int64),
@@ -396,8 +395,6 @@ class DraftVocab:
     @classmethod
     def load(cls, vocab_dir: str | Path) -> DraftVocab:
         """d2t/t2d from a vocab dir (or the vocab.safetensors file itself), checked to agree."""
-        from safetensors.numpy import load_file
-
         p = Path(vocab_dir)
         path = p if p.is_file() else p / cls.FILE
         if not path.is_file():

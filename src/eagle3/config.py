@@ -9,6 +9,7 @@ on its own checks them with `require(...)`, which names the missing flag.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eagle3.targets import TARGETS
 
 #: old key -> new key, in the capture: and train: sections of a config (and the stage configs): an error naming the
 #: new key (format_validation_error), not a silent alias, so the YAML gets fixed once (records on disk with old
@@ -125,8 +128,6 @@ def parse_domains(value: Any) -> Any:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("{"):
-            import json
-
             try:
                 return json.loads(text)
             except json.JSONDecodeError as e:
@@ -666,8 +667,6 @@ class FetchTargetConfig(StageConfig):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str | None) -> str | None:
-        from eagle3.targets import TARGETS
-
         if v is not None and v not in TARGETS:
             raise ValueError(f"unknown target {v!r}; known targets: {', '.join(sorted(TARGETS))}")
         return v

@@ -11,12 +11,14 @@ import os
 import shutil
 from pathlib import Path
 
+from safetensors import SafetensorError
+
+from eagle3.config import ConfigError
+from eagle3.lock import LockedError
+
 
 #: exceptions whose message is already the diagnosis (they name the file/field and the fix)
 def _known() -> tuple[type[BaseException], ...]:
-    from eagle3.config import ConfigError
-    from eagle3.lock import LockedError
-
     return (ConfigError, LockedError, FileNotFoundError, NotADirectoryError, ValueError)
 
 
@@ -32,8 +34,6 @@ def _free(path: str) -> str:
 
 def describe_failure(exc: BaseException) -> str | None:
     """The diagnosis of `exc`, or None when it is not a failure the user can act on (a bug)."""
-    from safetensors import SafetensorError
-
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         where = exc.filename or "?"
         return (f"disk full (or quota exceeded) while writing {where} ({_free(str(where))}). Free space there or point "

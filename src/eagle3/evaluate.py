@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -76,11 +77,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 from eagle3.artifacts import EvalResults
+from eagle3.chat_formats import read_prompts
 from eagle3.config import EvaluateConfig
 from eagle3.console import comparison_entries, format_comparison
 from eagle3.console import tokens_per_target_step as console_tokens_per_target_step
+from eagle3.flops import count_target_params
 from eagle3.io import atomic_path, write_text
+from eagle3.vllm_engine import (
+    engine_in_process_fails,
+    engine_kwargs,
+    run_in_subprocess,
+    setup_cpu_env,
+    shutdown_engine,
+)
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +220,6 @@ def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int
     `generate` call whose metrics are the counters' difference across it; runs in a fresh process
     (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it (eagle3.vllm_engine).
     An engine built with `SAMPLING_FIX_EXTENSION` gets the CPU rejection-sampler fix first (`sampling_fix`)."""
-    from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env, shutdown_engine
-
     setup_cpu_env(engine_in_process=llm_kwargs.get("tensor_parallel_size", 1) == 1
                   and not engine_in_process_fails(llm_kwargs.get("model")))
     from vllm import LLM, SamplingParams
@@ -292,17 +302,13 @@ def _draft_param_counts(draft: Path) -> dict[str, int]:
     """Parameters per tensor group of the exported draft, from the safetensors headers (exact): fc, layers (the
     decoder layers: midlayer.* / layers.*), lm_head, norm; the maps d2t/t2d and a carried embedding are not
     weights the draft reads per step (vLLM shares the target's embedding)."""
-    import math as _math
-
-    from safetensors import safe_open
-
     groups: dict[str, int] = {"fc": 0, "layers": 0, "lm_head": 0, "norm": 0}
     for f in sorted(draft.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
                 if name in ("d2t", "t2d") or "embed_tokens" in name:
                     continue
-                n = _math.prod(st.get_slice(name).get_shape())
+                n = math.prod(st.get_slice(name).get_shape())
                 if name.startswith("fc."):
                     groups["fc"] += n
                 elif name.startswith("lm_head"):
@@ -317,8 +323,6 @@ def _draft_param_counts(draft: Path) -> dict[str, int]:
 def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "eagle3") -> dict[str, Any]:
     """The draft's cost relative to the target (see the module docstring): parameter ratio, FLOPs of one speculation
     round (fc + k draft steps) over one target forward per token, and r of the memory-bound speed-up model."""
-    from eagle3.flops import count_target_params
-
     tcfg = _read_config(Path(target) / "config.json")
     tc = tcfg.get("text_config") or tcfg
     tp = count_target_params(tc)
@@ -387,8 +391,6 @@ def _check_draft(draft: Path, k: int) -> dict[str, Any]:
 def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], list[str], list[str], dict[str, int]]:
     """(token ids, sample ids, categories, skip counts) of the prompts that fit max_model_len - max_tokens."""
     from transformers import AutoTokenizer
-
-    from eagle3.chat_formats import read_prompts
 
     read = read_prompts(cfg.prompts, split=cfg.split)
     convs = read.conversations[: cfg.num_prompts]
@@ -498,8 +500,6 @@ def rows_of(method: str, job: dict[str, Any], base_job: dict[str, Any] | None, c
 
 def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     """Measure τ per category and temperature (and tokens/s with and without speculation); see the module docstring."""
-    from eagle3.vllm_engine import engine_kwargs, run_in_subprocess
-
     cfg.require("target", "prompts", "out")
     if cfg.method == "eagle3":
         cfg.require("draft")

@@ -46,6 +46,7 @@ from eagle3.config import AuxLayerIds, ConfigError, ExportConfig
 from eagle3.integrity import check_target_identity, nonfinite_tensors, target_identity
 from eagle3.io import atomic_dir, read_safetensors, write_json
 from eagle3.model.draft import DraftConfig, expected_export_shapes, text_config
+from eagle3.weights import load_target_tensors
 
 METADATA = DraftMetadata.FILE
 WEIGHTS = "model.safetensors"
@@ -259,7 +260,6 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     else:
         config = speculators_config(dcfg, ids, meta, target_cfg)
         out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
-        from eagle3.weights import load_target_tensors
 
         out_t["embed_tokens.weight"] = load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
     with atomic_dir(cfg.out) as tmp:

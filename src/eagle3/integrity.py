@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 from eagle3.artifacts import RecordedTarget
+from eagle3.io import read_json, sha256_file
+from eagle3.model.draft import text_config
+from eagle3.weights import load_target_tensors
 
 #: the target tensors fingerprinted (as eagle3.weights.load_target_tensors names them)
 FINGERPRINTED = ("embed", "norm", "lm_head")
@@ -37,10 +40,6 @@ def tensor_sha256(t: torch.Tensor) -> str:
 def target_identity(target: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """{"config_sha256", "num_hidden_layers", "weights_sha256": {embed, norm, lm_head}} of a target dir.
     `tensors`: the load_target_tensors result when the caller has it already (not read again)."""
-    from eagle3.io import read_json, sha256_file
-    from eagle3.model.draft import text_config
-    from eagle3.weights import load_target_tensors
-
     p = Path(target) / "config.json"
     if tensors is None:
         try:

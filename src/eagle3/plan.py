@@ -37,6 +37,13 @@ from eagle3.config import (
     load_pipeline_config,
 )
 from eagle3.console import format_bytes
+from eagle3.flops import (
+    count_draft_params,
+    count_target_forward_flops,
+    count_target_params,
+    count_train_flops,
+    draft_dims,
+)
 from eagle3.io import read_json
 
 if TYPE_CHECKING:
@@ -187,8 +194,6 @@ class PlanResult:
 
 def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
     """The measured figures every estimate scales from (file, key, value), with the FLOP rates they imply."""
-    from eagle3.flops import count_target_forward_flops, count_train_flops
-
     rdir = Path(results_dir)
     cap_p, train_p = rdir / "capture_throughput.json", rdir / "train_step.json"
     for p in (cap_p, train_p):
@@ -233,18 +238,9 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
 
 def run_plan(cfg: PlanConfig) -> PlanResult:
     """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is run."""
-    from eagle3.flops import (
-        count_draft_params,
-        count_target_forward_flops,
-        count_target_params,
-        count_train_flops,
-        draft_dims,
-    )
+    # torch (the draft model, the shard format): imported here, as the CLI imports this module for PlanConfig
     from eagle3.model.draft import draft_config_from_target, text_config
-    from eagle3.shards import (  # torch: `eagle3 --help` imports this module
-        estimate_storage,
-        free_disk_bytes,
-    )
+    from eagle3.shards import estimate_storage, free_disk_bytes
 
     cfg.require("config")
     pipe = load_pipeline_config(cfg.config).resolved()

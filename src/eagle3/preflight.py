@@ -18,12 +18,14 @@ from pathlib import Path
 
 from eagle3.artifacts import PreparedMeta
 from eagle3.config import AuxLayerIds, ConfigError, PipelineConfig
+from eagle3.io import read_json
 
 
 def read_num_layers(target: str | Path) -> int:
     """The target's decoder layer count from its config.json (ConfigError naming the file when unusable)."""
-    from eagle3.io import read_json
-    from eagle3.model.draft import text_config
+    from eagle3.model.draft import (
+        text_config,  # torch: the flows import this module before any stage runs
+    )
 
     p = Path(target) / "config.json"
     try:
@@ -40,7 +42,7 @@ def _check_path(field: str, value: str | None, what: str, problems: list[str]) -
 def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
     """The planner's disk check for capture, once prepare's manifest gives the token count (else None: the
     capture stage checks again itself before writing)."""
-    from eagle3.io import read_json
+    # torch (the draft model, the shard format): the flows import this module before any stage runs
     from eagle3.model.draft import text_config
     from eagle3.shards import check_capture_fits, estimate_storage
 

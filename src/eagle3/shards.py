@@ -32,17 +32,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from eagle3.artifacts import CaptureManifest, ShardEntry
 from eagle3.console import format_bytes
-from eagle3.io import atomic_path, read_json, sha256_file, write_json
+from eagle3.io import atomic_path, corrupt_file_errors, read_json, sha256_file, write_json
 from eagle3.quant import FP8_MAX, FP8_READ_DTYPE, STORAGE_TORCH_DTYPES, Stored, dequantize_fp8
 
 FORMAT = CaptureManifest.FORMAT
@@ -293,9 +296,6 @@ def corrupt_shards(out: Path, entries: list[ShardEntry], max_threads: int = 8) -
     """Names of the shards in `entries` (a manifest's shards) that are missing or whose sha256 differs from
     the recorded one, in order. Shards are hashed in parallel threads (hashlib releases the GIL): a capture is
     read once at disk speed."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
     def bad(entry: ShardEntry) -> bool:
         f = out / entry.file
         size = f.stat().st_size if entry.bytes is None and f.is_file() else entry.bytes
@@ -422,10 +422,6 @@ def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True)
 def load_shard(f: str | Path, dequantize: bool = True) -> dict[str, Any]:
     """One shard file's tensors plus `sample_ids` and `file` (its path) (fp8 states dequantized to bfloat16 unless
     told not to)."""
-    from safetensors import safe_open
-
-    from eagle3.io import corrupt_file_errors
-
     with corrupt_file_errors(f, "capture shard"), safe_open(str(f), framework="pt") as st:
         shard: dict[str, Any] = {k: st.get_tensor(k) for k in st.keys()}
         shard["sample_ids"] = json.loads(st.metadata()["sample_ids"])

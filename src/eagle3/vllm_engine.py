@@ -44,12 +44,16 @@ again) to 0.1 s after the first.
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -143,9 +147,6 @@ ENGINE_STAGES = ("regenerate", "synthesize", "capture")
 def engine_in_process_fails(target: str | os.PathLike | None) -> bool:
     """True for a target whose model_type (or its text_config's) is in ENGINE_IN_PROCESS_FAILS; a target
     without a readable config.json is not judged here (vLLM reports that itself)."""
-    import json
-    from pathlib import Path
-
     if target is None:
         return False
     try:
@@ -208,9 +209,9 @@ def engine_kwargs(
 def shutdown_engine(llm: Any) -> None:
     """Stop an in-process `vllm.LLM`'s engine-core/worker processes and drop its memory (the vLLM-internal
     call is eagle3.vllm_ext.shutdown_engine_core, the one module that touches vLLM internals)."""
-    import gc
-
-    from eagle3.vllm_ext import shutdown_engine_core
+    from eagle3.vllm_ext import (
+        shutdown_engine_core,  # torch: a stage process imports this module to set its env
+    )
 
     if llm is None:
         return
@@ -267,8 +268,6 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     re-raised here as RuntimeError carrying the child's traceback; a child that dies without a result
     (killed, out of memory) is a RuntimeError naming its exit code.
     """
-    import time
-
     t0 = time.time()
     ctx = _job_context()
     queue = ctx.Queue()

@@ -73,9 +73,15 @@ parallel is refused (aux states would live on several stages).
 
 from __future__ import annotations
 
+import threading
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from eagle3.quant import Stored, stack_to_storage
+from eagle3.shards import TORCH_DTYPES, ShardBuffer, _write_shard
 
 
 def encode_states(states: torch.Tensor, filled: int, scales: torch.Tensor | None = None,
@@ -108,8 +114,6 @@ def decode_scales(enc: dict[str, Any]) -> torch.Tensor | None:
 
 
 def _frombytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    import warnings
-
     if not data:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():  # "buffer is not writable": fine, we only read it
@@ -209,7 +213,6 @@ class CaptureWorkerExtension:
         else:  # M-RoPE models pass [3, n] positions: use token indices from the batch state
             start = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
             pos = torch.cat([torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)])  # [n]
-        from eagle3.quant import stack_to_storage
 
         # stack + convert on the device, then move only storage bytes
         stored, scales, row_ok = stack_to_storage(
@@ -309,7 +312,6 @@ class CaptureWorkerExtension:
         returning; a CPU engine would only compete with its own forward for the cores)."""
         if not getattr(self, "_eagle3_keep", False):
             return None
-        import threading
 
         take = {rid: self._eagle3_ready.pop(rid) for rid, *_ in rows}  # now: the next meta refills _ready
         args = (out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size, storage_dtype, take)
@@ -346,11 +348,6 @@ class CaptureWorkerExtension:
     @staticmethod
     def _eagle3_write(out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size,
                       storage_dtype, take) -> dict[str, Any]:
-        from pathlib import Path
-
-        from eagle3.quant import Stored
-        from eagle3.shards import TORCH_DTYPES, ShardBuffer, _write_shard
-
         buf = ShardBuffer(first_index=first_index, next_index=first_index)
         for rid, index, sample_id, ids, mask in rows:
             states, scales, finite = take[rid]

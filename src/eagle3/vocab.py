@@ -24,6 +24,7 @@ import numpy as np
 from eagle3.artifacts import DraftVocab, PreparedMeta
 from eagle3.config import ConfigError, VocabConfig
 from eagle3.io import sha256_file, write_json, write_text
+from eagle3.prepared import load_prepared
 
 #: draft vocab sizes always in the coverage table (those up to the target vocabulary)
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -104,8 +105,6 @@ def format_coverage(cov: dict[int, float], draft_vocab_size: int, target_vocab_s
 
 
 def run_vocab(cfg: VocabConfig) -> VocabResult:
-    from eagle3.prepared import load_prepared
-
     cfg.require("data", "out")
     t0 = time.time()
     manifest = PreparedMeta.load(cfg.data)

@@ -11,20 +11,6 @@ Nothing here imports vLLM at import time: the hf backend runs on machines withou
 
 from __future__ import annotations
 
-from typing import Any
+from .run import CaptureResult, run_capture
 
 __all__ = ["CaptureResult", "run_capture"]
-
-
-def run_capture(cfg: Any, **kwargs: Any):
-    from .run import run_capture as _run
-
-    return _run(cfg, **kwargs)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CaptureResult":
-        from .run import CaptureResult
-
-        return CaptureResult
-    raise AttributeError(name)

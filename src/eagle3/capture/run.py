@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from eagle3.artifacts import CaptureManifest, PreparedMeta
 from eagle3.config import AuxLayerIds, CaptureConfig, ConfigError
+from eagle3.integrity import target_identity
 from eagle3.io import read_json, sha256_file, sha256_json
 from eagle3.lock import dir_lock
+from eagle3.prepared import load_prepared
 from eagle3.shards import (
     FORMAT,
     LAST_SEMANTICS,
@@ -38,6 +41,10 @@ from eagle3.shards import (
     storage_info,
     write_shard,
 )
+from eagle3.vllm_engine import resolve_dtype
+
+from .hf_backend import HFBackend, resolve_device
+from .vllm_backend import VLLMBackend
 
 
 @dataclass
@@ -97,10 +104,7 @@ def _disk_check(out: Path, est: Any, min_free_gb: float, sample_tokens: list[int
 
 def _make_backend(cfg: CaptureConfig, aux_layer_ids: list[int], max_model_len: int, llm: Any = None) -> Any:
     if cfg.backend == "hf":
-        from .hf_backend import HFBackend
-
         return HFBackend(str(cfg.target), aux_layer_ids, cfg.dtype, cfg.device, cfg.batch_tokens, cfg.storage_dtype)
-    from .vllm_backend import VLLMBackend
 
     return VLLMBackend(str(cfg.target), aux_layer_ids, cfg.dtype, cfg.batch_tokens, max_model_len,
                        cfg.tensor_parallel_size, llm=llm, storage_dtype=cfg.storage_dtype)
@@ -124,8 +128,6 @@ class CaptureInputs:
 
 
 def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
-    from eagle3.prepared import load_prepared
-
     cfg.require("target", "data", "out")
     info = target_info(cfg.target)
     aux_layer_ids = AuxLayerIds.resolve(cfg.aux_layer_ids, info.num_hidden_layers).as_list()
@@ -157,12 +159,9 @@ def resolve_compute_dtype(cfg: CaptureConfig) -> CaptureConfig:
     capture, the manifest's compute_dtype and an explicit `dtype` all see the same name."""
     if cfg.dtype != "auto":
         return cfg
-    from eagle3.vllm_engine import resolve_dtype
 
     device = None
     if cfg.backend == "hf":
-        from .hf_backend import resolve_device
-
         device = resolve_device(cfg.device)
     return cfg.model_copy(update={"dtype": resolve_dtype("auto", device=device)})
 
@@ -343,8 +342,6 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
     """Run the started `backend` over the prepared rows `rows` (dataset row numbers, in any order), chunks of
     consecutive entries up to chunk_tokens tokens (at least one row), and yield one CapturedRow per row in
     order. `max_model_len`: rows of that many tokens or more are skipped as too long (vLLM's limit)."""
-    import torch
-
     rows = list(rows) if not isinstance(rows, range) else rows
     n, a = len(rows), 0
     while a < n:
@@ -379,8 +376,6 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
 def target_weights_sha256(target: str | Path) -> dict[str, str] | None:
     """sha256 of the target's embedding, final norm and lm_head (eagle3.integrity): train and export compare them to
     make sure they read the target the states came from. None (not compared later) when they cannot be found."""
-    from eagle3.integrity import target_identity
-
     found = target_identity(target)["weights_sha256"]
     if found is None:
         print(f"capture: no embedding/norm/lm_head found in {target}; no weight fingerprint recorded (train and "

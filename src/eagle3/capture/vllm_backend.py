@@ -13,11 +13,15 @@ Scripts that create an engine need an ``if __name__ == "__main__":`` guard (vLLM
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from eagle3.quant import Stored
+from eagle3.vllm_ext import decode_scales, decode_states
 
 EXTENSION = "eagle3.vllm_ext.CaptureWorkerExtension"
 
@@ -83,9 +87,6 @@ class VLLMBackend:
         `aux_layer_ids` order then last; converted inside the worker)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-
-        from eagle3.quant import Stored
-        from eagle3.vllm_ext import decode_scales, decode_states
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in samples]
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -164,6 +165,5 @@ class VLLMBackend:
             if self._owns:
                 del self.llm
                 self.llm = None
-                import gc
 
                 gc.collect()

@@ -14,6 +14,7 @@ Both paths give the same masks for the same template (tests/test_prepare.py chec
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ from typing import Any
 
 from eagle3.artifacts import PreparedMeta
 from eagle3.chat_formats import Conversation, read_conversations
-from eagle3.config import PrepareConfig
+from eagle3.config import ConfigError, PrepareConfig
 from eagle3.io import sha256_file, sha256_text
 from eagle3.prepared import save_prepared
 
@@ -50,8 +51,6 @@ class PrepareResult:
 def tokenizer_code(target: str | Path) -> str | None:
     """The tokenizer class a target directory brings as its own Python code (tokenizer_config.json `auto_map`,
     e.g. "tokenization_kimi.TikTokenTokenizer"), or None when transformers' own classes load it."""
-    import json
-
     p = Path(target) / "tokenizer_config.json"
     if not p.is_file():
         return None
@@ -70,8 +69,6 @@ def load_tokenizer(target: str, trust_remote_code: bool = False):
         raise FileNotFoundError(f"target {target} does not exist (expected a model directory with a tokenizer)")
     code = tokenizer_code(path)
     if code and not trust_remote_code:
-        from eagle3.config import ConfigError
-
         raise ConfigError(
             f"the tokenizer of {target} is Python code shipped with the model ({code}, tokenizer_config.json "
             "`auto_map`), which prepare does not run unless you opt in: set `prepare.trust_remote_code: true` "
@@ -144,8 +141,6 @@ def tokenize_conversation(tok, conv: Conversation, use_generation: bool) -> tupl
 
 def target_vocab_size(target: str) -> int | None:
     """vocab_size of the target's config (nested text_config aware): the number of lm_head rows."""
-    import json
-
     cfg_path = Path(target) / "config.json"
     if not cfg_path.is_file():
         return None

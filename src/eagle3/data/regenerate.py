@@ -41,7 +41,9 @@ from typing import Any
 
 from eagle3.chat_formats import Conversation, read_conversations
 from eagle3.config import RegenerateConfig
+from eagle3.data.generate_hf import HfGenerator
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
+from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +147,6 @@ class _HfBackendGenerator:
     """transformers generation (hosts without vLLM); text decoded as vLLM does (special tokens skipped)."""
 
     def __init__(self, cfg: RegenerateConfig, tok: _Tokenizer):
-        from eagle3.data.generate_hf import HfGenerator
-
         self.cfg, self.tok = cfg, tok
         self.gen = HfGenerator(str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size)
 
@@ -277,8 +277,6 @@ def run_regenerate(
         gen: Any = _HfBackendGenerator(cfg, tok)
         engine: dict[str, Any] = {"backend": "hf", "device": gen.gen.device, "dtype": str(gen.gen.model.dtype).removeprefix("torch.")}
     else:
-        from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
-
         engine = engine_kwargs(
             cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
             tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed, enable_prefix_caching=False,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
 import threading
 import time
 from collections import deque
@@ -24,8 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from eagle3.artifacts import CaptureManifest, capture_dirs
+from eagle3.io import corrupt_file_errors
+from eagle3.quant import dequantize_fp8
+from eagle3.shards import SCALE_KEYS, iter_shards, shard_samples, verify_capture
+from eagle3.train.loss import compute_target_argmax
 from eagle3.train.step import PackedBatch
 
 
@@ -35,13 +41,6 @@ class CapturedDataset(Sequence):
     against the manifest first (a corrupt capture is refused, naming the shards, before anything trains on it)."""
 
     def __init__(self, path: str | Path, verify: bool = True):
-        import json
-
-        from safetensors import safe_open
-
-        from eagle3.io import corrupt_file_errors
-        from eagle3.shards import verify_capture
-
         self.path = Path(path)
         self.manifest = verify_capture(self.path) if verify else CaptureManifest.load(self.path)
         self._files, self._index, self._handles = [], [], {}
@@ -64,8 +63,6 @@ class CapturedDataset(Sequence):
     MAX_OPEN_SHARDS = 8
 
     def _handle(self, si: int):
-        from safetensors import safe_open
-
         with self._lock:
             h = self._handles.pop(si, None)
             if h is None:
@@ -101,9 +98,6 @@ class CapturedDataset(Sequence):
     def _states(h, key: str, a: int, b: int) -> torch.Tensor:
         """Rows a:b of a state tensor; fp8 captures are dequantized with their per-token scales (to bfloat16, as
         eagle3.capture.load_captured returns them): the stored fp8 values alone are off by the scale."""
-        from eagle3.quant import dequantize_fp8
-        from eagle3.shards import SCALE_KEYS
-
         x = h.get_slice(key)[a:b]
         if x.dtype == torch.float8_e4m3fn:
             x = dequantize_fp8(x, h.get_slice(SCALE_KEYS[key])[a:b])
@@ -225,8 +219,6 @@ def compute_sample_argmax(samples: Sequence[dict[str, Any]], head, device, indic
     """{i: (T_i,) int32} the target's full-vocab argmax of samples i in `indices` (eagle3.train.loss.
     compute_target_argmax, on `device` in the head's dtype, as the step would), reading only their last hidden
     states, in chunks of ~chunk_tokens rows."""
-    from eagle3.train.loss import compute_target_argmax
-
     out: dict[int, torch.Tensor] = {}
     todo: list[tuple[int, torch.Tensor]] = []
 
@@ -261,13 +253,9 @@ def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layer
     """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
     reads, not page faults per sample), keeping only the aux states of `aux_layer_ids` (SelectedLayers semantics).
     RAM needed: tokens x (len(aux_layer_ids) + 1) x H x 2 B."""
-    from eagle3.shards import iter_shards, shard_samples
-
     captured = CaptureManifest.load_combined(path).aux_layer_ids
     out: list[dict[str, Any]] = []
     if verify:
-        from eagle3.shards import verify_capture
-
         for d in capture_dirs(path):
             verify_capture(d)
     for shard in (sh for d in capture_dirs(path) for sh in iter_shards(d)):

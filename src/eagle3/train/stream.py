@@ -41,6 +41,7 @@ from eagle3.spool_files import (
     spool_bytes,
 )
 from eagle3.train.data import collate, empty_row, pack
+from eagle3.train.trainer import run_train
 
 SAMPLES_LOG = "stream_samples.jsonl"
 
@@ -324,8 +325,6 @@ def read_samples_log(out: str | Path) -> dict[int, list[int]]:
 def run_stream_train(cfg: StreamTrainConfig, *, stop_after: int | None = None):
     """The consumer: `run_train` on the spool `cfg.captured` (waits for the producer's shards, deletes them
     once checkpointed). A failure is recorded in the spool so that the producer stops too."""
-    from eagle3.train.trainer import run_train
-
     try:
         return run_train(cfg, source=SpoolSource(cfg), stop_after=stop_after)
     except PeerFailed:
