@@ -69,7 +69,8 @@ def main() -> None:
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
             rows.append({"input_ids": ids, "loss_mask": [0] * len(ids), "sample_id": f"gsm8k-train-{i}"})
     num_tokens = sum(len(r["input_ids"]) for r in rows)
-    prep = save_prepared(rows, work / "prepared", PreparedMeta(stage="prepare", source=args.prompts))
+    prep = save_prepared(rows, work / "prepared",
+                         PreparedMeta(stage="prepare", source=args.prompts))
     max_model_len = max(len(r["input_ids"]) for r in rows) + 1
 
     kw = engine_kwargs(args.target, args.dtype, args.batch_tokens, max_model_len, 1)

@@ -47,7 +47,8 @@ def analyse(draft: str, captured: str, target: str, top_pairs: int = 20) -> dict
     model.eval()
     tc = text_config(read_target_config(target))
     tensors = load_target_tensors(target)
-    samples = SelectedLayers(load_samples(captured), CaptureManifest.load_combined(captured).aux_layer_ids, meta.aux_layer_ids,
+    captured_ids = CaptureManifest.load_combined(captured).aux_layer_ids
+    samples = SelectedLayers(load_samples(captured), captured_ids, meta.aux_layer_ids,
                              tc["num_hidden_layers"])
     head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
                       torch.arange(model.cfg.draft_vocab_size) + model.d2t)

@@ -84,8 +84,9 @@ def write_captured(out: str | Path, samples: list[dict[str, Any]], manifest: dic
             buf.add(a + i, s["sample_id"], torch.as_tensor(s["input_ids"]), torch.as_tensor(s["loss_mask"]),
                     s["aux_hidden_states"], s["last_hidden_states"])
         shards.append(storage.write_shard(out, k, buf))
-    CaptureManifest.from_dict({"format": CaptureManifest.FORMAT, **manifest, "num_samples": len(samples), "shards": shards},
-                              "write_captured").save(out)
+    record = {"format": CaptureManifest.FORMAT, **manifest, "num_samples": len(samples),
+              "shards": shards}
+    CaptureManifest.from_dict(record, "write_captured").save(out)
     return out
 
 

@@ -39,7 +39,8 @@ def make_prepared(target: Path, out: Path, num: int = NUM_PROMPTS, seed: int = 0
         if len(rows) == num:
             break
     assert len(rows) == num, "tiny conversations too short for the requested lengths"
-    save_prepared(rows, out, PreparedMeta(stage="prepare", tokenizer_sha256="tok-hash", chat_template_sha256="tpl-hash"))
+    save_prepared(rows, out, PreparedMeta(stage="prepare", tokenizer_sha256="tok-hash",
+                                          chat_template_sha256="tpl-hash"))
     return out
 
 
@@ -208,7 +209,8 @@ def test_manifest_and_reader(vllm_llama, prepared_llama):
         assert s["aux_hidden_states"].dtype == torch.bfloat16
     shards = list(iter_shards(vllm_llama.out))
     assert sum(len(s["sample_ids"]) for s in shards) == m.num_samples
-    assert sum(int(s["input_ids"].shape[0]) for s in shards) == m.num_tokens == vllm_llama.num_tokens
+    num_tokens = sum(int(s["input_ids"].shape[0]) for s in shards)
+    assert num_tokens == m.num_tokens == vllm_llama.num_tokens
     assert not list(vllm_llama.out.glob("*.tmp")) and not list(vllm_llama.out.glob(".*"))
 
 
@@ -233,7 +235,8 @@ def test_layer_ids_below_one_fail_the_schema():
 @pytest.mark.parametrize("layers", [[2, 5], [1, 2, 7]])
 def test_bad_layer_ids(tiny_llama, prepared_llama, tmp_path, layers):
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", aux_layer_ids=layers, backend="hf")
-    with pytest.raises(ConfigError, match=r"aux_layer_ids = .*out of range for this 5-layer target; use ids in 1\.\.4"):
+    with pytest.raises(ConfigError, match=r"aux_layer_ids = .*out of range for this 5-layer "
+                                          r"target; use ids in 1\.\.4"):
         run_capture(cfg)
     assert not (tmp_path / "o").exists()
 
@@ -300,7 +303,8 @@ def test_auto_compute_dtype_is_recorded_by_name(tiny_llama, prepared_llama, tmp_
               aux_layer_ids=[1, 2, 4], limit=2)
     res = run_capture(CaptureConfig(**kw))
     used = "bfloat16" if cpu_has_native_bf16() else "float32"
-    assert CaptureConfig(**kw).dtype == "auto" and CaptureManifest.load(res.out).compute_dtype == used
+    assert CaptureConfig(**kw).dtype == "auto"
+    assert CaptureManifest.load(res.out).compute_dtype == used
     again = run_capture(CaptureConfig(**kw, dtype=used))
     assert again.resumed_shards == res.num_shards and again.num_samples == res.num_samples == 2
 

@@ -124,7 +124,8 @@ def test_trainer_reader_dequantizes_fp8(captures):
 
     ref = list(load_captured(captures["fp8"].out))
     ds = CapturedDataset(captures["fp8"].out)
-    ram = preload_samples(captures["fp8"].out, ds.manifest.aux_layer_ids, ds.manifest.num_hidden_layers)
+    ram = preload_samples(captures["fp8"].out, ds.manifest.aux_layer_ids,
+                          ds.manifest.num_hidden_layers)
     for i in (0, len(ref) // 2, len(ref) - 1):
         for k in ("aux_hidden_states", "last_hidden_states"):
             assert ds[i][k].dtype == torch.bfloat16 and torch.equal(ds[i][k], ref[i][k]), (i, k)
@@ -136,12 +137,12 @@ def test_fp8_manifest_and_bytes(captures):
     H, A = m.hidden_size, len(m.aux_layer_ids)
     assert m.dtype == "fp8" and m.storage["dtype"] == "float8_e4m3fn"
     assert m.storage["reader_dtype"] == "bfloat16"
-    assert m.storage["scales"]["aux_hidden_states"] == {"key": "aux_hidden_states_scale", "dtype": "float32",
-                                                          "shape": "[N, A]"}
+    assert m.storage["scales"]["aux_hidden_states"] == {"key": "aux_hidden_states_scale",
+                                                        "dtype": "float32", "shape": "[N, A]"}
     assert m.storage["scales"]["last_hidden_states"]["shape"] == "[N]"
     assert m.bytes_per_token == bytes_per_token(A, H, "fp8") == (A + 1) * H + (A + 1) * 4 + 8 + 1
-    assert CaptureManifest.load(captures["bfloat16"].out).storage == {"dtype": "bfloat16", "scales": None,
-                                                                  "reader_dtype": "bfloat16"}
+    bf16 = CaptureManifest.load(captures["bfloat16"].out)
+    assert bf16.storage == {"dtype": "bfloat16", "scales": None, "reader_dtype": "bfloat16"}
     for dt in ("fp8", "bfloat16", "float32"):
         res, man = captures[dt], CaptureManifest.load(captures[dt].out)
         payload = man.num_tokens * man.bytes_per_token
@@ -167,7 +168,8 @@ def test_fp8_disk_check_uses_fp8_bytes(tiny_llama, prepared, tmp_path, monkeypat
     need8, need16 = (m_tokens * bytes_per_token(3, 128, dt) for dt in ("fp8", "bfloat16"))
     reserve = int(0.5 * 1024**3)
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(shards.shutil, "disk_usage", lambda _p: usage(10**12, 0, reserve + (need8 + need16) // 2))
+    monkeypatch.setattr(shards.shutil, "disk_usage",
+                        lambda _p: usage(10**12, 0, reserve + (need8 + need16) // 2))
     with pytest.raises(ValueError, match="fp8 halves bfloat16"):
         run_capture(_cfg(tiny_llama, prepared, tmp_path / "b", storage_dtype="bfloat16", min_free_disk_gb=0.5))
     res = run_capture(_cfg(tiny_llama, prepared, tmp_path / "f", storage_dtype="fp8", min_free_disk_gb=0.5, limit=2))

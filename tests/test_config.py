@@ -49,9 +49,11 @@ AUX_LAYER_ID_CASES = [
     (None, 6, False, [1, 3, 4]),  # (2, 3, 3) collides: (1, L//2, L-2)
     (None, 4, False, r"the default \(2, L//2, L-3\) is not usable for a target with L=4 layers"),
     ([1, 2, 31], 32, False, [1, 2, 31]),
-    ([1, 2, 32], 32, False, r"= \[1, 2, 32\]: id\(s\) \[32\] out of range for this 32-layer target; use ids in 1\.\.31"),
-    ([1, 2, 32], 32, True, [1, 2, 32]),  # training may read the last layer (id L) from last_hidden_states
-    ([1, 33], 32, True, r"id\(s\) \[33\] out of range for this 32-layer target; use ids in 1\.\.32"),
+    ([1, 2, 32], 32, False,
+     r"= \[1, 2, 32\]: id\(s\) \[32\] out of range for this 32-layer target; use ids in 1\.\.31"),
+    # training may read the last layer (id L) from last_hidden_states
+    ([1, 2, 32], 32, True, [1, 2, 32]),
+    ([1, 33], 32, True, r"id\(s\) \[33\] out of range for this 32-layer target; use ids in 1..32"),
     ([0, 1], 8, False, r"id\(s\) \[0\] out of range"),  # id 0 would be the embeddings
     ([3, 3], 8, False, r"= \[3, 3\]: name each aux layer id once"),
 ]
@@ -67,10 +69,13 @@ def test_aux_layer_ids_one_default_and_one_range(ids, num_layers, last_ok, want)
             else:
                 AuxLayerIds(tuple(ids)).check(num_layers, field, last_ok=last_ok)
         if ids is not None:  # preflight lists the same line instead of raising
-            assert AuxLayerIds(tuple(ids)).problem(num_layers, field, last_ok).startswith(f"{field} = {ids}: ")
+            problem = AuxLayerIds(tuple(ids)).problem(num_layers, field, last_ok)
+            assert problem.startswith(f"{field} = {ids}: ")
         return
-    got = AuxLayerIds.resolve(ids, num_layers, field) if not last_ok else AuxLayerIds(tuple(ids)).check(
-        num_layers, field, last_ok=True)
+    if last_ok:
+        got = AuxLayerIds(tuple(ids)).check(num_layers, field, last_ok=True)
+    else:
+        got = AuxLayerIds.resolve(ids, num_layers, field)
     assert got.as_list() == want and list(got) == want and len(got) == len(want)
     assert AuxLayerIds(tuple(want)).problem(num_layers, field, last_ok) is None
 

@@ -90,7 +90,9 @@ def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.startswith("fc_norm."):
                 p.uniform_(0.5, 1.5)
-    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, CaptureManifest(aux_layer_ids=[1, 2, 4], hidden_size=128), tcfg, step=1))
+    manifest = CaptureManifest(aux_layer_ids=[1, 2, 4], hidden_size=128)
+    return save_model_dir(root / "train" / "final", model,
+                          draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])

@@ -120,7 +120,8 @@ def _nan_capture(cap: Path, out: Path, which: list[int]) -> tuple[Path, list[str
     for i in which:
         samples[i]["aux_hidden_states"] = samples[i]["aux_hidden_states"].clone()
         samples[i]["aux_hidden_states"][3, 1, :5] = float("nan")
-    manifest = {k: v for k, v in CaptureManifest.load(cap).to_dict().items() if k not in ("shards", "format", "num_samples")}
+    manifest = {k: v for k, v in CaptureManifest.load(cap).to_dict().items()
+                if k not in ("shards", "format", "num_samples")}
     return write_captured(out, samples, manifest, shard_samples=5), [samples[i]["sample_id"] for i in which]
 
 

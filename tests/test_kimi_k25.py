@@ -270,7 +270,8 @@ def preset_draft(tmp_path_factory):
 
     cfg = load_pipeline_config(ROOT / "configs/kimi-k2.5.yaml").resolved()
     tcfg = json.loads((ROOT / "configs/targets/kimi-k2.5.json").read_text())
-    ids = AuxLayerIds.resolve(cfg.capture.aux_layer_ids, text_config(tcfg)["num_hidden_layers"]).as_list()
+    num_layers = text_config(tcfg)["num_hidden_layers"]
+    ids = AuxLayerIds.resolve(cfg.capture.aux_layer_ids, num_layers).as_list()
     dcfg = draft_config_from_target(tcfg, num_aux=len(ids), draft_vocab_size=cfg.vocab.draft_vocab_size,
                                     overrides=cfg.train.draft)
     with torch.device("meta"):
@@ -385,7 +386,8 @@ def test_vllm_capture_tp2(kimi, captured, tmp_path, monkeypatch):
     assert res.num_skipped == {}
     m1, m2 = CaptureManifest.load(captured), CaptureManifest.load(res.out)
     assert m2.capture_config["tensor_parallel_size"] == 2
-    assert (m2.num_samples, m2.num_tokens, m2.aux_layer_ids) == (m1.num_samples, m1.num_tokens, m1.aux_layer_ids)
+    assert ((m2.num_samples, m2.num_tokens, m2.aux_layer_ids)
+            == (m1.num_samples, m1.num_tokens, m1.aux_layer_ids))
     s1, s2 = list(iter_shards(captured)), list(iter_shards(res.out))
     assert [s["sample_ids"] for s in s2] == [s["sample_ids"] for s in s1]  # no duplicated or missing rows
     worst = 0.0

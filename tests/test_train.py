@@ -539,7 +539,8 @@ def test_captured_dir_is_read_lazily_and_exactly(captured, tmp_path):
     samples, manifest, _ = captured
     path = write_captured(tmp_path / "cap", samples[:7], manifest, shard_samples=3)
     ds = load_samples(path)
-    assert isinstance(ds, CapturedDataset) and len(ds) == 7 and ds.manifest.aux_layer_ids == [1, 2, 4]
+    assert isinstance(ds, CapturedDataset) and len(ds) == 7
+    assert ds.manifest.aux_layer_ids == [1, 2, 4]
     for i in (0, 3, 6):
         for k in ("input_ids", "aux_hidden_states", "last_hidden_states"):
             assert torch.equal(ds[i][k], torch.as_tensor(samples[i][k])), (i, k)

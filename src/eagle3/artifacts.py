@@ -1,20 +1,22 @@
-"""The records the stages hand each other, typed: one model per file, its format, and the one migration of files
-written by older versions. Every writer and every reader of these files goes through here; no stage reads another
-stage's JSON by key.
+"""The records the stages hand each other, typed: one model per file, its format, and the one
+migration of files written by older versions. Every writer and every reader of these files goes
+through here; no stage reads another stage's JSON by key.
 
     prepare         PreparedMeta      <prepared>/manifest.json
-    capture         CaptureManifest   <captured>/manifest.json, its shards as ShardEntry (several capture dirs read
-                                      as one dataset: CaptureManifest.load_combined)
+    capture         CaptureManifest   <captured>/manifest.json, its shards as ShardEntry
+                                      (several capture dirs as one: CaptureManifest.load_combined)
     stream-capture  SpoolHeader       <spool>/stream.json (streaming mode's capture manifest)
     vocab           DraftVocab        <vocab>/vocab.safetensors (d2t, t2d)
-    train, export   DraftMetadata     <draft dir>/eagle3_draft.json (best/, final/, checkpoints/step-N/, export's out)
+    train, export   DraftMetadata     <draft dir>/eagle3_draft.json
+                                      (best/, final/, checkpoints/step-N/, export's out)
     evaluate        EvalResults       <evaluate>/results.json
 
-Old key names (before the aux layer ids were called `aux_layer_ids` everywhere) load as aliases: `migrate_record`
-renames them, for every record read, in files and in memory. Only the exported config.json keeps vLLM's own key
-`eagle_aux_hidden_state_layer_ids`; a user config with an old key is an error naming the new key (eagle3.config),
-not a silent alias. Keys a record does not declare (older or newer writers) are kept as they are and written back;
-a missing required field is an ArtifactError naming the file, the field and the fix.
+Old key names (before the aux layer ids were called `aux_layer_ids` everywhere) load as aliases:
+`migrate_record` renames them, for every record read, in files and in memory. Only the exported
+config.json keeps vLLM's own key `eagle_aux_hidden_state_layer_ids`; a user config with an old key
+is an error naming the new key (eagle3.config), not a silent alias. Keys a record does not declare
+(older or newer writers) are kept as they are and written back; a missing required field is an
+ArtifactError naming the file, the field and the fix.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class ArtifactError(ValueError):
 
 
 def migrate_record(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a capture manifest, spool header or draft metadata with the old key names renamed (a record that
-    holds both names keeps the new one); its nested `train_config` is migrated the same way."""
+    """A copy of a capture manifest, spool header or draft metadata with the old key names
+    renamed (a record that holds both names keeps the new one); its nested `train_config` is
+    migrated the same way."""
     out = dict(record)
     for old, new in RENAMED_RECORD_KEYS.items():
         if old in out:
@@ -61,7 +64,8 @@ def migrate_record(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Record(BaseModel):
-    """A JSON record: extra keys kept (round-trip), frozen once read. `origin` names where it came from."""
+    """A JSON record: extra keys kept (round-trip), frozen once read. `origin` names where it
+    came from."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -74,12 +78,15 @@ class Record(BaseModel):
 
     @classmethod
     def from_dict(cls, data: Any, source: str) -> Self:
-        """The record in `data` (old key names migrated); ArtifactError naming `source`, the field and the fix."""
+        """The record in `data` (old key names migrated); ArtifactError naming `source`, the
+        field and the fix."""
         if isinstance(data, cls):
             return data
         if not isinstance(data, Mapping):
-            raise ArtifactError(f"{source}: expected a JSON object ({cls.__name__}), got {type(data).__name__}; "
-                                f"{cls.FIX}")
+            raise ArtifactError(
+                f"{source}: expected a JSON object ({cls.__name__}), got {type(data).__name__}; "
+                f"{cls.FIX}"
+            )
         try:
             record = cls.model_validate(migrate_record(data))
         except ValidationError as e:
@@ -90,22 +97,27 @@ class Record(BaseModel):
                     problems.append(f"required field `{field}` is missing")
                 else:
                     problems.append(f"field `{field}` = {err.get('input')!r}: {err['msg']}")
-            raise ArtifactError(f"{source} ({cls.__name__}): {'; '.join(problems)}; {cls.FIX}") from None
+            raise ArtifactError(
+                f"{source} ({cls.__name__}): {'; '.join(problems)}; {cls.FIX}"
+            ) from None
         record._source = source
         return record
 
     @classmethod
     def read(cls, path: str | Path) -> Self:
-        """The record in the JSON file `path` (FileNotFoundError / ValueError naming it when absent / not JSON)."""
+        """The record in the JSON file `path` (FileNotFoundError / ValueError naming it when
+        absent / not JSON)."""
         return cls.from_dict(read_json(path), str(path))
 
     @property
     def origin(self) -> str:
-        """The file (or the caller) this record was read from; "" for a record built in this process."""
+        """The file (or the caller) this record was read from; "" for a record built in this
+        process."""
         return self._source
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as written: the fields it was given (or read) and the extra keys it carries."""
+        """The record as written: the fields it was given (or read) and the extra keys it
+        carries."""
         return self.model_dump(mode="json", exclude_unset=True, fallback=str)
 
     def write(self, path: str | Path) -> Path:
@@ -121,14 +133,17 @@ class Record(BaseModel):
         """ArtifactError naming the file, the first of `fields` that is unset and the fix."""
         for name in fields:
             if getattr(self, name, None) is None:
-                raise ArtifactError(f"{self.origin or type(self).__name__}: required field `{name}` is missing; "
-                                    f"{self.FIX}")
+                raise ArtifactError(
+                    f"{self.origin or type(self).__name__}: required field `{name}` is missing; "
+                    f"{self.FIX}"
+                )
 
 
 @dataclass(frozen=True)
 class RecordedTarget:
-    """What a capture or a draft recorded about the target it was made from (eagle3.integrity compares it with the
-    target given now); None where the record lacks it (older files: not compared)."""
+    """What a capture or a draft recorded about the target it was made from (eagle3.integrity
+    compares it with the target given now); None where the record lacks it (older files: not
+    compared)."""
 
     target: str | None
     config_sha256: str | None
@@ -136,12 +151,13 @@ class RecordedTarget:
     weights_sha256: dict[str, str] | None
 
 
-# ---------------------------------------------------------------------------------------------------- prepare
+# ------------------------------------------------------------------------------------------ prepare
 
 
 class PreparedMeta(Record):
-    """manifest.json of a prepared dataset (`eagle3 prepare`): where the rows came from and how many there are.
-    Capture records the hashes of the tokenizer and chat template, vocab reads the vocabulary size."""
+    """manifest.json of a prepared dataset (`eagle3 prepare`): where the rows came from and how
+    many there are. Capture records the hashes of the tokenizer and chat template, vocab reads
+    the vocabulary size."""
 
     FILE: ClassVar[str] = "manifest.json"
     FIX: ClassVar[str] = "run `eagle3 prepare` again into this dir"
@@ -179,29 +195,34 @@ class PreparedMeta(Record):
         return int(self.tokenizer_vocab_size)
 
 
-# ---------------------------------------------------------------------------------------------------- capture
+# ------------------------------------------------------------------------------------------ capture
 
 
 def capture_dirs(captured: str | Path) -> list[Path]:
-    """One capture dir, or several separated by commas (captures made in parallel on several GPUs or hosts, or of
-    data added later), in the order given."""
+    """One capture dir, or several separated by commas (captures made in parallel on several GPUs
+    or hosts, or of data added later), in the order given."""
     parts = [p.strip() for p in str(captured).split(",")]
     if not all(parts):
-        raise ConfigError(f"captured={str(captured)!r} has an empty entry; give capture dirs separated by commas, "
-                          "e.g. runs/cap-0,runs/cap-1")
+        raise ConfigError(
+            f"captured={str(captured)!r} has an empty entry; give capture dirs separated by "
+            "commas, e.g. runs/cap-0,runs/cap-1"
+        )
     seen: dict[str, str] = {}
     for p in parts:
         key = str(Path(p).resolve())
         if key in seen:
-            raise ConfigError(f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its samples would "
-                              "be read twice (and could land in both the training and the validation split); list each "
-                              "capture dir once")
+            raise ConfigError(
+                f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its "
+                "samples would be read twice (and could land in both the training and the "
+                "validation split); list each capture dir once"
+            )
         seen[key] = p
     return [Path(p) for p in parts]
 
 
 class ShardEntry(Record):
-    """One shard of a capture (manifest `shards`, progress.json), with the sha256 it was written with."""
+    """One shard of a capture (manifest `shards`, progress.json), with the sha256 it was written
+    with."""
 
     FIX: ClassVar[str] = "run `eagle3 capture` again with the same --out"
 
@@ -216,18 +237,27 @@ class ShardEntry(Record):
 
 
 class CaptureManifest(Record):
-    """manifest.json of a finished capture (`eagle3 capture`, written last: its presence means the capture is
-    complete): the target and data it came from, the aux layer ids, the storage dtype, the shards."""
+    """manifest.json of a finished capture (`eagle3 capture`, written last: its presence means
+    the capture is complete): the target and data it came from, the aux layer ids, the storage
+    dtype, the shards."""
 
     FILE: ClassVar[str] = "manifest.json"
     FORMAT: ClassVar[str] = "eagle3-capture/1"
     #: the record of an interrupted capture (eagle3.shards)
     PROGRESS_FILE: ClassVar[str] = "progress.json"
-    FIX: ClassVar[str] = "the capture was not written whole by `eagle3 capture`: run it again with this --out"
-    #: what captures trained as one dataset must share (the storage dtype may differ: every reader gives bfloat16 or
-    #: better)
-    MUST_AGREE: ClassVar[tuple[str, ...]] = ("aux_layer_ids", "hidden_size", "num_hidden_layers",
-                                             "target_config_sha256", "tokenizer_sha256", "chat_template_sha256")
+    FIX: ClassVar[str] = (
+        "the capture was not written whole by `eagle3 capture`: run it again with this --out"
+    )
+    #: what captures trained as one dataset must share (the storage dtype may differ: every reader
+    #: gives bfloat16 or better)
+    MUST_AGREE: ClassVar[tuple[str, ...]] = (
+        "aux_layer_ids",
+        "hidden_size",
+        "num_hidden_layers",
+        "target_config_sha256",
+        "tokenizer_sha256",
+        "chat_template_sha256",
+    )
 
     format: str | None = None
     stage: str | None = None
@@ -261,30 +291,43 @@ class CaptureManifest(Record):
 
     @classmethod
     def load(cls, path: str | Path) -> Self:
-        """The manifest of the finished capture in `path` (layer ids, hidden size, dtype, num_samples, shards, ...)."""
+        """The manifest of the finished capture in `path` (layer ids, hidden size, dtype,
+        num_samples, shards, ...)."""
         path = Path(path)
         m = path / cls.FILE
         if not m.is_file():
-            hint = " (an interrupted capture: rerun `eagle3 capture` with the same --out to finish it)" if (
-                path / cls.PROGRESS_FILE).is_file() else " (run `eagle3 capture` first)"
-            raise FileNotFoundError(f"{m} does not exist: {path} is not a finished capture directory{hint}")
+            hint = (
+                " (an interrupted capture: rerun `eagle3 capture` with the same --out to finish it)"
+                if (path / cls.PROGRESS_FILE).is_file()
+                else " (run `eagle3 capture` first)"
+            )
+            raise FileNotFoundError(
+                f"{m} does not exist: {path} is not a finished capture directory{hint}"
+            )
         data = read_json(m)
         if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
             got = data.get("format") if isinstance(data, dict) else None
             raise ValueError(f"{m}: format is {got!r}, expected {cls.FORMAT!r}")
         if "shards" not in data:
-            raise ArtifactError(f"{m} (CaptureManifest): required field `shards` is missing; {cls.FIX}")
+            raise ArtifactError(
+                f"{m} (CaptureManifest): required field `shards` is missing; {cls.FIX}"
+            )
         return cls.from_dict(data, str(m))
 
     def recorded_target(self) -> RecordedTarget:
-        return RecordedTarget(self.target, self.target_config_sha256, self.num_hidden_layers,
-                              self.target_weights_sha256)
+        return RecordedTarget(
+            self.target,
+            self.target_config_sha256,
+            self.num_hidden_layers,
+            self.target_weights_sha256,
+        )
 
     @classmethod
     def load_combined(cls, captured: str | Path) -> Self:
-        """The manifest of one capture dir, or of several comma-separated ones read as one dataset: the first one's
-        fields with `num_samples`/`num_tokens` summed and `parts` listing the dirs. Refuses captures that disagree on
-        a MUST_AGREE field (another target, tokenizer, chat template or aux layer set)."""
+        """The manifest of one capture dir, or of several comma-separated ones read as one
+        dataset: the first one's fields with `num_samples`/`num_tokens` summed and `parts`
+        listing the dirs. Refuses captures that disagree on a MUST_AGREE field (another target,
+        tokenizer, chat template or aux layer set)."""
         dirs = capture_dirs(captured)
         manifests = [cls.load(d) for d in dirs]
         first = manifests[0]
@@ -292,27 +335,36 @@ class CaptureManifest(Record):
             for key in cls.MUST_AGREE:
                 if getattr(m, key) != getattr(first, key):
                     raise ConfigError(
-                        f"captured={captured}: {d / cls.FILE} has {key}={getattr(m, key)!r} but {dirs[0] / cls.FILE} "
-                        f"has {getattr(first, key)!r}; captures trained together must come from the same target, "
-                        "tokenizer, chat template and aux layers: capture the odd one again with the others' settings"
+                        f"captured={captured}: {d / cls.FILE} has {key}={getattr(m, key)!r} but "
+                        f"{dirs[0] / cls.FILE} has {getattr(first, key)!r}; captures trained "
+                        "together must come from the same target, tokenizer, chat template and aux "
+                        "layers: capture the odd one again with the others' settings"
                     )
             mw, fw = m.target_weights_sha256, first.target_weights_sha256
-            if mw and fw and mw != fw:  # older captures lack the fingerprint: compared only when both have it
-                raise ConfigError(f"captured={captured}: {d / cls.FILE} and {dirs[0] / cls.FILE} record different "
-                                  f"target weights (target_weights_sha256 {mw} != {fw}); captures trained together "
-                                  "must come from the same target: capture the odd one again")
+            if (
+                mw and fw and mw != fw
+            ):  # older captures lack the fingerprint: compared only when both have it
+                raise ConfigError(
+                    f"captured={captured}: {d / cls.FILE} and {dirs[0] / cls.FILE} record "
+                    f"different target weights (target_weights_sha256 {mw} != {fw}); captures "
+                    "trained together must come from the same target: capture the odd one again"
+                )
         if len(dirs) == 1:
             return first
-        counts = {k: sum(getattr(m, k) for m in manifests) for k in ("num_samples", "num_tokens")
-                  if all(getattr(m, k) is not None for m in manifests)}
+        counts = {
+            k: sum(getattr(m, k) for m in manifests)
+            for k in ("num_samples", "num_tokens")
+            if all(getattr(m, k) is not None for m in manifests)
+        }
         combined = first.model_copy(update={**counts, "parts": [str(d) for d in dirs]})
         combined._source = str(captured)
         return combined
 
 
 class SpoolHeader(Record):
-    """stream.json of a streaming spool (`eagle3 stream-capture`, written once): streaming mode's capture manifest
-    (what the states are) plus the fixed plan both sides follow (rows, epochs, seed, shard size bounds)."""
+    """stream.json of a streaming spool (`eagle3 stream-capture`, written once): streaming mode's
+    capture manifest (what the states are) plus the fixed plan both sides follow (rows, epochs,
+    seed, shard size bounds)."""
 
     FILE: ClassVar[str] = "stream.json"
     FORMAT: ClassVar[str] = "eagle3-spool/1"
@@ -347,8 +399,12 @@ class SpoolHeader(Record):
     row_tokens: list[int]
 
     def recorded_target(self) -> RecordedTarget:
-        return RecordedTarget(self.target, self.target_config_sha256, self.num_hidden_layers,
-                              self.target_weights_sha256)
+        return RecordedTarget(
+            self.target,
+            self.target_config_sha256,
+            self.num_hidden_layers,
+            self.target_weights_sha256,
+        )
 
     @classmethod
     def load(cls, spool: str | Path) -> Self | None:
@@ -360,13 +416,14 @@ class SpoolHeader(Record):
             return None
 
 
-# ------------------------------------------------------------------------------------------------------ vocab
+# -------------------------------------------------------------------------------------------- vocab
 
 
 @dataclass(frozen=True)
 class DraftVocab:
-    """The draft vocabulary (`eagle3 vocab`): vocab.safetensors with vLLM's two EAGLE-3 maps
-    d2t: int64 (N,), target_id = draft_id + d2t[draft_id];  t2d: bool (V,), True where a target id is a draft id."""
+    """The draft vocabulary (`eagle3 vocab`): vocab.safetensors with vLLM's two EAGLE-3 maps d2t:
+    int64 (N,), target_id = draft_id + d2t[draft_id];  t2d: bool (V,), True where a target id is
+    a draft id."""
 
     FILE: ClassVar[str] = "vocab.safetensors"
     FORMAT: ClassVar[str] = "eagle3-draft-vocab"
@@ -387,9 +444,14 @@ class DraftVocab:
         """Write `out_dir`/vocab.safetensors atomically; its path."""
         path = Path(out_dir) / self.FILE
         with atomic_path(path) as tmp:
-            save_file({"d2t": np.ascontiguousarray(self.d2t, dtype=np.int64),
-                       "t2d": np.ascontiguousarray(self.t2d, dtype=bool)}, str(tmp),
-                      metadata={"format": self.FORMAT, "draft_vocab_size": str(self.draft_vocab_size)})
+            save_file(
+                {
+                    "d2t": np.ascontiguousarray(self.d2t, dtype=np.int64),
+                    "t2d": np.ascontiguousarray(self.t2d, dtype=bool),
+                },
+                str(tmp),
+                metadata={"format": self.FORMAT, "draft_vocab_size": str(self.draft_vocab_size)},
+            )
         return path
 
     @classmethod
@@ -403,7 +465,9 @@ class DraftVocab:
         d2t, t2d = t["d2t"].astype(np.int64), t["t2d"].astype(bool)
         draft_ids = np.arange(d2t.shape[0], dtype=np.int64) + d2t
         if int(t2d.sum()) != d2t.shape[0] or not t2d[draft_ids].all():
-            raise ValueError(f"{path}: d2t and t2d disagree (corrupt vocab file): run `eagle3 vocab` again")
+            raise ValueError(
+                f"{path}: d2t and t2d disagree (corrupt vocab file): run `eagle3 vocab` again"
+            )
         return cls(d2t=d2t, t2d=t2d, draft_ids=draft_ids)
 
     def torch_maps(self) -> tuple[Any, Any]:
@@ -413,17 +477,19 @@ class DraftVocab:
         return torch.from_numpy(self.d2t.copy()).long(), torch.from_numpy(self.t2d.copy()).bool()
 
 
-# ------------------------------------------------------------------------------------------------- the draft
+# ---------------------------------------------------------------------------------------- the draft
 
 
 class DraftMetadata(Record):
-    """eagle3_draft.json beside a draft's weights (training's best/, final/, checkpoints/step-N/; export's out): the
-    draft's shape, the aux layer ids it reads, the target, capture and vocab it was trained from, every flag of its
-    training run."""
+    """eagle3_draft.json beside a draft's weights (training's best/, final/, checkpoints/step-N/;
+    export's out): the draft's shape, the aux layer ids it reads, the target, capture and vocab
+    it was trained from, every flag of its training run."""
 
     FILE: ClassVar[str] = "eagle3_draft.json"
     FORMAT: ClassVar[str] = "eagle3-draft/1"
-    FIX: ClassVar[str] = "pass a directory written by `eagle3 train` or `eagle3 export` (or train again)"
+    FIX: ClassVar[str] = (
+        "pass a directory written by `eagle3 train` or `eagle3 export` (or train again)"
+    )
 
     format: str | None = None
     draft_config: dict[str, Any]
@@ -453,17 +519,23 @@ class DraftMetadata(Record):
         return cls.read(Path(draft_dir) / cls.FILE)
 
     def recorded_target(self) -> RecordedTarget:
-        return RecordedTarget(self.target, self.target_config_sha256, self.target_num_layers,
-                              self.target_weights_sha256)
+        return RecordedTarget(
+            self.target,
+            self.target_config_sha256,
+            self.target_num_layers,
+            self.target_weights_sha256,
+        )
 
     @property
     def trained_num_speculative_tokens(self) -> int | None:
-        """The k the draft was trained for (its train_config's num_speculative_tokens), None when not recorded."""
+        """The k the draft was trained for (its train_config's num_speculative_tokens), None when
+        not recorded."""
         return (self.train_config or {}).get("num_speculative_tokens")
 
 
 def list_checkpoints(out: Path) -> list[Path]:
-    """checkpoints/step-N dirs of a training out dir (those with a trainer_state.json), newest first."""
+    """checkpoints/step-N dirs of a training out dir (those with a trainer_state.json), newest
+    first."""
     steps = []
     for p in (Path(out) / "checkpoints").glob("step-*"):
         m = re.fullmatch(r"step-(\d+)", p.name)
@@ -477,12 +549,12 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[0] if found else None
 
 
-# --------------------------------------------------------------------------------------------------- evaluate
+# ----------------------------------------------------------------------------------------- evaluate
 
 
 class EvalRow(Record):
-    """τ and speed of one method at one (category, temperature): a row of results.json's `rows` or `comparisons`
-    (eagle3.evaluate.CategoryResult)."""
+    """τ and speed of one method at one (category, temperature): a row of results.json's `rows`
+    or `comparisons` (eagle3.evaluate.CategoryResult)."""
 
     method: str | None = None
     category: str | None = None
@@ -503,9 +575,10 @@ class EvalRow(Record):
 
 
 class EvalResults(Record):
-    """results.json of `eagle3 evaluate` (also the stage's result in memory): τ and speed of the evaluated method
-    over every prompt at the first temperature (headline fields), one row per (category, temperature) in `rows`, the
-    rows of the methods measured beside it in `comparisons`, and how it was run (engine, config, versions)."""
+    """results.json of `eagle3 evaluate` (also the stage's result in memory): τ and speed of the
+    evaluated method over every prompt at the first temperature (headline fields), one row per
+    (category, temperature) in `rows`, the rows of the methods measured beside it in
+    `comparisons`, and how it was run (engine, config, versions)."""
 
     FILE: ClassVar[str] = "results.json"
     FIX: ClassVar[str] = "run `eagle3 evaluate` again into this dir"

@@ -104,7 +104,8 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 class _RenamedFlag(argparse.Action):
-    """A flag whose field was renamed: refused with the new name (eagle3.config.RENAMED_CONFIG_KEYS)."""
+    """A flag whose field was renamed: refused with the new name
+    (eagle3.config.RENAMED_CONFIG_KEYS)."""
 
     def __init__(self, *args: Any, new: str, **kwargs: Any):
         super().__init__(*args, **kwargs)

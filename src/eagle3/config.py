@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3.targets import TARGETS
 
-#: old key -> new key, in the capture: and train: sections of a config (and the stage configs): an error naming the
-#: new key (format_validation_error), not a silent alias, so the YAML gets fixed once (records on disk with old
-#: keys still load: eagle3.artifacts.migrate_record)
+#: old key -> new key, in the capture: and train: sections of a config (and the stage configs): an
+#: error naming the new key (format_validation_error), not a silent alias, so the YAML gets fixed
+#: once (records on disk with old keys still load: eagle3.artifacts.migrate_record)
 RENAMED_CONFIG_KEYS: dict[str, str] = {"layers": "aux_layer_ids"}
 
 
@@ -234,14 +234,16 @@ LayerId = Annotated[int, Field(ge=1)]
 
 @dataclass(frozen=True)
 class AuxLayerIds:
-    """The aux layer ids of a target, in vLLM's EAGLE-3 semantics: id k = the output of decoder layer k-1
-    (hidden_states + residual = transformers' output_hidden_states[k]), in the order the draft's fc reads them.
+    """The aux layer ids of a target, in vLLM's EAGLE-3 semantics: id k = the output of decoder
+    layer k-1 (hidden_states + residual = transformers' output_hidden_states[k]), in the order the
+    draft's fc reads them.
 
-    The one home of the default and of the rules, for config (the form of a list), preflight (problems listed),
-    capture (the default, checked against the target), train and export (checked against the target). Valid ids are
-    1..L-1 for an L-layer target: id 0 would be the embeddings, and the last layer's output (id L) is always captured
-    separately, as last_hidden_states. Training may pick id L itself (`last_ok`: it is read from last_hidden_states).
-    """
+    The one home of the default and of the rules, for config (the form of a list), preflight
+    (problems listed), capture (the default, checked against the target), train and export
+    (checked against the target). Valid ids are 1..L-1 for an L-layer target: id 0 would be the
+    embeddings, and the last layer's output (id L) is always captured separately, as
+    last_hidden_states. Training may pick id L itself (`last_ok`: it is read from
+    last_hidden_states)."""
 
     ids: tuple[int, ...]
 
@@ -256,18 +258,21 @@ class AuxLayerIds:
 
     @staticmethod
     def parse(value: Any) -> Any:
-        """`"2,4,5"` (a CLI flag) -> [2, 4, 5]; lists pass through (a config field's before-validator)."""
+        """`"2,4,5"` (a CLI flag) -> [2, 4, 5]; lists pass through (a config field's
+        before-validator)."""
         if isinstance(value, str):
             try:
                 return [int(x) for x in value.replace(" ", "").split(",") if x]
             except ValueError:
-                raise ValueError(f"aux_layer_ids must be comma-separated integers like 2,4,5; got {value!r}") from None
+                raise ValueError("aux_layer_ids must be comma-separated integers like 2,4,5; got "
+                                 f"{value!r}") from None
         return value
 
     @staticmethod
     def check_form(value: list[int] | None) -> list[int] | None:
-        """The rules that need no target: at least one id, no id twice (a config field's after-validator; ids >= 1
-        are the field's type, LayerId). None = the default, resolved once the target is known."""
+        """The rules that need no target: at least one id, no id twice (a config field's
+        after-validator; ids >= 1 are the field's type, LayerId). None = the default, resolved
+        once the target is known."""
         if value is not None:
             if not value:
                 raise ValueError("aux_layer_ids must name at least one layer id")
@@ -277,18 +282,20 @@ class AuxLayerIds:
 
     @classmethod
     def default(cls, num_layers: int, field: str = "CaptureConfig.aux_layer_ids") -> AuxLayerIds:
-        """(2, L//2, L-3). For small targets where those collide (L < 8, e.g. (2, 2, 2) at L=5; vLLM would dedupe them
-        and a 3-layer draft could not run) (1, L//2, L-2), printing a note; a ConfigError when neither is usable."""
+        """(2, L//2, L-3). For small targets where those collide (L < 8, e.g. (2, 2, 2) at L=5;
+        vLLM would dedupe them and a 3-layer draft could not run) (1, L//2, L-2), printing a
+        note; a ConfigError when neither is usable."""
         ids = [2, num_layers // 2, num_layers - 3]
         if len(set(ids)) != 3 or min(ids) < 1:
             alt = [1, num_layers // 2, num_layers - 2]
             if len(set(alt)) == 3 and min(alt) >= 1:
-                print(f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for L={num_layers}; using {alt}",
-                      file=sys.stderr, flush=True)
+                print(f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for "
+                      f"L={num_layers}; using {alt}", file=sys.stderr, flush=True)
                 return cls(tuple(alt))
             raise ConfigError(
-                f"{field}: the default (2, L//2, L-3) is not usable for a target with L={num_layers} layers ({ids}); "
-                f"pass --aux-layer-ids with distinct ids in 1..{num_layers - 1}"
+                f"{field}: the default (2, L//2, L-3) is not usable for a target with "
+                f"L={num_layers} layers ({ids}); pass --aux-layer-ids with distinct ids in "
+                f"1..{num_layers - 1}"
             )
         return cls(tuple(ids))
 
@@ -301,8 +308,9 @@ class AuxLayerIds:
         return cls(tuple(ids)).check(num_layers, field)
 
     def problem(self, num_layers: int, field: str, last_ok: bool = False) -> str | None:
-        """None when the ids are valid for an L-layer target, else the one line naming the field, the value and the
-        fix. `last_ok`: id L (the last layer, read from last_hidden_states) is allowed too, as training allows it."""
+        """None when the ids are valid for an L-layer target, else the one line naming the field,
+        the value and the fix. `last_ok`: id L (the last layer, read from last_hidden_states) is
+        allowed too, as training allows it."""
         ids = list(self.ids)
         if not ids or len(set(ids)) != len(ids):
             return (f"{field} = {ids}: name each aux layer id once, at least one (e.g. "
@@ -311,8 +319,9 @@ class AuxLayerIds:
         bad = [k for k in ids if not 1 <= k <= top]
         if not bad:
             return None
-        return (f"{field} = {ids}: id(s) {bad} out of range for this {num_layers}-layer target; use ids in "
-                f"1..{top} (id k = output of decoder layer k-1; the last layer is always captured)")
+        return (f"{field} = {ids}: id(s) {bad} out of range for this {num_layers}-layer target; "
+                f"use ids in 1..{top} (id k = output of decoder layer k-1; the last layer is "
+                "always captured)")
 
     def check(self, num_layers: int, field: str, last_ok: bool = False,
               error: type[Exception] = ConfigError) -> AuxLayerIds:
@@ -353,8 +362,10 @@ class CaptureConfig(StageConfig):
         "auto", description="writer = worker: write each shard in a thread of the worker while the engine prefills "
         "the next chunk (auto = on a GPU engine; on a CPU engine the write would only compete with the forward)")
 
-    _parse_layers = field_validator("aux_layer_ids", mode="before")(lambda cls, v: AuxLayerIds.parse(v))
-    _check_layers = field_validator("aux_layer_ids", mode="after")(lambda cls, v: AuxLayerIds.check_form(v))
+    _parse_layers = field_validator("aux_layer_ids", mode="before")(
+        lambda cls, v: AuxLayerIds.parse(v))
+    _check_layers = field_validator("aux_layer_ids", mode="after")(
+        lambda cls, v: AuxLayerIds.check_form(v))
 
 
 class VocabConfig(StageConfig):
@@ -512,8 +523,10 @@ class TrainConfig(StageConfig):
         "weights differ from those the capture recorded (a warning instead of an error)"
     )
 
-    _parse_layers = field_validator("aux_layer_ids", mode="before")(lambda cls, v: AuxLayerIds.parse(v))
-    _check_layers = field_validator("aux_layer_ids", mode="after")(lambda cls, v: AuxLayerIds.check_form(v))
+    _parse_layers = field_validator("aux_layer_ids", mode="before")(
+        lambda cls, v: AuxLayerIds.parse(v))
+    _check_layers = field_validator("aux_layer_ids", mode="after")(
+        lambda cls, v: AuxLayerIds.check_form(v))
 
     @field_validator("freeze", mode="before")
     @classmethod

@@ -151,7 +151,8 @@ def comparison_entries(r: EvalResults) -> list[dict[str, Any]]:
     out = [{"method": r.method, "tau": tau if tau is not None and drafts else None,
             "generated_tokens": int((row.generated_tokens if row is not None else None) or 0),
             "num_accepted_tokens": int(acc or 0), "num_drafts": drafts,
-            "tokens_per_s": (row.tokens_per_s if row is not None else None) or r.spec_tokens_per_s or 0.0}]
+            "tokens_per_s": (row.tokens_per_s if row is not None else None) or r.spec_tokens_per_s
+            or 0.0}]
     seen = set()
     for c in r.comparisons:
         if c.category != "all" or c.method in seen:

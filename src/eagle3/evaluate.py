@@ -658,6 +658,6 @@ def format_rows(result: EvaluateResult) -> str:
         first = next(r.temperature for r in result.rows if r.category == "all")
         lines += ["", f"Side by side, every prompt at temperature {first:g} (τ counts only the steps that drafted, "
                   "tokens per target step counts every step):", "",
-                  "```", format_comparison(comparison_entries(EvalResults.from_dict(asdict(result), str(result.out)))),
-                  "```"]
+                  "```", format_comparison(comparison_entries(
+                      EvalResults.from_dict(asdict(result), str(result.out)))), "```"]
     return "\n".join(lines) + "\n"

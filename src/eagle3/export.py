@@ -91,13 +91,14 @@ def _manifest(captured: str | None) -> CaptureManifest | SpoolHeader | None:
     if not captured or not all(d.is_dir() for d in capture_dirs(captured)):
         return None
     header = Path(captured) / SpoolHeader.FILE
-    if header.is_file() and not (Path(captured) / CaptureManifest.FILE).is_file():  # trained from a streaming spool:
-        return SpoolHeader.read(header)  # its header carries the capture's aux_layer_ids and hidden size
+    if header.is_file() and not (Path(captured) / CaptureManifest.FILE).is_file():
+        # trained from a streaming spool: its header carries the capture's aux ids and hidden size
+        return SpoolHeader.read(header)
     return CaptureManifest.load_combined(captured)
 
 
-def validate(meta: DraftMetadata, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], target_cfg: dict,
-             manifest: CaptureManifest | SpoolHeader | None) -> None:
+def validate(meta: DraftMetadata, dcfg: DraftConfig, tensors: dict[str, torch.Tensor],
+             target_cfg: dict, manifest: CaptureManifest | SpoolHeader | None) -> None:
     """Raise ExportError naming the field, the bad value and the fix; never returns partially."""
     ids = list(meta.aux_layer_ids)
     tc = text_config(target_cfg)
@@ -108,15 +109,18 @@ def validate(meta: DraftMetadata, dcfg: DraftConfig, tensors: dict[str, torch.Te
         if meta.captured_aux_layer_ids != captured or not set(ids) <= set(captured) | {L}:
             raise ExportError(
                 f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's aux_layer_ids="
-                f"{manifest.aux_layer_ids}; the draft was trained on the manifest's aux_layer_ids, re-train or fix the metadata"
+                f"{manifest.aux_layer_ids}; the draft was trained on the manifest's aux_layer_ids, "
+                "re-train or fix the metadata"
             )
     if len(ids) != dcfg.num_aux or len(set(ids)) != len(ids):
         raise ExportError(f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads {dcfg.num_aux} states)")
-    if L is not None:  # a draft may read the last layer (id L) when it was trained so (TrainConfig.aux_layer_ids)
-        AuxLayerIds(tuple(ids)).check(L, "checkpoint aux_layer_ids", last_ok=True, error=ExportError)
+    if L is not None:  # a draft may read the last layer (id L) when trained so (TrainConfig)
+        AuxLayerIds(tuple(ids)).check(L, "checkpoint aux_layer_ids", last_ok=True,
+                                      error=ExportError)
     if manifest is not None and manifest.hidden_size != tc["hidden_size"]:
         raise ExportError(
-            f"capture hidden_size={manifest.hidden_size} but target hidden_size={tc['hidden_size']}: export "
+            f"capture hidden_size={manifest.hidden_size} but target "
+            f"hidden_size={tc['hidden_size']}: export "
             "against the target the data was captured from"
         )
     for name, want in (("target_hidden_size", tc["hidden_size"]), ("vocab_size", tc["vocab_size"])):
@@ -186,7 +190,8 @@ def vllm_config(dcfg: DraftConfig, ids: list[int]) -> dict[str, Any]:
     return {**cfg, **eagle31_keys(dcfg)}
 
 
-def speculators_config(dcfg: DraftConfig, ids: list[int], meta: DraftMetadata, target_cfg: dict) -> dict[str, Any]:
+def speculators_config(dcfg: DraftConfig, ids: list[int], meta: DraftMetadata,
+                       target_cfg: dict) -> dict[str, Any]:
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -202,7 +207,8 @@ def speculators_config(dcfg: DraftConfig, ids: list[int], meta: DraftMetadata, t
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": meta.target, "architectures": target_cfg.get("architectures", [])},
+            "verifier": {"name_or_path": meta.target,
+                         "architectures": target_cfg.get("architectures", [])},
         },
         "torch_dtype": "bfloat16",
     }
@@ -230,17 +236,20 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     manifest = _manifest(meta.captured)
     validate(meta, dcfg, tensors, target_cfg, manifest)
     identity = target_identity(target)  # config sha256, layer count, embedding/norm/lm_head sha256
-    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}", target=target, allow=cfg.allow_target_mismatch,
+    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}", target=target,
+                          allow=cfg.allow_target_mismatch,
                           error=ExportError)
     if manifest is not None:
-        check_target_identity(manifest.recorded_target(), identity, what=f"capture {meta.captured}", target=target,
+        check_target_identity(manifest.recorded_target(), identity, what=f"capture {meta.captured}",
+                              target=target,
                               allow=cfg.allow_target_mismatch, error=ExportError)
     vocab_file = Path(meta.vocab or "") / DraftVocab.FILE
     if meta.vocab and vocab_file.is_file():
         d2t = DraftVocab.load(meta.vocab).torch_maps()[0]
         if d2t.shape != tensors["d2t"].shape or not torch.equal(d2t, tensors["d2t"].long()):
             raise ExportError(
-                f"the checkpoint's d2t differs from {vocab_file} (vocab={meta.vocab}): the vocab dir was rebuilt "
+                f"the checkpoint's d2t differs from {vocab_file} (vocab={meta.vocab}): the vocab "
+                "dir was rebuilt "
                 "after training; export the checkpoint as trained by restoring that vocab or re-train"
             )
 

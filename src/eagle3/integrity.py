@@ -54,13 +54,14 @@ def target_identity(target: str | Path, tensors: dict[str, torch.Tensor] | None 
 
 
 def identity_mismatches(recorded: RecordedTarget, actual: dict[str, Any]) -> list[str]:
-    """What differs between a recorded identity (a capture manifest's or spool header's target_config_sha256,
-    num_hidden_layers, target_weights_sha256, or a draft's target_config_sha256, target_num_layers,
-    target_weights_sha256: their `recorded_target()`) and `actual` (target_identity). Fields the record lacks (older
-    captures) are not compared."""
+    """What differs between a recorded identity (a capture manifest's or spool header's
+    target_config_sha256, num_hidden_layers, target_weights_sha256, or a draft's
+    target_config_sha256, target_num_layers, target_weights_sha256: their `recorded_target()`)
+    and `actual` (target_identity). Fields the record lacks (older captures) are not compared."""
     out = []
-    for value, akey, name in ((recorded.config_sha256, "config_sha256", "config.json sha256"),
-                              (recorded.num_hidden_layers, "num_hidden_layers", "num_hidden_layers")):
+    pairs = ((recorded.config_sha256, "config_sha256", "config.json sha256"),
+             (recorded.num_hidden_layers, "num_hidden_layers", "num_hidden_layers"))
+    for value, akey, name in pairs:
         if value is not None and value != actual[akey]:
             out.append(f"{name} {value} (recorded) != {actual[akey]} (target)")
     for k, v in (recorded.weights_sha256 or {}).items():
@@ -69,7 +70,8 @@ def identity_mismatches(recorded: RecordedTarget, actual: dict[str, Any]) -> lis
     return out
 
 
-def check_target_identity(recorded: RecordedTarget, actual: dict[str, Any], *, what: str, target: str | Path,
+def check_target_identity(recorded: RecordedTarget, actual: dict[str, Any], *, what: str,
+                          target: str | Path,
                           allow: bool, error: type[Exception]) -> None:
     """Raise `error` naming every mismatch between `recorded` (from `what`) and the target at `target`, unless
     `allow` (the override flag), which prints them as a warning instead."""

@@ -238,7 +238,8 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
 
 def run_plan(cfg: PlanConfig) -> PlanResult:
     """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is run."""
-    # torch (the draft model, the shard format): imported here, as the CLI imports this module for PlanConfig
+    # torch (the draft model, the shard format): imported here, as the CLI imports this module for
+    # PlanConfig
     from eagle3.model.draft import draft_config_from_target, text_config
     from eagle3.shards import estimate_storage, free_disk_bytes
 
@@ -265,7 +266,8 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     num_tokens = int(round(n * mean))
 
     # storage
-    aux_layer_ids = AuxLayerIds.resolve(pipe.capture.aux_layer_ids, int(tc["num_hidden_layers"])).as_list()
+    num_layers = int(tc["num_hidden_layers"])
+    aux_layer_ids = AuxLayerIds.resolve(pipe.capture.aux_layer_ids, num_layers).as_list()
     dtype = cfg.storage_dtype or pipe.capture.storage_dtype
     H = int(tc["hidden_size"])
     st = estimate_storage(len(aux_layer_ids), H, dtype, num_tokens)
@@ -312,13 +314,15 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     total_need = st.total_bytes + reserve
     if total_need <= disk:
         mode, spool = "offline", None
-        reason = f"the whole capture ({format_bytes(st.total_bytes)}) fits the disk ({format_bytes(disk)})"
+        reason = (f"the whole capture ({format_bytes(st.total_bytes)}) fits the disk "
+                  f"({format_bytes(disk)})")
     else:
         mode = "streaming"
         spool = _spool_cap(disk - reserve, st.bytes_per_token, capture.tokens_per_s, pipe.capture.shard_tokens)
         alt = " (fp8 would not fit either)" if fp8.total_bytes + reserve > disk else (
             f" (fp8, {format_bytes(fp8.total_bytes)}, would fit offline)" if dtype != "fp8" else "")
-        reason = (f"the capture ({format_bytes(st.total_bytes)}) does not fit the disk ({format_bytes(disk)}){alt}: "
+        reason = (f"the capture ({format_bytes(st.total_bytes)}) does not fit the disk "
+                  f"({format_bytes(disk)}){alt}: "
                   f"capture into a bounded spool that training drains (stream.enabled: true, stream.spool_cap_gb: "
                   f"{spool / 1e9:.0f})")
         if epochs > 1:
@@ -467,7 +471,8 @@ def format_plan(r: PlanResult) -> str:
         ("captured layers", f"aux {r.aux_layer_ids} + last, H = {st.hidden_size}, {st.storage_dtype}"),
         ("bytes/token", f"{st.bytes_per_token:,} B ({st.state_bytes_per_token:,} B states = "
                         f"{st.state_bytes_per_token / 1024:.1f} KiB + ids/mask/scales)"),
-        ("storage", f"{format_bytes(st.total_bytes)} ({st.storage_dtype}); bf16 {format_bytes(r.storage_bf16_bytes)}, "
+        ("storage", f"{format_bytes(st.total_bytes)} ({st.storage_dtype}); "
+                    f"bf16 {format_bytes(r.storage_bf16_bytes)}, "
                     f"fp8 {format_bytes(r.storage_fp8_bytes)}"),
         ("disk", f"{format_bytes(r.disk_bytes)} ({hw['disk_source']})"),
         ("mode", f"{r.mode.upper()}: {r.mode_reason}"),

@@ -5,11 +5,11 @@ value and the fix.
     problems = check_pipeline(cfg)          # [] when the run can start
     require_pipeline(cfg)                   # raises ConfigError listing every problem
 
-Checks: the input paths exist (target config.json, data, eval prompts); the aux layer ids of capture (and of
-train, and of each sweep layer set) are valid for the target's layer count; the capture fits the disk (the
-planner's own check, eagle3.shards.check_capture_fits) once the prepared data says how many tokens it holds.
-Reads config files only: no model, no tokenizer, no GPU.
-"""
+Checks: the input paths exist (target config.json, data, eval prompts); the aux layer ids of
+capture (and of train, and of each sweep layer set) are valid for the target's layer count; the
+capture fits the disk (the planner's own check, eagle3.shards.check_capture_fits) once the
+prepared data says how many tokens it holds. Reads config files only: no model, no tokenizer, no
+GPU."""
 
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
     num_layers = read_num_layers(target)
     for field, ids in (("capture.aux_layer_ids", cfg.capture.aux_layer_ids), ("train.aux_layer_ids", cfg.train.aux_layer_ids),
                           *((f"layer_sets[{i}]", list(ls)) for i, ls in enumerate(layer_sets or []))):
-        p = None if ids is None else AuxLayerIds(tuple(ids)).problem(num_layers, field,
-                                                                      last_ok=field == "train.aux_layer_ids")
+        last_ok = field == "train.aux_layer_ids"  # training may read the last layer (id L)
+        p = None if ids is None else AuxLayerIds(tuple(ids)).problem(num_layers, field, last_ok)
         if p:
             problems.append(p)
     if cfg.capture.aux_layer_ids is not None and cfg.train.aux_layer_ids is not None:

@@ -293,9 +293,9 @@ def load_progress(out: Path, config_hash: str) -> list[dict[str, Any]]:
 
 
 def corrupt_shards(out: Path, entries: list[ShardEntry], max_threads: int = 8) -> list[str]:
-    """Names of the shards in `entries` (a manifest's shards) that are missing or whose sha256 differs from
-    the recorded one, in order. Shards are hashed in parallel threads (hashlib releases the GIL): a capture is
-    read once at disk speed."""
+    """Names of the shards in `entries` (a manifest's shards) that are missing or whose sha256
+    differs from the recorded one, in order. Shards are hashed in parallel threads (hashlib
+    releases the GIL): a capture is read once at disk speed."""
     def bad(entry: ShardEntry) -> bool:
         f = out / entry.file
         size = f.stat().st_size if entry.bytes is None and f.is_file() else entry.bytes
@@ -316,7 +316,8 @@ def verify_capture(path: str | Path) -> CaptureManifest:
     bad = corrupt_shards(path, manifest.shards)
     if bad:
         raise ValueError(
-            f"capture {path}: {len(bad)} of {len(manifest.shards)} shard(s) are missing or differ from the sha256 "
+            f"capture {path}: {len(bad)} of {len(manifest.shards)} shard(s) are missing or differ "
+            "from the sha256 "
             f"in {path / MANIFEST} ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files are corrupt. Run "
             f"`eagle3 capture` again with the same settings and --out {path}: it keeps the good shards and captures "
             "the rest again"
@@ -328,28 +329,32 @@ def save_progress(out: Path, config_hash: str, shards: list[dict[str, Any]]) -> 
     write_json(out / PROGRESS, {"format": FORMAT, "config_hash": config_hash, "shards": shards})
 
 
-# ------------------------------------------------------------------------------------ storage estimates + disk
+# ------------------------------------------------------------------------- storage estimates + disk
 
 
 @dataclass
 class StorageEstimate:
-    """What a capture of `num_tokens` tokens takes on disk (eagle3.plan, capture's and preflight's disk checks)."""
+    """What a capture of `num_tokens` tokens takes on disk (eagle3.plan, capture's and
+    preflight's disk checks)."""
 
     num_aux: int
     hidden_size: int
     storage_dtype: str
     state_bytes_per_token: int  # (A + 1) x H values in the storage dtype
-    bytes_per_token: int  # + int64 id + int8 mask (+ fp8 scales): what one captured token takes on disk
+    #: + int64 id + int8 mask (+ fp8 scales): what one captured token takes on disk
+    bytes_per_token: int
     num_tokens: int
     total_bytes: int
 
 
-def estimate_storage(num_aux: int, hidden_size: int, storage_dtype: str, num_tokens: int) -> StorageEstimate:
-    """Disk bytes of a capture of `num_tokens` tokens (the capture's own bytes_per_token: no second formula)."""
+def estimate_storage(num_aux: int, hidden_size: int, storage_dtype: str,
+                     num_tokens: int) -> StorageEstimate:
+    """Disk bytes of a capture of `num_tokens` tokens (the capture's own bytes_per_token: no
+    second formula)."""
     item = torch.empty((), dtype=TORCH_DTYPES[storage_dtype]).element_size()
     bpt = bytes_per_token(num_aux, hidden_size, storage_dtype)
-    return StorageEstimate(num_aux, hidden_size, storage_dtype, (num_aux + 1) * hidden_size * item, bpt,
-                           int(num_tokens), int(bpt * num_tokens))
+    return StorageEstimate(num_aux, hidden_size, storage_dtype, (num_aux + 1) * hidden_size * item,
+                           bpt, int(num_tokens), int(bpt * num_tokens))
 
 
 def free_disk_bytes(path: str | Path) -> int:
@@ -362,8 +367,9 @@ def free_disk_bytes(path: str | Path) -> int:
 
 def check_capture_fits(out: str | Path, est: StorageEstimate, min_free_gb: float,
                        sample_tokens: list[int] | None = None) -> int:
-    """Refuse (ValueError) a capture whose states cannot fit the disk at `out` with `min_free_gb` kept free; the
-    message names the numbers and the fixes (fp8, streaming, fewer samples). Returns the free bytes."""
+    """Refuse (ValueError) a capture whose states cannot fit the disk at `out` with `min_free_gb`
+    kept free; the message names the numbers and the fixes (fp8, streaming, fewer samples).
+    Returns the free bytes."""
     free = free_disk_bytes(out)
     reserve = int(min_free_gb * 1024**3)
     if est.total_bytes + reserve <= free:
@@ -373,8 +379,8 @@ def check_capture_fits(out: str | Path, est: StorageEstimate, min_free_gb: float
     if est.storage_dtype != "fp8":
         fp8 = estimate_storage(est.num_aux, est.hidden_size, "fp8", est.num_tokens)
         fits = "fits" if fp8.total_bytes <= room else "does not fit either"
-        fixes.append(f"--storage-dtype fp8 ({format_bytes(fp8.total_bytes)}, {fits}; fp8 halves bfloat16, bfloat16 "
-                     "halves float32)")
+        fixes.append(f"--storage-dtype fp8 ({format_bytes(fp8.total_bytes)}, {fits}; fp8 halves "
+                     "bfloat16, bfloat16 halves float32)")
     if sample_tokens:
         n_fit, used = 0, 0
         for t in sample_tokens:
@@ -382,17 +388,19 @@ def check_capture_fits(out: str | Path, est: StorageEstimate, min_free_gb: float
                 break
             used += t
             n_fit += 1
-        fixes.append(f"capture fewer samples (--limit {n_fit} fits)" if n_fit else "capture fewer samples (--limit)")
+        fixes.append(f"capture fewer samples (--limit {n_fit} fits)" if n_fit
+                     else "capture fewer samples (--limit)")
     else:
         fixes.append("capture fewer samples (--limit)")
-    fixes.append("the streaming mode (capture into a bounded spool that training drains; `eagle3 plan` recommends "
-                 "a spool cap)")
+    fixes.append("the streaming mode (capture into a bounded spool that training drains; "
+                 "`eagle3 plan` recommends a spool cap)")
     fixes.append("free space or choose another --out, or lower --min-free-disk-gb")
     raise ValueError(
-        f"capture needs {format_bytes(est.total_bytes)} in {out} ({est.num_tokens:,} tokens x {est.bytes_per_token:,} "
-        f"bytes/token: {est.num_aux} aux + 1 last layer x H={est.hidden_size} in {est.storage_dtype}) plus "
-        f"CaptureConfig.min_free_disk_gb = {min_free_gb} GB kept free, but only {format_bytes(free)} is free on that "
-        f"disk. Fixes: " + "; ".join(fixes)
+        f"capture needs {format_bytes(est.total_bytes)} in {out} ({est.num_tokens:,} tokens x "
+        f"{est.bytes_per_token:,} bytes/token: {est.num_aux} aux + 1 last layer x "
+        f"H={est.hidden_size} in {est.storage_dtype}) plus CaptureConfig.min_free_disk_gb = "
+        f"{min_free_gb} GB kept free, but only {format_bytes(free)} is free on that disk. Fixes: "
+        + "; ".join(fixes)
     )
 
 

@@ -1,18 +1,19 @@
-"""The spool directory of streaming mode, as both sides use it: the producer (eagle3.capture.spool, `eagle3
-stream-capture`) and the consumer (eagle3.train.stream, `eagle3 stream-train`).
+"""The spool directory of streaming mode, as both sides use it: the producer (eagle3.capture.spool,
+`eagle3 stream-capture`) and the consumer (eagle3.train.stream, `eagle3 stream-train`).
 
 Spool layout (one directory; every file in it counts against the cap, temp files included)::
 
-    stream.json     header, written once: config hash, aux_layer_ids, hidden size, storage dtype, bytes/token,
-                    the validation rows, the training rows and their token counts, epochs, seed
-    ledger.json     the producer's commit record, rewritten atomically after each shard: where the next
-                    sample is (phase, epoch, position in the epoch's order), the shards written and not yet
-                    released (seq, file, sha256, bytes, epoch, samples), skip counts, `blocked_bytes` (> 0
-                    while waiting for room), `done`, `error`
-    consumed.json   the consumer's record: shards with seq < `released_below` were consumed, checkpointed
-                    and deleted; `done`, `error`
+    stream.json     header (eagle3.artifacts.SpoolHeader), written once: config hash, aux_layer_ids,
+                    hidden size, storage dtype, bytes/token, the validation rows, the training rows
+                    and their token counts, epochs, seed
+    ledger.json     the producer's commit record, rewritten atomically after each shard: where the
+                    next sample is (phase, epoch, position in the epoch's order), the shards written
+                    and not yet released (seq, file, sha256, bytes, epoch, samples), skip counts,
+                    `blocked_bytes` (> 0 while waiting for room), `done`, `error`
+    consumed.json   the consumer's record: shards with seq < `released_below` were consumed,
+                    checkpointed and deleted; `done`, `error`
     val/shard-*.safetensors   validation shards, captured first and kept until training ends
-    shard-*.safetensors       training shards, numbered (seq) across epochs; same format as a capture dir
+    shard-*.safetensors       training shards, numbered (seq) across epochs; a capture dir's format
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ META_SLACK_BYTES = 16384
 
 
 class PeerFailed(RuntimeError):
-    """The other side recorded a failure in the spool (not recorded again: the cause is over there)."""
+    """The other side recorded a failure in the spool (not recorded again: the cause is over
+    there)."""
 
 
 def spool_bytes(spool: Path) -> int:
@@ -58,7 +60,8 @@ def read_state(spool: Path, name: str) -> dict[str, Any]:
 
 
 def meta_margin_bytes(spool: Path) -> int:
-    """Room kept free for rewriting ledger.json and consumed.json (temp copy next to the old file)."""
+    """Room kept free for rewriting ledger.json and consumed.json (temp copy next to the old
+    file)."""
     size = 0
     for name in (LEDGER, CONSUMED):
         try:
@@ -69,6 +72,7 @@ def meta_margin_bytes(spool: Path) -> int:
 
 
 def epoch_order(train_rows: list[int], seed: int, epoch: int) -> list[int]:
-    """The training rows in epoch `epoch`'s order (a seeded permutation, the same for both sides)."""
+    """The training rows in epoch `epoch`'s order (a seeded permutation, the same for both
+    sides)."""
     rng = np.random.default_rng([seed, epoch])
     return [train_rows[i] for i in rng.permutation(len(train_rows))]

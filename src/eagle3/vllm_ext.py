@@ -302,10 +302,11 @@ class CaptureWorkerExtension:
     def eagle3_capture_write_shard(self, out_dir: str, shard_id: int, rows: list[list[Any]], first_index: int,
                                    next_index: int, skipped: dict[str, int], num_aux: int, hidden_size: int,
                                    storage_dtype: str, background: str = "auto") -> dict[str, Any] | None:
-        """Start writing shard `shard_id` into `out_dir` from the assembled requests named in `rows` ([rid, index,
-        sample_id, input_ids, loss_mask] in shard order) with eagle3.shards's shard writer — the same
-        file, byte for byte, as the driver would write — and forget them; returns {"pending": shard_id}, and
-        `eagle3_capture_wait_shard(shard_id)` returns the shard's progress entry once the file is complete.
+        """Start writing shard `shard_id` into `out_dir` from the assembled requests named in `rows`
+        ([rid, index, sample_id, input_ids, loss_mask] in shard order) with eagle3.shards's shard
+        writer — the same file, byte for byte, as the driver would write — and forget them; returns
+        {"pending": shard_id}, and `eagle3_capture_wait_shard(shard_id)` returns the shard's
+        progress entry once the file is complete.
 
         background: "auto" = in a thread when the engine runs on a GPU (file writes and sha256 release the GIL,
         so the GPUs keep prefilling the next chunk while rank 0 writes), "always", "never" (written before

@@ -130,7 +130,8 @@ def run_vocab(cfg: VocabConfig) -> VocabResult:
         "coverage_at": {str(k): v for k, v in cov.items()},
         "vocab_sha256": sha256_file(vocab_path),
         "prepared_manifest": {"source": manifest.source, "source_sha256": manifest.source_sha256,
-                              "tokenizer_sha256": manifest.tokenizer_sha256, "num_samples": manifest.num_samples},
+                              "tokenizer_sha256": manifest.tokenizer_sha256,
+                              "num_samples": manifest.num_samples},
     }
     write_json(out / "coverage.json", report)
     write_text(out / "coverage.md", format_coverage(cov, N, V, int(counts.sum()), num_seen))

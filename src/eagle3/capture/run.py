@@ -98,7 +98,8 @@ def _version(*names: str) -> str | None:
 
 
 def _disk_check(out: Path, est: Any, min_free_gb: float, sample_tokens: list[int] | None = None) -> int:
-    """Refuse to start when the states cannot fit: the planner's check (eagle3.shards.check_capture_fits)."""
+    """Refuse to start when the states cannot fit: the planner's check
+    (eagle3.shards.check_capture_fits)."""
     return check_capture_fits(out, est, min_free_gb, sample_tokens)
 
 
@@ -144,7 +145,8 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     length_limit = max_model_len if cfg.backend == "vllm" else (int(max_pos) + 1 if max_pos else None)
     hashed = {
         "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
-        "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest.to_dict()),
+        "data": str(Path(cfg.data).resolve()),
+        "prepared_manifest": sha256_json(prep_manifest.to_dict()),
         # hash input only; "layers" (its name before session 8) keeps the hash, so an interrupted capture resumes
         "layers": aux_layer_ids, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
         "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
@@ -184,13 +186,14 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         m = CaptureManifest.load(out)
         if m.config_hash != config_hash:
             raise ValueError(
-                f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.config_hash} "
+                f"{out / MANIFEST} is a finished capture with different settings (config_hash "
+                f"{m.config_hash} "
                 f"!= {config_hash}): use a new --out directory or delete {out}"
             )
         bad = corrupt_shards(out, m.shards)
         if not bad:
-            print(f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} shards "
-                  "sha256-verified)", file=sys.stderr, flush=True)
+            print(f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} "
+                  "shards sha256-verified)", file=sys.stderr, flush=True)
             return _result(out, m, resumed=len(m.shards), wall=time.time() - t0, cap=0.0, tok_now=0)
         # a finished capture whose shards no longer match: reopen it, so that the resume below keeps the good
         # shards before the first bad one and captures the rest again

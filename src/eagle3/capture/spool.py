@@ -95,7 +95,8 @@ class StreamCaptureResult:
 
 
 class _Producer:
-    def __init__(self, cfg: StreamCaptureConfig, spool: Path, header: SpoolHeader, ledger: dict[str, Any]):
+    def __init__(self, cfg: StreamCaptureConfig, spool: Path, header: SpoolHeader,
+                 ledger: dict[str, Any]):
         self.cfg, self.spool, self.header, self.ledger = cfg, spool, header, ledger
         self.cap = cfg.spool_cap_bytes
         self.peak = self.bytes_written = 0
@@ -159,8 +160,8 @@ class _Producer:
             else:
                 seq, out = led["next_seq"], self.spool
             out.mkdir(exist_ok=True)
-            entry = write_shard(out, seq, buf, len(h.aux_layer_ids), h.hidden_size, TORCH_DTYPES[h.dtype],
-                                before_write=self.wait_for_room)
+            entry = write_shard(out, seq, buf, len(h.aux_layer_ids), h.hidden_size,
+                                TORCH_DTYPES[h.dtype], before_write=self.wait_for_room)
             entry.update(seq=seq, epoch=epoch if phase == "train" else -1)
             if phase == "val":
                 entry["file"] = f"{VAL_DIR}/{entry['file']}"
@@ -228,7 +229,8 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     header = SpoolHeader.load(spool)
     if header is not None and header.config_hash != config_hash:
         raise ValueError(
-            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash {header.config_hash} "
+            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash "
+            f"{header.config_hash} "
             f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the training run using it)"
         )
     train_rows, val_rows = split_indices(n_total, cfg.val_fraction, cfg.seed)
@@ -238,11 +240,14 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     val_bytes = val_tokens * bpt + (math.ceil(val_tokens / cfg.shard_tokens) + 1) * SHARD_OVERHEAD_BYTES if val_rows else 0
     if header is None:
         header = SpoolHeader(
-            format=SPOOL_FORMAT, capture_format=FORMAT, config_hash=config_hash, stage="stream-capture",
-            target=hashed["target"], target_config_sha256=info.config_sha256, data=hashed["data"],
-            target_weights_sha256=target_weights_sha256(cfg.target),  # train compares it (eagle3.integrity)
-            aux_layer_ids=aux_layer_ids, num_hidden_layers=info.num_hidden_layers, hidden_size=info.hidden_size,
-            dtype=cfg.storage_dtype, storage=storage_info(cfg.storage_dtype), compute_dtype=cfg.dtype,
+            format=SPOOL_FORMAT, capture_format=FORMAT, config_hash=config_hash,
+            stage="stream-capture", target=hashed["target"],
+            target_config_sha256=info.config_sha256, data=hashed["data"],
+            # train compares it (eagle3.integrity)
+            target_weights_sha256=target_weights_sha256(cfg.target),
+            aux_layer_ids=aux_layer_ids, num_hidden_layers=info.num_hidden_layers,
+            hidden_size=info.hidden_size, dtype=cfg.storage_dtype,
+            storage=storage_info(cfg.storage_dtype), compute_dtype=cfg.dtype,
             backend=cfg.backend, bytes_per_token=bpt, shard_tokens=cfg.shard_tokens,
             max_shard_bytes=shard_max, val_bytes_estimate=val_bytes, cap_bytes=cfg.spool_cap_bytes,
             epochs=cfg.epochs, seed=cfg.seed, num_input_samples=n_total, val_rows=val_rows,
@@ -250,7 +255,8 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
             # token count of every prepared row, 0 for rows the capture skips (empty, too long for vLLM)
             row_tokens=np.where(usable, lengths, 0).tolist(),
         )
-    header_bytes = len(str(header.to_dict())) * 2 + 4096  # before it exists: a generous bound of its JSON
+    # before it exists: a generous bound of its JSON
+    header_bytes = len(str(header.to_dict())) * 2 + 4096
     need = header_bytes + val_bytes + 2 * shard_max + 4 * META_SLACK_BYTES
     if need > cfg.spool_cap_bytes:
         raise ConfigError(

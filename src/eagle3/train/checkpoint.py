@@ -48,8 +48,9 @@ WEIGHTS = "model.safetensors"
 RAW_WEIGHTS = "raw.safetensors"  # the raw training weights beside a weight-average model.safetensors
 
 
-def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: CaptureManifest | SpoolHeader, target_cfg: dict,
-                   step: int, metrics=None, identity: dict | None = None) -> DraftMetadata:
+def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: CaptureManifest | SpoolHeader,
+                   target_cfg: dict, step: int, metrics=None,
+                   identity: dict | None = None) -> DraftMetadata:
     """The draft's eagle3_draft.json. `identity` (eagle3.integrity.target_identity of the target trained with) is
     recorded so that export can check it is given the same target."""
     tc = text_config(target_cfg)
@@ -70,7 +71,8 @@ def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: CaptureManifes
         captured=str(cfg.captured),
         step=step,
         ttt_steps=cfg.ttt_steps,
-        train_config=cfg.model_dump(mode="json"),  # every flag it was trained with (lr, supervise, init, ...)
+        # every flag it was trained with (lr, supervise, init, ...)
+        train_config=cfg.model_dump(mode="json"),
         metrics=metrics or {},
     )
 
@@ -87,7 +89,8 @@ def _save_weights(model, path: Path) -> None:
         save_file(_draft_sd(model), str(tmp))
 
 
-def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: DraftMetadata,
+def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float,
+                    meta: DraftMetadata,
                     optim_shards: Path | None = None, raw=None, num_skipped_steps: int = 0) -> Path:
     """`model`: Eagle3Draft or a full state dict. `optim_shards`: a dir of per-rank optimizer files (FSDP) that
     is moved into the checkpoint instead of saving `opt` (whose state is sharded). `raw`: the raw weights when

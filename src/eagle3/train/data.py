@@ -36,9 +36,10 @@ from eagle3.train.step import PackedBatch
 
 
 class CapturedDataset(Sequence):
-    """Random access to a capture dir's samples without loading it: shards are memory-mapped safetensors
-    (eagle3.shards layout) and a sample reads only its own rows. `verify`: check every shard's sha256
-    against the manifest first (a corrupt capture is refused, naming the shards, before anything trains on it)."""
+    """Random access to a capture dir's samples without loading it: shards are memory-mapped
+    safetensors (eagle3.shards layout) and a sample reads only its own rows. `verify`: check
+    every shard's sha256 against the manifest first (a corrupt capture is refused, naming the
+    shards, before anything trains on it)."""
 
     def __init__(self, path: str | Path, verify: bool = True):
         self.path = Path(path)
@@ -130,9 +131,10 @@ class ConcatSamples(Sequence):
 
 
 def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = True) -> Sequence[dict[str, Any]]:
-    """A capture dir, or several comma-separated ones (random access, memory-mapped), or any iterable of sample
-    dicts, as a sequence. A sequence is used as is; a plain iterator (e.g. eagle3.capture.load_captured) is
-    materialised. Several dirs are checked to agree (CaptureManifest.load_combined) before reading."""
+    """A capture dir, or several comma-separated ones (random access, memory-mapped), or any
+    iterable of sample dicts, as a sequence. A sequence is used as is; a plain iterator (e.g.
+    eagle3.capture.load_captured) is materialised. Several dirs are checked to agree
+    (CaptureManifest.load_combined) before reading."""
     if isinstance(source, (str, Path)):
         dirs = capture_dirs(source)
         if len(dirs) == 1:

@@ -194,7 +194,8 @@ def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     head = head.to(device, dtype)
     batches = eval_batches(samples, list(range(len(samples))), cfg.max_seq_len, cfg.batch_size)
-    k = cfg.num_speculative_tokens or meta.trained_num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+    k = (cfg.num_speculative_tokens or meta.trained_num_speculative_tokens
+         or DEFAULT_NUM_SPECULATIVE_TOKENS)
     m = score_batches(TTTModule(model).to(device), batches, head, steps=k, device=device, dtype=dtype,
                       attention=cfg.attention, replay_k=k, max_new_tokens=cfg.max_new_tokens)
     return Estimate(tau=m["tau_replay"], tau_per_row=tau_from_metrics(m, k),

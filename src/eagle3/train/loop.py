@@ -62,7 +62,8 @@ class Run:
     total: int  # optimizer steps of the whole run
     amp_dtype: torch.dtype
     aux_layer_ids: list[int]
-    draft_metadata: Callable[[int, dict], DraftMetadata]  # (step, validation metrics) -> eagle3_draft.json
+    #: (step, validation metrics) -> eagle3_draft.json
+    draft_metadata: Callable[[int, dict], DraftMetadata]
     params: list[torch.nn.Parameter] = field(default_factory=list)
     opt: torch.optim.Optimizer | None = None
     sched: Any = None

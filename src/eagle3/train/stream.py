@@ -93,7 +93,8 @@ class SpoolSource:
         if getattr(cfg, "preload", False):
             raise ConfigError("train.preload = true is not supported in streaming mode (the spool is read shard by "
                               "shard as it arrives); set train.preload: false")
-        self.manifest: SpoolHeader = _wait(self.spool, cfg, HEADER, lambda: SpoolHeader.load(self.spool))
+        self.manifest: SpoolHeader = _wait(self.spool, cfg, HEADER,
+                                           lambda: SpoolHeader.load(self.spool))
         consumed = read_state(self.spool, CONSUMED)
         fresh = not any((Path(cfg.out) / "checkpoints").glob("step-*")) or not cfg.resume
         if fresh and (consumed.get("released_below", 0) > 0 or consumed.get("done")):
@@ -110,8 +111,8 @@ class SpoolSource:
         """Rows the whole stream packs into (every epoch): sets the length of the lr schedule."""
         h = self.manifest
         toks = h.row_tokens
-        return sum(count_packed_rows([toks[i] for i in epoch_order(h.train_rows, h.seed, e)], cfg.max_seq_len)
-                   for e in range(h.epochs))
+        return sum(count_packed_rows([toks[i] for i in epoch_order(h.train_rows, h.seed, e)],
+                                     cfg.max_seq_len) for e in range(h.epochs))
 
     def loader(self, cfg: StreamTrainConfig, rank: int, world: int) -> StreamLoader:
         return StreamLoader(self, cfg, rank, world)
@@ -146,8 +147,9 @@ class StreamLoader:
             raise ConfigError(
                 f"stream.spool_cap_gb = {cfg.spool_cap_gb} cannot hold the shards one optimizer step can span: "
                 f"{self.step_rows} rows (train.batch_size x train.grad_accum x ranks) of train.max_seq_len = {self.T} "
-                f"tokens span up to {span} shards of up to {h.max_shard_bytes} bytes (capture.shard_tokens = "
-                f"{h.shard_tokens}), plus {fixed} bytes of header and validation shards: raise stream.spool_cap_gb "
+                f"tokens span up to {span} shards of up to {h.max_shard_bytes} bytes "
+                f"(capture.shard_tokens = {h.shard_tokens}), plus {fixed} bytes of header and "
+                "validation shards: raise stream.spool_cap_gb "
                 f"to at least {need / 1e9:.6g}, or lower capture.shard_tokens or the batch"
             )
         return span

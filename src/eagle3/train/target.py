@@ -1,5 +1,5 @@
-"""For `train.init_layers_from_target`: the target's top decoder layers (read by eagle3.weights) and the copy of
-them into a draft."""
+"""For `train.init_layers_from_target`: the target's top decoder layers (read by eagle3.weights)
+and the copy of them into a draft."""
 
 from __future__ import annotations
 

@@ -136,8 +136,8 @@ class Inputs:
 
 
 def run_train(
-    cfg: TrainConfig, *, samples=None, manifest: CaptureManifest | dict | None = None, stop_after: int | None = None,
-    source=None
+    cfg: TrainConfig, *, samples=None, manifest: CaptureManifest | dict | None = None,
+    stop_after: int | None = None, source=None
 ) -> TrainResult:
     """Train the draft. `samples`/`manifest` replace reading cfg.captured (tests, in-memory data);
     `stop_after` ends this invocation after that many optimizer steps (the schedule still follows the full run);
@@ -179,7 +179,8 @@ def _train(cfg: TrainConfig, d: parallel.Dist, *, samples, manifest, stop_after,
     out = run.out
     meta = run.draft_metadata(state.step, state.val_metrics)
     best_dir = out / "best" if (out / "best").is_dir() else None
-    return TrainResult(out, out / "final", best_dir, state.step, state.last_loss, state.val_metrics, meta.to_dict())
+    return TrainResult(out, out / "final", best_dir, state.step, state.last_loss, state.val_metrics,
+                       meta.to_dict())
 
 
 def setup(cfg: TrainConfig) -> parallel.Dist:
@@ -202,18 +203,21 @@ def read_inputs(cfg: TrainConfig, manifest: CaptureManifest | SpoolHeader | dict
     tc = text_config(target_cfg)
     if manifest.hidden_size != tc["hidden_size"]:
         raise ConfigError(
-            f"captured={cfg.captured}: manifest hidden_size={manifest.hidden_size} but target={cfg.target} has "
+            f"captured={cfg.captured}: manifest hidden_size={manifest.hidden_size} but "
+            f"target={cfg.target} has "
             f"hidden_size={tc['hidden_size']}; capture again with this target"
         )
     tensors = load_target_tensors(cfg.target)
     identity = target_identity(cfg.target, tensors)
-    check_target_identity(manifest.recorded_target(), identity, what=f"captured={cfg.captured}", target=cfg.target,
+    check_target_identity(manifest.recorded_target(), identity, what=f"captured={cfg.captured}",
+                          target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError)
     if cfg.init_layers_from_target:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = DraftVocab.load(cfg.vocab).torch_maps()
     aux_layer_ids = list(cfg.aux_layer_ids or manifest.aux_layer_ids)
-    field = "TrainConfig.aux_layer_ids" if cfg.aux_layer_ids else f"captured={cfg.captured}: aux_layer_ids"
+    field = ("TrainConfig.aux_layer_ids" if cfg.aux_layer_ids
+             else f"captured={cfg.captured}: aux_layer_ids")
     AuxLayerIds(tuple(aux_layer_ids)).check(tc["num_hidden_layers"], field, last_ok=True)
     return Inputs(manifest, target_cfg, tensors, identity, d2t, t2d, aux_layer_ids)
 
@@ -322,10 +326,11 @@ def read_val_captured(cfg: TrainConfig, inputs: Inputs, source, verify: bool, he
         raise ConfigError(f"val_captured={cfg.val_captured} and captured={cfg.captured} share {sorted(both)}: "
                           "validation rows would be training rows; validate on a capture of other prompts")
     vm = CaptureManifest.load_combined(cfg.val_captured)
-    check_target_identity(vm.recorded_target(), inputs.identity, what=f"val_captured={cfg.val_captured}", target=cfg.target,
+    check_target_identity(vm.recorded_target(), inputs.identity,
+                          what=f"val_captured={cfg.val_captured}", target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError)
-    vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm.aux_layer_ids, inputs.aux_layer_ids,
-                        inputs.num_hidden_layers)
+    vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm.aux_layer_ids,
+                        inputs.aux_layer_ids, inputs.num_hidden_layers)
     vs = with_target_argmax(vs, head, d)
     return eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size)
 
