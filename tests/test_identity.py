@@ -143,7 +143,7 @@ def test_records_without_the_full_fingerprint_fall_back_with_one_warning(capture
     """A capture written before 2026-12-03 (embedding/norm/lm_head sha256 only): warned once, the
     old fingerprint compared (a permuted lm_head is still refused), never a crash."""
     from eagle3.integrity import FINGERPRINTED, tensor_sha256
-    from eagle3.train.target import load_target_tensors
+    from eagle3.weights import load_target_tensors
 
     cap, vocab = capture
     old = tmp_path / "old-cap"

@@ -134,7 +134,7 @@ def test_error_position_finder_matches_an_explicit_loop(piped):
     from eagle3.train.loss import TargetHead
     from eagle3.train.onpolicy import find_rejected_blocks
     from eagle3.train.step import TTTModule, ttt_forward
-    from eagle3.train.target import load_target_tensors
+    from eagle3.weights import load_target_tensors
 
     cfg, _ = piped
     work = Path(cfg.work_dir)

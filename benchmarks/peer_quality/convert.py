@@ -105,7 +105,7 @@ def _write_rows(args: tuple[str, str, list[int], list[tuple[int, int]]]) -> list
 
 def sample_origins(captured: str) -> list[dict[str, Any]]:
     """Per sample index of the combined captures: the capture dir and sample id (conversion.json `rows`)."""
-    from eagle3.capture import capture_dirs
+    from eagle3.artifacts import capture_dirs
     from eagle3.train.data import CapturedDataset
 
     origins = []
@@ -135,11 +135,11 @@ def convert(captured: str, out: Path, seed: int = 0, workers: int = 8, limit: in
             aux_layer_ids: list[int] | None = None) -> dict[str, Any]:
     import datasets
 
-    from eagle3.capture import load_combined_manifest
+    from eagle3.artifacts import CaptureManifest
 
     t0 = time.time()
-    manifest = load_combined_manifest(captured)
-    positions = aux_positions(manifest["aux_layer_ids"], aux_layer_ids)
+    manifest = CaptureManifest.load_combined(captured)
+    positions = aux_positions(manifest.aux_layer_ids, aux_layer_ids)
     samples = _open(captured)
     keep = [i for i in range(len(samples)) if _supervised(samples, i)]
     dropped = len(samples) - len(keep)
@@ -176,8 +176,8 @@ def convert(captured: str, out: Path, seed: int = 0, workers: int = 8, limit: in
         "captured": captured, "seed": seed, "num_rows": len(order),
         "num_dropped_unsupervised": dropped, "num_tokens": sum(table["seq_len"]),
         "num_supervised_tokens": sum(sum(m) for m in table["loss_mask"]),
-        "aux_layer_ids": [manifest["aux_layer_ids"][p] for p in positions], "aux_positions": positions,
-        "captured_aux_layer_ids": manifest["aux_layer_ids"], "hidden_size": manifest["hidden_size"],
+        "aux_layer_ids": [manifest.aux_layer_ids[p] for p in positions], "aux_positions": positions,
+        "captured_aux_layer_ids": manifest.aux_layer_ids, "hidden_size": manifest.hidden_size,
         "hidden_states_layout": "[T, A + 1, H]: aux layers in aux_layer_ids order, then the last decoder "
                                 "layer's output before the final norm",
         "token_freq": freq_by, "seconds_states": round(t_states, 1), "seconds": round(time.time() - t0, 1),

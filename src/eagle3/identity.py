@@ -10,7 +10,7 @@ checkpoint of the same family or a requantized file all change it; config.json i
 own (the records' `target_config_sha256`).
 
 Regenerate, capture, train and export record it; every stage that reads another's output compares it
-(eagle3.integrity words the messages, eagle3.compat reads records written before it existed).
+(eagle3.integrity words the messages, eagle3.artifacts reads records written before it existed).
 
 Cost: a file's sha256 is cached by its resolved path, size, mtime_ns and inode, in one JSON file per
 target dir under the user's cache dir ($EAGLE3_CACHE_DIR, else $XDG_CACHE_HOME/eagle3, else
@@ -181,20 +181,20 @@ def target_fingerprint(target: str | Path) -> dict[str, Any] | None:
             "num_bytes": sum(sizes.values())}
 
 
-def describe_difference(recorded: dict[str, Any], actual: dict[str, Any],
+def describe_difference(known: dict[str, Any], actual: dict[str, Any],
                         max_names: int = 3) -> str | None:
     """None when two fingerprints agree; else what differs, naming up to `max_names` files, e.g.
     "weights sha256 1a2b3c4d5e6f... (recorded) != 7a8b9c0d1e2f... (target):
     model-00002.safetensors differs"."""
-    if recorded.get("sha256") == actual.get("sha256"):
+    if known.get("sha256") == actual.get("sha256"):
         return None
-    rf, af = recorded.get("files") or {}, actual.get("files") or {}
+    rf, af = known.get("files") or {}, actual.get("files") or {}
     parts = [f"{n} differs" for n in sorted(set(rf) & set(af)) if rf[n] != af[n]]
     parts += [f"{n} missing from the target" for n in sorted(set(rf) - set(af))]
     parts += [f"{n} not in the record" for n in sorted(set(af) - set(rf))]
     more = f" (+{len(parts) - max_names} more)" if len(parts) > max_names else ""
     what = f": {', '.join(parts[:max_names])}{more}" if parts else ""
-    return (f"weights sha256 {str(recorded.get('sha256'))[:12]}... (recorded) != "
+    return (f"weights sha256 {str(known.get('sha256'))[:12]}... (recorded) != "
             f"{str(actual.get('sha256'))[:12]}... (target){what}")
 
 

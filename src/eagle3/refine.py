@@ -53,8 +53,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from eagle3.compat import migrate_record
+from eagle3.artifacts import (
+    CaptureManifest,
+    DraftMetadata,
+    DraftVocab,
+    PreparedMeta,
+    list_checkpoints,
+)
+from eagle3.capture import run_capture
 from eagle3.config import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     CaptureConfig,
@@ -63,8 +71,45 @@ from eagle3.config import (
     RegenerateConfig,
     TrainConfig,
 )
-from eagle3.data.rollout import data_dirs
+from eagle3.data.regenerate import _Tokenizer, open_generator
+from eagle3.data.rollout import (
+    RolloutSettings,
+    data_dirs,
+    generate_rollouts,
+    prompts_sha256,
+    read_prompts,
+    round_prompts,
+    split_prompts,
+    write_rollouts,
+)
+from eagle3.export import WEIGHTS, resolve_checkpoint
+from eagle3.integrity import check_target_identity, target_identity
 from eagle3.io import atomic_dir, atomic_path, read_json, sha256_file, sha256_json, write_json
+from eagle3.lock import dir_lock
+from eagle3.model.draft import text_config
+from eagle3.splits import split_indices
+from eagle3.train import parallel
+from eagle3.train.data import (
+    CapturedDataset,
+    PackedLoader,
+    SelectedLayers,
+    eval_batches,
+    load_samples,
+)
+from eagle3.train.estimate import RoundCounts, load_draft_dir, score_batches
+from eagle3.train.loop import Run, TrainState, build_optimizer, save_final, train_loop
+from eagle3.train.loss import TargetHead
+from eagle3.train.metrics import MetricsLog, plot_curves
+from eagle3.train.onpolicy import (
+    MixedLoader,
+    StepWeighted,
+    all_rows_weights,
+    find_rejected_blocks,
+    weighted_ce,
+)
+from eagle3.train.step import TTTModule
+from eagle3.train.trainer import freeze_parameters
+from eagle3.weights import load_target_tensors, read_target_config
 
 SUMMARY = "refine.json"
 ROUND_RECORD = "round.json"
@@ -105,7 +150,7 @@ class Plan:
 
     cfg: RefineConfig
     checkpoint: Path  # the dir holding the input weights + eagle3_draft.json
-    meta: dict[str, Any]
+    meta: DraftMetadata
     train: TrainConfig  # each round's training config: the checkpoint's + refine's overrides
     k: int
     backend: str
@@ -120,92 +165,83 @@ class Plan:
 def read_plan(cfg: RefineConfig) -> Plan:
     """The checkpoint, k, the supervised capture and the training config; a ConfigError naming the
     field and the fix for anything missing or inconsistent."""
-    from eagle3.export import METADATA, WEIGHTS, resolve_checkpoint
-    from eagle3.integrity import check_target_identity, target_identity
-    from eagle3.model.draft import text_config
-
     cfg.require("target", "checkpoint", "data", "out")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("eagle3 refine runs in one process on one device (its rollouts and "
                           "rounds are not split across ranks); start it without torchrun")
     ck = resolve_checkpoint(cfg.checkpoint)
-    meta = migrate_record(read_json(ck / METADATA))
+    meta = DraftMetadata.load(ck)
     tpath = Path(cfg.target) / "config.json"
     if not tpath.is_file():
         raise ConfigError(f"RefineConfig.target = {cfg.target!r} has no config.json; pass --target "
                           "with the target model dir the draft was trained for")
     identity = target_identity(cfg.target)
-    check_target_identity(meta, identity, what=f"checkpoint {ck}", target=cfg.target,
+    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}", target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError)
     num_layers = int(text_config(read_json(tpath))["num_hidden_layers"])
-    recorded = {k: v for k, v in (meta.get("train_config") or {}).items()
+    trained_with = {k: v for k, v in (meta.train_config or {}).items()
                 if k in TrainConfig.model_fields}
-    k = int(cfg.num_speculative_tokens or recorded.get("num_speculative_tokens")
+    k = int(cfg.num_speculative_tokens or trained_with.get("num_speculative_tokens")
             or DEFAULT_NUM_SPECULATIVE_TOKENS)
     for d in data_dirs(cfg.data):
-        if not (d / "manifest.json").is_file():
+        if not (d / PreparedMeta.FILE).is_file():
             raise ConfigError(f"RefineConfig.data: {d} is not a prepared dataset (no "
-                              "manifest.json); pass --data with the `eagle3 prepare` output dir(s) "
+                              f"{PreparedMeta.FILE}); pass --data with the `eagle3 prepare` output dir(s) "
                               "of the training sources")
     _check_vocab(cfg, meta, ck / WEIGHTS)
     supervised = None
     if cfg.supervised_share > 0:
-        supervised = cfg.captured or meta.get("captured")
+        supervised = cfg.captured or meta.captured
         missing = [str(d) for d in data_dirs(supervised or "")
-                   if not (d / "manifest.json").is_file()]
+                   if not (d / CaptureManifest.FILE).is_file()]
         if not supervised or missing:
             raise ConfigError(
                 f"RefineConfig.captured = {supervised!r}: no capture at {missing or supervised!r} "
                 f"(supervised_share = {cfg.supervised_share} mixes supervised batches in); pass "
                 "--captured CAPTURE_DIR with the draft's training capture, or --supervised-share 0")
-        from eagle3.capture import load_combined_manifest
-
-        check_target_identity(load_combined_manifest(supervised), identity,
+        check_target_identity(CaptureManifest.load_combined(supervised).recorded_target(),
+                              identity,
                               what=f"captured={supervised}", target=cfg.target,
                               allow=cfg.allow_target_mismatch, error=ConfigError)
-    max_seq_len = cfg.max_seq_len or int(recorded.get("max_seq_len", 2048))
+    max_seq_len = cfg.max_seq_len or int(trained_with.get("max_seq_len", 2048))
     if max_seq_len - cfg.max_new_tokens < 1:
         raise ConfigError(f"RefineConfig.max_new_tokens = {cfg.max_new_tokens} leaves no room for "
                           f"a prompt in max_seq_len = {max_seq_len}; lower --max-new-tokens or "
                           "raise --max-seq-len")
     steps = cfg.steps_per_round
     train = TrainConfig(**{
-        **recorded, "target": cfg.target, "captured": supervised or meta.get("captured"),
-        "vocab": cfg.vocab or meta.get("vocab"), "out": None, "lr": cfg.lr, "max_steps": steps,
+        **trained_with, "target": cfg.target, "captured": supervised or meta.captured,
+        "vocab": cfg.vocab or meta.vocab, "out": None, "lr": cfg.lr, "max_steps": steps,
         "warmup_steps": cfg.warmup_steps, "schedule": cfg.schedule,
-        "ttt_steps": max(int(meta["ttt_steps"]), k), "max_seq_len": max_seq_len,
-        "batch_size": cfg.batch_size or recorded.get("batch_size", 1), "eval_every": steps,
-        "save_every": steps, "log_every": min(int(recorded.get("log_every", 10)), steps),
+        "ttt_steps": max(int(meta.ttt_steps or 0), k), "max_seq_len": max_seq_len,
+        "batch_size": cfg.batch_size or trained_with.get("batch_size", 1), "eval_every": steps,
+        "save_every": steps, "log_every": min(int(trained_with.get("log_every", 10)), steps),
         "resume": False, "ema_decay": 0.0, "val_captured": None, "device": cfg.device,
         "seed": cfg.seed, "loss_weighting": cfg.loss_weighting, "num_speculative_tokens": k,
-        "aux_layer_ids": list(meta["aux_layer_ids"]), "compile_cache": None,
+        "aux_layer_ids": list(meta.aux_layer_ids), "compile_cache": None,
         "verify_capture": False})
-    captured_aux = list(meta.get("captured_aux_layer_ids") or meta["aux_layer_ids"])
+    captured_aux = list(meta.captured_aux_layer_ids or meta.aux_layer_ids)
     return Plan(cfg, ck, meta, train, k, cfg.backend or "vllm", num_layers,
-                [i for i in captured_aux if i != num_layers], list(meta["aux_layer_ids"]), identity,
+                [i for i in captured_aux if i != num_layers], list(meta.aux_layer_ids), identity,
                 supervised, max_seq_len - cfg.max_new_tokens)
 
 
-def _check_vocab(cfg: RefineConfig, meta: dict[str, Any], weights: Path) -> None:
+def _check_vocab(cfg: RefineConfig, meta: DraftMetadata, weights: Path) -> None:
     """An explicit --vocab must hold the checkpoint's own d2t (its head rows are in that order)."""
     if not cfg.vocab:
         return
-    from eagle3.train.target import load_vocab
-
     try:
-        d2t, _ = load_vocab(cfg.vocab)
+        d2t, _ = DraftVocab.load(cfg.vocab).torch_maps()
     except FileNotFoundError as e:
         raise ConfigError(f"RefineConfig.vocab: {e}") from None
     own = _read_d2t(weights.parent)
     if d2t.shape != own.shape or not torch.equal(d2t, own):
         raise ConfigError(f"RefineConfig.vocab = {cfg.vocab!r}: its d2t differs from the "
                           f"checkpoint's ({weights}); pass the vocab the draft was trained with "
-                          f"({meta.get('vocab')}) or leave --vocab unset")
+                          f"({meta.vocab}) or leave --vocab unset")
 
 
 def _read_d2t(ck: Path) -> torch.Tensor:
-    from safetensors import safe_open
-
     with safe_open(str(ck / "model.safetensors"), framework="pt") as f:
         return f.get_tensor("d2t").long()
 
@@ -231,9 +267,8 @@ def round_keys(plan: Plan, input_key: str, val_key: str, rollout_keys: list[str]
     train = plan.train.model_dump(mode="json", exclude={"device", "out", "target"})
     supervised = None
     if plan.supervised:
-        from eagle3.capture import load_combined_manifest
-
-        supervised = sha256_json(load_combined_manifest(plan.supervised).get("shards"))
+        shards = CaptureManifest.load_combined(plan.supervised).shards
+        supervised = sha256_json([e.to_dict() for e in shards])
     keys, prev = [], input_key
     for r, rk in enumerate(rollout_keys, start=1):
         prev = sha256_json({"previous": prev, "round": r, "rollouts": rk, "k": plan.k,
@@ -251,18 +286,13 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
     rollouts.json). Reused when rollouts.json holds `key`; generation is skipped when rollouts/
     holds it (a capture cut short resumes); otherwise `where` is cleared and both run. Returns
     rollouts.json."""
-    from eagle3.capture import run_capture
-    from eagle3.data.prepared import load_prepared_manifest
-    from eagle3.data.regenerate import _Tokenizer, open_generator
-    from eagle3.data.rollout import RolloutSettings, generate_rollouts, write_rollouts
-
     c, rec = plan.cfg, where / ROLLOUT_RECORD
     if rec.is_file() and read_json(rec).get("key") == key \
-            and (where / "captured" / "manifest.json").is_file():
+            and (where / "captured" / CaptureManifest.FILE).is_file():
         return read_json(rec)
     rec.unlink(missing_ok=True)
-    made = where / "rollouts" / "manifest.json"
-    if not (made.is_file() and read_json(made).get("key") == key):
+    made = where / "rollouts" / PreparedMeta.FILE
+    if not (made.is_file() and PreparedMeta.read(made).key == key):
         shutil.rmtree(where, ignore_errors=True)
         where.mkdir(parents=True)
         regen = RegenerateConfig(target=c.target, max_new_tokens=c.max_new_tokens, top_p=c.top_p,
@@ -278,7 +308,7 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
         if not rows:
             raise ValueError(f"refine: the target wrote nothing for {len(prompts)} prompts "
                              f"({stats['finish_reasons']}); check the target and --max-new-tokens")
-        sources = [load_prepared_manifest(d) for d in data_dirs(c.data)]
+        sources = [PreparedMeta.load(d) for d in data_dirs(c.data)]
         engine = json.loads(json.dumps(engine, default=str))
         write_rollouts(rows, where / "rollouts", sources,
                        {"key": key, "seed": seed, "temperatures": list(c.temperatures),
@@ -286,7 +316,7 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
                         "stats": stats})
         say(f"{stats['num_rollouts']} rollouts, {stats['generated_tokens']} tokens in "
             f"{stats['generate_s']} s ({stats['generated_tokens_per_s']} tokens/s) -> {where}")
-    stats = read_json(made)["stats"]
+    stats = PreparedMeta.read(made).stats or {}
     cap = run_capture(CaptureConfig(
         target=c.target, data=str(where / "rollouts"), out=where / "captured",
         aux_layer_ids=plan.captured_aux, backend=plan.backend, device=c.device, dtype=c.dtype,
@@ -300,10 +330,8 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
 
 def open_rollouts(plan: Plan, where: Path) -> tuple[Any, list[str]]:
     """(the samples of a captured rollout dir at the draft's aux ids, their sample ids)."""
-    from eagle3.train.data import CapturedDataset, SelectedLayers
-
     raw = CapturedDataset(where / "captured", verify=False)
-    samples = SelectedLayers(raw, raw.manifest["aux_layer_ids"], plan.aux_layer_ids,
+    samples = SelectedLayers(raw, raw.manifest.aux_layer_ids, plan.aux_layer_ids,
                              plan.num_layers)
     return samples, raw.sample_ids()
 
@@ -318,11 +346,6 @@ class Runtime:
 
 
 def open_runtime(plan: Plan) -> Runtime:
-    from eagle3.model.draft import text_config
-    from eagle3.train import parallel
-    from eagle3.train.loss import TargetHead
-    from eagle3.train.target import load_target_tensors, read_target_config
-
     d = parallel.setup(plan.train.device)
     cuda = d.device.type == "cuda"
     if cuda:  # as the trainer: host work packs small tensors; a full OpenMP team oversubscribes
@@ -337,10 +360,6 @@ def open_runtime(plan: Plan) -> Runtime:
 
 def load_draft(plan: Plan, where: Path, rt: Runtime):
     """(the draft of `where` on the device, a TTTModule around it)."""
-    from eagle3.train.estimate import load_draft_dir
-    from eagle3.train.step import TTTModule
-    from eagle3.train.trainer import freeze_parameters
-
     model, _ = load_draft_dir(where, plan.cfg.target)  # its dropout as trained (draft_config)
     freeze_parameters(model, plan.train.freeze)
     model = model.to(rt.d.device)
@@ -350,9 +369,6 @@ def load_draft(plan: Plan, where: Path, rt: Runtime):
 def score(plan: Plan, ttt, samples, ids: list[str], rt: Runtime) -> dict[str, dict[str, Any]]:
     """The draft's replayed rounds on rollouts, per temperature (the sample id's prefix) and
     pooled ("all"): α at positions 1..k, τ and the number of rounds."""
-    from eagle3.train.data import eval_batches
-    from eagle3.train.estimate import RoundCounts, score_batches
-
     groups: dict[str, list[int]] = {}
     for i, sid in enumerate(ids):
         groups.setdefault(sid.split("/", 1)[0], []).append(i)
@@ -379,13 +395,6 @@ def run_round(plan: Plan, r: int, key: str, rdir: Path, start: Path, prompts: li
               roll_key: str, rt: Runtime, val: tuple[Any, list[str]], step0: int) -> dict[str, Any]:
     """Round r from the draft in `start`: rollouts, replay, training (rdir/train), validation.
     Returns its round.json record."""
-    from eagle3.train.onpolicy import (
-        StepWeighted,
-        all_rows_weights,
-        find_rejected_blocks,
-        weighted_ce,
-    )
-
     c, t0 = plan.cfg, time.time()
     roll = ensure_rollouts(plan, rdir, roll_key, prompts, seed=round_seed(c.seed, r))
     samples, _ = open_rollouts(plan, rdir)
@@ -436,13 +445,6 @@ def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Pa
     """`steps_per_round` optimizer steps of the trainer's loop (eagle3.train.loop) over a
     MixedLoader of rollout and supervised batches; `out` gets the round's logs, final/ and its
     last checkpoint. Returns the loop's TrainState."""
-    from eagle3.train import parallel
-    from eagle3.train.data import PackedLoader, SelectedLayers, load_samples, split_indices
-    from eagle3.train.loop import Run, TrainState, build_optimizer, save_final, train_loop
-    from eagle3.train.metrics import MetricsLog
-    from eagle3.train.onpolicy import MixedLoader
-    from eagle3.train.step import TTTModule
-
     c, tc = plan.cfg, plan.train.model_copy(update={"out": out})
     shutil.rmtree(out, ignore_errors=True)
     torch.manual_seed(tc.seed + r)  # dropout and hidden noise, as the trainer seeds them
@@ -453,16 +455,14 @@ def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Pa
     rollouts = PackedLoader(onpolicy, trained, T, B, tc.seed + r, **ahead)
     supervised = None
     if plan.supervised:
-        from eagle3.capture import load_combined_manifest
-
         sup = SelectedLayers(load_samples(plan.supervised, verify=False),
-                             load_combined_manifest(plan.supervised)["aux_layer_ids"],
+                             CaptureManifest.load_combined(plan.supervised).aux_layer_ids,
                              plan.aux_layer_ids, plan.num_layers)
         keep, _ = split_indices(len(sup), tc.val_fraction, tc.seed)  # train's val rows stay out
         supervised = PackedLoader(sup, keep, T, B, tc.seed + r, **ahead)
     loader = MixedLoader(rollouts, supervised, c.supervised_share)
 
-    def meta(step: int, metrics: dict) -> dict:
+    def meta(step: int, metrics: dict) -> DraftMetadata:
         return output_metadata(plan, step0 + step, metrics, {"round": r})
 
     mode = parallel.choose_parallel(tc.parallel, model, rt.d)  # as the trainer wraps it
@@ -481,20 +481,21 @@ def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Pa
     return state
 
 
-def output_metadata(plan: Plan, step: int, metrics: dict, refine: dict[str, Any]) -> dict:
+def output_metadata(plan: Plan, step: int, metrics: dict, refine: dict[str, Any]
+                    ) -> DraftMetadata:
     """eagle3_draft.json of a refined draft: the input's, its step and metrics, and `refine`."""
-    return {**plan.meta, "step": step, "metrics": metrics,
-            "refine": {"from_checkpoint": str(plan.checkpoint.resolve()),
-                       "from_step": plan.meta.get("step"), "num_speculative_tokens": plan.k,
-                       "config": plan.cfg.model_dump(mode="json"), **refine}}
+    return DraftMetadata.from_dict(
+        {**plan.meta.to_dict(), "step": step, "metrics": metrics,
+         "refine": {"from_checkpoint": str(plan.checkpoint.resolve()),
+                    "from_step": plan.meta.step, "num_speculative_tokens": plan.k,
+                    "config": plan.cfg.model_dump(mode="json"), **refine}},
+        "refine output")
 
 
 # ---------------------------------------------------------------------------------------- the stage
 
 def run_refine(cfg: RefineConfig) -> RefineResult:
     """Refine cfg.checkpoint on-policy for cfg.rounds rounds into cfg.out (module docstring)."""
-    from eagle3.lock import dir_lock
-
     t0 = time.time()
     plan = read_plan(cfg)
     with dir_lock(cfg.out, "refine out"):
@@ -502,8 +503,6 @@ def run_refine(cfg: RefineConfig) -> RefineResult:
 
 
 def _refine(plan: Plan, t0: float) -> RefineResult:
-    from eagle3.data.rollout import prompts_sha256, read_prompts, round_prompts, split_prompts
-
     c, out = plan.cfg, Path(plan.cfg.out)
     found = read_prompts(c.data, plan.max_prompt_tokens)
     if len(found.prompts) < 2:
@@ -517,7 +516,7 @@ def _refine(plan: Plan, t0: float) -> RefineResult:
     roll_keys = [rollout_key(plan, prompts_sha256(p), round_seed(c.seed, r))
                  for r, p in enumerate(per_round, start=1)]
     input_key = sha256_json({"weights": sha256_file(plan.checkpoint / "model.safetensors"),
-                             "draft": plan.meta.get("draft_config"), "aux": plan.aux_layer_ids})
+                             "draft": plan.meta.draft_config, "aux": plan.aux_layer_ids})
     keys = round_keys(plan, input_key, val_key, roll_keys)
     summary = out / SUMMARY
     done = all((out / x / "model.safetensors").is_file() for x in ("best", "final"))
@@ -567,8 +566,6 @@ def _move_checkpoint(train_dir: Path, out: Path, local_step: int, global_step: i
 
 
 def _drop_checkpoints_after(out: Path, step: int) -> None:
-    from eagle3.train.checkpoint import list_checkpoints
-
     for ck in list_checkpoints(out):
         if int(ck.name.split("-")[1]) > step:
             shutil.rmtree(ck)
@@ -587,8 +584,6 @@ def _write_outputs(plan: Plan, key: str, before: dict, records: list[dict], num_
                    num_pool: int, t0: float) -> RefineResult:
     """best/ (the round of the highest pooled validation τ; 0 = the input), final/,
     logs/metrics.jsonl, curves.png and refine.json."""
-    from eagle3.train.metrics import plot_curves
-
     out = Path(plan.cfg.out)
     vals = [before] + [rec["validation"] for rec in records]
     sel = max(range(len(vals)), key=lambda i: (vals[i]["all"]["tau"], -i))  # ties: the earlier
@@ -604,7 +599,7 @@ def _write_outputs(plan: Plan, key: str, before: dict, records: list[dict], num_
                                 "tau_after": after["tau"], "validation_after": vals[i]})
         with atomic_dir(out / name) as tmp:
             shutil.copy2(dirs[i] / "model.safetensors", tmp / "model.safetensors")
-            write_json(tmp / "eagle3_draft.json", meta)
+            meta.save(tmp)
     _write_log(out, before, records)
     plot_curves(out / "logs" / "metrics.jsonl", out / "curves.png")
     summary = {

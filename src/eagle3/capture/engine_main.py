@@ -21,10 +21,11 @@ from typing import Any
 
 from eagle3.config import CaptureConfig
 from eagle3.io import read_json, sha256_json
+from eagle3.shards import TORCH_DTYPES, ShardBuffer, write_shard
+from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env
 
 from .engines import chunk_bounds, chunk_span, write_engine_progress
 from .run import _make_backend, capture_rows, load_capture_inputs
-from .storage import TORCH_DTYPES, ShardBuffer, write_shard
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -50,8 +51,6 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     cfg = CaptureConfig.model_validate(job["config"])
     if cfg.backend == "vllm":
-        from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env
-
         # on the CPU this process exists only for its engine: run it in process (no GPU: nothing is set)
         setup_cpu_env(engine_in_process=not engine_in_process_fails(cfg.target))
     ci = load_capture_inputs(cfg)

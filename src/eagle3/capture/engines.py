@@ -40,11 +40,18 @@ from typing import Any
 
 import numpy as np
 
+from eagle3.artifacts import ShardEntry
 from eagle3.config import CaptureConfig, ConfigError
 from eagle3.io import read_json, write_json
-
-from . import storage
-from .storage import FORMAT, PROGRESS, save_progress, shard_name
+from eagle3.shards import (
+    FORMAT,
+    PROGRESS,
+    check_capture_fits,
+    corrupt_shards,
+    estimate_storage,
+    save_progress,
+    shard_name,
+)
 
 #: an engine's progress file in the current run; earlier runs' shards are merged into MERGED_PROGRESS
 ENGINE_PROGRESS = "progress-engine-{engine}.json"
@@ -177,7 +184,7 @@ def collect_done(out: Path, config_hash: str, plan: list[tuple[int, int]]) -> di
     planned = {shard_name(i): (i, span) for i, span in enumerate(plan)}
     fits = [e for e in entries.values()
             if e["file"] in planned and (e["first_index"], e["next_index"]) == planned[e["file"]][1]]
-    bad = set(storage.corrupt_shards(out, fits))
+    bad = set(corrupt_shards(out, [ShardEntry.from_dict(e, str(out / PROGRESS)) for e in fits]))
     done = {planned[e["file"]][0]: e for e in fits if e["file"] not in bad}
     keep = {shard_name(i) for i in done}
     for f in out.glob("shard-*.safetensors"):
@@ -239,8 +246,6 @@ def capture_with_engines(cfg: CaptureConfig, ci: Any, config_hash: str, llm: Any
     new: dict[int, dict[str, Any]] = {}
     stats: list[dict[str, Any]] = []
     if todo:
-        from eagle3.plan import check_capture_fits, estimate_storage
-
         est = estimate_storage(len(ci.aux_layer_ids), ci.info.hidden_size, cfg.storage_dtype, remaining)
         check_capture_fits(out, est, cfg.min_free_disk_gb)
         new, stats = run_engines(cfg, config_hash, plan, [g for g in engines if g.shards], len(done))

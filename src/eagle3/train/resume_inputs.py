@@ -19,8 +19,8 @@ TrainConfig field, what may change:
            resumes at any world size and wrapping with the same packed rows per optimizer step)
 
 The draft's shape (`draft_config` minus dropout, a `force` setting) and the inputs other than the
-validation capture are `same`. Checkpoints written before 2026-12-03 have no `inputs`: eagle3.compat
-warns once and the config and draft shape are compared.
+validation capture are `same`. Checkpoints written before 2026-12-03 have no `inputs`:
+eagle3.artifacts warns once and the config and draft shape are compared.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3.compat import recorded_resume_inputs
+from eagle3.artifacts import DraftMetadata
 from eagle3.config import ConfigError, TrainConfig
 
 SAME, FORCE, FREE = "same", "force", "free"
@@ -72,35 +72,38 @@ def _show(v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
-def resume_differences(old: dict[str, Any], new: dict[str, Any],
+def resume_differences(old: DraftMetadata | None, new: DraftMetadata,
                        what: str) -> list[tuple[str, str, str]]:
     """[(rule, field, "field old -> new")] between the checkpoint's metadata `old` and the new
     run's `new` (both draft_metadata records), the ones no flag can override first; `what` names the
-    checkpoint in the compat warning."""
+    checkpoint in the warning about older checkpoints; a checkpoint without one (`old` None) is
+    not compared."""
+    if old is None:
+        return []
     out = []
-    old_inputs = recorded_resume_inputs(old, what)
+    old_inputs = old.recorded_resume_inputs(what)
     if old_inputs is not None:
         for key, (name, rule) in INPUT_RULES.items():
-            a, b = old_inputs.get(key), new["inputs"].get(key)
+            a, b = old_inputs.get(key), (new.inputs or {}).get(key)
             if a != b:
                 out.append((rule, name, f"{name} {_show(a)} -> {_show(b)}"))
-    old_shape, new_shape = dict(old.get("draft_config") or {}), dict(new["draft_config"])
+    old_shape, new_shape = dict(old.draft_config or {}), dict(new.draft_config)
     for key in sorted(set(old_shape) | set(new_shape)):
         if key != "dropout" and old_shape and old_shape.get(key) != new_shape.get(key):
             shown = f"{key} {_show(old_shape.get(key))} -> {_show(new_shape.get(key))}"
             out.append((SAME, key, shown))
-    old_cfg, new_cfg = old.get("train_config") or {}, new["train_config"]
+    old_cfg, new_cfg = old.train_config or {}, new.train_config or {}
     for key, rule in RESUME_RULES.items():
         if rule != FREE and key in old_cfg and old_cfg[key] != new_cfg.get(key):
             out.append((rule, key, f"{key} {_show(old_cfg[key])} -> {_show(new_cfg.get(key))}"))
     return sorted(out, key=lambda d: d[0] != SAME)
 
 
-def check_resume(cfg: TrainConfig, ckpt: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
+def check_resume(cfg: TrainConfig, ckpt: Path, old: DraftMetadata | None, new: DraftMetadata) -> None:
     """Refuse (ConfigError) to resume `ckpt`, whose eagle3_draft.json is `old`, into a run whose
     metadata would be `new`, when they differ beyond what RESUME_RULES allows; with cfg.force_resume
     the `force` differences are printed as a warning and resume goes on."""
-    diffs = resume_differences(old, new, str(ckpt / "eagle3_draft.json"))
+    diffs = resume_differences(old, new, str(ckpt / DraftMetadata.FILE))
     if not diffs:
         return
     listed = "; ".join(d for _, _, d in diffs)

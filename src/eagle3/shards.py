@@ -17,7 +17,7 @@ Tensors in each shard (N = tokens in the shard, S = samples, A = number of aux l
     sample_index       int64   [S]         (row of the sample in the prepared dataset)
 and the sample ids (strings) as JSON in the safetensors metadata key ``sample_ids``.
 With ``storage_dtype = "fp8"`` the two state tensors are float8_e4m3fn and each has a float32 scale
-per row and layer (see eagle3.capture.quant):
+per row and layer (see eagle3.quant):
     aux_hidden_states_scale   float32 [N, A]   aux_hidden_states  ~= fp8 * scale[..., None]
     last_hidden_states_scale  float32 [N]      last_hidden_states ~= fp8 * scale[..., None]
 The readers (`iter_shards`, `load_captured`) dequantize fp8 shards to bfloat16 and drop the scales, so
@@ -32,22 +32,25 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import sys
+import os
+import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from eagle3.compat import migrate_record
-from eagle3.io import atomic_path, read_json, sha256_file, write_json
+from eagle3.artifacts import CaptureManifest, ShardEntry
+from eagle3.console import format_bytes
+from eagle3.io import atomic_path, corrupt_file_errors, read_json, sha256_file, write_json
+from eagle3.quant import FP8_MAX, FP8_READ_DTYPE, STORAGE_TORCH_DTYPES, Stored, dequantize_fp8
 
-from .quant import FP8_MAX, FP8_READ_DTYPE, STORAGE_TORCH_DTYPES, Stored, dequantize_fp8
-
-FORMAT = "eagle3-capture/1"
-MANIFEST = "manifest.json"
-PROGRESS = "progress.json"
+FORMAT = CaptureManifest.FORMAT
+MANIFEST = CaptureManifest.FILE
+PROGRESS = CaptureManifest.PROGRESS_FILE
 LAYER_SEMANTICS = (
     "aux id k = output of decoder layer k-1 (hidden_states + residual) = transformers "
     "output_hidden_states[k]; stored in the order of `aux_layer_ids`"
@@ -290,33 +293,32 @@ def load_progress(out: Path, config_hash: str) -> list[dict[str, Any]]:
     return good
 
 
-def corrupt_shards(out: Path, entries: list[dict[str, Any]], max_threads: int = 8) -> list[str]:
-    """Names of the shards in `entries` (manifest/progress entries) that are missing or whose sha256 differs from
-    the recorded one, in order. Shards are hashed in parallel threads (hashlib releases the GIL): a capture is
-    read once at disk speed."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    def bad(entry: dict[str, Any]) -> bool:
-        f = out / entry["file"]
-        return not f.is_file() or f.stat().st_size != entry.get("bytes", f.stat().st_size) or sha256_file(f) != entry["sha256"]
+def corrupt_shards(out: Path, entries: list[ShardEntry], max_threads: int = 8) -> list[str]:
+    """Names of the shards in `entries` (a manifest's shards) that are missing or whose sha256
+    differs from the recorded one, in order. Shards are hashed in parallel threads (hashlib
+    releases the GIL): a capture is read once at disk speed."""
+    def bad(entry: ShardEntry) -> bool:
+        f = out / entry.file
+        size = f.stat().st_size if entry.bytes is None and f.is_file() else entry.bytes
+        return not f.is_file() or f.stat().st_size != size or sha256_file(f) != entry.sha256
 
     if not entries:
         return []
     with ThreadPoolExecutor(max(1, min(max_threads, os.cpu_count() or 1, len(entries)))) as pool:
         flags = list(pool.map(bad, entries))
-    return [e["file"] for e, b in zip(entries, flags, strict=True) if b]
+    return [e.file for e, b in zip(entries, flags, strict=True) if b]
 
 
-def verify_capture(path: str | Path) -> dict[str, Any]:
+def verify_capture(path: str | Path) -> CaptureManifest:
     """Check every shard of the finished capture at `path` against the sha256 its manifest records; return the
     manifest. Raises ValueError naming the corrupt or missing shards and the fix."""
     path = Path(path)
-    manifest = load_manifest(path)
-    bad = corrupt_shards(path, manifest["shards"])
+    manifest = CaptureManifest.load(path)
+    bad = corrupt_shards(path, manifest.shards)
     if bad:
         raise ValueError(
-            f"capture {path}: {len(bad)} of {len(manifest['shards'])} shard(s) are missing or differ from the sha256 "
+            f"capture {path}: {len(bad)} of {len(manifest.shards)} shard(s) are missing or differ "
+            "from the sha256 "
             f"in {path / MANIFEST} ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files are corrupt. Run "
             f"`eagle3 capture` again with the same settings and --out {path}: it keeps the good shards and captures "
             "the rest again"
@@ -337,155 +339,82 @@ def read_progress(out: Path) -> dict[str, Any] | None:
     return read_json(out / PROGRESS) if (out / PROGRESS).is_file() else None
 
 
-def resolve_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
-    """Default (2, L//2, L-3); otherwise every id must be in 1..L-1.
+# ------------------------------------------------------------------------- storage estimates + disk
 
-    For small targets where the default ids collide (L < 8, e.g. (2, 2, 2) at L=5; vLLM would dedupe
-    them and a 3-layer draft could not run) the default falls back to (1, L//2, L-2), printing a note.
-    """
-    from eagle3.config import ConfigError
 
-    if aux_layer_ids is None:
-        ids = [2, num_layers // 2, num_layers - 3]
-        if len(set(ids)) != 3 or min(ids) < 1:
-            alt = [1, num_layers // 2, num_layers - 2]
-            if len(set(alt)) == 3 and min(alt) >= 1:
-                print(f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for L={num_layers}; using {alt}",
-                      file=sys.stderr, flush=True)
-                return alt
-        if len(set(ids)) != 3 or min(ids) < 1:
-            raise ConfigError(
-                f"CaptureConfig.aux_layer_ids: the default (2, L//2, L-3) is not usable for a target with "
-                f"L={num_layers} layers ({ids}); pass --aux-layer-ids with distinct ids in 1..{num_layers - 1}"
-            )
-        return ids
-    bad = [k for k in aux_layer_ids if not 1 <= k <= num_layers - 1]
-    if bad:
-        raise ConfigError(
-            f"CaptureConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {bad} out of range; valid aux ids for this "
-            f"{num_layers}-layer target are 1..{num_layers - 1} (id k = output of decoder layer k-1; "
-            f"the last layer is always captured separately as last_hidden_states)"
-        )
-    return list(aux_layer_ids)
+@dataclass
+class StorageEstimate:
+    """What a capture of `num_tokens` tokens takes on disk (eagle3.plan, capture's and
+    preflight's disk checks)."""
+
+    num_aux: int
+    hidden_size: int
+    storage_dtype: str
+    state_bytes_per_token: int  # (A + 1) x H values in the storage dtype
+    #: + int64 id + int8 mask (+ fp8 scales): what one captured token takes on disk
+    bytes_per_token: int
+    num_tokens: int
+    total_bytes: int
+
+
+def estimate_storage(num_aux: int, hidden_size: int, storage_dtype: str,
+                     num_tokens: int) -> StorageEstimate:
+    """Disk bytes of a capture of `num_tokens` tokens (the capture's own bytes_per_token: no
+    second formula)."""
+    item = torch.empty((), dtype=TORCH_DTYPES[storage_dtype]).element_size()
+    bpt = bytes_per_token(num_aux, hidden_size, storage_dtype)
+    return StorageEstimate(num_aux, hidden_size, storage_dtype, (num_aux + 1) * hidden_size * item,
+                           bpt, int(num_tokens), int(bpt * num_tokens))
+
+
+def free_disk_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds `path` (its nearest existing parent)."""
+    probe = Path(path)
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def check_capture_fits(out: str | Path, est: StorageEstimate, min_free_gb: float,
+                       sample_tokens: list[int] | None = None) -> int:
+    """Refuse (ValueError) a capture whose states cannot fit the disk at `out` with `min_free_gb`
+    kept free; the message names the numbers and the fixes (fp8, streaming, fewer samples).
+    Returns the free bytes."""
+    free = free_disk_bytes(out)
+    reserve = int(min_free_gb * 1024**3)
+    if est.total_bytes + reserve <= free:
+        return free
+    room = free - reserve
+    fixes = []
+    if est.storage_dtype != "fp8":
+        fp8 = estimate_storage(est.num_aux, est.hidden_size, "fp8", est.num_tokens)
+        fits = "fits" if fp8.total_bytes <= room else "does not fit either"
+        fixes.append(f"--storage-dtype fp8 ({format_bytes(fp8.total_bytes)}, {fits}; fp8 halves "
+                     "bfloat16, bfloat16 halves float32)")
+    if sample_tokens:
+        n_fit, used = 0, 0
+        for t in sample_tokens:
+            if (used + t) * est.bytes_per_token > room:
+                break
+            used += t
+            n_fit += 1
+        fixes.append(f"capture fewer samples (--limit {n_fit} fits)" if n_fit
+                     else "capture fewer samples (--limit)")
+    else:
+        fixes.append("capture fewer samples (--limit)")
+    fixes.append("the streaming mode (capture into a bounded spool that training drains; "
+                 "`eagle3 plan` recommends a spool cap)")
+    fixes.append("free space or choose another --out, or lower --min-free-disk-gb")
+    raise ValueError(
+        f"capture needs {format_bytes(est.total_bytes)} in {out} ({est.num_tokens:,} tokens x "
+        f"{est.bytes_per_token:,} bytes/token: {est.num_aux} aux + 1 last layer x "
+        f"H={est.hidden_size} in {est.storage_dtype}) plus CaptureConfig.min_free_disk_gb = "
+        f"{min_free_gb} GB kept free, but only {format_bytes(free)} is free on that disk. Fixes: "
+        + "; ".join(fixes)
+    )
 
 
 # ----------------------------------------------------------------------------------------- reader
-
-
-def coverage_problem(path: str | Path, manifest: dict[str, Any]) -> str | None:
-    """What is wrong when the shard list of a finished capture's manifest no longer covers its
-    samples (an entry lost or edited away: the reader would train on fewer samples without a word),
-    else None. Checks the shards' sample counts against `num_samples` and their row ranges
-    (first_index..next_index) for gaps."""
-    path = Path(path)
-    shards = manifest.get("shards") or []
-    listed = sum(int(e.get("num_samples", 0)) for e in shards)
-    total = manifest.get("num_samples")
-    gaps, expect = [], 0
-    if shards and all("first_index" in e and "next_index" in e for e in shards):
-        for e in shards:
-            if int(e["first_index"]) > expect:
-                gaps.append((expect, int(e["first_index"]) - 1))
-            expect = max(expect, int(e["next_index"]))
-        end = manifest.get("num_input_samples")
-        if end is not None and expect < int(end):
-            gaps.append((expect, int(end) - 1))
-    if (total is None or listed == int(total)) and not gaps:
-        return None
-    names = {e.get("file") for e in shards}
-    unlisted = sorted(f.name for f in path.glob("shard-*.safetensors") if f.name not in names)
-    what = f"shards holding {listed} of the {total} samples it records" if total is not None else \
-        f"shards holding {listed} samples"
-    spans = ", ".join(f"{a}..{b}" for a, b in gaps)
-    where = f": rows {spans} of the prepared dataset are in no listed shard" if gaps else ""
-    files = f" ({', '.join(unlisted[:5])} on disk but not listed)" if unlisted else ""
-    return (f"capture {path}: {path / MANIFEST} lists {what}{where}{files}; the manifest was "
-            "edited or damaged, and training on it would silently drop those samples. Run "
-            f"`eagle3 capture` again with the same settings and --out {path}: it rebuilds the "
-            "manifest, keeping the shards before the first gap and capturing the rest")
-
-
-def load_manifest(path: str | Path, check: bool = True) -> dict[str, Any]:
-    """The manifest of a finished capture (layer ids, hidden size, dtype, num_samples, shards, ...).
-    `check`: refuse one whose shards do not cover its samples (`coverage_problem`, raised as
-    eagle3.errors.UserError)."""
-    path = Path(path)
-    m = path / MANIFEST
-    if not m.is_file():
-        hint = " (an interrupted capture: rerun `eagle3 capture` with the same --out to finish it)" if (
-            path / PROGRESS).is_file() else " (run `eagle3 capture` first)"
-        raise FileNotFoundError(f"{m} does not exist: {path} is not a finished capture directory{hint}")
-    manifest = read_json(m)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{m}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
-    problem = coverage_problem(path, manifest) if check else None
-    if problem:
-        from eagle3.errors import UserError
-
-        raise UserError(problem)
-    return migrate_record(manifest)
-
-
-# what captures trained as one dataset must share (storage dtype may differ: every reader gives bfloat16 or better)
-MUST_AGREE = ("aux_layer_ids", "hidden_size", "num_hidden_layers", "target_config_sha256", "tokenizer_sha256",
-              "chat_template_sha256")
-
-
-def capture_dirs(captured: str | Path) -> list[Path]:
-    """One capture dir, or several separated by commas (captures made in parallel on several GPUs or hosts, or of
-    data added later), in the order given."""
-    parts = [p.strip() for p in str(captured).split(",")]
-    if not all(parts):
-        from eagle3.config import ConfigError
-
-        raise ConfigError(f"captured={str(captured)!r} has an empty entry; give capture dirs separated by commas, "
-                          "e.g. runs/cap-0,runs/cap-1")
-    seen: dict[str, str] = {}
-    for p in parts:
-        key = str(Path(p).resolve())
-        if key in seen:
-            from eagle3.config import ConfigError
-
-            raise ConfigError(f"captured={str(captured)!r} names {key} twice ({seen[key]!r} and {p!r}): its samples would "
-                              "be read twice (and could land in both the training and the validation split); list each "
-                              "capture dir once")
-        seen[key] = p
-    return [Path(p) for p in parts]
-
-
-def load_combined_manifest(captured: str | Path) -> dict[str, Any]:
-    """The manifest of one capture dir, or of several comma-separated ones read as one dataset: the first one's
-    fields with `num_samples`/`num_tokens` summed and `parts` listing the dirs. Refuses captures that disagree on
-    a MUST_AGREE field (another target, tokenizer, chat template or aux layer set)."""
-    dirs = capture_dirs(captured)
-    manifests = [load_manifest(d) for d in dirs]
-    first = manifests[0]
-    for d, m in zip(dirs[1:], manifests[1:], strict=True):
-        for key in MUST_AGREE:
-            if m.get(key) != first.get(key):
-                from eagle3.config import ConfigError
-
-                raise ConfigError(
-                    f"captured={captured}: {d / MANIFEST} has {key}={m.get(key)!r} but {dirs[0] / MANIFEST} has "
-                    f"{first.get(key)!r}; captures trained together must come from the same target, tokenizer, chat "
-                    "template and aux layers: capture the odd one again with the others' settings"
-                )
-        for key in ("target_fingerprint", "target_weights_sha256"):  # older ones: the second only
-            mw, fw = m.get(key), first.get(key)
-            if key == "target_fingerprint":
-                mw, fw = (mw or {}).get("sha256"), (fw or {}).get("sha256")
-            if not (mw and fw and mw != fw):  # compared only when both have it
-                continue
-            from eagle3.config import ConfigError
-
-            raise ConfigError(f"captured={captured}: {d / MANIFEST} and {dirs[0] / MANIFEST} "
-                              f"record different target weights ({key} {mw} != {fw}); captures "
-                              "trained together must come from the same target: capture the odd "
-                              "one again")
-    if len(dirs) == 1:
-        return first
-    counts = {k: sum(m[k] for m in manifests) for k in ("num_samples", "num_tokens") if all(k in m for m in manifests)}
-    return {**first, **counts, "parts": [str(d) for d in dirs]}
 
 
 def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True) -> Iterator[dict[str, Any]]:
@@ -498,12 +427,12 @@ def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True)
     """
 
     path = Path(path)
-    manifest = load_manifest(path)
-    for entry in manifest["shards"]:
-        f = path / entry["file"]
+    manifest = CaptureManifest.load(path)
+    for entry in manifest.shards:
+        f = path / entry.file
         if not f.is_file():
             raise FileNotFoundError(f"{f} listed in {path / MANIFEST} is missing: rerun the capture")
-        if verify and sha256_file(f) != entry["sha256"]:
+        if verify and sha256_file(f) != entry.sha256:
             raise ValueError(f"{f}: sha256 differs from {path / MANIFEST}; the file is corrupt, rerun the capture")
         yield load_shard(f, dequantize)
 
@@ -511,10 +440,6 @@ def iter_shards(path: str | Path, verify: bool = False, dequantize: bool = True)
 def load_shard(f: str | Path, dequantize: bool = True) -> dict[str, Any]:
     """One shard file's tensors plus `sample_ids` and `file` (its path) (fp8 states dequantized to bfloat16 unless
     told not to)."""
-    from safetensors import safe_open
-
-    from eagle3.io import corrupt_file_errors
-
     with corrupt_file_errors(f, "capture shard"), safe_open(str(f), framework="pt") as st:
         shard: dict[str, Any] = {k: st.get_tensor(k) for k in st.keys()}
         shard["sample_ids"] = json.loads(st.metadata()["sample_ids"])

@@ -2,7 +2,7 @@
 
 This is the ONLY module of the repository that touches vLLM internals. It is loaded inside vLLM's
 worker process(es) (and, as a vLLM plugin, in the engine-core process: hook 8) via ``LLM(...,
-worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension")`` and driven from the driver
+worker_extension_cls="eagle3.vllm_ext.CaptureWorkerExtension")`` and driven from the driver
 with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop / stop (states to
 the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``, where TP
 rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM internals
@@ -93,9 +93,15 @@ parallel is refused (aux states would live on several stages).
 
 from __future__ import annotations
 
+import threading
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from eagle3.quant import Stored, stack_to_storage
+from eagle3.shards import TORCH_DTYPES, ShardBuffer, _write_shard
 
 
 def encode_states(states: torch.Tensor, filled: int, scales: torch.Tensor | None = None,
@@ -128,8 +134,6 @@ def decode_scales(enc: dict[str, Any]) -> torch.Tensor | None:
 
 
 def _frombytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    import warnings
-
     if not data:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():  # "buffer is not writable": fine, we only read it
@@ -145,7 +149,7 @@ class CaptureWorkerExtension:
         """Install the hooks and record `aux_layer_ids` (+ last layer pre-norm) from now on.
 
         storage_dtype (bfloat16/float16/float32/fp8; None = the engine dtype): states are converted to it
-        on the device, right after each forward (eagle3.capture.quant.to_storage), so buffers and the
+        on the device, right after each forward (eagle3.quant.to_storage), so buffers and the
         transfer to the driver hold storage bytes only (half of float32 for bf16, a quarter for fp8)."""
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
@@ -229,7 +233,6 @@ class CaptureWorkerExtension:
         else:  # M-RoPE models pass [3, n] positions: use token indices from the batch state
             start = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
             pos = torch.cat([torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)])  # [n]
-        from eagle3.capture.quant import stack_to_storage
 
         # stack + convert on the device, then move only storage bytes
         stored, scales, row_ok = stack_to_storage(
@@ -319,17 +322,17 @@ class CaptureWorkerExtension:
     def eagle3_capture_write_shard(self, out_dir: str, shard_id: int, rows: list[list[Any]], first_index: int,
                                    next_index: int, skipped: dict[str, int], num_aux: int, hidden_size: int,
                                    storage_dtype: str, background: str = "auto") -> dict[str, Any] | None:
-        """Start writing shard `shard_id` into `out_dir` from the assembled requests named in `rows` ([rid, index,
-        sample_id, input_ids, loss_mask] in shard order) with eagle3.capture.storage's shard writer — the same
-        file, byte for byte, as the driver would write — and forget them; returns {"pending": shard_id}, and
-        `eagle3_capture_wait_shard(shard_id)` returns the shard's progress entry once the file is complete.
+        """Start writing shard `shard_id` into `out_dir` from the assembled requests named in `rows`
+        ([rid, index, sample_id, input_ids, loss_mask] in shard order) with eagle3.shards's shard
+        writer — the same file, byte for byte, as the driver would write — and forget them; returns
+        {"pending": shard_id}, and `eagle3_capture_wait_shard(shard_id)` returns the shard's
+        progress entry once the file is complete.
 
         background: "auto" = in a thread when the engine runs on a GPU (file writes and sha256 release the GIL,
         so the GPUs keep prefilling the next chunk while rank 0 writes), "always", "never" (written before
         returning; a CPU engine would only compete with its own forward for the cores)."""
         if not getattr(self, "_eagle3_keep", False):
             return None
-        import threading
 
         take = {rid: self._eagle3_ready.pop(rid) for rid, *_ in rows}  # now: the next meta refills _ready
         args = (out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size, storage_dtype, take)
@@ -366,11 +369,6 @@ class CaptureWorkerExtension:
     @staticmethod
     def _eagle3_write(out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size,
                       storage_dtype, take) -> dict[str, Any]:
-        from pathlib import Path
-
-        from eagle3.capture.quant import Stored
-        from eagle3.capture.storage import TORCH_DTYPES, ShardBuffer, _write_shard
-
         buf = ShardBuffer(first_index=first_index, next_index=first_index)
         for rid, index, sample_id, ids, mask in rows:
             states, scales, finite = take[rid]
