@@ -93,6 +93,8 @@ parallel is refused (aux states would live on several stages).
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -100,6 +102,7 @@ from typing import Any
 
 import torch
 
+from eagle3.processes import DIE_WITH_PARENT_ENV, die_with_parent
 from eagle3.quant import Stored, stack_to_storage
 from eagle3.shards import TORCH_DTYPES, ShardBuffer, _write_shard
 
@@ -392,11 +395,6 @@ def die_with_parent_plugin() -> None:
     """Hook 8: vLLM general plugin (entry point ``vllm.general_plugins``
     ``eagle3_die_with_parent``), run by vLLM in each process it starts: SIGKILL this engine process
     when its parent dies (see the module docstring)."""
-    import multiprocessing
-    import os
-
-    from eagle3.processes import DIE_WITH_PARENT_ENV, die_with_parent
-
     if os.environ.get(DIE_WITH_PARENT_ENV) != "1" or multiprocessing.parent_process() is None:
         return  # not asked for, or the driver itself (vLLM loads the plugins there too)
     die_with_parent()

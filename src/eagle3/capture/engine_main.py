@@ -11,6 +11,7 @@ It ends with its parent (SIGTERM when the driver dies) and closes its backend on
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -31,8 +32,6 @@ from .run import _make_backend, capture_rows, load_capture_inputs
 def die_with_parent(parent_pid: int) -> None:
     """SIGTERM this process when the driver that started it dies (Linux); exit now if it is already gone."""
     try:
-        import ctypes
-
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the driver's own cleanup stops the engines

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.artifacts import CaptureManifest, capture_dirs
+from eagle3.errors import TokenRangeError
 from eagle3.io import corrupt_file_errors
 from eagle3.quant import dequantize_fp8
 from eagle3.shards import SCALE_KEYS, iter_shards, shard_samples, verify_capture
@@ -231,8 +232,6 @@ def check_token_ids(samples: Sequence[dict[str, Any]], vocab_size: int, captured
     one of the target's (data prepared for another tokenizer; the states are the other target's
     too): the embedding lookup would fail mid-training with `IndexError: index out of range in
     self`, naming nothing."""
-    from eagle3.errors import TokenRangeError
-
     hit = find_token_out_of_range(samples, vocab_size)
     if hit is None:
         return
