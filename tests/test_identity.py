@@ -195,6 +195,7 @@ def test_capture_resumed_after_the_weights_changed_is_refused(tiny_llama, prepar
 
 def test_evaluate_refuses_a_draft_made_for_another_target(capture, tiny_llama, tmp_path,
                                                           monkeypatch, capfd):
+    import eagle3.evaluate
     import eagle3.vllm_engine
     from eagle3.evaluate import run_evaluate
     from test_evaluate import categorized_prompts
@@ -209,6 +210,7 @@ def test_evaluate_refuses_a_draft_made_for_another_target(capture, tiny_llama, t
         raise RuntimeError("a vLLM engine was started")
 
     monkeypatch.setattr(eagle3.vllm_engine, "run_in_subprocess", engine_started)
+    monkeypatch.setattr(eagle3.evaluate, "run_in_subprocess", engine_started)  # its own name
     other = _copy_target(tiny_llama, tmp_path / "other", change="lm_head.weight")
     prompts = categorized_prompts(tmp_path / "p.jsonl")
     cfg = EvaluateConfig(target=str(other), draft=str(draft), prompts=str(prompts),

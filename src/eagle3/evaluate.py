@@ -416,7 +416,8 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
                     "target it was made for cannot be compared with --target %s", draft, cfg.target)
         return identity
     meta = DraftMetadata.from_dict(_read_config(meta_path), str(meta_path))
-    check_target_identity(meta.recorded_target(), identity, what=f"draft {draft}", target=cfg.target,
+    check_target_identity(meta.recorded_target(), identity, what=f"draft {draft}",
+                          target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError,
                           redo="export a draft trained for this one")
     return identity

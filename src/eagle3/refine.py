@@ -176,7 +176,8 @@ def read_plan(cfg: RefineConfig) -> Plan:
         raise ConfigError(f"RefineConfig.target = {cfg.target!r} has no config.json; pass --target "
                           "with the target model dir the draft was trained for")
     identity = target_identity(cfg.target)
-    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}", target=cfg.target,
+    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}",
+                          target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError)
     num_layers = int(text_config(read_json(tpath))["num_hidden_layers"])
     trained_with = {k: v for k, v in (meta.train_config or {}).items()
@@ -186,7 +187,8 @@ def read_plan(cfg: RefineConfig) -> Plan:
     for d in data_dirs(cfg.data):
         if not (d / PreparedMeta.FILE).is_file():
             raise ConfigError(f"RefineConfig.data: {d} is not a prepared dataset (no "
-                              f"{PreparedMeta.FILE}); pass --data with the `eagle3 prepare` output dir(s) "
+                              f"{PreparedMeta.FILE}); pass --data with the `eagle3 prepare` "
+                              "output dir(s) "
                               "of the training sources")
     _check_vocab(cfg, meta, ck / WEIGHTS)
     supervised = None

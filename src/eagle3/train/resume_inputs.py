@@ -99,7 +99,8 @@ def resume_differences(old: DraftMetadata | None, new: DraftMetadata,
     return sorted(out, key=lambda d: d[0] != SAME)
 
 
-def check_resume(cfg: TrainConfig, ckpt: Path, old: DraftMetadata | None, new: DraftMetadata) -> None:
+def check_resume(cfg: TrainConfig, ckpt: Path, old: DraftMetadata | None,
+                 new: DraftMetadata) -> None:
     """Refuse (ConfigError) to resume `ckpt`, whose eagle3_draft.json is `old`, into a run whose
     metadata would be `new`, when they differ beyond what RESUME_RULES allows; with cfg.force_resume
     the `force` differences are printed as a warning and resume goes on."""
