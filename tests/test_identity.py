@@ -190,6 +190,32 @@ def test_capture_resumed_after_the_weights_changed_is_refused(tiny_llama, prepar
         run_capture(cfg)
 
 
+# ------------------------------------------------------------------------------------ regenerate
+
+
+@pytest.mark.slow
+def test_finished_regeneration_from_other_weights_is_refused(tiny_llama, tmp_path):
+    """Same path, same settings, other weights: the finished answers are another model's, so the
+    "already complete" shortcut refuses them instead of handing them on."""
+    from eagle3.config import RegenerateConfig
+    from eagle3.data.regenerate import run_regenerate
+    from eagle3.testing.tiny import tiny_conversations
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in tiny_conversations(num=2, seed=3)))
+    target = _copy_target(tiny_llama, tmp_path / "target")
+    cfg = RegenerateConfig(target=str(target), data=str(data), out=tmp_path / "regen",
+                           backend="hf", device="cpu", dtype="float32", max_new_tokens=4,
+                           max_model_len=256)
+    first = run_regenerate(cfg)
+    assert run_regenerate(cfg).num_written == first.num_written  # unchanged: reused
+    shutil.rmtree(target)
+    _copy_target(tiny_llama, target, change=LAYER)
+    with pytest.raises(ValueError, match=r"regen/manifest.json: these answers were written by "
+                                         r"other target weights \(weights sha256 .*differs\)"):
+        run_regenerate(cfg)
+
+
 # --------------------------------------------------------------------------------------- evaluate
 
 

@@ -293,6 +293,12 @@ def _regenerate(
     if final.is_file() and (out / MANIFEST).is_file():
         manifest = read_json(out / MANIFEST)
         if manifest.get("fingerprint") == fp and manifest.get("limit") == cfg.limit:
+            before, now = manifest.get("target_fingerprint"), target_fingerprint(cfg.target)
+            differs = before and now and describe_difference(before, now)
+            if differs:  # same path and settings, other weights: the answers are another model's
+                raise ValueError(f"{out / MANIFEST}: these answers were written by other target "
+                                 f"weights ({differs}); regenerate them into a new --out, or "
+                                 f"delete {out}")
             log.info("%s is complete for these settings; nothing to do", final)
             return _result_from_manifest(out, manifest, time.time() - t0)
         raise ValueError(
