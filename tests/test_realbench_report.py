@@ -78,3 +78,44 @@ def test_stage_walls_from_the_timings(tmp_path: Path) -> None:
                                       "peer convert": {"wall_s": 74, "rc": None},
                                       "refine eagle3.1-mix": {"wall_s": 480, "rc": "124"},
                                       "train peer-mix": {"wall_s": 402, "rc": "0"}}
+
+
+def test_a_cached_evaluation_is_reused_only_with_its_own_settings(tmp_path: Path) -> None:
+    import argparse
+
+    import pytest
+
+    report = _report()
+    args = argparse.Namespace(k=3, max_tokens=96, dtype="float32")
+    res = report.piece_path(tmp_path, "eagle3.1-mix", "0.0", args)
+    assert res == tmp_path / "eval" / "eagle3.1-mix" / "k3-96tok" / "T0.0" / "results.json"
+    res.parent.mkdir(parents=True)
+    res.write_text(json.dumps({"config": {"num_speculative_tokens": 3, "max_tokens": 96,
+                                          "dtype": "float32", "temperatures": [0.0]}}))
+    report.check_piece(res, "0.0", args)  # the same settings: reused
+    with pytest.raises(SystemExit, match=r"max_tokens 96 \(cached\) != 256 \(asked\)"):
+        report.check_piece(res, "0.0", argparse.Namespace(k=3, max_tokens=256, dtype="float32"))
+
+
+def test_rows_at_another_k_get_their_own_table_and_no_goal(tmp_path: Path) -> None:
+    import argparse
+
+    report = _report()
+    args = argparse.Namespace(k=3, max_tokens=96, dtype="float32", methods=None,
+                              prompts=tmp_path / "p.jsonl", results_name="x")
+
+    def ev(k, tps):
+        return {"num_speculative_tokens": k, "rows": [
+            {"category": c, "temperature": 0.0, "num_prompts": 1, "tau": v, "generated_tokens": 100,
+             "num_accepted_tokens": round(100 - 100 / v), "num_drafts": 10} for c, v in tps.items()]}
+
+    three, five = ev(3, {"math": 2.5, "all": 2.5}), ev(5, {"math": 4.0, "all": 4.0})
+    (tmp_path / "report_collect" / "report").mkdir(parents=True)
+    (tmp_path / "report_collect" / "report" / "timings.txt").write_text("")
+    built = report.build([], {"ngram": three}, tmp_path, args, [("ngram", five)])
+    assert [r.get("k") for r in built["rows"]] == [None, None, 5, 5]
+    text = report.render(built)
+    assert "## temperature 0.0 (greedy)\n" in text and "## temperature 0.0 (greedy), k = 5" in text
+    k5 = text.split("k = 5")[1]
+    assert "| ngram | ngram | — | 5 | 4.00 / 4.00 |" in k5 and "2.50" not in k5
+    assert report._cells(built["rows"], "ngram", 0.0) == {"math": 2.5, "all": 2.5}

@@ -15,8 +15,10 @@
      `method` in {ngram, eagle3, eagle3.1, eagle3.1+refine, speculators}, tokens_per_step = generated tokens /
      target forward passes beside vLLM's τ, the draft's cost, and `k` where it differs from the top-level k) and
      .md (tables, the goals met or not, data sizes, stage and training times, machines, commands).
-An evaluation already in OUT/eval/<name>/T<temperature>/results.json is reused (delete it to measure again), so
-the methods and temperatures can be evaluated in separate pieces (--methods, --temperatures) and reported at once.
+An evaluation already in OUT/eval/<name>/k<k>-<max tokens>tok/T<temperature>/results.json is reused when
+it was made with the settings asked for (else the report stops, naming them; delete it to measure again), so
+the methods, temperatures and k (--methods, --temperatures, --extra-k) can be evaluated in separate pieces
+and reported at once.
 Method of a draft, from its exported files (not its name): `speculators` when config.json is the speculators
 format (the peer, speculators 0.9.0, trained by benchmarks/peer_quality); `eagle3.1+refine` when its
 eagle3_draft.json records a refine stage (or, without that record, its name ends in -refine); else eagle3.1
@@ -141,10 +143,29 @@ def temperatures_of(name: str, args: argparse.Namespace) -> list[str]:
     return [t for t in temps if float(t) == 0.0]
 
 
+def piece_path(out: Path, name: str, temp: str, args: argparse.Namespace) -> Path:
+    """Where one evaluation (method x temperature) is cached: keyed by k and answer length too."""
+    return out / "eval" / name / f"k{args.k}-{args.max_tokens}tok" / f"T{float(temp)}" / "results.json"
+
+
+def check_piece(res: Path, temp: str, args: argparse.Namespace) -> None:
+    """A cached evaluation is reused only when it was made with the settings asked for now."""
+    cfg = json.loads(res.read_text()).get("config") or {}
+    want = {"num_speculative_tokens": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype,
+            "temperatures": [float(temp)]}
+    bad = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
+    if bad:
+        shown = ", ".join(f"{k} {a!r} (cached) != {b!r} (asked)" for k, (a, b) in bad.items())
+        sys.exit(f"{res}: a cached evaluation made with other settings: {shown}; delete "
+                 f"{res.parent} to evaluate again, or ask for the settings it was made with")
+
+
 def evaluate_one(name: str, temp: str, target: Path, prompts: Path, out: Path, args: argparse.Namespace,
                  baseline: bool) -> dict[str, Any]:
-    res = out / "eval" / name / f"T{float(temp)}" / "results.json"
-    if not res.is_file():
+    res = piece_path(out, name, temp, args)
+    if res.is_file():
+        check_piece(res, temp, args)
+    else:
         cmd = [sys.executable, "-m", "eagle3.cli", "evaluate", "--target", str(target), "--prompts", str(prompts),
                "--out", str(res.parent), "--num-prompts", "100000", "--num-speculative-tokens", str(args.k),
                "--max-tokens", str(args.max_tokens), "--top-p", "0.95", "--dtype", args.dtype,
@@ -162,7 +183,7 @@ def evaluate(name: str, target: Path, prompts: Path, out: Path, args: argparse.N
     """Every temperature of one method, each its own evaluation (cached), merged into one results dict."""
     parts = []
     for j, temp in enumerate(temperatures_of(name, args)):
-        res = out / "eval" / name / f"T{float(temp)}" / "results.json"
+        res = piece_path(out, name, temp, args)
         if only_cached and not res.is_file():
             continue
         parts.append(evaluate_one(name, temp, target, prompts, out, args, baseline and j == 0))
@@ -209,9 +230,12 @@ def modelled_per_step(r: dict[str, Any]) -> float | None:
     return modelled_speedup(r["generated_tokens"], r["num_accepted_tokens"], r["num_drafts"], cost)
 
 
-def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def build(names: list[str], evals: dict[str, dict[str, Any]], out: Path, args: argparse.Namespace,
+          extra: list[tuple[str, dict[str, Any]]] = ()) -> dict[str, Any]:
+    """`evals`: method name -> its merged evaluation at --k; `extra`: (name, evaluation) at the
+    --extra-k values (greedy), whose rows carry their own `k`."""
     rows = []
-    for name, ev in evals.items():
+    for name, ev in [*evals.items(), *extra]:
         shape = ({"method": "ngram", "draft_layers": None, "draft_intermediate_size": None, "train_data": None}
                  if name == "ngram" else draft_shape(out, name))
         cost = ev.get("draft_cost") or {}
@@ -273,8 +297,9 @@ def walls(report: Path) -> dict[str, Any]:
 
 
 def _cells(rows: list[dict[str, Any]], method: str, temp: float) -> dict[str, float]:
-    return {r["category"]: r["tokens_per_step"] for r in rows
-            if r["method"] == method and r["temperature"] == temp and r.get("tokens_per_step") is not None}
+    return {r["category"]: r["tokens_per_step"] for r in rows  # rows at the top-level k only
+            if r["method"] == method and r["temperature"] == temp and "k" not in r
+            and r.get("tokens_per_step") is not None}
 
 
 def _compare(a: dict[str, float], b: dict[str, float], factor: float) -> dict[str, Any]:
@@ -316,12 +341,14 @@ def render(r: dict[str, Any]) -> str:
              f"{r['date']} · evaluation: {r['eval_machine']} · `{r['command']}`", "",
              "Each cell: tokens per target step (generated tokens / target forward passes) / vLLM's τ "
              "(1 + accepted / drafts: counts only the passes that drafted).", ""]
-    for temp in sorted({x["temperature"] for x in rows}):
-        lines += [f"## temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)"), "",
+    for k, temp in sorted({(x.get("k", r["k"]), x["temperature"]) for x in rows}):
+        at_k = "" if k == r["k"] else f", k = {k}"
+        lines += [f"## temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)") + at_k, "",
                   "| draft | method | data | k | " + " | ".join(cats) + " | cost ratio | modelled speed-up (all) |",
                   "|---|---|---|---|" + "---|" * (len(cats) + 2)]
         for name in drafts:
-            cell = {x["category"]: x for x in rows if x.get("draft", x["method"]) == name and x["temperature"] == temp}
+            cell = {x["category"]: x for x in rows if x.get("draft", x["method"]) == name
+                    and x["temperature"] == temp and x.get("k", r["k"]) == k}
             if not cell:
                 continue
             first = next(iter(cell.values()))
@@ -357,6 +384,9 @@ def main() -> None:
     ap.add_argument("--methods", default=None, help="comma-separated subset of ngram and the draft names")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=K, help="num_speculative_tokens of every method")
+    ap.add_argument("--extra-k", default="",
+                    help="more num_speculative_tokens values (comma-separated), evaluated greedy only; "
+                         "their rows carry `k` and have tables of their own")
     ap.add_argument("--temperatures", default="0.0,0.6", help="passes of the methods in --sampled-methods")
     ap.add_argument("--sampled-methods", default="ngram,eagle3-mix,eagle3.1-mix,eagle3.1-mix-refine,peer-mix",
                     help="methods evaluated at every temperature; the others greedy only (CPU time)")
@@ -386,7 +416,14 @@ def main() -> None:
                       only_cached=args.report_only)
         if ev is not None:
             evals[name] = ev
-    report = build(names, evals, out, args)
+    extra = []
+    for k in [int(v) for v in args.extra_k.split(",") if v]:
+        at_k = argparse.Namespace(**{**vars(args), "k": k, "temperatures": "0.0"})
+        for name in wanted:
+            ev = evaluate(name, target, prompts, out, at_k, baseline=False, only_cached=args.report_only)
+            if ev is not None:
+                extra.append((name, ev))
+    report = build(names, evals, out, args, extra)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.results_name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (RESULTS / f"{args.results_name}.md").write_text(render(report) + "\n")
