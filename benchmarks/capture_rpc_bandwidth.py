@@ -3,10 +3,10 @@
 
     python benchmarks/capture_rpc_bandwidth.py [--tokens-per-round 8192] [--rounds 3] [--storage-dtype bfloat16]
 
-The path under test is the one eagle3.capture.vllm_backend uses: the worker extension (eagle3.capture.vllm_ext)
+The path under test is the one eagle3.capture.vllm_backend uses: the worker extension (eagle3.vllm_ext)
 buffers the states of every prefill step, `llm.collective_rpc("eagle3_capture_pop")` assembles and encodes them
 in the worker (msgpack bytes), vLLM carries them to the driver, the driver decodes them (zero-copy view) and
-writes safetensors shards with a running sha256 (eagle3.capture.storage.save_safetensors_hashed).
+writes safetensors shards with a running sha256 (eagle3.shards.save_safetensors_hashed).
 
 Target: a random wide tiny Llama (eagle3.testing.tiny, hidden 7168 like Kimi-K2.5, 2 layers, 8 heads of 128, MLP
 64 wide, 512 tokens): per token it carries 4 states x 7168 (3 aux + last) = 57,344 bytes in bf16, the user's size;
@@ -106,10 +106,10 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3.capture.storage import save_safetensors_hashed
     from eagle3.capture.vllm_backend import EXTENSION, engine_kwargs
-    from eagle3.capture.vllm_ext import decode_states, encode_states
+    from eagle3.shards import save_safetensors_hashed
     from eagle3.testing.tiny import TinySpec, build_tiny_target
+    from eagle3.vllm_ext import decode_states, encode_states
 
     spec = TinySpec(arch="llama", num_layers=2, hidden_size=7168, intermediate_size=64, num_heads=8, num_kv_heads=8,
                     head_dim=128, vocab_size=512, max_position_embeddings=4096)

@@ -50,10 +50,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3.capture import load_manifest, run_capture
+    from eagle3.artifacts import CaptureManifest, PreparedMeta
+    from eagle3.capture import run_capture
     from eagle3.capture.vllm_backend import EXTENSION, engine_kwargs
     from eagle3.config import CaptureConfig
-    from eagle3.data.prepared import save_prepared
+    from eagle3.prepared import save_prepared
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="capbench."))
     tok = AutoTokenizer.from_pretrained(args.target)
@@ -68,7 +69,8 @@ def main() -> None:
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
             rows.append({"input_ids": ids, "loss_mask": [0] * len(ids), "sample_id": f"gsm8k-train-{i}"})
     num_tokens = sum(len(r["input_ids"]) for r in rows)
-    prep = save_prepared(rows, work / "prepared", {"stage": "prepare", "source": args.prompts})
+    prep = save_prepared(rows, work / "prepared",
+                         PreparedMeta(stage="prepare", source=args.prompts))
     max_model_len = max(len(r["input_ids"]) for r in rows) + 1
 
     kw = engine_kwargs(args.target, args.dtype, args.batch_tokens, max_model_len, 1)
@@ -99,7 +101,7 @@ def main() -> None:
             runs[sd].append(time.perf_counter() - t0)
             written[sd] = res.bytes_written
     prefill_runs.append(prefill())
-    manifest = load_manifest(work / f"captured-{dtypes[0]}")
+    manifest = CaptureManifest.load(work / f"captured-{dtypes[0]}")
     capture_runs = runs[dtypes[0]]
     prefill_s, capture_s = min(prefill_runs), min(capture_runs)
     mean_pre = sum(prefill_runs) / len(prefill_runs)
@@ -107,7 +109,7 @@ def main() -> None:
         sd: {"capture_runs_s": [round(x, 3) for x in r], "capture_s": round(min(r), 3),
              "capture_tokens_per_s": round(num_tokens / min(r), 1), "ratio_capture_over_prefill": round(min(r) / prefill_s, 3),
              "ratio_of_means": round((sum(r) / len(r)) / mean_pre, 3), "bytes_written": written[sd],
-             "bytes_per_token": load_manifest(work / f"captured-{sd}")["bytes_per_token"]}
+             "bytes_per_token": CaptureManifest.load(work / f"captured-{sd}").bytes_per_token}
         for sd, r in runs.items()
     }
     import torch
@@ -124,7 +126,7 @@ def main() -> None:
         "num_prompts": len(rows),
         "num_tokens": num_tokens,
         "engine": {k: v for k, v in kw.items() if k != "model"},
-        "aux_layer_ids": manifest["aux_layer_ids"],
+        "aux_layer_ids": manifest.aux_layer_ids,
         "storage_dtype": dtypes[0],
         "bytes_written": written[dtypes[0]],
         "engine_start_s": round(engine_start_s, 2),

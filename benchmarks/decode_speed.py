@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from eagle3.data.formats import read_prompts
+    from eagle3.chat_formats import read_prompts
 
     tok = AutoTokenizer.from_pretrained(a.target)
     convs = read_prompts(a.prompts, limit=a.num_prompts).conversations

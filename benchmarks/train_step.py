@@ -45,10 +45,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without PYTHONPATH=src too
 
+from eagle3.flops import count_step_bytes as bytes_model  # noqa: E402
+from eagle3.flops import count_train_flops as flop_model  # noqa: E402
 from eagle3.model.draft import DraftConfig  # noqa: E402
 from eagle3.train import attention  # noqa: E402
-from eagle3.train.flops import count_step_bytes as bytes_model  # noqa: E402
-from eagle3.train.flops import count_train_flops as flop_model  # noqa: E402
 from eagle3.train.step import StepOutput, TTTModule, ttt_forward  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,7 +73,7 @@ SPEC_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 
 
 # ------------------------------------------------------------------------------------------------ FLOP model
-# flop_model / bytes_model: eagle3.train.flops (one copy, shared with `eagle3 plan`)
+# flop_model / bytes_model: eagle3.flops (one copy, shared with `eagle3 plan`)
 
 
 def naive_extra(m: dict, B: int, T: int, K: int) -> dict:

@@ -93,6 +93,7 @@ FIXTURE_MARKS = {
 MARKED_HERE = {
     "vllm": (
         "test_capture.py::test_vllm_golden_qwen3",
+        "test_engine_lifetime.py::test_sigkilled_capture_leaves_no_engine_process",
         "test_evaluate.py::test_evaluate_random_draft",
         "test_evaluate.py::test_evaluate_ngram_needs_no_draft",
     ),

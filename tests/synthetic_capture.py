@@ -71,9 +71,9 @@ def frequent_ids(samples: list[dict[str, Any]], k: int, target_vocab: int) -> to
 
 
 def write_captured(out: str | Path, samples: list[dict[str, Any]], manifest: dict[str, Any], shard_samples: int = 8) -> Path:
-    """Write samples as a finished capture dir (eagle3.capture.storage shards + manifest.json)."""
-    from eagle3.capture import storage
-    from eagle3.io import write_json
+    """Write samples as a finished capture dir (eagle3.shards shards + manifest.json)."""
+    from eagle3 import shards as storage
+    from eagle3.artifacts import CaptureManifest
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,9 @@ def write_captured(out: str | Path, samples: list[dict[str, Any]], manifest: dic
             buf.add(a + i, s["sample_id"], torch.as_tensor(s["input_ids"]), torch.as_tensor(s["loss_mask"]),
                     s["aux_hidden_states"], s["last_hidden_states"])
         shards.append(storage.write_shard(out, k, buf))
-    write_json(out / storage.MANIFEST, {"format": storage.FORMAT, **manifest, "num_samples": len(samples), "shards": shards})
+    record = {"format": CaptureManifest.FORMAT, **manifest, "num_samples": len(samples),
+              "shards": shards}
+    CaptureManifest.from_dict(record, "write_captured").save(out)
     return out
 
 

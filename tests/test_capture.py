@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.capture import iter_shards, load_captured, load_manifest, run_capture
+from eagle3.artifacts import CaptureManifest, PreparedMeta
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig, ConfigError
+from eagle3.shards import iter_shards, load_captured
 
 NUM_PROMPTS = 10
 BATCH_TOKENS = 64  # << longest prompt (~190 tokens): forces chunked prefill in vLLM
@@ -21,7 +23,7 @@ def make_prepared(target: Path, out: Path, num: int = NUM_PROMPTS, seed: int = 0
     """A prepared dataset of `num` chats of distinct lengths (20, 20+step, ...) tokenized with the target."""
     from transformers import AutoTokenizer
 
-    from eagle3.data.prepared import save_prepared
+    from eagle3.prepared import save_prepared
     from eagle3.testing.tiny import tiny_conversations
 
     tok = AutoTokenizer.from_pretrained(str(target))
@@ -37,7 +39,8 @@ def make_prepared(target: Path, out: Path, num: int = NUM_PROMPTS, seed: int = 0
         if len(rows) == num:
             break
     assert len(rows) == num, "tiny conversations too short for the requested lengths"
-    save_prepared(rows, out, {"stage": "prepare", "tokenizer_sha256": "tok-hash", "chat_template_sha256": "tpl-hash"})
+    save_prepared(rows, out, PreparedMeta(stage="prepare", tokenizer_sha256="tok-hash",
+                                          chat_template_sha256="tpl-hash"))
     return out
 
 
@@ -67,17 +70,17 @@ MISMATCH = 0.2  # neighbouring layers of the random tiny targets: observed >= 0.
 
 
 def check_golden(capture_dir: Path, target: Path) -> dict[str, float]:
-    m = load_manifest(capture_dir)
+    m = CaptureManifest.load(capture_dir)
     samples = list(load_captured(capture_dir))
-    assert len(samples) == m["num_samples"] == NUM_PROMPTS
+    assert len(samples) == m.num_samples == NUM_PROMPTS
     ref = reference_states(target, [s["input_ids"] for s in samples])
-    L = m["num_hidden_layers"]
+    L = m.num_hidden_layers
     worst, worst_wrong = 0.0, 1e9
     for s, (hs, pre) in zip(samples, ref, strict=True):
         T = s["input_ids"].shape[0]
-        assert s["aux_hidden_states"].shape == (T, len(m["aux_layer_ids"]), m["hidden_size"])
-        assert s["last_hidden_states"].shape == (T, m["hidden_size"])
-        for a, k in enumerate(m["aux_layer_ids"]):
+        assert s["aux_hidden_states"].shape == (T, len(m.aux_layer_ids), m.hidden_size)
+        assert s["last_hidden_states"].shape == (T, m.hidden_size)
+        for a, k in enumerate(m.aux_layer_ids):
             got = s["aux_hidden_states"][:, a]  # [T, H]
             worst = max(worst, rel_err(got, hs[k]))
             # discriminating: the neighbouring ids must NOT match
@@ -186,17 +189,17 @@ def test_vllm_and_hf_agree(vllm_llama, tiny_llama, prepared_llama, tmp_path):
 
 
 def test_manifest_and_reader(vllm_llama, prepared_llama):
-    m = load_manifest(vllm_llama.out)
-    assert m["aux_layer_ids"] == [1, 2, 4] and m["hidden_size"] == 128 and m["dtype"] == "bfloat16"
-    assert m["num_hidden_layers"] == 5 and "before the final norm" in m["last_semantics"]
-    assert m["tokenizer_sha256"] == "tok-hash" and m["chat_template_sha256"] == "tpl-hash"
-    assert m["versions"]["vllm"] and m["versions"]["torch"] and m["target_config_sha256"]
-    assert m["capture_config"]["batch_tokens"] == BATCH_TOKENS
-    from eagle3.data.prepared import load_prepared
+    m = CaptureManifest.load(vllm_llama.out)
+    assert m.aux_layer_ids == [1, 2, 4] and m.hidden_size == 128 and m.dtype == "bfloat16"
+    assert m.num_hidden_layers == 5 and "before the final norm" in m.last_semantics
+    assert m.tokenizer_sha256 == "tok-hash" and m.chat_template_sha256 == "tpl-hash"
+    assert m.versions["vllm"] and m.versions["torch"] and m.target_config_sha256
+    assert m.capture_config["batch_tokens"] == BATCH_TOKENS
     from eagle3.io import sha256_file
+    from eagle3.prepared import load_prepared
 
-    for s in m["shards"]:
-        assert sha256_file(vllm_llama.out / s["file"]) == s["sha256"]
+    for s in m.shards:
+        assert sha256_file(vllm_llama.out / s.file) == s.sha256
     ds = load_prepared(prepared_llama)
     samples = list(load_captured(vllm_llama.out, verify=True))
     assert [s["sample_id"] for s in samples] == list(ds["sample_id"])
@@ -205,8 +208,9 @@ def test_manifest_and_reader(vllm_llama, prepared_llama):
         assert s["loss_mask"].tolist() == list(mask)
         assert s["aux_hidden_states"].dtype == torch.bfloat16
     shards = list(iter_shards(vllm_llama.out))
-    assert sum(len(s["sample_ids"]) for s in shards) == m["num_samples"]
-    assert sum(int(s["input_ids"].shape[0]) for s in shards) == m["num_tokens"] == vllm_llama.num_tokens
+    assert sum(len(s["sample_ids"]) for s in shards) == m.num_samples
+    num_tokens = sum(int(s["input_ids"].shape[0]) for s in shards)
+    assert num_tokens == m.num_tokens == vllm_llama.num_tokens
     assert not list(vllm_llama.out.glob("*.tmp")) and not list(vllm_llama.out.glob(".*"))
 
 
@@ -231,7 +235,8 @@ def test_layer_ids_below_one_fail_the_schema():
 @pytest.mark.parametrize("layers", [[2, 5], [1, 2, 7]])
 def test_bad_layer_ids(tiny_llama, prepared_llama, tmp_path, layers):
     cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", aux_layer_ids=layers, backend="hf")
-    with pytest.raises(ConfigError, match=r"aux_layer_ids = .*valid aux ids .* are 1\.\.4"):
+    with pytest.raises(ConfigError, match=r"aux_layer_ids = .*out of range for this 5-layer "
+                                          r"target; use ids in 1\.\.4"):
         run_capture(cfg)
     assert not (tmp_path / "o").exists()
 
@@ -254,7 +259,7 @@ def test_non_finite_samples_are_skipped_and_counted(tiny_llama, prepared_llama, 
     that token are skipped with reason non_finite; the rest are captured."""
     from safetensors.torch import load_file, save_file
 
-    from eagle3.data.prepared import load_prepared
+    from eagle3.prepared import load_prepared
 
     bad = tmp_path / "nan_target"
     shutil.copytree(tiny_llama, bad)
@@ -273,8 +278,8 @@ def test_non_finite_samples_are_skipped_and_counted(tiny_llama, prepared_llama, 
                                     aux_layer_ids=[1, 2, 4], batch_tokens=256, shard_tokens=300))
     assert res.num_skipped == {"non_finite": expected}
     assert res.num_samples == NUM_PROMPTS - expected
-    m = load_manifest(res.out)
-    assert m["num_skipped"] == {"non_finite": expected}
+    m = CaptureManifest.load(res.out)
+    assert m.num_skipped == {"non_finite": expected}
     for s in load_captured(res.out):
         assert poison not in s["input_ids"].tolist()
         assert torch.isfinite(s["aux_hidden_states"].float()).all()
@@ -298,7 +303,8 @@ def test_auto_compute_dtype_is_recorded_by_name(tiny_llama, prepared_llama, tmp_
               aux_layer_ids=[1, 2, 4], limit=2)
     res = run_capture(CaptureConfig(**kw))
     used = "bfloat16" if cpu_has_native_bf16() else "float32"
-    assert CaptureConfig(**kw).dtype == "auto" and load_manifest(res.out)["compute_dtype"] == used
+    assert CaptureConfig(**kw).dtype == "auto"
+    assert CaptureManifest.load(res.out).compute_dtype == used
     again = run_capture(CaptureConfig(**kw, dtype=used))
     assert again.resumed_shards == res.num_shards and again.num_samples == res.num_samples == 2
 
@@ -314,7 +320,7 @@ def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
         "import sys, json\n"
         "sys.modules['vllm'] = None  # any `import vllm` now raises ImportError\n"
         "from eagle3.config import CaptureConfig\n"
-        "from eagle3.capture import run_capture, load_captured\n"
+        "from eagle3.capture import run_capture\nfrom eagle3.shards import load_captured\n"
         "r = run_capture(CaptureConfig.model_validate(json.loads(sys.argv[1])))\n"
         "assert r.num_samples == 2 and len(list(load_captured(r.out))) == 2\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules if sys.modules[m] is not None)\n"
@@ -333,8 +339,8 @@ def test_worker_writer_writes_the_driver_shards_byte_for_byte(vllm_llama, llama_
     cfg = llama_cfg(tiny_llama, prepared_llama, tmp_path / "w", writer="worker",
                     worker_background="always")  # the thread path (auto: only on a GPU engine)
     res = run_capture(cfg, llm=llama_engine)
-    mw, md = load_manifest(res.out), load_manifest(vllm_llama.out)
-    assert [s["sha256"] for s in mw["shards"]] == [s["sha256"] for s in md["shards"]] and len(mw["shards"]) >= 2
-    assert mw["shards"] == md["shards"] and mw["config_hash"] == md["config_hash"]
+    mw, md = CaptureManifest.load(res.out), CaptureManifest.load(vllm_llama.out)
+    assert [s.sha256 for s in mw.shards] == [s.sha256 for s in md.shards] and len(mw.shards) >= 2
+    assert mw.shards == md.shards and mw.config_hash == md.config_hash
     assert res.num_tokens == vllm_llama.num_tokens and res.num_skipped == {}
     assert not list(res.out.glob("*.tmp"))

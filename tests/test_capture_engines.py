@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3.capture import load_manifest, run_capture
+from eagle3.artifacts import CaptureManifest
+from eagle3.capture import run_capture
 from eagle3.capture.engines import chunk_bounds, chunk_span, engine_environments, plan_shards
 from eagle3.config import CaptureConfig, ConfigError
 from test_capture import check_golden, make_prepared
@@ -59,9 +60,9 @@ def shard_hashes(out: Path) -> dict[str, str]:
 
 
 def assert_same_capture(out: Path, ref: Path) -> None:
-    got, want = load_manifest(out), load_manifest(ref)
-    assert got["shards"] == want["shards"]  # files, sha256, rows, counts, skips
-    assert (got["num_samples"], got["num_tokens"]) == (want["num_samples"], want["num_tokens"])
+    got, want = CaptureManifest.load(out), CaptureManifest.load(ref)
+    assert got.shards == want.shards  # files, sha256, rows, counts, skips
+    assert (got.num_samples, got.num_tokens) == (want.num_samples, want.num_tokens)
     assert shard_hashes(out) == shard_hashes(ref)
     left = sorted(p.name for p in out.iterdir() if not p.name.startswith("shard-"))
     assert left == ["manifest.json", "progress.json"], left
@@ -116,7 +117,7 @@ def test_two_hf_engines_write_the_one_engine_shards(tiny_llama, prepared, one_en
         one_engine.num_shards // 2,
     ]
     assert sum(e["num_tokens"] for e in engines) == res.num_tokens == one_engine.num_tokens
-    assert load_manifest(res.out)["capture_config"]["num_engines"] == 2
+    assert CaptureManifest.load(res.out).capture_config["num_engines"] == 2
 
 
 RUN = (

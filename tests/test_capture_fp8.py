@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from eagle3.capture import iter_shards, load_captured, load_manifest, run_capture
-from eagle3.capture.quant import FP8_MAX, dequantize_fp8, quantize_fp8, to_storage
-from eagle3.capture.storage import bytes_per_token, save_safetensors_hashed
+from eagle3.artifacts import CaptureManifest
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig
+from eagle3.quant import FP8_MAX, dequantize_fp8, quantize_fp8, to_storage
+from eagle3.shards import bytes_per_token, iter_shards, load_captured, save_safetensors_hashed
 from test_capture import capture_in_subprocess, make_prepared, rel_err
 from test_capture_resume import kill_capture_after_first_shard
 
@@ -123,7 +124,8 @@ def test_trainer_reader_dequantizes_fp8(captures):
 
     ref = list(load_captured(captures["fp8"].out))
     ds = CapturedDataset(captures["fp8"].out)
-    ram = preload_samples(captures["fp8"].out, ds.manifest["aux_layer_ids"], ds.manifest["num_hidden_layers"])
+    ram = preload_samples(captures["fp8"].out, ds.manifest.aux_layer_ids,
+                          ds.manifest.num_hidden_layers)
     for i in (0, len(ref) // 2, len(ref) - 1):
         for k in ("aux_hidden_states", "last_hidden_states"):
             assert ds[i][k].dtype == torch.bfloat16 and torch.equal(ds[i][k], ref[i][k]), (i, k)
@@ -131,24 +133,24 @@ def test_trainer_reader_dequantizes_fp8(captures):
 
 
 def test_fp8_manifest_and_bytes(captures):
-    m = load_manifest(captures["fp8"].out)
-    H, A = m["hidden_size"], len(m["aux_layer_ids"])
-    assert m["dtype"] == "fp8" and m["storage"]["dtype"] == "float8_e4m3fn"
-    assert m["storage"]["reader_dtype"] == "bfloat16"
-    assert m["storage"]["scales"]["aux_hidden_states"] == {"key": "aux_hidden_states_scale", "dtype": "float32",
-                                                          "shape": "[N, A]"}
-    assert m["storage"]["scales"]["last_hidden_states"]["shape"] == "[N]"
-    assert m["bytes_per_token"] == bytes_per_token(A, H, "fp8") == (A + 1) * H + (A + 1) * 4 + 8 + 1
-    assert load_manifest(captures["bfloat16"].out)["storage"] == {"dtype": "bfloat16", "scales": None,
-                                                                  "reader_dtype": "bfloat16"}
+    m = CaptureManifest.load(captures["fp8"].out)
+    H, A = m.hidden_size, len(m.aux_layer_ids)
+    assert m.dtype == "fp8" and m.storage["dtype"] == "float8_e4m3fn"
+    assert m.storage["reader_dtype"] == "bfloat16"
+    assert m.storage["scales"]["aux_hidden_states"] == {"key": "aux_hidden_states_scale",
+                                                        "dtype": "float32", "shape": "[N, A]"}
+    assert m.storage["scales"]["last_hidden_states"]["shape"] == "[N]"
+    assert m.bytes_per_token == bytes_per_token(A, H, "fp8") == (A + 1) * H + (A + 1) * 4 + 8 + 1
+    bf16 = CaptureManifest.load(captures["bfloat16"].out)
+    assert bf16.storage == {"dtype": "bfloat16", "scales": None, "reader_dtype": "bfloat16"}
     for dt in ("fp8", "bfloat16", "float32"):
-        res, man = captures[dt], load_manifest(captures[dt].out)
-        payload = man["num_tokens"] * man["bytes_per_token"]
+        res, man = captures[dt], CaptureManifest.load(captures[dt].out)
+        payload = man.num_tokens * man.bytes_per_token
         # every byte but the safetensors headers and per-sample offsets/index is accounted for
         assert payload <= res.bytes_written <= payload + res.num_shards * 4096, dt
     ratio = captures["fp8"].bytes_written / captures["bfloat16"].bytes_written
-    print(f"fp8/bf16 bytes on disk: {ratio:.3f} (bytes/token {m['bytes_per_token']} vs "
-          f"{load_manifest(captures['bfloat16'].out)['bytes_per_token']})")
+    print(f"fp8/bf16 bytes on disk: {ratio:.3f} (bytes/token {m.bytes_per_token} vs "
+          f"{CaptureManifest.load(captures['bfloat16'].out).bytes_per_token})")
     assert ratio < 0.53  # H=128: scales + ids/mask are 2.5% of an fp8 token; at H=7168 (Kimi) 0.1%
     assert bytes_per_token(3, 7168, "fp8") / bytes_per_token(3, 7168, "bfloat16") < 0.501
 
@@ -157,14 +159,17 @@ def test_fp8_disk_check_uses_fp8_bytes(tiny_llama, prepared, tmp_path, monkeypat
     """A disk that holds the fp8 capture but not the bf16 one: fp8 starts, bf16 is refused."""
     import collections
 
-    from eagle3 import plan as plan_mod  # the capture's disk check is the planner's
-    from eagle3.data.prepared import load_prepared
+    from eagle3 import (
+        shards,  # the capture's disk check is the planner's (eagle3.shards.check_capture_fits)
+    )
+    from eagle3.prepared import load_prepared
 
     m_tokens = sum(len(x) for x in load_prepared(prepared)["input_ids"])
     need8, need16 = (m_tokens * bytes_per_token(3, 128, dt) for dt in ("fp8", "bfloat16"))
     reserve = int(0.5 * 1024**3)
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(plan_mod.shutil, "disk_usage", lambda _p: usage(10**12, 0, reserve + (need8 + need16) // 2))
+    monkeypatch.setattr(shards.shutil, "disk_usage",
+                        lambda _p: usage(10**12, 0, reserve + (need8 + need16) // 2))
     with pytest.raises(ValueError, match="fp8 halves bfloat16"):
         run_capture(_cfg(tiny_llama, prepared, tmp_path / "b", storage_dtype="bfloat16", min_free_disk_gb=0.5))
     res = run_capture(_cfg(tiny_llama, prepared, tmp_path / "f", storage_dtype="fp8", min_free_disk_gb=0.5, limit=2))
@@ -180,8 +185,8 @@ def test_fp8_sigkill_then_resume(tiny_llama, prepared, captures, tmp_path):
     assert 1 <= len(done) < ref.num_shards
     res = run_capture(cfg)
     assert res.resumed_shards == len(done) and res.num_samples == ref.num_samples
-    a, b = load_manifest(cfg.out), load_manifest(ref.out)
-    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]  # bit-identical shards
+    a, b = CaptureManifest.load(cfg.out), CaptureManifest.load(ref.out)
+    assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]  # bit-identical shards
     assert [s["sample_id"] for s in load_captured(cfg.out, verify=True)] == [
         s["sample_id"] for s in load_captured(ref.out)]
 

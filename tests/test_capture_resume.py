@@ -17,8 +17,10 @@ import time
 import pytest
 import torch
 
-from eagle3.capture import load_captured, load_manifest, run_capture
+from eagle3.artifacts import CaptureManifest
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig
+from eagle3.shards import load_captured
 from test_capture import make_prepared
 
 NUM = 40
@@ -83,7 +85,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_llama, prepared_many, tmp
     done = kill_capture_after_first_shard(cfg)
     assert 1 <= len(done) < ref.num_shards
     with pytest.raises(FileNotFoundError, match="interrupted capture"):
-        load_manifest(out)
+        CaptureManifest.load(out)
 
     res = run_capture(cfg)
     assert res.resumed_shards == len(done)

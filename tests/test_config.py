@@ -4,6 +4,7 @@ import pytest
 
 from eagle3.cli import build_parser, stage_config_from_args
 from eagle3.config import (
+    AuxLayerIds,
     CaptureConfig,
     ConfigError,
     PipelineConfig,
@@ -40,6 +41,43 @@ def test_layers_parse_and_validate():
         CaptureConfig(aux_layer_ids=[2, 2])
     with pytest.raises(ValueError, match="comma-separated"):
         CaptureConfig(aux_layer_ids="2,x")
+
+
+#: (ids given, L, last_ok) -> the resolved ids, or the error's text
+AUX_LAYER_ID_CASES = [
+    (None, 32, False, [2, 16, 29]),  # the default (2, L//2, L-3)
+    (None, 6, False, [1, 3, 4]),  # (2, 3, 3) collides: (1, L//2, L-2)
+    (None, 4, False, r"the default \(2, L//2, L-3\) is not usable for a target with L=4 layers"),
+    ([1, 2, 31], 32, False, [1, 2, 31]),
+    ([1, 2, 32], 32, False,
+     r"= \[1, 2, 32\]: id\(s\) \[32\] out of range for this 32-layer target; use ids in 1\.\.31"),
+    # training may read the last layer (id L) from last_hidden_states
+    ([1, 2, 32], 32, True, [1, 2, 32]),
+    ([1, 33], 32, True, r"id\(s\) \[33\] out of range for this 32-layer target; use ids in 1..32"),
+    ([0, 1], 8, False, r"id\(s\) \[0\] out of range"),  # id 0 would be the embeddings
+    ([3, 3], 8, False, r"= \[3, 3\]: name each aux layer id once"),
+]
+
+
+@pytest.mark.parametrize("ids,num_layers,last_ok,want", AUX_LAYER_ID_CASES)
+def test_aux_layer_ids_one_default_and_one_range(ids, num_layers, last_ok, want):
+    field = "capture.aux_layer_ids"
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want):
+            if ids is None:
+                AuxLayerIds.resolve(None, num_layers, field)
+            else:
+                AuxLayerIds(tuple(ids)).check(num_layers, field, last_ok=last_ok)
+        if ids is not None:  # preflight lists the same line instead of raising
+            problem = AuxLayerIds(tuple(ids)).problem(num_layers, field, last_ok)
+            assert problem.startswith(f"{field} = {ids}: ")
+        return
+    if last_ok:
+        got = AuxLayerIds(tuple(ids)).check(num_layers, field, last_ok=True)
+    else:
+        got = AuxLayerIds.resolve(ids, num_layers, field)
+    assert got.as_list() == want and list(got) == want and len(got) == len(want)
+    assert AuxLayerIds(tuple(want)).problem(num_layers, field, last_ok) is None
 
 
 def test_require_names_the_flag():
@@ -94,7 +132,7 @@ def test_num_speculative_tokens_is_set_once_in_evaluate():
 
 
 def test_records_with_old_key_names_are_migrated():
-    from eagle3.compat import migrate_record
+    from eagle3.artifacts import migrate_record
 
     old = {"layers": [1, 2, 4], "captured_layers": [1, 2, 4, 5], "hidden_size": 8,
            "train_config": {"layers": [1, 2], "lr": 1e-3}}

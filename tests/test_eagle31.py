@@ -74,22 +74,25 @@ def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
     """A draft checkpoint with random weights (norm weights away from 1 so each norm matters), as run_train saves it."""
     from tests.synthetic_capture import write_vocab
 
+    from eagle3.artifacts import CaptureManifest, DraftVocab
     from eagle3.train.checkpoint import draft_metadata, save_model_dir
-    from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
     from eagle3.train.trainer import build_draft
+    from eagle3.weights import load_target_tensors, read_target_config
 
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=root / "train",
                       draft=DraftOverrides(fc_norm=fc_norm, norm_output=norm_output))
     tcfg = read_target_config(tiny_llama)
-    d2t, t2d = load_vocab(vocab)
+    d2t, t2d = DraftVocab.load(vocab).torch_maps()
     torch.manual_seed(0)
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.startswith("fc_norm."):
                 p.uniform_(0.5, 1.5)
-    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, {"aux_layer_ids": [1, 2, 4]}, tcfg, step=1))
+    manifest = CaptureManifest(aux_layer_ids=[1, 2, 4], hidden_size=128)
+    return save_model_dir(root / "train" / "final", model,
+                          draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
@@ -187,7 +190,7 @@ def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, variant):
 
     meta = json.loads((ck / "eagle3_draft.json").read_text())
     exported = {k: v.float() for k, v in load_file(str(tmp_path / "draft" / "model.safetensors")).items()}
-    from eagle3.train.target import load_target_tensors
+    from eagle3.weights import load_target_tensors
 
     def ours(**flags) -> Eagle3Draft:
         m = Eagle3Draft(DraftConfig.from_dict({**meta["draft_config"], **flags}))

@@ -3,7 +3,7 @@ with SIGKILL left `VLLM::EngineCore` and `VLLM::Worker` running under PID 1, ~3.
 
 The capture runs as the `eagle3` command with vLLM's own process layout (engine core and worker
 spawned by vLLM). It is killed once the worker process exists: by then vLLM has loaded its general
-plugins in both processes (eagle3.capture.vllm_ext.die_with_parent_plugin), the engine core before
+plugins in both processes (eagle3.vllm_ext.die_with_parent_plugin), the engine core before
 it starts its workers and the worker before it names itself `VLLM::Worker`.
 """
 

@@ -83,7 +83,7 @@ def write_jsonl(path: Path, rows: list, bad_lines: dict[int, str] | None = None)
 # loss
 @pytest.mark.parametrize("layout", ["indented", "one_row_per_line"])
 def test_json_array_saved_as_jsonl_is_read_whole(tmp_path, layout):
-    from eagle3.data.formats import read_conversations
+    from eagle3.chat_formats import read_conversations
 
     rows = chat_rows(50)
     if layout == "indented":
@@ -97,7 +97,7 @@ def test_json_array_saved_as_jsonl_is_read_whole(tmp_path, layout):
 
 
 def test_json_array_in_jsonl_that_does_not_parse_is_refused_with_a_hint(tmp_path):
-    from eagle3.data.formats import read_conversations
+    from eagle3.chat_formats import read_conversations
     from eagle3.errors import UserError
 
     p = tmp_path / "chats.jsonl"
@@ -110,7 +110,7 @@ def test_json_array_in_jsonl_that_does_not_parse_is_refused_with_a_hint(tmp_path
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_utf8_bom_costs_no_row(tmp_path, suffix):
-    from eagle3.data.formats import read_conversations
+    from eagle3.chat_formats import read_conversations
 
     rows = chat_rows(50)
     p = tmp_path / f"chats{suffix}"
@@ -328,7 +328,8 @@ def test_manifest_that_lost_a_shard_entry_is_refused(tmp_path, capsys, captured,
 
 
 def test_capture_rebuilds_a_manifest_that_lost_a_shard_entry(tmp_path, tiny_llama):
-    from eagle3.capture import load_manifest, run_capture
+    from eagle3.artifacts import CaptureManifest
+    from eagle3.capture import run_capture
     from eagle3.config import CaptureConfig
     from test_capture import make_prepared
 
@@ -352,8 +353,8 @@ def test_capture_rebuilds_a_manifest_that_lost_a_shard_entry(tmp_path, tiny_llam
     (cfg.out / "manifest.json").write_text(json.dumps(m))
     again = run_capture(cfg)
     assert again.num_samples == first.num_samples == 8 and again.resumed_shards == 1
-    rebuilt = load_manifest(cfg.out)  # covers its samples again
-    assert rebuilt["shards"][1]["sha256"] == lost["sha256"]  # captured again bit for bit
+    rebuilt = CaptureManifest.load(cfg.out)  # covers its samples again
+    assert rebuilt.shards[1].sha256 == lost["sha256"]  # captured again bit for bit
 
 
 # ------------------------------------------------------------------------------------ one error
@@ -551,7 +552,7 @@ def test_vllm_plugin_leaves_a_fork_server_job_running(tmp_path):
     script = tmp_path / "caller.py"
     script.write_text(
         "import os\nimport eagle3.vllm_engine as ve\n"
-        "from eagle3.capture.vllm_ext import die_with_parent_plugin\n"
+        "from eagle3.vllm_ext import die_with_parent_plugin\n"
         "if __name__ == '__main__':\n"
         "    ve.FORKSERVER_PRELOAD = []\n"
         "    os.environ['EAGLE3_ENGINE_DIES_WITH_PARENT'] = '1'\n"

@@ -114,12 +114,13 @@ def test_threads_packing_from_the_shards_equal_the_plain_loader(captured):
 
 
 def test_padded_eval_batches_score_the_same(captured, tiny_llama):
+    from eagle3.artifacts import DraftVocab
     from eagle3.train.loss import TargetHead
-    from eagle3.train.target import load_target_tensors, load_vocab
     from eagle3.train.trainer import build_draft, read_target_config
+    from eagle3.weights import load_target_tensors
 
     samples, manifest, vocab, _ = captured
-    d2t, t2d = load_vocab(vocab)
+    d2t, t2d = DraftVocab.load(vocab).torch_maps()
     tensors = load_target_tensors(tiny_llama)
     cfg = TrainConfig(target=str(tiny_llama), vocab=str(vocab))
     model = build_draft(cfg, read_target_config(tiny_llama), tensors, d2t, t2d, num_aux=3)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from tests.random_draft import build_random_draft
 
+from eagle3.acceptance import simulate_acceptance_length
 from eagle3.config import EvaluateConfig
 from eagle3.evaluate import (
     SAMPLING_FIX_EXTENSION,
     EvaluateResult,
     run_evaluate,
-    simulate_acceptance_length,
 )
 from eagle3.vllm_engine import on_cpu_platform
 

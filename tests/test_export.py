@@ -19,9 +19,10 @@ def checkpoint(tiny_llama, tmp_path_factory):
     """A checkpoint dir as run_train writes it (random weights), with its capture manifest on disk."""
     from tests.synthetic_capture import write_vocab
 
+    from eagle3.artifacts import CaptureManifest, DraftVocab
     from eagle3.train.checkpoint import draft_metadata, save_model_dir
-    from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
     from eagle3.train.trainer import build_draft
+    from eagle3.weights import load_target_tensors, read_target_config
 
     root = tmp_path_factory.mktemp("export")
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
@@ -31,9 +32,10 @@ def checkpoint(tiny_llama, tmp_path_factory):
     write_json(captured / "manifest.json", manifest)
     cfg = TrainConfig(target=str(tiny_llama), captured=str(captured), vocab=str(vocab), out=root / "train")
     tcfg = read_target_config(tiny_llama)
-    d2t, t2d = load_vocab(vocab)
+    d2t, t2d = DraftVocab.load(vocab).torch_maps()
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
-    return save_model_dir(root / "train" / "final", model, draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    meta = draft_metadata(cfg, model.cfg, CaptureManifest.from_dict(manifest, "test"), tcfg, step=1)
+    return save_model_dir(root / "train" / "final", model, meta)
 
 
 def test_export_vllm_layout(checkpoint, tmp_path):
@@ -112,7 +114,8 @@ def test_layer_ids_disagreeing_with_capture_refused(checkpoint, tmp_path):
     ("hidden_size", 256, "hidden_size=256"),
     ("vocab_size", 1024, "vocab_size=512 but the target config says 1024"),
     ("max_position_embeddings", 8192, "max_position_embeddings=4096 < target's 8192"),
-    ("num_hidden_layers", 3, r"ids must lie in \[0, 3\]"),
+    ("num_hidden_layers", 3,
+     r"aux_layer_ids = \[1, 2, 4\]: id\(s\) \[4\] out of range for this 3-layer target"),
 ])
 def test_target_mismatch_refused(checkpoint, tiny_llama, tmp_path, field, value, match):
     other = tmp_path / "other"
@@ -151,17 +154,19 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     """vLLM keeps no d2t when draft vocab == target vocab and fails on the key: export must drop it."""
     from tests.synthetic_capture import write_vocab
 
+    from eagle3.artifacts import CaptureManifest, DraftVocab
     from eagle3.train.checkpoint import draft_metadata, save_model_dir
-    from eagle3.train.target import load_target_tensors, load_vocab, read_target_config
     from eagle3.train.trainer import build_draft
+    from eagle3.weights import load_target_tensors, read_target_config
 
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(512))
     cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=tmp_path / "train")
     tcfg = read_target_config(tiny_llama)
-    d2t, t2d = load_vocab(vocab)
+    d2t, t2d = DraftVocab.load(vocab).torch_maps()
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
-    manifest = {"aux_layer_ids": [1, 2, 4]}
-    ck = save_model_dir(tmp_path / "train" / "final", model, draft_metadata(cfg, model.cfg, manifest, tcfg, step=1))
+    manifest = {"aux_layer_ids": [1, 2, 4], "hidden_size": 128}
+    meta = draft_metadata(cfg, model.cfg, CaptureManifest.from_dict(manifest, "test"), tcfg, step=1)
+    ck = save_model_dir(tmp_path / "train" / "final", model, meta)
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     w = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (512, 128)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.data.formats import (
+from eagle3.chat_formats import (
     Conversation,
     ReadResult,
     iter_prompts,

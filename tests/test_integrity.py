@@ -23,9 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.capture import load_captured, run_capture
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig, ConfigError, ExportConfig, TrainConfig
 from eagle3.export import ExportError, run_export
+from eagle3.shards import load_captured
 from eagle3.train import run_train
 from test_capture import make_prepared
 
@@ -113,19 +114,20 @@ def _nan_capture(cap: Path, out: Path, which: list[int]) -> tuple[Path, list[str
     overflowed would record if nothing checked it."""
     from tests.synthetic_capture import write_captured
 
-    from eagle3.capture.storage import load_manifest
+    from eagle3.artifacts import CaptureManifest
 
     samples = list(load_captured(cap))
     for i in which:
         samples[i]["aux_hidden_states"] = samples[i]["aux_hidden_states"].clone()
         samples[i]["aux_hidden_states"][3, 1, :5] = float("nan")
-    manifest = {k: v for k, v in load_manifest(cap).items() if k not in ("shards", "format", "num_samples")}
+    manifest = {k: v for k, v in CaptureManifest.load(cap).to_dict().items()
+                if k not in ("shards", "format", "num_samples")}
     return write_captured(out, samples, manifest, shard_samples=5), [samples[i]["sample_id"] for i in which]
 
 
 @pytest.mark.slow
 def test_nan_batch_stops_training_naming_shard_sample_and_step(capture, tiny_llama, tmp_path):
-    from eagle3.train.data import split_indices
+    from eagle3.splits import split_indices
 
     cap, vocab = capture
     train_idx, _ = split_indices(NUM, 0.2, 0)
@@ -151,7 +153,7 @@ def test_nan_batch_stops_training_naming_shard_sample_and_step(capture, tiny_lla
 def test_a_nan_model_never_becomes_best(capture, tiny_llama, tmp_path, capfd):
     """A validation sample with NaN states gives a NaN validation loss and the do-nothing τ of 1.0, which beat the
     old starting best of -1: best/ must stay unwritten."""
-    from eagle3.train.data import split_indices
+    from eagle3.splits import split_indices
 
     cap, vocab = capture
     _, val_idx = split_indices(NUM, 0.2, 0)
@@ -360,8 +362,8 @@ def test_negative_min_free_disk_is_refused():
 
 
 def test_bad_utf8_line_is_skipped_and_counted_naming_file_and_line(tiny_llama, tmp_path, caplog):
+    from eagle3.chat_formats import read_conversations
     from eagle3.config import PrepareConfig
-    from eagle3.data.formats import read_conversations
     from eagle3.data.prepare import run_prepare
 
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
@@ -445,7 +447,7 @@ def test_chunks_start_where_an_uninterrupted_run_puts_them():
 
 
 def test_content_parts_are_joined_with_newlines_as_vllm_renders_them():
-    from eagle3.data.formats import parse_row
+    from eagle3.chat_formats import parse_row
 
     conv, _ = parse_row({"messages": [{"role": "user", "content": [{"type": "text", "text": "one"},
                                                                    {"type": "text", "text": "two"}]},

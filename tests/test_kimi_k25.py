@@ -24,8 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.capture import load_captured, load_manifest, run_capture
+from eagle3.artifacts import CaptureManifest
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig, ExportConfig, PrepareConfig, TrainConfig, VocabConfig
+from eagle3.shards import load_captured
 from test_capture import MATCH, MISMATCH, rel_err
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -124,10 +126,10 @@ def test_vllm_capture_matches_transformers(kimi, captured):
     """Aux id k = transformers' hidden_states[k] of the language model inside the multimodal wrapper; the extra "last"
     state = the input of the language model's final norm. Neighbouring ids must not match."""
     target, _ = kimi
-    m = load_manifest(captured)
-    assert m["aux_layer_ids"] == LAYERS and m["num_hidden_layers"] == NUM_LAYERS and m["hidden_size"] == 128
+    m = CaptureManifest.load(captured)
+    assert m.aux_layer_ids == LAYERS and m.num_hidden_layers == NUM_LAYERS and m.hidden_size == 128
     samples = list(load_captured(captured))
-    assert len(samples) == m["num_samples"] >= NUM_CHATS - 2
+    assert len(samples) == m.num_samples >= NUM_CHATS - 2
     ref = kimi_reference_states(target, [s["input_ids"] for s in samples])
     worst, worst_wrong = 0.0, 1e9
     for s, (hs, pre) in zip(samples, ref, strict=True):
@@ -257,8 +259,7 @@ def vllm_eagle3_load(checks: list[dict]) -> list[dict]:
 def preset_draft(tmp_path_factory):
     """The Kimi-K2.5 preset's draft at real size, built on the meta device: (export config dir, target config dir,
     export shapes, draft config, aux ids)."""
-    from eagle3.capture.storage import resolve_aux_layer_ids
-    from eagle3.config import load_pipeline_config
+    from eagle3.config import AuxLayerIds, load_pipeline_config
     from eagle3.export import vllm_config
     from eagle3.model.draft import (
         Eagle3Draft,
@@ -269,7 +270,8 @@ def preset_draft(tmp_path_factory):
 
     cfg = load_pipeline_config(ROOT / "configs/kimi-k2.5.yaml").resolved()
     tcfg = json.loads((ROOT / "configs/targets/kimi-k2.5.json").read_text())
-    ids = resolve_aux_layer_ids(cfg.capture.aux_layer_ids, text_config(tcfg)["num_hidden_layers"])
+    num_layers = text_config(tcfg)["num_hidden_layers"]
+    ids = AuxLayerIds.resolve(cfg.capture.aux_layer_ids, num_layers).as_list()
     dcfg = draft_config_from_target(tcfg, num_aux=len(ids), draft_vocab_size=cfg.vocab.draft_vocab_size,
                                     overrides=cfg.train.draft)
     with torch.device("meta"):
@@ -331,7 +333,7 @@ def test_kimi_preset_draft_at_real_size_in_vllm(vllm_loads, preset_draft):
 def test_vllm_serves_draft_with_kimi_target(kimi, captured, exported):
     """vLLM serves the tiny Kimi-K2.5 with the exported draft (speculative_config method eagle3); its greedy output
     equals plain greedy decoding of the same target, and the draft proposed tokens."""
-    from eagle3.data.prepared import load_prepared
+    from eagle3.prepared import load_prepared
     from eagle3.vllm_engine import engine_kwargs, on_cpu_platform, run_in_subprocess
 
     if on_cpu_platform():
@@ -366,7 +368,7 @@ def test_vllm_capture_tp2(kimi, captured, tmp_path, monkeypatch):
     the two ranks get one core each by hand (VLLM_CPU_OMP_THREADS_BIND), none is reserved for the engine core."""
     import os
 
-    from eagle3.capture import iter_shards
+    from eagle3.shards import iter_shards
     from eagle3.vllm_engine import on_cpu_platform
 
     target, prepared = kimi
@@ -382,9 +384,10 @@ def test_vllm_capture_tp2(kimi, captured, tmp_path, monkeypatch):
                                     aux_layer_ids=LAYERS, dtype="float32", batch_tokens=MAX_MODEL_LEN, shard_tokens=400,
                                     tensor_parallel_size=2))
     assert res.num_skipped == {}
-    m1, m2 = load_manifest(captured), load_manifest(res.out)
-    assert m2["capture_config"]["tensor_parallel_size"] == 2
-    assert (m2["num_samples"], m2["num_tokens"], m2["aux_layer_ids"]) == (m1["num_samples"], m1["num_tokens"], m1["aux_layer_ids"])
+    m1, m2 = CaptureManifest.load(captured), CaptureManifest.load(res.out)
+    assert m2.capture_config["tensor_parallel_size"] == 2
+    assert ((m2.num_samples, m2.num_tokens, m2.aux_layer_ids)
+            == (m1.num_samples, m1.num_tokens, m1.aux_layer_ids))
     s1, s2 = list(iter_shards(captured)), list(iter_shards(res.out))
     assert [s["sample_ids"] for s in s2] == [s["sample_ids"] for s in s1]  # no duplicated or missing rows
     worst = 0.0

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.capture import load_manifest, run_capture
+from eagle3.artifacts import CaptureManifest
+from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig, ExportConfig, TrainConfig
 from test_capture import check_golden, make_prepared
 
@@ -50,7 +51,7 @@ def test_hf_capture_matches_transformers(family):
     assert cfg["architectures"] == [{"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
     errs = check_golden(captured, target)  # aux ids and the pre-norm last layer; neighbours must not match
     assert errs["match"] < 0.01, errs
-    assert load_manifest(captured)["hidden_size"] == cfg["hidden_size"]
+    assert CaptureManifest.load(captured).hidden_size == cfg["hidden_size"]
 
 
 def test_capture_train_export(family, tmp_path):

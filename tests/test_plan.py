@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.flops import count_target_forward_flops, count_target_params
 from eagle3.plan import (
     HARDWARE,
     REFBENCH_TARGET,
     PlanConfig,
-    check_capture_fits,
-    estimate_storage,
     format_plan,
     load_anchors,
     run_plan,
 )
-from eagle3.train.flops import count_target_forward_flops, count_target_params
+from eagle3.shards import check_capture_fits, estimate_storage
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI = dict(config=str(ROOT / "configs/kimi-k2.5.yaml"), target_config=str(ROOT / "configs/targets/kimi-k2.5.json"))

@@ -2,8 +2,9 @@ import json
 
 import pytest
 
+from eagle3.artifacts import PreparedMeta
+from eagle3.chat_formats import Conversation
 from eagle3.config import PrepareConfig
-from eagle3.data.formats import Conversation
 from eagle3.data.prepare import (
     TemplateError,
     load_tokenizer,
@@ -11,7 +12,7 @@ from eagle3.data.prepare import (
     tokenize_with_generation_mask,
     tokenize_with_prefix_mask,
 )
-from eagle3.data.prepared import load_prepared, load_prepared_manifest
+from eagle3.prepared import load_prepared
 
 SINGLE = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "It is four."}]
 MULTI = SINGLE + [{"role": "user", "content": "And three?"}, {"role": "assistant", "content": "Six."}]
@@ -86,10 +87,10 @@ def test_run_prepare_counts_every_skip_reason(tiny_llama, tmp_path):
     }
     ds = load_prepared(tmp_path / "prep")
     assert list(ds["sample_id"]) == ["ok-sharegpt", "ok-openai", "ok-pair"]
-    man = load_prepared_manifest(tmp_path / "prep")
-    assert man["mask_method"] == "generation_markers"
-    assert man["num_supervised_tokens"] == sum(int(m.sum()) for m in ds["loss_mask"])
-    assert man["chat_template_sha256"] and man["tokenizer_sha256"] and man["source_sha256"]
+    man = PreparedMeta.load(tmp_path / "prep")
+    assert man.mask_method == "generation_markers"
+    assert man.num_supervised_tokens == sum(int(m.sum()) for m in ds["loss_mask"])
+    assert man.chat_template_sha256 and man.tokenizer_sha256 and man.source_sha256
 
 
 def test_zero_usable_rows_is_an_error_naming_the_input(tiny_llama, tmp_path):
@@ -138,7 +139,7 @@ def test_remote_code_tokenizer_needs_opt_in(tiny_llama, tmp_path):
     assert type(load_tokenizer(str(target), trust_remote_code=True)).__name__ == "TinyRemoteTokenizer"
     res = run_prepare(cfg.model_copy(update={"trust_remote_code": True}))
     assert res.num_samples == 1
-    assert load_prepared_manifest(tmp_path / "prep")["config"]["trust_remote_code"] is True
+    assert PreparedMeta.load(tmp_path / "prep").config["trust_remote_code"] is True
     # the pipeline file's key, as the error message names it
     pipe = tmp_path / "pipe.yaml"
     pipe.write_text(f"target: {target}\ndata: {data}\nwork_dir: {tmp_path / 'w'}\nprepare:\n  trust_remote_code: true\n")

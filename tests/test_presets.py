@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.capture.storage import resolve_aux_layer_ids
-from eagle3.config import load_pipeline_config
+from eagle3.config import AuxLayerIds, load_pipeline_config
 from eagle3.model.draft import draft_config_from_target, text_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -40,7 +39,7 @@ def test_preset_derives_layers_and_draft(name):
     tc = text_config(target_cfg)
     num_layers, aux_ids, hidden, inter, heads = EXPECTED[name]
     assert tc["num_hidden_layers"] == num_layers
-    layers = resolve_aux_layer_ids(cfg.capture.aux_layer_ids, num_layers)
+    layers = AuxLayerIds.resolve(cfg.capture.aux_layer_ids, num_layers).as_list()
     assert layers == aux_ids
     draft = draft_config_from_target(target_cfg, num_aux=len(layers), draft_vocab_size=cfg.vocab.draft_vocab_size,
                                      overrides=cfg.train.draft)

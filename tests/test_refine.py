@@ -165,7 +165,7 @@ def test_error_position_finder_matches_an_explicit_loop(piped):
     from eagle3.train.loss import TargetHead
     from eagle3.train.onpolicy import find_rejected_blocks
     from eagle3.train.step import TTTModule, ttt_forward
-    from eagle3.train.target import load_target_tensors
+    from eagle3.weights import load_target_tensors
 
     cfg, _ = piped
     work = Path(cfg.work_dir)
@@ -174,7 +174,7 @@ def test_error_position_finder_matches_an_explicit_loop(piped):
     t = load_target_tensors(cfg.target)
     head = TargetHead(t["norm"], 1e-6, t["lm_head"], torch.arange(model.d2t.numel()) + model.d2t)
     raw = CapturedDataset(work / "refine" / "validation" / "captured")
-    samples = SelectedLayers(raw, raw.manifest["aux_layer_ids"], meta["aux_layer_ids"], 5)
+    samples = SelectedLayers(raw, raw.manifest.aux_layer_ids, meta.aux_layer_ids, 5)
     k, K = 3, 4
     with torch.no_grad():
         designed = [

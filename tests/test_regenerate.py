@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.chat_formats import read_conversations
 from eagle3.config import RegenerateConfig
-from eagle3.data.formats import read_conversations
 from eagle3.data.regenerate import (
     PARTIAL,
     PROGRESS,

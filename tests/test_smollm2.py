@@ -77,8 +77,8 @@ def test_chatml_masks_cover_exactly_the_answers(smollm2, system):
 def test_prepared_rows_supervise_answers_only(smollm2, smol_prepared):
     from transformers import AutoTokenizer
 
-    from eagle3.data.formats import read_conversations
-    from eagle3.data.prepared import load_prepared
+    from eagle3.chat_formats import read_conversations
+    from eagle3.prepared import load_prepared
 
     tok = AutoTokenizer.from_pretrained(str(smollm2))
     ds = load_prepared(smol_prepared)
@@ -127,16 +127,17 @@ def test_capture_equals_transformers_at_the_aux_ids(smollm2, smol_capture):
     pre-norm last state; the neighbouring ids k±1 do not match (so an off-by-one layer would fail)."""
     from tests.test_capture import reference_states, rel_err
 
-    from eagle3.capture import load_captured, load_manifest
+    from eagle3.artifacts import CaptureManifest
+    from eagle3.shards import load_captured
 
-    m = load_manifest(smol_capture.out)
-    assert m["aux_layer_ids"] == [2, 15, 27] and m["num_hidden_layers"] == 30 and m["hidden_size"] == 576
+    m = CaptureManifest.load(smol_capture.out)
+    assert m.aux_layer_ids == [2, 15, 27] and m.num_hidden_layers == 30 and m.hidden_size == 576
     samples = list(load_captured(smol_capture.out))
     assert len(samples) == NUM_CAPTURE
     ref = reference_states(smollm2, [s["input_ids"] for s in samples])
     worst, worst_wrong = 0.0, 1e9
     for s, (hs, pre) in zip(samples, ref, strict=True):
-        for a, k in enumerate(m["aux_layer_ids"]):
+        for a, k in enumerate(m.aux_layer_ids):
             got = s["aux_hidden_states"][:, a]
             worst = max(worst, rel_err(got, hs[k]))
             worst_wrong = min(worst_wrong, rel_err(got, hs[k - 1]), rel_err(got, hs[k + 1]))

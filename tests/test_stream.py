@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3.capture.spool import epoch_order, spool_bytes
 from eagle3.config import ConfigError, PipelineConfig, StreamConfig
+from eagle3.spool_files import epoch_order, spool_bytes
 from eagle3.train.stream import count_packed_rows, read_samples_log
 from test_capture import make_prepared
 from test_flows import prefect_harness  # noqa: F401 - the embedded Prefect API fixture
@@ -34,7 +34,7 @@ def stream_inputs(tiny_llama, tmp_path_factory):
     """(target, prepared dir, vocab dir) shared by the tests."""
     from tests.synthetic_capture import frequent_ids, write_vocab
 
-    from eagle3.data.prepared import load_prepared
+    from eagle3.prepared import load_prepared
 
     base = tmp_path_factory.mktemp("stream-inputs")
     prepared = make_prepared(tiny_llama, base / "prepared", num=40, step=8)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.chat_formats import read_conversations
 from eagle3.config import (
     ConfigError,
     MixConfig,
@@ -15,7 +16,6 @@ from eagle3.config import (
     RegenerateConfig,
     SynthesizeConfig,
 )
-from eagle3.data.formats import read_conversations
 from eagle3.data.mix import run_mix
 from eagle3.data.synthesize import (
     DROP_REASONS,

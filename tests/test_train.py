@@ -489,13 +489,14 @@ import torch
 from eagle3.train import parallel
 from eagle3.train.data import attach_target_argmax, load_samples
 from eagle3.train.loss import TargetHead
-from eagle3.train.target import load_target_tensors, load_vocab
+from eagle3.artifacts import DraftVocab
+from eagle3.weights import load_target_tensors
 from eagle3.train.trainer import with_target_argmax
 
 captured, target, vocab, out = sys.argv[1:]
 d = parallel.setup("cpu")
 t = load_target_tensors(target)
-d2t, _ = load_vocab(vocab)
+d2t, _ = DraftVocab.load(vocab).torch_maps()
 head = TargetHead(t["norm"], 1e-6, t["lm_head"], torch.arange(d2t.numel()) + d2t)
 samples = load_samples(captured)
 got = with_target_argmax(samples, head, d)
@@ -630,7 +631,8 @@ def test_captured_dir_is_read_lazily_and_exactly(captured, tmp_path):
     samples, manifest, _ = captured
     path = write_captured(tmp_path / "cap", samples[:7], manifest, shard_samples=3)
     ds = load_samples(path)
-    assert isinstance(ds, CapturedDataset) and len(ds) == 7 and ds.manifest["aux_layer_ids"] == [1, 2, 4]
+    assert isinstance(ds, CapturedDataset) and len(ds) == 7
+    assert ds.manifest.aux_layer_ids == [1, 2, 4]
     for i in (0, 3, 6):
         for k in ("input_ids", "aux_hidden_states", "last_hidden_states"):
             assert torch.equal(ds[i][k], torch.as_tensor(samples[i][k])), (i, k)
@@ -728,8 +730,9 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
     from transformers import AutoModelForCausalLM
 
     from eagle3.config import ConfigError, DraftOverrides
-    from eagle3.train.target import load_target_tensors, load_top_layers, read_target_config
+    from eagle3.train.target import load_top_layers
     from eagle3.train.trainer import build_draft
+    from eagle3.weights import load_target_tensors, read_target_config
 
     target_cfg = read_target_config(tiny_llama)
     L, V, inter = target_cfg["num_hidden_layers"], target_cfg["vocab_size"], target_cfg["intermediate_size"]

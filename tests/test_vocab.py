@@ -1,13 +1,13 @@
 import numpy as np
 import pytest
 
+from eagle3.artifacts import DraftVocab, PreparedMeta
 from eagle3.config import ConfigError, VocabConfig
-from eagle3.data.prepared import save_prepared
+from eagle3.prepared import save_prepared
 from eagle3.vocab import (
     build_draft_vocab,
     count_supervised_tokens,
     coverage_at_sizes,
-    load_vocab,
     run_vocab,
 )
 
@@ -49,9 +49,9 @@ def test_run_vocab_writes_loadable_files(tmp_path):
         {"input_ids": [1, 2, 3, 3], "loss_mask": [0, 1, 1, 1], "sample_id": "a"},
         {"input_ids": [4, 3, 5], "loss_mask": [1, 1, 0], "sample_id": "b"},
     ]
-    save_prepared(rows, tmp_path / "prep", {"target_vocab_size": 8, "source": "x"})
+    save_prepared(rows, tmp_path / "prep", PreparedMeta(target_vocab_size=8, source="x"))
     res = run_vocab(VocabConfig(data=str(tmp_path / "prep"), out=tmp_path / "voc", draft_vocab_size=4))
     assert res.num_distinct_seen == 3 and res.num_padded == 1 and res.coverage == 1.0
-    v = load_vocab(tmp_path / "voc")
+    v = DraftVocab.load(tmp_path / "voc")
     assert v.draft_ids.tolist() == [0, 2, 3, 4] and v.target_vocab_size == 8
     assert (tmp_path / "voc" / "coverage.json").is_file()

@@ -43,7 +43,7 @@ def pick_rows(num_rows_total: int, num: int) -> list[int]:
 
 def ours_by_origin(captured: str) -> tuple[Any, dict[tuple[str, str], int]]:
     """Our combined samples and (capture dir, sample id) -> index in them."""
-    from eagle3.capture import capture_dirs
+    from eagle3.artifacts import capture_dirs
     from eagle3.train.data import CapturedDataset, load_samples
 
     index, base = {}, 0

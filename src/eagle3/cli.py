@@ -14,15 +14,27 @@ import argparse
 import functools
 import json
 import sys
+import traceback
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from eagle3.config import ConfigError, PipelineConfig, load_yaml
-from eagle3.plan import PlanConfig
+from eagle3.config import (
+    RENAMED_CONFIG_KEYS,
+    ConfigError,
+    PipelineConfig,
+    deep_merge,
+    format_validation_error,
+    load_pipeline_config,
+    load_yaml,
+)
+from eagle3.console import configure_output
+from eagle3.diagnose import describe_failure
+from eagle3.pipeline import run_pipeline_from_file, summarize_run
+from eagle3.plan import PlanConfig, format_plan, run_plan
 from eagle3.stages import STAGES, build_stage_config, jsonable, run_stage_function, stage_names
 
 PLAN_HELP = ("estimate disk, capture time and training GPU-hours of a pipeline config on a hardware profile, and "
@@ -95,7 +107,8 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 class _RenamedFlag(argparse.Action):
-    """A flag whose field was renamed: refused with the new name (eagle3.compat.RENAMED_CONFIG_KEYS)."""
+    """A flag whose field was renamed: refused with the new name
+    (eagle3.config.RENAMED_CONFIG_KEYS)."""
 
     def __init__(self, *args: Any, new: str, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -106,8 +119,6 @@ class _RenamedFlag(argparse.Action):
 
 
 def _add_renamed_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    from eagle3.compat import RENAMED_CONFIG_KEYS
-
     for old, new in RENAMED_CONFIG_KEYS.items():
         if new in model.model_fields and old not in model.model_fields:
             parser.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS,
@@ -134,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_renamed_flags(p, spec.config)
     plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP, parents=[verbose])
     _add_field_flags(plan, PlanConfig)
-    from eagle3.train.estimate import EstimateConfig
+    from eagle3.train.estimate import (
+        EstimateConfig,  # torch: `import eagle3.cli` stays light (tests, tasks)
+    )
 
     estimate = sub.add_parser("estimate", help=ESTIMATE_HELP, description=ESTIMATE_HELP, parents=[verbose])
     _add_field_flags(estimate, EstimateConfig)
@@ -155,14 +168,10 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
         raw = load_yaml(args.config)
         source = f"{args.config} + command line"
         if stage in source_stages and raw.get("fetch_target") and "target" in raw:  # a pipeline config
-            from eagle3.config import load_pipeline_config
-
             values = load_pipeline_config(args.config).fetch_target_config().model_dump(exclude={"stage"})
         elif "target" in raw and ("data" in raw or "synthesize" in raw) and (stage in PipelineConfig.model_fields or stage in stream_stages) and (
             any(k in raw for k in stage_names("pipeline")) or "work_dir" in raw
         ):
-            from eagle3.config import load_pipeline_config
-
             pipe = load_pipeline_config(args.config)
             if stage in stream_stages:  # the producer / consumer side of the pipeline's streaming mode
                 values = pipe.stream_stages()[stream_stages.index(stage)].model_dump(exclude={"stage"})
@@ -171,7 +180,6 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
         else:
             values = raw
     flat = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
-    from eagle3.config import deep_merge
 
     values = deep_merge(values, _nest(flat))
     return build_stage_config(stage, values, source=source)
@@ -179,10 +187,6 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
 
 def build_tool_config(cls: type[BaseModel], args: argparse.Namespace) -> Any:
     """The config of a command that is not a pipeline stage (plan, estimate): flags only."""
-    from pydantic import ValidationError
-
-    from eagle3.config import format_validation_error
-
     try:
         return cls.model_validate(_nest({k: v for k, v in vars(args).items() if k not in ("command", "verbose")}))
     except ValidationError as e:
@@ -191,45 +195,35 @@ def build_tool_config(cls: type[BaseModel], args: argparse.Namespace) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from eagle3.console import configure_output
 
     configure_output(verbose=getattr(args, "verbose", False))  # before vLLM or Prefect is imported
     try:
         if args.command == "run":
-            from eagle3.pipeline import run_pipeline_from_file, summarize_run
-
             result = run_pipeline_from_file(args.config, use_prefect=not args.no_prefect)
             print(summarize_run(args.config, result))
             return 0
         elif args.command == "stream":
-            from eagle3.config import load_pipeline_config
-            from eagle3.stream import run_stream
+            from eagle3.stream import run_stream  # torch, the capture and training sides
 
             result = run_stream(load_pipeline_config(args.config))
         elif args.command == "plan":
-            from eagle3.plan import format_plan, run_plan
-
             cfg = build_tool_config(PlanConfig, args)
             result = run_plan(cfg)
             if cfg.format == "table":
                 print(format_plan(result))
                 return 0
         elif args.command == "estimate":
-            from eagle3.train.estimate import EstimateConfig, estimate_acceptance
+            from eagle3.train.estimate import EstimateConfig, estimate_acceptance  # torch
 
             result = estimate_acceptance(build_tool_config(EstimateConfig, args))
         else:
             cfg = stage_config_from_args(args.command, args)
             result = run_stage_function(args.command, cfg)
     except Exception as e:  # noqa: BLE001 - a diagnosis for what the user can fix; bugs keep their traceback
-        from eagle3.diagnose import describe_failure
-
         message = describe_failure(e)
         if message is None:
             raise
         if getattr(args, "verbose", False):
-            import traceback
-
             traceback.print_exc()
         print(f"eagle3 {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -9,6 +9,10 @@ on its own checks them with `require(...)`, which names the missing flag.
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,8 +27,13 @@ from pydantic import (
     model_validator,
 )
 
-from eagle3.compat import RENAMED_CONFIG_KEYS
 from eagle3.errors import UserError
+from eagle3.targets import TARGETS
+
+#: old key -> new key, in the capture: and train: sections of a config (and the stage configs): an
+#: error naming the new key (format_validation_error), not a silent alias, so the YAML gets fixed
+#: once (records on disk with old keys still load: eagle3.artifacts.migrate_record)
+RENAMED_CONFIG_KEYS: dict[str, str] = {"layers": "aux_layer_ids"}
 
 
 class ConfigError(UserError, ValueError):
@@ -152,8 +161,6 @@ def parse_domains(value: Any) -> Any:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("{"):
-            import json
-
             try:
                 return json.loads(text)
             except json.JSONDecodeError as e:
@@ -264,23 +271,104 @@ LossWeighting = Literal["uniform", "accept_until_fail"]
 LayerId = Annotated[Count, Field(ge=1)]
 
 
-def parse_layer_ids(value: Any) -> Any:
-    """`"2,4,5"` (a CLI flag) -> [2, 4, 5]; lists pass through."""
-    if isinstance(value, str):
-        try:
-            return [int(x) for x in value.replace(" ", "").split(",") if x]
-        except ValueError:
-            raise ValueError(f"aux_layer_ids must be comma-separated integers like 2,4,5; got {value!r}") from None
-    return value
+@dataclass(frozen=True)
+class AuxLayerIds:
+    """The aux layer ids of a target, in vLLM's EAGLE-3 semantics: id k = the output of decoder
+    layer k-1 (hidden_states + residual = transformers' output_hidden_states[k]), in the order the
+    draft's fc reads them.
 
+    The one home of the default and of the rules, for config (the form of a list), preflight
+    (problems listed), capture (the default, checked against the target), train and export
+    (checked against the target). Valid ids are 1..L-1 for an L-layer target: id 0 would be the
+    embeddings, and the last layer's output (id L) is always captured separately, as
+    last_hidden_states. Training may pick id L itself (`last_ok`: it is read from
+    last_hidden_states)."""
 
-def check_layer_ids(value: list[int] | None) -> list[int] | None:
-    if value is not None:
-        if not value:
-            raise ValueError("aux_layer_ids must name at least one layer id")
-        if len(set(value)) != len(value):
-            raise ValueError(f"aux_layer_ids has duplicates: {value}")
-    return value
+    ids: tuple[int, ...]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def as_list(self) -> list[int]:
+        return list(self.ids)
+
+    @staticmethod
+    def parse(value: Any) -> Any:
+        """`"2,4,5"` (a CLI flag) -> [2, 4, 5]; lists pass through (a config field's
+        before-validator)."""
+        if isinstance(value, str):
+            try:
+                return [int(x) for x in value.replace(" ", "").split(",") if x]
+            except ValueError:
+                raise ValueError("aux_layer_ids must be comma-separated integers like 2,4,5; got "
+                                 f"{value!r}") from None
+        return value
+
+    @staticmethod
+    def check_form(value: list[int] | None) -> list[int] | None:
+        """The rules that need no target: at least one id, no id twice (a config field's
+        after-validator; ids >= 1 are the field's type, LayerId). None = the default, resolved
+        once the target is known."""
+        if value is not None:
+            if not value:
+                raise ValueError("aux_layer_ids must name at least one layer id")
+            if len(set(value)) != len(value):
+                raise ValueError(f"aux_layer_ids has duplicates: {value}")
+        return value
+
+    @classmethod
+    def default(cls, num_layers: int, field: str = "CaptureConfig.aux_layer_ids") -> AuxLayerIds:
+        """(2, L//2, L-3). For small targets where those collide (L < 8, e.g. (2, 2, 2) at L=5;
+        vLLM would dedupe them and a 3-layer draft could not run) (1, L//2, L-2), printing a
+        note; a ConfigError when neither is usable."""
+        ids = [2, num_layers // 2, num_layers - 3]
+        if len(set(ids)) != 3 or min(ids) < 1:
+            alt = [1, num_layers // 2, num_layers - 2]
+            if len(set(alt)) == 3 and min(alt) >= 1:
+                print(f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for "
+                      f"L={num_layers}; using {alt}", file=sys.stderr, flush=True)
+                return cls(tuple(alt))
+            raise ConfigError(
+                f"{field}: the default (2, L//2, L-3) is not usable for a target with "
+                f"L={num_layers} layers ({ids}); pass --aux-layer-ids with distinct ids in "
+                f"1..{num_layers - 1}"
+            )
+        return cls(tuple(ids))
+
+    @classmethod
+    def resolve(cls, ids: Iterable[int] | None, num_layers: int,
+                field: str = "CaptureConfig.aux_layer_ids") -> AuxLayerIds:
+        """The ids given (checked against the target), or the default for it when None."""
+        if ids is None:
+            return cls.default(num_layers, field)
+        return cls(tuple(ids)).check(num_layers, field)
+
+    def problem(self, num_layers: int, field: str, last_ok: bool = False) -> str | None:
+        """None when the ids are valid for an L-layer target, else the one line naming the field,
+        the value and the fix. `last_ok`: id L (the last layer, read from last_hidden_states) is
+        allowed too, as training allows it."""
+        ids = list(self.ids)
+        if not ids or len(set(ids)) != len(ids):
+            return (f"{field} = {ids}: name each aux layer id once, at least one (e.g. "
+                    f"{[2, num_layers // 2, num_layers - 3]})")
+        top = num_layers if last_ok else num_layers - 1
+        bad = [k for k in ids if not 1 <= k <= top]
+        if not bad:
+            return None
+        return (f"{field} = {ids}: id(s) {bad} out of range for this {num_layers}-layer target; "
+                f"use ids in 1..{top} (id k = output of decoder layer k-1; the last layer is "
+                "always captured)")
+
+    def check(self, num_layers: int, field: str, last_ok: bool = False,
+              error: type[Exception] = ConfigError) -> AuxLayerIds:
+        """Self when valid (see problem), else `error` with problem's message."""
+        p = self.problem(num_layers, field, last_ok)
+        if p:
+            raise error(p)
+        return self
 
 
 class CaptureConfig(StageConfig):
@@ -318,8 +406,10 @@ class CaptureConfig(StageConfig):
         "auto", description="writer = worker: write each shard in a thread of the worker while the engine prefills "
         "the next chunk (auto = on a GPU engine; on a CPU engine the write would only compete with the forward)")
 
-    _parse_layers = field_validator("aux_layer_ids", mode="before")(lambda cls, v: parse_layer_ids(v))
-    _check_layers = field_validator("aux_layer_ids", mode="after")(lambda cls, v: check_layer_ids(v))
+    _parse_layers = field_validator("aux_layer_ids", mode="before")(
+        lambda cls, v: AuxLayerIds.parse(v))
+    _check_layers = field_validator("aux_layer_ids", mode="after")(
+        lambda cls, v: AuxLayerIds.check_form(v))
 
 
 class VocabConfig(StageConfig):
@@ -503,8 +593,10 @@ class TrainConfig(StageConfig):
         "weight files differ from those the capture recorded (a warning instead of an error)"
     )
 
-    _parse_layers = field_validator("aux_layer_ids", mode="before")(lambda cls, v: parse_layer_ids(v))
-    _check_layers = field_validator("aux_layer_ids", mode="after")(lambda cls, v: check_layer_ids(v))
+    _parse_layers = field_validator("aux_layer_ids", mode="before")(
+        lambda cls, v: AuxLayerIds.parse(v))
+    _check_layers = field_validator("aux_layer_ids", mode="after")(
+        lambda cls, v: AuxLayerIds.check_form(v))
 
     @field_validator("freeze", mode="before")
     @classmethod
@@ -754,8 +846,6 @@ class FetchTargetConfig(StageConfig):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str | None) -> str | None:
-        from eagle3.targets import TARGETS
-
         if v is not None and v not in TARGETS:
             raise ValueError(f"unknown target {v!r}; known targets: {', '.join(sorted(TARGETS))}")
         return v

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3.artifacts import EvalResults
+
 PROGRESS = "eagle3.progress"
 
 #: environment for a quiet run; verbose sets none of them
@@ -104,6 +106,14 @@ def key_figure(stage: str, result: Any) -> str:
     return ""
 
 
+def format_bytes(b: float) -> str:
+    """`b` bytes in the largest decimal unit that keeps it >= 1 (1.23 GB)."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
 def tokens_per_target_step(generated_tokens: int, accepted_tokens: int) -> float:
     """Generated tokens per target forward pass: every pass (the prefill included) emits one token plus the draft
     tokens it accepted, so passes = generated - accepted. Unlike vLLM's mean acceptance length (counted over the
@@ -113,23 +123,19 @@ def tokens_per_target_step(generated_tokens: int, accepted_tokens: int) -> float
     return generated_tokens / steps if steps > 0 else float("nan")
 
 
-def _all_row(r: dict[str, Any]) -> dict[str, Any]:
-    """The evaluate result's row over every prompt at the first temperature (the result itself if it has none)."""
-    rows = [x for x in r.get("rows") or [] if isinstance(x, dict) and x.get("category") == "all"]
-    return rows[0] if rows else r
-
-
-def evaluate_figure(r: dict[str, Any]) -> str:
-    tau = r.get("acceptance_length")
-    row = _all_row(r)
-    parts = [f"τ {tau:.2f}" if isinstance(tau, int | float) else "τ -"]
-    gen, acc = row.get("generated_tokens"), row.get("num_accepted_tokens", r.get("num_accepted_tokens"))
-    if isinstance(gen, int) and isinstance(acc, int):
+def evaluate_figure(result: dict[str, Any] | EvalResults) -> str:
+    r = EvalResults.from_dict(result, "the evaluate result")
+    tau = r.acceptance_length
+    row = r.all_row()
+    parts = [f"τ {tau:.2f}" if tau is not None else "τ -"]
+    gen = row.generated_tokens if row is not None else None
+    acc = row.num_accepted_tokens if row is not None else r.num_accepted_tokens
+    if gen is not None and acc is not None:
         parts.append(f"{tokens_per_target_step(gen, acc):.2f} tokens/target step")
-    if r.get("spec_tokens_per_s"):
-        parts.append(f"{r['spec_tokens_per_s']:.0f} tokens/s")
-    if r.get("baseline_tokens_per_s"):
-        parts.append(f"plain {r['baseline_tokens_per_s']:.0f} tokens/s")
+    if r.spec_tokens_per_s:
+        parts.append(f"{r.spec_tokens_per_s:.0f} tokens/s")
+    if r.baseline_tokens_per_s:
+        parts.append(f"plain {r.baseline_tokens_per_s:.0f} tokens/s")
     compared = []
     for e in comparison_entries(r)[1:]:  # the methods of evaluate's `compare`, after the evaluated one
         tau_c = f"τ {e['tau']:.2f}" if e["tau"] is not None else "τ -"
@@ -138,27 +144,29 @@ def evaluate_figure(r: dict[str, Any]) -> str:
     return " | ".join([", ".join(parts), *compared])
 
 
-def comparison_entries(r: dict[str, Any]) -> list[dict[str, Any]]:
+def comparison_entries(r: EvalResults) -> list[dict[str, Any]]:
     """One entry per method of an evaluate result (results.json or the stage's result): the evaluated method's
     row over every prompt at the first temperature, then that row of each method in its `comparisons` (evaluate's
     `compare`). Entry: method, tau (None where it never drafted), generated_tokens, num_accepted_tokens,
     num_drafts, tokens_per_s."""
-    row = _all_row(r)
-    drafts = int(row.get("num_drafts") or r.get("num_drafts") or 0)
-    tau = r.get("acceptance_length")
-    out = [{"method": r.get("method", "eagle3"), "tau": tau if isinstance(tau, int | float) and drafts else None,
-            "generated_tokens": int(row.get("generated_tokens") or 0),
-            "num_accepted_tokens": int(row.get("num_accepted_tokens") or 0), "num_drafts": drafts,
-            "tokens_per_s": row.get("tokens_per_s") or r.get("spec_tokens_per_s") or 0.0}]
+    row = r.all_row()
+    drafts = int((row.num_drafts if row is not None else None) or r.num_drafts or 0)
+    tau = r.acceptance_length
+    acc = row.num_accepted_tokens if row is not None else r.num_accepted_tokens
+    out = [{"method": r.method, "tau": tau if tau is not None and drafts else None,
+            "generated_tokens": int((row.generated_tokens if row is not None else None) or 0),
+            "num_accepted_tokens": int(acc or 0), "num_drafts": drafts,
+            "tokens_per_s": (row.tokens_per_s if row is not None else None) or r.spec_tokens_per_s
+            or 0.0}]
     seen = set()
-    for c in r.get("comparisons") or []:
-        if not isinstance(c, dict) or c.get("category") != "all" or c.get("method") in seen:
+    for c in r.comparisons:
+        if c.category != "all" or c.method in seen:
             continue
-        seen.add(c.get("method"))
-        out.append({"method": c.get("method"), "tau": c.get("tau") if c.get("num_drafts") else None,
-                    "generated_tokens": int(c.get("generated_tokens") or 0),
-                    "num_accepted_tokens": int(c.get("num_accepted_tokens") or 0),
-                    "num_drafts": int(c.get("num_drafts") or 0), "tokens_per_s": c.get("tokens_per_s") or 0.0})
+        seen.add(c.method)
+        out.append({"method": c.method, "tau": c.tau if c.num_drafts else None,
+                    "generated_tokens": int(c.generated_tokens or 0),
+                    "num_accepted_tokens": int(c.num_accepted_tokens or 0),
+                    "num_drafts": int(c.num_drafts or 0), "tokens_per_s": c.tokens_per_s or 0.0})
     return out
 
 
@@ -181,12 +189,9 @@ def compare_methods(results: list[str | Path]) -> str:
     """Side by side, from evaluate's results.json files (same prompts): each file's method, then the methods it
     measured beside it (`compare`); one directory evaluated with `compare: [ngram]` is enough, and directories of
     separate evaluations (one method each) still compare."""
-    import json
-
     entries = []
     for path in results:
-        p = Path(path)
-        entries += comparison_entries(json.loads((p / "results.json" if p.is_dir() else p).read_text()))
+        entries += comparison_entries(EvalResults.load(path))
     return format_comparison(entries)
 
 

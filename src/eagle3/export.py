@@ -33,20 +33,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from eagle3.compat import migrate_record
-from eagle3.config import ConfigError, ExportConfig
+from eagle3.artifacts import (
+    CaptureManifest,
+    DraftMetadata,
+    DraftVocab,
+    SpoolHeader,
+    capture_dirs,
+    latest_checkpoint,
+)
+from eagle3.config import AuxLayerIds, ConfigError, ExportConfig
 from eagle3.integrity import (
     check_target_identity,
     identity_record,
     nonfinite_tensors,
     target_identity,
 )
-from eagle3.io import atomic_dir, read_json, read_safetensors, write_json
+from eagle3.io import atomic_dir, read_safetensors, write_json
 from eagle3.model.draft import DraftConfig, expected_export_shapes, text_config
+from eagle3.weights import load_target_tensors
 
-METADATA = "eagle3_draft.json"
+METADATA = DraftMetadata.FILE
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
@@ -74,8 +82,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for sub in ("best", "final"):
         if (p / sub / WEIGHTS).is_file() and (p / sub / METADATA).is_file():
             return p / sub
-    from eagle3.train.checkpoint import latest_checkpoint
-
     ck = latest_checkpoint(p)
     if ck is None:
         raise ExportError(
@@ -85,39 +91,42 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return ck
 
 
-def _manifest(captured: str | None) -> dict | None:
+def _manifest(captured: str | None) -> CaptureManifest | SpoolHeader | None:
     """The capture the checkpoint was trained on (one dir, several comma-separated, or a streaming spool), or None
     when it is gone (checked against it when it is still there)."""
-    from eagle3.capture import capture_dirs, load_combined_manifest
-
     if not captured or not all(d.is_dir() for d in capture_dirs(captured)):
         return None
-    header = Path(captured) / "stream.json"
-    if header.is_file() and not (Path(captured) / "manifest.json").is_file():  # trained from a streaming spool:
-        return migrate_record(read_json(header))  # its header carries the capture's aux_layer_ids and hidden size
-    return load_combined_manifest(captured)
+    header = Path(captured) / SpoolHeader.FILE
+    if header.is_file() and not (Path(captured) / CaptureManifest.FILE).is_file():
+        # trained from a streaming spool: its header carries the capture's aux ids and hidden size
+        return SpoolHeader.read(header)
+    return CaptureManifest.load_combined(captured)
 
 
-def validate(meta: dict, dcfg: DraftConfig, tensors: dict[str, torch.Tensor], target_cfg: dict, manifest: dict | None) -> None:
+def validate(meta: DraftMetadata, dcfg: DraftConfig, tensors: dict[str, torch.Tensor],
+             target_cfg: dict, manifest: CaptureManifest | SpoolHeader | None) -> None:
     """Raise ExportError naming the field, the bad value and the fix; never returns partially."""
-    ids = list(meta["aux_layer_ids"])
+    ids = list(meta.aux_layer_ids)
     tc = text_config(target_cfg)
     L = tc.get("num_hidden_layers")
-    captured = list(manifest.get("aux_layer_ids", ids)) if manifest is not None else None
+    captured = list(manifest.aux_layer_ids) if manifest is not None else None
     if captured is not None and captured != ids:
         # a layer subset (TrainConfig.aux_layer_ids) is fine when the checkpoint says it was chosen from this capture
-        if meta.get("captured_aux_layer_ids") != captured or not set(ids) <= set(captured) | {L}:
+        if meta.captured_aux_layer_ids != captured or not set(ids) <= set(captured) | {L}:
             raise ExportError(
                 f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's aux_layer_ids="
-                f"{manifest['aux_layer_ids']}; the draft was trained on the manifest's aux_layer_ids, re-train or fix the metadata"
+                f"{manifest.aux_layer_ids}; the draft was trained on the manifest's aux_layer_ids, "
+                "re-train or fix the metadata"
             )
     if len(ids) != dcfg.num_aux or len(set(ids)) != len(ids):
         raise ExportError(f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads {dcfg.num_aux} states)")
-    if L is not None and not all(0 <= i <= L for i in ids):
-        raise ExportError(f"aux_layer_ids={ids}: ids must lie in [0, {L}] for a target with {L} layers")
-    if manifest is not None and manifest.get("hidden_size", tc["hidden_size"]) != tc["hidden_size"]:
+    if L is not None:  # a draft may read the last layer (id L) when trained so (TrainConfig)
+        AuxLayerIds(tuple(ids)).check(L, "checkpoint aux_layer_ids", last_ok=True,
+                                      error=ExportError)
+    if manifest is not None and manifest.hidden_size != tc["hidden_size"]:
         raise ExportError(
-            f"capture hidden_size={manifest['hidden_size']} but target hidden_size={tc['hidden_size']}: export "
+            f"capture hidden_size={manifest.hidden_size} but target "
+            f"hidden_size={tc['hidden_size']}: export "
             "against the target the data was captured from"
         )
     for name, want in (("target_hidden_size", tc["hidden_size"]), ("vocab_size", tc["vocab_size"])):
@@ -187,7 +196,8 @@ def vllm_config(dcfg: DraftConfig, ids: list[int]) -> dict[str, Any]:
     return {**cfg, **eagle31_keys(dcfg)}
 
 
-def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg: dict) -> dict[str, Any]:
+def speculators_config(dcfg: DraftConfig, ids: list[int], meta: DraftMetadata,
+                       target_cfg: dict) -> dict[str, Any]:
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -203,7 +213,8 @@ def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": meta["target"], "architectures": target_cfg.get("architectures", [])},
+            "verifier": {"name_or_path": meta.target,
+                         "architectures": target_cfg.get("architectures", [])},
         },
         "torch_dtype": "bfloat16",
     }
@@ -212,9 +223,11 @@ def speculators_config(dcfg: DraftConfig, ids: list[int], meta: dict, target_cfg
 def run_export(cfg: ExportConfig) -> ExportResult:
     cfg.require("checkpoint", "out")
     ck = resolve_checkpoint(cfg.checkpoint)
-    meta = migrate_record(read_json(ck / METADATA))
-    dcfg = DraftConfig.from_dict(meta["draft_config"])
-    target = cfg.target or meta["target"]
+    meta = DraftMetadata.load(ck)
+    dcfg = DraftConfig.from_dict(meta.draft_config)
+    if not cfg.target:
+        meta.require("target")
+    target = cfg.target or meta.target
     tpath = Path(target) / "config.json"
     if not tpath.is_file():
         raise ConfigError(f"ExportConfig.target={target!r} has no config.json; pass --target with the target model dir")
@@ -226,17 +239,17 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             f"{ck / WEIGHTS} holds NaN/inf in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: a draft that cannot "
             "propose anything; nothing was written. Export an earlier checkpoint or train again (check the capture)"
         )
-    manifest = _manifest(meta.get("captured"))
+    manifest = _manifest(meta.captured)
     validate(meta, dcfg, tensors, target_cfg, manifest)
     identity = target_identity(target)  # config sha256, layer count, every weight file's sha256
     if identity["fingerprint"] is None:
         print(f"export: target={target} holds no weight files (a config-only dir): its config is "
               "checked, its weights cannot be", file=sys.stderr, flush=True)
-    check_target_identity(meta, identity, what=f"checkpoint {ck}", target=target,
+    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}", target=target,
                           allow=cfg.allow_target_mismatch, error=ExportError,
                           redo="train again with this one")
     if manifest is not None:
-        check_target_identity(manifest, identity, what=f"capture {meta.get('captured')}",
+        check_target_identity(manifest.recorded_target(), identity, what=f"capture {meta.captured}",
                               target=target, allow=cfg.allow_target_mismatch, error=ExportError)
     # the draft's record of its target, for evaluate: the one export checked it against (or, with
     # allow_target_mismatch, was told to serve it with); a config-only target: the trained-with one
@@ -244,16 +257,17 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     if identity["fingerprint"] is not None:
         serves = {**identity_record(identity), "target": str(Path(target).resolve()),
                   "target_num_layers": identity["num_hidden_layers"]}
-    vocab_file = Path(meta.get("vocab") or "") / "vocab.safetensors"
-    if meta.get("vocab") and vocab_file.is_file():
-        d2t = load_file(str(vocab_file))["d2t"].long()
+    vocab_file = Path(meta.vocab or "") / DraftVocab.FILE
+    if meta.vocab and vocab_file.is_file():
+        d2t = DraftVocab.load(meta.vocab).torch_maps()[0]
         if d2t.shape != tensors["d2t"].shape or not torch.equal(d2t, tensors["d2t"].long()):
             raise ExportError(
-                f"the checkpoint's d2t differs from {vocab_file} (vocab={meta['vocab']}): the vocab dir was rebuilt "
+                f"the checkpoint's d2t differs from {vocab_file} (vocab={meta.vocab}): the vocab "
+                "dir was rebuilt "
                 "after training; export the checkpoint as trained by restoring that vocab or re-train"
             )
 
-    ids = list(meta["aux_layer_ids"])
+    ids = list(meta.aux_layer_ids)
     out_t = {k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
     out_t["d2t"], out_t["t2d"] = out_t["d2t"].long(), out_t["t2d"].bool()
     if dcfg.draft_vocab_size == dcfg.vocab_size:
@@ -269,13 +283,12 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     else:
         config = speculators_config(dcfg, ids, meta, target_cfg)
         out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
-        from eagle3.train.target import load_target_tensors
 
         out_t["embed_tokens.weight"] = load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
     with atomic_dir(cfg.out) as tmp:
         save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
-        write_json(tmp / METADATA, {**meta, **serves, "export_format": cfg.format})
+        meta.model_copy(update={**serves, "export_format": cfg.format}).save(tmp)
         for name in TOKENIZER_FILES:
             if (Path(target) / name).is_file():
                 shutil.copy2(Path(target) / name, tmp / name)

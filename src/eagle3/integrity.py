@@ -7,7 +7,7 @@
   permuted lm_head trains and exports without any shape error, so regenerate, capture, train and
   export record these, and every stage that reads another's output compares them (capture's resume
   and evaluate included). Records from before 2026-12-03 hold a sha256 of the embedding, final norm
-  and lm_head only: those are compared instead, with a warning (eagle3.compat).
+  and lm_head only: those are compared instead, with a warning (eagle3.artifacts).
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from typing import Any
 
 import torch
 
-from eagle3.compat import recorded_target_fingerprint
+from eagle3.artifacts import RecordedTarget, recorded_target_fingerprint
 from eagle3.identity import describe_difference, target_fingerprint
+from eagle3.io import read_json, sha256_file
+from eagle3.model.draft import text_config
+from eagle3.weights import load_target_tensors
 
-#: the target tensors fingerprinted (as eagle3.train.target.load_target_tensors names them)
+#: the target tensors fingerprinted (as eagle3.weights.load_target_tensors names them)
 FINGERPRINTED = ("embed", "norm", "lm_head")
 
 
@@ -45,9 +48,6 @@ def target_identity(target: str | Path,
     dir). The old fingerprint of embedding / norm / lm_head (`weights_sha256`) is added only when
     `tensors` (the load_target_tensors result) are given, or when a record from before 2026-12-03
     needs it (legacy_weights_sha256)."""
-    from eagle3.io import read_json, sha256_file
-    from eagle3.model.draft import text_config
-
     p = Path(target) / "config.json"
     out = {
         "target": str(target),
@@ -64,8 +64,6 @@ def legacy_weights_sha256(actual: dict[str, Any]) -> dict[str, str] | None:
     """The embedding / final norm / lm_head sha256 of the target of `actual` (target_identity),
     read once; None when the target dir does not hold them (a config-only dir)."""
     if "weights_sha256" not in actual:
-        from eagle3.train.target import load_target_tensors
-
         try:
             tensors = load_target_tensors(actual["target"])
         except (FileNotFoundError, KeyError):
@@ -81,21 +79,21 @@ def identity_record(actual: dict[str, Any]) -> dict[str, Any]:
             "target_fingerprint": actual["fingerprint"]}
 
 
-def identity_mismatches(recorded: dict[str, Any], actual: dict[str, Any],
+def identity_mismatches(recorded: RecordedTarget, actual: dict[str, Any],
                         what: str = "the record") -> list[str]:
-    """What differs between a recorded identity (a capture manifest's `target_config_sha256`,
-    `num_hidden_layers`, `target_fingerprint`, or a draft's `target_config_sha256`,
-    `target_num_layers`, `target_fingerprint`) and `actual` (target_identity). Fields the record
-    lacks are not compared; a record from before 2026-12-03 without `target_fingerprint` has its
-    `target_weights_sha256` (embedding, norm, lm_head) compared instead, with a warning once
-    (eagle3.compat). `what` names the record in that warning."""
+    """What differs between a recorded identity (a capture manifest's or spool header's
+    target_config_sha256, num_hidden_layers, target_fingerprint, or a draft's
+    target_config_sha256, target_num_layers, target_fingerprint: their `recorded_target()`) and
+    `actual` (target_identity). Fields the record lacks are not compared; a record from before
+    2026-12-03 without `target_fingerprint` has its `target_weights_sha256` (embedding, norm,
+    lm_head) compared instead, with a warning once (eagle3.artifacts). `what` names the record in
+    that warning."""
     out = []
-    pairs = (("target_config_sha256", "config_sha256", "config.json sha256"),
-             ("num_hidden_layers", "num_hidden_layers", "num_hidden_layers"),
-             ("target_num_layers", "num_hidden_layers", "num_hidden_layers"))
-    for rkey, akey, name in pairs:
-        if recorded.get(rkey) is not None and recorded[rkey] != actual[akey]:
-            out.append(f"{name} {recorded[rkey]} (recorded) != {actual[akey]} (target)")
+    pairs = ((recorded.config_sha256, "config_sha256", "config.json sha256"),
+             (recorded.num_hidden_layers, "num_hidden_layers", "num_hidden_layers"))
+    for value, akey, name in pairs:
+        if value is not None and value != actual[akey]:
+            out.append(f"{name} {value} (recorded) != {actual[akey]} (target)")
     fp = recorded_target_fingerprint(recorded, what)
     if fp is not None:
         now_fp = actual["fingerprint"]  # None: a config-only dir, whose weights cannot be compared
@@ -103,7 +101,7 @@ def identity_mismatches(recorded: dict[str, Any], actual: dict[str, Any],
         if differs:
             out.append(differs)
         return out
-    old = {k: v for k, v in (recorded.get("target_weights_sha256") or {}).items() if v is not None}
+    old = {k: v for k, v in (recorded.weights_sha256 or {}).items() if v is not None}
     now = legacy_weights_sha256(actual) if old else None
     for k, v in old.items():
         if now is not None and now.get(k) != v:
@@ -112,7 +110,7 @@ def identity_mismatches(recorded: dict[str, Any], actual: dict[str, Any],
     return out
 
 
-def check_target_identity(recorded: dict[str, Any], actual: dict[str, Any], *, what: str,
+def check_target_identity(recorded: RecordedTarget, actual: dict[str, Any], *, what: str,
                           target: str | Path, allow: bool, error: type[Exception],
                           redo: str = "capture again with this one") -> None:
     """Raise `error` naming every mismatch between `recorded` (from `what`) and the target at
@@ -121,7 +119,7 @@ def check_target_identity(recorded: dict[str, Any], actual: dict[str, Any], *, w
     bad = identity_mismatches(recorded, actual, what)
     if not bad:
         return
-    made_from = recorded.get("target", "?")
+    made_from = recorded.target or "?"
     msg = (f"{what} was made from another target than target={target}: {'; '.join(bad)}. Use the target it was "
            f"made from ({made_from}), {redo}, or pass --allow-target-mismatch if this is "
            "intended (e.g. the same weights saved again)")

@@ -6,11 +6,14 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError
 
 from eagle3.errors import UserError, disk_full_error, is_disk_full
 
@@ -160,10 +163,6 @@ class CorruptFileError(UserError, ValueError):
 def corrupt_file_errors(path: str | Path, what: str = "file", fix: str = "") -> Iterator[None]:
     """Turn a reader's low-level failure on `path` (safetensors' SafetensorError, a torch zip/pickle error, a
     truncated read) into a CorruptFileError naming the file, what it is and `fix`."""
-    import pickle
-
-    from safetensors import SafetensorError
-
     try:
         yield
     except (SafetensorError, EOFError, pickle.UnpicklingError, RuntimeError, json.JSONDecodeError) as e:

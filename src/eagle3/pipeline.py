@@ -13,12 +13,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from eagle3.config import PipelineConfig, load_pipeline_config
-from eagle3.console import StageLine
+from eagle3.console import StageLine, format_summary, summary_rows
+from eagle3.io import write_json
+from eagle3.lock import dir_lock
 from eagle3.stages import STAGES, STREAM_STEP, jsonable, pipeline_order, run_stage_function
+from eagle3.targets import run_fetch_target
+from eagle3.testing.tiny import TinySpec, build_tiny_target
 
 log = logging.getLogger("eagle3.pipeline")
 
@@ -42,12 +47,8 @@ def ensure_target(cfg: PipelineConfig) -> None:
     """Put the target in place: fetch the registry target `fetch_target` names into `target` (reused when
     already there), or (demo only) build the tiny random target when it does not exist yet."""
     if (fetch := cfg.fetch_target_config()) is not None:
-        from eagle3.targets import run_fetch_target
-
         run_fetch_target(fetch)
     if cfg.build_tiny_target and not (Path(cfg.target) / "config.json").is_file():
-        from eagle3.testing.tiny import TinySpec, build_tiny_target
-
         build_tiny_target(cfg.target, TinySpec())
 
 
@@ -58,8 +59,6 @@ def enabled_stages(cfg: PipelineConfig) -> list[str]:
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
-    from eagle3.lock import dir_lock
-
     with dir_lock(cfg.work_dir, "pipeline work dir"):  # one pipeline per work dir (re-entrant: see lock.py)
         return _run_pipeline(cfg)
 
@@ -74,7 +73,7 @@ def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
         log.info("stage %s: starting", stage)
         with StageLine(stage, i, len(stages)) as line:  # the one progress line per stage
             if stage == STREAM_STEP:
-                from eagle3.stream import run_stream
+                from eagle3.stream import run_stream  # torch, the capture and training sides
 
                 result.stages[stage] = run_stream(cfg)
             else:
@@ -88,8 +87,6 @@ def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
 def find_runner(name: str = "prefect") -> Callable[[PipelineConfig], Any] | None:
     """The pipeline runner an installed orchestration layer registered under `name` in RUNNER_GROUP, or
     None (with a warning saying why) when there is none or it cannot load (e.g. Prefect not installed)."""
-    from importlib.metadata import entry_points
-
     found = entry_points(group=RUNNER_GROUP, name=name)
     if not found:
         log.warning("no %r pipeline runner is registered (entry point group %s; the Prefect layer declares it in "
@@ -111,7 +108,6 @@ def run_pipeline_from_file(path: str | Path, use_prefect: bool = True) -> Any:
     runner = find_runner("prefect") if use_prefect else None
     if runner is None:
         return run_pipeline(cfg)
-    from eagle3.lock import dir_lock
 
     with dir_lock(cfg.work_dir, "pipeline work dir"):
         return runner(cfg)
@@ -120,9 +116,6 @@ def run_pipeline_from_file(path: str | Path, use_prefect: bool = True) -> Any:
 def summarize_run(config_path: str | Path, result: Any) -> str:
     """The table `eagle3 run` ends on (eagle3.console.format_summary), after writing the full result (every
     stage's manifest or result) to <work_dir>/run_summary.json."""
-    from eagle3.console import format_summary, summary_rows
-    from eagle3.io import write_json
-
     cfg = load_pipeline_config(config_path)
     if isinstance(result, PipelineResult):
         stages, wall_s, prefect = result.stages, result.wall_s, False

@@ -6,29 +6,30 @@ and which capture mode fits the disk — before anything runs.
     print(format_plan(res))
 
 Where the numbers come from:
-  storage   exact: eagle3.capture.storage.bytes_per_token (aux layers + last layer, storage dtype, ids, mask,
+  storage   exact: eagle3.shards.bytes_per_token (aux layers + last layer, storage dtype, ids, mask,
             fp8 scales) x samples x mean tokens/sample (flags, else the prepared manifest under work_dir).
   capture   measured: capture_throughput.json (eagle3/assets/measured, from benchmarks/results) (capture tokens/s of the refbench target on the
             2-core CPU, and capture / plain-prefill overhead). GPU profiles: the target's prefill FLOPs/token
-            (eagle3.train.flops, MoE-active and MLA aware) at the fraction of the datasheet bf16 rate that the
+            (eagle3.flops, MoE-active and MLA aware) at the fraction of the datasheet bf16 rate that the
             measured H200 training step reaches, times the profile's TFLOP/s ratio to the H200, capped by the
             tensor-parallel all-reduce traffic over the profile's interconnect.
   training  measured: train_step.json (eagle3/assets/measured) (H200 tokens/s of a Llama-8B-like draft), scaled by the
-            draft's FLOPs/token (eagle3.train.flops.count_train_flops at train.max_seq_len, train.ttt_steps) and
+            draft's FLOPs/token (eagle3.flops.count_train_flops at train.max_seq_len, train.ttt_steps) and
             the profile's TFLOP/s ratio to the H200; data-parallel scaling assumed linear (not measured yet).
 Every estimate is a first-order model: the JSON carries the anchors and the ratios used, so it can be checked.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationError
 
+from eagle3.artifacts import PreparedMeta
 from eagle3.config import (
+    AuxLayerIds,
     ConfigError,
     Count,
     Number,
@@ -37,7 +38,18 @@ from eagle3.config import (
     format_validation_error,
     load_pipeline_config,
 )
+from eagle3.console import format_bytes
+from eagle3.flops import (
+    count_draft_params,
+    count_target_forward_flops,
+    count_target_params,
+    count_train_flops,
+    draft_dims,
+)
 from eagle3.io import read_json
+
+if TYPE_CHECKING:
+    from eagle3.shards import StorageEstimate
 
 #: the measured figures every estimate scales from, shipped as package data (copies of benchmarks/results/
 #: capture_throughput.json and train_step.json; tests/test_plan.py checks they match the repository's)
@@ -136,17 +148,6 @@ HARDWARE: dict[str, HardwareProfile] = {
 
 
 @dataclass
-class StorageEstimate:
-    num_aux: int
-    hidden_size: int
-    storage_dtype: str
-    state_bytes_per_token: int  # (A + 1) x H values in the storage dtype
-    bytes_per_token: int  # + int64 id + int8 mask (+ fp8 scales): what one captured token takes on disk
-    num_tokens: int
-    total_bytes: int
-
-
-@dataclass
 class RateEstimate:
     tokens_per_s: float  # the whole machine
     hours: float  # wall-clock
@@ -190,72 +191,11 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
 
 
-# ----------------------------------------------------------------------------------------------- storage + disk
-
-
-def estimate_storage(num_aux: int, hidden_size: int, storage_dtype: str, num_tokens: int) -> StorageEstimate:
-    """Disk bytes of a capture of `num_tokens` tokens (the capture's own bytes_per_token: no second formula)."""
-    import torch
-
-    from eagle3.capture.storage import TORCH_DTYPES, bytes_per_token
-
-    item = torch.empty((), dtype=TORCH_DTYPES[storage_dtype]).element_size()
-    bpt = bytes_per_token(num_aux, hidden_size, storage_dtype)
-    return StorageEstimate(num_aux, hidden_size, storage_dtype, (num_aux + 1) * hidden_size * item, bpt,
-                           int(num_tokens), int(bpt * num_tokens))
-
-
-def free_disk_bytes(path: str | Path) -> int:
-    """Free bytes on the filesystem that holds `path` (its nearest existing parent)."""
-    probe = Path(path)
-    while not probe.exists():
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
-def check_capture_fits(out: str | Path, est: StorageEstimate, min_free_gb: float,
-                       sample_tokens: list[int] | None = None) -> int:
-    """Refuse (ValueError) a capture whose states cannot fit the disk at `out` with `min_free_gb` kept free; the
-    message names the numbers and the fixes (fp8, streaming, fewer samples). Returns the free bytes."""
-    free = free_disk_bytes(out)
-    reserve = int(min_free_gb * 1024**3)
-    if est.total_bytes + reserve <= free:
-        return free
-    room = free - reserve
-    fixes = []
-    if est.storage_dtype != "fp8":
-        fp8 = estimate_storage(est.num_aux, est.hidden_size, "fp8", est.num_tokens)
-        fits = "fits" if fp8.total_bytes <= room else "does not fit either"
-        fixes.append(f"--storage-dtype fp8 ({_fmt_bytes(fp8.total_bytes)}, {fits}; fp8 halves bfloat16, bfloat16 "
-                     "halves float32)")
-    if sample_tokens:
-        n_fit, used = 0, 0
-        for t in sample_tokens:
-            if (used + t) * est.bytes_per_token > room:
-                break
-            used += t
-            n_fit += 1
-        fixes.append(f"capture fewer samples (--limit {n_fit} fits)" if n_fit else "capture fewer samples (--limit)")
-    else:
-        fixes.append("capture fewer samples (--limit)")
-    fixes.append("the streaming mode (capture into a bounded spool that training drains; `eagle3 plan` recommends "
-                 "a spool cap)")
-    fixes.append("free space or choose another --out, or lower --min-free-disk-gb")
-    raise ValueError(
-        f"capture needs {_fmt_bytes(est.total_bytes)} in {out} ({est.num_tokens:,} tokens x {est.bytes_per_token:,} "
-        f"bytes/token: {est.num_aux} aux + 1 last layer x H={est.hidden_size} in {est.storage_dtype}) plus "
-        f"CaptureConfig.min_free_disk_gb = {min_free_gb} GB kept free, but only {_fmt_bytes(free)} is free on that "
-        f"disk. Fixes: " + "; ".join(fixes)
-    )
-
-
 # ----------------------------------------------------------------------------------------------- measured anchors
 
 
 def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
     """The measured figures every estimate scales from (file, key, value), with the FLOP rates they imply."""
-    from eagle3.train.flops import count_target_forward_flops, count_train_flops
-
     rdir = Path(results_dir)
     cap_p, train_p = rdir / "capture_throughput.json", rdir / "train_step.json"
     for p in (cap_p, train_p):
@@ -300,15 +240,10 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
 
 def run_plan(cfg: PlanConfig) -> PlanResult:
     """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is run."""
-    from eagle3.capture.storage import resolve_aux_layer_ids
+    # torch (the draft model, the shard format): imported here, as the CLI imports this module for
+    # PlanConfig
     from eagle3.model.draft import draft_config_from_target, text_config
-    from eagle3.train.flops import (
-        count_draft_params,
-        count_target_forward_flops,
-        count_target_params,
-        count_train_flops,
-        draft_dims,
-    )
+    from eagle3.shards import estimate_storage, free_disk_bytes
 
     cfg.require("config")
     pipe = load_pipeline_config(cfg.config).resolved()
@@ -333,7 +268,8 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     num_tokens = int(round(n * mean))
 
     # storage
-    aux_layer_ids = resolve_aux_layer_ids(pipe.capture.aux_layer_ids, int(tc["num_hidden_layers"]))
+    num_layers = int(tc["num_hidden_layers"])
+    aux_layer_ids = AuxLayerIds.resolve(pipe.capture.aux_layer_ids, num_layers).as_list()
     dtype = cfg.storage_dtype or pipe.capture.storage_dtype
     H = int(tc["hidden_size"])
     st = estimate_storage(len(aux_layer_ids), H, dtype, num_tokens)
@@ -380,13 +316,15 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     total_need = st.total_bytes + reserve
     if total_need <= disk:
         mode, spool = "offline", None
-        reason = f"the whole capture ({_fmt_bytes(st.total_bytes)}) fits the disk ({_fmt_bytes(disk)})"
+        reason = (f"the whole capture ({format_bytes(st.total_bytes)}) fits the disk "
+                  f"({format_bytes(disk)})")
     else:
         mode = "streaming"
         spool = _spool_cap(disk - reserve, st.bytes_per_token, capture.tokens_per_s, pipe.capture.shard_tokens)
         alt = " (fp8 would not fit either)" if fp8.total_bytes + reserve > disk else (
-            f" (fp8, {_fmt_bytes(fp8.total_bytes)}, would fit offline)" if dtype != "fp8" else "")
-        reason = (f"the capture ({_fmt_bytes(st.total_bytes)}) does not fit the disk ({_fmt_bytes(disk)}){alt}: "
+            f" (fp8, {format_bytes(fp8.total_bytes)}, would fit offline)" if dtype != "fp8" else "")
+        reason = (f"the capture ({format_bytes(st.total_bytes)}) does not fit the disk "
+                  f"({format_bytes(disk)}){alt}: "
                   f"capture into a bounded spool that training drains (stream.enabled: true, stream.spool_cap_gb: "
                   f"{spool / 1e9:.0f})")
         if epochs > 1:
@@ -424,22 +362,23 @@ def with_config_defaults(cfg: PlanConfig, defaults: dict[str, Any]) -> PlanConfi
 def _dataset_size(cfg: PlanConfig, pipe: Any, set_by_caller: set[str]) -> tuple[int, float, str]:
     """(samples, mean tokens/sample, where they came from): flags, else the prepared manifest, else the config's
     plan: section, else the config's limit."""
-    manifest = Path(pipe.capture.data or "") / "manifest.json"
-    m = read_json(manifest) if manifest.is_file() else {}
+    manifest = Path(pipe.capture.data or "") / PreparedMeta.FILE
+    m = PreparedMeta.read(manifest) if manifest.is_file() else PreparedMeta()
     preset = pipe.plan or {}
     n = cfg.num_samples if "num_samples" in set_by_caller else None
     mean = cfg.mean_tokens if "mean_tokens" in set_by_caller else None
     src = ["samples from --num-samples"] if n is not None else []
-    if n is None and m.get("num_samples"):
-        n, src = int(m["num_samples"]), [f"samples from {manifest}"]
+    if n is None and m.num_samples:
+        n, src = int(m.num_samples), [f"samples from {manifest}"]
     elif n is None and preset.get("num_samples"):
         n, src = int(preset["num_samples"]), [f"samples from {cfg.config}'s plan.num_samples"]
     elif n is None and (pipe.capture.limit or pipe.prepare.limit):
         n, src = int(pipe.capture.limit or pipe.prepare.limit), ["samples from the config's limit"]
     if mean is not None:
         src.append("mean tokens from --mean-tokens")
-    elif m.get("num_samples"):
-        mean = m["num_tokens"] / m["num_samples"]
+    elif m.num_samples:
+        m.require("num_tokens")
+        mean = m.num_tokens / m.num_samples
         src.append(f"mean tokens from {manifest}")
     elif preset.get("mean_tokens"):
         mean = float(preset["mean_tokens"])
@@ -515,13 +454,6 @@ def _spool_cap(room: int, bpt: int, capture_tps: float, shard_tokens: int) -> in
 # ----------------------------------------------------------------------------------------------- printing
 
 
-def _fmt_bytes(b: float) -> str:
-    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{b:.0f} B"
-
-
 def _fmt_hours(h: float) -> str:
     return f"{h * 60:.1f} min" if h < 1 else (f"{h:.1f} h" if h < 48 else f"{h / 24:.1f} days")
 
@@ -541,9 +473,10 @@ def format_plan(r: PlanResult) -> str:
         ("captured layers", f"aux {r.aux_layer_ids} + last, H = {st.hidden_size}, {st.storage_dtype}"),
         ("bytes/token", f"{st.bytes_per_token:,} B ({st.state_bytes_per_token:,} B states = "
                         f"{st.state_bytes_per_token / 1024:.1f} KiB + ids/mask/scales)"),
-        ("storage", f"{_fmt_bytes(st.total_bytes)} ({st.storage_dtype}); bf16 {_fmt_bytes(r.storage_bf16_bytes)}, "
-                    f"fp8 {_fmt_bytes(r.storage_fp8_bytes)}"),
-        ("disk", f"{_fmt_bytes(r.disk_bytes)} ({hw['disk_source']})"),
+        ("storage", f"{format_bytes(st.total_bytes)} ({st.storage_dtype}); "
+                    f"bf16 {format_bytes(r.storage_bf16_bytes)}, "
+                    f"fp8 {format_bytes(r.storage_fp8_bytes)}"),
+        ("disk", f"{format_bytes(r.disk_bytes)} ({hw['disk_source']})"),
         ("mode", f"{r.mode.upper()}: {r.mode_reason}"),
         ("target weights", f"{r.weights_per_gpu_bytes / 1e9:,.0f} GB/GPU at {r.target_weight_bits} bits, "
                            f"TP={r.capture_tensor_parallel_size} -> {'fits' if r.weights_fit else 'DOES NOT FIT'} "
@@ -553,7 +486,7 @@ def format_plan(r: PlanResult) -> str:
         ("train", f"{r.draft_params / 1e9:.2f} B-param draft, {r.draft_flops_per_token / 1e9:.1f} GFLOP/token, "
                   f"{r.epochs:g} epochs = {r.train_tokens:,.0f} tokens; {r.train.tokens_per_s:,.0f} tok/s -> "
                   f"{_fmt_hours(r.train.hours)} wall, {r.train.gpu_hours:,.0f} GPU-h; reads "
-                  f"{_fmt_bytes(r.train_read_bytes_per_s)}/s of states"),
+                  f"{format_bytes(r.train_read_bytes_per_s)}/s of states"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]

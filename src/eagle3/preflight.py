@@ -5,43 +5,33 @@ value and the fix.
     problems = check_pipeline(cfg)          # [] when the run can start
     require_pipeline(cfg)                   # raises ConfigError listing every problem
 
-Checks: the input paths exist (target config.json, data, eval prompts); the aux layer ids of capture (and of
-train, and of each sweep layer set) are valid for the target's layer count; the capture fits the disk (the
-planner's own check, eagle3.plan.check_capture_fits) once the prepared data says how many tokens it holds.
-Reads config files only: no model, no tokenizer, no GPU.
-"""
+Checks: the input paths exist (target config.json, data, eval prompts); the aux layer ids of
+capture (and of train, and of each sweep layer set) are valid for the target's layer count; the
+capture fits the disk (the planner's own check, eagle3.shards.check_capture_fits) once the
+prepared data says how many tokens it holds. Reads config files only: no model, no tokenizer, no
+GPU."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from eagle3.config import ConfigError, PipelineConfig
+from eagle3.artifacts import PreparedMeta
+from eagle3.config import AuxLayerIds, ConfigError, PipelineConfig
+from eagle3.io import read_json
 
 
 def read_num_layers(target: str | Path) -> int:
     """The target's decoder layer count from its config.json (ConfigError naming the file when unusable)."""
-    from eagle3.io import read_json
-    from eagle3.model.draft import text_config
+    from eagle3.model.draft import (
+        text_config,  # torch: the flows import this module before any stage runs
+    )
 
     p = Path(target) / "config.json"
     try:
         return int(text_config(read_json(p))["num_hidden_layers"])
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{p}: no usable num_hidden_layers ({e}); is `target` a decoder-only LM directory?") from None
-
-
-def check_layer_ids(field: str, aux_layer_ids: list[int] | None, num_layers: int, last_ok: bool = False) -> str | None:
-    """None when every aux id is in 1..L-1 (1..L with last_ok: train may pick the last layer, id L; None = the
-    default set), else the problem as one line."""
-    if aux_layer_ids is None:
-        return None
-    top = num_layers if last_ok else num_layers - 1
-    bad = [k for k in aux_layer_ids if not 1 <= k <= top]
-    if not bad:
-        return None
-    return (f"{field} = {list(aux_layer_ids)}: id(s) {bad} out of range for this {num_layers}-layer target; use ids in "
-            f"1..{top} (id k = output of decoder layer k-1; the last layer is always captured)")
 
 
 def _check_path(field: str, value: str | None, what: str, problems: list[str]) -> None:
@@ -52,21 +42,20 @@ def _check_path(field: str, value: str | None, what: str, problems: list[str]) -
 def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
     """The planner's disk check for capture, once prepare's manifest gives the token count (else None: the
     capture stage checks again itself before writing)."""
-    from eagle3.capture.storage import resolve_aux_layer_ids
-    from eagle3.io import read_json
+    # torch (the draft model, the shard format): the flows import this module before any stage runs
     from eagle3.model.draft import text_config
-    from eagle3.plan import check_capture_fits, estimate_storage
+    from eagle3.shards import check_capture_fits, estimate_storage
 
     c = cfg.resolved()
-    manifest = Path(c.capture.data or "") / "manifest.json"
+    manifest = Path(c.capture.data or "") / PreparedMeta.FILE
     if cfg.stream.enabled or not manifest.is_file():
         return None
-    m = read_json(manifest)
-    num_tokens = int(m.get("num_tokens") or 0)
-    if c.capture.limit and m.get("num_samples"):
-        num_tokens = int(num_tokens * min(1.0, c.capture.limit / m["num_samples"]))
+    m = PreparedMeta.read(manifest)
+    num_tokens = int(m.num_tokens or 0)
+    if c.capture.limit and m.num_samples:
+        num_tokens = int(num_tokens * min(1.0, c.capture.limit / m.num_samples))
     hidden = int(text_config(read_json(Path(c.target) / "config.json"))["hidden_size"])
-    aux_layer_ids = resolve_aux_layer_ids(c.capture.aux_layer_ids, num_layers)
+    aux_layer_ids = AuxLayerIds.resolve(c.capture.aux_layer_ids, num_layers)
     est = estimate_storage(len(aux_layer_ids), hidden, c.capture.storage_dtype, num_tokens)
     out = Path(c.capture.out)
     if out.is_dir():  # a capture already there (a rerun, a resume) holds its bytes already
@@ -105,7 +94,8 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
                            ("train.aux_layer_ids", cfg.train.aux_layer_ids),
                            *((f"layer_sets[{i}]", list(ls))
                              for i, ls in enumerate(layer_sets or []))):
-            p = check_layer_ids(field, ids, num_layers, last_ok=field == "train.aux_layer_ids")
+            last_ok = field == "train.aux_layer_ids"  # training may read the last layer (id L)
+            p = None if ids is None else AuxLayerIds(tuple(ids)).problem(num_layers, field, last_ok)
             if p:
                 layer_problems.append(p)
     capture_ids, train_ids = cfg.capture.aux_layer_ids, cfg.train.aux_layer_ids

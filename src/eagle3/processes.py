@@ -16,8 +16,11 @@ time, so a reused pid is not taken for it).
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -37,8 +40,6 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGKILL) ->
     from a thread that lives as long as they should. Returns False where prctl is not available (not
     Linux)."""
     if parent_pid is None:
-        import multiprocessing
-
         parent = multiprocessing.parent_process()
         parent_pid = parent.pid if parent is not None else None
     try:
@@ -57,9 +58,6 @@ def watch_process(pid: int, interval_s: float = 0.5) -> None:
     no longer runs: a daemon thread polling /proc. For a process whose real parent outlives the one
     it serves: a job forked by multiprocessing's fork server, which stays up while any job holds its
     pipe, serves the caller that asked for it."""
-    import threading
-    import time
-
     started = start_time(pid)
     if started is None:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from eagle3.capture.spool import run_stream_capture
 from eagle3.config import PipelineConfig
+from eagle3.train.stream import run_stream_train
 
 
 @dataclass
@@ -26,9 +28,6 @@ class StreamResult:
 
 def run_stream(cfg: PipelineConfig) -> StreamResult:
     """Capture and train concurrently through the spool (prepare and vocab must have run)."""
-    from eagle3.capture.spool import run_stream_capture
-    from eagle3.train.stream import run_stream_train
-
     t0 = time.time()
     produce, consume = cfg.stream_stages()
     box: dict[str, Any] = {}

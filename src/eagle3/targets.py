@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import shutil
 import subprocess
@@ -30,9 +31,11 @@ import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from eagle3.hf import load_causal_lm
 from eagle3.io import atomic_dir, atomic_path, read_json, sha256_file, write_json
 
 MANIFEST = "manifest.json"
@@ -115,8 +118,6 @@ def check_gguf(path: Path, source: TargetSource) -> None:
 
 def find_installed_gguf(source: TargetSource) -> Path | None:
     """The GGUF of the installed package at the pinned version, found through its dist-info (no import)."""
-    from importlib import metadata
-
     try:
         dist = metadata.distribution(source.package)
     except metadata.PackageNotFoundError:
@@ -198,8 +199,6 @@ def _quiet_gguf_progress() -> Iterator[None]:
     its progress switches reach; in a quiet run (HF_HUB_DISABLE_PROGRESS_BARS, set by eagle3.console) it gets a
     disabled bar for the length of the load. A process-wide TQDM_DISABLE would also silence regenerate's bar, whose
     lines the Prefect layer reads as the stage's progress."""
-    import functools
-
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     bar = getattr(gguf_utils, "tqdm", None)
@@ -219,8 +218,6 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
     require_gguf_deps()
     import torch
     from transformers import AutoTokenizer
-
-    from eagle3.hf import load_causal_lm
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     with _quiet_gguf_progress():
@@ -318,8 +315,6 @@ def fetch_target(name: str, out: str | Path, gguf: str | Path | None = None, cac
 
 
 def _version(dist: str) -> str | None:
-    from importlib import metadata
-
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:

@@ -44,13 +44,21 @@ again) to 0.1 s after the first.
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from eagle3.errors import UserError
+from eagle3.lock import record_engine_processes
+from eagle3.processes import DIE_WITH_PARENT_ENV, die_with_parent, watch_process
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +146,6 @@ def engines_die_with_parent() -> None:
     receive SIGKILL when the process that started them dies
     (eagle3.capture.vllm_ext.die_with_parent_plugin reads this environment variable in each of
     them); EAGLE3_ENGINE_DIES_WITH_PARENT=0 in the environment turns it off."""
-    from eagle3.processes import DIE_WITH_PARENT_ENV
-
     os.environ.setdefault(DIE_WITH_PARENT_ENV, "1")
 
 
@@ -154,9 +160,6 @@ ENGINE_STAGES = ("regenerate", "synthesize", "capture")
 def engine_in_process_fails(target: str | os.PathLike | None) -> bool:
     """True for a target whose model_type (or its text_config's) is in ENGINE_IN_PROCESS_FAILS; a target
     without a readable config.json is not judged here (vLLM reports that itself)."""
-    import json
-    from pathlib import Path
-
     if target is None:
         return False
     try:
@@ -218,10 +221,10 @@ def engine_kwargs(
 
 def shutdown_engine(llm: Any) -> None:
     """Stop an in-process `vllm.LLM`'s engine-core/worker processes and drop its memory (the vLLM-internal
-    call is eagle3.capture.vllm_ext.shutdown_engine_core, the one module that touches vLLM internals)."""
-    import gc
-
-    from eagle3.capture.vllm_ext import shutdown_engine_core
+    call is eagle3.vllm_ext.shutdown_engine_core, the one module that touches vLLM internals)."""
+    from eagle3.vllm_ext import (
+        shutdown_engine_core,  # torch: a stage process imports this module to set its env
+    )
 
     if llm is None:
         return
@@ -254,8 +257,6 @@ def _job_context() -> Any:
 
 def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
            env: dict[str, str] | None = None, caller: int | None = None) -> None:
-    from eagle3.processes import die_with_parent, watch_process
-
     # dies with the caller: a SIGKILL when the fork server (or, under spawn, the caller) dies, and a
     # thread that watches the caller, which the fork server outlives while any job runs (each job
     # holds its `alive` pipe)
@@ -269,8 +270,6 @@ def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
     try:
         queue.put(("ok", fn(*args, **kwargs)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-        from eagle3.errors import UserError
-
         code = 1
         tb = traceback.format_exc()
         if isinstance(e, UserError):  # the diagnosis crosses as is (its traceback for --verbose)
@@ -299,10 +298,6 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     code. The child dies with this process (eagle3.processes), and while it runs, it and its engine
     processes are recorded in the lock files this process holds (eagle3.lock).
     """
-    import time
-
-    from eagle3.lock import record_engine_processes
-
     t0 = time.time()
     ctx = _job_context()
     queue = ctx.Queue()

@@ -21,27 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3.artifacts import DraftVocab, PreparedMeta
 from eagle3.config import ConfigError, VocabConfig
-from eagle3.io import atomic_path, sha256_file, write_json, write_text
+from eagle3.io import sha256_file, write_json, write_text
+from eagle3.prepared import load_prepared
 
-VOCAB_FILE = "vocab.safetensors"
 #: draft vocab sizes always in the coverage table (those up to the target vocabulary)
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
-
-
-@dataclass
-class DraftVocab:
-    d2t: np.ndarray  # (N,) int64
-    t2d: np.ndarray  # (V,) bool
-    draft_ids: np.ndarray  # (N,) int64 target ids in draft order
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return int(self.d2t.shape[0])
-
-    @property
-    def target_vocab_size(self) -> int:
-        return int(self.t2d.shape[0])
 
 
 @dataclass
@@ -118,44 +104,12 @@ def format_coverage(cov: dict[int, float], draft_vocab_size: int, target_vocab_s
     return "\n".join(lines) + "\n"
 
 
-def save_vocab(vocab: DraftVocab, out_dir: str | Path) -> Path:
-    import torch
-    from safetensors.torch import save_file
-
-    path = Path(out_dir) / VOCAB_FILE
-    with atomic_path(path) as tmp:
-        save_file(
-            {"d2t": torch.from_numpy(vocab.d2t.copy()), "t2d": torch.from_numpy(vocab.t2d.copy())},
-            str(tmp),
-            metadata={"format": "eagle3-draft-vocab", "draft_vocab_size": str(vocab.draft_vocab_size)},
-        )
-    return path
-
-
-def load_vocab(vocab_dir: str | Path) -> DraftVocab:
-    """Read d2t/t2d from a vocab dir (or the vocab.safetensors file itself)."""
-    from safetensors.numpy import load_file
-
-    p = Path(vocab_dir)
-    path = p if p.is_file() else p / VOCAB_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: run `eagle3 vocab` first")
-    t = load_file(str(path))
-    d2t, t2d = t["d2t"].astype(np.int64), t["t2d"].astype(bool)
-    draft_ids = np.arange(d2t.shape[0], dtype=np.int64) + d2t
-    if int(t2d.sum()) != d2t.shape[0] or not t2d[draft_ids].all():
-        raise ValueError(f"{path}: d2t and t2d disagree (corrupt vocab file)")
-    return DraftVocab(d2t=d2t, t2d=t2d, draft_ids=draft_ids)
-
-
 def run_vocab(cfg: VocabConfig) -> VocabResult:
-    from eagle3.data.prepared import load_prepared, load_prepared_manifest
-
     cfg.require("data", "out")
     t0 = time.time()
-    manifest = load_prepared_manifest(cfg.data)
+    manifest = PreparedMeta.load(cfg.data)
     ds = load_prepared(cfg.data)
-    V = int(manifest.get("target_vocab_size") or manifest["tokenizer_vocab_size"])
+    V = manifest.vocab_size
     counts = count_supervised_tokens(list(ds["input_ids"]), list(ds["loss_mask"]), V)
     vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
     N = cfg.draft_vocab_size
@@ -163,7 +117,7 @@ def run_vocab(cfg: VocabConfig) -> VocabResult:
     cov = coverage_at_sizes(counts, sizes)
     num_seen = int((counts > 0).sum())
     out = Path(cfg.out)
-    vocab_path = save_vocab(vocab, out)
+    vocab_path = vocab.save(out)
     report = {
         "stage": "vocab",
         "data": str(cfg.data),
@@ -175,7 +129,9 @@ def run_vocab(cfg: VocabConfig) -> VocabResult:
         "coverage": cov[N],
         "coverage_at": {str(k): v for k, v in cov.items()},
         "vocab_sha256": sha256_file(vocab_path),
-        "prepared_manifest": {k: manifest.get(k) for k in ("source", "source_sha256", "tokenizer_sha256", "num_samples")},
+        "prepared_manifest": {"source": manifest.source, "source_sha256": manifest.source_sha256,
+                              "tokenizer_sha256": manifest.tokenizer_sha256,
+                              "num_samples": manifest.num_samples},
     }
     write_json(out / "coverage.json", report)
     write_text(out / "coverage.md", format_coverage(cov, N, V, int(counts.sum()), num_seen))

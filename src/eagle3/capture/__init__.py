@@ -1,37 +1,17 @@
 """Capture stage: aux-layer + last-layer hidden states of the target for every prepared token.
 
-Public API (other stages rely on these names):
     run_capture(cfg: CaptureConfig) -> CaptureResult
-    load_manifest(dir) -> dict                 # aux_layer_ids, hidden_size, dtype, num_samples, shards, ...
-    load_combined_manifest("dir[,dir...]")     # several captures read as one dataset (checked to agree)
-    load_captured(dir) -> Iterator[dict]       # one sample: input_ids, loss_mask, aux_hidden_states,
-                                               #   last_hidden_states, sample_id, sample_index
-    iter_shards(dir) -> Iterator[dict]         # one shard's tensors at once (bulk reading)
-States come back in the storage dtype of the capture (manifest `dtype`), except `storage_dtype: fp8`
-(float8_e4m3fn + a float32 scale per token and layer, half the disk of bfloat16), which both readers
-dequantize to bfloat16 transparently (`iter_shards(dir, dequantize=False)` gives the raw fp8 + scales).
-Nothing here imports vLLM at import time: the hf backend runs on machines without vLLM.
-"""
+
+What it writes is read by the other stages through the modules below the stages: the manifest
+through eagle3.artifacts (CaptureManifest.load(dir),
+CaptureManifest.load_combined("dir[,dir...]")), the shards through eagle3.shards
+(load_captured(dir): one sample at a time; iter_shards(dir): one shard's tensors at once). fp8
+captures (float8_e4m3fn + a float32 scale per token and layer, half the disk of bfloat16) come
+back dequantized to bfloat16. Nothing here imports vLLM at import time: the hf backend runs on
+machines without vLLM."""
 
 from __future__ import annotations
 
-from typing import Any
+from .run import CaptureResult, run_capture
 
-from .storage import capture_dirs, iter_shards, load_captured, load_combined_manifest, load_manifest
-
-__all__ = ["CaptureResult", "capture_dirs", "iter_shards", "load_captured", "load_combined_manifest", "load_manifest",
-           "run_capture"]
-
-
-def run_capture(cfg: Any, **kwargs: Any):
-    from .run import run_capture as _run
-
-    return _run(cfg, **kwargs)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CaptureResult":
-        from .run import CaptureResult
-
-        return CaptureResult
-    raise AttributeError(name)
+__all__ = ["CaptureResult", "run_capture"]

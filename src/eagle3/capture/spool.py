@@ -4,18 +4,7 @@
 (eagle3.train.stream), which trains on the shards as they arrive and deletes each one once a checkpoint
 covers it. Every epoch is captured again (exact epochs, no replay buffer: docs/history/, "Streaming").
 
-Spool layout (one directory; every file in it counts against the cap, temp files included)::
-
-    stream.json     header, written once: config hash, aux_layer_ids, hidden size, storage dtype, bytes/token,
-                    the validation rows, the training rows and their token counts, epochs, seed
-    ledger.json     the producer's commit record, rewritten atomically after each shard: where the next
-                    sample is (phase, epoch, position in the epoch's order), the shards written and not yet
-                    released (seq, file, sha256, bytes, epoch, samples), skip counts, `blocked_bytes` (> 0
-                    while waiting for room), `done`, `error`
-    consumed.json   the consumer's record: shards with seq < `released_below` were consumed, checkpointed
-                    and deleted; `done`, `error`
-    val/shard-*.safetensors   validation shards, captured first and kept until training ends
-    shard-*.safetensors       training shards, numbered (seq) across epochs; same format as a capture dir
+Spool layout, the files both sides read and write: eagle3.spool_files.
 
 Back-pressure: before a shard's temp file is created, the producer waits until
 `spool bytes + shard bytes + metadata margin <= cap` (the margin covers the transient second copy of the
@@ -27,7 +16,6 @@ a restart deletes uncommitted files and continues from the ledger's position.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -37,9 +25,31 @@ from typing import Any
 
 import numpy as np
 
-from eagle3.compat import migrate_record
+from eagle3.artifacts import SpoolHeader
 from eagle3.config import ConfigError, StreamCaptureConfig
-from eagle3.io import read_json, sha256_json, write_json
+from eagle3.io import sha256_json, write_json
+from eagle3.shards import (
+    FORMAT,
+    TORCH_DTYPES,
+    ShardBuffer,
+    bytes_per_token,
+    storage_info,
+    write_shard,
+)
+from eagle3.splits import split_indices
+from eagle3.spool_files import (
+    CONSUMED,
+    HEADER,
+    LEDGER,
+    META_SLACK_BYTES,
+    SPOOL_FORMAT,
+    VAL_DIR,
+    PeerFailed,
+    epoch_order,
+    meta_margin_bytes,
+    read_state,
+    spool_bytes,
+)
 
 from .run import (
     _make_backend,
@@ -48,60 +58,13 @@ from .run import (
     load_capture_inputs,
     resolve_compute_dtype,
 )
-from .storage import FORMAT, TORCH_DTYPES, ShardBuffer, bytes_per_token, storage_info, write_shard
 
-SPOOL_FORMAT = "eagle3-spool/1"
-HEADER, LEDGER, CONSUMED = "stream.json", "ledger.json", "consumed.json"
-VAL_DIR = "val"
-#: room always left for rewriting the ledger files (plus twice their current size), in bytes
-META_SLACK_BYTES = 16384
 #: per-shard allowance for the safetensors header (tensor table, sample ids), in bytes
 SHARD_OVERHEAD_BYTES = 4096
 
 
 class StopProducing(Exception):
     """The consumer is done (e.g. train.max_steps reached): nothing more is needed."""
-
-
-class PeerFailed(RuntimeError):
-    """The other side recorded a failure in the spool (not recorded again: the cause is over there)."""
-
-
-def spool_bytes(spool: Path) -> int:
-    """Total size of every file under `spool` (temp files included)."""
-    total = 0
-    for root, _dirs, files in os.walk(spool):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except FileNotFoundError:  # deleted by the other side meanwhile
-                pass
-    return total
-
-
-def read_state(spool: Path, name: str) -> dict[str, Any]:
-    """ledger.json / consumed.json, or {} when not written yet."""
-    try:
-        return read_json(spool / name)
-    except FileNotFoundError:
-        return {}
-
-
-def meta_margin_bytes(spool: Path) -> int:
-    """Room kept free for rewriting ledger.json and consumed.json (temp copy next to the old file)."""
-    size = 0
-    for name in (LEDGER, CONSUMED):
-        try:
-            size += (spool / name).stat().st_size
-        except FileNotFoundError:
-            pass
-    return 2 * size + META_SLACK_BYTES
-
-
-def epoch_order(train_rows: list[int], seed: int, epoch: int) -> list[int]:
-    """The training rows in epoch `epoch`'s order (a seeded permutation, the same for both sides)."""
-    rng = np.random.default_rng([seed, epoch])
-    return [train_rows[i] for i in rng.permutation(len(train_rows))]
 
 
 def max_shard_bytes(shard_tokens: int, max_sample_tokens: int, bpt: int, min_sample_tokens: int) -> int:
@@ -132,7 +95,8 @@ class StreamCaptureResult:
 
 
 class _Producer:
-    def __init__(self, cfg: StreamCaptureConfig, spool: Path, header: dict[str, Any], ledger: dict[str, Any]):
+    def __init__(self, cfg: StreamCaptureConfig, spool: Path, header: SpoolHeader,
+                 ledger: dict[str, Any]):
         self.cfg, self.spool, self.header, self.ledger = cfg, spool, header, ledger
         self.cap = cfg.spool_cap_bytes
         self.peak = self.bytes_written = 0
@@ -196,8 +160,8 @@ class _Producer:
             else:
                 seq, out = led["next_seq"], self.spool
             out.mkdir(exist_ok=True)
-            entry = write_shard(out, seq, buf, len(h["aux_layer_ids"]), h["hidden_size"], TORCH_DTYPES[h["dtype"]],
-                                before_write=self.wait_for_room)
+            entry = write_shard(out, seq, buf, len(h.aux_layer_ids), h.hidden_size,
+                                TORCH_DTYPES[h.dtype], before_write=self.wait_for_room)
             entry.update(seq=seq, epoch=epoch if phase == "train" else -1)
             if phase == "val":
                 entry["file"] = f"{VAL_DIR}/{entry['file']}"
@@ -213,7 +177,7 @@ class _Producer:
 
     def capture(self, phase: str, epoch: int, rows: list[int], start: int, capture_fn: Callable) -> None:
         """Capture rows[start:] (positions in this phase's order), committing a shard every shard_tokens."""
-        n_aux = len(self.header["aux_layer_ids"])
+        n_aux = len(self.header.aux_layer_ids)
         buf = ShardBuffer(first_index=start, next_index=start)
         pos = start
         for r in capture_fn(rows[start:]):
@@ -247,8 +211,6 @@ def run_stream_capture(cfg: StreamCaptureConfig) -> StreamCaptureResult:
 
 
 def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
-    from eagle3.train.data import split_indices
-
     t0 = time.time()
     if cfg.writer == "worker":
         raise ConfigError("capture.writer = 'worker' is not supported in streaming mode yet (the spool writes each "
@@ -267,35 +229,40 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     config_hash = sha256_json(hashed)
 
     spool.mkdir(parents=True, exist_ok=True)
-    header = migrate_record(read_state(spool, HEADER))
-    if header and header.get("config_hash") != config_hash:
+    header = SpoolHeader.load(spool)
+    if header is not None and header.config_hash != config_hash:
         raise ValueError(
-            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash {header.get('config_hash')} "
+            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash "
+            f"{header.config_hash} "
             f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the training run using it)"
         )
     if header:
-        check_same_weights(header, ci.target_fingerprint, spool / HEADER,
+        check_same_weights(header.recorded_target(), ci.target_fingerprint, spool / HEADER,
                            "the streaming run was started with")
     train_rows, val_rows = split_indices(n_total, cfg.val_fraction, cfg.seed)
     val_tokens = int(lengths[val_rows][usable[val_rows]].sum()) if val_rows else 0
     use_len = lengths[usable]
     shard_max = max_shard_bytes(cfg.shard_tokens, max_len, bpt, int(use_len.min()) if len(use_len) else 1)
     val_bytes = val_tokens * bpt + (math.ceil(val_tokens / cfg.shard_tokens) + 1) * SHARD_OVERHEAD_BYTES if val_rows else 0
-    if not header:
-        header = {
-            "format": SPOOL_FORMAT, "capture_format": FORMAT, "config_hash": config_hash, "stage": "stream-capture",
-            "target": hashed["target"], "target_config_sha256": info.config_sha256, "data": hashed["data"],
-            "target_fingerprint": ci.target_fingerprint,  # every weight file: train compares it
-            "aux_layer_ids": aux_layer_ids, "num_hidden_layers": info.num_hidden_layers, "hidden_size": info.hidden_size,
-            "dtype": cfg.storage_dtype, "storage": storage_info(cfg.storage_dtype), "compute_dtype": cfg.dtype,
-            "backend": cfg.backend, "bytes_per_token": bpt, "shard_tokens": cfg.shard_tokens,
-            "max_shard_bytes": shard_max, "val_bytes_estimate": val_bytes, "cap_bytes": cfg.spool_cap_bytes,
-            "epochs": cfg.epochs, "seed": cfg.seed, "num_input_samples": n_total, "val_rows": val_rows,
-            "train_rows": train_rows,
+    if header is None:
+        header = SpoolHeader(
+            format=SPOOL_FORMAT, capture_format=FORMAT, config_hash=config_hash,
+            stage="stream-capture", target=hashed["target"],
+            target_config_sha256=info.config_sha256, data=hashed["data"],
+            # every weight file: train compares it
+            target_fingerprint=ci.target_fingerprint,
+            aux_layer_ids=aux_layer_ids, num_hidden_layers=info.num_hidden_layers,
+            hidden_size=info.hidden_size, dtype=cfg.storage_dtype,
+            storage=storage_info(cfg.storage_dtype), compute_dtype=cfg.dtype,
+            backend=cfg.backend, bytes_per_token=bpt, shard_tokens=cfg.shard_tokens,
+            max_shard_bytes=shard_max, val_bytes_estimate=val_bytes, cap_bytes=cfg.spool_cap_bytes,
+            epochs=cfg.epochs, seed=cfg.seed, num_input_samples=n_total, val_rows=val_rows,
+            train_rows=train_rows,
             # token count of every prepared row, 0 for rows the capture skips (empty, too long for vLLM)
-            "row_tokens": np.where(usable, lengths, 0).tolist(),
-        }
-    header_bytes = len(str(header)) * 2 + 4096  # before it exists: a generous bound of its JSON
+            row_tokens=np.where(usable, lengths, 0).tolist(),
+        )
+    # before it exists: a generous bound of its JSON
+    header_bytes = len(str(header.to_dict())) * 2 + 4096
     need = header_bytes + val_bytes + 2 * shard_max + 4 * META_SLACK_BYTES
     if need > cfg.spool_cap_bytes:
         raise ConfigError(
@@ -306,7 +273,7 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
             "capture.shard_tokens or train.val_fraction"
         )
     if not (spool / HEADER).is_file():
-        write_json(spool / HEADER, header)
+        header.save(spool)
 
     ledger = read_state(spool, LEDGER)
     resumed = bool(ledger)

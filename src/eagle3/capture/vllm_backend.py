@@ -1,6 +1,6 @@
 """vLLM backend of the capture stage (driver side; public vLLM API only).
 
-Starts one ``vllm.LLM`` with the worker extension of :mod:`eagle3.capture.vllm_ext`, runs prompts as
+Starts one ``vllm.LLM`` with the worker extension of :mod:`eagle3.vllm_ext`, runs prompts as
 prefill-only requests (``SamplingParams(max_tokens=1)``) and collects the per-token states through
 ``llm.collective_rpc``. All knowledge of vLLM internals lives in vllm_ext.py.
 
@@ -19,7 +19,12 @@ from typing import Any
 
 import numpy as np
 
-EXTENSION = "eagle3.capture.vllm_ext.CaptureWorkerExtension"
+from eagle3.lock import record_engine_processes
+from eagle3.quant import Stored
+from eagle3.vllm_engine import engines_die_with_parent, shutdown_engine
+from eagle3.vllm_ext import decode_scales, decode_states
+
+EXTENSION = "eagle3.vllm_ext.CaptureWorkerExtension"
 
 
 def engine_kwargs(target: str, dtype: str, batch_tokens: int, max_model_len: int, tensor_parallel_size: int,
@@ -67,9 +72,6 @@ class VLLMBackend:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             from vllm import LLM
 
-            from eagle3.lock import record_engine_processes
-            from eagle3.vllm_engine import engines_die_with_parent
-
             engines_die_with_parent()
             self.llm = LLM(worker_extension_cls=EXTENSION, **self.kwargs)
             # in the out dir's lock file: a later run finds them if they outlive this one
@@ -85,13 +87,10 @@ class VLLMBackend:
         return info
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
-        """States of each sample in storage form (eagle3.capture.quant.Stored: [T, A + 1, H], aux in
+        """States of each sample in storage form (eagle3.quant.Stored: [T, A + 1, H], aux in
         `aux_layer_ids` order then last; converted inside the worker)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-
-        from .quant import Stored
-        from .vllm_ext import decode_scales, decode_states
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in samples]
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -116,7 +115,7 @@ class VLLMBackend:
             result.append(st)
         return result
 
-    # ---- capture.writer = "worker": the TP-rank-0 worker writes the shards (eagle3.capture.vllm_ext) ----
+    # ---- capture.writer = "worker": the TP-rank-0 worker writes the shards (eagle3.vllm_ext) ----
 
     def capture_refs(self, samples: list[np.ndarray]) -> list[WorkerStates]:
         """Like `capture`, but the states stay in the worker: one WorkerStates handle per sample (same checks:
@@ -149,7 +148,7 @@ class VLLMBackend:
 
     def start_write_shard(self, out: str, shard_id: int, buf: Any, rids: list[str], num_aux: int, hidden_size: int,
                           storage_dtype: str, background: str = "auto") -> None:
-        """Have the worker write shard `shard_id` of `buf` (an eagle3.capture.storage.ShardBuffer holding the
+        """Have the worker write shard `shard_id` of `buf` (an eagle3.shards.ShardBuffer holding the
         driver's bookkeeping: indices, sample ids, input_ids, loss_mask, skips) with the states of `rids`; on a
         GPU engine it writes in the background. `wait_shard(shard_id)` returns its progress entry."""
         rows = [[rid, i, sid, ids.tolist(), mask.tolist()] for rid, i, sid, ids, mask
@@ -169,7 +168,5 @@ class VLLMBackend:
             self.llm.collective_rpc("eagle3_capture_stop")
             # its engine processes end now, while the out dir's lock (which lists them) is held
             if self._owns:
-                from eagle3.vllm_engine import shutdown_engine
-
                 llm, self.llm = self.llm, None
                 shutdown_engine(llm)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eagle3.hf import load_causal_lm
+
 
 @dataclass
 class Generation:
@@ -30,8 +32,6 @@ class HfGenerator:
     def __init__(self, target: str, device: str = "auto", dtype: str = "auto", batch_size: int = 256):
         import torch
         from transformers import GenerationConfig
-
-        from eagle3.hf import load_causal_lm
 
         self.device = resolve_device(device)
         if dtype == "auto":

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.chat_formats import check_skipped, read_conversations
 from eagle3.config import ConfigError, MixConfig
-from eagle3.data.formats import check_skipped, read_conversations
 from eagle3.io import atomic_path, write_json
 
 OUTPUT = "conversations.jsonl"

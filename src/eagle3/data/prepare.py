@@ -14,6 +14,7 @@ Both paths give the same masks for the same template (tests/test_prepare.py chec
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import Counter
@@ -21,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.config import PrepareConfig
-from eagle3.data.formats import MAX_EXAMPLES, Conversation, check_skipped, read_conversations
-from eagle3.data.prepared import save_prepared
+from eagle3.artifacts import PreparedMeta
+from eagle3.chat_formats import MAX_EXAMPLES, Conversation, check_skipped, read_conversations
+from eagle3.config import ConfigError, PrepareConfig
 from eagle3.io import sha256_file, sha256_text
+from eagle3.prepared import save_prepared
 
 _GENERATION_RE = re.compile(r"{%-?\s*generation\s*-?%}")
 
@@ -49,8 +51,6 @@ class PrepareResult:
 def tokenizer_code(target: str | Path) -> str | None:
     """The tokenizer class a target directory brings as its own Python code (tokenizer_config.json `auto_map`,
     e.g. "tokenization_kimi.TikTokenTokenizer"), or None when transformers' own classes load it."""
-    import json
-
     p = Path(target) / "tokenizer_config.json"
     if not p.is_file():
         return None
@@ -69,8 +69,6 @@ def load_tokenizer(target: str, trust_remote_code: bool = False):
         raise FileNotFoundError(f"target {target} does not exist (expected a model directory with a tokenizer)")
     code = tokenizer_code(path)
     if code and not trust_remote_code:
-        from eagle3.config import ConfigError
-
         raise ConfigError(
             f"the tokenizer of {target} is Python code shipped with the model ({code}, tokenizer_config.json "
             "`auto_map`), which prepare does not run unless you opt in: set `prepare.trust_remote_code: true` "
@@ -143,8 +141,6 @@ def tokenize_conversation(tok, conv: Conversation, use_generation: bool) -> tupl
 
 def target_vocab_size(target: str) -> int | None:
     """vocab_size of the target's config (nested text_config aware): the number of lm_head rows."""
-    import json
-
     cfg_path = Path(target) / "config.json"
     if not cfg_path.is_file():
         return None
@@ -192,26 +188,26 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
     check_skipped(read.source, read.num_rows, skipped, skip_rows, cfg.max_skipped_fraction,
                   "prepare:")
     data_path = Path(cfg.data)
-    manifest = {
-        "stage": "prepare",
-        "source": str(cfg.data),
-        "source_sha256": sha256_file(data_path) if data_path.is_file() else None,
-        "target": str(cfg.target),
-        "tokenizer_sha256": _tokenizer_hash(cfg.target),
-        "chat_template_sha256": sha256_text(tok.chat_template),
-        "mask_method": "generation_markers" if use_generation else "prefix_rendering",
-        "tokenizer_vocab_size": len(tok),
-        "target_vocab_size": target_vocab_size(cfg.target) or len(tok),
-        "num_rows": read.num_rows,
-        "num_samples": len(rows),
-        "num_tokens": num_tokens,
-        "num_supervised_tokens": num_supervised,
-        "num_truncated": num_truncated,
-        "num_duplicate_ids_renamed": sum(n - 1 for n in seen_ids.values() if n > 1),
-        "max_sample_len": max(len(r["input_ids"]) for r in rows),
-        "skipped": dict(sorted(skipped.items())),
-        "config": cfg.model_dump(mode="json"),
-    }
+    manifest = PreparedMeta(
+        stage="prepare",
+        source=str(cfg.data),
+        source_sha256=sha256_file(data_path) if data_path.is_file() else None,
+        target=str(cfg.target),
+        tokenizer_sha256=_tokenizer_hash(cfg.target),
+        chat_template_sha256=sha256_text(tok.chat_template),
+        mask_method="generation_markers" if use_generation else "prefix_rendering",
+        tokenizer_vocab_size=len(tok),
+        target_vocab_size=target_vocab_size(cfg.target) or len(tok),
+        num_rows=read.num_rows,
+        num_samples=len(rows),
+        num_tokens=num_tokens,
+        num_supervised_tokens=num_supervised,
+        num_truncated=num_truncated,
+        num_duplicate_ids_renamed=sum(n - 1 for n in seen_ids.values() if n > 1),
+        max_sample_len=max(len(r["input_ids"]) for r in rows),
+        skipped=dict(sorted(skipped.items())),
+        config=cfg.model_dump(mode="json"),
+    )
     save_prepared(rows, cfg.out, manifest)
     result = PrepareResult(
         out=Path(cfg.out),
@@ -220,8 +216,8 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
         num_tokens=num_tokens,
         num_supervised_tokens=num_supervised,
         num_truncated=num_truncated,
-        skipped=manifest["skipped"],
-        mask_method=manifest["mask_method"],
+        skipped=manifest.skipped,
+        mask_method=manifest.mask_method,
         wall_s=round(time.time() - t0, 3),
     )
     return result

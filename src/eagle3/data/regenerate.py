@@ -39,11 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.chat_formats import Conversation, check_skipped, read_conversations
 from eagle3.config import RegenerateConfig
-from eagle3.data.formats import Conversation, check_skipped, read_conversations
+from eagle3.data.generate_hf import HfGenerator
 from eagle3.identity import describe_difference, target_fingerprint
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
 from eagle3.lock import dir_lock, record_engine_processes
+from eagle3.vllm_engine import engine_kwargs, setup_cpu_env, shutdown_engine
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +152,6 @@ class _VllmGenerator:
         """Shut the engine down when this generator started it (its memory is then free for
         the next engine)."""
         if self.owned and self.llm is not None:
-            from eagle3.vllm_engine import shutdown_engine
-
             shutdown_engine(self.llm)
         self.llm = None
 
@@ -160,8 +160,6 @@ class _HfBackendGenerator:
     """transformers generation (hosts without vLLM); text decoded as vLLM does (special tokens skipped)."""
 
     def __init__(self, cfg: RegenerateConfig, tok: _Tokenizer):
-        from eagle3.data.generate_hf import HfGenerator
-
         self.cfg, self.tok = cfg, tok
         self.gen = HfGenerator(str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size)
 
@@ -189,8 +187,6 @@ def open_generator(cfg: RegenerateConfig, tok: _Tokenizer,
         gen: Any = _HfBackendGenerator(cfg, tok)
         dtype = str(gen.gen.model.dtype).removeprefix("torch.")
         return gen, {"backend": "hf", "device": gen.gen.device, "dtype": dtype}
-    from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
-
     engine = engine_kwargs(
         cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
         tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed, enable_prefix_caching=False,

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from eagle3.data.prepared import load_prepared, load_prepared_manifest, save_prepared
+from eagle3.artifacts import PreparedMeta
 from eagle3.io import sha256_json
+from eagle3.prepared import load_prepared, save_prepared
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Prompt:
 class PromptSet:
     prompts: list[Prompt]
     skipped: dict[str, int] = field(default_factory=dict)  # no_answer, too_long, duplicate
-    manifests: list[dict[str, Any]] = field(default_factory=list)  # of the prepared datasets
+    manifests: list[PreparedMeta] = field(default_factory=list)  # of the prepared datasets
 
 
 def data_dirs(data: str) -> list[Path]:
@@ -54,7 +55,7 @@ def read_prompts(data: str, max_prompt_tokens: int) -> PromptSet:
     skipped: Counter[str] = Counter()
     manifests = []
     for d in data_dirs(data):
-        manifests.append(load_prepared_manifest(d))
+        manifests.append(PreparedMeta.load(d))
         for batch in load_prepared(d).iter(batch_size=4096):
             rows = zip(batch["input_ids"], batch["loss_mask"], batch["sample_id"], strict=True)
             for ids, mask, sid in rows:
@@ -73,9 +74,8 @@ def read_prompts(data: str, max_prompt_tokens: int) -> PromptSet:
     return PromptSet(prompts, dict(skipped), manifests)
 
 
-def split_prompts(
-    prompts: list[Prompt], num_val: int, seed: int
-) -> tuple[list[Prompt], list[Prompt]]:
+def split_prompts(prompts: list[Prompt], num_val: int,
+                  seed: int) -> tuple[list[Prompt], list[Prompt]]:
     """(validation, training pool): a seeded shuffle, the first num_val prompts held out."""
     order = list(prompts)
     random.Random(seed).shuffle(order)
@@ -110,9 +110,8 @@ def temperature_label(t: float) -> str:
     return f"t{t:g}"
 
 
-def generate_rollouts(
-    gen: Any, prompts: list[Prompt], settings: RolloutSettings, batch_size: int
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def generate_rollouts(gen: Any, prompts: list[Prompt], settings: RolloutSettings,
+                      batch_size: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Prepared rows of every prompt at every temperature (input_ids = prompt + continuation,
     loss_mask on the continuation, sample_id "<temperature label>/<prompt id>") and their counts.
     `gen`: an open regenerate generator (eagle3.data.regenerate.open_generator)."""
@@ -134,44 +133,31 @@ def generate_rollouts(
                     empty += 1
                     continue
                 tokens[label] += len(token_ids)
-                rows.append(
-                    {
-                        "input_ids": list(p.ids) + list(token_ids),
-                        "loss_mask": [0] * len(p.ids) + [1] * len(token_ids),
-                        "sample_id": f"{label}/{p.sample_id}",
-                    }
-                )
+                rows.append({"input_ids": list(p.ids) + list(token_ids),
+                             "loss_mask": [0] * len(p.ids) + [1] * len(token_ids),
+                             "sample_id": f"{label}/{p.sample_id}"})
     generated, wall = sum(tokens.values()), time.time() - t0
-    stats = {
-        "num_rollouts": len(rows),
-        "generated_tokens": generated,
-        "finish_reasons": dict(finish),
-        "empty": empty,
-        "tokens_per_temperature": dict(tokens),
-        "generate_s": round(wall, 2),
-        "generated_tokens_per_s": round(generated / max(wall, 1e-9), 1),
-    }
+    stats = {"num_rollouts": len(rows), "generated_tokens": generated,
+             "finish_reasons": dict(finish), "empty": empty,
+             "tokens_per_temperature": dict(tokens), "generate_s": round(wall, 2),
+             "generated_tokens_per_s": round(generated / max(wall, 1e-9), 1)}
     return rows, stats
 
 
-def write_rollouts(
-    rows: list[dict[str, Any]],
-    out: Path,
-    source_manifests: list[dict[str, Any]],
-    manifest: dict[str, Any],
-) -> Path:
-    """The rollouts as a prepared dataset (eagle3.data.prepared) that capture reads; the manifest
+def write_rollouts(rows: list[dict[str, Any]], out: Path, source_manifests: list[PreparedMeta],
+                   manifest: dict[str, Any]) -> Path:
+    """The rollouts as a prepared dataset (eagle3.prepared) that capture reads; the manifest
     carries the tokenizer and chat template hashes of the source data, as prepare's does."""
-    first = source_manifests[0] if source_manifests else {}
+    first = source_manifests[0] if source_manifests else None
     full = {
         "stage": "refine-rollouts",
-        "tokenizer_sha256": first.get("tokenizer_sha256"),
-        "chat_template_sha256": first.get("chat_template_sha256"),
-        "target_vocab_size": first.get("target_vocab_size"),
+        "tokenizer_sha256": first.tokenizer_sha256 if first else None,
+        "chat_template_sha256": first.chat_template_sha256 if first else None,
+        "target_vocab_size": first.target_vocab_size if first else None,
         "num_samples": len(rows),
         "num_tokens": sum(len(r["input_ids"]) for r in rows),
         "num_supervised_tokens": sum(sum(r["loss_mask"]) for r in rows),
         "max_sample_len": max((len(r["input_ids"]) for r in rows), default=0),
         **manifest,
     }
-    return save_prepared(rows, out, full)
+    return save_prepared(rows, out, PreparedMeta.from_dict(full, str(out / PreparedMeta.FILE)))

@@ -38,9 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from eagle3.config import SynthesizeConfig
+from eagle3.data.generate_hf import HfGenerator
 from eagle3.io import atomic_path, read_json, sha256_json, write_json
 from eagle3.lock import dir_lock, record_engine_processes
+from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +158,6 @@ class NearDuplicateIndex:
     PRIME = 4294967311  # > 2**32
 
     def __init__(self, threshold: float, seed: int = 0, num_perm: int = 64, bands: int = 16, k: int = 5):
-        import numpy as np
-
         rng = np.random.default_rng(seed)
         self.a = rng.integers(1, 2**31, num_perm, dtype=np.uint64)  # (P,)
         self.b = rng.integers(0, 2**32, num_perm, dtype=np.uint64)  # (P,)
@@ -168,8 +170,6 @@ class NearDuplicateIndex:
         return {norm[i : i + self.k] for i in range(max(len(norm) - self.k + 1, 1))}
 
     def _bands(self, sh: set[str]) -> list[tuple[int, bytes]]:
-        import numpy as np
-
         h = np.array([zlib.crc32(s.encode()) for s in sh], dtype=np.uint64)  # (S,)
         sig = ((self.a[:, None] * h[None, :] + self.b[:, None]) % np.uint64(self.PRIME)).min(axis=1)  # (P,)
         return [(i, sig[i * self.rows : (i + 1) * self.rows].tobytes()) for i in range(self.bands)]
@@ -203,8 +203,6 @@ class NearDuplicateIndex:
 
 class _VllmBackend:
     def __init__(self, cfg: SynthesizeConfig, llm: Any):
-        from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
-
         self.cfg = cfg
         self.engine = engine_kwargs(cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                                     tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed,
@@ -230,8 +228,6 @@ class _VllmBackend:
 
 class _HfBackend:
     def __init__(self, cfg: SynthesizeConfig):
-        from eagle3.data.generate_hf import HfGenerator
-
         self.cfg = cfg
         self.gen = HfGenerator(str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size)
         self.engine = {"backend": "hf", "device": self.gen.device, "dtype": str(self.gen.model.dtype).removeprefix("torch."),

@@ -9,9 +9,14 @@ these targets are for correctness, not quality: quality is measured on ../shared
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from eagle3.hf import LOAD_LOCK, load_causal_lm
+from eagle3.io import atomic_dir, write_json
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|pad|>"]
 
@@ -211,8 +216,6 @@ def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="dee
     `media_placeholder_token_id`, preprocessor_config.json), so vLLM loads it with its own Kimi-K2.5 class.
     Idempotent like build_tiny_target. The tokenizer and chat template are the tiny ones (Kimi's own tokenizer is
     remote code)."""
-    import re
-
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Kimi_K25ForConditionalGeneration
@@ -220,8 +223,6 @@ def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="dee
         Kimi_K25Config,
         Kimi_K25VisionConfig,
     )
-
-    from eagle3.io import atomic_dir, write_json
 
     if spec.arch != "deepseek_v3":
         raise ValueError(f"Kimi-K2.5's text model is DeepSeek-V3: TinySpec.arch must be 'deepseek_v3', got {spec.arch!r}")
@@ -255,7 +256,6 @@ def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="dee
         write_json(tmp / "config.json", config)
         write_json(tmp / "preprocessor_config.json", {"media_proc_cfg": KIMI_K25_MEDIA_PROC})
         # the renamed checkpoint must load back into transformers as the very model that was saved
-        from eagle3.hf import LOAD_LOCK
 
         with LOAD_LOCK:  # see eagle3.hf: transformers' loads are not thread-safe
             back, info = Kimi_K25ForConditionalGeneration.from_pretrained(str(tmp), dtype=torch.bfloat16,
@@ -291,9 +291,6 @@ def make_word_emitter(target: str | Path, end_of_turn_share: float = 0.15, seed:
     feature (embedding column 0 = 10, never written by any layer) becomes, through lm_head column 0, a logit bias:
     word tokens (' word' / 'word') get +4, eos gets the bias that makes it ~`end_of_turn_share` of the mass per
     step, everything else -10; the remaining features make the choice among words random but context-dependent."""
-    import math
-    import re
-
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
@@ -316,7 +313,6 @@ def make_word_emitter(target: str | Path, end_of_turn_share: float = 0.15, seed:
     save = lambda: save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(out / "model.safetensors"),  # noqa: E731
                              metadata={"format": "pt"})
     save()
-    from eagle3.hf import load_causal_lm
 
     model = load_causal_lm(out, dtype=torch.float32)
     probe = torch.randint(0, cfg["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(seed))

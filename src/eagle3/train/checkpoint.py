@@ -23,7 +23,6 @@ import math
 import os
 import pickle
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from eagle3.compat import migrate_record
+from eagle3.artifacts import CaptureManifest, DraftMetadata, SpoolHeader, list_checkpoints
 from eagle3.config import ConfigError, TrainConfig
 from eagle3.integrity import nonfinite_tensors
 from eagle3.io import (
@@ -51,39 +50,42 @@ if TYPE_CHECKING:
     from eagle3.train.data import PackedLoader
     from eagle3.train.parallel import Dist
 
-METADATA = "eagle3_draft.json"
+METADATA = DraftMetadata.FILE
 WEIGHTS = "model.safetensors"
 RAW_WEIGHTS = "raw.safetensors"  # the raw training weights beside a weight-average model.safetensors
 
 
-def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: dict, target_cfg: dict, step: int, metrics=None,
-                   identity: dict | None = None, inputs: dict | None = None) -> dict:
+def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: CaptureManifest | SpoolHeader,
+                   target_cfg: dict, step: int, metrics=None,
+                   identity: dict | None = None, inputs: dict | None = None) -> DraftMetadata:
     """The draft's eagle3_draft.json. `identity` (eagle3.integrity.target_identity of the target
     trained with) is recorded so that export and evaluate can check they are given the same target;
     `inputs` (identities of the capture, vocab, validation capture and target:
     eagle3.train.resume_inputs) so that resume can check it continues the same run."""
     tc = text_config(target_cfg)
-    return {
-        "format": "eagle3-draft/1",
-        "draft_config": dcfg.to_dict(),
-        "aux_layer_ids": list(cfg.aux_layer_ids or manifest["aux_layer_ids"]),
-        "captured_aux_layer_ids": list(manifest["aux_layer_ids"]),
-        "target": str(Path(cfg.target).resolve()),
-        "target_hidden_size": tc["hidden_size"],
-        "target_vocab_size": tc["vocab_size"],
-        "target_num_layers": tc.get("num_hidden_layers"),
-        "target_config_sha256": (identity or {}).get("config_sha256"),
-        "target_fingerprint": (identity or {}).get("fingerprint"),  # every weight file's sha256
-        "target_max_position_embeddings": tc.get("max_position_embeddings"),
-        "draft_vocab_size": dcfg.draft_vocab_size,
-        "vocab": str(cfg.vocab),
-        "captured": str(cfg.captured),
-        "step": step,
-        "ttt_steps": cfg.ttt_steps,
-        "train_config": cfg.model_dump(mode="json"),  # every flag it was trained with (lr, supervise, init, ...)
-        "inputs": dict(inputs or {}),
-        "metrics": metrics or {},
-    }
+    return DraftMetadata(
+        format=DraftMetadata.FORMAT,
+        draft_config=dcfg.to_dict(),
+        aux_layer_ids=list(cfg.aux_layer_ids or manifest.aux_layer_ids),
+        captured_aux_layer_ids=list(manifest.aux_layer_ids),
+        target=str(Path(cfg.target).resolve()),
+        target_hidden_size=tc["hidden_size"],
+        target_vocab_size=tc["vocab_size"],
+        target_num_layers=tc.get("num_hidden_layers"),
+        target_config_sha256=(identity or {}).get("config_sha256"),
+        # every weight file's sha256
+        target_fingerprint=(identity or {}).get("fingerprint"),
+        target_max_position_embeddings=tc.get("max_position_embeddings"),
+        draft_vocab_size=dcfg.draft_vocab_size,
+        vocab=str(cfg.vocab),
+        captured=str(cfg.captured),
+        step=step,
+        ttt_steps=cfg.ttt_steps,
+        # every flag it was trained with (lr, supervise, init, ...)
+        train_config=cfg.model_dump(mode="json"),
+        inputs=dict(inputs or {}),
+        metrics=metrics or {},
+    )
 
 
 def _draft_sd(model) -> dict[str, torch.Tensor]:
@@ -104,7 +106,8 @@ def _save_weights(model, path: Path) -> None:
         save_file(_draft_sd(model), str(tmp))
 
 
-def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float, meta: dict,
+def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float,
+                    meta: DraftMetadata,
                     raw=None, num_skipped_steps: int = 0, layout: dict | None = None) -> Path:
     """`model`: Eagle3Draft or a full state dict. `opt`: the optimizer, or its full state dict
     (eagle3.train.parallel.full_optimizer_state: what a sharded FSDP2 optimizer saves). `raw`: the raw weights when
@@ -126,30 +129,15 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoade
         torch.save(rng, tmp / "rng.pt")
         write_json(tmp / "trainer_state.json", {"step": step, **loader.state_dict(), "best": best,
                                                 "num_skipped_steps": num_skipped_steps, **(layout or {})})
-        write_json(tmp / METADATA, meta)
+        meta.save(tmp)
     return final
 
 
-def save_model_dir(path: Path, model: Eagle3Draft, meta: dict) -> Path:
+def save_model_dir(path: Path, model: Eagle3Draft, meta: DraftMetadata) -> Path:
     with atomic_dir(path, needed_bytes=_draft_nbytes(model)) as tmp:
         _save_weights(model, tmp / WEIGHTS)
-        write_json(tmp / METADATA, meta)
+        meta.save(tmp)
     return path
-
-
-def list_checkpoints(out: Path) -> list[Path]:
-    """checkpoints/step-N dirs of a training out dir (those with a trainer_state.json), newest first."""
-    steps = []
-    for p in (Path(out) / "checkpoints").glob("step-*"):
-        m = re.fullmatch(r"step-(\d+)", p.name)
-        if m and (p / "trainer_state.json").is_file():
-            steps.append((int(m.group(1)), p))
-    return [p for _, p in sorted(steps, reverse=True)]
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    found = list_checkpoints(out)
-    return found[0] if found else None
 
 
 class UnsafeCheckpointError(ValueError):
@@ -185,7 +173,7 @@ class CheckpointState:
     scheduler: Any
     trainer_state: dict[str, Any]
     rng: dict[str, Any]
-    meta: dict[str, Any]  # its eagle3_draft.json: resume compares it with the new run's
+    meta: DraftMetadata | None  # its eagle3_draft.json: resume compares it with the new run's
     optimizer_is_shard: bool = False
 
 
@@ -217,10 +205,10 @@ def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = Non
     with corrupt_file_errors(ckpt / "trainer_state.json", "checkpoint state"):
         state = json.loads((ckpt / "trainer_state.json").read_text())
     rng = load_torch_file(ckpt / "rng.pt")
-    meta = {}
+    meta = None
     if (ckpt / METADATA).is_file():
         with corrupt_file_errors(ckpt / METADATA, "checkpoint metadata"):
-            meta = migrate_record(json.loads((ckpt / METADATA).read_text()))
+            meta = DraftMetadata.load(ckpt)
     return CheckpointState(ckpt, weights, raw, optimizer, st["scheduler"], state, rng, meta, is_shard)
 
 
@@ -277,7 +265,7 @@ def checkpoint_tau(ckpt: Path) -> float | None:
     before it was saved), None when it has none or its validation loss is not finite (such a model
     never becomes best)."""
     try:
-        m = json.loads((ckpt / METADATA).read_text()).get("metrics") or {}
+        m = DraftMetadata.load(ckpt).metrics or {}
     except (OSError, ValueError):
         return None
     tau, loss = m.get("tau_estimate"), m.get("loss")

@@ -25,30 +25,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
+from eagle3.artifacts import CaptureManifest, capture_dirs
+from eagle3.errors import TokenRangeError
+from eagle3.io import corrupt_file_errors
+from eagle3.quant import dequantize_fp8
+from eagle3.shards import SCALE_KEYS, iter_shards, shard_samples, verify_capture
+from eagle3.train.loss import compute_target_argmax
 from eagle3.train.step import PackedBatch
 
 
 class CapturedDataset(Sequence):
-    """Random access to a capture dir's samples without loading it: shards are memory-mapped safetensors
-    (eagle3.capture.storage layout) and a sample reads only its own rows. `verify`: check every shard's sha256
-    against the manifest first (a corrupt capture is refused, naming the shards, before anything trains on it)."""
+    """Random access to a capture dir's samples without loading it: shards are memory-mapped
+    safetensors (eagle3.shards layout) and a sample reads only its own rows. `verify`: check
+    every shard's sha256 against the manifest first (a corrupt capture is refused, naming the
+    shards, before anything trains on it)."""
 
     def __init__(self, path: str | Path, verify: bool = True):
-        import json
-
-        from safetensors import safe_open
-
-        from eagle3.capture import load_manifest
-        from eagle3.capture.storage import verify_capture
-        from eagle3.io import corrupt_file_errors
-
         self.path = Path(path)
-        self.manifest = verify_capture(self.path) if verify else load_manifest(self.path)
+        self.manifest = verify_capture(self.path) if verify else CaptureManifest.load(self.path)
         self._files, self._index, self._handles = [], [], {}
         self._lock = threading.Lock()  # the loader's packing threads share the open shards
-        for si, entry in enumerate(self.manifest["shards"]):
-            f = self.path / entry["file"]
+        for si, entry in enumerate(self.manifest.shards):
+            f = self.path / entry.file
             if not f.is_file():
                 raise FileNotFoundError(f"{f} listed in {self.path}/manifest.json is missing: rerun the capture")
             self._files.append(f)
@@ -65,8 +65,6 @@ class CapturedDataset(Sequence):
     MAX_OPEN_SHARDS = 8
 
     def _handle(self, si: int):
-        from safetensors import safe_open
-
         with self._lock:
             h = self._handles.pop(si, None)
             if h is None:
@@ -106,9 +104,6 @@ class CapturedDataset(Sequence):
     def _states(h, key: str, a: int, b: int) -> torch.Tensor:
         """Rows a:b of a state tensor; fp8 captures are dequantized with their per-token scales (to bfloat16, as
         eagle3.capture.load_captured returns them): the stored fp8 values alone are off by the scale."""
-        from eagle3.capture.quant import dequantize_fp8
-        from eagle3.capture.storage import SCALE_KEYS
-
         x = h.get_slice(key)[a:b]
         if x.dtype == torch.float8_e4m3fn:
             x = dequantize_fp8(x, h.get_slice(SCALE_KEYS[key])[a:b])
@@ -158,16 +153,15 @@ class ConcatSamples(Sequence):
 
 
 def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = True) -> Sequence[dict[str, Any]]:
-    """A capture dir, or several comma-separated ones (random access, memory-mapped), or any iterable of sample
-    dicts, as a sequence. A sequence is used as is; a plain iterator (e.g. eagle3.capture.load_captured) is
-    materialised. Several dirs are checked to agree (eagle3.capture.load_combined_manifest) before reading."""
+    """A capture dir, or several comma-separated ones (random access, memory-mapped), or any
+    iterable of sample dicts, as a sequence. A sequence is used as is; a plain iterator (e.g.
+    eagle3.capture.load_captured) is materialised. Several dirs are checked to agree
+    (CaptureManifest.load_combined) before reading."""
     if isinstance(source, (str, Path)):
-        from eagle3.capture import capture_dirs, load_combined_manifest
-
         dirs = capture_dirs(source)
         if len(dirs) == 1:
             return CapturedDataset(dirs[0], verify)
-        load_combined_manifest(source)
+        CaptureManifest.load_combined(source)
         return ConcatSamples([CapturedDataset(d, verify) for d in dirs])
     if isinstance(source, Sequence):
         return source
@@ -238,8 +232,6 @@ def check_token_ids(samples: Sequence[dict[str, Any]], vocab_size: int, captured
     one of the target's (data prepared for another tokenizer; the states are the other target's
     too): the embedding lookup would fail mid-training with `IndexError: index out of range in
     self`, naming nothing."""
-    from eagle3.errors import TokenRangeError
-
     hit = find_token_out_of_range(samples, vocab_size)
     if hit is None:
         return
@@ -290,8 +282,6 @@ def compute_sample_argmax(samples: Sequence[dict[str, Any]], head, device, indic
     """{i: (T_i,) int32} the target's full-vocab argmax of samples i in `indices` (eagle3.train.loss.
     compute_target_argmax, on `device` in the head's dtype, as the step would), reading only their last hidden
     states, in chunks of ~chunk_tokens rows."""
-    from eagle3.train.loss import compute_target_argmax
-
     out: dict[int, torch.Tensor] = {}
     todo: list[tuple[int, torch.Tensor]] = []
 
@@ -326,14 +316,9 @@ def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layer
     """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
     reads, not page faults per sample), keeping only the aux states of `aux_layer_ids` (SelectedLayers semantics).
     RAM needed: tokens x (len(aux_layer_ids) + 1) x H x 2 B."""
-    from eagle3.capture import capture_dirs, load_combined_manifest
-    from eagle3.capture.storage import iter_shards, shard_samples
-
-    captured = load_combined_manifest(path)["aux_layer_ids"]
+    captured = CaptureManifest.load_combined(path).aux_layer_ids
     out: list[dict[str, Any]] = []
     if verify:
-        from eagle3.capture.storage import verify_capture
-
         for d in capture_dirs(path):
             verify_capture(d)
     for shard in (sh for d in capture_dirs(path) for sh in iter_shards(d)):
@@ -344,14 +329,6 @@ def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layer
                         "last_hidden_states": s["last_hidden_states"].clone()})
         del shard, picked
     return out
-
-
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = int(round(n * val_fraction))
-    if val_fraction > 0 and n >= 2:
-        n_val = max(1, n_val)
-    return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
 def empty_row(T: int, n_aux: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -14,7 +14,6 @@ validation set.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,14 +23,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
-from eagle3.compat import migrate_record
+from eagle3.acceptance import simulate_acceptance_length
+from eagle3.artifacts import CaptureManifest, DraftMetadata
 from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError, Count
 from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
 from eagle3.train.checkpoint import METADATA, WEIGHTS
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS, PackedBatch, TTTModule, summarize
-from eagle3.train.target import load_target_tensors, read_target_config
+from eagle3.weights import load_target_tensors, read_target_config
 
 
 @dataclass
@@ -49,8 +49,6 @@ class Estimate:
 
 def tau_from_metrics(metrics: dict[str, float], k: int) -> float:
     """1 + sum_{j<k} prod_{i<=j} cond_acc_i from summarize()'s per-step metrics (every row a round start)."""
-    from eagle3.evaluate import simulate_acceptance_length
-
     return simulate_acceptance_length([metrics[f"cond_acc_{j}"] for j in range(k)])
 
 
@@ -152,14 +150,14 @@ def score_batches(ttt: torch.nn.Module, batches: list[PackedBatch], head: Target
     return m
 
 
-def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, dict]:
+def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, DraftMetadata]:
     """An Eagle3Draft from a training output (best/, final/, a checkpoint) or an exported vLLM-format dir."""
 
     path = Path(path)
     if not (path / METADATA).is_file():
         raise ConfigError(f"draft={path}: no {METADATA}; pass a directory written by `eagle3 train` or `eagle3 export`")
-    meta = migrate_record(json.loads((path / METADATA).read_text()))
-    model = Eagle3Draft(DraftConfig.from_dict(meta["draft_config"]))
+    meta = DraftMetadata.load(path)
+    model = Eagle3Draft(DraftConfig.from_dict(meta.draft_config))
     sd = load_file(str(path / WEIGHTS))
     if "d2t" not in sd:  # full-vocab vLLM export: lm_head rows already in target order
         sd["d2t"] = torch.zeros(model.cfg.draft_vocab_size, dtype=torch.long)
@@ -195,17 +193,15 @@ class EstimateConfig(BaseModel):
 
 
 def load_for_replay(draft: str | Path, captured: str | Path, target: str | Path
-                    ) -> tuple[Eagle3Draft, dict, SelectedLayers, TargetHead]:
+                    ) -> tuple[Eagle3Draft, DraftMetadata, SelectedLayers, TargetHead]:
     """What a replay of `draft` over a capture needs (on the CPU, float32): the draft and its metadata, the captured
     samples at the draft's aux layers, and the target's head over the draft vocabulary."""
-    from eagle3.capture import load_combined_manifest
-
     model, meta = load_draft_dir(draft, target)
-    manifest = load_combined_manifest(captured)
+    manifest = CaptureManifest.load_combined(captured)
     tensors = load_target_tensors(target)
     tc = text_config(read_target_config(target))
     try:
-        samples = SelectedLayers(load_samples(captured), manifest["aux_layer_ids"], meta["aux_layer_ids"],
+        samples = SelectedLayers(load_samples(captured), manifest.aux_layer_ids, meta.aux_layer_ids,
                                  tc["num_hidden_layers"])
     except ValueError as e:
         raise ConfigError(f"captured={captured} cannot feed draft={draft}: {e}") from None
@@ -220,7 +216,7 @@ def estimate_acceptance(cfg: EstimateConfig) -> Estimate:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     head = head.to(device, dtype)
     batches = eval_batches(samples, list(range(len(samples))), cfg.max_seq_len, cfg.batch_size)
-    k = (cfg.num_speculative_tokens or (meta.get("train_config") or {}).get("num_speculative_tokens")
+    k = (cfg.num_speculative_tokens or meta.trained_num_speculative_tokens
          or DEFAULT_NUM_SPECULATIVE_TOKENS)
     m = score_batches(TTTModule(model).to(device), batches, head, steps=k, device=device, dtype=dtype,
                       attention=cfg.attention, replay_k=k, max_new_tokens=cfg.max_new_tokens)

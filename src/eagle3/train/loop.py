@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from eagle3.artifacts import DraftMetadata
 from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError, TrainConfig
 from eagle3.integrity import nonfinite_tensors
 from eagle3.model.draft import Eagle3Draft
@@ -67,7 +68,8 @@ class Run:
     total: int  # optimizer steps of the whole run
     amp_dtype: torch.dtype
     aux_layer_ids: list[int]
-    draft_metadata: Callable[[int, dict], dict]  # (step, validation metrics) -> eagle3_draft.json
+    #: (step, validation metrics) -> eagle3_draft.json
+    draft_metadata: Callable[[int, dict], DraftMetadata]
     params: list[torch.nn.Parameter] = field(default_factory=list)
     opt: torch.optim.Optimizer | None = None
     sched: Any = None

@@ -19,8 +19,8 @@ TrainConfig field, what may change:
            resumes at any world size and wrapping with the same packed rows per optimizer step)
 
 The draft's shape (`draft_config` minus dropout, a `force` setting) and the inputs other than the
-validation capture are `same`. Checkpoints written before 2026-12-03 have no `inputs`: eagle3.compat
-warns once and the config and draft shape are compared.
+validation capture are `same`. Checkpoints written before 2026-12-03 have no `inputs`:
+eagle3.artifacts warns once and the config and draft shape are compared.
 """
 
 from __future__ import annotations
@@ -29,70 +29,30 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3.compat import recorded_resume_inputs
+from eagle3.artifacts import DraftMetadata
 from eagle3.config import ConfigError, TrainConfig
 
 SAME, FORCE, FREE = "same", "force", "free"
 
 SAME_FIELDS = ("seed", "val_fraction", "aux_layer_ids", "freeze")
 FORCE_FIELDS = (
-    "lr",
-    "min_lr_ratio",
-    "schedule",
-    "warmup_steps",
-    "weight_decay",
-    "beta1",
-    "beta2",
-    "grad_clip",
-    "epochs",
-    "max_steps",
-    "ttt_steps",
-    "loss_decay",
-    "max_seq_len",
-    "dtype",
-    "supervise",
-    "hidden_noise",
-    "feature_loss_weight",
-    "midlayer_feature_loss_weight",
-    "distill_temperature",
-    "copy_weight",
-    "dropout",
-    "ema_decay",
-    "num_speculative_tokens",
+    "lr", "min_lr_ratio", "schedule", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+    "epochs", "max_steps", "ttt_steps", "loss_decay", "max_seq_len",
+    "dtype", "supervise", "hidden_noise", "feature_loss_weight", "midlayer_feature_loss_weight",
+    "distill_temperature", "copy_weight", "dropout", "ema_decay", "num_speculative_tokens",
     "loss_weighting",
 )
 FREE_FIELDS = (
-    "target",
-    "captured",
-    "vocab",
-    "val_captured",
-    "draft",
-    "out",  # compared by content instead
-    "eval_every",
-    "save_every",
-    "log_every",
-    "device",
-    "attention",
-    "compile",
-    "compile_cache",
-    "init_head_from_target",
-    "init_layers_from_target",
-    "num_loader_workers",
-    "preload",
-    "resume",
-    "verify_capture",
-    "max_nonfinite_steps",
-    "allow_target_mismatch",
-    "force_resume",
+    "target", "captured", "vocab", "val_captured", "draft", "out",  # compared by content instead
+    "eval_every", "save_every", "log_every", "device", "attention", "compile", "compile_cache",
+    "init_head_from_target", "init_layers_from_target", "num_loader_workers", "preload", "resume",
+    "verify_capture", "max_nonfinite_steps", "allow_target_mismatch", "force_resume",
     "keep_checkpoints",
-    "parallel",
-    "batch_size",
-    "grad_accum",  # rows per optimizer step: check_layout
+    "parallel", "batch_size", "grad_accum",  # rows per optimizer step: check_layout
 )
 #: TrainConfig field -> same / force / free (module docstring); a test keeps it complete
 RESUME_RULES: dict[str, str] = {
-    **dict.fromkeys(SAME_FIELDS, SAME),
-    **dict.fromkeys(FORCE_FIELDS, FORCE),
+    **dict.fromkeys(SAME_FIELDS, SAME), **dict.fromkeys(FORCE_FIELDS, FORCE),
     **dict.fromkeys(FREE_FIELDS, FREE),
 }
 
@@ -112,36 +72,39 @@ def _show(v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
-def resume_differences(
-    old: dict[str, Any], new: dict[str, Any], what: str
-) -> list[tuple[str, str, str]]:
+def resume_differences(old: DraftMetadata | None, new: DraftMetadata,
+                       what: str) -> list[tuple[str, str, str]]:
     """[(rule, field, "field old -> new")] between the checkpoint's metadata `old` and the new
     run's `new` (both draft_metadata records), the ones no flag can override first; `what` names the
-    checkpoint in the compat warning."""
+    checkpoint in the warning about older checkpoints; a checkpoint without one (`old` None) is
+    not compared."""
+    if old is None:
+        return []
     out = []
-    old_inputs = recorded_resume_inputs(old, what)
+    old_inputs = old.recorded_resume_inputs(what)
     if old_inputs is not None:
         for key, (name, rule) in INPUT_RULES.items():
-            a, b = old_inputs.get(key), new["inputs"].get(key)
+            a, b = old_inputs.get(key), (new.inputs or {}).get(key)
             if a != b:
                 out.append((rule, name, f"{name} {_show(a)} -> {_show(b)}"))
-    old_shape, new_shape = dict(old.get("draft_config") or {}), dict(new["draft_config"])
+    old_shape, new_shape = dict(old.draft_config or {}), dict(new.draft_config)
     for key in sorted(set(old_shape) | set(new_shape)):
         if key != "dropout" and old_shape and old_shape.get(key) != new_shape.get(key):
             shown = f"{key} {_show(old_shape.get(key))} -> {_show(new_shape.get(key))}"
             out.append((SAME, key, shown))
-    old_cfg, new_cfg = old.get("train_config") or {}, new["train_config"]
+    old_cfg, new_cfg = old.train_config or {}, new.train_config or {}
     for key, rule in RESUME_RULES.items():
         if rule != FREE and key in old_cfg and old_cfg[key] != new_cfg.get(key):
             out.append((rule, key, f"{key} {_show(old_cfg[key])} -> {_show(new_cfg.get(key))}"))
     return sorted(out, key=lambda d: d[0] != SAME)
 
 
-def check_resume(cfg: TrainConfig, ckpt: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
+def check_resume(cfg: TrainConfig, ckpt: Path, old: DraftMetadata | None,
+                 new: DraftMetadata) -> None:
     """Refuse (ConfigError) to resume `ckpt`, whose eagle3_draft.json is `old`, into a run whose
     metadata would be `new`, when they differ beyond what RESUME_RULES allows; with cfg.force_resume
     the `force` differences are printed as a warning and resume goes on."""
-    diffs = resume_differences(old, new, str(ckpt / "eagle3_draft.json"))
+    diffs = resume_differences(old, new, str(ckpt / DraftMetadata.FILE))
     if not diffs:
         return
     listed = "; ".join(d for _, _, d in diffs)
@@ -152,18 +115,12 @@ def check_resume(cfg: TrainConfig, ckpt: Path, old: dict[str, Any], new: dict[st
             f"{head} --force-resume cannot resume over {', '.join(never)} (the checkpoint's "
             "weights, optimizer state or data position would mean something else): train into a "
             "new --out, set resume: false to start over in this one, or put back the values it was "
-            "trained with"
-        )
+            "trained with")
     if not cfg.force_resume:
-        raise ConfigError(
-            f"{head} These may change mid-run: pass --force-resume (force_resume: "
-            "true) to resume with the new values, or put back the old ones"
-        )
-    print(
-        f"eagle3: warning (force_resume=true): resuming {ckpt} with other settings: {listed}",
-        file=sys.stderr,
-        flush=True,
-    )
+        raise ConfigError(f"{head} These may change mid-run: pass --force-resume (force_resume: "
+                          "true) to resume with the new values, or put back the old ones")
+    print(f"eagle3: warning (force_resume=true): resuming {ckpt} with other settings: {listed}",
+          file=sys.stderr, flush=True)
 
 
 __all__ = ["RESUME_RULES", "INPUT_RULES", "check_resume", "resume_differences"]

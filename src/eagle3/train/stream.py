@@ -1,7 +1,7 @@
 """Streaming (bounded-disk) mode, consumer side: train on a spool's shards as the producer writes them.
 
 `eagle3 stream-train` (run_stream_train) is `eagle3 train` with a SpoolSource instead of a capture dir
-(spool layout: eagle3.capture.spool). The loader reads the training shards in order (seq), packs their
+(spool layout: eagle3.spool_files). The loader reads the training shards in order (seq), packs their
 samples into rows exactly as the offline loader does (greedy, rows never span epochs), and records its
 position (shard seq, sample) in every checkpoint. A shard is deleted only after a checkpoint's position
 is past it, so a kill at any point resumes from the latest checkpoint with every sample still on disk.
@@ -25,7 +25,11 @@ from typing import Any
 
 import torch
 
-from eagle3.capture.spool import (
+from eagle3.artifacts import SpoolHeader
+from eagle3.config import ConfigError, StreamTrainConfig
+from eagle3.io import atomic_path, write_json
+from eagle3.shards import load_shard, shard_samples
+from eagle3.spool_files import (
     CONSUMED,
     HEADER,
     LEDGER,
@@ -36,11 +40,8 @@ from eagle3.capture.spool import (
     read_state,
     spool_bytes,
 )
-from eagle3.capture.storage import load_shard, shard_samples
-from eagle3.compat import migrate_record
-from eagle3.config import ConfigError, StreamTrainConfig
-from eagle3.io import atomic_path, write_json
 from eagle3.train.data import collate, empty_row, pack
+from eagle3.train.trainer import run_train
 
 SAMPLES_LOG = "stream_samples.jsonl"
 
@@ -92,7 +93,8 @@ class SpoolSource:
         if getattr(cfg, "preload", False):
             raise ConfigError("train.preload = true is not supported in streaming mode (the spool is read shard by "
                               "shard as it arrives); set train.preload: false")
-        self.manifest: dict[str, Any] = _wait(self.spool, cfg, HEADER, lambda: migrate_record(read_state(self.spool, HEADER)) or None)
+        self.manifest: SpoolHeader = _wait(self.spool, cfg, HEADER,
+                                           lambda: SpoolHeader.load(self.spool))
         consumed = read_state(self.spool, CONSUMED)
         fresh = not any((Path(cfg.out) / "checkpoints").glob("step-*")) or not cfg.resume
         if fresh and (consumed.get("released_below", 0) > 0 or consumed.get("done")):
@@ -108,9 +110,9 @@ class SpoolSource:
     def num_rows(self, cfg: StreamTrainConfig) -> int:
         """Rows the whole stream packs into (every epoch): sets the length of the lr schedule."""
         h = self.manifest
-        toks = h["row_tokens"]
-        return sum(count_packed_rows([toks[i] for i in epoch_order(h["train_rows"], h["seed"], e)], cfg.max_seq_len)
-                   for e in range(h["epochs"]))
+        toks = h.row_tokens
+        return sum(count_packed_rows([toks[i] for i in epoch_order(h.train_rows, h.seed, e)],
+                                     cfg.max_seq_len) for e in range(h.epochs))
 
     def loader(self, cfg: StreamTrainConfig, rank: int, world: int) -> StreamLoader:
         return StreamLoader(self, cfg, rank, world)
@@ -123,8 +125,8 @@ class StreamLoader:
         self.source, self.cfg, self.spool = source, cfg, source.spool
         self.T, self.B, self.rank, self.world = cfg.max_seq_len, cfg.batch_size, rank, world
         h = source.manifest
-        self.n_aux, self.hidden = len(h["aux_layer_ids"]), h["hidden_size"]
-        self.per_epoch = sum(1 for i in h["train_rows"] if h["row_tokens"][i] > 0)
+        self.n_aux, self.hidden = len(h.aux_layer_ids), h.hidden_size
+        self.per_epoch = sum(1 for i in h.train_rows if h.row_tokens[i] > 0)
         self.seq, self.j = 0, 0  # next sample: shard seq, sample within it
         self.epoch, self.in_epoch = 0, 0  # epoch of the last sample taken, samples taken in it
         self.ended = False
@@ -137,16 +139,17 @@ class StreamLoader:
     def _check_cap(self) -> int:
         """Shards one optimizer step can span; refuse a cap that cannot hold them next to the fixed files."""
         h, cfg = self.source.manifest, self.cfg
-        longest = max(h["row_tokens"] or [1])
-        span = math.ceil(self.step_rows * max(self.T, longest) / h["shard_tokens"]) + 2
-        fixed = (self.spool / HEADER).stat().st_size + h["val_bytes_estimate"]
-        need = fixed + (span + 1) * h["max_shard_bytes"] + meta_margin_bytes(self.spool)
+        longest = max(h.row_tokens or [1])
+        span = math.ceil(self.step_rows * max(self.T, longest) / h.shard_tokens) + 2
+        fixed = (self.spool / HEADER).stat().st_size + h.val_bytes_estimate
+        need = fixed + (span + 1) * h.max_shard_bytes + meta_margin_bytes(self.spool)
         if need > cfg.spool_cap_bytes:
             raise ConfigError(
                 f"stream.spool_cap_gb = {cfg.spool_cap_gb} cannot hold the shards one optimizer step can span: "
                 f"{self.step_rows} rows (train.batch_size x train.grad_accum x ranks) of train.max_seq_len = {self.T} "
-                f"tokens span up to {span} shards of up to {h['max_shard_bytes']} bytes (capture.shard_tokens = "
-                f"{h['shard_tokens']}), plus {fixed} bytes of header and validation shards: raise stream.spool_cap_gb "
+                f"tokens span up to {span} shards of up to {h.max_shard_bytes} bytes "
+                f"(capture.shard_tokens = {h.shard_tokens}), plus {fixed} bytes of header and "
+                "validation shards: raise stream.spool_cap_gb "
                 f"to at least {need / 1e9:.6g}, or lower capture.shard_tokens or the batch"
             )
         return span
@@ -245,7 +248,7 @@ class StreamLoader:
                 ahead = sum(1 for e in led.get("shards", []) if e["seq"] > self.seq)
                 room = self.cfg.spool_cap_bytes - spool_bytes(self.spool) - meta_margin_bytes(self.spool)
                 short = ahead < self.max_ahead and not led.get("done")
-                need = (self.max_ahead - ahead) * self.source.manifest["max_shard_bytes"]
+                need = (self.max_ahead - ahead) * self.source.manifest.max_shard_bytes
                 want = led.get("blocked_bytes", 0) > 0 or (short and room < need)
         if self.world > 1:
             flag = torch.tensor([float(want)])
@@ -324,8 +327,6 @@ def read_samples_log(out: str | Path) -> dict[int, list[int]]:
 def run_stream_train(cfg: StreamTrainConfig, *, stop_after: int | None = None):
     """The consumer: `run_train` on the spool `cfg.captured` (waits for the producer's shards, deletes them
     once checkpointed). A failure is recorded in the spool so that the producer stops too."""
-    from eagle3.train.trainer import run_train
-
     try:
         return run_train(cfg, source=SpoolSource(cfg), stop_after=stop_after)
     except PeerFailed:

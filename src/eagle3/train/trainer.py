@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
-from eagle3.compat import migrate_record
-from eagle3.config import ConfigError, TrainConfig
+from eagle3.artifacts import CaptureManifest, DraftMetadata, DraftVocab, SpoolHeader, capture_dirs
+from eagle3.config import AuxLayerIds, ConfigError, TrainConfig
 from eagle3.integrity import check_target_identity, target_identity, tensor_sha256
 from eagle3.io import sha256_json, sha256_text
 from eagle3.lock import dir_lock
 from eagle3.model.draft import Eagle3Draft, draft_config_from_target, text_config
+from eagle3.splits import split_indices
 from eagle3.train import parallel
 from eagle3.train.checkpoint import (
     compile_cache_dir,
@@ -48,19 +49,13 @@ from eagle3.train.data import (
     eval_batches,
     load_samples,
     preload_samples,
-    split_indices,
 )
 from eagle3.train.loop import Run, TrainState, build_optimizer, resume, save_final, train_loop
 from eagle3.train.loss import TargetHead
 from eagle3.train.metrics import MetricsLog, progress
 from eagle3.train.step import TTTModule
-from eagle3.train.target import (
-    init_layers_from_target,
-    load_target_tensors,
-    load_top_layers,
-    load_vocab,
-    read_target_config,
-)
+from eagle3.train.target import init_layers_from_target, load_top_layers
+from eagle3.weights import load_target_tensors, read_target_config
 
 
 @dataclass
@@ -130,7 +125,7 @@ def count_rows(samples, indices, T) -> int:
 class Inputs:
     """What training reads besides the samples: the capture's manifest, the target and the vocab."""
 
-    manifest: dict[str, Any]
+    manifest: CaptureManifest | SpoolHeader
     target_cfg: dict[str, Any]
     tensors: dict[str, Any]  # embed, norm, lm_head (+ layers when init_layers_from_target)
     identity: dict[str, Any]  # eagle3.integrity.target_identity of the target
@@ -145,7 +140,8 @@ class Inputs:
 
 
 def run_train(
-    cfg: TrainConfig, *, samples=None, manifest: dict | None = None, stop_after: int | None = None, source=None
+    cfg: TrainConfig, *, samples=None, manifest: CaptureManifest | dict | None = None,
+    stop_after: int | None = None, source=None
 ) -> TrainResult:
     """Train the draft. `samples`/`manifest` replace reading cfg.captured (tests, in-memory data);
     `stop_after` ends this invocation after that many optimizer steps (the schedule still follows the full run);
@@ -193,7 +189,8 @@ def _train(cfg: TrainConfig, d: parallel.Dist, *, samples, manifest, stop_after,
     out = run.out
     meta = run.draft_metadata(state.step, state.val_metrics)
     best_dir = out / "best" if (out / "best").is_dir() else None
-    return TrainResult(out, out / "final", best_dir, state.step, state.last_loss, state.val_metrics, meta)
+    return TrainResult(out, out / "final", best_dir, state.step, state.last_loss, state.val_metrics,
+                       meta.to_dict())
 
 
 def setup(cfg: TrainConfig) -> parallel.Dist:
@@ -206,30 +203,33 @@ def setup(cfg: TrainConfig) -> parallel.Dist:
     return d
 
 
-def read_inputs(cfg: TrainConfig, manifest: dict | None) -> Inputs:
+def read_inputs(cfg: TrainConfig, manifest: CaptureManifest | SpoolHeader | dict | None) -> Inputs:
     """The capture's manifest (checked against the target), the target's frozen tensors and the vocab."""
-    in_memory = manifest is not None and not (Path(str(cfg.captured)) / "stream.json").is_file()
+    in_memory = manifest is not None and not (Path(str(cfg.captured)) / SpoolHeader.FILE).is_file()
     if manifest is None:
-        from eagle3.capture import load_combined_manifest
-
-        manifest = load_combined_manifest(cfg.captured)
-    manifest = migrate_record(manifest)  # a manifest given in memory may use the old key names
+        manifest = CaptureManifest.load_combined(cfg.captured)
+    elif isinstance(manifest, dict):  # given in memory (tests); it may use the old key names
+        manifest = CaptureManifest.from_dict(manifest, "run_train(manifest=...)")
     target_cfg = read_target_config(cfg.target)
     tc = text_config(target_cfg)
-    if manifest.get("hidden_size", tc["hidden_size"]) != tc["hidden_size"]:
+    if manifest.hidden_size != tc["hidden_size"]:
         raise ConfigError(
-            f"captured={cfg.captured}: manifest hidden_size={manifest['hidden_size']} but target={cfg.target} has "
+            f"captured={cfg.captured}: manifest hidden_size={manifest.hidden_size} but "
+            f"target={cfg.target} has "
             f"hidden_size={tc['hidden_size']}; capture again with this target"
         )
     tensors = load_target_tensors(cfg.target)
-    # the old embedding/norm/lm_head fingerprint: for a capture from before 2026-12-03 only (compat)
-    identity = target_identity(cfg.target, None if manifest.get("target_fingerprint") else tensors)
-    check_target_identity(manifest, identity, what=f"captured={cfg.captured}", target=cfg.target,
-                          allow=cfg.allow_target_mismatch, error=ConfigError)
+    # the old embedding/norm/lm_head fingerprint: for a capture from before 2026-12-03 only
+    identity = target_identity(cfg.target, None if manifest.target_fingerprint else tensors)
+    check_target_identity(manifest.recorded_target(), identity, what=f"captured={cfg.captured}",
+                          target=cfg.target, allow=cfg.allow_target_mismatch, error=ConfigError)
     if cfg.init_layers_from_target:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
-    d2t, t2d = load_vocab(cfg.vocab)
-    aux_layer_ids = list(cfg.aux_layer_ids or manifest["aux_layer_ids"])
+    d2t, t2d = DraftVocab.load(cfg.vocab).torch_maps()
+    aux_layer_ids = list(cfg.aux_layer_ids or manifest.aux_layer_ids)
+    field = ("TrainConfig.aux_layer_ids" if cfg.aux_layer_ids
+             else f"captured={cfg.captured}: aux_layer_ids")
+    AuxLayerIds(tuple(aux_layer_ids)).check(tc["num_hidden_layers"], field, last_ok=True)
     ids = {
         "captured_sha256": capture_sha256(cfg.captured, manifest, given=in_memory),
         "vocab_sha256": sha256_text(tensor_sha256(d2t) + tensor_sha256(t2d)),
@@ -240,19 +240,19 @@ def read_inputs(cfg: TrainConfig, manifest: dict | None) -> Inputs:
     return Inputs(manifest, target_cfg, tensors, identity, d2t, t2d, aux_layer_ids, ids)
 
 
-def capture_sha256(captured: str | None, manifest: dict | None, given: bool = False) -> str:
+def capture_sha256(captured: str | None, manifest: CaptureManifest | SpoolHeader | None,
+                   given: bool = False) -> str:
     """The content identity of what is trained on: the sha256 of every capture dir's shard hashes
     (a shard's sha256 is in its manifest: nothing is read again), of a streaming spool's header
     hash, or of `manifest` itself when it was `given` in memory."""
-    from eagle3.capture import capture_dirs, load_manifest
-
     if given or not captured:
-        return sha256_json(manifest)
+        return sha256_json(manifest.to_dict() if manifest is not None else None)
     dirs = capture_dirs(captured)
-    if all((p / "manifest.json").is_file() for p in dirs):
-        return sha256_json([[s["sha256"] for s in load_manifest(p)["shards"]] for p in dirs])
-    header = manifest or {}
-    return sha256_json({"spool": header.get("config_hash"), "target": header.get("target")})
+    if all((p / CaptureManifest.FILE).is_file() for p in dirs):
+        return sha256_json([[s.sha256 for s in CaptureManifest.load(p).shards] for p in dirs])
+    if manifest is None:
+        return sha256_json({"spool": None, "target": None})
+    return sha256_json({"spool": manifest.config_hash, "target": manifest.target})
 
 
 def check_midlayer_target(cfg: TrainConfig, model: Eagle3Draft, inputs: Inputs) -> None:
@@ -285,7 +285,7 @@ def read_samples(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, samples, so
         how += ", every shard sha256-verified"
     check_token_ids(samples, int(inputs.tensors["embed"].shape[0]), cfg.captured, cfg.target)
     if cfg.aux_layer_ids is not None and not preload:
-        samples = SelectedLayers(samples, inputs.manifest["aux_layer_ids"], ids, L)
+        samples = SelectedLayers(samples, inputs.manifest.aux_layer_ids, ids, L)
     progress(d, f"{len(samples)} samples ({how}, aux_layer_ids {ids}) in {time.perf_counter() - t_load:.1f} s")
     return samples, verify
 
@@ -327,7 +327,7 @@ def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3D
         progress(d, f"{d.world} processes: {mode} (train.parallel {cfg.parallel})")
     ttt = parallel.wrap(TTTModule(model), d, fsdp=mode == "fsdp2")
 
-    def meta(step: int, metrics: dict) -> dict:
+    def meta(step: int, metrics: dict) -> DraftMetadata:
         return draft_metadata(cfg, dcfg, inputs.manifest, inputs.target_cfg, step, metrics,
                               inputs.identity, inputs.ids)
 
@@ -358,18 +358,17 @@ def with_target_argmax(samples, head: TargetHead, d: parallel.Dist) -> WithTarge
 def read_val_captured(cfg: TrainConfig, inputs: Inputs, source, verify: bool, head: TargetHead,
                       d: parallel.Dist) -> list:
     """Validation batches from val_captured, a capture of other prompts than the training ones."""
-    from eagle3.capture import capture_dirs, load_combined_manifest
-
     both = {str(p.resolve()) for p in capture_dirs(cfg.val_captured)} & (
         {str(p.resolve()) for p in capture_dirs(cfg.captured)} if source is None else set())
     if both:
         raise ConfigError(f"val_captured={cfg.val_captured} and captured={cfg.captured} share {sorted(both)}: "
                           "validation rows would be training rows; validate on a capture of other prompts")
-    vm = load_combined_manifest(cfg.val_captured)
-    check_target_identity(vm, inputs.identity, what=f"val_captured={cfg.val_captured}", target=cfg.target,
+    vm = CaptureManifest.load_combined(cfg.val_captured)
+    check_target_identity(vm.recorded_target(), inputs.identity,
+                          what=f"val_captured={cfg.val_captured}", target=cfg.target,
                           allow=cfg.allow_target_mismatch, error=ConfigError)
-    vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm["aux_layer_ids"], inputs.aux_layer_ids,
-                        inputs.num_hidden_layers)
+    vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm.aux_layer_ids,
+                        inputs.aux_layer_ids, inputs.num_hidden_layers)
     vs = with_target_argmax(vs, head, d)
     return eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size)
 

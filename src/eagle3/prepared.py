@@ -1,8 +1,8 @@
 """The prepared-dataset format shared by prepare (writer) and capture/vocab (readers).
 
 A prepared dataset is a directory holding a HF `datasets` dataset saved with `save_to_disk`, columns
-`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id`
-(str), plus `manifest.json` describing where it came from.
+`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id` (str),
+plus `manifest.json` describing where it came from (eagle3.artifacts.PreparedMeta).
 """
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from eagle3.io import atomic_dir, read_json, write_json
+from eagle3.artifacts import PreparedMeta
+from eagle3.io import atomic_dir
 
-MANIFEST = "manifest.json"
+MANIFEST = PreparedMeta.FILE
 COLUMNS = ("input_ids", "loss_mask", "sample_id")
 
 
-def save_prepared(
-    rows: Iterable[dict[str, Any]], out: str | Path, manifest: dict[str, Any]
-) -> Path:
+def save_prepared(rows: Iterable[dict[str, Any]], out: str | Path, manifest: PreparedMeta) -> Path:
     """Write rows + manifest atomically (a half-written dataset never appears under `out`)."""
     import datasets
 
@@ -36,7 +35,7 @@ def save_prepared(
     out = Path(out)
     with atomic_dir(out, needed_bytes=ds.data.nbytes) as tmp:
         ds.save_to_disk(str(tmp / "data"))
-        write_json(tmp / MANIFEST, manifest)
+        manifest.save(tmp)
     return out
 
 
@@ -56,6 +55,3 @@ def load_prepared(path: str | Path):
         raise ValueError(f"{path}: prepared dataset lacks columns {missing}")
     return ds.with_format("numpy")
 
-
-def load_prepared_manifest(path: str | Path) -> dict[str, Any]:
-    return read_json(Path(path) / MANIFEST)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -569,6 +570,4 @@ def check_skipped(
 
 def _ceil(frac: float) -> str:
     """The smallest 3-decimal fraction >= frac, as text (0.125 -> "0.125", 0.1234 -> "0.124")."""
-    import math
-
     return f"{math.ceil(frac * 1000 - 1e-9) / 1000:g}"
