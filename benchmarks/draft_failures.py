@@ -1,9 +1,9 @@
 """Where a draft's first guess (TTT step 0) disagrees with the target, on captured held-out prompts.
 
-For every supervised row: the draft's top-5 at step 0 against the target's argmax for that position, bucketed by the
-target's own top-1 probability (how close to a tie the target is) and by the kind of token the target wants (digit,
-word, punctuation/operator), plus the most frequent (wanted, guessed) pairs. Step 0 is what the engine's first draft
-position accepts, and τ is bounded by it.
+For every supervised row: the draft's top-5 at step 0 against the target's argmax for that position,
+bucketed by the target's own top-1 probability (how close to a tie the target is) and by the kind of
+token the target wants (digit, word, punctuation/operator), plus the most frequent (wanted, guessed)
+pairs. Step 0 is what the engine's first draft position accepts, and τ is bounded by it.
 
     python benchmarks/draft_failures.py --draft DIR --captured DIR --target DIR [--name NAME]
 
@@ -48,10 +48,15 @@ def analyse(draft: str, captured: str, target: str, top_pairs: int = 20) -> dict
     tc = text_config(read_target_config(target))
     tensors = load_target_tensors(target)
     captured_ids = CaptureManifest.load_combined(captured).aux_layer_ids
-    samples = SelectedLayers(load_samples(captured), captured_ids, meta.aux_layer_ids,
-                             tc["num_hidden_layers"])
-    head = TargetHead(tensors["norm"], tc.get("rms_norm_eps", 1e-6), tensors["lm_head"],
-                      torch.arange(model.cfg.draft_vocab_size) + model.d2t)
+    samples = SelectedLayers(
+        load_samples(captured), captured_ids, meta.aux_layer_ids, tc["num_hidden_layers"]
+    )
+    head = TargetHead(
+        tensors["norm"],
+        tc.get("rms_norm_eps", 1e-6),
+        tensors["lm_head"],
+        torch.arange(model.cfg.draft_vocab_size) + model.d2t,
+    )
     tok = AutoTokenizer.from_pretrained(target)
     n, topk = 0, [0] * 5
     buckets = {b: [0, 0] for b in BUCKETS}
@@ -65,13 +70,25 @@ def analyse(draft: str, captured: str, target: str, top_pairs: int = 20) -> dict
         ids_p = F.pad(ids, (0, 4))  # (B, T+4)
         doc_p = F.pad(doc, (0, 4), value=-2)  # (B, T+4)
         mask_p = F.pad(b.loss_mask.bool(), (0, 4))  # (B, T+4)
-        out, _ = model.step(ids_p[:, 1 : 1 + T], model.combine(b.aux), b.positions, model.new_cache(),
-                            make_ttt_attention("auto", doc, 1))  # (B, T, H)
+        out, _ = model.step(
+            ids_p[:, 1 : 1 + T],
+            model.combine(b.aux),
+            b.positions,
+            model.new_cache(),
+            make_ttt_attention("auto", doc, 1),
+        )  # (B, T, H)
         guess = model.lm_head(out).topk(5, -1).indices  # (B, T, 5) draft ids
         guess = guess + model.d2t[guess]  # (B, T, 5) target ids
         want = tg.argmax[:, 1 : 1 + T]  # (B, T) target argmax for the row's next-next token
-        valid = (doc_p[:, 1 : 1 + T] == doc) & (doc_p[:, 2 : 2 + T] == doc) & (doc >= 0) & mask_p[:, 2 : 2 + T]  # (B, T)
-        p1 = tg.logits[:, 1 : 1 + T].float().softmax(-1).max(-1).values  # (B, T) target's own top-1 probability
+        valid = (
+            (doc_p[:, 1 : 1 + T] == doc)
+            & (doc_p[:, 2 : 2 + T] == doc)
+            & (doc >= 0)
+            & mask_p[:, 2 : 2 + T]
+        )  # (B, T)
+        p1 = (
+            tg.logits[:, 1 : 1 + T].float().softmax(-1).max(-1).values
+        )  # (B, T) target's own top-1 probability
         hit = guess[..., 0] == want  # (B, T)
         n += int(valid.sum())
         for k in range(5):
@@ -87,39 +104,77 @@ def analyse(draft: str, captured: str, target: str, top_pairs: int = 20) -> dict
             if not hit[bi, ti]:
                 pairs[(w, tok.decode([int(guess[bi, ti, 0])]))] += 1
     return {
-        "draft": draft, "captured": captured, "num_rows": n, "top_k_agreement": [round(t / n, 4) for t in topk],
-        "by_target_top1_prob": [{"range": list(b), "share": round(v[0] / n, 4), "agreement": round(v[1] / max(v[0], 1), 4)}
-                                for b, v in buckets.items()],
-        "by_token_kind": {k: {"share": round(v[0] / n, 4), "agreement": round(v[1] / max(v[0], 1), 4)} for k, v in kinds.items()},
-        "top_misses": [{"wanted": w, "guessed": g, "count": c} for (w, g), c in pairs.most_common(top_pairs)],
+        "draft": draft,
+        "captured": captured,
+        "num_rows": n,
+        "top_k_agreement": [round(t / n, 4) for t in topk],
+        "by_target_top1_prob": [
+            {
+                "range": list(b),
+                "share": round(v[0] / n, 4),
+                "agreement": round(v[1] / max(v[0], 1), 4),
+            }
+            for b, v in buckets.items()
+        ],
+        "by_token_kind": {
+            k: {"share": round(v[0] / n, 4), "agreement": round(v[1] / max(v[0], 1), 4)}
+            for k, v in kinds.items()
+        },
+        "top_misses": [
+            {"wanted": w, "guessed": g, "count": c} for (w, g), c in pairs.most_common(top_pairs)
+        ],
     }
 
 
 def markdown(res: dict) -> str:
-    L = [f"# {res['name']}: where the draft's first guess misses", "", f"`{res['command']}`", "",
-         f"{res['num_rows']:,} supervised rows; step-0 top-1..5 agreement with the target's argmax: "
-         f"{' / '.join(f'{a:.3f}' for a in res['top_k_agreement'])}", "",
-         "| target's own top-1 probability | share of rows | draft top-1 agreement |", "|---|---|---|"]
-    L += [f"| {b['range'][0]:.1f}–{min(b['range'][1], 1.0):.1f} | {b['share']:.3f} | {b['agreement']:.3f} |"
-          for b in res["by_target_top1_prob"]]
+    L = [
+        f"# {res['name']}: where the draft's first guess misses",
+        "",
+        f"`{res['command']}`",
+        "",
+        f"{res['num_rows']:,} supervised rows; step-0 top-1..5 agreement with the target's argmax: "
+        f"{' / '.join(f'{a:.3f}' for a in res['top_k_agreement'])}",
+        "",
+        "| target's own top-1 probability | share of rows | draft top-1 agreement |",
+        "|---|---|---|",
+    ]
+    L += [
+        f"| {b['range'][0]:.1f}–{min(b['range'][1], 1.0):.1f} | {b['share']:.3f} | "
+        f"{b['agreement']:.3f} |"
+        for b in res["by_target_top1_prob"]
+    ]
     L += ["", "| wanted token | share | agreement |", "|---|---|---|"]
-    L += [f"| {k} | {v['share']:.3f} | {v['agreement']:.3f} |" for k, v in res["by_token_kind"].items()]
-    L += ["", "Most frequent misses (wanted → guessed): " + ", ".join(
-        f"{m['wanted']!r}→{m['guessed']!r} {m['count']}" for m in res["top_misses"][:12])]
+    L += [
+        f"| {k} | {v['share']:.3f} | {v['agreement']:.3f} |"
+        for k, v in res["by_token_kind"].items()
+    ]
+    L += [
+        "",
+        "Most frequent misses (wanted → guessed): "
+        + ", ".join(
+            f"{m['wanted']!r}→{m['guessed']!r} {m['count']}" for m in res["top_misses"][:12]
+        ),
+    ]
     return "\n".join(L) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", required=True, help="exported draft dir or a training best/ dir")
-    ap.add_argument("--captured", required=True, help="capture dir(s) of held-out prompts, comma-separated")
+    ap.add_argument(
+        "--captured", required=True, help="capture dir(s) of held-out prompts, comma-separated"
+    )
     ap.add_argument("--target", required=True)
     ap.add_argument("--name", help="write benchmarks/results/<name>.{json,md}")
     a = ap.parse_args()
     res = analyse(a.draft, a.captured, a.target)
     if a.name:
-        res = {"name": a.name, "command": f"python benchmarks/draft_failures.py --draft {a.draft} --captured "
-               f"{a.captured} --target {a.target} --name {a.name}", **res}
+        res = {
+            "name": a.name,
+            "command": f"python benchmarks/draft_failures.py --draft {a.draft} --captured "
+            f"{a.captured} --target {a.target} --name {a.name}",
+            **res,
+        }
         write_text(RESULTS / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
         write_text(RESULTS / f"{a.name}.md", markdown(res))
         print(markdown(res))

@@ -2,9 +2,9 @@
 
 A run has two halves (the GPU box has no vLLM, this CPU has no GPU):
   1. on the GPU (carry built by `bash benchmarks/gpu_call.sh carry refbench`):
-     `bash benchmarks/gpu_call.sh run --budget-s 480 --pack runs/refbench-gpu -- python3 -m eagle3.cli run
-     --no-prefect --config configs/refbench-gpu.yaml` (regenerate -> prepare -> capture -> vocab -> train ->
-     export); its pack.tgz unpacked under RUN_DIR;
+     `bash benchmarks/gpu_call.sh run --budget-s 480 --pack runs/refbench-gpu -- python3 -m
+     eagle3.cli run --no-prefect --config configs/refbench-gpu.yaml` (regenerate -> prepare ->
+     capture -> vocab -> train -> export); its pack.tgz unpacked under RUN_DIR;
   2. here: `eagle3 evaluate --config configs/refbench.yaml --draft RUN_DIR/draft --out EVAL_DIR`.
 This script reads both and writes the figures the refbench protocol asks for (config, sample/token
 counts, wall time per stage, tau and per-position counts).
@@ -31,7 +31,11 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _train_summary(run: Path) -> dict[str, Any]:
-    rows = [json.loads(line) for line in (run / "train" / "logs" / "metrics.jsonl").read_text().splitlines() if line]
+    rows = [
+        json.loads(line)
+        for line in (run / "train" / "logs" / "metrics.jsonl").read_text().splitlines()
+        if line
+    ]
     train = [r for r in rows if r.get("split") == "train"]
     val = [r for r in rows if r.get("split") == "val"]
     best = max(val, key=lambda r: r["sim_accept_len"]) if val else {}
@@ -44,21 +48,33 @@ def _train_summary(run: Path) -> dict[str, Any]:
         "best_val_step": best.get("step"),
         "best_val_sim_accept_len_k7": best.get("sim_accept_len"),
         "best_val_acc_per_step": [best.get(f"acc_{j}") for j in range(7) if f"acc_{j}" in best],
-        "best_val_cond_acc_per_step": [best.get(f"cond_acc_{j}") for j in range(7) if f"cond_acc_{j}" in best],
+        "best_val_cond_acc_per_step": [
+            best.get(f"cond_acc_{j}") for j in range(7) if f"cond_acc_{j}" in best
+        ],
     }
 
 
 def build_report(run: Path, eval_dir: Path, note: str, gpu_call_s: float | None) -> dict[str, Any]:
-    regen, prep = _read(run / "regenerated" / "manifest.json"), _read(run / "prepared" / "manifest.json")
-    cap, voc = migrate_record(_read(run / "captured" / "manifest.json")), _read(run / "vocab" / "coverage.json")
+    regen, prep = (
+        _read(run / "regenerated" / "manifest.json"),
+        _read(run / "prepared" / "manifest.json"),
+    )
+    cap, voc = (
+        migrate_record(_read(run / "captured" / "manifest.json")),
+        _read(run / "vocab" / "coverage.json"),
+    )
     draft, ev = _read(run / "draft" / "eagle3_draft.json"), _read(eval_dir / "results.json")
     gpu = (run / "gpu.txt").read_text().strip().splitlines() if (run / "gpu.txt").is_file() else []
     return {
-        "protocol": "../shared/refbench/README.md (target-a-llama, GSM8K train regenerated greedy <= 256 tokens, "
-        "aux ids (2, 4, 5), k = 3, 200 eval prompts, temperature 0, max_tokens 128, bf16, max_model_len 1024)",
+        "protocol": "../shared/refbench/README.md (target-a-llama, GSM8K train regenerated greedy "
+        "<= 256 tokens, aux ids (2, 4, 5), k = 3, 200 eval prompts, temperature 0, max_tokens 128, "
+        "bf16, max_model_len 1024)",
         "note": note,
         "gpu": gpu,
-        "config_files": ["configs/refbench-gpu.yaml (train side)", "configs/refbench.yaml (evaluate)"],
+        "config_files": [
+            "configs/refbench-gpu.yaml (train side)",
+            "configs/refbench.yaml (evaluate)",
+        ],
         "data": {
             "num_prompts": regen.get("counts", {}).get("input_rows"),
             "num_regenerated": regen.get("counts", {}).get("written_conversations"),
@@ -76,7 +92,11 @@ def build_report(run: Path, eval_dir: Path, note: str, gpu_call_s: float | None)
             "regenerate_gpu": regen.get("elapsed_s"),
             "gpu_call_total": gpu_call_s,
         },
-        "train": {**_train_summary(run), "draft_config": draft.get("draft_config"), "checkpoint_step": draft.get("step")},
+        "train": {
+            **_train_summary(run),
+            "draft_config": draft.get("draft_config"),
+            "checkpoint_step": draft.get("step"),
+        },
         "result": {
             "tau": ev.get("acceptance_length"),
             "num_drafts": ev.get("num_drafts"),
@@ -106,13 +126,14 @@ def render_markdown(r: dict[str, Any]) -> str:
         "| n-gram prompt lookup (min 2, max 4) | 1.73 | 1412 / 703 / 379 |",
         "| speculators 0.9.0 EAGLE-3 (refbench README) | 2.26 | 5070 / 3561 / 2612 |",
         f"| **eagle3-pipeline** | **{res['tau']:.3f}** | {' / '.join(str(x) for x in pos)} |"
-        if res.get("tau") is not None else "| eagle3-pipeline | (not evaluated) | |",
+        if res.get("tau") is not None
+        else "| eagle3-pipeline | (not evaluated) | |",
         "",
-        f"- data: {d['num_regenerated']} of {d['num_prompts']} GSM8K-train prompts regenerated by the target "
-        f"({d['generated_tokens']} generated tokens, finish {d['finish_reasons']}); {d['num_tokens']} tokens, "
-        f"{d['num_supervised_tokens']} supervised; aux_layer_ids {d['aux_layer_ids']} + last "
-        f"({d['capture_bytes_per_token']} bytes/token); draft vocab {d['draft_vocab_size']} "
-        f"(coverage {d['draft_vocab_coverage']:.4f})",
+        f"- data: {d['num_regenerated']} of {d['num_prompts']} GSM8K-train prompts regenerated by "
+        f"the target ({d['generated_tokens']} generated tokens, finish {d['finish_reasons']}); "
+        f"{d['num_tokens']} tokens, {d['num_supervised_tokens']} supervised; aux_layer_ids "
+        f"{d['aux_layer_ids']} + last ({d['capture_bytes_per_token']} bytes/token); draft vocab "
+        f"{d['draft_vocab_size']} (coverage {d['draft_vocab_coverage']:.4f})",
         f"- train: {t['num_steps']} steps ({t['epochs_done']} epochs), exported checkpoint = step "
         f"{t['checkpoint_step']} (best validation simulated acceptance length over 7 steps: "
         f"{t['best_val_sim_accept_len_k7']:.3f} at step {t['best_val_step']})",
@@ -124,10 +145,16 @@ def render_markdown(r: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", type=Path, required=True, help="unpacked GPU run (regenerated/, ..., draft/)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--run-dir", type=Path, required=True, help="unpacked GPU run (regenerated/, ..., draft/)"
+    )
     ap.add_argument("--eval-dir", type=Path, required=True, help="eagle3 evaluate --out directory")
-    ap.add_argument("--note", default="", help="free text: how the run was made (dates, commands, deviations)")
+    ap.add_argument(
+        "--note", default="", help="free text: how the run was made (dates, commands, deviations)"
+    )
     ap.add_argument("--gpu-call-s", type=float, default=None, help="wall seconds of the GPU call")
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()

@@ -1,10 +1,12 @@
-"""import-linter contract type `acyclic_modules` (pyproject.toml, [tool.importlinter]): no import cycle between
-modules anywhere in the root packages. Every import counts, a lazy one inside a function too: a cycle through a
-lazy import is still two modules that cannot be understood (or tested) one without the other.
+"""import-linter contract type `acyclic_modules` (pyproject.toml, [tool.importlinter]): no import
+cycle between modules anywhere in the root packages. Every import counts, a lazy one inside a
+function too: a cycle through a lazy import is still two modules that cannot be understood (or
+tested) one without the other.
 
-import-linter's own `acyclic_siblings` compares whole packages (eagle3.train against eagle3.capture, ...),
-which reports shared helpers as cycles; this one looks at modules. `lint-imports` runs from the repo root,
-which it puts on sys.path, so `scripts.import_contracts` imports without being installed.
+import-linter's own `acyclic_siblings` compares whole packages (eagle3.train against
+eagle3.capture, ...), which reports shared helpers as cycles; this one looks at modules.
+`lint-imports` runs from the repo root, which it puts on sys.path, so `scripts.import_contracts`
+imports without being installed.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from importlinter.domain.contract import Contract, ContractCheck
 
 
 def find_cycles(graph: ImportGraph, modules: set[str]) -> list[list[str]]:
-    """The import cycles among `modules`: each strongly connected component of two or more modules, as one
-    cycle through it (Tarjan's algorithm, iterative)."""
+    """The import cycles among `modules`: each strongly connected component of two or more modules,
+    as one cycle through it (Tarjan's algorithm, iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     on_stack: set[str] = set()
     stack: list[str] = []
     components: list[list[str]] = []
-    edges = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i in modules) for m in modules}
+    edges = {
+        m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i in modules)
+        for m in modules
+    }
     for root in sorted(modules):
         if root in index:
             continue
@@ -85,8 +90,12 @@ class AcyclicModulesContract(Contract):
         )
         ours = {m for m in graph.modules if not graph.is_module_squashed(m)}
         cycles = find_cycles(graph, ours)
-        return ContractCheck(kept=not cycles, warnings=list(removal.warnings),
-                             ignored_import_count=removal.ignored_import_count, metadata={"cycles": cycles})
+        return ContractCheck(
+            kept=not cycles,
+            warnings=list(removal.warnings),
+            ignored_import_count=removal.ignored_import_count,
+            metadata={"cycles": cycles},
+        )
 
     def render_broken_contract(self, check: ContractCheck) -> None:
         for cycle in check.metadata["cycles"]:

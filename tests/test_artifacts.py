@@ -264,9 +264,7 @@ def test_capture_manifest_with_old_keys_and_unknown_keys_round_trips(tmp_path):
         "hidden_size": 8,
         "num_samples": 2,
         "from_a_newer_writer": {"x": 1},
-        "shards": [
-            {"file": "shard-00000.safetensors", "sha256": "ab", "num_samples": 2, "seq": 3}
-        ],
+        "shards": [{"file": "shard-00000.safetensors", "sha256": "ab", "num_samples": 2, "seq": 3}],
     }
     write_json(tmp_path / "manifest.json", old)
     m = CaptureManifest.load(tmp_path)

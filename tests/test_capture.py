@@ -1,5 +1,6 @@
-"""Capture stage: golden equality with transformers (both backends), layer-id discrimination, errors,
-non-finite skipping, disk refusal. Real vLLM engines (one per target, module-scoped), no mocks."""
+"""Capture stage: golden equality with transformers (both backends), layer-id discrimination,
+errors, non-finite skipping, disk refusal. Real vLLM engines (one per target, module-scoped), no
+mocks."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ NUM_PROMPTS = 10
 BATCH_TOKENS = 64  # << longest prompt (~190 tokens): forces chunked prefill in vLLM
 
 
-def make_prepared(target: Path, out: Path, num: int = NUM_PROMPTS, seed: int = 0, step: int = 17) -> Path:
-    """A prepared dataset of `num` chats of distinct lengths (20, 20+step, ...) tokenized with the target."""
+def make_prepared(
+    target: Path, out: Path, num: int = NUM_PROMPTS, seed: int = 0, step: int = 17
+) -> Path:
+    """A prepared dataset of `num` chats of distinct lengths (20, 20+step, ...) tokenized with the
+    target."""
     from transformers import AutoTokenizer
 
     from eagle3.prepared import save_prepared
@@ -35,16 +39,27 @@ def make_prepared(target: Path, out: Path, num: int = NUM_PROMPTS, seed: int = 0
         if len(ids) < want:
             continue
         ids = ids[:want]
-        rows.append({"input_ids": ids, "loss_mask": [int(j % 3 == 0) for j in range(len(ids))], "sample_id": conv["id"]})
+        rows.append(
+            {
+                "input_ids": ids,
+                "loss_mask": [int(j % 3 == 0) for j in range(len(ids))],
+                "sample_id": conv["id"],
+            }
+        )
         if len(rows) == num:
             break
     assert len(rows) == num, "tiny conversations too short for the requested lengths"
-    save_prepared(rows, out, PreparedMeta(stage="prepare", tokenizer_sha256="tok-hash",
-                                          chat_template_sha256="tpl-hash"))
+    save_prepared(
+        rows,
+        out,
+        PreparedMeta(stage="prepare", tokenizer_sha256="tok-hash", chat_template_sha256="tpl-hash"),
+    )
     return out
 
 
-def reference_states(target: Path, samples: list[torch.Tensor]) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+def reference_states(
+    target: Path, samples: list[torch.Tensor]
+) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     """transformers (float32 compute from the bf16 weights), one sample at a time, no padding:
     (output_hidden_states tuple, pre-final-norm state from a forward pre-hook on model.norm)."""
     from transformers import AutoModelForCausalLM
@@ -57,7 +72,9 @@ def reference_states(target: Path, samples: list[torch.Tensor]) -> list[tuple[tu
         for ids in samples:
             pre.clear()
             r = model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
-            out.append((tuple(h[0] for h in r.hidden_states), pre[-1][0]))  # ([T, H] * (L+1), [T, H])
+            out.append(
+                (tuple(h[0] for h in r.hidden_states), pre[-1][0])
+            )  # ([T, H] * (L+1), [T, H])
     return out
 
 
@@ -91,12 +108,15 @@ def check_golden(capture_dir: Path, target: Path) -> dict[str, float]:
         # "last" is before the final norm: neither hidden_states[L] (after norm) nor [L-1] matches
         worst_wrong = min(worst_wrong, rel_err(last, hs[L]), rel_err(last, hs[L - 1]))
     assert worst < MATCH, f"captured states differ from transformers: rel err {worst:.4f}"
-    assert worst_wrong > MISMATCH, f"neighbouring layers are too similar to discriminate: {worst_wrong:.4f}"
+    assert worst_wrong > MISMATCH, (
+        f"neighbouring layers are too similar to discriminate: {worst_wrong:.4f}"
+    )
     return {"match": worst, "neighbour": worst_wrong}
 
 
 def capture_job(cfg: CaptureConfig):
-    """run_capture(cfg) in a process of its own (`capture_in_subprocess`), the engine inside it on the CPU."""
+    """run_capture(cfg) in a process of its own (`capture_in_subprocess`), the engine inside it on
+    the CPU."""
     from eagle3.vllm_engine import setup_cpu_env
 
     setup_cpu_env(engine_in_process=True)
@@ -104,10 +124,11 @@ def capture_job(cfg: CaptureConfig):
 
 
 def capture_in_subprocess(cfg: CaptureConfig):
-    """A vLLM capture whose engine is started by run_capture itself, in a spawned process that exists for it: one
-    vLLM import (eagle3.vllm_engine's "engine in process") instead of an engine-core and a worker process that each
-    import vLLM again. This module's llama_engine keeps vLLM's default layout (engine core and worker in processes
-    of their own, the captured states crossing them), the one a GPU run has."""
+    """A vLLM capture whose engine is started by run_capture itself, in a spawned process that
+    exists for it: one vLLM import (eagle3.vllm_engine's "engine in process") instead of an
+    engine-core and a worker process that each import vLLM again. This module's llama_engine keeps
+    vLLM's default layout (engine core and worker in processes of their own, the captured states
+    crossing them), the one a GPU run has."""
     from eagle3.vllm_engine import run_in_subprocess
 
     return run_in_subprocess(capture_job, cfg)
@@ -124,15 +145,23 @@ def prepared_qwen3(tiny_qwen3, tmp_path_factory):
 
 
 def llama_cfg(tiny_llama, prepared_llama, out, **kw) -> CaptureConfig:
-    return CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=out, backend="vllm",
-                         aux_layer_ids=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400, **kw)
+    return CaptureConfig(
+        target=str(tiny_llama),
+        data=str(prepared_llama),
+        out=out,
+        backend="vllm",
+        aux_layer_ids=[1, 2, 4],
+        batch_tokens=BATCH_TOKENS,
+        shard_tokens=400,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
 def llama_engine(tiny_llama, prepared_llama, tmp_path_factory):
-    """The engine capture starts for these settings (worker extension, the prepared data's max_model_len), built
-    once for the driver-writer and the worker-writer captures of this module (test_vllm_golden_qwen3 and
-    test_capture_fp8 cover run_capture starting its own)."""
+    """The engine capture starts for these settings (worker extension, the prepared data's
+    max_model_len), built once for the driver-writer and the worker-writer captures of this module
+    (test_vllm_golden_qwen3 and test_capture_fp8 cover run_capture starting its own)."""
     from vllm import LLM
 
     from eagle3.capture.run import load_capture_inputs
@@ -141,16 +170,20 @@ def llama_engine(tiny_llama, prepared_llama, tmp_path_factory):
 
     cfg = llama_cfg(tiny_llama, prepared_llama, tmp_path_factory.mktemp("cap") / "unused")
     ci = load_capture_inputs(cfg)
-    llm = LLM(worker_extension_cls=EXTENSION, **engine_kwargs(str(tiny_llama), cfg.dtype, cfg.batch_tokens,
-                                                              ci.max_model_len, 1))
+    llm = LLM(
+        worker_extension_cls=EXTENSION,
+        **engine_kwargs(str(tiny_llama), cfg.dtype, cfg.batch_tokens, ci.max_model_len, 1),
+    )
     yield llm
     shutdown_engine(llm)
 
 
 @pytest.fixture(scope="module")
 def vllm_llama(tiny_llama, prepared_llama, llama_engine, tmp_path_factory):
-    return run_capture(llama_cfg(tiny_llama, prepared_llama, tmp_path_factory.mktemp("cap") / "llama_vllm"),
-                       llm=llama_engine)
+    return run_capture(
+        llama_cfg(tiny_llama, prepared_llama, tmp_path_factory.mktemp("cap") / "llama_vllm"),
+        llm=llama_engine,
+    )
 
 
 def test_vllm_golden_llama(vllm_llama, tiny_llama):
@@ -160,25 +193,50 @@ def test_vllm_golden_llama(vllm_llama, tiny_llama):
 
 
 def test_vllm_golden_qwen3(tiny_qwen3, prepared_qwen3, tmp_path):
-    # default layers: (2, L//2, L-3) = (2, 3, 3) collides at L=6 -> fallback (1, L//2, L-2) = (1, 3, 4)
-    cfg = CaptureConfig(target=str(tiny_qwen3), data=str(prepared_qwen3), out=tmp_path / "q", backend="vllm",
-                        batch_tokens=BATCH_TOKENS)
+    # default layers: (2, L//2, L-3) = (2, 3, 3) collides at L=6 -> fallback (1, L//2, L-2) = (1, 3,
+    # 4)
+    cfg = CaptureConfig(
+        target=str(tiny_qwen3),
+        data=str(prepared_qwen3),
+        out=tmp_path / "q",
+        backend="vllm",
+        batch_tokens=BATCH_TOKENS,
+    )
     res = capture_in_subprocess(cfg)
     assert res.aux_layer_ids == [1, 3, 4]
     print("qwen3 vllm", check_golden(res.out, tiny_qwen3))
 
 
-def test_hf_golden_llama_and_qwen3(tiny_llama, prepared_llama, tiny_qwen3, prepared_qwen3, tmp_path):
-    for name, target, prep in (("llama", tiny_llama, prepared_llama), ("qwen3", tiny_qwen3, prepared_qwen3)):
-        cfg = CaptureConfig(target=str(target), data=str(prep), out=tmp_path / name, backend="hf", aux_layer_ids=[1, 2, 4],
-                            device="cpu", batch_tokens=512, shard_tokens=400)
+def test_hf_golden_llama_and_qwen3(
+    tiny_llama, prepared_llama, tiny_qwen3, prepared_qwen3, tmp_path
+):
+    for name, target, prep in (
+        ("llama", tiny_llama, prepared_llama),
+        ("qwen3", tiny_qwen3, prepared_qwen3),
+    ):
+        cfg = CaptureConfig(
+            target=str(target),
+            data=str(prep),
+            out=tmp_path / name,
+            backend="hf",
+            aux_layer_ids=[1, 2, 4],
+            device="cpu",
+            batch_tokens=512,
+            shard_tokens=400,
+        )
         res = run_capture(cfg)
         print(name, "hf", check_golden(res.out, target))
 
 
 def test_vllm_and_hf_agree(vllm_llama, tiny_llama, prepared_llama, tmp_path):
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "hf", backend="hf",
-                        aux_layer_ids=[1, 2, 4], batch_tokens=512)
+    cfg = CaptureConfig(
+        target=str(tiny_llama),
+        data=str(prepared_llama),
+        out=tmp_path / "hf",
+        backend="hf",
+        aux_layer_ids=[1, 2, 4],
+        batch_tokens=512,
+    )
     hf = list(load_captured(run_capture(cfg).out))
     vl = list(load_captured(vllm_llama.out))
     for a, b in zip(hf, vl, strict=True):
@@ -215,8 +273,15 @@ def test_manifest_and_reader(vllm_llama, prepared_llama):
 
 
 def test_rerun_of_finished_capture_is_a_noop(vllm_llama, tiny_llama, prepared_llama):
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=vllm_llama.out, backend="vllm",
-                        aux_layer_ids=[1, 2, 4], batch_tokens=BATCH_TOKENS, shard_tokens=400)
+    cfg = CaptureConfig(
+        target=str(tiny_llama),
+        data=str(prepared_llama),
+        out=vllm_llama.out,
+        backend="vllm",
+        aux_layer_ids=[1, 2, 4],
+        batch_tokens=BATCH_TOKENS,
+        shard_tokens=400,
+    )
     res = run_capture(cfg)  # no engine is started: the manifest matches
     assert res.num_samples == vllm_llama.num_samples and res.capture_s == 0.0
     with pytest.raises(ValueError, match="different settings"):
@@ -224,19 +289,31 @@ def test_rerun_of_finished_capture_is_a_noop(vllm_llama, tiny_llama, prepared_ll
 
 
 def test_layer_ids_below_one_fail_the_schema():
-    """ids >= 1 is in the schema (a Prefect server checks it before a run starts); the top id needs the target."""
+    """ids >= 1 is in the schema (a Prefect server checks it before a run starts); the top id needs
+    the target."""
     import pydantic
 
     for layers in ([0, 2], [-1]):
-        with pytest.raises(pydantic.ValidationError, match=r"aux_layer_ids\.0\n.*greater than or equal to 1"):
+        with pytest.raises(
+            pydantic.ValidationError, match=r"aux_layer_ids\.0\n.*greater than or equal to 1"
+        ):
             CaptureConfig(aux_layer_ids=layers)
 
 
 @pytest.mark.parametrize("layers", [[2, 5], [1, 2, 7]])
 def test_bad_layer_ids(tiny_llama, prepared_llama, tmp_path, layers):
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", aux_layer_ids=layers, backend="hf")
-    with pytest.raises(ConfigError, match=r"aux_layer_ids = .*out of range for this 5-layer "
-                                          r"target; use ids in 1\.\.4"):
+    cfg = CaptureConfig(
+        target=str(tiny_llama),
+        data=str(prepared_llama),
+        out=tmp_path / "o",
+        aux_layer_ids=layers,
+        backend="hf",
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"aux_layer_ids = .*out of range for this 5-layer "
+        r"target; use ids in 1\.\.4",
+    ):
         run_capture(cfg)
     assert not (tmp_path / "o").exists()
 
@@ -247,8 +324,14 @@ def test_missing_paths(tiny_llama, tmp_path):
 
 
 def test_disk_space_refusal(tiny_llama, prepared_llama, tmp_path):
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", backend="hf",
-                        aux_layer_ids=[1, 2, 4], min_free_disk_gb=1e9)
+    cfg = CaptureConfig(
+        target=str(tiny_llama),
+        data=str(prepared_llama),
+        out=tmp_path / "o",
+        backend="hf",
+        aux_layer_ids=[1, 2, 4],
+        min_free_disk_gb=1e9,
+    )
     with pytest.raises(ValueError, match=r"min_free_disk_gb = 1000000000.0 GB .* free"):
         run_capture(cfg)
     assert not list((tmp_path / "o").glob("shard-*"))
@@ -274,8 +357,17 @@ def test_non_finite_samples_are_skipped_and_counted(tiny_llama, prepared_llama, 
     w = load_file(str(weights))
     w["model.embed_tokens.weight"][poison] = float("nan")
     save_file(w, str(weights), metadata={"format": "pt"})
-    res = run_capture(CaptureConfig(target=str(bad), data=str(prepared_llama), out=tmp_path / "o", backend="hf",
-                                    aux_layer_ids=[1, 2, 4], batch_tokens=256, shard_tokens=300))
+    res = run_capture(
+        CaptureConfig(
+            target=str(bad),
+            data=str(prepared_llama),
+            out=tmp_path / "o",
+            backend="hf",
+            aux_layer_ids=[1, 2, 4],
+            batch_tokens=256,
+            shard_tokens=300,
+        )
+    )
     assert res.num_skipped == {"non_finite": expected}
     assert res.num_samples == NUM_PROMPTS - expected
     m = CaptureManifest.load(res.out)
@@ -287,20 +379,37 @@ def test_non_finite_samples_are_skipped_and_counted(tiny_llama, prepared_llama, 
 
 def test_storage_dtypes_and_limit(tiny_llama, prepared_llama, tmp_path):
     for dt, torch_dt in (("float16", torch.float16), ("float32", torch.float32)):
-        res = run_capture(CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / dt,
-                                        backend="hf", aux_layer_ids=[1, 2, 4], storage_dtype=dt, limit=3))
+        res = run_capture(
+            CaptureConfig(
+                target=str(tiny_llama),
+                data=str(prepared_llama),
+                out=tmp_path / dt,
+                backend="hf",
+                aux_layer_ids=[1, 2, 4],
+                storage_dtype=dt,
+                limit=3,
+            )
+        )
         s = list(load_captured(res.out))
         assert len(s) == 3 and s[0]["aux_hidden_states"].dtype == torch_dt
         assert json.loads((tmp_path / dt / "manifest.json").read_text())["dtype"] == dt
 
 
 def test_auto_compute_dtype_is_recorded_by_name(tiny_llama, prepared_llama, tmp_path):
-    """`dtype: auto` (the default) is made concrete before anything hashes or records it: the manifest names the
-    dtype used, and the same capture asked for by that name is already complete (not a different capture)."""
+    """`dtype: auto` (the default) is made concrete before anything hashes or records it: the
+    manifest names the dtype used, and the same capture asked for by that name is already complete
+    (not a different capture)."""
     from eagle3.vllm_engine import cpu_has_native_bf16
 
-    kw = dict(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", backend="hf", device="cpu",
-              aux_layer_ids=[1, 2, 4], limit=2)
+    kw = dict(
+        target=str(tiny_llama),
+        data=str(prepared_llama),
+        out=tmp_path / "o",
+        backend="hf",
+        device="cpu",
+        aux_layer_ids=[1, 2, 4],
+        limit=2,
+    )
     res = run_capture(CaptureConfig(**kw))
     used = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert CaptureConfig(**kw).dtype == "auto"
@@ -310,12 +419,19 @@ def test_auto_compute_dtype_is_recorded_by_name(tiny_llama, prepared_llama, tmp_
 
 
 def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
-    """The GPU training box has no vLLM: `import vllm` is made to fail, the hf capture still runs."""
+    """The GPU training box has no vLLM: `import vllm` is made to fail, the hf capture still
+    runs."""
     import subprocess
     import sys
 
-    cfg = CaptureConfig(target=str(tiny_llama), data=str(prepared_llama), out=tmp_path / "o", backend="hf",
-                        aux_layer_ids=[1, 2, 4], limit=2)
+    cfg = CaptureConfig(
+        target=str(tiny_llama),
+        data=str(prepared_llama),
+        out=tmp_path / "o",
+        backend="hf",
+        aux_layer_ids=[1, 2, 4],
+        limit=2,
+    )
     code = (
         "import sys, json\n"
         "sys.modules['vllm'] = None  # any `import vllm` now raises ImportError\n"
@@ -323,21 +439,29 @@ def test_hf_backend_runs_without_vllm(tiny_llama, prepared_llama, tmp_path):
         "from eagle3.capture import run_capture\nfrom eagle3.shards import load_captured\n"
         "r = run_capture(CaptureConfig.model_validate(json.loads(sys.argv[1])))\n"
         "assert r.num_samples == 2 and len(list(load_captured(r.out))) == 2\n"
-        "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules if sys.modules[m] is not None)\n"
+        "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules if "
+        "sys.modules[m] is not None)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json"))], capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json"))],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_worker_writer_writes_the_driver_shards_byte_for_byte(vllm_llama, llama_engine, tiny_llama, prepared_llama,
-                                                             tmp_path):
-    """capture.writer = "worker": TP rank 0's worker writes the shards from the states it assembled (in a
-    background thread, overlapping the next chunk's prefill) and only metadata crosses collective_rpc; the files
-    are the driver-mode files byte for byte (same sha256), with the same progress entries and counts. Same engine
-    as the driver-mode capture (the writer is chosen per capture, not per engine)."""
-    cfg = llama_cfg(tiny_llama, prepared_llama, tmp_path / "w", writer="worker",
-                    worker_background="always")  # the thread path (auto: only on a GPU engine)
+def test_worker_writer_writes_the_driver_shards_byte_for_byte(
+    vllm_llama, llama_engine, tiny_llama, prepared_llama, tmp_path
+):
+    """capture.writer = "worker": TP rank 0's worker writes the shards from the states it assembled
+    (in a background thread, overlapping the next chunk's prefill) and only metadata crosses
+    collective_rpc; the files are the driver-mode files byte for byte (same sha256), with the same
+    progress entries and counts. Same engine as the driver-mode capture (the writer is chosen per
+    capture, not per engine)."""
+    cfg = llama_cfg(
+        tiny_llama, prepared_llama, tmp_path / "w", writer="worker", worker_background="always"
+    )  # the thread path (auto: only on a GPU engine)
     res = run_capture(cfg, llm=llama_engine)
     mw, md = CaptureManifest.load(res.out), CaptureManifest.load(vllm_llama.out)
     assert [s.sha256 for s in mw.shards] == [s.sha256 for s in md.shards] and len(mw.shards) >= 2

@@ -2,7 +2,8 @@
 rest is captured, and the result equals an uninterrupted run (no lost or duplicated samples).
 
 Uses the hf backend for the killed run: a vLLM engine start-up costs 30-90 s on the 2-core test box.
-The resume logic (progress.json, shard hashes, next sample index) is backend-independent driver code.
+The resume logic (progress.json, shard hashes, next sample index) is backend-independent driver
+code.
 """
 
 from __future__ import annotations
@@ -32,10 +33,18 @@ def prepared_many(tiny_llama, tmp_path_factory):
 
 
 def _cfg(target, data, out):
-    # batch_tokens < 2 x shortest sample: every hf batch is one sample, so the numerics do not depend
-    # on where a run starts (bitwise comparison below)
-    return CaptureConfig(target=str(target), data=str(data), out=out, backend="hf", aux_layer_ids=[1, 2, 4],
-                         device="cpu", batch_tokens=30, shard_tokens=150)
+    # batch_tokens < 2 x shortest sample: every hf batch is one sample, so the numerics do not
+    # depend on where a run starts (bitwise comparison below)
+    return CaptureConfig(
+        target=str(target),
+        data=str(data),
+        out=out,
+        backend="hf",
+        aux_layer_ids=[1, 2, 4],
+        device="cpu",
+        batch_tokens=30,
+        shard_tokens=150,
+    )
 
 
 def kill_capture_after_first_shard(cfg: CaptureConfig) -> list[dict]:
@@ -58,8 +67,13 @@ def kill_capture_after_first_shard(cfg: CaptureConfig) -> list[dict]:
         "run_capture(CaptureConfig.model_validate(json.loads(sys.argv[1])))\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json"))],
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json"))],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     progress = cfg.out / "progress.json"
     deadline = time.time() + 120
     try:
@@ -67,7 +81,9 @@ def kill_capture_after_first_shard(cfg: CaptureConfig) -> list[dict]:
             if progress.is_file() and json.loads(progress.read_text())["shards"]:
                 break
             time.sleep(0.01)
-        assert proc.poll() is None, f"capture ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        assert proc.poll() is None, (
+            f"capture ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        )
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
@@ -100,7 +116,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_llama, prepared_many, tmp
 
 
 def test_corrupt_shard_is_recaptured(tiny_llama, prepared_many, tmp_path):
-    """A shard whose bytes no longer match progress.json is dropped (with every later shard) and redone."""
+    """A shard whose bytes no longer match progress.json is dropped (with every later shard) and
+    redone."""
     cfg = _cfg(tiny_llama, prepared_many, tmp_path / "c")
     cfg.limit = 12
     first = run_capture(cfg)
@@ -111,4 +128,5 @@ def test_corrupt_shard_is_recaptured(tiny_llama, prepared_many, tmp_path):
     assert res.resumed_shards == 1
     assert res.num_samples == first.num_samples == 12
     assert [s["sample_id"] for s in load_captured(res.out, verify=True)] == [
-        s["sample_id"] for s in load_captured(first.out)]
+        s["sample_id"] for s in load_captured(first.out)
+    ]

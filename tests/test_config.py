@@ -49,8 +49,12 @@ AUX_LAYER_ID_CASES = [
     (None, 6, False, [1, 3, 4]),  # (2, 3, 3) collides: (1, L//2, L-2)
     (None, 4, False, r"the default \(2, L//2, L-3\) is not usable for a target with L=4 layers"),
     ([1, 2, 31], 32, False, [1, 2, 31]),
-    ([1, 2, 32], 32, False,
-     r"= \[1, 2, 32\]: id\(s\) \[32\] out of range for this 32-layer target; use ids in 1\.\.31"),
+    (
+        [1, 2, 32],
+        32,
+        False,
+        r"= \[1, 2, 32\]: id\(s\) \[32\] out of range for this 32-layer target; use ids in 1\.\.31",
+    ),
     # training may read the last layer (id L) from last_hidden_states
     ([1, 2, 32], 32, True, [1, 2, 32]),
     ([1, 33], 32, True, r"id\(s\) \[33\] out of range for this 32-layer target; use ids in 1..32"),
@@ -88,8 +92,24 @@ def test_require_names_the_flag():
 
 def test_every_cli_flag_maps_to_a_field():
     args = build_parser().parse_args(
-        ["train", "--target", "T", "--captured", "C", "--vocab", "V", "--out", "O", "--ttt-steps", "3",
-         "--lr", "0.001", "--no-resume", "--draft-intermediate-size", "512"]
+        [
+            "train",
+            "--target",
+            "T",
+            "--captured",
+            "C",
+            "--vocab",
+            "V",
+            "--out",
+            "O",
+            "--ttt-steps",
+            "3",
+            "--lr",
+            "0.001",
+            "--no-resume",
+            "--draft-intermediate-size",
+            "512",
+        ]
     )
     cfg = stage_config_from_args("train", args)
     assert (cfg.ttt_steps, cfg.lr, cfg.resume, cfg.draft.intermediate_size) == (3, 1e-3, False, 512)
@@ -108,10 +128,13 @@ def test_pipeline_resolution_fills_paths():
 
 @pytest.mark.parametrize("section", ["capture", "train"])
 def test_old_layers_key_is_an_error_naming_the_new_key(tmp_path, section):
-    """The aux ids are `aux_layer_ids` since 2026-12-01: an old `layers:` key is refused, naming the new key."""
+    """The aux ids are `aux_layer_ids` since 2026-12-01: an old `layers:` key is refused, naming the
+    new key."""
     p = tmp_path / "c.yaml"
     p.write_text(f"target: t\ndata: d\n{section}:\n  layers: [2, 4, 5]\n")
-    with pytest.raises(ConfigError, match=rf"{section}\.layers: renamed to {section}\.aux_layer_ids"):
+    with pytest.raises(
+        ConfigError, match=rf"{section}\.layers: renamed to {section}\.aux_layer_ids"
+    ):
         load_pipeline_config(p)
     with pytest.raises(ConfigError, match=r"layers: renamed to aux_layer_ids"):
         build_stage_config(section, {"layers": [2, 4, 5]})
@@ -120,25 +143,39 @@ def test_old_layers_key_is_an_error_naming_the_new_key(tmp_path, section):
 
 
 def test_num_speculative_tokens_is_set_once_in_evaluate():
-    """train picks its best checkpoint at the k evaluate serves with; a different train value is refused."""
+    """train picks its best checkpoint at the k evaluate serves with; a different train value is
+    refused."""
     cfg = PipelineConfig(target="t", data="d", evaluate={"num_speculative_tokens": 5}).resolved()
     assert cfg.train.num_speculative_tokens == 5 and cfg.evaluate.num_speculative_tokens == 5
     assert cfg.stream_stages()[1].num_speculative_tokens == 5
     assert PipelineConfig(target="t", data="d").resolved().train.num_speculative_tokens == 3
     PipelineConfig.model_validate(cfg.model_dump())  # a resolved config (same k in both) reloads
-    with pytest.raises(ValueError, match=r"train.num_speculative_tokens = 4 but evaluate.num_speculative_tokens = 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.num_speculative_tokens = 4 but evaluate.num_speculative_tokens = 3",
+    ):
         PipelineConfig(target="t", data="d", train={"num_speculative_tokens": 4})
-    assert TrainConfig().num_speculative_tokens is None  # standalone: the default k (3) at selection
+    assert (
+        TrainConfig().num_speculative_tokens is None
+    )  # standalone: the default k (3) at selection
 
 
 def test_records_with_old_key_names_are_migrated():
     from eagle3.artifacts import migrate_record
 
-    old = {"layers": [1, 2, 4], "captured_layers": [1, 2, 4, 5], "hidden_size": 8,
-           "train_config": {"layers": [1, 2], "lr": 1e-3}}
+    old = {
+        "layers": [1, 2, 4],
+        "captured_layers": [1, 2, 4, 5],
+        "hidden_size": 8,
+        "train_config": {"layers": [1, 2], "lr": 1e-3},
+    }
     new = migrate_record(old)
-    assert new == {"aux_layer_ids": [1, 2, 4], "captured_aux_layer_ids": [1, 2, 4, 5], "hidden_size": 8,
-                   "train_config": {"aux_layer_ids": [1, 2], "lr": 1e-3}}
+    assert new == {
+        "aux_layer_ids": [1, 2, 4],
+        "captured_aux_layer_ids": [1, 2, 4, 5],
+        "hidden_size": 8,
+        "train_config": {"aux_layer_ids": [1, 2], "lr": 1e-3},
+    }
     assert old["layers"] == [1, 2, 4]  # the input is left as it was
     assert migrate_record(new) == new
 

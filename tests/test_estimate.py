@@ -1,4 +1,5 @@
-"""Checkpoint selection and offline τ: replayed rounds, layer subsets, RAM preload, prefetching, padded eval."""
+"""Checkpoint selection and offline τ: replayed rounds, layer subsets, RAM preload, prefetching,
+padded eval."""
 
 from __future__ import annotations
 
@@ -27,14 +28,17 @@ from eagle3.train.step import TTTModule
 def captured(tiny_llama, tmp_path_factory):
     from tests.synthetic_capture import capture_samples, frequent_ids, write_captured, write_vocab
 
-    samples, manifest = capture_samples(tiny_llama, num=14, aux_layer_ids=(1, 2, 3), min_len=16, max_len=40)
+    samples, manifest = capture_samples(
+        tiny_llama, num=14, aux_layer_ids=(1, 2, 3), min_len=16, max_len=40
+    )
     tmp = tmp_path_factory.mktemp("est")
     vocab = write_vocab(tmp / "vocab", 512, frequent_ids(samples, 200, 512))
     return samples, manifest, vocab, write_captured(tmp / "cap", samples, manifest, shard_samples=5)
 
 
 def test_replay_rounds_counts_like_the_engine():
-    # one document, supervised rows 2..11; k = 3. Rounds start one row after the first supervised row.
+    # one document, supervised rows 2..11; k = 3. Rounds start one row after the first supervised
+    # row.
     K, T = 3, 16
     doc = torch.zeros(1, T, dtype=torch.long)
     valid = torch.zeros(K, 1, T, dtype=torch.bool)
@@ -54,10 +58,16 @@ def test_selected_layers_reads_the_last_layer_as_id_L(captured):
     samples, manifest, _, path = captured
     sel = SelectedLayers(samples, manifest["aux_layer_ids"], [3, 5, 1], num_hidden_layers=5)
     s, raw = sel[2], samples[2]
-    assert torch.equal(s["aux_hidden_states"][:, 0], torch.as_tensor(raw["aux_hidden_states"])[:, 2])
+    assert torch.equal(
+        s["aux_hidden_states"][:, 0], torch.as_tensor(raw["aux_hidden_states"])[:, 2]
+    )
     assert torch.equal(s["aux_hidden_states"][:, 1], torch.as_tensor(raw["last_hidden_states"]))
-    assert torch.equal(s["aux_hidden_states"][:, 2], torch.as_tensor(raw["aux_hidden_states"])[:, 0])
-    with pytest.raises(ValueError, match=r"TrainConfig.aux_layer_ids = \[4\]: id\(s\) \[4\] were not captured"):
+    assert torch.equal(
+        s["aux_hidden_states"][:, 2], torch.as_tensor(raw["aux_hidden_states"])[:, 0]
+    )
+    with pytest.raises(
+        ValueError, match=r"TrainConfig.aux_layer_ids = \[4\]: id\(s\) \[4\] were not captured"
+    ):
         SelectedLayers(samples, manifest["aux_layer_ids"], [4], num_hidden_layers=5)
     ram = preload_samples(path, [3, 5, 1], num_hidden_layers=5)
     assert len(ram) == len(samples)
@@ -72,22 +82,39 @@ def test_pack_batch_and_prefetch_equal_the_plain_loader(captured):
     b = pack_batch(rows, 64)
     n0, n1, n2 = (len(samples[i]["input_ids"]) for i in range(3))
     assert torch.equal(b.input_ids[0, :n0], torch.as_tensor(samples[0]["input_ids"]).long())
-    assert torch.equal(b.aux[0, n0 : n0 + min(n1, 64 - n0)].view(-1, 3, 128)[0],
-                       torch.as_tensor(samples[1]["aux_hidden_states"][0]))
-    assert b.positions[0, n0].item() == 0 and b.doc_ids[0, n0].item() == 1  # the second document restarts
-    assert (b.doc_ids[1, n2:] == -1).all() and not b.loss_mask[1, n2:].any() and (b.aux[1, n2:] == 0).all()
-    assert (b.doc_ids[2] == -1).all() and (b.last_hidden[2] == 0).all()  # an empty row is all padding
+    assert torch.equal(
+        b.aux[0, n0 : n0 + min(n1, 64 - n0)].view(-1, 3, 128)[0],
+        torch.as_tensor(samples[1]["aux_hidden_states"][0]),
+    )
+    assert (
+        b.positions[0, n0].item() == 0 and b.doc_ids[0, n0].item() == 1
+    )  # the second document restarts
+    assert (
+        (b.doc_ids[1, n2:] == -1).all()
+        and not b.loss_mask[1, n2:].any()
+        and (b.aux[1, n2:] == 0).all()
+    )
+    assert (b.doc_ids[2] == -1).all() and (
+        b.last_hidden[2] == 0
+    ).all()  # an empty row is all padding
     one = pack(rows[0], 64)
     assert all(torch.equal(one[f], getattr(b, f)[0]) for f in one)
     plain = PackedLoader(samples, range(12), 64, 2, seed=1)
-    ahead = PackedLoader(samples, range(12), 64, 2, seed=1, prefetch=3, num_workers=2)  # packed side by side
+    ahead = PackedLoader(
+        samples, range(12), 64, 2, seed=1, prefetch=3, num_workers=2
+    )  # packed side by side
     for _ in range(9):  # crosses epochs
         x, y = next(plain), next(ahead)
         assert x.target_argmax is None and y.target_argmax is None  # these samples carry none
         assert x.step_weight is None and y.step_weight is None
-        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__
-                   if f not in ("target_argmax", "step_weight"))
-        assert plain.state_dict() == ahead.state_dict()  # the position handed out, not the producer's
+        assert all(
+            torch.equal(getattr(x, f), getattr(y, f))
+            for f in x.__dataclass_fields__
+            if f not in ("target_argmax", "step_weight")
+        )
+        assert (
+            plain.state_dict() == ahead.state_dict()
+        )  # the position handed out, not the producer's
     resumed = PackedLoader(samples, range(12), 64, 2, seed=1, prefetch=2)
     resumed.load_state_dict(ahead.state_dict())
     assert torch.equal(next(resumed).input_ids, next(plain).input_ids)
@@ -97,8 +124,8 @@ def test_pack_batch_and_prefetch_equal_the_plain_loader(captured):
 
 
 def test_threads_packing_from_the_shards_equal_the_plain_loader(captured):
-    """Batches planned from the capture's sample lengths alone and packed by several threads reading the memory-
-    mapped shards side by side come out as the in-memory loader packs them, in order."""
+    """Batches planned from the capture's sample lengths alone and packed by several threads reading
+    the memory- mapped shards side by side come out as the in-memory loader packs them, in order."""
     from eagle3.train.data import load_samples
 
     samples, path = captured[0], captured[3]
@@ -106,8 +133,11 @@ def test_threads_packing_from_the_shards_equal_the_plain_loader(captured):
     disk = PackedLoader(load_samples(path), range(14), 64, 2, seed=1, prefetch=5, num_workers=3)
     for _ in range(12):  # several epochs, three shards
         x, y = next(memory), next(disk)
-        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in x.__dataclass_fields__
-                   if f not in ("target_argmax", "step_weight"))
+        assert all(
+            torch.equal(getattr(x, f), getattr(y, f))
+            for f in x.__dataclass_fields__
+            if f not in ("target_argmax", "step_weight")
+        )
         assert memory.state_dict() == disk.state_dict() and memory.last_rows == disk.last_rows
     assert disk.name_nonfinite(disk.last_rows) is None and disk.wait_s > 0
     disk.close(finished=False)
@@ -129,7 +159,10 @@ def test_padded_eval_batches_score_the_same(captured, tiny_llama):
     assert {b.input_ids.shape[0] for b in padded} == {4}  # the training shape, every batch
     plain = [collate([pack([samples[i]], 64)]) for i in range(14)]
     kw = dict(steps=3, device="cpu", dtype=torch.float32, replay_k=3, attention="naive")
-    m1, m2 = score_batches(TTTModule(model), padded, head, **kw), score_batches(TTTModule(model), plain, head, **kw)
+    m1, m2 = (
+        score_batches(TTTModule(model), padded, head, **kw),
+        score_batches(TTTModule(model), plain, head, **kw),
+    )
     for k in ("acc_0", "cond_acc_2", "loss_1", "tau_replay", "num_rounds"):
         assert m1[k] == pytest.approx(m2[k], rel=1e-5), k
 
@@ -140,51 +173,115 @@ def test_train_with_layer_subset_val_capture_and_estimate(captured, tiny_llama, 
     from eagle3.train import run_train
 
     samples, manifest, vocab, path = captured
-    # a second capture dir for validation (train refuses val_captured == captured; the plumbing is what is tested)
+    # a second capture dir for validation (train refuses val_captured == captured; the plumbing is
+    # what is tested)
     val = shutil.copytree(path, tmp_path / "val_capture")
-    cfg = TrainConfig(target=str(tiny_llama), captured=str(path), vocab=str(vocab), out=tmp_path / "t", max_steps=6,
-                      eval_every=3, max_seq_len=64, batch_size=2, ttt_steps=3, lr=3e-3, aux_layer_ids=[1, 5],
-                      val_captured=str(val), preload=True, hidden_noise=0.1, init_head_from_target=True)
+    cfg = TrainConfig(
+        target=str(tiny_llama),
+        captured=str(path),
+        vocab=str(vocab),
+        out=tmp_path / "t",
+        max_steps=6,
+        eval_every=3,
+        max_seq_len=64,
+        batch_size=2,
+        ttt_steps=3,
+        lr=3e-3,
+        aux_layer_ids=[1, 5],
+        val_captured=str(val),
+        preload=True,
+        hidden_noise=0.1,
+        init_head_from_target=True,
+    )
     res = run_train(cfg)
-    assert res.metadata["aux_layer_ids"] == [1, 5] and res.metadata["captured_aux_layer_ids"] == [1, 2, 3]
-    splits = [json.loads(x)["split"] for x in (tmp_path / "t" / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert splits.count("val") == 2 and splits.count("heldout") == 2  # val_fraction's split is still logged
+    assert res.metadata["aux_layer_ids"] == [1, 5] and res.metadata["captured_aux_layer_ids"] == [
+        1,
+        2,
+        3,
+    ]
+    splits = [
+        json.loads(x)["split"]
+        for x in (tmp_path / "t" / "logs" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert (
+        splits.count("val") == 2 and splits.count("heldout") == 2
+    )  # val_fraction's split is still logged
     best = json.loads((tmp_path / "t" / "best" / "eagle3_draft.json").read_text())
-    out = run_export(ExportConfig(checkpoint=str(tmp_path / "t" / "best"), out=tmp_path / "draft",
-                                  target=str(tiny_llama)))
+    out = run_export(
+        ExportConfig(
+            checkpoint=str(tmp_path / "t" / "best"), out=tmp_path / "draft", target=str(tiny_llama)
+        )
+    )
     assert out.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 5]
-    est = estimate_acceptance(EstimateConfig(draft=tmp_path / "draft", captured=path, target=tiny_llama,
-                                             max_seq_len=64, batch_size=2, attention="naive", max_new_tokens=None))
-    assert est.tau == pytest.approx(best["metrics"]["tau_estimate"], rel=1e-4)  # exported == trained weights (bf16)
+    est = estimate_acceptance(
+        EstimateConfig(
+            draft=tmp_path / "draft",
+            captured=path,
+            target=tiny_llama,
+            max_seq_len=64,
+            batch_size=2,
+            attention="naive",
+            max_new_tokens=None,
+        )
+    )
+    assert est.tau == pytest.approx(
+        best["metrics"]["tau_estimate"], rel=1e-4
+    )  # exported == trained weights (bf16)
     assert est.num_rounds > 0 and 1.0 <= est.tau <= 4.0
 
-    # benchmarks/draft_failures.py: its step-0 agreement is the estimator's acc_0, its buckets partition the rows
+    # benchmarks/draft_failures.py: its step-0 agreement is the estimator's acc_0, its buckets
+    # partition the rows
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("draft_failures", Path(__file__).parents[1] / "benchmarks/draft_failures.py")
+    spec = importlib.util.spec_from_file_location(
+        "draft_failures", Path(__file__).parents[1] / "benchmarks/draft_failures.py"
+    )
     failures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(failures)
     fa = failures.analyse(str(tmp_path / "draft"), str(path), str(tiny_llama))
-    assert fa["num_rows"] > 0 and fa["top_k_agreement"][0] == pytest.approx(est.acc[0], abs=0.004)  # one row of ~300
+    assert fa["num_rows"] > 0 and fa["top_k_agreement"][0] == pytest.approx(
+        est.acc[0], abs=0.004
+    )  # one row of ~300
     assert fa["top_k_agreement"] == sorted(fa["top_k_agreement"])
     assert sum(b["share"] for b in fa["by_target_top1_prob"]) == pytest.approx(1.0, abs=1e-3)
     assert sum(k["share"] for k in fa["by_token_kind"].values()) == pytest.approx(1.0, abs=1e-3)
     assert "draft_failures" in failures.markdown({"name": "draft_failures", "command": "c", **fa})
 
-    # benchmarks/realbench/ngram_rows.py: its per-row accepts, replayed in rounds, are the estimator's rounds
-    spec = importlib.util.spec_from_file_location("ngram_rows", Path(__file__).parents[1] / "benchmarks/realbench/ngram_rows.py")
+    # benchmarks/realbench/ngram_rows.py: its per-row accepts, replayed in rounds, are the
+    # estimator's rounds
+    spec = importlib.util.spec_from_file_location(
+        "ngram_rows", Path(__file__).parents[1] / "benchmarks/realbench/ngram_rows.py"
+    )
     rows = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rows)
     total = {"draft_rounds": 0, "draft_accepted": 0}
-    for _, ids, supervised, accepts in rows.draft_accepts_per_sample(tmp_path / "draft", Path(path), tiny_llama, k=3):
+    for _, ids, supervised, accepts in rows.draft_accepts_per_sample(
+        tmp_path / "draft", Path(path), tiny_llama, k=3
+    ):
         c = rows.replay_answer(ids, supervised, accepts, k=3, min_n=2, max_n=4, max_new_tokens=None)
         total = {key: total[key] + c[key] for key in total}
-    assert (total["draft_rounds"], total["draft_accepted"]) == (est.num_rounds, sum(est.accepted_per_position))
+    assert (total["draft_rounds"], total["draft_accepted"]) == (
+        est.num_rounds,
+        sum(est.accepted_per_position),
+    )
 
 
 def test_estimate_cli_names_a_bad_draft_dir(captured, tiny_llama, tmp_path, capsys):
     from eagle3.cli import main
 
     path = captured[3]
-    assert main(["estimate", "--draft", str(tmp_path), "--captured", str(path), "--target", str(tiny_llama)]) == 2
+    assert (
+        main(
+            [
+                "estimate",
+                "--draft",
+                str(tmp_path),
+                "--captured",
+                str(path),
+                "--target",
+                str(tiny_llama),
+            ]
+        )
+        == 2
+    )
     assert f"draft={tmp_path}: no eagle3_draft.json" in capsys.readouterr().err

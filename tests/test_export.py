@@ -1,4 +1,5 @@
-"""Export: vLLM / speculators layouts, strict key/shape/layer/vocab checks before anything is written."""
+"""Export: vLLM / speculators layouts, strict key/shape/layer/vocab checks before anything is
+written."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from eagle3.io import write_json
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_llama, tmp_path_factory):
-    """A checkpoint dir as run_train writes it (random weights), with its capture manifest on disk."""
+    """A checkpoint dir as run_train writes it (random weights), with its capture manifest on
+    disk."""
     from tests.synthetic_capture import write_vocab
 
     from eagle3.artifacts import CaptureManifest, DraftVocab
@@ -27,10 +29,18 @@ def checkpoint(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     vocab = write_vocab(root / "vocab", 512, torch.arange(0, 512, 2))
     captured = root / "captured"
-    manifest = {"format": "eagle3-capture/1", "aux_layer_ids": [1, 2, 4], "hidden_size": 128, "num_samples": 0,
-                "target": str(tiny_llama), "shards": []}
+    manifest = {
+        "format": "eagle3-capture/1",
+        "aux_layer_ids": [1, 2, 4],
+        "hidden_size": 128,
+        "num_samples": 0,
+        "target": str(tiny_llama),
+        "shards": [],
+    }
     write_json(captured / "manifest.json", manifest)
-    cfg = TrainConfig(target=str(tiny_llama), captured=str(captured), vocab=str(vocab), out=root / "train")
+    cfg = TrainConfig(
+        target=str(tiny_llama), captured=str(captured), vocab=str(vocab), out=root / "train"
+    )
     tcfg = read_target_config(tiny_llama)
     d2t, t2d = DraftVocab.load(vocab).torch_maps()
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
@@ -45,12 +55,19 @@ def test_export_vllm_layout(checkpoint, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
-    assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == 512 and cfg["num_hidden_layers"] == 1
+    assert (
+        cfg["draft_vocab_size"] == 256
+        and cfg["vocab_size"] == 512
+        and cfg["num_hidden_layers"] == 1
+    )
     assert cfg["max_position_embeddings"] >= 4096 and cfg["norm_before_residual"] is False
     assert "target_hidden_size" not in cfg  # equal to hidden_size
     w = load_file(str(out / "model.safetensors"))
     assert "embed_tokens.weight" not in w and w["fc.weight"].shape == (128, 3 * 128)
-    assert w["midlayer.self_attn.q_proj.weight"].shape == (128, 256) and w["lm_head.weight"].dtype == torch.bfloat16
+    assert (
+        w["midlayer.self_attn.q_proj.weight"].shape == (128, 256)
+        and w["lm_head.weight"].dtype == torch.bfloat16
+    )
     assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
     assert torch.equal(torch.arange(256) + w["d2t"], torch.arange(0, 512, 2))
     assert (out / "tokenizer.json").is_file()
@@ -110,31 +127,46 @@ def test_layer_ids_disagreeing_with_capture_refused(checkpoint, tmp_path):
     assert not (tmp_path / "draft").exists()
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("hidden_size", 256, "hidden_size=256"),
-    ("vocab_size", 1024, "vocab_size=512 but the target config says 1024"),
-    ("max_position_embeddings", 8192, "max_position_embeddings=4096 < target's 8192"),
-    ("num_hidden_layers", 3,
-     r"aux_layer_ids = \[1, 2, 4\]: id\(s\) \[4\] out of range for this 3-layer target"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("hidden_size", 256, "hidden_size=256"),
+        ("vocab_size", 1024, "vocab_size=512 but the target config says 1024"),
+        ("max_position_embeddings", 8192, "max_position_embeddings=4096 < target's 8192"),
+        (
+            "num_hidden_layers",
+            3,
+            r"aux_layer_ids = \[1, 2, 4\]: id\(s\) \[4\] out of range for this 3-layer target",
+        ),
+    ],
+)
 def test_target_mismatch_refused(checkpoint, tiny_llama, tmp_path, field, value, match):
     other = tmp_path / "other"
     other.mkdir()
     tcfg = json.loads((tiny_llama / "config.json").read_text())
     write_json(other / "config.json", {**tcfg, field: value})
     with pytest.raises(ExportError, match=match):
-        run_export(ExportConfig(checkpoint=str(checkpoint), out=tmp_path / "draft", target=str(other)))
+        run_export(
+            ExportConfig(checkpoint=str(checkpoint), out=tmp_path / "draft", target=str(other))
+        )
     assert not (tmp_path / "draft").exists()
 
 
 def serve(target, draft, prompts: list[list[int]], sampling: dict) -> dict:
-    """One generate call of `prompts` by vLLM serving `target` with the EAGLE-3 `draft` (k = 3, bf16): evaluate's
-    engine job in a fresh process (run_in_subprocess), the engine inside it (one vLLM import, not three); its tokens and metrics."""
+    """One generate call of `prompts` by vLLM serving `target` with the EAGLE-3 `draft` (k = 3,
+    bf16): evaluate's engine job in a fresh process (run_in_subprocess), the engine inside it (one
+    vLLM import, not three); its tokens and metrics."""
     from eagle3.evaluate import decode_job
     from eagle3.vllm_engine import run_in_subprocess
 
-    kw = dict(model=str(target), speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3},
-              enforce_eager=True, dtype="bfloat16", max_model_len=512, disable_log_stats=False)
+    kw = dict(
+        model=str(target),
+        speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3},
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=512,
+        disable_log_stats=False,
+    )
     return run_in_subprocess(decode_job, kw, [("all", prompts)], [sampling])
 
 
@@ -145,13 +177,18 @@ def test_vllm_loads_exported_draft(checkpoint, tiny_llama, tmp_path):
 
     out = tmp_path / "draft"
     run_export(ExportConfig(checkpoint=str(checkpoint), out=out))
-    job = serve(tiny_llama, out, [AutoTokenizer.from_pretrained(str(tiny_llama))("Hello the world is")["input_ids"]],
-                {"max_tokens": 12, "temperature": 0.0})
+    job = serve(
+        tiny_llama,
+        out,
+        [AutoTokenizer.from_pretrained(str(tiny_llama))("Hello the world is")["input_ids"]],
+        {"max_tokens": 12, "temperature": 0.0},
+    )
     assert len(job["calls"][0]["tokens"][0]) > 0
 
 
 def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
-    """vLLM keeps no d2t when draft vocab == target vocab and fails on the key: export must drop it."""
+    """vLLM keeps no d2t when draft vocab == target vocab and fails on the key: export must drop
+    it."""
     from tests.synthetic_capture import write_vocab
 
     from eagle3.artifacts import CaptureManifest, DraftVocab
@@ -160,7 +197,9 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     from eagle3.weights import load_target_tensors, read_target_config
 
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(512))
-    cfg = TrainConfig(target=str(tiny_llama), captured="none", vocab=str(vocab), out=tmp_path / "train")
+    cfg = TrainConfig(
+        target=str(tiny_llama), captured="none", vocab=str(vocab), out=tmp_path / "train"
+    )
     tcfg = read_target_config(tiny_llama)
     d2t, t2d = DraftVocab.load(vocab).torch_maps()
     model = build_draft(cfg, tcfg, load_target_tensors(tiny_llama), d2t, t2d, num_aux=3)
@@ -170,16 +209,21 @@ def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     w = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (512, 128)
-    torch.testing.assert_close(w["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16))
+    torch.testing.assert_close(
+        w["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16)
+    )
 
 
 @pytest.fixture(scope="module")
 def greedy_data(tiny_llama):
-    """The target's own greedy continuations (16 x (6 + 40) tokens) and their states at layers (1, 2, 4)."""
+    """The target's own greedy continuations (16 x (6 + 40) tokens) and their states at layers (1,
+    2, 4)."""
     from tests.synthetic_capture import capture_samples, greedy_continuations
 
     ids, plen = greedy_continuations(tiny_llama, 16, prompt_len=6, new_tokens=40)
-    samples, manifest = capture_samples(tiny_llama, aux_layer_ids=(1, 2, 4), token_ids=ids, prompt_lens=plen)
+    samples, manifest = capture_samples(
+        tiny_llama, aux_layer_ids=(1, 2, 4), token_ids=ids, prompt_lens=plen
+    )
     return ids, samples, manifest
 
 
@@ -187,9 +231,10 @@ def greedy_data(tiny_llama):
 @pytest.mark.slow
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, greedy_data, tmp_path, num_layers):
-    """Semantics check end to end: a draft trained (TTT, K=3) on the target's own greedy continuations gets
-    tokens accepted by vLLM's EAGLE-3 proposer; an untrained one would get ~1/512 per position. With 2 layers it
-    checks the extra layer's wiring (residual, norms, its own KV cache per step) against vLLM's."""
+    """Semantics check end to end: a draft trained (TTT, K=3) on the target's own greedy
+    continuations gets tokens accepted by vLLM's EAGLE-3 proposer; an untrained one would get ~1/512
+    per position. With 2 layers it checks the extra layer's wiring (residual, norms, its own KV
+    cache per step) against vLLM's."""
     pytest.importorskip("vllm")
     from tests.synthetic_capture import write_vocab
 
@@ -197,22 +242,44 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, greedy_data, tmp_pat
 
     ids, samples, manifest = greedy_data
     vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(0, 512))
-    cfg = TrainConfig(target=str(tiny_llama), captured="in-memory", vocab=str(vocab), out=tmp_path / "train",
-                      max_steps=300, lr=5e-3, warmup_steps=10, schedule="constant", max_seq_len=256, ttt_steps=3,
-                      eval_every=1000, save_every=1000, log_every=50, val_fraction=0.0, device="cpu",
-                      draft=DraftOverrides(num_hidden_layers=num_layers))
+    cfg = TrainConfig(
+        target=str(tiny_llama),
+        captured="in-memory",
+        vocab=str(vocab),
+        out=tmp_path / "train",
+        max_steps=300,
+        lr=5e-3,
+        warmup_steps=10,
+        schedule="constant",
+        max_seq_len=256,
+        ttt_steps=3,
+        eval_every=1000,
+        save_every=1000,
+        log_every=50,
+        val_fraction=0.0,
+        device="cpu",
+        draft=DraftOverrides(num_hidden_layers=num_layers),
+    )
     run_train(cfg, samples=samples, manifest=manifest)
     run_export(ExportConfig(checkpoint=str(tmp_path / "train"), out=tmp_path / "draft"))
-    assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == num_layers
+    assert (
+        json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"]
+        == num_layers
+    )
     keys = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert ("layers.1.self_attn.q_proj.weight" in keys) == (num_layers == 2)
-    job = serve(tiny_llama, tmp_path / "draft", [x[:6].tolist() for x in ids],
-                {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True})
+    job = serve(
+        tiny_llama,
+        tmp_path / "draft",
+        [x[:6].tolist() for x in ids],
+        {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True},
+    )
     m = job["calls"][0]["metrics"]  # the counters' difference across the generate call
     drafts = m["vllm:spec_decode_num_drafts"]
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     print(f"num_layers={num_layers}: drafts {drafts}, accepted per position {per_pos}")
-    # measured 2026-11-30: 1 layer 106/433 = 0.24, 2 layers 99/428 = 0.23 at position 1; untrained ~ 0.002
+    # measured 2026-11-30: 1 layer 106/433 = 0.24, 2 layers 99/428 = 0.23 at position 1; untrained ~
+    # 0.002
     assert drafts > 0 and per_pos[0] / drafts > 0.12, (drafts, per_pos)
 
 
@@ -229,8 +296,9 @@ def test_vocab_rebuilt_after_training_refused(checkpoint, tmp_path):
 
 
 def test_checkpoint_and_capture_with_old_key_names_still_export(checkpoint, tmp_path):
-    """A checkpoint and capture written before the aux-id rename (`layers`, `captured_layers`) export as before;
-    the exported eagle3_draft.json carries the new names, config.json vLLM's own key."""
+    """A checkpoint and capture written before the aux-id rename (`layers`, `captured_layers`)
+    export as before; the exported eagle3_draft.json carries the new names, config.json vLLM's own
+    key."""
     root = tmp_path / "old"
     shutil.copytree(checkpoint.parent.parent, root)
     ck = root / "train" / "final"
@@ -244,7 +312,9 @@ def test_checkpoint_and_capture_with_old_key_names_still_export(checkpoint, tmp_
     write_json(root / "captured" / "manifest.json", m)
     out = tmp_path / "draft"
     run_export(ExportConfig(checkpoint=str(ck), out=out))
-    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert json.loads((out / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [1, 2, 4]
     exported = json.loads((out / "eagle3_draft.json").read_text())
     assert exported["captured_aux_layer_ids"] == [1, 2, 4] and "captured_layers" not in exported
     assert "aux_layer_ids" in exported["train_config"] and "layers" not in exported["train_config"]

@@ -26,7 +26,12 @@ SHAREGPT = {
         {"from": "chatgpt", "value": "That's all."},
     ],
 }
-OPENAI = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]}
+OPENAI = {
+    "messages": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "4"}]},
+    ]
+}
 PAIRS = [
     {"question": "q1", "answer": "a1"},
     {"prompt": "p2", "response": "r2"},
@@ -102,7 +107,10 @@ def test_skip_reasons_counted(tmp_path, caplog):
 
 
 def test_prompt_only_rows_allowed_without_assistant(tmp_path):
-    p = _jsonl(tmp_path / "d.jsonl", [{"question": "q"}, {"prompt": "p"}, {"messages": [{"role": "user", "content": "u"}]}])
+    p = _jsonl(
+        tmp_path / "d.jsonl",
+        [{"question": "q"}, {"prompt": "p"}, {"messages": [{"role": "user", "content": "u"}]}],
+    )
     with pytest.raises(ValueError, match="no usable conversations"):
         read_conversations(p)
     res = read_conversations(p, require_assistant=False)
@@ -119,7 +127,12 @@ def test_zero_usable_rows_names_input(tmp_path):
     with pytest.raises(ValueError) as e:
         read_conversations(p)
     msg = str(e.value)
-    assert "bad.jsonl" in msg and "missing_fields=1" in msg and "invalid_json=1" in msg and "messages" in msg
+    assert (
+        "bad.jsonl" in msg
+        and "missing_fields=1" in msg
+        and "invalid_json=1" in msg
+        and "messages" in msg
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="empty.jsonl"):
@@ -139,7 +152,9 @@ def test_hf_dataset_dirs(tmp_path):
     ds = datasets.Dataset.from_list(rows)
     ds.save_to_disk(str(tmp_path / "ds"))
     assert len(read_conversations(tmp_path / "ds").conversations) == 5
-    datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(
+        str(tmp_path / "dd")
+    )
     assert len(read_conversations(tmp_path / "dd", split="test").conversations) == 2
     with pytest.raises(ValueError, match="no split 'validation'.*test"):
         read_conversations(tmp_path / "dd", split="validation")
@@ -154,10 +169,25 @@ def test_hf_dataset_dirs(tmp_path):
 
 
 def test_prompts_cut_before_first_assistant(tmp_path):
-    p = _jsonl(tmp_path / "d.jsonl", [SHAREGPT, {"question": "q"}, {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "u"}]}])
+    p = _jsonl(
+        tmp_path / "d.jsonl",
+        [
+            SHAREGPT,
+            {"question": "q"},
+            {
+                "messages": [
+                    {"role": "assistant", "content": "hi"},
+                    {"role": "user", "content": "u"},
+                ]
+            },
+        ],
+    )
     res = read_prompts(p)
     assert res.skipped == {"no_user_turn": 1}
-    assert res.conversations[0].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert res.conversations[0].messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
     assert res.conversations[1].messages == [{"role": "user", "content": "q"}]
     assert [c.sample_id for c in iter_prompts(p, limit=1)] == ["sg-1"]
 

@@ -46,9 +46,18 @@ def prepared(tiny_llama, tmp_path_factory):
 
 
 def _cap_cfg(target, data, out, **kw):
-    base = dict(target=str(target), data=str(data), out=out, backend="hf", aux_layer_ids=[1, 2, 4],
-                device="cpu", batch_tokens=30, shard_tokens=200, dtype="float32",
-                storage_dtype="float32")
+    base = dict(
+        target=str(target),
+        data=str(data),
+        out=out,
+        backend="hf",
+        aux_layer_ids=[1, 2, 4],
+        device="cpu",
+        batch_tokens=30,
+        shard_tokens=200,
+        dtype="float32",
+        storage_dtype="float32",
+    )
     return CaptureConfig(**{**base, **kw})
 
 
@@ -63,9 +72,22 @@ def capture(tiny_llama, prepared, tmp_path_factory):
 
 
 def _train_cfg(out, target, captured, vocab, **kw):
-    base = dict(target=str(target), captured=str(captured), vocab=str(vocab), out=out, max_steps=4,
-                lr=1e-3, warmup_steps=1, max_seq_len=64, ttt_steps=2, eval_every=2, save_every=2,
-                log_every=1, val_fraction=0.2, device="cpu")
+    base = dict(
+        target=str(target),
+        captured=str(captured),
+        vocab=str(vocab),
+        out=out,
+        max_steps=4,
+        lr=1e-3,
+        warmup_steps=1,
+        max_seq_len=64,
+        ttt_steps=2,
+        eval_every=2,
+        save_every=2,
+        log_every=1,
+        val_fraction=0.2,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -92,8 +114,9 @@ def _log(out: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------- the fingerprint
 
 
-def test_fingerprint_covers_every_weight_file_and_is_cached(tiny_llama, tmp_path, monkeypatch,
-                                                            capfd):
+def test_fingerprint_covers_every_weight_file_and_is_cached(
+    tiny_llama, tmp_path, monkeypatch, capfd
+):
     from eagle3 import identity
 
     a = identity.target_fingerprint(tiny_llama)
@@ -125,21 +148,28 @@ def test_fingerprint_covers_every_weight_file_and_is_cached(tiny_llama, tmp_path
 def test_train_and_export_refuse_a_target_with_other_decoder_layers(capture, tiny_llama, tmp_path):
     cap, vocab = capture
     layered = _copy_target(tiny_llama, tmp_path / "layered", change=LAYER)
-    with pytest.raises(ConfigError, match=r"captured=.*another target .*weights sha256 \w+\.\.\. "
-                                          r"\(recorded\) != \w+\.\.\. \(target\): "
-                                          r"model.safetensors differs"):
+    with pytest.raises(
+        ConfigError,
+        match=r"captured=.*another target .*weights sha256 \w+\.\.\. "
+        r"\(recorded\) != \w+\.\.\. \(target\): "
+        r"model.safetensors differs",
+    ):
         run_train(_train_cfg(tmp_path / "t", layered, cap, vocab))
     good = run_train(_train_cfg(tmp_path / "good", tiny_llama, cap, vocab, max_steps=2))
-    assert good.metadata["target_fingerprint"]["sha256"] == json.loads(
-        (cap / "manifest.json").read_text())["target_fingerprint"]["sha256"]
+    assert (
+        good.metadata["target_fingerprint"]["sha256"]
+        == json.loads((cap / "manifest.json").read_text())["target_fingerprint"]["sha256"]
+    )
     with pytest.raises(ExportError, match=r"checkpoint .* another target .*safetensors differs"):
-        run_export(ExportConfig(checkpoint=str(good.final_dir), out=tmp_path / "d",
-                                target=str(layered)))
+        run_export(
+            ExportConfig(checkpoint=str(good.final_dir), out=tmp_path / "d", target=str(layered))
+        )
     assert not (tmp_path / "d").exists()
 
 
-def test_records_without_the_full_fingerprint_fall_back_with_one_warning(capture, tiny_llama,
-                                                                          tmp_path, capfd):
+def test_records_without_the_full_fingerprint_fall_back_with_one_warning(
+    capture, tiny_llama, tmp_path, capfd
+):
     """A capture written before 2026-12-03 (embedding/norm/lm_head sha256 only): warned once, the
     old fingerprint compared (a permuted lm_head is still refused), never a crash."""
     from eagle3.integrity import FINGERPRINTED, tensor_sha256
@@ -177,16 +207,22 @@ def test_capture_resumed_after_the_weights_changed_is_refused(tiny_llama, prepar
     assert done
     shutil.rmtree(target)
     _copy_target(tiny_llama, target, change=LAYER)  # the weight files replaced under the same path
-    with pytest.raises(ValueError, match=r"progress.json: the capture in .* was started with other "
-                                         r"target weights \(weights sha256 .*model.safetensors "
-                                         r"differs\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"progress.json: the capture in .* was started with other "
+        r"target weights \(weights sha256 .*model.safetensors "
+        r"differs\)",
+    ):
         run_capture(cfg)
     shutil.rmtree(cfg.out)
     run_capture(cfg)  # finished with the new weights, changed again: "already complete" refused
     shutil.rmtree(target)
     _copy_target(tiny_llama, target)
-    with pytest.raises(ValueError, match=r"manifest.json: this finished capture was made from "
-                                         r"other target weights"):
+    with pytest.raises(
+        ValueError,
+        match=r"manifest.json: this finished capture was made from "
+        r"other target weights",
+    ):
         run_capture(cfg)
 
 
@@ -204,23 +240,34 @@ def test_finished_regeneration_from_other_weights_is_refused(tiny_llama, tmp_pat
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in tiny_conversations(num=2, seed=3)))
     target = _copy_target(tiny_llama, tmp_path / "target")
-    cfg = RegenerateConfig(target=str(target), data=str(data), out=tmp_path / "regen",
-                           backend="hf", device="cpu", dtype="float32", max_new_tokens=4,
-                           max_model_len=256)
+    cfg = RegenerateConfig(
+        target=str(target),
+        data=str(data),
+        out=tmp_path / "regen",
+        backend="hf",
+        device="cpu",
+        dtype="float32",
+        max_new_tokens=4,
+        max_model_len=256,
+    )
     first = run_regenerate(cfg)
     assert run_regenerate(cfg).num_written == first.num_written  # unchanged: reused
     shutil.rmtree(target)
     _copy_target(tiny_llama, target, change=LAYER)
-    with pytest.raises(ValueError, match=r"regen/manifest.json: these answers were written by "
-                                         r"other target weights \(weights sha256 .*differs\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"regen/manifest.json: these answers were written by "
+        r"other target weights \(weights sha256 .*differs\)",
+    ):
         run_regenerate(cfg)
 
 
 # --------------------------------------------------------------------------------------- evaluate
 
 
-def test_evaluate_refuses_a_draft_made_for_another_target(capture, tiny_llama, tmp_path,
-                                                          monkeypatch, capfd):
+def test_evaluate_refuses_a_draft_made_for_another_target(
+    capture, tiny_llama, tmp_path, monkeypatch, capfd
+):
     import eagle3.evaluate
     import eagle3.vllm_engine
     from eagle3.evaluate import run_evaluate
@@ -239,11 +286,20 @@ def test_evaluate_refuses_a_draft_made_for_another_target(capture, tiny_llama, t
     monkeypatch.setattr(eagle3.evaluate, "run_in_subprocess", engine_started)  # its own name
     other = _copy_target(tiny_llama, tmp_path / "other", change="lm_head.weight")
     prompts = categorized_prompts(tmp_path / "p.jsonl")
-    cfg = EvaluateConfig(target=str(other), draft=str(draft), prompts=str(prompts),
-                         out=tmp_path / "eval", num_prompts=2, max_model_len=256)
-    with pytest.raises(ConfigError, match=rf"draft {draft} was made from another target than "
-                                          rf"target={other}: .*model.safetensors differs.*made "
-                                          r"from \(.*\)"):
+    cfg = EvaluateConfig(
+        target=str(other),
+        draft=str(draft),
+        prompts=str(prompts),
+        out=tmp_path / "eval",
+        num_prompts=2,
+        max_model_len=256,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf"draft {draft} was made from another target than "
+        rf"target={other}: .*model.safetensors differs.*made "
+        r"from \(.*\)",
+    ):
         run_evaluate(cfg)
     assert not (tmp_path / "eval").exists()
     # the escape hatch: a warning, then the engines would start
@@ -266,10 +322,16 @@ def test_resume_refuses_other_inputs_naming_each_field(capture, tiny_llama, prep
     with pytest.raises(ConfigError) as e:
         run_train(_train_cfg(out, tiny_llama, cap2, vocab2, lr=2e-3, ttt_steps=3, seed=1))
     msg = str(e.value)
-    for part in (r"resume from .*step-2: ", r"captured \(content\) \w{12}\.\.\. -> \w{12}\.\.\.",
-                 r"vocab \(d2t/t2d\) \w{12}\.\.\. -> \w{12}\.\.\.", r"seed 0 -> 1",
-                 r"lr 0\.001 -> 0\.002", r"ttt_steps 2 -> 3",
-                 r"--force-resume cannot resume .*captured.*vocab.*seed", r"a new --out"):
+    for part in (
+        r"resume from .*step-2: ",
+        r"captured \(content\) \w{12}\.\.\. -> \w{12}\.\.\.",
+        r"vocab \(d2t/t2d\) \w{12}\.\.\. -> \w{12}\.\.\.",
+        r"seed 0 -> 1",
+        r"lr 0\.001 -> 0\.002",
+        r"ttt_steps 2 -> 3",
+        r"--force-resume cannot resume .*captured.*vocab.*seed",
+        r"a new --out",
+    ):
         assert re.search(part, msg), (part, msg)
     with pytest.raises(ConfigError, match="--force-resume cannot resume"):
         run_train(_train_cfg(out, tiny_llama, cap, vocab2, force_resume=True))
@@ -282,8 +344,9 @@ def test_force_resume_applies_the_new_safe_settings(capture, tiny_llama, tmp_pat
     run_train(_train_cfg(out, tiny_llama, cap, vocab, schedule="constant"), stop_after=2)
     with pytest.raises(ConfigError, match=r"lr 0\.001 -> 0\.004.*pass --force-resume"):
         run_train(_train_cfg(out, tiny_llama, cap, vocab, schedule="constant", lr=4e-3))
-    res = run_train(_train_cfg(out, tiny_llama, cap, vocab, schedule="constant", lr=4e-3,
-                               force_resume=True))
+    res = run_train(
+        _train_cfg(out, tiny_llama, cap, vocab, schedule="constant", lr=4e-3, force_resume=True)
+    )
     assert res.steps == 4
     assert "warning (force_resume=true): resuming" in capfd.readouterr().err
     lrs = {r["step"]: r["lr"] for r in _log(out) if r["split"] == "train"}
@@ -326,13 +389,18 @@ run_train(TrainConfig.model_validate(json.loads(sys.argv[1])))
 """
 
 
-def test_checkpoint_temp_files_left_by_a_kill_are_removed_on_resume(capture, tiny_llama, tmp_path,
-                                                                    capfd):
+def test_checkpoint_temp_files_left_by_a_kill_are_removed_on_resume(
+    capture, tiny_llama, tmp_path, capfd
+):
     cap, vocab = capture
     cfg = _train_cfg(tmp_path / "t", tiny_llama, cap, vocab, max_steps=6)
-    proc = subprocess.run([sys.executable, "-c", _KILL_WHILE_SAVING,
-                           json.dumps(cfg.model_dump(mode="json"))], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_WHILE_SAVING, json.dumps(cfg.model_dump(mode="json"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     ckpts = tmp_path / "t" / "checkpoints"
     stale = [p.name for p in ckpts.iterdir() if p.name.startswith(".")]
@@ -348,8 +416,9 @@ def test_keep_checkpoints_keeps_the_last_ones_and_the_best(capture, tiny_llama, 
     cap, vocab = capture
     assert TrainConfig().keep_checkpoints == 3
     out = tmp_path / "t"
-    res = run_train(_train_cfg(out, tiny_llama, cap, vocab, max_steps=12, lr=5e-3,
-                               keep_checkpoints=2))
+    res = run_train(
+        _train_cfg(out, tiny_llama, cap, vocab, max_steps=12, lr=5e-3, keep_checkpoints=2)
+    )
     val = [r for r in _log(out) if r["split"] == "val"]
     best = max(val, key=lambda r: r["tau_estimate"])["step"]  # the first of equals, as best/ is
     kept = {int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*")}
@@ -357,6 +426,7 @@ def test_keep_checkpoints_keeps_the_last_ones_and_the_best(capture, tiny_llama, 
     assert res.steps == 12
     run_export(ExportConfig(checkpoint=str(out), out=tmp_path / "d"))  # export still finds best/
     assert (tmp_path / "d" / "model.safetensors").is_file()
-    everything = run_train(_train_cfg(tmp_path / "all", tiny_llama, cap, vocab, max_steps=8,
-                                      keep_checkpoints=0))
+    everything = run_train(
+        _train_cfg(tmp_path / "all", tiny_llama, cap, vocab, max_steps=8, keep_checkpoints=0)
+    )
     assert len(list((everything.out / "checkpoints").glob("step-*"))) == 4

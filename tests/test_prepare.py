@@ -14,8 +14,14 @@ from eagle3.data.prepare import (
 )
 from eagle3.prepared import load_prepared
 
-SINGLE = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "It is four."}]
-MULTI = SINGLE + [{"role": "user", "content": "And three?"}, {"role": "assistant", "content": "Six."}]
+SINGLE = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "It is four."},
+]
+MULTI = SINGLE + [
+    {"role": "user", "content": "And three?"},
+    {"role": "assistant", "content": "Six."},
+]
 SYSTEM = [{"role": "system", "content": "Be brief."}, *MULTI]
 
 
@@ -39,13 +45,19 @@ def test_golden_masks_generation_markers(tiny_llama, messages):
 @pytest.mark.parametrize("messages", [SINGLE, MULTI, SYSTEM], ids=["single", "multi", "system"])
 def test_prefix_rendering_matches_generation_markers(tiny_llama, tiny_llama_plain, messages):
     gen_tok, plain_tok = load_tokenizer(str(tiny_llama)), load_tokenizer(str(tiny_llama_plain))
-    assert "{% generation %}" not in plain_tok.chat_template and "{% generation %}" in gen_tok.chat_template
-    assert tokenize_with_prefix_mask(plain_tok, messages) == tokenize_with_generation_mask(gen_tok, messages)
+    assert (
+        "{% generation %}" not in plain_tok.chat_template
+        and "{% generation %}" in gen_tok.chat_template
+    )
+    assert tokenize_with_prefix_mask(plain_tok, messages) == tokenize_with_generation_mask(
+        gen_tok, messages
+    )
 
 
 def test_unstable_template_is_refused(tiny_llama_plain):
     tok = load_tokenizer(str(tiny_llama_plain))
-    # A template that renders the last message differently (like "drop earlier reasoning" templates).
+    # A template that renders the last message differently (like "drop earlier reasoning"
+    # templates).
     tok.chat_template = (
         "{%- for m in messages -%}{%- if loop.last -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
         "{%- else -%}<|{{ m['role'] }}|>{{ m['content'][:3] }}<|end|>{%- endif -%}{%- endfor -%}"
@@ -63,19 +75,47 @@ def _write_jsonl(path, rows):
 def test_run_prepare_counts_every_skip_reason(tiny_llama, tmp_path):
     long_user = "word " * 400
     rows = [
-        {"id": "ok-sharegpt", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]},
+        {
+            "id": "ok-sharegpt",
+            "conversations": [
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello there"},
+            ],
+        },
         {"id": "ok-openai", "messages": SYSTEM},
         {"id": "ok-pair", "question": "2+2?", "answer": "4"},
         {"id": "no-fields", "text": "just text"},
         {"id": "no-assistant", "messages": [{"role": "user", "content": "hi"}]},
-        {"id": "empty", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
-        {"id": "bad-role", "messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]},
-        {"id": "too-long", "messages": [{"role": "user", "content": long_user}, {"role": "assistant", "content": "ok"}]},
+        {
+            "id": "empty",
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+        },
+        {
+            "id": "bad-role",
+            "messages": [
+                {"role": "wizard", "content": "hi"},
+                {"role": "assistant", "content": "x"},
+            ],
+        },
+        {
+            "id": "too-long",
+            "messages": [
+                {"role": "user", "content": long_user},
+                {"role": "assistant", "content": "ok"},
+            ],
+        },
         "{not json",
     ]
     data = _write_jsonl(tmp_path / "chats.jsonl", rows)
-    res = run_prepare(PrepareConfig(target=str(tiny_llama), data=str(data), out=tmp_path / "prep",
-                                    max_seq_len=128, max_skipped_fraction=1))  # 6 of 9 skipped
+    res = run_prepare(
+        PrepareConfig(
+            target=str(tiny_llama),
+            data=str(data),
+            out=tmp_path / "prep",
+            max_seq_len=128,
+            max_skipped_fraction=1,
+        )
+    )  # 6 of 9 skipped
     assert res.num_samples == 3
     assert res.skipped == {
         "empty_content": 1,
@@ -102,8 +142,12 @@ def test_zero_usable_rows_is_an_error_naming_the_input(tiny_llama, tmp_path):
 
 def test_sharegpt_sample_from_refbench(refbench, tmp_path):
     res = run_prepare(
-        PrepareConfig(target=str(refbench / "target-a-llama"), data=str(refbench / "data" / "sharegpt_sample.json"),
-                      out=tmp_path / "prep", max_seq_len=1024)
+        PrepareConfig(
+            target=str(refbench / "target-a-llama"),
+            data=str(refbench / "data" / "sharegpt_sample.json"),
+            out=tmp_path / "prep",
+            max_seq_len=1024,
+        )
     )
     assert res.num_samples > 400 and res.num_supervised_tokens > 0
 
@@ -113,8 +157,9 @@ def test_conversation_type_is_shared():
 
 
 def test_remote_code_tokenizer_needs_opt_in(tiny_llama, tmp_path):
-    """A target whose tokenizer is its own Python code (tokenizer_config.json `auto_map`, as Kimi-K2.5 ships a
-    tiktoken tokenizer): refused by default with the field to set; with `trust_remote_code: true` that code runs."""
+    """A target whose tokenizer is its own Python code (tokenizer_config.json `auto_map`, as
+    Kimi-K2.5 ships a tiktoken tokenizer): refused by default with the field to set; with
+    `trust_remote_code: true` that code runs."""
     import shutil
 
     from eagle3.config import ConfigError, load_pipeline_config
@@ -133,14 +178,22 @@ def test_remote_code_tokenizer_needs_opt_in(tiny_llama, tmp_path):
     data = _write_jsonl(tmp_path / "chats.jsonl", [{"id": "a", "messages": SINGLE}])
     cfg = PrepareConfig(target=str(target), data=str(data), out=tmp_path / "prep")
     assert cfg.trust_remote_code is False
-    with pytest.raises(ConfigError, match=r"tokenization_tiny\.TinyRemoteTokenizer.*prepare\.trust_remote_code: true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tokenization_tiny\.TinyRemoteTokenizer.*prepare\.trust_remote_code: true",
+    ):
         run_prepare(cfg)
     assert not (tmp_path / "prep").exists()
-    assert type(load_tokenizer(str(target), trust_remote_code=True)).__name__ == "TinyRemoteTokenizer"
+    assert (
+        type(load_tokenizer(str(target), trust_remote_code=True)).__name__ == "TinyRemoteTokenizer"
+    )
     res = run_prepare(cfg.model_copy(update={"trust_remote_code": True}))
     assert res.num_samples == 1
     assert PreparedMeta.load(tmp_path / "prep").config["trust_remote_code"] is True
     # the pipeline file's key, as the error message names it
     pipe = tmp_path / "pipe.yaml"
-    pipe.write_text(f"target: {target}\ndata: {data}\nwork_dir: {tmp_path / 'w'}\nprepare:\n  trust_remote_code: true\n")
+    pipe.write_text(
+        f"target: {target}\ndata: {data}\nwork_dir: {tmp_path / 'w'}\nprepare:\n  "
+        "trust_remote_code: true\n"
+    )
     assert load_pipeline_config(pipe).prepare.trust_remote_code is True

@@ -22,14 +22,22 @@ EXPECTED = {
 }
 
 
-#: shapes that only give `eagle3 plan` its target before the target exists locally (plan.target_config)
+#: shapes that only give `eagle3 plan` its target before the target exists locally
+#: (plan.target_config)
 PLAN_ONLY_SHAPES = {"refbench-target-a-llama", "smollm2-135m-instruct", "tiny-demo"}
 
 
 def test_every_target_shape_has_a_preset():
-    assert sorted(p.stem for p in (CONFIGS / "targets").glob("*.json")) == sorted([*EXPECTED, *PLAN_ONLY_SHAPES])
-    used = {Path(load_pipeline_config(p).plan.get("target_config", "")).stem for p in CONFIGS.glob("*.yaml")}
-    assert set(EXPECTED) | PLAN_ONLY_SHAPES <= used, "a shape in configs/targets/ that no preset's plan: names"
+    assert sorted(p.stem for p in (CONFIGS / "targets").glob("*.json")) == sorted(
+        [*EXPECTED, *PLAN_ONLY_SHAPES]
+    )
+    used = {
+        Path(load_pipeline_config(p).plan.get("target_config", "")).stem
+        for p in CONFIGS.glob("*.yaml")
+    }
+    assert set(EXPECTED) | PLAN_ONLY_SHAPES <= used, (
+        "a shape in configs/targets/ that no preset's plan: names"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -41,9 +49,17 @@ def test_preset_derives_layers_and_draft(name):
     assert tc["num_hidden_layers"] == num_layers
     layers = AuxLayerIds.resolve(cfg.capture.aux_layer_ids, num_layers).as_list()
     assert layers == aux_ids
-    draft = draft_config_from_target(target_cfg, num_aux=len(layers), draft_vocab_size=cfg.vocab.draft_vocab_size,
-                                     overrides=cfg.train.draft)
-    assert (draft.hidden_size, draft.intermediate_size, draft.num_attention_heads) == (hidden, inter, heads)
+    draft = draft_config_from_target(
+        target_cfg,
+        num_aux=len(layers),
+        draft_vocab_size=cfg.vocab.draft_vocab_size,
+        overrides=cfg.train.draft,
+    )
+    assert (draft.hidden_size, draft.intermediate_size, draft.num_attention_heads) == (
+        hidden,
+        inter,
+        heads,
+    )
     assert draft.draft_vocab_size == 32000 and draft.vocab_size == tc["vocab_size"]
     assert draft.max_position_embeddings >= tc["max_position_embeddings"]
     assert draft.num_attention_heads * draft.head_dim >= hidden // 2
@@ -52,7 +68,11 @@ def test_preset_derives_layers_and_draft(name):
 def test_kimi_k25_reads_nested_text_config():
     target_cfg = json.loads((CONFIGS / "targets" / "kimi-k2.5.json").read_text())
     assert "hidden_size" not in target_cfg and target_cfg["text_config"]["hidden_size"] == 7168
-    draft = draft_config_from_target(target_cfg, num_aux=3, draft_vocab_size=32000,
-                                     overrides=load_pipeline_config(CONFIGS / "kimi-k2.5.yaml").train.draft)
+    draft = draft_config_from_target(
+        target_cfg,
+        num_aux=3,
+        draft_vocab_size=32000,
+        overrides=load_pipeline_config(CONFIGS / "kimi-k2.5.yaml").train.draft,
+    )
     assert draft.max_position_embeddings == 262144 and draft.vocab_size == 163840
     assert draft.bos_token_id == 163584

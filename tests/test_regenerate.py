@@ -29,10 +29,21 @@ def data_file(tmp_path_factory) -> Path:
     convs = tiny_conversations(num=8, seed=3, max_turns=3)
     rows: list[dict] = list(convs)
     rows.append({"id": "prompt-only", "question": "What is the time now?"})
-    rows.append({"id": "sharegpt", "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "x"},
-                                                        {"from": "human", "value": "Tell me more"}, {"from": "gpt", "value": "y"}]})
+    rows.append(
+        {
+            "id": "sharegpt",
+            "conversations": [
+                {"from": "human", "value": "Hi there"},
+                {"from": "gpt", "value": "x"},
+                {"from": "human", "value": "Tell me more"},
+                {"from": "gpt", "value": "y"},
+            ],
+        }
+    )
     rows.append({"id": "too-long", "question": " ".join(["word"] * 600), "answer": "a"})
-    assert any(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in convs), "want multi-turn rows"
+    assert any(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in convs), (
+        "want multi-turn rows"
+    )
     p = tmp_path_factory.mktemp("regen_data") / "chats.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return p
@@ -46,15 +57,29 @@ def llm(tiny_llama):
     from eagle3.vllm_engine import engine_kwargs, setup_cpu_env, shutdown_engine
 
     setup_cpu_env()
-    # float32, as the hf backend runs in the test below: vLLM's "auto" serves a float32 checkpoint in half precision
-    engine = LLM(**engine_kwargs(str(tiny_llama), dtype="float32", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False))
+    # float32, as the hf backend runs in the test below: vLLM's "auto" serves a float32 checkpoint
+    # in half precision
+    engine = LLM(
+        **engine_kwargs(
+            str(tiny_llama),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            enable_prefix_caching=False,
+        )
+    )
     yield engine
     shutdown_engine(engine)
 
 
 def _cfg(tiny_llama, data_file, out, **kw) -> RegenerateConfig:
-    values = dict(target=str(tiny_llama), data=str(data_file), out=out, max_new_tokens=MAX_NEW,
-                  max_model_len=MAX_MODEL_LEN, batch_size=4)
+    values = dict(
+        target=str(tiny_llama),
+        data=str(data_file),
+        out=out,
+        max_new_tokens=MAX_NEW,
+        max_model_len=MAX_MODEL_LEN,
+        batch_size=4,
+    )
     return RegenerateConfig(**{**values, **kw})
 
 
@@ -72,8 +97,14 @@ def test_regenerate_full(tiny_llama, data_file, llm, tmp_path):
     assert res.skipped.get("prompt_too_long") == 1
     written = read_conversations(res.conversations_path)  # prepare's reader accepts it
     assert len(written.conversations) == res.num_written and not written.skipped
-    assert res.num_written + sum(v for k, v in res.skipped.items() if k in ("prompt_too_long", "empty_answer")) == 11
-    src = {c.sample_id: c for c in read_conversations(data_file, require_assistant=False).conversations}
+    assert (
+        res.num_written
+        + sum(v for k, v in res.skipped.items() if k in ("prompt_too_long", "empty_answer"))
+        == 11
+    )
+    src = {
+        c.sample_id: c for c in read_conversations(data_file, require_assistant=False).conversations
+    }
     multi = 0
     for c in written.conversations:
         orig = src[c.sample_id].messages
@@ -93,7 +124,9 @@ def test_regenerate_full(tiny_llama, data_file, llm, tmp_path):
     assert set(m["finish_reasons"]) <= {"stop", "length"}
     assert m["counts"]["regenerated_turns"] == res.num_turns
     assert m["config"]["batch_size"] == 4 and m["engine"]["dtype"] in ("float32", "bfloat16")
-    assert not (tmp_path / "full" / PARTIAL).exists() and not (tmp_path / "full" / PROGRESS).exists()
+    assert (
+        not (tmp_path / "full" / PARTIAL).exists() and not (tmp_path / "full" / PROGRESS).exists()
+    )
     # a rerun of a finished output is a no-op; other settings are refused
     again = run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "full"), llm=llm)
     assert again.num_written == res.num_written
@@ -144,29 +177,35 @@ def test_missing_target_flag(data_file, tmp_path):
 
 
 def test_regenerate_hf_backend_matches_vllm_greedy(tiny_llama, data_file, llm, tmp_path):
-    """backend=hf (hosts without vLLM): same output format, and greedy tokens that agree with vLLM's wherever the
-    target is not at a tie. The tiny target is random, so its logits are nearly flat and the two float32
-    implementations' rounding can flip an argmax at a near-tie. The check is
+    """backend=hf (hosts without vLLM): same output format, and greedy tokens that agree with vLLM's
+    wherever the target is not at a tie. The tiny target is random, so its logits are nearly flat
+    and the two float32 implementations' rounding can flip an argmax at a near-tie. The check is
     therefore per token: where the two answers first differ, the target must rate both tokens within
-    TIE_LOGIT of each other. A broken backend (wrong prompt, sampling, bad stop handling) parts at a clear winner."""
+    TIE_LOGIT of each other. A broken backend (wrong prompt, sampling, bad stop handling) parts at a
+    clear winner."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from eagle3.data.regenerate import _HfBackendGenerator, _Tokenizer, _VllmGenerator
 
-    res = run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "hf", backend="hf", device="cpu", dtype="float32"))
+    res = run_regenerate(
+        _cfg(tiny_llama, data_file, tmp_path / "hf", backend="hf", device="cpu", dtype="float32")
+    )
     written = read_conversations(res.conversations_path)
     assert len(written.conversations) == res.num_written and not written.skipped
     assert json.loads((tmp_path / "hf" / "manifest.json").read_text())["engine"]["backend"] == "hf"
 
-    cfg = _cfg(tiny_llama, data_file, tmp_path / "tokens", backend="hf", device="cpu", dtype="float32")
+    cfg = _cfg(
+        tiny_llama, data_file, tmp_path / "tokens", backend="hf", device="cpu", dtype="float32"
+    )
     tok = _Tokenizer(str(tiny_llama))
     prompts = [tok.render(c.messages[:1]) for c in read_conversations(data_file).conversations]
     prompts = [p for p in prompts if len(p) <= MAX_MODEL_LEN - MAX_NEW]
     ref = _VllmGenerator(llm, cfg).generate(prompts, [None] * len(prompts))
     ours = _HfBackendGenerator(cfg, tok).generate(prompts, [None] * len(prompts))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-    TIE_LOGIT = 1e-3  # float32 kernels differ by ~1e-5 on these logits (~3.0); half precision missed by 1-3e-2
+    # float32 kernels differ by ~1e-5 on these logits (~3.0); half precision missed by 1-3e-2
+    TIE_LOGIT = 1e-3
     num_same = 0
     for prompt, (a, _, _), (b, _, _) in zip(prompts, ref, ours, strict=True):
         k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
@@ -177,5 +216,7 @@ def test_regenerate_hf_backend_matches_vllm_greedy(tiny_llama, data_file, llm, t
         with torch.no_grad():
             logits = model(torch.tensor([prompt + a[:k]])).logits[0, -1]  # (V,)
         gap = abs(float(logits[a[k]] - logits[b[k]]))
-        assert gap < TIE_LOGIT, f"token {k}: vLLM {a[k]} vs hf {b[k]}, logit gap {gap:.2e} is no tie"
+        assert gap < TIE_LOGIT, (
+            f"token {k}: vLLM {a[k]} vs hf {b[k]}, logit gap {gap:.2e} is no tie"
+        )
     assert num_same >= 1, "no answer agreed in full"

@@ -1,9 +1,10 @@
 """Streaming (bounded-disk) mode: capture and train at once through a capped spool.
 
-A tiny target (hf capture backend on CPU) and a prepared set whose capture over 3 epochs is more than 5x
-the spool cap: training completes, a watcher thread sampling the spool's size (temp files included) never
-sees it above the cap, and every training sample is trained on exactly once per epoch. Both sides are
-SIGKILLed mid-run (as processes) and resumed; the Prefect flow runs both sides concurrently.
+A tiny target (hf capture backend on CPU) and a prepared set whose capture over 3 epochs is more
+than 5x the spool cap: training completes, a watcher thread sampling the spool's size (temp files
+included) never sees it above the cap, and every training sample is trained on exactly once per
+epoch. Both sides are SIGKILLed mid-run (as processes) and resumed; the Prefect flow runs both sides
+concurrently.
 """
 
 from __future__ import annotations
@@ -45,21 +46,51 @@ def stream_inputs(tiny_llama, tmp_path_factory):
 
 def stream_config(inputs, work: Path, **stream) -> PipelineConfig:
     target, prepared, vocab = inputs
-    return PipelineConfig.model_validate({
-        "name": "stream", "target": str(target), "data": "unused-prepared-is-given", "work_dir": str(work),
-        "regenerate": {"enabled": False},
-        "capture": {"data": str(prepared), "backend": "hf", "device": "cpu", "dtype": "float32", "aux_layer_ids": [1, 2, 4],
-                    "batch_tokens": 512, "shard_tokens": 128},
-        "vocab": {"out": str(vocab)},
-        "train": {"vocab": str(vocab), "ttt_steps": 2, "epochs": 3, "max_seq_len": 128, "warmup_steps": 2,
-                  "eval_every": 20, "save_every": 1000, "log_every": 5, "val_fraction": 0.05, "device": "cpu",
-                  "dtype": "float32", "lr": 1e-3},
-        "stream": {"enabled": True, "spool_cap_gb": CAP_GB, "poll_interval_s": 0.02, "stall_timeout_s": 60, **stream},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "name": "stream",
+            "target": str(target),
+            "data": "unused-prepared-is-given",
+            "work_dir": str(work),
+            "regenerate": {"enabled": False},
+            "capture": {
+                "data": str(prepared),
+                "backend": "hf",
+                "device": "cpu",
+                "dtype": "float32",
+                "aux_layer_ids": [1, 2, 4],
+                "batch_tokens": 512,
+                "shard_tokens": 128,
+            },
+            "vocab": {"out": str(vocab)},
+            "train": {
+                "vocab": str(vocab),
+                "ttt_steps": 2,
+                "epochs": 3,
+                "max_seq_len": 128,
+                "warmup_steps": 2,
+                "eval_every": 20,
+                "save_every": 1000,
+                "log_every": 5,
+                "val_fraction": 0.05,
+                "device": "cpu",
+                "dtype": "float32",
+                "lr": 1e-3,
+            },
+            "stream": {
+                "enabled": True,
+                "spool_cap_gb": CAP_GB,
+                "poll_interval_s": 0.02,
+                "stall_timeout_s": 60,
+                **stream,
+            },
+        }
+    )
 
 
 class SpoolWatcher:
-    """Samples the spool's total size (every file, temp files included) until stopped; keeps the maximum."""
+    """Samples the spool's total size (every file, temp files included) until stopped; keeps the
+    maximum."""
 
     def __init__(self, spool: Path):
         self.spool, self.peak_bytes, self.samples = spool, 0, 0
@@ -83,12 +114,15 @@ class SpoolWatcher:
 
 
 def check_exactly_once(work: Path, epochs: int = 3) -> None:
-    """Every training row of the spool header is in the trained-on log once per epoch, and no shard is left."""
+    """Every training row of the spool header is in the trained-on log once per epoch, and no shard
+    is left."""
     header = json.loads((work / "spool" / "stream.json").read_text())
     got = read_samples_log(work / "train")
     assert sorted(got) == list(range(epochs))
     for epoch, rows in got.items():
-        assert sorted(rows) == sorted(header["train_rows"]), f"epoch {epoch}: lost or repeated samples"
+        assert sorted(rows) == sorted(header["train_rows"]), (
+            f"epoch {epoch}: lost or repeated samples"
+        )
     left = [p.name for p in (work / "spool").rglob("*.safetensors")]
     assert not left, f"shards left in the spool after training: {left}"
 
@@ -104,12 +138,18 @@ def test_stream_trains_through_a_spool_five_times_smaller_than_the_capture(strea
     assert w.samples > 100 and 0 < w.peak_bytes <= cap, (w.peak_bytes, cap)
     assert res.capture.wait_s > 0, "the producer never waited: the cap did not bind"
     header = json.loads((tmp_path / "spool" / "stream.json").read_text())
-    rows = sum(count_packed_rows([header["row_tokens"][i] for i in epoch_order(header["train_rows"], 0, e)], 128)
-               for e in range(3))
+    rows = sum(
+        count_packed_rows(
+            [header["row_tokens"][i] for i in epoch_order(header["train_rows"], 0, e)], 128
+        )
+        for e in range(3)
+    )
     assert res.train.steps == rows  # batch 1: one step per packed row, every epoch
     assert (res.train.final_dir / "model.safetensors").is_file() and res.train.val_metrics
     check_exactly_once(tmp_path)
-    assert len(list((tmp_path / "train" / "checkpoints").glob("step-*"))) == 1  # extra checkpoints pruned
+    assert (
+        len(list((tmp_path / "train" / "checkpoints").glob("step-*"))) == 1
+    )  # extra checkpoints pruned
 
 
 def test_config_errors_name_the_fields(stream_inputs, tmp_path):
@@ -127,22 +167,31 @@ def test_config_errors_name_the_fields(stream_inputs, tmp_path):
     from eagle3.train.stream import SpoolSource
 
     consume = stream_config(stream_inputs, tmp_path / "c").stream_stages()[1]
-    for field, value, message in (("aux_layer_ids", [1, 2], "train.aux_layer_ids is not supported"),
-                                  ("preload", True, "train.preload = true is not supported")):
+    for field, value, message in (
+        ("aux_layer_ids", [1, 2], "train.aux_layer_ids is not supported"),
+        ("preload", True, "train.preload = true is not supported"),
+    ):
         with pytest.raises(ConfigError, match=message):
             SpoolSource(consume.model_copy(update={field: value}))
 
 
 def _side(stage: str, config: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "eagle3.cli", stage, "--config", str(config)], env=env,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "eagle3.cli", stage, "--config", str(config)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _wait_for(cond, proc: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
     deadline = time.time() + timeout_s
     while not cond():
-        assert proc.poll() is None, f"{what}: process ended first: {proc.stderr.read().decode()[-3000:]}"
+        assert proc.poll() is None, (
+            f"{what}: process ended first: {proc.stderr.read().decode()[-3000:]}"
+        )
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
 
@@ -162,8 +211,8 @@ def _json(path: Path) -> dict:
 
 def test_sigkill_of_both_sides_resumes_and_trains_every_sample_once(stream_inputs, tmp_path):
     """Consumer killed after it released shards, producer killed while blocked on the full spool (or
-    writing); both restarted as fresh processes: training completes, each sample once per epoch, disk
-    never above the cap."""
+    writing); both restarted as fresh processes: training completes, each sample once per epoch,
+    disk never above the cap."""
     cfg = stream_config(stream_inputs, tmp_path)
     config = tmp_path / "stream.yaml"
     config.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
@@ -171,10 +220,18 @@ def test_sigkill_of_both_sides_resumes_and_trains_every_sample_once(stream_input
     with SpoolWatcher(spool) as w:
         producer, consumer = _side("stream-capture", config), _side("stream-train", config)
         try:
-            _wait_for(lambda: _json(spool / "consumed.json").get("released_below", 0) >= 3, consumer, "a release")
+            _wait_for(
+                lambda: _json(spool / "consumed.json").get("released_below", 0) >= 3,
+                consumer,
+                "a release",
+            )
             _kill(consumer)
             released = _json(spool / "consumed.json")["released_below"]
-            _wait_for(lambda: _json(spool / "ledger.json").get("blocked_bytes", 0) > 0, producer, "back-pressure")
+            _wait_for(
+                lambda: _json(spool / "ledger.json").get("blocked_bytes", 0) > 0,
+                producer,
+                "back-pressure",
+            )
             _kill(producer)
             assert not _json(spool / "ledger.json").get("done")
             producer, consumer = _side("stream-capture", config), _side("stream-train", config)
@@ -208,23 +265,50 @@ def test_prefect_flow_runs_both_sides_concurrently(stream_inputs, tmp_path, monk
     check_exactly_once(tmp_path)
 
 
-
 def pipeline_stream_config(tiny_llama, tmp_path) -> PipelineConfig:
     assets = Path(__file__).resolve().parents[1] / "src" / "eagle3" / "assets"
-    return PipelineConfig.model_validate({
-        "name": "stream-run", "target": str(tiny_llama), "data": str(assets / "demo_chats.jsonl"),
-        "work_dir": str(tmp_path), "regenerate": {"enabled": False}, "prepare": {"max_seq_len": 128, "limit": 24},
-        "capture": {"backend": "hf", "device": "cpu", "dtype": "float32", "aux_layer_ids": [1, 2, 4], "batch_tokens": 512,
-                    "shard_tokens": 128},
-        "vocab": {"draft_vocab_size": 64},
-        "train": {"ttt_steps": 2, "epochs": 2, "max_seq_len": 128, "warmup_steps": 2, "eval_every": 20,
-                  "save_every": 1000, "log_every": 5, "val_fraction": 0.1, "device": "cpu", "dtype": "float32"},
-        "stream": {"enabled": True, "spool_cap_gb": 0.0016, "poll_interval_s": 0.02, "stall_timeout_s": 60},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "name": "stream-run",
+            "target": str(tiny_llama),
+            "data": str(assets / "demo_chats.jsonl"),
+            "work_dir": str(tmp_path),
+            "regenerate": {"enabled": False},
+            "prepare": {"max_seq_len": 128, "limit": 24},
+            "capture": {
+                "backend": "hf",
+                "device": "cpu",
+                "dtype": "float32",
+                "aux_layer_ids": [1, 2, 4],
+                "batch_tokens": 512,
+                "shard_tokens": 128,
+            },
+            "vocab": {"draft_vocab_size": 64},
+            "train": {
+                "ttt_steps": 2,
+                "epochs": 2,
+                "max_seq_len": 128,
+                "warmup_steps": 2,
+                "eval_every": 20,
+                "save_every": 1000,
+                "log_every": 5,
+                "val_fraction": 0.1,
+                "device": "cpu",
+                "dtype": "float32",
+            },
+            "stream": {
+                "enabled": True,
+                "spool_cap_gb": 0.0016,
+                "poll_interval_s": 0.02,
+                "stall_timeout_s": 60,
+            },
+        }
+    )
 
 
 def test_eagle3_run_streams_when_enabled(tiny_llama, tmp_path):
-    """`eagle3 run` (in-process) with stream.enabled: prepare -> vocab -> capture+train via the spool -> export."""
+    """`eagle3 run` (in-process) with stream.enabled: prepare -> vocab -> capture+train via the
+    spool -> export."""
     from eagle3.pipeline import enabled_stages, run_pipeline
 
     cfg = pipeline_stream_config(tiny_llama, tmp_path)
@@ -249,13 +333,21 @@ def test_pipeline_flow_streams_when_enabled(tiny_llama, tmp_path, monkeypatch, p
 
 
 def test_stream_capture_refuses_the_worker_writer(tmp_path):
-    """capture.writer = worker is not wired into the spool (it writes each shard in the driver after waiting for
-    room): a clear error naming the field and the fix, recorded in the ledger for the consumer, no silent fallback."""
+    """capture.writer = worker is not wired into the spool (it writes each shard in the driver after
+    waiting for room): a clear error naming the field and the fix, recorded in the ledger for the
+    consumer, no silent fallback."""
     from eagle3.capture.spool import run_stream_capture
     from eagle3.config import ConfigError, StreamCaptureConfig
 
-    cfg = StreamCaptureConfig(target=str(tmp_path / "t"), data=str(tmp_path / "d"), out=tmp_path / "spool",
-                              writer="worker")
-    with pytest.raises(ConfigError, match="capture.writer = 'worker' is not supported in streaming mode.*writer: driver"):
+    cfg = StreamCaptureConfig(
+        target=str(tmp_path / "t"),
+        data=str(tmp_path / "d"),
+        out=tmp_path / "spool",
+        writer="worker",
+    )
+    with pytest.raises(
+        ConfigError,
+        match="capture.writer = 'worker' is not supported in streaming mode.*writer: driver",
+    ):
         run_stream_capture(cfg)
     assert "writer" in json.loads((tmp_path / "spool" / "ledger.json").read_text())["error"]

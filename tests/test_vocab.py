@@ -13,7 +13,9 @@ from eagle3.vocab import (
 
 
 def test_counts_only_loss_masked_tokens():
-    counts = count_supervised_tokens([np.array([1, 2, 2, 3])], [np.array([0, 1, 1, 1])], vocab_size=5)
+    counts = count_supervised_tokens(
+        [np.array([1, 2, 2, 3])], [np.array([0, 1, 1, 1])], vocab_size=5
+    )
     assert counts.tolist() == [0, 0, 2, 1, 0]
 
 
@@ -50,7 +52,9 @@ def test_run_vocab_writes_loadable_files(tmp_path):
         {"input_ids": [4, 3, 5], "loss_mask": [1, 1, 0], "sample_id": "b"},
     ]
     save_prepared(rows, tmp_path / "prep", PreparedMeta(target_vocab_size=8, source="x"))
-    res = run_vocab(VocabConfig(data=str(tmp_path / "prep"), out=tmp_path / "voc", draft_vocab_size=4))
+    res = run_vocab(
+        VocabConfig(data=str(tmp_path / "prep"), out=tmp_path / "voc", draft_vocab_size=4)
+    )
     assert res.num_distinct_seen == 3 and res.num_padded == 1 and res.coverage == 1.0
     v = DraftVocab.load(tmp_path / "voc")
     assert v.draft_ids.tolist() == [0, 2, 3, 4] and v.target_vocab_size == 8

@@ -175,8 +175,13 @@ class RecordedTarget:
     def of_progress(cls, progress: Mapping[str, Any], target: str | None) -> RecordedTarget:
         """What an interrupted capture's progress.json (eagle3.shards.read_progress) recorded
         about the target it was started with (`target`: the target given now, for messages)."""
-        return cls(target, None, None, progress.get("target_weights_sha256"),
-                   progress.get("target_fingerprint"))
+        return cls(
+            target,
+            None,
+            None,
+            progress.get("target_weights_sha256"),
+            progress.get("target_fingerprint"),
+        )
 
 
 def recorded_target_fingerprint(recorded: RecordedTarget, what: str) -> dict[str, Any] | None:
@@ -185,12 +190,16 @@ def recorded_target_fingerprint(recorded: RecordedTarget, what: str) -> dict[str
     `target_weights_sha256` (embedding, final norm, lm_head) instead."""
     if recorded.fingerprint:
         return recorded.fingerprint
-    old = ("the embedding, final norm and lm_head sha256" if recorded.weights_sha256
-           else "no weights")
-    warn_once(f"fingerprint:{what}", f"{what} was written before 2026-12-03 and records no "
-              f"fingerprint of the target's weight files; only {old} can be compared (decoder "
-              "layers changed in place go unnoticed). Produce it again with this version to have "
-              "every weight checked")
+    old = (
+        "the embedding, final norm and lm_head sha256" if recorded.weights_sha256 else "no weights"
+    )
+    warn_once(
+        f"fingerprint:{what}",
+        f"{what} was written before 2026-12-03 and records no "
+        f"fingerprint of the target's weight files; only {old} can be compared (decoder "
+        "layers changed in place go unnoticed). Produce it again with this version to have "
+        "every weight checked",
+    )
     return None
 
 
@@ -388,15 +397,20 @@ class CaptureManifest(Record):
             return None
         names = {e.file for e in shards}
         unlisted = sorted(f.name for f in path.glob("shard-*.safetensors") if f.name not in names)
-        what = (f"shards holding {listed} of the {total} samples it records" if total is not None
-                else f"shards holding {listed} samples")
+        what = (
+            f"shards holding {listed} of the {total} samples it records"
+            if total is not None
+            else f"shards holding {listed} samples"
+        )
         spans = ", ".join(f"{a}..{b}" for a, b in gaps)
         where = f": rows {spans} of the prepared dataset are in no listed shard" if gaps else ""
         files = f" ({', '.join(unlisted[:5])} on disk but not listed)" if unlisted else ""
-        return (f"capture {path}: {path / self.FILE} lists {what}{where}{files}; the manifest was "
-                "edited or damaged, and training on it would silently drop those samples. Run "
-                f"`eagle3 capture` again with the same settings and --out {path}: it rebuilds the "
-                "manifest, keeping the shards before the first gap and capturing the rest")
+        return (
+            f"capture {path}: {path / self.FILE} lists {what}{where}{files}; the manifest was "
+            "edited or damaged, and training on it would silently drop those samples. Run "
+            f"`eagle3 capture` again with the same settings and --out {path}: it rebuilds the "
+            "manifest, keeping the shards before the first gap and capturing the rest"
+        )
 
     def recorded_target(self) -> RecordedTarget:
         return RecordedTarget(
@@ -426,8 +440,11 @@ class CaptureManifest(Record):
                         "layers: capture the odd one again with the others' settings"
                     )
             pairs = (  # older captures: the second only; compared only when both have it
-                ("target_fingerprint", (m.target_fingerprint or {}).get("sha256"),
-                 (first.target_fingerprint or {}).get("sha256")),
+                (
+                    "target_fingerprint",
+                    (m.target_fingerprint or {}).get("sha256"),
+                    (first.target_fingerprint or {}).get("sha256"),
+                ),
                 ("target_weights_sha256", m.target_weights_sha256, first.target_weights_sha256),
             )
             for key, mw, fw in pairs:
@@ -628,9 +645,12 @@ class DraftMetadata(Record):
         config and draft shape only)."""
         if isinstance(self.inputs, dict):
             return self.inputs
-        warn_once(f"inputs:{what}", f"{what} was written before 2026-12-03 and records no "
-                  "identity of the capture and vocab it was trained on; resume compares its "
-                  "training config and draft shape only")
+        warn_once(
+            f"inputs:{what}",
+            f"{what} was written before 2026-12-03 and records no "
+            "identity of the capture and vocab it was trained on; resume compares its "
+            "training config and draft shape only",
+        )
         return None
 
     @property

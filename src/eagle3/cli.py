@@ -1,6 +1,6 @@
-"""`eagle3` command line. One sub-command per stage of the stage registry (eagle3.stages); its flags are
-generated from the stage's config class, so every flag is a field, `--help` shows the field's description and
-default, and validation errors name the field.
+"""`eagle3` command line. One sub-command per stage of the stage registry (eagle3.stages); its flags
+are generated from the stage's config class, so every flag is a field, `--help` shows the field's
+description and default, and validation errors name the field.
 
     eagle3 prepare --target T --data D --out DIR [--max-seq-len N] [--limit N]
     eagle3 capture --target T --data PREPARED --out DIR [--aux-layer-ids 2,4,5] [--backend vllm|hf]
@@ -37,12 +37,16 @@ from eagle3.pipeline import run_pipeline_from_file, summarize_run
 from eagle3.plan import PlanConfig, format_plan, run_plan
 from eagle3.stages import STAGES, build_stage_config, jsonable, run_stage_function, stage_names
 
-PLAN_HELP = ("estimate disk, capture time and training GPU-hours of a pipeline config on a hardware profile, and "
-             "which capture mode (offline or streaming) fits the disk")
+PLAN_HELP = (
+    "estimate disk, capture time and training GPU-hours of a pipeline config on a hardware "
+    "profile, and which capture mode (offline or streaming) fits the disk"
+)
 
 
-ESTIMATE_HELP = ("offline τ of a trained draft on captured held-out prompts: replays greedy drafting rounds as "
-                 "vLLM runs them (no engine needed; picks checkpoints)")
+ESTIMATE_HELP = (
+    "offline τ of a trained draft on captured held-out prompts: replays greedy drafting rounds as "
+    "vLLM runs them (no engine needed; picks checkpoints)"
+)
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -57,14 +61,23 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
-def _add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: str = "",
-                     positional: tuple[str, ...] = ()) -> None:
+def _add_field_flags(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    prefix: str = "",
+    positional: tuple[str, ...] = (),
+) -> None:
     for name, field in model.model_fields.items():
         if field.exclude:
             continue
         if name in positional:
-            parser.add_argument(name, metavar=name.upper(), nargs="?", default=argparse.SUPPRESS,
-                                help=field.description or "")
+            parser.add_argument(
+                name,
+                metavar=name.upper(),
+                nargs="?",
+                default=argparse.SUPPRESS,
+                help=field.description or "",
+            )
             continue
         tp = _unwrap_optional(field.annotation)
         dest = f"{prefix}{name}"
@@ -115,31 +128,51 @@ class _RenamedFlag(argparse.Action):
         self.new = new
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001 - argparse's signature
-        parser.error(f"{option_string} was renamed to {self.new}: use {self.new} (same meaning and values)")
+        parser.error(
+            f"{option_string} was renamed to {self.new}: use {self.new} (same meaning and values)"
+        )
 
 
 def _add_renamed_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
     for old, new in RENAMED_CONFIG_KEYS.items():
         if new in model.model_fields and old not in model.model_fields:
-            parser.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS,
-                                default=argparse.SUPPRESS,
-                                action=functools.partial(_RenamedFlag, new="--" + new.replace("_", "-")))
+            parser.add_argument(
+                "--" + old.replace("_", "-"),
+                nargs="?",
+                help=argparse.SUPPRESS,
+                default=argparse.SUPPRESS,
+                action=functools.partial(_RenamedFlag, new="--" + new.replace("_", "-")),
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft models for your own target LLM.")
+    parser = argparse.ArgumentParser(
+        prog="eagle3", description="Train EAGLE-3 draft models for your own target LLM."
+    )
     verbose = argparse.ArgumentParser(add_help=False)
-    verbose.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS,
-                         help="on failure, print the traceback too (default: only the diagnosis)")
-    parser.add_argument("--verbose", "-v", action="store_true", default=False,
-                        help="on failure, print the traceback too (default: only the diagnosis)")
+    verbose.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on failure, print the traceback too (default: only the diagnosis)",
+    )
+    parser.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        default=False,
+        help="on failure, print the traceback too (default: only the diagnosis)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for stage, spec in STAGES.items():
         p = sub.add_parser(stage, help=spec.help, description=spec.help, parents=[verbose])
         p.add_argument(
             "--config",
             metavar="FILE",
-            help="YAML with this stage's fields, or a pipeline config (its resolved `" + stage + "` section); flags override it",
+            help="YAML with this stage's fields, or a pipeline config (its resolved `"
+            + stage
+            + "` section); flags override it",
         )
         _add_field_flags(p, spec.config, positional=spec.positional)
         _add_renamed_flags(p, spec.config)
@@ -149,14 +182,28 @@ def build_parser() -> argparse.ArgumentParser:
         EstimateConfig,  # torch: `import eagle3.cli` stays light (tests, tasks)
     )
 
-    estimate = sub.add_parser("estimate", help=ESTIMATE_HELP, description=ESTIMATE_HELP, parents=[verbose])
+    estimate = sub.add_parser(
+        "estimate", help=ESTIMATE_HELP, description=ESTIMATE_HELP, parents=[verbose]
+    )
     _add_field_flags(estimate, EstimateConfig)
-    stream = sub.add_parser("stream", parents=[verbose], help="streaming mode: stream-capture and stream-train at once in this process "
-                            "(bounded disk; prepare and vocab must have run)")
-    stream.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML with a `stream:` section")
-    run = sub.add_parser("run", parents=[verbose], help="run the whole pipeline (Prefect flow on the embedded local API)")
+    stream = sub.add_parser(
+        "stream",
+        parents=[verbose],
+        help="streaming mode: stream-capture and stream-train at once in this process "
+        "(bounded disk; prepare and vocab must have run)",
+    )
+    stream.add_argument(
+        "--config", metavar="FILE", required=True, help="pipeline YAML with a `stream:` section"
+    )
+    run = sub.add_parser(
+        "run",
+        parents=[verbose],
+        help="run the whole pipeline (Prefect flow on the embedded local API)",
+    )
     run.add_argument("--config", metavar="FILE", required=True, help="pipeline YAML (see configs/)")
-    run.add_argument("--no-prefect", action="store_true", help="run the stages in-process without Prefect")
+    run.add_argument(
+        "--no-prefect", action="store_true", help="run the stages in-process without Prefect"
+    )
     return parser
 
 
@@ -167,14 +214,27 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
     if getattr(args, "config", None):
         raw = load_yaml(args.config)
         source = f"{args.config} + command line"
-        if stage in source_stages and raw.get("fetch_target") and "target" in raw:  # a pipeline config
-            values = load_pipeline_config(args.config).fetch_target_config().model_dump(exclude={"stage"})
-        elif "target" in raw and ("data" in raw or "synthesize" in raw) and (stage in PipelineConfig.model_fields or stage in stream_stages) and (
-            any(k in raw for k in stage_names("pipeline")) or "work_dir" in raw
+        if (
+            stage in source_stages and raw.get("fetch_target") and "target" in raw
+        ):  # a pipeline config
+            values = (
+                load_pipeline_config(args.config)
+                .fetch_target_config()
+                .model_dump(exclude={"stage"})
+            )
+        elif (
+            "target" in raw
+            and ("data" in raw or "synthesize" in raw)
+            and (stage in PipelineConfig.model_fields or stage in stream_stages)
+            and (any(k in raw for k in stage_names("pipeline")) or "work_dir" in raw)
         ):
             pipe = load_pipeline_config(args.config)
-            if stage in stream_stages:  # the producer / consumer side of the pipeline's streaming mode
-                values = pipe.stream_stages()[stream_stages.index(stage)].model_dump(exclude={"stage"})
+            if (
+                stage in stream_stages
+            ):  # the producer / consumer side of the pipeline's streaming mode
+                values = pipe.stream_stages()[stream_stages.index(stage)].model_dump(
+                    exclude={"stage"}
+                )
             else:
                 values = getattr(pipe.resolved(), stage).model_dump(exclude={"stage"})
         else:
@@ -188,7 +248,9 @@ def stage_config_from_args(stage: str, args: argparse.Namespace):
 def build_tool_config(cls: type[BaseModel], args: argparse.Namespace) -> Any:
     """The config of a command that is not a pipeline stage (plan, estimate): flags only."""
     try:
-        return cls.model_validate(_nest({k: v for k, v in vars(args).items() if k not in ("command", "verbose")}))
+        return cls.model_validate(
+            _nest({k: v for k, v in vars(args).items() if k not in ("command", "verbose")})
+        )
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, "command line")) from None
 

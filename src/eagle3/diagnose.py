@@ -37,17 +37,29 @@ def translate(exc: BaseException) -> str | None:
     cause."""
     if isinstance(exc, OSError) and is_disk_full(exc):
         return str(disk_full_error(exc.filename or "?"))
-    if isinstance(exc, PermissionError) or (isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM)):
+    if isinstance(exc, PermissionError) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM)
+    ):
         where = exc.filename or "?"
-        return (f"permission denied on {where} (running as uid {os.getuid()}): make it readable/writable for this "
-                "user (chmod/chown) or choose a directory you own")
+        return (
+            f"permission denied on {where} (running as uid {os.getuid()}): make it "
+            "readable/writable for this user (chmod/chown) or choose a directory you own"
+        )
     if isinstance(exc, OSError) and exc.errno == errno.EROFS:
-        return f"{exc.filename or '?'} is on a read-only filesystem: write the outputs to a writable directory"
+        return (
+            f"{exc.filename or '?'} is on a read-only filesystem: write the outputs to a writable "
+            "directory"
+        )
     if isinstance(exc, SafetensorError):
-        return (f"a safetensors file is truncated or corrupt ({exc}); rerun with --verbose to see which read failed, "
-                "then delete or recreate that file")
+        return (
+            f"a safetensors file is truncated or corrupt ({exc}); rerun with --verbose to see "
+            "which read failed, then delete or recreate that file"
+        )
     if isinstance(exc, _known()):
         return str(exc)
     if isinstance(exc, OSError):
-        return f"{exc.strerror or exc} ({exc.filename or 'no file named'}): check the path, the disk and the mount"
+        return (
+            f"{exc.strerror or exc} ({exc.filename or 'no file named'}): check the path, the disk "
+            "and the mount"
+        )
     return None

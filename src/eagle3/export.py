@@ -1,26 +1,29 @@
 """`run_export(cfg)`: a trained draft -> a directory vLLM loads as the EAGLE-3 draft.
 
 format=vllm (LlamaForCausalLMEagle3):
-    config.json         architectures [LlamaForCausalLMEagle3], model_type llama, num_hidden_layers, draft dims,
-                        vocab_size (target), draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids
-                        (exactly the capture's ids), target_hidden_size when it differs, norm_before_residual false;
-                        EAGLE-3.1 drafts add fc_norm true and/or norm_output true (top-level keys vLLM 0.32's
+    config.json         architectures [LlamaForCausalLMEagle3], model_type llama, num_hidden_layers,
+                        draft dims, vocab_size (target), draft_vocab_size,
+                        eagle_config.eagle_aux_hidden_state_layer_ids (exactly the capture's ids),
+                        target_hidden_size when it differs, norm_before_residual false; EAGLE-3.1
+                        drafts add fc_norm true and/or norm_output true (top-level keys vLLM 0.32's
                         llama_eagle3.py reads; absent = false, so EAGLE-3 configs are unchanged)
-    model.safetensors   [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.* (k >= 1), norm.weight, lm_head.weight (bf16), d2t (int64), t2d (bool);
-                        no embed_tokens: vLLM shares the target's embedding. When draft vocab == target vocab
-                        vLLM has no d2t buffer (an unexpected d2t key fails its loader): lm_head rows are put in
+    model.safetensors   [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.* (k >= 1), norm.weight,
+                        lm_head.weight (bf16), d2t (int64), t2d (bool); no embed_tokens: vLLM shares
+                        the target's embedding. When draft vocab == target vocab vLLM has no d2t
+                        buffer (an unexpected d2t key fails its loader): lm_head rows are put in
                         target order and d2t/t2d are left out
-format=speculators (speculators_model_type eagle3, as vLLM's speculators config reader and the speculators
-    library's Eagle3SpeculatorConfig expect): transformer_layer_config (the llama config of the layer),
-    draft_vocab_size, norm_before_residual false (its reader defaults to TRUE when absent), target_hidden_size,
-    eagle_aux_hidden_state_layer_ids, speculators_config {algorithm, proposal_methods, verifier}, fc_norm /
-    norm_output for EAGLE-3.1 (vLLM's speculators reader, update_eagle3, passes both through); weights named
-    layers.0.* plus embed_tokens.weight (speculators checkpoints carry the embedding).
+format=speculators (speculators_model_type eagle3, as vLLM's speculators config reader and the
+    speculators library's Eagle3SpeculatorConfig expect): transformer_layer_config (the llama config
+    of the layer), draft_vocab_size, norm_before_residual false (its reader defaults to TRUE when
+    absent), target_hidden_size, eagle_aux_hidden_state_layer_ids, speculators_config {algorithm,
+    proposal_methods, verifier}, fc_norm / norm_output for EAGLE-3.1 (vLLM's speculators reader,
+    update_eagle3, passes both through); weights named layers.0.* plus embed_tokens.weight
+    (speculators checkpoints carry the embedding).
 Tokenizer files of the target are copied (vLLM uses the target's tokenizer anyway).
 
-Every key and shape is checked against the draft config before anything is written, and the layer ids,
-hidden sizes and vocab sizes are checked against the capture manifest and the target config; the directory
-is built under a temp name and renamed.
+Every key and shape is checked against the draft config before anything is written, and the layer
+ids, hidden sizes and vocab sizes are checked against the capture manifest and the target config;
+the directory is built under a temp name and renamed.
 """
 
 from __future__ import annotations
@@ -56,12 +59,21 @@ from eagle3.weights import load_target_tensors
 
 METADATA = DraftMetadata.FILE
 WEIGHTS = "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 
 
 class ExportError(ValueError):
-    """The checkpoint disagrees with the capture / target / vLLM's expectations; nothing was written."""
+    """The checkpoint disagrees with the capture / target / vLLM's expectations; nothing was
+    written."""
 
 
 @dataclass
@@ -75,7 +87,8 @@ class ExportResult:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A dir holding model.safetensors + eagle3_draft.json, or a training out dir (best > final > latest step)."""
+    """A dir holding model.safetensors + eagle3_draft.json, or a training out dir (best > final >
+    latest step)."""
     p = Path(path)
     if (p / WEIGHTS).is_file() and (p / METADATA).is_file():
         return p
@@ -85,15 +98,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
     ck = latest_checkpoint(p)
     if ck is None:
         raise ExportError(
-            f"checkpoint={path}: no {WEIGHTS} + {METADATA} there, nor best/, final/ or checkpoints/step-N/; pass the "
-            "`out` dir of `eagle3 train` or one checkpoint dir in it"
+            f"checkpoint={path}: no {WEIGHTS} + {METADATA} there, nor best/, final/ or "
+            "checkpoints/step-N/; pass the `out` dir of `eagle3 train` or one checkpoint dir in it"
         )
     return ck
 
 
 def _manifest(captured: str | None) -> CaptureManifest | SpoolHeader | None:
-    """The capture the checkpoint was trained on (one dir, several comma-separated, or a streaming spool), or None
-    when it is gone (checked against it when it is still there)."""
+    """The capture the checkpoint was trained on (one dir, several comma-separated, or a streaming
+    spool), or None when it is gone (checked against it when it is still there)."""
     if not captured or not all(d.is_dir() for d in capture_dirs(captured)):
         return None
     header = Path(captured) / SpoolHeader.FILE
@@ -103,26 +116,36 @@ def _manifest(captured: str | None) -> CaptureManifest | SpoolHeader | None:
     return CaptureManifest.load_combined(captured)
 
 
-def validate(meta: DraftMetadata, dcfg: DraftConfig, tensors: dict[str, torch.Tensor],
-             target_cfg: dict, manifest: CaptureManifest | SpoolHeader | None) -> None:
+def validate(
+    meta: DraftMetadata,
+    dcfg: DraftConfig,
+    tensors: dict[str, torch.Tensor],
+    target_cfg: dict,
+    manifest: CaptureManifest | SpoolHeader | None,
+) -> None:
     """Raise ExportError naming the field, the bad value and the fix; never returns partially."""
     ids = list(meta.aux_layer_ids)
     tc = text_config(target_cfg)
     L = tc.get("num_hidden_layers")
     captured = list(manifest.aux_layer_ids) if manifest is not None else None
     if captured is not None and captured != ids:
-        # a layer subset (TrainConfig.aux_layer_ids) is fine when the checkpoint says it was chosen from this capture
+        # a layer subset (TrainConfig.aux_layer_ids) is fine when the checkpoint says it was chosen
+        # from this capture
         if meta.captured_aux_layer_ids != captured or not set(ids) <= set(captured) | {L}:
             raise ExportError(
-                f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture manifest's aux_layer_ids="
-                f"{manifest.aux_layer_ids}; the draft was trained on the manifest's aux_layer_ids, "
-                "re-train or fix the metadata"
+                f"aux_layer_ids={ids} in the checkpoint metadata differ from the capture "
+                f"manifest's aux_layer_ids={manifest.aux_layer_ids}; the draft was trained on the "
+                "manifest's aux_layer_ids, re-train or fix the metadata"
             )
     if len(ids) != dcfg.num_aux or len(set(ids)) != len(ids):
-        raise ExportError(f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads {dcfg.num_aux} states)")
+        raise ExportError(
+            f"aux_layer_ids={ids}: expected {dcfg.num_aux} distinct ids (the fc reads "
+            f"{dcfg.num_aux} states)"
+        )
     if L is not None:  # a draft may read the last layer (id L) when trained so (TrainConfig)
-        AuxLayerIds(tuple(ids)).check(L, "checkpoint aux_layer_ids", last_ok=True,
-                                      error=ExportError)
+        AuxLayerIds(tuple(ids)).check(
+            L, "checkpoint aux_layer_ids", last_ok=True, error=ExportError
+        )
     if manifest is not None and manifest.hidden_size != tc["hidden_size"]:
         raise ExportError(
             f"capture hidden_size={manifest.hidden_size} but target "
@@ -132,28 +155,44 @@ def validate(meta: DraftMetadata, dcfg: DraftConfig, tensors: dict[str, torch.Te
     for name, want in (("target_hidden_size", tc["hidden_size"]), ("vocab_size", tc["vocab_size"])):
         if getattr(dcfg, name) != want:
             raise ExportError(
-                f"draft {name}={getattr(dcfg, name)} but the target config says {want}; pass --target the model the "
-                "draft was trained for"
+                f"draft {name}={getattr(dcfg, name)} but the target config says {want}; pass "
+                "--target the model the draft was trained for"
             )
     if dcfg.max_position_embeddings < tc.get("max_position_embeddings", 0):
         raise ExportError(
-            f"draft max_position_embeddings={dcfg.max_position_embeddings} < target's {tc['max_position_embeddings']}; "
-            "re-train with draft.max_position_embeddings unset"
+            f"draft max_position_embeddings={dcfg.max_position_embeddings} < target's "
+            f"{tc['max_position_embeddings']}; re-train with draft.max_position_embeddings unset"
         )
     want = expected_export_shapes(dcfg)
     missing = sorted(set(want) - set(tensors))
     extra = sorted(set(tensors) - set(want))
     if missing or extra:
-        raise ExportError(f"checkpoint tensors: missing {missing}, unexpected {extra}; the checkpoint is incomplete or foreign")
+        raise ExportError(
+            f"checkpoint tensors: missing {missing}, unexpected {extra}; the checkpoint is "
+            "incomplete or foreign"
+        )
     for k, shape in want.items():
         if tuple(tensors[k].shape) != shape:
-            raise ExportError(f"tensor {k} has shape {tuple(tensors[k].shape)}, expected {shape} from the draft config")
+            raise ExportError(
+                f"tensor {k} has shape {tuple(tensors[k].shape)}, expected {shape} from the draft "
+                "config"
+            )
     d2t = tensors["d2t"]
     tgt = torch.arange(d2t.numel()) + d2t
-    if int(tgt.min()) < 0 or int(tgt.max()) >= dcfg.vocab_size or tgt.unique().numel() != tgt.numel():
-        raise ExportError("d2t maps draft ids outside [0, target vocab) or twice to one target id; rebuild the vocab")
+    if (
+        int(tgt.min()) < 0
+        or int(tgt.max()) >= dcfg.vocab_size
+        or tgt.unique().numel() != tgt.numel()
+    ):
+        raise ExportError(
+            "d2t maps draft ids outside [0, target vocab) or twice to one target id; rebuild the "
+            "vocab"
+        )
     if not bool(tensors["t2d"][tgt].all()) or int(tensors["t2d"].sum()) != d2t.numel():
-        raise ExportError("t2d disagrees with d2t (t2d must be True exactly at the draft's target ids); rebuild the vocab")
+        raise ExportError(
+            "t2d disagrees with d2t (t2d must be True exactly at the draft's target ids); rebuild "
+            "the vocab"
+        )
 
 
 def layer_config(dcfg: DraftConfig) -> dict[str, Any]:
@@ -182,7 +221,8 @@ def layer_config(dcfg: DraftConfig) -> dict[str, Any]:
 
 
 def eagle31_keys(dcfg: DraftConfig) -> dict[str, bool]:
-    """The EAGLE-3.1 switches, only those that are on (vLLM reads both as getattr(config, key, False))."""
+    """The EAGLE-3.1 switches, only those that are on (vLLM reads both as getattr(config, key,
+    False))."""
     return {k: True for k in ("fc_norm", "norm_output") if getattr(dcfg, k)}
 
 
@@ -192,12 +232,16 @@ def vllm_config(dcfg: DraftConfig, ids: list[int]) -> dict[str, Any]:
     cfg["norm_before_residual"] = False
     if dcfg.target_hidden_size != dcfg.hidden_size:
         cfg["target_hidden_size"] = dcfg.target_hidden_size
-    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True}
+    cfg["eagle_config"] = {
+        "eagle_aux_hidden_state_layer_ids": list(ids),
+        "use_aux_hidden_state": True,
+    }
     return {**cfg, **eagle31_keys(dcfg)}
 
 
-def speculators_config(dcfg: DraftConfig, ids: list[int], meta: DraftMetadata,
-                       target_cfg: dict) -> dict[str, Any]:
+def speculators_config(
+    dcfg: DraftConfig, ids: list[int], meta: DraftMetadata, target_cfg: dict
+) -> dict[str, Any]:
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -211,10 +255,18 @@ def speculators_config(dcfg: DraftConfig, ids: list[int], meta: DraftMetadata,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": meta.target,
-                         "architectures": target_cfg.get("architectures", [])},
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": 3,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {
+                "name_or_path": meta.target,
+                "architectures": target_cfg.get("architectures", []),
+            },
         },
         "torch_dtype": "bfloat16",
     }
@@ -230,33 +282,61 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     target = cfg.target or meta.target
     tpath = Path(target) / "config.json"
     if not tpath.is_file():
-        raise ConfigError(f"ExportConfig.target={target!r} has no config.json; pass --target with the target model dir")
+        raise ConfigError(
+            f"ExportConfig.target={target!r} has no config.json; pass --target with the target "
+            "model dir"
+        )
     target_cfg = json.loads(tpath.read_text())
-    tensors = read_safetensors(ck / WEIGHTS, "draft checkpoint weights", "export another checkpoint (e.g. checkpoints/step-N)")
+    tensors = read_safetensors(
+        ck / WEIGHTS,
+        "draft checkpoint weights",
+        "export another checkpoint (e.g. checkpoints/step-N)",
+    )
     bad = nonfinite_tensors(tensors)
     if bad:
         raise ExportError(
-            f"{ck / WEIGHTS} holds NaN/inf in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: a draft that cannot "
-            "propose anything; nothing was written. Export an earlier checkpoint or train again (check the capture)"
+            f"{ck / WEIGHTS} holds NaN/inf in "
+            f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: a draft that cannot propose "
+            "anything; nothing was written. Export an earlier checkpoint or train again (check "
+            "the capture)"
         )
     manifest = _manifest(meta.captured)
     validate(meta, dcfg, tensors, target_cfg, manifest)
     identity = target_identity(target)  # config sha256, layer count, every weight file's sha256
     if identity["fingerprint"] is None:
-        print(f"export: target={target} holds no weight files (a config-only dir): its config is "
-              "checked, its weights cannot be", file=sys.stderr, flush=True)
-    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}", target=target,
-                          allow=cfg.allow_target_mismatch, error=ExportError,
-                          redo="train again with this one")
+        print(
+            f"export: target={target} holds no weight files (a config-only dir): its config is "
+            "checked, its weights cannot be",
+            file=sys.stderr,
+            flush=True,
+        )
+    check_target_identity(
+        meta.recorded_target(),
+        identity,
+        what=f"checkpoint {ck}",
+        target=target,
+        allow=cfg.allow_target_mismatch,
+        error=ExportError,
+        redo="train again with this one",
+    )
     if manifest is not None:
-        check_target_identity(manifest.recorded_target(), identity, what=f"capture {meta.captured}",
-                              target=target, allow=cfg.allow_target_mismatch, error=ExportError)
+        check_target_identity(
+            manifest.recorded_target(),
+            identity,
+            what=f"capture {meta.captured}",
+            target=target,
+            allow=cfg.allow_target_mismatch,
+            error=ExportError,
+        )
     # the draft's record of its target, for evaluate: the one export checked it against (or, with
     # allow_target_mismatch, was told to serve it with); a config-only target: the trained-with one
     serves = {}
     if identity["fingerprint"] is not None:
-        serves = {**identity_record(identity), "target": str(Path(target).resolve()),
-                  "target_num_layers": identity["num_hidden_layers"]}
+        serves = {
+            **identity_record(identity),
+            "target": str(Path(target).resolve()),
+            "target_num_layers": identity["num_hidden_layers"],
+        }
     vocab_file = Path(meta.vocab or "") / DraftVocab.FILE
     if meta.vocab and vocab_file.is_file():
         d2t = DraftVocab.load(meta.vocab).torch_maps()[0]
@@ -264,16 +344,22 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             raise ExportError(
                 f"the checkpoint's d2t differs from {vocab_file} (vocab={meta.vocab}): the vocab "
                 "dir was rebuilt "
-                "after training; export the checkpoint as trained by restoring that vocab or re-train"
+                "after training; export the checkpoint as trained by restoring that vocab or "
+                "re-train"
             )
 
     ids = list(meta.aux_layer_ids)
-    out_t = {k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
+    out_t = {
+        k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous()
+        for k, v in tensors.items()
+    }
     out_t["d2t"], out_t["t2d"] = out_t["d2t"].long(), out_t["t2d"].bool()
     if dcfg.draft_vocab_size == dcfg.vocab_size:
-        # vLLM keeps no d2t buffer when the vocabularies are equal (and fails on an unexpected d2t key):
-        # put lm_head rows in target-id order instead and drop the mapping
-        order = torch.arange(dcfg.draft_vocab_size) + out_t.pop("d2t")  # (Vd,) target id of each draft row
+        # vLLM keeps no d2t buffer when the vocabularies are equal (and fails on an unexpected d2t
+        # key): put lm_head rows in target-id order instead and drop the mapping
+        order = torch.arange(dcfg.draft_vocab_size) + out_t.pop(
+            "d2t"
+        )  # (Vd,) target id of each draft row
         out_t.pop("t2d")
         head = torch.empty_like(out_t["lm_head.weight"])  # (V, H)
         head[order] = out_t["lm_head.weight"]
@@ -284,7 +370,9 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         config = speculators_config(dcfg, ids, meta, target_cfg)
         out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
 
-        out_t["embed_tokens.weight"] = load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
+        out_t["embed_tokens.weight"] = (
+            load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
+        )
     with atomic_dir(cfg.out) as tmp:
         save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
@@ -292,4 +380,6 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         for name in TOKENIZER_FILES:
             if (Path(target) / name).is_file():
                 shutil.copy2(Path(target) / name, tmp / name)
-    return ExportResult(Path(cfg.out), cfg.format, ck, config, {k: list(v.shape) for k, v in out_t.items()}, ids)
+    return ExportResult(
+        Path(cfg.out), cfg.format, ck, config, {k: list(v.shape) for k, v in out_t.items()}, ids
+    )

@@ -39,8 +39,15 @@ from typing import Any
 
 FORMAT = "eagle3-target-fingerprint/1"
 #: the weight files fingerprinted (top level of the target dir, symlinks followed: HF hub snapshots)
-WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
-                   "*.pth", "*.gguf")
+WEIGHT_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "*.pt",
+    "*.pth",
+    "*.gguf",
+)
 READ_BYTES = 1 << 24
 #: threads hashing uncached files side by side
 MAX_HASH_THREADS = 8
@@ -64,8 +71,11 @@ def weight_files(target: str | Path) -> list[Path]:
     root = Path(target)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir()
-                  if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in WEIGHT_PATTERNS))
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in WEIGHT_PATTERNS)
+    )
 
 
 def sha256_of_file(path: str | Path) -> str:
@@ -106,8 +116,9 @@ def _write_cache(path: Path, root: Path, files: dict[str, Any]) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump({"format": _CACHE_FORMAT, "target": str(root), "files": files}, f,
-                          indent=1)
+                json.dump(
+                    {"format": _CACHE_FORMAT, "target": str(root), "files": files}, f, indent=1
+                )
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -115,10 +126,13 @@ def _write_cache(path: Path, root: Path, files: dict[str, Any]) -> None:
     except OSError as e:
         if str(path.parent) not in _said_unwritable:
             _said_unwritable.add(str(path.parent))
-            print(f"eagle3: note: cannot write the target fingerprint cache {path} "
-                  f"({e.strerror or e}); the target's weight files will be hashed again next time "
-                  "(set EAGLE3_CACHE_DIR to a writable dir to keep them)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"eagle3: note: cannot write the target fingerprint cache {path} "
+                f"({e.strerror or e}); the target's weight files will be hashed again next time "
+                "(set EAGLE3_CACHE_DIR to a writable dir to keep them)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def file_hashes(target: str | Path, _attempt: int = 0) -> dict[str, str]:
@@ -143,26 +157,36 @@ def file_hashes(target: str | Path, _attempt: int = 0) -> dict[str, str]:
         loud = num_bytes >= ANNOUNCE_BYTES
         t0 = time.perf_counter()
         if loud:
-            print(f"eagle3: fingerprinting {len(todo)} weight file(s) of {root} "
-                  f"({num_bytes / 1e9:.1f} GB; once, cached in {cache_path.parent})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"eagle3: fingerprinting {len(todo)} weight file(s) of {root} "
+                f"({num_bytes / 1e9:.1f} GB; once, cached in {cache_path.parent})",
+                file=sys.stderr,
+                flush=True,
+            )
         threads = max(1, min(MAX_HASH_THREADS, os.cpu_count() or 1, len(todo)))
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for p, digest in zip(todo, pool.map(sha256_of_file, todo), strict=True):
                 out[p.name] = digest
         if loud:
             dt = time.perf_counter() - t0
-            print(f"eagle3: fingerprinted {num_bytes / 1e9:.1f} GB in {dt:.1f} s "
-                  f"({num_bytes / 1e6 / dt:.0f} MB/s)", file=sys.stderr, flush=True)
+            print(
+                f"eagle3: fingerprinted {num_bytes / 1e9:.1f} GB in {dt:.1f} s "
+                f"({num_bytes / 1e6 / dt:.0f} MB/s)",
+                file=sys.stderr,
+                flush=True,
+            )
         moved = [p.name for p in todo if _stamp(p.resolve()) != stamps[p.name]]
         if moved:
             if _attempt >= 2:
-                raise RuntimeError(f"target={target}: {', '.join(moved[:3])} kept changing while "
-                                   "it was fingerprinted; wait until whatever writes the target's "
-                                   "weights is done")
+                raise RuntimeError(
+                    f"target={target}: {', '.join(moved[:3])} kept changing while "
+                    "it was fingerprinted; wait until whatever writes the target's "
+                    "weights is done"
+                )
             return file_hashes(target, _attempt + 1)
-        _write_cache(cache_path, root,
-                     {name: {**stamps[name], "sha256": out[name]} for name in sorted(out)})
+        _write_cache(
+            cache_path, root, {name: {**stamps[name], "sha256": out[name]} for name in sorted(out)}
+        )
     return {p.name: out[p.name] for p in files}
 
 
@@ -176,13 +200,19 @@ def target_fingerprint(target: str | Path) -> dict[str, Any] | None:
     combined = hashlib.sha256()
     for name in sorted(hashes):
         combined.update(f"{name}\0{sizes[name]}\0{hashes[name]}\n".encode())
-    return {"format": FORMAT, "algorithm": "sha256", "sha256": combined.hexdigest(),
-            "files": dict(sorted(hashes.items())), "num_files": len(hashes),
-            "num_bytes": sum(sizes.values())}
+    return {
+        "format": FORMAT,
+        "algorithm": "sha256",
+        "sha256": combined.hexdigest(),
+        "files": dict(sorted(hashes.items())),
+        "num_files": len(hashes),
+        "num_bytes": sum(sizes.values()),
+    }
 
 
-def describe_difference(known: dict[str, Any], actual: dict[str, Any],
-                        max_names: int = 3) -> str | None:
+def describe_difference(
+    known: dict[str, Any], actual: dict[str, Any], max_names: int = 3
+) -> str | None:
     """None when two fingerprints agree; else what differs, naming up to `max_names` files, e.g.
     "weights sha256 1a2b3c4d5e6f... (recorded) != 7a8b9c0d1e2f... (target):
     model-00002.safetensors differs"."""
@@ -194,9 +224,19 @@ def describe_difference(known: dict[str, Any], actual: dict[str, Any],
     parts += [f"{n} not in the record" for n in sorted(set(af) - set(rf))]
     more = f" (+{len(parts) - max_names} more)" if len(parts) > max_names else ""
     what = f": {', '.join(parts[:max_names])}{more}" if parts else ""
-    return (f"weights sha256 {str(known.get('sha256'))[:12]}... (recorded) != "
-            f"{str(actual.get('sha256'))[:12]}... (target){what}")
+    return (
+        f"weights sha256 {str(known.get('sha256'))[:12]}... (recorded) != "
+        f"{str(actual.get('sha256'))[:12]}... (target){what}"
+    )
 
 
-__all__ = ["FORMAT", "WEIGHT_PATTERNS", "cache_dir", "describe_difference", "file_hashes",
-           "sha256_of_file", "target_fingerprint", "weight_files"]
+__all__ = [
+    "FORMAT",
+    "WEIGHT_PATTERNS",
+    "cache_dir",
+    "describe_difference",
+    "file_hashes",
+    "sha256_of_file",
+    "target_fingerprint",
+    "weight_files",
+]

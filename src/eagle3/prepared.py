@@ -1,8 +1,8 @@
 """The prepared-dataset format shared by prepare (writer) and capture/vocab (readers).
 
 A prepared dataset is a directory holding a HF `datasets` dataset saved with `save_to_disk`, columns
-`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id` (str),
-plus `manifest.json` describing where it came from (eagle3.artifacts.PreparedMeta).
+`input_ids` (list[int]), `loss_mask` (list[int], 1 = assistant token to supervise) and `sample_id`
+(str), plus `manifest.json` describing where it came from (eagle3.artifacts.PreparedMeta).
 """
 
 from __future__ import annotations
@@ -54,4 +54,3 @@ def load_prepared(path: str | Path):
     if missing:
         raise ValueError(f"{path}: prepared dataset lacks columns {missing}")
     return ds.with_format("numpy")
-

@@ -144,6 +144,7 @@ def say(message: str) -> None:
 
 # ---------------------------------------------------------------------------------------- inputs
 
+
 @dataclass
 class Plan:
     """Everything resolved from the config and the checkpoint before anything runs."""
@@ -167,65 +168,117 @@ def read_plan(cfg: RefineConfig) -> Plan:
     field and the fix for anything missing or inconsistent."""
     cfg.require("target", "checkpoint", "data", "out")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("eagle3 refine runs in one process on one device (its rollouts and "
-                          "rounds are not split across ranks); start it without torchrun")
+        raise ConfigError(
+            "eagle3 refine runs in one process on one device (its rollouts and "
+            "rounds are not split across ranks); start it without torchrun"
+        )
     ck = resolve_checkpoint(cfg.checkpoint)
     meta = DraftMetadata.load(ck)
     tpath = Path(cfg.target) / "config.json"
     if not tpath.is_file():
-        raise ConfigError(f"RefineConfig.target = {cfg.target!r} has no config.json; pass --target "
-                          "with the target model dir the draft was trained for")
+        raise ConfigError(
+            f"RefineConfig.target = {cfg.target!r} has no config.json; pass --target "
+            "with the target model dir the draft was trained for"
+        )
     identity = target_identity(cfg.target)
-    check_target_identity(meta.recorded_target(), identity, what=f"checkpoint {ck}",
-                          target=cfg.target,
-                          allow=cfg.allow_target_mismatch, error=ConfigError)
+    check_target_identity(
+        meta.recorded_target(),
+        identity,
+        what=f"checkpoint {ck}",
+        target=cfg.target,
+        allow=cfg.allow_target_mismatch,
+        error=ConfigError,
+    )
     num_layers = int(text_config(read_json(tpath))["num_hidden_layers"])
-    trained_with = {k: v for k, v in (meta.train_config or {}).items()
-                if k in TrainConfig.model_fields}
-    k = int(cfg.num_speculative_tokens or trained_with.get("num_speculative_tokens")
-            or DEFAULT_NUM_SPECULATIVE_TOKENS)
+    trained_with = {
+        k: v for k, v in (meta.train_config or {}).items() if k in TrainConfig.model_fields
+    }
+    k = int(
+        cfg.num_speculative_tokens
+        or trained_with.get("num_speculative_tokens")
+        or DEFAULT_NUM_SPECULATIVE_TOKENS
+    )
     for d in data_dirs(cfg.data):
         if not (d / PreparedMeta.FILE).is_file():
-            raise ConfigError(f"RefineConfig.data: {d} is not a prepared dataset (no "
-                              f"{PreparedMeta.FILE}); pass --data with the `eagle3 prepare` "
-                              "output dir(s) "
-                              "of the training sources")
+            raise ConfigError(
+                f"RefineConfig.data: {d} is not a prepared dataset (no "
+                f"{PreparedMeta.FILE}); pass --data with the `eagle3 prepare` "
+                "output dir(s) "
+                "of the training sources"
+            )
     _check_vocab(cfg, meta, ck / WEIGHTS)
     supervised = None
     if cfg.supervised_share > 0:
         supervised = cfg.captured or meta.captured
-        missing = [str(d) for d in data_dirs(supervised or "")
-                   if not (d / CaptureManifest.FILE).is_file()]
+        missing = [
+            str(d) for d in data_dirs(supervised or "") if not (d / CaptureManifest.FILE).is_file()
+        ]
         if not supervised or missing:
             raise ConfigError(
                 f"RefineConfig.captured = {supervised!r}: no capture at {missing or supervised!r} "
                 f"(supervised_share = {cfg.supervised_share} mixes supervised batches in); pass "
-                "--captured CAPTURE_DIR with the draft's training capture, or --supervised-share 0")
-        check_target_identity(CaptureManifest.load_combined(supervised).recorded_target(),
-                              identity,
-                              what=f"captured={supervised}", target=cfg.target,
-                              allow=cfg.allow_target_mismatch, error=ConfigError)
+                "--captured CAPTURE_DIR with the draft's training capture, or --supervised-share 0"
+            )
+        check_target_identity(
+            CaptureManifest.load_combined(supervised).recorded_target(),
+            identity,
+            what=f"captured={supervised}",
+            target=cfg.target,
+            allow=cfg.allow_target_mismatch,
+            error=ConfigError,
+        )
     max_seq_len = cfg.max_seq_len or int(trained_with.get("max_seq_len", 2048))
     if max_seq_len - cfg.max_new_tokens < 1:
-        raise ConfigError(f"RefineConfig.max_new_tokens = {cfg.max_new_tokens} leaves no room for "
-                          f"a prompt in max_seq_len = {max_seq_len}; lower --max-new-tokens or "
-                          "raise --max-seq-len")
+        raise ConfigError(
+            f"RefineConfig.max_new_tokens = {cfg.max_new_tokens} leaves no room for "
+            f"a prompt in max_seq_len = {max_seq_len}; lower --max-new-tokens or "
+            "raise --max-seq-len"
+        )
     steps = cfg.steps_per_round
-    train = TrainConfig(**{
-        **trained_with, "target": cfg.target, "captured": supervised or meta.captured,
-        "vocab": cfg.vocab or meta.vocab, "out": None, "lr": cfg.lr, "max_steps": steps,
-        "warmup_steps": cfg.warmup_steps, "schedule": cfg.schedule,
-        "ttt_steps": max(int(meta.ttt_steps or 0), k), "max_seq_len": max_seq_len,
-        "batch_size": cfg.batch_size or trained_with.get("batch_size", 1), "eval_every": steps,
-        "save_every": steps, "log_every": min(int(trained_with.get("log_every", 10)), steps),
-        "resume": False, "ema_decay": 0.0, "val_captured": None, "device": cfg.device,
-        "seed": cfg.seed, "loss_weighting": cfg.loss_weighting, "num_speculative_tokens": k,
-        "aux_layer_ids": list(meta.aux_layer_ids), "compile_cache": None,
-        "verify_capture": False})
+    train = TrainConfig(
+        **{
+            **trained_with,
+            "target": cfg.target,
+            "captured": supervised or meta.captured,
+            "vocab": cfg.vocab or meta.vocab,
+            "out": None,
+            "lr": cfg.lr,
+            "max_steps": steps,
+            "warmup_steps": cfg.warmup_steps,
+            "schedule": cfg.schedule,
+            "ttt_steps": max(int(meta.ttt_steps or 0), k),
+            "max_seq_len": max_seq_len,
+            "batch_size": cfg.batch_size or trained_with.get("batch_size", 1),
+            "eval_every": steps,
+            "save_every": steps,
+            "log_every": min(int(trained_with.get("log_every", 10)), steps),
+            "resume": False,
+            "ema_decay": 0.0,
+            "val_captured": None,
+            "device": cfg.device,
+            "seed": cfg.seed,
+            "loss_weighting": cfg.loss_weighting,
+            "num_speculative_tokens": k,
+            "aux_layer_ids": list(meta.aux_layer_ids),
+            "compile_cache": None,
+            "verify_capture": False,
+        }
+    )
     captured_aux = list(meta.captured_aux_layer_ids or meta.aux_layer_ids)
-    return Plan(cfg, ck, meta, train, k, cfg.backend or "vllm", num_layers,
-                [i for i in captured_aux if i != num_layers], list(meta.aux_layer_ids), identity,
-                supervised, max_seq_len - cfg.max_new_tokens)
+    return Plan(
+        cfg,
+        ck,
+        meta,
+        train,
+        k,
+        cfg.backend or "vllm",
+        num_layers,
+        [i for i in captured_aux if i != num_layers],
+        list(meta.aux_layer_ids),
+        identity,
+        supervised,
+        max_seq_len - cfg.max_new_tokens,
+    )
 
 
 def _check_vocab(cfg: RefineConfig, meta: DraftMetadata, weights: Path) -> None:
@@ -238,9 +291,11 @@ def _check_vocab(cfg: RefineConfig, meta: DraftMetadata, weights: Path) -> None:
         raise ConfigError(f"RefineConfig.vocab: {e}") from None
     own = _read_d2t(weights.parent)
     if d2t.shape != own.shape or not torch.equal(d2t, own):
-        raise ConfigError(f"RefineConfig.vocab = {cfg.vocab!r}: its d2t differs from the "
-                          f"checkpoint's ({weights}); pass the vocab the draft was trained with "
-                          f"({meta.vocab}) or leave --vocab unset")
+        raise ConfigError(
+            f"RefineConfig.vocab = {cfg.vocab!r}: its d2t differs from the "
+            f"checkpoint's ({weights}); pass the vocab the draft was trained with "
+            f"({meta.vocab}) or leave --vocab unset"
+        )
 
 
 def _read_d2t(ck: Path) -> torch.Tensor:
@@ -250,12 +305,20 @@ def _read_d2t(ck: Path) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- keys
 
+
 def rollout_settings(plan: Plan) -> dict[str, Any]:
     """What makes rollouts and their capture what they are, besides their prompts and seed."""
     c = plan.cfg
-    return {"target": plan.identity, "temperatures": list(c.temperatures), "top_p": c.top_p,
-            "max_new_tokens": c.max_new_tokens, "backend": plan.backend, "dtype": c.dtype,
-            "storage_dtype": c.storage_dtype, "aux": plan.captured_aux}
+    return {
+        "target": plan.identity,
+        "temperatures": list(c.temperatures),
+        "top_p": c.top_p,
+        "max_new_tokens": c.max_new_tokens,
+        "backend": plan.backend,
+        "dtype": c.dtype,
+        "storage_dtype": c.storage_dtype,
+        "aux": plan.captured_aux,
+    }
 
 
 def rollout_key(plan: Plan, prompts_sha256: str, seed: int) -> str:
@@ -273,15 +336,26 @@ def round_keys(plan: Plan, input_key: str, val_key: str, rollout_keys: list[str]
         supervised = sha256_json([e.to_dict() for e in shards])
     keys, prev = [], input_key
     for r, rk in enumerate(rollout_keys, start=1):
-        prev = sha256_json({"previous": prev, "round": r, "rollouts": rk, "k": plan.k,
-                            "train": train, "supervised": supervised,
-                            "supervised_share": c.supervised_share, "loss_rows": c.loss_rows,
-                            "rejected_weight": c.rejected_weight, "validation": val_key})
+        prev = sha256_json(
+            {
+                "previous": prev,
+                "round": r,
+                "rollouts": rk,
+                "k": plan.k,
+                "train": train,
+                "supervised": supervised,
+                "supervised_share": c.supervised_share,
+                "loss_rows": c.loss_rows,
+                "rejected_weight": c.rejected_weight,
+                "validation": val_key,
+            }
+        )
         keys.append(prev)
     return keys
 
 
 # ---------------------------------------------------------------------------------------- rollouts
+
 
 def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int) -> dict[str, Any]:
     """Rollouts of `prompts` at every temperature, captured, in `where` (rollouts/, captured/,
@@ -289,18 +363,28 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
     holds it (a capture cut short resumes); otherwise `where` is cleared and both run. Returns
     rollouts.json."""
     c, rec = plan.cfg, where / ROLLOUT_RECORD
-    if rec.is_file() and read_json(rec).get("key") == key \
-            and (where / "captured" / CaptureManifest.FILE).is_file():
+    if (
+        rec.is_file()
+        and read_json(rec).get("key") == key
+        and (where / "captured" / CaptureManifest.FILE).is_file()
+    ):
         return read_json(rec)
     rec.unlink(missing_ok=True)
     made = where / "rollouts" / PreparedMeta.FILE
     if not (made.is_file() and PreparedMeta.read(made).key == key):
         shutil.rmtree(where, ignore_errors=True)
         where.mkdir(parents=True)
-        regen = RegenerateConfig(target=c.target, max_new_tokens=c.max_new_tokens, top_p=c.top_p,
-                                 seed=seed, batch_size=c.generate_batch_size,
-                                 max_model_len=plan.train.max_seq_len, backend=plan.backend,
-                                 device=c.device, dtype=c.dtype)
+        regen = RegenerateConfig(
+            target=c.target,
+            max_new_tokens=c.max_new_tokens,
+            top_p=c.top_p,
+            seed=seed,
+            batch_size=c.generate_batch_size,
+            max_model_len=plan.train.max_seq_len,
+            backend=plan.backend,
+            device=c.device,
+            dtype=c.dtype,
+        )
         gen, engine = open_generator(regen, _Tokenizer(c.target))
         try:
             settings = RolloutSettings(list(c.temperatures), c.top_p, c.max_new_tokens, seed)
@@ -308,24 +392,52 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
         finally:
             gen.close()
         if not rows:
-            raise ValueError(f"refine: the target wrote nothing for {len(prompts)} prompts "
-                             f"({stats['finish_reasons']}); check the target and --max-new-tokens")
+            raise ValueError(
+                f"refine: the target wrote nothing for {len(prompts)} prompts "
+                f"({stats['finish_reasons']}); check the target and --max-new-tokens"
+            )
         sources = [PreparedMeta.load(d) for d in data_dirs(c.data)]
         engine = json.loads(json.dumps(engine, default=str))
-        write_rollouts(rows, where / "rollouts", sources,
-                       {"key": key, "seed": seed, "temperatures": list(c.temperatures),
-                        "top_p": c.top_p, "max_new_tokens": c.max_new_tokens, "engine": engine,
-                        "stats": stats})
-        say(f"{stats['num_rollouts']} rollouts, {stats['generated_tokens']} tokens in "
-            f"{stats['generate_s']} s ({stats['generated_tokens_per_s']} tokens/s) -> {where}")
+        write_rollouts(
+            rows,
+            where / "rollouts",
+            sources,
+            {
+                "key": key,
+                "seed": seed,
+                "temperatures": list(c.temperatures),
+                "top_p": c.top_p,
+                "max_new_tokens": c.max_new_tokens,
+                "engine": engine,
+                "stats": stats,
+            },
+        )
+        say(
+            f"{stats['num_rollouts']} rollouts, {stats['generated_tokens']} tokens in "
+            f"{stats['generate_s']} s ({stats['generated_tokens_per_s']} tokens/s) -> {where}"
+        )
     stats = PreparedMeta.read(made).stats or {}
-    cap = run_capture(CaptureConfig(
-        target=c.target, data=str(where / "rollouts"), out=where / "captured",
-        aux_layer_ids=plan.captured_aux, backend=plan.backend, device=c.device, dtype=c.dtype,
-        storage_dtype=c.storage_dtype, batch_tokens=c.capture_batch_tokens))
-    record = {"key": key, **stats, "num_captured": cap.num_samples,
-              "captured_tokens": cap.num_tokens, "capture_s": cap.capture_s,
-              "capture_skipped": cap.num_skipped}
+    cap = run_capture(
+        CaptureConfig(
+            target=c.target,
+            data=str(where / "rollouts"),
+            out=where / "captured",
+            aux_layer_ids=plan.captured_aux,
+            backend=plan.backend,
+            device=c.device,
+            dtype=c.dtype,
+            storage_dtype=c.storage_dtype,
+            batch_tokens=c.capture_batch_tokens,
+        )
+    )
+    record = {
+        "key": key,
+        **stats,
+        "num_captured": cap.num_samples,
+        "captured_tokens": cap.num_tokens,
+        "capture_s": cap.capture_s,
+        "capture_skipped": cap.num_skipped,
+    }
     write_json(rec, record)
     return record
 
@@ -333,12 +445,12 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
 def open_rollouts(plan: Plan, where: Path) -> tuple[Any, list[str]]:
     """(the samples of a captured rollout dir at the draft's aux ids, their sample ids)."""
     raw = CapturedDataset(where / "captured", verify=False)
-    samples = SelectedLayers(raw, raw.manifest.aux_layer_ids, plan.aux_layer_ids,
-                             plan.num_layers)
+    samples = SelectedLayers(raw, raw.manifest.aux_layer_ids, plan.aux_layer_ids, plan.num_layers)
     return samples, raw.sample_ids()
 
 
 # ---------------------------------------------------------------------------------------- the draft
+
 
 @dataclass
 class Runtime:
@@ -377,8 +489,17 @@ def score(plan: Plan, ttt, samples, ids: list[str], rt: Runtime) -> dict[str, di
     out, pooled = {}, RoundCounts(0, [0] * plan.k)
     for label, idx in sorted(groups.items()):
         batches = eval_batches(samples, idx, plan.train.max_seq_len, plan.train.batch_size)
-        m = score_batches(ttt, batches, rt.head, steps=plan.k, device=rt.d.device, dtype=rt.amp,
-                          replay_k=plan.k, attention=plan.train.attention, accept_on="next_token")
+        m = score_batches(
+            ttt,
+            batches,
+            rt.head,
+            steps=plan.k,
+            device=rt.d.device,
+            dtype=rt.amp,
+            replay_k=plan.k,
+            attention=plan.train.attention,
+            accept_on="next_token",
+        )
         counts = RoundCounts(int(m["num_rounds"]), [int(m[f"accepted_{j}"]) for j in range(plan.k)])
         pooled.add(counts)
         out[label] = _figures(counts)
@@ -387,14 +508,28 @@ def score(plan: Plan, ttt, samples, ids: list[str], rt: Runtime) -> dict[str, di
 
 
 def _figures(counts) -> dict[str, Any]:
-    return {"alpha": [round(a, 4) for a in counts.acceptance_per_position()],
-            "tau": round(counts.tau, 4), "num_rounds": counts.num_rounds}
+    return {
+        "alpha": [round(a, 4) for a in counts.acceptance_per_position()],
+        "tau": round(counts.tau, 4),
+        "num_rounds": counts.num_rounds,
+    }
 
 
 # ---------------------------------------------------------------------------------------- a round
 
-def run_round(plan: Plan, r: int, key: str, rdir: Path, start: Path, prompts: list,
-              roll_key: str, rt: Runtime, val: tuple[Any, list[str]], step0: int) -> dict[str, Any]:
+
+def run_round(
+    plan: Plan,
+    r: int,
+    key: str,
+    rdir: Path,
+    start: Path,
+    prompts: list,
+    roll_key: str,
+    rt: Runtime,
+    val: tuple[Any, list[str]],
+    step0: int,
+) -> dict[str, Any]:
     """Round r from the draft in `start`: rollouts, replay, training (rdir/train), validation.
     Returns its round.json record."""
     c, t0 = plan.cfg, time.time()
@@ -402,10 +537,16 @@ def run_round(plan: Plan, r: int, key: str, rdir: Path, start: Path, prompts: li
     samples, _ = open_rollouts(plan, rdir)
     model, ttt = load_draft(plan, start, rt)
     K = plan.train.ttt_steps
-    common = dict(max_seq_len=plan.train.max_seq_len, batch_size=plan.train.batch_size,
-                  device=rt.d.device, dtype=rt.amp, attention=plan.train.attention)
-    replay = find_rejected_blocks(ttt, samples, rt.head, k=plan.k, steps=K,
-                                  rejected_weight=c.rejected_weight, **common)
+    common = dict(
+        max_seq_len=plan.train.max_seq_len,
+        batch_size=plan.train.batch_size,
+        device=rt.d.device,
+        dtype=rt.amp,
+        attention=plan.train.attention,
+    )
+    replay = find_rejected_blocks(
+        ttt, samples, rt.head, k=plan.k, steps=K, rejected_weight=c.rejected_weight, **common
+    )
     errors = StepWeighted(samples, replay.error_masks)  # each round's first rejected step only
     err_before = weighted_ce(ttt, errors, rt.head, steps=K, **common)
     if c.loss_rows == "rounds":
@@ -413,24 +554,41 @@ def run_round(plan: Plan, r: int, key: str, rdir: Path, start: Path, prompts: li
     else:
         weights, trained = all_rows_weights(samples, K), list(range(len(samples)))
     if not trained:
-        raise ValueError(f"refine round {r}: no rollout in {rdir} holds a drafting round to train "
-                         f"on ({len(samples)} rollouts); raise --max-new-tokens or --num-prompts")
-    say(f"round {r}: {replay.counts.num_rounds} rounds replayed on {len(samples)} rollouts, "
+        raise ValueError(
+            f"refine round {r}: no rollout in {rdir} holds a drafting round to train "
+            f"on ({len(samples)} rollouts); raise --max-new-tokens or --num-prompts"
+        )
+    say(
+        f"round {r}: {replay.counts.num_rounds} rounds replayed on {len(samples)} rollouts, "
         f"{replay.num_rejected_blocks} rejected blocks, τ {replay.counts.tau:.3f}; training "
-        f"{c.steps_per_round} steps")
-    state = train_round(plan, r, model, StepWeighted(samples, weights), trained, rdir / "train",
-                        rt, step0)
+        f"{c.steps_per_round} steps"
+    )
+    state = train_round(
+        plan, r, model, StepWeighted(samples, weights), trained, rdir / "train", rt, step0
+    )
     after = find_rejected_blocks(ttt, samples, rt.head, k=plan.k, steps=K, **common)
     err_after = weighted_ce(ttt, errors, rt.head, steps=K, **common)
-    return {"key": key, "round": r, "step": step0 + c.steps_per_round,
-            "num_prompts": len(prompts), "rollouts": {k: v for k, v in roll.items() if k != "key"},
-            "replay_before": {**_figures(replay.counts),
-                              "num_rejected_blocks": replay.num_rejected_blocks},
-            "replay_after": {**_figures(after.counts),
-                             "num_rejected_blocks": after.num_rejected_blocks},
-            "rejected_loss_before": _finite(err_before), "rejected_loss_after": _finite(err_after),
-            "train_loss": state.last_loss, "num_trained_rollouts": len(trained),
-            "validation": score(plan, ttt, *val, rt), "wall_s": round(time.time() - t0, 1)}
+    return {
+        "key": key,
+        "round": r,
+        "step": step0 + c.steps_per_round,
+        "num_prompts": len(prompts),
+        "rollouts": {k: v for k, v in roll.items() if k != "key"},
+        "replay_before": {
+            **_figures(replay.counts),
+            "num_rejected_blocks": replay.num_rejected_blocks,
+        },
+        "replay_after": {
+            **_figures(after.counts),
+            "num_rejected_blocks": after.num_rejected_blocks,
+        },
+        "rejected_loss_before": _finite(err_before),
+        "rejected_loss_after": _finite(err_after),
+        "train_loss": state.last_loss,
+        "num_trained_rollouts": len(trained),
+        "validation": score(plan, ttt, *val, rt),
+        "wall_s": round(time.time() - t0, 1),
+    }
 
 
 def round_seed(seed: int, r: int) -> int:
@@ -442,8 +600,9 @@ def _finite(x: float) -> float | None:
     return round(x, 6) if math.isfinite(x) else None
 
 
-def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Path, rt: Runtime,
-                step0: int):
+def train_round(
+    plan: Plan, r: int, model, onpolicy, trained: list[int], out: Path, rt: Runtime, step0: int
+):
     """`steps_per_round` optimizer steps of the trainer's loop (eagle3.train.loop) over a
     MixedLoader of rollout and supervised batches; `out` gets the round's logs, final/ and its
     last checkpoint. Returns the loop's TrainState."""
@@ -451,15 +610,21 @@ def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Pa
     shutil.rmtree(out, ignore_errors=True)
     torch.manual_seed(tc.seed + r)  # dropout and hidden noise, as the trainer seeds them
     cuda = rt.d.device.type == "cuda"
-    ahead = dict(prefetch=2 * tc.num_loader_workers if cuda else 0,
-                 num_workers=tc.num_loader_workers, pin_memory=cuda)
+    ahead = dict(
+        prefetch=2 * tc.num_loader_workers if cuda else 0,
+        num_workers=tc.num_loader_workers,
+        pin_memory=cuda,
+    )
     T, B = tc.max_seq_len, tc.batch_size
     rollouts = PackedLoader(onpolicy, trained, T, B, tc.seed + r, **ahead)
     supervised = None
     if plan.supervised:
-        sup = SelectedLayers(load_samples(plan.supervised, verify=False),
-                             CaptureManifest.load_combined(plan.supervised).aux_layer_ids,
-                             plan.aux_layer_ids, plan.num_layers)
+        sup = SelectedLayers(
+            load_samples(plan.supervised, verify=False),
+            CaptureManifest.load_combined(plan.supervised).aux_layer_ids,
+            plan.aux_layer_ids,
+            plan.num_layers,
+        )
         keep, _ = split_indices(len(sup), tc.val_fraction, tc.seed)  # train's val rows stay out
         supervised = PackedLoader(sup, keep, T, B, tc.seed + r, **ahead)
     loader = MixedLoader(rollouts, supervised, c.supervised_share)
@@ -469,9 +634,22 @@ def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Pa
 
     mode = parallel.choose_parallel(tc.parallel, model, rt.d)  # as the trainer wraps it
     ttt = parallel.wrap(TTTModule(model), rt.d, fsdp=mode == "fsdp2")
-    run = Run(cfg=tc, d=rt.d, out=out, model=model, ttt=ttt, parallel=mode,
-              head=rt.head, loader=loader, val=[], heldout=[], total=c.steps_per_round,
-              amp_dtype=rt.amp, aux_layer_ids=plan.aux_layer_ids, draft_metadata=meta)
+    run = Run(
+        cfg=tc,
+        d=rt.d,
+        out=out,
+        model=model,
+        ttt=ttt,
+        parallel=mode,
+        head=rt.head,
+        loader=loader,
+        val=[],
+        heldout=[],
+        total=c.steps_per_round,
+        amp_dtype=rt.amp,
+        aux_layer_ids=plan.aux_layer_ids,
+        draft_metadata=meta,
+    )
     build_optimizer(run)
     state, log = TrainState(), MetricsLog(out, rt.d.main)
     try:
@@ -483,18 +661,27 @@ def train_round(plan: Plan, r: int, model, onpolicy, trained: list[int], out: Pa
     return state
 
 
-def output_metadata(plan: Plan, step: int, metrics: dict, refine: dict[str, Any]
-                    ) -> DraftMetadata:
+def output_metadata(plan: Plan, step: int, metrics: dict, refine: dict[str, Any]) -> DraftMetadata:
     """eagle3_draft.json of a refined draft: the input's, its step and metrics, and `refine`."""
     return DraftMetadata.from_dict(
-        {**plan.meta.to_dict(), "step": step, "metrics": metrics,
-         "refine": {"from_checkpoint": str(plan.checkpoint.resolve()),
-                    "from_step": plan.meta.step, "num_speculative_tokens": plan.k,
-                    "config": plan.cfg.model_dump(mode="json"), **refine}},
-        "refine output")
+        {
+            **plan.meta.to_dict(),
+            "step": step,
+            "metrics": metrics,
+            "refine": {
+                "from_checkpoint": str(plan.checkpoint.resolve()),
+                "from_step": plan.meta.step,
+                "num_speculative_tokens": plan.k,
+                "config": plan.cfg.model_dump(mode="json"),
+                **refine,
+            },
+        },
+        "refine output",
+    )
 
 
 # ---------------------------------------------------------------------------------------- the stage
+
 
 def run_refine(cfg: RefineConfig) -> RefineResult:
     """Refine cfg.checkpoint on-policy for cfg.rounds rounds into cfg.out (module docstring)."""
@@ -508,26 +695,37 @@ def _refine(plan: Plan, t0: float) -> RefineResult:
     c, out = plan.cfg, Path(plan.cfg.out)
     found = read_prompts(c.data, plan.max_prompt_tokens)
     if len(found.prompts) < 2:
-        raise ConfigError(f"RefineConfig.data = {c.data!r}: {len(found.prompts)} distinct prompts "
-                          f"(skipped {found.skipped}); refine needs 2 or more (validation and "
-                          "training): pass more data, or a larger --max-seq-len for long prompts")
+        raise ConfigError(
+            f"RefineConfig.data = {c.data!r}: {len(found.prompts)} distinct prompts "
+            f"(skipped {found.skipped}); refine needs 2 or more (validation and "
+            "training): pass more data, or a larger --max-seq-len for long prompts"
+        )
     num_val = min(c.num_val_prompts, len(found.prompts) - 1)
     val_prompts, pool = split_prompts(found.prompts, num_val, c.seed)
     per_round = [round_prompts(pool, r, c.num_prompts) for r in range(1, c.rounds + 1)]
     val_key = rollout_key(plan, prompts_sha256(val_prompts), round_seed(c.seed, 0))
-    roll_keys = [rollout_key(plan, prompts_sha256(p), round_seed(c.seed, r))
-                 for r, p in enumerate(per_round, start=1)]
-    input_key = sha256_json({"weights": sha256_file(plan.checkpoint / "model.safetensors"),
-                             "draft": plan.meta.draft_config, "aux": plan.aux_layer_ids})
+    roll_keys = [
+        rollout_key(plan, prompts_sha256(p), round_seed(c.seed, r))
+        for r, p in enumerate(per_round, start=1)
+    ]
+    input_key = sha256_json(
+        {
+            "weights": sha256_file(plan.checkpoint / "model.safetensors"),
+            "draft": plan.meta.draft_config,
+            "aux": plan.aux_layer_ids,
+        }
+    )
     keys = round_keys(plan, input_key, val_key, roll_keys)
     summary = out / SUMMARY
     done = all((out / x / "model.safetensors").is_file() for x in ("best", "final"))
     if done and summary.is_file() and read_json(summary).get("key") == keys[-1]:
         say(f"{out} already holds this refinement (key {keys[-1][:12]}); nothing to do")
         return _result(read_json(summary), reused=True)
-    say(f"{len(found.prompts)} prompts ({num_val} validation, {len(pool)} training; skipped "
+    say(
+        f"{len(found.prompts)} prompts ({num_val} validation, {len(pool)} training; skipped "
         f"{found.skipped}), k = {plan.k}, {c.rounds} round(s) of {c.num_prompts} prompts x "
-        f"{len(c.temperatures)} temperature(s)")
+        f"{len(c.temperatures)} temperature(s)"
+    )
     ensure_rollouts(plan, out / "validation", val_key, val_prompts, seed=round_seed(c.seed, 0))
     val = open_rollouts(plan, out / "validation")
     rt = open_runtime(plan)
@@ -543,13 +741,16 @@ def _refine(plan: Plan, t0: float) -> RefineResult:
         else:
             _drop_checkpoints_after(out, step0)
             (rdir / ROUND_RECORD).unlink(missing_ok=True)
-            rec = run_round(plan, r, key, rdir, start, per_round[r - 1], roll_keys[r - 1], rt, val,
-                            step0)
+            rec = run_round(
+                plan, r, key, rdir, start, per_round[r - 1], roll_keys[r - 1], rt, val, step0
+            )
             _move_checkpoint(rdir / "train", out, c.steps_per_round, rec["step"])
             write_json(rdir / ROUND_RECORD, rec)
             v = rec["validation"]["all"]
-            say(f"round {r}: validation α {v['alpha']}, τ {v['tau']}; loss at the rejected "
-                f"positions {rec['rejected_loss_before']} -> {rec['rejected_loss_after']}")
+            say(
+                f"round {r}: validation α {v['alpha']}, τ {v['tau']}; loss at the rejected "
+                f"positions {rec['rejected_loss_before']} -> {rec['rejected_loss_after']}"
+            )
         records.append(rec)
         start, step0 = rdir / "train" / "final", rec["step"]
     _drop_stale(out, c.rounds, step0)
@@ -582,32 +783,53 @@ def _drop_stale(out: Path, rounds: int, step: int) -> None:
             shutil.rmtree(rdir)
 
 
-def _write_outputs(plan: Plan, key: str, before: dict, records: list[dict], num_val: int,
-                   num_pool: int, t0: float) -> RefineResult:
+def _write_outputs(
+    plan: Plan, key: str, before: dict, records: list[dict], num_val: int, num_pool: int, t0: float
+) -> RefineResult:
     """best/ (the round of the highest pooled validation τ; 0 = the input), final/,
     logs/metrics.jsonl, curves.png and refine.json."""
     out = Path(plan.cfg.out)
     vals = [before] + [rec["validation"] for rec in records]
     sel = max(range(len(vals)), key=lambda i: (vals[i]["all"]["tau"], -i))  # ties: the earlier
-    dirs = [plan.checkpoint] + [out / "rounds" / f"round-{rec['round']}" / "train" / "final"
-                                for rec in records]
+    dirs = [plan.checkpoint] + [
+        out / "rounds" / f"round-{rec['round']}" / "train" / "final" for rec in records
+    ]
     steps = [0] + [rec["step"] for rec in records]
-    info = {"rounds": len(records), "selected_round": sel, "alpha_before": before["all"]["alpha"],
-            "tau_before": before["all"]["tau"], "validation_before": before}
+    info = {
+        "rounds": len(records),
+        "selected_round": sel,
+        "alpha_before": before["all"]["alpha"],
+        "tau_before": before["all"]["tau"],
+        "validation_before": before,
+    }
     for name, i in (("best", sel), ("final", len(records))):
         after = vals[i]["all"]
-        meta = output_metadata(plan, steps[i], {"tau_replay": after["tau"]},
-                               {**info, "round": i, "alpha_after": after["alpha"],
-                                "tau_after": after["tau"], "validation_after": vals[i]})
+        meta = output_metadata(
+            plan,
+            steps[i],
+            {"tau_replay": after["tau"]},
+            {
+                **info,
+                "round": i,
+                "alpha_after": after["alpha"],
+                "tau_after": after["tau"],
+                "validation_after": vals[i],
+            },
+        )
         with atomic_dir(out / name) as tmp:
             shutil.copy2(dirs[i] / "model.safetensors", tmp / "model.safetensors")
             meta.save(tmp)
     _write_log(out, before, records)
     plot_curves(out / "logs" / "metrics.jsonl", out / "curves.png")
     summary = {
-        "key": key, "out": str(out), "best_dir": str(out / "best"),
-        "final_dir": str(out / "final"), "checkpoint": str(plan.checkpoint),
-        "num_speculative_tokens": plan.k, "num_rounds": len(records), "selected_round": sel,
+        "key": key,
+        "out": str(out),
+        "best_dir": str(out / "best"),
+        "final_dir": str(out / "final"),
+        "checkpoint": str(plan.checkpoint),
+        "num_speculative_tokens": plan.k,
+        "num_rounds": len(records),
+        "selected_round": sel,
         "num_rollouts": sum(rec["rollouts"]["num_rollouts"] for rec in records),
         "num_rejected_blocks": sum(rec["replay_before"]["num_rejected_blocks"] for rec in records),
         "alpha_before": {k: v["alpha"] for k, v in before.items()},
@@ -615,7 +837,8 @@ def _write_outputs(plan: Plan, key: str, before: dict, records: list[dict], num_
         "tau_before": {k: v["tau"] for k, v in before.items()},
         "tau_after": {k: v["tau"] for k, v in vals[sel].items()},
         "rounds": [{k: v for k, v in rec.items() if k != "key"} for rec in records],
-        "num_val_prompts": num_val, "num_train_prompts": num_pool,
+        "num_val_prompts": num_val,
+        "num_train_prompts": num_pool,
         "wall_s": round(time.time() - t0, 1),
     }
     write_json(out / SUMMARY, summary)
@@ -627,16 +850,22 @@ def _write_log(out: Path, before: dict, records: list[dict]) -> None:
     lines, step0 = [_val_record(0, 0, before)], 0
     for rec in records:
         log = out / "rounds" / f"round-{rec['round']}" / "train" / "logs" / "metrics.jsonl"
-        for line in (log.read_text().splitlines() if log.is_file() else []):
+        for line in log.read_text().splitlines() if log.is_file() else []:
             if line.strip():
                 x = json.loads(line)
                 lines.append({**x, "step": step0 + x["step"], "round": rec["round"]})
         lines.append(_val_record(rec["step"], rec["round"], rec["validation"]))
-        lines.append({"step": rec["step"], "split": "refine_rollouts", "round": rec["round"],
-                      **{f"before_{k}": v for k, v in rec["replay_before"].items()},
-                      **{f"after_{k}": v for k, v in rec["replay_after"].items()},
-                      "rejected_loss_before": rec["rejected_loss_before"],
-                      "rejected_loss_after": rec["rejected_loss_after"]})
+        lines.append(
+            {
+                "step": rec["step"],
+                "split": "refine_rollouts",
+                "round": rec["round"],
+                **{f"before_{k}": v for k, v in rec["replay_before"].items()},
+                **{f"after_{k}": v for k, v in rec["replay_after"].items()},
+                "rejected_loss_before": rec["rejected_loss_before"],
+                "rejected_loss_after": rec["rejected_loss_after"],
+            }
+        )
         step0 = rec["step"]
     with atomic_path(out / "logs" / "metrics.jsonl") as tmp:
         tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -653,10 +882,22 @@ def _val_record(step: int, r: int, val: dict) -> dict[str, Any]:
 def _result(summary: dict[str, Any], reused: bool) -> RefineResult:
     s = summary
     return RefineResult(
-        out=Path(s["out"]), best_dir=Path(s["best_dir"]), final_dir=Path(s["final_dir"]),
-        checkpoint=Path(s["checkpoint"]), num_speculative_tokens=s["num_speculative_tokens"],
-        num_rounds=s["num_rounds"], selected_round=s["selected_round"],
-        num_rollouts=s["num_rollouts"], num_rejected_blocks=s["num_rejected_blocks"],
-        alpha_before=s["alpha_before"], alpha_after=s["alpha_after"], tau_before=s["tau_before"],
-        tau_after=s["tau_after"], rounds=s["rounds"], num_val_prompts=s["num_val_prompts"],
-        num_train_prompts=s["num_train_prompts"], wall_s=s["wall_s"], reused=reused)
+        out=Path(s["out"]),
+        best_dir=Path(s["best_dir"]),
+        final_dir=Path(s["final_dir"]),
+        checkpoint=Path(s["checkpoint"]),
+        num_speculative_tokens=s["num_speculative_tokens"],
+        num_rounds=s["num_rounds"],
+        selected_round=s["selected_round"],
+        num_rollouts=s["num_rollouts"],
+        num_rejected_blocks=s["num_rejected_blocks"],
+        alpha_before=s["alpha_before"],
+        alpha_after=s["alpha_after"],
+        tau_before=s["tau_before"],
+        tau_after=s["tau_after"],
+        rounds=s["rounds"],
+        num_val_prompts=s["num_val_prompts"],
+        num_train_prompts=s["num_train_prompts"],
+        wall_s=s["wall_s"],
+        reused=reused,
+    )

@@ -1,10 +1,10 @@
 """`eagle3 stream --config FILE`: streaming (bounded-disk) mode in one process.
 
 The producer (eagle3.capture.spool.run_stream_capture) runs in a thread, the consumer
-(eagle3.train.stream.run_stream_train) in the calling thread; they meet only through the spool directory,
-so the same two functions also run as separate processes or on separate hosts (`eagle3 stream-capture` /
-`eagle3 stream-train`, or the Prefect flow flows/streaming.py). A failure on either side is written into
-the spool and stops the other.
+(eagle3.train.stream.run_stream_train) in the calling thread; they meet only through the spool
+directory, so the same two functions also run as separate processes or on separate hosts (`eagle3
+stream-capture` / `eagle3 stream-train`, or the Prefect flow flows/streaming.py). A failure on
+either side is written into the spool and stops the other.
 """
 
 from __future__ import annotations

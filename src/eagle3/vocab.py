@@ -1,16 +1,16 @@
 """Stage 4, vocab: the draft vocabulary from supervised-token frequencies.
 
 The draft's lm_head predicts only `draft_vocab_size` target tokens. We keep the N most frequent
-loss-masked (assistant) tokens, ties broken by the lower id, sorted by target id, and write the two maps
-vLLM's EAGLE-3 head uses:
+loss-masked (assistant) tokens, ties broken by the lower id, sorted by target id, and write the two
+maps vLLM's EAGLE-3 head uses:
   d2t: int64 [N], offsets such that target_id = draft_id + d2t[draft_id]
   t2d: bool  [V], True where a target id is in the draft vocabulary
 When fewer than N distinct tokens were seen, the lowest unused ids fill the rest (so N is exact).
 
-coverage.json and coverage.md hold the coverage table: the fraction of supervised tokens the top-n tokens
-cover, for n = N/8 .. 4N and the usual draft sizes (1k .. 64k) up to the target vocabulary — what choosing
-another draft vocab size would keep (a large target vocabulary, e.g. SmolLM2's 49,152 or Llama-3's 128k,
-is mostly unused by any one dataset).
+coverage.json and coverage.md hold the coverage table: the fraction of supervised tokens the top-n
+tokens cover, for n = N/8 .. 4N and the usual draft sizes (1k .. 64k) up to the target vocabulary —
+what choosing another draft vocab size would keep (a large target vocabulary, e.g. SmolLM2's 49,152
+or Llama-3's 128k, is mostly unused by any one dataset).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ class VocabResult:
     wall_s: float = 0.0
 
 
-def count_supervised_tokens(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], vocab_size: int) -> np.ndarray:
+def count_supervised_tokens(
+    input_ids: list[np.ndarray], loss_masks: list[np.ndarray], vocab_size: int
+) -> np.ndarray:
     """Frequency of each token id over loss-masked positions. Returns (V,) int64."""
     if not input_ids:
         return np.zeros(vocab_size, dtype=np.int64)
@@ -50,7 +52,9 @@ def count_supervised_tokens(input_ids: list[np.ndarray], loss_masks: list[np.nda
     mask = np.concatenate([np.asarray(m).astype(bool) for m in loss_masks])  # (total,)
     sup = ids[mask]  # (num_supervised,)
     if sup.size and (sup.min() < 0 or sup.max() >= vocab_size):
-        raise ValueError(f"token id {int(sup.max())} outside the target vocabulary of size {vocab_size}")
+        raise ValueError(
+            f"token id {int(sup.max())} outside the target vocabulary of size {vocab_size}"
+        )
     return np.bincount(sup, minlength=vocab_size).astype(np.int64)
 
 
@@ -59,7 +63,8 @@ def build_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:
     V = counts.shape[0]
     if draft_vocab_size > V:
         raise ConfigError(
-            f"draft_vocab_size = {draft_vocab_size} exceeds the target vocabulary ({V}); use at most {V}"
+            f"draft_vocab_size = {draft_vocab_size} exceeds the target vocabulary ({V}); use at "
+            f"most {V}"
         )
     ids = np.arange(V, dtype=np.int64)
     order = np.lexsort((ids, -counts))  # (V,) most frequent first, then by id
@@ -89,12 +94,17 @@ def coverage_at_sizes(counts: np.ndarray, sizes: list[int]) -> dict[int, float]:
     return out
 
 
-def format_coverage(cov: dict[int, float], draft_vocab_size: int, target_vocab_size: int, num_supervised: int,
-                    num_seen: int) -> str:
+def format_coverage(
+    cov: dict[int, float],
+    draft_vocab_size: int,
+    target_vocab_size: int,
+    num_supervised: int,
+    num_seen: int,
+) -> str:
     """The coverage table as markdown."""
     lines = [
-        f"# Draft vocabulary coverage\n\n{num_supervised} supervised tokens, {num_seen} distinct of the target's "
-        f"{target_vocab_size}; chosen draft vocab size {draft_vocab_size}.\n",
+        f"# Draft vocabulary coverage\n\n{num_supervised} supervised tokens, {num_seen} distinct "
+        f"of the target's {target_vocab_size}; chosen draft vocab size {draft_vocab_size}.\n",
         "| draft vocab size | % of target vocab | coverage of supervised tokens |",
         "|---:|---:|---:|",
     ]
@@ -113,7 +123,9 @@ def run_vocab(cfg: VocabConfig) -> VocabResult:
     counts = count_supervised_tokens(list(ds["input_ids"]), list(ds["loss_mask"]), V)
     vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
     N = cfg.draft_vocab_size
-    sizes = sorted({s for s in (N // 8, N // 4, N // 2, N, 2 * N, 4 * N, *COVERAGE_SIZES, V) if 0 < s <= V})
+    sizes = sorted(
+        {s for s in (N // 8, N // 4, N // 2, N, 2 * N, 4 * N, *COVERAGE_SIZES, V) if 0 < s <= V}
+    )
     cov = coverage_at_sizes(counts, sizes)
     num_seen = int((counts > 0).sum())
     out = Path(cfg.out)
@@ -129,9 +141,12 @@ def run_vocab(cfg: VocabConfig) -> VocabResult:
         "coverage": cov[N],
         "coverage_at": {str(k): v for k, v in cov.items()},
         "vocab_sha256": sha256_file(vocab_path),
-        "prepared_manifest": {"source": manifest.source, "source_sha256": manifest.source_sha256,
-                              "tokenizer_sha256": manifest.tokenizer_sha256,
-                              "num_samples": manifest.num_samples},
+        "prepared_manifest": {
+            "source": manifest.source,
+            "source_sha256": manifest.source_sha256,
+            "tokenizer_sha256": manifest.tokenizer_sha256,
+            "num_samples": manifest.num_samples,
+        },
     }
     write_json(out / "coverage.json", report)
     write_text(out / "coverage.md", format_coverage(cov, N, V, int(counts.sum()), num_seen))

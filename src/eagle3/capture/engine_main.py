@@ -2,11 +2,12 @@
 
     python -m eagle3.capture.engine_main JOB.json
 
-JOB names the capture's config, its config hash, this engine's index and its shards ([id, first row, next row]).
-The engine starts its backend on the devices its environment gives it, runs for each shard the chunks a one-engine
-capture runs (eagle3.capture.engines.chunk_span), keeps the shard's rows, writes the shard into the capture
-directory and records its entry in its progress file (progress-engine-<e>.json, with this process's pid).
-It ends with its parent (SIGTERM when the driver dies) and closes its backend on SIGTERM.
+JOB names the capture's config, its config hash, this engine's index and its shards ([id, first row,
+next row]). The engine starts its backend on the devices its environment gives it, runs for each
+shard the chunks a one-engine capture runs (eagle3.capture.engines.chunk_span), keeps the shard's
+rows, writes the shard into the capture directory and records its entry in its progress file
+(progress-engine-<e>.json, with this process's pid). It ends with its parent (SIGTERM when the
+driver dies) and closes its backend on SIGTERM.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from .run import _make_backend, capture_rows, load_capture_inputs
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """SIGTERM this process when the driver that started it dies (Linux); exit now if it is already gone."""
+    """SIGTERM this process when the driver that started it dies (Linux); exit now if it is already
+    gone."""
     try:
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
@@ -50,13 +52,17 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     cfg = CaptureConfig.model_validate(job["config"])
     if cfg.backend == "vllm":
-        # on the CPU this process exists only for its engine: run it in process (no GPU: nothing is set)
+        # on the CPU this process exists only for its engine: run it in process (no GPU: nothing is
+        # set)
         setup_cpu_env(engine_in_process=not engine_in_process_fails(cfg.target))
     ci = load_capture_inputs(cfg)
     got = sha256_json(ci.hashed)
     if got != job["config_hash"]:
-        raise RuntimeError(f"capture engine {job['engine']}: its inputs hash to {got}, the driver's to "
-                           f"{job['config_hash']} (a file changed while the capture started?): run the capture again")
+        raise RuntimeError(
+            f"capture engine {job['engine']}: its inputs hash to {got}, the driver's to "
+            f"{job['config_hash']} (a file changed while the capture started?): run the capture "
+            "again"
+        )
     capture_shards(cfg, ci, job)
     return 0
 
@@ -67,9 +73,17 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
     n_aux, hidden = len(ci.aux_layer_ids), ci.info.hidden_size
     worker = cfg.backend == "vllm" and cfg.writer == "worker"
     t_start = time.time()
-    record: dict[str, Any] = {"engine": job["engine"], "num_engines": job["num_engines"], "pid": os.getpid(),
-                              "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "cpu"), "shards": [],
-                              "num_tokens": 0, "capture_s": 0.0, "tokens_per_s": 0.0, "start_s": None}
+    record: dict[str, Any] = {
+        "engine": job["engine"],
+        "num_engines": job["num_engines"],
+        "pid": os.getpid(),
+        "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "cpu"),
+        "shards": [],
+        "num_tokens": 0,
+        "capture_s": 0.0,
+        "tokens_per_s": 0.0,
+        "start_s": None,
+    }
     write_engine_progress(progress, job["config_hash"], record)
     backend = _make_backend(cfg, ci.aux_layer_ids, ci.max_model_len)
     try:
@@ -78,7 +92,9 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
         bounds = chunk_bounds(ci.lengths, chunk_tokens)
         t_cap = time.time()
         record["start_s"] = round(t_cap - t_start, 2)
-        pending: list[int] = []  # worker writer: the shard being written in the worker (at most one)
+        pending: list[
+            int
+        ] = []  # worker writer: the shard being written in the worker (at most one)
 
         def done(entry: dict[str, Any]) -> None:
             record["shards"].append(entry)
@@ -89,8 +105,9 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
         for shard_id, first, nxt in job["shards"]:
             a, b = chunk_span(bounds, first, nxt, ci.n_total)
             buf, rids = ShardBuffer(first_index=first, next_index=first), []
-            for r in capture_rows(backend, ci.ds, ci.lengths, range(a, b), chunk_tokens, ci.length_limit,
-                                  refs=worker):
+            for r in capture_rows(
+                backend, ci.ds, ci.lengths, range(a, b), chunk_tokens, ci.length_limit, refs=worker
+            ):
                 if not first <= r.index < nxt:  # a neighbouring shard's row of a shared chunk
                     continue
                 if r.skip:
@@ -106,11 +123,21 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
             if worker:
                 if pending:
                     done(backend.wait_shard(pending.pop()))
-                backend.start_write_shard(out, shard_id, buf, rids, n_aux, hidden, cfg.storage_dtype,
-                                          cfg.worker_background)
+                backend.start_write_shard(
+                    out,
+                    shard_id,
+                    buf,
+                    rids,
+                    n_aux,
+                    hidden,
+                    cfg.storage_dtype,
+                    cfg.worker_background,
+                )
                 pending.append(shard_id)
             else:
-                done(write_shard(out, shard_id, buf, n_aux, hidden, TORCH_DTYPES[cfg.storage_dtype]))
+                done(
+                    write_shard(out, shard_id, buf, n_aux, hidden, TORCH_DTYPES[cfg.storage_dtype])
+                )
         if pending:
             done(backend.wait_shard(pending.pop()))
     finally:

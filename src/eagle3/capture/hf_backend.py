@@ -4,7 +4,8 @@ Importable and runnable without vLLM (the GPU training box has none): only torch
 imported lazily. Same outputs as the vLLM backend:
   aux id k     -> ``output_hidden_states[k]`` (output of decoder layer k-1, hidden + residual)
   "last"       -> the input of the final norm, taken with a forward pre-hook on ``model.norm``
-                  (``output_hidden_states[L]`` is AFTER the final norm for Llama/Qwen3, so unusable).
+                  (``output_hidden_states[L]`` is AFTER the final norm for Llama/Qwen3, so
+                  unusable).
 Samples are right-padded into batches of at most ``batch_tokens`` padded tokens; with a causal mask
 the real tokens never see the padding, so their states equal an unpadded forward.
 """
@@ -25,7 +26,9 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"CaptureConfig.device = {device!r} but CUDA is not available: use --device cpu or auto")
+        raise ConfigError(
+            f"CaptureConfig.device = {device!r} but CUDA is not available: use --device cpu or auto"
+        )
     return device
 
 
@@ -34,14 +37,24 @@ def _final_norm(model: Any) -> Any:
     for cand in (base, getattr(base, "language_model", None)):
         if cand is not None and hasattr(cand, "norm"):
             return cand.norm
-    raise RuntimeError(f"capture (hf backend): cannot find the final norm of {type(model).__name__} (expected .model.norm)")
+    raise RuntimeError(
+        f"capture (hf backend): cannot find the final norm of {type(model).__name__} (expected "
+        ".model.norm)"
+    )
 
 
 class HFBackend:
     name = "hf"
 
-    def __init__(self, target: str, aux_layer_ids: list[int], dtype: str, device: str, batch_tokens: int,
-                 storage_dtype: str | None = None):
+    def __init__(
+        self,
+        target: str,
+        aux_layer_ids: list[int],
+        dtype: str,
+        device: str,
+        batch_tokens: int,
+        storage_dtype: str | None = None,
+    ):
         self.target, self.aux_layer_ids, self.dtype_name = target, list(aux_layer_ids), dtype
         self.storage_dtype = storage_dtype or dtype
         self.device = resolve_device(device)
@@ -52,7 +65,9 @@ class HFBackend:
         dtype = getattr(torch, self.dtype_name)
         self.model = load_causal_lm(self.target, dtype=dtype).to(self.device).eval()
         self._pre_norm: list[Any] = []
-        _final_norm(self.model).register_forward_pre_hook(lambda _m, args: self._pre_norm.append(args[0]))
+        _final_norm(self.model).register_forward_pre_hook(
+            lambda _m, args: self._pre_norm.append(args[0])
+        )
         return {"device": self.device, "chunk_tokens": self.batch_tokens}
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
@@ -62,7 +77,9 @@ class HFBackend:
         order = sorted(range(len(samples)), key=lambda i: len(samples[i]))
         batch: list[int] = []
         for i in order + [None]:  # type: ignore[list-item]
-            if i is not None and (not batch or (len(batch) + 1) * len(samples[i]) <= self.batch_tokens):
+            if i is not None and (
+                not batch or (len(batch) + 1) * len(samples[i]) <= self.batch_tokens
+            ):
                 batch.append(i)
                 continue
             if batch:
@@ -81,21 +98,28 @@ class HFBackend:
         self._pre_norm.clear()
         with torch.inference_mode():
             res = self.model(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                output_hidden_states=True, use_cache=False, logits_to_keep=1,
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                output_hidden_states=True,
+                use_cache=False,
+                logits_to_keep=1,
             )
 
         hs = res.hidden_states
         last = self._pre_norm[-1]  # [B, Tmax, H]
         # stack + convert to the storage dtype on the device: only storage bytes cross to the CPU
-        states, scales, row_ok = stack_to_storage([hs[k] for k in self.aux_layer_ids] + [last], self.storage_dtype)
+        states, scales, row_ok = stack_to_storage(
+            [hs[k] for k in self.aux_layer_ids] + [last], self.storage_dtype
+        )
         states = states.cpu()  # [B, Tmax, A+1, H]
         scales = None if scales is None else scales.cpu()  # [B, Tmax, A+1]
         row_ok = row_ok.cpu()  # [B, Tmax]
         for r, i in enumerate(batch):
             n = lens[r]
             # [r, :n] of a contiguous [B, Tmax, ...] tensor is itself contiguous: a view, no copy
-            out[i] = Stored(states[r, :n], None if scales is None else scales[r, :n], bool(row_ok[r, :n].all()))
+            out[i] = Stored(
+                states[r, :n], None if scales is None else scales[r, :n], bool(row_ok[r, :n].all())
+            )
 
     def close(self) -> None:
         self.model = None

@@ -1,4 +1,5 @@
-"""`eagle3 capture`: record aux-layer and last-layer hidden states of the target for every prepared token.
+"""`eagle3 capture`: record aux-layer and last-layer hidden states of the target for every prepared
+token.
 
 Flow: validate the config against the target's config.json -> fingerprint the target's weight
 files (eagle3.identity) -> read the prepared dataset -> resume from progress.json (completed shards
@@ -88,14 +89,23 @@ def target_info(target: str | Path) -> TargetInfo:
     """num_hidden_layers / hidden_size from config.json (nested `text_config` when present)."""
     p = Path(target) / "config.json"
     if not p.is_file():
-        raise ConfigError(f"CaptureConfig.target = {str(target)!r}: {p} does not exist; pass a local model directory")
+        raise ConfigError(
+            f"CaptureConfig.target = {str(target)!r}: {p} does not exist; pass a local model "
+            "directory"
+        )
     cfg = read_json(p)
     text = cfg.get("text_config") or cfg
     try:
-        return TargetInfo(int(text["num_hidden_layers"]), int(text["hidden_size"]), sha256_file(p),
-                          text.get("max_position_embeddings"))
+        return TargetInfo(
+            int(text["num_hidden_layers"]),
+            int(text["hidden_size"]),
+            sha256_file(p),
+            text.get("max_position_embeddings"),
+        )
     except KeyError as e:
-        raise ConfigError(f"{p} has no {e.args[0]!r} (nor in text_config): not a decoder-only LM config") from None
+        raise ConfigError(
+            f"{p} has no {e.args[0]!r} (nor in text_config): not a decoder-only LM config"
+        ) from None
 
 
 def _version(*names: str) -> str | None:
@@ -107,24 +117,43 @@ def _version(*names: str) -> str | None:
     return None
 
 
-def _disk_check(out: Path, est: Any, min_free_gb: float, sample_tokens: list[int] | None = None) -> int:
+def _disk_check(
+    out: Path, est: Any, min_free_gb: float, sample_tokens: list[int] | None = None
+) -> int:
     """Refuse to start when the states cannot fit: the planner's check
     (eagle3.shards.check_capture_fits)."""
     return check_capture_fits(out, est, min_free_gb, sample_tokens)
 
 
-def _make_backend(cfg: CaptureConfig, aux_layer_ids: list[int], max_model_len: int, llm: Any = None) -> Any:
+def _make_backend(
+    cfg: CaptureConfig, aux_layer_ids: list[int], max_model_len: int, llm: Any = None
+) -> Any:
     if cfg.backend == "hf":
-        return HFBackend(str(cfg.target), aux_layer_ids, cfg.dtype, cfg.device, cfg.batch_tokens, cfg.storage_dtype)
+        return HFBackend(
+            str(cfg.target),
+            aux_layer_ids,
+            cfg.dtype,
+            cfg.device,
+            cfg.batch_tokens,
+            cfg.storage_dtype,
+        )
 
-    return VLLMBackend(str(cfg.target), aux_layer_ids, cfg.dtype, cfg.batch_tokens, max_model_len,
-                       cfg.tensor_parallel_size, llm=llm, storage_dtype=cfg.storage_dtype)
+    return VLLMBackend(
+        str(cfg.target),
+        aux_layer_ids,
+        cfg.dtype,
+        cfg.batch_tokens,
+        max_model_len,
+        cfg.tensor_parallel_size,
+        llm=llm,
+        storage_dtype=cfg.storage_dtype,
+    )
 
 
 @dataclass
 class CaptureInputs:
-    """What both capture modes (offline, streaming spool) read first: the target, its layer ids, the prepared
-    rows, and the settings a resumed run must match."""
+    """What both capture modes (offline, streaming spool) read first: the target, its layer ids, the
+    prepared rows, and the settings a resumed run must match."""
 
     info: TargetInfo
     aux_layer_ids: list[int]
@@ -135,7 +164,9 @@ class CaptureInputs:
     max_len: int
     max_model_len: int
     hashed: dict[str, Any]
-    length_limit: int | None = None  # rows of this many tokens or more are skipped as too long (capture_rows)
+    length_limit: int | None = (
+        None  # rows of this many tokens or more are skipped as too long (capture_rows)
+    )
     #: eagle3.identity.target_fingerprint of the target (every weight file); a resumed run matches
     target_fingerprint: dict[str, Any] | None = None
 
@@ -150,29 +181,53 @@ def load_capture_inputs(cfg: CaptureConfig) -> CaptureInputs:
     lengths = _lengths(ds, n_total)  # [n_total]
     max_len = int(lengths.max()) if n_total else 1
     max_pos = info.max_position_embeddings
-    # vLLM needs room for one generated token; by default never more than the target's positions (vLLM refuses to
-    # start with a longer max_model_len): rows that do not fit are skipped and counted as too_long
-    max_model_len = cfg.max_model_len or (min(max_len + 1, int(max_pos)) if max_pos else max_len + 1)
-    # the hf backend has no engine limit, but states past the target's positions are not what it was trained for
-    length_limit = max_model_len if cfg.backend == "vllm" else (int(max_pos) + 1 if max_pos else None)
+    # vLLM needs room for one generated token; by default never more than the target's positions
+    # (vLLM refuses to start with a longer max_model_len): rows that do not fit are skipped and
+    # counted as too_long
+    max_model_len = cfg.max_model_len or (
+        min(max_len + 1, int(max_pos)) if max_pos else max_len + 1
+    )
+    # the hf backend has no engine limit, but states past the target's positions are not what it was
+    # trained for
+    length_limit = (
+        max_model_len if cfg.backend == "vllm" else (int(max_pos) + 1 if max_pos else None)
+    )
     hashed = {
-        "target": str(Path(cfg.target).resolve()), "target_config_sha256": info.config_sha256,
+        "target": str(Path(cfg.target).resolve()),
+        "target_config_sha256": info.config_sha256,
         "data": str(Path(cfg.data).resolve()),
         "prepared_manifest": sha256_json(prep_manifest.to_dict()),
-        # hash input only; "layers" (its name before 2026-12-01) keeps the hash, so an interrupted capture resumes
-        "layers": aux_layer_ids, "dtype": cfg.dtype, "storage_dtype": cfg.storage_dtype,
-        "shard_tokens": cfg.shard_tokens, "limit": cfg.limit, "backend": cfg.backend,
+        # hash input only; "layers" (its name before 2026-12-01) keeps the hash, so an interrupted
+        # capture resumes
+        "layers": aux_layer_ids,
+        "dtype": cfg.dtype,
+        "storage_dtype": cfg.storage_dtype,
+        "shard_tokens": cfg.shard_tokens,
+        "limit": cfg.limit,
+        "backend": cfg.backend,
         "max_model_len": max_model_len,
     }
     # not in `hashed` (an interrupted capture of an earlier version still resumes): progress.json
     # and the manifest record it and a resumed run compares it (check_same_weights)
     fingerprint = target_fingerprint(cfg.target)
-    return CaptureInputs(info, aux_layer_ids, ds, prep_manifest, n_total, lengths, max_len,
-                         max_model_len, hashed, length_limit, fingerprint)
+    return CaptureInputs(
+        info,
+        aux_layer_ids,
+        ds,
+        prep_manifest,
+        n_total,
+        lengths,
+        max_len,
+        max_model_len,
+        hashed,
+        length_limit,
+        fingerprint,
+    )
 
 
-def check_same_weights(record: RecordedTarget, fingerprint: dict[str, Any] | None, path: Path,
-                       what: str) -> None:
+def check_same_weights(
+    record: RecordedTarget, fingerprint: dict[str, Any] | None, path: Path, what: str
+) -> None:
     """Refuse to add to (or to call complete) a capture whose record (progress.json, manifest.json,
     a spool header at `path`: its `recorded_target()`) was made from other target weights: its
     states would mix two models. A record from before 2026-12-03 has no fingerprint: warned once
@@ -184,14 +239,15 @@ def check_same_weights(record: RecordedTarget, fingerprint: dict[str, Any] | Non
             f"{path}: {what} other target weights ({differs}) than "
             f"target={record.target or '?'} holds now; its states would mix two models. "
             f"Delete {path.parent} (or use a new --out) to capture again with these weights, or "
-            "put back the weights it was made from")
-
+            "put back the weights it was made from"
+        )
 
 
 def resolve_compute_dtype(cfg: CaptureConfig) -> CaptureConfig:
-    """`dtype: auto` made concrete where the capture runs (float32 on a CPU without native bf16, where bf16 is
-    emulated and measured 4-50x slower; bfloat16 elsewhere), before anything hashes or records it: a resumed
-    capture, the manifest's compute_dtype and an explicit `dtype` all see the same name."""
+    """`dtype: auto` made concrete where the capture runs (float32 on a CPU without native bf16,
+    where bf16 is emulated and measured 4-50x slower; bfloat16 elsewhere), before anything hashes or
+    records it: a resumed capture, the manifest's compute_dtype and an explicit `dtype` all see the
+    same name."""
     if cfg.dtype != "auto":
         return cfg
 
@@ -212,7 +268,14 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
 
 
 def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> CaptureResult:
-    info, aux_layer_ids, ds, n_total, lengths, max_model_len = ci.info, ci.aux_layer_ids, ci.ds, ci.n_total, ci.lengths, ci.max_model_len
+    info, aux_layer_ids, ds, n_total, lengths, max_model_len = (
+        ci.info,
+        ci.aux_layer_ids,
+        ci.ds,
+        ci.n_total,
+        ci.lengths,
+        ci.max_model_len,
+    )
     prep_manifest, out, hashed = ci.prepared_manifest, Path(cfg.out), ci.hashed
     config_hash = sha256_json(hashed)
     if (out / MANIFEST).is_file():
@@ -223,8 +286,12 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
                 f"{m.config_hash} "
                 f"!= {config_hash}): use a new --out directory or delete {out}"
             )
-        check_same_weights(m.recorded_target(), ci.target_fingerprint, out / MANIFEST,
-                           "this finished capture was made from")
+        check_same_weights(
+            m.recorded_target(),
+            ci.target_fingerprint,
+            out / MANIFEST,
+            "this finished capture was made from",
+        )
         gap = m.coverage_problem(out)
         kept: list[ShardEntry] = list(m.shards)
         if gap:  # a shard entry lost: keep the shards before the gap, capture the rest
@@ -233,41 +300,63 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
                 if e.first_index != (kept[-1].next_index if kept else 0):
                     break
                 kept.append(e)
-            print(f"capture: {out / MANIFEST} no longer covers its samples; keeping its first "
-                  f"{len(kept)} shard(s) and capturing the rest again", file=sys.stderr, flush=True)
+            print(
+                f"capture: {out / MANIFEST} no longer covers its samples; keeping its first "
+                f"{len(kept)} shard(s) and capturing the rest again",
+                file=sys.stderr,
+                flush=True,
+            )
         bad = corrupt_shards(out, kept)
         if not bad and not gap:
-            print(f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} "
-                  "shards sha256-verified)", file=sys.stderr, flush=True)
+            print(
+                f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} "
+                "shards sha256-verified)",
+                file=sys.stderr,
+                flush=True,
+            )
             return _result(out, m, resumed=len(m.shards), wall=time.time() - t0, cap=0.0, tok_now=0)
-        # a finished capture whose shards no longer match: reopen it, so that the resume below keeps the good
-        # shards before the first bad one and captures the rest again
+        # a finished capture whose shards no longer match: reopen it, so that the resume below keeps
+        # the good shards before the first bad one and captures the rest again
         if bad:
-            print(f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 "
-                  f"({', '.join(bad[:5])}); capturing again from the first bad one",
-                  file=sys.stderr, flush=True)
+            print(
+                f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 "
+                f"({', '.join(bad[:5])}); capturing again from the first bad one",
+                file=sys.stderr,
+                flush=True,
+            )
         save_progress(out, config_hash, [e.to_dict() for e in kept], ci.target_fingerprint)
         (out / MANIFEST).unlink()
     out.mkdir(parents=True, exist_ok=True)
     progress = read_progress(out)
     if progress is not None and progress.get("shards"):
-        check_same_weights(RecordedTarget.of_progress(progress, hashed["target"]),
-                           ci.target_fingerprint, out / PROGRESS,
-                           f"the capture in {out} was started with")
-    # several engines (eagle3.capture.engines): they capture every shard; the manifest below is written as for one
-    ran = engines.capture_with_engines(cfg, ci, config_hash, llm) if engines.wanted(cfg, out) else None
+        check_same_weights(
+            RecordedTarget.of_progress(progress, hashed["target"]),
+            ci.target_fingerprint,
+            out / PROGRESS,
+            f"the capture in {out} was started with",
+        )
+    # several engines (eagle3.capture.engines): they capture every shard; the manifest below is
+    # written as for one
+    ran = (
+        engines.capture_with_engines(cfg, ci, config_hash, llm)
+        if engines.wanted(cfg, out)
+        else None
+    )
     shards = ran.shards if ran is not None else load_progress(out, config_hash)
     start = shards[-1]["next_index"] if shards else 0
     resumed = ran.num_resumed if ran is not None else len(shards)
 
     remaining_tokens = int(lengths[start:].sum())
-    est = estimate_storage(len(aux_layer_ids), info.hidden_size, cfg.storage_dtype, remaining_tokens)
+    est = estimate_storage(
+        len(aux_layer_ids), info.hidden_size, cfg.storage_dtype, remaining_tokens
+    )
     bpt, needed = est.bytes_per_token, est.total_bytes
     if ran is None:
         print(
-            f"capture: {n_total - start} samples / {remaining_tokens} tokens to go (resuming after {resumed} shards); "
-            f"{bpt} bytes/token -> {needed / 1e9:.3f} GB needed in {out}",
-            file=sys.stderr, flush=True,
+            f"capture: {n_total - start} samples / {remaining_tokens} tokens to go (resuming after "
+            f"{resumed} shards); {bpt} bytes/token -> {needed / 1e9:.3f} GB needed in {out}",
+            file=sys.stderr,
+            flush=True,
         )
         _disk_check(out, est, cfg.min_free_disk_gb, lengths[start:].tolist())
 
@@ -280,7 +369,9 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     backend_info: dict[str, Any] = {}
     worker = cfg.backend == "vllm" and cfg.writer == "worker"
     rids: list[str] = []  # worker writer: the worker-held states of buf's samples, in order
-    pending: list[int] = []  # worker writer: the shard being written (at most one; counted once it is complete)
+    pending: list[
+        int
+    ] = []  # worker writer: the shard being written (at most one; counted once it is complete)
 
     def finish_pending() -> None:
         if pending:
@@ -288,18 +379,30 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
             save_progress(out, config_hash, shards, ci.target_fingerprint)
 
     def flush(final: bool = False) -> None:
-        """Write `buf` as the next shard; the driver writer records it at once, the worker writer when the
-        worker's (background) write is complete — at the next flush or at the end, overlapping the capture."""
+        """Write `buf` as the next shard; the driver writer records it at once, the worker writer
+        when the worker's (background) write is complete — at the next flush or at the end,
+        overlapping the capture."""
         if worker:
             finish_pending()
-            backend.start_write_shard(out, len(shards), buf, rids, n_aux, info.hidden_size, cfg.storage_dtype,
-                                      cfg.worker_background)
+            backend.start_write_shard(
+                out,
+                len(shards),
+                buf,
+                rids,
+                n_aux,
+                info.hidden_size,
+                cfg.storage_dtype,
+                cfg.worker_background,
+            )
             pending.append(len(shards))
             if final:
                 finish_pending()
             return
-        shards.append(write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype) if final
-                      else write_shard(out, len(shards), buf))
+        shards.append(
+            write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype)
+            if final
+            else write_shard(out, len(shards), buf)
+        )
         save_progress(out, config_hash, shards, ci.target_fingerprint)
 
     if start < n_total:
@@ -308,10 +411,19 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         chunk_tokens = int(backend_info.get("chunk_tokens", cfg.batch_tokens))
         t_cap = time.time()
         try:
-            # chunks (and so the backend's batches) start where an uninterrupted run's would: a resumed run recomputes
-            # the rows of the chunk holding `start` and drops those before it, so its states are bit-identical
+            # chunks (and so the backend's batches) start where an uninterrupted run's would: a
+            # resumed run recomputes the rows of the chunk holding `start` and drops those before
+            # it, so its states are bit-identical
             first = chunk_start(lengths, start, chunk_tokens)
-            for r in capture_rows(backend, ds, lengths, range(first, n_total), chunk_tokens, ci.length_limit, refs=worker):
+            for r in capture_rows(
+                backend,
+                ds,
+                lengths,
+                range(first, n_total),
+                chunk_tokens,
+                ci.length_limit,
+                refs=worker,
+            ):
                 if r.index < start:
                     continue
                 if r.skip:
@@ -380,8 +492,15 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         capture_config=cfg.model_dump(mode="json"),
     )
     manifest.save(out)
-    return _result(out, manifest, resumed=resumed, wall=time.time() - t0, cap=cap_s, tok_now=tokens_now,
-                   extra={"backend_info": backend_info})
+    return _result(
+        out,
+        manifest,
+        resumed=resumed,
+        wall=time.time() - t0,
+        cap=cap_s,
+        tok_now=tokens_now,
+        extra={"backend_info": backend_info},
+    )
 
 
 @dataclass
@@ -397,11 +516,19 @@ class CapturedRow:
     stored: Any = None  # quant.Stored: states [T, A+1, H] (+ fp8 scales)
 
 
-def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_tokens: int,
-                 max_model_len: int | None, refs: bool = False) -> Iterator[CapturedRow]:
-    """Run the started `backend` over the prepared rows `rows` (dataset row numbers, in any order), chunks of
-    consecutive entries up to chunk_tokens tokens (at least one row), and yield one CapturedRow per row in
-    order. `max_model_len`: rows of that many tokens or more are skipped as too long (vLLM's limit)."""
+def capture_rows(
+    backend: Any,
+    ds: Any,
+    lengths: np.ndarray,
+    rows: Any,
+    chunk_tokens: int,
+    max_model_len: int | None,
+    refs: bool = False,
+) -> Iterator[CapturedRow]:
+    """Run the started `backend` over the prepared rows `rows` (dataset row numbers, in any order),
+    chunks of consecutive entries up to chunk_tokens tokens (at least one row), and yield one
+    CapturedRow per row in order. `max_model_len`: rows of that many tokens or more are skipped as
+    too long (vLLM's limit)."""
     rows = list(rows) if not isinstance(rows, range) else rows
     n, a = len(rows), 0
     while a < n:
@@ -410,7 +537,11 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
             tok += int(lengths[rows[b]])
             b += 1
         idx = rows[a:b]
-        batch = ds[idx.start:idx.stop] if isinstance(idx, range) and idx.step == 1 else ds[[int(i) for i in idx]]
+        batch = (
+            ds[idx.start : idx.stop]
+            if isinstance(idx, range) and idx.step == 1
+            else ds[[int(i) for i in idx]]
+        )
         todo, todo_k = [], []
         for k, i in enumerate(idx):
             length = int(lengths[i])
@@ -419,22 +550,44 @@ def capture_rows(backend: Any, ds: Any, lengths: np.ndarray, rows: Any, chunk_to
             todo.append(np.asarray(batch["input_ids"][k]))
             todo_k.append(k)
         # Stored per sample: already in the storage dtype (converted by the backend on its device)
-        # refs: vllm_backend.WorkerStates handles (the worker keeps the states and writes the shards)
-        got = dict(zip(todo_k, (backend.capture_refs(todo) if refs else backend.capture(todo)) if todo else [],
-                       strict=True))
+        # refs: vllm_backend.WorkerStates handles (the worker keeps the states and writes the
+        # shards)
+        got = dict(
+            zip(
+                todo_k,
+                (backend.capture_refs(todo) if refs else backend.capture(todo)) if todo else [],
+                strict=True,
+            )
+        )
         for k, i in enumerate(idx):
             st = got.get(k)
-            skip = "empty" if int(lengths[i]) == 0 else "too_long" if st is None else None if st.finite else "non_finite"
+            skip = (
+                "empty"
+                if int(lengths[i]) == 0
+                else "too_long"
+                if st is None
+                else None
+                if st.finite
+                else "non_finite"
+            )
             if skip:
                 yield CapturedRow(a + k, int(i), skip)
             else:
-                yield CapturedRow(a + k, int(i), None, str(batch["sample_id"][k]), torch.as_tensor(batch["input_ids"][k]),
-                                  torch.as_tensor(batch["loss_mask"][k]), st)
+                yield CapturedRow(
+                    a + k,
+                    int(i),
+                    None,
+                    str(batch["sample_id"][k]),
+                    torch.as_tensor(batch["input_ids"][k]),
+                    torch.as_tensor(batch["loss_mask"][k]),
+                    st,
+                )
         a = b
 
 
 def chunk_start(lengths: np.ndarray, start: int, chunk_tokens: int) -> int:
-    """First row of the chunk holding row `start` when rows 0.. are cut into chunks as capture_rows cuts them."""
+    """First row of the chunk holding row `start` when rows 0.. are cut into chunks as capture_rows
+    cuts them."""
     n, a = len(lengths), 0
     if start >= n:
         return start
@@ -449,7 +602,8 @@ def chunk_start(lengths: np.ndarray, start: int, chunk_tokens: int) -> int:
 
 
 def _lengths(ds: Any, n: int) -> np.ndarray:
-    """Token count of the first n prepared samples, from the Arrow offsets (no token is materialised)."""
+    """Token count of the first n prepared samples, from the Arrow offsets (no token is
+    materialised)."""
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     import pyarrow.compute as pc  # heavy: only when there are rows to measure
@@ -465,8 +619,15 @@ def _fold(last: dict[str, Any], buf: ShardBuffer) -> None:
     last["next_index"] = buf.next_index
 
 
-def _result(out: Path, m: CaptureManifest, resumed: int, wall: float, cap: float, tok_now: int,
-            extra: dict[str, Any] | None = None) -> CaptureResult:
+def _result(
+    out: Path,
+    m: CaptureManifest,
+    resumed: int,
+    wall: float,
+    cap: float,
+    tok_now: int,
+    extra: dict[str, Any] | None = None,
+) -> CaptureResult:
     return CaptureResult(
         out=out,
         num_samples=m.num_samples,

@@ -1,16 +1,18 @@
-"""Streaming (bounded-disk) mode, producer side: capture into a spool whose total size never exceeds a cap.
+"""Streaming (bounded-disk) mode, producer side: capture into a spool whose total size never exceeds
+a cap.
 
 `eagle3 stream-capture` (run_stream_capture) runs concurrently with `eagle3 stream-train`
-(eagle3.train.stream), which trains on the shards as they arrive and deletes each one once a checkpoint
-covers it. Every epoch is captured again (exact epochs, no replay buffer: docs/history/, "Streaming").
+(eagle3.train.stream), which trains on the shards as they arrive and deletes each one once a
+checkpoint covers it. Every epoch is captured again (exact epochs, no replay buffer: docs/history/,
+"Streaming").
 
 Spool layout, the files both sides read and write: eagle3.spool_files.
 
 Back-pressure: before a shard's temp file is created, the producer waits until
-`spool bytes + shard bytes + metadata margin <= cap` (the margin covers the transient second copy of the
-ledger files while they are rewritten). A shard becomes visible only by its atomic rename and counts as
-written only once the ledger lists it, so a SIGKILL at any point loses at most the shard being built:
-a restart deletes uncommitted files and continues from the ledger's position.
+`spool bytes + shard bytes + metadata margin <= cap` (the margin covers the transient second copy of
+the ledger files while they are rewritten). A shard becomes visible only by its atomic rename and
+counts as written only once the ledger lists it, so a SIGKILL at any point loses at most the shard
+being built: a restart deletes uncommitted files and continues from the ledger's position.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ class StopProducing(Exception):
     """The consumer is done (e.g. train.max_steps reached): nothing more is needed."""
 
 
-def max_shard_bytes(shard_tokens: int, max_sample_tokens: int, bpt: int, min_sample_tokens: int) -> int:
+def max_shard_bytes(
+    shard_tokens: int, max_sample_tokens: int, bpt: int, min_sample_tokens: int
+) -> int:
     """Largest shard the capture can write: a shard is cut once it holds >= shard_tokens tokens."""
     tokens = shard_tokens + max_sample_tokens - 1
     samples = tokens // max(1, min_sample_tokens) + 1
@@ -95,8 +99,9 @@ class StreamCaptureResult:
 
 
 class _Producer:
-    def __init__(self, cfg: StreamCaptureConfig, spool: Path, header: SpoolHeader,
-                 ledger: dict[str, Any]):
+    def __init__(
+        self, cfg: StreamCaptureConfig, spool: Path, header: SpoolHeader, ledger: dict[str, Any]
+    ):
         self.cfg, self.spool, self.header, self.ledger = cfg, spool, header, ledger
         self.cap = cfg.spool_cap_bytes
         self.peak = self.bytes_written = 0
@@ -123,12 +128,15 @@ class _Producer:
             used, margin = spool_bytes(self.spool), meta_margin_bytes(self.spool)
             if used + nbytes + margin <= self.cap:
                 break
-            fixed = used - sum(e["bytes"] for e in self.ledger["shards"] if (self.spool / e["file"]).exists())
+            fixed = used - sum(
+                e["bytes"] for e in self.ledger["shards"] if (self.spool / e["file"]).exists()
+            )
             if fixed + nbytes + margin > self.cap:
                 raise ConfigError(
-                    f"stream.spool_cap_gb = {self.cfg.spool_cap_gb} ({self.cap} bytes) cannot take a {nbytes}-byte shard "
-                    f"next to the {fixed} bytes that stay in the spool (header and validation shards): raise "
-                    f"stream.spool_cap_gb, lower capture.shard_tokens ({self.cfg.shard_tokens}) or train.val_fraction"
+                    f"stream.spool_cap_gb = {self.cfg.spool_cap_gb} ({self.cap} bytes) cannot take "
+                    f"a {nbytes}-byte shard next to the {fixed} bytes that stay in the spool "
+                    "(header and validation shards): raise stream.spool_cap_gb, lower "
+                    f"capture.shard_tokens ({self.cfg.shard_tokens}) or train.val_fraction"
                 )
             if used != last_used:
                 last_used, last_change = used, time.time()
@@ -138,9 +146,10 @@ class _Producer:
                 announced = True
             if time.time() - last_change > self.cfg.stall_timeout_s:
                 raise TimeoutError(
-                    f"stream-capture: waited {time.time() - t0:.0f} s for room for {nbytes} bytes in {self.spool} "
-                    f"(cap {self.cap} bytes, {used} used) and nothing was released for stream.stall_timeout_s = "
-                    f"{self.cfg.stall_timeout_s}: is the consumer (`eagle3 stream-train`) running?"
+                    f"stream-capture: waited {time.time() - t0:.0f} s for room for {nbytes} bytes "
+                    f"in {self.spool} (cap {self.cap} bytes, {used} used) and nothing was released "
+                    f"for stream.stall_timeout_s = {self.cfg.stall_timeout_s}: is the consumer "
+                    "(`eagle3 stream-train`) running?"
                 )
             time.sleep(self.cfg.poll_interval_s)
         self.wait_s += time.time() - t0
@@ -160,8 +169,15 @@ class _Producer:
             else:
                 seq, out = led["next_seq"], self.spool
             out.mkdir(exist_ok=True)
-            entry = write_shard(out, seq, buf, len(h.aux_layer_ids), h.hidden_size,
-                                TORCH_DTYPES[h.dtype], before_write=self.wait_for_room)
+            entry = write_shard(
+                out,
+                seq,
+                buf,
+                len(h.aux_layer_ids),
+                h.hidden_size,
+                TORCH_DTYPES[h.dtype],
+                before_write=self.wait_for_room,
+            )
             entry.update(seq=seq, epoch=epoch if phase == "train" else -1)
             if phase == "val":
                 entry["file"] = f"{VAL_DIR}/{entry['file']}"
@@ -175,8 +191,11 @@ class _Producer:
         led.update(phase=phase, epoch=epoch, pos=next_pos, blocked_bytes=0)
         self.save_ledger()
 
-    def capture(self, phase: str, epoch: int, rows: list[int], start: int, capture_fn: Callable) -> None:
-        """Capture rows[start:] (positions in this phase's order), committing a shard every shard_tokens."""
+    def capture(
+        self, phase: str, epoch: int, rows: list[int], start: int, capture_fn: Callable
+    ) -> None:
+        """Capture rows[start:] (positions in this phase's order), committing a shard every
+        shard_tokens."""
         n_aux = len(self.header.aux_layer_ids)
         buf = ShardBuffer(first_index=start, next_index=start)
         pos = start
@@ -194,10 +213,11 @@ class _Producer:
 
 
 def run_stream_capture(cfg: StreamCaptureConfig) -> StreamCaptureResult:
-    """The producer: capture the validation rows once, then every epoch's training rows in that epoch's
-    seeded order, into the spool `cfg.out`, never letting it grow past `cfg.spool_cap_gb`. Resumes from the
-    spool's ledger after a kill; returns early once the consumer says it is done. A failure is recorded in
-    the spool's ledger, so that the consumer stops instead of waiting for shards."""
+    """The producer: capture the validation rows once, then every epoch's training rows in that
+    epoch's seeded order, into the spool `cfg.out`, never letting it grow past `cfg.spool_cap_gb`.
+    Resumes from the spool's ledger after a kill; returns early once the consumer says it is done. A
+    failure is recorded in the spool's ledger, so that the consumer stops instead of waiting for
+    shards."""
     try:
         return _produce(cfg)
     except PeerFailed:
@@ -206,24 +226,39 @@ def run_stream_capture(cfg: StreamCaptureConfig) -> StreamCaptureResult:
         if cfg.out is not None:
             spool = Path(cfg.out)
             spool.mkdir(parents=True, exist_ok=True)
-            write_json(spool / LEDGER, {**read_state(spool, LEDGER), "error": f"{type(e).__name__}: {e}"})
+            write_json(
+                spool / LEDGER, {**read_state(spool, LEDGER), "error": f"{type(e).__name__}: {e}"}
+            )
         raise
 
 
 def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     t0 = time.time()
     if cfg.writer == "worker":
-        raise ConfigError("capture.writer = 'worker' is not supported in streaming mode yet (the spool writes each "
-                          "shard in the driver after waiting for room): set capture.writer: driver for stream-capture")
+        raise ConfigError(
+            "capture.writer = 'worker' is not supported in streaming mode yet (the spool writes "
+            "each shard in the driver after waiting for room): set capture.writer: driver for "
+            "stream-capture"
+        )
     if cfg.num_engines > 1:
-        raise ConfigError(f"capture.num_engines = {cfg.num_engines} is not supported in streaming mode yet (one "
-                          "producer fills the spool in order): set capture.num_engines: 1 for stream-capture")
+        raise ConfigError(
+            f"capture.num_engines = {cfg.num_engines} is not supported in streaming mode yet (one "
+            "producer fills the spool in order): set capture.num_engines: 1 for stream-capture"
+        )
     cfg = resolve_compute_dtype(cfg)
     ci = load_capture_inputs(cfg)
-    info, aux_layer_ids, ds, n_total, lengths = ci.info, ci.aux_layer_ids, ci.ds, ci.n_total, ci.lengths
+    info, aux_layer_ids, ds, n_total, lengths = (
+        ci.info,
+        ci.aux_layer_ids,
+        ci.ds,
+        ci.n_total,
+        ci.lengths,
+    )
     max_len, max_model_len, spool = ci.max_len, ci.max_model_len, Path(cfg.out)
     limit_len = ci.length_limit
-    usable = (lengths > 0) & (lengths < limit_len if limit_len else True)  # rows that will be captured
+    usable = (lengths > 0) & (
+        lengths < limit_len if limit_len else True
+    )  # rows that will be captured
     bpt = bytes_per_token(len(aux_layer_ids), info.hidden_size, cfg.storage_dtype)
     hashed = {**ci.hashed, "epochs": cfg.epochs, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
     config_hash = sha256_json(hashed)
@@ -234,31 +269,57 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
         raise ValueError(
             f"{spool / HEADER} belongs to a streaming run with other settings (config_hash "
             f"{header.config_hash} "
-            f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the training run using it)"
+            f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the "
+            "training run using it)"
         )
     if header:
-        check_same_weights(header.recorded_target(), ci.target_fingerprint, spool / HEADER,
-                           "the streaming run was started with")
+        check_same_weights(
+            header.recorded_target(),
+            ci.target_fingerprint,
+            spool / HEADER,
+            "the streaming run was started with",
+        )
     train_rows, val_rows = split_indices(n_total, cfg.val_fraction, cfg.seed)
     val_tokens = int(lengths[val_rows][usable[val_rows]].sum()) if val_rows else 0
     use_len = lengths[usable]
-    shard_max = max_shard_bytes(cfg.shard_tokens, max_len, bpt, int(use_len.min()) if len(use_len) else 1)
-    val_bytes = val_tokens * bpt + (math.ceil(val_tokens / cfg.shard_tokens) + 1) * SHARD_OVERHEAD_BYTES if val_rows else 0
+    shard_max = max_shard_bytes(
+        cfg.shard_tokens, max_len, bpt, int(use_len.min()) if len(use_len) else 1
+    )
+    val_bytes = (
+        val_tokens * bpt + (math.ceil(val_tokens / cfg.shard_tokens) + 1) * SHARD_OVERHEAD_BYTES
+        if val_rows
+        else 0
+    )
     if header is None:
         header = SpoolHeader(
-            format=SPOOL_FORMAT, capture_format=FORMAT, config_hash=config_hash,
-            stage="stream-capture", target=hashed["target"],
-            target_config_sha256=info.config_sha256, data=hashed["data"],
+            format=SPOOL_FORMAT,
+            capture_format=FORMAT,
+            config_hash=config_hash,
+            stage="stream-capture",
+            target=hashed["target"],
+            target_config_sha256=info.config_sha256,
+            data=hashed["data"],
             # every weight file: train compares it
             target_fingerprint=ci.target_fingerprint,
-            aux_layer_ids=aux_layer_ids, num_hidden_layers=info.num_hidden_layers,
-            hidden_size=info.hidden_size, dtype=cfg.storage_dtype,
-            storage=storage_info(cfg.storage_dtype), compute_dtype=cfg.dtype,
-            backend=cfg.backend, bytes_per_token=bpt, shard_tokens=cfg.shard_tokens,
-            max_shard_bytes=shard_max, val_bytes_estimate=val_bytes, cap_bytes=cfg.spool_cap_bytes,
-            epochs=cfg.epochs, seed=cfg.seed, num_input_samples=n_total, val_rows=val_rows,
+            aux_layer_ids=aux_layer_ids,
+            num_hidden_layers=info.num_hidden_layers,
+            hidden_size=info.hidden_size,
+            dtype=cfg.storage_dtype,
+            storage=storage_info(cfg.storage_dtype),
+            compute_dtype=cfg.dtype,
+            backend=cfg.backend,
+            bytes_per_token=bpt,
+            shard_tokens=cfg.shard_tokens,
+            max_shard_bytes=shard_max,
+            val_bytes_estimate=val_bytes,
+            cap_bytes=cfg.spool_cap_bytes,
+            epochs=cfg.epochs,
+            seed=cfg.seed,
+            num_input_samples=n_total,
+            val_rows=val_rows,
             train_rows=train_rows,
-            # token count of every prepared row, 0 for rows the capture skips (empty, too long for vLLM)
+            # token count of every prepared row, 0 for rows the capture skips (empty, too long for
+            # vLLM)
             row_tokens=np.where(usable, lengths, 0).tolist(),
         )
     # before it exists: a generous bound of its JSON
@@ -266,11 +327,12 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     need = header_bytes + val_bytes + 2 * shard_max + 4 * META_SLACK_BYTES
     if need > cfg.spool_cap_bytes:
         raise ConfigError(
-            f"stream.spool_cap_gb = {cfg.spool_cap_gb} ({cfg.spool_cap_bytes} bytes) is too small: the spool must hold "
-            f"the validation shards (~{val_bytes} bytes at train.val_fraction = {cfg.val_fraction}) plus two shards of "
-            f"up to {shard_max} bytes (capture.shard_tokens = {cfg.shard_tokens} tokens + the longest sample, "
-            f"{bpt} bytes/token) and the header: raise stream.spool_cap_gb to at least {need / 1e9:.6g}, or lower "
-            "capture.shard_tokens or train.val_fraction"
+            f"stream.spool_cap_gb = {cfg.spool_cap_gb} ({cfg.spool_cap_bytes} bytes) is too small: "
+            f"the spool must hold the validation shards (~{val_bytes} bytes at train.val_fraction "
+            f"= {cfg.val_fraction}) plus two shards of up to {shard_max} bytes "
+            f"(capture.shard_tokens = {cfg.shard_tokens} tokens + the longest sample, {bpt} "
+            f"bytes/token) and the header: raise stream.spool_cap_gb to at least {need / 1e9:.6g}, "
+            "or lower capture.shard_tokens or train.val_fraction"
         )
     if not (spool / HEADER).is_file():
         header.save(spool)
@@ -278,18 +340,35 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     ledger = read_state(spool, LEDGER)
     resumed = bool(ledger)
     if not ledger:
-        ledger = {"format": SPOOL_FORMAT, "config_hash": config_hash, "phase": "val", "epoch": 0, "pos": 0,
-                  "next_seq": 0, "val_shards": [], "shards": [], "skipped": {}, "num_samples": 0, "num_tokens": 0,
-                  "blocked_bytes": 0, "done": False, "error": None}
+        ledger = {
+            "format": SPOOL_FORMAT,
+            "config_hash": config_hash,
+            "phase": "val",
+            "epoch": 0,
+            "pos": 0,
+            "next_seq": 0,
+            "val_shards": [],
+            "shards": [],
+            "skipped": {},
+            "num_samples": 0,
+            "num_tokens": 0,
+            "blocked_bytes": 0,
+            "done": False,
+            "error": None,
+        }
     _delete_uncommitted(spool, ledger)
     ledger.update(error=None, blocked_bytes=0)
     prod = _Producer(cfg, spool, header, ledger)
     backend = None
     stopped = False
     t_cap = time.time()
-    print(f"stream-capture: spool {spool} (cap {cfg.spool_cap_bytes} bytes), {len(val_rows)} validation rows, "
-          f"{len(train_rows)} training rows x {cfg.epochs} epochs, {bpt} bytes/token"
-          f"{' (resuming)' if resumed else ''}", file=sys.stderr, flush=True)
+    print(
+        f"stream-capture: spool {spool} (cap {cfg.spool_cap_bytes} bytes), {len(val_rows)} "
+        f"validation rows, {len(train_rows)} training rows x {cfg.epochs} epochs, {bpt} bytes/token"
+        f"{' (resuming)' if resumed else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def capture_fn(rows: list[int]) -> Any:
         nonlocal backend
@@ -308,8 +387,14 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
                 prod.save_ledger()
             for epoch in range(ledger["epoch"], cfg.epochs):
                 start = ledger["pos"] if epoch == ledger["epoch"] else 0
-                prod.capture("train", epoch, epoch_order(train_rows, cfg.seed, epoch), start, capture_fn)
-                print(f"stream-capture: epoch {epoch + 1}/{cfg.epochs} captured", file=sys.stderr, flush=True)
+                prod.capture(
+                    "train", epoch, epoch_order(train_rows, cfg.seed, epoch), start, capture_fn
+                )
+                print(
+                    f"stream-capture: epoch {epoch + 1}/{cfg.epochs} captured",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 ledger.update(epoch=epoch + 1, pos=0)
                 prod.save_ledger()
             ledger["done"] = True
@@ -322,16 +407,27 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
             backend.close()
     cap_s = time.time() - t_cap
     return StreamCaptureResult(
-        spool=spool, epochs=cfg.epochs, num_samples=ledger["num_samples"], num_tokens=ledger["num_tokens"],
-        num_shards=ledger["next_seq"], num_val_shards=len(ledger["val_shards"]), resumed=resumed, stopped_early=stopped,
-        num_skipped=dict(ledger["skipped"]), cap_bytes=cfg.spool_cap_bytes, peak_spool_bytes=prod.peak,
-        bytes_written=prod.bytes_written, wait_s=round(prod.wait_s, 3), capture_s=round(cap_s, 3),
+        spool=spool,
+        epochs=cfg.epochs,
+        num_samples=ledger["num_samples"],
+        num_tokens=ledger["num_tokens"],
+        num_shards=ledger["next_seq"],
+        num_val_shards=len(ledger["val_shards"]),
+        resumed=resumed,
+        stopped_early=stopped,
+        num_skipped=dict(ledger["skipped"]),
+        cap_bytes=cfg.spool_cap_bytes,
+        peak_spool_bytes=prod.peak,
+        bytes_written=prod.bytes_written,
+        wait_s=round(prod.wait_s, 3),
+        capture_s=round(cap_s, 3),
         wall_s=round(time.time() - t0, 3),
     )
 
 
 def _delete_uncommitted(spool: Path, ledger: dict[str, Any]) -> None:
-    """Remove what a killed producer left: shard temp files and shards written but not in the ledger."""
+    """Remove what a killed producer left: shard temp files and shards written but not in the
+    ledger."""
     listed = {e["file"] for e in ledger["val_shards"]} | {e["file"] for e in ledger["shards"]}
     for d, prefix in ((spool, ""), (spool / VAL_DIR, f"{VAL_DIR}/")):
         if not d.is_dir():
@@ -342,7 +438,9 @@ def _delete_uncommitted(spool: Path, ledger: dict[str, Any]) -> None:
                 f.unlink(missing_ok=True)
             elif name.startswith("shard-") and name.endswith(".safetensors"):
                 seq = int(name.removeprefix("shard-").removesuffix(".safetensors"))
-                uncommitted = seq >= ledger["next_seq"] if d == spool else prefix + name not in listed
+                uncommitted = (
+                    seq >= ledger["next_seq"] if d == spool else prefix + name not in listed
+                )
                 if uncommitted:
                     f.unlink(missing_ok=True)
     for f in spool.glob(f".{LEDGER}.*.tmp"):

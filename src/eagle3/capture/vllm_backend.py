@@ -5,9 +5,9 @@ prefill-only requests (``SamplingParams(max_tokens=1)``) and collects the per-to
 ``llm.collective_rpc``. All knowledge of vLLM internals lives in vllm_ext.py.
 
 Engine settings and why: ``enable_prefix_caching=False`` (a cached prefix is never forwarded, so its
-states could not be recorded); ``enforce_eager=True`` (aux layers are switched on after start-up, which
-a torch.compile'd graph would ignore); ``max_num_batched_tokens=batch_tokens`` with chunked prefill, so
-prompts longer than a step are split over steps (the extension reassembles them).
+states could not be recorded); ``enforce_eager=True`` (aux layers are switched on after start-up,
+which a torch.compile'd graph would ignore); ``max_num_batched_tokens=batch_tokens`` with chunked
+prefill, so prompts longer than a step are split over steps (the extension reassembles them).
 Scripts that create an engine need an ``if __name__ == "__main__":`` guard (vLLM spawns a process).
 """
 
@@ -27,8 +27,14 @@ from eagle3.vllm_ext import decode_scales, decode_states
 EXTENSION = "eagle3.vllm_ext.CaptureWorkerExtension"
 
 
-def engine_kwargs(target: str, dtype: str, batch_tokens: int, max_model_len: int, tensor_parallel_size: int,
-                  max_num_seqs: int = 256) -> dict[str, Any]:
+def engine_kwargs(
+    target: str,
+    dtype: str,
+    batch_tokens: int,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    max_num_seqs: int = 256,
+) -> dict[str, Any]:
     """LLM(...) arguments shared by capture and the plain-prefill baseline of the benchmark."""
     return dict(
         model=target,
@@ -46,7 +52,8 @@ def engine_kwargs(target: str, dtype: str, batch_tokens: int, max_model_len: int
 
 @dataclass
 class WorkerStates:
-    """A sample's states held by the TP-rank-0 worker (capture.writer = "worker"): its internal request id."""
+    """A sample's states held by the TP-rank-0 worker (capture.writer = "worker"): its internal
+    request id."""
 
     rid: str
     finite: bool
@@ -56,15 +63,28 @@ class WorkerStates:
 class VLLMBackend:
     name = "vllm"
 
-    def __init__(self, target: str, aux_layer_ids: list[int], dtype: str, batch_tokens: int, max_model_len: int,
-                 tensor_parallel_size: int = 1, llm: Any = None, storage_dtype: str | None = None,
-                 **engine_overrides: Any):
+    def __init__(
+        self,
+        target: str,
+        aux_layer_ids: list[int],
+        dtype: str,
+        batch_tokens: int,
+        max_model_len: int,
+        tensor_parallel_size: int = 1,
+        llm: Any = None,
+        storage_dtype: str | None = None,
+        **engine_overrides: Any,
+    ):
         self.target, self.aux_layer_ids = target, list(aux_layer_ids)
         self.storage_dtype = storage_dtype  # None: the engine dtype
-        self.kwargs = engine_kwargs(target, dtype, batch_tokens, max_model_len, tensor_parallel_size)
+        self.kwargs = engine_kwargs(
+            target, dtype, batch_tokens, max_model_len, tensor_parallel_size
+        )
         self.kwargs.update(engine_overrides)
         self.batch_tokens = batch_tokens
-        self.llm = llm  # an engine already built with worker_extension_cls=EXTENSION may be passed in
+        self.llm = (
+            llm  # an engine already built with worker_extension_cls=EXTENSION may be passed in
+        )
         self._owns = llm is None
 
     def start(self) -> dict[str, Any]:
@@ -76,14 +96,18 @@ class VLLMBackend:
             self.llm = LLM(worker_extension_cls=EXTENSION, **self.kwargs)
             # in the out dir's lock file: a later run finds them if they outlive this one
             record_engine_processes()
-        infos = self.llm.collective_rpc("eagle3_capture_start", args=(self.aux_layer_ids, self.storage_dtype))
+        infos = self.llm.collective_rpc(
+            "eagle3_capture_start", args=(self.aux_layer_ids, self.storage_dtype)
+        )
         info = dict(infos[0])
-        # Prompts per generate() call: many engine steps' worth keeps the engine full (a partly filled
-        # step only at the end of each call), while the worker's buffered states stay <= ~1 GiB.
-        # The worker buffers states in the storage dtype (fp8: 1 byte + scales).
+        # Prompts per generate() call: many engine steps' worth keeps the engine full (a partly
+        # filled step only at the end of each call), while the worker's buffered states stay <= ~1
+        # GiB. The worker buffers states in the storage dtype (fp8: 1 byte + scales).
         item = {"float32": 4, "fp8": 1}.get(info.get("storage_dtype") or info["dtype"], 2)
         per_token = (len(self.aux_layer_ids) + 1) * int(info["hidden_size"]) * item
-        info["chunk_tokens"] = max(self.batch_tokens, min(max(8 * self.batch_tokens, 16384), (1 << 30) // per_token))
+        info["chunk_tokens"] = max(
+            self.batch_tokens, min(max(8 * self.batch_tokens, 16384), (1 << 30) // per_token)
+        )
         return info
 
     def capture(self, samples: list[np.ndarray]) -> list[Any]:
@@ -103,14 +127,19 @@ class VLLMBackend:
             by_external[rid.rsplit("-", 1)[0]] = (rid, st, filled)
         result: list[Any] = []
         for out, sample in zip(outputs, samples, strict=True):
-            got = by_external.get(out.request_id) or by_external.get(out.request_id.rsplit("-", 1)[0])
+            got = by_external.get(out.request_id) or by_external.get(
+                out.request_id.rsplit("-", 1)[0]
+            )
             if got is None:
-                raise RuntimeError(f"capture (vllm): no states recorded for request {out.request_id}")
+                raise RuntimeError(
+                    f"capture (vllm): no states recorded for request {out.request_id}"
+                )
             rid, st, filled = got
             if st.states.shape[0] != len(sample) or filled != len(sample):
                 raise RuntimeError(
-                    f"capture (vllm): request {rid} recorded {filled}/{st.states.shape[0]} positions of a "
-                    f"{len(sample)}-token prompt (prefix caching on, or an unsupported vLLM runner?)"
+                    f"capture (vllm): request {rid} recorded {filled}/{st.states.shape[0]} "
+                    f"positions of a {len(sample)}-token prompt (prefix caching on, or an "
+                    "unsupported vLLM runner?)"
                 )
             result.append(st)
         return result
@@ -118,8 +147,9 @@ class VLLMBackend:
     # ---- capture.writer = "worker": the TP-rank-0 worker writes the shards (eagle3.vllm_ext) ----
 
     def capture_refs(self, samples: list[np.ndarray]) -> list[WorkerStates]:
-        """Like `capture`, but the states stay in the worker: one WorkerStates handle per sample (same checks:
-        every position recorded). Non-finite samples are dropped in the worker at once (the driver skips them)."""
+        """Like `capture`, but the states stay in the worker: one WorkerStates handle per sample
+        (same checks: every position recorded). Non-finite samples are dropped in the worker at once
+        (the driver skips them)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -130,14 +160,19 @@ class VLLMBackend:
         by_external = {rid.rsplit("-", 1)[0]: (rid, m) for rid, m in meta.items()}
         result, bad = [], []
         for out, sample in zip(outputs, samples, strict=True):
-            got = by_external.get(out.request_id) or by_external.get(out.request_id.rsplit("-", 1)[0])
+            got = by_external.get(out.request_id) or by_external.get(
+                out.request_id.rsplit("-", 1)[0]
+            )
             if got is None:
-                raise RuntimeError(f"capture (vllm): no states recorded for request {out.request_id}")
+                raise RuntimeError(
+                    f"capture (vllm): no states recorded for request {out.request_id}"
+                )
             rid, m = got
             if m["num_tokens"] != len(sample) or m["filled"] != len(sample):
                 raise RuntimeError(
-                    f"capture (vllm): request {rid} recorded {m['filled']}/{m['num_tokens']} positions of a "
-                    f"{len(sample)}-token prompt (prefix caching on, or an unsupported vLLM runner?)"
+                    f"capture (vllm): request {rid} recorded {m['filled']}/{m['num_tokens']} "
+                    f"positions of a {len(sample)}-token prompt (prefix caching on, or an "
+                    "unsupported vLLM runner?)"
                 )
             if not m["finite"]:
                 bad.append(rid)
@@ -146,21 +181,50 @@ class VLLMBackend:
             self.llm.collective_rpc("eagle3_capture_drop", args=(bad,))
         return result
 
-    def start_write_shard(self, out: str, shard_id: int, buf: Any, rids: list[str], num_aux: int, hidden_size: int,
-                          storage_dtype: str, background: str = "auto") -> None:
+    def start_write_shard(
+        self,
+        out: str,
+        shard_id: int,
+        buf: Any,
+        rids: list[str],
+        num_aux: int,
+        hidden_size: int,
+        storage_dtype: str,
+        background: str = "auto",
+    ) -> None:
         """Have the worker write shard `shard_id` of `buf` (an eagle3.shards.ShardBuffer holding the
-        driver's bookkeeping: indices, sample ids, input_ids, loss_mask, skips) with the states of `rids`; on a
-        GPU engine it writes in the background. `wait_shard(shard_id)` returns its progress entry."""
-        rows = [[rid, i, sid, ids.tolist(), mask.tolist()] for rid, i, sid, ids, mask
-                in zip(rids, buf.sample_index, buf.sample_ids, buf.input_ids, buf.loss_mask, strict=True)]
-        got = self.llm.collective_rpc("eagle3_capture_write_shard", args=(
-            str(out), shard_id, rows, buf.first_index, buf.next_index, dict(buf.skipped), num_aux, hidden_size,
-            storage_dtype, background))[0]
+        driver's bookkeeping: indices, sample ids, input_ids, loss_mask, skips) with the states of
+        `rids`; on a GPU engine it writes in the background. `wait_shard(shard_id)` returns its
+        progress entry."""
+        rows = [
+            [rid, i, sid, ids.tolist(), mask.tolist()]
+            for rid, i, sid, ids, mask in zip(
+                rids, buf.sample_index, buf.sample_ids, buf.input_ids, buf.loss_mask, strict=True
+            )
+        ]
+        got = self.llm.collective_rpc(
+            "eagle3_capture_write_shard",
+            args=(
+                str(out),
+                shard_id,
+                rows,
+                buf.first_index,
+                buf.next_index,
+                dict(buf.skipped),
+                num_aux,
+                hidden_size,
+                storage_dtype,
+                background,
+            ),
+        )[0]
         if got is None:
-            raise RuntimeError("capture (vllm): TP rank 0 did not take the shard (no states kept there?)")
+            raise RuntimeError(
+                "capture (vllm): TP rank 0 did not take the shard (no states kept there?)"
+            )
 
     def wait_shard(self, shard_id: int) -> dict[str, Any]:
-        """The progress entry of a shard started with start_write_shard, once its file is complete."""
+        """The progress entry of a shard started with start_write_shard, once its file is
+        complete."""
         return self.llm.collective_rpc("eagle3_capture_wait_shard", args=(shard_id,))[0]
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """Batched generation with transformers, for hosts without vLLM (e.g. a bare GPU box).
 
-The regenerate stage uses vLLM by default; `backend: hf` routes its generation here. Same contract as
-the vLLM path: prompts are token ids already rendered with the target's chat template, outputs are the
-generated token ids (eos included when generation stopped on it) and a finish reason.
+The regenerate stage uses vLLM by default; `backend: hf` routes its generation here. Same contract
+as the vLLM path: prompts are token ids already rendered with the target's chat template, outputs
+are the generated token ids (eos included when generation stopped on it) and a finish reason.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def resolve_device(device: str) -> str:
 class HfGenerator:
     """A transformers causal LM loaded once, generating for batches of token-id prompts."""
 
-    def __init__(self, target: str, device: str = "auto", dtype: str = "auto", batch_size: int = 256):
+    def __init__(
+        self, target: str, device: str = "auto", dtype: str = "auto", batch_size: int = 256
+    ):
         import torch
         from transformers import GenerationConfig
 
@@ -41,24 +43,38 @@ class HfGenerator:
         gen_cfg = GenerationConfig.from_model_config(self.model.config)
         eos = gen_cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.pad_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else next(iter(self.eos_ids), 0)
+        self.pad_id = (
+            gen_cfg.pad_token_id
+            if gen_cfg.pad_token_id is not None
+            else next(iter(self.eos_ids), 0)
+        )
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
         stop_ids: set[int] | None = None,
     ) -> list[Generation]:
-        """Generate for every prompt; greedy when temperature == 0. Outputs are in prompt order. `stop_ids`: more
-        token ids that end a generation besides the model's eos (e.g. the end of a user turn)."""
+        """Generate for every prompt; greedy when temperature == 0. Outputs are in prompt order.
+        `stop_ids`: more token ids that end a generation besides the model's eos (e.g. the end of a
+        user turn)."""
         import torch
 
         stops = self.eos_ids | set(stop_ids or ())
         torch.manual_seed(seed)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
+        order = sorted(
+            range(len(prompts)), key=lambda i: len(prompts[i])
+        )  # similar lengths per batch
         results: list[Generation | None] = [None] * len(prompts)
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             width = max(len(prompts[i]) for i in idx)
-            input_ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)  # (B, T) left-padded
+            input_ids = torch.full(
+                (len(idx), width), self.pad_id, dtype=torch.long
+            )  # (B, T) left-padded
             attn = torch.zeros((len(idx), width), dtype=torch.long)  # (B, T)
             for row, i in enumerate(idx):
                 p = prompts[i]

@@ -1,13 +1,16 @@
-"""`eagle3 mix`: several chat / prompt sources -> one conversations.jsonl, each source's share set by its weight.
+"""`eagle3 mix`: several chat / prompt sources -> one conversations.jsonl, each source's share set
+by its weight.
 
-    eagle3 mix --sources chats.jsonl=1,synth/prompts.jsonl=2 --out mixed/      # 1/3 chats, 2/3 synthesized
+    # 1/3 chats, 2/3 synthesized
+    eagle3 mix --sources chats.jsonl=1,synth/prompts.jsonl=2 --out mixed/
 
-Weights are relative: source i gets round(num_rows * w_i / sum(w)) rows (largest remainder, so the counts sum
-to num_rows), drawn without repetition, seeded. num_rows defaults to the largest mix that repeats no row of any
-source (min over sources of usable_rows_i / share_i); asking for more rows of a source than it has is an error
-that names the source and the largest num_rows possible. Rows are read with the shared reader (any format
-prepare reads; prompt-only rows allowed, bad rows skipped and counted per source) and written as
-``{"id": "<source index>/<id>", "messages", "category"?, "source"}``, shuffled, for regenerate (or prepare).
+Weights are relative: source i gets round(num_rows * w_i / sum(w)) rows (largest remainder, so the
+counts sum to num_rows), drawn without repetition, seeded. num_rows defaults to the largest mix that
+repeats no row of any source (min over sources of usable_rows_i / share_i); asking for more rows of
+a source than it has is an error that names the source and the largest num_rows possible. Rows are
+read with the shared reader (any format prepare reads; prompt-only rows allowed, bad rows skipped
+and counted per source) and written as ``{"id": "<source index>/<id>", "messages", "category"?,
+"source"}``, shuffled, for regenerate (or prepare).
 """
 
 from __future__ import annotations
@@ -53,8 +56,14 @@ def run_mix(cfg: MixConfig) -> MixResult:
     t0 = time.time()
     reads = [read_conversations(s.path, require_assistant=False) for s in cfg.sources]
     for i, r in enumerate(reads):
-        check_skipped(r.source, r.num_rows, r.skipped, r.skip_rows, cfg.max_skipped_fraction,
-                      f"mix: sources[{i}]")
+        check_skipped(
+            r.source,
+            r.num_rows,
+            r.skipped,
+            r.skip_rows,
+            cfg.max_skipped_fraction,
+            f"mix: sources[{i}]",
+        )
     sizes = [len(r.conversations) for r in reads]
     weights = [s.weight for s in cfg.sources]
     shares = [w / sum(weights) for w in weights]
@@ -64,8 +73,9 @@ def run_mix(cfg: MixConfig) -> MixResult:
     for i, (s, n, c) in enumerate(zip(cfg.sources, sizes, counts, strict=True)):
         if c > n:
             raise ConfigError(
-                f"mix: sources[{i}] ({s.path}) has {n} usable rows but weight {s.weight} of num_rows={num_rows} asks "
-                f"for {c}; set num_rows <= {most} (the most without repeating rows) or lower that source's weight"
+                f"mix: sources[{i}] ({s.path}) has {n} usable rows but weight {s.weight} of "
+                f"num_rows={num_rows} asks for {c}; set num_rows <= {most} (the most without "
+                "repeating rows) or lower that source's weight"
             )
     rng = random.Random(cfg.seed)
     rows = []
@@ -81,9 +91,28 @@ def run_mix(cfg: MixConfig) -> MixResult:
     with atomic_path(out / OUTPUT) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    per_source = [{"path": s.path, "weight": s.weight, "share": round(p, 6), "usable_rows": n, "taken": c,
-                   "input_rows": r.num_rows, "skipped": dict(r.skipped)}
-                  for s, p, n, c, r in zip(cfg.sources, shares, sizes, counts, reads, strict=True)]
-    write_json(out / MANIFEST, {"stage": "mix", "output": OUTPUT, "num_rows": num_rows, "max_rows_without_repeats": most,
-                                "seed": cfg.seed, "sources": per_source, "config": cfg.model_dump(mode="json")})
+    per_source = [
+        {
+            "path": s.path,
+            "weight": s.weight,
+            "share": round(p, 6),
+            "usable_rows": n,
+            "taken": c,
+            "input_rows": r.num_rows,
+            "skipped": dict(r.skipped),
+        }
+        for s, p, n, c, r in zip(cfg.sources, shares, sizes, counts, reads, strict=True)
+    ]
+    write_json(
+        out / MANIFEST,
+        {
+            "stage": "mix",
+            "output": OUTPUT,
+            "num_rows": num_rows,
+            "max_rows_without_repeats": most,
+            "seed": cfg.seed,
+            "sources": per_source,
+            "config": cfg.model_dump(mode="json"),
+        },
+    )
     return MixResult(out, out / OUTPUT, num_rows, per_source, round(time.time() - t0, 2))

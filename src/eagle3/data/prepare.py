@@ -1,14 +1,15 @@
-"""Stage 1, prepare: chat conversations -> token ids + assistant-only loss masks via the target's own
-chat template.
+"""Stage 1, prepare: chat conversations -> token ids + assistant-only loss masks via the target's
+own chat template.
 
 Two ways to find the assistant tokens:
 - the template has `{% generation %}` markers: transformers computes the mask
   (`return_assistant_tokens_mask=True`);
-- otherwise: render growing prefixes of the conversation, check that each rendering is a prefix of the
-  next (else the template is not prefix-stable and we refuse, naming the message), and mark the tokens
-  whose characters fall inside an assistant turn's span. The span ends with the turn's stop token (the
-  tokenizer's eos, e.g. ChatML's `<|im_end|>`): template glue after it (ChatML's newline) is not written by
-  the model, so it is not supervised — as a `{% generation %}` block around content + stop token marks it.
+- otherwise: render growing prefixes of the conversation, check that each rendering is a prefix of
+  the next (else the template is not prefix-stable and we refuse, naming the message), and mark the
+  tokens whose characters fall inside an assistant turn's span. The span ends with the turn's stop
+  token (the tokenizer's eos, e.g. ChatML's `<|im_end|>`): template glue after it (ChatML's newline)
+  is not written by the model, so it is not supervised — as a `{% generation %}` block around
+  content + stop token marks it.
 Both paths give the same masks for the same template (tests/test_prepare.py checks that).
 """
 
@@ -49,8 +50,9 @@ class PrepareResult:
 
 
 def tokenizer_code(target: str | Path) -> str | None:
-    """The tokenizer class a target directory brings as its own Python code (tokenizer_config.json `auto_map`,
-    e.g. "tokenization_kimi.TikTokenTokenizer"), or None when transformers' own classes load it."""
+    """The tokenizer class a target directory brings as its own Python code (tokenizer_config.json
+    `auto_map`, e.g. "tokenization_kimi.TikTokenTokenizer"), or None when transformers' own classes
+    load it."""
     p = Path(target) / "tokenizer_config.json"
     if not p.is_file():
         return None
@@ -66,18 +68,22 @@ def load_tokenizer(target: str, trust_remote_code: bool = False):
 
     path = Path(target)
     if not path.exists():
-        raise FileNotFoundError(f"target {target} does not exist (expected a model directory with a tokenizer)")
+        raise FileNotFoundError(
+            f"target {target} does not exist (expected a model directory with a tokenizer)"
+        )
     code = tokenizer_code(path)
     if code and not trust_remote_code:
         raise ConfigError(
-            f"the tokenizer of {target} is Python code shipped with the model ({code}, tokenizer_config.json "
-            "`auto_map`), which prepare does not run unless you opt in: set `prepare.trust_remote_code: true` "
-            "in the config file (or pass --trust-remote-code) if you trust that directory"
+            f"the tokenizer of {target} is Python code shipped with the model ({code}, "
+            "tokenizer_config.json `auto_map`), which prepare does not run unless you opt in: set "
+            "`prepare.trust_remote_code: true` in the config file (or pass --trust-remote-code) if "
+            "you trust that directory"
         )
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if not getattr(tok, "chat_template", None):
         raise TemplateError(
-            f"the tokenizer of {target} has no chat template; add chat_template.jinja to the target directory"
+            f"the tokenizer of {target} has no chat template; add chat_template.jinja to the "
+            "target directory"
         )
     return tok
 
@@ -86,32 +92,54 @@ def has_generation_markers(template: str) -> bool:
     return bool(_GENERATION_RE.search(template))
 
 
-def tokenize_with_generation_mask(tok, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def tokenize_with_generation_mask(
+    tok, messages: list[dict[str, str]]
+) -> tuple[list[int], list[int]]:
     out = tok.apply_chat_template(
         messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
 
 
-def tokenize_with_prefix_mask(tok, messages: list[dict[str, str]], sample_id: str = "?") -> tuple[list[int], list[int]]:
-    """Assistant spans from renderings of growing prefixes (for templates without generation markers)."""
+def tokenize_with_prefix_mask(
+    tok, messages: list[dict[str, str]], sample_id: str = "?"
+) -> tuple[list[int], list[int]]:
+    """Assistant spans from renderings of growing prefixes (for templates without generation
+    markers)."""
     full = tok.apply_chat_template(messages, tokenize=False)
     spans: list[tuple[int, int]] = []
     prev_end = 0
     for i, msg in enumerate(messages):
-        before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=msg["role"] == "assistant") if i else ""
+        before = (
+            tok.apply_chat_template(
+                messages[:i], tokenize=False, add_generation_prompt=msg["role"] == "assistant"
+            )
+            if i
+            else ""
+        )
         upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
-        for name, text, longer in ((f"messages[:{i}]", before, upto), (f"messages[:{i + 1}]", upto, full)):
+        for name, text, longer in (
+            (f"messages[:{i}]", before, upto),
+            (f"messages[:{i + 1}]", upto, full),
+        ):
             if not longer.startswith(text):
                 raise TemplateError(
-                    f"chat template is not prefix-stable for sample {sample_id}: the rendering of {name} is not a "
-                    "prefix of the longer conversation, so assistant boundaries cannot be derived. Add "
-                    "{% generation %}...{% endgeneration %} around the assistant content in the template."
+                    f"chat template is not prefix-stable for sample {sample_id}: the rendering of "
+                    f"{name} is not a prefix of the longer conversation, so assistant boundaries "
+                    "cannot be derived. Add {% generation %}...{% endgeneration %} around the "
+                    "assistant content in the template."
                 )
         if len(before) < prev_end:
-            raise TemplateError(f"chat template rendering shrank at message {i} of sample {sample_id}")
+            raise TemplateError(
+                f"chat template rendering shrank at message {i} of sample {sample_id}"
+            )
         if msg["role"] == "assistant":
-            spans.append((len(before), _end_at_stop_token(upto, len(before), getattr(tok, "eos_token", None))))
+            spans.append(
+                (
+                    len(before),
+                    _end_at_stop_token(upto, len(before), getattr(tok, "eos_token", None)),
+                )
+            )
         prev_end = len(upto)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -123,17 +151,19 @@ def tokenize_with_prefix_mask(tok, messages: list[dict[str, str]], sample_id: st
 
 
 def _end_at_stop_token(text: str, start: int, stop: str | None) -> int:
-    """End of the assistant span text[start:]: just after its last stop token when only whitespace follows
-    it (template glue), else the end of the text."""
+    """End of the assistant span text[start:]: just after its last stop token when only whitespace
+    follows it (template glue), else the end of the text."""
     end = len(text)
     if stop:
         at = text.rfind(stop, start)
-        if at >= 0 and not text[at + len(stop):].strip():
+        if at >= 0 and not text[at + len(stop) :].strip():
             end = at + len(stop)
     return end
 
 
-def tokenize_conversation(tok, conv: Conversation, use_generation: bool) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tok, conv: Conversation, use_generation: bool
+) -> tuple[list[int], list[int]]:
     if use_generation:
         return tokenize_with_generation_mask(tok, conv.messages)
     return tokenize_with_prefix_mask(tok, conv.messages, conv.sample_id)
@@ -177,16 +207,22 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
                 skip("no_supervised_tokens_after_truncation", conv)
                 continue
         seen_ids[conv.sample_id] += 1
-        sample_id = conv.sample_id if seen_ids[conv.sample_id] == 1 else f"{conv.sample_id}#{seen_ids[conv.sample_id]}"
+        sample_id = (
+            conv.sample_id
+            if seen_ids[conv.sample_id] == 1
+            else f"{conv.sample_id}#{seen_ids[conv.sample_id]}"
+        )
         rows.append({"input_ids": ids, "loss_mask": mask, "sample_id": sample_id})
         num_tokens += len(ids)
         num_supervised += sum(mask)
     if not rows:
         raise ValueError(
-            f"no usable conversations in {cfg.data}: {read.num_rows} rows read, skipped {dict(skipped)}"
+            f"no usable conversations in {cfg.data}: {read.num_rows} rows read, skipped "
+            f"{dict(skipped)}"
         )
-    check_skipped(read.source, read.num_rows, skipped, skip_rows, cfg.max_skipped_fraction,
-                  "prepare:")
+    check_skipped(
+        read.source, read.num_rows, skipped, skip_rows, cfg.max_skipped_fraction, "prepare:"
+    )
     data_path = Path(cfg.data)
     manifest = PreparedMeta(
         stage="prepare",

@@ -1,30 +1,32 @@
 """`eagle3 regenerate`: replace every assistant turn of the chat data with the target's own answer.
 
 EAGLE-3 drafts learn the *target's* distribution, so the training answers should be what the target
-itself says. For each conversation, every assistant turn is regenerated from the turns before it (the
-regenerated history, not the dataset's answers), turn by turn: in a batch of `batch_size` conversations
-all first answers are generated in one `LLM.generate` call, then all second answers, and so on. A row
-whose last turn is a user turn (prompt-only rows such as `{"question": ...}`) gets an answer appended.
+itself says. For each conversation, every assistant turn is regenerated from the turns before it
+(the regenerated history, not the dataset's answers), turn by turn: in a batch of `batch_size`
+conversations all first answers are generated in one `LLM.generate` call, then all second answers,
+and so on. A row whose last turn is a user turn (prompt-only rows such as `{"question": ...}`) gets
+an answer appended.
 
-Prompts are rendered with the target's own chat template (+ generation prompt) and sent to vLLM as token
-ids; greedy unless `temperature > 0` (then each turn has its own seed derived from `seed`, the row index
-and the turn, so a resumed run samples the same).
+Prompts are rendered with the target's own chat template (+ generation prompt) and sent to vLLM as
+token ids; greedy unless `temperature > 0` (then each turn has its own seed derived from `seed`, the
+row index and the turn, so a resumed run samples the same).
 
 Edge cases (all counted in manifest.json):
-* a prompt longer than `max_model_len - max_new_tokens` tokens: the conversation ends before that turn;
-  if it is the first turn the conversation is dropped (`prompt_too_long`), else it is kept with the turns
-  done so far (`truncated_too_long`);
+* a prompt longer than `max_model_len - max_new_tokens` tokens: the conversation ends before that
+  turn; if it is the first turn the conversation is dropped (`prompt_too_long`), else it is kept
+  with the turns done so far (`truncated_too_long`);
 * an empty answer (the target stopped at once) ends the conversation the same way (`empty_answer`,
   `truncated_empty_answer`), since an empty assistant turn is not a training sample;
-* an answer that hits `max_new_tokens` is kept as it is (finish reason `length`): it is still exactly
-  what the target says for that many tokens, which is what the draft must learn.
+* an answer that hits `max_new_tokens` is kept as it is (finish reason `length`): it is still
+  exactly what the target says for that many tokens, which is what the draft must learn.
 
 Output (in `out`): `conversations.jsonl` (rows `{"id", "messages": [{role, content}, ...]}` that
 `eagle3 prepare` reads) and `manifest.json`. Resume: while running, batches are appended (fsync) to
 `conversations.partial.jsonl` and `progress.json` records the rows consumed and the byte size after
-the last complete batch; a rerun with the same generation settings truncates the partial file to that
-size and continues with the next batch, so nothing is duplicated or lost. At the end the partial file is
-renamed to `conversations.jsonl` (a reader never sees a half-written file under that name).
+the last complete batch; a rerun with the same generation settings truncates the partial file to
+that size and continues with the next batch, so nothing is duplicated or lost. At the end the
+partial file is renamed to `conversations.jsonl` (a reader never sees a half-written file under that
+name).
 """
 
 from __future__ import annotations
@@ -55,8 +57,18 @@ PROGRESS = "progress.json"
 MANIFEST = "manifest.json"
 
 #: RegenerateConfig fields that change the generated text; a resume requires them unchanged.
-_FINGERPRINT_FIELDS = ("target", "data", "max_new_tokens", "temperature", "top_p", "batch_size", "max_model_len", "seed", "dtype",
-                       "backend")
+_FINGERPRINT_FIELDS = (
+    "target",
+    "data",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "batch_size",
+    "max_model_len",
+    "seed",
+    "dtype",
+    "backend",
+)
 
 
 @dataclass
@@ -84,7 +96,8 @@ def _fingerprint(cfg: RegenerateConfig) -> str:
 
 
 def generation_points(messages: list[dict[str, str]]) -> list[int]:
-    """Indices of the assistant turns to regenerate; len(messages) when the last turn needs an answer."""
+    """Indices of the assistant turns to regenerate; len(messages) when the last turn needs an
+    answer."""
     points = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if messages and messages[-1]["role"] != "assistant":
         points.append(len(messages))
@@ -100,12 +113,15 @@ class _Tokenizer:
         self.tok = AutoTokenizer.from_pretrained(target)
         if not self.tok.chat_template:
             raise ValueError(
-                f"{target}: the tokenizer has no chat template (tokenizer_config.json `chat_template` or "
-                "chat_template.jinja); regenerate renders prompts with the target's own template"
+                f"{target}: the tokenizer has no chat template (tokenizer_config.json "
+                "`chat_template` or chat_template.jinja); regenerate renders prompts with the "
+                "target's own template"
             )
 
     def render(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = self.tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -119,7 +135,12 @@ class _Stats:
     dropped: Counter = field(default_factory=Counter)
 
     def to_json(self) -> dict[str, Any]:
-        return {"turns": self.turns, "generated_tokens": self.generated_tokens, "finish": dict(self.finish), "dropped": dict(self.dropped)}
+        return {
+            "turns": self.turns,
+            "generated_tokens": self.generated_tokens,
+            "finish": dict(self.finish),
+            "dropped": dict(self.dropped),
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> _Stats:
@@ -132,8 +153,9 @@ class _VllmGenerator:
     def __init__(self, llm: Any, cfg: RegenerateConfig, owned: bool = False):
         self.llm, self.cfg, self.owned = llm, cfg, owned
 
-    def generate(self, prompts: list[list[int]], seeds: list[int | None],
-                 temperature: float | None = None) -> list[tuple[list[int], str, str]]:
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int | None], temperature: float | None = None
+    ) -> list[tuple[list[int], str, str]]:
         """(token ids, text, finish reason) per prompt; `temperature` overrides the config's
         for this call."""
         from vllm import SamplingParams
@@ -141,12 +163,25 @@ class _VllmGenerator:
         cfg = self.cfg
         temp = cfg.temperature if temperature is None else temperature
         params = [
-            SamplingParams(temperature=temp, top_p=cfg.top_p if temp > 0 else 1.0,
-                           max_tokens=cfg.max_new_tokens, seed=seed)
+            SamplingParams(
+                temperature=temp,
+                top_p=cfg.top_p if temp > 0 else 1.0,
+                max_tokens=cfg.max_new_tokens,
+                seed=seed,
+            )
             for seed in seeds
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason or "unknown") for o in outputs]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        return [
+            (
+                list(o.outputs[0].token_ids),
+                o.outputs[0].text,
+                o.outputs[0].finish_reason or "unknown",
+            )
+            for o in outputs
+        ]
 
     def close(self) -> None:
         """Shut the engine down when this generator started it (its memory is then free for
@@ -157,29 +192,41 @@ class _VllmGenerator:
 
 
 class _HfBackendGenerator:
-    """transformers generation (hosts without vLLM); text decoded as vLLM does (special tokens skipped)."""
+    """transformers generation (hosts without vLLM); text decoded as vLLM does (special tokens
+    skipped)."""
 
     def __init__(self, cfg: RegenerateConfig, tok: _Tokenizer):
         self.cfg, self.tok = cfg, tok
-        self.gen = HfGenerator(str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size)
+        self.gen = HfGenerator(
+            str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size
+        )
 
-    def generate(self, prompts: list[list[int]], seeds: list[int | None],
-                 temperature: float | None = None) -> list[tuple[list[int], str, str]]:
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int | None], temperature: float | None = None
+    ) -> list[tuple[list[int], str, str]]:
         """As _VllmGenerator.generate; one seed per call (the first given, else cfg.seed) seeds
         the whole batch."""
         cfg = self.cfg
         temp = cfg.temperature if temperature is None else temperature
         seed = next((x for x in seeds if x is not None), cfg.seed)
         outs = self.gen.generate(prompts, cfg.max_new_tokens, temp, cfg.top_p, seed=seed)
-        return [(g.token_ids, self.tok.tok.decode(g.token_ids, skip_special_tokens=True), g.finish_reason) for g in outs]
+        return [
+            (
+                g.token_ids,
+                self.tok.tok.decode(g.token_ids, skip_special_tokens=True),
+                g.finish_reason,
+            )
+            for g in outs
+        ]
 
     def close(self) -> None:
         """Drop the model (and its GPU memory)."""
         self.gen.close()
 
 
-def open_generator(cfg: RegenerateConfig, tok: _Tokenizer,
-                   llm: Any = None) -> tuple[Any, dict[str, Any]]:
+def open_generator(
+    cfg: RegenerateConfig, tok: _Tokenizer, llm: Any = None
+) -> tuple[Any, dict[str, Any]]:
     """The target as a generator of cfg's backend (`generate(prompts, seeds, temperature=None)`
     -> (token ids, text, finish reason) per prompt; `close()`), and the engine settings it runs
     with. `llm`: a started vllm.LLM to reuse (close() leaves it running)."""
@@ -188,8 +235,12 @@ def open_generator(cfg: RegenerateConfig, tok: _Tokenizer,
         dtype = str(gen.gen.model.dtype).removeprefix("torch.")
         return gen, {"backend": "hf", "device": gen.gen.device, "dtype": dtype}
     engine = engine_kwargs(
-        cfg.target, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-        tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed, enable_prefix_caching=False,
+        cfg.target,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        seed=cfg.seed,
+        enable_prefix_caching=False,
     )
     owned = llm is None
     if owned:
@@ -202,13 +253,26 @@ def open_generator(cfg: RegenerateConfig, tok: _Tokenizer,
 
 
 def _regenerate_batch(
-    gen: Any, tok: _Tokenizer, convs: list[tuple[int, Conversation]], cfg: RegenerateConfig, stats: _Stats
+    gen: Any,
+    tok: _Tokenizer,
+    convs: list[tuple[int, Conversation]],
+    cfg: RegenerateConfig,
+    stats: _Stats,
 ) -> list[dict[str, Any]]:
     """Regenerate one batch turn by turn; returns the output rows (in input order)."""
     max_prompt = cfg.max_model_len - cfg.max_new_tokens
     states = []
     for row_index, conv in convs:
-        states.append({"row": row_index, "conv": conv, "points": generation_points(conv.messages), "out": [], "next": 0, "done": False})
+        states.append(
+            {
+                "row": row_index,
+                "conv": conv,
+                "points": generation_points(conv.messages),
+                "out": [],
+                "next": 0,
+                "done": False,
+            }
+        )
     turn = 0
     while True:
         active, prompts, seeds = [], [], []
@@ -227,7 +291,11 @@ def _regenerate_batch(
             st["pending"] = context
             active.append(st)
             prompts.append(ids)
-            seeds.append(None if cfg.temperature == 0 else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31))
+            seeds.append(
+                None
+                if cfg.temperature == 0
+                else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31)
+            )
         if not active:
             break
         outputs = gen.generate(prompts, seeds)
@@ -261,8 +329,9 @@ def _append_rows(path: Path, rows: list[dict[str, Any]]) -> int:
         return f.tell()
 
 
-def run_regenerate(cfg: RegenerateConfig, llm: Any = None,
-                   on_batch: Callable[[int, int], None] | None = None) -> RegenerateResult:
+def run_regenerate(
+    cfg: RegenerateConfig, llm: Any = None, on_batch: Callable[[int, int], None] | None = None
+) -> RegenerateResult:
     """See `_regenerate`; one writer per out dir (eagle3.lock), which also records the engine's
     processes."""
     cfg.require("target", "data", "out")
@@ -277,9 +346,9 @@ def _regenerate(
 ) -> RegenerateResult:
     """Regenerate `cfg.data`'s assistant turns with `cfg.target`; see the module docstring.
 
-    `llm`: an existing `vllm.LLM` for `cfg.target` to reuse (tests, notebooks); by default one is built
-    with `eagle3.vllm_engine.engine_kwargs`. `on_batch(batch_index, rows_done)` is called after each
-    batch is durably written (progress reporting; raising in it stops the run resumably).
+    `llm`: an existing `vllm.LLM` for `cfg.target` to reuse (tests, notebooks); by default one is
+    built with `eagle3.vllm_engine.engine_kwargs`. `on_batch(batch_index, rows_done)` is called
+    after each batch is durably written (progress reporting; raising in it stops the run resumably).
     """
     from tqdm import tqdm
 
@@ -296,20 +365,28 @@ def _regenerate(
             before, now = manifest.get("target_fingerprint"), target_fingerprint(cfg.target)
             differs = before and now and describe_difference(before, now)
             if differs:  # same path and settings, other weights: the answers are another model's
-                raise ValueError(f"{out / MANIFEST}: these answers were written by other target "
-                                 f"weights ({differs}); regenerate them into a new --out, or "
-                                 f"delete {out}")
+                raise ValueError(
+                    f"{out / MANIFEST}: these answers were written by other target "
+                    f"weights ({differs}); regenerate them into a new --out, or "
+                    f"delete {out}"
+                )
             log.info("%s is complete for these settings; nothing to do", final)
             return _result_from_manifest(out, manifest, time.time() - t0)
         raise ValueError(
             f"{out} already holds a finished regeneration made with other settings "
-            f"(manifest fingerprint {manifest.get('fingerprint', '?')[:12]}, limit {manifest.get('limit')}); "
-            "pass a new --out or delete the directory"
+            f"(manifest fingerprint {manifest.get('fingerprint', '?')[:12]}, limit "
+            f"{manifest.get('limit')}); pass a new --out or delete the directory"
         )
 
     read = read_conversations(cfg.data, limit=cfg.limit, require_assistant=False)
-    check_skipped(read.source, read.num_rows, read.skipped, read.skip_rows,
-                  cfg.max_skipped_fraction, "regenerate:")
+    check_skipped(
+        read.source,
+        read.num_rows,
+        read.skipped,
+        read.skip_rows,
+        cfg.max_skipped_fraction,
+        "regenerate:",
+    )
     convs = list(enumerate(read.conversations))
 
     start, stats = 0, _Stats()
@@ -319,19 +396,22 @@ def _regenerate(
         if prog.get("fingerprint") != fp:
             raise ValueError(
                 f"{progress_path} belongs to a run with other settings "
-                f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or delete {out}"
+                f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or "
+                f"delete {out}"
             )
         before = prog.get("target_fingerprint")
         differs = before and weights and describe_difference(before, weights)
         if differs:
-            raise ValueError(f"{progress_path}: the answers so far were written by other target "
-                             f"weights ({differs}); resuming would mix two models: pass a new "
-                             f"--out or delete {out}")
+            raise ValueError(
+                f"{progress_path}: the answers so far were written by other target "
+                f"weights ({differs}); resuming would mix two models: pass a new "
+                f"--out or delete {out}"
+            )
         start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
         if start > len(convs):
             raise ValueError(
-                f"{progress_path}: {start} rows are already done but --limit {cfg.limit} leaves {len(convs)}; "
-                "rerun with the earlier (or no) --limit, or a new --out"
+                f"{progress_path}: {start} rows are already done but --limit {cfg.limit} leaves "
+                f"{len(convs)}; rerun with the earlier (or no) --limit, or a new --out"
             )
         with open(partial, "r+b") as f:  # drop a batch that was appended but not recorded
             f.truncate(int(prog["bytes"]))
@@ -355,9 +435,17 @@ def _regenerate(
         size = _append_rows(partial, rows)
         written += len(rows)
         done = min(b + bs, len(convs))
-        write_json(progress_path, {"fingerprint": fp, "rows_done": done, "bytes": size,
-                                   "written": written, "stats": stats.to_json(),
-                                   "target_fingerprint": weights})
+        write_json(
+            progress_path,
+            {
+                "fingerprint": fp,
+                "rows_done": done,
+                "bytes": size,
+                "written": written,
+                "stats": stats.to_json(),
+                "target_fingerprint": weights,
+            },
+        )
         bar.update(done - b)
         rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
         bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
@@ -388,7 +476,9 @@ def _regenerate(
         "input_formats": dict(read.formats),
         "config": cfg.model_dump(mode="json"),
         "engine": dict(engine),
-        "decode_tokens_per_s_this_run": round((stats.generated_tokens - gen_tokens0) / max(gen_s, 1e-9), 1),
+        "decode_tokens_per_s_this_run": round(
+            (stats.generated_tokens - gen_tokens0) / max(gen_s, 1e-9), 1
+        ),
         "resumed_from_row": start,
         "elapsed_s": round(elapsed, 1),
         "vllm_version": _vllm_version(),

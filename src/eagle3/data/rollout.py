@@ -74,8 +74,9 @@ def read_prompts(data: str, max_prompt_tokens: int) -> PromptSet:
     return PromptSet(prompts, dict(skipped), manifests)
 
 
-def split_prompts(prompts: list[Prompt], num_val: int,
-                  seed: int) -> tuple[list[Prompt], list[Prompt]]:
+def split_prompts(
+    prompts: list[Prompt], num_val: int, seed: int
+) -> tuple[list[Prompt], list[Prompt]]:
     """(validation, training pool): a seeded shuffle, the first num_val prompts held out."""
     order = list(prompts)
     random.Random(seed).shuffle(order)
@@ -110,8 +111,9 @@ def temperature_label(t: float) -> str:
     return f"t{t:g}"
 
 
-def generate_rollouts(gen: Any, prompts: list[Prompt], settings: RolloutSettings,
-                      batch_size: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def generate_rollouts(
+    gen: Any, prompts: list[Prompt], settings: RolloutSettings, batch_size: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Prepared rows of every prompt at every temperature (input_ids = prompt + continuation,
     loss_mask on the continuation, sample_id "<temperature label>/<prompt id>") and their counts.
     `gen`: an open regenerate generator (eagle3.data.regenerate.open_generator)."""
@@ -133,19 +135,32 @@ def generate_rollouts(gen: Any, prompts: list[Prompt], settings: RolloutSettings
                     empty += 1
                     continue
                 tokens[label] += len(token_ids)
-                rows.append({"input_ids": list(p.ids) + list(token_ids),
-                             "loss_mask": [0] * len(p.ids) + [1] * len(token_ids),
-                             "sample_id": f"{label}/{p.sample_id}"})
+                rows.append(
+                    {
+                        "input_ids": list(p.ids) + list(token_ids),
+                        "loss_mask": [0] * len(p.ids) + [1] * len(token_ids),
+                        "sample_id": f"{label}/{p.sample_id}",
+                    }
+                )
     generated, wall = sum(tokens.values()), time.time() - t0
-    stats = {"num_rollouts": len(rows), "generated_tokens": generated,
-             "finish_reasons": dict(finish), "empty": empty,
-             "tokens_per_temperature": dict(tokens), "generate_s": round(wall, 2),
-             "generated_tokens_per_s": round(generated / max(wall, 1e-9), 1)}
+    stats = {
+        "num_rollouts": len(rows),
+        "generated_tokens": generated,
+        "finish_reasons": dict(finish),
+        "empty": empty,
+        "tokens_per_temperature": dict(tokens),
+        "generate_s": round(wall, 2),
+        "generated_tokens_per_s": round(generated / max(wall, 1e-9), 1),
+    }
     return rows, stats
 
 
-def write_rollouts(rows: list[dict[str, Any]], out: Path, source_manifests: list[PreparedMeta],
-                   manifest: dict[str, Any]) -> Path:
+def write_rollouts(
+    rows: list[dict[str, Any]],
+    out: Path,
+    source_manifests: list[PreparedMeta],
+    manifest: dict[str, Any],
+) -> Path:
     """The rollouts as a prepared dataset (eagle3.prepared) that capture reads; the manifest
     carries the tokenizer and chat template hashes of the source data, as prepare's does."""
     first = source_manifests[0] if source_manifests else None

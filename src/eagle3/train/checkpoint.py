@@ -1,18 +1,20 @@
 """Checkpoints and draft dirs of a training run: what is written, how it is read back, and resume.
 
-    checkpoints/step-N/   model.safetensors (draft minus the frozen embedding, fp32; the weight average when
-                          ema_decay > 0, the raw weights then in raw.safetensors), optimizer.pt (the full optimizer
-                          state as one process keys it, whatever the world size, + scheduler; checkpoints of
-                          earlier FSDP runs: scheduler only, plus optimizer/rank-R-of-W.pt shards),
-                          trainer_state.json (step, loader epoch/cursor, best, world size and rows per step),
-                          rng.pt, eagle3_draft.json (the run's settings and input identities: resume_inputs
+    checkpoints/step-N/   model.safetensors (draft minus the frozen embedding, fp32; the weight
+                          average when ema_decay > 0, the raw weights then in raw.safetensors),
+                          optimizer.pt (the full optimizer state as one process keys it, whatever
+                          the world size, + scheduler; checkpoints of earlier FSDP runs: scheduler
+                          only, plus optimizer/rank-R-of-W.pt shards), trainer_state.json (step,
+                          loader epoch/cursor, best, world size and rows per step), rng.pt,
+                          eagle3_draft.json (the run's settings and input identities: resume_inputs
                           compares them)
-    best/, final/         model.safetensors + eagle3_draft.json (the draft's metadata, `draft_metadata`)
+    best/, final/         model.safetensors + eagle3_draft.json (the draft's metadata,
+                          `draft_metadata`)
 
-Every file is written under a temp name and renamed (eagle3.io); a checkpoint that does not read back whole is
-skipped for the one before it (read_latest_good_checkpoint). What a killed save leaves (temp dirs)
-is deleted at the next start (remove_stale_files); train.keep_checkpoints bounds how many step-N
-dirs stay (prune_checkpoints).
+Every file is written under a temp name and renamed (eagle3.io); a checkpoint that does not read
+back whole is skipped for the one before it (read_latest_good_checkpoint). What a killed save leaves
+(temp dirs) is deleted at the next start (remove_stale_files); train.keep_checkpoints bounds how
+many step-N dirs stay (prune_checkpoints).
 """
 
 from __future__ import annotations
@@ -52,12 +54,21 @@ if TYPE_CHECKING:
 
 METADATA = DraftMetadata.FILE
 WEIGHTS = "model.safetensors"
-RAW_WEIGHTS = "raw.safetensors"  # the raw training weights beside a weight-average model.safetensors
+RAW_WEIGHTS = (
+    "raw.safetensors"  # the raw training weights beside a weight-average model.safetensors
+)
 
 
-def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: CaptureManifest | SpoolHeader,
-                   target_cfg: dict, step: int, metrics=None,
-                   identity: dict | None = None, inputs: dict | None = None) -> DraftMetadata:
+def draft_metadata(
+    cfg: TrainConfig,
+    dcfg: DraftConfig,
+    manifest: CaptureManifest | SpoolHeader,
+    target_cfg: dict,
+    step: int,
+    metrics=None,
+    identity: dict | None = None,
+    inputs: dict | None = None,
+) -> DraftMetadata:
     """The draft's eagle3_draft.json. `identity` (eagle3.integrity.target_identity of the target
     trained with) is recorded so that export and evaluate can check they are given the same target;
     `inputs` (identities of the capture, vocab, validation capture and target:
@@ -89,10 +100,13 @@ def draft_metadata(cfg: TrainConfig, dcfg: DraftConfig, manifest: CaptureManifes
 
 
 def _draft_sd(model) -> dict[str, torch.Tensor]:
-    """Draft weights (no frozen embedding) from an Eagle3Draft or a full state dict of TTTModule (`draft.` prefix)."""
+    """Draft weights (no frozen embedding) from an Eagle3Draft or a full state dict of TTTModule
+    (`draft.` prefix)."""
     sd = model if isinstance(model, dict) else model.state_dict()
     sd = {k.removeprefix("draft."): v for k, v in sd.items()}
-    return {k: v.detach().cpu().contiguous() for k, v in sd.items() if not k.startswith("embed_tokens.")}
+    return {
+        k: v.detach().cpu().contiguous() for k, v in sd.items() if not k.startswith("embed_tokens.")
+    }
 
 
 def _draft_nbytes(model) -> int:
@@ -106,13 +120,23 @@ def _save_weights(model, path: Path) -> None:
         save_file(_draft_sd(model), str(tmp))
 
 
-def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoader, best: float,
-                    meta: DraftMetadata,
-                    raw=None, num_skipped_steps: int = 0, layout: dict | None = None) -> Path:
+def save_checkpoint(
+    out: Path,
+    model,
+    opt,
+    sched,
+    step: int,
+    loader: PackedLoader,
+    best: float,
+    meta: DraftMetadata,
+    raw=None,
+    num_skipped_steps: int = 0,
+    layout: dict | None = None,
+) -> Path:
     """`model`: Eagle3Draft or a full state dict. `opt`: the optimizer, or its full state dict
-    (eagle3.train.parallel.full_optimizer_state: what a sharded FSDP2 optimizer saves). `raw`: the raw weights when
-    `model` is their moving average (resume reads both). `layout`: world size and rows per step, kept in
-    trainer_state.json."""
+    (eagle3.train.parallel.full_optimizer_state: what a sharded FSDP2 optimizer saves). `raw`: the
+    raw weights when `model` is their moving average (resume reads both). `layout`: world size and
+    rows per step, kept in trainer_state.json."""
     final = out / "checkpoints" / f"step-{step}"
     # what the directory will hold, named if the disk fills while it is written
     # (eagle3.errors.DiskFullError)
@@ -127,8 +151,16 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, loader: PackedLoade
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng.pt")
-        write_json(tmp / "trainer_state.json", {"step": step, **loader.state_dict(), "best": best,
-                                                "num_skipped_steps": num_skipped_steps, **(layout or {})})
+        write_json(
+            tmp / "trainer_state.json",
+            {
+                "step": step,
+                **loader.state_dict(),
+                "best": best,
+                "num_skipped_steps": num_skipped_steps,
+                **(layout or {}),
+            },
+        )
         meta.save(tmp)
     return final
 
@@ -141,35 +173,42 @@ def save_model_dir(path: Path, model: Eagle3Draft, meta: DraftMetadata) -> Path:
 
 
 class UnsafeCheckpointError(ValueError):
-    """A checkpoint file holds pickled objects other than tensors and plain containers: it was not written by
-    eagle3 (or was tampered with), and loading it could run code. Refused, never loaded."""
+    """A checkpoint file holds pickled objects other than tensors and plain containers: it was not
+    written by eagle3 (or was tampered with), and loading it could run code. Refused, never
+    loaded."""
 
 
 def load_torch_file(path: Path, map_location: Any = None) -> Any:
-    """torch.load with weights_only=True (tensors, dicts, lists, tuples, numbers, strings only: no code runs from
-    a checkpoint). A file that needs more is refused with UnsafeCheckpointError; a truncated or corrupt one is a
-    CorruptFileError naming it."""
+    """torch.load with weights_only=True (tensors, dicts, lists, tuples, numbers, strings only: no
+    code runs from a checkpoint). A file that needs more is refused with UnsafeCheckpointError; a
+    truncated or corrupt one is a CorruptFileError naming it."""
     try:
         with corrupt_file_errors(path, "checkpoint file"):
             return torch.load(path, map_location=map_location, weights_only=True)
     except CorruptFileError as e:
-        if isinstance(e.__cause__, pickle.UnpicklingError) and "weights only" in str(e.__cause__).lower():
+        if (
+            isinstance(e.__cause__, pickle.UnpicklingError)
+            and "weights only" in str(e.__cause__).lower()
+        ):
             raise UnsafeCheckpointError(
-                f"{path} holds pickled objects that are not plain tensors or containers; it was not written by eagle3 "
-                "train (or was tampered with) and loading it could run code, so it is refused. Delete that checkpoint "
-                "dir, or train with resume: false into a fresh out dir"
+                f"{path} holds pickled objects that are not plain tensors or containers; it was "
+                "not written by eagle3 train (or was tampered with) and loading it could run code, "
+                "so it is refused. Delete that checkpoint dir, or train with resume: false into a "
+                "fresh out dir"
             ) from None
         raise
 
 
 @dataclass
 class CheckpointState:
-    """Everything a resume reads from one checkpoint dir, read (and checked) before any of it is applied."""
+    """Everything a resume reads from one checkpoint dir, read (and checked) before any of it is
+    applied."""
 
     path: Path
     weights: dict[str, torch.Tensor]
     raw: dict[str, torch.Tensor] | None
-    optimizer: Any  # the full optimizer state, or this rank's shard (the per-rank FSDP layout of earlier versions)
+    # the full optimizer state, or this rank's shard (the per-rank FSDP layout of earlier versions)
+    optimizer: Any
     scheduler: Any
     trainer_state: dict[str, Any]
     rng: dict[str, Any]
@@ -177,12 +216,19 @@ class CheckpointState:
     optimizer_is_shard: bool = False
 
 
-def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = None) -> CheckpointState:
-    """Read every file of `ckpt`; CorruptFileError when one is missing, truncated, corrupt or holds non-finite
-    weights (the caller falls back to an older checkpoint), UnsafeCheckpointError for a planted pickle."""
+def read_checkpoint(
+    ckpt: Path, map_location: Any, optim_shard: str | None = None
+) -> CheckpointState:
+    """Read every file of `ckpt`; CorruptFileError when one is missing, truncated, corrupt or holds
+    non-finite weights (the caller falls back to an older checkpoint), UnsafeCheckpointError for a
+    planted pickle."""
     fix = "training falls back to the checkpoint before it"
     weights = read_safetensors(ckpt / WEIGHTS, "checkpoint weights", fix)
-    raw = read_safetensors(ckpt / RAW_WEIGHTS, "checkpoint weights", fix) if (ckpt / RAW_WEIGHTS).is_file() else None
+    raw = (
+        read_safetensors(ckpt / RAW_WEIGHTS, "checkpoint weights", fix)
+        if (ckpt / RAW_WEIGHTS).is_file()
+        else None
+    )
     for name, sd in ((WEIGHTS, weights), (RAW_WEIGHTS, raw or {})):
         bad = nonfinite_tensors(sd)
         if bad:
@@ -191,14 +237,19 @@ def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = Non
         if not (ckpt / name).is_file():
             raise CorruptFileError(f"{ckpt / name} is missing: the checkpoint is incomplete")
     st = load_torch_file(ckpt / "optimizer.pt", map_location)
-    is_shard = "optimizer" not in st  # earlier versions' FSDP checkpoints: one optimizer file per rank
+    is_shard = (
+        "optimizer" not in st
+    )  # earlier versions' FSDP checkpoints: one optimizer file per rank
     if is_shard:
         shard = ckpt / "optimizer" / (optim_shard or "")
         if optim_shard is None or not shard.is_file():
             have = sorted(p.name for p in (ckpt / "optimizer").glob("rank-*.pt"))
-            raise ConfigError(f"{ckpt} holds its optimizer state in per-rank FSDP files ({', '.join(have[:2]) or 'none'}"
-                              f"{', ...' if len(have) > 2 else ''}), the layout of earlier versions, which only the "
-                              "same world size under parallel fsdp2 can read: resume that way, or set resume: false")
+            raise ConfigError(
+                f"{ckpt} holds its optimizer state in per-rank FSDP files "
+                f"({', '.join(have[:2]) or 'none'}{', ...' if len(have) > 2 else ''}), the layout "
+                "of earlier versions, which only the same world size under parallel fsdp2 can "
+                "read: resume that way, or set resume: false"
+            )
         optimizer = load_torch_file(shard, map_location)
     else:
         optimizer = st["optimizer"]
@@ -209,12 +260,17 @@ def read_checkpoint(ckpt: Path, map_location: Any, optim_shard: str | None = Non
     if (ckpt / METADATA).is_file():
         with corrupt_file_errors(ckpt / METADATA, "checkpoint metadata"):
             meta = DraftMetadata.load(ckpt)
-    return CheckpointState(ckpt, weights, raw, optimizer, st["scheduler"], state, rng, meta, is_shard)
+    return CheckpointState(
+        ckpt, weights, raw, optimizer, st["scheduler"], state, rng, meta, is_shard
+    )
 
 
-def read_latest_good_checkpoint(out: Path, map_location: Any, optim_shard: str | None, say) -> CheckpointState | None:
-    """The newest checkpoint of `out` that reads back whole; an unreadable one is reported (`say`) and the one
-    before it tried. None when there is none; a ValueError when every one is unreadable."""
+def read_latest_good_checkpoint(
+    out: Path, map_location: Any, optim_shard: str | None, say
+) -> CheckpointState | None:
+    """The newest checkpoint of `out` that reads back whole; an unreadable one is reported (`say`)
+    and the one before it tried. None when there is none; a ValueError when every one is
+    unreadable."""
     found = list_checkpoints(out)
     errors = []
     for ckpt in found:
@@ -225,8 +281,9 @@ def read_latest_good_checkpoint(out: Path, map_location: Any, optim_shard: str |
             say(f"checkpoint {ckpt.name} is unreadable ({e}); trying the one before it")
     if found:
         raise CorruptFileError(
-            f"no checkpoint in {out / 'checkpoints'} reads back whole ({len(found)} tried: {'; '.join(errors[:3])}): "
-            "delete the checkpoints dir to start over, or set resume: false with a new out dir"
+            f"no checkpoint in {out / 'checkpoints'} reads back whole ({len(found)} tried: "
+            f"{'; '.join(errors[:3])}): delete the checkpoints dir to start over, or set resume: "
+            "false with a new out dir"
         )
     return None
 
@@ -245,8 +302,11 @@ def remove_stale_files(out: Path) -> list[str]:
             continue
         for p in sorted(root.iterdir()):
             name = p.name
-            stale = name.startswith(ours) and name.endswith(".tmp") or (
-                root.name == "checkpoints" and name.startswith(".optim-step-"))
+            stale = (
+                name.startswith(ours)
+                and name.endswith(".tmp")
+                or (root.name == "checkpoints" and name.startswith(".optim-step-"))
+            )
             if name.startswith(ours) and name.endswith(".old") and p.is_dir():
                 final = p.with_name(name[1:].removesuffix(".old"))
                 if not final.exists():
@@ -303,8 +363,9 @@ def _step(ckpt: Path) -> int:
 def check_draft_weights(model: Eagle3Draft, sd: dict[str, torch.Tensor], path: Path) -> None:
     want = {k for k in model.state_dict() if not k.startswith("embed_tokens.")}
     if set(sd) != want:
-        raise KeyError(f"{path}: missing {sorted(want - set(sd))}, unexpected {sorted(set(sd) - want)}")
-
+        raise KeyError(
+            f"{path}: missing {sorted(want - set(sd))}, unexpected {sorted(set(sd) - want)}"
+        )
 
 
 #: torch.compile's cache locations, pointed into a compile_cache directory while training runs
@@ -312,17 +373,19 @@ COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": 
 
 
 def is_artifact_file(path: str | None) -> bool:
-    """compile_cache names an existing FILE: the torch.compiler.save_cache_artifacts bundle of earlier versions."""
+    """compile_cache names an existing FILE: the torch.compiler.save_cache_artifacts bundle of
+    earlier versions."""
     return bool(path) and Path(path).is_file()
 
 
 @contextlib.contextmanager
 def compile_cache_dir(path: str | None, d: Dist):
-    """While training: torch.compile's own caches (inductor graphs and autotuning, Triton kernels) live in
-    `path`/inductor and `path`/triton, so whatever compiled here is found there by the next run, on this machine or
-    on another one the directory is copied to (same GPU type and software). On two fresh H200s the first K7-T8192
-    step went from 51 s to 6 s this way; the artifact bundle (torch.compiler.save_cache_artifacts) missed every graph
-    across machines in 2 of 2 tries (docs/history/2026-12.md). The variables are restored afterwards."""
+    """While training: torch.compile's own caches (inductor graphs and autotuning, Triton kernels)
+    live in `path`/inductor and `path`/triton, so whatever compiled here is found there by the next
+    run, on this machine or on another one the directory is copied to (same GPU type and software).
+    On two fresh H200s the first K7-T8192 step went from 51 s to 6 s this way; the artifact bundle
+    (torch.compiler.save_cache_artifacts) missed every graph across machines in 2 of 2 tries
+    (docs/history/2026-12.md). The variables are restored afterwards."""
     if not path or is_artifact_file(path):
         yield
         return
@@ -332,8 +395,11 @@ def compile_cache_dir(path: str | None, d: Dist):
         (root / sub).mkdir(parents=True, exist_ok=True)
         os.environ[k] = str((root / sub).resolve())
     files = [f for f in root.rglob("*") if f.is_file()]
-    progress(d, f"compile cache: {root} ({len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB "
-                "there already)")
+    progress(
+        d,
+        f"compile cache: {root} ({len(files)} files, "
+        f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB there already)",
+    )
     try:
         yield
     finally:
@@ -345,24 +411,35 @@ def compile_cache_dir(path: str | None, d: Dist):
 
 
 def load_compile_cache(path: str | None, d: Dist) -> None:
-    """An artifact FILE (is_artifact_file): seed torch.compile's caches from it (torch.compiler.load_cache_artifacts).
-    A directory needs nothing here (compile_cache_dir)."""
+    """An artifact FILE (is_artifact_file): seed torch.compile's caches from it
+    (torch.compiler.load_cache_artifacts). A directory needs nothing here (compile_cache_dir)."""
     if is_artifact_file(path):
         try:
             info = torch.compiler.load_cache_artifacts(Path(path).read_bytes())
         except Exception as e:  # only a speed-up: train anyway, compiling from scratch, and say so
-            progress(d, f"compile cache: {path} not loaded ({type(e).__name__}: {e}); compiling from scratch")
+            progress(
+                d,
+                f"compile cache: {path} not loaded ({type(e).__name__}: {e}); compiling from "
+                "scratch",
+            )
             return
         if info is None:
-            progress(d, f"compile cache: {path} not loaded (unreadable: corrupt, or written by another torch); "
-                        "compiling from scratch")
+            progress(
+                d,
+                f"compile cache: {path} not loaded (unreadable: corrupt, or written by another "
+                "torch); compiling from scratch",
+            )
             return
-        progress(d, f"compile cache: {sum(len(v) for v in info.artifacts.values())} artifacts loaded from {path}")
+        progress(
+            d,
+            f"compile cache: {sum(len(v) for v in info.artifacts.values())} artifacts loaded from "
+            f"{path}",
+        )
 
 
 def save_compile_cache(path: str | None, d: Dist) -> None:
-    """An artifact FILE: rewrite it with every torch.compile artifact of this process (atomically; rank 0 only). A
-    directory is written by torch itself as it compiles (compile_cache_dir)."""
+    """An artifact FILE: rewrite it with every torch.compile artifact of this process (atomically;
+    rank 0 only). A directory is written by torch itself as it compiles (compile_cache_dir)."""
     if not is_artifact_file(path) or not d.main:
         return
     saved = torch.compiler.save_cache_artifacts()
@@ -371,4 +448,3 @@ def save_compile_cache(path: str | None, d: Dist) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(saved[0])
     progress(d, f"compile cache: {len(saved[0]) / 1e6:.1f} MB written to {path}")
-

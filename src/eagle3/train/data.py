@@ -6,8 +6,8 @@ last_hidden_states (T, Ht), sample_id str (the format of `eagle3.capture.load_ca
 
 Order: samples are split once into train/val by a seeded permutation; every epoch visits the train
 indices in a fresh seeded permutation (seed + epoch), packing greedily in that order into rows of
-`max_seq_len` tokens (a sample longer than a row is truncated). The loader's position is (epoch, cursor)
-with cursor = next index into that epoch's permutation, so resume is exact.
+`max_seq_len` tokens (a sample longer than a row is truncated). The loader's position is (epoch,
+cursor) with cursor = next index into that epoch's permutation, so resume is exact.
 """
 
 from __future__ import annotations
@@ -50,13 +50,21 @@ class CapturedDataset(Sequence):
         for si, entry in enumerate(self.manifest.shards):
             f = self.path / entry.file
             if not f.is_file():
-                raise FileNotFoundError(f"{f} listed in {self.path}/manifest.json is missing: rerun the capture")
+                raise FileNotFoundError(
+                    f"{f} listed in {self.path}/manifest.json is missing: rerun the capture"
+                )
             self._files.append(f)
-            with corrupt_file_errors(f, "capture shard", "run `eagle3 capture` again with the same --out"), \
-                    safe_open(str(f), framework="pt") as h:
+            with (
+                corrupt_file_errors(
+                    f, "capture shard", "run `eagle3 capture` again with the same --out"
+                ),
+                safe_open(str(f), framework="pt") as h,
+            ):
                 off = h.get_tensor("sample_offsets").tolist()
                 ids = json.loads(h.metadata()["sample_ids"])
-            self._index += [(si, off[j], off[j + 1], sid) for j, sid in enumerate(ids) if off[j + 1] > off[j]]
+            self._index += [
+                (si, off[j], off[j + 1], sid) for j, sid in enumerate(ids) if off[j + 1] > off[j]
+            ]
 
     def __len__(self) -> int:
         return len(self._index)
@@ -102,13 +110,13 @@ class CapturedDataset(Sequence):
 
     @staticmethod
     def _states(h, key: str, a: int, b: int) -> torch.Tensor:
-        """Rows a:b of a state tensor; fp8 captures are dequantized with their per-token scales (to bfloat16, as
-        eagle3.capture.load_captured returns them): the stored fp8 values alone are off by the scale."""
+        """Rows a:b of a state tensor; fp8 captures are dequantized with their per-token scales (to
+        bfloat16, as eagle3.capture.load_captured returns them): the stored fp8 values alone are off
+        by the scale."""
         x = h.get_slice(key)[a:b]
         if x.dtype == torch.float8_e4m3fn:
             x = dequantize_fp8(x, h.get_slice(SCALE_KEYS[key])[a:b])
         return x
-
 
     def find_token_out_of_range(self, vocab_size: int) -> tuple[str, str, int, int] | None:
         """(shard file, sample id, token id, position in the sample) of the first token id outside
@@ -132,7 +140,9 @@ class ConcatSamples(Sequence):
 
     def __init__(self, parts: list[Sequence[dict[str, Any]]]):
         self.parts = parts
-        self._ends = list(itertools.accumulate(len(p) for p in parts))  # exclusive end index of each part
+        self._ends = list(
+            itertools.accumulate(len(p) for p in parts)
+        )  # exclusive end index of each part
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
@@ -152,7 +162,9 @@ class ConcatSamples(Sequence):
         return sample_num_tokens(self.parts[k], i - (self._ends[k - 1] if k else 0))
 
 
-def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = True) -> Sequence[dict[str, Any]]:
+def load_samples(
+    source: str | Path | Iterable[dict[str, Any]], verify: bool = True
+) -> Sequence[dict[str, Any]]:
     """A capture dir, or several comma-separated ones (random access, memory-mapped), or any
     iterable of sample dicts, as a sequence. A sequence is used as is; a plain iterator (e.g.
     eagle3.capture.load_captured) is materialised. Several dirs are checked to agree
@@ -171,17 +183,25 @@ def load_samples(source: str | Path | Iterable[dict[str, Any]], verify: bool = T
 class SelectedLayers(Sequence):
     """Samples whose aux states are a subset of the captured ones, in the given order.
 
-    `captured` are the capture's aux ids (manifest `aux_layer_ids`); id `num_hidden_layers` (the last decoder layer's
-    output, which vLLM's EAGLE-3 can also feed the draft) is read from `last_hidden_states`. One capture of many
-    layers thus serves a sweep over layer sets without capturing again."""
+    `captured` are the capture's aux ids (manifest `aux_layer_ids`); id `num_hidden_layers` (the
+    last decoder layer's output, which vLLM's EAGLE-3 can also feed the draft) is read from
+    `last_hidden_states`. One capture of many layers thus serves a sweep over layer sets without
+    capturing again."""
 
-    def __init__(self, samples: Sequence[dict[str, Any]], captured: list[int], aux_layer_ids: list[int], num_hidden_layers: int):
+    def __init__(
+        self,
+        samples: Sequence[dict[str, Any]],
+        captured: list[int],
+        aux_layer_ids: list[int],
+        num_hidden_layers: int,
+    ):
         avail = list(captured) + [num_hidden_layers]
         missing = [k for k in aux_layer_ids if k not in avail]
         if missing:
             raise ValueError(
-                f"TrainConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {missing} were not captured (captured aux ids "
-                f"{list(captured)}, plus {num_hidden_layers} = the last layer); capture them or pick from those"
+                f"TrainConfig.aux_layer_ids = {list(aux_layer_ids)}: id(s) {missing} were not "
+                f"captured (captured aux ids {list(captured)}, plus {num_hidden_layers} = the last "
+                "layer); capture them or pick from those"
             )
         self.samples, self.aux_layer_ids = samples, list(aux_layer_ids)
         self._cols = [avail.index(k) for k in aux_layer_ids]
@@ -194,7 +214,9 @@ class SelectedLayers(Sequence):
         s = dict(self.samples[i])
         aux = torch.as_tensor(s["aux_hidden_states"])  # (T, A, H)
         if self._last in self._cols:
-            aux = torch.cat([aux, torch.as_tensor(s["last_hidden_states"])[:, None]], dim=1)  # (T, A+1, H)
+            aux = torch.cat(
+                [aux, torch.as_tensor(s["last_hidden_states"])[:, None]], dim=1
+            )  # (T, A+1, H)
         s["aux_hidden_states"] = aux[:, self._cols]  # (T, len(aux_layer_ids), H)
         return s
 
@@ -205,8 +227,9 @@ class SelectedLayers(Sequence):
         return sample_num_tokens(self.samples, i)
 
 
-def find_token_out_of_range(samples: Sequence[dict[str, Any]],
-                            vocab_size: int) -> tuple[str, str, int, int] | None:
+def find_token_out_of_range(
+    samples: Sequence[dict[str, Any]], vocab_size: int
+) -> tuple[str, str, int, int] | None:
     """(shard, sample id, token id, position) of the first input token id outside the target's
     vocabulary (0.. vocab_size-1) in `samples`, or None. A capture dir is checked shard by shard
     (its input_ids only); other sequences sample by sample."""
@@ -226,8 +249,9 @@ def find_token_out_of_range(samples: Sequence[dict[str, Any]],
     return None
 
 
-def check_token_ids(samples: Sequence[dict[str, Any]], vocab_size: int, captured: Any,
-                    target: Any) -> None:
+def check_token_ids(
+    samples: Sequence[dict[str, Any]], vocab_size: int, captured: Any, target: Any
+) -> None:
     """TokenRangeError naming the shard, sample, id and vocabulary when a captured token id is not
     one of the target's (data prepared for another tokenizer; the states are the other target's
     too): the embedding lookup would fail mid-training with `IndexError: index out of range in
@@ -241,7 +265,8 @@ def check_token_ids(samples: Sequence[dict[str, Any]], vocab_size: int, captured
         f"the target {target} has a vocabulary of {vocab_size} tokens (ids 0..{vocab_size - 1}): "
         "the data was prepared for another tokenizer. Prepare and capture it again with this "
         f"target (`eagle3 prepare --target {target}`, then `eagle3 capture`), or train with the "
-        "target the capture was made with")
+        "target the capture was made with"
+    )
 
 
 def sample_num_tokens(samples: Sequence[dict[str, Any]], i: int) -> int:
@@ -252,14 +277,16 @@ def sample_num_tokens(samples: Sequence[dict[str, Any]], i: int) -> int:
 
 
 def read_last_hidden(samples: Sequence[dict[str, Any]], i: int) -> torch.Tensor:
-    """Sample i's (T, Ht) last hidden states, without reading its aux states where the sequence can."""
+    """Sample i's (T, Ht) last hidden states, without reading its aux states where the sequence
+    can."""
     if hasattr(samples, "last_hidden_states"):
         return samples.last_hidden_states(i)
     return torch.as_tensor(samples[i]["last_hidden_states"])
 
 
 class WithTargetArgmax(Sequence):
-    """Samples with `target_argmax` added: (T,) int32, the target's full-vocab argmax at each row."""
+    """Samples with `target_argmax` added: (T,) int32, the target's full-vocab argmax at each
+    row."""
 
     def __init__(self, samples: Sequence[dict[str, Any]], argmax: list[torch.Tensor]):
         self.samples, self.argmax = samples, argmax
@@ -277,16 +304,23 @@ class WithTargetArgmax(Sequence):
         return sample_num_tokens(self.samples, i)
 
 
-def compute_sample_argmax(samples: Sequence[dict[str, Any]], head, device, indices: Iterable[int],
-                          chunk_tokens: int = 16384) -> dict[int, torch.Tensor]:
-    """{i: (T_i,) int32} the target's full-vocab argmax of samples i in `indices` (eagle3.train.loss.
-    compute_target_argmax, on `device` in the head's dtype, as the step would), reading only their last hidden
-    states, in chunks of ~chunk_tokens rows."""
+def compute_sample_argmax(
+    samples: Sequence[dict[str, Any]],
+    head,
+    device,
+    indices: Iterable[int],
+    chunk_tokens: int = 16384,
+) -> dict[int, torch.Tensor]:
+    """{i: (T_i,) int32} the target's full-vocab argmax of samples i in `indices`
+    (eagle3.train.loss. compute_target_argmax, on `device` in the head's dtype, as the step would),
+    reading only their last hidden states, in chunks of ~chunk_tokens rows."""
     out: dict[int, torch.Tensor] = {}
     todo: list[tuple[int, torch.Tensor]] = []
 
     def flush():
-        x = torch.cat([h for _, h in todo]).to(device, head.lm_head.dtype, non_blocking=True)  # (n, Ht)
+        x = torch.cat([h for _, h in todo]).to(
+            device, head.lm_head.dtype, non_blocking=True
+        )  # (n, Ht)
         am = compute_target_argmax(head, x).to("cpu", torch.int32)  # (n,)
         for (i, _), part in zip(todo, am.split([len(h) for _, h in todo]), strict=True):
             out[i] = part
@@ -304,29 +338,43 @@ def compute_sample_argmax(samples: Sequence[dict[str, Any]], head, device, indic
     return out
 
 
-def attach_target_argmax(samples: Sequence[dict[str, Any]], head, device, chunk_tokens: int = 16384) -> WithTargetArgmax:
-    """The target's full-vocab argmax of every sample, computed once instead of in every step of every epoch: the step
-    then computes only the head's draft-vocab rows. Keeps 4 bytes per token in RAM. (Several ranks: each computes a
-    share, see eagle3.train.trainer.with_target_argmax.)"""
+def attach_target_argmax(
+    samples: Sequence[dict[str, Any]], head, device, chunk_tokens: int = 16384
+) -> WithTargetArgmax:
+    """The target's full-vocab argmax of every sample, computed once instead of in every step of
+    every epoch: the step then computes only the head's draft-vocab rows. Keeps 4 bytes per token in
+    RAM. (Several ranks: each computes a share, see eagle3.train.trainer.with_target_argmax.)"""
     got = compute_sample_argmax(samples, head, device, range(len(samples)), chunk_tokens)
     return WithTargetArgmax(samples, [got[i] for i in range(len(samples))])
 
 
-def preload_samples(path: str | Path, aux_layer_ids: list[int], num_hidden_layers: int, verify: bool = True) -> list[dict[str, Any]]:
-    """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large sequential
-    reads, not page faults per sample), keeping only the aux states of `aux_layer_ids` (SelectedLayers semantics).
-    RAM needed: tokens x (len(aux_layer_ids) + 1) x H x 2 B."""
+def preload_samples(
+    path: str | Path, aux_layer_ids: list[int], num_hidden_layers: int, verify: bool = True
+) -> list[dict[str, Any]]:
+    """A capture dir (or several comma-separated ones, in order) read into RAM shard by shard (large
+    sequential reads, not page faults per sample), keeping only the aux states of `aux_layer_ids`
+    (SelectedLayers semantics). RAM needed: tokens x (len(aux_layer_ids) + 1) x H x 2 B."""
     captured = CaptureManifest.load_combined(path).aux_layer_ids
     out: list[dict[str, Any]] = []
     if verify:
         for d in capture_dirs(path):
             verify_capture(d)
     for shard in (sh for d in capture_dirs(path) for sh in iter_shards(d)):
-        picked = SelectedLayers(list(shard_samples(shard)), captured, aux_layer_ids, num_hidden_layers)
+        picked = SelectedLayers(
+            list(shard_samples(shard)), captured, aux_layer_ids, num_hidden_layers
+        )
         for i in range(len(picked)):
-            s = picked[i]  # aux: a fresh tensor (indexed); the rest: views, cloned so the shard can be freed
-            out.append({**s, "input_ids": s["input_ids"].clone(), "loss_mask": s["loss_mask"].clone(),
-                        "last_hidden_states": s["last_hidden_states"].clone()})
+            s = picked[
+                i
+            ]  # aux: a fresh tensor (indexed); the rest: views, cloned so the shard can be freed
+            out.append(
+                {
+                    **s,
+                    "input_ids": s["input_ids"].clone(),
+                    "loss_mask": s["loss_mask"].clone(),
+                    "last_hidden_states": s["last_hidden_states"].clone(),
+                }
+            )
         del shard, picked
     return out
 
@@ -346,13 +394,18 @@ def empty_row(T: int, n_aux: int, hidden: int, dtype: torch.dtype) -> dict[str, 
 def pack(samples: list[dict[str, Any]], max_seq_len: int) -> dict[str, torch.Tensor]:
     """Concatenate samples into one row of exactly max_seq_len tokens (padding: doc -1, mask 0)."""
     batch = pack_batch([samples], max_seq_len)  # (1, T, ...)
-    return {f: getattr(batch, f)[0] for f in batch.__dataclass_fields__ if getattr(batch, f) is not None}
+    return {
+        f: getattr(batch, f)[0] for f in batch.__dataclass_fields__ if getattr(batch, f) is not None
+    }
 
 
-def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: bool = False) -> PackedBatch:
-    """Each list of samples packed into one row of a (B, max_seq_len) batch, written in place (no per-row
-    buffers, no stack copy). `pin_memory`: the hidden states are packed straight into page-locked memory (torch's
-    caching host allocator), so the step's copy to the GPU is one asynchronous DMA."""
+def pack_batch(
+    rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: bool = False
+) -> PackedBatch:
+    """Each list of samples packed into one row of a (B, max_seq_len) batch, written in place (no
+    per-row buffers, no stack copy). `pin_memory`: the hidden states are packed straight into
+    page-locked memory (torch's caching host allocator), so the step's copy to the GPU is one
+    asynchronous DMA."""
     B, T = len(rows), max_seq_len
     first = next(docs[0] for docs in rows if docs)
     n_aux, Ht = first["aux_hidden_states"].shape[-2:]
@@ -362,7 +415,9 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: b
         positions=torch.zeros(B, T, dtype=torch.long),
         doc_ids=torch.full((B, T), -1, dtype=torch.long),
         loss_mask=torch.zeros(B, T, dtype=torch.bool),
-        aux=torch.empty(B, T, n_aux * Ht, dtype=dt, pin_memory=pin_memory),  # (B, T, A*Ht); padding zeroed below
+        aux=torch.empty(
+            B, T, n_aux * Ht, dtype=dt, pin_memory=pin_memory
+        ),  # (B, T, A*Ht); padding zeroed below
         last_hidden=torch.empty(B, T, Ht, dtype=dt, pin_memory=pin_memory),  # (B, T, Ht)
     )
     if all("target_argmax" in s for docs in rows for s in docs):  # else the step computes it
@@ -380,7 +435,9 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: b
             out.positions[r, a : a + n] = torch.arange(n)
             out.doc_ids[r, a : a + n] = d
             out.loss_mask[r, a : a + n] = torch.as_tensor(s["loss_mask"][:n]).bool()
-            out.aux[r, a : a + n] = torch.as_tensor(s["aux_hidden_states"][:n]).reshape(n, n_aux * Ht)
+            out.aux[r, a : a + n] = torch.as_tensor(s["aux_hidden_states"][:n]).reshape(
+                n, n_aux * Ht
+            )
             out.last_hidden[r, a : a + n] = torch.as_tensor(s["last_hidden_states"][:n])
             if out.target_argmax is not None:
                 out.target_argmax[r, a : a + n] = s["target_argmax"][:n]
@@ -393,9 +450,10 @@ def pack_batch(rows: list[list[dict[str, Any]]], max_seq_len: int, pin_memory: b
 
 
 def nonfinite_samples(rows: list[list[dict[str, Any]]]) -> str | None:
-    """None when the samples' hidden states are all finite, else which samples hold NaN/inf ("<shard file> sample
-    <id>", with their first bad row). The training step checks its batch on the device (one fused reduction, no host
-    pass over the states); this names the samples once a check failed."""
+    """None when the samples' hidden states are all finite, else which samples hold NaN/inf ("<shard
+    file> sample <id>", with their first bad row). The training step checks its batch on the device
+    (one fused reduction, no host pass over the states); this names the samples once a check
+    failed."""
     found = []
     for docs in rows:
         for s in docs:
@@ -404,13 +462,22 @@ def nonfinite_samples(rows: list[list[dict[str, Any]]]) -> str | None:
                 bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(-1).nonzero()
                 if bad.numel():
                     shard = Path(s["shard"]).name if s.get("shard") else "(in memory)"
-                    found.append(f"{shard} sample {s.get('sample_id', '?')} ({key} row {int(bad[0])} of {x.shape[0]})")
+                    found.append(
+                        f"{shard} sample {s.get('sample_id', '?')} ({key} row {int(bad[0])} of "
+                        f"{x.shape[0]})"
+                    )
                     break
-    return ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "") if found else None
+    return (
+        ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        if found
+        else None
+    )
 
 
 def collate(rows: list[dict[str, torch.Tensor]]) -> PackedBatch:
-    keys = [k for k in rows[0] if all(k in r for r in rows)]  # target_argmax only when every row has it
+    keys = [
+        k for k in rows[0] if all(k in r for r in rows)
+    ]  # target_argmax only when every row has it
     return PackedBatch(**{k: torch.stack([r[k] for r in rows]) for k in keys})
 
 
@@ -421,18 +488,32 @@ class LoaderState:
 
 
 class PackedLoader:
-    """Infinite, resumable iterator of PackedBatch over `indices` of `samples` (rank-sharded by row).
+    """Infinite, resumable iterator of PackedBatch over `indices` of `samples` (rank-sharded by
+    row).
 
-    Packing a batch is host work (reading memory-mapped shards, copying tens of MB per batch) that would otherwise
-    stall a GPU step. With `prefetch` > 0 the loader plans batches in order from the samples' lengths alone (cheap,
-    on the caller's thread) and `num_workers` threads pack up to `prefetch` of them ahead (the copies release the
-    GIL, so the threads pack side by side); batches still come out in plan order, identical to prefetch=0.
-    `pin_memory` (CUDA training) packs the hidden states into page-locked memory.
-    state_dict() is the position after the last batch handed out, so checkpoints resume exactly. `wait_s` is the
-    time the caller spent waiting for a batch (the trainer logs its share of the wall time)."""
+    Packing a batch is host work (reading memory-mapped shards, copying tens of MB per batch) that
+    would otherwise stall a GPU step. With `prefetch` > 0 the loader plans batches in order from the
+    samples' lengths alone (cheap, on the caller's thread) and `num_workers` threads pack up to
+    `prefetch` of them ahead (the copies release the GIL, so the threads pack side by side); batches
+    still come out in plan order, identical to prefetch=0. `pin_memory` (CUDA training) packs the
+    hidden states into page-locked memory. state_dict() is the position after the last batch handed
+    out, so checkpoints resume exactly. `wait_s` is the time the caller spent waiting for a batch
+    (the trainer logs its share of the wall time)."""
 
-    def __init__(self, samples, indices, max_seq_len, batch_size, seed, state=None, rank=0, world=1, prefetch=0,
-                 num_workers=1, pin_memory=False):
+    def __init__(
+        self,
+        samples,
+        indices,
+        max_seq_len,
+        batch_size,
+        seed,
+        state=None,
+        rank=0,
+        world=1,
+        prefetch=0,
+        num_workers=1,
+        pin_memory=False,
+    ):
         self.samples, self.indices = samples, list(indices)
         self.T, self.B, self.seed = max_seq_len, batch_size, seed
         self.state = state or LoaderState()
@@ -440,18 +521,24 @@ class PackedLoader:
         self.prefetch, self.num_workers, self.pin_memory = prefetch, max(1, num_workers), pin_memory
         self._pool: ThreadPoolExecutor | None = None
         self._pending: deque[Future] = deque()
-        self._handed = LoaderState(self.state.epoch, self.state.cursor)  # position after the last batch out
+        self._handed = LoaderState(
+            self.state.epoch, self.state.cursor
+        )  # position after the last batch out
         self._order_cache: tuple[int, list[int]] | None = None
         self.wait_s = 0.0
         if not self.indices:
             raise ValueError("no training samples: lower val_fraction or capture more data")
-        #: the sample indices of the last batch handed out, per row: `name_nonfinite` names the bad samples
+        #: the sample indices of the last batch handed out, per row: `name_nonfinite` names the bad
+        #: samples
         self.last_rows: list[list[int]] = []
 
     def _order(self, epoch: int) -> list[int]:
         if self._order_cache is None or self._order_cache[0] != epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._order_cache = (epoch, [self.indices[i] for i in torch.randperm(len(self.indices), generator=g).tolist()])
+            self._order_cache = (
+                epoch,
+                [self.indices[i] for i in torch.randperm(len(self.indices), generator=g).tolist()],
+            )
         return self._order_cache[1]
 
     def _next_docs(self) -> list[int]:
@@ -477,34 +564,47 @@ class PackedLoader:
         return docs
 
     def _plan(self) -> tuple[list[list[int]], LoaderState]:
-        rows = [self._next_docs() for _ in range(self.B * self.world)]  # every rank walks the same order
+        rows = [
+            self._next_docs() for _ in range(self.B * self.world)
+        ]  # every rank walks the same order
         return rows[self.rank :: self.world], LoaderState(self.state.epoch, self.state.cursor)
 
-    def _pack(self, plan: tuple[list[list[int]], LoaderState]) -> tuple[PackedBatch, LoaderState, list[list[int]]]:
+    def _pack(
+        self, plan: tuple[list[list[int]], LoaderState]
+    ) -> tuple[PackedBatch, LoaderState, list[list[int]]]:
         mine, after = plan
-        return pack_batch([[self.samples[i] for i in docs] for docs in mine], self.T, self.pin_memory), after, mine
+        return (
+            pack_batch([[self.samples[i] for i in docs] for docs in mine], self.T, self.pin_memory),
+            after,
+            mine,
+        )
 
     def name_nonfinite(self, rows: list[list[int]]) -> str | None:
-        """Which of these samples (a batch's `last_rows`) hold NaN/inf hidden states, read again: the step found
-        its batch non-finite on the device, and only then are the samples read a second time to name them."""
+        """Which of these samples (a batch's `last_rows`) hold NaN/inf hidden states, read again:
+        the step found its batch non-finite on the device, and only then are the samples read a
+        second time to name them."""
         return nonfinite_samples([[self.samples[i] for i in docs] for docs in rows])
 
     def epoch_progress(self) -> float:
         return self._handed.epoch + self._handed.cursor / len(self.indices)
 
-    # the loader protocol the trainer uses (train.stream.StreamLoader implements it for a streaming spool)
+    # the loader protocol the trainer uses (train.stream.StreamLoader implements it for a streaming
+    # spool)
     def state_dict(self) -> dict[str, int]:
         """The position saved in a checkpoint's trainer_state.json."""
         return {"epoch": self._handed.epoch, "cursor": self._handed.cursor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._pending:
-            raise RuntimeError("load_state_dict after batches were planned ahead; restore the position first")
+            raise RuntimeError(
+                "load_state_dict after batches were planned ahead; restore the position first"
+            )
         self.state = LoaderState(int(state["epoch"]), int(state["cursor"]))
         self._handed = LoaderState(self.state.epoch, self.state.cursor)
 
     def wants_checkpoint(self) -> bool:
-        """True when the data source needs a checkpoint now (a streaming spool to free space); never here."""
+        """True when the data source needs a checkpoint now (a streaming spool to free space); never
+        here."""
         return False
 
     def on_checkpoint(self, ckpt: Path) -> None:
@@ -528,18 +628,23 @@ class PackedLoader:
                 self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="eagle3-pack")
             while len(self._pending) < self.prefetch:
                 self._pending.append(self._pool.submit(self._pack, self._plan()))
-            batch, self._handed, self.last_rows = self._pending.popleft().result()  # raises a packing error
+            batch, self._handed, self.last_rows = (
+                self._pending.popleft().result()
+            )  # raises a packing error
         self.wait_s += time.perf_counter() - t0
         return batch
 
 
 def eval_batches(samples, indices, max_seq_len, batch_size) -> list[PackedBatch]:
-    """Validation batches in index order, packed the same way. The last batch is filled up with empty rows (all
-    padding, no supervised token) so every batch has the training shape: a compiled attention kernel is then
-    not compiled again for an odd batch size (on the GPU that cost ~30 s per new shape, docs/history/)."""
+    """Validation batches in index order, packed the same way. The last batch is filled up with
+    empty rows (all padding, no supervised token) so every batch has the training shape: a compiled
+    attention kernel is then not compiled again for an odd batch size (on the GPU that cost ~30 s
+    per new shape, docs/history/)."""
     rows = eval_rows(samples, indices, max_seq_len, batch_size)
-    return [pack_batch([[samples[i] for i in docs] for docs in rows[a : a + batch_size]],
-                       max_seq_len) for a in range(0, len(rows), batch_size)]
+    return [
+        pack_batch([[samples[i] for i in docs] for docs in rows[a : a + batch_size]], max_seq_len)
+        for a in range(0, len(rows), batch_size)
+    ]
 
 
 def eval_rows(samples, indices, max_seq_len, batch_size) -> list[list[int]]:

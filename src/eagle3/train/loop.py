@@ -1,12 +1,14 @@
-"""The training loop: optimizer steps, validation, checkpoints, over what `run_train` built (a `Run`).
+"""The training loop: optimizer steps, validation, checkpoints, over what `run_train` built (a
+`Run`).
 
-Loss normalisation: each micro-batch's loss is sum_j loss_decay**j * (mean soft-CE over its supervised,
-in-draft-vocab rows of step j); micro-batches are averaged (/grad_accum) and DDP/FSDP average over ranks.
-Resume restores weights, optimizer, scheduler, step, loader (epoch, cursor) and RNG, so N steps straight ==
-N/2 + resume + N/2 bit-exactly on CPU fp32 (tests/test_train.py). Checkpoints hold the full weights and optimizer
-state, so a run resumes at another world size or wrapping (ddp, fsdp2, one process) as long as the rows per
-step (batch_size x grad_accum x world) stay the same: the same rows then make each step, and only the order of
-the floating-point sums differs (tests/test_multi_gpu_train.py, gloo on the CPU).
+Loss normalisation: each micro-batch's loss is sum_j loss_decay**j * (mean soft-CE over its
+supervised, in-draft-vocab rows of step j); micro-batches are averaged (/grad_accum) and DDP/FSDP
+average over ranks. Resume restores weights, optimizer, scheduler, step, loader (epoch, cursor) and
+RNG, so N steps straight == N/2 + resume + N/2 bit-exactly on CPU fp32 (tests/test_train.py).
+Checkpoints hold the full weights and optimizer state, so a run resumes at another world size or
+wrapping (ddp, fsdp2, one process) as long as the rows per step (batch_size x grad_accum x world)
+stay the same: the same rows then make each step, and only the order of the floating-point sums
+differs (tests/test_multi_gpu_train.py, gloo on the CPU).
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class Run:
 
     @property
     def optim_shard(self) -> str | None:
-        """This rank's optimizer file in a checkpoint of the per-rank FSDP layout of earlier versions (read only)."""
+        """This rank's optimizer file in a checkpoint of the per-rank FSDP layout of earlier
+        versions (read only)."""
         return f"rank-{self.d.rank}-of-{self.d.world}.pt" if self.parallel == "fsdp2" else None
 
     @property
@@ -88,8 +91,13 @@ class Run:
 
     def layout(self) -> dict[str, Any]:
         """How the steps were split (trainer_state.json): a resume must keep global_batch_rows."""
-        return {"world_size": self.d.world, "parallel": self.parallel, "batch_size": self.cfg.batch_size,
-                "grad_accum": self.cfg.grad_accum, "global_batch_rows": self.global_batch_rows}
+        return {
+            "world_size": self.d.world,
+            "parallel": self.parallel,
+            "batch_size": self.cfg.batch_size,
+            "grad_accum": self.cfg.grad_accum,
+            "global_batch_rows": self.global_batch_rows,
+        }
 
 
 @dataclass
@@ -117,14 +125,21 @@ def lr_lambda(cfg: TrainConfig, total: int):
 
 
 def build_optimizer(run: Run) -> None:
-    """AdamW over the trainable parameters, the lr schedule and the weight average (cfg.ema_decay > 0)."""
+    """AdamW over the trainable parameters, the lr schedule and the weight average (cfg.ema_decay >
+    0)."""
     cfg = run.cfg
     run.params = [p for p in run.model.parameters() if p.requires_grad]
-    # fused: one kernel over all tensors on CUDA (the step's AdamW 8.4 ms vs its 2.8 ms byte floor in the H200
-    # profile, docs/history/); FSDP2's sharded DTensor params keep the default (foreach) path
+    # fused: one kernel over all tensors on CUDA (the step's AdamW 8.4 ms vs its 2.8 ms byte floor
+    # in the H200 profile, docs/history/); FSDP2's sharded DTensor params keep the default (foreach)
+    # path
     fused = run.d.device.type == "cuda" and run.parallel != "fsdp2"
-    run.opt = torch.optim.AdamW(run.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
-                                fused=fused or None)
+    run.opt = torch.optim.AdamW(
+        run.params,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        weight_decay=cfg.weight_decay,
+        fused=fused or None,
+    )
     run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lr_lambda(cfg, run.total))
     run.ema = WeightAverage(run.params, cfg.ema_decay) if cfg.ema_decay > 0 else None
 
@@ -133,13 +148,17 @@ def add_hidden_noise(aux: torch.Tensor, num_aux: int, scale: float) -> torch.Ten
     """aux (B, T, A*H) + N(0, (scale * rms)^2) per state, rms taken over each state's H features."""
     x = aux.unflatten(-1, (num_aux, -1))  # (B, T, A, H)
     rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()  # (B, T, A, 1)
-    return (x + (torch.randn_like(x, dtype=torch.float32) * rms * scale).to(x.dtype)).flatten(-2)  # (B, T, A*H)
+    return (x + (torch.randn_like(x, dtype=torch.float32) * rms * scale).to(x.dtype)).flatten(
+        -2
+    )  # (B, T, A*H)
 
 
 # ------------------------------------------------------------------------------------------ weights
 
+
 def averaged(run: Run):
-    """Context in which the model holds the weight average, when there is one (validation, saving)."""
+    """Context in which the model holds the weight average, when there is one (validation,
+    saving)."""
     return run.ema.applied() if run.ema is not None else nullcontext()
 
 
@@ -147,7 +166,9 @@ def gather_weights(run: Run) -> dict[str, torch.Tensor]:
     """The full state to save: the weight average when there is one."""
     if run.ema is None:
         return parallel.full_state_dict(run.ttt, run.d)
-    with run.ema.applied():  # copies: a state dict may share the parameters' storage, which the swap back rewrites
+    with (
+        run.ema.applied()
+    ):  # copies: a state dict may share the parameters' storage, which the swap back rewrites
         return {k: v.detach().clone() for k, v in parallel.full_state_dict(run.ttt, run.d).items()}
 
 
@@ -159,26 +180,37 @@ def load_weights(run: Run, sd: dict[str, torch.Tensor], path: Path) -> None:
 def refuse_nonfinite(sd: dict[str, torch.Tensor], where: str, step: int) -> None:
     bad = nonfinite_tensors(sd)
     if bad:
-        raise NonFiniteError(f"step {step}: the draft weights to be saved as {where} hold NaN/inf ({', '.join(bad[:4])}); "
-                             "nothing was written. Training diverged: lower lr, raise warmup_steps or check the capture")
+        raise NonFiniteError(
+            f"step {step}: the draft weights to be saved as {where} hold NaN/inf "
+            f"({', '.join(bad[:4])}); nothing was written. Training diverged: lower lr, raise "
+            "warmup_steps or check the capture"
+        )
 
 
 def resume(run: Run) -> TrainState:
-    """The state of the newest checkpoint of run.out that reads back whole (every rank: the oldest any rank
-    could read), applied to model, optimizer, scheduler, loader and RNG; a fresh state when there is none."""
+    """The state of the newest checkpoint of run.out that reads back whole (every rank: the oldest
+    any rank could read), applied to model, optimizer, scheduler, loader and RNG; a fresh state when
+    there is none."""
     d = run.d
     ck = read_latest_good_checkpoint(run.out, d.device, run.optim_shard, lambda m: progress(d, m))
     if d.world > 1:
         got = torch.tensor([ck.trainer_state["step"] if ck is not None else -1], device=d.device)
         torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MIN)
         if ck is not None and int(got.item()) != ck.trainer_state["step"]:
-            ck = read_checkpoint(run.out / "checkpoints" / f"step-{int(got.item())}", d.device, run.optim_shard) \
-                if int(got.item()) >= 0 else None
+            ck = (
+                read_checkpoint(
+                    run.out / "checkpoints" / f"step-{int(got.item())}", d.device, run.optim_shard
+                )
+                if int(got.item()) >= 0
+                else None
+            )
     if ck is None:
         return TrainState()
     check_resume(run.cfg, ck.path, ck.meta, run.draft_metadata(ck.trainer_state["step"], {}))
     load_weights(run, ck.weights, ck.path / WEIGHTS)
-    if run.ema is not None:  # model.safetensors holds the average (or, from a run without one, the weights)
+    if (
+        run.ema is not None
+    ):  # model.safetensors holds the average (or, from a run without one, the weights)
         run.ema.reset()
         if ck.raw is not None:
             load_weights(run, ck.raw, ck.path / RAW_WEIGHTS)
@@ -192,8 +224,12 @@ def resume(run: Run) -> TrainState:
     apply_optimizer_settings(run)
     run.loader.load_state_dict(st)
     was = st.get("world_size")
-    progress(d, f"resumed from {ck.path} (step {st['step']}" + (f", written by {was} process(es), {st.get('parallel')}"
-                                                                  if was is not None else "") + ")")
+    progress(
+        d,
+        f"resumed from {ck.path} (step {st['step']}"
+        + (f", written by {was} process(es), {st.get('parallel')}" if was is not None else "")
+        + ")",
+    )
     torch.set_rng_state(ck.rng["torch"])
     random.setstate(ck.rng["python"])
     if d.device.type == "cuda" and "cuda" in ck.rng:
@@ -216,8 +252,9 @@ def apply_optimizer_settings(run: Run) -> None:
 
 
 def check_layout(run: Run, st: dict[str, Any], path: Path) -> None:
-    """A checkpoint resumes at any world size and wrapping, but only with the rows per optimizer step it was
-    written with: the step count, the lr schedule and the loader position all count steps of that size."""
+    """A checkpoint resumes at any world size and wrapping, but only with the rows per optimizer
+    step it was written with: the step count, the lr schedule and the loader position all count
+    steps of that size."""
     saved = st.get("global_batch_rows")
     if saved is None or saved == run.global_batch_rows:
         return
@@ -227,39 +264,61 @@ def check_layout(run: Run, st: dict[str, Any], path: Path) -> None:
     else:
         fix = f"choose batch_size and grad_accum with batch_size x grad_accum x {world} = {saved}"
     raise ConfigError(
-        f"{path / 'trainer_state.json'}: written with {saved} packed rows per optimizer step (batch_size "
-        f"{st.get('batch_size')} x grad_accum {st.get('grad_accum')} x {st.get('world_size')} process(es)); this run "
-        f"takes {run.global_batch_rows} (batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} x {world}), which "
-        f"would change the step count and the lr schedule: {fix}, or train into a new out dir")
+        f"{path / 'trainer_state.json'}: written with {saved} packed rows per optimizer step "
+        f"(batch_size {st.get('batch_size')} x grad_accum {st.get('grad_accum')} x "
+        f"{st.get('world_size')} process(es)); this run takes {run.global_batch_rows} (batch_size "
+        f"{cfg.batch_size} x grad_accum {cfg.grad_accum} x {world}), which would change the step "
+        f"count and the lr schedule: {fix}, or train into a new out dir"
+    )
 
 
 # ------------------------------------------------------------------------------------------ steps
 
+
 def step_options(run: Run) -> dict[str, Any]:
     cfg = run.cfg
-    return dict(steps=cfg.ttt_steps, loss_decay=cfg.loss_decay, attention=cfg.attention,
-                temperature=cfg.distill_temperature, feature_weight=cfg.feature_loss_weight,
-                mid_feature_weight=cfg.midlayer_feature_loss_weight, copy_weight=cfg.copy_weight,
-                mid_target_block=run.aux_layer_ids.index(max(run.aux_layer_ids)),
-                loss_weighting=cfg.loss_weighting)
+    return dict(
+        steps=cfg.ttt_steps,
+        loss_decay=cfg.loss_decay,
+        attention=cfg.attention,
+        temperature=cfg.distill_temperature,
+        feature_weight=cfg.feature_loss_weight,
+        mid_feature_weight=cfg.midlayer_feature_loss_weight,
+        copy_weight=cfg.copy_weight,
+        mid_target_block=run.aux_layer_ids.index(max(run.aux_layer_ids)),
+        loss_weighting=cfg.loss_weighting,
+    )
 
 
 def validate(run: Run, batches) -> dict[str, float]:
-    """Validation metrics; tau_estimate (replayed greedy rounds at k = num_speculative_tokens) picks best/."""
+    """Validation metrics; tau_estimate (replayed greedy rounds at k = num_speculative_tokens) picks
+    best/."""
     cfg = run.cfg
     k = min(cfg.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS, cfg.ttt_steps)
-    m = score_batches(run.ttt, batches, run.head, steps=cfg.ttt_steps, device=run.d.device, dtype=run.amp_dtype,
-                      replay_k=k, loss_decay=cfg.loss_decay, attention=cfg.attention)
+    m = score_batches(
+        run.ttt,
+        batches,
+        run.head,
+        steps=cfg.ttt_steps,
+        device=run.d.device,
+        dtype=run.amp_dtype,
+        replay_k=k,
+        loss_decay=cfg.loss_decay,
+        attention=cfg.attention,
+    )
     m["loss"] = sum(cfg.loss_decay**j * m[f"loss_{j}"] for j in range(cfg.ttt_steps))
     m["tau_per_row"] = tau_from_metrics(m, k)
-    m["tau_estimate"] = m["tau_replay"]  # picks the best checkpoint: tracks vLLM's τ (docs/history/)
+    m["tau_estimate"] = m[
+        "tau_replay"
+    ]  # picks the best checkpoint: tracks vLLM's τ (docs/history/)
     return m
 
 
 @dataclass
 class BatchCheck:
-    """Whether a step's batches hold NaN/inf hidden states: a device flag (checked with the step's one host sync)
-    and, per micro-batch, the loader's sample indices, to name the bad samples only once the flag is set."""
+    """Whether a step's batches hold NaN/inf hidden states: a device flag (checked with the step's
+    one host sync) and, per micro-batch, the loader's sample indices, to name the bad samples only
+    once the flag is set."""
 
     bad: torch.Tensor  # () bool on the device
     loader: Any
@@ -269,11 +328,16 @@ class BatchCheck:
         if not hasattr(self.loader, "name_nonfinite"):
             return ["samples not named (this loader keeps no sample indices)"]
         found = [self.loader.name_nonfinite(rows) for rows in self.rows]
-        return [f for f in found if f] or ["no sample reads as NaN/inf on the host (values beyond the training dtype's range?)"]
+        return [f for f in found if f] or [
+            "no sample reads as NaN/inf on the host (values beyond the training dtype's range?)"
+        ]
 
 
-def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, BatchCheck]:
-    """grad_accum micro-batches forward and backward: (per-step stats, the step's loss, the NaN/inf batch check)."""
+def forward_backward(
+    run: Run, options: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, BatchCheck]:
+    """grad_accum micro-batches forward and backward: (per-step stats, the step's loss, the NaN/inf
+    batch check)."""
     cfg, d = run.cfg, run.d
     cuda = d.device.type == "cuda"
     step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
@@ -283,14 +347,20 @@ def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, t
         b = next(run.loader)
         check.rows.append(getattr(run.loader, "last_rows", []))
         b = b.to(d.device, run.amp_dtype if cuda else torch.float32)
-        check.bad |= ~(torch.isfinite(b.aux).all() & torch.isfinite(b.last_hidden).all())  # no host sync
+        check.bad |= ~(
+            torch.isfinite(b.aux).all() & torch.isfinite(b.last_hidden).all()
+        )  # no host sync
         if cfg.hidden_noise > 0:
             b.aux = add_hidden_noise(b.aux, len(run.aux_layer_ids), cfg.hidden_noise)
-        if cfg.supervise == "all":  # every token of every conversation, prompts too (validation: assistant only)
+        if (
+            cfg.supervise == "all"
+        ):  # every token of every conversation, prompts too (validation: assistant only)
             b.loss_mask = b.doc_ids >= 0  # (B, T)
         sync = micro == cfg.grad_accum - 1 or d.world == 1
         with parallel.gradient_sync(run.ttt, sync):  # one context around forward and backward
-            with torch.autocast(d.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32):
+            with torch.autocast(
+                d.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32
+            ):
                 loss, stats = run.ttt(b, run.head, **options)
             (loss / cfg.grad_accum).backward()
         step_stats += stats
@@ -298,27 +368,45 @@ def forward_backward(run: Run, options: dict[str, Any]) -> tuple[torch.Tensor, t
     return step_stats, step_loss, check
 
 
-def skip_if_nonfinite(run: Run, state: TrainState, step_loss, gnorm, check: BatchCheck, log: MetricsLog) -> bool:
-    """True (gradients dropped, the step counted as skipped) when the loss, gradient or a batch on any rank is
-    non-finite; NonFiniteError once more than max_nonfinite_steps were skipped."""
+def skip_if_nonfinite(
+    run: Run, state: TrainState, step_loss, gnorm, check: BatchCheck, log: MetricsLog
+) -> bool:
+    """True (gradients dropped, the step counted as skipped) when the loss, gradient or a batch on
+    any rank is non-finite; NonFiniteError once more than max_nonfinite_steps were skipped."""
     cfg, d = run.cfg, run.d
     gfull = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-    flags = torch.stack([(~torch.isfinite(step_loss)).float(), check.bad.float(), (~torch.isfinite(gfull)).float()])
+    flags = torch.stack(
+        [(~torch.isfinite(step_loss)).float(), check.bad.float(), (~torch.isfinite(gfull)).float()]
+    )
     parallel.all_reduce_sum(flags, d)  # every rank skips the same steps
     if not bool(flags.sum() > 0):  # the one host sync per step
         return False
-    problems = check.describe() if bool(check.bad) else []  # this rank's bad samples, read again to name them
+    problems = (
+        check.describe() if bool(check.bad) else []
+    )  # this rank's bad samples, read again to name them
     run.opt.zero_grad(set_to_none=True)
     state.num_skipped += 1
-    what = (f"step {state.step + 1}: loss {step_loss.item():.4g}, gradient norm {float(gfull):.4g}; "
-            + (f"the batch holds NaN/inf hidden states: {'; '.join(problems)}. The capture is corrupt: "
-               "capture those samples again" if problems else
-               "the batch is finite, so training diverged: lower lr, raise warmup_steps or set grad_clip")
-            + (" (a rank's batch held NaN/inf hidden states)" if not problems and flags[1] > 0 else ""))
+    what = (
+        f"step {state.step + 1}: loss {step_loss.item():.4g}, gradient norm {float(gfull):.4g}; "
+        + (
+            f"the batch holds NaN/inf hidden states: {'; '.join(problems)}. The capture is "
+            "corrupt: capture those samples again"
+            if problems
+            else "the batch is finite, so training diverged: lower lr, raise warmup_steps or set "
+            "grad_clip"
+        )
+        + (" (a rank's batch held NaN/inf hidden states)" if not problems and flags[1] > 0 else "")
+    )
     if state.num_skipped > cfg.max_nonfinite_steps:
-        raise NonFiniteError(f"non-finite training step ({state.num_skipped} so far, max_nonfinite_steps="
-                             f"{cfg.max_nonfinite_steps}): {what}")
-    progress(d, f"skipped non-finite step ({state.num_skipped} of at most {cfg.max_nonfinite_steps}): {what}")
+        raise NonFiniteError(
+            f"non-finite training step ({state.num_skipped} so far, max_nonfinite_steps="
+            f"{cfg.max_nonfinite_steps}): {what}"
+        )
+    progress(
+        d,
+        f"skipped non-finite step ({state.num_skipped} of at most {cfg.max_nonfinite_steps}): "
+        f"{what}",
+    )
     log.log(state.step, "skipped", {"num_skipped_steps": state.num_skipped})
     return True
 
@@ -329,23 +417,39 @@ def save(run: Run, state: TrainState, *, save_now: bool, best_now: bool) -> None
     raw = parallel.full_state_dict(run.ttt, d) if run.ema is not None and save_now else None
     full = gather_weights(run)
     refuse_nonfinite(full, f"checkpoint step-{step}", step)
-    optim = parallel.full_optimizer_state(run.opt, d) if save_now else None  # every rank: FSDP2 gathers
+    optim = (
+        parallel.full_optimizer_state(run.opt, d) if save_now else None
+    )  # every rank: FSDP2 gathers
     meta = run.draft_metadata(step, state.val_metrics)
     if d.main and best_now:
         save_model_dir(run.out / "best", full, meta)
     if d.main and save_now:
-        ckpt = save_checkpoint(run.out, full, optim, run.sched, step, run.loader, state.best, meta, raw=raw,
-                               num_skipped_steps=state.num_skipped, layout=run.layout())
+        ckpt = save_checkpoint(
+            run.out,
+            full,
+            optim,
+            run.sched,
+            step,
+            run.loader,
+            state.best,
+            meta,
+            raw=raw,
+            num_skipped_steps=state.num_skipped,
+            layout=run.layout(),
+        )
         run.loader.on_checkpoint(ckpt)
         gone = prune_checkpoints(run.out, run.cfg.keep_checkpoints, step)
         if gone:
-            progress(d, f"removed {', '.join(gone)} (keep_checkpoints={run.cfg.keep_checkpoints}: "
-                        "the newest ones and the best by validation stay)")
+            progress(
+                d,
+                f"removed {', '.join(gone)} (keep_checkpoints={run.cfg.keep_checkpoints}: "
+                "the newest ones and the best by validation stay)",
+            )
 
 
 def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | None = None) -> None:
-    """Optimizer steps until run.total (or stop_after steps in this call); validates every eval_every and saves
-    every save_every steps, and at the end."""
+    """Optimizer steps until run.total (or stop_after steps in this call); validates every
+    eval_every and saves every save_every steps, and at the end."""
     cfg, d = run.cfg, run.d
     options = step_options(run)
     train_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
@@ -354,7 +458,9 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
     run.model.train()
     while state.step < run.total and (stop_after is None or done_here < stop_after):
         step_stats, step_loss, check = forward_backward(run, options)
-        gnorm = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        gnorm = torch.nn.utils.clip_grad_norm_(
+            run.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        )
         if skip_if_nonfinite(run, state, step_loss, gnorm, check, log):
             continue
         train_stats += step_stats
@@ -368,19 +474,28 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
         step = state.step
         if step % cfg.log_every == 0 or step == run.total:
             parallel.all_reduce_sum(train_stats, d)
-            parallel.all_reduce_sum(loss_acc, d)  # the mean over every rank's rows, not rank 0's alone
+            parallel.all_reduce_sum(
+                loss_acc, d
+            )  # the mean over every rank's rows, not rank 0's alone
             m = summarize(train_stats)
             state.last_loss = loss_acc.item() / (n_acc * d.world)
-            m.update(loss=state.last_loss, lr=run.sched.get_last_lr()[0],
-                     grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                     epoch=run.loader.epoch_progress())
+            m.update(
+                loss=state.last_loss,
+                lr=run.sched.get_last_lr()[0],
+                grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                epoch=run.loader.epoch_progress(),
+            )
             wait_now, wall_now = getattr(run.loader, "wait_s", 0.0), time.perf_counter()
-            # the share of the wall time (validation and checkpoints included) spent waiting for a packed batch
+            # the share of the wall time (validation and checkpoints included) spent waiting for a
+            # packed batch
             m["loader_wait_frac"] = (wait_now - wait_mark) / max(wall_now - wall_mark, 1e-9)
             wait_mark, wall_mark = wait_now, wall_now
             log.log(step, "train", m)
-            progress(d, f"step {step}/{run.total} loss {state.last_loss:.4f} acc_0 {m['acc_0']:.3f} epoch "
-                        f"{m['epoch']:.2f} {time.perf_counter() - run.t_start:.0f} s")
+            progress(
+                d,
+                f"step {step}/{run.total} loss {state.last_loss:.4f} acc_0 {m['acc_0']:.3f} epoch "
+                f"{m['epoch']:.2f} {time.perf_counter() - run.t_start:.0f} s",
+            )
             train_stats.zero_(), loss_acc.zero_()
             n_acc = 0
         best_now = False
@@ -392,14 +507,28 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
                     log.log(step, "heldout", validate(run, run.heldout))
             val_m = state.val_metrics
             progress(d, f"step {step} validation tau_estimate {val_m['tau_estimate']:.3f}")
-            if not math.isfinite(val_m["loss"]):  # a NaN model scores τ 1.0: it must never become best/
-                progress(d, f"step {step}: validation loss is {val_m['loss']}; this model cannot become best/")
+            if not math.isfinite(
+                val_m["loss"]
+            ):  # a NaN model scores τ 1.0: it must never become best/
+                progress(
+                    d,
+                    f"step {step}: validation loss is {val_m['loss']}; this model cannot become "
+                    "best/",
+                )
             elif val_m["tau_estimate"] > state.best:
                 state.best, best_now = val_m["tau_estimate"], True
-            if step == cfg.eval_every:  # train and eval graphs compiled by now: a run cut short still leaves them
+            if (
+                step == cfg.eval_every
+            ):  # train and eval graphs compiled by now: a run cut short still leaves them
                 save_compile_cache(cfg.compile_cache, d)
-        save_now = step % cfg.save_every == 0 or step == run.total or (stop_after is not None and done_here == stop_after)
-        save_now = run.loader.wants_checkpoint() or save_now  # (every rank asks: a streaming loader syncs the answer)
+        save_now = (
+            step % cfg.save_every == 0
+            or step == run.total
+            or (stop_after is not None and done_here == stop_after)
+        )
+        save_now = (
+            run.loader.wants_checkpoint() or save_now
+        )  # (every rank asks: a streaming loader syncs the answer)
         if d.world > 1:  # every rank joins the gather below; rank 0 decides
             flag = torch.tensor([float(best_now)], device=d.device)
             torch.distributed.broadcast(flag, 0)
@@ -417,4 +546,12 @@ def save_final(run: Run, state: TrainState) -> None:
         save_model_dir(run.out / "final", full, run.draft_metadata(state.step, state.val_metrics))
 
 
-__all__ = ["Run", "TrainState", "NonFiniteError", "build_optimizer", "resume", "train_loop", "save_final"]
+__all__ = [
+    "Run",
+    "TrainState",
+    "NonFiniteError",
+    "build_optimizer",
+    "resume",
+    "train_loop",
+    "save_final",
+]

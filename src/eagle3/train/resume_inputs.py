@@ -36,23 +36,63 @@ SAME, FORCE, FREE = "same", "force", "free"
 
 SAME_FIELDS = ("seed", "val_fraction", "aux_layer_ids", "freeze")
 FORCE_FIELDS = (
-    "lr", "min_lr_ratio", "schedule", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-    "epochs", "max_steps", "ttt_steps", "loss_decay", "max_seq_len",
-    "dtype", "supervise", "hidden_noise", "feature_loss_weight", "midlayer_feature_loss_weight",
-    "distill_temperature", "copy_weight", "dropout", "ema_decay", "num_speculative_tokens",
+    "lr",
+    "min_lr_ratio",
+    "schedule",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "epochs",
+    "max_steps",
+    "ttt_steps",
+    "loss_decay",
+    "max_seq_len",
+    "dtype",
+    "supervise",
+    "hidden_noise",
+    "feature_loss_weight",
+    "midlayer_feature_loss_weight",
+    "distill_temperature",
+    "copy_weight",
+    "dropout",
+    "ema_decay",
+    "num_speculative_tokens",
     "loss_weighting",
 )
 FREE_FIELDS = (
-    "target", "captured", "vocab", "val_captured", "draft", "out",  # compared by content instead
-    "eval_every", "save_every", "log_every", "device", "attention", "compile", "compile_cache",
-    "init_head_from_target", "init_layers_from_target", "num_loader_workers", "preload", "resume",
-    "verify_capture", "max_nonfinite_steps", "allow_target_mismatch", "force_resume",
+    "target",
+    "captured",
+    "vocab",
+    "val_captured",
+    "draft",
+    "out",  # compared by content instead
+    "eval_every",
+    "save_every",
+    "log_every",
+    "device",
+    "attention",
+    "compile",
+    "compile_cache",
+    "init_head_from_target",
+    "init_layers_from_target",
+    "num_loader_workers",
+    "preload",
+    "resume",
+    "verify_capture",
+    "max_nonfinite_steps",
+    "allow_target_mismatch",
+    "force_resume",
     "keep_checkpoints",
-    "parallel", "batch_size", "grad_accum",  # rows per optimizer step: check_layout
+    "parallel",
+    "batch_size",
+    "grad_accum",  # rows per optimizer step: check_layout
 )
 #: TrainConfig field -> same / force / free (module docstring); a test keeps it complete
 RESUME_RULES: dict[str, str] = {
-    **dict.fromkeys(SAME_FIELDS, SAME), **dict.fromkeys(FORCE_FIELDS, FORCE),
+    **dict.fromkeys(SAME_FIELDS, SAME),
+    **dict.fromkeys(FORCE_FIELDS, FORCE),
     **dict.fromkeys(FREE_FIELDS, FREE),
 }
 
@@ -72,8 +112,9 @@ def _show(v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
-def resume_differences(old: DraftMetadata | None, new: DraftMetadata,
-                       what: str) -> list[tuple[str, str, str]]:
+def resume_differences(
+    old: DraftMetadata | None, new: DraftMetadata, what: str
+) -> list[tuple[str, str, str]]:
     """[(rule, field, "field old -> new")] between the checkpoint's metadata `old` and the new
     run's `new` (both draft_metadata records), the ones no flag can override first; `what` names the
     checkpoint in the warning about older checkpoints; a checkpoint without one (`old` None) is
@@ -99,8 +140,9 @@ def resume_differences(old: DraftMetadata | None, new: DraftMetadata,
     return sorted(out, key=lambda d: d[0] != SAME)
 
 
-def check_resume(cfg: TrainConfig, ckpt: Path, old: DraftMetadata | None,
-                 new: DraftMetadata) -> None:
+def check_resume(
+    cfg: TrainConfig, ckpt: Path, old: DraftMetadata | None, new: DraftMetadata
+) -> None:
     """Refuse (ConfigError) to resume `ckpt`, whose eagle3_draft.json is `old`, into a run whose
     metadata would be `new`, when they differ beyond what RESUME_RULES allows; with cfg.force_resume
     the `force` differences are printed as a warning and resume goes on."""
@@ -115,12 +157,18 @@ def check_resume(cfg: TrainConfig, ckpt: Path, old: DraftMetadata | None,
             f"{head} --force-resume cannot resume over {', '.join(never)} (the checkpoint's "
             "weights, optimizer state or data position would mean something else): train into a "
             "new --out, set resume: false to start over in this one, or put back the values it was "
-            "trained with")
+            "trained with"
+        )
     if not cfg.force_resume:
-        raise ConfigError(f"{head} These may change mid-run: pass --force-resume (force_resume: "
-                          "true) to resume with the new values, or put back the old ones")
-    print(f"eagle3: warning (force_resume=true): resuming {ckpt} with other settings: {listed}",
-          file=sys.stderr, flush=True)
+        raise ConfigError(
+            f"{head} These may change mid-run: pass --force-resume (force_resume: "
+            "true) to resume with the new values, or put back the old ones"
+        )
+    print(
+        f"eagle3: warning (force_resume=true): resuming {ckpt} with other settings: {listed}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 __all__ = ["RESUME_RULES", "INPUT_RULES", "check_resume", "resume_differences"]

@@ -1,16 +1,19 @@
-"""Streaming (bounded-disk) mode, consumer side: train on a spool's shards as the producer writes them.
+"""Streaming (bounded-disk) mode, consumer side: train on a spool's shards as the producer writes
+them.
 
-`eagle3 stream-train` (run_stream_train) is `eagle3 train` with a SpoolSource instead of a capture dir
-(spool layout: eagle3.spool_files). The loader reads the training shards in order (seq), packs their
-samples into rows exactly as the offline loader does (greedy, rows never span epochs), and records its
-position (shard seq, sample) in every checkpoint. A shard is deleted only after a checkpoint's position
-is past it, so a kill at any point resumes from the latest checkpoint with every sample still on disk.
+`eagle3 stream-train` (run_stream_train) is `eagle3 train` with a SpoolSource instead of a capture
+dir (spool layout: eagle3.spool_files). The loader reads the training shards in order (seq), packs
+their samples into rows exactly as the offline loader does (greedy, rows never span epochs), and
+records its position (shard seq, sample) in every checkpoint. A shard is deleted only after a
+checkpoint's position is past it, so a kill at any point resumes from the latest checkpoint with
+every sample still on disk.
 
-Checkpoints: besides every `save_every` steps, the loader asks for one when it has consumed shards that
-are not released yet and the producer is blocked on room or fewer shards are ready than one optimizer
-step can span; only the newest of these extra checkpoints is kept. Validation uses the spool's `val/`
-shards (captured once, kept until the end). `<out>/stream_samples.jsonl` lists, per checkpoint, the rows
-(prepared-dataset indices) consumed since the previous one, per epoch: exactly what the model trained on.
+Checkpoints: besides every `save_every` steps, the loader asks for one when it has consumed shards
+that are not released yet and the producer is blocked on room or fewer shards are ready than one
+optimizer step can span; only the newest of these extra checkpoints is kept. Validation uses the
+spool's `val/` shards (captured once, kept until the end). `<out>/stream_samples.jsonl` lists, per
+checkpoint, the rows (prepared-dataset indices) consumed since the previous one, per epoch: exactly
+what the model trained on.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ SAMPLES_LOG = "stream_samples.jsonl"
 
 
 def count_packed_rows(lengths: list[int], T: int) -> int:
-    """Rows the loader packs from samples of these token counts (0 = absent), greedily as data.PackedLoader."""
+    """Rows the loader packs from samples of these token counts (0 = absent), greedily as
+    data.PackedLoader."""
     rows, used, open_row = 0, 0, False
     for n in lengths:
         if n <= 0:
@@ -70,56 +74,81 @@ def _wait(spool: Path, cfg: StreamTrainConfig, what: str, ready) -> Any:
         led = read_state(spool, LEDGER)
         if led.get("error"):
             raise PeerFailed(f"stream-train: the producer (stream-capture) failed: {led['error']}")
-        mark = (led.get("next_seq"), len(led.get("val_shards", [])), led.get("pos"), led.get("epoch"))
+        mark = (
+            led.get("next_seq"),
+            len(led.get("val_shards", [])),
+            led.get("pos"),
+            led.get("epoch"),
+        )
         if mark != last:
             last, since = mark, time.time()
         if time.time() - since > cfg.stall_timeout_s:
             raise TimeoutError(
-                f"stream-train: waited stream.stall_timeout_s = {cfg.stall_timeout_s} s for {what} in {spool} and the "
-                "producer made no progress: is `eagle3 stream-capture` running?"
+                f"stream-train: waited stream.stall_timeout_s = {cfg.stall_timeout_s} s for {what} "
+                f"in {spool} and the producer made no progress: is `eagle3 stream-capture` running?"
             )
         time.sleep(cfg.poll_interval_s)
 
 
 class SpoolSource:
-    """What run_train needs from a spool: the manifest (header), validation samples, a loader, the row count."""
+    """What run_train needs from a spool: the manifest (header), validation samples, a loader, the
+    row count."""
 
     def __init__(self, cfg: StreamTrainConfig):
         cfg.require("captured", "out")
         self.cfg, self.spool = cfg, Path(cfg.captured)
         if getattr(cfg, "aux_layer_ids", None):
-            raise ConfigError("train.aux_layer_ids is not supported in streaming mode: capture only the aux layers "
-                              "you train on (capture.aux_layer_ids)")
+            raise ConfigError(
+                "train.aux_layer_ids is not supported in streaming mode: capture only the aux "
+                "layers you train on (capture.aux_layer_ids)"
+            )
         if getattr(cfg, "preload", False):
-            raise ConfigError("train.preload = true is not supported in streaming mode (the spool is read shard by "
-                              "shard as it arrives); set train.preload: false")
-        self.manifest: SpoolHeader = _wait(self.spool, cfg, HEADER,
-                                           lambda: SpoolHeader.load(self.spool))
+            raise ConfigError(
+                "train.preload = true is not supported in streaming mode (the spool is read shard "
+                "by shard as it arrives); set train.preload: false"
+            )
+        self.manifest: SpoolHeader = _wait(
+            self.spool, cfg, HEADER, lambda: SpoolHeader.load(self.spool)
+        )
         consumed = read_state(self.spool, CONSUMED)
         fresh = not any((Path(cfg.out) / "checkpoints").glob("step-*")) or not cfg.resume
         if fresh and (consumed.get("released_below", 0) > 0 or consumed.get("done")):
             raise ConfigError(
-                f"{self.spool} was already consumed by a training run (its {CONSUMED} says so) but train.out = {cfg.out} "
-                "has no checkpoint to resume from: point train.out at that run, or delete the spool to start over"
+                f"{self.spool} was already consumed by a training run (its {CONSUMED} says so) but "
+                f"train.out = {cfg.out} has no checkpoint to resume from: point train.out at that "
+                "run, or delete the spool to start over"
             )
         write_json(self.spool / CONSUMED, {**consumed, "error": None})
-        led = _wait(self.spool, cfg, "the validation shards",
-                    lambda: (lambda led: led if led.get("phase") == "train" else None)(read_state(self.spool, LEDGER)))
-        self.val_samples = [s for e in led["val_shards"] for s in shard_samples(load_shard(self.spool / e["file"]))]
+        led = _wait(
+            self.spool,
+            cfg,
+            "the validation shards",
+            lambda: (lambda led: led if led.get("phase") == "train" else None)(
+                read_state(self.spool, LEDGER)
+            ),
+        )
+        self.val_samples = [
+            s for e in led["val_shards"] for s in shard_samples(load_shard(self.spool / e["file"]))
+        ]
 
     def num_rows(self, cfg: StreamTrainConfig) -> int:
         """Rows the whole stream packs into (every epoch): sets the length of the lr schedule."""
         h = self.manifest
         toks = h.row_tokens
-        return sum(count_packed_rows([toks[i] for i in epoch_order(h.train_rows, h.seed, e)],
-                                     cfg.max_seq_len) for e in range(h.epochs))
+        return sum(
+            count_packed_rows(
+                [toks[i] for i in epoch_order(h.train_rows, h.seed, e)], cfg.max_seq_len
+            )
+            for e in range(h.epochs)
+        )
 
     def loader(self, cfg: StreamTrainConfig, rank: int, world: int) -> StreamLoader:
         return StreamLoader(self, cfg, rank, world)
 
 
 class StreamLoader:
-    """Resumable iterator of PackedBatch over the spool's training shards, in seq order (rank-sharded by row)."""
+    """Resumable iterator of PackedBatch over the spool's training shards, in seq order
+    (rank-sharded by row)."""
 
     def __init__(self, source: SpoolSource, cfg: StreamTrainConfig, rank: int = 0, world: int = 1):
         self.source, self.cfg, self.spool = source, cfg, source.spool
@@ -130,14 +159,17 @@ class StreamLoader:
         self.seq, self.j = 0, 0  # next sample: shard seq, sample within it
         self.epoch, self.in_epoch = 0, 0  # epoch of the last sample taken, samples taken in it
         self.ended = False
-        self.consumed: dict[str, list[int]] = {}  # epoch -> prepared rows taken since the last checkpoint
+        self.consumed: dict[
+            str, list[int]
+        ] = {}  # epoch -> prepared rows taken since the last checkpoint
         self._shard: tuple[int, int, list[dict[str, Any]]] | None = None  # (seq, epoch, samples)
         self._dtype: torch.dtype | None = None
         self.step_rows = cfg.batch_size * cfg.grad_accum * world
         self.max_ahead = self._check_cap()
 
     def _check_cap(self) -> int:
-        """Shards one optimizer step can span; refuse a cap that cannot hold them next to the fixed files."""
+        """Shards one optimizer step can span; refuse a cap that cannot hold them next to the fixed
+        files."""
         h, cfg = self.source.manifest, self.cfg
         longest = max(h.row_tokens or [1])
         span = math.ceil(self.step_rows * max(self.T, longest) / h.shard_tokens) + 2
@@ -145,18 +177,19 @@ class StreamLoader:
         need = fixed + (span + 1) * h.max_shard_bytes + meta_margin_bytes(self.spool)
         if need > cfg.spool_cap_bytes:
             raise ConfigError(
-                f"stream.spool_cap_gb = {cfg.spool_cap_gb} cannot hold the shards one optimizer step can span: "
-                f"{self.step_rows} rows (train.batch_size x train.grad_accum x ranks) of train.max_seq_len = {self.T} "
-                f"tokens span up to {span} shards of up to {h.max_shard_bytes} bytes "
-                f"(capture.shard_tokens = {h.shard_tokens}), plus {fixed} bytes of header and "
-                "validation shards: raise stream.spool_cap_gb "
+                f"stream.spool_cap_gb = {cfg.spool_cap_gb} cannot hold the shards one optimizer "
+                f"step can span: {self.step_rows} rows (train.batch_size x train.grad_accum x "
+                f"ranks) of train.max_seq_len = {self.T} tokens span up to {span} shards of up to "
+                f"{h.max_shard_bytes} bytes (capture.shard_tokens = {h.shard_tokens}), plus "
+                f"{fixed} bytes of header and validation shards: raise stream.spool_cap_gb "
                 f"to at least {need / 1e9:.6g}, or lower capture.shard_tokens or the batch"
             )
         return span
 
     # ------------------------------------------------------------------------------- reading shards
     def _entry(self, seq: int) -> dict[str, Any] | None:
-        """The ledger entry of shard `seq` once committed; {"end": True} after the stream's last shard."""
+        """The ledger entry of shard `seq` once committed; {"end": True} after the stream's last
+        shard."""
         led = read_state(self.spool, LEDGER)
         for e in led.get("shards", []):
             if e["seq"] == seq:
@@ -211,13 +244,15 @@ class StreamLoader:
         return self
 
     def __next__(self):
-        rows = [self._next_row() for _ in range(self.B * self.world)]  # every rank walks the same stream
+        rows = [
+            self._next_row() for _ in range(self.B * self.world)
+        ]  # every rank walks the same stream
         return collate(rows[self.rank :: self.world])
 
     def epoch_progress(self) -> float:
         return self.epoch + self.in_epoch / max(1, self.per_epoch)
 
-    # ------------------------------------------------------------------------------- resume + release
+    # ----------------------------------------------------------------------------- resume + release
     def _normalize(self) -> None:
         """Move past a fully consumed shard, so that a checkpoint covers (and may release) it."""
         if self._shard is not None and self._shard[0] == self.seq and self.j >= len(self._shard[2]):
@@ -225,8 +260,13 @@ class StreamLoader:
 
     def state_dict(self) -> dict[str, Any]:
         self._normalize()
-        return {"epoch": self.epoch, "cursor": self.in_epoch, "stream_seq": self.seq, "stream_sample": self.j,
-                "stream_consumed": self.consumed}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.in_epoch,
+            "stream_seq": self.seq,
+            "stream_sample": self.j,
+            "stream_consumed": self.consumed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seq, self.j = int(state["stream_seq"]), int(state["stream_sample"])
@@ -237,8 +277,8 @@ class StreamLoader:
             self._release()
 
     def wants_checkpoint(self) -> bool:
-        """A checkpoint now lets consumed shards be deleted: asked for when the producer is blocked on room, or
-        when the spool could not take the shards the next optimizer step may need."""
+        """A checkpoint now lets consumed shards be deleted: asked for when the producer is blocked
+        on room, or when the spool could not take the shards the next optimizer step may need."""
         self._normalize()
         want = False
         if self.rank == 0:
@@ -246,7 +286,11 @@ class StreamLoader:
             if self.seq > released:
                 led = read_state(self.spool, LEDGER)
                 ahead = sum(1 for e in led.get("shards", []) if e["seq"] > self.seq)
-                room = self.cfg.spool_cap_bytes - spool_bytes(self.spool) - meta_margin_bytes(self.spool)
+                room = (
+                    self.cfg.spool_cap_bytes
+                    - spool_bytes(self.spool)
+                    - meta_margin_bytes(self.spool)
+                )
                 short = ahead < self.max_ahead and not led.get("done")
                 need = (self.max_ahead - ahead) * self.source.manifest.max_shard_bytes
                 want = led.get("blocked_bytes", 0) > 0 or (short and room < need)
@@ -257,7 +301,8 @@ class StreamLoader:
         return want
 
     def on_checkpoint(self, ckpt: Path) -> None:
-        """After checkpoint `ckpt` (main rank): log what it covers, delete the shards before its position."""
+        """After checkpoint `ckpt` (main rank): log what it covers, delete the shards before its
+        position."""
         step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
         self._log_consumed(step, self.consumed)
         self.consumed = {}
@@ -265,12 +310,16 @@ class StreamLoader:
         _prune_checkpoints(ckpt.parent, keep=ckpt.name, save_every=self.cfg.save_every)
 
     def close(self, finished: bool) -> None:
-        """End of this invocation; after the last step the spool's shards (validation too) are deleted."""
+        """End of this invocation; after the last step the spool's shards (validation too) are
+        deleted."""
         if not finished or self.rank != 0:
             return
         c = read_state(self.spool, CONSUMED)
         write_json(self.spool / CONSUMED, {**c, "done": True})
-        for f in [*self.spool.glob("shard-*.safetensors"), *(self.spool / VAL_DIR).glob("shard-*.safetensors")]:
+        for f in [
+            *self.spool.glob("shard-*.safetensors"),
+            *(self.spool / VAL_DIR).glob("shard-*.safetensors"),
+        ]:
             f.unlink(missing_ok=True)
 
     def _release(self) -> None:
@@ -281,9 +330,12 @@ class StreamLoader:
         if c.get("released_below", 0) < self.seq:
             write_json(self.spool / CONSUMED, {**c, "released_below": self.seq})
 
-    def _log_consumed(self, step: int, consumed: dict[str, list[int]], resume: bool = False) -> None:
-        """Append {step, rows per epoch} to the samples log. On resume, lines after `step` and a torn last line
-        are dropped, and the resumed checkpoint's line is added if the kill came before it was written."""
+    def _log_consumed(
+        self, step: int, consumed: dict[str, list[int]], resume: bool = False
+    ) -> None:
+        """Append {step, rows per epoch} to the samples log. On resume, lines after `step` and a
+        torn last line are dropped, and the resumed checkpoint's line is added if the kill came
+        before it was written."""
         log = Path(self.cfg.out) / SAMPLES_LOG
         log.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"step": step, "rows": consumed}) + "\n"
@@ -306,7 +358,8 @@ class StreamLoader:
 
 
 def _prune_checkpoints(ckpts: Path, keep: str, save_every: int) -> None:
-    """Drop extra (stream-triggered) checkpoints older than `keep`; those at multiples of save_every stay."""
+    """Drop extra (stream-triggered) checkpoints older than `keep`; those at multiples of save_every
+    stay."""
     keep_step = int(keep.removeprefix("step-"))
     for p in ckpts.glob("step-*"):
         m = re.fullmatch(r"step-(\d+)", p.name)
@@ -315,7 +368,8 @@ def _prune_checkpoints(ckpts: Path, keep: str, save_every: int) -> None:
 
 
 def read_samples_log(out: str | Path) -> dict[int, list[int]]:
-    """epoch -> prepared rows trained on, from a streaming run's samples log (checkpointed consumption only)."""
+    """epoch -> prepared rows trained on, from a streaming run's samples log (checkpointed
+    consumption only)."""
     got: dict[int, list[int]] = {}
     for ln in (Path(out) / SAMPLES_LOG).read_text().splitlines():
         if ln.strip():
@@ -325,8 +379,9 @@ def read_samples_log(out: str | Path) -> dict[int, list[int]]:
 
 
 def run_stream_train(cfg: StreamTrainConfig, *, stop_after: int | None = None):
-    """The consumer: `run_train` on the spool `cfg.captured` (waits for the producer's shards, deletes them
-    once checkpointed). A failure is recorded in the spool so that the producer stops too."""
+    """The consumer: `run_train` on the spool `cfg.captured` (waits for the producer's shards,
+    deletes them once checkpointed). A failure is recorded in the spool so that the producer stops
+    too."""
     try:
         return run_train(cfg, source=SpoolSource(cfg), stop_after=stop_after)
     except PeerFailed:
@@ -334,5 +389,8 @@ def run_stream_train(cfg: StreamTrainConfig, *, stop_after: int | None = None):
     except Exception as e:
         spool = Path(cfg.captured)
         if spool.is_dir():
-            write_json(spool / CONSUMED, {**read_state(spool, CONSUMED), "error": f"{type(e).__name__}: {e}"})
+            write_json(
+                spool / CONSUMED,
+                {**read_state(spool, CONSUMED), "error": f"{type(e).__name__}: {e}"},
+            )
         raise

@@ -1,13 +1,15 @@
-"""`run_train(cfg)`: read target/vocab/capture -> build draft -> TTT training loop -> checkpoints + metadata.
+"""`run_train(cfg)`: read target/vocab/capture -> build draft -> TTT training loop -> checkpoints +
+metadata.
 
 Layout under cfg.out (eagle3.train.checkpoint has the files of each dir):
     checkpoints/step-N/   weights, optimizer, scheduler, loader position, RNG, eagle3_draft.json
     best/                 model.safetensors + eagle3_draft.json of the best validation tau_estimate
     final/                the same for the last step
-    logs/metrics.jsonl    one record per log/eval event;  tb/  TensorBoard scalars;  curves.png (eagle3.train.metrics)
+    logs/metrics.jsonl    one record per log/eval event;  tb/  TensorBoard scalars;  curves.png
+                          (eagle3.train.metrics)
 
-The entry reads as a sequence: setup -> inputs (capture manifest, target, vocab) -> draft -> data -> optimizer
--> resume -> loop (eagle3.train.loop) -> final/.
+The entry reads as a sequence: setup -> inputs (capture manifest, target, vocab) -> draft -> data ->
+optimizer -> resume -> loop (eagle3.train.loop) -> final/.
 """
 
 from __future__ import annotations
@@ -69,15 +71,22 @@ class TrainResult:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num_aux: int,
-                aux_layer_ids: list[int] | None = None) -> Eagle3Draft:
-    """The draft for this target and vocab, initialised as cfg asks; aux_layer_ids (fc's input order) is needed by
-    init_layers_from_target."""
+def build_draft(
+    cfg: TrainConfig,
+    target_cfg: dict,
+    tensors: dict,
+    d2t,
+    t2d,
+    num_aux: int,
+    aux_layer_ids: list[int] | None = None,
+) -> Eagle3Draft:
+    """The draft for this target and vocab, initialised as cfg asks; aux_layer_ids (fc's input
+    order) is needed by init_layers_from_target."""
     tc = text_config(target_cfg)
     if t2d.numel() != tc["vocab_size"]:
         raise ConfigError(
-            f"vocab={cfg.vocab}: t2d has {t2d.numel()} entries but the target's vocab_size is {tc['vocab_size']}; "
-            "rebuild the vocab with this target's tokenizer"
+            f"vocab={cfg.vocab}: t2d has {t2d.numel()} entries but the target's vocab_size is "
+            f"{tc['vocab_size']}; rebuild the vocab with this target's tokenizer"
         )
     dcfg = draft_config_from_target(target_cfg, num_aux, d2t.numel(), cfg.draft)
     dcfg.dropout = cfg.dropout
@@ -86,7 +95,9 @@ def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num
         model.embed_tokens.weight.copy_(tensors["embed"].float())
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
-        if cfg.init_head_from_target:  # logits = lm_head[draft rows] @ (norm_w * x / rms(x)), as the target's
+        if (
+            cfg.init_head_from_target
+        ):  # logits = lm_head[draft rows] @ (norm_w * x / rms(x)), as the target's
             model.lm_head.weight.copy_(tensors["lm_head"][torch.arange(d2t.numel()) + d2t].float())
             model.norm.weight.copy_(tensors["norm"].float())
     if cfg.init_layers_from_target:
@@ -96,18 +107,24 @@ def build_draft(cfg: TrainConfig, target_cfg: dict, tensors: dict, d2t, t2d, num
 
 
 def freeze_parameters(model: Eagle3Draft, prefixes: list[str]) -> None:
-    """requires_grad=False for every draft parameter named by one of `prefixes` (`layers`, `layers.2`, `lm_head`)."""
+    """requires_grad=False for every draft parameter named by one of `prefixes` (`layers`,
+    `layers.2`, `lm_head`)."""
     names = [n for n, _ in model.named_parameters() if not n.startswith("embed_tokens.")]
     for pre in prefixes:
         hit = [n for n in names if n == pre or n.startswith(pre + ".")]
         if not hit:
-            tops = sorted({n.split(".")[0] for n in names} | {".".join(n.split(".")[:2]) for n in names if n.startswith("layers.")})
-            raise ConfigError(f"freeze={prefixes}: {pre!r} names no parameter of this draft; use prefixes of {tops}")
+            tops = sorted(
+                {n.split(".")[0] for n in names}
+                | {".".join(n.split(".")[:2]) for n in names if n.startswith("layers.")}
+            )
+            raise ConfigError(
+                f"freeze={prefixes}: {pre!r} names no parameter of this draft; use prefixes of "
+                f"{tops}"
+            )
         for n in hit:
             model.get_parameter(n).requires_grad_(False)
     if prefixes and not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"freeze={prefixes} leaves nothing to train; freeze fewer parts")
-
 
 
 def count_rows(samples, indices, T) -> int:
@@ -118,7 +135,6 @@ def count_rows(samples, indices, T) -> int:
             rows, used = rows + 1, 0
         used += n
     return rows
-
 
 
 @dataclass
@@ -140,35 +156,57 @@ class Inputs:
 
 
 def run_train(
-    cfg: TrainConfig, *, samples=None, manifest: CaptureManifest | dict | None = None,
-    stop_after: int | None = None, source=None
+    cfg: TrainConfig,
+    *,
+    samples=None,
+    manifest: CaptureManifest | dict | None = None,
+    stop_after: int | None = None,
+    source=None,
 ) -> TrainResult:
     """Train the draft. `samples`/`manifest` replace reading cfg.captured (tests, in-memory data);
-    `stop_after` ends this invocation after that many optimizer steps (the schedule still follows the full run);
-    `source` (eagle3.train.stream.SpoolSource, streaming mode) gives the manifest, validation samples, loader
-    and row count instead of a capture dir."""
+    `stop_after` ends this invocation after that many optimizer steps (the schedule still follows
+    the full run); `source` (eagle3.train.stream.SpoolSource, streaming mode) gives the manifest,
+    validation samples, loader and row count instead of a capture dir."""
     cfg.require("target", "captured", "vocab", "out")
-    main = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 holds the out dir's writer lock
+    main = (
+        int(os.environ.get("RANK", "0")) == 0
+    )  # under torchrun rank 0 holds the out dir's writer lock
     with dir_lock(cfg.out, "train out") if main else nullcontext():
-        return _run_train(cfg, samples=samples, manifest=manifest, stop_after=stop_after, source=source)
+        return _run_train(
+            cfg, samples=samples, manifest=manifest, stop_after=stop_after, source=source
+        )
 
 
 def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> TrainResult:
     d = setup(cfg)
     with compile_cache_dir(cfg.compile_cache, d):
-        return _train(cfg, d, samples=samples, manifest=manifest, stop_after=stop_after, source=source)
+        return _train(
+            cfg, d, samples=samples, manifest=manifest, stop_after=stop_after, source=source
+        )
 
 
-def _train(cfg: TrainConfig, d: parallel.Dist, *, samples, manifest, stop_after, source) -> TrainResult:
+def _train(
+    cfg: TrainConfig, d: parallel.Dist, *, samples, manifest, stop_after, source
+) -> TrainResult:
     if d.main:  # this rank holds the out dir's writer lock: nothing else writes there now
         stale = remove_stale_files(Path(cfg.out))
         if stale:
-            progress(d, f"removed {len(stale)} stale temporary checkpoint file(s) left by an "
-                        f"interrupted save in {cfg.out}: {', '.join(stale[:4])}"
-                        f"{' ...' if len(stale) > 4 else ''}")
+            progress(
+                d,
+                f"removed {len(stale)} stale temporary checkpoint file(s) left by an "
+                f"interrupted save in {cfg.out}: {', '.join(stale[:4])}"
+                f"{' ...' if len(stale) > 4 else ''}",
+            )
     inputs = read_inputs(cfg, manifest if source is None else source.manifest)
-    model = build_draft(cfg, inputs.target_cfg, inputs.tensors, inputs.d2t, inputs.t2d,
-                        num_aux=len(inputs.aux_layer_ids), aux_layer_ids=inputs.aux_layer_ids).to(d.device)
+    model = build_draft(
+        cfg,
+        inputs.target_cfg,
+        inputs.tensors,
+        inputs.d2t,
+        inputs.t2d,
+        num_aux=len(inputs.aux_layer_ids),
+        aux_layer_ids=inputs.aux_layer_ids,
+    ).to(d.device)
     check_midlayer_target(cfg, model, inputs)
     run = build_run(cfg, d, inputs, model, samples, source)
     build_optimizer(run)
@@ -189,22 +227,28 @@ def _train(cfg: TrainConfig, d: parallel.Dist, *, samples, manifest, stop_after,
     out = run.out
     meta = run.draft_metadata(state.step, state.val_metrics)
     best_dir = out / "best" if (out / "best").is_dir() else None
-    return TrainResult(out, out / "final", best_dir, state.step, state.last_loss, state.val_metrics,
-                       meta.to_dict())
+    return TrainResult(
+        out, out / "final", best_dir, state.step, state.last_loss, state.val_metrics, meta.to_dict()
+    )
 
 
 def setup(cfg: TrainConfig) -> parallel.Dist:
     """Device and process group; seeds."""
     d = parallel.setup(cfg.device)
-    if d.device.type == "cuda":  # host work here is packing small tensors: a full OpenMP team per process
-        torch.set_num_threads(min(torch.get_num_threads(), 4))  # oversubscribes the cores (each op ms, not µs)
+    if (
+        d.device.type == "cuda"
+    ):  # host work here is packing small tensors: a full OpenMP team per process
+        torch.set_num_threads(
+            min(torch.get_num_threads(), 4)
+        )  # oversubscribes the cores (each op ms, not µs)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     return d
 
 
 def read_inputs(cfg: TrainConfig, manifest: CaptureManifest | SpoolHeader | dict | None) -> Inputs:
-    """The capture's manifest (checked against the target), the target's frozen tensors and the vocab."""
+    """The capture's manifest (checked against the target), the target's frozen tensors and the
+    vocab."""
     in_memory = manifest is not None and not (Path(str(cfg.captured)) / SpoolHeader.FILE).is_file()
     if manifest is None:
         manifest = CaptureManifest.load_combined(cfg.captured)
@@ -221,14 +265,23 @@ def read_inputs(cfg: TrainConfig, manifest: CaptureManifest | SpoolHeader | dict
     tensors = load_target_tensors(cfg.target)
     # the old embedding/norm/lm_head fingerprint: for a capture from before 2026-12-03 only
     identity = target_identity(cfg.target, None if manifest.target_fingerprint else tensors)
-    check_target_identity(manifest.recorded_target(), identity, what=f"captured={cfg.captured}",
-                          target=cfg.target, allow=cfg.allow_target_mismatch, error=ConfigError)
+    check_target_identity(
+        manifest.recorded_target(),
+        identity,
+        what=f"captured={cfg.captured}",
+        target=cfg.target,
+        allow=cfg.allow_target_mismatch,
+        error=ConfigError,
+    )
     if cfg.init_layers_from_target:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = DraftVocab.load(cfg.vocab).torch_maps()
     aux_layer_ids = list(cfg.aux_layer_ids or manifest.aux_layer_ids)
-    field = ("TrainConfig.aux_layer_ids" if cfg.aux_layer_ids
-             else f"captured={cfg.captured}: aux_layer_ids")
+    field = (
+        "TrainConfig.aux_layer_ids"
+        if cfg.aux_layer_ids
+        else f"captured={cfg.captured}: aux_layer_ids"
+    )
     AuxLayerIds(tuple(aux_layer_ids)).check(tc["num_hidden_layers"], field, last_ok=True)
     ids = {
         "captured_sha256": capture_sha256(cfg.captured, manifest, given=in_memory),
@@ -240,8 +293,9 @@ def read_inputs(cfg: TrainConfig, manifest: CaptureManifest | SpoolHeader | dict
     return Inputs(manifest, target_cfg, tensors, identity, d2t, t2d, aux_layer_ids, ids)
 
 
-def capture_sha256(captured: str | None, manifest: CaptureManifest | SpoolHeader | None,
-                   given: bool = False) -> str:
+def capture_sha256(
+    captured: str | None, manifest: CaptureManifest | SpoolHeader | None, given: bool = False
+) -> str:
     """The content identity of what is trained on: the sha256 of every capture dir's shard hashes
     (a shard's sha256 is in its manifest: nothing is read again), of a streaming spool's header
     hash, or of `manifest` itself when it was `given` in memory."""
@@ -259,19 +313,20 @@ def check_midlayer_target(cfg: TrainConfig, model: Eagle3Draft, inputs: Inputs) 
     L, n, ids = inputs.num_hidden_layers, model.cfg.num_hidden_layers, inputs.aux_layer_ids
     if cfg.midlayer_feature_loss_weight > 0 and max(ids) != L - n + 1:
         raise ConfigError(
-            f"midlayer_feature_loss_weight: the deepest aux id {max(ids)} is not the state target layer "
-            f"{L - n + 1} (the first one the draft copies) reads; with {L} target layers and "
+            f"midlayer_feature_loss_weight: the deepest aux id {max(ids)} is not the state target "
+            f"layer {L - n + 1} (the first one the draft copies) reads; with {L} target layers and "
             f"{n} draft layers use aux id {L - n + 1}, or change the draft's depth"
         )
 
 
 def read_samples(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, samples, source):
-    """The samples (all of them, or the spool's validation ones when streaming), holding the trained aux ids."""
+    """The samples (all of them, or the spool's validation ones when streaming), holding the trained
+    aux ids."""
     t_load = time.perf_counter()
     ids, L = inputs.aux_layer_ids, inputs.num_hidden_layers
     preload = cfg.preload and source is None and samples is None
-    # one process per host hashes the capture (8 ranks reading a multi-TB capture 8 times would cost hours); if it
-    # refuses the capture, torchrun stops the other ranks
+    # one process per host hashes the capture (8 ranks reading a multi-TB capture 8 times would cost
+    # hours); if it refuses the capture, torchrun stops the other ranks
     verify = cfg.verify_capture and int(os.environ.get("LOCAL_RANK", "0")) == 0
     if source is not None:
         samples, how = source.val_samples, "spool validation"
@@ -280,95 +335,176 @@ def read_samples(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, samples, so
     else:
         samples = load_samples(cfg.captured if samples is None else samples, verify=verify)
         how = "memory-mapped or given"
-    if verify and source is None and isinstance(cfg.captured, str) and (preload or isinstance(
-            samples, (CapturedDataset, ConcatSamples))):
+    if (
+        verify
+        and source is None
+        and isinstance(cfg.captured, str)
+        and (preload or isinstance(samples, (CapturedDataset, ConcatSamples)))
+    ):
         how += ", every shard sha256-verified"
     check_token_ids(samples, int(inputs.tensors["embed"].shape[0]), cfg.captured, cfg.target)
     if cfg.aux_layer_ids is not None and not preload:
         samples = SelectedLayers(samples, inputs.manifest.aux_layer_ids, ids, L)
-    progress(d, f"{len(samples)} samples ({how}, aux_layer_ids {ids}) in {time.perf_counter() - t_load:.1f} s")
+    progress(
+        d,
+        f"{len(samples)} samples ({how}, aux_layer_ids {ids}) in "
+        f"{time.perf_counter() - t_load:.1f} s",
+    )
     return samples, verify
 
 
-def build_run(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3Draft, samples, source) -> Run:
-    """Samples, loader, validation batches and step count, around the (wrapped) draft and the target's head."""
+def build_run(
+    cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3Draft, samples, source
+) -> Run:
+    """Samples, loader, validation batches and step count, around the (wrapped) draft and the
+    target's head."""
     dcfg, tc = model.cfg, text_config(inputs.target_cfg)
     cuda = d.device.type == "cuda"
     amp_dtype = torch.bfloat16 if cuda and cfg.dtype == "bfloat16" else torch.float32
-    head = TargetHead(inputs.tensors["norm"], tc.get("rms_norm_eps", 1e-6), inputs.tensors["lm_head"],
-                      torch.arange(inputs.d2t.numel()) + inputs.d2t).to(d.device, amp_dtype)
+    head = TargetHead(
+        inputs.tensors["norm"],
+        tc.get("rms_norm_eps", 1e-6),
+        inputs.tensors["lm_head"],
+        torch.arange(inputs.d2t.numel()) + inputs.d2t,
+    ).to(d.device, amp_dtype)
     t_start = time.perf_counter()
     samples, verify = read_samples(cfg, d, inputs, samples, source)
-    aux_shape = tuple(samples[0]["aux_hidden_states"].shape[-2:]) if len(samples) else (dcfg.num_aux, dcfg.target_hidden_size)
+    aux_shape = (
+        tuple(samples[0]["aux_hidden_states"].shape[-2:])
+        if len(samples)
+        else (dcfg.num_aux, dcfg.target_hidden_size)
+    )
     if aux_shape != (dcfg.num_aux, dcfg.target_hidden_size):
         raise ConfigError(
-            f"captured={cfg.captured}: samples carry aux states of shape (T, {aux_shape[0]}, {aux_shape[1]}) but the "
-            f"manifest lists {dcfg.num_aux} layers of hidden size {dcfg.target_hidden_size}; the capture is inconsistent"
+            f"captured={cfg.captured}: samples carry aux states of shape (T, {aux_shape[0]}, "
+            f"{aux_shape[1]}) but the manifest lists {dcfg.num_aux} layers of hidden size "
+            f"{dcfg.target_hidden_size}; the capture is inconsistent"
         )
     if source is None:
         samples = with_target_argmax(samples, head, d)
         train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
-        loader = PackedLoader(samples, train_idx, cfg.max_seq_len, cfg.batch_size, cfg.seed, rank=d.rank, world=d.world,
-                              prefetch=2 * cfg.num_loader_workers, num_workers=cfg.num_loader_workers,
-                              pin_memory=d.device.type == "cuda")
+        loader = PackedLoader(
+            samples,
+            train_idx,
+            cfg.max_seq_len,
+            cfg.batch_size,
+            cfg.seed,
+            rank=d.rank,
+            world=d.world,
+            prefetch=2 * cfg.num_loader_workers,
+            num_workers=cfg.num_loader_workers,
+            pin_memory=d.device.type == "cuda",
+        )
     else:  # streaming: every spool sample here is validation; training rows come from the loader
         val_idx, loader = list(range(len(samples))), source.loader(cfg, d.rank, d.world)
-    val = eval_batches(samples, val_idx, cfg.max_seq_len, cfg.batch_size)  # every rank (FSDP forward is collective)
+    val = eval_batches(
+        samples, val_idx, cfg.max_seq_len, cfg.batch_size
+    )  # every rank (FSDP forward is collective)
     heldout = []
-    if cfg.val_captured:  # unseen prompts pick the checkpoint; the held-out train split is still logged
+    if (
+        cfg.val_captured
+    ):  # unseen prompts pick the checkpoint; the held-out train split is still logged
         val, heldout = read_val_captured(cfg, inputs, source, verify, head, d), val
     per_step = cfg.batch_size * cfg.grad_accum * d.world
-    rows = source.num_rows(cfg) if source is not None else cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len)
+    rows = (
+        source.num_rows(cfg)
+        if source is not None
+        else cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len)
+    )
     total = cfg.max_steps or max(1, math.ceil(rows / per_step))
-    progress(d, f"{total} steps of {per_step} x {cfg.max_seq_len} tokens ({rows:.0f} packed rows), "
-                f"{len(val)} validation batches")
+    progress(
+        d,
+        f"{total} steps of {per_step} x {cfg.max_seq_len} tokens ({rows:.0f} packed rows), "
+        f"{len(val)} validation batches",
+    )
     mode = parallel.choose_parallel(cfg.parallel, model, d)
     if d.world > 1:
         progress(d, f"{d.world} processes: {mode} (train.parallel {cfg.parallel})")
     ttt = parallel.wrap(TTTModule(model), d, fsdp=mode == "fsdp2")
 
     def meta(step: int, metrics: dict) -> DraftMetadata:
-        return draft_metadata(cfg, dcfg, inputs.manifest, inputs.target_cfg, step, metrics,
-                              inputs.identity, inputs.ids)
+        return draft_metadata(
+            cfg,
+            dcfg,
+            inputs.manifest,
+            inputs.target_cfg,
+            step,
+            metrics,
+            inputs.identity,
+            inputs.ids,
+        )
 
-    return Run(cfg=cfg, d=d, out=Path(cfg.out), model=model, ttt=ttt, parallel=mode, head=head, loader=loader, val=val,
-               heldout=heldout, total=total, amp_dtype=amp_dtype, aux_layer_ids=inputs.aux_layer_ids,
-               draft_metadata=meta, t_start=t_start)
+    return Run(
+        cfg=cfg,
+        d=d,
+        out=Path(cfg.out),
+        model=model,
+        ttt=ttt,
+        parallel=mode,
+        head=head,
+        loader=loader,
+        val=val,
+        heldout=heldout,
+        total=total,
+        amp_dtype=amp_dtype,
+        aux_layer_ids=inputs.aux_layer_ids,
+        draft_metadata=meta,
+        t_start=t_start,
+    )
 
 
 def with_target_argmax(samples, head: TargetHead, d: parallel.Dist) -> WithTargetArgmax:
-    """The samples with the target's full-vocab argmax computed once (eagle3.train.data.compute_sample_argmax): each
-    rank computes every world-th sample (each reads 1/world of the last hidden states, not all of them), then every
-    rank gets the whole table (the loader's packing hands any sample to any rank)."""
+    """The samples with the target's full-vocab argmax computed once
+    (eagle3.train.data.compute_sample_argmax): each rank computes every world-th sample (each reads
+    1/world of the last hidden states, not all of them), then every rank gets the whole table (the
+    loader's packing hands any sample to any rank)."""
     t0 = time.perf_counter()
     mine = compute_sample_argmax(samples, head, d.device, range(d.rank, len(samples), d.world))
     idx = list(mine)
     lengths = [len(mine[i]) for i in idx]
-    flat = torch.cat([mine[i] for i in idx]).numpy() if idx else None  # one array: pickles as raw bytes
+    flat = (
+        torch.cat([mine[i] for i in idx]).numpy() if idx else None
+    )  # one array: pickles as raw bytes
     table: list[torch.Tensor | None] = [None] * len(samples)
     for r_idx, r_lengths, r_flat in parallel.all_gather_objects((idx, lengths, flat), d):
         parts = torch.from_numpy(r_flat).split(r_lengths) if r_idx else []
         for i, part in zip(r_idx, parts, strict=True):
             table[i] = part
-    progress(d, f"target argmax of {len(samples)} samples ({len(idx)} on this rank) in "
-                f"{time.perf_counter() - t0:.1f} s (once, not per epoch)")
+    progress(
+        d,
+        f"target argmax of {len(samples)} samples ({len(idx)} on this rank) in "
+        f"{time.perf_counter() - t0:.1f} s (once, not per epoch)",
+    )
     return WithTargetArgmax(samples, table)
 
 
-def read_val_captured(cfg: TrainConfig, inputs: Inputs, source, verify: bool, head: TargetHead,
-                      d: parallel.Dist) -> list:
+def read_val_captured(
+    cfg: TrainConfig, inputs: Inputs, source, verify: bool, head: TargetHead, d: parallel.Dist
+) -> list:
     """Validation batches from val_captured, a capture of other prompts than the training ones."""
     both = {str(p.resolve()) for p in capture_dirs(cfg.val_captured)} & (
-        {str(p.resolve()) for p in capture_dirs(cfg.captured)} if source is None else set())
+        {str(p.resolve()) for p in capture_dirs(cfg.captured)} if source is None else set()
+    )
     if both:
-        raise ConfigError(f"val_captured={cfg.val_captured} and captured={cfg.captured} share {sorted(both)}: "
-                          "validation rows would be training rows; validate on a capture of other prompts")
+        raise ConfigError(
+            f"val_captured={cfg.val_captured} and captured={cfg.captured} share {sorted(both)}: "
+            "validation rows would be training rows; validate on a capture of other prompts"
+        )
     vm = CaptureManifest.load_combined(cfg.val_captured)
-    check_target_identity(vm.recorded_target(), inputs.identity,
-                          what=f"val_captured={cfg.val_captured}", target=cfg.target,
-                          allow=cfg.allow_target_mismatch, error=ConfigError)
-    vs = SelectedLayers(load_samples(cfg.val_captured, verify=verify), vm.aux_layer_ids,
-                        inputs.aux_layer_ids, inputs.num_hidden_layers)
+    check_target_identity(
+        vm.recorded_target(),
+        inputs.identity,
+        what=f"val_captured={cfg.val_captured}",
+        target=cfg.target,
+        allow=cfg.allow_target_mismatch,
+        error=ConfigError,
+    )
+    vs = SelectedLayers(
+        load_samples(cfg.val_captured, verify=verify),
+        vm.aux_layer_ids,
+        inputs.aux_layer_ids,
+        inputs.num_hidden_layers,
+    )
     vs = with_target_argmax(vs, head, d)
     return eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size)
 
