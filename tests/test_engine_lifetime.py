@@ -78,7 +78,7 @@ def test_sigkilled_capture_leaves_no_engine_process(tiny_llama, tmp_path):
     )
     engines: dict[int, int] = {}
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 480  # a vLLM engine start on a loaded 2-core host
         while time.time() < deadline and cap.poll() is None:
             below = descendants(cap.pid)
             if any(cmdline(p).startswith("VLLM::Worker") for p in below):
