@@ -56,6 +56,9 @@ REFINE_ROUNDS=${REFINE_ROUNDS:-2} REFINE_PROMPTS=${REFINE_PROMPTS:-512} REFINE_M
 REFINE_LR=${REFINE_LR:-2e-5} REFINE_STEPS=${REFINE_STEPS:-100} REFINE_TEMPS=${REFINE_TEMPS:-0.0,0.6}
 REFINE_BUDGET_S=${REFINE_BUDGET_S:-480}
 REFINE_EXTRA=${REFINE_EXTRA:-"--generate-batch-size 512"}  # more refine flags
+# refine variants of REFINE_RUN side by side, "name:flags" each (flags comma-separated as in RUNS, after the
+# REFINE_* ones: later flags win) -> drafts/<REFINE_RUN>-refine-<name>; empty: the one variant <run>-refine
+REFINES=${REFINES:-}
 PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python SKIP_WHEELS=1 DEVICE=cpu + small sizes
 mkdir -p "$S" "$OUT" "$R"
 die() { echo "realbench: $*" | tee -a "$R/timings.txt" >&2; exit 1; }
@@ -227,23 +230,31 @@ train_one() {  # name method data [extra flags, comma-separated]
   echo "train $name rc=$rc wall_s=$((SECONDS - t0)) $(date -u +%FT%TZ)" >> "$R/timings.txt"
   E export --checkpoint "$S/train_$name" --out "$S/drafts/$name" --target "$S/target" > "$S/export_$name.json" \
     2>> "$S/train_$name.log" || echo "export $name failed" >> "$R/timings.txt"
-  if [ "$name" = "$REFINE_RUN" ] && [ "${REFINE_OK:-0}" = 1 ]; then refine_one "$name" "$data" "$captured" "$vocab"; fi
+  [ "$name" = "$REFINE_RUN" ] && [ "${REFINE_OK:-0}" = 1 ] || return 0
+  if [ -z "$REFINES" ]; then refine_one "$name" "$data" "$captured" "$vocab" "$name-refine"; return; fi
+  local v vname vflags
+  for v in $REFINES; do
+    IFS=: read -r vname vflags <<< "$v"
+    refine_one "$name" "$data" "$captured" "$vocab" "$name-refine-$vname" "$vflags" &
+  done
+  wait
 }
 
-refine_one() {  # name data captured vocab: our refine stage on a trained draft -> drafts/<name>-refine
-  local name=$1 data=$2 captured=$3 vocab=$4 prepared t0=$SECONDS rc
+refine_one() {  # name data captured vocab out [flags]: our refine stage on a trained draft -> drafts/<out>
+  local name=$1 data=$2 captured=$3 vocab=$4 out=$5 flags=${6:-} extra=() prepared t0=$SECONDS rc
+  [ -n "$flags" ] && extra=(${flags//,--/ --})
   prepared="$S/prep_$data"
   [ "$data" = mix ] && prepared="$S/prep_gsm8k,$S/prep_synth,$S/prep_chat"
   timeout -k 5 "$REFINE_BUDGET_S" $PY -m eagle3.cli refine --target "$S/target" --checkpoint "$S/train_$name" \
-    --data "$prepared" --vocab "$vocab" --out "$S/train_$name-refine" --backend hf --device "$DEVICE" \
+    --data "$prepared" --vocab "$vocab" --out "$S/train_$out" --backend hf --device "$DEVICE" \
     --rounds "$REFINE_ROUNDS" --temperatures "$REFINE_TEMPS" --num-prompts "$REFINE_PROMPTS" \
     --max-new-tokens "$REFINE_MAX_NEW" --lr "$REFINE_LR" --steps-per-round "$REFINE_STEPS" --supervised-share 0.5 \
-    --captured "$captured" $REFINE_EXTRA > "$S/train_$name-refine.json" 2> "$S/train_$name-refine.log"
+    --captured "$captured" $REFINE_EXTRA "${extra[@]}" > "$S/train_$out.json" 2> "$S/train_$out.log"
   rc=$?
-  echo "refine $name rc=$rc wall_s=$((SECONDS - t0)) $(date -u +%FT%TZ)" >> "$R/timings.txt"
-  cp "$S/train_$name-refine.json" "$R/refine_$name.json" 2>/dev/null
-  E export --checkpoint "$S/train_$name-refine" --out "$S/drafts/$name-refine" --target "$S/target" \
-    > "$S/export_$name-refine.json" 2>> "$S/train_$name-refine.log" || echo "export $name-refine failed" >> "$R/timings.txt"
+  echo "refine $out rc=$rc wall_s=$((SECONDS - t0)) $(date -u +%FT%TZ)" >> "$R/timings.txt"
+  cp "$S/train_$out.json" "$R/refine_$out.json" 2>/dev/null
+  E export --checkpoint "$S/train_$out" --out "$S/drafts/$out" --target "$S/target" \
+    > "$S/export_$out.json" 2>> "$S/train_$out.log" || echo "export $out failed" >> "$R/timings.txt"
 }
 
 peer_preflight() {  # can the peer's trainer and loader import here? (its wheels travel in .whl)
@@ -302,7 +313,7 @@ cmd_train() {
   rm -rf "$S/pack" && mkdir -p "$S/pack"
   local packed=() n
   for r in "${runs[@]}"; do packed+=("${r%%:*}"); done
-  [ -d "$S/drafts/$REFINE_RUN-refine" ] && packed+=("$REFINE_RUN-refine")
+  for f in "$S/drafts/$REFINE_RUN"-refine*; do [ -d "$f" ] && packed+=("${f##*/}"); done
   [ -d "$S/drafts/peer-mix" ] && packed+=(peer-mix)
   for name in "${packed[@]}"; do  # side by side: xz is single-threaded
     n=(); for f in "train_$name/logs" "train_$name.json" "train_$name.log" "train_$name/peer_train.json"; do
