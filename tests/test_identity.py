@@ -167,6 +167,50 @@ def test_train_and_export_refuse_a_target_with_other_decoder_layers(capture, tin
     assert not (tmp_path / "d").exists()
 
 
+def _rewrite_config(target: Path, **changes) -> Path:
+    """Save the target's config.json again as another library version would: other formatting and
+    `changes` applied."""
+    p = target / "config.json"
+    cfg = {**json.loads(p.read_text()), **changes}
+    p.write_text(json.dumps(cfg, indent=4, sort_keys=True))
+    return target
+
+
+def test_a_config_saved_by_another_transformers_version_is_the_same_target(
+    capture, tiny_llama, tmp_path
+):
+    from eagle3.identity import config_sha256
+    from eagle3.io import sha256_file
+
+    cap, vocab = capture
+    res = run_train(_train_cfg(tmp_path / "t", tiny_llama, cap, vocab, max_steps=2))
+    resaved = _rewrite_config(_copy_target(tiny_llama, tmp_path / "v"), transformers_version="0.1")
+    assert sha256_file(resaved / "config.json") != sha256_file(tiny_llama / "config.json")
+    assert config_sha256(resaved / "config.json") == config_sha256(tiny_llama / "config.json")
+    run_export(ExportConfig(checkpoint=str(res.final_dir), out=tmp_path / "d", target=str(resaved)))
+    assert (tmp_path / "d" / "model.safetensors").is_file()
+
+    other = _rewrite_config(_copy_target(tiny_llama, tmp_path / "o"), rms_norm_eps=1e-3)
+    with pytest.raises(ExportError, match=r"another target .*config.json sha256 \w+ \(recorded\)"):
+        run_export(
+            ExportConfig(checkpoint=str(res.final_dir), out=tmp_path / "e", target=str(other))
+        )
+    assert not (tmp_path / "e").exists()
+
+    # a checkpoint from before 2026-12-03 recorded the file's bytes: still the same target, and
+    # training resumes from it
+    meta_path = tmp_path / "t" / "checkpoints" / "step-2" / "eagle3_draft.json"
+    meta = json.loads(meta_path.read_text())
+    raw = sha256_file(tiny_llama / "config.json")
+    meta["target_config_sha256"] = meta["inputs"]["target_config_sha256"] = raw
+    del meta["inputs"]["target_config_file_sha256"]
+    meta_path.write_text(json.dumps(meta))
+    shutil.rmtree(tmp_path / "t" / "final")
+    shutil.rmtree(tmp_path / "t" / "best", ignore_errors=True)
+    again = run_train(_train_cfg(tmp_path / "t", tiny_llama, cap, vocab, max_steps=2))
+    assert again.steps == 2 and (tmp_path / "t" / "final" / "model.safetensors").is_file()
+
+
 def test_records_without_the_full_fingerprint_fall_back_with_one_warning(
     capture, tiny_llama, tmp_path, capfd
 ):

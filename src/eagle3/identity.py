@@ -7,7 +7,9 @@ over the weight files at the top of the directory (WEIGHT_PATTERNS: safetensors 
 index, PyTorch .bin/.pt/.pth, GGUF), None for a dir without any (a config-only target). `sha256`
 hashes each file's name, size and content sha256, so a decoder layer fine-tuned in place, another
 checkpoint of the same family or a requantized file all change it; config.json is compared on its
-own (the records' `target_config_sha256`).
+own (the records' `target_config_sha256`: `config_sha256`, its content without the keys that only
+name the writer's library version, so the same target saved by another transformers version still
+matches).
 
 Regenerate, capture, train and export record it; every stage that reads another's output compares it
 (eagle3.integrity words the messages, eagle3.artifacts reads records written before it existed).
@@ -87,6 +89,27 @@ def sha256_of_file(path: str | Path) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+#: config.json keys that say which library version wrote the file, not what the model is
+#: (2026-12-03: transformers 5.17 and 5.19 write the same SmolLM2 config but for this key)
+VERSION_ONLY_CONFIG_KEYS = ("transformers_version",)
+
+
+def config_sha256(path: str | Path) -> str:
+    """sha256 of a config.json's content without VERSION_ONLY_CONFIG_KEYS, keys sorted: what the
+    model is, not how the file was formatted or which version wrote it. A file that is not a JSON
+    object is hashed as bytes."""
+    raw = Path(path).read_bytes()
+    try:
+        cfg = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return hashlib.sha256(raw).hexdigest()
+    if not isinstance(cfg, dict):
+        return hashlib.sha256(raw).hexdigest()
+    kept = {k: v for k, v in cfg.items() if k not in VERSION_ONLY_CONFIG_KEYS}
+    text = json.dumps(kept, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _stamp(path: Path) -> dict[str, int]:

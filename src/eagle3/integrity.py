@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from eagle3.artifacts import RecordedTarget, recorded_target_fingerprint
-from eagle3.identity import describe_difference, target_fingerprint
+from eagle3.identity import config_sha256, describe_difference, target_fingerprint
 from eagle3.io import read_json, sha256_file
 from eagle3.model.draft import text_config
 from eagle3.weights import load_target_tensors
@@ -47,15 +47,18 @@ def tensor_sha256(t: torch.Tensor) -> str:
 def target_identity(
     target: str | Path, tensors: dict[str, torch.Tensor] | None = None
 ) -> dict[str, Any]:
-    """{"target", "config_sha256", "num_hidden_layers", "fingerprint"} of a target dir:
-    `fingerprint` is eagle3.identity.target_fingerprint (every weight file; None for a config-only
-    dir). The old fingerprint of embedding / norm / lm_head (`weights_sha256`) is added only when
-    `tensors` (the load_target_tensors result) are given, or when a record from before 2026-12-03
-    needs it (legacy_weights_sha256)."""
+    """{"target", "config_sha256", "config_file_sha256", "num_hidden_layers", "fingerprint"} of a
+    target dir: `config_sha256` is eagle3.identity.config_sha256 (the content, whichever
+    transformers version wrote it), `config_file_sha256` the file's bytes (what records from before
+    2026-12-03 hold); `fingerprint` is eagle3.identity.target_fingerprint (every weight file; None
+    for a config-only dir). The old fingerprint of embedding / norm / lm_head (`weights_sha256`) is
+    added only when `tensors` (the load_target_tensors result) are given, or when a record from
+    before 2026-12-03 needs it (legacy_weights_sha256)."""
     p = Path(target) / "config.json"
     out = {
         "target": str(target),
-        "config_sha256": sha256_file(p),
+        "config_sha256": config_sha256(p),
+        "config_file_sha256": sha256_file(p),
         "num_hidden_layers": text_config(read_json(p)).get("num_hidden_layers"),
         "fingerprint": target_fingerprint(target),
     }
@@ -94,16 +97,20 @@ def identity_mismatches(
     target_config_sha256, target_num_layers, target_fingerprint: their `recorded_target()`) and
     `actual` (target_identity). Fields the record lacks are not compared; a record from before
     2026-12-03 without `target_fingerprint` has its `target_weights_sha256` (embedding, norm,
-    lm_head) compared instead, with a warning once (eagle3.artifacts). `what` names the record in
-    that warning."""
+    lm_head) compared instead, with a warning once (eagle3.artifacts). A recorded config sha256
+    matches either the content hash or, for older records, the file's bytes. `what` names the
+    record in that warning."""
     out = []
-    pairs = (
-        (recorded.config_sha256, "config_sha256", "config.json sha256"),
-        (recorded.num_hidden_layers, "num_hidden_layers", "num_hidden_layers"),
-    )
-    for value, akey, name in pairs:
-        if value is not None and value != actual[akey]:
-            out.append(f"{name} {value} (recorded) != {actual[akey]} (target)")
+    config_now = (actual["config_sha256"], actual.get("config_file_sha256"))
+    if recorded.config_sha256 is not None and recorded.config_sha256 not in config_now:
+        out.append(
+            f"config.json sha256 {recorded.config_sha256} (recorded) != {config_now[0]} (target)"
+        )
+    layers = recorded.num_hidden_layers
+    if layers is not None and layers != actual["num_hidden_layers"]:
+        out.append(
+            f"num_hidden_layers {layers} (recorded) != {actual['num_hidden_layers']} (target)"
+        )
     fp = recorded_target_fingerprint(recorded, what)
     if fp is not None:
         now_fp = actual["fingerprint"]  # None: a config-only dir, whose weights cannot be compared

@@ -30,8 +30,8 @@ from eagle3.artifacts import (
     recorded_target_fingerprint,
 )
 from eagle3.config import AuxLayerIds, CaptureConfig, ConfigError
-from eagle3.identity import describe_difference, target_fingerprint
-from eagle3.io import read_json, sha256_file, sha256_json
+from eagle3.identity import config_sha256, describe_difference, target_fingerprint
+from eagle3.io import read_json, sha256_json
 from eagle3.lock import dir_lock
 from eagle3.prepared import load_prepared
 from eagle3.shards import (
@@ -99,7 +99,7 @@ def target_info(target: str | Path) -> TargetInfo:
         return TargetInfo(
             int(text["num_hidden_layers"]),
             int(text["hidden_size"]),
-            sha256_file(p),
+            config_sha256(p),
             text.get("max_position_embeddings"),
         )
     except KeyError as e:

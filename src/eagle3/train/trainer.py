@@ -287,6 +287,7 @@ def read_inputs(cfg: TrainConfig, manifest: CaptureManifest | SpoolHeader | dict
         "captured_sha256": capture_sha256(cfg.captured, manifest, given=in_memory),
         "vocab_sha256": sha256_text(tensor_sha256(d2t) + tensor_sha256(t2d)),
         "target_config_sha256": identity["config_sha256"],
+        "target_config_file_sha256": identity["config_file_sha256"],  # what older records hold
         "target_weights_sha256": (identity["fingerprint"] or {}).get("sha256"),
         "val_captured_sha256": capture_sha256(cfg.val_captured, None) if cfg.val_captured else None,
     }
