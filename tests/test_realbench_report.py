@@ -178,3 +178,45 @@ def test_rows_at_another_k_get_their_own_table_and_no_goal(tmp_path: Path) -> No
     k5 = text.split("k = 5")[1]
     assert "| ngram | ngram | — | 5 | 4.00 / 4.00 |" in k5 and "2.50" not in k5
     assert report._cells(built["rows"], "ngram", 0.0) == {"math": 2.5, "all": 2.5}
+
+
+def test_rows_at_another_answer_length_get_their_own_table_and_no_goal(tmp_path: Path) -> None:
+    import argparse
+
+    report = _report()
+    args = argparse.Namespace(
+        k=3,
+        max_tokens=96,
+        dtype="float32",
+        methods=None,
+        prompts=tmp_path / "p.jsonl",
+        results_name="x",
+    )
+
+    def ev(max_tokens, tau):
+        return {
+            "num_speculative_tokens": 3,
+            "config": {"max_tokens": max_tokens},
+            "rows": [
+                {
+                    "category": c,
+                    "temperature": 0.0,
+                    "num_prompts": 1,
+                    "tau": tau,
+                    "generated_tokens": 100,
+                    "num_accepted_tokens": round(100 - 100 / tau),
+                    "num_drafts": 10,
+                }
+                for c in ("math", "all")
+            ],
+        }
+
+    (tmp_path / "report_collect" / "report").mkdir(parents=True)
+    (tmp_path / "report_collect" / "report" / "timings.txt").write_text("")
+    built = report.build([], {"ngram": ev(96, 2.5)}, tmp_path, args, [("ngram", ev(256, 4.0))])
+    assert [r.get("max_tokens") for r in built["rows"]] == [None, None, 256, 256]
+    text = report.render(built)
+    assert "## temperature 0.0 (greedy), 256 answer tokens" in text
+    longer = text.split("256 answer tokens")[1]
+    assert "| ngram | ngram | — | 3 | 4.00 / 4.00 |" in longer and "2.50" not in longer
+    assert report._cells(built["rows"], "ngram", 0.0) == {"math": 2.5, "all": 2.5}

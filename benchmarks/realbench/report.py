@@ -21,8 +21,8 @@ and the drafts' `<name>.tar.xz.partNN` pieces. This script
      sizes, stage and training times, machines, commands).
 An evaluation already in OUT/eval/<name>/k<k>-<max tokens>tok/T<temperature>/results.json is reused
 when it was made with the settings asked for (else the report stops, naming them; delete it to
-measure again), so the methods, temperatures and k (--methods, --temperatures, --extra-k) can be
-evaluated in separate pieces and reported at once.
+measure again), so the methods, temperatures, k and answer lengths (--methods, --temperatures,
+--extra-k, --extra-max-tokens) can be evaluated in separate pieces and reported at once.
 Method of a draft, from its exported files (not its name): `speculators` when config.json is the
 speculators format (the peer, speculators 0.9.0, trained by benchmarks/peer_quality);
 `eagle3.1+refine` when its eagle3_draft.json records a refine stage (or, without that record, its
@@ -314,7 +314,8 @@ def build(
     extra: list[tuple[str, dict[str, Any]]] = (),
 ) -> dict[str, Any]:
     """`evals`: method name -> its merged evaluation at --k; `extra`: (name, evaluation) at the
-    --extra-k values (greedy), whose rows carry their own `k`."""
+    --extra-k values or --extra-max-tokens answer lengths (greedy), whose rows carry their own `k`
+    or `max_tokens`."""
     rows = []
     for name, ev in [*evals.items(), *extra]:
         shape = (
@@ -329,12 +330,14 @@ def build(
         )
         cost = ev.get("draft_cost") or {}
         k = ev.get("num_speculative_tokens", args.k)
+        max_tokens = (ev.get("config") or {}).get("max_tokens", args.max_tokens)
         for r in ev["rows"]:
             rows.append(
                 {
                     **shape,
                     "draft": name,
                     **({"k": k} if k != args.k else {}),
+                    **({"max_tokens": max_tokens} if max_tokens != args.max_tokens else {}),
                     "category": r["category"],
                     "temperature": r["temperature"],
                     "num_prompts": r["num_prompts"],
@@ -419,10 +422,11 @@ def walls(report: Path) -> dict[str, Any]:
 def _cells(rows: list[dict[str, Any]], method: str, temp: float) -> dict[str, float]:
     return {
         r["category"]: r["tokens_per_step"]
-        for r in rows  # rows at the top-level k only
+        for r in rows  # rows at the top-level k and answer length only
         if r["method"] == method
         and r["temperature"] == temp
         and "k" not in r
+        and "max_tokens" not in r
         and r.get("tokens_per_step") is not None
     }
 
@@ -475,8 +479,11 @@ def render(r: dict[str, Any]) -> str:
         "(1 + accepted / drafts: counts only the passes that drafted).",
         "",
     ]
-    for k, temp in sorted({(x.get("k", r["k"]), x["temperature"]) for x in rows}):
+    top = (r["k"], r.get("max_tokens"))
+    groups = {(x.get("k", top[0]), x.get("max_tokens", top[1]), x["temperature"]) for x in rows}
+    for k, max_tokens, temp in sorted(groups, key=lambda g: (g[1] != top[1], g[1], g[0], g[2])):
         at_k = "" if k == r["k"] else f", k = {k}"
+        at_k += "" if max_tokens == top[1] else f", {max_tokens} answer tokens"
         lines += [
             f"## temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)") + at_k,
             "",
@@ -492,6 +499,7 @@ def render(r: dict[str, Any]) -> str:
                 if x.get("draft", x["method"]) == name
                 and x["temperature"] == temp
                 and x.get("k", r["k"]) == k
+                and x.get("max_tokens", top[1]) == max_tokens
             }
             if not cell:
                 continue
@@ -582,6 +590,12 @@ def main() -> None:
         "their rows carry `k` and have tables of their own",
     )
     ap.add_argument(
+        "--extra-max-tokens",
+        default="",
+        help="more answer lengths (comma-separated), evaluated greedy at --k; their rows carry "
+        "`max_tokens` and have tables of their own",
+    )
+    ap.add_argument(
         "--temperatures", default="0.0,0.6", help="passes of the methods in --sampled-methods"
     )
     ap.add_argument(
@@ -650,6 +664,16 @@ def main() -> None:
         for name in wanted:
             ev = evaluate(
                 name, target, prompts, out, at_k, baseline=False, only_cached=args.report_only
+            )
+            if ev is not None:
+                extra.append((name, ev))
+    for max_tokens in [int(v) for v in args.extra_max_tokens.split(",") if v]:
+        longer = argparse.Namespace(
+            **{**vars(args), "max_tokens": max_tokens, "temperatures": "0.0"}
+        )
+        for name in wanted:
+            ev = evaluate(
+                name, target, prompts, out, longer, baseline=False, only_cached=args.report_only
             )
             if ev is not None:
                 extra.append((name, ev))
