@@ -402,6 +402,65 @@ def build(
         },
         "draft_cost": {n: e.get("draft_cost") for n, e in evals.items() if n != "ngram"},
         "command": " ".join(["benchmarks/realbench/report.py", *sys.argv[1:]]),
+        **({"refine_sweep": args.sweep} if getattr(args, "sweep", None) else {}),
+    }
+
+
+#: refine settings a sweep varies (the rest are the stage's defaults or gpu.sh's REFINE_*)
+SWEPT = (
+    "rounds",
+    "temperatures",
+    "num_prompts",
+    "lr",
+    "steps_per_round",
+    "loss_weighting",
+    "rejected_weight",
+    "supervised_share",
+    "loss_rows",
+)
+
+
+def refine_sweep(gpu_dir: Path, out: Path) -> dict[str, Any]:
+    """Refine variants of one supervised draft (gpu.sh REFINES), from another GPU run's pieces in
+    `gpu_dir` unpacked under `out`: per variant its settings, the supervised draft's and the
+    selected round's τ and α on the refine stage's validation prompts (held-out training prompts,
+    never the evaluation ones), per round, and wall seconds; chosen on that validation only."""
+    unpack(gpu_dir, out)
+    report = report_dir(out)
+    wall = walls(report)
+    variants = {}
+    for p in sorted(report.glob("refine_*.json")):
+        res = json.loads(p.read_text())
+        name = p.stem.removeprefix("refine_")
+        meta = out / "drafts" / name / "eagle3_draft.json"
+        cfg = (
+            (json.loads(meta.read_text()).get("refine") or {}).get("config", {})
+            if meta.is_file()
+            else {}
+        )
+        variants[name] = {
+            "settings": {k: cfg.get(k) for k in SWEPT},
+            "selected_round": res["selected_round"],
+            "tau_before": res["tau_before"],
+            "tau_after": res["tau_after"],
+            "alpha_before": res["alpha_before"],
+            "alpha_after": res["alpha_after"],
+            "rounds": [
+                {
+                    "round": r["round"],
+                    "validation_tau": {t: v["tau"] for t, v in r["validation"].items()},
+                    "replay_tau": [r["replay_before"]["tau"], r["replay_after"]["tau"]],
+                    "wall_s": r["wall_s"],
+                }
+                for r in res["rounds"]
+            ],
+            "wall_s": (wall.get(f"refine {name}") or {}).get("wall_s", res["wall_s"]),
+        }
+    supervised = {k: v for k, v in wall.items() if k.startswith("train ")}
+    return {
+        "gpu_timings": (report / "timings.txt").read_text().strip().splitlines(),
+        "supervised_walls_s": supervised,
+        "variants": variants,
     }
 
 
@@ -548,6 +607,33 @@ def render(r: dict[str, Any]) -> str:
         ]
         lines += [f"| {k} | {v['wall_s']} | {v['rc']} |" for k, v in r["walls_s"].items()]
         lines.append("")
+    sweep = r.get("refine_sweep")
+    if sweep:
+        supervised = ", ".join(
+            f"{k} {v['wall_s']} s" for k, v in sweep["supervised_walls_s"].items()
+        )
+        lines += [
+            "## Refine variants of one supervised draft (another GPU run of the same recipe)",
+            "",
+            "τ on the refine stage's validation prompts (held-out training prompts), per rollout "
+            "temperature: the supervised draft -> the selected round (0 = the supervised draft "
+            f"kept). Supervised training: {supervised}; the variants ran side by side.",
+            "",
+            "| variant | settings | τ before | τ after | selected round | per round (all) "
+            "| wall s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, v in sweep["variants"].items():
+            shown = ", ".join(f"{k} {x}" for k, x in v["settings"].items() if x is not None)
+            per_round = " / ".join(fmt(x["validation_tau"].get("all")) for x in v["rounds"])
+            lines.append(
+                f"| {name} | {shown} | "
+                + " · ".join(f"{t} {fmt(x)}" for t, x in v["tau_before"].items())
+                + " | "
+                + " · ".join(f"{t} {fmt(x)}" for t, x in v["tau_after"].items())
+                + f" | {v['selected_round']} | {per_round} | {v['wall_s']} |"
+            )
+        lines.append("")
     lines += [
         "## Data and stages",
         "",
@@ -622,6 +708,14 @@ def main() -> None:
         "naming what differs): e.g. a config.json written by another transformers "
         "version on the GPU host, with the same weights",
     )
+    ap.add_argument(
+        "--refine-sweep",
+        type=Path,
+        default=None,
+        help="the --gpu-dir of another GPU run that trained refine variants of one supervised "
+        "draft (gpu.sh REFINES): their validation τ per round goes in the results (unpacked under "
+        "OUT/sweep)",
+    )
     ap.add_argument("--results-name", default="realbench")
     ap.add_argument(
         "--prompts",
@@ -677,6 +771,7 @@ def main() -> None:
             )
             if ev is not None:
                 extra.append((name, ev))
+    args.sweep = refine_sweep(args.refine_sweep, out / "sweep") if args.refine_sweep else None
     report = build(names, evals, out, args, extra)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.results_name}.json").write_text(json.dumps(report, indent=1) + "\n")
