@@ -136,6 +136,9 @@ MARKED_HERE = {
         "test_engine_lifetime.py::test_sigkilled_capture_leaves_no_engine_process",
         "test_evaluate.py::test_evaluate_random_draft",
         "test_evaluate.py::test_evaluate_ngram_needs_no_draft",
+        # the first job of run_in_subprocess starts the fork server, which imports vLLM (~17 s)
+        "test_vllm_engine.py::test_run_in_subprocess",
+        "test_vllm_engine.py::test_a_job_has_the_callers_environment_and_directory",
     ),
     "prefect": (
         "test_flows.py::",
@@ -144,10 +147,15 @@ MARKED_HERE = {
     ),
     "slow": (
         "test_capture.py::test_hf_backend_runs_without_vllm",
+        "test_capture_engines.py::test_two_hf_engines_write_the_one_engine_shards",
         "test_capture_fp8.py::test_fp8_sigkill_then_resume",
         "test_capture_resume.py::test_sigkill_then_resume_equals_uninterrupted",
         "test_estimate.py::test_padded_eval_batches_score_the_same",
         "test_estimate.py::test_train_with_layer_subset_val_capture_and_estimate",
+        "test_errors.py::test_disk_full_while_a_checkpoint_is_written",
+        "test_errors.py::test_vllm_plugin_leaves_a_fork_server_job_running",
+        "test_identity.py::test_capture_resumed_after_the_weights_changed_is_refused",
+        "test_identity.py::test_checkpoint_temp_files_left_by_a_kill_are_removed_on_resume",
         "test_integrity.py::test_hf_resume_after_sigkill_is_bit_exact_with_multi_sample_batches",
         "test_moe_targets.py::test_yarn_rope_matches_vllm",
         "test_plan.py::test_scaling_doc_figures_come_from_the_command",
