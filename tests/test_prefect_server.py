@@ -203,7 +203,7 @@ class Stack:
             # later, and the proactive automations (eagle3-run-lost) are evaluated every second
             # (default 5 s)
             "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
-            "PREFECT_SERVER_EVENTS_PROACTIVE_GRANULARITY": "1",
+            "PREFECT_SERVER_EVENTS_PROACTIVE_GRANULARITY": "PT1S",
             "EAGLE3_REPO_DIR": str(ROOT),
             "EAGLE3_RETRY_BASE_S": "1",
             # lost runs (test_lost_runs_are_crashed_alerted_and_resumed) are found with the
