@@ -2,8 +2,9 @@
 
 The suite runs on two pytest-xdist workers (pyproject addopts: `-n 2 --dist loadfile
 --no-loadscope-reorder`; `-n 0` runs it serially). `--dist loadfile` keeps each test file on one
-worker, so a module's engine fixture is started once; session fixtures here are built once per
-worker (cheap, or serialised: see `smollm2`).
+worker (a few slow tests that share no module fixture are units of their own: SEPARATE_UNITS), so
+a module's engine fixture is started once; session fixtures here are built once per worker (cheap,
+or serialised: see `smollm2`).
 """
 
 from __future__ import annotations
@@ -45,30 +46,69 @@ def restore_environment():
         os.environ.update(saved)
 
 
-# The longest test files (sum of their tests' durations,
-# benchmarks/results/history/2026-12-01-suite-time-two-xdist-workers.md), longest first:
-# under xdist they are handed out first so that the short files fill the gaps at the end (files not
-# listed follow in collection order).
-LONGEST_FILES = (
+# The suite's units of work under xdist (`--dist loadfile`, with the scheduler below): a test
+# file, except the tests of SEPARATE_UNITS, each a unit of its own (by name prefix), so that a slow
+# test that shares no module fixture with its file runs beside the rest of that file instead of
+# after it. The longest units go first, so that the short ones fill the gaps at the end (units not
+# listed follow in collection order). Seconds: a fresh clone's two-worker run, 2026-12-03 (892 s
+# of pytest; tests/test_prefect_server.py alone ~310 s).
+SEPARATE_UNITS = (
+    "test_flows.py::test_eagle3_run_uses_the_flow_and_caches_across_processes",  # 99 s
+    "test_export.py::test_vllm_accepts_tokens_of_a_trained_draft",  # 2 tests, 105 s
+    "test_capture_engines.py::test_a_killed_engine_resumes_with_any_number_of_engines",  # 40 s
+    "test_capture_engines.py::test_two_vllm_engines",  # 37 s
+)
+LONGEST_UNITS = (
     "test_prefect_server.py",
-    "test_flows.py",
     "test_kimi_k25.py",
-    "test_export.py",
+    "test_flows.py",
+    "test_export.py::test_vllm_accepts_tokens_of_a_trained_draft",
+    "test_flows.py::test_eagle3_run_uses_the_flow_and_caches_across_processes",
     "test_smollm2.py",
-    "test_evaluate.py",
-    "test_capture.py",
+    "test_engine_lifetime.py",
     "test_stream.py",
+    "test_capture.py",
+    "test_evaluate.py",
+    "test_regenerate.py",
     "test_train_step_bench.py",
     "test_train.py",
-    "test_regenerate.py",
-    "test_capture_fp8.py",
+    "test_capture_engines.py::test_a_killed_engine_resumes_with_any_number_of_engines",
+    "test_capture_engines.py::test_two_vllm_engines",
     "test_synthesize.py",
+    "test_export.py",
+    "test_capture_fp8.py",
     "test_sampling_fix.py",
     "test_eagle31.py",
     "test_integrity.py",
     "test_capture_resume.py",
+    "test_capture_engines.py",
+    "test_vllm_engine.py",
     "test_model.py",
 )
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its SEPARATE_UNITS entry, else its file (both without
+    the tests/ prefix)."""
+    node = nodeid.removeprefix("tests/")
+    return next((u for u in SEPARATE_UNITS if node.startswith(u)), node.split("::")[0])
+
+
+class UnitScheduling:
+    """The xdist plugin that hands out UNITs (`--dist loadfile` only): xdist's file scheduling with
+    `unit_of` as the scope."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadFileScheduling
+
+        class Scheduling(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return unit_of(nodeid)
+
+        return Scheduling(config, log)
 
 
 # --------------------------------------------------------- the quick tier (scripts/test.sh --quick)
@@ -96,6 +136,9 @@ MARKED_HERE = {
         "test_engine_lifetime.py::test_sigkilled_capture_leaves_no_engine_process",
         "test_evaluate.py::test_evaluate_random_draft",
         "test_evaluate.py::test_evaluate_ngram_needs_no_draft",
+        # the first job of run_in_subprocess starts the fork server, which imports vLLM (~17 s)
+        "test_vllm_engine.py::test_run_in_subprocess",
+        "test_vllm_engine.py::test_a_job_has_the_callers_environment_and_directory",
     ),
     "prefect": (
         "test_flows.py::",
@@ -104,10 +147,15 @@ MARKED_HERE = {
     ),
     "slow": (
         "test_capture.py::test_hf_backend_runs_without_vllm",
+        "test_capture_engines.py::test_two_hf_engines_write_the_one_engine_shards",
         "test_capture_fp8.py::test_fp8_sigkill_then_resume",
         "test_capture_resume.py::test_sigkill_then_resume_equals_uninterrupted",
         "test_estimate.py::test_padded_eval_batches_score_the_same",
         "test_estimate.py::test_train_with_layer_subset_val_capture_and_estimate",
+        "test_errors.py::test_disk_full_while_a_checkpoint_is_written",
+        "test_errors.py::test_vllm_plugin_leaves_a_fork_server_job_running",
+        "test_identity.py::test_capture_resumed_after_the_weights_changed_is_refused",
+        "test_identity.py::test_checkpoint_temp_files_left_by_a_kill_are_removed_on_resume",
         "test_integrity.py::test_hf_resume_after_sigkill_is_bit_exact_with_multi_sample_batches",
         "test_moe_targets.py::test_yarn_rope_matches_vllm",
         "test_plan.py::test_scaling_doc_figures_come_from_the_command",
@@ -133,6 +181,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "prefect: runs a Prefect flow or API server (not in --quick)"
     )
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(UnitScheduling(), "eagle3-unit-scheduling")
 
 
 def add_quick_tier_marks(item) -> None:
@@ -150,10 +200,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         add_quick_tier_marks(item)
     if NUM_WORKERS > 1:
-        rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-        items.sort(
-            key=lambda item: rank.get(item.path.name, len(rank))
-        )  # stable: order within a file kept
+        rank = {name: i for i, name in enumerate(LONGEST_UNITS)}
+        # stable: the order within a unit is kept
+        items.sort(key=lambda item: rank.get(unit_of(item.nodeid), len(rank)))
 
 
 REFBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "refbench"

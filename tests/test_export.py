@@ -170,22 +170,6 @@ def serve(target, draft, prompts: list[list[int]], sampling: dict) -> dict:
     return run_in_subprocess(decode_job, kw, [("all", prompts)], [sampling])
 
 
-@pytest.mark.vllm
-def test_vllm_loads_exported_draft(checkpoint, tiny_llama, tmp_path):
-    pytest.importorskip("vllm")
-    from transformers import AutoTokenizer
-
-    out = tmp_path / "draft"
-    run_export(ExportConfig(checkpoint=str(checkpoint), out=out))
-    job = serve(
-        tiny_llama,
-        out,
-        [AutoTokenizer.from_pretrained(str(tiny_llama))("Hello the world is")["input_ids"]],
-        {"max_tokens": 12, "temperature": 0.0},
-    )
-    assert len(job["calls"][0]["tokens"][0]) > 0
-
-
 def test_full_vocab_draft_drops_d2t_and_orders_lm_head(tiny_llama, tmp_path):
     """vLLM keeps no d2t when draft vocab == target vocab and fails on the key: export must drop
     it."""
@@ -233,15 +217,17 @@ def greedy_data(tiny_llama):
 def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, greedy_data, tmp_path, num_layers):
     """Semantics check end to end: a draft trained (TTT, K=3) on the target's own greedy
     continuations gets tokens accepted by vLLM's EAGLE-3 proposer; an untrained one would get ~1/512
-    per position. With 2 layers it checks the extra layer's wiring (residual, norms, its own KV
-    cache per step) against vLLM's."""
+    per position. With 1 layer the draft has a reduced vocabulary (the data's 256 most frequent
+    tokens), so vLLM loads and maps d2t; with 2 layers (the full vocabulary, no d2t) it checks the
+    extra layer's wiring (residual, norms, its own KV cache per step) against vLLM's."""
     pytest.importorskip("vllm")
-    from tests.synthetic_capture import write_vocab
+    from tests.synthetic_capture import frequent_ids, write_vocab
 
     from eagle3.train import run_train
 
     ids, samples, manifest = greedy_data
-    vocab = write_vocab(tmp_path / "vocab", 512, torch.arange(0, 512))
+    draft_ids = frequent_ids(samples, 256, 512) if num_layers == 1 else torch.arange(0, 512)
+    vocab = write_vocab(tmp_path / "vocab", 512, draft_ids)
     cfg = TrainConfig(
         target=str(tiny_llama),
         captured="in-memory",
@@ -268,6 +254,8 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, greedy_data, tmp_pat
     )
     keys = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert ("layers.1.self_attn.q_proj.weight" in keys) == (num_layers == 2)
+    assert ("d2t" in keys) == (num_layers == 1)
+    assert keys["lm_head.weight"].shape[0] == len(draft_ids)
     job = serve(
         tiny_llama,
         tmp_path / "draft",
@@ -279,7 +267,7 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, greedy_data, tmp_pat
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     print(f"num_layers={num_layers}: drafts {drafts}, accepted per position {per_pos}")
     # measured 2026-11-30: 1 layer 106/433 = 0.24, 2 layers 99/428 = 0.23 at position 1; untrained ~
-    # 0.002
+    # 0.002; 2026-12-03, 1 layer with the 256-token draft vocabulary: 115/406 = 0.28
     assert drafts > 0 and per_pos[0] / drafts > 0.12, (drafts, per_pos)
 
 

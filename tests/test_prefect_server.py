@@ -169,7 +169,7 @@ class Receiver:
             for b in self.bodies:
                 if text in json.dumps(b):
                     return b
-            time.sleep(1)
+            time.sleep(0.2)
         raise TimeoutError(
             f"no alert mentioning {text!r} within {timeout_s} s; received {self.bodies}"
         )
@@ -200,8 +200,10 @@ class Stack:
             "PREFECT_WORKER_PREFETCH_SECONDS": "1",
             "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
             # test speed only: the scheduler's main loop (default 60 s) picks up a schedule added
-            # later
-            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+            # later, and the proactive automations (eagle3-run-lost) are evaluated every second
+            # (default 5 s)
+            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
+            "PREFECT_SERVER_EVENTS_PROACTIVE_GRANULARITY": "PT1S",
             "EAGLE3_REPO_DIR": str(ROOT),
             "EAGLE3_RETRY_BASE_S": "1",
             # lost runs (test_lost_runs_are_crashed_alerted_and_resumed) are found with the
@@ -601,7 +603,7 @@ def test_schedules_create_runs_and_a_scheduled_run_executes(stack, tiny_cfg):
         )
         if scheduled or time.time() > deadline:
             break
-        time.sleep(2)
+        time.sleep(0.5)
     server_log = (stack.logs / "server.log").read_text()
     assert scheduled, (
         f"no scheduled retrain runs; scheduler errors: {server_log.count('bulk DML')} bulk DML"
@@ -637,7 +639,7 @@ def test_schedules_create_runs_and_a_scheduled_run_executes(stack, tiny_cfg):
             },
         )
         run = min(runs, key=lambda r: r["expected_start_time"]) if runs else None
-        time.sleep(2)
+        time.sleep(0.5)
     assert run, "the scheduler created no run for the new schedule"
     fr = stack.wait_flow_run(run["id"], timeout_s=300)
     assert fr["state"]["type"] == "COMPLETED", f"{fr['state']}\n{stack.tail_logs()}"

@@ -117,3 +117,26 @@ def test_the_guard_stops_an_engine_and_a_prefect_api_and_names_the_mark():
     # the guard replaced the method before anything could call it: no server was started
     assert "prefect start refuse.<locals>.start" in out, out
     assert "prefect QuickTierError" in out and "@pytest.mark.prefect" in out, out
+
+
+def test_units_of_work_split_only_the_listed_tests_and_name_real_tests():
+    """conftest.unit_of: a test's file is its unit of work under xdist, except a SEPARATE_UNITS
+    test; every SEPARATE_UNITS and LONGEST_UNITS entry names a file and test that exist (a renamed
+    test would otherwise silently lose its place)."""
+    from conftest import LONGEST_UNITS, SEPARATE_UNITS, unit_of
+
+    cli = "tests/test_flows.py::test_eagle3_run_uses_the_flow_and_caches_across_processes"
+    assert unit_of(cli) == cli.removeprefix("tests/")
+    assert unit_of("tests/test_flows.py::test_first_run_executes_every_stage_and_reports") == (
+        "test_flows.py"
+    )
+    accepts = "tests/test_export.py::test_vllm_accepts_tokens_of_a_trained_draft"
+    assert unit_of(f"{accepts}[1]") == unit_of(f"{accepts}[2]") == accepts.removeprefix("tests/")
+    assert unit_of("tests/test_export.py::test_export_vllm_layout") == "test_export.py"
+    assert set(SEPARATE_UNITS) <= set(LONGEST_UNITS)
+    assert len(set(LONGEST_UNITS)) == len(LONGEST_UNITS), LONGEST_UNITS
+    for unit in LONGEST_UNITS:
+        file, _, test = unit.partition("::")
+        path = ROOT / "tests" / file
+        assert path.is_file(), unit
+        assert not test or f"def {test}(" in path.read_text(), unit
