@@ -138,11 +138,13 @@ def test_a_cached_evaluation_is_reused_only_with_its_own_settings(tmp_path: Path
         report.check_piece(res, "0.0", argparse.Namespace(k=3, max_tokens=256, dtype="float32"))
 
 
-def test_rows_at_another_k_get_their_own_table_and_no_goal(tmp_path: Path) -> None:
+def _report_args(tmp_path: Path):
+    """A report at k = 3 and 96 answer tokens, with an empty GPU report folder under tmp_path."""
     import argparse
 
-    report = _report()
-    args = argparse.Namespace(
+    (tmp_path / "report_collect" / "report").mkdir(parents=True)
+    (tmp_path / "report_collect" / "report" / "timings.txt").write_text("")
+    return argparse.Namespace(
         k=3,
         max_tokens=96,
         dtype="float32",
@@ -151,26 +153,31 @@ def test_rows_at_another_k_get_their_own_table_and_no_goal(tmp_path: Path) -> No
         results_name="x",
     )
 
-    def ev(k, tps):
-        return {
-            "num_speculative_tokens": k,
-            "rows": [
-                {
-                    "category": c,
-                    "temperature": 0.0,
-                    "num_prompts": 1,
-                    "tau": v,
-                    "generated_tokens": 100,
-                    "num_accepted_tokens": round(100 - 100 / v),
-                    "num_drafts": 10,
-                }
-                for c, v in tps.items()
-            ],
-        }
 
-    three, five = ev(3, {"math": 2.5, "all": 2.5}), ev(5, {"math": 4.0, "all": 4.0})
-    (tmp_path / "report_collect" / "report").mkdir(parents=True)
-    (tmp_path / "report_collect" / "report" / "timings.txt").write_text("")
+def _evaluation(tau: float, **top) -> dict:
+    """An evaluation's results with rows for math and all at `tau`, and `top` keys."""
+    return {
+        **top,
+        "rows": [
+            {
+                "category": c,
+                "temperature": 0.0,
+                "num_prompts": 1,
+                "tau": tau,
+                "generated_tokens": 100,
+                "num_accepted_tokens": round(100 - 100 / tau),
+                "num_drafts": 10,
+            }
+            for c in ("math", "all")
+        ],
+    }
+
+
+def test_rows_at_another_k_get_their_own_table_and_no_goal(tmp_path: Path) -> None:
+    report = _report()
+    args = _report_args(tmp_path)
+    three = _evaluation(2.5, num_speculative_tokens=3)
+    five = _evaluation(4.0, num_speculative_tokens=5)
     built = report.build([], {"ngram": three}, tmp_path, args, [("ngram", five)])
     assert [r.get("k") for r in built["rows"]] == [None, None, 5, 5]
     text = report.render(built)
@@ -181,38 +188,12 @@ def test_rows_at_another_k_get_their_own_table_and_no_goal(tmp_path: Path) -> No
 
 
 def test_rows_at_another_answer_length_get_their_own_table_and_no_goal(tmp_path: Path) -> None:
-    import argparse
-
     report = _report()
-    args = argparse.Namespace(
-        k=3,
-        max_tokens=96,
-        dtype="float32",
-        methods=None,
-        prompts=tmp_path / "p.jsonl",
-        results_name="x",
-    )
+    args = _report_args(tmp_path)
 
     def ev(max_tokens, tau):
-        return {
-            "num_speculative_tokens": 3,
-            "config": {"max_tokens": max_tokens},
-            "rows": [
-                {
-                    "category": c,
-                    "temperature": 0.0,
-                    "num_prompts": 1,
-                    "tau": tau,
-                    "generated_tokens": 100,
-                    "num_accepted_tokens": round(100 - 100 / tau),
-                    "num_drafts": 10,
-                }
-                for c in ("math", "all")
-            ],
-        }
+        return _evaluation(tau, num_speculative_tokens=3, config={"max_tokens": max_tokens})
 
-    (tmp_path / "report_collect" / "report").mkdir(parents=True)
-    (tmp_path / "report_collect" / "report" / "timings.txt").write_text("")
     built = report.build([], {"ngram": ev(96, 2.5)}, tmp_path, args, [("ngram", ev(256, 4.0))])
     assert [r.get("max_tokens") for r in built["rows"]] == [None, None, 256, 256]
     text = report.render(built)
