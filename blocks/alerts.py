@@ -223,9 +223,11 @@ def create_lost_run_automation(after_s: float | None = None) -> Automation:
             "(blocks/alerts.py)"
         ),
         trigger=lost_run_trigger(after_s),
-        actions=[
-            ChangeFlowRunState(state=StateType.CRASHED, message=lost_message(after_s), force=True)
-        ],
+        # not forced: the server refuses to set Crashed a run that has already ended. A run's last
+        # heartbeat can reach the server just after its final state (Prefect's heartbeat thread
+        # checks the state, then sends), which opens a window that nothing closes; forced, this
+        # automation would turn that Failed or Completed run into a lost one a minute later.
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=lost_message(after_s))],
     ).create()
 
 

@@ -343,6 +343,24 @@ class Stack:
         r.raise_for_status()
         return r.json()
 
+    def emit(self, event: str, resource: dict, related: list[dict]) -> None:
+        """Send one event to the server, as a client's events worker does."""
+        import uuid
+
+        import httpx
+
+        body = [
+            {
+                "id": str(uuid.uuid4()),
+                "occurred": dt.datetime.now(dt.UTC).isoformat(),
+                "event": event,
+                "resource": resource,
+                "related": related,
+                "payload": {},
+            }
+        ]
+        httpx.post(f"{self.api}/events", json=body, timeout=60).raise_for_status()
+
     def wait_healthy(self, timeout_s: float = 180) -> None:
         import httpx
 
@@ -701,6 +719,8 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     t_start = time.time()
+    # 0. a run that ended Failed, whose last heartbeat reached the server after its final state
+    ended, t_heartbeat = _a_failed_run_with_a_late_heartbeat(stack)
     # 1. a pipeline run on the cpu worker, lost with its worker during capture
     cfg_b = tiny_config(
         tiny_llama,
@@ -768,6 +788,9 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
     ), fr_b
     alert = stack.receiver.wait_for(fr_b["name"], timeout_s=60)
     assert "eagle3-pipeline" in alert["subject"] and "Crashed" in alert["subject"], alert
+    # 0: the late heartbeat's window has run out, and the run that ended stays Failed
+    time.sleep(max(0.0, t_heartbeat + 70 - time.time()))
+    assert stack.flow_run(ended)["state"]["type"] == "FAILED", stack.flow_run(ended)["state"]
     run_b2 = stack.deploy_run({**params_for(cfg_b), "dispatch": "local"})
 
     # 2: the lost train run is Crashed and alerted, its parent runs it again, and the pipeline
@@ -843,6 +866,47 @@ def read_json(source: Path | str, text: bool = False) -> dict:
         return json.loads(source if text else Path(source).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _a_failed_run_with_a_late_heartbeat(stack: Stack) -> tuple[str, float]:
+    """A pipeline flow run set Running, then Failed, then sent one more heartbeat: the race where
+    Prefect's heartbeat thread sends just as the run ends. Returns the run id and when the heartbeat
+    went out."""
+    import httpx
+
+    flow = httpx.get(f"{stack.api}/flows/name/eagle3-pipeline", timeout=60).json()
+    run = stack.post("/flow_runs/", {"flow_id": flow["id"], "name": "ended-before-its-heartbeat"})
+    for state in ("RUNNING", "FAILED"):
+        stack.post(f"/flow_runs/{run['id']}/set_state", {"state": {"type": state}, "force": True})
+    # the heartbeat comes after the Failed event (had it come between, nothing would fire)
+    deadline = time.time() + 60
+    while not stack.post(
+        "/events/filter",
+        {
+            "filter": {
+                "event": {"name": ["prefect.flow-run.Failed"]},
+                "resource": {"id": [f"prefect.flow-run.{run['id']}"]},
+            }
+        },
+    )["events"]:
+        assert time.time() < deadline, "the server recorded no Failed event"
+        time.sleep(0.5)
+    time.sleep(2)
+    stack.emit(
+        "prefect.flow-run.heartbeat",
+        {
+            "prefect.resource.id": f"prefect.flow-run.{run['id']}",
+            "prefect.resource.name": run["name"],
+        },
+        [
+            {
+                "prefect.resource.id": f"prefect.flow.{flow['id']}",
+                "prefect.resource.role": "flow",
+                "prefect.resource.name": "eagle3-pipeline",
+            }
+        ],
+    )
+    return run["id"], time.time()
 
 
 def _parent_of(stack: Stack, child_name: str) -> str:
