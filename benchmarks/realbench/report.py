@@ -36,6 +36,7 @@ import datetime
 import json
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -62,26 +63,61 @@ def sh(cmd: list[str], log: Path) -> None:
 
 def unpack(gpu_dir: Path, out: Path) -> list[str]:
     """report_*.tgz -> out/report; <name>.tar.xz.partNN -> out/<the tar's paths>. Returns the draft
-    names."""
-    for tgz in sorted(gpu_dir.glob("report_*.tgz")):
-        with tarfile.open(tgz) as t:
-            t.extractall(out / tgz.stem, filter="data")
-    names = sorted({p.name.split(".tar.xz.part")[0] for p in gpu_dir.glob("*.tar.xz.part*")})
-    for name in names:
-        parts = sorted(gpu_dir.glob(f"{name}.tar.xz.part*"))
-        joined = out / f"{name}.tar.xz"
-        with open(joined, "wb") as f:
-            for p in parts:
-                f.write(p.read_bytes())
-        with tarfile.open(joined) as t:
-            t.extractall(out, filter="data")
-        joined.unlink()
-        if not (out / "drafts" / name / "config.json").is_file():
-            sys.exit(
-                f"{name}: the packed files hold no drafts/{name}/config.json (export failed on the "
-                "GPU?)"
-            )
+    names. A draft whose parts are unchanged since they were last unpacked is left as it is; one
+    report process unpacks at a time (others, e.g. evaluating other methods on the same OUT, wait),
+    and each file lands whole (extracted beside, then renamed over), so an engine loading a draft
+    never reads a half-written file."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".unpack.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for tgz in sorted(gpu_dir.glob("report_*.tgz")):
+            with tarfile.open(tgz) as t:
+                t.extractall(out / tgz.stem, filter="data")
+        names = sorted({p.name.split(".tar.xz.part")[0] for p in gpu_dir.glob("*.tar.xz.part*")})
+        for name in names:
+            parts = sorted(gpu_dir.glob(f"{name}.tar.xz.part*"))
+            stamp = out / ".unpacked" / f"{name}.json"
+            key = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in parts}
+            done = (out / "drafts" / name / "config.json").is_file()
+            if done and stamp.is_file() and json.loads(stamp.read_text()) == key:
+                continue
+            staging = out / f".unpacking-{name}"
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir()
+            joined = staging / f"{name}.tar.xz"
+            with open(joined, "wb") as f:
+                for p in parts:
+                    f.write(p.read_bytes())
+            with tarfile.open(joined) as t:
+                t.extractall(staging / "files", filter="data")
+            joined.unlink()
+            if not (staging / "files" / "drafts" / name / "config.json").is_file():
+                sys.exit(
+                    f"{name}: the packed files hold no drafts/{name}/config.json (export failed "
+                    "on the GPU?)"
+                )
+            move_into(staging / "files", out)
+            shutil.rmtree(staging)
+            stamp.parent.mkdir(exist_ok=True)
+            stamp.write_text(json.dumps(key))
     return names
+
+
+def move_into(src: Path, dst: Path) -> None:
+    """Merge the tree `src` into `dst`, each file renamed over its old copy (atomic per file)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for entry in src.iterdir():
+        there = dst / entry.name
+        if entry.is_dir() and not entry.is_symlink():
+            if there.is_dir():
+                move_into(entry, there)
+            else:
+                entry.rename(there)
+        else:
+            entry.replace(there)
 
 
 REFINE_SUFFIX = "-refine"
@@ -314,7 +350,7 @@ def build(
     extra: list[tuple[str, dict[str, Any]]] = (),
 ) -> dict[str, Any]:
     """`evals`: method name -> its merged evaluation at --k; `extra`: (name, evaluation) at the
-    --extra-k values or --extra-max-tokens answer lengths (greedy), whose rows carry their own `k`
+    --extra-k values (greedy) or --extra-max-tokens answer lengths, whose rows carry their own `k`
     or `max_tokens`."""
     rows = []
     for name, ev in [*evals.items(), *extra]:
@@ -678,8 +714,9 @@ def main() -> None:
     ap.add_argument(
         "--extra-max-tokens",
         default="",
-        help="more answer lengths (comma-separated), evaluated greedy at --k; their rows carry "
-        "`max_tokens` and have tables of their own",
+        help="more answer lengths (comma-separated), evaluated at --k and --temperatures (the "
+        "--sampled-methods sampled too); their rows carry `max_tokens` and have tables of their "
+        "own",
     )
     ap.add_argument(
         "--temperatures", default="0.0,0.6", help="passes of the methods in --sampled-methods"
@@ -762,9 +799,7 @@ def main() -> None:
             if ev is not None:
                 extra.append((name, ev))
     for max_tokens in [int(v) for v in args.extra_max_tokens.split(",") if v]:
-        longer = argparse.Namespace(
-            **{**vars(args), "max_tokens": max_tokens, "temperatures": "0.0"}
-        )
+        longer = argparse.Namespace(**{**vars(args), "max_tokens": max_tokens})
         for name in wanted:
             ev = evaluate(
                 name, target, prompts, out, longer, baseline=False, only_cached=args.report_only
