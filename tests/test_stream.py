@@ -320,7 +320,12 @@ def test_eagle3_run_streams_when_enabled(tiny_llama, tmp_path):
     assert (Path(res.stages["export"].out) / "model.safetensors").is_file()
 
 
-def test_pipeline_flow_streams_when_enabled(tiny_llama, tmp_path, monkeypatch, prefect_harness):  # noqa: F811
+def test_pipeline_flow_streams_when_enabled(
+    tiny_llama,
+    tmp_path,
+    monkeypatch,
+    prefect_harness,  # noqa: F811
+):
     from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     monkeypatch.setenv("EAGLE3_INPROCESS", "all")

@@ -415,10 +415,11 @@ class CaptureWorkerExtension:
         def work() -> None:
             try:
                 box["entry"] = self._eagle3_write(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the driver by eagle3_capture_wait_shard
+            except BaseException as e:  # noqa: BLE001 - to the driver
                 box["error"] = f"{type(e).__name__}: {e}"
 
-        on_gpu = str(getattr(self.model_runner, "device", "cpu")).startswith("cuda")  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        on_gpu = str(getattr(runner, "device", "cpu")).startswith("cuda")
         th = None
         if background == "always" or (background == "auto" and on_gpu):
             th = threading.Thread(target=work, name=f"eagle3-shard-{shard_id}", daemon=True)

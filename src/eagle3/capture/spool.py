@@ -370,13 +370,14 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
         flush=True,
     )
 
+    chunk_tokens = cfg.batch_tokens  # the engine's own, once it has started
+
     def capture_fn(rows: list[int]) -> Any:
-        nonlocal backend
+        nonlocal backend, chunk_tokens
         if backend is None:
             backend = _make_backend(cfg, aux_layer_ids, max_model_len)
-            info_b = backend.start()
-            capture_fn.chunk_tokens = int(info_b.get("chunk_tokens", cfg.batch_tokens))  # type: ignore[attr-defined]
-        return capture_rows(backend, ds, lengths, rows, capture_fn.chunk_tokens, limit_len)  # type: ignore[attr-defined]
+            chunk_tokens = int(backend.start().get("chunk_tokens", cfg.batch_tokens))
+        return capture_rows(backend, ds, lengths, rows, chunk_tokens, limit_len)
 
     try:
         if not ledger["done"]:
