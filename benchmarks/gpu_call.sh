@@ -1,32 +1,40 @@
 #!/usr/bin/env bash
-# One GPU call, generically: the GPU host (an H200 machine reached one command at a time) has no vLLM, no pydantic and
-# no datasets, and reaches no network; what a call needs travels with it as git-ignored "carry" dirs.
+# One GPU call, generically: the GPU host (an H200 machine reached one command at a time) has no
+# vLLM, no pydantic and no datasets, and reaches no network; what a call needs travels with it as
+# git-ignored "carry" dirs.
 #
-#   bash benchmarks/gpu_call.sh carry [refbench|peer] [--skip-regen]      # HERE (CPU host): build the carry
-#   bash benchmarks/gpu_call.sh run [--budget-s N] [--out DIR] [--pack "PATH ..."] [--dry-run] -- COMMAND [ARG ...]
-#                                                                          # ON THE GPU: run one command
+#   bash benchmarks/gpu_call.sh carry [refbench|peer] [--skip-regen]
+#                                     # HERE (CPU host): build the carry
+#   bash benchmarks/gpu_call.sh run [--budget-s N] [--out DIR] [--pack "PATH ..."] [--dry-run] \
+#        -- COMMAND [ARG ...]         # ON THE GPU: run one command
 #
-# carry refbench  .whl/ (wheels the GPU image lacks: pydantic, datasets and their needs, at the versions .venv holds,
-#                 for the image's Python 3.12), .device/refbench/ (a copy of ../shared/refbench, ShareGPT sample left
-#                 out) and, unless --skip-regen, .device/regen/{train,val}.jsonl: the protocol's training set (every
-#                 GSM8K-train question answered greedy, <= 256 new tokens, by the target through this host's vLLM,
-#                 ~15 min on 2 cores) and the 300 perturbed validation prompts (benchmarks/perturb_prompts.py, seed 0)
-#                 answered the same way. The call then carries [".whl", ".device"].
+# carry refbench  .whl/ (wheels the GPU image lacks: pydantic, datasets and their needs, at the
+#                 versions .venv holds, for the image's Python 3.12), .device/refbench/ (a copy of
+#                 ../shared/refbench, ShareGPT sample left out) and, unless --skip-regen,
+#                 .device/regen/{train,val}.jsonl: the protocol's training set (every GSM8K-train
+#                 question answered greedy, <= 256 new tokens, by the target through this host's
+#                 vLLM, ~15 min on 2 cores) and the 300 perturbed validation prompts
+#                 (benchmarks/perturb_prompts.py, seed 0) answered the same way. The call then
+#                 carries [".whl", ".device"].
 # carry peer      .whl/ += speculators==0.9.0 and its needs, .peerbench/ = ../shared/peerbench: what
 #                 benchmarks/gpu_step_vs_peer.sh carries ([".whl", ".peerbench"]).
-# run             installs .whl/*.whl (when carried) into /tmp/eagle3-site, exports PYTHONPATH (site + src) and the
-#                 offline variables, writes $OUT/gpu.txt (nvidia-smi, date), runs COMMAND under `timeout --budget-s`
-#                 (default 480) with stdout to $OUT/command.out and the last 2 MB of stderr to $OUT/command.log, then
-#                 packs the --pack paths (files or dirs, missing ones skipped) into $OUT/pack.tgz. $OUT defaults to
-#                 /tmp/gpu-call-out; exits with COMMAND's status. --dry-run prints what it would run and stops.
+# run             installs .whl/*.whl (when carried) into /tmp/eagle3-site, exports PYTHONPATH
+#                 (site + src) and the offline variables, writes $OUT/gpu.txt (nvidia-smi, date),
+#                 runs COMMAND under `timeout --budget-s` (default 480) with stdout to
+#                 $OUT/command.out and the last 2 MB of stderr to $OUT/command.log, then packs the
+#                 --pack paths (files or dirs, missing ones skipped) into $OUT/pack.tgz. $OUT
+#                 defaults to /tmp/gpu-call-out; exits with COMMAND's status. --dry-run prints what
+#                 it would run and stops.
 #
 # Examples (benchmarks/README.md has the list):
-#   bash benchmarks/gpu_call.sh run --budget-s 480 --pack "runs/refbench-gpu/draft runs/refbench-gpu/train/logs" -- \
+#   bash benchmarks/gpu_call.sh run --budget-s 480 \
+#        --pack "runs/refbench-gpu/draft runs/refbench-gpu/train/logs" -- \
 #        python3 -m eagle3.cli run --no-prefect --config configs/refbench-gpu.yaml
-#   bash benchmarks/gpu_call.sh run --budget-s 560 -- bash benchmarks/gpu_step_vs_peer.sh --budget-s 500
+#   bash benchmarks/gpu_call.sh run --budget-s 560 -- \
+#        bash benchmarks/gpu_step_vs_peer.sh --budget-s 500
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,8p' "$0" >&2; exit 2; }
+usage() { sed -n '2,10p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 verb=$1; shift
 
@@ -39,13 +47,15 @@ if [ "$verb" = carry ]; then
   PY=${PY:-.venv/bin/python}
   ver() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
   download() {  # shellcheck disable=SC2068
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $@
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d .whl $@
   }
   mkdir -p .whl
   if [ "$what" = peer ]; then
     pkgs="speculators==0.9.0"
-    for p in loguru pydantic pydantic_core pydantic-settings python-dotenv annotated-types typing-inspection typing_extensions; do
+    for p in loguru pydantic pydantic_core pydantic-settings python-dotenv annotated-types \
+        typing-inspection typing_extensions; do
       pkgs="$pkgs $p==$(ver $p)"
     done
     download $pkgs  # shellcheck disable=SC2086
@@ -55,7 +65,8 @@ if [ "$verb" = carry ]; then
   fi
   rm -f .whl/*.whl && mkdir -p .device/regen
   pkgs=""
-  for p in pydantic pydantic_core annotated-types typing-inspection typing_extensions datasets dill multiprocess; do
+  for p in pydantic pydantic_core annotated-types typing-inspection typing_extensions datasets \
+      dill multiprocess; do
     pkgs="$pkgs $p==$(ver $p)"
   done
   download $pkgs  # shellcheck disable=SC2086
@@ -65,11 +76,12 @@ if [ "$verb" = carry ]; then
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   T=../shared/refbench/target-a-llama R=runs/regen
   mkdir -p $R
-  $PY benchmarks/perturb_prompts.py --data ../shared/refbench/data/gsm8k_train.jsonl --num 300 --seed 0 --out $R/val_perturbed.jsonl
+  $PY benchmarks/perturb_prompts.py --data ../shared/refbench/data/gsm8k_train.jsonl --num 300 \
+    --seed 0 --out $R/val_perturbed.jsonl
   for part in train:../shared/refbench/data/gsm8k_train.jsonl val:$R/val_perturbed.jsonl; do
     name=${part%%:*} data=${part#*:}
-    .venv/bin/eagle3 regenerate --target $T --data "$data" --out $R/$name --max-new-tokens 256 --temperature 0 \
-      --max-model-len 1024 --batch-size 512 > $R/$name.json
+    .venv/bin/eagle3 regenerate --target $T --data "$data" --out $R/$name --max-new-tokens 256 \
+      --temperature 0 --max-model-len 1024 --batch-size 512 > $R/$name.json
     cp $R/$name/conversations.jsonl .device/regen/$name.jsonl
   done
   du -sh .whl .device
@@ -97,11 +109,14 @@ if [ "$dry" = 1 ]; then
 fi
 SITE=/tmp/eagle3-site
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target $SITE .whl/*.whl || exit 1
 fi
-export PYTHONPATH=$SITE:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PYTHONPATH=$SITE:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  HF_DATASETS_OFFLINE=1
 mkdir -p "$out"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; date -u +%FT%TZ; } > "$out/gpu.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; date -u +%FT%TZ; } \
+  > "$out/gpu.txt"
 timeout "$budget" "$@" > "$out/command.out" 2> "$out/command.err"
 rc=$?
 echo "rc=$rc after $(date -u +%FT%TZ)" >> "$out/command.err"

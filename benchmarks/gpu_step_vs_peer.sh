@@ -1,43 +1,57 @@
 #!/usr/bin/env bash
-# Training speed against the peer in ONE device call on one GPU: our train step and the peer's (speculators 0.9.0), same card, same clock.
+# Training speed against the peer in ONE device call on one GPU: our train step and the peer's
+# (speculators 0.9.0), same card, same clock.
 #
-#   phase 1  ours, Llama-3.1-8B draft dims (benchmarks/train_step.py --dims llama-3.1-8b), fresh inductor + Triton
-#            caches (the "fresh machine" first step incl. compilation); writes the compile cache file after each config
-#   phase 2  the peer (.peerbench/bench_eagle3.py, a copy of ../shared/peerbench) at the same configs, own caches
-#   phase 3  compile cache round trip: a second process, EMPTY inductor/Triton caches, seeded only by
-#            torch.compiler.load_cache_artifacts(phase 1's file) -> its first step (same machine, not a fresh one);
-#            then, budget permitting, torch.profiler kernel groups of that step (in ours_cache.json; the kernel table
-#            in logs.tgz) and the GPU numerics check (fast step incl. its flex attention vs the naive
-#            reference, values and grads, small draft) and the attention-only fp32 check
-#   phase 4  ours at Kimi-K2.5 draft dims (hidden 7168, 64 heads of 112, intermediate 18432, Vd 32000 of 163,840)
+#   phase 1  ours, Llama-3.1-8B draft dims (benchmarks/train_step.py --dims llama-3.1-8b), fresh
+#            inductor + Triton caches (the "fresh machine" first step incl. compilation); writes the
+#            compile cache file after each config
+#   phase 2  the peer (.peerbench/bench_eagle3.py, a copy of ../shared/peerbench) at the same
+#            configs, own caches
+#   phase 3  compile cache round trip: a second process, EMPTY inductor/Triton caches, seeded only
+#            by torch.compiler.load_cache_artifacts(phase 1's file) -> its first step (same machine,
+#            not a fresh one); then, budget permitting, torch.profiler kernel groups of that step
+#            (in ours_cache.json; the kernel table in logs.tgz) and the GPU numerics check (fast
+#            step incl. its flex attention vs the naive reference, values and grads, small draft)
+#            and the attention-only fp32 check
+#   phase 4  ours at Kimi-K2.5 draft dims (hidden 7168, 64 heads of 112, intermediate 18432,
+#            Vd 32000 of 163,840)
 #   phase 5  (--ddp N, N GPUs) ours through DDP on N GPUs (torchrun), rows "K7-T8192-DDPxN"
-#   merge    benchmarks/step_vs_peer.py -> $OUT/train_step_vs_peer.{json,md} (the issue's shape; null where not run)
-# Compile cache across machines (two calls, two fresh machines): --export-cache puts phase 1's cache file into $OUT as
-# compile_cache.tgz.part00, .part01, ... (gzip, 15 MB parts: $OUT returns files of <= 16 MiB); on this host
-# `cat compile_cache.tgz.part* > DIR/compile_cache.tgz` and carry DIR; the next call's --import-cache DIR seeds
-# phase 1 with it (fresh inductor/Triton caches, the file alone), so its first step is the cross-machine figure.
-# Each phase runs under `timeout` with its own --budget-s (its watchdog writes partial results) taken from what is
-# left of --budget-s; a phase that fails or overruns leaves null fields, the merge always runs.
-# $OUT gets <= 8 files: train_step_vs_peer.{json,md}, ours_llama.json, ours_kimi.json, ours_cache.json,
-# peer_results.json, gpu.txt, logs.tgz.
+#   merge    benchmarks/step_vs_peer.py -> $OUT/train_step_vs_peer.{json,md} (the issue's shape;
+#            null where not run)
+# Compile cache across machines (two calls, two fresh machines): --export-cache puts phase 1's
+# cache file into $OUT as compile_cache.tgz.part00, .part01, ... (gzip, 15 MB parts: $OUT returns
+# files of <= 16 MiB); on this host `cat compile_cache.tgz.part* > DIR/compile_cache.tgz` and
+# carry DIR; the next call's --import-cache DIR seeds phase 1 with it (fresh inductor/Triton
+# caches, the file alone), so its first step is the cross-machine figure.
+# Each phase runs under `timeout` with its own --budget-s (its watchdog writes partial results)
+# taken from what is left of --budget-s; a phase that fails or overruns leaves null fields, the
+# merge always runs.
+# $OUT gets <= 8 files: train_step_vs_peer.{json,md}, ours_llama.json, ours_kimi.json,
+# ours_cache.json, peer_results.json, gpu.txt, logs.tgz.
 #
-# Carry (build on the CPU host: `bash benchmarks/gpu_call.sh carry peer`): [".whl", ".peerbench"] — the wheels
-# speculators==0.9.0, loguru, pydantic, pydantic-core, pydantic-settings, python-dotenv, annotated-types,
-# typing-inspection, typing-extensions (Python 3.12 manylinux) and the peer harness. Torch, transformers, Triton
-# come from the GPU image.
+# Carry (build on the CPU host: `bash benchmarks/gpu_call.sh carry peer`): [".whl", ".peerbench"]
+# — the wheels speculators==0.9.0, loguru, pydantic, pydantic-core, pydantic-settings,
+# python-dotenv, annotated-types, typing-inspection, typing-extensions (Python 3.12 manylinux) and
+# the peer harness. Torch, transformers, Triton come from the GPU image.
 #
 # Usage (defaults shown):
-#   bash benchmarks/gpu_step_vs_peer.sh --budget-s 500 --ours "fast:7:8192 fast:7:2048" --peer 2048:7,8192:7 \
-#        --kimi "fast:7:8192 fast:3:8192" [--compile-mode split] [--no-peer] [--no-kimi] [--no-cache] [--out DIR] \
-#        [--ours-max-s 170 (phase 1's budget at most: a cold compile per config, ~110 s at K7-T8192)] \
+#   bash benchmarks/gpu_step_vs_peer.sh --budget-s 500 --ours "fast:7:8192 fast:7:2048" \
+#        --peer 2048:7,8192:7 --kimi "fast:7:8192 fast:3:8192" [--compile-mode split] \
+#        [--no-peer] [--no-kimi] [--no-cache] [--out DIR] \
+#        [--ours-max-s 170 (phase 1's budget at most: a cold compile per config, ~110 s at
+#        K7-T8192)] \
 #        [--ddp 2 --ddp-configs "fast:7:8192"] [--export-cache] [--import-cache DIR]
-#   bash benchmarks/gpu_step_vs_peer.sh --smoke --out /tmp/x     # CPU: tiny dims, no peer (it needs CUDA)
-# --export-cache-dirs / --import-cache-dirs DIR: the same round trip with phase 1's whole TORCHINDUCTOR_CACHE_DIR and
-# TRITON_CACHE_DIR (cache_dirs.tgz.partNN; join into DIR/cache_dirs.tgz) instead of the torch.compiler artifact file.
+#   bash benchmarks/gpu_step_vs_peer.sh --smoke --out /tmp/x
+#        # CPU: tiny dims, no peer (it needs CUDA)
+# --export-cache-dirs / --import-cache-dirs DIR: the same round trip with phase 1's whole
+# TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (cache_dirs.tgz.partNN; join into
+# DIR/cache_dirs.tgz) instead of the torch.compiler artifact file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-TOTAL=500 OURS="fast:7:8192 fast:7:2048" PEER="2048:7,8192:7" KIMI="fast:7:8192 fast:3:8192" MODE=split
-SMOKE=0 DO_PEER=1 DO_KIMI=1 DO_CACHE=1 OUTDIR=${OUT:-/tmp/step-vs-peer-out} DDP=0 DDP_CONFIGS="fast:7:8192"
+TOTAL=500 OURS="fast:7:8192 fast:7:2048" PEER="2048:7,8192:7" KIMI="fast:7:8192 fast:3:8192" \
+  MODE=split
+SMOKE=0 DO_PEER=1 DO_KIMI=1 DO_CACHE=1 OUTDIR=${OUT:-/tmp/step-vs-peer-out} DDP=0 \
+  DDP_CONFIGS="fast:7:8192"
 EXPORT_CACHE=0 IMPORT_CACHE="" EXTRA_TS="" EXPORT_DIRS=0 IMPORT_DIRS="" OURS_MAX_S=170
 CMD="bash benchmarks/gpu_step_vs_peer.sh $*"
 while [ $# -gt 0 ]; do
@@ -60,7 +74,8 @@ while [ $# -gt 0 ]; do
     --export-cache-dirs) EXPORT_DIRS=1 ;;
     --import-cache-dirs) IMPORT_DIRS=$2; shift ;;
     --argmax-in-step) EXTRA_TS="--argmax-in-step" ;;
-    *) echo "gpu_step_vs_peer.sh: unknown argument $1 (see the header for the options)" >&2; exit 2 ;;
+    *) echo "gpu_step_vs_peer.sh: unknown argument $1 (see the header for the options)" >&2
+       exit 2 ;;
   esac
   shift
 done
@@ -69,44 +84,58 @@ left() { echo $((TOTAL - (SECONDS - T0))); }
 min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 W=$(mktemp -d /tmp/step-vs-peer.XXXX)
 mkdir -p "$OUTDIR" "$W/logs"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-16}
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 \
+  TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-16}
 PY=${PYTHON:-python3}
-TS="$PY benchmarks/train_step.py --compile on --compile-mode $MODE --skip-numerics --fill-batch 0 $EXTRA_TS"
+TS="$PY benchmarks/train_step.py --compile on --compile-mode $MODE"
+TS+=" --skip-numerics --fill-batch 0 $EXTRA_TS"
 if [ "$SMOKE" = 1 ]; then
-  TS="$PY benchmarks/train_step.py --smoke --device cpu --skip-numerics --fill-batch 0 --compile-mode $MODE"
+  TS="$PY benchmarks/train_step.py --smoke --device cpu --skip-numerics --fill-batch 0"
+  TS+=" --compile-mode $MODE"
   DDP_CONFIGS="fast:3:32"
   OURS="fast:7:64 fast:7:32" KIMI="fast:7:64 fast:3:64"
-  command -v nvidia-smi > /dev/null || DO_PEER=0  # the peer harness needs CUDA (torch.cuda events, autocast)
+  # the peer harness needs CUDA (torch.cuda events, autocast)
+  command -v nvidia-smi > /dev/null || DO_PEER=0
 fi
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; date -u +%FT%TZ; nproc; } > "$OUTDIR/gpu.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+  date -u +%FT%TZ; nproc; } > "$OUTDIR/gpu.txt"
 
-# run NAME BUDGET_S CMD...: one phase under `timeout` (its own watchdog fires first), log in $W/logs/NAME.log
+# run NAME BUDGET_S CMD...: one phase under `timeout` (its own watchdog fires first), log in
+# $W/logs/NAME.log
 run() {
   local name=$1 b=$2; shift 2
   echo "[$((SECONDS - T0))s] $name: budget ${b}s" | tee -a "$W/logs/phases.txt"
   timeout -k 5 $((b + 20)) "$@" > "$W/logs/$name.log" 2>&1
   echo "[$((SECONDS - T0))s] $name: rc=$?" | tee -a "$W/logs/phases.txt"
 }
-# reserve what the later phases need at least (s): peer 150 (its first steps: 45 s at 2048, 73 s at 8192; it runs
-# 2048 first so that its "next config takes 1.2x the longest so far" guard lets 8192 in), cache 40, kimi 90, merge 10
+# reserve what the later phases need at least (s): peer 150 (its first steps: 45 s at 2048, 73 s at
+# 8192; it runs 2048 first so that its "next config takes 1.2x the longest so far" guard lets 8192
+# in), cache 40, kimi 90, merge 10
 DO_DDP=$((DDP > 1 ? 1 : 0))
-RES_PEER=$((DO_PEER * 150)) RES_CACHE=$((DO_CACHE * 40)) RES_KIMI=$((DO_KIMI * 90)) RES_DDP=$((DO_DDP * 60))
+RES_PEER=$((DO_PEER * 150)) RES_CACHE=$((DO_CACHE * 40)) RES_KIMI=$((DO_KIMI * 90)) \
+  RES_DDP=$((DO_DDP * 60))
 
-# phase 1: ours, Llama-8B dims, cold caches (or seeded by another machine's cache file: --import-cache)
+# phase 1: ours, Llama-8B dims, cold caches (or seeded by another machine's cache file:
+# --import-cache)
 if [ -n "$IMPORT_CACHE" ]; then
   if [ ! -f "$IMPORT_CACHE/compile_cache.tgz" ]; then
-    echo "gpu_step_vs_peer.sh: --import-cache $IMPORT_CACHE has no compile_cache.tgz (join the parts of the exporting" \
-         "call: cat compile_cache.tgz.part* > $IMPORT_CACHE/compile_cache.tgz, and carry $IMPORT_CACHE)" >&2
+    echo "gpu_step_vs_peer.sh: --import-cache $IMPORT_CACHE has no compile_cache.tgz" \
+         "(join the parts of the exporting call:" \
+         "cat compile_cache.tgz.part* > $IMPORT_CACHE/compile_cache.tgz," \
+         "and carry $IMPORT_CACHE)" >&2
     exit 2
   fi
-  tar xzf "$IMPORT_CACHE/compile_cache.tgz" -C "$W" && echo "phase 1 seeded: $(ls -la "$W/llama.cache")" | tee -a "$W/logs/phases.txt"
+  tar xzf "$IMPORT_CACHE/compile_cache.tgz" -C "$W" \
+    && echo "phase 1 seeded: $(ls -la "$W/llama.cache")" | tee -a "$W/logs/phases.txt"
 fi
 if [ -n "$IMPORT_DIRS" ]; then
   if [ ! -f "$IMPORT_DIRS/cache_dirs.tgz" ]; then
     echo "gpu_step_vs_peer.sh: --import-cache-dirs $IMPORT_DIRS has no cache_dirs.tgz" >&2
     exit 2
   fi
-  tar xzf "$IMPORT_DIRS/cache_dirs.tgz" -C "$W" && echo "phase 1 seeded: $(du -sh "$W/ind-ours" "$W/triton-ours" | tr '\n' ' ')" | tee -a "$W/logs/phases.txt"
+  tar xzf "$IMPORT_DIRS/cache_dirs.tgz" -C "$W" \
+    && echo "phase 1 seeded: $(du -sh "$W/ind-ours" "$W/triton-ours" | tr '\n' ' ')" \
+    | tee -a "$W/logs/phases.txt"
 fi
 B=$(min "$OURS_MAX_S" $(($(left) - RES_PEER - RES_CACHE - RES_KIMI - RES_DDP - 10)))
 # shellcheck disable=SC2086
@@ -117,50 +146,64 @@ TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_lla
 # phase 2: the peer, same dims, own caches
 if [ "$DO_PEER" = 1 ]; then
   if [ -d .whl ] && [ -d .peerbench ]; then
-    # only the peer's set (.whl/ may also hold the refbench calls' wheels, e.g. datasets, whose own needs are absent
-    # here: the peer's pb_stubs stands in for datasets only when it is NOT importable)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" \
-      .whl/speculators-*.whl .whl/loguru-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl .whl/pydantic_settings-*.whl \
-      .whl/python_dotenv-*.whl .whl/annotated_types-*.whl .whl/typing_inspection-*.whl .whl/typing_extensions-*.whl \
+    # only the peer's set (.whl/ may also hold the refbench calls' wheels, e.g. datasets, whose own
+    # needs are absent here: the peer's pb_stubs stands in for datasets only when it is NOT
+    # importable)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$W/site" \
+      .whl/speculators-*.whl .whl/loguru-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl \
+      .whl/pydantic_settings-*.whl .whl/python_dotenv-*.whl .whl/annotated_types-*.whl \
+      .whl/typing_inspection-*.whl .whl/typing_extensions-*.whl \
       > "$W/logs/pip.log" 2>&1
     B=$(min 180 $(($(left) - RES_CACHE - RES_KIMI - RES_DDP - 10)))
-    PYTHONPATH=$W/site TORCHDYNAMO_SUPPRESS_ERRORS=1 TORCHINDUCTOR_CACHE_DIR=$W/ind-peer TRITON_CACHE_DIR=$W/triton-peer \
+    PYTHONPATH=$W/site TORCHDYNAMO_SUPPRESS_ERRORS=1 \
+      TORCHINDUCTOR_CACHE_DIR=$W/ind-peer TRITON_CACHE_DIR=$W/triton-peer \
       run peer "$B" $PY .peerbench/bench_eagle3.py --configs "$PEER" --out "$W/peer" \
       --budget-s $((B - 60)) --hard-limit-s $((B - 5))
   else
-    echo "peer: .whl/ or .peerbench/ not carried (bash benchmarks/gpu_call.sh carry peer)" | tee -a "$W/logs/phases.txt"
+    echo "peer: .whl/ or .peerbench/ not carried (bash benchmarks/gpu_call.sh carry peer)" \
+      | tee -a "$W/logs/phases.txt"
   fi
 fi
 
-# phase 3: the compile cache round trip (first config of --ours, empty caches, the artifact file only)
+# phase 3: the compile cache round trip (first config of --ours, empty caches, the artifact file
+# only)
 if [ "$DO_CACHE" = 1 ] && [ -f "$W/llama.cache" ]; then
-  cp "$W/llama.cache" "$W/llama-copy.cache"  # the second process rewrites its file; keep phase 1's intact
+  # the second process rewrites its file; keep phase 1's intact
+  cp "$W/llama.cache" "$W/llama-copy.cache"
   B=$(min 150 $(($(left) - RES_KIMI - RES_DDP - 10)))
   # shellcheck disable=SC2086
   TORCHINDUCTOR_CACHE_DIR=$W/ind-cache TRITON_CACHE_DIR=$W/triton-cache run cache "$B" \
-    ${TS/--skip-numerics/} --dims llama-3.1-8b --budget-s "$B" --label cache-loaded --compile-cache "$W/llama-copy.cache" \
+    ${TS/--skip-numerics/} --dims llama-3.1-8b --budget-s "$B" --label cache-loaded \
+    --compile-cache "$W/llama-copy.cache" \
     --warmup 2 --iters 5 --configs ${OURS%% *} --out-dir "$W/cache" --profile --compile-guess-s 20
-  cp "$W/cache/train_step_profile.txt" "$W/logs/" 2>/dev/null  # kernel table of that config (in logs.tgz)
+  # kernel table of that config (in logs.tgz)
+  cp "$W/cache/train_step_profile.txt" "$W/logs/" 2>/dev/null
 elif [ "$DO_CACHE" = 1 ]; then
-  echo "cache: phase 1 wrote no compile cache file (no compiled config finished)" | tee -a "$W/logs/phases.txt"
+  echo "cache: phase 1 wrote no compile cache file (no compiled config finished)" \
+    | tee -a "$W/logs/phases.txt"
 fi
 
 # phase 4: ours at Kimi-K2.5 draft dims
 if [ "$DO_KIMI" = 1 ]; then
   B=$(($(left) - RES_DDP - 10))
   # shellcheck disable=SC2086
-  [ "$B" -gt 30 ] && TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_kimi "$B" \
+  [ "$B" -gt 30 ] \
+    && TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_kimi "$B" \
     $TS --dims kimi-k2.5 --budget-s "$B" --label ours-kimi --configs $KIMI --out-dir "$W/ours-kimi"
 fi
 
 # phase 5: DDP over N GPUs (reuses phase 1's inductor cache: same shapes per rank)
 if [ "$DO_DDP" = 1 ]; then
   B=$(($(left) - 10))
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # the device README: never NVLink multicast
+  # the device README: never NVLink multicast
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
   # shellcheck disable=SC2086
-  [ "$B" -gt 30 ] && TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ddp "$B" \
-    ${PYTHON:-python3} -m torch.distributed.run --standalone --nproc_per_node "$DDP" ${TS#"$PY"} --ddp \
-    --dims llama-3.1-8b --budget-s "$B" --label "ddp-x$DDP" --configs $DDP_CONFIGS --out-dir "$W/ddp"
+  [ "$B" -gt 30 ] \
+    && TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ddp "$B" \
+    ${PYTHON:-python3} -m torch.distributed.run --standalone --nproc_per_node "$DDP" \
+    ${TS#"$PY"} --ddp --dims llama-3.1-8b --budget-s "$B" --label "ddp-x$DDP" \
+    --configs $DDP_CONFIGS --out-dir "$W/ddp"
 fi
 
 # merge (always) and the files that come back
@@ -169,15 +212,18 @@ PEER_ARG=() CACHE_ARG=() EXTRA_DIRS=()
 [ "$DO_CACHE" = 1 ] && CACHE_ARG=(--cache-run "$W/cache")
 [ "$DO_KIMI" = 1 ] && EXTRA_DIRS=("$W/ours-kimi")
 [ "$DO_DDP" = 1 ] && EXTRA_DIRS+=("$W/ddp")
-$PY benchmarks/step_vs_peer.py --ours "$W/ours-llama" "${EXTRA_DIRS[@]}" "${PEER_ARG[@]}" "${CACHE_ARG[@]}" \
+$PY benchmarks/step_vs_peer.py --ours "$W/ours-llama" "${EXTRA_DIRS[@]}" "${PEER_ARG[@]}" \
+  "${CACHE_ARG[@]}" \
   --out-dir "$OUTDIR" --command "$CMD" > "$W/logs/merge.log" 2>&1
 cp "$W/ours-llama/train_step.json" "$OUTDIR/ours_llama.json" 2>/dev/null
 if [ "$EXPORT_DIRS" = 1 ] && [ -d "$W/ind-ours" ]; then
-  tar czf "$W/cache_dirs.tgz" -C "$W" ind-ours triton-ours && split -b 15000000 -d "$W/cache_dirs.tgz" "$OUTDIR/cache_dirs.tgz.part"
+  tar czf "$W/cache_dirs.tgz" -C "$W" ind-ours triton-ours \
+    && split -b 15000000 -d "$W/cache_dirs.tgz" "$OUTDIR/cache_dirs.tgz.part"
   ls -la "$W/cache_dirs.tgz" >> "$W/logs/phases.txt"
 fi
 if [ "$EXPORT_CACHE" = 1 ] && [ -f "$W/llama.cache" ]; then
-  tar czf "$W/compile_cache.tgz" -C "$W" llama.cache && split -b 15000000 -d "$W/compile_cache.tgz" "$OUTDIR/compile_cache.tgz.part"
+  tar czf "$W/compile_cache.tgz" -C "$W" llama.cache \
+    && split -b 15000000 -d "$W/compile_cache.tgz" "$OUTDIR/compile_cache.tgz.part"
   ls -la "$W/llama.cache" "$W/compile_cache.tgz" >> "$W/logs/phases.txt"
 fi
 cp "$W/ours-kimi/train_step.json" "$OUTDIR/ours_kimi.json" 2>/dev/null

