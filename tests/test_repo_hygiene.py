@@ -5,6 +5,9 @@ possessive, or a bare capital-S tag) and no talk of who did the work, in any fil
 would add: code, tests, docs, configs, results, and the file names themselves. Cite the date and the
 feature instead ("the 2026-12-02 lever sweep", "the integrity checks"), and name a machine by its
 hardware ("the H200 host", "a 2-core CPU"). A hit is reported as path:line with the offending text.
+
+And code and configuration (Python, shell, YAML, TOML) keep to 100 characters a line, pragma
+comments included.
 """
 
 from __future__ import annotations
@@ -104,4 +107,35 @@ def test_no_session_or_issue_numbers_anywhere():
         hits += find_hits(name, read_text(ROOT / name))
     assert not hits, f"{len(hits)} hit(s); cite the date and the feature instead:\n" + "\n".join(
         hits[:200]
+    )
+
+
+#: the files whose lines are code or configuration (Markdown prose and data files are not)
+CODE_SUFFIXES = (".py", ".sh", ".yaml", ".yml", ".toml")
+MAX_LINE_CHARS = 100
+
+
+def long_lines(name: str, text: str) -> list[str]:
+    """'path:line: N characters' for each line over MAX_LINE_CHARS characters (not bytes)."""
+    return [
+        f"{name}:{number}: {len(line)} characters"
+        for number, line in enumerate(text.splitlines(), start=1)
+        if len(line) > MAX_LINE_CHARS
+    ]
+
+
+def test_long_lines_are_found_by_characters_not_bytes():
+    assert long_lines("x.sh", "a" * 101) == ["x.sh:1: 101 characters"]
+    assert not long_lines("x.sh", "→" * 100)  # 300 bytes, 100 characters
+    # ruff leaves a line ending in a pragma comment alone; this check does not
+    assert long_lines("x.py", "x = 1" + " " * 70 + "# noqa: E501 - " + "y" * 20)
+
+
+def test_code_and_config_lines_fit_in_100_characters():
+    hits = []
+    for name in repository_files():
+        if name.endswith(CODE_SUFFIXES) or name == ".ci/run":
+            hits += long_lines(name, read_text(ROOT / name) or "")
+    assert not hits, f"{len(hits)} line(s) over {MAX_LINE_CHARS} characters:\n" + "\n".join(
+        hits[:100]
     )
