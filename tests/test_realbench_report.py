@@ -251,3 +251,4 @@ def test_drafts_are_unpacked_once_and_whole(tmp_path: Path) -> None:
     assert (
         json.loads(config.read_text()) == {"v": 2} and not (out / "drafts/d1/weights.txt").exists()
     )
+    assert not list(out.glob(".unpacking-*"))

@@ -95,6 +95,7 @@ def unpack(gpu_dir: Path, out: Path) -> list[str]:
                 t.extractall(staging / "files", filter="data")
             joined.unlink()
             if not (staging / "files" / "drafts" / name / "config.json").is_file():
+                shutil.rmtree(staging)
                 sys.exit(
                     f"{name}: the packed files hold no drafts/{name}/config.json (export failed "
                     "on the GPU?)"
