@@ -5,13 +5,8 @@ import pytest
 from eagle3.artifacts import PreparedMeta
 from eagle3.chat_formats import Conversation
 from eagle3.config import PrepareConfig
-from eagle3.data.prepare import (
-    TemplateError,
-    load_tokenizer,
-    run_prepare,
-    tokenize_with_generation_mask,
-    tokenize_with_prefix_mask,
-)
+from eagle3.chat_template import ChatRenderer
+from eagle3.data.prepare import conversation_rows, load_tokenizer, run_prepare
 from eagle3.prepared import load_prepared
 
 SINGLE = [
@@ -29,10 +24,16 @@ def _masked_text(tok, ids, mask, value=1):
     return tok.decode([i for i, m in zip(ids, mask, strict=True) if m == value])
 
 
+def _one_row(target, messages):
+    rows = conversation_rows(ChatRenderer(target), messages)
+    assert len(rows) == 1  # a prefix-stable template: the whole conversation is one row
+    return rows[0]
+
+
 @pytest.mark.parametrize("messages", [SINGLE, MULTI, SYSTEM], ids=["single", "multi", "system"])
-def test_golden_masks_generation_markers(tiny_llama, messages):
+def test_golden_masks(tiny_llama, messages):
     tok = load_tokenizer(str(tiny_llama))
-    ids, mask = tokenize_with_generation_mask(tok, messages)
+    ids, mask = _one_row(tiny_llama, messages)
     expected = "".join(m["content"] + "<|end|>" for m in messages if m["role"] == "assistant")
     assert _masked_text(tok, ids, mask) == expected
     unmasked = _masked_text(tok, ids, mask, value=0)
@@ -43,28 +44,37 @@ def test_golden_masks_generation_markers(tiny_llama, messages):
 
 
 @pytest.mark.parametrize("messages", [SINGLE, MULTI, SYSTEM], ids=["single", "multi", "system"])
-def test_prefix_rendering_matches_generation_markers(tiny_llama, tiny_llama_plain, messages):
+def test_generation_markers_change_nothing(tiny_llama, tiny_llama_plain, messages):
+    """The template with `{% generation %}` markers and the one without give the same rows: the
+    turns come from prompt renderings, not from markers."""
     gen_tok, plain_tok = load_tokenizer(str(tiny_llama)), load_tokenizer(str(tiny_llama_plain))
     assert (
         "{% generation %}" not in plain_tok.chat_template
         and "{% generation %}" in gen_tok.chat_template
     )
-    assert tokenize_with_prefix_mask(plain_tok, messages) == tokenize_with_generation_mask(
-        gen_tok, messages
-    )
+    assert _one_row(tiny_llama_plain, messages) == _one_row(tiny_llama, messages)
 
 
-def test_unstable_template_is_refused(tiny_llama_plain):
-    tok = load_tokenizer(str(tiny_llama_plain))
-    # A template that renders the last message differently (like "drop earlier reasoning"
-    # templates).
-    tok.chat_template = (
+def test_template_that_rewrites_history_gives_a_row_per_turn(tiny_llama_plain):
+    """A template that renders earlier turns differently from the turn being generated (as
+    reasoning templates drop or empty earlier reasoning) is no error: each assistant turn is its
+    own row, with the history exactly as the template renders it at that point."""
+    renderer = ChatRenderer(tiny_llama_plain)
+    renderer.tokenizer.chat_template = (
         "{%- for m in messages -%}{%- if loop.last -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
         "{%- else -%}<|{{ m['role'] }}|>{{ m['content'][:3] }}<|end|>{%- endif -%}{%- endfor -%}"
         "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
     )
-    with pytest.raises(TemplateError, match="not prefix-stable for sample s1"):
-        tokenize_with_prefix_mask(tok, MULTI, "s1")
+    tok = renderer.tokenizer
+    rows = conversation_rows(renderer, MULTI)
+    assert len(rows) == 2
+    (ids1, mask1), (ids2, mask2) = rows
+    assert _masked_text(tok, ids1, mask1) == "It is four.<|end|>"
+    assert _masked_text(tok, ids2, mask2) == "Six.<|end|>"
+    # the second row's context is the history as the template renders it: "It " of turn one
+    assert _masked_text(tok, ids2, mask2, value=0) == (
+        "<|user|>Wha<|end|><|assistant|>It <|end|><|user|>And three?<|end|><|assistant|>"
+    )
 
 
 def _write_jsonl(path, rows):
@@ -128,7 +138,7 @@ def test_run_prepare_counts_every_skip_reason(tiny_llama, tmp_path):
     ds = load_prepared(tmp_path / "prep")
     assert list(ds["sample_id"]) == ["ok-sharegpt", "ok-openai", "ok-pair"]
     man = PreparedMeta.load(tmp_path / "prep")
-    assert man.mask_method == "generation_markers"
+    assert man.mask_method == "turn_ids"
     assert man.num_supervised_tokens == sum(int(m.sum()) for m in ds["loss_mask"])
     assert man.chat_template_sha256 and man.tokenizer_sha256 and man.source_sha256
 

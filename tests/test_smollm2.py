@@ -63,15 +63,12 @@ def masked_text(tok, ids: list[int], mask: list[int]) -> list[str]:
 def test_chatml_masks_cover_exactly_the_answers(smollm2, system):
     """Each assistant turn's content and its <|im_end|> are supervised; the (default) system prompt,
     the user turns, the role headers and the newline after <|im_end|> are not; ids equal the
-    template's own tokenization."""
-    from eagle3.data.prepare import (
-        has_generation_markers,
-        load_tokenizer,
-        tokenize_with_prefix_mask,
-    )
+    template's own tokenization of the conversation."""
+    from eagle3.chat_template import ChatRenderer
+    from eagle3.data.prepare import conversation_rows
 
-    tok = load_tokenizer(str(smollm2))
-    assert not has_generation_markers(tok.chat_template)
+    renderer = ChatRenderer(smollm2)
+    tok = renderer.tokenizer
     msgs = [
         {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "Hello! How can I help?"},
@@ -80,8 +77,11 @@ def test_chatml_masks_cover_exactly_the_answers(smollm2, system):
     ]
     if system:
         msgs = [{"role": "system", "content": system}, *msgs]
-    ids, mask = tokenize_with_prefix_mask(tok, msgs)
-    assert ids == list(tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
+    [(ids, mask)] = conversation_rows(renderer, msgs)
+    full = list(tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
+    # the template's own ids, but for the newline glue after the last <|im_end|>, which the model
+    # does not write
+    assert ids == full[: len(ids)] and tok.decode(full[len(ids) :]) == "\n"
     assert masked_text(tok, ids, mask) == [
         "Hello! How can I help?<|im_end|>",
         "2+2 = 4.\nAnything else?<|im_end|>",

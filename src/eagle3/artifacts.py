@@ -220,6 +220,11 @@ class PreparedMeta(Record):
     target: str | None = None
     tokenizer_sha256: str | None = None
     chat_template_sha256: str | None = None
+    #: the run's chat_template_kwargs (the thinking switch), and rows' own by count
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs_by_row: dict[str, int] | None = None
+    #: ["<think>", "</think>"] when the tokenizer has them as one token each
+    think_markers: list[str] | None = None
     mask_method: str | None = None
     tokenizer_vocab_size: int | None = None
     target_vocab_size: int | None = None
@@ -231,6 +236,11 @@ class PreparedMeta(Record):
     num_duplicate_ids_renamed: int | None = None
     max_sample_len: int | None = None
     skipped: dict[str, int] | None = None
+    #: assistant turns: from_generated / from_text (where their ids came from), with_reasoning,
+    #: reasoning_tokens / answer_tokens (supervised), hit_max_new_tokens, misaligned_dropped, ...
+    turns: dict[str, int] | None = None
+    #: what the input's assistant turns carried (eagle3.chat_formats.ReadResult.turns)
+    input_turns: dict[str, int] | None = None
     config: dict[str, Any] | None = None
     #: refine's rollouts (a prepared dataset it writes): their content key and generation figures
     key: str | None = None

@@ -40,6 +40,10 @@ from typing import Any
 
 from eagle3.errors import DataLossError, UserError
 
+#: the think block of thinking models (Kimi-K2, Qwen3, DeepSeek-R1/V3.1, GLM, MiniMax)
+THINK_START = "<think>"
+THINK_END = "</think>"
+
 log = logging.getLogger(__name__)
 
 BOM = b"\xef\xbb\xbf"
@@ -68,6 +72,7 @@ PAIR_KEYS = (
 
 SKIP_REASONS = (
     "invalid_json",
+    "bad_token_ids",
     "invalid_utf8",
     "not_a_mapping",
     "missing_fields",
@@ -90,11 +95,15 @@ FORMAT_HELP = (
 @dataclass
 class Conversation:
     sample_id: str
-    #: [{"role": "system"|"user"|"assistant", "content": str}, ...]
-    messages: list[dict[str, str]]
+    #: [{"role": "system"|"user"|"assistant", "content": str}, ...]; an assistant turn may also
+    #: hold `reasoning` (its trace), `token_ids` (the ids the target generated), `prompt_token_ids`
+    #: (the ids the engine saw) and `finish_reason` (READ_TURN_KEYS)
+    messages: list[dict[str, Any]]
     #: the row's optional `category` (e.g. a domain: math, coding, ...); evaluate reports τ per
     #: category
     category: str | None = None
+    #: the row's own `chat_template_kwargs` (its source's thinking switch); None: the run's
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -113,6 +122,10 @@ class ReadResult:
     #: skip reason -> where the first few skipped rows are ("line 4" of a JSONL file, "row 3"
     #: (0-based) otherwise)
     skip_rows: dict[str, list[str]] = field(default_factory=dict)
+    #: what the assistant turns carry: reasoning_field (`reasoning_content`/`reasoning`),
+    #: inline_think (`<think>...</think>` in the content), token_ids (the ids the target
+    #: generated), text_only (none of those)
+    turns: Counter = field(default_factory=Counter)
 
     @property
     def num_skipped(self) -> int:
@@ -125,6 +138,7 @@ class ReadResult:
             "num_conversations": len(self.conversations),
             "skipped": dict(self.skipped),
             "formats": dict(self.formats),
+            "assistant_turns": dict(self.turns),
         }
 
 
@@ -189,8 +203,55 @@ def _turns(turns: Any, role_key: str, content_key: str, column: str) -> list[dic
                 f"{where}.{rk} = {raw_role!r} is not a known role (use one of "
                 f"{sorted(ROLE_ALIASES)})",
             )
-        messages.append({"role": role, "content": _content(turn[ck], where)})
+        message: dict[str, Any] = {"role": role, "content": _content(turn[ck], where)}
+        if role == "assistant":
+            _assistant_extras(turn, message, where)
+        messages.append(message)
     return messages
+
+
+#: an assistant turn's keys kept beside role and content
+READ_TURN_KEYS = ("reasoning", "token_ids", "prompt_token_ids", "finish_reason")
+
+
+def _assistant_extras(turn: dict[str, Any], message: dict[str, Any], where: str) -> None:
+    """An assistant turn's reasoning (`reasoning_content`, `reasoning`, or an inline
+    `<think>...</think>` opening its content: split off whole, the text on either side kept
+    to the character), and the ids the target generated with the prompt ids it saw."""
+    for key in ("reasoning_content", "reasoning"):
+        value = turn.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise _RowError(
+                    "missing_fields", f"{where}.{key} must be a string, got {type(value).__name__}"
+                )
+            message["reasoning"] = value
+            break
+    content = message["content"]
+    if "reasoning" not in message and THINK_END in content:
+        head, _, answer = content.partition(THINK_END)
+        opened = head.lstrip().startswith(THINK_START)
+        if opened or THINK_START not in head:  # `<think>R</think>A`, or `R</think>A` (R1)
+            message["reasoning"] = head.lstrip().removeprefix(THINK_START) if opened else head
+            message["content"] = answer
+            message["inline_think"] = True
+    for key in ("token_ids", "prompt_token_ids"):
+        ids = turn.get(key)
+        if ids is None:
+            continue
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise _RowError(
+                "bad_token_ids", f"{where}.{key} must be a list of token ids (integers >= 0)"
+            )
+        message[key] = ids
+    if "prompt_token_ids" in message and "token_ids" not in message:
+        raise _RowError(
+            "bad_token_ids", f"{where} has prompt_token_ids but no token_ids (the answer's ids)"
+        )
+    if isinstance(turn.get("finish_reason"), str):
+        message["finish_reason"] = turn["finish_reason"]
 
 
 def _pair(row: dict[str, Any], require_assistant: bool) -> tuple[list[dict[str, str]], str]:
@@ -238,7 +299,8 @@ def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Con
             "missing_fields", f"`{'messages' if fmt == 'openai' else 'conversations'}` is empty"
         )
     for j, m in enumerate(messages):
-        if not m["content"].strip() and (m["role"] != "assistant" or require_assistant):
+        said = m["content"].strip() or (m.get("reasoning") or "").strip() or m.get("token_ids")
+        if not said and (m["role"] != "assistant" or require_assistant):
             raise _RowError("empty_content", f"turn {j} ({m['role']}) has empty content")
     if not any(m["role"] == "user" for m in messages):
         raise _RowError("no_user_turn", "has no user turn")
@@ -249,7 +311,36 @@ def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Con
     category = row.get("category")
     if category is not None and not isinstance(category, str):
         raise _RowError("bad_category", f"`category` is a {type(category).__name__}, not a string")
-    return Conversation(sample_id=sample_id, messages=messages, category=category or None), fmt
+    kwargs = row.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _RowError(
+            "missing_fields",
+            f"`chat_template_kwargs` is a {type(kwargs).__name__}, not a mapping",
+        )
+    conv = Conversation(
+        sample_id=sample_id,
+        messages=messages,
+        category=category or None,
+        chat_template_kwargs=kwargs,
+    )
+    return conv, fmt
+
+
+def turn_kinds(messages: list[dict[str, Any]]) -> Counter:
+    """What each assistant turn carries (ReadResult.turns)."""
+    kinds: Counter = Counter()
+    for m in messages:
+        if m["role"] != "assistant":
+            continue
+        if "token_ids" in m:
+            kinds["token_ids"] += 1
+        if m.pop("inline_think", False):
+            kinds["inline_think"] += 1
+        elif "reasoning" in m:
+            kinds["reasoning_field"] += 1
+        if "token_ids" not in m and "reasoning" not in m:
+            kinds["text_only"] += 1
+    return kinds
 
 
 # -------------------------------------------------------------------------------------------- input
@@ -432,6 +523,7 @@ def read_conversations(
     examples: dict[str, list[str]] = {}
     where: dict[str, list[str]] = {}
     formats: Counter = Counter()
+    turns: Counter = Counter()
     rows, source = _load_rows(path_or_dataset, split)
     what = "line" if isinstance(rows, _JSONL) else "row"
     if isinstance(rows, _JSONL):
@@ -460,6 +552,7 @@ def read_conversations(
             skip(e.reason, f"line {index + 1}" if what == "line" else f"row {index}", e.detail)
             continue
         formats[fmt] += 1
+        turns.update(turn_kinds(conv.messages))
         convs.append(conv)
     if not convs:
         detail = ", ".join(f"{k}={v}" for k, v in skipped.items()) or "the input is empty"
@@ -482,7 +575,14 @@ def read_conversations(
         formats=formats,
         skip_examples=examples,
         skip_rows=where,
+        turns=turns,
     )
+
+
+def drop_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn as its answer alone: reasoning and the generated ids (which hold the
+    reasoning) left out."""
+    return {k: v for k, v in message.items() if k not in READ_TURN_KEYS}
 
 
 def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -512,7 +612,14 @@ def read_prompts(
             )
             res.skip_rows.setdefault("no_user_turn", []).append(f"sample {c.sample_id}")
             continue
-        kept.append(Conversation(sample_id=c.sample_id, messages=msgs, category=c.category))
+        kept.append(
+            Conversation(
+                sample_id=c.sample_id,
+                messages=msgs,
+                category=c.category,
+                chat_template_kwargs=c.chat_template_kwargs,
+            )
+        )
     if not kept:
         raise ValueError(
             f"{res.source}: no usable prompts (skipped: {dict(res.skipped)}). {FORMAT_HELP}"

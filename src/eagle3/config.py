@@ -58,6 +58,45 @@ Count = Annotated[int, BeforeValidator(refuse_bool)]
 Number = Annotated[float, BeforeValidator(refuse_bool)]
 
 
+def parse_template_kwargs(value: Any) -> Any:
+    """`chat_template_kwargs` from YAML (a mapping), or from the command line as JSON
+    (`'{"enable_thinking": false}'`) or `key=value,...` pairs (values read as JSON where they
+    parse: `thinking=true`)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON ({e}); write e.g. '{{\"thinking\": true}}'") from None
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, raw = part.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{part!r} is not key=value; write e.g. enable_thinking=false")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+#: keyword arguments for the target's chat template: its thinking switch and the like
+TemplateKwargs = Annotated[dict[str, Any] | None, BeforeValidator(parse_template_kwargs)]
+
+TEMPLATE_KWARGS_HELP = (
+    "Keyword arguments for the target's chat template, e.g. {enable_thinking: false} (Qwen3) or "
+    "{thinking: true} (Kimi-K2.5, DeepSeek-V3.1); a row's own `chat_template_kwargs` (its "
+    "source's) wins. Pipeline: the top-level `chat_template_kwargs` fills it"
+)
+TRUST_REMOTE_CODE_HELP = (
+    "Run the Python code a target directory ships (a custom tokenizer such as Kimi-K2.5's "
+    "tiktoken one, a custom model config); off by default: only for a target you trust. "
+    "Pipeline: the top-level `trust_remote_code` turns it on for every stage"
+)
+
+
 class StageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
@@ -102,11 +141,19 @@ class PrepareConfig(StageConfig):
         "than this share of the input rows is skipped (bad JSON, missing fields, nothing to "
         "supervise, ...); 1 = never stop",
     )
-    trust_remote_code: bool = Field(
-        False,
-        description="Run the tokenizer's own Python code from the target directory "
-        "(tokenizer_config.json `auto_map`, e.g. Kimi-K2.5's tiktoken tokenizer); off by default: "
-        "only set it for a target you trust",
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
+    chat_template_kwargs: TemplateKwargs = Field(None, description=TEMPLATE_KWARGS_HELP)
+    reasoning: Literal["keep", "drop"] = Field(
+        "keep",
+        description="keep: the reasoning of each turn (ids, `reasoning_content`, inline "
+        "<think>) is trained, as the target writes it; drop: answers only (train thinking off; "
+        "turns then come from their text)",
+    )
+    misaligned_turns: Literal["error", "drop"] = Field(
+        "error",
+        description="A text-only turn whose ids differ from the chat template's rendering of "
+        "it: error (name row, turn, token position and both token strings) or drop (count it, "
+        "keep the conversation's earlier turns)",
     )
 
 
@@ -150,6 +197,13 @@ class RegenerateConfig(StageConfig):
         "auto",
         description="Target compute dtype in vLLM; auto = float32 on CPUs without native bf16 "
         "(AVX2: ~5x faster than bf16), bfloat16 elsewhere",
+    )
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
+    chat_template_kwargs: TemplateKwargs = Field(None, description=TEMPLATE_KWARGS_HELP)
+    drop_truncated: bool = Field(
+        False,
+        description="A turn that hits max_new_tokens (a cut reasoning trace) ends its "
+        "conversation before that turn instead of being kept as generated; counted either way",
     )
 
 
@@ -332,6 +386,15 @@ class MixSource(BaseModel):
     path: str = Field(..., description="Chat or prompt data (same formats as prepare)")
     weight: Number = Field(
         1.0, gt=0, description="Share of the mixed rows drawn from this source (relative)"
+    )
+    chat_template_kwargs: TemplateKwargs = Field(
+        None,
+        description="This source's chat template switch (e.g. {enable_thinking: false} for a "
+        "non-thinking source in a thinking mix): stamped on its rows, which regenerate and "
+        "prepare render with it",
+    )
+    reasoning: Literal["keep", "drop"] = Field(
+        "keep", description="keep: this source's reasoning traces; drop: answers only"
     )
 
 
@@ -990,6 +1053,8 @@ class RefineConfig(StageConfig):
         "out once: per-position acceptance before and after each round, and best/'s round",
     )
     max_new_tokens: Count = Field(256, gt=0, description="Longest rollout continuation, in tokens")
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
+    chat_template_kwargs: TemplateKwargs = Field(None, description=TEMPLATE_KWARGS_HELP)
     generate_batch_size: Count = Field(256, gt=0, description="Prompts per generate call")
     capture_batch_tokens: Count = Field(
         8192, gt=0, description="Tokens per capture step (vLLM max_num_batched_tokens / hf batch)"
@@ -1138,6 +1203,14 @@ class EvaluateConfig(StageConfig):
     seed: Count = Field(0, description="Engine seed")
     split: str = Field(
         "train", description="Split to read when --prompts is a DatasetDict directory"
+    )
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
+    chat_template_kwargs: TemplateKwargs = Field(None, description=TEMPLATE_KWARGS_HELP)
+    allow_chat_template_mismatch: bool = Field(
+        False,
+        description="Evaluate with other chat_template_kwargs than the draft was trained with "
+        "(e.g. thinking off for a draft trained thinking on): results.json labels the run "
+        "instead of refusing it",
     )
 
     @field_validator("temperatures", mode="before")
@@ -1334,6 +1407,14 @@ class PipelineConfig(BaseModel):
         description="Registry name of a known target (eagle3 fetch-target), fetched into `target` "
         "first when `target` does not hold it yet, e.g. smollm2-135m-instruct",
     )
+    chat_template_kwargs: TemplateKwargs = Field(
+        None,
+        description="The target's chat template switch for every stage that renders prompts "
+        "(regenerate, prepare, refine, evaluate), e.g. {thinking: true} for Kimi-K2.5 or "
+        "{enable_thinking: false} for Qwen3 thinking off; recorded in every manifest and checked "
+        "where the draft is evaluated",
+    )
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
     synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
     mix: MixConfig = Field(default_factory=MixConfig)
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
@@ -1461,6 +1542,9 @@ class PipelineConfig(BaseModel):
             device=c.capture.device,
             num_speculative_tokens=c.evaluate.num_speculative_tokens,
         )
+        for section in (c.regenerate, c.prepare, c.refine, c.evaluate):
+            _fill(section, chat_template_kwargs=c.chat_template_kwargs)
+            section.trust_remote_code = section.trust_remote_code or c.trust_remote_code
         trained = w / ("refine" if c.refine.enabled else "train")  # export reads refine's, if run
         _fill(c.export, checkpoint=str(trained), out=w / "draft", target=c.target)
         _fill(

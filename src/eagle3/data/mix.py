@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.chat_formats import check_skipped, read_conversations
+from eagle3.chat_formats import check_skipped, drop_reasoning, read_conversations
 from eagle3.config import ConfigError, MixConfig
 from eagle3.io import atomic_path, write_json
 
@@ -81,9 +81,17 @@ def run_mix(cfg: MixConfig) -> MixResult:
     rows = []
     for i, (s, r, c) in enumerate(zip(cfg.sources, reads, counts, strict=True)):
         for conv in rng.sample(r.conversations, c):
-            row = {"id": f"{i}/{conv.sample_id}", "messages": conv.messages, "source": s.path}
+            messages = conv.messages
+            if s.reasoning == "drop":
+                messages = [drop_reasoning(m) for m in messages]
+            row = {"id": f"{i}/{conv.sample_id}", "messages": messages, "source": s.path}
             if conv.category is not None:
                 row["category"] = conv.category
+            kwargs = conv.chat_template_kwargs
+            if s.chat_template_kwargs is not None:
+                kwargs = s.chat_template_kwargs
+            if kwargs is not None:
+                row["chat_template_kwargs"] = kwargs
             rows.append(row)
     rng.shuffle(rows)
     out = Path(cfg.out)
@@ -100,6 +108,9 @@ def run_mix(cfg: MixConfig) -> MixResult:
             "taken": c,
             "input_rows": r.num_rows,
             "skipped": dict(r.skipped),
+            "assistant_turns": dict(r.turns),
+            "reasoning": s.reasoning,
+            "chat_template_kwargs": s.chat_template_kwargs,
         }
         for s, p, n, c, r in zip(cfg.sources, shares, sizes, counts, reads, strict=True)
     ]
