@@ -4,8 +4,8 @@ import pytest
 
 from eagle3.artifacts import PreparedMeta
 from eagle3.chat_formats import Conversation
-from eagle3.config import PrepareConfig
 from eagle3.chat_template import ChatRenderer
+from eagle3.config import PrepareConfig
 from eagle3.data.prepare import conversation_rows, load_tokenizer, run_prepare
 from eagle3.prepared import load_prepared
 
