@@ -135,6 +135,45 @@ def test_regenerate_full(tiny_llama, data_file, llm, tmp_path):
     pytest.full_output = res.conversations_path.read_bytes()  # for the resume test
 
 
+def test_regenerated_turns_train_exactly_as_generated(tiny_llama, data_file, llm, tmp_path):
+    """Each regenerated turn keeps the ids the target generated and the prompt ids the engine saw
+    (vLLM includes the end-of-turn token it stopped on), and prepare trains on exactly those
+    ids: the supervised ids of a conversation are its turns' generated ids, in order."""
+    from eagle3.config import PrepareConfig
+    from eagle3.data.prepare import run_prepare
+    from eagle3.data.regenerate import open_renderer
+    from eagle3.prepared import load_prepared
+
+    cfg = _cfg(tiny_llama, data_file, tmp_path / "regen")
+    res = run_regenerate(cfg, llm=llm)
+    renderer = open_renderer(cfg)
+    eos = renderer.end_of_turn_id
+    generated: dict[str, list[int]] = {}
+    for c in read_conversations(res.conversations_path).conversations:
+        ids: list[int] = []
+        for i, m in enumerate(c.messages):
+            if m["role"] != "assistant":
+                continue
+            assert m["prompt_token_ids"] == renderer.prompt_ids(c.messages[:i])
+            assert (m["token_ids"][-1] == eos) == (m["finish_reason"] == "stop")
+            text = renderer.tokenizer.decode(m["token_ids"], skip_special_tokens=True)
+            assert text == m["content"]
+            ids += m["token_ids"]
+        generated[c.sample_id] = ids
+    prep = run_prepare(
+        PrepareConfig(target=str(tiny_llama), data=str(res.conversations_path), out=tmp_path / "p")
+    )
+    assert prep.turns["from_generated"] == res.num_turns and not prep.turns.get("from_text")
+    ds = load_prepared(tmp_path / "p")
+    trained: dict[str, list[int]] = {}
+    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"], strict=True):
+        # a turn whose prompt does not extend the row before it (the target's ids are not how
+        # the template re-tokenizes its text) starts a row of its own: `<id>:row2`, ...
+        base = str(sid).split(":row")[0]
+        trained.setdefault(base, []).extend(int(t) for t, k in zip(ids, mask, strict=True) if k)
+    assert trained == generated
+
+
 class _Killed(Exception):
     pass
 
@@ -186,7 +225,7 @@ def test_regenerate_hf_backend_matches_vllm_greedy(tiny_llama, data_file, llm, t
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3.data.regenerate import _HfBackendGenerator, _Tokenizer, _VllmGenerator
+    from eagle3.data.regenerate import _HfBackendGenerator, _VllmGenerator, open_renderer
 
     res = run_regenerate(
         _cfg(tiny_llama, data_file, tmp_path / "hf", backend="hf", device="cpu", dtype="float32")
@@ -198,8 +237,8 @@ def test_regenerate_hf_backend_matches_vllm_greedy(tiny_llama, data_file, llm, t
     cfg = _cfg(
         tiny_llama, data_file, tmp_path / "tokens", backend="hf", device="cpu", dtype="float32"
     )
-    tok = _Tokenizer(str(tiny_llama))
-    prompts = [tok.render(c.messages[:1]) for c in read_conversations(data_file).conversations]
+    tok = open_renderer(cfg)
+    prompts = [tok.prompt_ids(c.messages[:1]) for c in read_conversations(data_file).conversations]
     prompts = [p for p in prompts if len(p) <= MAX_MODEL_LEN - MAX_NEW]
     ref = _VllmGenerator(llm, cfg).generate(prompts, [None] * len(prompts))
     ours = _HfBackendGenerator(cfg, tok).generate(prompts, [None] * len(prompts))

@@ -104,6 +104,8 @@ class Conversation:
     category: str | None = None
     #: the row's own `chat_template_kwargs` (its source's thinking switch); None: the run's
     chat_template_kwargs: dict[str, Any] | None = None
+    #: the row's `source` (the file `eagle3 mix` took it from), for per-source figures
+    source: str | None = None
 
 
 @dataclass
@@ -322,6 +324,7 @@ def parse_row(row: Any, index: int, require_assistant: bool = True) -> tuple[Con
         messages=messages,
         category=category or None,
         chat_template_kwargs=kwargs,
+        source=row["source"] if isinstance(row.get("source"), str) else None,
     )
     return conv, fmt
 
@@ -618,6 +621,7 @@ def read_prompts(
                 messages=msgs,
                 category=c.category,
                 chat_template_kwargs=c.chat_template_kwargs,
+                source=c.source,
             )
         )
     if not kept:

@@ -71,7 +71,7 @@ from eagle3.config import (
     RegenerateConfig,
     TrainConfig,
 )
-from eagle3.data.regenerate import _Tokenizer, open_generator
+from eagle3.data.regenerate import open_generator, open_renderer
 from eagle3.data.rollout import (
     RolloutSettings,
     data_dirs,
@@ -384,8 +384,10 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
             backend=plan.backend,
             device=c.device,
             dtype=c.dtype,
+            trust_remote_code=c.trust_remote_code,
+            chat_template_kwargs=c.chat_template_kwargs,
         )
-        gen, engine = open_generator(regen, _Tokenizer(c.target))
+        gen, engine = open_generator(regen, open_renderer(regen))
         try:
             settings = RolloutSettings(list(c.temperatures), c.top_p, c.max_new_tokens, seed)
             rows, stats = generate_rollouts(gen, prompts, settings, c.generate_batch_size)

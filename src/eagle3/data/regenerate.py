@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.chat_formats import Conversation, check_skipped, read_conversations
+from eagle3.chat_template import ChatRenderer
 from eagle3.config import RegenerateConfig
 from eagle3.data.generate_hf import HfGenerator
 from eagle3.identity import describe_difference, target_fingerprint
@@ -68,6 +69,9 @@ _FINGERPRINT_FIELDS = (
     "seed",
     "dtype",
     "backend",
+    "chat_template_kwargs",
+    "trust_remote_code",
+    "drop_truncated",
 )
 
 
@@ -104,35 +108,16 @@ def generation_points(messages: list[dict[str, str]]) -> list[int]:
     return points
 
 
-class _Tokenizer:
-    """The target's chat template, rendered to token ids (+ generation prompt)."""
-
-    def __init__(self, target: str):
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(target)
-        if not self.tok.chat_template:
-            raise ValueError(
-                f"{target}: the tokenizer has no chat template (tokenizer_config.json "
-                "`chat_template` or chat_template.jinja); regenerate renders prompts with the "
-                "target's own template"
-            )
-
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-
 @dataclass
 class _Stats:
     turns: int = 0
     generated_tokens: int = 0
     finish: Counter = field(default_factory=Counter)
     dropped: Counter = field(default_factory=Counter)
+    #: reasoning figures: turns_with_reasoning, reasoning_tokens, answer_tokens
+    reasoning: Counter = field(default_factory=Counter)
+    #: source (the row's `source`, else the data file) -> {"turns": n, "hit_max_new_tokens": n}
+    by_source: dict[str, Counter] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -140,11 +125,28 @@ class _Stats:
             "generated_tokens": self.generated_tokens,
             "finish": dict(self.finish),
             "dropped": dict(self.dropped),
+            "reasoning": dict(self.reasoning),
+            "by_source": {k: dict(v) for k, v in self.by_source.items()},
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> _Stats:
-        return cls(d["turns"], d["generated_tokens"], Counter(d["finish"]), Counter(d["dropped"]))
+        return cls(
+            d["turns"],
+            d["generated_tokens"],
+            Counter(d["finish"]),
+            Counter(d["dropped"]),
+            Counter(d.get("reasoning", {})),
+            {k: Counter(v) for k, v in d.get("by_source", {}).items()},
+        )
+
+    def truncated_share(self) -> dict[str, float]:
+        """Per source: the share of generated turns that hit max_new_tokens (cut traces)."""
+        return {
+            src: round(c["hit_max_new_tokens"] / c["generated"], 4)
+            for src, c in self.by_source.items()
+            if c["generated"]
+        }
 
 
 class _VllmGenerator:
@@ -195,7 +197,7 @@ class _HfBackendGenerator:
     """transformers generation (hosts without vLLM); text decoded as vLLM does (special tokens
     skipped)."""
 
-    def __init__(self, cfg: RegenerateConfig, tok: _Tokenizer):
+    def __init__(self, cfg: RegenerateConfig, tok: ChatRenderer):
         self.cfg, self.tok = cfg, tok
         self.gen = HfGenerator(
             str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size
@@ -213,7 +215,7 @@ class _HfBackendGenerator:
         return [
             (
                 g.token_ids,
-                self.tok.tok.decode(g.token_ids, skip_special_tokens=True),
+                self.tok.tokenizer.decode(g.token_ids, skip_special_tokens=True),
                 g.finish_reason,
             )
             for g in outs
@@ -224,8 +226,18 @@ class _HfBackendGenerator:
         self.gen.close()
 
 
+def open_renderer(cfg: Any) -> ChatRenderer:
+    """The target's chat template with the config's kwargs and trust_remote_code."""
+    return ChatRenderer(
+        cfg.target,
+        trust_remote_code=cfg.trust_remote_code,
+        chat_template_kwargs=cfg.chat_template_kwargs,
+        stage=cfg.stage or "regenerate",
+    )
+
+
 def open_generator(
-    cfg: RegenerateConfig, tok: _Tokenizer, llm: Any = None
+    cfg: RegenerateConfig, tok: ChatRenderer, llm: Any = None
 ) -> tuple[Any, dict[str, Any]]:
     """The target as a generator of cfg's backend (`generate(prompts, seeds, temperature=None)`
     -> (token ids, text, finish reason) per prompt; `close()`), and the engine settings it runs
@@ -241,6 +253,7 @@ def open_generator(
         tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,
         enable_prefix_caching=False,
+        trust_remote_code=cfg.trust_remote_code,
     )
     owned = llm is None
     if owned:
@@ -254,12 +267,13 @@ def open_generator(
 
 def _regenerate_batch(
     gen: Any,
-    tok: _Tokenizer,
+    tok: ChatRenderer,
     convs: list[tuple[int, Conversation]],
     cfg: RegenerateConfig,
     stats: _Stats,
 ) -> list[dict[str, Any]]:
-    """Regenerate one batch turn by turn; returns the output rows (in input order)."""
+    """Regenerate one batch turn by turn; returns the output rows (in input order). Each
+    regenerated turn keeps the ids the target generated and the prompt ids it was given."""
     max_prompt = cfg.max_model_len - cfg.max_new_tokens
     states = []
     for row_index, conv in convs:
@@ -271,6 +285,8 @@ def _regenerate_batch(
                 "out": [],
                 "next": 0,
                 "done": False,
+                "kwargs": tok.kwargs_for(conv.chat_template_kwargs),
+                "source": conv.source or str(cfg.data),
             }
         )
     turn = 0
@@ -283,12 +299,12 @@ def _regenerate_batch(
             point = st["points"][turn]
             prev = st["points"][turn - 1] + 1 if turn else 0
             context = st["out"] + [dict(m) for m in st["conv"].messages[prev:point]]
-            ids = tok.render(context)
+            ids = tok.prompt_ids(context, st["kwargs"])
             if len(ids) > max_prompt:
                 stats.dropped["prompt_too_long" if turn == 0 else "truncated_too_long"] += 1
                 st["done"] = True
                 continue
-            st["pending"] = context
+            st["pending"] = (context, ids)
             active.append(st)
             prompts.append(ids)
             seeds.append(
@@ -299,15 +315,9 @@ def _regenerate_batch(
         if not active:
             break
         outputs = gen.generate(prompts, seeds)
-        for st, (token_ids, text, finish_reason) in zip(active, outputs, strict=True):
-            stats.finish[finish_reason] += 1
-            stats.generated_tokens += len(token_ids)
-            if not text.strip():
-                stats.dropped["empty_answer" if turn == 0 else "truncated_empty_answer"] += 1
-                st["done"] = True
-                continue
-            stats.turns += 1
-            st["out"] = st.pop("pending") + [{"role": "assistant", "content": text}]
+        for st, (token_ids, _, finish_reason) in zip(active, outputs, strict=True):
+            context, prompt_ids = st.pop("pending")
+            _take_turn(st, context, prompt_ids, list(token_ids), finish_reason, tok, cfg, stats)
         turn += 1
     rows = []
     for st in states:
@@ -315,8 +325,51 @@ def _regenerate_batch(
             row = {"id": st["conv"].sample_id, "messages": st["out"]}
             if st["conv"].category is not None:  # kept for per-category figures downstream
                 row["category"] = st["conv"].category
+            if st["conv"].chat_template_kwargs is not None:
+                row["chat_template_kwargs"] = st["conv"].chat_template_kwargs
+            if st["conv"].source is not None:
+                row["source"] = st["conv"].source
             rows.append(row)
     return rows
+
+
+def _take_turn(
+    st: dict[str, Any],
+    context: list[dict[str, Any]],
+    prompt_ids: list[int],
+    token_ids: list[int],
+    finish_reason: str,
+    tok: ChatRenderer,
+    cfg: RegenerateConfig,
+    stats: _Stats,
+) -> None:
+    """Append one generated turn to a conversation's output, or end the conversation (an empty
+    turn; a cut one with `drop_truncated`), counting either way."""
+    first = not any(m["role"] == "assistant" for m in st["out"])
+    source = stats.by_source.setdefault(st["source"], Counter())
+    stats.finish[finish_reason] += 1
+    stats.generated_tokens += len(token_ids)
+    source["generated"] += 1
+    source["hit_max_new_tokens"] += finish_reason == "length"
+    reasoning, answer = tok.split_generated(prompt_ids, token_ids)
+    if not answer.strip() and not (reasoning or "").strip():
+        stats.dropped["empty_answer" if first else "truncated_empty_answer"] += 1
+        st["done"] = True
+        return
+    if finish_reason == "length" and cfg.drop_truncated:
+        stats.dropped["hit_max_new_tokens" if first else "truncated_hit_max_new_tokens"] += 1
+        st["done"] = True
+        return
+    num_reasoning = tok.num_reasoning_ids(prompt_ids, token_ids)
+    stats.turns += 1
+    stats.reasoning["turns_with_reasoning"] += bool(num_reasoning)
+    stats.reasoning["reasoning_tokens"] += num_reasoning
+    stats.reasoning["answer_tokens"] += len(token_ids) - num_reasoning
+    message: dict[str, Any] = {"role": "assistant", "content": answer}
+    if reasoning is not None:
+        message["reasoning"] = reasoning
+    message.update(token_ids=token_ids, prompt_token_ids=prompt_ids, finish_reason=finish_reason)
+    st["out"] = context + [message]
 
 
 def _append_rows(path: Path, rows: list[dict[str, Any]]) -> int:
@@ -421,7 +474,7 @@ def _regenerate(
         progress_path.unlink(missing_ok=True)
         partial.touch()
 
-    tok = _Tokenizer(cfg.target)
+    tok = open_renderer(cfg)
     gen, engine = open_generator(cfg, tok, llm)
     if isinstance(gen, _VllmGenerator):
         gen.owned = False  # as before: the engine lives as long as this process (or `llm`)
@@ -471,9 +524,14 @@ def _regenerate(
             "generated_tokens": stats.generated_tokens,
             "input_skipped": dict(read.skipped),
             "dropped": dict(stats.dropped),
+            **dict(stats.reasoning),
         },
         "finish_reasons": dict(stats.finish),
+        #: per source: the share of generated turns that hit max_new_tokens (cut traces)
+        "truncated_share": stats.truncated_share(),
+        "chat": tok.identity(),
         "input_formats": dict(read.formats),
+        "input_turns": dict(read.turns),
         "config": cfg.model_dump(mode="json"),
         "engine": dict(engine),
         "decode_tokens_per_s_this_run": round(
@@ -482,7 +540,9 @@ def _regenerate(
         "resumed_from_row": start,
         "elapsed_s": round(elapsed, 1),
         "vllm_version": _vllm_version(),
-        "notes": "answers that hit max_new_tokens (finish reason `length`) are kept as generated",
+        "notes": "answers that hit max_new_tokens (finish reason `length`) are kept as generated"
+        if not cfg.drop_truncated
+        else "turns that hit max_new_tokens end their conversation (drop_truncated)",
     }
     os.replace(partial, final)
     write_json(out / MANIFEST, manifest)
