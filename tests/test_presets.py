@@ -40,12 +40,17 @@ def test_every_target_shape_has_a_preset():
     )
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+#: presets of a family's other serving mode: preset -> the target shape it shares
+VARIANTS = {"kimi-k2.5-thinking": "kimi-k2.5"}
+
+
+@pytest.mark.parametrize("name", sorted([*EXPECTED, *VARIANTS]))
 def test_preset_derives_layers_and_draft(name):
     cfg = load_pipeline_config(CONFIGS / f"{name}.yaml").resolved()
-    target_cfg = json.loads((CONFIGS / "targets" / f"{name}.json").read_text())
+    shape = VARIANTS.get(name, name)
+    target_cfg = json.loads((CONFIGS / "targets" / f"{shape}.json").read_text())
     tc = text_config(target_cfg)
-    num_layers, aux_ids, hidden, inter, heads = EXPECTED[name]
+    num_layers, aux_ids, hidden, inter, heads = EXPECTED[shape]
     assert tc["num_hidden_layers"] == num_layers
     layers = AuxLayerIds.resolve(cfg.capture.aux_layer_ids, num_layers).as_list()
     assert layers == aux_ids
@@ -76,3 +81,15 @@ def test_kimi_k25_reads_nested_text_config():
     )
     assert draft.max_position_embeddings == 262144 and draft.vocab_size == 163840
     assert draft.bos_token_id == 163584
+
+
+def test_thinking_preset_switches_every_rendering_stage():
+    """The Kimi-K2.5 thinking preset's switch and trust_remote_code reach every stage that renders
+    prompts or loads the tokenizer, and its lengths fit reasoning traces."""
+    cfg = load_pipeline_config(CONFIGS / "kimi-k2.5-thinking.yaml").resolved()
+    for section in (cfg.regenerate, cfg.prepare, cfg.refine, cfg.evaluate):
+        assert section.chat_template_kwargs == {"thinking": True}
+        assert section.trust_remote_code is True
+    assert cfg.regenerate.max_new_tokens >= 16384
+    assert cfg.regenerate.max_model_len >= cfg.regenerate.max_new_tokens
+    assert cfg.prepare.max_seq_len == cfg.train.max_seq_len >= 16384

@@ -333,6 +333,8 @@ class CaptureManifest(Record):
     prepared_manifest_sha256: str | None = None
     tokenizer_sha256: str | None = None
     chat_template_sha256: str | None = None
+    #: the prepared data's chat_template_kwargs (the thinking switch); None before 2026-12-05
+    chat_template_kwargs: dict[str, Any] | None = None
     aux_layer_ids: list[int]
     layer_semantics: str | None = None
     last_semantics: str | None = None
@@ -621,6 +623,9 @@ class DraftMetadata(Record):
     #: eagle3.identity.target_fingerprint (every weight file), since 2026-12-03
     target_fingerprint: dict[str, Any] | None = None
     target_max_position_embeddings: int | None = None
+    #: the chat_template_kwargs of the data it was trained on (the thinking switch; evaluate
+    #: compares them); None when not recorded (before 2026-12-05, or a streaming capture)
+    chat_template_kwargs: dict[str, Any] | None = None
     draft_vocab_size: int | None = None
     vocab: str | None = None
     captured: str | None = None
@@ -709,6 +714,8 @@ class EvalRow(Record):
     modelled_speedup: float | None = None
     outputs_match_baseline: float | None = None
     draft_cost_ratio: float | None = None
+    #: "all", or a thinking target's span: "reasoning" | "answer" (EvalResults.span_rows)
+    span: str | None = None
 
 
 class EvalResults(Record):
@@ -737,6 +744,10 @@ class EvalResults(Record):
     rows: list[EvalRow] = []
     draft_cost: dict[str, Any] | None = None
     comparisons: list[EvalRow] = []
+    #: a thinking target's rows per span (reasoning, answer) for every method measured
+    span_rows: list[EvalRow] = []
+    #: how the prompts were rendered: chat_template_kwargs, the draft's, and whether they differ
+    chat: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> Self:

@@ -89,9 +89,21 @@ def key_figure(stage: str, result: Any) -> str:
             return (
                 f"{_num(g('num_written'))} conversations, {_num(g('generated_tokens'))} tokens "
                 "generated"
+                + _reasoning_figure(g("reasoning_tokens"), g("generated_tokens"))
+                + _truncated_figure(g("truncated_share"))
             )
         if stage == "prepare":
-            return f"{_num(g('num_samples'))} rows, {_num(g('num_tokens'))} tokens"
+            turns = g("turns") or {}
+            ids = turns.get("from_generated", 0)
+            text = f", {ids:,} of {ids + turns.get('from_text', 0):,} turns as generated ids"
+            return (
+                f"{_num(g('num_samples'))} rows, {_num(g('num_tokens'))} tokens"
+                + (text if ids else "")
+                + _reasoning_figure(
+                    turns.get("reasoning_tokens"),
+                    (turns.get("reasoning_tokens") or 0) + (turns.get("answer_tokens") or 0),
+                )
+            )
         if stage in ("capture", "stream-capture"):
             return f"{_num(g('num_tokens'))} tokens at {_num(g('tokens_per_s'))} tokens/s"
         if stage == "vocab":
@@ -115,6 +127,19 @@ def key_figure(stage: str, result: Any) -> str:
     except (TypeError, ValueError):
         pass
     return ""
+
+
+def _reasoning_figure(reasoning_tokens: Any, tokens: Any) -> str:
+    """ ", 71% reasoning" when a thinking target's turns hold reasoning tokens."""
+    if not reasoning_tokens or not tokens:
+        return ""
+    return f", {reasoning_tokens / tokens:.0%} reasoning"
+
+
+def _truncated_figure(share: Any) -> str:
+    """ ", 12% cut at max_new_tokens" (the largest source's share) when any turn was cut."""
+    worst = max((share or {}).values(), default=0)
+    return f", {worst:.0%} cut at max_new_tokens" if worst else ""
 
 
 def format_bytes(b: float) -> str:
@@ -148,6 +173,7 @@ def evaluate_figure(result: dict[str, Any] | EvalResults) -> str:
         parts.append(f"{r.spec_tokens_per_s:.0f} tokens/s")
     if r.baseline_tokens_per_s:
         parts.append(f"plain {r.baseline_tokens_per_s:.0f} tokens/s")
+    parts += _span_figures(r, r.method)
     compared = []
     for e in comparison_entries(r)[
         1:
@@ -155,9 +181,29 @@ def evaluate_figure(result: dict[str, Any] | EvalResults) -> str:
         tau_c = f"τ {e['tau']:.2f}" if e["tau"] is not None else "τ -"
         tps = tokens_per_target_step(e["generated_tokens"], e["num_accepted_tokens"])
         compared.append(
-            f"{e['method']} {tau_c}, {tps:.2f} tokens/target step, {e['tokens_per_s']:.0f} tokens/s"
+            ", ".join(
+                [
+                    f"{e['method']} {tau_c}, {tps:.2f} tokens/target step, "
+                    f"{e['tokens_per_s']:.0f} tokens/s",
+                    *_span_figures(r, e["method"]),
+                ]
+            )
         )
     return " | ".join([", ".join(parts), *compared])
+
+
+def _span_figures(r: EvalResults, method: str) -> list[str]:
+    """["reasoning 2.31", "answer 2.02"]: tokens per target step of `method` on each span of a
+    thinking target's turns (first temperature, every prompt); [] when not split."""
+    first = r.rows[0].temperature if r.rows else None
+    return [
+        f"{x.span} {x.tokens_per_step:.2f}"
+        for x in r.span_rows
+        if x.method == method
+        and x.category == "all"
+        and x.temperature == first
+        and x.tokens_per_step
+    ]
 
 
 def comparison_entries(r: EvalResults) -> list[dict[str, Any]]:

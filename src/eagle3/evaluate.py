@@ -91,6 +91,7 @@ from safetensors import safe_open
 
 from eagle3.artifacts import DraftMetadata, EvalResults
 from eagle3.chat_formats import read_prompts
+from eagle3.chat_template import ChatRenderer
 from eagle3.config import ConfigError, EvaluateConfig
 from eagle3.console import comparison_entries, format_comparison
 from eagle3.console import tokens_per_target_step as console_tokens_per_target_step
@@ -161,6 +162,9 @@ class CategoryResult:
     #: greedy only: fraction of prompts whose output is identical with and without speculation
     outputs_match_baseline: float | None = None
     draft_cost_ratio: float | None = None
+    #: "all" (every generated token), or a span of a thinking target's turns: "reasoning"
+    #: (the think block, `</think>` included) or "answer" (after it)
+    span: str = "all"
 
 
 @dataclass
@@ -194,6 +198,9 @@ class EvaluateResult:
     #: the rows of the methods of cfg.compare (same shape as `rows`, their own `method`), in
     #: cfg.compare's order
     comparisons: list[CategoryResult] = field(default_factory=list)
+    #: thinking targets: the rows of every method (evaluated and compared) per span, reasoning
+    #: and answer, per (category, temperature) with "all" rows (`span_plan`)
+    span_rows: list[CategoryResult] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------ engine job
@@ -230,16 +237,18 @@ def decode_jobs(
     llm_kwargs: list[dict[str, Any]],
     groups: list[tuple[str, list[list[int]]]],
     samplings: list[dict[str, Any]],
+    spans: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """`decode_job` for each engine in turn, in one fresh process (`run_in_subprocess`; one vLLM
     import for all)."""
-    return [decode_job(kw, groups, samplings) for kw in llm_kwargs]
+    return [decode_job(kw, groups, samplings, spans) for kw in llm_kwargs]
 
 
 def decode_job(
     llm_kwargs: dict[str, Any],
     groups: list[tuple[str, list[list[int]]]],
     samplings: list[dict[str, Any]],
+    spans: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build one engine, warm it up, then per sampling (temperature) and per group (category) one
     timed `generate` call whose metrics are the counters' difference across it; runs in a fresh
@@ -270,27 +279,10 @@ def decode_job(
     calls = []
     for sampling in samplings:
         for category, prompts in groups:
-            before = _metrics_dict(llm.get_metrics())
-            t1 = time.time()
-            outs = llm.generate(
-                [{"prompt_token_ids": p} for p in prompts],
-                SamplingParams(**sampling),
-                use_tqdm=False,
-            )
-            seconds = time.time() - t1
-            # the stats logger updates counters when outputs are processed; read them after generate
-            # returns
-            after = _metrics_dict(llm.get_metrics())
-            calls.append(
-                {
-                    "temperature": sampling["temperature"],
-                    "category": category,
-                    "seconds": seconds,
-                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                    "finish_reasons": [o.outputs[0].finish_reason for o in outs],
-                    "metrics": _diff(after, before),
-                }
-            )
+            if spans is None:
+                calls.append(_timed_call(llm, prompts, sampling, category, "all"))
+            else:
+                calls += _span_calls(llm, prompts, sampling, category, spans)
     shutdown_engine(llm)
     return {
         "startup_s": startup,
@@ -298,6 +290,102 @@ def decode_job(
         "loadavg_1m": os.getloadavg()[0],
         "sampling_fix": sampling_fix,
     }
+
+
+def _timed_call(
+    llm: Any,
+    prompts: list[list[int]],
+    sampling: dict[str, Any],
+    category: str,
+    span: str,
+) -> dict[str, Any]:
+    """One timed `generate` call whose metrics are the counters' difference across it."""
+    from vllm import SamplingParams
+
+    before = _metrics_dict(llm.get_metrics())
+    t1 = time.time()
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling), use_tqdm=False
+    )
+    seconds = time.time() - t1
+    # the stats logger updates counters when outputs are processed; read them after generate
+    # returns
+    after = _metrics_dict(llm.get_metrics())
+    return {
+        "temperature": sampling["temperature"],
+        "category": category,
+        "span": span,
+        "seconds": seconds,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+        "stop_reasons": [o.outputs[0].stop_reason for o in outs],
+        "metrics": _diff(after, before),
+    }
+
+
+def span_plan(renderer: Any) -> dict[str, Any] | None:
+    """How `decode_job` splits a thinking target's turns (None: the target has no think
+    markers)."""
+    if not renderer.has_think_markers:
+        return None
+    return {"think_start_id": renderer.think_start_id, "think_end_id": renderer.think_end_id}
+
+
+def _span_calls(
+    llm: Any,
+    prompts: list[list[int]],
+    sampling: dict[str, Any],
+    category: str,
+    spans: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """A thinking target's turns as two timed calls, so that vLLM's counters give each span its
+    own acceptance: the reasoning (prompts whose turn opens a think block, generated up to and
+    including `</think>`), then the answer (those prompts continued after their `</think>`, and
+    the prompts that did not think). A prompt whose generation prompt does not pre-fill `<think>`
+    first gets its first token in an untimed call; a trace that does not close within max_tokens
+    has no answer (counted in `unclosed`). Under greedy decoding the two calls write what one
+    would; under sampling, a sample of the same distribution."""
+    start, end = spans["think_start_id"], spans["think_end_id"]
+    opened = [_opens_think(p, start, end) for p in prompts]
+    heads = [list(p) for p in prompts]
+    rest = [i for i, o in enumerate(opened) if not o]
+    if rest:
+        first = _timed_call(llm, [prompts[i] for i in rest], {**sampling, "max_tokens": 1}, "", "")
+        for i, toks in zip(rest, first["tokens"], strict=True):
+            heads[i] += toks
+            opened[i] = toks[:1] == [start]
+    think = [i for i, o in enumerate(opened) if o]
+    answer_from = [i for i, o in enumerate(opened) if not o]
+    calls = []
+    if think:
+        reasoning = _timed_call(
+            llm,
+            [heads[i] for i in think],
+            {**sampling, "stop_token_ids": [end]},
+            category,
+            "reasoning",
+        )
+        calls.append(reasoning)
+        closed = 0
+        for i, toks, why in zip(think, reasoning["tokens"], reasoning["stop_reasons"], strict=True):
+            if why == end or toks[-1:] == [end]:
+                heads[i] += toks + ([end] if toks[-1:] != [end] else [])
+                answer_from.append(i)
+                closed += 1
+        reasoning["unclosed"] = len(think) - closed
+    if answer_from:
+        answer_from.sort()
+        calls.append(
+            _timed_call(llm, [heads[i] for i in answer_from], sampling, category, "answer")
+        )
+    return calls
+
+
+def _opens_think(prompt: list[int], start: int, end: int) -> bool:
+    for t in reversed(prompt[-8:]):
+        if t in (start, end):
+            return t == start
+    return False
 
 
 def sampling_fix_problem(status: list[dict[str, Any]] | None) -> str | None:
@@ -314,8 +402,11 @@ def sampling_fix_problem(status: list[dict[str, Any]] | None) -> str | None:
     return None
 
 
-def _sum_calls(calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """The calls of one temperature as one: metrics summed, tokens concatenated, seconds added."""
+def _sum_calls(
+    calls: list[dict[str, Any]], category: str = "all", span: str = "all"
+) -> dict[str, Any]:
+    """Calls as one (a temperature's categories, a category's spans): metrics summed, tokens
+    concatenated, seconds added."""
     metrics: dict[str, Any] = {}
     for c in calls:
         for k, v in c["metrics"].items():
@@ -329,7 +420,8 @@ def _sum_calls(calls: list[dict[str, Any]]) -> dict[str, Any]:
                 metrics[k] = metrics.get(k, 0) + v
     return {
         "temperature": calls[0]["temperature"],
-        "category": "all",
+        "category": category,
+        "span": span,
         "seconds": sum(c["seconds"] for c in calls),
         "tokens": [t for c in calls for t in c["tokens"]],
         "finish_reasons": [r for c in calls for r in c["finish_reasons"]],
@@ -507,33 +599,51 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
     return identity
 
 
+def check_chat_template(
+    cfg: EvaluateConfig, draft: Path | None, renderer: ChatRenderer
+) -> dict[str, Any]:
+    """How the prompts are rendered (results.json `chat`), after comparing the run's
+    chat_template_kwargs with those the draft was trained with: a draft trained thinking on and
+    evaluated thinking off (or the reverse) is refused, unless allow_chat_template_mismatch,
+    which labels the results instead (`chat.mismatch`)."""
+    chat = {**renderer.identity(), "draft_chat_template_kwargs": None, "mismatch": False}
+    meta_path = draft / DraftMetadata.FILE if draft is not None else None
+    if meta_path is None or not meta_path.is_file():
+        return chat
+    trained = DraftMetadata.from_dict(_read_config(meta_path), str(meta_path)).chat_template_kwargs
+    chat["draft_chat_template_kwargs"] = trained
+    if trained is None or trained == chat["chat_template_kwargs"]:
+        return chat
+    message = (
+        f"draft {draft} was trained on data rendered with chat_template_kwargs = {trained}, "
+        f"but evaluate renders the prompts with {chat['chat_template_kwargs']}"
+    )
+    if not cfg.allow_chat_template_mismatch:
+        raise ConfigError(
+            f"{message}: set evaluate.chat_template_kwargs (or the pipeline's top-level "
+            "chat_template_kwargs) to what the draft was trained with, or pass "
+            "--allow-chat-template-mismatch to measure it anyway (results.json is labelled)"
+        )
+    log.warning("evaluate: %s (allowed; results.json says so under chat.mismatch)", message)
+    chat["mismatch"] = True
+    return chat
+
+
 def _render_prompts(
-    target: str, cfg: EvaluateConfig
+    renderer: ChatRenderer, cfg: EvaluateConfig
 ) -> tuple[list[list[int]], list[str], list[str], dict[str, int]]:
     """(token ids, sample ids, categories, skip counts) of the prompts that fit max_model_len -
-    max_tokens."""
-    from transformers import AutoTokenizer
-
+    max_tokens, rendered with the run's (or the row's) chat_template_kwargs."""
     read = read_prompts(cfg.prompts, split=cfg.split)
     convs = read.conversations[: cfg.num_prompts]
     if len(convs) < cfg.num_prompts:
         log.warning(
             "%s: only %d usable prompts (asked for %d)", cfg.prompts, len(convs), cfg.num_prompts
         )
-    tok = AutoTokenizer.from_pretrained(target)
-    if not tok.chat_template:
-        raise ValueError(
-            f"{target}: the tokenizer has no chat template; evaluate renders prompts with it"
-        )
     ids, names, categories, skipped = [], [], [], dict(read.skipped)
     limit = cfg.max_model_len - cfg.max_tokens
     for c in convs:
-        x = tok.apply_chat_template(
-            c.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if hasattr(x, "keys"):
-            x = x["input_ids"]
-        x = list(x)
+        x = renderer.prompt_ids(c.messages, c.chat_template_kwargs)
         if len(x) > limit:
             skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + 1
             continue
@@ -617,7 +727,7 @@ def _row(
     if base is not None:
         base_gen = sum(len(t) for t in base["tokens"])
         base_tps = round(base_gen / base["seconds"], 1) if base["seconds"] > 0 else None
-        if call["temperature"] == 0:
+        if call["temperature"] == 0 and len(call["tokens"]) == len(base["tokens"]):
             same = sum(a == b for a, b in zip(call["tokens"], base["tokens"], strict=True))
             match = round(same / len(call["tokens"]), 4)
     return CategoryResult(
@@ -637,6 +747,7 @@ def _row(
         modelled_speedup=modelled_speedup(gen, accepted, drafts, cost),
         outputs_match_baseline=match,
         draft_cost_ratio=cost["flops_ratio"],
+        span=call.get("span", "all"),
     )
 
 
@@ -647,24 +758,41 @@ def rows_of(
     cost: dict[str, Any],
     temperatures: list[float],
     with_categories: bool,
-) -> tuple[list[CategoryResult], dict[float, dict]]:
-    """Rows per (category, temperature) plus an "all" row per temperature; also the "all" calls by
-    temperature."""
-    rows, totals = [], {}
+) -> tuple[list[CategoryResult], dict[float, dict], list[CategoryResult]]:
+    """Rows per (category, temperature) plus an "all" row per temperature; the "all" calls by
+    temperature; and, for a thinking target's split calls, the same rows per span."""
+    rows, totals, span_rows = [], {}, []
+
+    def merged(job_: dict[str, Any] | None, t: float, cat: str, span: str) -> dict | None:
+        if job_ is None:
+            return None
+        calls = [
+            c
+            for c in job_["calls"]
+            if c["temperature"] == t
+            and cat in ("all", c["category"])
+            and span in ("all", c.get("span", "all"))
+        ]
+        return _sum_calls(calls, cat, span) if calls else None
+
     for t in temperatures:
-        calls = [c for c in job["calls"] if c["temperature"] == t]
-        bcalls = (
-            [c for c in base_job["calls"] if c["temperature"] == t]
-            if base_job
-            else [None] * len(calls)
+        cats = list(dict.fromkeys(c["category"] for c in job["calls"] if c["temperature"] == t))
+        spans = list(
+            dict.fromkeys(c.get("span", "all") for c in job["calls"] if c["temperature"] == t)
         )
-        total = _sum_calls(calls)
-        btotal = _sum_calls(bcalls) if base_job else None
-        totals[t] = {"spec": total, "base": btotal}
-        if with_categories:
-            rows += [_row(method, c, b, cost) for c, b in zip(calls, bcalls, strict=True)]
-        rows.append(_row(method, total, btotal, cost))
-    return rows, totals
+        totals[t] = {
+            "spec": merged(job, t, "all", "all"),
+            "base": merged(base_job, t, "all", "all"),
+        }
+        for cat in [*cats, "all"] if with_categories else ["all"]:
+            rows.append(
+                _row(method, merged(job, t, cat, "all"), merged(base_job, t, cat, "all"), cost)
+            )
+            for span in spans if spans != ["all"] else []:
+                call = merged(job, t, cat, span)
+                if call is not None:
+                    span_rows.append(_row(method, call, merged(base_job, t, cat, span), cost))
+    return rows, totals, span_rows
 
 
 def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
@@ -680,7 +808,15 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     dcfg = _check_draft(draft, cfg.num_speculative_tokens) if draft is not None else {}
     target_id = check_draft_target(cfg, draft)
     k = cfg.num_speculative_tokens
-    prompts, names, categories, skipped = _render_prompts(target, cfg)
+    renderer = ChatRenderer(
+        target,
+        trust_remote_code=cfg.trust_remote_code,
+        chat_template_kwargs=cfg.chat_template_kwargs,
+        stage="evaluate",
+    )
+    chat = check_chat_template(cfg, draft, renderer)
+    prompts, names, categories, skipped = _render_prompts(renderer, cfg)
+    spans = span_plan(renderer)
     by_cat = group_by_category(prompts, categories)
     with_categories = not (len(by_cat) == 1 and by_cat[0][0] == UNCATEGORIZED)
     groups = [(c, [prompts[i] for i in idx]) for c, idx in by_cat]
@@ -730,7 +866,7 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     # vLLM once; the out dir's lock records that process and its engines (a later run names them if
     # they outlive this one)
     with dir_lock(out, "evaluate out"):
-        done = run_in_subprocess(decode_jobs, jobs, groups, samplings)
+        done = run_in_subprocess(decode_jobs, jobs, groups, samplings, spans)
     spec, base = done[0], (done[1] if cfg.baseline else None)
     compared = dict(zip(cfg.compare, done[1 + cfg.baseline :], strict=True))
     sampled_problem = None
@@ -746,12 +882,12 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         )
 
     cost = draft_cost(target, draft, k, cfg.method)
-    rows, totals = rows_of(cfg.method, spec, base, cost, temps, with_categories)
-    comparisons = [
-        r
-        for m, job in compared.items()
-        for r in rows_of(m, job, base, draft_cost(target, None, k, m), temps, with_categories)[0]
-    ]
+    rows, totals, span_rows = rows_of(cfg.method, spec, base, cost, temps, with_categories)
+    comparisons = []
+    for m, job in compared.items():
+        more = rows_of(m, job, base, draft_cost(target, None, k, m), temps, with_categories)
+        comparisons += more[0]
+        span_rows += more[2]
     head = totals[temps[0]]["spec"]
     m = head["metrics"]
     drafts = int(m.get(M_DRAFTS, 0))
@@ -806,6 +942,7 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         rows=rows,
         draft_cost=cost,
         comparisons=comparisons,
+        span_rows=span_rows,
     )
     label = (
         draft.name
@@ -855,6 +992,13 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         # and, when the sampled rows cannot be trusted, why
         "sampling_fix": spec.get("sampling_fix"),
         "sampled_rows_unreliable": sampled_problem,
+        "chat": chat,
+        "unclosed_reasoning": {
+            f"{m} T{c['temperature']:g}": c["unclosed"]
+            for m, j in {cfg.method: spec, **compared}.items()
+            for c in j["calls"]
+            if "unclosed" in c
+        },
         "prompt_ids": [names[i] for i in order],
         "prompt_categories": dict(Counter(categories)),
     }
@@ -895,6 +1039,8 @@ def format_rows(result: EvaluateResult) -> str:
             f"{f(r.tokens_per_s, '{:.1f}')} | {f(r.baseline_tokens_per_s, '{:.1f}')} | "
             f"{f(r.measured_speedup)} | {f(r.outputs_match_baseline, '{:.2f}')} |"
         )
+    if result.span_rows:
+        lines += ["", *format_span_rows(result.span_rows)]
     if result.comparisons:
         first = next(r.temperature for r in result.rows if r.category == "all")
         lines += [
@@ -909,3 +1055,23 @@ def format_rows(result: EvaluateResult) -> str:
             "```",
         ]
     return "\n".join(lines) + "\n"
+
+
+def format_span_rows(rows: list[CategoryResult]) -> list[str]:
+    """Tokens per target step of each method on the reasoning span and on the answer span, every
+    category ("all"), per temperature: the table for thinking targets."""
+    methods = list(dict.fromkeys(r.method for r in rows))
+    keys = list(dict.fromkeys((r.temperature, r.span) for r in rows if r.category == "all"))
+    got = {(r.method, r.temperature, r.span): r for r in rows if r.category == "all"}
+    out = [
+        "Tokens per target step on the reasoning span (the think block) and the answer span:",
+        "",
+        "| temperature | span | " + " | ".join(methods) + " | prompts |",
+        "|---:|---|" + "---:|" * len(methods) + "---:|",
+    ]
+    for t, span in keys:
+        cells = [got.get((m, t, span)) for m in methods]
+        vals = [f"{c.tokens_per_step:.3f}" if c and c.tokens_per_step else "–" for c in cells]
+        n = next((c.num_prompts for c in cells if c), 0)
+        out.append(f"| {t:g} | {span} | " + " | ".join(vals) + f" | {n} |")
+    return out

@@ -216,3 +216,27 @@ def count_target_forward_flops(tc: dict, seq_len: float) -> dict:
         "convention": "per prompt token; 2 FLOPs per active decoder parameter + attention over "
         "seq_len/2 keys; no lm_head (logits for one position per prompt)",
     }
+
+
+def kv_cache_bytes_per_token(tc: dict, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token of context holds across the layers: MLA keeps the compressed kv
+    (kv_lora_rank + qk_rope_head_dim per layer), grouped-query attention a key and a value per
+    kv head."""
+    L = int(tc["num_hidden_layers"])
+    if tc.get("kv_lora_rank"):
+        return L * (int(tc["kv_lora_rank"]) + int(tc["qk_rope_head_dim"])) * dtype_bytes
+    nh = int(tc["num_attention_heads"])
+    d = int(tc.get("head_dim") or int(tc["hidden_size"]) // nh)
+    kvh = int(tc.get("num_key_value_heads") or nh)
+    return L * 2 * kvh * d * dtype_bytes
+
+
+def routed_expert_share(tc: dict, batch: int) -> float:
+    """The share of an MoE layer's routed experts that a decode step of `batch` tokens reads
+    (each token picks num_experts_per_tok of n_routed_experts, uniform routing assumed); 0 for a
+    dense model."""
+    n = int(tc.get("n_routed_experts") or tc.get("num_experts") or 0)
+    k = int(tc.get("num_experts_per_tok") or 0)
+    if not n or not k:
+        return 0.0
+    return 1.0 - (1.0 - k / n) ** batch

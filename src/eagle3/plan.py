@@ -50,6 +50,8 @@ from eagle3.flops import (
     count_target_params,
     count_train_flops,
     draft_dims,
+    kv_cache_bytes_per_token,
+    routed_expert_share,
 )
 from eagle3.io import read_json
 
@@ -291,6 +293,10 @@ class PlanResult:
     train_read_bytes_per_s: float
     anchors: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    #: the target writing the training answers (regenerate), modelled; None when regenerate is
+    #: off or the profile has no GPU
+    regenerate: RateEstimate | None = None
+    regenerate_tokens: float | None = None
 
 
 # --------------------------------------------------------------------------------- measured anchors
@@ -461,6 +467,12 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
             "auto)"
         )
 
+    regen = (
+        _regenerate_rate(hw, num_gpus, pipe.regenerate, tc, bits, mean, num_tokens, anchors)
+        if pipe.regenerate.enabled
+        else None
+    )
+
     total_need = st.total_bytes + reserve
     if total_need <= disk:
         mode, spool = "offline", None
@@ -529,6 +541,8 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         epochs=epochs,
         train_tokens=train_tokens,
         train=train,
+        regenerate=regen,
+        regenerate_tokens=num_tokens if regen else None,
         train_read_bytes_per_s=train.tokens_per_s * st.bytes_per_token,
         anchors=anchors,
         notes=notes,
@@ -678,6 +692,64 @@ def _train_rate(
     return RateEstimate(rate, hours, hours * num_gpus, "compute", basis)
 
 
+#: share of the datasheet memory bandwidth a decode step reaches (an assumption, not measured)
+DECODE_BANDWIDTH_SHARE = 0.7
+
+
+def _regenerate_rate(
+    hw: HardwareProfile,
+    num_gpus: int,
+    regen: Any,
+    tc: dict,
+    bits: int,
+    mean_tokens: float,
+    num_tokens: float,
+    anchors: dict,
+) -> RateEstimate | None:
+    """The target decoding the training answers (every token of the dataset, an upper bound: the
+    prompts are not generated), modelled per tensor-parallel replica: a step of `batch` sequences
+    reads the weights it touches (an MoE layer's routed experts by the batch's routing) and the
+    KV cache of every sequence (mean context: half a sample), and computes 2 FLOPs per active
+    parameter per token; the slower of the two sets the step."""
+    if hw.bf16_tflops is None or not hw.memory_tb_s:
+        return None
+    tp = min(regen.tensor_parallel_size, num_gpus)
+    replicas = max(num_gpus // tp, 1)
+    p = count_target_params(tc)
+    wbytes = bits / 8
+    kv_token = kv_cache_bytes_per_token(tc)
+    context = mean_tokens / 2
+    room = 0.9 * hw.memory_gb * 1e9 * tp - p["total"] * wbytes
+    batch = int(max(1, min(regen.batch_size, room // max(kv_token * mean_tokens, 1))))
+    idle = p["total"] - p["active_per_token"]  # routed experts a single token leaves unread
+    read = (p["active_per_token"] + idle * routed_expert_share(tc, batch)) * wbytes
+    kv = batch * context * kv_token
+    bw = tp * hw.memory_tb_s * 1e12 * DECODE_BANDWIDTH_SHARE
+    flops = tp * hw.bf16_tflops * 1e12 * anchors["train"]["mfu_vs_datasheet"]
+    t_mem, t_compute = (read + kv) / bw, batch * 2 * p["active_per_token"] / flops
+    # two all-reduces of H bf16 values per layer per token (ring: 2 (tp-1)/tp of it per GPU), not
+    # overlapped with the step's compute in decode
+    t_comm = 0.0
+    if tp > 1 and hw.interconnect_gb_s:
+        per_token = 2 * int(tc["num_hidden_layers"]) * int(tc["hidden_size"]) * 2 * 2
+        t_comm = batch * per_token * (tp - 1) / tp / (hw.interconnect_gb_s * 1e9)
+    step = max(t_mem, t_compute) + t_comm
+    rate = replicas * batch / step
+    bound = (
+        f"memory: {format_bytes(read)} weights + {format_bytes(kv)} KV per step"
+        if t_mem >= t_compute
+        else "compute"
+    ) + (f"; all-reduce {t_comm * 1e3:.1f} ms of {step * 1e3:.1f} ms" if t_comm else "")
+    basis = (
+        f"modelled, not measured: {replicas} replica(s) of TP={tp}, batch {batch} "
+        f"(regenerate.batch_size {regen.batch_size}, KV room for {mean_tokens:,.0f}-token "
+        f"samples at {kv_token:,} B/token), {DECODE_BANDWIDTH_SHARE:.0%} of "
+        f"{hw.memory_tb_s:g} TB/s per GPU, step {step * 1e3:.1f} ms"
+    )
+    hours = num_tokens / rate / 3600
+    return RateEstimate(rate, hours, hours * replicas * tp, bound, basis)
+
+
 def _spool_cap(room: int, bpt: int, capture_tps: float, shard_tokens: int) -> int:
     """Recommended spool bound: one hour of capture output (lets training stall or restart without
     stopping capture), at least 4 shards, at most half of the usable disk."""
@@ -755,9 +827,21 @@ def format_plan(r: PlanResult) -> str:
             "states",
         ),
     ]
+    if r.regenerate is not None:
+        rows.insert(
+            -2,
+            (
+                "regenerate",
+                f"<= {r.regenerate_tokens:,.0f} tokens generated; "
+                f"{r.regenerate.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.regenerate.hours)} "
+                f"wall, {r.regenerate.gpu_hours:,.0f} GPU-h (bound: {r.regenerate.bound})",
+            ),
+        )
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines.append("basis:")
+    if r.regenerate is not None:
+        lines.append(f"  regenerate: {r.regenerate.basis}")
     lines.append(f"  capture: {r.capture.basis}")
     lines.append(f"  train: {r.train.basis}")
     lines += [f"note: {n}" for n in r.notes]

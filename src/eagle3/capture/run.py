@@ -467,6 +467,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         prepared_manifest_sha256=hashed["prepared_manifest"],
         tokenizer_sha256=prep_manifest.tokenizer_sha256,
         chat_template_sha256=prep_manifest.chat_template_sha256,
+        chat_template_kwargs=prep_manifest.chat_template_kwargs,
         aux_layer_ids=aux_layer_ids,
         layer_semantics=LAYER_SEMANTICS,
         last_semantics=LAST_SEMANTICS,

@@ -88,6 +88,10 @@ class RegenerateResult:
     resumed_from_row: int = 0
     elapsed_s: float = 0.0
     manifest: dict[str, Any] = field(default_factory=dict)
+    #: generated ids inside think blocks (thinking targets)
+    reasoning_tokens: int = 0
+    #: per source: the share of generated turns that hit max_new_tokens
+    truncated_share: dict[str, float] = field(default_factory=dict)
 
 
 def _fingerprint(cfg: RegenerateConfig) -> str:
@@ -579,4 +583,6 @@ def _result_from_manifest(out: Path, manifest: dict[str, Any], elapsed: float) -
         resumed_from_row=manifest.get("resumed_from_row", 0),
         elapsed_s=round(elapsed, 1),
         manifest=manifest,
+        reasoning_tokens=c.get("reasoning_tokens", 0),
+        truncated_share=manifest.get("truncated_share", {}),
     )

@@ -87,6 +87,7 @@ def draft_metadata(
         # every weight file's sha256
         target_fingerprint=(identity or {}).get("fingerprint"),
         target_max_position_embeddings=tc.get("max_position_embeddings"),
+        chat_template_kwargs=getattr(manifest, "chat_template_kwargs", None),
         draft_vocab_size=dcfg.draft_vocab_size,
         vocab=str(cfg.vocab),
         captured=str(cfg.captured),
