@@ -297,6 +297,7 @@ class SynthesizeConfig(StageConfig):
     target: str | None = Field(
         None, description="Target model dir: it writes the user messages (its chat template)"
     )
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
     out: Path | None = Field(
         None,
         description="Output directory; writes prompts.jsonl (messages + category) and "
@@ -1544,6 +1545,7 @@ class PipelineConfig(BaseModel):
         )
         for section in (c.regenerate, c.prepare, c.refine, c.evaluate):
             _fill(section, chat_template_kwargs=c.chat_template_kwargs)
+        for section in (c.synthesize, c.regenerate, c.prepare, c.refine, c.evaluate):
             section.trust_remote_code = section.trust_remote_code or c.trust_remote_code
         trained = w / ("refine" if c.refine.enabled else "train")  # export reads refine's, if run
         _fill(c.export, checkpoint=str(trained), out=w / "draft", target=c.target)

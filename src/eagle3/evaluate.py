@@ -834,6 +834,7 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
         max_model_len=cfg.max_model_len,
         tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,
+        trust_remote_code=cfg.trust_remote_code,
     )
     sampled = any(t > 0 for t in temps)
     fix = {"worker_extension_cls": SAMPLING_FIX_EXTENSION} if sampled else {}

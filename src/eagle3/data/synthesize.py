@@ -238,8 +238,9 @@ class _VllmBackend:
             max_model_len=cfg.max_model_len,
             tensor_parallel_size=cfg.tensor_parallel_size,
             seed=cfg.seed,
-            enable_prefix_caching=True,
-        )  # every prompt of a domain shares its prefix
+            enable_prefix_caching=True,  # every prompt of a domain shares its prefix
+            trust_remote_code=cfg.trust_remote_code,
+        )
         if llm is None:
             setup_cpu_env()
             from vllm import LLM
@@ -349,7 +350,7 @@ def _synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
             "delete it"
         )
 
-    tok = AutoTokenizer.from_pretrained(str(cfg.target))
+    tok = AutoTokenizer.from_pretrained(str(cfg.target), trust_remote_code=cfg.trust_remote_code)
     if not tok.chat_template:
         raise ValueError(
             f"target={cfg.target}: the tokenizer has no chat template; synthesize renders the "
