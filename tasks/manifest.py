@@ -2,7 +2,9 @@
 is intact.
 
 A stage's cache key is the sha256 of
-  - the stage name and its code version (the library sources the stage runs, plus CACHE_EPOCH),
+  - the stage name and its code version (eagle3.code_version: the library modules its function
+    can run, found from its imports, and the versions of the packages they import; plus
+    CACHE_EPOCH),
   - the stage's resolved config (every field; paths absolute and resolved: two checkouts'
     `runs/demo` differ),
   - the content hashes of its upstream stages' outputs (from their manifests),
@@ -19,7 +21,6 @@ that are gone or altered).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from eagle3.io import sha256_file, sha256_json
-from eagle3.stages import STAGES
+from eagle3.stages import get_stage
 
 #: bump to invalidate every cached stage (e.g. after changing what a manifest contains)
 CACHE_EPOCH = 1
@@ -48,11 +49,6 @@ MANIFEST_KEYS = (
     "resumed_from",
     "result",
 )
-
-#: library sources (relative to the eagle3 package) that make up each stage's code version
-#: (eagle3.stages)
-STAGE_CODE: dict[str, tuple[str, ...]] = {name: s.code for name, s in STAGES.items() if s.code}
-COMMON_CODE = ("config.py", "io.py")
 
 #: config fields that name inputs read from outside the pipeline's own outputs
 EXTERNAL_INPUT_FIELDS = ("target", "data", "prompts")
@@ -96,22 +92,13 @@ def iter_files(root: Path) -> Iterable[Path]:
 
 @functools.cache
 def code_version(stage: str) -> str:
-    """sha256 over the stage's library sources (and config.py/io.py) plus CACHE_EPOCH. Computed once
-    per process: a flow run keys its stages by the code it started with (each deployment run and
-    each `eagle3 run` is a fresh process)."""
+    """The stage's code version (eagle3.stages.Stage.code_version) with CACHE_EPOCH and eagle3's
+    version. Computed once per process: a flow run keys its stages by the code it started with
+    (each deployment run and each `eagle3 run` is a fresh process)."""
     import eagle3
 
-    root = Path(eagle3.__file__).parent
-    h = hashlib.sha256(
-        f"epoch={CACHE_EPOCH};version={getattr(eagle3, '__version__', '?')}".encode()
-    )
-    for rel in (*STAGE_CODE.get(stage, ()), *COMMON_CODE):
-        p = root / rel
-        files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
-        for f in files:
-            h.update(str(f.relative_to(root)).encode())
-            h.update(sha256_file(f, memo=True).encode() if f.is_file() else b"missing")
-    return h.hexdigest()[:16]
+    version = getattr(eagle3, "__version__", "?")
+    return f"epoch={CACHE_EPOCH};version={version};{get_stage(stage).code_version()}"
 
 
 def fingerprint_path(value: str | Path) -> str:
