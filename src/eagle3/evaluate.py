@@ -259,7 +259,7 @@ def decode_job(
     if llm_kwargs.get("worker_extension_cls") == SAMPLING_FIX_EXTENSION:
         try:
             sampling_fix = llm.collective_rpc("eagle3_fix_cpu_sampling")
-        except Exception as e:  # noqa: BLE001 - reported; greedy rows stay valid
+        except Exception as e:  # reported; greedy rows stay valid
             sampling_fix = [{"error": f"{type(e).__name__}: {e}"}]
     first = groups[0][1][0]
     llm.generate(
