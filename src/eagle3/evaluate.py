@@ -91,7 +91,7 @@ from safetensors import safe_open
 
 from eagle3.artifacts import DraftMetadata, EvalResults
 from eagle3.chat_formats import read_prompts
-from eagle3.config import ConfigError, EvaluateConfig
+from eagle3.config import EvaluateConfig
 from eagle3.console import comparison_entries, format_comparison
 from eagle3.console import tokens_per_target_step as console_tokens_per_target_step
 from eagle3.flops import count_target_params
@@ -482,10 +482,9 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
     was trained for proposes what that target would not say, and τ measures nothing useful. A
     mismatch is a ConfigError naming both, unless cfg.allow_target_mismatch (a warning). A draft not
     exported by eagle3 (no eagle3_draft.json) is not compared."""
-    identity = target_identity(cfg.target)
     meta_path = draft / DraftMetadata.FILE if draft is not None else None
     if meta_path is None:
-        return identity
+        return target_identity(cfg.target)
     if not meta_path.is_file():
         log.warning(
             "evaluate: %s has no eagle3_draft.json (not exported by eagle3 export): the "
@@ -493,18 +492,15 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
             draft,
             cfg.target,
         )
-        return identity
+        return target_identity(cfg.target)
     meta = DraftMetadata.from_dict(_read_config(meta_path), str(meta_path))
-    check_target_identity(
+    return check_target_identity(
         meta.recorded_target(),
-        identity,
-        what=f"draft {draft}",
-        target=cfg.target,
-        allow=cfg.allow_target_mismatch,
-        error=ConfigError,
+        f"draft {draft}",
+        cfg.target,
+        cfg.allow_target_mismatch,
         redo="export a draft trained for this one",
     )
-    return identity
 
 
 def _render_prompts(
