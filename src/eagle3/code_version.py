@@ -77,19 +77,19 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _run_nodes(node: ast.AST) -> Iterable[ast.AST]:
+def run_nodes(node: ast.AST) -> Iterable[ast.AST]:
     """Every node under `node` except the bodies of `if TYPE_CHECKING:` blocks."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.If) and _is_type_checking(child.test):
             for other in child.orelse:
                 yield other
-                yield from _run_nodes(other)
+                yield from run_nodes(other)
             continue
         yield child
-        yield from _run_nodes(child)
+        yield from run_nodes(child)
 
 
-def _absolute(module: str, is_package: bool, level: int, name: str | None) -> str:
+def absolute_name(module: str, is_package: bool, level: int, name: str | None) -> str:
     """The absolute name of a relative import `from <level dots><name> import ...` in `module`."""
     parts = module.split(".")
     base = parts if is_package else parts[:-1]
@@ -109,13 +109,13 @@ def _parse_file(path: Path, module: str) -> _Parsed:
         else:
             external.add(name.split(".")[0])
 
-    for node in _run_nodes(tree):
+    for node in run_nodes(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(alias.name)
         elif isinstance(node, ast.ImportFrom):
             base = (
-                _absolute(module, is_package, node.level, node.module)
+                absolute_name(module, is_package, node.level, node.module)
                 if node.level
                 else node.module or ""
             )
