@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eagle3.model.draft import DraftConfig  # noqa: E402
+from eagle3.model.draft import DraftConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_setup import build_benchmark, run_benchmark_step  # noqa: E402
+from step_setup import build_benchmark, run_benchmark_step
 
 
 def main() -> int:

@@ -66,7 +66,7 @@ def count_gpus() -> int:
         import torch
 
         return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - no torch/CUDA: no GPU
+    except Exception:  # no torch/CUDA: no GPU
         return 0
 
 
@@ -343,7 +343,7 @@ def gpu_name() -> str | None:
         import torch
 
         return torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 

@@ -56,14 +56,14 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parents[1] / "src")
 )  # works without PYTHONPATH=src too
 
-from eagle3.flops import count_step_bytes as bytes_model  # noqa: E402
-from eagle3.flops import count_train_flops as flop_model  # noqa: E402
-from eagle3.model.draft import DraftConfig  # noqa: E402
-from eagle3.train import attention  # noqa: E402
-from eagle3.train.step import StepOutput, TTTModule, ttt_forward  # noqa: E402
+from eagle3.flops import count_step_bytes as bytes_model
+from eagle3.flops import count_train_flops as flop_model
+from eagle3.model.draft import DraftConfig
+from eagle3.train import attention
+from eagle3.train.step import StepOutput, TTTModule, ttt_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_setup import build_benchmark, check_flex, run_benchmark_step  # noqa: E402
+from step_setup import build_benchmark, check_flex, run_benchmark_step
 
 #: Llama-3.1-8B-like draft
 REAL = dict(H=4096, Ht=4096, n_aux=3, nh=32, kvh=8, d=128, inter=14336, V=128256, Vd=32000)
@@ -496,13 +496,13 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
             r["profile"] = profile_steps(step, device, args.out_dir, c["name"])
     except torch.OutOfMemoryError as e:
         r.update(status="oom", reason=str(e).splitlines()[0][:300])
-    except Exception as e:  # noqa: BLE001 - a failed config is reported, the run goes on
+    except Exception as e:  # a failed config is reported, the run goes on
         r.update(status="error", reason=f"{type(e).__name__}: {str(e)[:500]}")
     finally:
         if cuda and r.get("status") in ("oom", "error"):
             r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         r["wall_s"] = round(time.monotonic() - t_start, 2)
-        s = out = step = ddp = None  # noqa: F841
+        s = out = step = ddp = None
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -546,7 +546,7 @@ def load_compile_cache(path: Path) -> dict:
     t0 = time.monotonic()
     try:
         info = torch.compiler.load_cache_artifacts(path.read_bytes())
-    except Exception as e:  # noqa: BLE001 - only a speed-up: compile from scratch and say so
+    except Exception as e:  # only a speed-up: compile from scratch and say so
         return {"path": str(path), "loaded": False, "reason": f"{type(e).__name__}: {str(e)[:300]}"}
     if info is None:
         return {
@@ -1104,7 +1104,7 @@ def main(argv=None) -> int:
             return
         try:
             res["numerics"] = numerics_check(device, fast_att, T=16 if args.smoke else 256)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             res["numerics"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "pass": False}
         res["numerics"]["wall_s"] = round(time.monotonic() - t0, 2)
         print(json.dumps({"numerics": res["numerics"]}, default=str), flush=True)
@@ -1162,7 +1162,7 @@ def main(argv=None) -> int:
     ):
         try:  # the attention kernel alone (fp32), step_setup.check_flex
             res["numerics"]["attention_only_fp32_check"] = check_flex(str(device))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             res["numerics"]["attention_only_fp32_check"] = {
                 "error": f"{type(e).__name__}: {str(e)[:300]}"
             }

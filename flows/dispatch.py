@@ -61,7 +61,7 @@ def check_lost_run_automation() -> None:
     try:
         with get_client(sync_client=True) as client:
             found = client.read_automations_by_name(LOST_AUTOMATION_NAME)
-    except Exception:  # noqa: BLE001 - the check is advice, never a failure
+    except Exception:  # the check is advice, never a failure
         return
     if not found:
         get_run_logger().warning(
@@ -86,7 +86,7 @@ def deployment_exists(name: str) -> bool:
         with get_client(sync_client=True) as client:
             client.read_deployment_by_name(name)
         return True
-    except Exception:  # noqa: BLE001 - ObjectNotFound or no server: run locally
+    except Exception:  # ObjectNotFound or no server: run locally
         return False
 
 

@@ -71,7 +71,7 @@ def close_stale_run(old: dict[str, Any]) -> dict[str, Any]:
         info["closed_task_runs"] = close_task_runs(
             fr.id, f"its flow run {fr.name} crashed: {info['message']}"
         )
-    except Exception as e:  # noqa: BLE001 - the lock is ours either way; say why the run stays open
+    except Exception as e:  # the lock is ours either way; say why the run stays open
         log.warning(
             "took over the work dir lock of flow run %s but could not close that run: %s",
             old.get("flow_run_name"),

@@ -58,7 +58,7 @@ class FailedRunExitIsInfo(logging.Filter):
                     state = client.read_flow_run(run_id).state
                 if state is not None and state.is_failed():
                     level = logging.INFO
-            except Exception as e:  # noqa: BLE001 - a log level is never worth failing the worker
+            except Exception as e:  # a log level is never worth failing the worker
                 print(
                     f"eagle3 worker: cannot read the state of flow run {run_id}: {e!r}",
                     file=sys.stderr,

@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         # (eagle3.vllm_engine)
         setup_stage_process_env(stage, cfg)
         result = run_stage_function(stage, cfg)
-    except BaseException as exc:  # noqa: BLE001 - classified and reported to the parent
+    except BaseException as exc:  # classified and reported to the parent
         kind = classify_exception(exc)
         traceback.print_exc()
         message = describe_failure(exc) if isinstance(exc, Exception) else None

@@ -39,7 +39,7 @@ def _guard(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - artifacts are reporting, never a failure
+        except Exception as e:  # artifacts are reporting, never a failure
             log.warning("artifact %s failed: %s", fn.__name__, e)
             return None
 
@@ -97,7 +97,7 @@ class Progress:
                 key=artifact_key(run_name, stage, "progress"),
                 description=f"{stage} progress",
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("progress artifact failed: %s", e)
 
     def update(self, fraction: float) -> None:
@@ -107,7 +107,7 @@ class Progress:
             update_progress_artifact(
                 self.id, progress=round(100.0 * min(max(fraction, 0.0), 1.0), 1)
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("progress update failed: %s", e)
 
 

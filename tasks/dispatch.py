@@ -81,7 +81,7 @@ def wait_for(flow_run: Any, name: str) -> Any:
             try:
                 client.set_task_run_name(flow_run.parent_task_run_id, name)
             # a cosmetic name must not fail a GPU stage; say so
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 get_run_logger().warning(
                     "could not name the placeholder task run of %s: %s", name, e
                 )

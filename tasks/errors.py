@@ -145,6 +145,6 @@ def retry_transient_only(task: Any, task_run: Any, state: Any) -> bool:
     config/validation errors, OOM at a fixed batch size, or timeouts."""
     try:
         state.result(raise_on_failure=True)
-    except BaseException as exc:  # noqa: BLE001 - the state's exception is what we classify
+    except BaseException as exc:  # the state's exception is what we classify
         return is_transient(exc)
     return False

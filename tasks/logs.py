@@ -40,7 +40,7 @@ class OneErrorRecord(logging.Filter):
 
                 ctx = FlowRunContext.get()
                 run = ctx.flow_run.id if ctx and ctx.flow_run else None
-            except Exception:  # noqa: BLE001 - no context: one key for the process
+            except Exception:  # no context: one key for the process
                 run = None
         return str(run)
 

@@ -2,7 +2,9 @@
 is intact.
 
 A stage's cache key is the sha256 of
-  - the stage name and its code version (the library sources the stage runs, plus CACHE_EPOCH),
+  - the stage name and its code version (eagle3.code_version: the library modules its function
+    can run, found from its imports, and the versions of the packages they import; plus
+    CACHE_EPOCH),
   - the stage's resolved config (every field; paths absolute and resolved: two checkouts'
     `runs/demo` differ),
   - the content hashes of its upstream stages' outputs (from their manifests),
@@ -19,18 +21,17 @@ that are gone or altered).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import shutil
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from eagle3.stages import STAGES
+from eagle3.io import sha256_file, sha256_json
+from eagle3.stages import get_stage
 
 #: bump to invalidate every cached stage (e.g. after changing what a manifest contains)
 CACHE_EPOCH = 1
@@ -48,11 +49,6 @@ MANIFEST_KEYS = (
     "resumed_from",
     "result",
 )
-
-#: library sources (relative to the eagle3 package) that make up each stage's code version
-#: (eagle3.stages)
-STAGE_CODE: dict[str, tuple[str, ...]] = {name: s.code for name, s in STAGES.items() if s.code}
-COMMON_CODE = ("config.py", "io.py")
 
 #: config fields that name inputs read from outside the pipeline's own outputs
 EXTERNAL_INPUT_FIELDS = ("target", "data", "prompts")
@@ -82,29 +78,6 @@ PATH_FIELDS = frozenset(
 COMPLETION_MARKERS: dict[str, tuple[str, ...]] = {"capture": ("manifest.json",)}
 
 _SMALL_FILE_BYTES = 1 << 20
-_hash_memo: dict[tuple[str, int, int], str] = {}
-_memo_lock = threading.Lock()
-
-
-def sha256_file_memo(path: Path) -> str:
-    """sha256 of a file, memoized per process by (path, size, mtime_ns)."""
-    st = path.stat()
-    memo_key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    with _memo_lock:
-        if memo_key in _hash_memo:
-            return _hash_memo[memo_key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    digest = h.hexdigest()
-    with _memo_lock:
-        _hash_memo[memo_key] = digest
-    return digest
-
-
-def sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def iter_files(root: Path) -> Iterable[Path]:
@@ -119,22 +92,13 @@ def iter_files(root: Path) -> Iterable[Path]:
 
 @functools.cache
 def code_version(stage: str) -> str:
-    """sha256 over the stage's library sources (and config.py/io.py) plus CACHE_EPOCH. Computed once
-    per process: a flow run keys its stages by the code it started with (each deployment run and
-    each `eagle3 run` is a fresh process)."""
+    """The stage's code version (eagle3.stages.Stage.code_version) with CACHE_EPOCH and eagle3's
+    version. Computed once per process: a flow run keys its stages by the code it started with
+    (each deployment run and each `eagle3 run` is a fresh process)."""
     import eagle3
 
-    root = Path(eagle3.__file__).parent
-    h = hashlib.sha256(
-        f"epoch={CACHE_EPOCH};version={getattr(eagle3, '__version__', '?')}".encode()
-    )
-    for rel in (*STAGE_CODE.get(stage, ()), *COMMON_CODE):
-        p = root / rel
-        files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
-        for f in files:
-            h.update(str(f.relative_to(root)).encode())
-            h.update(sha256_file_memo(f).encode() if f.is_file() else b"missing")
-    return h.hexdigest()[:16]
+    version = getattr(eagle3, "__version__", "?")
+    return f"epoch={CACHE_EPOCH};version={version};{get_stage(stage).code_version()}"
 
 
 def fingerprint_path(value: str | Path) -> str:
@@ -143,14 +107,14 @@ def fingerprint_path(value: str | Path) -> str:
     re-read."""
     p = Path(value)
     if p.is_file():
-        return sha256_file_memo(p)
+        return sha256_file(p, memo=True)
     if p.is_dir():
         items = []
         for f in iter_files(p):
             st = f.stat()
             rel = str(f.relative_to(p))
             if st.st_size <= _SMALL_FILE_BYTES:
-                items.append((rel, sha256_file_memo(f)))
+                items.append((rel, sha256_file(f, memo=True)))
             else:
                 items.append((rel, st.st_size, st.st_mtime_ns))
         return sha256_json(items)
@@ -205,7 +169,7 @@ def list_outputs(out: Path) -> dict[str, list[Any]]:
     files = {}
     for f in iter_files(out):
         st = f.stat()
-        files[str(f.relative_to(out))] = [st.st_size, st.st_mtime_ns, sha256_file_memo(f)]
+        files[str(f.relative_to(out))] = [st.st_size, st.st_mtime_ns, sha256_file(f, memo=True)]
     return files
 
 
@@ -250,7 +214,7 @@ def verify_outputs(out: str | Path, key: str) -> tuple[bool, str]:
         st = f.stat()
         if st.st_size != size:
             return False, f"{f} changed size ({size} -> {st.st_size} bytes)"
-        if st.st_mtime_ns != mtime_ns and sha256_file_memo(f) != sha:
+        if st.st_mtime_ns != mtime_ns and sha256_file(f, memo=True) != sha:
             return False, f"{f} was altered (sha256 differs)"
     return True, ""
 

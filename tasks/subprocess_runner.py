@@ -306,7 +306,7 @@ def _probe(probe: Callable[[], float | None] | None) -> float | None:
         return None
     try:
         return probe()
-    except Exception:  # noqa: BLE001 - a progress file mid-write is not an error
+    except Exception:  # a progress file mid-write is not an error
         return None
 
 
@@ -315,7 +315,7 @@ def _safe(fn: Callable[[float], None] | None, value: float) -> None:
         return
     try:
         fn(value)
-    except Exception:  # noqa: BLE001 - progress reporting must never fail the stage
+    except Exception:  # progress reporting must never fail the stage
         pass
 
 

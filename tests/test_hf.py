@@ -43,7 +43,7 @@ def test_concurrent_loads_keep_tie_weights(tied_llama):
         try:
             for _ in range(6):
                 assert is_tied(load_causal_lm(tied_llama))
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=load_many) for _ in range(3)]

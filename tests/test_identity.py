@@ -129,8 +129,8 @@ def test_fingerprint_covers_every_weight_file_and_is_cached(
     assert identity.describe_difference(a, identity.target_fingerprint(tiny_llama)) is None
     assert identity.target_fingerprint(tmp_path) is None  # no weight files: nothing to compare
 
-    reads, real = [], identity.sha256_of_file
-    monkeypatch.setattr(identity, "sha256_of_file", lambda p: reads.append(p.name) or real(p))
+    reads, real = [], identity.sha256_file
+    monkeypatch.setattr(identity, "sha256_file", lambda p: reads.append(p.name) or real(p))
     assert identity.target_fingerprint(other) == b and reads == []  # cached: path, size, mtime
     w = next(other.glob("*.safetensors"))
     os.utime(w, ns=(w.stat().st_atime_ns, w.stat().st_mtime_ns + 1))  # touched: read again

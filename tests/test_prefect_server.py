@@ -150,7 +150,7 @@ class Receiver:
         received = self.bodies
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:  # http.server's name
                 raw = self.rfile.read(int(self.headers.get("content-length") or 0))
                 received.append(json.loads(raw or b"{}"))
                 self.send_response(200)

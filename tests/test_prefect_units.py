@@ -173,6 +173,47 @@ def test_cache_key_and_verification(tmp_path):
     assert list(out.iterdir()) == []
 
 
+def test_cache_keys_follow_the_code_each_stage_runs(tmp_path, monkeypatch):
+    """An edit to a module that evaluate reaches only through others (the vLLM engine module, the
+    draft model) re-keys evaluate and leaves prepare cached; one to capture's engine child re-keys
+    capture. The edits go to a copy of the package that the code version reads instead."""
+    import shutil
+
+    from eagle3 import code_version as versions
+    from eagle3.config import CaptureConfig, EvaluateConfig, PrepareConfig
+    from eagle3_prefect.tasks import manifest
+
+    copy = tmp_path / "eagle3"
+    shutil.copytree(
+        versions.package_root(), copy, ignore=shutil.ignore_patterns("__pycache__", "assets")
+    )
+    monkeypatch.setattr(versions, "package_root", lambda: copy)
+    configs = {
+        "prepare": PrepareConfig(target=str(tmp_path / "t"), data=str(tmp_path / "d.jsonl")),
+        "capture": CaptureConfig(target=str(tmp_path / "t"), data=str(tmp_path / "prepared")),
+        "evaluate": EvaluateConfig(target=str(tmp_path / "t"), prompts=str(tmp_path / "p.jsonl")),
+    }
+
+    def keys() -> dict[str, str]:
+        manifest.code_version.cache_clear()  # once per process otherwise
+        return {stage: manifest.stage_cache_key(stage, cfg, {}) for stage, cfg in configs.items()}
+
+    try:
+        before = keys()
+        for module, changed in (
+            ("vllm_engine.py", {"capture", "evaluate"}),
+            ("model/draft.py", {"evaluate"}),
+            ("capture/engine_main.py", {"capture"}),
+        ):
+            text = (copy / module).read_text()
+            (copy / module).write_text(text + "\n# edited\n")
+            after = keys()
+            assert {s for s in configs if after[s] != before[s]} == changed, module
+            before = after
+    finally:
+        manifest.code_version.cache_clear()
+
+
 def test_prefect_yaml_deployments():
     from eagle3.config import PipelineConfig, load_yaml
 

@@ -127,7 +127,7 @@ class _RenamedFlag(argparse.Action):
         super().__init__(*args, **kwargs)
         self.new = new
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001 - argparse's
+    def __call__(self, parser, namespace, values, option_string=None):  # argparse's signature
         parser.error(
             f"{option_string} was renamed to {self.new}: use {self.new} (same meaning and values)"
         )
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = stage_config_from_args(args.command, args)
             result = run_stage_function(args.command, cfg)
-    except Exception as e:  # noqa: BLE001 - a diagnosis; bugs keep their traceback
+    except Exception as e:  # a diagnosis; bugs keep their traceback
         message = describe_failure(e)
         if message is None:
             raise

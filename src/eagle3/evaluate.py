@@ -268,7 +268,7 @@ def decode_job(
     if llm_kwargs.get("worker_extension_cls") == SAMPLING_FIX_EXTENSION:
         try:
             sampling_fix = llm.collective_rpc("eagle3_fix_cpu_sampling")
-        except Exception as e:  # noqa: BLE001 - reported; greedy rows stay valid
+        except Exception as e:  # reported; greedy rows stay valid
             sampling_fix = [{"error": f"{type(e).__name__}: {e}"}]
     first = groups[0][1][0]
     llm.generate(
@@ -574,10 +574,9 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
     was trained for proposes what that target would not say, and τ measures nothing useful. A
     mismatch is a ConfigError naming both, unless cfg.allow_target_mismatch (a warning). A draft not
     exported by eagle3 (no eagle3_draft.json) is not compared."""
-    identity = target_identity(cfg.target)
     meta_path = draft / DraftMetadata.FILE if draft is not None else None
     if meta_path is None:
-        return identity
+        return target_identity(cfg.target)
     if not meta_path.is_file():
         log.warning(
             "evaluate: %s has no eagle3_draft.json (not exported by eagle3 export): the "
@@ -585,18 +584,15 @@ def check_draft_target(cfg: EvaluateConfig, draft: Path | None) -> dict[str, Any
             draft,
             cfg.target,
         )
-        return identity
+        return target_identity(cfg.target)
     meta = DraftMetadata.from_dict(_read_config(meta_path), str(meta_path))
-    check_target_identity(
+    return check_target_identity(
         meta.recorded_target(),
-        identity,
-        what=f"draft {draft}",
-        target=cfg.target,
-        allow=cfg.allow_target_mismatch,
-        error=ConfigError,
+        f"draft {draft}",
+        cfg.target,
+        cfg.allow_target_mismatch,
         redo="export a draft trained for this one",
     )
-    return identity
 
 
 def check_chat_template(

@@ -312,20 +312,20 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         )
     check_target_identity(
         meta.recorded_target(),
-        identity,
-        what=f"checkpoint {ck}",
-        target=target,
-        allow=cfg.allow_target_mismatch,
+        f"checkpoint {ck}",
+        target,
+        cfg.allow_target_mismatch,
+        identity=identity,
         error=ExportError,
         redo="train again with this one",
     )
     if manifest is not None:
         check_target_identity(
             manifest.recorded_target(),
-            identity,
-            what=f"capture {meta.captured}",
-            target=target,
-            allow=cfg.allow_target_mismatch,
+            f"capture {meta.captured}",
+            target,
+            cfg.allow_target_mismatch,
+            identity=identity,
             error=ExportError,
         )
     # the draft's record of its target, for evaluate: the one export checked it against (or, with

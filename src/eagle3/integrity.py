@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from eagle3.artifacts import RecordedTarget, recorded_target_fingerprint
+from eagle3.config import ConfigError
 from eagle3.identity import config_sha256, describe_difference, target_fingerprint
 from eagle3.io import read_json, sha256_file
 from eagle3.model.draft import text_config
@@ -130,20 +131,24 @@ def identity_mismatches(
 
 def check_target_identity(
     recorded: RecordedTarget,
-    actual: dict[str, Any],
-    *,
     what: str,
     target: str | Path,
     allow: bool,
-    error: type[Exception],
+    *,
+    identity: dict[str, Any] | None = None,
+    error: type[Exception] = ConfigError,
     redo: str = "capture again with this one",
-) -> None:
-    """Raise `error` naming every mismatch between `recorded` (from `what`) and the target at
-    `target`, unless `allow` (the override flag), which prints them as a warning instead. `redo`:
-    the other way out."""
-    bad = identity_mismatches(recorded, actual, what)
+) -> dict[str, Any]:
+    """The one check of a record against the target a stage was given: compares `recorded` (from
+    `what`, e.g. "captured=DIR") with the target at `target` and returns the target's identity
+    (`identity` when the caller has it already, else target_identity(target): pass it on to the
+    next record's check). Every mismatch is named in one `error`, unless `allow` (the stage's
+    allow_target_mismatch), which prints them as a warning instead. `redo`: the other way out."""
+    if identity is None:
+        identity = target_identity(target)
+    bad = identity_mismatches(recorded, identity, what)
     if not bad:
-        return
+        return identity
     made_from = recorded.target or "?"
     msg = (
         f"{what} was made from another target than target={target}: {'; '.join(bad)}. Use the "
@@ -153,3 +158,4 @@ def check_target_identity(
     if not allow:
         raise error(msg)
     print(f"eagle3: warning (allow_target_mismatch=true): {msg}", file=sys.stderr, flush=True)
+    return identity

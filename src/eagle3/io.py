@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -119,12 +120,35 @@ def read_json(path: str | Path) -> Any:
         raise ValueError(f"{p} is not valid JSON: {e}") from None
 
 
-def sha256_file(path: str | Path, chunk_bytes: int = 1 << 22) -> str:
+#: bytes read at a time into one reused buffer when hashing a file
+READ_BYTES = 1 << 24
+_sha256_memo: dict[tuple[str, int, int], str] = {}
+_sha256_memo_lock = threading.Lock()
+
+
+def sha256_file(path: str | Path, *, memo: bool = False) -> str:
+    """sha256 of a file's bytes (hex), read READ_BYTES at a time into one reused buffer (hashlib
+    releases the GIL: threads hash files side by side). `memo`: remembered per process by
+    (resolved path, size, mtime_ns), for files hashed again and again in one process (cache keys,
+    stage stamps, the code version); never for a check that must catch a file altered in place
+    with its size and mtime kept."""
+    if memo:
+        st = os.stat(path)
+        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+        with _sha256_memo_lock:
+            if key in _sha256_memo:
+                return _sha256_memo[key]
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            h.update(chunk)
-    return h.hexdigest()
+    buf = bytearray(READ_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    digest = h.hexdigest()
+    if memo:
+        with _sha256_memo_lock:
+            _sha256_memo[key] = digest
+    return digest
 
 
 def sha256_text(text: str) -> str:
@@ -133,16 +157,6 @@ def sha256_text(text: str) -> str:
 
 def sha256_json(obj: Any) -> str:
     return sha256_text(json.dumps(obj, sort_keys=True, default=str))
-
-
-def sha256_tree(root: str | Path, pattern: str = "*") -> str:
-    """Hash of the relative names and contents of the files under root (order-independent)."""
-    root = Path(root)
-    h = hashlib.sha256()
-    for p in sorted(q for q in root.rglob(pattern) if q.is_file() and not q.name.startswith(".")):
-        h.update(str(p.relative_to(root)).encode())
-        h.update(sha256_file(p).encode())
-    return h.hexdigest()
 
 
 def tensor_nbytes(obj: Any) -> int:

@@ -78,12 +78,6 @@ def describe_holder(h: dict) -> str:
     return f"flow run {h.get('flow_run_name') or '?'!r} ({where}): {proc}"
 
 
-def read_holder(directory: str | Path) -> dict:
-    """The record of the lock file in `directory` (its last holder, live or not); {} when there is
-    none."""
-    return _holder(Path(directory) / LOCK_NAME)
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

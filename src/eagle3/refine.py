@@ -83,7 +83,7 @@ from eagle3.data.rollout import (
     write_rollouts,
 )
 from eagle3.export import WEIGHTS, resolve_checkpoint
-from eagle3.integrity import check_target_identity, target_identity
+from eagle3.integrity import check_target_identity
 from eagle3.io import atomic_dir, atomic_path, read_json, sha256_file, sha256_json, write_json
 from eagle3.lock import dir_lock
 from eagle3.model.draft import text_config
@@ -180,14 +180,8 @@ def read_plan(cfg: RefineConfig) -> Plan:
             f"RefineConfig.target = {cfg.target!r} has no config.json; pass --target "
             "with the target model dir the draft was trained for"
         )
-    identity = target_identity(cfg.target)
-    check_target_identity(
-        meta.recorded_target(),
-        identity,
-        what=f"checkpoint {ck}",
-        target=cfg.target,
-        allow=cfg.allow_target_mismatch,
-        error=ConfigError,
+    identity = check_target_identity(
+        meta.recorded_target(), f"checkpoint {ck}", cfg.target, cfg.allow_target_mismatch
     )
     num_layers = int(text_config(read_json(tpath))["num_hidden_layers"])
     trained_with = {
@@ -221,11 +215,10 @@ def read_plan(cfg: RefineConfig) -> Plan:
             )
         check_target_identity(
             CaptureManifest.load_combined(supervised).recorded_target(),
-            identity,
-            what=f"captured={supervised}",
-            target=cfg.target,
-            allow=cfg.allow_target_mismatch,
-            error=ConfigError,
+            f"captured={supervised}",
+            cfg.target,
+            cfg.allow_target_mismatch,
+            identity=identity,
         )
     max_seq_len = cfg.max_seq_len or int(trained_with.get("max_seq_len", 2048))
     if max_seq_len - cfg.max_new_tokens < 1:

@@ -7,6 +7,9 @@ the Prefect tasks and flows (one task per stage; a subprocess or a GPU deploymen
 the deployments (prefect.yaml has one GPU stage flow per `gpu` stage; tests/test_prefect_units.py
 keeps them equal).
 
+A stage's code version (its cache key's) is not listed here: Stage.code_version reads it from the
+imports of its function's module (eagle3.code_version).
+
 A new stage: its config class in eagle3.config (and a PipelineConfig section + paths in `resolved()`
 when `eagle3 run` runs it), its `run_<stage>(cfg)` function in its module, and one `Stage(...)` row
 here, placed where it runs in the pipeline (docs/architecture.md).
@@ -23,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from eagle3.code_version import code_version
 from eagle3.config import (
     CaptureConfig,
     ConfigError,
@@ -71,14 +75,17 @@ class Stage:
         _always  # whether `eagle3 run` runs it for this config
     )
     positional: tuple[str, ...] = ()  # config fields the CLI takes as positional arguments
-    code: tuple[
-        str, ...
-    ] = ()  # its sources (relative to src/eagle3): with config.py and io.py, its code version
 
     def resolve(self) -> Callable[[Any], Any]:
         """The library function (imported now)."""
         module, func = self.function.split(":")
         return getattr(importlib.import_module(module), func)
+
+    def code_version(self, root: Path | None = None) -> str:
+        """What its outputs depend on besides config and inputs: the sources of every eagle3 module
+        its function and its config class can run, and the versions of the packages they import
+        (eagle3.code_version). `root`: another copy of the package's directory."""
+        return code_version((self.function.split(":")[0], self.config.__module__), root)
 
     def run(self, cfg: StageConfig) -> Any:
         """Run the stage in this process; returns the library function's result."""
@@ -97,7 +104,6 @@ STAGES: dict[str, Stage] = {
             "deduplicated",
             subprocess=True,
             enabled=lambda c: c.synthesize.enabled,
-            code=("data/synthesize.py", "data/generate_hf.py"),
         ),
         Stage(
             "mix",
@@ -106,7 +112,6 @@ STAGES: dict[str, Stage] = {
             "several chat/prompt sources -> one file, each source's share set by its weight",
             needs=("synthesize",),
             enabled=lambda c: len(c.mix_sources()) > 1,
-            code=("data/mix.py", "chat_formats.py"),
         ),
         Stage(
             "regenerate",
@@ -117,7 +122,6 @@ STAGES: dict[str, Stage] = {
             subprocess=True,
             gpu=True,
             enabled=lambda c: c.regenerate.enabled,
-            code=("data/regenerate.py", "chat_formats.py"),
         ),
         # prepare's `data` (regenerated/conversations.jsonl after regenerate) keys it by that file's
         # content, so a regenerate rerun that writes the same answers leaves prepare cached: no
@@ -127,7 +131,6 @@ STAGES: dict[str, Stage] = {
             PrepareConfig,
             "eagle3.data.prepare:run_prepare",
             "chat data -> token ids + assistant-only loss masks (target's chat template)",
-            code=("data/prepare.py", "chat_formats.py", "prepared.py", "artifacts.py"),
         ),
         Stage(
             "capture",
@@ -138,7 +141,6 @@ STAGES: dict[str, Stage] = {
             needs=("prepare",),
             subprocess=True,
             gpu=True,
-            code=("capture", "shards.py", "quant.py", "vllm_ext.py", "artifacts.py"),
         ),
         Stage(
             "vocab",
@@ -146,7 +148,6 @@ STAGES: dict[str, Stage] = {
             "eagle3.vocab:run_vocab",
             "draft vocabulary (d2t/t2d) from supervised-token frequencies",
             needs=("prepare",),
-            code=("vocab.py", "prepared.py", "artifacts.py"),
         ),
         Stage(
             "train",
@@ -156,15 +157,6 @@ STAGES: dict[str, Stage] = {
             needs=("capture", "vocab"),
             subprocess=True,
             gpu=True,
-            code=(
-                "train",
-                "model",
-                "weights.py",
-                "splits.py",
-                "shards.py",
-                "quant.py",
-                "artifacts.py",
-            ),
         ),
         # refine: on-policy rounds on the trained draft; when it runs, export reads its output
         Stage(
@@ -179,22 +171,6 @@ STAGES: dict[str, Stage] = {
             subprocess=True,
             gpu=True,
             enabled=lambda c: c.refine.enabled,
-            code=(
-                "refine.py",
-                "data/rollout.py",
-                "data/regenerate.py",
-                "data/generate_hf.py",
-                "prepared.py",
-                "capture",
-                "train",
-                "model",
-                "export.py",
-                "weights.py",
-                "splits.py",
-                "shards.py",
-                "quant.py",
-                "artifacts.py",
-            ),
         ),
         Stage(
             "export",
@@ -202,7 +178,6 @@ STAGES: dict[str, Stage] = {
             "eagle3.export:run_export",
             "write a draft directory vLLM (or speculators) loads",
             needs=("train", "refine"),
-            code=("export.py", "model", "weights.py", "artifacts.py"),
         ),
         Stage(
             "evaluate",
@@ -214,7 +189,6 @@ STAGES: dict[str, Stage] = {
             subprocess=True,
             gpu=True,
             enabled=lambda c: bool(c.eval_prompts),
-            code=("evaluate.py", "artifacts.py"),
         ),
         Stage(
             "stream-capture",
@@ -239,7 +213,6 @@ STAGES: dict[str, Stage] = {
             "tokenizer, chat template, manifest with provenance; offline once cached",
             kind="source",
             positional=("name",),
-            code=("targets.py",),
         ),
     )
 }

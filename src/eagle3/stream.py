@@ -35,7 +35,7 @@ def run_stream(cfg: PipelineConfig) -> StreamResult:
     def producer() -> None:
         try:
             box["capture"] = run_stream_capture(produce)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as e:  # re-raised in the caller's thread
             box["error"] = e
 
     t = threading.Thread(target=producer, name="eagle3-stream-capture", daemon=True)

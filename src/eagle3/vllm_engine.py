@@ -298,13 +298,13 @@ def _child(
         os.environ.update(env)
     try:
         queue.put(("ok", fn(*args, **kwargs)))
-    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException as e:  # everything goes back to the parent
         code = 1
         tb = traceback.format_exc()
         if isinstance(e, UserError):  # the diagnosis crosses as is (its traceback for --verbose)
             try:
                 queue.put(("user_error", (e, tb)))
-            except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+            except Exception:  # an exception that does not pickle: its text
                 queue.put(("user_error", (UserError(str(e)), tb)))
         else:
             queue.put(("error", f"{type(e).__name__}: {e}\n{tb}"))

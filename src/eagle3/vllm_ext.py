@@ -415,7 +415,7 @@ class CaptureWorkerExtension:
         def work() -> None:
             try:
                 box["entry"] = self._eagle3_write(*args)
-            except BaseException as e:  # noqa: BLE001 - to the driver
+            except BaseException as e:  # to the driver
                 box["error"] = f"{type(e).__name__}: {e}"
 
         runner = self.model_runner  # type: ignore[attr-defined]

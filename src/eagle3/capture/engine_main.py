@@ -151,7 +151,7 @@ if __name__ == "__main__":
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the driver shows this output when the engine fails
+    except BaseException:  # the driver shows this output when the engine fails
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

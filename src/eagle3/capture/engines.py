@@ -128,7 +128,7 @@ def visible_gpus() -> list[str]:
         import torch
 
         return [str(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001 - no usable CUDA: no GPU to hand out
+    except Exception:  # no usable CUDA: no GPU to hand out
         return []
 
 

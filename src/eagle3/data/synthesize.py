@@ -30,7 +30,6 @@ settings in the same `out` are refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -47,7 +46,7 @@ import numpy as np
 
 from eagle3.config import SynthesizeConfig
 from eagle3.data.generate_hf import HfGenerator
-from eagle3.io import atomic_path, read_json, sha256_json, write_json
+from eagle3.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from eagle3.lock import dir_lock, record_engine_processes
 from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
 
@@ -457,7 +456,7 @@ def _synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
         "fingerprint": fp,
         "target": str(cfg.target),
         "output": OUTPUT,
-        "output_sha256": hashlib.sha256((out / OUTPUT).read_bytes()).hexdigest(),
+        "output_sha256": sha256_file(out / OUTPUT),
         "counts": {
             "kept": len(rows),
             "generated": sum(generated.values()),

@@ -264,14 +264,12 @@ def read_inputs(cfg: TrainConfig, manifest: CaptureManifest | SpoolHeader | dict
         )
     tensors = load_target_tensors(cfg.target)
     # the old embedding/norm/lm_head fingerprint: for a capture from before 2026-12-03 only
-    identity = target_identity(cfg.target, None if manifest.target_fingerprint else tensors)
-    check_target_identity(
+    identity = check_target_identity(
         manifest.recorded_target(),
-        identity,
-        what=f"captured={cfg.captured}",
-        target=cfg.target,
-        allow=cfg.allow_target_mismatch,
-        error=ConfigError,
+        f"captured={cfg.captured}",
+        cfg.target,
+        cfg.allow_target_mismatch,
+        identity=target_identity(cfg.target, None if manifest.target_fingerprint else tensors),
     )
     if cfg.init_layers_from_target:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
@@ -494,11 +492,10 @@ def read_val_captured(
     vm = CaptureManifest.load_combined(cfg.val_captured)
     check_target_identity(
         vm.recorded_target(),
-        inputs.identity,
-        what=f"val_captured={cfg.val_captured}",
-        target=cfg.target,
-        allow=cfg.allow_target_mismatch,
-        error=ConfigError,
+        f"val_captured={cfg.val_captured}",
+        cfg.target,
+        cfg.allow_target_mismatch,
+        identity=inputs.identity,
     )
     vs = SelectedLayers(
         load_samples(cfg.val_captured, verify=verify),
