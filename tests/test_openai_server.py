@@ -172,13 +172,20 @@ def test_the_served_model_is_found_and_a_server_without_ids_gives_none(served):
 
 
 def test_a_request_out_of_time_is_retried_then_fails_naming_the_timeout(served):
+    # 400 tokens take the server ~1 s (the end of the turn ignored); no answer can come within
+    # 0.05 s (a socket timeout is per wait: a thread the host delays may still find an answer
+    # ready, so the margin is wide)
     gen = served.server.generator(
-        request_timeout_s=0.001, max_retries=2, retry_initial_s=0.01, num_concurrent=1
+        request_timeout_s=0.05,
+        max_retries=2,
+        retry_initial_s=0.01,
+        num_concurrent=1,
+        extra_request_fields={"ignore_eos": True},
     )
     with pytest.raises(ServerRequestError) as info:
-        gen.generate(users(QUESTIONS[2]), [0], 1.0, 1.0, MAX_TOKENS)
+        gen.generate(users(QUESTIONS[2]), [0], 1.0, 1.0, MAX_MODEL_LEN - 112)
     msg = str(info.value)
-    assert "failed 3 times" in msg and "no answer within 0.001 s" in msg, msg
+    assert "failed 3 times" in msg and "no answer within 0.05 s" in msg, msg
     assert gen.counts.retries_by_reason == {"timeout": 2}
     assert gen.counts.failures_by_reason == {"timeout": 1}
 
@@ -294,6 +301,7 @@ def test_the_reasoning_parser_splits_the_trace_and_thinking_can_be_switched_off(
         max_model_len=MAX_MODEL_LEN,
         reasoning_parser="qwen3",
     ) as server:
+        print(f"vLLM server start-up (reasoning parser): {server.startup_s:.1f} s")
         group = [server.pid, *descendants(server.pid)]
         assert len(group) >= 3 and process_group_members(server.pid)  # server, engine, worker
         gen = server.generator(num_concurrent=4)

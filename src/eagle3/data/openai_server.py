@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.errors import UserError
+from eagle3.lock import record_engine_processes
 from eagle3.processes import DIE_WITH_PARENT_ENV, PR_SET_PDEATHSIG
 from eagle3.vllm_engine import DEFAULT_KVCACHE_GIB, on_cpu_platform, resolve_dtype
 
@@ -629,7 +630,8 @@ def start_vllm_server(
     platform. `extra_args`: more `vllm serve` arguments. `env`: variables set for the server on top
     of this process's environment. The server's output goes to `log_path` (appended). The server
     dies with the thread that called this (the kernel's parent-death signal), and its engine
-    processes with it (EAGLE3_ENGINE_DIES_WITH_PARENT=1: eagle3.vllm_ext's plugin).
+    processes with it (EAGLE3_ENGINE_DIES_WITH_PARENT=1: eagle3.vllm_ext's plugin); once healthy,
+    they are recorded in the lock files this process holds, as engines are.
 
     Raises ServerStartError with the tail of the log when the server exits while starting or is not
     healthy within `startup_timeout_s`.
@@ -690,6 +692,7 @@ def start_vllm_server(
             time.sleep(0.5)
         startup_s = time.monotonic() - t0
         log.info("vLLM server on %s healthy after %.1f s", root, startup_s)
+        record_engine_processes()  # the server and its engine in the lock files held (eagle3.lock)
         yield VllmServer(
             base_url=root + "/v1",
             model=name,
