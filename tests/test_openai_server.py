@@ -79,7 +79,7 @@ def served(tiny_chatml, tmp_path_factory):
             early["turns"] = early_generator.generate(
                 users(*QUESTIONS[:2]), [1, 2], temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS
             )
-        except Exception as e:  # noqa: BLE001 - the test reports it
+        except Exception as e:  # the test reports it
             early["error"] = e
 
     sender = threading.Thread(target=send_early, daemon=True)
