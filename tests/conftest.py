@@ -60,6 +60,7 @@ SEPARATE_UNITS = (
 )
 LONGEST_UNITS = (
     "test_prefect_server.py",
+    "test_openai_server.py",
     "test_kimi_k25.py",
     "test_flows.py",
     "test_export.py::test_vllm_accepts_tokens_of_a_trained_draft",

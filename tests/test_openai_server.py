@@ -353,3 +353,106 @@ def test_the_reasoning_parser_splits_the_trace_and_thinking_can_be_switched_off(
     # the server and every process it started are gone
     assert not process_group_members(server.pid)
     assert not [pid for pid in group if is_running(pid)]
+
+
+# ------------------------------------------------------------------------------- regenerate stage
+TWO_TURNS = [
+    {
+        "id": f"chat-{i}",
+        "messages": [
+            {"role": "user", "content": q},
+            {"role": "assistant", "content": "old answer"},
+            {"role": "user", "content": "And then what happened?"},
+        ],
+    }
+    for i, q in enumerate(QUESTIONS)
+]
+
+
+def _regenerate_config(target, tmp_path, **kw):
+    import json
+
+    from eagle3.config import RegenerateConfig
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in TWO_TURNS))
+    values = dict(
+        target=str(target),
+        data=str(data),
+        out=tmp_path / "regen",
+        backend="server",
+        max_new_tokens=MAX_TOKENS,
+        max_model_len=MAX_MODEL_LEN,
+        temperature=0.0,
+        batch_size=2,
+        num_concurrent=3,
+    )
+    return RegenerateConfig(**{**values, **kw})
+
+
+def _check_trained_as_served(cfg, res, tmp_path) -> None:
+    """Every regenerated turn holds the server's ids, its prompt ids equal this template's, and
+    prepare supervises exactly those ids."""
+    from eagle3.chat_formats import read_conversations
+    from eagle3.config import PrepareConfig
+    from eagle3.data.prepare import run_prepare
+    from eagle3.data.regenerate import open_renderer
+    from eagle3.prepared import load_prepared
+
+    renderer = open_renderer(cfg)
+    generated: dict[str, list[int]] = {}
+    for c in read_conversations(res.conversations_path).conversations:
+        turns = [(i, m) for i, m in enumerate(c.messages) if m["role"] == "assistant"]
+        assert len(turns) == 2  # the second answer is written after the first, regenerated one
+        for i, m in turns:
+            assert m["prompt_token_ids"] == renderer.prompt_ids(c.messages[:i])
+            decoded = renderer.tokenizer.decode(m["token_ids"], skip_special_tokens=True)
+            assert decoded == m["content"]
+            generated.setdefault(c.sample_id, []).extend(m["token_ids"])
+    prep = run_prepare(
+        PrepareConfig(target=cfg.target, data=str(res.conversations_path), out=tmp_path / "p")
+    )
+    assert prep.turns["from_generated"] == 2 * len(TWO_TURNS)
+    trained: dict[str, list[int]] = {}
+    ds = load_prepared(tmp_path / "p")
+    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"], strict=True):
+        kept = [int(t) for t, k in zip(ids, mask, strict=True) if k]
+        trained.setdefault(str(sid).split(":row")[0], []).extend(kept)
+    assert trained == generated
+
+
+def test_regenerate_through_a_running_server_keeps_its_ids(served, tiny_chatml, tmp_path):
+    """`backend: server` with the URL of a running server (the user's own deployment): the
+    stage sends the conversations, keeps the ids the server returns, and prepare trains on
+    exactly them."""
+    from eagle3.data.regenerate import run_regenerate
+
+    cfg = _regenerate_config(
+        tiny_chatml,
+        tmp_path,
+        server_url=served.server.base_url,
+        served_model_name=served.server.model,
+    )
+    res = run_regenerate(cfg)
+    assert res.num_written == len(TWO_TURNS) and res.num_turns == 2 * len(TWO_TURNS)
+    engine = res.manifest["engine"]
+    assert engine["backend"] == "server" and engine["started"] is False
+    assert engine["requests"]["num_completed"] == 2 * len(TWO_TURNS)
+    assert not res.manifest["counts"].get("turns_without_ids")
+    _check_trained_as_served(cfg, res, tmp_path)
+
+
+def test_regenerate_starts_and_stops_its_own_server(tiny_chatml, tmp_path):
+    """`backend: server` without a URL: the stage starts vLLM's server for the target, generates
+    through it, and leaves no process behind."""
+    from eagle3.data.regenerate import SERVER_LOG, run_regenerate
+    from eagle3.processes import descendants
+
+    before = set(descendants())
+    cfg = _regenerate_config(tiny_chatml, tmp_path)
+    res = run_regenerate(cfg)
+    assert res.manifest["engine"]["started"] is True and res.manifest["engine"]["startup_s"] > 0
+    assert (tmp_path / "regen" / SERVER_LOG).is_file()
+    left = [pid for pid in set(descendants()) - before if is_running(pid)]
+    assert not left, f"processes left: {[name(p) for p in left]}"
+    _check_trained_as_served(cfg, res, tmp_path)

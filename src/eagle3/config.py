@@ -188,9 +188,37 @@ class RegenerateConfig(StageConfig):
     )
     tensor_parallel_size: Count = Field(1, gt=0, description="vLLM tensor parallel size")
     seed: Count = Field(0, description="Sampling seed")
-    backend: Literal["vllm", "hf"] = Field(
+    backend: Literal["vllm", "hf", "server"] = Field(
         "vllm",
-        description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)",
+        description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM); "
+        "server: an OpenAI-compatible chat server, the one at server_url or a `vllm serve` of the "
+        "target that the stage starts and stops",
+    )
+    server_url: str | None = Field(
+        None,
+        description="backend server: the API root of a running OpenAI-compatible server (e.g. "
+        "http://gpu-host:8000/v1); unset: the stage starts vLLM's server for the target",
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="backend server: the model name requests use (default: the one the server "
+        "lists)",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="backend server, started by the stage: vLLM's --reasoning-parser for the "
+        "target's family (kimi_k2, qwen3, deepseek_r1, ...), which returns the trace apart",
+    )
+    num_concurrent: Count = Field(
+        64, gt=0, description="backend server: requests in flight at once"
+    )
+    request_timeout_s: Number = Field(
+        600.0, gt=0, description="backend server: how long one request may wait for an answer"
+    )
+    api_key_env: str | None = Field(
+        None,
+        description="backend server: the environment variable holding the API key (never the "
+        "key itself)",
     )
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(

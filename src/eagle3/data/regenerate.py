@@ -3,13 +3,24 @@
 EAGLE-3 drafts learn the *target's* distribution, so the training answers should be what the target
 itself says. For each conversation, every assistant turn is regenerated from the turns before it
 (the regenerated history, not the dataset's answers), turn by turn: in a batch of `batch_size`
-conversations all first answers are generated in one `LLM.generate` call, then all second answers,
-and so on. A row whose last turn is a user turn (prompt-only rows such as `{"question": ...}`) gets
-an answer appended.
+conversations all first answers are generated in one call, then all second answers, and so on. A
+row whose last turn is a user turn (prompt-only rows such as `{"question": ...}`) gets an answer
+appended.
 
-Prompts are rendered with the target's own chat template (+ generation prompt) and sent to vLLM as
-token ids; greedy unless `temperature > 0` (then each turn has its own seed derived from `seed`, the
-row index and the turn, so a resumed run samples the same).
+Backends: `vllm` (an offline engine), `hf` (transformers), and `server`: an OpenAI-compatible chat
+server, the user's own deployment at `server_url`, or vLLM's server for the target that the stage
+starts (with the family's `reasoning_parser`) and stops, `num_concurrent` requests in flight with
+retries (eagle3.data.openai_server). The offline backends are given prompts rendered by the
+target's chat template with the run's or the row's `chat_template_kwargs` (eagle3.chat_template);
+a server renders them itself from the messages. Greedy unless `temperature > 0` (then each turn
+has its own seed derived from `seed`, the row index and the turn, so a resumed run samples the
+same).
+
+Token-exact turns. Each regenerated assistant turn keeps the ids the target generated
+(`token_ids`, the end-of-turn token included when it stopped on it), the prompt ids it was given
+(`prompt_token_ids`: a server's own where it returns them), `finish_reason`, and its text split at
+`</think>` into `reasoning` and `content`. Prepare trains on those ids. A server that returns no
+ids leaves text only, which prepare checks against the template (`turns_without_ids` counted).
 
 Edge cases (all counted in manifest.json):
 * a prompt longer than `max_model_len - max_new_tokens` tokens: the conversation ends before that
@@ -17,20 +28,21 @@ Edge cases (all counted in manifest.json):
   with the turns done so far (`truncated_too_long`);
 * an empty answer (the target stopped at once) ends the conversation the same way (`empty_answer`,
   `truncated_empty_answer`), since an empty assistant turn is not a training sample;
-* an answer that hits `max_new_tokens` is kept as it is (finish reason `length`): it is still
-  exactly what the target says for that many tokens, which is what the draft must learn.
+* an answer that hits `max_new_tokens` (a cut reasoning trace) is kept as it is, finish reason
+  `length`: it is exactly what the target says for that many tokens. The share of such turns per
+  source is `truncated_share`; `drop_truncated` ends the conversation before such a turn instead.
 
-Output (in `out`): `conversations.jsonl` (rows `{"id", "messages": [{role, content}, ...]}` that
-`eagle3 prepare` reads) and `manifest.json`. Resume: while running, batches are appended (fsync) to
-`conversations.partial.jsonl` and `progress.json` records the rows consumed and the byte size after
-the last complete batch; a rerun with the same generation settings truncates the partial file to
-that size and continues with the next batch, so nothing is duplicated or lost. At the end the
-partial file is renamed to `conversations.jsonl` (a reader never sees a half-written file under that
-name).
+Output (in `out`): `conversations.jsonl` (rows `{"id", "messages": [...], "category"?,
+"chat_template_kwargs"?, "source"?}` that `eagle3 prepare` reads) and `manifest.json`. Resume:
+while running, batches are appended (fsync) to `conversations.partial.jsonl` and `progress.json`
+records the rows consumed and the byte size after the last complete batch; a rerun with the same
+generation settings truncates the partial file to that size and continues with the next batch, so
+nothing is duplicated or lost. At the end the partial file is renamed to `conversations.jsonl` (a
+reader never sees a half-written file under that name).
 """
-
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,6 +57,7 @@ from eagle3.chat_formats import Conversation, check_skipped, read_conversations
 from eagle3.chat_template import ChatRenderer
 from eagle3.config import RegenerateConfig
 from eagle3.data.generate_hf import HfGenerator
+from eagle3.data.openai_server import GeneratedTurn, start_vllm_server
 from eagle3.identity import describe_difference, target_fingerprint
 from eagle3.io import read_json, sha256_file, sha256_json, write_json
 from eagle3.lock import dir_lock, record_engine_processes
@@ -53,6 +66,8 @@ from eagle3.vllm_engine import engine_kwargs, setup_cpu_env, shutdown_engine
 log = logging.getLogger(__name__)
 
 OUTPUT = "conversations.jsonl"
+#: the log of the vLLM server the stage starts (backend server without server_url)
+SERVER_LOG = "server.log"
 PARTIAL = "conversations.partial.jsonl"
 PROGRESS = "progress.json"
 MANIFEST = "manifest.json"
@@ -72,6 +87,9 @@ _FINGERPRINT_FIELDS = (
     "chat_template_kwargs",
     "trust_remote_code",
     "drop_truncated",
+    "server_url",
+    "served_model_name",
+    "reasoning_parser",
 )
 
 
@@ -230,6 +248,63 @@ class _HfBackendGenerator:
         self.gen.close()
 
 
+class _ServerGenerator:
+    """An OpenAI-compatible chat server (eagle3.data.openai_server) behind `generate_turns`: it is
+    sent the conversation's messages, and renders and generates itself; its ids are kept where it
+    returns them."""
+
+    chat = True
+
+    def __init__(
+        self,
+        cfg: RegenerateConfig,
+        base_url: str,
+        model: str | None,
+        owned: contextlib.ExitStack | None = None,
+    ):
+        from eagle3.data.openai_server import OpenAIChatGenerator
+
+        self.cfg, self.owned = cfg, owned
+        self.client = OpenAIChatGenerator(
+            base_url,
+            model,
+            api_key_env=cfg.api_key_env,
+            num_concurrent=cfg.num_concurrent,
+            request_timeout_s=cfg.request_timeout_s,
+        )
+
+    def generate_turns(
+        self,
+        contexts: list[list[dict[str, Any]]],
+        seeds: list[int | None],
+        kwargs: list[dict[str, Any]],
+    ) -> list[GeneratedTurn]:
+        """One GeneratedTurn per context, in order; contexts are sent in groups of equal
+        chat_template_kwargs (a mix of sources)."""
+        cfg, out = self.cfg, [None] * len(contexts)
+        groups: dict[str, list[int]] = {}
+        for i, kw in enumerate(kwargs):
+            groups.setdefault(json.dumps(kw, sort_keys=True), []).append(i)
+        for key, idx in groups.items():
+            turns = self.client.generate(
+                [contexts[i] for i in idx],
+                [seeds[i] for i in idx],
+                cfg.temperature,
+                cfg.top_p,
+                cfg.max_new_tokens,
+                json.loads(key) or None,
+            )
+            for i, t in zip(idx, turns, strict=True):
+                out[i] = t
+        return out
+
+    def close(self) -> None:
+        """Stop the server this generator started (a server given by URL is left running)."""
+        if self.owned is not None:
+            self.owned.close()
+            self.owned = None
+
+
 def open_renderer(cfg: Any) -> ChatRenderer:
     """The target's chat template with the config's kwargs and trust_remote_code."""
     return ChatRenderer(
@@ -250,6 +325,8 @@ def open_generator(
         gen: Any = _HfBackendGenerator(cfg, tok)
         dtype = str(gen.gen.model.dtype).removeprefix("torch.")
         return gen, {"backend": "hf", "device": gen.gen.device, "dtype": dtype}
+    if cfg.backend == "server":
+        return _open_server(cfg)
     engine = engine_kwargs(
         cfg.target,
         dtype=cfg.dtype,
@@ -267,6 +344,41 @@ def open_generator(
         llm = LLM(**engine)
         record_engine_processes()
     return _VllmGenerator(llm, cfg, owned=owned), engine
+
+
+def _open_server(cfg: RegenerateConfig) -> tuple[_ServerGenerator, dict[str, Any]]:
+    """The server at cfg.server_url, or vLLM's server for the target, started now (its log in
+    the out dir) and stopped by the generator's close()."""
+    if cfg.server_url:
+        gen = _ServerGenerator(cfg, cfg.server_url, cfg.served_model_name)
+        return gen, {"backend": "server", "base_url": gen.client.base_url, "started": False}
+    stack = contextlib.ExitStack()
+    try:
+        server = stack.enter_context(
+            start_vllm_server(
+                cfg.target,
+                log_path=Path(cfg.out) / SERVER_LOG,
+                served_model_name=cfg.served_model_name,
+                reasoning_parser=cfg.reasoning_parser,
+                dtype=cfg.dtype,
+                max_model_len=cfg.max_model_len,
+                seed=cfg.seed,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        )
+    except BaseException:
+        stack.close()
+        raise
+    gen = _ServerGenerator(cfg, server.base_url, server.model, owned=stack)
+    return gen, {
+        "backend": "server",
+        "base_url": server.base_url,
+        "started": True,
+        "reasoning_parser": cfg.reasoning_parser,
+        "startup_s": round(server.startup_s, 1),
+        "log": SERVER_LOG,
+    }
 
 
 def _regenerate_batch(
@@ -318,10 +430,19 @@ def _regenerate_batch(
             )
         if not active:
             break
-        outputs = gen.generate(prompts, seeds)
-        for st, (token_ids, _, finish_reason) in zip(active, outputs, strict=True):
+        if getattr(gen, "chat", False):
+            contexts = [st["pending"][0] for st in active]
+            outputs = gen.generate_turns(contexts, seeds, [st["kwargs"] for st in active])
+        else:
+            outputs = [
+                GeneratedTurn(prompt, list(ids), "", None, finish)
+                for prompt, (ids, _, finish) in zip(
+                    prompts, gen.generate(prompts, seeds), strict=True
+                )
+            ]
+        for st, generated in zip(active, outputs, strict=True):
             context, prompt_ids = st.pop("pending")
-            _take_turn(st, context, prompt_ids, list(token_ids), finish_reason, tok, cfg, stats)
+            _take_turn(st, context, prompt_ids, generated, tok, cfg, stats)
         turn += 1
     rows = []
     for st in states:
@@ -340,22 +461,30 @@ def _regenerate_batch(
 def _take_turn(
     st: dict[str, Any],
     context: list[dict[str, Any]],
-    prompt_ids: list[int],
-    token_ids: list[int],
-    finish_reason: str,
+    rendered: list[int],
+    generated: GeneratedTurn,
     tok: ChatRenderer,
     cfg: RegenerateConfig,
     stats: _Stats,
 ) -> None:
     """Append one generated turn to a conversation's output, or end the conversation (an empty
-    turn; a cut one with `drop_truncated`), counting either way."""
+    turn; a cut one with `drop_truncated`), counting either way. `rendered`: the prompt as this
+    stage's template renders it; a server's own prompt ids win where it returns them (they are
+    what the target saw), a difference counted."""
     first = not any(m["role"] == "assistant" for m in st["out"])
     source = stats.by_source.setdefault(st["source"], Counter())
+    finish_reason, token_ids = generated.finish_reason, generated.token_ids
+    prompt_ids = generated.prompt_token_ids or rendered
+    stats.reasoning["prompt_ids_differ_from_template"] += prompt_ids != rendered
     stats.finish[finish_reason] += 1
-    stats.generated_tokens += len(token_ids)
     source["generated"] += 1
     source["hit_max_new_tokens"] += finish_reason == "length"
-    reasoning, answer = tok.split_generated(prompt_ids, token_ids)
+    if token_ids is None:  # a server that returns text only: prepare checks its alignment
+        stats.reasoning["turns_without_ids"] += 1
+        reasoning, answer = generated.reasoning, generated.content
+    else:
+        stats.generated_tokens += len(token_ids)
+        reasoning, answer = tok.split_generated(prompt_ids, token_ids)
     if not answer.strip() and not (reasoning or "").strip():
         stats.dropped["empty_answer" if first else "truncated_empty_answer"] += 1
         st["done"] = True
@@ -364,15 +493,19 @@ def _take_turn(
         stats.dropped["hit_max_new_tokens" if first else "truncated_hit_max_new_tokens"] += 1
         st["done"] = True
         return
-    num_reasoning = tok.num_reasoning_ids(prompt_ids, token_ids)
     stats.turns += 1
-    stats.reasoning["turns_with_reasoning"] += bool(num_reasoning)
-    stats.reasoning["reasoning_tokens"] += num_reasoning
-    stats.reasoning["answer_tokens"] += len(token_ids) - num_reasoning
     message: dict[str, Any] = {"role": "assistant", "content": answer}
     if reasoning is not None:
         message["reasoning"] = reasoning
-    message.update(token_ids=token_ids, prompt_token_ids=prompt_ids, finish_reason=finish_reason)
+    if token_ids is not None:
+        num_reasoning = tok.num_reasoning_ids(prompt_ids, token_ids)
+        stats.reasoning["turns_with_reasoning"] += bool(num_reasoning)
+        stats.reasoning["reasoning_tokens"] += num_reasoning
+        stats.reasoning["answer_tokens"] += len(token_ids) - num_reasoning
+        message.update(token_ids=token_ids, prompt_token_ids=prompt_ids)
+    else:
+        stats.reasoning["turns_with_reasoning"] += reasoning is not None
+    message["finish_reason"] = finish_reason
     st["out"] = context + [message]
 
 
@@ -483,32 +616,39 @@ def _regenerate(
     if isinstance(gen, _VllmGenerator):
         gen.owned = False  # as before: the engine lives as long as this process (or `llm`)
 
-    bs = cfg.batch_size
-    bar = tqdm(total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True)
-    written = _count_lines(partial) if start else 0
-    gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
-    for batch_index, b in enumerate(range(start, len(convs), bs), start=start // bs):
-        rows = _regenerate_batch(gen, tok, convs[b : b + bs], cfg, stats)
-        size = _append_rows(partial, rows)
-        written += len(rows)
-        done = min(b + bs, len(convs))
-        write_json(
-            progress_path,
-            {
-                "fingerprint": fp,
-                "rows_done": done,
-                "bytes": size,
-                "written": written,
-                "stats": stats.to_json(),
-                "target_fingerprint": weights,
-            },
+    try:
+        bs = cfg.batch_size
+        bar = tqdm(
+            total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True
         )
-        bar.update(done - b)
-        rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
-        bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
-        if on_batch is not None:
-            on_batch(batch_index, done)
-    bar.close()
+        written = _count_lines(partial) if start else 0
+        gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
+        for batch_index, b in enumerate(range(start, len(convs), bs), start=start // bs):
+            rows = _regenerate_batch(gen, tok, convs[b : b + bs], cfg, stats)
+            size = _append_rows(partial, rows)
+            written += len(rows)
+            done = min(b + bs, len(convs))
+            write_json(
+                progress_path,
+                {
+                    "fingerprint": fp,
+                    "rows_done": done,
+                    "bytes": size,
+                    "written": written,
+                    "stats": stats.to_json(),
+                    "target_fingerprint": weights,
+                },
+            )
+            bar.update(done - b)
+            rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
+            bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
+            if on_batch is not None:
+                on_batch(batch_index, done)
+        bar.close()
+    finally:
+        if getattr(gen, "chat", False):
+            engine["requests"] = gen.client.counts.to_json()
+            gen.close()  # a server the stage started stops here, on success or failure
 
     elapsed = time.time() - t0
     gen_s = time.time() - gen_t0
