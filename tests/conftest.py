@@ -283,3 +283,26 @@ def tiny_chatml(tmp_path_factory) -> Path:
             TinySpec(arch="llama", num_layers=2, chatml=True),
         )
     )
+
+
+@pytest.fixture(scope="session")
+def thinking_target(tmp_path_factory):
+    """family -> a tiny target of that thinking family (eagle3.testing.tiny.THINKING_FAMILIES)
+    carrying its published chat template (tests/thinking_templates.py), its weights rewritten by
+    make_thinking_emitter so that it writes reasoning + answer turns; built once per session and
+    family."""
+    from tests.thinking_templates import template_path
+
+    from eagle3.testing.tiny import build_tiny_thinking_target, make_thinking_emitter
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            out = tmp_path_factory.mktemp("thinking") / family
+            built[family] = make_thinking_emitter(
+                build_tiny_thinking_target(out, family, template_path(family))
+            )
+        return built[family]
+
+    return get

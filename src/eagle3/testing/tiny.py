@@ -419,3 +419,461 @@ def make_word_emitter(target: str | Path, end_of_turn_share: float = 0.15, seed:
     w["lm_head.weight"][:, 0] = bias / h0
     save()
     return out
+
+
+# ------------------------------------------------------------------ thinking targets
+#: The reasoning block's delimiters, one token each in every thinking family below.
+THINK_START, THINK_END = "<think>", "</think>"
+
+#: Qwen2/Qwen3's pre-tokenizer split (runs of newlines are one piece, so "\n\n" can be one token as
+#: in the real vocabularies); byte-level BPE on top, as build_tiny_tokenizer.
+_THINKING_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class ThinkingFamily:
+    """A thinking model family's tokenizer, as its published tokenizer files set it up: which added
+    tokens are `special` (decoding with skip_special_tokens drops those and keeps the others), its
+    bos / eos (the end-of-turn token the model emits) / pad, and the chat-template kwarg that turns
+    thinking on and off."""
+
+    name: str
+    model: str  # the published model whose template and tokens these are
+    special_tokens: tuple[str, ...]  # added tokens marked special
+    plain_tokens: tuple[str, ...]  # added tokens not marked special
+    bos_token: str | None
+    eos_token: str
+    pad_token: str
+    thinking_kwarg: str | None  # None: the template always thinks
+    arch: str  # TinySpec.arch of the default tiny target
+
+    @property
+    def think_tokens_special(self) -> bool:
+        return THINK_START in self.special_tokens
+
+
+_KIMI_TOOLS = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+_DEEPSEEK_TOOLS = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+)
+_DEEPSEEK_BOS, _DEEPSEEK_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+
+#: The families build_tiny_thinking_target knows, by name. Kimi's tiktoken tokenizer registers all
+#: its added tokens as special, `<think>`/`</think>` included; Qwen3 and the DeepSeek models add
+#: `<think>`/`</think>` (and DeepSeek its role tokens) as plain added tokens.
+THINKING_FAMILIES: dict[str, ThinkingFamily] = {
+    f.name: f
+    for f in (
+        ThinkingFamily(
+            name="kimi-k2-thinking",
+            model="moonshotai/Kimi-K2-Thinking",
+            special_tokens=(
+                "[BOS]",
+                "[EOS]",
+                "<|im_end|>",
+                "<|im_user|>",
+                "<|im_assistant|>",
+                "<|im_system|>",
+                "<|im_middle|>",
+                *_KIMI_TOOLS,
+                THINK_START,
+                THINK_END,
+                "[PAD]",
+            ),
+            plain_tokens=(),
+            bos_token="[BOS]",
+            eos_token="<|im_end|>",
+            pad_token="[PAD]",
+            thinking_kwarg=None,
+            arch="deepseek_v3",
+        ),
+        ThinkingFamily(
+            name="qwen3",
+            model="Qwen/Qwen3-0.6B",
+            special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+            plain_tokens=(
+                "<tool_call>",
+                "</tool_call>",
+                "<tool_response>",
+                "</tool_response>",
+                THINK_START,
+                THINK_END,
+            ),
+            bos_token=None,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            thinking_kwarg="enable_thinking",
+            arch="qwen3",
+        ),
+        ThinkingFamily(
+            name="deepseek-r1-distill",
+            model="deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
+            special_tokens=(_DEEPSEEK_BOS, _DEEPSEEK_EOS),
+            plain_tokens=("<｜User｜>", "<｜Assistant｜>", "<|EOT|>", THINK_START, THINK_END),
+            bos_token=_DEEPSEEK_BOS,
+            eos_token=_DEEPSEEK_EOS,
+            pad_token=_DEEPSEEK_EOS,
+            thinking_kwarg=None,
+            arch="llama",
+        ),
+        ThinkingFamily(
+            name="deepseek-v3.1",
+            model="deepseek-ai/DeepSeek-V3.1",
+            special_tokens=(_DEEPSEEK_BOS, _DEEPSEEK_EOS, "<｜▁pad▁｜>"),
+            plain_tokens=(
+                THINK_START,
+                THINK_END,
+                "<｜User｜>",
+                "<｜Assistant｜>",
+                *_DEEPSEEK_TOOLS,
+            ),
+            bos_token=_DEEPSEEK_BOS,
+            eos_token=_DEEPSEEK_EOS,
+            pad_token="<｜▁pad▁｜>",
+            thinking_kwarg="thinking",
+            arch="deepseek_v3",
+        ),
+    )
+}
+
+
+def thinking_family(name: str) -> ThinkingFamily:
+    """The ThinkingFamily called `name`; a ValueError naming the known ones otherwise."""
+    if name not in THINKING_FAMILIES:
+        raise ValueError(
+            f"unknown thinking family {name!r}: use one of {', '.join(THINKING_FAMILIES)}"
+        )
+    return THINKING_FAMILIES[name]
+
+
+def thinking_kwargs(family: str, thinking: bool) -> dict:
+    """The chat_template_kwargs that turn `family`'s thinking on or off ({} where its template has
+    no switch: it always thinks)."""
+    kwarg = thinking_family(family).thinking_kwarg
+    return {kwarg: thinking} if kwarg else {}
+
+
+def _thinking_corpus(seed: int) -> list[str]:
+    """synthetic_corpus plus multi-line texts, so that "\\n" and "\\n\\n" runs become tokens as in
+    the real vocabularies (templates write them around the reasoning block)."""
+    lines = synthetic_corpus(seed=seed)
+    rng = random.Random(seed + 7)
+    joined = [rng.choice(["\n", "\n\n"]).join(rng.sample(lines, 3)) for _ in range(len(lines) // 3)]
+    return lines + joined
+
+
+def build_tiny_thinking_tokenizer(
+    out_dir: str | Path,
+    family: str,
+    template_path: str | Path,
+    vocab_size: int = 512,
+    seed: int = 0,
+):
+    """A byte-level BPE tokenizer (trained on the synthetic corpus, as build_tiny_tokenizer) with
+    `family`'s added tokens, special or not as in the real tokenizer, its bos / eos / pad, and the
+    chat template file `template_path` installed byte for byte as chat_template.jinja. Saved to
+    out_dir; returns the transformers tokenizer."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    fam = thinking_family(family)
+    template = Path(template_path).read_bytes()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_THINKING_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(fam.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_thinking_corpus(seed), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in fam.plain_tokens])
+    named = {fam.bos_token, fam.eos_token, fam.pad_token}
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=fam.bos_token,
+        eos_token=fam.eos_token,
+        pad_token=fam.pad_token,
+        additional_special_tokens=[t for t in fam.special_tokens if t not in named],
+    )
+    fast.chat_template = template.decode("utf-8")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    (out / "chat_template.jinja").write_bytes(template)  # exactly the published file
+    return fast
+
+
+def build_tiny_thinking_target(
+    out_dir: str | Path,
+    family: str,
+    template_path: str | Path,
+    spec: TinySpec | None = None,
+) -> Path:
+    """A random-init tiny target of a thinking family (THINKING_FAMILIES): its tokenizer from
+    build_tiny_thinking_tokenizer with the chat template file `template_path` (the family's
+    published template), and a causal LM of `spec` (default: 2 layers of the family's `arch`,
+    DeepSeek-V3 MLA + MoE for the Kimi and DeepSeek-V3.1 families, a 1024-token vocabulary: every
+    word of the synthetic corpus is one token). Written atomically; idempotent
+    like build_tiny_target (a rebuild only when the family, template or spec changed). Turn it into
+    a target that thinks with make_thinking_emitter."""
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    fam = thinking_family(family)
+    spec = spec or TinySpec(arch=fam.arch, num_layers=2, vocab_size=1024)
+    out = Path(out_dir)
+    marker = out / "tiny_spec.json"
+    want = {
+        "thinking_family": fam.name,
+        "template_sha256": hashlib.sha256(Path(template_path).read_bytes()).hexdigest(),
+        **json.loads(json.dumps(spec.__dict__)),
+    }
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        return out
+    with atomic_dir(out) as tmp:
+        tok = build_tiny_thinking_tokenizer(
+            tmp, fam.name, template_path, vocab_size=spec.vocab_size, seed=spec.seed
+        )
+        cfg = tiny_text_config(spec, tok)
+        if tok.bos_token_id is None:  # Qwen3: no bos in the tokenizer, <|endoftext|> in config
+            cfg.bos_token_id = tok.pad_token_id
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_json(tmp / "tiny_spec.json", want)
+    return out
+
+
+#: make_thinking_emitter's states of an emitted turn, each a residual feature that the embedding of
+#: the tokens in that state sets (to _STATE_VALUE) and no layer writes, so the final hidden state
+#: carries the current token's state to lm_head.
+_OPEN, _REASONING, _ANSWER, _CLOSE, _END = range(5)
+_NUM_STATES = 5
+_STATE_VALUE = 10.0
+_NUM_CODE_DIMS = 48  # after the states: the word codes that pick each word's successor
+_SURE, _NEVER = 30.0, -30.0  # state biases: the token a state always / never emits
+_OTHER_WORDS = -8.0  # the other state's words
+
+
+@dataclass
+class _TurnPlan:
+    """What make_thinking_emitter makes a target write: each token's state, the words of the
+    reasoning and answer states, each chained word's successor, the entry tokens (a state's first
+    word follows them) and the thinking-on generation prompt of a one-turn chat."""
+
+    state: list[int]
+    words: dict[int, list[int]]
+    successor: dict[int, int]
+    entries: set[int]
+    prompt_ids: list[int]
+
+
+def _plan_turns(tok, family: str, shares: dict[int, float], seed: int) -> _TurnPlan:
+    """The _TurnPlan of a tiny target of `family` with tokenizer `tok`; `shares`: the share of the
+    reasoning (answer) words whose successor is `</think>` (the eos)."""
+    start, end = tok.convert_tokens_to_ids([THINK_START, THINK_END])
+    hello = [{"role": "user", "content": "hello"}]
+
+    def prompt(thinking: bool) -> list[int]:
+        kwargs = thinking_kwargs(family, thinking)
+        text = tok.apply_chat_template(hello, add_generation_prompt=True, tokenize=False, **kwargs)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    prompt_ids = prompt(True)
+    entries = {start, end, prompt(False)[-1]}
+    english = {w for w in _WORDS if w.isalpha() and w.islower() and len(w) > 1}
+    words = {_REASONING: [], _ANSWER: []}
+    for i in range(len(tok)):
+        text = tok.decode([i])
+        if text.startswith(" ") and text[1:] in english:
+            words[_REASONING if text[1] < "n" else _ANSWER].append(i)
+    state = [_ANSWER] * len(tok)
+    state[start] = _REASONING
+    if start in prompt_ids:  # pre-filled: the tokens after <think> continue the reasoning
+        after = prompt_ids[len(prompt_ids) - prompt_ids[::-1].index(start) :]
+        for t in after:
+            state[t] = _REASONING
+        entries.update(after)
+    else:
+        state[prompt_ids[-1]] = _OPEN
+    rng = random.Random(seed)
+    successor = {}
+    for s, last in ((_REASONING, _CLOSE), (_ANSWER, _END)):
+        chain = rng.sample(words[s], len(words[s]))
+        gap = max(1, round(1 / shares[s]))
+        for j, t in enumerate(chain):
+            state[t] = last if j % gap == gap - 1 else s
+            if state[t] == s:
+                successor[t] = chain[(j + 1) % len(chain)]
+    return _TurnPlan(state, words, successor, entries, prompt_ids)
+
+
+def make_thinking_emitter(
+    target: str | Path,
+    think_close_share: float = 0.05,
+    end_of_turn_share: float = 0.15,
+    follow_share: float = 0.95,
+    seed: int = 0,
+) -> Path:
+    """Rewrite a tiny thinking target's weights (build_tiny_thinking_target; in place) so that it
+    answers as a thinking model does, greedy or sampled: `<think>` where its template does not
+    pre-fill it, reasoning words (a-m), `</think>`, answer words (n-z), the end-of-turn token (its
+    eos) — where a random target writes byte soup, and loops when greedy.
+
+    make_word_emitter's device, per state: residual features that no layer writes mark the current
+    token's state and become, through lm_head, a bias per state: open (the last token of a
+    generation prompt that leaves the block to the model) emits `<think>`; reasoning (`<think>`,
+    what a thinking-on prompt pre-fills after it, a-m words) emits a-m words; answer (`</think>`,
+    n-z words, everything else) emits n-z words; close (`think_close_share` of the a-m words) emits
+    `</think>`; end (`end_of_turn_share` of the n-z words) emits the eos. Each word also carries a
+    random code that lm_head maps to one successor word, the words of a state chained in a shuffled
+    cycle with a closing (ending) word every 1/share words, so that a turn always gets to `</think>`
+    and to its end; the remaining features (the random model) make the next word the successor at
+    `follow_share` of the steps and a context-dependent other word at the rest. Idempotent: a
+    second call with the same settings does nothing, with others it is refused."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    out = Path(target)
+    marker = json.loads((out / "tiny_spec.json").read_text())
+    if "thinking_family" not in marker:
+        raise ValueError(
+            f"{out} is not a tiny thinking target (no thinking_family in tiny_spec.json): build it "
+            "with build_tiny_thinking_target"
+        )
+    settings = {
+        "think_close_share": think_close_share,
+        "end_of_turn_share": end_of_turn_share,
+        "follow_share": follow_share,
+        "seed": seed,
+    }
+    for name, share in settings.items():
+        if name != "seed" and not 0 < share <= 1:
+            raise ValueError(f"make_thinking_emitter: {name} must be in (0, 1], got {share}")
+    if marker.get("thinking_emitter") == settings:
+        return out
+    if "thinking_emitter" in marker:
+        raise ValueError(
+            f"{out} already emits with {marker['thinking_emitter']}: rebuild it with "
+            "build_tiny_thinking_target before rewriting it with other settings"
+        )
+    tok = AutoTokenizer.from_pretrained(str(out))
+    vocab = len(tok)
+    start, end = tok.convert_tokens_to_ids([THINK_START, THINK_END])
+    shares = {_REASONING: think_close_share, _ANSWER: end_of_turn_share}
+    plan = _plan_turns(tok, marker["thinking_family"], shares, seed)
+    state = torch.tensor(plan.state)
+
+    w = load_file(str(out / "model.safetensors"))
+    dtype = w["model.embed_tokens.weight"].dtype
+    w = {k: v.float() for k, v in w.items()}
+    codes = slice(_NUM_STATES, _NUM_STATES + _NUM_CODE_DIMS)
+    reserved = list(range(codes.stop))
+    emb = w["model.embed_tokens.weight"]
+    if emb.shape[1] < 2 * codes.stop:
+        raise ValueError(f"{out}: hidden size {emb.shape[1]} is below {2 * codes.stop}")
+    emb[:, reserved] = 0.0
+    # an entry token keeps nothing of its own but its state: the word after it is read from the
+    # context (the prompt), not from the token
+    emb[sorted(plan.entries)] = 0.0
+    emb[torch.arange(vocab), state] = _STATE_VALUE
+    gen = torch.Generator().manual_seed(seed)
+    code = torch.nn.functional.normalize(torch.randn(vocab, _NUM_CODE_DIMS, generator=gen), dim=-1)
+    chained = torch.tensor(sorted(plan.successor))
+    emb[chained, codes] = _STATE_VALUE * code[chained]
+    for k in w:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):  # every writer of the residual
+            w[k][reserved] = 0.0
+    w["model.norm.weight"][reserved] = 1.0
+    head = w["lm_head.weight"]
+    head[:, reserved] = 0.0
+
+    def save() -> None:
+        save_file(
+            {k: v.to(dtype).contiguous() for k, v in w.items()},
+            str(out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+
+    save()
+
+    # probe with random words after the thinking-on prompt: the logits are the random model's alone
+    # (lm_head's reserved columns are still 0), the normed features give each column's scale
+    rng = random.Random(seed)
+    opener = [] if start in plan.prompt_ids else [start]
+    probes = torch.tensor(
+        [
+            plan.prompt_ids
+            + opener
+            + rng.choices(plan.words[_REASONING], k=48)
+            + [end]
+            + rng.choices(plan.words[_ANSWER], k=48)
+            for _ in range(16)
+        ]
+    )
+    model = load_causal_lm(out, dtype=torch.float32)
+    normed = []
+    hook = model.model.norm.register_forward_hook(lambda m, i, o: normed.append(o))
+    with torch.no_grad():
+        noise = model(probes).logits.flatten(0, 1)
+    hook.remove()
+    hidden = normed[0].flatten(0, 1)
+    current = probes.flatten()
+
+    emits = {_OPEN: start, _CLOSE: end, _END: tok.eos_token_id}
+    typical = hidden[:, :_NUM_STATES].max(-1).values.mean()  # a state's feature after the norm
+    for s in range(_NUM_STATES):
+        bias = torch.full((vocab,), _NEVER)
+        if s in emits:
+            bias[emits[s]] = _SURE
+        else:
+            bias[plan.words[s]] = 0.0
+            bias[plan.words[_ANSWER if s == _REASONING else _REASONING]] = _OTHER_WORDS
+        at = state[current] == s
+        head[:, s] = bias / (hidden[at, s].mean() if at.any() else typical)
+
+    # the successor of word t gets logit `gain` * (code of t . code of its predecessor): `gain` such
+    # that the successor is the argmax at follow_share of the probed word positions
+    followed = torch.tensor([t in plan.successor for t in current.tolist()])
+    after = torch.tensor([plan.successor.get(t, 0) for t in current.tolist()])[followed]
+    pred = torch.zeros(vocab, _NUM_CODE_DIMS)
+    pred[list(plan.successor.values())] = code[list(plan.successor)]
+    size = (hidden[followed][:, codes] * code[current[followed]]).sum(-1).mean()
+    base = noise[followed] + hidden[followed][:, :_NUM_STATES] @ head[:, :_NUM_STATES].T
+    cue = hidden[followed][:, codes] @ pred.T / size
+    low, high = 0.0, 60.0
+    for _ in range(30):  # the share that follows grows with the gain
+        gain = (low + high) / 2
+        won = ((base + gain * cue).argmax(-1) == after).float().mean().item()
+        low, high = (gain, high) if won < follow_share else (low, gain)
+    head[:, codes] = (low + high) / 2 * pred / size
+    save()
+    write_json(out / "tiny_spec.json", {**marker, "thinking_emitter": settings})
+    return out
