@@ -756,7 +756,16 @@ def make_thinking_emitter(
     cycle with a closing (ending) word every 1/share words, so that a turn always gets to `</think>`
     and to its end; the remaining features (the random model) make the next word the successor at
     `follow_share` of the steps and a context-dependent other word at the rest. Idempotent: a
-    second call with the same settings does nothing, with others it is refused."""
+    second call with the same settings does nothing, with others it is refused.
+
+    Measured with the defaults, 2 layers, the first user turn of tiny_conversations(32) as prompts,
+    64 new tokens (2-core CPU): turns well formed (one `</think>`, then the eos) of 32, greedy /
+    sampled at temperature 1 — transformers: kimi-k2-thinking 32 / 32, qwen3 32 / 29,
+    deepseek-r1-distill 32 / 30, deepseek-v3.1 32 / 32 (the rest ran past 64 tokens); vLLM (CPU,
+    float32, seed 0): 32 / 29, 32 / 32, 32 / 29, 32 / 32. Thinking off (qwen3, deepseek-v3.1):
+    32 of 32 end with no block, greedy and sampled. Greedy turns repeat across prompts (9-16
+    distinct of 32: the words follow their chains); sampled ones differ (30-32 distinct in
+    transformers). Mean length, greedy: 10-28 tokens thinking on, 7 off."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
