@@ -1,0 +1,192 @@
+"""Thinking targets end to end, token-exact: the published chat templates of Kimi-K2-Thinking,
+Qwen3, DeepSeek-R1-distill and DeepSeek-V3.1 on tiny targets of their families that write
+reasoning + answer turns (eagle3.testing.tiny.make_thinking_emitter), thinking on and off, two-turn
+chats.
+
+For each: regenerate -> prepare -> capture -> train, and the trained ids of every assistant turn are
+exactly the ids the target generated; the same chats as text only (what a user's own dataset holds:
+`reasoning_content` + content) prepare to the same ids through the alignment check. The matrix
+generates with transformers (hf backend); tests/test_regenerate.py and tests/test_openai_server.py
+show the same for vLLM's engine and server, and the last test runs one family through vLLM's
+capture and evaluate, with acceptance on the reasoning and the answer spans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3.chat_formats import read_conversations
+from eagle3.chat_template import MisalignedTurnError
+from eagle3.config import PipelineConfig, PrepareConfig
+from eagle3.data.prepare import run_prepare
+from eagle3.prepared import load_prepared
+from eagle3.testing.tiny import thinking_kwargs
+
+#: (family, thinking): the templates without a switch always think
+CASES = [
+    ("kimi-k2-thinking", True),
+    ("qwen3", True),
+    ("qwen3", False),
+    ("deepseek-r1-distill", True),
+    ("deepseek-v3.1", True),
+    ("deepseek-v3.1", False),
+]
+
+QUESTIONS = [
+    "Name two colours of the sea.",
+    "What do you call a small house by a river?",
+    "Which animal sleeps in the day?",
+    "Tell me the name of a warm country.",
+    "How many legs has a spider?",
+    "Where does the sun go at night?",
+]
+
+
+def two_turn_chats() -> list[dict]:
+    return [
+        {
+            "id": f"chat-{i}",
+            "messages": [
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": "an answer the target will replace"},
+                {"role": "user", "content": "And why is that so?"},
+            ],
+        }
+        for i, q in enumerate(QUESTIONS)
+    ]
+
+
+def pipeline(target: Path, work: Path, family: str, thinking: bool, **over) -> PipelineConfig:
+    data = work.parent / f"{work.name}-chats.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps(r) + "\n" for r in two_turn_chats()))
+    cfg = {
+        "name": f"thinking-{family}",
+        "target": str(target),
+        "data": str(data),
+        "work_dir": str(work),
+        "chat_template_kwargs": thinking_kwargs(family, thinking),
+        "regenerate": {
+            "backend": "hf",
+            "device": "cpu",
+            "dtype": "float32",
+            "max_new_tokens": 96,
+            "max_model_len": 512,
+            "batch_size": 8,
+        },
+        "prepare": {"max_seq_len": 512},
+        "capture": {
+            "backend": "hf",
+            "device": "cpu",
+            "dtype": "float32",
+            "batch_tokens": 1024,
+            "aux_layer_ids": [1],  # the tiny targets have 2 layers
+        },
+        "vocab": {"draft_vocab_size": 128},
+        "train": {
+            "epochs": 1,
+            "ttt_steps": 2,
+            "max_seq_len": 512,
+            "val_fraction": 0.2,
+            "warmup_steps": 1,
+            "eval_every": 1000,
+            "save_every": 1000,
+            "device": "cpu",
+        },
+    }
+    for section, values in over.items():
+        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
+    return PipelineConfig.model_validate(cfg)
+
+
+def generated_ids(conversations_path: Path) -> dict[str, list[int]]:
+    """sample id -> the ids of its assistant turns, in order, as the target generated them."""
+    out: dict[str, list[int]] = {}
+    for c in read_conversations(conversations_path).conversations:
+        for m in c.messages:
+            if m["role"] == "assistant":
+                out.setdefault(c.sample_id, []).extend(m["token_ids"])
+    return out
+
+
+def trained_ids(prepared: Path) -> dict[str, list[int]]:
+    """sample id -> the supervised ids of its rows (a conversation's rows `<id>`, `<id>:row2`)."""
+    out: dict[str, list[int]] = {}
+    ds = load_prepared(prepared)
+    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"], strict=True):
+        kept = [int(t) for t, k in zip(ids, mask, strict=True) if k]
+        out.setdefault(str(sid).split(":row")[0], []).extend(kept)
+    return out
+
+
+def as_text_only(conversations_path: Path, out: Path) -> Path:
+    """The regenerated chats as a user's own dataset holds them: reasoning_content + content, no
+    ids."""
+    rows = []
+    for line in conversations_path.read_text().splitlines():
+        row = json.loads(line)
+        for m in row["messages"]:
+            for key in ("token_ids", "prompt_token_ids", "finish_reason"):
+                m.pop(key, None)
+            if "reasoning" in m:
+                m["reasoning_content"] = m.pop("reasoning")
+        rows.append(row)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+@pytest.mark.parametrize(("family", "thinking"), CASES, ids=[f"{f}-{t}" for f, t in CASES])
+def test_trained_ids_are_the_generated_ids(thinking_target, tmp_path, family, thinking):
+    from eagle3.pipeline import run_pipeline
+
+    target = thinking_target(family)
+    cfg = pipeline(target, tmp_path / "work", family, thinking)
+    res = run_pipeline(cfg)
+    assert list(res.stages)[:6] == ["regenerate", "prepare", "capture", "vocab", "train", "export"]
+    regen, prep = res.stages["regenerate"], res.stages["prepare"]
+    # every turn of every chat was regenerated: two per chat
+    assert regen.num_turns == 2 * len(QUESTIONS)
+    generated = generated_ids(regen.conversations_path)
+    assert trained_ids(tmp_path / "work" / "prepared") == generated
+    assert prep.turns["from_generated"] == regen.num_turns and not prep.turns.get("from_text")
+    if thinking:  # most turns think; the reasoning is trained, `<think>` / `</think>` included
+        assert prep.turns["with_reasoning"] >= regen.num_turns // 2
+        assert prep.turns["reasoning_tokens"] > 0
+    else:
+        assert not prep.turns.get("reasoning_tokens")
+    # the capture and the draft cover exactly those rows
+    assert res.stages["capture"].num_samples == prep.num_samples
+    assert res.stages["train"].steps > 0
+
+    # the same chats as text only (reasoning_content + content, no ids): each turn is tokenized
+    # as the target writes it and held against the template's rendering of that turn
+    text = as_text_only(regen.conversations_path, tmp_path / "text.jsonl")
+    prep_cfg = PrepareConfig(
+        target=str(target),
+        data=str(text),
+        out=tmp_path / "from-text",
+        max_seq_len=512,
+        chat_template_kwargs=thinking_kwargs(family, thinking),
+    )
+    if (family, thinking) in REFUSED_AS_TEXT:
+        with pytest.raises(MisalignedTurnError) as refused:
+            run_prepare(prep_cfg)
+        message = str(refused.value)
+        assert "row chat-" in message and "assistant turn 1" in message
+        assert "the reasoning differs at token 0" in message
+        assert not (tmp_path / "from-text").exists()
+        return
+    from_text = run_prepare(prep_cfg)
+    assert from_text.turns["from_text"] == regen.num_turns
+    assert trained_ids(tmp_path / "from-text") == generated
+    if thinking and family != "qwen3":  # these templates render no reasoning of the last turn
+        assert from_text.turns["reasoning_unchecked"] > 0
+
+
+#: Qwen3's template writes a turn's reasoning between newlines of its own ("<think>\n" ...
+#: "\n</think>\n\n"); the tiny target writes none, so its text cannot be told apart from the
+#: template's rendering and is refused, naming the first differing token (real Qwen3 writes those
+#: newlines itself, and then the two agree)
+REFUSED_AS_TEXT = {("qwen3", True)}
