@@ -60,30 +60,38 @@ def draft_path(manifests: dict[str, dict[str, Any]]) -> str | None:
 
 
 def result_line(manifests: dict[str, dict[str, Any]]) -> str:
-    """The pipeline's result in one line (the run's final state message): tokens per target step
-    and τ of the draft and of n-gram, the draft's modelled speed-up, and the draft's path, e.g.
+    """The pipeline's result in one line (the run's final state message; the UI shows its first 60
+    characters, so the comparison comes first): tokens per target step and τ of the draft vs
+    n-gram, their modelled speed-ups, and the draft's path, e.g.
 
-        draft 1.44 tokens/target step (τ 1.45) vs n-gram 1.39 (τ 2.78); modelled speed-up 1.38×
-        (n-gram 1.39×); draft /data/runs/demo/draft
+        draft 1.44 vs n-gram 1.17 tokens/target step (τ 1.45 vs 2.78); modelled speed-up 1.38× vs
+        1.17×; draft /data/runs/demo/draft
     """
     rows = {r["method"]: r for r in method_rows(evaluate_result_of(manifests))}
+
+    def num(v: Any, suffix: str = "") -> str:
+        return "–" if v is None else f"{v:.2f}{suffix}"
+
     parts = []
-    draft = rows.get("eagle3")
+    draft, ngram = rows.get("eagle3"), rows.get("ngram")
     if draft and draft["tokens_per_step"] is not None:
-        tau = f" (τ {draft['tau']:.2f})" if draft["tau"] is not None else ""
-        head = f"draft {draft['tokens_per_step']:.2f} tokens/target step{tau}"
-        ngram = rows.get("ngram")
         if ngram and ngram["tokens_per_step"] is not None:
-            n_tau = f"τ {ngram['tau']:.2f}" if ngram["tau"] is not None else "never drafted"
-            head += f" vs n-gram {ngram['tokens_per_step']:.2f} ({n_tau})"
+            parts.append(
+                f"draft {num(draft['tokens_per_step'])} vs n-gram {num(ngram['tokens_per_step'])} "
+                f"tokens/target step (τ {num(draft['tau'])} vs {num(ngram['tau'])})"
+            )
+            if draft["modelled_speedup"] is not None:
+                parts.append(
+                    f"modelled speed-up {num(draft['modelled_speedup'], '×')} vs "
+                    f"{num(ngram['modelled_speedup'], '×')}"
+                )
         else:
-            head += "; n-gram not measured (evaluate.compare: [ngram])"
-        parts.append(head)
-        if draft["modelled_speedup"] is not None:
-            speedup = f"modelled speed-up {draft['modelled_speedup']:.2f}×"
-            if ngram and ngram["modelled_speedup"] is not None:
-                speedup += f" (n-gram {ngram['modelled_speedup']:.2f}×)"
-            parts.append(speedup)
+            parts.append(
+                f"draft {num(draft['tokens_per_step'])} tokens/target step "
+                f"(τ {num(draft['tau'])}); n-gram not measured (evaluate.compare: [ngram])"
+            )
+            if draft["modelled_speedup"] is not None:
+                parts.append(f"modelled speed-up {num(draft['modelled_speedup'], '×')}")
     elif "evaluate" in manifests:
         tau = find_tau(evaluate_result_of(manifests))
         parts.append(f"draft τ {tau:.2f}" if tau is not None else "evaluated (no τ in its result)")
@@ -95,16 +103,17 @@ def result_line(manifests: dict[str, dict[str, Any]]) -> str:
     return "; ".join(parts) or f"stages done: {', '.join(manifests) or 'none'}"
 
 
-def artifact_link(key: str) -> str:
-    """A markdown link to the latest artifact under `key` in the UI (its key page), or the key in
-    code when no UI address is known (the embedded API)."""
+def artifact_link(key: str, text: str | None = None) -> str:
+    """A markdown link to the latest artifact under `key` in the UI (its key page), or `text` (the
+    key in code) when no UI address is known (the embedded API)."""
     try:
         from prefect.settings import PREFECT_UI_URL
 
         ui = PREFECT_UI_URL.value()
     except Exception:  # noqa: BLE001 - a link is a convenience
         ui = None
-    return f"[`{key}`]({str(ui).rstrip('/')}/artifacts/key/{key})" if ui else f"`{key}`"
+    text = text or f"`{key}`"
+    return f"[{text}]({str(ui).rstrip('/')}/artifacts/key/{key})" if ui else text
 
 
 def _s(value: Any) -> str:
@@ -190,8 +199,8 @@ def pipeline_summary(
     md += [
         "## stages",
         "",
-        "| # | stage | this run | time | GPU slot wait | result | details |",
-        "|---:|---|---|---:|---:|---|---|",
+        "| # | stage (its summary) | this run | time | GPU slot wait | result |",
+        "|---:|---|---|---:|---:|---|",
     ]
     for i, (stage, m) in enumerate(manifests.items(), start=1):
         state = "cached" if m.get("cached") else "ran"
@@ -200,10 +209,14 @@ def pipeline_summary(
         elif not m.get("cached") and m.get("resumed_from"):
             state = "ran (resumed)"
         wall = "–" if m.get("cached") else _s(m.get("wall_s"))
-        figure = key_figure(stage, m.get("result") or {}).replace("|", "/")
+        # evaluate's figures are the table above
+        figure = (
+            "above" if stage == "evaluate" and rows else key_figure(stage, m.get("result") or {})
+        )
+        link = artifact_link(artifact_key(name, stage, "summary"), stage)
         md.append(
-            f"| {i} | {stage} | {state} | {wall} | {_s(m.get('slot_wait_s') or 0)} | {figure} | "
-            f"{artifact_link(artifact_key(name, stage, 'summary'))} |"
+            f"| {i} | {link} | {state} | {wall} | {_s(m.get('slot_wait_s') or 0)} | "
+            f"{figure.replace('|', '/')} |"
         )
     crashes = crash_lines(manifests, takeover)
     if crashes:

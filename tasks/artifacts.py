@@ -327,8 +327,9 @@ def evaluate_result(run_name: str, out: Path, result: dict[str, Any]) -> None:
 def serve_snippet(draft: str | Path) -> str:
     """The vLLM line that serves the draft at `draft`."""
     return (
-        f'LLM(model=TARGET, speculative_config={{"method": "eagle3", "model": "{draft}", '
-        f'"num_speculative_tokens": 3}})'
+        "LLM(\n    model=TARGET,\n    speculative_config={\n"
+        f'        "method": "eagle3",\n        "model": "{draft}",\n'
+        '        "num_speculative_tokens": 3,\n    },\n)'
     )
 
 

@@ -521,7 +521,7 @@ def test_pipeline_deployment_gpu_pool_and_one_run_per_work_dir(stack, tiny_cfg):
     name, message = runs[done]["name"], runs[done]["state"]["message"]
     assert re.fullmatch(r"tiny · \d{4}-\d\d-\d\d \d\d:\d\d", name), name
     assert re.match(
-        r"draft \d+\.\d\d tokens/target step \(τ \d+\.\d\d\) vs n-gram \d+\.\d\d \(", message
+        r"draft \d+\.\d\d vs n-gram \d+\.\d\d tokens/target step \(τ \d+\.\d\d vs ", message
     ), message
     draft = str(Path(cfg.resolved().export.out).resolve())
     assert "modelled speed-up" in message and message.endswith(f"; draft {draft}"), message

@@ -495,10 +495,12 @@ def test_the_result_line_and_the_comparison_lead_with_tokens_per_target_step():
         "export": {"out": "/data/runs/demo/draft"},
         "evaluate": {"result": _evaluate_result()},
     }
-    assert result_line(manifests) == (
-        "draft 1.44 tokens/target step (τ 1.45) vs n-gram 1.17 (τ 2.78); modelled speed-up 1.38× "
-        "(n-gram 1.17×); draft /data/runs/demo/draft"
+    line = result_line(manifests)
+    assert line == (
+        "draft 1.44 vs n-gram 1.17 tokens/target step (τ 1.45 vs 2.78); modelled speed-up 1.38× vs "
+        "1.17×; draft /data/runs/demo/draft"
     )
+    assert line[:60].endswith("(τ 1.45 vs 2.78")  # the UI's Details tab shows 60 characters
     alone = _evaluate_result()
     alone["comparisons"] = []
     manifests["evaluate"]["result"] = alone
