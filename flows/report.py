@@ -60,7 +60,7 @@ def draft_path(manifests: dict[str, dict[str, Any]]) -> str | None:
 
 
 def result_line(manifests: dict[str, dict[str, Any]]) -> str:
-    """The pipeline's result in one line (the run's final state message; the UI shows its first 60
+    """The pipeline's result in one line (the run's final state message; the UI shows its first ~70
     characters, so the comparison comes first): tokens per target step and τ of the draft vs
     n-gram, their modelled speed-ups, and the draft's path, e.g.
 
