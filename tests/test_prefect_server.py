@@ -277,6 +277,8 @@ class Stack:
             line = self.localize(raw)
             if line.startswith("export "):
                 key, _, value = line[len("export ") :].partition("=")
+                if key == "PREFECT_API_DATABASE_CONNECTION_URL":
+                    continue  # the stack's own database: a throwaway cluster, or SQLite
                 self.env[key] = shlex.split(value)[0]
             elif line.startswith("prefect deployment run"):
                 self.run_line = line
