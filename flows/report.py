@@ -4,6 +4,7 @@ linking the other artifacts)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -229,10 +230,9 @@ def pipeline_summary(
     links = [f"- {artifact_link(k)}: {what}" for k, present, what in others if present]
     if links:
         md += ["", "## more", "", *links]
-    outputs = {s: m.get("out") for s, m in manifests.items() if m.get("out")}
-    if outputs:
-        work = Path(next(iter(outputs.values()))).parent
-        md += ["", f"Outputs: `{work}` (one directory per stage)."]
+    outputs = [str(Path(m["out"]).resolve()) for m in manifests.values() if m.get("out")]
+    if len(outputs) > 1:
+        md += ["", f"Outputs: under `{os.path.commonpath(outputs)}` (one directory per stage)."]
     create_markdown_artifact(
         markdown="\n".join(md) + "\n",
         key=key,
