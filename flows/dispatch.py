@@ -18,17 +18,15 @@ from eagle3_prefect.tasks.stages import GPU_STAGES, RESULT_DIR, run_stage
 
 Dispatch = Literal["auto", "local", "deployments"]
 
-#: GPU stage flows (flows/gpu_stages.py) by stage; their deployments are "<flow name>/stage ·
-#: <stage> · <pool>"
-STAGE_FLOW_NAMES = {s: f"eagle3-{s}" for s in GPU_STAGES}
 DEFAULT_GPU_POOL = "gpu-1x"
 
 
 def stage_deployment(stage: str, pool: str) -> str:
-    """The full name of `stage`'s deployment on `pool` (prefect.yaml), e.g. "eagle3-train/stage ·
-    train · gpu-1x": named for what it runs, and sorted after the deployments a person starts in the
-    UI's list."""
-    return f"eagle3-{stage}/stage · {stage} · {pool}"
+    """The full name of `stage`'s deployment on `pool` (prefect.yaml), e.g. "eagle3-train/subflow ·
+    train · gpu-1x": named for what it is (a run the pipeline launches as its subflow) and where it
+    runs, and sorted after the deployments a person starts (pipeline ... streaming) in the UI's
+    list (A to Z)."""
+    return f"eagle3-{stage}/subflow · {stage} · {pool}"
 
 
 def absolute_config(config: PipelineConfig) -> PipelineConfig:

@@ -1,8 +1,8 @@
 """The GPU-heavy stages as flows of their own, deployed on hardware-tagged work pools (prefect.yaml:
-"eagle3-capture/stage · capture · gpu-1x", "eagle3-train/stage · train · gpu-8x", ...). The pipeline
-flow launches them with `run_deployment` (tasks/dispatch.py); each runs the same cached, verified
-stage task a local run uses. Parameters are the stage's own config model, so the UI shows a form for
-a one-off stage run too.
+"eagle3-capture/subflow · capture · gpu-1x", "eagle3-train/subflow · train · gpu-8x", ...). The
+pipeline flow launches them with `run_deployment` (tasks/dispatch.py); each runs the same cached,
+verified stage task a local run uses. Parameters are the stage's own config model, so the UI shows a
+form for a one-off stage run too.
 
 One flow per stage the registry marks `gpu` (eagle3.stages), named `<stage>_stage` here (the
 prefect.yaml entrypoints, e.g. eagle3_prefect.flows.gpu_stages:capture_stage) and `eagle3-<stage>`

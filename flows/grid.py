@@ -3,12 +3,12 @@
 final metrics.
 
 With deployments (dispatch auto on a server, or "deployments") every draft is a flow run of
-`eagle3-train/<pool>`; start one gpu-1x worker per GPU, each with its own CUDA_VISIBLE_DEVICES and a
-per-device slot (EAGLE3_GPU_LIMIT="gpu-host-{host}-gpu{device}", tasks/stages.gpu_limit_names), and
-the drafts train one per GPU at once (docs/scaling.md, "Prefect pools and deployments"). Locally
-(dispatch "local") they run in this flow run's threads. Each draft's capture and vocab are named in
-its own config; they count in its cache key by the stamps of the stages that wrote them (or by
-content when no stage stamped them).
+`eagle3-train/subflow · train · <pool>`; start one gpu-1x worker per GPU, each with its own
+CUDA_VISIBLE_DEVICES and a per-device slot (EAGLE3_GPU_LIMIT="gpu-host-{host}-gpu{device}",
+tasks/stages.gpu_limit_names), and the drafts train one per GPU at once (docs/scaling.md, "Prefect
+pools and deployments"). Locally (dispatch "local") they run in this flow run's threads. Each
+draft's capture and vocab are named in its own config; they count in its cache key by the stamps of
+the stages that wrote them (or by content when no stage stamped them).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pydantic import Field
 from eagle3.config import ConfigError, TrainConfig
 from eagle3_prefect.flows.dispatch import (
     DEFAULT_GPU_POOL,
-    STAGE_FLOW_NAMES,
     Dispatch,
     api_configured,
     deployment_exists,
+    stage_deployment,
 )
 from eagle3_prefect.tasks.manifest import fingerprint_path, read_stamp
 from eagle3_prefect.tasks.stages import run_stage
@@ -90,7 +90,7 @@ def train_grid(
             "train_grid: two drafts share an out dir "
             f"({sorted(o for o in outs if outs.count(o) > 1)}): give each draft its own train.out"
         )
-    name = f"{STAGE_FLOW_NAMES['train']}/{gpu_pool}"
+    name = stage_deployment("train", gpu_pool)
     use = dispatch == "deployments" or (
         dispatch == "auto" and api_configured() and deployment_exists(name)
     )

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Completed, State
 
 from eagle3.config import PipelineConfig
 from eagle3.pipeline import enabled_stages, ensure_target
 from eagle3.preflight import require_pipeline
 from eagle3.stages import STAGES, STREAM_STEP
 from eagle3_prefect.flows.dispatch import DEFAULT_GPU_POOL, Dispatch, StageRunner, absolute_config
-from eagle3_prefect.flows.report import pipeline_summary
+from eagle3_prefect.flows.report import pipeline_summary, run_namer
 from eagle3_prefect.flows.runlock import work_dir_lock
 from eagle3_prefect.tasks.artifacts import artifact_key
 from eagle3_prefect.tasks.manifest import content_sha256, list_outputs
@@ -49,21 +51,23 @@ def apply_blocks(
     return cfg, pool, limit
 
 
-@flow(name="eagle3-pipeline", log_prints=True)
+@flow(name="eagle3-pipeline", log_prints=True, flow_run_name=run_namer())
 def eagle3_pipeline(
     config: PipelineConfig,
     dispatch: Dispatch = "auto",
     target_source: str | None = None,
     storage: str | None = None,
     hardware: str | None = None,
-) -> dict[str, Any]:
+) -> State:
     """regenerate (optional) → prepare → capture → vocab → train → refine (optional) → export →
     evaluate.
 
     dispatch: "auto" runs GPU stages as their own deployments when a Prefect server has them, else
     here; "local" always here; "deployments" always as deployments. target_source / storage /
     hardware name blocks (TargetModelSource, StorageLocation, HardwareProfile) that override the
-    config. Returns {stage: manifest}.
+    config. Returns {stage: manifest} (its state's result); the run is named "<config name> ·
+    <local time>" and its Completed state's message is the result in one line
+    (flows/report.result_line: tokens per target step and τ, draft vs n-gram, the draft's path).
 
     One pipeline per work dir: the run holds <work_dir>/.eagle3.lock (eagle3.lock; released when the
     process ends, crash included) and a second run on the same work dir fails at once, naming the
@@ -83,7 +87,7 @@ def run_stages(
     gpu_pool: str,
     gpu_limit: str | None,
     takeover: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> State:
     """The stages in order (the work dir is locked); the config is checked once the target is there.
     takeover: the lost run this one took the work dir over from (its summary says so)."""
     cfg = config.resolved()
@@ -113,14 +117,20 @@ def run_stages(
         else:
             stage(step, *STAGES[step].needs)  # on the manifests of the stages it reads
 
-    pipeline_summary(
-        cfg.name, stage.manifests, key=artifact_key(cfg.name, "pipeline"), takeover=takeover
+    line = pipeline_summary(
+        cfg.name,
+        stage.manifests,
+        key=artifact_key(cfg.name, "pipeline"),
+        takeover=takeover,
+        title=flow_run.name,
     )
     ran = [s for s, m in stage.manifests.items() if not m.get("cached")]
     get_run_logger().info(
-        "pipeline %s: ran %s, cached %s",
+        "pipeline %s: ran %s, cached %s; %s",
         cfg.name,
         ran or "nothing",
         [s for s in stage.manifests if s not in ran] or "nothing",
+        line,
     )
-    return stage.manifests
+    # the run page shows this message beside its state: the result without a click
+    return Completed(message=line, data=stage.manifests)

@@ -23,6 +23,7 @@ from prefect.runtime import flow_run
 from eagle3.config import ConfigError, PipelineConfig
 from eagle3_prefect.flows.dispatch import Dispatch, absolute_config
 from eagle3_prefect.flows.pipeline import eagle3_pipeline
+from eagle3_prefect.flows.report import run_namer
 from eagle3_prefect.flows.runlock import work_dir_lock
 from eagle3_prefect.tasks.artifacts import artifact_key, find_tau
 from eagle3_prefect.tasks.manifest import fingerprint_path, sha256_json
@@ -85,7 +86,7 @@ def promote(work_dir: Path, record: dict[str, Any], previous: dict[str, Any] | N
     os.replace(link_tmp, work_dir / LINK)
 
 
-@flow(name="eagle3-retrain", log_prints=True)
+@flow(name="eagle3-retrain", log_prints=True, flow_run_name=run_namer("retrain"))
 def retrain(
     config: PipelineConfig, min_tau_gain: float = 0.0, dispatch: Dispatch = "auto"
 ) -> dict[str, Any]:

@@ -5,8 +5,8 @@
 
 By default both sides run as subprocesses of this flow run
 (`python -m eagle3_prefect.tasks._stage_main`, like the GPU stages). With `capture_deployment` /
-`train_deployment` (e.g. "eagle3-stream-capture/stage · stream-capture · gpu-1x",
-"eagle3-stream-train/stage · stream-train · gpu-1x", prefect.yaml) a side runs as a run of that
+`train_deployment` (e.g. "eagle3-stream-capture/subflow · stream-capture · gpu-1x",
+"eagle3-stream-train/subflow · stream-train · gpu-1x", prefect.yaml) a side runs as a run of that
 deployment: the spool must then be on storage both hosts see. Each side resumes by itself, so a
 crashed side is retried.
 """
@@ -20,6 +20,7 @@ from prefect.deployments import run_deployment
 from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig, StreamCaptureConfig, StreamTrainConfig
+from eagle3_prefect.flows.report import run_namer
 from eagle3_prefect.tasks.errors import StageCrashed, retry_transient_only
 from eagle3_prefect.tasks.stages import NUM_RETRIES, RETRY_BASE_S, as_stage_config
 from eagle3_prefect.tasks.subprocess_runner import run_stage_subprocess
@@ -69,7 +70,7 @@ def stream_side(
     return {"deployment": deployment, "flow_run": str(run.id)}
 
 
-@flow(name="eagle3-stream", log_prints=True)
+@flow(name="eagle3-stream", log_prints=True, flow_run_name=run_namer("streaming"))
 def streaming(
     config: PipelineConfig,
     capture_deployment: str | None = None,

@@ -23,6 +23,7 @@ from eagle3.pipeline import ensure_target
 from eagle3.preflight import require_pipeline
 from eagle3.stages import STAGES
 from eagle3_prefect.flows.dispatch import Dispatch, StageRunner, absolute_config
+from eagle3_prefect.flows.report import run_namer
 from eagle3_prefect.flows.runlock import work_dir_lock
 from eagle3_prefect.tasks.artifacts import (
     artifact_key,
@@ -153,7 +154,12 @@ def comparison_chart(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
-@flow(name="eagle3-layer-sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
+@flow(
+    name="eagle3-layer-sweep",
+    log_prints=True,
+    task_runner=ThreadPoolTaskRunner(max_workers=8),
+    flow_run_name=run_namer("layer sweep"),
+)
 def layer_sweep(
     config: PipelineConfig,
     layer_sets: Annotated[list[Annotated[list[LayerId], Field(min_length=1)]], Field(min_length=1)],

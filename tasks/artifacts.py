@@ -15,10 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import (
-    create_link_artifact,
     create_markdown_artifact,
     create_progress_artifact,
-    create_table_artifact,
     update_progress_artifact,
 )
 
@@ -111,53 +109,34 @@ class Progress:
             log.warning("progress update failed: %s", e)
 
 
-def read_metric_rows(out: Path) -> list[dict[str, Any]]:
-    """Per-step training metrics: every JSON line with a `step` field in the *.jsonl files under out
-    (the train stage's metrics log), sorted by step."""
-    rows: list[dict[str, Any]] = []
-    for f in sorted(out.rglob("*.jsonl")):
-        if any(p.startswith(".") for p in f.relative_to(out).parts):
-            continue
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and "step" in rec:
-                rows.append(rec)
-    rows.sort(key=lambda r: (r.get("step", 0), str(r.get("split", ""))))
-    return rows
+def _metric_files(out: Path) -> list[Path]:
+    return sorted(
+        f
+        for f in out.rglob("*.jsonl")
+        if not any(q.startswith(".") for q in f.relative_to(out).parts)
+    )
 
 
 @_guard
-def train_metrics(run_name: str, out: Path, max_rows: int = 500) -> None:
-    """Table of per-step training metrics, plus the training curves' PNGs."""
-    rows = read_metric_rows(out)
-    if rows:
-        if len(rows) > max_rows:  # keep the first, the last and an even spread
-            stride = len(rows) / max_rows
-            rows = [rows[int(i * stride)] for i in range(max_rows - 1)] + [rows[-1]]
-        cols: list[str] = []
-        for r in rows:
-            cols += [k for k in r if k not in cols and not isinstance(r[k], dict | list)]
-        table = [{c: r.get(c) for c in cols} for r in rows]
-        create_table_artifact(
-            table=table,
-            key=artifact_key(run_name, "train", "metrics"),
-            description="per-step training metrics",
-        )
+def train_metrics(run_name: str, out: Path) -> None:
+    """The training curves' PNGs, and where the per-step metrics are (they stay in their files: a
+    hundred rows of 16-digit floats is noise where the curves tell the story)."""
     pngs = sorted(
         p
         for p in out.rglob("*.png")
         if not any(q.startswith(".") for q in p.relative_to(out).parts)
     )
-    if pngs:
-        md = "# training curves\n\n" + "\n\n".join(png_markdown(p, p.stem) for p in pngs[:6])
-        create_markdown_artifact(
-            markdown=md,
-            key=artifact_key(run_name, "train", "curves"),
-            description="training curves",
-        )
+    files = _metric_files(out)
+    if not pngs and not files:
+        return
+    md = "# training curves\n\n" + "\n\n".join(png_markdown(p, p.stem) for p in pngs[:6])
+    if files:
+        md += "\n\nPer-step metrics (JSON lines): " + ", ".join(f"`{f}`" for f in files)
+    create_markdown_artifact(
+        markdown=md,
+        key=artifact_key(run_name, "train", "curves"),
+        description="training curves",
+    )
 
 
 def find_value(result: dict[str, Any], keys: tuple[str, ...], accept: Callable[[Any], bool]) -> Any:
@@ -192,9 +171,101 @@ def find_per_position(result: dict[str, Any]) -> list[float] | None:
     return None if v is None else [float(x) for x in v]
 
 
-@_guard
-def evaluate_result(run_name: str, out: Path, result: dict[str, Any]) -> None:
-    """τ (mean acceptance length), per-position acceptance, speed-up and the charts."""
+#: how the summary and the evaluate artifact name the methods of an evaluate result
+METHOD_LABELS = {"eagle3": "draft (EAGLE-3)", "ngram": "n-gram", "plain": "plain decoding"}
+
+
+def _round(v: Any, digits: int = 2) -> float | None:
+    return round(float(v), digits) if _is_number(v) else None
+
+
+def method_rows(result: dict[str, Any] | Any) -> list[dict[str, Any]]:
+    """The methods an evaluate result measured, side by side over every prompt at its first
+    temperature: the evaluated method, those of `compare` (n-gram), then plain decoding when its
+    speed was timed. Each row: method (eagle3, ngram, plain), tokens_per_step (generated tokens per
+    target forward pass: the figure that compares methods), tau (vLLM's mean acceptance length over
+    the steps that drafted; None where it never drafted), drafted (the fraction of steps that
+    drafted), tokens_per_s, modelled_speedup (memory-bound GPU model), measured_speedup (against
+    plain decoding, on this machine). Rounded; None where the result does not say. [] when the
+    result is not an evaluate result."""
+    from eagle3.artifacts import EvalResults
+
+    try:
+        r = EvalResults.from_dict(result, "the evaluate result")
+    except (ValueError, TypeError):
+        return []
+    first = r.all_row()
+    runs = [(r.method, first)]
+    seen = {r.method}
+    for c in r.comparisons:  # their row over every prompt at the first temperature
+        if c.category == "all" and c.method not in seen:
+            seen.add(c.method)
+            runs.append((c.method, c))
+    rows = []
+    for method, row in runs:
+        gen = row.generated_tokens if row is not None else None
+        acc = row.num_accepted_tokens if row is not None else r.num_accepted_tokens
+        drafts = row.num_drafts if row is not None else r.num_drafts
+        steps = gen - acc if gen is not None and acc is not None else None
+        tau = row.tau if row is not None else r.acceptance_length
+        rows.append(
+            {
+                "method": method,
+                "tokens_per_step": _round(gen / steps if steps else None),
+                "tau": _round(tau) if drafts or row is None else None,
+                "drafted": _round(
+                    min(drafts / steps, 1.0) if steps and drafts is not None else None
+                ),
+                "tokens_per_s": _round(
+                    row.tokens_per_s if row is not None else r.spec_tokens_per_s, 1
+                ),
+                "modelled_speedup": _round(row.modelled_speedup if row is not None else None),
+                "measured_speedup": _round(row.measured_speedup if row is not None else r.speedup),
+            }
+        )
+    plain_tps = (first.baseline_tokens_per_s if first is not None else None) or (
+        r.baseline_tokens_per_s
+    )
+    if plain_tps:
+        rows.append(
+            {
+                "method": "plain",
+                "tokens_per_step": 1.0,
+                "tau": None,
+                "drafted": 0.0,
+                "tokens_per_s": _round(plain_tps, 1),
+                "modelled_speedup": 1.0,
+                "measured_speedup": 1.0,
+            }
+        )
+    return rows
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> str:
+    """`method_rows` as a markdown table a person reads: two decimals, a dash where not measured."""
+
+    def cell(v: Any, fmt: str) -> str:
+        return "–" if v is None else fmt.format(v)
+
+    lines = [
+        "| method | tokens / target step | τ | steps drafted | tokens/s | modelled speed-up "
+        "| measured speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {METHOD_LABELS.get(r['method'], r['method'])} "
+            f"| {cell(r['tokens_per_step'], '{:.2f}')} | {cell(r['tau'], '{:.2f}')} "
+            f"| {cell(r['drafted'], '{:.0%}')} | {cell(r['tokens_per_s'], '{:.1f}')} "
+            f"| {cell(r['modelled_speedup'], '{:.2f}×')} "
+            f"| {cell(r['measured_speedup'], '{:.2f}×')} |"
+        )
+    return "\n".join(lines)
+
+
+def _load_result(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """The stage's result, completed from its results.json (a stand-in or an older stage may return
+    less)."""
     data = dict(result)
     results_json = out / "results.json"
     if results_json.is_file():
@@ -202,47 +273,79 @@ def evaluate_result(run_name: str, out: Path, result: dict[str, Any]) -> None:
             data = {**json.loads(results_json.read_text()), **data}
         except json.JSONDecodeError:
             pass
+    return data
+
+
+@_guard
+def evaluate_result(run_name: str, out: Path, result: dict[str, Any]) -> None:
+    """The methods side by side (tokens per target step, τ, speed), τ per category and temperature,
+    per-position acceptance and the charts; the full tables stay in results.md / results.json."""
+    data = _load_result(out, result)
     tau = find_tau(data)
-    per_pos = find_per_position(data)
-    lines = [f"# τ = {tau:.3f}" if tau is not None else "# evaluate", ""]
-    if per_pos:
-        lines += ["| position | acceptance |", "|---|---|"]
-        lines += [f"| {i + 1} | {a:.3f} |" for i, a in enumerate(per_pos)]
-        lines.append("")
-    if (out / "results.md").is_file():  # τ per category and temperature, the draft's cost
-        lines += [(out / "results.md").read_text().replace("# evaluate", "## evaluate", 1), ""]
-    scalars = {k: v for k, v in data.items() if isinstance(v, int | float | str) and k != "out"}
-    if scalars:
-        lines += ["| field | value |", "|---|---|"] + [
-            f"| {k} | {_fmt(v)} |" for k, v in scalars.items()
+    lines = [f"# evaluate: τ = {tau:.2f}" if tau is not None else "# evaluate", ""]
+    rows = method_rows(data)
+    if rows:
+        lines += [comparison_table(rows), ""]
+    categories = [
+        r for r in data.get("rows") or [] if isinstance(r, dict) and r.get("category") != "all"
+    ]
+    if categories:
+        lines += [
+            "## per category",
+            "",
+            "| category | temperature | prompts | tokens / target step | τ | modelled speed-up |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
-    pngs = sorted(out.glob("*.png"))
-    lines += [""] + [png_markdown(p, p.stem) for p in pngs]
+        for r in categories:
+            lines.append(
+                f"| {r.get('category')} | {r.get('temperature')} | {r.get('num_prompts')} | "
+                + " | ".join(
+                    "–" if _round(r.get(k)) is None else f"{_round(r.get(k)):.2f}"
+                    for k in ("tokens_per_step", "tau", "modelled_speedup")
+                )
+                + " |"
+            )
+        lines.append("")
+    per_pos = find_per_position(data)
+    if per_pos:
+        lines += ["| draft position | acceptance |", "|---:|---:|"]
+        lines += [f"| {i + 1} | {a:.2f} |" for i, a in enumerate(per_pos)]
+        lines.append("")
+    files = [f for f in (out / "results.md", out / "results.json") if f.is_file()]
+    if files:
+        lines += ["Every row and field: " + ", ".join(f"`{f}`" for f in files), ""]
+    lines += [png_markdown(p, p.stem) for p in sorted(out.glob("*.png"))]
     create_markdown_artifact(
         markdown="\n".join(lines),
         key=artifact_key(run_name, "evaluate", "tau"),
-        description=f"mean acceptance length τ = {tau}",
+        description="tokens per target step and τ, draft vs n-gram"
+        if len(rows) > 1
+        else f"mean acceptance length τ = {tau}",
+    )
+
+
+def serve_snippet(draft: str | Path) -> str:
+    """The vLLM line that serves the draft at `draft`."""
+    return (
+        "LLM(\n    model=TARGET,\n    speculative_config={\n"
+        f'        "method": "eagle3",\n        "model": "{draft}",\n'
+        '        "num_speculative_tokens": 3,\n    },\n)'
     )
 
 
 @_guard
 def exported_draft(run_name: str, out: Path) -> None:
-    """Link to the exported draft directory and the vLLM line that serves it."""
-    create_link_artifact(
-        link=out.resolve().as_uri(),
-        link_text=str(out.resolve()),
-        key=artifact_key(run_name, "draft"),
-        description="exported EAGLE-3 draft",
-    )
+    """Where the exported draft is (a path to copy: a browser does not open file:// links from the
+    UI) and the vLLM line that serves it."""
+    path = out.resolve()
     md = (
-        f"# exported draft\n\n`{out.resolve()}`\n\n```python\n"
-        f'LLM(model=TARGET, speculative_config={{"method": "eagle3", "model": "{out.resolve()}", '
-        f'"num_speculative_tokens": 3}})\n```\n'
+        f"# exported draft\n\n```text\n{path}\n```\n\nServe it with vLLM:\n\n```python\n"
+        f"{serve_snippet(path)}\n```\n"
     )
     create_markdown_artifact(
         markdown=md,
-        key=artifact_key(run_name, "draft", "usage"),
-        description="how to serve the draft",
+        key=artifact_key(run_name, "draft"),
+        description=f"exported EAGLE-3 draft: {path}",
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
+from prefect.runtime import flow_run as runtime_flow_run
 from prefect.states import Crashed
 
 from eagle3_prefect.tasks.errors import StageCrashed, StageError, StageRunFailed
@@ -37,6 +38,22 @@ from eagle3_prefect.tasks.manifest import MANIFEST_KEYS, describe_resume_point, 
 POLL_INTERVAL_S = float(os.environ.get("EAGLE3_DISPATCH_POLL_S", "3"))
 #: new runs of a stage whose run crashed or was lost
 NUM_REDISPATCHES = int(os.environ.get("EAGLE3_NUM_REDISPATCHES", "2"))
+#: the separator in run names: "demo · 2026-12-04 23:18", a stage run "demo · 2026-12-04 23:18 ›
+#: capture"
+CHILD_SEP = " › "
+
+
+def child_run_name(parent: str | None, run_name: str, stage: str, attempt: int = 0) -> str:
+    """The name of a stage run the pipeline launches on a GPU pool: the parent run's name, then the
+    stage, e.g. "demo · 2026-12-04 23:18 › capture" (a sweep branch's artifact prefix
+    "demo-layers-1-2-3" adds "layers-1-2-3"). Without a parent run (a script): "<run_name>-<stage>".
+    """
+    again = f" (again {attempt})" if attempt else ""
+    if not parent:
+        return f"{run_name}-{stage}" + (f"-again{attempt}" if attempt else "")
+    head = parent.split(" · ")[0]
+    branch = run_name.removeprefix(head).strip("-") if run_name != head else ""
+    return CHILD_SEP.join(p for p in (parent, branch, stage) if p) + again
 
 
 def child_env(gpu_limit: str | None = None) -> dict[str, str]:
@@ -137,7 +154,7 @@ def dispatch_stage(
         flow_run = run_deployment(
             name=deployment,
             parameters=parameters,
-            flow_run_name=f"{run_name}-{stage}" + (f"-again{attempt}" if attempt else ""),
+            flow_run_name=child_run_name(runtime_flow_run.name, run_name, stage, attempt),
             timeout=0,  # returns once created: name its placeholder task run, then wait below
             as_subflow=True,
             job_variables={"env": env},

@@ -326,7 +326,8 @@ def run_stage(
         t = dispatch_stage.with_options(
             cache_policy=StageCachePolicy(stage=stage),
             name=f"dispatch-{stage}",
-            task_run_name=f"{stage}@{deployment.split('/')[0]}",
+            # "capture on gpu-1x": the stage and the pool its run went to
+            task_run_name=f"{stage} on {deployment.rsplit(' · ', 1)[-1]}",
         )
         args: tuple = (
             stage,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -241,18 +242,30 @@ def test_first_run_executes_every_stage_and_reports(base):
         "tiny-capture-summary",
         "tiny-capture-progress",
         "tiny-train-progress",
-        "tiny-train-metrics",
+        "tiny-train-curves",
         "tiny-draft",
         "tiny-evaluate-tau",
     ):
         assert key in arts, (key, sorted(arts))
+    assert "tiny-train-metrics" not in arts  # the per-step metrics stay in their file
+    assert "logs/metrics.jsonl" in arts["tiny-train-curves"].data
     assert arts["tiny-capture-progress"].data == 100.0
     assert "data:image/png;base64," in arts["tiny-evaluate-tau"].data
-    assert (
-        Path(m["export"]["out"]).resolve().as_uri() in arts["tiny-draft"].data
-    )  # link to the draft
-    metrics = json.loads(arts["tiny-train-metrics"].data)
-    assert metrics and "step" in metrics[0]
+    draft = str(Path(m["export"]["out"]).resolve())  # a path to copy, not a file:// link
+    assert f"```text\n{draft}\n```" in arts["tiny-draft"].data, arts["tiny-draft"].data
+    assert "file://" not in arts["tiny-draft"].data + arts["tiny-pipeline"].data
+    # the run is named for its config and the moment; its state message and its summary lead
+    # with the result (the stand-in evaluate gives τ only) and the draft's path
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(base["run_id"])
+    assert re.fullmatch(r"tiny · \d{4}-\d\d-\d\d \d\d:\d\d", run.name), run.name
+    tau = m["evaluate"]["result"]["acceptance_length"]
+    assert run.state.message == f"draft τ {tau:.2f}; draft {draft}", run.state.message
+    summary = arts["tiny-pipeline"].data
+    assert summary.startswith(f"# {run.name}\n\n**{run.state.message}**"), summary[:300]
+    assert "tiny-train-curves" in summary and "tiny-evaluate-tau" in summary, summary
 
 
 def test_unchanged_rerun_executes_nothing_and_is_fast(base):

@@ -246,9 +246,10 @@ def test_prefect_yaml_deployments():
             d = by[(f"{stage}_stage", stage_deployment(stage, pool).split("/")[1])]
             assert d["work_pool"]["name"] == pool and "stage" in d["tags"]
             assert d["work_pool"]["job_variables"]["env"]["EAGLE3_GPU_LIMIT"]
-    # the UI's deployment list (A to Z) leads with what a person runs: pipeline, sweep and retrain
+    # the UI's deployment list (A to Z) leads with what a person runs: pipeline, sweep, retrain and
+    # streaming, before the stage deployments the pipeline launches as subflows
     names = sorted(d["name"] for d in deps)
-    assert names[:3] == ["layer-sweep", "pipeline", "retrain-nightly"], names
+    assert names[:4] == ["layer-sweep", "pipeline", "retrain-nightly", "streaming"], names
     assert [d["name"] for d in deps if "entry" in d["tags"]] == [
         "pipeline",
         "retrain-nightly",
@@ -478,3 +479,97 @@ def test_stage_process_dies_with_its_parent(tmp_path):
         time.sleep(0.1)
     os.kill(pid, 9)
     pytest.fail("the stage process outlived its parent")
+
+
+def _evaluate_result() -> dict:
+    """An evaluate result as the stage returns it (results.json's shape): the draft over every
+    prompt, one category row, n-gram beside it (`compare: [ngram]`), plain decoding timed."""
+
+    def row(method, category, tau, drafts, accepted, generated, tps, modelled):
+        return {
+            "method": method,
+            "category": category,
+            "temperature": 0.0,
+            "num_prompts": 16,
+            "tau": tau,
+            "num_drafts": drafts,
+            "num_accepted_tokens": accepted,
+            "generated_tokens": generated,
+            "tokens_per_s": tps,
+            "baseline_tokens_per_s": 60.123,
+            "measured_speedup": round(tps / 60.123, 3),
+            "tokens_per_step": round(generated / (generated - accepted), 4),
+            "modelled_speedup": modelled,
+        }
+
+    return {
+        "out": "/data/runs/demo/evaluate",
+        "method": "eagle3",
+        "acceptance_length": 1.4523,
+        "num_drafts": 500,
+        "num_accepted_tokens": 226,
+        "spec_tokens_per_s": 71.46,
+        "baseline_tokens_per_s": 60.123,
+        "speedup": 1.1886,
+        "rows": [
+            row("eagle3", "all", 1.4523, 500, 226, 734, 71.46, 1.3812),
+            row("eagle3", "chat", 1.5, 250, 125, 400, 70.0, 1.41),
+        ],
+        "comparisons": [row("ngram", "all", 2.7812, 60, 107, 734, 192.0, 1.1709)],
+    }
+
+
+def test_the_result_line_and_the_comparison_lead_with_tokens_per_target_step():
+    from eagle3_prefect.flows.report import result_line
+    from eagle3_prefect.tasks.artifacts import comparison_table, method_rows
+
+    rows = method_rows(_evaluate_result())
+    assert [r["method"] for r in rows] == ["eagle3", "ngram", "plain"]
+    draft, ngram, plain = rows
+    assert draft["tokens_per_step"] == round(734 / (734 - 226), 2) == 1.44
+    assert (draft["tau"], ngram["tau"], ngram["tokens_per_step"]) == (1.45, 2.78, 1.17)
+    assert plain["tokens_per_s"] == 60.1 and plain["tokens_per_step"] == 1.0
+    table = comparison_table(rows)
+    assert "| draft (EAGLE-3) | 1.44 | 1.45 | 98% | 71.5 | 1.38× | 1.19× |" in table, table
+    assert "| plain decoding | 1.00 | – |" in table, table
+    manifests = {
+        "export": {"out": "/data/runs/demo/draft"},
+        "evaluate": {"result": _evaluate_result()},
+    }
+    line = result_line(manifests)
+    assert line == (
+        "draft 1.44 vs n-gram 1.17 tokens/target step (τ 1.45 vs 2.78); modelled speed-up 1.38× vs "
+        "1.17×; draft /data/runs/demo/draft"
+    )
+    assert line[:60].endswith("(τ 1.45 vs 2.78")  # the Details tab shows ~70 characters
+    alone = _evaluate_result()
+    alone["comparisons"] = []
+    manifests["evaluate"]["result"] = alone
+    assert "n-gram not measured (evaluate.compare: [ngram])" in result_line(manifests)
+    manifests["evaluate"]["result"] = {"acceptance_length": 1.2345}  # a result without rows
+    assert result_line(manifests) == "draft τ 1.23; draft /data/runs/demo/draft"
+    del manifests["evaluate"]
+    assert result_line(manifests) == "not evaluated (no eval_prompts); draft /data/runs/demo/draft"
+
+
+def test_run_names_put_the_parent_run_in_the_stage_runs():
+    from eagle3_prefect.flows.report import run_title
+    from eagle3_prefect.tasks.dispatch import child_run_name
+
+    moment = time.mktime((2026, 12, 4, 23, 18, 30, 0, 0, -1))
+    assert run_title("demo", moment=moment) == "demo · 2026-12-04 23:18"
+    assert run_title("demo", "layer sweep", moment) == "demo · layer sweep · 2026-12-04 23:18"
+    parent = "demo · 2026-12-04 23:18"
+    assert child_run_name(parent, "demo", "capture") == "demo · 2026-12-04 23:18 › capture"
+    assert child_run_name(parent, "demo", "train", 1) == "demo · 2026-12-04 23:18 › train (again 1)"
+    sweep = "demo · layer sweep · 2026-12-04 23:18"
+    assert child_run_name(sweep, "demo-layers-1-2-3", "train") == f"{sweep} › layers-1-2-3 › train"
+
+
+def test_deploy_registers_only_the_deployments_of_pools_that_exist():
+    from eagle3_prefect.flows.deploy import split_by_pools
+
+    names, skipped = split_by_pools(ROOT / "prefect.yaml", {"cpu", "gpu-1x"})
+    assert names[:4] == ["pipeline", "retrain-nightly", "layer-sweep", "streaming"], names
+    assert "subflow · train · gpu-1x" in names and not any("gpu-8x" in n for n in names)
+    assert sorted(skipped) == ["gpu-8x"] and "subflow · train · gpu-8x" in skipped["gpu-8x"]

@@ -151,6 +151,7 @@ def summarize_run(config_path: str | Path, result: Any) -> str:
     if prefect:
         where["prefect"] = (
             "artifacts of this run (summary, curves, τ) in the local Prefect database: "
-            "`prefect artifact ls`, or `prefect server start` and its UI's Artifacts page"
+            f"`prefect artifact ls`, or `prefect server start` and its UI at "
+            f"/artifacts/key/{cfg.name}-pipeline"
         )
     return format_summary(cfg.name, summary_rows(stages, wall_s), work, where)
