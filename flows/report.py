@@ -111,7 +111,7 @@ def artifact_link(key: str, text: str | None = None) -> str:
         from prefect.settings import PREFECT_UI_URL
 
         ui = PREFECT_UI_URL.value()
-    except Exception:  # noqa: BLE001 - a link is a convenience
+    except Exception:  # a link is a convenience
         ui = None
     text = text or f"`{key}`"
     return f"[{text}]({str(ui).rstrip('/')}/artifacts/key/{key})" if ui else text
