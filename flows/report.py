@@ -19,6 +19,7 @@ from eagle3_prefect.tasks.artifacts import (
     find_tau,
     method_rows,
     serve_snippet,
+    span_table,
 )
 
 
@@ -183,6 +184,9 @@ def pipeline_summary(
             "memory-bound GPU; measured: this machine against plain decoding.",
             "",
         ]
+    spans = span_table(evaluate_result_of(manifests))
+    if spans:
+        md += ["## reasoning and answer", "", *spans, ""]
     path = draft_path(manifests)
     if path:
         md += [

@@ -263,6 +263,19 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def span_table(result: dict[str, Any] | Any) -> list[str]:
+    """A thinking target's tokens per target step on the reasoning span and on the answer span,
+    per method and temperature, as markdown lines; [] when the evaluation did not split them."""
+    from eagle3.artifacts import EvalResults
+    from eagle3.evaluate import format_span_rows
+
+    try:
+        r = EvalResults.from_dict(result, "the evaluate result")
+    except (ValueError, TypeError):
+        return []
+    return format_span_rows(r.span_rows) if r.span_rows else []
+
+
 def _load_result(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     """The stage's result, completed from its results.json (a stand-in or an older stage may return
     less)."""
@@ -286,6 +299,9 @@ def evaluate_result(run_name: str, out: Path, result: dict[str, Any]) -> None:
     rows = method_rows(data)
     if rows:
         lines += [comparison_table(rows), ""]
+    spans = span_table(data)
+    if spans:
+        lines += ["## reasoning and answer", "", *spans, ""]
     categories = [
         r for r in data.get("rows") or [] if isinstance(r, dict) and r.get("category") != "all"
     ]

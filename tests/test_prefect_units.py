@@ -552,6 +552,28 @@ def test_the_result_line_and_the_comparison_lead_with_tokens_per_target_step():
     assert result_line(manifests) == "not evaluated (no eval_prompts); draft /data/runs/demo/draft"
 
 
+def test_the_summary_splits_a_thinking_targets_acceptance_into_reasoning_and_answer():
+    """A thinking target's evaluation (results.json `span_rows`): the run's summary and the
+    evaluate artifact show tokens per target step on each span, per method."""
+    from eagle3_prefect.tasks.artifacts import span_table
+
+    result = _evaluate_result()
+    assert span_table(result) == []  # not split: no table
+    result["span_rows"] = [
+        {**r, "span": span, "tokens_per_step": tps}
+        for r, span, tps in (
+            (result["rows"][0], "reasoning", 1.61),
+            (result["rows"][0], "answer", 1.22),
+            (result["comparisons"][0], "reasoning", 1.05),
+            (result["comparisons"][0], "answer", 1.31),
+        )
+    ]
+    table = span_table(result)
+    assert "| temperature | span | eagle3 | ngram | prompts |" in table
+    assert "| 0 | reasoning | 1.610 | 1.050 | 16 |" in table
+    assert "| 0 | answer | 1.220 | 1.310 | 16 |" in table
+
+
 def test_run_names_put_the_parent_run_in_the_stage_runs():
     from eagle3_prefect.flows.report import run_title
     from eagle3_prefect.tasks.dispatch import child_run_name

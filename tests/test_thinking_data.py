@@ -177,3 +177,48 @@ def test_regenerate_reports_and_can_drop_cut_turns(tiny_llama, tmp_path):
     num_cut = round(share * 6)
     assert dropped.skipped.get("hit_max_new_tokens") == num_cut
     assert dropped.num_written == kept.num_written - num_cut
+
+
+def test_evaluate_line_names_each_span_from_the_stage_result():
+    """The stage line of evaluate, from the result the stage returns in process (rows as
+    dataclasses): tokens per target step overall, then on the reasoning and the answer spans."""
+    from pathlib import Path
+
+    from eagle3.console import key_figure
+    from eagle3.evaluate import CategoryResult, EvaluateResult
+
+    def row(span: str, generated: int, accepted: int) -> CategoryResult:
+        return CategoryResult(
+            method="eagle3",
+            category="all",
+            temperature=0.0,
+            num_prompts=2,
+            tau=1.5,
+            num_drafts=4,
+            num_accepted_tokens=accepted,
+            accepted_per_position=[accepted, 0, 0],
+            generated_tokens=generated,
+            tokens_per_s=10.0,
+            tokens_per_step=generated / (generated - accepted),
+            span=span,
+        )
+
+    result = EvaluateResult(
+        out=Path("out"),
+        results_path=Path("out/results.json"),
+        chart_path=None,
+        num_prompts=2,
+        num_speculative_tokens=3,
+        acceptance_length=1.5,
+        num_drafts=8,
+        num_draft_tokens=24,
+        num_accepted_tokens=6,
+        accepted_per_position=[6, 0, 0],
+        acceptance_rate_per_position=[0.75, 0.0, 0.0],
+        spec_tokens_per_s=10.0,
+        rows=[row("all", 30, 6)],
+        span_rows=[row("reasoning", 20, 5), row("answer", 10, 1)],
+    )
+    line = key_figure("evaluate", result)
+    assert line.startswith("τ 1.50, 1.25 tokens/target step")
+    assert "reasoning 1.33" in line and "answer 1.11" in line

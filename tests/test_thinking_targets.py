@@ -190,3 +190,56 @@ def test_trained_ids_are_the_generated_ids(thinking_target, tmp_path, family, th
 #: template's rendering and is refused, naming the first differing token (real Qwen3 writes those
 #: newlines itself, and then the two agree)
 REFUSED_AS_TEXT = {("qwen3", True)}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_thinking_target_through_vllm_with_acceptance_per_span(thinking_target, tmp_path):
+    """Qwen3's template, thinking on, through vLLM: the engine's generated ids are what prepare
+    trains, the capture and the draft follow, and evaluate measures the draft and n-gram on the
+    reasoning span and on the answer span apart (results.json `span_rows`, results.md's table, the
+    stage line)."""
+    from eagle3.artifacts import EvalResults
+    from eagle3.console import key_figure
+    from eagle3.pipeline import run_pipeline
+
+    target = thinking_target("qwen3")
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": f"e{i}", "question": q}) + "\n" for i, q in enumerate(QUESTIONS))
+    )
+    cfg = pipeline(
+        target,
+        tmp_path / "work",
+        "qwen3",
+        True,
+        eval_prompts=str(prompts),
+        regenerate={"backend": "vllm"},
+        capture={"backend": "vllm", "dtype": "auto"},
+        train={"epochs": 3},
+        evaluate={
+            "num_prompts": len(QUESTIONS),
+            "max_tokens": 48,
+            "max_model_len": 512,
+            "compare": ["ngram"],
+        },
+    )
+    res = run_pipeline(cfg)
+    regen = res.stages["regenerate"]
+    assert trained_ids(tmp_path / "work" / "prepared") == generated_ids(regen.conversations_path)
+    results = EvalResults.load(tmp_path / "work" / "evaluate")
+    assert results.chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert results.chat["draft_chat_template_kwargs"] == {"enable_thinking": True}
+    spans = {(r.method, r.span): r for r in results.span_rows if r.category == "all"}
+    assert set(spans) == {(m, s) for m in ("eagle3", "ngram") for s in ("reasoning", "answer")}
+    for row in spans.values():
+        assert row.generated_tokens > 0 and row.tokens_per_step >= 1.0
+    # the spans add up to the whole: every generated token is in one of them
+    whole = next(r for r in results.rows if r.category == "all")
+    assert whole.generated_tokens == sum(
+        spans[("eagle3", s)].generated_tokens for s in ("reasoning", "answer")
+    )
+    table = (tmp_path / "work" / "evaluate" / "results.md").read_text()
+    assert "| 0 | reasoning |" in table and "| 0 | answer |" in table
+    line = key_figure("evaluate", res.stages["evaluate"])
+    assert "reasoning " in line and "answer " in line

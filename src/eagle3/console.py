@@ -18,6 +18,7 @@ imports neither vLLM nor Prefect; it must run before either is imported, so the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -77,7 +78,10 @@ def _num(x: Any) -> str:
 
 def key_figure(stage: str, result: Any) -> str:
     """The one number that says what a stage did, from its result (dataclass or its JSON form)."""
-    r = result if isinstance(result, dict) else getattr(result, "__dict__", {}) or {}
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        r = dataclasses.asdict(result)  # nested rows as dicts, as the stage's JSON holds them
+    else:
+        r = result if isinstance(result, dict) else getattr(result, "__dict__", {}) or {}
     g = r.get
     try:
         if stage == "fetch-target":

@@ -40,6 +40,7 @@ generation settings truncates the partial file to that size and continues with t
 nothing is duplicated or lost. At the end the partial file is renamed to `conversations.jsonl` (a
 reader never sees a half-written file under that name).
 """
+
 from __future__ import annotations
 
 import contextlib
