@@ -175,7 +175,9 @@ def test_trained_ids_are_the_generated_ids(thinking_target, tmp_path, family, th
             run_prepare(prep_cfg)
         message = str(refused.value)
         assert "row chat-" in message and "assistant turn 1" in message
-        assert "the reasoning differs at token 0" in message
+        # right after `<think>`: the template's newline, the target's first reasoning word
+        assert "the reasoning differs at token 1" in message
+        assert "the chat template renders '\\n|" in message
         assert not (tmp_path / "from-text").exists()
         return
     from_text = run_prepare(prep_cfg)

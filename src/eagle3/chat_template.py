@@ -94,8 +94,8 @@ class Misalignment:
     """Where a text turn's ids (as the target would write the text) and the template's rendering
     of that turn first differ."""
 
-    position: int  # index in the turn's answer ids (reasoning ids when `span` is "reasoning")
-    ours: str  # the tokens from there, as strings
+    position: int  # index in the turn's answer ids (all its ids when `span` is "reasoning")
+    ours: str  # the text of the tokens from there, "|" between tokens
     template: str
     span: str  # "answer" | "reasoning"
 
@@ -246,46 +246,51 @@ class ChatRenderer:
     def check_text_turn(
         self,
         messages: list[dict[str, Any]],
+        prompt_ids: list[int],
         completion_ids: list[int],
         num_reasoning: int,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[Misalignment | None, bool]:
-        """Hold a text turn's ids (`messages[-1]`, tokenized by `text_completion_ids`) against
-        the template's rendering of the conversation through that turn: its answer must be the
-        same ids; its reasoning too where the template renders the last turn's reasoning.
-        -> (the first difference or None, whether the reasoning was checked)."""
+        """Hold a text turn's ids (`messages[-1]` after `prompt_ids`, tokenized by
+        `text_completion_ids`) against the template's rendering of the conversation through that
+        turn: its answer must be the same ids as the rendering's last turn ends with; its whole
+        completion too where the template renders the last turn's reasoning (read from the end of
+        the prompt when the rendering starts with it). -> (the first difference or None, whether
+        the reasoning was checked)."""
         full = self.render_ids(messages, chat_template_kwargs)
         end = _last_index(full, self.end_of_turn_id)
         answer = completion_ids[num_reasoning:]
         if end is None:  # the template ends the last turn without the end-of-turn token
-            end, answer = len(full), answer[:-1]
+            end, answer, completion_ids = len(full), answer[:-1], completion_ids[:-1]
         else:
             end += 1
-        mismatch = self._compare_tail(full[:end], answer, "answer")
+        tail = full[max(end - len(answer), 0) : end]
+        mismatch = self._difference(answer, tail, "answer")
         if mismatch or not num_reasoning:
             return mismatch, False
         reasoning = messages[-1].get("reasoning") or ""
         rendered = self.tokenizer.decode(full[:end], skip_special_tokens=False)
         if not reasoning.strip() or reasoning.strip() not in rendered:
             return None, False  # the template drops this turn's reasoning: nothing to hold it to
-        return self._compare_tail(full[:end], completion_ids, "reasoning"), True
+        if full[: len(prompt_ids)] == prompt_ids:
+            turn = full[len(prompt_ids) : end]
+        else:
+            turn = full[max(end - len(completion_ids), 0) : end]
+        return self._difference(completion_ids, turn, "reasoning"), True
 
-    def _compare_tail(self, rendered: list[int], ids: list[int], span: str) -> Misalignment | None:
-        tail = rendered[len(rendered) - len(ids) :] if len(ids) <= len(rendered) else rendered
-        if tail == ids:
+    def _difference(self, ours: list[int], template: list[int], span: str) -> Misalignment | None:
+        """Where two id sequences first differ, with the tokens from there on each side."""
+        if ours == template:
             return None
-        pad = len(ids) - len(tail)
         pos = next(
-            (i for i in range(len(ids)) if i < pad or tail[i - pad] != ids[i]),
-            len(ids),
+            (i for i, (a, b) in enumerate(zip(ours, template, strict=False)) if a != b),
+            min(len(ours), len(template)),
         )
-        conv = self.tokenizer.convert_ids_to_tokens
-        return Misalignment(
-            position=pos,
-            ours="".join(map(str, conv(ids[pos : pos + 4]))),
-            template="".join(map(str, conv(tail[max(pos - pad, 0) : max(pos - pad, 0) + 4]))),
-            span=span,
-        )
+
+        def tokens(ids: list[int]) -> str:  # each token's text, "|" between tokens
+            return "|".join(self.tokenizer.decode([i]) for i in ids[pos : pos + 4])
+
+        return Misalignment(position=pos, ours=tokens(ours), template=tokens(template), span=span)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -99,7 +99,7 @@ def conversation_turns(
         num_reasoning = renderer.num_reasoning_ids(prompt, completion)
         if source == "text":
             mismatch, checked = renderer.check_text_turn(
-                messages[: i + 1], completion, num_reasoning, kwargs
+                messages[: i + 1], prompt, completion, num_reasoning, kwargs
             )
             if mismatch is not None:
                 if cfg.misaligned_turns == "error":
