@@ -412,8 +412,7 @@ def aux_id_problem(ids: list[int], num_layers: int, model_type: str | None) -> s
             f"capture.aux_layer_ids contains 0, which vLLM cannot give for a {model_type} target "
             "(its decoder adds the residual stream, which does not exist before layer 0, and the "
             f"engine would die at the first forward); use ids in 1..{num_layers - 1} (id k = the "
-            f"output of decoder layer k-1; the default (2, L//2, L-3) is "
-            f"{[2, num_layers // 2, num_layers - 3]} here)"
+            "output of decoder layer k-1)"
         )
     return None
 
