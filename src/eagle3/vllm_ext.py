@@ -32,7 +32,9 @@ Hooks and why each one exists
    ``llama.py``, the loop in ``deepseek_v2.py``), i.e. exactly transformers'
    ``output_hidden_states[k]``. We add id ``L`` (= num_hidden_layers): the output of the LAST
    decoder layer before the final norm ("last"), which is what the draft's target logits are
-   computed from. vLLM sorts the ids, so we keep a permutation back to the caller's order. Id 0 is
+   computed from (vLLM 0.16's decoders return no id L: there it is the input of the decoder's final
+   norm, ``norm(hidden_states, residual)``, read by a forward pre-hook on that norm). vLLM sorts
+   the ids, so we keep a permutation back to the caller's order. Id 0 is
    refused for the DeepSeek family (DEEPSEEK_FAMILY): its decoder adds ``residual``, None before
    layer 0, and the engine would die at the first forward.
 2. A forward hook on the model (``torch.nn.Module.register_forward_hook``, removed at stop). With
@@ -197,8 +199,9 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
     Touchpoint(1, _MODELS + "llama", "LlamaForCausalLM.set_aux_hidden_state_layers", "any",
                "Llama-family targets take aux layer ids", optional=True),
     Touchpoint(1, _MODELS + "llama", "LlamaModel.forward", "any",
-               "returns (hidden_states, aux list) once aux ids are set",
-               holds=("aux_hidden_states",), optional=True),
+               "returns (hidden_states, aux list) once aux ids are set; its final norm takes "
+               "(hidden_states, residual): the last layer's output where no aux id L is returned",
+               holds=("aux_hidden_states", "self.norm(hidden_states, residual)"), optional=True),
     Touchpoint(1, _MODELS + "qwen3", "Qwen3ForCausalLM.set_aux_hidden_state_layers", "any",
                "Qwen3 targets take aux layer ids", optional=True),
     Touchpoint(1, _MODELS + "qwen3_moe", "Qwen3MoeForCausalLM.set_aux_hidden_state_layers",
@@ -475,9 +478,22 @@ class CaptureWorkerExtension:
         self._eagle3_reset()
         self._eagle3_step: dict[str, Any] | None = None  # set while a real step runs (hook 3)
 
+        self._eagle3_num_ids = len(ids)
+        self._eagle3_norm_in: torch.Tensor | None = None
         if getattr(self, "_eagle3_handle", None) is None:
             self._eagle3_handle = model.register_forward_hook(
                 self._eagle3_forward_hook, with_kwargs=True
+            )
+            # the decoder (the module vLLM's aux ids act on) and its final norm: where a release
+            # returns no aux id L (0.16), the last layer's output is the norm's input (hook 1)
+            decoder = next(
+                (m for m in model.modules() if hasattr(m, "aux_hidden_state_layers")), None
+            )
+            norm = getattr(decoder, "norm", None)
+            self._eagle3_norm_handle = (
+                norm.register_forward_pre_hook(self._eagle3_norm_hook)
+                if isinstance(norm, torch.nn.Module)
+                else None
             )
         if not getattr(runner, "_eagle3_hooked", False):
             orig_execute = runner.execute_model
@@ -486,6 +502,7 @@ class CaptureWorkerExtension:
             def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
                 if kwargs.get("dummy_run") or getattr(ext, "_eagle3_handle", None) is None:
                     return orig_execute(scheduler_output, *args, **kwargs)
+                ext._eagle3_norm_in = None
                 ext._eagle3_step = {
                     "num_tokens": int(scheduler_output.total_num_scheduled_tokens),
                     "forwards": [],
@@ -524,6 +541,13 @@ class CaptureWorkerExtension:
         step = self._eagle3_step
         if step is not None and self._eagle3_keep:
             n = step["num_tokens"]
+            if len(aux) == self._eagle3_num_ids - 1 and self._eagle3_norm_in is not None:
+                aux = [*aux, self._eagle3_norm_in]  # id L from the final norm's input (hook 1)
+            if len(aux) != self._eagle3_num_ids:
+                raise RuntimeError(
+                    f"eagle3 capture: the model returned {len(aux)} aux states for "
+                    f"{self._eagle3_num_ids} aux layer ids"
+                )
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             if positions is not None and positions.dim() == 1:
                 # copy: `positions` is the runner's persistent buffer, rewritten by the next step
@@ -542,6 +566,15 @@ class CaptureWorkerExtension:
                 )
             )
         return hidden
+
+    def _eagle3_norm_hook(self, _module: Any, args: tuple) -> None:
+        """Hook 1's fallback: the input of the decoder's final norm, ``hidden_states + residual``
+        (vLLM calls it as ``norm(hidden_states, residual)``), = aux id L, kept for this step."""
+        if self._eagle3_step is None or not self._eagle3_keep:
+            return
+        x = args[0]
+        residual = args[1] if len(args) > 1 else None
+        self._eagle3_norm_in = x + residual if residual is not None else x.clone()
 
     def _eagle3_reset(self) -> None:
         # rid -> pieces recorded for it, in step order: (positions [k], states [k, A+1, H] storage
@@ -798,10 +831,11 @@ class CaptureWorkerExtension:
         stays, pass-through)."""
         runner = self.model_runner  # type: ignore[attr-defined]
         runner.get_model().set_aux_hidden_state_layers(())
-        handle = getattr(self, "_eagle3_handle", None)
-        if handle is not None:
-            handle.remove()
-            self._eagle3_handle = None
+        for name in ("_eagle3_handle", "_eagle3_norm_handle"):
+            handle = getattr(self, name, None)
+            if handle is not None:
+                handle.remove()
+            setattr(self, name, None)
         self._eagle3_reset()
         self._eagle3_ready = {}
 
