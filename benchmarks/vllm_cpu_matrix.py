@@ -15,7 +15,8 @@ transformers' `output_hidden_states`.
 
 `--keep` leaves the venvs (1-7 GB each) for a rerun (`--reuse`); the default removes each after
 its release. Passes when every target matches, or is refused with the extension's one line where
-the release has no aux states for its family (DeepSeek on 0.16).
+the release has no aux states for its family, or is one vLLM itself cannot run on the CPU (the
+DeepSeek target on 0.16: "MLA is not supported on CPU", benchmarks/vllm_golden.py KNOWN_LIMITS).
 """
 
 from __future__ import annotations
@@ -183,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(a for a in argv if a not in ("--keep", "--reuse")),
         "releases": reports,
     }
+    # a target passes, or is refused with the extension's one line (no aux states for its family
+    # in that release), or is one vLLM itself cannot run on this device (vllm_golden.KNOWN_LIMITS)
     passed = all(
-        t["status"] == "pass"
+        t["status"] in ("pass", "vllm cannot run it")
         or (t["status"] == "refused" and "does not implement" in t.get("message", ""))
         for r in reports
         for t in r["targets"]

@@ -1,9 +1,10 @@
 """The wheels a GPU host without vLLM needs to run vLLM, packed into parts a device call carries.
 
 Downloads vLLM's wheel and, for the GPU image's Python (3.12, manylinux x86_64), every requirement
-it pulls in (breadth first, environment markers evaluated for that host) that the image does not
-already hold (IMAGE_HAS: the image's package list, 2026-11-17) and that the capture does not need
-(SKIPPED: video decoding, compilers and kernel libraries for paths an eager engine never takes).
+it and eagle3's capture (EAGLE3_NEEDS) pull in (breadth first, environment markers evaluated for
+that host) that the image does not already hold (IMAGE_HAS: the image's package list,
+2026-11-17) and that the capture does not need (SKIPPED: video decoding, compilers and kernel
+libraries for paths an eager engine never takes).
 vLLM's own wheel is unpacked and pruned of what Hopper does not load (the Ampere-only
 FlashAttention-2 library, DeepGEMM builds for other Pythons), and everything is packed into one
 tar.gz, split into parts of `--part-mb` MB, one folder each: `.device/vllm_gpu_1`, `_2`, ...
@@ -72,6 +73,9 @@ SKIPPED = {
     "opentelemetry-exporter-otlp-proto-grpc",
     "opentelemetry-exporter-otlp-proto-http",
 }
+#: what eagle3's capture needs beside vLLM (it runs from the checkout's src/): its requirements that
+#: the image lacks come along (datasets reads the prepared rows)
+EAGLE3_NEEDS = ("datasets>=4.0", "pydantic>=2.8")
 #: inside vLLM's wheel, not needed on a Hopper GPU with Python 3.12
 PRUNED = (
     re.compile(r"vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"),
@@ -145,7 +149,8 @@ def closure(vllm_version: str, wheels: Path) -> tuple[Path, list[str]]:
     wheels.mkdir(parents=True, exist_ok=True)
     vllm_wheel = download(f"vllm=={vllm_version}", wheels)
     seen = {"vllm"}
-    queue = [(r, set(r.extras)) for r in requirements(vllm_wheel, set())]
+    roots = requirements(vllm_wheel, set()) + [Requirement(r) for r in EAGLE3_NEEDS]
+    queue = [(r, set(r.extras)) for r in roots]
     got, skipped = [], []
     while queue:
         req, extras = queue.pop(0)
@@ -186,7 +191,7 @@ def pack(vllm_wheel: Path, wheels: Path, out_root: Path, part_mb: int) -> dict:
     digest = hashlib.sha256(data).hexdigest()
     size = part_mb * 1_000_000
     parts = [data[i : i + size] for i in range(0, len(data), size)]
-    for old in out_root.glob("vllm_gpu_*"):
+    for old in out_root.glob("vllm_gpu_[0-9]*"):
         shutil.rmtree(old)
     manifest = {
         "vllm_wheel": vllm_wheel.name,
