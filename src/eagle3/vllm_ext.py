@@ -543,6 +543,9 @@ class CaptureWorkerExtension:
             n = step["num_tokens"]
             if len(aux) == self._eagle3_num_ids - 1 and self._eagle3_norm_in is not None:
                 aux = [*aux, self._eagle3_norm_in]  # id L from the final norm's input (hook 1)
+            elif len(aux) == self._eagle3_num_ids and self._eagle3_norm_handle is not None:
+                self._eagle3_norm_handle.remove()  # the model returns id L itself: not needed
+                self._eagle3_norm_handle = None
             if len(aux) != self._eagle3_num_ids:
                 raise RuntimeError(
                     f"eagle3 capture: the model returned {len(aux)} aux states for "
