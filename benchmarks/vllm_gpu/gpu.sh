@@ -12,16 +12,17 @@
 #                                               #   sha256, unpacks vLLM and installs the wheels
 #                                               #   under /tmp (--target: the image stays as is)
 #   bash benchmarks/vllm_gpu/gpu.sh touchpoints # the static check on the vLLM it installed
+#   bash benchmarks/vllm_gpu/gpu.sh prove       # the last call in one command: stage, install,
+#                                               #   touchpoints, then golden on V2 and on V1
+#                                               #   (float32), and V2 in bfloat16
 #   bash benchmarks/vllm_gpu/gpu.sh golden RUNNER DTYPE [TARGETS] [TARGET_DIR]
 #                                               # the golden capture check (benchmarks/
 #                                               #   vllm_golden.py) on Model Runner V2 (RUNNER=1)
 #                                               #   or V1 (0), float32 or bfloat16; its JSON and
 #                                               #   log into $OUT
 #
-# e.g. the last staging call: `bash benchmarks/vllm_gpu/gpu.sh stage && bash benchmarks/vllm_gpu/
-# gpu.sh install && bash benchmarks/vllm_gpu/gpu.sh touchpoints && bash benchmarks/vllm_gpu/gpu.sh
-# golden 1 float32`. `install` stops at once, naming the missing parts, when the machine went back
-# between the staging calls (start again from the first part).
+# `install` stops at once, naming the missing parts, when the machine went back between the
+# staging calls (start again from the first part).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 S=${EAGLE3_VLLM_GPU_DIR:-/tmp/eagle3-vllm-gpu}
@@ -38,7 +39,7 @@ use_site() {
 
 cmd_stage() {
   local n=0
-  for d in .device/vllm_gpu_*; do
+  for d in .device/vllm_gpu_[0-9]*; do
     [ -d "$d" ] || continue
     cp "$d"/part.* "$d/manifest.json" "$S/parts/" && n=$((n + 1))
   done
@@ -84,10 +85,19 @@ cmd_golden() {
     2>&1 | tee "$OUT/$name.log"
 }
 
+cmd_prove() {
+  cmd_stage && cmd_install || exit 1
+  cmd_touchpoints
+  cmd_golden 1 float32
+  cmd_golden 0 float32
+  cmd_golden 1 bfloat16
+}
+
 case "${1:-}" in
+  prove) cmd_prove ;;
   stage) cmd_stage ;;
   install) cmd_install ;;
   touchpoints) cmd_touchpoints ;;
   golden) shift; cmd_golden "$@" ;;
-  *) die "usage: gpu.sh stage|install|touchpoints|golden RUNNER DTYPE [TARGETS] [TARGET_DIR]" ;;
+  *) die "usage: gpu.sh stage|install|touchpoints|prove|golden RUNNER DTYPE [TARGETS] [DIR]" ;;
 esac
