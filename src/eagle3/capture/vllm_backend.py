@@ -13,16 +13,21 @@ Scripts that create an engine need an ``if __name__ == "__main__":`` guard (vLLM
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from eagle3.config import ConfigError
 from eagle3.lock import record_engine_processes
 from eagle3.quant import Stored
 from eagle3.vllm_engine import engines_die_with_parent, shutdown_engine
 from eagle3.vllm_ext import decode_scales, decode_states
+from eagle3.vllm_support import UnsupportedVLLMError, check_vllm_version
+
+log = logging.getLogger(__name__)
 
 EXTENSION = "eagle3.vllm_ext.CaptureWorkerExtension"
 
@@ -89,6 +94,7 @@ class VLLMBackend:
 
     def start(self) -> dict[str, Any]:
         if self.llm is None:
+            check_vllm_version()  # one line for a vLLM outside the tested range
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             from vllm import LLM
 
@@ -100,6 +106,19 @@ class VLLMBackend:
             "eagle3_capture_start", args=(self.aux_layer_ids, self.storage_dtype)
         )
         info = dict(infos[0])
+        # the extension's diagnosis (a runner it does not know, aux ids the target cannot give)
+        refusal = info.get("config_error") or info.get("unsupported")
+        if refusal:
+            if self._owns:
+                llm, self.llm = self.llm, None
+                shutdown_engine(llm)
+            raise (ConfigError if "config_error" in info else UnsupportedVLLMError)(refusal)
+        log.info(
+            "capture: vLLM %s, model runner %s (%s)",
+            info.get("vllm_version"),
+            info.get("runner"),
+            info.get("runner_class"),
+        )
         # Prompts per generate() call: many engine steps' worth keeps the engine full (a partly
         # filled step only at the end of each call), while the worker's buffered states stay <= ~1
         # GiB. The worker buffers states in the storage dtype (fp8: 1 byte + scales).
@@ -138,8 +157,7 @@ class VLLMBackend:
             if st.states.shape[0] != len(sample) or filled != len(sample):
                 raise RuntimeError(
                     f"capture (vllm): request {rid} recorded {filled}/{st.states.shape[0]} "
-                    f"positions of a {len(sample)}-token prompt (prefix caching on, or an "
-                    "unsupported vLLM runner?)"
+                    f"positions of a {len(sample)}-token prompt (prefix caching on?)"
                 )
             result.append(st)
         return result
@@ -171,8 +189,7 @@ class VLLMBackend:
             if m["num_tokens"] != len(sample) or m["filled"] != len(sample):
                 raise RuntimeError(
                     f"capture (vllm): request {rid} recorded {m['filled']}/{m['num_tokens']} "
-                    f"positions of a {len(sample)}-token prompt (prefix caching on, or an "
-                    "unsupported vLLM runner?)"
+                    f"positions of a {len(sample)}-token prompt (prefix caching on?)"
                 )
             if not m["finite"]:
                 bad.append(rid)
