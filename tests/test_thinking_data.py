@@ -104,7 +104,10 @@ def test_chat_template_kwargs_from_the_command_line_and_the_pipeline(tmp_path):
     ).resolved()
     for section in (pipe.regenerate, pipe.prepare, pipe.refine, pipe.evaluate):
         assert section.chat_template_kwargs == {"thinking": False}
+    # every stage that loads the target's tokenizer, config or model code
+    for section in (pipe.synthesize, pipe.regenerate, pipe.prepare, pipe.capture, pipe.refine):
         assert section.trust_remote_code is True
+    assert pipe.evaluate.trust_remote_code is True
     # a section's own setting wins over the top-level one
     yaml = tmp_path / "p.yaml"
     yaml.write_text(

@@ -611,6 +611,7 @@ class AuxLayerIds:
 
 class CaptureConfig(StageConfig):
     target: str | None = Field(None, description="Target model dir")
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE_HELP)
     data: str | None = Field(None, description="Prepared dataset dir (output of `eagle3 prepare`)")
     out: Path | None = Field(
         None, description="Output directory for safetensors shards + manifest.json"
@@ -1573,7 +1574,8 @@ class PipelineConfig(BaseModel):
         )
         for section in (c.regenerate, c.prepare, c.refine, c.evaluate):
             _fill(section, chat_template_kwargs=c.chat_template_kwargs)
-        for section in (c.synthesize, c.regenerate, c.prepare, c.refine, c.evaluate):
+        sections = (c.synthesize, c.regenerate, c.prepare, c.capture, c.refine, c.evaluate)
+        for section in sections:
             section.trust_remote_code = section.trust_remote_code or c.trust_remote_code
         trained = w / ("refine" if c.refine.enabled else "train")  # export reads refine's, if run
         _fill(c.export, checkpoint=str(trained), out=w / "draft", target=c.target)

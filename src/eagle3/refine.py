@@ -423,6 +423,7 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
             dtype=c.dtype,
             storage_dtype=c.storage_dtype,
             batch_tokens=c.capture_batch_tokens,
+            trust_remote_code=c.trust_remote_code,
         )
     )
     record = {

@@ -54,8 +54,10 @@ class HFBackend:
         device: str,
         batch_tokens: int,
         storage_dtype: str | None = None,
+        trust_remote_code: bool = False,
     ):
         self.target, self.aux_layer_ids, self.dtype_name = target, list(aux_layer_ids), dtype
+        self.trust_remote_code = trust_remote_code
         self.storage_dtype = storage_dtype or dtype
         self.device = resolve_device(device)
         self.batch_tokens = batch_tokens
@@ -63,7 +65,11 @@ class HFBackend:
 
     def start(self) -> dict[str, Any]:
         dtype = getattr(torch, self.dtype_name)
-        self.model = load_causal_lm(self.target, dtype=dtype).to(self.device).eval()
+        self.model = (
+            load_causal_lm(self.target, dtype=dtype, trust_remote_code=self.trust_remote_code)
+            .to(self.device)
+            .eval()
+        )
         self._pre_norm: list[Any] = []
         _final_norm(self.model).register_forward_pre_hook(
             lambda _m, args: self._pre_norm.append(args[0])

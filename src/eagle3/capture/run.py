@@ -136,6 +136,7 @@ def _make_backend(
             cfg.device,
             cfg.batch_tokens,
             cfg.storage_dtype,
+            trust_remote_code=cfg.trust_remote_code,
         )
 
     return VLLMBackend(
@@ -147,6 +148,7 @@ def _make_backend(
         cfg.tensor_parallel_size,
         llm=llm,
         storage_dtype=cfg.storage_dtype,
+        trust_remote_code=cfg.trust_remote_code,
     )
 
 

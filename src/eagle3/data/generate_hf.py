@@ -30,7 +30,12 @@ class HfGenerator:
     """A transformers causal LM loaded once, generating for batches of token-id prompts."""
 
     def __init__(
-        self, target: str, device: str = "auto", dtype: str = "auto", batch_size: int = 256
+        self,
+        target: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 256,
+        trust_remote_code: bool = False,
     ):
         import torch
         from transformers import GenerationConfig
@@ -39,7 +44,11 @@ class HfGenerator:
         if dtype == "auto":
             dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         self.batch_size = batch_size
-        self.model = load_causal_lm(target, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = (
+            load_causal_lm(target, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+            .to(self.device)
+            .eval()
+        )
         gen_cfg = GenerationConfig.from_model_config(self.model.config)
         eos = gen_cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}

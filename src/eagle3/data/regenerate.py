@@ -223,7 +223,11 @@ class _HfBackendGenerator:
     def __init__(self, cfg: RegenerateConfig, tok: ChatRenderer):
         self.cfg, self.tok = cfg, tok
         self.gen = HfGenerator(
-            str(cfg.target), device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size
+            str(cfg.target),
+            device=cfg.device,
+            dtype=cfg.dtype,
+            batch_size=cfg.batch_size,
+            trust_remote_code=cfg.trust_remote_code,
         )
 
     def generate(
