@@ -41,7 +41,9 @@ def smol_prepared(smollm2, tmp_path_factory):
             limit=16,
         )
     )
-    assert res.mask_method == "prefix_rendering" and res.num_samples == 16
+    # ChatML is prefix-stable: one row per conversation
+    assert res.mask_method == "turn_ids" and res.num_samples == 16
+    assert not res.turns.get("rows_per_turn_split")
     return out
 
 
