@@ -257,9 +257,9 @@ make_data() {
 }
 
 # One draft per (method, training data). EAGLE-3.1 (its family: fc_norm + norm_output) takes the
-# same recipe. No feature loss: on SmolLM2 it costs the one-layer draft 0.15 held-out τ (2026-12-02:
-# 2.36 with weight 20, 2.51 without; docs/history/2026-12.md), though it was refbench's largest lever
-# (configs/refbench-gpu.yaml keeps it)
+# same recipe. No feature loss: on SmolLM2 it costs the one-layer draft 0.15 held-out τ
+# (2026-12-02: 2.36 with weight 20, 2.51 without; docs/history/2026-12.md), though it was
+# refbench's largest lever (configs/refbench-gpu.yaml keeps it)
 RECIPE=(--device "$DEVICE" --loss-ttt-steps 3 --num-speculative-tokens 3 --epochs "$EPOCHS"
   --optimizer-lr 2e-3 --schedule-warmup-steps 100 --optimizer-weight-decay 0.1
   --loader-hidden-noise 0.1 --loss-supervise all --draft-init-head-from-target
