@@ -7,11 +7,12 @@ and config). Resume compares them with the new run's before it loads any weight 
 refuses a difference, naming each field with its old and new value. RESUME_RULES says, for every
 TrainConfig setting (a group's by its dotted name, `optimizer.lr`), what may change:
 
-    same   never, not even with --force-resume: the checkpoint's weights, optimizer state or data
-           position mean something else under another value (seed and val_fraction pick the
-           train/validation split and the epoch order the loader position counts in; freeze changes
-           the optimizer's parameter list)
-    force  with force_resume (a warning lists them; the new values apply from the resumed step on)
+    same   never, not even with --checkpoint-force-resume: the checkpoint's weights, optimizer
+           state or data position mean something else under another value (seed and
+           loader.val_fraction pick the train/validation split and the epoch order the loader
+           position counts in; draft.freeze changes the optimizer's parameter list)
+    force  with checkpoint.force_resume (a warning lists them; the new values apply from the
+           resumed step on)
     free   any time: no effect on the weights (logging, checkpoint cadence, workers, the init_*
            settings, which act at step 0 only), compared by content instead of by path (target,
            captured, vocab, val_captured, draft: the `inputs` and the draft shape), or checked by
