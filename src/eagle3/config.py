@@ -5,6 +5,10 @@ these classes, see cli.py), and every field's description is its `--help` text. 
 errors that name the key. A stage's input/output paths (`target`, `data`, `out`, ...) are optional
 in the model so that a PipelineConfig can fill them from its top-level `target`/`data`/`work_dir`; a
 stage run on its own checks them with `require(...)`, which names the missing flag.
+
+TrainConfig's settings are in groups, one per component of the trainer, defined beside this module
+(eagle3.train_options; RefineConfig composes two of them); a key of the earlier flat layout is an
+error naming its group (eagle3.config_fields.MovedKeys).
 """
 
 from __future__ import annotations
