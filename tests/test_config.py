@@ -25,14 +25,14 @@ def test_every_config_file_validates(path):
 
 def test_unknown_key_is_named(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("target: t\ndata: d\ntrain:\n  lr: 1e-3\n  learning_rate: 3\n")
+    p.write_text("target: t\ndata: d\ntrain:\n  optimizer:\n    lr: 1e-3\n  learning_rate: 3\n")
     with pytest.raises(ConfigError, match=r"train\.learning_rate: unknown key"):
         load_pipeline_config(p)
 
 
 def test_bad_value_names_field_and_value():
-    with pytest.raises(ConfigError, match=r"ttt_steps = 0: Input should be greater than 0"):
-        build_stage_config("train", {"ttt_steps": 0})
+    with pytest.raises(ConfigError, match=r"loss.ttt_steps = 0: Input should be greater than 0"):
+        build_stage_config("train", {"loss": {"ttt_steps": 0}})
 
 
 def test_layers_parse_and_validate():
@@ -102,17 +102,18 @@ def test_every_cli_flag_maps_to_a_field():
             "V",
             "--out",
             "O",
-            "--ttt-steps",
+            "--loss-ttt-steps",
             "3",
-            "--lr",
+            "--optimizer-lr",
             "0.001",
-            "--no-resume",
+            "--no-checkpoint-resume",
             "--draft-intermediate-size",
             "512",
         ]
     )
     cfg = stage_config_from_args("train", args)
-    assert (cfg.ttt_steps, cfg.lr, cfg.resume, cfg.draft.intermediate_size) == (3, 1e-3, False, 512)
+    got = (cfg.loss.ttt_steps, cfg.optimizer.lr, cfg.checkpoint.resume, cfg.draft.intermediate_size)
+    assert got == (3, 1e-3, False, 512)
     assert cfg.out == Path("O")
 
 
@@ -174,7 +175,7 @@ def test_records_with_old_key_names_are_migrated():
         "aux_layer_ids": [1, 2, 4],
         "captured_aux_layer_ids": [1, 2, 4, 5],
         "hidden_size": 8,
-        "train_config": {"aux_layer_ids": [1, 2], "lr": 1e-3},
+        "train_config": {"aux_layer_ids": [1, 2], "optimizer": {"lr": 1e-3}},
     }
     assert old["layers"] == [1, 2, 4]  # the input is left as it was
     assert migrate_record(new) == new
@@ -187,3 +188,135 @@ def test_a_renamed_flag_names_the_new_one(capsys):
         main(["capture", "--layers", "2,4,5"])
     assert e.value.code == 2
     assert "--layers was renamed to --aux-layer-ids" in capsys.readouterr().err
+
+
+def test_flat_train_keys_of_earlier_versions_are_named_with_their_group(tmp_path):
+    """A YAML written for the flat train section of earlier versions is refused with every moved
+    key and its place now (one message, so the file is fixed at once); EAGLE-3.1's switches name
+    the draft family."""
+    p = tmp_path / "old.yaml"
+    p.write_text(
+        "target: t\ndata: d\ntrain:\n  epochs: 2\n  lr: 1.0e-4\n  warmup_steps: 500\n"
+        "  schedule: linear\n  max_seq_len: 4096\n  keep_checkpoints: 2\n"
+        "refine:\n  lr: 2.0e-5\n  batch_size: 2\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_pipeline_config(p)
+    msg = str(e.value)
+    for moved in (
+        "train.lr moved to train.optimizer.lr",
+        "train.warmup_steps moved to train.schedule.warmup_steps",
+        "train.schedule moved to train.schedule.decay",
+        "train.max_seq_len moved to train.loader.max_seq_len",
+        "train.keep_checkpoints moved to train.checkpoint.keep",
+        "refine.lr moved to refine.optimizer.lr",
+    ):
+        assert moved in msg, (moved, msg)
+    assert "same meaning and values" in msg and "epochs" not in msg
+    p.write_text("target: t\ndata: d\ntrain:\n  draft:\n    fc_norm: true\n    norm_output: true\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"train.draft.fc_norm moved to train.draft.family.*"
+        r"is the draft family eagle3.1",
+    ):
+        load_pipeline_config(p)
+    p.write_text(
+        "target: t\ndata: d\ntrain:\n  optimizer:\n    lr: 1.0e-4\n"
+        "  schedule:\n    decay: linear\n  draft:\n    family: eagle3.1\n"
+    )
+    train = load_pipeline_config(p).train
+    assert (train.optimizer.lr, train.schedule.decay, train.draft.family) == (
+        1e-4,
+        "linear",
+        "eagle3.1",
+    )
+
+
+@pytest.mark.parametrize(
+    "flags,new",
+    [
+        (["--lr", "1e-3"], "--optimizer-lr"),
+        (["--schedule", "cosine"], "--schedule-decay"),
+        (["--parallel", "ddp"], "--runtime-parallel"),
+        (["--keep-checkpoints", "2"], "--checkpoint-keep"),
+        (["--draft-fc-norm"], "--draft-family"),
+    ],
+)
+def test_a_moved_train_flag_names_its_new_one(capsys, flags, new):
+    from eagle3.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", *flags])
+    assert e.value.code == 2
+    assert f"{flags[0]} was renamed to {new}" in capsys.readouterr().err
+
+
+def test_train_help_lists_each_group_under_its_name(capsys):
+    from eagle3.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for group in ("loader", "draft", "loss", "optimizer", "schedule", "checkpoint", "runtime"):
+        assert f"\n{group}:\n" in out, group
+    assert "--optimizer-lr" in out and "--loss-decay" in out and "--lr " not in out
+
+
+def test_older_flat_train_records_are_put_into_groups():
+    """A checkpoint's train_config of earlier versions (flat; EAGLE-3.1 as draft.fc_norm /
+    draft.norm_output) reads back in groups; a grouped one is left as it is."""
+    from eagle3.artifacts import migrate_record
+
+    old = {
+        "epochs": 2.0,
+        "lr": 3e-3,
+        "schedule": "linear",
+        "warmup_steps": 10,
+        "loss_decay": 0.7,
+        "num_loader_workers": 4,
+        "freeze": ["lm_head"],
+        "draft": {"num_hidden_layers": 2, "fc_norm": True, "norm_output": True},
+        "parallel": "ddp",
+    }
+    new = migrate_record({"train_config": old})["train_config"]
+    assert new == {
+        "epochs": 2.0,
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"decay": "linear", "warmup_steps": 10},
+        "loss": {"decay": 0.7},
+        "loader": {"num_workers": 4},
+        "draft": {"num_hidden_layers": 2, "family": "eagle3.1", "freeze": ["lm_head"]},
+        "runtime": {"parallel": "ddp"},
+    }
+    assert migrate_record({"train_config": new})["train_config"] == new
+    TrainConfig.model_validate(new)  # a config of this version again
+
+
+def test_refine_composes_the_train_groups_with_its_own_defaults():
+    """refine's optimizer and schedule are train's groups (the same fields), with a lower lr and a
+    shorter warmup by default, also when only another field of the group is set."""
+    from eagle3.config import RefineConfig
+    from eagle3.train_options import OptimizerOptions, ScheduleOptions
+
+    r = RefineConfig(optimizer={"beta2": 0.99}, schedule={"decay": "linear"})
+    assert isinstance(r.optimizer, OptimizerOptions) and isinstance(r.schedule, ScheduleOptions)
+    assert (r.optimizer.lr, r.optimizer.beta2, r.schedule.warmup_steps) == (2e-5, 0.99, 10)
+    assert set(type(r.optimizer).model_fields) == set(OptimizerOptions.model_fields)
+    assert TrainConfig().optimizer.lr == 1e-4 and TrainConfig().schedule.warmup_steps == 50
+
+
+def test_one_compute_dtype_type_for_every_stage_that_runs_the_target():
+    import typing
+
+    from eagle3.config import (
+        CaptureConfig,
+        EvaluateConfig,
+        RefineConfig,
+        RegenerateConfig,
+        SynthesizeConfig,
+    )
+    from eagle3.config_fields import ComputeDtype
+
+    for cls in (CaptureConfig, EvaluateConfig, RefineConfig, RegenerateConfig, SynthesizeConfig):
+        assert cls.model_fields["dtype"].annotation == ComputeDtype, cls
+    assert typing.get_args(ComputeDtype) == ("auto", "bfloat16", "float16", "float32")

@@ -10,10 +10,11 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
+from tests.vllm_layout import expected_export_shapes
 
-from eagle3.config import DraftOverrides, ExportConfig, TrainConfig
+from eagle3.config import ExportConfig, TrainConfig
 from eagle3.export import run_export
-from eagle3.model.draft import DraftConfig, Eagle3Draft, expected_export_shapes
+from eagle3.model.draft import DraftConfig, Eagle3Draft
 
 
 def _cfg(**kw) -> DraftConfig:
@@ -83,19 +84,18 @@ def test_norm_output_feeds_the_normed_state_to_the_next_step():
 def test_init_layers_from_target_with_fc_norm_refused():
     with pytest.raises(ValueError, match="fc_norm"):
         TrainConfig(
-            init_layers_from_target=True, draft=DraftOverrides(num_hidden_layers=2, fc_norm=True)
+            draft={"init_layers_from_target": True, "num_hidden_layers": 2, "family": "eagle3.1"}
         )
 
 
-def test_cli_flags_reach_the_draft_overrides():
+def test_cli_flag_chooses_the_family():
     from eagle3.cli import build_parser, stage_config_from_args
 
-    args = build_parser().parse_args(["train", "--draft-fc-norm", "--draft-norm-output"])
-    cfg = stage_config_from_args("train", args)
-    assert cfg.draft.fc_norm is True and cfg.draft.norm_output is True
+    args = build_parser().parse_args(["train", "--draft-family", "eagle3.1"])
+    assert stage_config_from_args("train", args).draft.family == "eagle3.1"
 
 
-def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
+def _checkpoint(tiny_llama, root, family: str):
     """A draft checkpoint with random weights (norm weights away from 1 so each norm matters), as
     run_train saves it."""
     from tests.synthetic_capture import write_vocab
@@ -111,7 +111,7 @@ def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
         captured="none",
         vocab=str(vocab),
         out=root / "train",
-        draft=DraftOverrides(fc_norm=fc_norm, norm_output=norm_output),
+        draft={"family": family},
     )
     tcfg = read_target_config(tiny_llama)
     d2t, t2d = DraftVocab.load(vocab).torch_maps()
@@ -129,7 +129,7 @@ def _checkpoint(tiny_llama, root, fc_norm: bool, norm_output: bool):
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_export_writes_the_keys_vllm_reads(tiny_llama, tmp_path, fmt):
-    ck = _checkpoint(tiny_llama, tmp_path, fc_norm=True, norm_output=True)
+    ck = _checkpoint(tiny_llama, tmp_path, "eagle3.1")
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft", format=fmt))
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert config["fc_norm"] is True and config["norm_output"] is True
@@ -146,7 +146,7 @@ def test_export_writes_the_keys_vllm_reads(tiny_llama, tmp_path, fmt):
 
 
 def test_eagle3_export_has_no_eagle31_keys(tiny_llama, tmp_path):
-    ck = _checkpoint(tiny_llama, tmp_path, fc_norm=False, norm_output=False)
+    ck = _checkpoint(tiny_llama, tmp_path, "eagle3")
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert "fc_norm" not in config and "norm_output" not in config
@@ -238,7 +238,7 @@ def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, variant):
     from eagle3.vllm_engine import run_in_subprocess
 
     on = variant == "eagle3.1"
-    ck = _checkpoint(tiny_llama, tmp_path, fc_norm=on, norm_output=on)
+    ck = _checkpoint(tiny_llama, tmp_path, "eagle3.1" if on else "eagle3")
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     record = _map_tensors(
         run_in_subprocess(record_vllm_draft_calls, str(tiny_llama), str(tmp_path / "draft")),
@@ -293,8 +293,9 @@ def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, variant):
 
 @pytest.mark.slow
 def test_train_eagle31_learns_and_exports(tiny_llama, tmp_path):
-    """run_train with both switches: fc_norm weights are trained (moved off 1), the loss falls, the
-    checkpoint's draft config carries the switches, and export writes them."""
+    """run_train of family eagle3.1 (both switches): fc_norm weights are trained (moved off 1),
+    the loss falls, the checkpoint's draft config carries the switches, and export writes
+    them."""
     from tests.synthetic_capture import capture_samples, frequent_ids, write_vocab
 
     from eagle3.train import run_train
@@ -309,16 +310,13 @@ def test_train_eagle31_learns_and_exports(tiny_llama, tmp_path):
         vocab=str(vocab),
         out=tmp_path / "train",
         max_steps=16,
-        lr=5e-3,
-        warmup_steps=2,
-        max_seq_len=64,
-        ttt_steps=2,
-        eval_every=16,
-        save_every=16,
-        log_every=4,
-        val_fraction=0.0,
+        optimizer={"lr": 5e-3},
+        schedule={"warmup_steps": 2},
+        loader={"max_seq_len": 64, "val_fraction": 0.0},
+        loss={"ttt_steps": 2},
+        checkpoint={"eval_every": 16, "save_every": 16, "log_every": 4},
         device="cpu",
-        draft=DraftOverrides(fc_norm=True, norm_output=True),
+        draft={"family": "eagle3.1"},
     )
     res = run_train(cfg, samples=samples, manifest=manifest)
     train = [

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.config import DraftOverrides, ExportConfig, TrainConfig
+from eagle3.config import ExportConfig, TrainConfig
 from eagle3.export import ExportError, run_export
 from eagle3.io import write_json
 
@@ -234,17 +234,13 @@ def test_vllm_accepts_tokens_of_a_trained_draft(tiny_llama, greedy_data, tmp_pat
         vocab=str(vocab),
         out=tmp_path / "train",
         max_steps=300,
-        lr=5e-3,
-        warmup_steps=10,
-        schedule="constant",
-        max_seq_len=256,
-        ttt_steps=3,
-        eval_every=1000,
-        save_every=1000,
-        log_every=50,
-        val_fraction=0.0,
+        optimizer={"lr": 5e-3},
+        schedule={"warmup_steps": 10, "decay": "constant"},
+        loader={"max_seq_len": 256, "val_fraction": 0.0},
+        loss={"ttt_steps": 3},
+        checkpoint={"eval_every": 1000, "save_every": 1000, "log_every": 50},
         device="cpu",
-        draft=DraftOverrides(num_hidden_layers=num_layers),
+        draft={"num_hidden_layers": num_layers},
     )
     run_train(cfg, samples=samples, manifest=manifest)
     run_export(ExportConfig(checkpoint=str(tmp_path / "train"), out=tmp_path / "draft"))

@@ -50,16 +50,13 @@ def tiny_config(target: Path, work_dir: Path, *, eval_prompts: bool = True, **ov
         },
         "vocab": {"draft_vocab_size": 128},
         "train": {
-            "ttt_steps": 2,
+            "loss": {"ttt_steps": 2},
+            "schedule": {"warmup_steps": 1},
+            "loader": {"max_seq_len": 160, "val_fraction": 0.25},
+            "checkpoint": {"eval_every": 3, "save_every": 3, "log_every": 1},
+            "runtime": {"dtype": "float32"},
             "max_steps": 3,
-            "warmup_steps": 1,
-            "max_seq_len": 160,
-            "eval_every": 3,
-            "save_every": 3,
-            "log_every": 1,
-            "val_fraction": 0.25,
             "device": "cpu",
-            "dtype": "float32",
         },
         "evaluate": {
             "num_prompts": 2,
@@ -321,7 +318,7 @@ def test_train_config_change_reruns_train_export_evaluate_only(base):
     from eagle3_prefect.flows.pipeline import eagle3_pipeline
 
     cfg = base["cfg"].model_copy(deep=True)
-    cfg.train.lr = 3e-4
+    cfg.train.optimizer.lr = 3e-4
     state, run_id, _ = run_flow(eagle3_pipeline, cfg, dispatch="local")
     assert state.is_completed(), state.message
     states = stage_states(run_id)

@@ -80,7 +80,7 @@ def inputs(tiny_llama, tmp_path_factory):
 
 
 def train_cfg(tiny_llama, inputs, out, **kw):
-    from eagle3.config import TrainConfig
+    from eagle3.config import TrainConfig, deep_merge
 
     cap, vocab = inputs
     base = dict(
@@ -89,17 +89,14 @@ def train_cfg(tiny_llama, inputs, out, **kw):
         vocab=str(vocab),
         out=out,
         max_steps=4,
-        lr=1e-3,
-        warmup_steps=1,
-        max_seq_len=64,
-        ttt_steps=2,
-        eval_every=4,
-        save_every=4,
-        log_every=2,
-        val_fraction=0.2,
+        optimizer={"lr": 1e-3},
+        schedule={"warmup_steps": 1},
+        loader={"max_seq_len": 64, "val_fraction": 0.2},
+        loss={"ttt_steps": 2},
+        checkpoint={"eval_every": 4, "save_every": 4, "log_every": 2},
         device="cpu",
     )
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**deep_merge(base, kw))
 
 
 @pytest.mark.slow
@@ -131,8 +128,7 @@ def test_two_train_runs_hold_their_own_device_slots_at_once(harness, tiny_llama,
             inputs,
             tmp_path / f"draft{d}",
             max_steps=120,
-            eval_every=120,
-            save_every=120,
+            checkpoint={"eval_every": 120, "save_every": 120},
         )
         procs.append(
             subprocess.Popen(
@@ -172,7 +168,7 @@ def test_train_grid_trains_each_draft(harness, tiny_llama, inputs, tmp_path, mon
     monkeypatch.setenv("EAGLE3_INPROCESS", "all")
     runs = {
         "a": train_cfg(tiny_llama, inputs, tmp_path / "a"),
-        "b": train_cfg(tiny_llama, inputs, tmp_path / "b", lr=3e-3),
+        "b": train_cfg(tiny_llama, inputs, tmp_path / "b", optimizer={"lr": 3e-3}),
     }
     rows = train_grid(runs, dispatch="local")["rows"]
     assert [r["name"] for r in rows] == ["a", "b"] and all(

@@ -5,7 +5,7 @@
   "already complete" shortcut refuse changed weights; evaluate refuses a draft made for another
   target (before any engine starts);
 - resume compares the new run's inputs with the checkpoint's, naming each field (old -> new), and
-  --force-resume applies only to the fields it is safe to change;
+  --checkpoint-force-resume applies only to the fields it is safe to change;
 - checkpoint hygiene: a checkpoint save killed by SIGKILL leaves temp dirs that resume removes (and
   says so); keep_checkpoints keeps the last N plus the best by validation.
 """
@@ -26,9 +26,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.capture import run_capture
-from eagle3.config import CaptureConfig, ConfigError, EvaluateConfig, ExportConfig, TrainConfig
+from eagle3.config import (
+    CaptureConfig,
+    ConfigError,
+    EvaluateConfig,
+    ExportConfig,
+    TrainConfig,
+    deep_merge,
+)
 from eagle3.export import ExportError, run_export
 from eagle3.train import run_train
+from eagle3.train_options import DRAFT_SHAPE_FIELDS, TRAIN_GROUPS, TRAIN_MOVED_KEYS
 from test_capture import make_prepared
 
 NUM = 12
@@ -78,17 +86,14 @@ def _train_cfg(out, target, captured, vocab, **kw):
         vocab=str(vocab),
         out=out,
         max_steps=4,
-        lr=1e-3,
-        warmup_steps=1,
-        max_seq_len=64,
-        ttt_steps=2,
-        eval_every=2,
-        save_every=2,
-        log_every=1,
-        val_fraction=0.2,
+        optimizer={"lr": 1e-3},
+        schedule={"warmup_steps": 1},
+        loader={"max_seq_len": 64, "val_fraction": 0.2},
+        loss={"ttt_steps": 2},
+        checkpoint={"eval_every": 2, "save_every": 2, "log_every": 1},
         device="cpu",
     )
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**deep_merge(base, kw))
 
 
 def _copy_target(src: Path, dst: Path, change: str | None = None) -> Path:
@@ -364,35 +369,53 @@ def test_resume_refuses_other_inputs_naming_each_field(capture, tiny_llama, prep
     cap2 = run_capture(_cap_cfg(tiny_llama, prepared, tmp_path / "cap2", limit=NUM - 2)).out
     vocab2 = write_vocab(tmp_path / "vocab2", 512, torch.arange(1, 512, 2))  # same size, others
     with pytest.raises(ConfigError) as e:
-        run_train(_train_cfg(out, tiny_llama, cap2, vocab2, lr=2e-3, ttt_steps=3, seed=1))
+        run_train(
+            _train_cfg(
+                out, tiny_llama, cap2, vocab2, optimizer={"lr": 2e-3}, loss={"ttt_steps": 3}, seed=1
+            )
+        )
     msg = str(e.value)
     for part in (
         r"resume from .*step-2: ",
         r"captured \(content\) \w{12}\.\.\. -> \w{12}\.\.\.",
         r"vocab \(d2t/t2d\) \w{12}\.\.\. -> \w{12}\.\.\.",
         r"seed 0 -> 1",
-        r"lr 0\.001 -> 0\.002",
-        r"ttt_steps 2 -> 3",
-        r"--force-resume cannot resume .*captured.*vocab.*seed",
+        r"optimizer.lr 0\.001 -> 0\.002",
+        r"loss.ttt_steps 2 -> 3",
+        r"--checkpoint-force-resume cannot resume .*captured.*vocab.*seed",
         r"a new --out",
     ):
         assert re.search(part, msg), (part, msg)
-    with pytest.raises(ConfigError, match="--force-resume cannot resume"):
-        run_train(_train_cfg(out, tiny_llama, cap, vocab2, force_resume=True))
+    with pytest.raises(ConfigError, match="--checkpoint-force-resume cannot resume"):
+        run_train(_train_cfg(out, tiny_llama, cap, vocab2, checkpoint={"force_resume": True}))
     assert not (out / "final").exists()
 
 
 def test_force_resume_applies_the_new_safe_settings(capture, tiny_llama, tmp_path, capfd):
     cap, vocab = capture
     out = tmp_path / "t"
-    run_train(_train_cfg(out, tiny_llama, cap, vocab, schedule="constant"), stop_after=2)
-    with pytest.raises(ConfigError, match=r"lr 0\.001 -> 0\.004.*pass --force-resume"):
-        run_train(_train_cfg(out, tiny_llama, cap, vocab, schedule="constant", lr=4e-3))
+    run_train(_train_cfg(out, tiny_llama, cap, vocab, schedule={"decay": "constant"}), stop_after=2)
+    with pytest.raises(
+        ConfigError, match=r"optimizer.lr 0\.001 -> 0\.004.*pass --checkpoint-force-resume"
+    ):
+        run_train(
+            _train_cfg(
+                out, tiny_llama, cap, vocab, schedule={"decay": "constant"}, optimizer={"lr": 4e-3}
+            )
+        )
     res = run_train(
-        _train_cfg(out, tiny_llama, cap, vocab, schedule="constant", lr=4e-3, force_resume=True)
+        _train_cfg(
+            out,
+            tiny_llama,
+            cap,
+            vocab,
+            schedule={"decay": "constant"},
+            optimizer={"lr": 4e-3},
+            checkpoint={"force_resume": True},
+        )
     )
     assert res.steps == 4
-    assert "warning (force_resume=true): resuming" in capfd.readouterr().err
+    assert "warning (checkpoint.force_resume=true): resuming" in capfd.readouterr().err
     lrs = {r["step"]: r["lr"] for r in _log(out) if r["split"] == "train"}
     assert lrs[2] == pytest.approx(1e-3) and lrs[3] == pytest.approx(4e-3), lrs  # not the saved lr
 
@@ -409,10 +432,35 @@ def test_resume_with_another_draft_vocab_size_names_it(capture, tiny_llama, tmp_
 
 
 def test_every_train_setting_has_a_resume_rule():
-    from eagle3.train.resume_inputs import RESUME_RULES
+    from eagle3.train.resume_inputs import RESUME_RULES, settings
 
-    fields = set(TrainConfig.model_fields) - {"stage"}  # the stage's name, not a setting
+    # every setting, a group's by its dotted name (the stage's name is not a setting)
+    fields = set(settings(TrainConfig().model_dump())) - {"stage"}
     assert set(RESUME_RULES) == fields, fields ^ set(RESUME_RULES)
+
+
+def test_an_older_flat_checkpoint_record_resumes_in_groups(capture, tiny_llama, tmp_path):
+    """A checkpoint written before the settings were grouped records them flat (`lr`,
+    `ttt_steps`, EAGLE-3.1 as draft.fc_norm / draft.norm_output): it reads back in groups, so the
+    run resumes, and a changed setting is still named."""
+    cap, vocab = capture
+    out = tmp_path / "t"
+    run_train(_train_cfg(out, tiny_llama, cap, vocab), stop_after=2)
+    meta_file = out / "checkpoints" / "step-2" / "eagle3_draft.json"
+    meta = json.loads(meta_file.read_text())
+    grouped = meta["train_config"]
+    flat = {k: v for k, v in grouped.items() if k not in TRAIN_GROUPS}
+    for old, new in TRAIN_MOVED_KEYS.items():
+        group, name = new.split(".")
+        flat[old] = grouped[group][name]
+    shape = {k: grouped["draft"][k] for k in DRAFT_SHAPE_FIELDS}
+    flat["draft"] = {**shape, "fc_norm": False, "norm_output": False}
+    assert flat["lr"] == 1e-3 and flat["schedule"] == "cosine" and "optimizer" not in flat
+    meta["train_config"] = flat
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"optimizer\.lr 0\.001 -> 0\.004"):
+        run_train(_train_cfg(out, tiny_llama, cap, vocab, optimizer={"lr": 4e-3}))
+    assert run_train(_train_cfg(out, tiny_llama, cap, vocab)).steps == 4
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -458,10 +506,18 @@ def test_checkpoint_temp_files_left_by_a_kill_are_removed_on_resume(
 
 def test_keep_checkpoints_keeps_the_last_ones_and_the_best(capture, tiny_llama, tmp_path):
     cap, vocab = capture
-    assert TrainConfig().keep_checkpoints == 3
+    assert TrainConfig().checkpoint.keep == 3
     out = tmp_path / "t"
     res = run_train(
-        _train_cfg(out, tiny_llama, cap, vocab, max_steps=12, lr=5e-3, keep_checkpoints=2)
+        _train_cfg(
+            out,
+            tiny_llama,
+            cap,
+            vocab,
+            max_steps=12,
+            optimizer={"lr": 5e-3},
+            checkpoint={"keep": 2},
+        )
     )
     val = [r for r in _log(out) if r["split"] == "val"]
     best = max(val, key=lambda r: r["tau_estimate"])["step"]  # the first of equals, as best/ is
@@ -471,6 +527,6 @@ def test_keep_checkpoints_keeps_the_last_ones_and_the_best(capture, tiny_llama, 
     run_export(ExportConfig(checkpoint=str(out), out=tmp_path / "d"))  # export still finds best/
     assert (tmp_path / "d" / "model.safetensors").is_file()
     everything = run_train(
-        _train_cfg(tmp_path / "all", tiny_llama, cap, vocab, max_steps=8, keep_checkpoints=0)
+        _train_cfg(tmp_path / "all", tiny_llama, cap, vocab, max_steps=8, checkpoint={"keep": 0})
     )
     assert len(list((everything.out / "checkpoints").glob("step-*"))) == 4

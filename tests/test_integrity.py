@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.capture import run_capture
-from eagle3.config import CaptureConfig, ConfigError, ExportConfig, TrainConfig
+from eagle3.config import CaptureConfig, ConfigError, ExportConfig, TrainConfig, deep_merge
 from eagle3.export import ExportError, run_export
 from eagle3.shards import load_captured
 from eagle3.train import run_train
@@ -73,17 +73,14 @@ def _train_cfg(out, target, captured, vocab, **kw):
         vocab=str(vocab),
         out=out,
         max_steps=4,
-        lr=1e-3,
-        warmup_steps=1,
-        max_seq_len=64,
-        ttt_steps=2,
-        eval_every=2,
-        save_every=2,
-        log_every=1,
-        val_fraction=0.2,
+        optimizer={"lr": 1e-3},
+        schedule={"warmup_steps": 1},
+        loader={"max_seq_len": 64, "val_fraction": 0.2},
+        loss={"ttt_steps": 2},
+        checkpoint={"eval_every": 2, "save_every": 2, "log_every": 1},
         device="cpu",
     )
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**deep_merge(base, kw))
 
 
 def _copy_capture(src: Path, dst: Path) -> Path:
@@ -117,7 +114,11 @@ def test_train_refuses_a_capture_whose_shard_fails_sha256(capture, tiny_llama, t
             ValueError,
             match=r"differ from the sha256.*\(shard-00001.safetensors\).*`eagle3 capture` again",
         ):
-            run_train(_train_cfg(tmp_path / f"t{preload}", tiny_llama, bad, vocab, preload=preload))
+            run_train(
+                _train_cfg(
+                    tmp_path / f"t{preload}", tiny_llama, bad, vocab, loader={"preload": preload}
+                )
+            )
     assert (
         not (tmp_path / "tFalse" / "final").exists() and not (tmp_path / "tFalse" / "best").exists()
     )
@@ -174,7 +175,16 @@ def test_nan_batch_stops_training_naming_shard_sample_and_step(capture, tiny_lla
         match=rf"step \d+: .*shard-0000\d.safetensors sample {ids[0]} \(aux_hidden_states "
         r"row 3 .*capture is corrupt",
     ):
-        run_train(_train_cfg(tmp_path / "t", tiny_llama, path, vocab, max_steps=12, eval_every=100))
+        run_train(
+            _train_cfg(
+                tmp_path / "t",
+                tiny_llama,
+                path,
+                vocab,
+                max_steps=12,
+                checkpoint={"eval_every": 100},
+            )
+        )
     assert not (tmp_path / "t" / "final").exists()
 
     # a tolerance: the bad steps are skipped and counted, the weights stay finite
@@ -185,8 +195,8 @@ def test_nan_batch_stops_training_naming_shard_sample_and_step(capture, tiny_lla
             path,
             vocab,
             max_steps=12,
-            max_nonfinite_steps=5,
-            eval_every=100,
+            optimizer={"max_nonfinite_steps": 5},
+            checkpoint={"eval_every": 100},
         )
     )
     assert res.steps == 12
@@ -265,7 +275,7 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_one_before(
     capture, tiny_llama, tmp_path, capfd
 ):
     cap, vocab = capture
-    kw = dict(max_steps=6, eval_every=100)
+    kw = dict(max_steps=6, checkpoint={"eval_every": 100})
     straight = run_train(_train_cfg(tmp_path / "a", tiny_llama, cap, vocab, **kw))
     run_train(_train_cfg(tmp_path / "b", tiny_llama, cap, vocab, **kw), stop_after=4)
     latest = tmp_path / "b" / "checkpoints" / "step-4" / "model.safetensors"

@@ -218,14 +218,11 @@ def exported(kimi, captured, tmp_path_factory):
             vocab=str(vocab),
             out=root / "train",
             max_steps=4,
-            warmup_steps=1,
-            eval_every=4,
-            save_every=4,
-            log_every=2,
-            max_seq_len=MAX_MODEL_LEN // 2,
-            val_fraction=0.2,
+            schedule={"warmup_steps": 1},
+            checkpoint={"eval_every": 4, "save_every": 4, "log_every": 2},
+            loader={"max_seq_len": MAX_MODEL_LEN // 2, "val_fraction": 0.2},
+            runtime={"dtype": "float32"},
             device="cpu",
-            dtype="float32",
         )
     )
     return run_export(ExportConfig(checkpoint=str(root / "train"), out=root / "draft")).out
@@ -374,27 +371,26 @@ def vllm_eagle3_load(checks: list[dict]) -> list[dict]:
 def preset_draft(tmp_path_factory):
     """The Kimi-K2.5 preset's draft at real size, built on the meta device: (export config dir,
     target config dir, export shapes, draft config, aux ids)."""
+    from tests.vllm_layout import expected_export_shapes
+
     from eagle3.config import AuxLayerIds, load_pipeline_config
-    from eagle3.export import vllm_config
-    from eagle3.model.draft import (
-        Eagle3Draft,
-        draft_config_from_target,
-        expected_export_shapes,
-        text_config,
-    )
+    from eagle3.model.draft import text_config
+    from eagle3.model.eagle import vllm_config
+    from eagle3.model.family import get_family
 
     cfg = load_pipeline_config(ROOT / "configs/kimi-k2.5.yaml").resolved()
     tcfg = json.loads((ROOT / "configs/targets/kimi-k2.5.json").read_text())
     num_layers = text_config(tcfg)["num_hidden_layers"]
     ids = AuxLayerIds.resolve(cfg.capture.aux_layer_ids, num_layers).as_list()
-    dcfg = draft_config_from_target(
+    family = get_family(cfg.train.draft.family)
+    dcfg = family.draft_config(
         tcfg,
         num_aux=len(ids),
         draft_vocab_size=cfg.vocab.draft_vocab_size,
-        overrides=cfg.train.draft,
+        options=cfg.train.draft,
     )
     with torch.device("meta"):
-        draft = Eagle3Draft(dcfg)
+        draft = family.build(dcfg)
     shapes = {k: tuple(v.shape) for k, v in draft.export_state_dict().items()}
     assert shapes == expected_export_shapes(dcfg)  # what export validates a checkpoint against
     root = tmp_path_factory.mktemp("kimi_preset")

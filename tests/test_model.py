@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.config import DraftOverrides
 from eagle3.model.draft import DraftConfig, DraftConfigError, Eagle3Draft, draft_config_from_target
 from eagle3.train.attention import (
     causal_doc_mask,
@@ -16,6 +15,7 @@ from eagle3.train.attention import (
     merge_diagonal,
     naive_ttt_attention,
 )
+from eagle3.train_options import DraftOptions
 
 TARGET_CFG = {
     "hidden_size": 64,
@@ -42,7 +42,7 @@ TARGET_CFG = {
 
 def small_cfg(**kw) -> DraftConfig:
     return draft_config_from_target(
-        TARGET_CFG, num_aux=3, draft_vocab_size=100, overrides=DraftOverrides(**kw)
+        TARGET_CFG, num_aux=3, draft_vocab_size=100, overrides=DraftOptions(**kw)
     )
 
 
@@ -294,7 +294,7 @@ def test_draft_step0_is_a_causal_document_aware_layer():
 
 @pytest.mark.parametrize("layers", [1, 3])
 def test_export_keys_cover_the_state_dict(layers):
-    from eagle3.model.draft import expected_export_shapes
+    from tests.vllm_layout import expected_export_shapes
 
     model = Eagle3Draft(small_cfg(num_hidden_layers=layers))
     sd = model.export_state_dict()

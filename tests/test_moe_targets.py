@@ -100,14 +100,11 @@ def test_capture_train_export(family, tmp_path):
             vocab=str(vocab),
             out=tmp_path / "train",
             max_steps=4,
-            warmup_steps=1,
-            eval_every=4,
-            save_every=4,
-            log_every=2,
-            max_seq_len=256,
-            val_fraction=0.2,
+            schedule={"warmup_steps": 1},
+            checkpoint={"eval_every": 4, "save_every": 4, "log_every": 2},
+            loader={"max_seq_len": 256, "val_fraction": 0.2},
+            runtime={"dtype": "float32"},
             device="cpu",
-            dtype="float32",
         )
     )
     draft = res.metadata["draft_config"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.config import ConfigError, TrainConfig
+from eagle3.config import ConfigError, TrainConfig, deep_merge
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_STEPS = 4
@@ -57,16 +57,12 @@ def base_cfg(tiny_llama, capture) -> dict:
         captured=str(cap),
         vocab=str(vocab),
         max_steps=NUM_STEPS,
-        lr=1e-3,
-        warmup_steps=1,
-        max_seq_len=64,
-        ttt_steps=2,
-        eval_every=2,
-        save_every=2,
-        log_every=1,
-        val_fraction=0.2,
+        optimizer={"lr": 1e-3},
+        schedule={"warmup_steps": 1},
+        loader={"max_seq_len": 64, "val_fraction": 0.2, "batch_size": 1},
+        loss={"ttt_steps": 2},
+        checkpoint={"eval_every": 2, "save_every": 2, "log_every": 1},
         device="cpu",
-        batch_size=1,
     )
 
 
@@ -134,23 +130,26 @@ def test_ddp_and_fsdp2_match_one_process_and_resume_across_world_sizes(
 
     base = base_cfg(tiny_llama, capture)
     one = dict(
-        grad_accum=2
+        loader={"grad_accum": 2},
     )  # one process, two micro-batches: the rows two processes take in one step each
     ref = tmp_path / "one"
-    run_train(TrainConfig(**base, **one, out=ref))
+    run_train(TrainConfig(**deep_merge(base, one), out=ref))
     run_train(
-        TrainConfig(**base, **one, out=tmp_path / "w1to2"), stop_after=2
+        TrainConfig(**deep_merge(base, one), out=tmp_path / "w1to2"), stop_after=2
     )  # resumed by 2 processes below
 
     jobs = [
-        {"cfg": {"out": str(tmp_path / "ddp"), "parallel": "ddp"}},
-        {"cfg": {"out": str(tmp_path / "fsdp2"), "parallel": "fsdp2"}},
-        {"cfg": {"out": str(tmp_path / "w2to1"), "parallel": "fsdp2"}, "stop_after": 2},
-        {"cfg": {"out": str(tmp_path / "w1to2"), "parallel": "ddp"}},
+        {"cfg": {"out": str(tmp_path / "ddp"), "runtime": {"parallel": "ddp"}}},
+        {"cfg": {"out": str(tmp_path / "fsdp2"), "runtime": {"parallel": "fsdp2"}}},
+        {
+            "cfg": {"out": str(tmp_path / "w2to1"), "runtime": {"parallel": "fsdp2"}},
+            "stop_after": 2,
+        },
+        {"cfg": {"out": str(tmp_path / "w1to2"), "runtime": {"parallel": "ddp"}}},
     ]
     rc, err = torchrun(base, jobs, tmp_path)
     assert rc == 0, err[-4000:]
-    assert "2 processes: ddp (train.parallel ddp)" in err and "2 processes: fsdp2" in err
+    assert "2 processes: ddp (train.runtime.parallel ddp)" in err and "2 processes: fsdp2" in err
     assert "written by 1 process(es), none" in err  # w1to2 resumed at world 2
 
     st = json.loads(
@@ -160,11 +159,13 @@ def test_ddp_and_fsdp2_match_one_process_and_resume_across_world_sizes(
     assert not (
         tmp_path / "w2to1" / "checkpoints" / "step-2" / "optimizer"
     ).exists()  # one full optimizer file
-    with pytest.raises(ConfigError, match=r"2 packed rows per optimizer step .* set grad_accum: 2"):
+    with pytest.raises(
+        ConfigError, match=r"2 packed rows per optimizer step .* set loader.grad_accum: 2"
+    ):
         run_train(
             TrainConfig(**base, out=tmp_path / "w2to1")
         )  # grad_accum 1 in one process: half the rows
-    run_train(TrainConfig(**base, **one, out=tmp_path / "w2to1"))  # FSDP2 at 2 -> one process
+    run_train(TrainConfig(**deep_merge(base, one), out=tmp_path / "w2to1"))  # FSDP2 2 -> 1
 
     for name in ("ddp", "fsdp2", "w2to1", "w1to2"):
         assert_same_training(tmp_path / name, ref)
@@ -203,4 +204,7 @@ def test_parallel_choice():
         "fsdp2",
         "fsdp2",
     ]
-    assert TrainConfig(parallel="fsdp").parallel == "fsdp2" and TrainConfig().parallel == "auto"
+    assert (
+        TrainConfig(runtime={"parallel": "fsdp"}).runtime.parallel == "fsdp2"
+        and TrainConfig().runtime.parallel == "auto"
+    )

@@ -805,7 +805,10 @@ def test_lost_runs_are_crashed_alerted_and_resumed(stack, tiny_llama, tmp_path_f
         tmp_path_factory.mktemp("lost-host"),
         eval_prompts=False,
         name="lost-host",
-        train={"max_steps": 120, "save_every": 10, "log_every": 2, "eval_every": 60},
+        train={
+            "max_steps": 120,
+            "checkpoint": {"save_every": 10, "log_every": 2, "eval_every": 60},
+        },
     )
     out_a = Path(cfg_a.resolved().train.out)
     (stack.home / "lost-host.json").write_text(cfg_a.model_dump_json())

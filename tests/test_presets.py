@@ -92,4 +92,4 @@ def test_thinking_preset_switches_every_rendering_stage():
         assert section.trust_remote_code is True
     assert cfg.regenerate.max_new_tokens >= 16384
     assert cfg.regenerate.max_model_len >= cfg.regenerate.max_new_tokens
-    assert cfg.prepare.max_seq_len == cfg.train.max_seq_len >= 16384
+    assert cfg.prepare.max_seq_len == cfg.train.loader.max_seq_len >= 16384

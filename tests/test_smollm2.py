@@ -240,13 +240,10 @@ def test_train_export_and_serve_with_smollm2_as_target(
             vocab=str(tmp_path / "vocab"),
             out=tmp_path / "train",
             max_steps=6,
-            warmup_steps=1,
-            max_seq_len=128,
-            ttt_steps=3,
-            val_fraction=0.0,
-            eval_every=1000,
-            save_every=1000,
-            log_every=2,
+            schedule={"warmup_steps": 1},
+            loader={"max_seq_len": 128, "val_fraction": 0.0},
+            loss={"ttt_steps": 3},
+            checkpoint={"eval_every": 1000, "save_every": 1000, "log_every": 2},
             device="cpu",
         )
     )

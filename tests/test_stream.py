@@ -65,17 +65,14 @@ def stream_config(inputs, work: Path, **stream) -> PipelineConfig:
             "vocab": {"out": str(vocab)},
             "train": {
                 "vocab": str(vocab),
-                "ttt_steps": 2,
+                "loss": {"ttt_steps": 2},
+                "loader": {"max_seq_len": 128, "val_fraction": 0.05},
+                "schedule": {"warmup_steps": 2},
+                "checkpoint": {"eval_every": 20, "save_every": 1000, "log_every": 5},
+                "runtime": {"dtype": "float32"},
+                "optimizer": {"lr": 1e-3},
                 "epochs": 3,
-                "max_seq_len": 128,
-                "warmup_steps": 2,
-                "eval_every": 20,
-                "save_every": 1000,
-                "log_every": 5,
-                "val_fraction": 0.05,
                 "device": "cpu",
-                "dtype": "float32",
-                "lr": 1e-3,
             },
             "stream": {
                 "enabled": True,
@@ -167,12 +164,13 @@ def test_config_errors_name_the_fields(stream_inputs, tmp_path):
     from eagle3.train.stream import SpoolSource
 
     consume = stream_config(stream_inputs, tmp_path / "c").stream_stages()[1]
-    for field, value, message in (
-        ("aux_layer_ids", [1, 2], "train.aux_layer_ids is not supported"),
-        ("preload", True, "train.preload = true is not supported"),
+    loader = consume.loader.model_copy(update={"preload": True})
+    for update, message in (
+        ({"aux_layer_ids": [1, 2]}, "train.aux_layer_ids is not supported"),
+        ({"loader": loader}, r"train.loader.preload = true is not supported"),
     ):
         with pytest.raises(ConfigError, match=message):
-            SpoolSource(consume.model_copy(update={field: value}))
+            SpoolSource(consume.model_copy(update=update))
 
 
 def _side(stage: str, config: Path) -> subprocess.Popen:
@@ -285,16 +283,13 @@ def pipeline_stream_config(tiny_llama, tmp_path) -> PipelineConfig:
             },
             "vocab": {"draft_vocab_size": 64},
             "train": {
-                "ttt_steps": 2,
+                "loss": {"ttt_steps": 2},
+                "loader": {"max_seq_len": 128, "val_fraction": 0.1},
+                "schedule": {"warmup_steps": 2},
+                "checkpoint": {"eval_every": 20, "save_every": 1000, "log_every": 5},
+                "runtime": {"dtype": "float32"},
                 "epochs": 2,
-                "max_seq_len": 128,
-                "warmup_steps": 2,
-                "eval_every": 20,
-                "save_every": 1000,
-                "log_every": 5,
-                "val_fraction": 0.1,
                 "device": "cpu",
-                "dtype": "float32",
             },
             "stream": {
                 "enabled": True,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.config import TrainConfig
+from eagle3.config import TrainConfig, deep_merge
 from eagle3.model.draft import DraftConfig, Eagle3Draft
 from eagle3.train.attention import make_ttt_attention
 from eagle3.train.data import LoaderState, PackedLoader, eval_batches, pack
@@ -770,13 +770,13 @@ def test_target_argmax_is_computed_in_shares_across_ranks(captured, tiny_llama, 
             "2",
             "--device",
             "cpu",
-            "--max-seq-len",
+            "--loader-max-seq-len",
             "64",
-            "--ttt-steps",
+            "--loss-ttt-steps",
             "2",
-            "--eval-every",
+            "--checkpoint-eval-every",
             "2",
-            "--val-fraction",
+            "--loader-val-fraction",
             "0.2",
         ],
         env=env,
@@ -798,21 +798,20 @@ def _cfg(tmp, tiny_llama, vocab, **kw):
         vocab=str(vocab),
         out=tmp,
         max_steps=4,
-        lr=1e-3,
-        warmup_steps=1,
-        max_seq_len=64,
-        ttt_steps=2,
-        eval_every=2,
-        save_every=2,
-        log_every=1,
-        val_fraction=0.2,
+        optimizer={"lr": 1e-3},
+        schedule={"warmup_steps": 1},
+        loader={"max_seq_len": 64, "val_fraction": 0.2},
+        loss={"ttt_steps": 2},
+        checkpoint={"eval_every": 2, "save_every": 2, "log_every": 1},
         device="cpu",
     )
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**deep_merge(base, kw))
 
 
 @pytest.mark.parametrize(
-    "extra", [{}, {"ema_decay": 0.5, "dropout": 0.1}], ids=["plain", "ema+dropout"]
+    "extra",
+    [{}, {"checkpoint": {"ema_decay": 0.5}, "draft": {"dropout": 0.1}}],
+    ids=["plain", "ema+dropout"],
 )
 def test_resume_is_exact(captured, tiny_llama, tmp_path, extra):
     from safetensors.torch import load_file
@@ -902,12 +901,10 @@ def test_tiny_end_to_end_reduces_loss(captured, tiny_llama, tmp_path):
         tiny_llama,
         vocab,
         max_steps=24,
-        lr=5e-3,
-        warmup_steps=2,
-        eval_every=12,
-        save_every=12,
-        log_every=4,
-        loss_decay=0.8,
+        optimizer={"lr": 5e-3},
+        schedule={"warmup_steps": 2},
+        checkpoint={"eval_every": 12, "save_every": 12, "log_every": 4},
+        loss={"decay": 0.8},
     )
     res = run_train(cfg, samples=samples, manifest=manifest)
     logs = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -931,7 +928,8 @@ def test_tiny_end_to_end_reduces_loss(captured, tiny_llama, tmp_path):
         and meta["draft_vocab_size"] == 200
         and meta["target_vocab_size"] == 512
     )
-    assert meta["train_config"]["lr"] == 5e-3 and meta["train_config"]["supervise"] == "assistant"
+    recorded = meta["train_config"]
+    assert recorded["optimizer"]["lr"] == 5e-3 and recorded["loss"]["supervise"] == "assistant"
 
 
 def test_captured_dir_is_read_lazily_and_exactly(captured, tmp_path):
@@ -970,11 +968,21 @@ def test_several_captures_train_as_one(captured, tiny_llama, tmp_path):
     b = write_captured(tmp_path / "b", samples[9:], manifest, shard_samples=5)
     for preload in (False, True):
         ra = run_train(
-            _cfg(tmp_path / f"one-{preload}", tiny_llama, vocab, captured=str(one), preload=preload)
+            _cfg(
+                tmp_path / f"one-{preload}",
+                tiny_llama,
+                vocab,
+                captured=str(one),
+                loader={"preload": preload},
+            )
         )
         rb = run_train(
             _cfg(
-                tmp_path / f"ab-{preload}", tiny_llama, vocab, captured=f"{a},{b}", preload=preload
+                tmp_path / f"ab-{preload}",
+                tiny_llama,
+                vocab,
+                captured=f"{a},{b}",
+                loader={"preload": preload},
             )
         )
         wa = load_file(str(ra.final_dir / "model.safetensors"))
@@ -1012,7 +1020,12 @@ def test_compile_cache_dir_holds_what_compiles_while_training(
     before = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     run_train(
         _cfg(
-            tmp_path / "a", tiny_llama, vocab, max_steps=2, eval_every=1, compile_cache=str(cache)
+            tmp_path / "a",
+            tiny_llama,
+            vocab,
+            max_steps=2,
+            checkpoint={"eval_every": 1},
+            runtime={"compile_cache": str(cache)},
         ),
         samples=samples,
         manifest=manifest,
@@ -1048,7 +1061,7 @@ def test_compile_cache_artifact_file_is_written_and_reloaded(captured, tiny_llam
     torch.compile(lambda x: x * 2 + 1)(
         torch.ones(3)
     )  # stands in for the draft's graphs (see above)
-    kw = dict(max_steps=2, eval_every=1, compile_cache=str(cache))
+    kw = dict(max_steps=2, checkpoint={"eval_every": 1}, runtime={"compile_cache": str(cache)})
     run_train(_cfg(tmp_path / "a", tiny_llama, vocab, **kw), samples=samples, manifest=manifest)
     assert cache.stat().st_size > 0 and not list(tmp_path.glob(f".{cache.name}.*"))  # no temp left
     err = capfd.readouterr().err
@@ -1070,7 +1083,7 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
     logits (a wider MLP too; the deepest id need not come last)."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3.config import ConfigError, DraftOverrides
+    from eagle3.config import ConfigError
     from eagle3.train.target import load_top_layers
     from eagle3.train.trainer import build_draft
     from eagle3.weights import load_target_tensors, read_target_config
@@ -1083,9 +1096,12 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
     )
     cfg = TrainConfig(
         target=str(tiny_llama),
-        init_head_from_target=True,
-        init_layers_from_target=True,
-        draft=DraftOverrides(num_hidden_layers=3, intermediate_size=inter + extra_units),
+        draft={
+            "init_head_from_target": True,
+            "init_layers_from_target": True,
+            "num_hidden_layers": 3,
+            "intermediate_size": inter + extra_units,
+        },
     )
     tensors = {**load_target_tensors(tiny_llama), "layers": load_top_layers(tiny_llama, 3)}
     assert sorted(tensors["layers"]) == [L - 2, L - 1]
@@ -1109,13 +1125,17 @@ def test_layers_from_target_reproduce_the_target(tiny_llama, extra_units, deepes
         out = draft(ids, aux, pos, attn, steps=1)[0]  # (1, T, H)
         torch.testing.assert_close(draft.logits(out), r.logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="num_hidden_layers >= 2"):
-        TrainConfig(init_layers_from_target=True)
+        TrainConfig(draft={"init_layers_from_target": True})
     with pytest.raises(ConfigError, match="it needs 2 .. 6"):
         load_top_layers(tiny_llama, 7)
     with pytest.raises(ConfigError, match="intermediate_size >= the target's"):
         build_draft(
             cfg.model_copy(
-                update={"draft": DraftOverrides(num_hidden_layers=3, intermediate_size=inter - 8)}
+                update={
+                    "draft": cfg.draft.model_copy(
+                        update={"num_hidden_layers": 3, "intermediate_size": inter - 8}
+                    )
+                }
             ),
             target_cfg,
             tensors,
@@ -1143,7 +1163,7 @@ def test_supervise_all_trains_on_prompt_rows_and_validates_on_assistant_rows(
     logs = {}
     for mode in ("assistant", "all"):
         run_train(
-            _cfg(tmp_path / mode, tiny_llama, vocab, max_steps=2, supervise=mode),
+            _cfg(tmp_path / mode, tiny_llama, vocab, max_steps=2, loss={"supervise": mode}),
             samples=samples,
             manifest=manifest,
         )
@@ -1186,9 +1206,11 @@ def test_freeze_keeps_named_parameters_fixed(captured, tiny_llama, tmp_path):
         tmp_path,
         tiny_llama,
         vocab,
-        freeze=["layers", "lm_head"],
-        draft={"num_hidden_layers": 2},
-        init_head_from_target=True,
+        draft={
+            "num_hidden_layers": 2,
+            "freeze": ["layers", "lm_head"],
+            "init_head_from_target": True,
+        },
     )
     run_train(cfg, samples=samples, manifest=manifest)
     first = load_file(str(tmp_path / "checkpoints" / "step-2" / "model.safetensors"))
@@ -1198,11 +1220,11 @@ def test_freeze_keeps_named_parameters_fixed(captured, tiny_llama, tmp_path):
     assert not torch.equal(first["fc.weight"], last["fc.weight"])  # the rest trains
     with pytest.raises(ConfigError, match="'mid'.*midlayer"):
         run_train(
-            _cfg(tmp_path / "bad", tiny_llama, vocab, freeze="mid,fc"),
+            _cfg(tmp_path / "bad", tiny_llama, vocab, draft={"freeze": "mid,fc"}),
             samples=samples,
             manifest=manifest,
         )
-    assert TrainConfig(freeze="layers, lm_head").freeze == [
+    assert TrainConfig(draft={"freeze": "layers, lm_head"}).draft.freeze == [
         "layers",
         "lm_head",
     ]  # the CLI's comma form
@@ -1214,23 +1236,23 @@ def test_midlayer_feature_loss_needs_the_copied_layers(captured, tiny_llama, tmp
     from eagle3.config import ConfigError
     from eagle3.train import run_train
 
-    with pytest.raises(ValidationError, match="needs init_layers_from_target"):
-        TrainConfig(midlayer_feature_loss_weight=1.0)
+    with pytest.raises(ValidationError, match="needs draft.init_layers_from_target"):
+        TrainConfig(loss={"midlayer_feature_weight": 1.0})
     samples, manifest, vocab = (
         captured  # tiny target: 5 layers, aux ids (1, 2, 4); 2 draft layers copy layer 4
     )
     ok = dict(
-        init_layers_from_target=True,
-        midlayer_feature_loss_weight=1.0,
-        draft={"num_hidden_layers": 2},
+        draft={"init_layers_from_target": True, "num_hidden_layers": 2},
+        loss={"midlayer_feature_weight": 1.0},
         max_steps=1,
     )
     run_train(_cfg(tmp_path / "ok", tiny_llama, vocab, **ok), samples=samples, manifest=manifest)
     with pytest.raises(
         ConfigError, match="use aux id 3"
     ):  # 3 draft layers copy layers 3, 4: they read id 3
+        three = deep_merge(ok, {"draft": {"num_hidden_layers": 3}})
         run_train(
-            _cfg(tmp_path / "bad", tiny_llama, vocab, **{**ok, "draft": {"num_hidden_layers": 3}}),
+            _cfg(tmp_path / "bad", tiny_llama, vocab, **three),
             samples=samples,
             manifest=manifest,
         )

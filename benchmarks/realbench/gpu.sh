@@ -256,15 +256,17 @@ make_data() {
   cat "$R/timings.txt"
 }
 
-# One draft per (method, training data). EAGLE-3.1 adds fc_norm + norm_output to the same recipe. No
-# feature loss: on SmolLM2 it costs the one-layer draft 0.15 held-out τ (2026-12-02: 2.36 with
-# weight 20, 2.51 without; docs/history/2026-12.md), though it was refbench's largest lever
-# (configs/refbench-gpu.yaml keeps it)
-RECIPE=(--device "$DEVICE" --ttt-steps 3 --num-speculative-tokens 3 --epochs "$EPOCHS" --lr 2e-3
-  --warmup-steps 100 --weight-decay 0.1 --hidden-noise 0.1 --supervise all --init-head-from-target
-  --max-seq-len 2048 --batch-size 8 --eval-every 50 --save-every 200 --val-fraction 0.02 --seed 0
+# One draft per (method, training data). EAGLE-3.1 (its family: fc_norm + norm_output) takes the
+# same recipe. No feature loss: on SmolLM2 it costs the one-layer draft 0.15 held-out τ
+# (2026-12-02: 2.36 with weight 20, 2.51 without; docs/history/2026-12.md), though it was
+# refbench's largest lever (configs/refbench-gpu.yaml keeps it)
+RECIPE=(--device "$DEVICE" --loss-ttt-steps 3 --num-speculative-tokens 3 --epochs "$EPOCHS"
+  --optimizer-lr 2e-3 --schedule-warmup-steps 100 --optimizer-weight-decay 0.1
+  --loader-hidden-noise 0.1 --loss-supervise all --draft-init-head-from-target
+  --loader-max-seq-len 2048 --loader-batch-size 8 --checkpoint-eval-every 50
+  --checkpoint-save-every 200 --loader-val-fraction 0.02 --seed 0
   ${TRAIN_LAYERS:+--aux-layer-ids "$TRAIN_LAYERS"})
-EAGLE31=(--draft-fc-norm --draft-norm-output)
+EAGLE31=(--draft-family eagle3.1)
 
 train_one() {  # name method data [extra flags, comma-separated]
   local name=$1 method=$2 data=$3 extra=()
@@ -306,7 +308,8 @@ refine_one() {  # name data captured vocab out [flags]: our refine stage on a tr
     --checkpoint "$S/train_$name" \
     --data "$prepared" --vocab "$vocab" --out "$S/train_$out" --backend hf --device "$DEVICE" \
     --rounds "$REFINE_ROUNDS" --temperatures "$REFINE_TEMPS" --num-prompts "$REFINE_PROMPTS" \
-    --max-new-tokens "$REFINE_MAX_NEW" --lr "$REFINE_LR" --steps-per-round "$REFINE_STEPS" \
+    --max-new-tokens "$REFINE_MAX_NEW" --optimizer-lr "$REFINE_LR" \
+    --steps-per-round "$REFINE_STEPS" \
     --supervised-share 0.5 \
     --captured "$captured" $REFINE_EXTRA "${extra[@]}" > "$S/train_$out.json" 2> "$S/train_$out.log"
   rc=$?

@@ -457,6 +457,14 @@ SWEPT = (
 )
 
 
+def refine_setting(cfg: dict[str, Any], key: str) -> Any:
+    """A refine setting from its recorded config: `lr` sits in the optimizer group (a flat key in
+    records written before the groups)."""
+    if key == "lr" and "lr" not in cfg:
+        return (cfg.get("optimizer") or {}).get("lr")
+    return cfg.get(key)
+
+
 def refine_sweep(gpu_dir: Path, out: Path) -> dict[str, Any]:
     """Refine variants of one supervised draft (gpu.sh REFINES), from another GPU run's pieces in
     `gpu_dir` unpacked under `out`: per variant its settings, the supervised draft's and the
@@ -476,7 +484,7 @@ def refine_sweep(gpu_dir: Path, out: Path) -> dict[str, Any]:
             else {}
         )
         variants[name] = {
-            "settings": {k: cfg.get(k) for k in SWEPT},
+            "settings": {k: refine_setting(cfg, k) for k in SWEPT},
             "selected_round": res["selected_round"],
             "tau_before": res["tau_before"],
             "tau_after": res["tau_after"],

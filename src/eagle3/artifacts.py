@@ -42,6 +42,7 @@ from safetensors.numpy import load_file, save_file
 from eagle3.config import RENAMED_CONFIG_KEYS, ConfigError
 from eagle3.errors import UserError
 from eagle3.io import atomic_path, read_json, write_json
+from eagle3.train_options import nest_train_record
 
 #: old key -> new key, in capture manifests, spool headers and draft metadata
 RENAMED_RECORD_KEYS: dict[str, str] = {
@@ -67,7 +68,9 @@ def warn_once(key: str, message: str) -> None:
 def migrate_record(record: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a capture manifest, spool header or draft metadata with the old key names
     renamed (a record that holds both names keeps the new one); its nested `train_config` is
-    migrated the same way."""
+    migrated the same way, and the flat one of earlier versions put into groups
+    (eagle3.train_options.nest_train_record); a `draft_config` of before the draft families
+    gets its family (eagle3.1 where its EAGLE-3.1 switches are on, else eagle3)."""
     out = dict(record)
     for old, new in RENAMED_RECORD_KEYS.items():
         if old in out:
@@ -78,7 +81,11 @@ def migrate_record(record: Mapping[str, Any]) -> dict[str, Any]:
         for old, new in RENAMED_CONFIG_KEYS.items():
             if old in tc:
                 tc.setdefault(new, tc.pop(old))
-        out["train_config"] = tc
+        out["train_config"] = nest_train_record(tc)
+    draft = out.get("draft_config")
+    if isinstance(draft, dict) and "family" not in draft:
+        switched = bool(draft.get("fc_norm") or draft.get("norm_output"))
+        out["draft_config"] = {**draft, "family": "eagle3.1" if switched else "eagle3"}
     return out
 
 

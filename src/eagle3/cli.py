@@ -31,6 +31,7 @@ from eagle3.config import (
     load_pipeline_config,
     load_yaml,
 )
+from eagle3.config_fields import MOVED_NOTE
 from eagle3.console import configure_output
 from eagle3.diagnose import describe_failure
 from eagle3.pipeline import run_pipeline_from_file, summarize_run
@@ -62,11 +63,13 @@ def _unwrap_optional(tp: Any) -> Any:
 
 
 def _add_field_flags(
-    parser: argparse.ArgumentParser,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     model: type[BaseModel],
     prefix: str = "",
     positional: tuple[str, ...] = (),
 ) -> None:
+    """A flag per field of `model`; a nested model's fields become `--group-field` flags, listed
+    under the group's name in `--help`."""
     for name, field in model.model_fields.items():
         if field.exclude:
             continue
@@ -83,7 +86,8 @@ def _add_field_flags(
         dest = f"{prefix}{name}"
         flag = "--" + dest.replace("_", "-").replace(".", "-")
         if isinstance(tp, type) and issubclass(tp, BaseModel):
-            _add_field_flags(parser, tp, prefix=f"{dest}.")
+            group = parser.add_argument_group(dest, (tp.__doc__ or "").strip().split("\n\n")[0])
+            _add_field_flags(group, tp, prefix=f"{dest}.")
             continue
         default = None if field.default_factory or field.is_required() else field.default
         desc = field.description or ""
@@ -119,30 +123,58 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _RenamedFlag(argparse.Action):
-    """A flag whose field was renamed: refused with the new name
-    (eagle3.config.RENAMED_CONFIG_KEYS)."""
+RENAMED_NOTE = "same meaning and values"
 
-    def __init__(self, *args: Any, new: str, **kwargs: Any):
+
+class _RenamedFlag(argparse.Action):
+    """A flag whose field was renamed or moved into a group: refused with the new name
+    (eagle3.config.RENAMED_CONFIG_KEYS, a config class's MOVED_KEYS)."""
+
+    def __init__(self, *args: Any, new: str, note: str, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.new = new
+        self.new, self.note = new, note
 
     def __call__(self, parser, namespace, values, option_string=None):  # argparse's signature
-        parser.error(
-            f"{option_string} was renamed to {self.new}: use {self.new} (same meaning and values)"
+        parser.error(f"{option_string} was renamed to {self.new}: use {self.new} ({self.note})")
+
+
+def _flag(key: str) -> str:
+    """`optimizer.lr` -> `--optimizer-lr`."""
+    return "--" + key.replace("_", "-").replace(".", "-")
+
+
+def _add_renamed_flags(
+    parser: argparse.ArgumentParser, model: type[BaseModel], prefix: str = ""
+) -> None:
+    """Hidden flags for the fields of `model` (and of its groups) that were renamed
+    (RENAMED_CONFIG_KEYS) or moved into a group (a model's MOVED_KEYS: `--lr` ->
+    `--optimizer-lr`): each is refused with its new name."""
+    fields = model.model_fields
+    groups = {
+        name: tp
+        for name, field in fields.items()
+        if isinstance(tp := _unwrap_optional(field.annotation), type) and issubclass(tp, BaseModel)
+    }
+    renamed = {
+        old: (new, RENAMED_NOTE)
+        for old, new in RENAMED_CONFIG_KEYS.items()
+        if new in fields and old not in fields
+    }
+    moved = {  # (`--loss-decay` was loss_decay and is loss.decay: the same flag)
+        old: (new, RENAMED_NOTE if model.MOVED_NOTE == MOVED_NOTE else model.MOVED_NOTE)
+        for old, new in getattr(model, "MOVED_KEYS", {}).items()
+        if (old not in fields or old in groups) and _flag(old) != _flag(new)
+    }
+    for old, (new, note) in {**renamed, **moved}.items():
+        parser.add_argument(
+            _flag(prefix + old),
+            nargs="?",
+            help=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            action=functools.partial(_RenamedFlag, new=_flag(prefix + new), note=note),
         )
-
-
-def _add_renamed_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    for old, new in RENAMED_CONFIG_KEYS.items():
-        if new in model.model_fields and old not in model.model_fields:
-            parser.add_argument(
-                "--" + old.replace("_", "-"),
-                nargs="?",
-                help=argparse.SUPPRESS,
-                default=argparse.SUPPRESS,
-                action=functools.partial(_RenamedFlag, new="--" + new.replace("_", "-")),
-            )
+    for name, group in groups.items():
+        _add_renamed_flags(parser, group, prefix=f"{prefix}{name}.")
 
 
 def build_parser() -> argparse.ArgumentParser:

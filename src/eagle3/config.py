@@ -5,6 +5,10 @@ these classes, see cli.py), and every field's description is its `--help` text. 
 errors that name the key. A stage's input/output paths (`target`, `data`, `out`, ...) are optional
 in the model so that a PipelineConfig can fill them from its top-level `target`/`data`/`work_dir`; a
 stage run on its own checks them with `require(...)`, which names the missing flag.
+
+TrainConfig's settings are in groups, one per component of the trainer, defined beside this module
+(eagle3.train_options; RefineConfig composes two of them); a key of the earlier flat layout is an
+error naming its group (eagle3.config_fields.MovedKeys).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -27,8 +31,26 @@ from pydantic import (
     model_validator,
 )
 
+from eagle3.config_fields import (
+    MOVED_KEYS_ERROR,
+    ComputeDtype,
+    Count,
+    LossWeighting,
+    MovedKeys,
+    Number,
+)
 from eagle3.errors import UserError
 from eagle3.targets import TARGETS
+from eagle3.train_options import (
+    TRAIN_MOVED_KEYS,
+    CheckpointOptions,
+    DraftOptions,
+    LoaderOptions,
+    LossOptions,
+    OptimizerOptions,
+    RuntimeOptions,
+    ScheduleOptions,
+)
 
 #: old key -> new key, in the capture: and train: sections of a config (and the stage configs): an
 #: error naming the new key (format_validation_error), not a silent alias, so the YAML gets fixed
@@ -38,24 +60,6 @@ RENAMED_CONFIG_KEYS: dict[str, str] = {"layers": "aux_layer_ids"}
 
 class ConfigError(UserError, ValueError):
     """A configuration value is wrong. The message names the field, the bad value and the fix."""
-
-
-def refuse_bool(value: Any) -> Any:
-    """A number field given `true`/`false` (YAML `limit: true` would read as 1): refused, not
-    converted."""
-    if isinstance(value, bool):
-        raise ValueError(
-            f"{str(value).lower()} is a boolean, but a number is expected here; write "
-            "the number (e.g. 100), or leave the key out for its default"
-        )
-    return value
-
-
-#: an integer field (a count, a size, a seed): whole numbers from YAML, JSON or the CLI; booleans
-#: refused
-Count = Annotated[int, BeforeValidator(refuse_bool)]
-#: a real-valued field (a weight, a fraction, a rate): numbers; booleans refused
-Number = Annotated[float, BeforeValidator(refuse_bool)]
 
 
 def parse_template_kwargs(value: Any) -> Any:
@@ -97,7 +101,7 @@ TRUST_REMOTE_CODE_HELP = (
 )
 
 
-class StageConfig(BaseModel):
+class StageConfig(MovedKeys, BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     #: name used in messages and as the CLI sub-command
@@ -221,7 +225,7 @@ class RegenerateConfig(StageConfig):
         "key itself)",
     )
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    dtype: ComputeDtype = Field(
         "auto",
         description="Target compute dtype in vLLM; auto = float32 on CPUs without native bf16 "
         "(AVX2: ~5x faster than bf16), bfloat16 elsewhere",
@@ -392,7 +396,7 @@ class SynthesizeConfig(StageConfig):
         description="vllm: offline vLLM engine; hf: transformers generate (hosts without vLLM)",
     )
     device: str = Field("auto", description="hf backend device: auto, cpu, cuda, cuda:N")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    dtype: ComputeDtype = Field(
         "auto", description="Target compute dtype; auto = float32 on CPUs, bfloat16 on GPUs"
     )
 
@@ -487,8 +491,6 @@ class MixConfig(StageConfig):
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
 StorageDtype = Literal["bfloat16", "float16", "float32", "fp8"]
-#: how the TTT loss weighs the rows of step j (TrainConfig.loss_weighting, eagle3.train.step)
-LossWeighting = Literal["uniform", "accept_until_fail"]
 #: an aux layer id (>= 1: id 0 would be the embeddings); the upper bound depends on the target
 #: (eagle3.preflight)
 LayerId = Annotated[Count, Field(ge=1)]
@@ -644,7 +646,7 @@ class CaptureConfig(StageConfig):
     max_model_len: Count | None = Field(
         None, gt=0, description="Engine max_model_len (default: longest prepared sample)"
     )
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    dtype: ComputeDtype = Field(
         "auto",
         description="Target compute dtype; auto = float32 on CPUs without native bf16, bfloat16 "
         "elsewhere (the manifest records the one used)",
@@ -697,48 +699,10 @@ class VocabConfig(StageConfig):
     )
 
 
-class DraftOverrides(BaseModel):
-    """Draft dimensions; unset fields are derived from the target's config."""
-
-    model_config = ConfigDict(extra="forbid")
-    hidden_size: Count | None = Field(
-        None,
-        description="Draft hidden size (default: the target's; vLLM's EAGLE-3 "
-        "reads the target's embedding, so it must equal the target's)",
-    )
-    intermediate_size: Count | None = Field(
-        None,
-        description="Draft MLP width (default: the target's); a wider "
-        "one-layer draft costs more per draft step (see `evaluate`'s cost ratio)",
-    )
-    num_attention_heads: Count | None = Field(
-        None, description="Draft attention heads (default: the target's)"
-    )
-    num_key_value_heads: Count | None = Field(
-        None, description="Draft KV heads (default: the target's)"
-    )
-    head_dim: Count | None = Field(None, description="Draft head dim (default: the target's)")
-    max_position_embeddings: Count | None = Field(
-        None, description="Longest position (default: the target's)"
-    )
-    rope_theta: Number | None = Field(None, description="RoPE base (default: the target's)")
-    rms_norm_eps: Number | None = Field(None, description="RMSNorm epsilon (default: the target's)")
-    num_hidden_layers: Count | None = Field(
-        None, ge=1, description="Draft decoder layers (default 1, as EAGLE-3)"
-    )
-    fc_norm: bool | None = Field(
-        None,
-        description="EAGLE-3.1: one RMSNorm per aux state before fc (vLLM config key fc_norm; adds "
-        "num_aux x target hidden parameters). Default off (EAGLE-3)",
-    )
-    norm_output: bool | None = Field(
-        None,
-        description="EAGLE-3.1: the next draft step reads the final norm's output instead of its "
-        "input (vLLM config key norm_output; no parameters). Default off (EAGLE-3)",
-    )
-
-
 class TrainConfig(StageConfig):
+    """`eagle3 train`: its inputs, the run's length, k and the seed at the top; every other
+    setting in the group of the component that reads it (eagle3.train_options)."""
+
     target: str | None = Field(
         None, description="Target model dir (config, frozen embedding, final norm, lm_head)"
     )
@@ -750,75 +714,10 @@ class TrainConfig(StageConfig):
     )
     vocab: str | None = Field(None, description="Vocab dir (output of `eagle3 vocab`)")
     out: Path | None = Field(None, description="Output dir for checkpoints, logs and curves")
-    ttt_steps: Count = Field(7, gt=0, description="Training-time-test unroll depth K")
-    loss_decay: Number = Field(0.8, gt=0, le=1, description="Weight of TTT step j is loss_decay**j")
-    epochs: Number = Field(1.0, gt=0, description="Passes over the training split")
-    max_steps: Count | None = Field(
-        None, gt=0, description="Stop after this many optimizer steps (overrides epochs)"
-    )
-    lr: Number = Field(1e-4, gt=0, description="Peak learning rate")
-    min_lr_ratio: Number = Field(0.1, description="Final lr as a fraction of the peak")
-    schedule: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Decay after warmup"
-    )
-    warmup_steps: Count = Field(50, description="Linear warmup steps")
-    weight_decay: Number = Field(0.0, description="AdamW weight decay")
-    beta1: Number = Field(0.9, description="AdamW beta1")
-    beta2: Number = Field(0.95, description="AdamW beta2")
-    grad_clip: Number = Field(0.5, description="Max grad norm (0 disables)")
-    grad_accum: Count = Field(1, gt=0, description="Micro-batches per optimizer step")
-    max_seq_len: Count = Field(
-        2048, gt=0, description="Packed sequence length (document-aware packing)"
-    )
-    batch_size: Count = Field(1, gt=0, description="Packed sequences per micro-batch")
-    val_fraction: Number = Field(
-        0.05,
-        ge=0,
-        lt=1,
-        description="Fraction of samples held out for validation (ignored for validation when "
-        "val_captured is set)",
-    )
-    eval_every: Count = Field(
-        200, gt=0, description="Validate every N optimizer steps (and at the end)"
-    )
-    save_every: Count = Field(
-        500, gt=0, description="Checkpoint every N optimizer steps (and at the end)"
-    )
-    log_every: Count = Field(10, gt=0, description="Log train metrics every N optimizer steps")
-    seed: Count = Field(0, description="Seed for init, shuffling and dropout")
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
-    dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16",
-        description="Autocast dtype on GPU (CPU trains in float32 unless bfloat16 is forced)",
-    )
-    attention: Literal["auto", "flex", "sdpa", "naive"] = Field(
-        "auto", description="TTT attention kernel"
-    )
-    compile: bool = Field(False, description="torch.compile the draft step")
-    compile_cache: str | None = Field(
+    val_captured: str | None = Field(
         None,
-        description="Directory for torch.compile's caches (inductor graphs, autotuning, Triton "
-        "kernels; TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into it while training). Keep "
-        "it, or copy it to the next machine (same GPU type and software), and that run's first "
-        "step skips the compile: two fresh H200s, 51 s -> 6 s. A path to an existing FILE is read "
-        "and rewritten as a torch.compiler.save_cache_artifacts bundle (earlier versions' format)",
-    )
-    parallel: Literal["auto", "ddp", "fsdp2", "fsdp"] = Field(
-        "auto",
-        description="Under torchrun: ddp replicates the draft on every GPU; fsdp2 shards its "
-        "weights, gradients and AdamW state over the GPUs (torch FSDP2 fully_shard), for drafts "
-        "whose replicas do not fit; auto = fsdp2 when the trainable weights + gradients + AdamW "
-        "state (16 B per parameter) exceed a quarter of one GPU's memory, else ddp. fsdp is read "
-        "as fsdp2. One process: neither",
-    )
-
-    @field_validator("parallel", mode="after")
-    @classmethod
-    def _fsdp_is_fsdp2(cls, v: str) -> str:
-        return "fsdp2" if v == "fsdp" else v
-
-    draft: DraftOverrides = Field(
-        default_factory=DraftOverrides, description="Draft dimension overrides"
+        description="Capture dir of validation prompts (ideally ones the target never trained on); "
+        "used instead of the held-out loader.val_fraction split to pick the best checkpoint",
     )
     aux_layer_ids: list[LayerId] | None = Field(
         None,
@@ -826,10 +725,9 @@ class TrainConfig(StageConfig):
         "the captured last_hidden_states); default: all captured aux ids. One wide capture then "
         "serves a layer sweep",
     )
-    val_captured: str | None = Field(
-        None,
-        description="Capture dir of validation prompts (ideally ones the target never trained on); "
-        "used instead of the held-out val_fraction split to pick the best checkpoint",
+    epochs: Number = Field(1.0, gt=0, description="Passes over the training split")
+    max_steps: Count | None = Field(
+        None, gt=0, description="Stop after this many optimizer steps (overrides epochs)"
     )
     num_speculative_tokens: Count | None = Field(
         None,
@@ -838,136 +736,31 @@ class TrainConfig(StageConfig):
         "τ estimate at k. In a pipeline it is evaluate.num_speculative_tokens (set k there, once); "
         "standalone default 3",
     )
-    hidden_noise: Number = Field(
-        0.0,
-        ge=0,
-        description="Std of Gaussian noise added to the aux states in training, relative to each "
-        "state's RMS",
-    )
-    init_head_from_target: bool = Field(
-        False, description="Start lm_head (draft-vocab rows) and the final norm from the target's"
-    )
-    supervise: Literal["assistant", "all"] = Field(
-        "assistant",
-        description="Training rows whose target distribution the draft learns: assistant tokens "
-        "(the loss mask from prepare) or all tokens, prompts too (more signal from the same "
-        "conversations); validation always scores assistant tokens",
-    )
-    init_layers_from_target: bool = Field(
-        False,
-        description="Start the draft's decoder layers after the first (layers.1..n-1) from the "
-        "target's top n-1 layers, fc from the deepest aux state and the first layer as the "
-        "identity on the residual stream, so training begins from the target's own computation "
-        "(needs draft.num_hidden_layers >= 2 and a dense Llama-style target: plain attention, "
-        "SwiGLU MLP)",
-    )
-    feature_loss_weight: Number = Field(
-        0.0,
-        ge=0,
-        description="Weight of a feature-regression term (EAGLE-1): per TTT step, the mean squared "
-        "error between the RMS-normalised hidden the draft passes on and the target's "
-        "RMS-normalised last hidden state at the same row; more signal per row than the token "
-        "distribution alone, for small training sets",
-    )
-    midlayer_feature_loss_weight: Number = Field(
-        0.0,
-        ge=0,
-        description="With init_layers_from_target: weight of the same regression for the first "
-        "layer's output against the deepest aux state at the next row, the input the target's "
-        "copied layers expect there (needs the deepest aux id = L - draft layers + 1, e.g. 5 for 4 "
-        "draft layers on an 8-layer target)",
-    )
-    distill_temperature: Number = Field(
-        1.0,
-        gt=0,
-        description="Divide draft and target logits by this before the soft cross-entropy: < 1 "
-        "sharpens the target towards its argmax (what greedy acceptance checks), > 1 softens it",
-    )
-    copy_weight: Number = Field(
-        1.0,
-        gt=0,
-        description="Loss weight of the rows whose token continues a span repeated earlier in its "
-        "document (the 3-gram ending at it occurred before: where prompt lookup drafts the right "
-        "token), relative to the other rows'; > 1 teaches the draft to copy the context where a "
-        "greedy target repeats itself. Validation is unweighted",
-    )
-    dropout: Number = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Dropout on each draft layer's attention and MLP outputs in training",
-    )
-    loss_weighting: LossWeighting = Field(
-        "uniform",
-        description="uniform: every supervised row of TTT step j weighs the same; "
-        "accept_until_fail: row t of step j weighs the draft's own probability (detached) of "
-        "having drafted the target's tokens at steps < j there, i.e. of step j being reached in a "
-        "greedy round (each step's CE is still divided by its row count, so later steps weigh "
-        "less overall). Validation is unweighted",
-    )
-    ema_decay: Number = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Keep an exponential moving average of the weights with this decay (e.g. "
-        "0.999); validation, best/, final/ and checkpoints' model.safetensors then hold the "
-        "average (the raw weights resume from raw.safetensors). 0 = off",
-    )
-    freeze: list[str] = Field(
-        default_factory=list,
-        description="Draft parameters kept fixed, by name prefix (fc, midlayer, layers, "
-        "layers.2, norm, lm_head): e.g. the layers copied by init_layers_from_target and the head "
-        "from the target",
-    )
-    num_loader_workers: Count = Field(
-        2,
-        ge=1,
-        description="Threads packing training batches ahead of the step, a whole batch each (a "
-        "small draft on a fast GPU outruns one thread); the train log's loader_wait_frac is the "
-        "share of the wall time spent waiting",
-    )
-    preload: bool = Field(
-        False,
-        description="Read the capture into RAM once (sequential shard reads, only the trained "
-        "layers kept) instead of memory-mapping it per sample; for captures that fit in RAM",
-    )
-    resume: bool = Field(
-        True, description="Resume from the latest checkpoint in --out when present"
-    )
-    force_resume: bool = Field(
-        False,
-        description="Resume even though settings that may change mid-run differ from the "
-        "checkpoint's (lr, schedule, warmup, epochs, max_steps, ttt_steps, batch shape, loss "
-        "weights, dropout, ...): a warning lists them and the new values apply from the resumed "
-        "step. Never over another capture, vocab, target, draft shape, aux ids, seed, "
-        "val_fraction, freeze or parallel mode (eagle3.train.resume_inputs)",
-    )
-    keep_checkpoints: Count = Field(
-        3,
-        ge=0,
-        description="Keep the newest N checkpoints/step-* dirs plus the one with the best "
-        "validation tau estimate; older ones are deleted as new ones are written (each holds the "
-        "weights and the optimizer state: ~18 GB for a Kimi-K2.5 draft). best/ and final/ are "
-        "separate and always kept. 0 keeps every checkpoint",
-    )
-    verify_capture: bool = Field(
-        True,
-        description="Check every capture shard's sha256 against its manifest before training "
-        "(local rank 0 reads the capture once per host, in parallel threads); a corrupt capture is "
-        "refused, naming the shards",
-    )
-    max_nonfinite_steps: Count = Field(
-        0,
-        ge=0,
-        description="Optimizer steps whose batch, loss or gradient is non-finite (NaN/inf) that "
-        "are skipped (counted in the log) before training stops with an error naming the shard, "
-        "sample and step; 0 = stop at the first",
-    )
+    seed: Count = Field(0, description="Seed for init, shuffling and dropout")
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     allow_target_mismatch: bool = Field(
         False,
         description="Train even though the target's config.json sha256, layer count or "
         "weight files differ from those the capture recorded (a warning instead of an error)",
     )
+    loader: LoaderOptions = Field(default_factory=LoaderOptions, description=LoaderOptions.__doc__)
+    draft: DraftOptions = Field(default_factory=DraftOptions, description=DraftOptions.__doc__)
+    loss: LossOptions = Field(default_factory=LossOptions, description=LossOptions.__doc__)
+    optimizer: OptimizerOptions = Field(
+        default_factory=OptimizerOptions, description=OptimizerOptions.__doc__
+    )
+    schedule: ScheduleOptions = Field(
+        default_factory=ScheduleOptions, description=ScheduleOptions.__doc__
+    )
+    checkpoint: CheckpointOptions = Field(
+        default_factory=CheckpointOptions, description=CheckpointOptions.__doc__
+    )
+    runtime: RuntimeOptions = Field(
+        default_factory=RuntimeOptions, description=RuntimeOptions.__doc__
+    )
+
+    #: keys of earlier versions' flat train section -> their group now (an error names them)
+    MOVED_KEYS: ClassVar[dict[str, str]] = TRAIN_MOVED_KEYS
 
     _parse_layers = field_validator("aux_layer_ids", mode="before")(
         lambda cls, v: AuxLayerIds.parse(v)
@@ -976,32 +769,41 @@ class TrainConfig(StageConfig):
         lambda cls, v: AuxLayerIds.check_form(v)
     )
 
-    @field_validator("freeze", mode="before")
-    @classmethod
-    def _parse_freeze(cls, v):
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
-
     @model_validator(mode="after")
     def _check_init_layers(self) -> TrainConfig:
-        if self.init_layers_from_target and (self.draft.num_hidden_layers or 1) < 2:
+        draft = self.draft
+        if draft.init_layers_from_target and (draft.num_hidden_layers or 1) < 2:
             raise ValueError(
-                "init_layers_from_target=true needs draft.num_hidden_layers >= 2 (got "
-                f"{self.draft.num_hidden_layers or 1}): the first draft layer reads (embedding, "
+                "draft.init_layers_from_target=true needs draft.num_hidden_layers >= 2 (got "
+                f"{draft.num_hidden_layers or 1}): the first draft layer reads (embedding, "
                 "hidden) and has no target counterpart; set --draft-num-hidden-layers 2 or more"
             )
-        if self.init_layers_from_target and self.draft.fc_norm:
+        if draft.init_layers_from_target and draft.family == "eagle3.1":
             raise ValueError(
-                "init_layers_from_target=true with draft.fc_norm=true: fc is initialised to pass "
-                "the deepest aux state through unchanged, which fc_norm would RMS-normalise away "
-                "from what the copied target layers expect; set one of them to false"
+                "draft.init_layers_from_target=true with draft.family=eagle3.1: fc is initialised "
+                "to pass the deepest aux state through unchanged, which EAGLE-3.1's fc_norm would "
+                "RMS-normalise away from what the copied target layers expect; use family eagle3 "
+                "or set init_layers_from_target: false"
             )
-        if self.midlayer_feature_loss_weight > 0 and not self.init_layers_from_target:
+        if self.loss.midlayer_feature_weight > 0 and not draft.init_layers_from_target:
             raise ValueError(
-                f"midlayer_feature_loss_weight={self.midlayer_feature_loss_weight} needs "
-                "init_layers_from_target=true (the first layer's target is the state the copied "
-                "target layers read); set both or neither"
+                f"loss.midlayer_feature_weight={self.loss.midlayer_feature_weight} needs "
+                "draft.init_layers_from_target=true (the first layer's target is the state the "
+                "copied target layers read); set both or neither"
             )
         return self
+
+
+class RefineOptimizerOptions(OptimizerOptions):
+    """Each round's optimizer: train's group, with a lower peak lr (a fresh AdamW every round)."""
+
+    lr: Number = Field(2e-5, gt=0, description="Peak learning rate of each round (below train's)")
+
+
+class RefineScheduleOptions(ScheduleOptions):
+    """Each round's lr schedule (over steps_per_round): train's group, with a short warmup."""
+
+    warmup_steps: Count = Field(10, ge=0, description="Linear warmup steps at each round's start")
 
 
 class RefineConfig(StageConfig):
@@ -1009,7 +811,10 @@ class RefineConfig(StageConfig):
     the target out on prompts of the training sources, replays the draft's drafting rounds on the
     rollouts as vLLM runs them and trains the draft at the rounds it drafted, up to each first
     rejected token, mixed with supervised batches; a validation split of the same sources
-    measures per-position acceptance before and after."""
+    measures per-position acceptance before and after. A round trains with the checkpoint's own
+    training settings (its recorded TrainConfig), except for refine's `optimizer` and `schedule`
+    groups (train's groups, with refine's defaults), steps_per_round, and batch_size,
+    max_seq_len and loss_weighting where set here."""
 
     enabled: bool = Field(
         False,
@@ -1048,7 +853,7 @@ class RefineConfig(StageConfig):
         "forward (hosts without vLLM). Default vllm; in a pipeline the capture section's backend",
     )
     device: str = Field("auto", description="hf backend and training device: auto, cpu, cuda:N")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    dtype: ComputeDtype = Field(
         "auto",
         description="Target compute dtype of the rollouts and their capture (auto: "
         "float32 on CPUs without native bf16, bfloat16 elsewhere)",
@@ -1095,12 +900,7 @@ class RefineConfig(StageConfig):
         description="k: rounds are replayed with k draft tokens (default: the k in the "
         "checkpoint's train_config, else 3). In a pipeline evaluate.num_speculative_tokens",
     )
-    lr: Number = Field(2e-5, gt=0, description="Peak learning rate of each round (below train's)")
     steps_per_round: Count = Field(100, gt=0, description="Optimizer steps per round")
-    warmup_steps: Count = Field(10, ge=0, description="Linear warmup steps at each round's start")
-    schedule: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Decay after warmup, per round"
-    )
     batch_size: Count | None = Field(
         None, gt=0, description="Packed sequences per micro-batch (default: the checkpoint's)"
     )
@@ -1131,7 +931,7 @@ class RefineConfig(StageConfig):
         "relative to the accepted steps before it",
     )
     loss_weighting: LossWeighting = Field(
-        "uniform", description="As train.loss_weighting, for the rounds' steps"
+        "uniform", description="As train.loss.weighting, for the rounds' steps"
     )
     seed: Count = Field(0, description="Seed of the prompt split, the sampled rollouts, the order")
     allow_target_mismatch: bool = Field(
@@ -1139,6 +939,17 @@ class RefineConfig(StageConfig):
         description="Refine even though the target's config or embedding/norm/lm_head "
         "weights differ from those the draft was trained with (a warning instead of an error)",
     )
+    optimizer: RefineOptimizerOptions = Field(
+        default_factory=RefineOptimizerOptions, description=RefineOptimizerOptions.__doc__
+    )
+    schedule: RefineScheduleOptions = Field(
+        default_factory=RefineScheduleOptions, description=RefineScheduleOptions.__doc__
+    )
+
+    #: keys of earlier versions -> their group now (an error names them)
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        key: TRAIN_MOVED_KEYS[key] for key in ("lr", "warmup_steps", "schedule")
+    }
 
     _parse_temperatures = field_validator("temperatures", mode="before")(
         lambda cls, v: EvaluateConfig._parse_temperatures(v)
@@ -1217,7 +1028,7 @@ class EvaluateConfig(StageConfig):
     max_tokens: Count = Field(128, gt=0, description="Generated tokens per prompt")
     temperature: Number = Field(0.0, description="Sampling temperature (0 = greedy)")
     max_model_len: Count = Field(1024, gt=0, description="vLLM max_model_len")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+    dtype: ComputeDtype = Field(
         "auto",
         description="Target and draft dtype in vLLM; auto = float32 on CPUs without native bf16, "
         "bfloat16 elsewhere (results.json records the one used)",
@@ -1392,7 +1203,7 @@ class StreamCaptureConfig(CaptureConfig, SpoolSettings):
         ge=0,
         lt=1,
         description="Samples held out for validation, captured once and kept in the spool "
-        "for the whole run (pipeline: train.val_fraction)",
+        "for the whole run (pipeline: train.loader.val_fraction)",
     )
     seed: Count = Field(
         0,
@@ -1607,7 +1418,7 @@ class PipelineConfig(BaseModel):
                 **knobs,
                 "out": spool,
                 "epochs": int(c.train.epochs),
-                "val_fraction": c.train.val_fraction,
+                "val_fraction": c.train.loader.val_fraction,
                 "seed": c.train.seed,
             }
         )
@@ -1628,7 +1439,11 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden" and e["loc"] and e["loc"][-1] in RENAMED_CONFIG_KEYS:
+        if e["type"] == MOVED_KEYS_ERROR:  # config_fields.refuse_moved_keys
+            at = "".join(f"{p}." for p in e["loc"])
+            moves = "; ".join(f"{at}{old} moved to {at}{new}" for old, new in e["ctx"]["moved"])
+            parts.append(f"{moves} ({e['ctx']['note']})")
+        elif e["type"] == "extra_forbidden" and e["loc"] and e["loc"][-1] in RENAMED_CONFIG_KEYS:
             new = ".".join([*(str(p) for p in e["loc"][:-1]), RENAMED_CONFIG_KEYS[e["loc"][-1]]])
             parts.append(f"{loc}: renamed to {new} (same meaning and values): rename the key")
         elif e["type"] == "extra_forbidden":

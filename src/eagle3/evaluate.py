@@ -6,9 +6,9 @@ Protocol (refbench README): vLLM offline, `LLM(model=target, dtype=cfg.dtype,
 max_model_len=cfg.max_model_len, speculative_config=...)`, the first `num_prompts` prompts through
 the target's chat template with the generation prompt (prompts are the turns before the first
 assistant turn of each row), `max_tokens` per prompt. `method: eagle3` serves the trained draft
-(`{"method": "eagle3", "model": draft, "num_speculative_tokens": k}`); `method: ngram` is vLLM's
-prompt-lookup proposer (`prompt_lookup_min` 2, `prompt_lookup_max` 4 by default), the baseline with
-no draft at all.
+(`{"method": <its family's vLLM method: eagle3>, "model": draft, "num_speculative_tokens": k}`);
+`method: ngram` is vLLM's prompt-lookup proposer (`prompt_lookup_min` 2, `prompt_lookup_max` 4 by
+default), the baseline with no draft at all.
 
     τ = 1 + vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts
 
@@ -99,6 +99,7 @@ from eagle3.flops import count_target_params
 from eagle3.integrity import check_target_identity, target_identity
 from eagle3.io import atomic_path, corrupt_file_errors, write_text
 from eagle3.lock import dir_lock
+from eagle3.model.family import DraftFamily, get_family
 from eagle3.vllm_engine import (
     engine_in_process_fails,
     engine_kwargs,
@@ -706,7 +707,18 @@ def speculative_config(cfg: EvaluateConfig, method: str | None = None) -> dict[s
             "prompt_lookup_min": cfg.prompt_lookup_min,
             "prompt_lookup_max": cfg.prompt_lookup_max,
         }
-    return {"method": "eagle3", "model": str(cfg.draft), "num_speculative_tokens": k}
+    method = draft_family(Path(cfg.draft)).vllm_method
+    return {"method": method, "model": str(cfg.draft), "num_speculative_tokens": k}
+
+
+def draft_family(draft: Path) -> DraftFamily:
+    """The family of the exported draft in `draft` (its eagle3_draft.json's draft_config.family;
+    a draft exported by another tool, with none: eagle3, vLLM's EAGLE-3)."""
+    meta_path = draft / DraftMetadata.FILE
+    if not meta_path.is_file():
+        return get_family("eagle3")
+    meta = DraftMetadata.from_dict(_read_config(meta_path), str(meta_path))
+    return get_family(meta.draft_config.get("family", "eagle3"))
 
 
 def _row(

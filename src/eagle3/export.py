@@ -1,27 +1,18 @@
-"""`run_export(cfg)`: a trained draft -> a directory vLLM loads as the EAGLE-3 draft.
+"""`run_export(cfg)`: a trained draft -> a directory vLLM loads as its speculative draft.
 
-format=vllm (LlamaForCausalLMEagle3):
-    config.json         architectures [LlamaForCausalLMEagle3], model_type llama, num_hidden_layers,
-                        draft dims, vocab_size (target), draft_vocab_size,
-                        eagle_config.eagle_aux_hidden_state_layer_ids (exactly the capture's ids),
-                        target_hidden_size when it differs, norm_before_residual false; EAGLE-3.1
-                        drafts add fc_norm true and/or norm_output true (top-level keys vLLM 0.32's
-                        llama_eagle3.py reads; absent = false, so EAGLE-3 configs are unchanged)
-    model.safetensors   [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.* (k >= 1), norm.weight,
-                        lm_head.weight (bf16), d2t (int64), t2d (bool); no embed_tokens: vLLM shares
-                        the target's embedding. When draft vocab == target vocab vLLM has no d2t
-                        buffer (an unexpected d2t key fails its loader): lm_head rows are put in
+The draft's family (eagle3.model.family; eagle3_draft.json's draft_config.family) writes the
+config.json of each format it offers (the EAGLE-3 families' formats: eagle3.model.eagle):
+    format=vllm         config.json of the family's vLLM architecture; model.safetensors holds the
+                        draft's export_state_dict (bf16; d2t int64, t2d bool), no embed_tokens: vLLM
+                        shares the target's embedding. When draft vocab == target vocab vLLM has no
+                        d2t buffer (an unexpected d2t key fails its loader): lm_head rows are put in
                         target order and d2t/t2d are left out
-format=speculators (speculators_model_type eagle3, as vLLM's speculators config reader and the
-    speculators library's Eagle3SpeculatorConfig expect): transformer_layer_config (the llama config
-    of the layer), draft_vocab_size, norm_before_residual false (its reader defaults to TRUE when
-    absent), target_hidden_size, eagle_aux_hidden_state_layer_ids, speculators_config {algorithm,
-    proposal_methods, verifier}, fc_norm / norm_output for EAGLE-3.1 (vLLM's speculators reader,
-    update_eagle3, passes both through); weights named layers.0.* plus embed_tokens.weight
-    (speculators checkpoints carry the embedding).
+    format=speculators  the speculators library's layout: weights named layers.0.* (not midlayer.*)
+                        plus embed_tokens.weight (speculators checkpoints carry the embedding)
 Tokenizer files of the target are copied (vLLM uses the target's tokenizer anyway).
 
-Every key and shape is checked against the draft config before anything is written, and the layer
+Every key and shape is checked against the draft config before anything is written (the family
+builds the draft on the meta device: the tensors a checkpoint of that shape holds), and the layer
 ids, hidden sizes and vocab sizes are checked against the capture manifest and the target config;
 the directory is built under a temp name and renamed.
 """
@@ -54,7 +45,8 @@ from eagle3.integrity import (
     target_identity,
 )
 from eagle3.io import atomic_dir, read_safetensors, write_json
-from eagle3.model.draft import DraftConfig, expected_export_shapes, text_config
+from eagle3.model.draft import DraftConfig, text_config
+from eagle3.model.family import DraftFamily, get_family
 from eagle3.weights import load_target_tensors
 
 METADATA = DraftMetadata.FILE
@@ -116,6 +108,14 @@ def _manifest(captured: str | None) -> CaptureManifest | SpoolHeader | None:
     return CaptureManifest.load_combined(captured)
 
 
+def export_shapes(family: DraftFamily, dcfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor (and its shape) an export of a `dcfg`-shaped draft of `family` holds: the
+    family's draft built on the meta device (no memory, no weights)."""
+    with torch.device("meta"):
+        model = family.build(dcfg)
+    return {k: tuple(v.shape) for k, v in model.export_state_dict().items()}
+
+
 def validate(
     meta: DraftMetadata,
     dcfg: DraftConfig,
@@ -163,7 +163,7 @@ def validate(
             f"draft max_position_embeddings={dcfg.max_position_embeddings} < target's "
             f"{tc['max_position_embeddings']}; re-train with draft.max_position_embeddings unset"
         )
-    want = expected_export_shapes(dcfg)
+    want = export_shapes(get_family(dcfg.family), dcfg)
     missing = sorted(set(want) - set(tensors))
     extra = sorted(set(tensors) - set(want))
     if missing or extra:
@@ -195,81 +195,15 @@ def validate(
         )
 
 
-def layer_config(dcfg: DraftConfig) -> dict[str, Any]:
-    rope = {"rope_type": "default", **(dcfg.rope_scaling or {}), "rope_theta": dcfg.rope_theta}
-    return {
-        "model_type": "llama",
-        "hidden_size": dcfg.hidden_size,
-        "intermediate_size": dcfg.intermediate_size,
-        "num_attention_heads": dcfg.num_attention_heads,
-        "num_key_value_heads": dcfg.num_key_value_heads,
-        "head_dim": dcfg.head_dim,
-        "num_hidden_layers": dcfg.num_hidden_layers,
-        "hidden_act": "silu",
-        "max_position_embeddings": dcfg.max_position_embeddings,
-        "rms_norm_eps": dcfg.rms_norm_eps,
-        "rope_theta": dcfg.rope_theta,
-        "rope_parameters": rope,
-        "vocab_size": dcfg.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": dcfg.bos_token_id,
-        "eos_token_id": dcfg.eos_token_id,
-        "torch_dtype": "bfloat16",
-    }
-
-
-def eagle31_keys(dcfg: DraftConfig) -> dict[str, bool]:
-    """The EAGLE-3.1 switches, only those that are on (vLLM reads both as getattr(config, key,
-    False))."""
-    return {k: True for k in ("fc_norm", "norm_output") if getattr(dcfg, k)}
-
-
-def vllm_config(dcfg: DraftConfig, ids: list[int]) -> dict[str, Any]:
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **layer_config(dcfg)}
-    cfg["draft_vocab_size"] = dcfg.draft_vocab_size
-    cfg["norm_before_residual"] = False
-    if dcfg.target_hidden_size != dcfg.hidden_size:
-        cfg["target_hidden_size"] = dcfg.target_hidden_size
-    cfg["eagle_config"] = {
-        "eagle_aux_hidden_state_layer_ids": list(ids),
-        "use_aux_hidden_state": True,
-    }
-    return {**cfg, **eagle31_keys(dcfg)}
-
-
-def speculators_config(
-    dcfg: DraftConfig, ids: list[int], meta: DraftMetadata, target_cfg: dict
-) -> dict[str, Any]:
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": "0.2.0",
-        "transformer_layer_config": layer_config(dcfg),
-        "draft_vocab_size": dcfg.draft_vocab_size,
-        "norm_before_residual": False,
-        "target_hidden_size": dcfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(ids),
-        **eagle31_keys(dcfg),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": 3,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "verifier": {
-                "name_or_path": meta.target,
-                "architectures": target_cfg.get("architectures", []),
-            },
-        },
-        "torch_dtype": "bfloat16",
-    }
+def family_exporting(dcfg: DraftConfig, fmt: str) -> DraftFamily:
+    """The draft's family (eagle3.model.family), when it writes format `fmt`."""
+    family = get_family(dcfg.family)
+    if fmt not in family.export_formats:
+        raise ExportError(
+            f"format={fmt}: the draft family {family.name} exports "
+            f"{', '.join(family.export_formats)}; pass --format {family.export_formats[0]}"
+        )
+    return family
 
 
 def run_export(cfg: ExportConfig) -> ExportResult:
@@ -277,6 +211,7 @@ def run_export(cfg: ExportConfig) -> ExportResult:
     ck = resolve_checkpoint(cfg.checkpoint)
     meta = DraftMetadata.load(ck)
     dcfg = DraftConfig.from_dict(meta.draft_config)
+    family = family_exporting(dcfg, cfg.format)
     if not cfg.target:
         meta.require("target")
     target = cfg.target or meta.target
@@ -364,10 +299,9 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         head = torch.empty_like(out_t["lm_head.weight"])  # (V, H)
         head[order] = out_t["lm_head.weight"]
         out_t["lm_head.weight"] = head
-    if cfg.format == "vllm":
-        config = vllm_config(dcfg, ids)
-    else:
-        config = speculators_config(dcfg, ids, meta, target_cfg)
+    verifier = {"name_or_path": meta.target, "architectures": target_cfg.get("architectures", [])}
+    config = family.export_config(dcfg, ids, cfg.format, verifier)
+    if cfg.format == "speculators":
         out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
 
         out_t["embed_tokens.weight"] = (

@@ -18,8 +18,8 @@ Where the numbers come from:
             tensor-parallel all-reduce traffic over the profile's interconnect.
   training  measured: train_step.json (eagle3/assets/measured) (H200 tokens/s of a Llama-8B-like
             draft), scaled by the draft's FLOPs/token (eagle3.flops.count_train_flops at
-            train.max_seq_len, train.ttt_steps) and the profile's TFLOP/s ratio to the H200;
-            data-parallel scaling assumed linear (not measured yet).
+            train.loader.max_seq_len, train.loss.ttt_steps) and the profile's TFLOP/s ratio to
+            the H200; data-parallel scaling assumed linear (not measured yet).
 Every estimate is a first-order model: the JSON carries the anchors and the ratios used, so it can
 be checked.
 """
@@ -378,7 +378,8 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     run."""
     # torch (the draft model, the shard format): imported here, as the CLI imports this module for
     # PlanConfig
-    from eagle3.model.draft import draft_config_from_target, text_config
+    from eagle3.model.draft import text_config
+    from eagle3.model.family import get_family
     from eagle3.shards import estimate_storage, free_disk_bytes
 
     cfg.require("config")
@@ -446,25 +447,25 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     )
 
     # draft training
-    draft = draft_config_from_target(
+    draft = get_family(pipe.train.draft.family).draft_config(
         target_cfg,
         num_aux=len(aux_layer_ids),
         draft_vocab_size=pipe.vocab.draft_vocab_size,
-        overrides=pipe.train.draft,
+        options=pipe.train.draft,
     )
     m = draft_dims(draft)
-    d_flops = count_train_flops(m, pipe.train.max_seq_len, pipe.train.ttt_steps)[
+    d_flops = count_train_flops(m, pipe.train.loader.max_seq_len, pipe.train.loss.ttt_steps)[
         "model_flops_per_token"
     ]
     d_params = sum(p for p, _ in count_draft_params(m).values())
     epochs = cfg.epochs or pipe.train.epochs
-    train_tokens = num_tokens * (1 - pipe.train.val_fraction) * epochs
+    train_tokens = num_tokens * (1 - pipe.train.loader.val_fraction) * epochs
     train = _train_rate(hw, num_gpus, d_flops, anchors, train_tokens)
-    if pipe.train.parallel == "ddp" and d_params * 16 > 0.5 * hw.memory_gb * 1e9:
+    if pipe.train.runtime.parallel == "ddp" and d_params * 16 > 0.5 * hw.memory_gb * 1e9:
         notes.append(
             f"draft has {d_params / 1e9:.2f} B trainable parameters = {d_params * 16 / 1e9:.0f} GB "
-            "of fp32 weights + grads + AdamW state per GPU under ddp: use train.parallel fsdp2 (or "
-            "auto)"
+            "of fp32 weights + grads + AdamW state per GPU under ddp: use train.runtime.parallel "
+            "fsdp2 (or auto)"
         )
 
     regen = (

@@ -37,6 +37,18 @@ def read_num_layers(target: str | Path) -> int:
         ) from None
 
 
+def _family_problem(name: str) -> str | None:
+    """train.draft.family names no registered draft family (eagle3.model.family)."""
+    from eagle3.model.family import family_names  # torch: as read_num_layers
+
+    if name in family_names():
+        return None
+    return (
+        f"train.draft.family = {name!r} is not a registered draft family; use one of "
+        f"{', '.join(family_names())}"
+    )
+
+
 def _check_path(field: str, value: str | None, what: str, problems: list[str]) -> None:
     if value and not Path(value).exists():
         problems.append(f"{field} = {value!r} does not exist; point it at {what}")
@@ -118,6 +130,9 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
                 "pick train.aux_layer_ids from those"
             )
     problems += layer_problems
+    family = _family_problem(cfg.train.draft.family)
+    if family:
+        problems.append(family)
     if num_layers is not None and not layer_problems:  # the disk estimate needs valid layer ids
         disk = _disk_problem(cfg, num_layers)
         if disk:

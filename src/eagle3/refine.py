@@ -70,6 +70,7 @@ from eagle3.config import (
     RefineConfig,
     RegenerateConfig,
     TrainConfig,
+    deep_merge,
 )
 from eagle3.data.regenerate import open_generator, open_renderer
 from eagle3.data.rollout import (
@@ -109,6 +110,7 @@ from eagle3.train.onpolicy import (
 )
 from eagle3.train.step import TTTModule
 from eagle3.train.trainer import freeze_parameters
+from eagle3.train_options import TRAIN_GROUPS
 from eagle3.weights import load_target_tensors, read_target_config
 
 SUMMARY = "refine.json"
@@ -184,9 +186,7 @@ def read_plan(cfg: RefineConfig) -> Plan:
         meta.recorded_target(), f"checkpoint {ck}", cfg.target, cfg.allow_target_mismatch
     )
     num_layers = int(text_config(read_json(tpath))["num_hidden_layers"])
-    trained_with = {
-        k: v for k, v in (meta.train_config or {}).items() if k in TrainConfig.model_fields
-    }
+    trained_with = recorded_settings(meta)
     k = int(
         cfg.num_speculative_tokens
         or trained_with.get("num_speculative_tokens")
@@ -220,7 +220,8 @@ def read_plan(cfg: RefineConfig) -> Plan:
             cfg.allow_target_mismatch,
             identity=identity,
         )
-    max_seq_len = cfg.max_seq_len or int(trained_with.get("max_seq_len", 2048))
+    trained_loader = trained_with.get("loader", {})
+    max_seq_len = cfg.max_seq_len or int(trained_loader.get("max_seq_len", 2048))
     if max_seq_len - cfg.max_new_tokens < 1:
         raise ConfigError(
             f"RefineConfig.max_new_tokens = {cfg.max_new_tokens} leaves no room for "
@@ -228,35 +229,36 @@ def read_plan(cfg: RefineConfig) -> Plan:
             "raise --max-seq-len"
         )
     steps = cfg.steps_per_round
-    train = TrainConfig(
-        **{
-            **trained_with,
-            "target": cfg.target,
-            "captured": supervised or meta.captured,
-            "vocab": cfg.vocab or meta.vocab,
-            "out": None,
-            "lr": cfg.lr,
-            "max_steps": steps,
-            "warmup_steps": cfg.warmup_steps,
-            "schedule": cfg.schedule,
-            "ttt_steps": max(int(meta.ttt_steps or 0), k),
+    trained_log_every = int(trained_with.get("checkpoint", {}).get("log_every", 10))
+    round_settings = {  # the checkpoint's own settings, but for these
+        "target": cfg.target,
+        "captured": supervised or meta.captured,
+        "vocab": cfg.vocab or meta.vocab,
+        "out": None,
+        "val_captured": None,
+        "aux_layer_ids": list(meta.aux_layer_ids),
+        "max_steps": steps,
+        "num_speculative_tokens": k,
+        "seed": cfg.seed,
+        "device": cfg.device,
+        "loader": {
             "max_seq_len": max_seq_len,
-            "batch_size": cfg.batch_size or trained_with.get("batch_size", 1),
+            "batch_size": cfg.batch_size or trained_loader.get("batch_size", 1),
+            "verify_capture": False,
+        },
+        "loss": {"ttt_steps": max(int(meta.ttt_steps or 0), k), "weighting": cfg.loss_weighting},
+        "optimizer": cfg.optimizer.model_dump(),
+        "schedule": cfg.schedule.model_dump(),
+        "checkpoint": {
             "eval_every": steps,
             "save_every": steps,
-            "log_every": min(int(trained_with.get("log_every", 10)), steps),
+            "log_every": min(trained_log_every, steps),
             "resume": False,
             "ema_decay": 0.0,
-            "val_captured": None,
-            "device": cfg.device,
-            "seed": cfg.seed,
-            "loss_weighting": cfg.loss_weighting,
-            "num_speculative_tokens": k,
-            "aux_layer_ids": list(meta.aux_layer_ids),
-            "compile_cache": None,
-            "verify_capture": False,
-        }
-    )
+        },
+        "runtime": {"compile_cache": None},
+    }
+    train = TrainConfig.model_validate(deep_merge(trained_with, round_settings))
     captured_aux = list(meta.captured_aux_layer_ids or meta.aux_layer_ids)
     return Plan(
         cfg,
@@ -272,6 +274,19 @@ def read_plan(cfg: RefineConfig) -> Plan:
         supervised,
         max_seq_len - cfg.max_new_tokens,
     )
+
+
+def recorded_settings(meta: DraftMetadata) -> dict[str, Any]:
+    """The training settings the checkpoint records (its TrainConfig, in groups), those this
+    version still has: a record keeps every flag it was trained with, some since removed."""
+    out: dict[str, Any] = {}
+    for key, value in (meta.train_config or {}).items():
+        if key in TRAIN_GROUPS and isinstance(value, dict):
+            fields = TRAIN_GROUPS[key].model_fields
+            out[key] = {k: v for k, v in value.items() if k in fields}
+        elif key in TrainConfig.model_fields and key not in TRAIN_GROUPS:
+            out[key] = value
+    return out
 
 
 def _check_vocab(cfg: RefineConfig, meta: DraftMetadata, weights: Path) -> None:
@@ -373,7 +388,7 @@ def ensure_rollouts(plan: Plan, where: Path, key: str, prompts: list, seed: int)
             top_p=c.top_p,
             seed=seed,
             batch_size=c.generate_batch_size,
-            max_model_len=plan.train.max_seq_len,
+            max_model_len=plan.train.loader.max_seq_len,
             backend=plan.backend,
             device=c.device,
             dtype=c.dtype,
@@ -460,7 +475,7 @@ def open_runtime(plan: Plan) -> Runtime:
     cuda = d.device.type == "cuda"
     if cuda:  # as the trainer: host work packs small tensors; a full OpenMP team oversubscribes
         torch.set_num_threads(min(torch.get_num_threads(), 4))
-    amp = torch.bfloat16 if cuda and plan.train.dtype == "bfloat16" else torch.float32
+    amp = torch.bfloat16 if cuda and plan.train.runtime.dtype == "bfloat16" else torch.float32
     tensors = load_target_tensors(plan.cfg.target)
     eps = text_config(read_target_config(plan.cfg.target)).get("rms_norm_eps", 1e-6)
     d2t = _read_d2t(plan.checkpoint)
@@ -471,7 +486,7 @@ def open_runtime(plan: Plan) -> Runtime:
 def load_draft(plan: Plan, where: Path, rt: Runtime):
     """(the draft of `where` on the device, a TTTModule around it)."""
     model, _ = load_draft_dir(where, plan.cfg.target)  # its dropout as trained (draft_config)
-    freeze_parameters(model, plan.train.freeze)
+    freeze_parameters(model, plan.train.draft.freeze)
     model = model.to(rt.d.device)
     return model, TTTModule(model)
 
@@ -484,7 +499,9 @@ def score(plan: Plan, ttt, samples, ids: list[str], rt: Runtime) -> dict[str, di
         groups.setdefault(sid.split("/", 1)[0], []).append(i)
     out, pooled = {}, RoundCounts(0, [0] * plan.k)
     for label, idx in sorted(groups.items()):
-        batches = eval_batches(samples, idx, plan.train.max_seq_len, plan.train.batch_size)
+        batches = eval_batches(
+            samples, idx, plan.train.loader.max_seq_len, plan.train.loader.batch_size
+        )
         m = score_batches(
             ttt,
             batches,
@@ -493,7 +510,7 @@ def score(plan: Plan, ttt, samples, ids: list[str], rt: Runtime) -> dict[str, di
             device=rt.d.device,
             dtype=rt.amp,
             replay_k=plan.k,
-            attention=plan.train.attention,
+            attention=plan.train.runtime.attention,
             accept_on="next_token",
         )
         counts = RoundCounts(int(m["num_rounds"]), [int(m[f"accepted_{j}"]) for j in range(plan.k)])
@@ -532,13 +549,13 @@ def run_round(
     roll = ensure_rollouts(plan, rdir, roll_key, prompts, seed=round_seed(c.seed, r))
     samples, _ = open_rollouts(plan, rdir)
     model, ttt = load_draft(plan, start, rt)
-    K = plan.train.ttt_steps
+    K = plan.train.loss.ttt_steps
     common = dict(
-        max_seq_len=plan.train.max_seq_len,
-        batch_size=plan.train.batch_size,
+        max_seq_len=plan.train.loader.max_seq_len,
+        batch_size=plan.train.loader.batch_size,
         device=rt.d.device,
         dtype=rt.amp,
-        attention=plan.train.attention,
+        attention=plan.train.runtime.attention,
     )
     replay = find_rejected_blocks(
         ttt, samples, rt.head, k=plan.k, steps=K, rejected_weight=c.rejected_weight, **common
@@ -607,11 +624,11 @@ def train_round(
     torch.manual_seed(tc.seed + r)  # dropout and hidden noise, as the trainer seeds them
     cuda = rt.d.device.type == "cuda"
     ahead = dict(
-        prefetch=2 * tc.num_loader_workers if cuda else 0,
-        num_workers=tc.num_loader_workers,
+        prefetch=2 * tc.loader.num_workers if cuda else 0,
+        num_workers=tc.loader.num_workers,
         pin_memory=cuda,
     )
-    T, B = tc.max_seq_len, tc.batch_size
+    T, B = tc.loader.max_seq_len, tc.loader.batch_size
     rollouts = PackedLoader(onpolicy, trained, T, B, tc.seed + r, **ahead)
     supervised = None
     if plan.supervised:
@@ -621,14 +638,14 @@ def train_round(
             plan.aux_layer_ids,
             plan.num_layers,
         )
-        keep, _ = split_indices(len(sup), tc.val_fraction, tc.seed)  # train's val rows stay out
+        keep, _ = split_indices(len(sup), tc.loader.val_fraction, tc.seed)  # not train's val rows
         supervised = PackedLoader(sup, keep, T, B, tc.seed + r, **ahead)
     loader = MixedLoader(rollouts, supervised, c.supervised_share)
 
     def meta(step: int, metrics: dict) -> DraftMetadata:
         return output_metadata(plan, step0 + step, metrics, {"round": r})
 
-    mode = parallel.choose_parallel(tc.parallel, model, rt.d)  # as the trainer wraps it
+    mode = parallel.choose_parallel(tc.runtime.parallel, model, rt.d)  # as the trainer wraps it
     ttt = parallel.wrap(TTTModule(model), rt.d, fsdp=mode == "fsdp2")
     run = Run(
         cfg=tc,

@@ -136,7 +136,7 @@ class _Producer:
                     f"stream.spool_cap_gb = {self.cfg.spool_cap_gb} ({self.cap} bytes) cannot take "
                     f"a {nbytes}-byte shard next to the {fixed} bytes that stay in the spool "
                     "(header and validation shards): raise stream.spool_cap_gb, lower "
-                    f"capture.shard_tokens ({self.cfg.shard_tokens}) or train.val_fraction"
+                    f"capture.shard_tokens ({self.cfg.shard_tokens}) or train.loader.val_fraction"
                 )
             if used != last_used:
                 last_used, last_change = used, time.time()
@@ -328,11 +328,12 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     if need > cfg.spool_cap_bytes:
         raise ConfigError(
             f"stream.spool_cap_gb = {cfg.spool_cap_gb} ({cfg.spool_cap_bytes} bytes) is too small: "
-            f"the spool must hold the validation shards (~{val_bytes} bytes at train.val_fraction "
-            f"= {cfg.val_fraction}) plus two shards of up to {shard_max} bytes "
+            f"the spool must hold the validation shards (~{val_bytes} bytes at "
+            f"train.loader.val_fraction = {cfg.val_fraction}) plus two shards of up to "
+            f"{shard_max} bytes "
             f"(capture.shard_tokens = {cfg.shard_tokens} tokens + the longest sample, {bpt} "
             f"bytes/token) and the header: raise stream.spool_cap_gb to at least {need / 1e9:.6g}, "
-            "or lower capture.shard_tokens or train.val_fraction"
+            "or lower capture.shard_tokens or train.loader.val_fraction"
         )
     if not (spool / HEADER).is_file():
         header.save(spool)

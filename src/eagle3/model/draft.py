@@ -1,4 +1,6 @@
-"""The EAGLE-3 draft model, in the layout vLLM's `LlamaForCausalLMEagle3` loads (llama_eagle3.py).
+"""The EAGLE-3 draft model, in the layout vLLM's `LlamaForCausalLMEagle3` loads (llama_eagle3.py);
+the module both built-in draft families build (eagle3.model.eagle), and DraftConfig, the shape every
+family records.
 
     fc_norm.i     EAGLE-3.1 only (`fc_norm`): one RMSNorm per aux state (width H_target) before fc
     fc            (n_aux*H_target -> H, no bias) over the concatenated aux hidden states of the
@@ -63,6 +65,7 @@ class DraftConfig:
     norm_output: bool = (
         False  # EAGLE-3.1: the next step reads the post-norm state (vLLM config key `norm_output`)
     )
+    family: str = "eagle3"  # the draft family that builds it (eagle3.model.family)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,14 +110,11 @@ def target_rope(tc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def draft_config_from_target(
     target_cfg: dict[str, Any], num_aux: int, draft_vocab_size: int, overrides: Any = None
 ) -> DraftConfig:
-    """Derive the draft's dimensions from the target's config.json; `overrides` (DraftOverrides)
-    wins per field."""
+    """Derive the draft's dimensions from the target's config.json; `overrides`
+    (eagle3.train_options.DraftOptions) wins per dimension it sets. The family's switches are its
+    own (eagle3.model.family.DraftFamily.draft_config sets them)."""
     tc = text_config(target_cfg)
-    ov = {
-        k: v
-        for k, v in (overrides.model_dump() if overrides is not None else {}).items()
-        if v is not None
-    }
+    ov = overrides.shape() if overrides is not None else {}
     H = tc["hidden_size"]
     heads = tc["num_attention_heads"]
     theta, scaling = target_rope(tc)
@@ -143,8 +143,6 @@ def draft_config_from_target(
         num_hidden_layers=ov.get(
             "num_hidden_layers", 1
         ),  # the draft's own depth, never the target's
-        fc_norm=bool(ov.get("fc_norm", False)),
-        norm_output=bool(ov.get("norm_output", False)),
     )
     check_draft_config(cfg, tc)
     return cfg
@@ -483,41 +481,3 @@ class Eagle3Draft(nn.Module):
         """Weights under vLLM's names: [fc_norm.i.weight], fc.weight, midlayer.*, layers.k.*,
         norm.weight, lm_head.weight, d2t, t2d (no embed)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
-
-
-def expected_export_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """Every key (and its shape) an exported draft must hold, nothing more."""
-    H, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-
-    def layer(p: str, width: int) -> dict[str, tuple[int, ...]]:
-        return {
-            p + "input_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (nq, width),
-            p + "self_attn.k_proj.weight": (nkv, width),
-            p + "self_attn.v_proj.weight": (nkv, width),
-            p + "self_attn.o_proj.weight": (H, nq),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "mlp.gate_proj.weight": (inter, H),
-            p + "mlp.up_proj.weight": (inter, H),
-            p + "mlp.down_proj.weight": (H, inter),
-        }
-
-    shapes = {
-        "fc.weight": (H, cfg.num_aux * cfg.target_hidden_size),
-        "midlayer.hidden_norm.weight": (H,),
-        **layer("midlayer.", 2 * H),
-    }
-    if cfg.fc_norm:
-        shapes.update(
-            {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux)}
-        )
-    for k in range(1, cfg.num_hidden_layers):
-        shapes.update(layer(f"layers.{k}.", H))
-    return {
-        **shapes,
-        "norm.weight": (H,),
-        "lm_head.weight": (cfg.draft_vocab_size, H),
-        "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
-    }

@@ -13,7 +13,7 @@
 
 Every file is written under a temp name and renamed (eagle3.io); a checkpoint that does not read
 back whole is skipped for the one before it (read_latest_good_checkpoint). What a killed save leaves
-(temp dirs) is deleted at the next start (remove_stale_files); train.keep_checkpoints bounds how
+(temp dirs) is deleted at the next start (remove_stale_files); train.checkpoint.keep bounds how
 many step-N dirs stay (prune_checkpoints).
 """
 
@@ -45,7 +45,8 @@ from eagle3.io import (
     tensor_nbytes,
     write_json,
 )
-from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
+from eagle3.model.draft import DraftConfig, text_config
+from eagle3.model.family import DraftModel
 from eagle3.train.metrics import progress
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def draft_metadata(
         vocab=str(cfg.vocab),
         captured=str(cfg.captured),
         step=step,
-        ttt_steps=cfg.ttt_steps,
+        ttt_steps=cfg.loss.ttt_steps,
         # every flag it was trained with (lr, supervise, init, ...)
         train_config=cfg.model_dump(mode="json"),
         inputs=dict(inputs or {}),
@@ -101,7 +102,7 @@ def draft_metadata(
 
 
 def _draft_sd(model) -> dict[str, torch.Tensor]:
-    """Draft weights (no frozen embedding) from an Eagle3Draft or a full state dict of TTTModule
+    """Draft weights (no frozen embedding) from a draft model or a full state dict of TTTModule
     (`draft.` prefix)."""
     sd = model if isinstance(model, dict) else model.state_dict()
     sd = {k.removeprefix("draft."): v for k, v in sd.items()}
@@ -134,7 +135,7 @@ def save_checkpoint(
     num_skipped_steps: int = 0,
     layout: dict | None = None,
 ) -> Path:
-    """`model`: Eagle3Draft or a full state dict. `opt`: the optimizer, or its full state dict
+    """`model`: the draft model or a full state dict. `opt`: the optimizer, or its full state dict
     (eagle3.train.parallel.full_optimizer_state: what a sharded FSDP2 optimizer saves). `raw`: the
     raw weights when `model` is their moving average (resume reads both). `layout`: world size and
     rows per step, kept in trainer_state.json."""
@@ -166,7 +167,7 @@ def save_checkpoint(
     return final
 
 
-def save_model_dir(path: Path, model: Eagle3Draft, meta: DraftMetadata) -> Path:
+def save_model_dir(path: Path, model: DraftModel, meta: DraftMetadata) -> Path:
     with atomic_dir(path, needed_bytes=_draft_nbytes(model)) as tmp:
         _save_weights(model, tmp / WEIGHTS)
         meta.save(tmp)
@@ -361,7 +362,7 @@ def _step(ckpt: Path) -> int:
     return int(ckpt.name.removeprefix("step-"))
 
 
-def check_draft_weights(model: Eagle3Draft, sd: dict[str, torch.Tensor], path: Path) -> None:
+def check_draft_weights(model: DraftModel, sd: dict[str, torch.Tensor], path: Path) -> None:
     want = {k for k in model.state_dict() if not k.startswith("embed_tokens.")}
     if set(sd) != want:
         raise KeyError(

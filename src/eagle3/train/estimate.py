@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from eagle3.acceptance import simulate_acceptance_length
 from eagle3.artifacts import CaptureManifest, DraftMetadata
 from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError, Count
-from eagle3.model.draft import DraftConfig, Eagle3Draft, text_config
+from eagle3.model.draft import DraftConfig, text_config
+from eagle3.model.family import DraftModel, get_family
 from eagle3.train.checkpoint import METADATA, WEIGHTS
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
 from eagle3.train.loss import TargetHead
@@ -175,9 +176,9 @@ def score_batches(
     return m
 
 
-def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, DraftMetadata]:
-    """An Eagle3Draft from a training output (best/, final/, a checkpoint) or an exported
-    vLLM-format dir."""
+def load_draft_dir(path: str | Path, target: str | Path) -> tuple[DraftModel, DraftMetadata]:
+    """The draft in a training output (best/, final/, a checkpoint) or an exported vLLM-format
+    dir, built by its family (eagle3.model.family)."""
 
     path = Path(path)
     if not (path / METADATA).is_file():
@@ -186,7 +187,8 @@ def load_draft_dir(path: str | Path, target: str | Path) -> tuple[Eagle3Draft, D
             "export`"
         )
     meta = DraftMetadata.load(path)
-    model = Eagle3Draft(DraftConfig.from_dict(meta.draft_config))
+    dcfg = DraftConfig.from_dict(meta.draft_config)
+    model = get_family(dcfg.family).build(dcfg)
     sd = load_file(str(path / WEIGHTS))
     if "d2t" not in sd:  # full-vocab vLLM export: lm_head rows already in target order
         sd["d2t"] = torch.zeros(model.cfg.draft_vocab_size, dtype=torch.long)
@@ -245,7 +247,7 @@ class EstimateConfig(BaseModel):
 
 def load_for_replay(
     draft: str | Path, captured: str | Path, target: str | Path
-) -> tuple[Eagle3Draft, DraftMetadata, SelectedLayers, TargetHead]:
+) -> tuple[DraftModel, DraftMetadata, SelectedLayers, TargetHead]:
     """What a replay of `draft` over a capture needs (on the CPU, float32): the draft and its
     metadata, the captured samples at the draft's aux layers, and the target's head over the draft
     vocabulary."""

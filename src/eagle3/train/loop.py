@@ -27,7 +27,7 @@ import torch
 from eagle3.artifacts import DraftMetadata
 from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError, TrainConfig
 from eagle3.integrity import nonfinite_tensors
-from eagle3.model.draft import Eagle3Draft
+from eagle3.model.family import DraftModel
 from eagle3.train import parallel
 from eagle3.train.average import WeightAverage
 from eagle3.train.checkpoint import (
@@ -46,6 +46,7 @@ from eagle3.train.loss import TargetHead
 from eagle3.train.metrics import MetricsLog, progress
 from eagle3.train.resume_inputs import check_resume
 from eagle3.train.step import STAT_COLUMNS, summarize
+from eagle3.train_options import ScheduleOptions
 
 
 class NonFiniteError(ValueError):
@@ -60,7 +61,7 @@ class Run:
     cfg: TrainConfig
     d: parallel.Dist
     out: Path
-    model: Eagle3Draft
+    model: DraftModel
     ttt: torch.nn.Module  # TTTModule(model), wrapped for DDP/FSDP
     parallel: str  # how ttt is wrapped: none, ddp or fsdp2 (eagle3.train.parallel.choose_parallel)
     head: TargetHead
@@ -87,15 +88,15 @@ class Run:
     @property
     def global_batch_rows(self) -> int:
         """Packed rows per optimizer step, over every rank and micro-batch."""
-        return self.cfg.batch_size * self.cfg.grad_accum * self.d.world
+        return self.cfg.loader.batch_size * self.cfg.loader.grad_accum * self.d.world
 
     def layout(self) -> dict[str, Any]:
         """How the steps were split (trainer_state.json): a resume must keep global_batch_rows."""
         return {
             "world_size": self.d.world,
             "parallel": self.parallel,
-            "batch_size": self.cfg.batch_size,
-            "grad_accum": self.cfg.grad_accum,
+            "batch_size": self.cfg.loader.batch_size,
+            "grad_accum": self.cfg.loader.grad_accum,
             "global_batch_rows": self.global_batch_rows,
         }
 
@@ -111,23 +112,27 @@ class TrainState:
     val_metrics: dict[str, float] = field(default_factory=dict)
 
 
-def lr_lambda(cfg: TrainConfig, total: int):
+def lr_lambda(schedule: ScheduleOptions, total: int):
+    """The lr factor at each step of a `total`-step run: linear warmup, then schedule.decay down to
+    schedule.min_lr_ratio."""
+    warmup, floor = schedule.warmup_steps, schedule.min_lr_ratio
+
     def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule.decay == "constant":
             return 1.0
-        t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * t)) if cfg.schedule == "cosine" else 1 - t
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * t)) if schedule.decay == "cosine" else 1 - t
+        return floor + (1 - floor) * decay
 
     return f
 
 
 def build_optimizer(run: Run) -> None:
-    """AdamW over the trainable parameters, the lr schedule and the weight average (cfg.ema_decay >
-    0)."""
-    cfg = run.cfg
+    """AdamW over the trainable parameters (train.optimizer), the lr schedule (train.schedule) and
+    the weight average (train.checkpoint.ema_decay > 0)."""
+    opt, ema_decay = run.cfg.optimizer, run.cfg.checkpoint.ema_decay
     run.params = [p for p in run.model.parameters() if p.requires_grad]
     # fused: one kernel over all tensors on CUDA (the step's AdamW 8.4 ms vs its 2.8 ms byte floor
     # in the H200 profile, docs/history/); FSDP2's sharded DTensor params keep the default (foreach)
@@ -135,13 +140,13 @@ def build_optimizer(run: Run) -> None:
     fused = run.d.device.type == "cuda" and run.parallel != "fsdp2"
     run.opt = torch.optim.AdamW(
         run.params,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        weight_decay=cfg.weight_decay,
+        lr=opt.lr,
+        betas=(opt.beta1, opt.beta2),
+        weight_decay=opt.weight_decay,
         fused=fused or None,
     )
-    run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lr_lambda(cfg, run.total))
-    run.ema = WeightAverage(run.params, cfg.ema_decay) if cfg.ema_decay > 0 else None
+    run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lr_lambda(run.cfg.schedule, run.total))
+    run.ema = WeightAverage(run.params, ema_decay) if ema_decay > 0 else None
 
 
 def add_hidden_noise(aux: torch.Tensor, num_aux: int, scale: float) -> torch.Tensor:
@@ -182,8 +187,8 @@ def refuse_nonfinite(sd: dict[str, torch.Tensor], where: str, step: int) -> None
     if bad:
         raise NonFiniteError(
             f"step {step}: the draft weights to be saved as {where} hold NaN/inf "
-            f"({', '.join(bad[:4])}); nothing was written. Training diverged: lower lr, raise "
-            "warmup_steps or check the capture"
+            f"({', '.join(bad[:4])}); nothing was written. Training diverged: lower "
+            "optimizer.lr, raise schedule.warmup_steps or check the capture"
         )
 
 
@@ -243,11 +248,11 @@ def apply_optimizer_settings(run: Run) -> None:
     shape comes from this run's config and total already (LambdaLR saves no function); its peak is
     set here. Where nothing changed, the scheduler's own formula gives the same values, bit for
     bit."""
-    cfg, sched = run.cfg, run.sched
-    sched.base_lrs = [cfg.lr] * len(run.opt.param_groups)
+    opt, sched = run.cfg.optimizer, run.sched
+    sched.base_lrs = [opt.lr] * len(run.opt.param_groups)
     for group, lam in zip(run.opt.param_groups, sched.lr_lambdas, strict=True):
-        group.update(initial_lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-        group["lr"] = cfg.lr * lam(sched.last_epoch)
+        group.update(initial_lr=opt.lr, betas=(opt.beta1, opt.beta2), weight_decay=opt.weight_decay)
+        group["lr"] = opt.lr * lam(sched.last_epoch)
     sched._last_lr = [g["lr"] for g in run.opt.param_groups]
 
 
@@ -259,16 +264,19 @@ def check_layout(run: Run, st: dict[str, Any], path: Path) -> None:
     if saved is None or saved == run.global_batch_rows:
         return
     cfg, world = run.cfg, run.d.world
-    if saved % (cfg.batch_size * world) == 0:
-        fix = f"set grad_accum: {saved // (cfg.batch_size * world)}"
+    if saved % (cfg.loader.batch_size * world) == 0:
+        fix = f"set loader.grad_accum: {saved // (cfg.loader.batch_size * world)}"
     else:
-        fix = f"choose batch_size and grad_accum with batch_size x grad_accum x {world} = {saved}"
+        fix = (
+            "choose loader.batch_size and loader.grad_accum with batch_size x grad_accum x "
+            f"{world} = {saved}"
+        )
     raise ConfigError(
         f"{path / 'trainer_state.json'}: written with {saved} packed rows per optimizer step "
         f"(batch_size {st.get('batch_size')} x grad_accum {st.get('grad_accum')} x "
         f"{st.get('world_size')} process(es)); this run takes {run.global_batch_rows} (batch_size "
-        f"{cfg.batch_size} x grad_accum {cfg.grad_accum} x {world}), which would change the step "
-        f"count and the lr schedule: {fix}, or train into a new out dir"
+        f"{cfg.loader.batch_size} x grad_accum {cfg.loader.grad_accum} x {world}), which would "
+        f"change the step count and the lr schedule: {fix}, or train into a new out dir"
     )
 
 
@@ -276,17 +284,18 @@ def check_layout(run: Run, st: dict[str, Any], path: Path) -> None:
 
 
 def step_options(run: Run) -> dict[str, Any]:
-    cfg = run.cfg
+    """ttt_forward's options: the loss group (train.loss) and the attention kernel."""
+    loss = run.cfg.loss
     return dict(
-        steps=cfg.ttt_steps,
-        loss_decay=cfg.loss_decay,
-        attention=cfg.attention,
-        temperature=cfg.distill_temperature,
-        feature_weight=cfg.feature_loss_weight,
-        mid_feature_weight=cfg.midlayer_feature_loss_weight,
-        copy_weight=cfg.copy_weight,
+        steps=loss.ttt_steps,
+        loss_decay=loss.decay,
+        attention=run.cfg.runtime.attention,
+        temperature=loss.distill_temperature,
+        feature_weight=loss.feature_weight,
+        mid_feature_weight=loss.midlayer_feature_weight,
+        copy_weight=loss.copy_weight,
         mid_target_block=run.aux_layer_ids.index(max(run.aux_layer_ids)),
-        loss_weighting=cfg.loss_weighting,
+        loss_weighting=loss.weighting,
     )
 
 
@@ -294,19 +303,19 @@ def validate(run: Run, batches) -> dict[str, float]:
     """Validation metrics; tau_estimate (replayed greedy rounds at k = num_speculative_tokens) picks
     best/."""
     cfg = run.cfg
-    k = min(cfg.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS, cfg.ttt_steps)
+    k = min(cfg.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS, cfg.loss.ttt_steps)
     m = score_batches(
         run.ttt,
         batches,
         run.head,
-        steps=cfg.ttt_steps,
+        steps=cfg.loss.ttt_steps,
         device=run.d.device,
         dtype=run.amp_dtype,
         replay_k=k,
-        loss_decay=cfg.loss_decay,
-        attention=cfg.attention,
+        loss_decay=cfg.loss.decay,
+        attention=cfg.runtime.attention,
     )
-    m["loss"] = sum(cfg.loss_decay**j * m[f"loss_{j}"] for j in range(cfg.ttt_steps))
+    m["loss"] = sum(cfg.loss.decay**j * m[f"loss_{j}"] for j in range(cfg.loss.ttt_steps))
     m["tau_per_row"] = tau_from_metrics(m, k)
     m["tau_estimate"] = m[
         "tau_replay"
@@ -340,31 +349,31 @@ def forward_backward(
     batch check)."""
     cfg, d = run.cfg, run.d
     cuda = d.device.type == "cuda"
-    step_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
+    step_stats = torch.zeros(cfg.loss.ttt_steps, len(STAT_COLUMNS), device=d.device)
     step_loss = torch.zeros((), device=d.device)
     check = BatchCheck(torch.zeros((), dtype=torch.bool, device=d.device), run.loader, [])
-    for micro in range(cfg.grad_accum):
+    for micro in range(cfg.loader.grad_accum):
         b = next(run.loader)
         check.rows.append(getattr(run.loader, "last_rows", []))
         b = b.to(d.device, run.amp_dtype if cuda else torch.float32)
         check.bad |= ~(
             torch.isfinite(b.aux).all() & torch.isfinite(b.last_hidden).all()
         )  # no host sync
-        if cfg.hidden_noise > 0:
-            b.aux = add_hidden_noise(b.aux, len(run.aux_layer_ids), cfg.hidden_noise)
+        if cfg.loader.hidden_noise > 0:
+            b.aux = add_hidden_noise(b.aux, len(run.aux_layer_ids), cfg.loader.hidden_noise)
         if (
-            cfg.supervise == "all"
+            cfg.loss.supervise == "all"
         ):  # every token of every conversation, prompts too (validation: assistant only)
             b.loss_mask = b.doc_ids >= 0  # (B, T)
-        sync = micro == cfg.grad_accum - 1 or d.world == 1
+        sync = micro == cfg.loader.grad_accum - 1 or d.world == 1
         with parallel.gradient_sync(run.ttt, sync):  # one context around forward and backward
             with torch.autocast(
                 d.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype != torch.float32
             ):
                 loss, stats = run.ttt(b, run.head, **options)
-            (loss / cfg.grad_accum).backward()
+            (loss / cfg.loader.grad_accum).backward()
         step_stats += stats
-        step_loss += loss.detach() / cfg.grad_accum
+        step_loss += loss.detach() / cfg.loader.grad_accum
     return step_stats, step_loss, check
 
 
@@ -392,20 +401,20 @@ def skip_if_nonfinite(
             f"the batch holds NaN/inf hidden states: {'; '.join(problems)}. The capture is "
             "corrupt: capture those samples again"
             if problems
-            else "the batch is finite, so training diverged: lower lr, raise warmup_steps or set "
-            "grad_clip"
+            else "the batch is finite, so training diverged: lower optimizer.lr, raise "
+            "schedule.warmup_steps or set optimizer.grad_clip"
         )
         + (" (a rank's batch held NaN/inf hidden states)" if not problems and flags[1] > 0 else "")
     )
-    if state.num_skipped > cfg.max_nonfinite_steps:
+    if state.num_skipped > cfg.optimizer.max_nonfinite_steps:
         raise NonFiniteError(
             f"non-finite training step ({state.num_skipped} so far, max_nonfinite_steps="
-            f"{cfg.max_nonfinite_steps}): {what}"
+            f"{cfg.optimizer.max_nonfinite_steps}): {what}"
         )
     progress(
         d,
-        f"skipped non-finite step ({state.num_skipped} of at most {cfg.max_nonfinite_steps}): "
-        f"{what}",
+        f"skipped non-finite step ({state.num_skipped} of at most "
+        f"{cfg.optimizer.max_nonfinite_steps}): {what}",
     )
     log.log(state.step, "skipped", {"num_skipped_steps": state.num_skipped})
     return True
@@ -438,11 +447,11 @@ def save(run: Run, state: TrainState, *, save_now: bool, best_now: bool) -> None
             layout=run.layout(),
         )
         run.loader.on_checkpoint(ckpt)
-        gone = prune_checkpoints(run.out, run.cfg.keep_checkpoints, step)
+        gone = prune_checkpoints(run.out, run.cfg.checkpoint.keep, step)
         if gone:
             progress(
                 d,
-                f"removed {', '.join(gone)} (keep_checkpoints={run.cfg.keep_checkpoints}: "
+                f"removed {', '.join(gone)} (checkpoint.keep={run.cfg.checkpoint.keep}: "
                 "the newest ones and the best by validation stay)",
             )
 
@@ -452,14 +461,14 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
     eval_every and saves every save_every steps, and at the end."""
     cfg, d = run.cfg, run.d
     options = step_options(run)
-    train_stats = torch.zeros(cfg.ttt_steps, len(STAT_COLUMNS), device=d.device)
+    train_stats = torch.zeros(cfg.loss.ttt_steps, len(STAT_COLUMNS), device=d.device)
     loss_acc, n_acc, done_here = torch.zeros((), device=d.device), 0, 0
     wait_mark, wall_mark = getattr(run.loader, "wait_s", 0.0), time.perf_counter()
     run.model.train()
     while state.step < run.total and (stop_after is None or done_here < stop_after):
         step_stats, step_loss, check = forward_backward(run, options)
         gnorm = torch.nn.utils.clip_grad_norm_(
-            run.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            run.params, cfg.optimizer.grad_clip if cfg.optimizer.grad_clip > 0 else float("inf")
         )
         if skip_if_nonfinite(run, state, step_loss, gnorm, check, log):
             continue
@@ -472,7 +481,7 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
             run.ema.update(state.step)
         state.step, done_here, n_acc = state.step + 1, done_here + 1, n_acc + 1
         step = state.step
-        if step % cfg.log_every == 0 or step == run.total:
+        if step % cfg.checkpoint.log_every == 0 or step == run.total:
             parallel.all_reduce_sum(train_stats, d)
             parallel.all_reduce_sum(
                 loss_acc, d
@@ -499,7 +508,7 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
             train_stats.zero_(), loss_acc.zero_()
             n_acc = 0
         best_now = False
-        if run.val and (step % cfg.eval_every == 0 or step == run.total):
+        if run.val and (step % cfg.checkpoint.eval_every == 0 or step == run.total):
             with averaged(run):
                 state.val_metrics = validate(run, run.val)
                 log.log(step, "val", state.val_metrics)
@@ -518,11 +527,11 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
             elif val_m["tau_estimate"] > state.best:
                 state.best, best_now = val_m["tau_estimate"], True
             if (
-                step == cfg.eval_every
+                step == cfg.checkpoint.eval_every
             ):  # train and eval graphs compiled by now: a run cut short still leaves them
-                save_compile_cache(cfg.compile_cache, d)
+                save_compile_cache(cfg.runtime.compile_cache, d)
         save_now = (
-            step % cfg.save_every == 0
+            step % cfg.checkpoint.save_every == 0
             or step == run.total
             or (stop_after is not None and done_here == stop_after)
         )

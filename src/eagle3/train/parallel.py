@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: train.parallel: auto picks fsdp2 when 16 B per trainable parameter (fp32 weight + gradient + two
-#: AdamW moments) exceed this share of one GPU's memory: the rest is left to activations (K x T x
-#: hidden per layer)
+#: train.runtime.parallel: auto picks fsdp2 when 16 B per trainable parameter (fp32 weight +
+#: gradient + two AdamW moments) exceed this share of one GPU's memory: the rest is left to
+#: activations (K x T x hidden per layer)
 AUTO_FSDP2_MEMORY_SHARE = 0.25
 
 
@@ -57,9 +57,10 @@ def setup(device: str = "auto") -> Dist:
 
 
 def choose_parallel(wanted: str, model: torch.nn.Module, d: Dist) -> str:
-    """The wrapping `wrap` applies for train.parallel = `wanted`: "none" in one process; auto ->
-    "fsdp2" when the trainable parameters' fp32 weights + gradients + AdamW moments (16 B each)
-    exceed AUTO_FSDP2_MEMORY_SHARE of one GPU's memory, else "ddp" (always "ddp" on the CPU)."""
+    """The wrapping `wrap` applies for train.runtime.parallel = `wanted`: "none" in one process;
+    auto -> "fsdp2" when the trainable parameters' fp32 weights + gradients + AdamW moments (16 B
+    each) exceed AUTO_FSDP2_MEMORY_SHARE of one GPU's memory, else "ddp" (always "ddp" on the
+    CPU)."""
     if d.world == 1:
         return "none"
     if wanted in ("ddp", "fsdp2"):
@@ -67,7 +68,7 @@ def choose_parallel(wanted: str, model: torch.nn.Module, d: Dist) -> str:
     if wanted == "fsdp":
         return "fsdp2"
     if wanted != "auto":
-        raise ValueError(f"train.parallel = {wanted!r}: expected auto, ddp or fsdp2")
+        raise ValueError(f"train.runtime.parallel = {wanted!r}: expected auto, ddp or fsdp2")
     if d.device.type != "cuda":
         return "ddp"
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -5,13 +5,14 @@ Every checkpoint's eagle3_draft.json (eagle3.train.checkpoint.draft_metadata) ho
 trained on (the capture's content, the vocab's d2t/t2d, the validation capture, the target's weights
 and config). Resume compares them with the new run's before it loads any weight (`check_resume`) and
 refuses a difference, naming each field with its old and new value. RESUME_RULES says, for every
-TrainConfig field, what may change:
+TrainConfig setting (a group's by its dotted name, `optimizer.lr`), what may change:
 
-    same   never, not even with --force-resume: the checkpoint's weights, optimizer state or data
-           position mean something else under another value (seed and val_fraction pick the
-           train/validation split and the epoch order the loader position counts in; freeze changes
-           the optimizer's parameter list)
-    force  with force_resume (a warning lists them; the new values apply from the resumed step on)
+    same   never, not even with --checkpoint-force-resume: the checkpoint's weights, optimizer
+           state or data position mean something else under another value (seed and
+           loader.val_fraction pick the train/validation split and the epoch order the loader
+           position counts in; draft.freeze changes the optimizer's parameter list)
+    force  with checkpoint.force_resume (a warning lists them; the new values apply from the
+           resumed step on)
     free   any time: no effect on the weights (logging, checkpoint cadence, workers, the init_*
            settings, which act at step 0 only), compared by content instead of by path (target,
            captured, vocab, val_captured, draft: the `inputs` and the draft shape), or checked by
@@ -31,65 +32,69 @@ from typing import Any
 
 from eagle3.artifacts import DraftMetadata
 from eagle3.config import ConfigError, TrainConfig
+from eagle3.train_options import DRAFT_SHAPE_FIELDS, TRAIN_GROUPS
 
 SAME, FORCE, FREE = "same", "force", "free"
 
-SAME_FIELDS = ("seed", "val_fraction", "aux_layer_ids", "freeze")
+SAME_FIELDS = ("seed", "loader.val_fraction", "aux_layer_ids", "draft.freeze")
 FORCE_FIELDS = (
-    "lr",
-    "min_lr_ratio",
-    "schedule",
-    "warmup_steps",
-    "weight_decay",
-    "beta1",
-    "beta2",
-    "grad_clip",
+    "optimizer.lr",
+    "schedule.min_lr_ratio",
+    "schedule.decay",
+    "schedule.warmup_steps",
+    "optimizer.weight_decay",
+    "optimizer.beta1",
+    "optimizer.beta2",
+    "optimizer.grad_clip",
     "epochs",
     "max_steps",
-    "ttt_steps",
-    "loss_decay",
-    "max_seq_len",
-    "dtype",
-    "supervise",
-    "hidden_noise",
-    "feature_loss_weight",
-    "midlayer_feature_loss_weight",
-    "distill_temperature",
-    "copy_weight",
-    "dropout",
-    "ema_decay",
+    "loss.ttt_steps",
+    "loss.decay",
+    "loader.max_seq_len",
+    "runtime.dtype",
+    "loss.supervise",
+    "loader.hidden_noise",
+    "loss.feature_weight",
+    "loss.midlayer_feature_weight",
+    "loss.distill_temperature",
+    "loss.copy_weight",
+    "draft.dropout",
+    "checkpoint.ema_decay",
     "num_speculative_tokens",
-    "loss_weighting",
+    "loss.weighting",
 )
+#: the draft's family and dimensions: compared as the draft's shape (`draft_config`) instead
+DRAFT_SHAPE = tuple(f"draft.{k}" for k in ("family", *DRAFT_SHAPE_FIELDS))
 FREE_FIELDS = (
     "target",
     "captured",
     "vocab",
     "val_captured",
-    "draft",
+    *DRAFT_SHAPE,
     "out",  # compared by content instead
-    "eval_every",
-    "save_every",
-    "log_every",
+    "checkpoint.eval_every",
+    "checkpoint.save_every",
+    "checkpoint.log_every",
     "device",
-    "attention",
-    "compile",
-    "compile_cache",
-    "init_head_from_target",
-    "init_layers_from_target",
-    "num_loader_workers",
-    "preload",
-    "resume",
-    "verify_capture",
-    "max_nonfinite_steps",
+    "runtime.attention",
+    "runtime.compile",
+    "runtime.compile_cache",
+    "draft.init_head_from_target",
+    "draft.init_layers_from_target",
+    "loader.num_workers",
+    "loader.preload",
+    "checkpoint.resume",
+    "loader.verify_capture",
+    "optimizer.max_nonfinite_steps",
     "allow_target_mismatch",
-    "force_resume",
-    "keep_checkpoints",
-    "parallel",
-    "batch_size",
-    "grad_accum",  # rows per optimizer step: check_layout
+    "checkpoint.force_resume",
+    "checkpoint.keep",
+    "runtime.parallel",
+    "loader.batch_size",
+    "loader.grad_accum",  # rows per optimizer step: check_layout
 )
-#: TrainConfig field -> same / force / free (module docstring); a test keeps it complete
+#: TrainConfig setting (dotted: `optimizer.lr`) -> same / force / free (module docstring); a test
+#: keeps it complete
 RESUME_RULES: dict[str, str] = {
     **dict.fromkeys(SAME_FIELDS, SAME),
     **dict.fromkeys(FORCE_FIELDS, FORCE),
@@ -104,6 +109,18 @@ INPUT_RULES: dict[str, tuple[str, str]] = {
     "target_weights_sha256": ("target weights", SAME),
     "val_captured_sha256": ("val_captured (content)", FORCE),
 }
+
+
+def settings(train_config: dict[str, Any] | None) -> dict[str, Any]:
+    """A recorded TrainConfig as {dotted setting: value} (`optimizer.lr`: its groups flattened);
+    eagle3.artifacts has put an older, flat record into groups already."""
+    out: dict[str, Any] = {}
+    for key, value in (train_config or {}).items():
+        if key in TRAIN_GROUPS and isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
 def _show(v: Any) -> str:
@@ -136,7 +153,7 @@ def resume_differences(
         if key != "dropout" and old_shape and old_shape.get(key) != new_shape.get(key):
             shown = f"{key} {_show(old_shape.get(key))} -> {_show(new_shape.get(key))}"
             out.append((SAME, key, shown))
-    old_cfg, new_cfg = old.train_config or {}, new.train_config or {}
+    old_cfg, new_cfg = settings(old.train_config), settings(new.train_config)
     for key, rule in RESUME_RULES.items():
         if rule != FREE and key in old_cfg and old_cfg[key] != new_cfg.get(key):
             out.append((rule, key, f"{key} {_show(old_cfg[key])} -> {_show(new_cfg.get(key))}"))
@@ -147,7 +164,7 @@ def check_resume(
     cfg: TrainConfig, ckpt: Path, old: DraftMetadata | None, new: DraftMetadata
 ) -> None:
     """Refuse (ConfigError) to resume `ckpt`, whose eagle3_draft.json is `old`, into a run whose
-    metadata would be `new`, when they differ beyond what RESUME_RULES allows; with cfg.force_resume
+    metadata would be `new`, when they differ beyond what RESUME_RULES allows; with force_resume
     the `force` differences are printed as a warning and resume goes on."""
     diffs = resume_differences(old, new, str(ckpt / DraftMetadata.FILE))
     if not diffs:
@@ -157,18 +174,20 @@ def check_resume(
     head = f"resume from {ckpt}: this run differs from the one that wrote the checkpoint: {listed}."
     if never:
         raise ConfigError(
-            f"{head} --force-resume cannot resume over {', '.join(never)} (the checkpoint's "
-            "weights, optimizer state or data position would mean something else): train into a "
-            "new --out, set resume: false to start over in this one, or put back the values it was "
-            "trained with"
+            f"{head} --checkpoint-force-resume cannot resume over {', '.join(never)} (the "
+            "checkpoint's weights, optimizer state or data position would mean something else): "
+            "train into a new --out, set checkpoint.resume: false to start over in this one, or "
+            "put back the values it was trained with"
         )
-    if not cfg.force_resume:
+    if not cfg.checkpoint.force_resume:
         raise ConfigError(
-            f"{head} These may change mid-run: pass --force-resume (force_resume: "
-            "true) to resume with the new values, or put back the old ones"
+            f"{head} These may change mid-run: pass --checkpoint-force-resume "
+            "(checkpoint.force_resume: true) to resume with the new values, or put back the old "
+            "ones"
         )
     print(
-        f"eagle3: warning (force_resume=true): resuming {ckpt} with other settings: {listed}",
+        f"eagle3: warning (checkpoint.force_resume=true): resuming {ckpt} with other settings: "
+        f"{listed}",
         file=sys.stderr,
         flush=True,
     )

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eagle3.model.draft import Eagle3Draft
+from eagle3.model.family import DraftModel
 from eagle3.train.attention import make_ttt_attention
 from eagle3.train.loss import SharedHeadGrad, TargetHead, compute_targets, fused_soft_ce, soft_ce
 
@@ -117,7 +117,7 @@ def linear_weight_casts(model: torch.nn.Module, device_type: str) -> dict[str, t
 
 
 def ttt_forward(
-    model: Eagle3Draft, batch: PackedBatch, head: TargetHead, **options: Any
+    model: DraftModel, batch: PackedBatch, head: TargetHead, **options: Any
 ) -> StepOutput:
     """The unrolled TTT forward (body and keyword options: `_ttt_forward`), with the draft's
     matrices cast once to the autocast dtype for the whole unroll (`linear_weight_casts`)."""
@@ -130,7 +130,7 @@ def ttt_forward(
 
 
 def _ttt_forward(
-    model: Eagle3Draft,
+    model: DraftModel,
     batch: PackedBatch,
     head: TargetHead,
     *,
@@ -277,7 +277,7 @@ def _ttt_forward(
     return StepOutput(loss, stats)
 
 
-def _draft_ids_of(head: TargetHead, model: Eagle3Draft, target_ids: torch.Tensor) -> torch.Tensor:
+def _draft_ids_of(head: TargetHead, model: DraftModel, target_ids: torch.Tensor) -> torch.Tensor:
     """Target token ids (any shape; -1 = none) -> the draft vocabulary's ids of those tokens, -1
     where the draft vocabulary lacks them."""
     V, dev = model.t2d.numel(), target_ids.device
@@ -396,7 +396,7 @@ class TTTModule(torch.nn.Module):
     """Wraps the draft so the whole unrolled TTT forward is one `forward()` (what DDP/FSDP hook
     into)."""
 
-    def __init__(self, draft: Eagle3Draft):
+    def __init__(self, draft: DraftModel):
         super().__init__()
         self.draft = draft
 

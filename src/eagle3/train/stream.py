@@ -102,16 +102,16 @@ class SpoolSource:
                 "train.aux_layer_ids is not supported in streaming mode: capture only the aux "
                 "layers you train on (capture.aux_layer_ids)"
             )
-        if getattr(cfg, "preload", False):
+        if cfg.loader.preload:
             raise ConfigError(
-                "train.preload = true is not supported in streaming mode (the spool is read shard "
-                "by shard as it arrives); set train.preload: false"
+                "train.loader.preload = true is not supported in streaming mode (the spool is read "
+                "shard by shard as it arrives); set train.loader.preload: false"
             )
         self.manifest: SpoolHeader = _wait(
             self.spool, cfg, HEADER, lambda: SpoolHeader.load(self.spool)
         )
         consumed = read_state(self.spool, CONSUMED)
-        fresh = not any((Path(cfg.out) / "checkpoints").glob("step-*")) or not cfg.resume
+        fresh = not any((Path(cfg.out) / "checkpoints").glob("step-*")) or not cfg.checkpoint.resume
         if fresh and (consumed.get("released_below", 0) > 0 or consumed.get("done")):
             raise ConfigError(
                 f"{self.spool} was already consumed by a training run (its {CONSUMED} says so) but "
@@ -137,7 +137,7 @@ class SpoolSource:
         toks = h.row_tokens
         return sum(
             count_packed_rows(
-                [toks[i] for i in epoch_order(h.train_rows, h.seed, e)], cfg.max_seq_len
+                [toks[i] for i in epoch_order(h.train_rows, h.seed, e)], cfg.loader.max_seq_len
             )
             for e in range(h.epochs)
         )
@@ -152,7 +152,12 @@ class StreamLoader:
 
     def __init__(self, source: SpoolSource, cfg: StreamTrainConfig, rank: int = 0, world: int = 1):
         self.source, self.cfg, self.spool = source, cfg, source.spool
-        self.T, self.B, self.rank, self.world = cfg.max_seq_len, cfg.batch_size, rank, world
+        self.T, self.B, self.rank, self.world = (
+            cfg.loader.max_seq_len,
+            cfg.loader.batch_size,
+            rank,
+            world,
+        )
         h = source.manifest
         self.n_aux, self.hidden = len(h.aux_layer_ids), h.hidden_size
         self.per_epoch = sum(1 for i in h.train_rows if h.row_tokens[i] > 0)
@@ -164,7 +169,7 @@ class StreamLoader:
         ] = {}  # epoch -> prepared rows taken since the last checkpoint
         self._shard: tuple[int, int, list[dict[str, Any]]] | None = None  # (seq, epoch, samples)
         self._dtype: torch.dtype | None = None
-        self.step_rows = cfg.batch_size * cfg.grad_accum * world
+        self.step_rows = cfg.loader.batch_size * cfg.loader.grad_accum * world
         self.max_ahead = self._check_cap()
 
     def _check_cap(self) -> int:
@@ -178,8 +183,9 @@ class StreamLoader:
         if need > cfg.spool_cap_bytes:
             raise ConfigError(
                 f"stream.spool_cap_gb = {cfg.spool_cap_gb} cannot hold the shards one optimizer "
-                f"step can span: {self.step_rows} rows (train.batch_size x train.grad_accum x "
-                f"ranks) of train.max_seq_len = {self.T} tokens span up to {span} shards of up to "
+                f"step can span: {self.step_rows} rows (train.loader.batch_size x "
+                f"train.loader.grad_accum x ranks) of train.loader.max_seq_len = {self.T} tokens "
+                f"span up to {span} shards of up to "
                 f"{h.max_shard_bytes} bytes (capture.shard_tokens = {h.shard_tokens}), plus "
                 f"{fixed} bytes of header and validation shards: raise stream.spool_cap_gb "
                 f"to at least {need / 1e9:.6g}, or lower capture.shard_tokens or the batch"
@@ -307,7 +313,7 @@ class StreamLoader:
         self._log_consumed(step, self.consumed)
         self.consumed = {}
         self._release()
-        _prune_checkpoints(ckpt.parent, keep=ckpt.name, save_every=self.cfg.save_every)
+        _prune_checkpoints(ckpt.parent, keep=ckpt.name, save_every=self.cfg.checkpoint.save_every)
 
     def close(self, finished: bool) -> None:
         """End of this invocation; after the last step the spool's shards (validation too) are

@@ -30,7 +30,8 @@ from eagle3.config import AuxLayerIds, ConfigError, TrainConfig
 from eagle3.integrity import check_target_identity, target_identity, tensor_sha256
 from eagle3.io import sha256_json, sha256_text
 from eagle3.lock import dir_lock
-from eagle3.model.draft import Eagle3Draft, draft_config_from_target, text_config
+from eagle3.model.draft import text_config
+from eagle3.model.family import DraftModel, get_family
 from eagle3.splits import split_indices
 from eagle3.train import parallel
 from eagle3.train.checkpoint import (
@@ -79,34 +80,36 @@ def build_draft(
     t2d,
     num_aux: int,
     aux_layer_ids: list[int] | None = None,
-) -> Eagle3Draft:
-    """The draft for this target and vocab, initialised as cfg asks; aux_layer_ids (fc's input
-    order) is needed by init_layers_from_target."""
+) -> DraftModel:
+    """The draft of train.draft.family (eagle3.model.family) for this target and vocab,
+    initialised as cfg asks; aux_layer_ids (fc's input order) is needed by
+    init_layers_from_target."""
     tc = text_config(target_cfg)
     if t2d.numel() != tc["vocab_size"]:
         raise ConfigError(
             f"vocab={cfg.vocab}: t2d has {t2d.numel()} entries but the target's vocab_size is "
             f"{tc['vocab_size']}; rebuild the vocab with this target's tokenizer"
         )
-    dcfg = draft_config_from_target(target_cfg, num_aux, d2t.numel(), cfg.draft)
-    dcfg.dropout = cfg.dropout
-    model = Eagle3Draft(dcfg)
+    family = get_family(cfg.draft.family)
+    dcfg = family.draft_config(target_cfg, num_aux, d2t.numel(), cfg.draft)
+    dcfg.dropout = cfg.draft.dropout
+    model = family.build(dcfg)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(tensors["embed"].float())
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
         if (
-            cfg.init_head_from_target
+            cfg.draft.init_head_from_target
         ):  # logits = lm_head[draft rows] @ (norm_w * x / rms(x)), as the target's
             model.lm_head.weight.copy_(tensors["lm_head"][torch.arange(d2t.numel()) + d2t].float())
             model.norm.weight.copy_(tensors["norm"].float())
-    if cfg.init_layers_from_target:
+    if cfg.draft.init_layers_from_target:
         init_layers_from_target(model, tensors["layers"], aux_layer_ids)
-    freeze_parameters(model, cfg.freeze)
+    freeze_parameters(model, cfg.draft.freeze)
     return model
 
 
-def freeze_parameters(model: Eagle3Draft, prefixes: list[str]) -> None:
+def freeze_parameters(model: DraftModel, prefixes: list[str]) -> None:
     """requires_grad=False for every draft parameter named by one of `prefixes` (`layers`,
     `layers.2`, `lm_head`)."""
     names = [n for n, _ in model.named_parameters() if not n.startswith("embed_tokens.")]
@@ -179,7 +182,7 @@ def run_train(
 
 def _run_train(cfg: TrainConfig, *, samples, manifest, stop_after, source) -> TrainResult:
     d = setup(cfg)
-    with compile_cache_dir(cfg.compile_cache, d):
+    with compile_cache_dir(cfg.runtime.compile_cache, d):
         return _train(
             cfg, d, samples=samples, manifest=manifest, stop_after=stop_after, source=source
         )
@@ -210,16 +213,16 @@ def _train(
     check_midlayer_target(cfg, model, inputs)
     run = build_run(cfg, d, inputs, model, samples, source)
     build_optimizer(run)
-    state = resume(run) if cfg.resume else TrainState()
+    state = resume(run) if cfg.checkpoint.resume else TrainState()
     log = MetricsLog(run.out, d.main)
-    load_compile_cache(cfg.compile_cache, d)
-    if cfg.compile:
+    load_compile_cache(cfg.runtime.compile_cache, d)
+    if cfg.runtime.compile:
         model.compile_blocks()
     try:
         train_loop(run, state, log, stop_after)
         if state.step >= run.total:
             save_final(run, state)
-        save_compile_cache(cfg.compile_cache, d)
+        save_compile_cache(cfg.runtime.compile_cache, d)
     finally:
         log.close()
         run.loader.close(finished=state.step >= run.total)
@@ -271,7 +274,7 @@ def read_inputs(cfg: TrainConfig, manifest: CaptureManifest | SpoolHeader | dict
         cfg.allow_target_mismatch,
         identity=target_identity(cfg.target, None if manifest.target_fingerprint else tensors),
     )
-    if cfg.init_layers_from_target:
+    if cfg.draft.init_layers_from_target:
         tensors["layers"] = load_top_layers(cfg.target, cfg.draft.num_hidden_layers or 1)
     d2t, t2d = DraftVocab.load(cfg.vocab).torch_maps()
     aux_layer_ids = list(cfg.aux_layer_ids or manifest.aux_layer_ids)
@@ -308,11 +311,11 @@ def capture_sha256(
     return sha256_json({"spool": manifest.config_hash, "target": manifest.target})
 
 
-def check_midlayer_target(cfg: TrainConfig, model: Eagle3Draft, inputs: Inputs) -> None:
+def check_midlayer_target(cfg: TrainConfig, model: DraftModel, inputs: Inputs) -> None:
     L, n, ids = inputs.num_hidden_layers, model.cfg.num_hidden_layers, inputs.aux_layer_ids
-    if cfg.midlayer_feature_loss_weight > 0 and max(ids) != L - n + 1:
+    if cfg.loss.midlayer_feature_weight > 0 and max(ids) != L - n + 1:
         raise ConfigError(
-            f"midlayer_feature_loss_weight: the deepest aux id {max(ids)} is not the state target "
+            f"loss.midlayer_feature_weight: the deepest aux id {max(ids)} is not the state target "
             f"layer {L - n + 1} (the first one the draft copies) reads; with {L} target layers and "
             f"{n} draft layers use aux id {L - n + 1}, or change the draft's depth"
         )
@@ -323,10 +326,10 @@ def read_samples(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, samples, so
     aux ids."""
     t_load = time.perf_counter()
     ids, L = inputs.aux_layer_ids, inputs.num_hidden_layers
-    preload = cfg.preload and source is None and samples is None
+    preload = cfg.loader.preload and source is None and samples is None
     # one process per host hashes the capture (8 ranks reading a multi-TB capture 8 times would cost
     # hours); if it refuses the capture, torchrun stops the other ranks
-    verify = cfg.verify_capture and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    verify = cfg.loader.verify_capture and int(os.environ.get("LOCAL_RANK", "0")) == 0
     if source is not None:
         samples, how = source.val_samples, "spool validation"
     elif preload:  # sequential shard reads, only the trained layers kept in RAM
@@ -353,13 +356,13 @@ def read_samples(cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, samples, so
 
 
 def build_run(
-    cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: Eagle3Draft, samples, source
+    cfg: TrainConfig, d: parallel.Dist, inputs: Inputs, model: DraftModel, samples, source
 ) -> Run:
     """Samples, loader, validation batches and step count, around the (wrapped) draft and the
     target's head."""
     dcfg, tc = model.cfg, text_config(inputs.target_cfg)
     cuda = d.device.type == "cuda"
-    amp_dtype = torch.bfloat16 if cuda and cfg.dtype == "bfloat16" else torch.float32
+    amp_dtype = torch.bfloat16 if cuda and cfg.runtime.dtype == "bfloat16" else torch.float32
     head = TargetHead(
         inputs.tensors["norm"],
         tc.get("rms_norm_eps", 1e-6),
@@ -381,44 +384,44 @@ def build_run(
         )
     if source is None:
         samples = with_target_argmax(samples, head, d)
-        train_idx, val_idx = split_indices(len(samples), cfg.val_fraction, cfg.seed)
+        train_idx, val_idx = split_indices(len(samples), cfg.loader.val_fraction, cfg.seed)
         loader = PackedLoader(
             samples,
             train_idx,
-            cfg.max_seq_len,
-            cfg.batch_size,
+            cfg.loader.max_seq_len,
+            cfg.loader.batch_size,
             cfg.seed,
             rank=d.rank,
             world=d.world,
-            prefetch=2 * cfg.num_loader_workers,
-            num_workers=cfg.num_loader_workers,
+            prefetch=2 * cfg.loader.num_workers,
+            num_workers=cfg.loader.num_workers,
             pin_memory=d.device.type == "cuda",
         )
     else:  # streaming: every spool sample here is validation; training rows come from the loader
         val_idx, loader = list(range(len(samples))), source.loader(cfg, d.rank, d.world)
     val = eval_batches(
-        samples, val_idx, cfg.max_seq_len, cfg.batch_size
+        samples, val_idx, cfg.loader.max_seq_len, cfg.loader.batch_size
     )  # every rank (FSDP forward is collective)
     heldout = []
     if (
         cfg.val_captured
     ):  # unseen prompts pick the checkpoint; the held-out train split is still logged
         val, heldout = read_val_captured(cfg, inputs, source, verify, head, d), val
-    per_step = cfg.batch_size * cfg.grad_accum * d.world
+    per_step = cfg.loader.batch_size * cfg.loader.grad_accum * d.world
     rows = (
         source.num_rows(cfg)
         if source is not None
-        else cfg.epochs * count_rows(samples, train_idx, cfg.max_seq_len)
+        else cfg.epochs * count_rows(samples, train_idx, cfg.loader.max_seq_len)
     )
     total = cfg.max_steps or max(1, math.ceil(rows / per_step))
     progress(
         d,
-        f"{total} steps of {per_step} x {cfg.max_seq_len} tokens ({rows:.0f} packed rows), "
+        f"{total} steps of {per_step} x {cfg.loader.max_seq_len} tokens ({rows:.0f} packed rows), "
         f"{len(val)} validation batches",
     )
-    mode = parallel.choose_parallel(cfg.parallel, model, d)
+    mode = parallel.choose_parallel(cfg.runtime.parallel, model, d)
     if d.world > 1:
-        progress(d, f"{d.world} processes: {mode} (train.parallel {cfg.parallel})")
+        progress(d, f"{d.world} processes: {mode} (train.runtime.parallel {cfg.runtime.parallel})")
     ttt = parallel.wrap(TTTModule(model), d, fsdp=mode == "fsdp2")
 
     def meta(step: int, metrics: dict) -> DraftMetadata:
@@ -504,7 +507,7 @@ def read_val_captured(
         inputs.num_hidden_layers,
     )
     vs = with_target_argmax(vs, head, d)
-    return eval_batches(vs, list(range(len(vs))), cfg.max_seq_len, cfg.batch_size)
+    return eval_batches(vs, list(range(len(vs))), cfg.loader.max_seq_len, cfg.loader.batch_size)
 
 
 __all__ = ["run_train", "TrainResult", "build_draft"]
