@@ -21,7 +21,7 @@ Why here and not inside eagle3/train/: eagle3.config, in the bottom import layer
 groups into TrainConfig (and RefineConfig into its own), and a module may not import a layer above
 its own (pyproject.toml's library-layers); this module sits in that bottom layer beside
 eagle3.config and imports nothing of eagle3 but eagle3.config_fields
-(docs/decisions/0018-config-groups-and-draft-families.md).
+(docs/decisions/0020-config-groups-and-draft-families.md).
 """
 
 from __future__ import annotations
