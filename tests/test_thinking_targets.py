@@ -87,13 +87,11 @@ def pipeline(target: Path, work: Path, family: str, thinking: bool, **over) -> P
         "vocab": {"draft_vocab_size": 128},
         "train": {
             "epochs": 1,
-            "ttt_steps": 2,
-            "max_seq_len": 512,
-            "val_fraction": 0.2,
-            "warmup_steps": 1,
-            "eval_every": 1000,
-            "save_every": 1000,
             "device": "cpu",
+            "loader": {"max_seq_len": 512, "val_fraction": 0.2},
+            "loss": {"ttt_steps": 2},
+            "schedule": {"warmup_steps": 1},
+            "checkpoint": {"eval_every": 1000, "save_every": 1000},
         },
     }
     for section, values in over.items():
