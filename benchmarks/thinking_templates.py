@@ -291,7 +291,7 @@ def run_case(
             kept = {}
         case["text_only"] = {
             "outcome": "refused",
-            "message": str(e).splitlines()[0],
+            "message": str(e).splitlines()[0].replace(str(text), text.name),
             "turns_kept_with_drop": kept.get("from_text", 0),
         }
     else:

@@ -59,9 +59,9 @@ def test_every_template_on_two_chats(tmp_path):
     assert cases[("kimi-k2-thinking", True)]["rows_per_conversation"] > 1.0
     # Qwen3 writes its reasoning between newlines of its own; this target's text has none
     refused = cases[("qwen3", True)]["text_only"]
-    assert (
-        refused["outcome"] == "refused" and "the reasoning differs at token 0" in refused["message"]
-    )
+    assert refused["outcome"] == "refused"
+    assert refused["message"].startswith("prepare: text-only.jsonl: row chat-")
+    assert "the reasoning differs at token 0" in refused["message"]
     assert cases[("qwen3", False)]["text_only"]["outcome"] == "identical ids"
     assert cases[("deepseek-r1-distill", True)]["text_only"]["reasoning_unchecked"] > 0
 
