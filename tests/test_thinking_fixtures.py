@@ -296,3 +296,30 @@ def test_the_emitter_refuses_other_targets_and_rewrites_once(tmp_path):
         make_thinking_emitter(emitter, think_close_share=0.2)
     rebuilt = build_tiny_thinking_target(emitter, "qwen3", template_path("qwen3"), spec)
     assert "thinking_emitter" not in (rebuilt / "tiny_spec.json").read_text()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_text_turn_reasoning_is_checked_only_where_the_template_renders_it(tmp_path, family):
+    """A text turn's reasoning is held against the template's rendering only where the template
+    renders the last turn's reasoning (Qwen3), even when its words also occur in the user's turn:
+    a trace as short as one word is no sign that the template rendered it."""
+    from eagle3.chat_template import ChatRenderer
+    from eagle3.data.prepare import conversation_rows
+
+    build_tiny_thinking_tokenizer(tmp_path / family, family, template_path(family))
+    renderer = ChatRenderer(tmp_path / family, chat_template_kwargs=thinking_kwargs(family, True))
+    messages = [
+        {"role": "user", "content": "The house has a door."},
+        {"role": "assistant", "content": " door", "reasoning": " has"},
+    ]
+    assert renderer.renders_reasoning(messages) == (family == "qwen3")
+    if family == "qwen3":  # rendered with newlines of its own, which this turn's text lacks
+        return
+    prompt = renderer.prompt_ids(messages[:1])
+    completion = renderer.text_completion_ids(prompt, messages[1])
+    mismatch, checked = renderer.check_text_turn(
+        messages, completion, renderer.num_reasoning_ids(prompt, completion)
+    )
+    assert mismatch is None and not checked
+    ((ids, mask),) = conversation_rows(renderer, messages)
+    assert ids == prompt + completion and sum(mask) == len(completion)

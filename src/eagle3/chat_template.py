@@ -269,14 +269,23 @@ class ChatRenderer:
         if mismatch or not num_reasoning:
             return mismatch, False
         reasoning = messages[-1].get("reasoning") or ""
-        rendered = self.tokenizer.decode(full[:end], skip_special_tokens=False)
-        if not reasoning.strip() or reasoning.strip() not in rendered:
+        if not reasoning.strip() or not self.renders_reasoning(messages, chat_template_kwargs):
             return None, False  # the template drops this turn's reasoning: nothing to hold it to
         if full[: len(prompt_ids)] == prompt_ids:
             turn = full[len(prompt_ids) : end]
         else:
             turn = full[max(end - len(completion_ids), 0) : end]
         return self._difference(completion_ids, turn, "reasoning"), True
+
+    def renders_reasoning(
+        self, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> bool:
+        """Whether the template renders the last turn's reasoning: the conversation's rendering
+        changes when that reasoning is left out. (Finding the reasoning's text in the rendering
+        is not enough: a short trace also occurs in the turns around it.)"""
+        last = {k: v for k, v in messages[-1].items() if k != "reasoning"}
+        without = self.render_text([*messages[:-1], last], False, chat_template_kwargs)
+        return without != self.render_text(messages, False, chat_template_kwargs)
 
     def _difference(self, ours: list[int], template: list[int], span: str) -> Misalignment | None:
         """Where two id sequences first differ, with the tokens from there on each side."""
