@@ -318,7 +318,7 @@ def test_a_text_turn_reasoning_is_checked_only_where_the_template_renders_it(tmp
     prompt = renderer.prompt_ids(messages[:1])
     completion = renderer.text_completion_ids(prompt, messages[1])
     mismatch, checked = renderer.check_text_turn(
-        messages, completion, renderer.num_reasoning_ids(prompt, completion)
+        messages, prompt, completion, renderer.num_reasoning_ids(prompt, completion)
     )
     assert mismatch is None and not checked
     ((ids, mask),) = conversation_rows(renderer, messages)

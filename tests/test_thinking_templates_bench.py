@@ -61,7 +61,8 @@ def test_every_template_on_two_chats(tmp_path):
     refused = cases[("qwen3", True)]["text_only"]
     assert refused["outcome"] == "refused"
     assert refused["message"].startswith("prepare: text-only.jsonl: row chat-")
-    assert "the reasoning differs at token 0" in refused["message"]
+    # right after `<think>`: the template's newline, the target's first reasoning word
+    assert "the reasoning differs at token 1" in refused["message"]
     assert cases[("qwen3", False)]["text_only"]["outcome"] == "identical ids"
     assert cases[("deepseek-r1-distill", True)]["text_only"]["reasoning_unchecked"] > 0
 
