@@ -207,3 +207,17 @@ def test_remote_code_tokenizer_needs_opt_in(tiny_llama, tmp_path):
         "trust_remote_code: true\n"
     )
     assert load_pipeline_config(pipe).prepare.trust_remote_code is True
+
+
+def test_a_text_turn_cut_at_max_new_tokens_is_trained_without_an_end(tiny_llama):
+    """A text turn that says it was cut (`finish_reason: length`, as regenerate writes it) is
+    trained as the target wrote it: no end-of-turn token after it, and nothing to refuse."""
+    from eagle3.chat_template import ChatRenderer
+
+    renderer = ChatRenderer(tiny_llama)
+    tok = renderer.tokenizer
+    cut = [SINGLE[0], {**SINGLE[1], "finish_reason": "length"}]
+    ((ids, mask),) = conversation_rows(renderer, cut)
+    assert _masked_text(tok, ids, mask) == "It is four."
+    ((ids, mask),) = conversation_rows(renderer, SINGLE)
+    assert _masked_text(tok, ids, mask) == "It is four.<|end|>"

@@ -235,13 +235,15 @@ class ChatRenderer:
     # ---------------------------------------------------------------------------- text turns
     def text_completion_ids(self, prompt_ids: list[int], message: dict[str, Any]) -> list[int]:
         """A text-only assistant turn as the ids the target would write: `<think>` (unless the
-        prompt opened it) reasoning `</think>` answer, tokenized, then the end-of-turn token."""
+        prompt opened it) reasoning `</think>` answer, tokenized, then the end-of-turn token —
+        unless the turn says it was cut (`finish_reason: length`): the target wrote no end."""
         text = message.get("content") or ""
         reasoning = message.get("reasoning")
         if reasoning is not None and self.has_think_markers:
             opened = self.prompt_opens_think(prompt_ids)
             text = ("" if opened else THINK_START) + reasoning + THINK_END + text
-        return self.encode(text) + [self.end_of_turn_id]
+        cut = message.get("finish_reason") == "length"
+        return self.encode(text) + ([] if cut else [self.end_of_turn_id])
 
     def check_text_turn(
         self,
@@ -260,9 +262,12 @@ class ChatRenderer:
         full = self.render_ids(messages, chat_template_kwargs)
         end = _last_index(full, self.end_of_turn_id)
         answer = completion_ids[num_reasoning:]
+        cut = completion_ids[-1:] != [self.end_of_turn_id]  # finish_reason length: no end
         if end is None:  # the template ends the last turn without the end-of-turn token
-            end, answer, completion_ids = len(full), answer[:-1], completion_ids[:-1]
-        else:
+            end = len(full)
+            if not cut:
+                answer, completion_ids = answer[:-1], completion_ids[:-1]
+        elif not cut:
             end += 1
         tail = full[max(end - len(answer), 0) : end]
         mismatch = self._difference(answer, tail, "answer")
