@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.artifacts import EvalRow
 from eagle3.evaluate.cost import modelled_speedup, tokens_per_target_step
 from eagle3.evaluate.engine import M_ACCEPTED, M_DRAFT_TOKENS, M_DRAFTS, M_PER_POS
 
@@ -25,32 +26,9 @@ class DecodeRun:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class CategoryResult:
-    """τ and speed of one (category, temperature): one row of results.json's `rows`."""
-
-    method: str
-    category: str  # "all": every prompt of this temperature
-    temperature: float
-    num_prompts: int
-    tau: float | None  # None when the proposer made no drafts (ngram on prompts without repeats)
-    num_drafts: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]
-    generated_tokens: int
-    tokens_per_s: float
-    baseline_tokens_per_s: float | None = None
-    measured_speedup: float | None = None
-    #: generated tokens per target forward pass (tokens_per_target_step)
-    tokens_per_step: float | None = None
-    #: tokens per step / (1 + r · drafted fraction), the memory-bound model of the module docstring
-    modelled_speedup: float | None = None
-    #: greedy only: fraction of prompts whose output is identical with and without speculation
-    outputs_match_baseline: float | None = None
-    draft_cost_ratio: float | None = None
-    #: "all" (every generated token), or a span of a thinking target's turns: "reasoning"
-    #: (the think block, `</think>` included) or "answer" (after it)
-    span: str = "all"
+#: τ and speed of one (method, category, temperature[, span]): a row of results.json's `rows`,
+#: `comparisons` and `span_rows`; one declaration, the record results.json's readers load
+CategoryResult = EvalRow
 
 
 @dataclass
