@@ -33,6 +33,13 @@ CategoryResult = EvalRow
 
 @dataclass
 class EvaluateResult:
+    """The stage's result in memory (`run_evaluate`); results.json holds its fields but the three
+    paths, plus how the run went. It stays beside the EvalResults record that results.json is read
+    as: it carries this run's paths (out, results_path, chart_path), which results.json does not
+    hold, and requires the headline fields that EvalResults leaves optional so that older files
+    load; the Prefect layer and the CLI receive it as these fields (eagle3.stages.jsonable). Its
+    rows are EvalRow records."""
+
     out: Path
     results_path: Path
     chart_path: Path | None
