@@ -70,7 +70,7 @@ def test_capture_follows_its_engine_child_and_the_vllm_hooks(package_copy):
         assert after["prepare"] == before["prepare"], module
         assert after["mix"] == before["mix"], module
         before = after
-    edit(package_copy / "evaluate.py")  # another stage's own module
+    edit(package_copy / "evaluate" / "run.py")  # another stage's own module
     after = versions(package_copy)
     assert after["capture"] == before["capture"] and after["evaluate"] != before["evaluate"]
 

@@ -317,7 +317,7 @@ def test_finished_regeneration_from_other_weights_is_refused(tiny_llama, tmp_pat
 def test_evaluate_refuses_a_draft_made_for_another_target(
     capture, tiny_llama, tmp_path, monkeypatch, capfd
 ):
-    import eagle3.evaluate
+    import eagle3.evaluate.run
     import eagle3.vllm_engine
     from eagle3.evaluate import run_evaluate
     from test_evaluate import categorized_prompts
@@ -332,7 +332,7 @@ def test_evaluate_refuses_a_draft_made_for_another_target(
         raise RuntimeError("a vLLM engine was started")
 
     monkeypatch.setattr(eagle3.vllm_engine, "run_in_subprocess", engine_started)
-    monkeypatch.setattr(eagle3.evaluate, "run_in_subprocess", engine_started)  # its own name
+    monkeypatch.setattr(eagle3.evaluate.run, "run_in_subprocess", engine_started)  # its own name
     other = _copy_target(tiny_llama, tmp_path / "other", change="lm_head.weight")
     prompts = categorized_prompts(tmp_path / "p.jsonl")
     cfg = EvaluateConfig(

@@ -184,7 +184,7 @@ def test_regenerate_reports_and_can_drop_cut_turns(tiny_llama, tmp_path):
 
 def test_evaluate_line_names_each_span_from_the_stage_result():
     """The stage line of evaluate, from the result the stage returns in process (rows as
-    dataclasses): tokens per target step overall, then on the reasoning and the answer spans."""
+    records): tokens per target step overall, then on the reasoning and the answer spans."""
     from pathlib import Path
 
     from eagle3.console import key_figure

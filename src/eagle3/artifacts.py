@@ -702,13 +702,17 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 class EvalRow(Record):
-    """τ and speed of one method at one (category, temperature): a row of results.json's `rows`
-    or `comparisons` (eagle3.evaluate.CategoryResult)."""
+    """τ and speed of one method at one (category, temperature): a row of results.json's `rows`,
+    `comparisons` or `span_rows`, as the evaluate stage builds it (eagle3.evaluate.rows, where it
+    is also named CategoryResult) and as its readers load it. Every field is optional so that
+    results.json files written before a field existed still load; the stage sets them all."""
 
     method: str | None = None
+    #: "all": every prompt of this temperature
     category: str | None = None
     temperature: float | None = None
     num_prompts: int | None = None
+    #: None when the proposer made no drafts (ngram on prompts without repeats)
     tau: float | None = None
     num_drafts: int | None = None
     num_accepted_tokens: int | None = None
@@ -717,11 +721,15 @@ class EvalRow(Record):
     tokens_per_s: float | None = None
     baseline_tokens_per_s: float | None = None
     measured_speedup: float | None = None
+    #: generated tokens per target forward pass (eagle3.evaluate.tokens_per_target_step)
     tokens_per_step: float | None = None
+    #: tokens per step / (1 + r · drafted fraction), the memory-bound model of eagle3.evaluate
     modelled_speedup: float | None = None
+    #: greedy only: fraction of prompts whose output is identical with and without speculation
     outputs_match_baseline: float | None = None
     draft_cost_ratio: float | None = None
-    #: "all", or a thinking target's span: "reasoning" | "answer" (EvalResults.span_rows)
+    #: "all" (every generated token), or a span of a thinking target's turns: "reasoning" (the
+    #: think block, `</think>` included) or "answer" (after it) (EvalResults.span_rows)
     span: str | None = None
 
 

@@ -79,7 +79,7 @@ def _num(x: Any) -> str:
 def key_figure(stage: str, result: Any) -> str:
     """The one number that says what a stage did, from its result (dataclass or its JSON form)."""
     if dataclasses.is_dataclass(result) and not isinstance(result, type):
-        r = dataclasses.asdict(result)  # nested rows as dicts, as the stage's JSON holds them
+        r = dataclasses.asdict(result)  # nested rows stay records; evaluate_figure reads both
     else:
         r = result if isinstance(result, dict) else getattr(result, "__dict__", {}) or {}
     g = r.get

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from eagle3.code_version import code_version
 from eagle3.config import (
@@ -263,10 +263,12 @@ def run_stage_function(stage: str, cfg: StageConfig) -> Any:
 
 
 def jsonable(obj: Any) -> Any:
-    """A stage result as plain JSON data: dataclasses -> dicts, tuples -> lists, paths ->
-    strings."""
+    """A stage result as plain JSON data: dataclasses and records (pydantic models) -> dicts,
+    tuples -> lists, paths -> strings."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {k: jsonable(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, BaseModel):
+        return jsonable(obj.model_dump(mode="json"))
     if isinstance(obj, dict):
         return {k: jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
