@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from tests.remote_code import remote_code_target
 
 from eagle3.artifacts import PreparedMeta
 from eagle3.chat_formats import Conversation
@@ -170,21 +171,9 @@ def test_remote_code_tokenizer_needs_opt_in(tiny_llama, tmp_path):
     """A target whose tokenizer is its own Python code (tokenizer_config.json `auto_map`, as
     Kimi-K2.5 ships a tiktoken tokenizer): refused by default with the field to set; with
     `trust_remote_code: true` that code runs."""
-    import shutil
-
     from eagle3.config import ConfigError, load_pipeline_config
 
-    target = tmp_path / "remote-tok"
-    shutil.copytree(tiny_llama, target)
-    (target / "tokenization_tiny.py").write_text(
-        "from transformers import PreTrainedTokenizerFast\n\n\n"
-        "class TinyRemoteTokenizer(PreTrainedTokenizerFast):\n"
-        "    remote_code_ran = True\n"
-    )
-    tc = json.loads((target / "tokenizer_config.json").read_text())
-    tc["auto_map"] = {"AutoTokenizer": [None, "tokenization_tiny.TinyRemoteTokenizer"]}
-    tc["tokenizer_class"] = "TinyRemoteTokenizer"
-    (target / "tokenizer_config.json").write_text(json.dumps(tc))
+    target = remote_code_target(tiny_llama, tmp_path)
     data = _write_jsonl(tmp_path / "chats.jsonl", [{"id": "a", "messages": SINGLE}])
     cfg = PrepareConfig(target=str(target), data=str(data), out=tmp_path / "prep")
     assert cfg.trust_remote_code is False

@@ -5,9 +5,9 @@ backend generates)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+from tests.remote_code import remote_code_target
 
 from eagle3.chat_formats import read_conversations
 from eagle3.config import (
@@ -119,22 +119,6 @@ def test_chat_template_kwargs_from_the_command_line_and_the_pipeline(tmp_path):
     assert resolved.evaluate.chat_template_kwargs == {"thinking": False}
 
 
-def _remote_code_target(tiny_llama, tmp_path):
-    """tiny_llama whose tokenizer is Python code shipped in the directory (as Kimi-K2.5's)."""
-    target = tmp_path / "remote-tok"
-    shutil.copytree(tiny_llama, target)
-    (target / "tokenization_tiny.py").write_text(
-        "from transformers import PreTrainedTokenizerFast\n\n\n"
-        "class TinyRemoteTokenizer(PreTrainedTokenizerFast):\n"
-        "    remote_code_ran = True\n"
-    )
-    tc = json.loads((target / "tokenizer_config.json").read_text())
-    tc["auto_map"] = {"AutoTokenizer": [None, "tokenization_tiny.TinyRemoteTokenizer"]}
-    tc["tokenizer_class"] = "TinyRemoteTokenizer"
-    (target / "tokenizer_config.json").write_text(json.dumps(tc))
-    return target
-
-
 def _regen(target, data, out, **kw) -> RegenerateConfig:
     values = dict(
         target=str(target),
@@ -153,7 +137,7 @@ def _regen(target, data, out, **kw) -> RegenerateConfig:
 def test_regenerate_honours_trust_remote_code(tiny_llama, tmp_path):
     """regenerate loads the target's tokenizer as prepare does: its own code runs only with
     trust_remote_code, and the error names the key to set."""
-    target = _remote_code_target(tiny_llama, tmp_path)
+    target = remote_code_target(tiny_llama, tmp_path)
     data = _write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "question": "What is two?"}])
     with pytest.raises(ConfigError, match=r"TinyRemoteTokenizer.*trust_remote_code: true"):
         run_regenerate(_regen(target, data, tmp_path / "refused"))
