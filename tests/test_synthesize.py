@@ -285,7 +285,11 @@ def test_synthesize_vllm_then_mix_regenerate_prepare(tiny_chatml, chatml_llm, tm
             target=str(tiny_chatml), data=str(regen.conversations_path), out=tmp_path / "prep"
         )
     )
-    assert prep.num_samples == len(rows)
+    # every regenerated turn is trained as generated: one row per conversation, or one per turn
+    # where a turn's ids are not how the template re-tokenizes its text (cut at max_new_tokens)
+    num_turns = sum(m["role"] == "assistant" for r in rows for m in r["messages"])
+    assert prep.turns["from_generated"] == num_turns
+    assert len(rows) <= prep.num_samples <= num_turns
 
 
 def test_mix_counts_errors_and_defaults(tmp_path):

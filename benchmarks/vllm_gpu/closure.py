@@ -76,6 +76,9 @@ SKIPPED = {
 #: what eagle3's capture needs beside vLLM (it runs from the checkout's src/): its requirements that
 #: the image lacks come along (datasets reads the prepared rows)
 EAGLE3_NEEDS = ("datasets>=4.0", "pydantic>=2.8")
+#: what vLLM 0.26.0 imports at engine start but its wheel's requirements leave to the host (seen on
+#: the H200 on 2026-12-05: benchmarks/results/vllm_gpu_golden.md)
+VLLM_UNDECLARED = ("pycountry",)
 #: inside vLLM's wheel, not needed on a Hopper GPU with Python 3.12
 PRUNED = (
     re.compile(r"vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"),
@@ -149,7 +152,9 @@ def closure(vllm_version: str, wheels: Path) -> tuple[Path, list[str]]:
     wheels.mkdir(parents=True, exist_ok=True)
     vllm_wheel = download(f"vllm=={vllm_version}", wheels)
     seen = {"vllm"}
-    roots = requirements(vllm_wheel, set()) + [Requirement(r) for r in EAGLE3_NEEDS]
+    roots = requirements(vllm_wheel, set()) + [
+        Requirement(r) for r in (*EAGLE3_NEEDS, *VLLM_UNDECLARED)
+    ]
     queue = [(r, set(r.extras)) for r in roots]
     got, skipped = [], []
     while queue:
