@@ -14,7 +14,7 @@
 # MAX_EXAMPLES, CHECK_PROMPTS, CHECK_MAX_NEW, CHECK_BATCH, DEVICE. A dry run on this CPU:
 #   THINKING_DIR=/tmp/ttdry OUT=/tmp/ttdry/out SKIP_WHEELS=1 PYTHON=.venv/bin/python DEVICE=cpu \
 #     MAX_STEPS=2 MAX_EXAMPLES=8 MAX_LEN=256 BATCH_TOKENS=512 CHECK_PROMPTS=1 CHECK_MAX_NEW=8 \
-#     bash -c 'bash benchmarks/thinking_target/gpu.sh stage && bash benchmarks/thinking_target/gpu.sh build'
+#     bash -c 'G=benchmarks/thinking_target/gpu.sh; bash $G stage && bash $G build'
 set -uo pipefail
 S=${THINKING_DIR:-/tmp/eagle3-thinking}
 OUT=${OUT:-$S/out}

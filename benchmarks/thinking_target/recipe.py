@@ -342,15 +342,10 @@ def train(base: Path, data: Path, out: Path, cfg: TrainConfig) -> dict[str, Any]
     for name, (a, b) in lora.items():
         tensors[f"{name}.lora_a"] = a.detach().float().cpu().contiguous()
         tensors[f"{name}.lora_b"] = b.detach().float().cpu().contiguous()
-    base_manifest = base / "manifest.json"
     info = {
         "format": 1,
         "target_name": TARGET_NAME,
-        "base": {
-            "path": str(base),
-            "manifest_sha256": sha256_file(base_manifest) if base_manifest.is_file() else None,
-            "source": read_json(base_manifest).get("source") if base_manifest.is_file() else None,
-        },
+        "base": base_identity(base),
         "lora": {
             "rank": cfg.rank,
             "alpha": cfg.alpha,
@@ -409,6 +404,18 @@ def split_file(path: Path, part_bytes: int) -> dict[str, str]:
     return parts
 
 
+def base_identity(base: Path) -> dict[str, Any]:
+    """What the adapter records of its base: the GGUF it came from and the weights' sha256 (from
+    fetch-target's manifest where there is one)."""
+    manifest = base / "manifest.json"
+    m = read_json(manifest) if manifest.is_file() else {}
+    weights = base / "model.safetensors"
+    digest = (m.get("files") or {}).get("model.safetensors")
+    if digest is None and weights.is_file():
+        digest = sha256_file(weights)
+    return {"path": str(base), "source": m.get("source"), "weights_sha256": digest}
+
+
 def adapter_file(adapter: Path) -> Path:
     """The adapter's whole file, joined from its parts when only they are there; every digest
     checked against adapter.json."""
@@ -450,17 +457,18 @@ def merge(base: Path, adapter: Path, out: Path) -> dict[str, Any]:
 
     from eagle3.hf import load_causal_lm
 
-    info = read_json(adapter / "adapter.json") if (adapter / "adapter.json").is_file() else None
     tensors = load_file(str(adapter_file(adapter)))
-    base_manifest = base / "manifest.json"
-    if info["base"]["manifest_sha256"] and base_manifest.is_file():
-        got = sha256_file(base_manifest)
-        if got != info["base"]["manifest_sha256"]:
-            print(
-                f"merge: note: {base_manifest} differs from the base the adapter was trained "
-                f"on ({got} vs {info['base']['manifest_sha256']}); merging anyway",
-                file=sys.stderr,
-            )
+    info = read_json(adapter / "adapter.json")
+    trained_on = info["base"]["weights_sha256"]
+    here = base_identity(base)["weights_sha256"]
+    if trained_on != here:
+        # fetch-target on another machine (another transformers) may round the dequantized GGUF
+        # differently; the adapter still applies, the merged weights are then not bit-identical
+        print(
+            f"merge: note: {base}/model.safetensors has sha256 {here}, the adapter was trained "
+            f"on {trained_on}; merging anyway",
+            file=sys.stderr,
+        )
     tok = thinking_tokenizer(base)
     ids = [tok.convert_tokens_to_ids(t) for t in THINK_TOKENS]
     if ids != info["think_token_ids"]:
