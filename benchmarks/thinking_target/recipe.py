@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.io import atomic_dir, read_json, sha256_file, sha256_text, write_json
+from eagle3.io import atomic_dir, read_json, sha256_file, sha256_text, write_json, write_text
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "tests" / "fixtures" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
@@ -371,6 +371,8 @@ def train(base: Path, data: Path, out: Path, cfg: TrainConfig) -> dict[str, Any]
             "train_s": round(train_s, 1),
             "wall_s": round(time.time() - t0, 1),
             "final_loss": log[-1]["loss"] if log else None,
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+            "threads": torch.get_num_threads(),
             "first_loss": log[0]["loss"] if log else None,
         },
         "versions": _versions(),
@@ -686,6 +688,98 @@ def check(
 
 
 # ---------------------------------------------------------------------------------- helpers
+def machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "gpu": gpu,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        **_versions(),
+    }
+
+
+def report(build_dir: Path, out: Path) -> dict[str, Any]:
+    """A build's figures as benchmarks/results JSON + a short markdown table."""
+    b = read_json(build_dir / "build.json")
+    check_res = b.get("check") or {}
+    t = b["train"]
+    res = {
+        "what": "thinking proving ground build (benchmarks/thinking_target)",
+        "date": b["date"],
+        "machine": b["machine"],
+        "command": b["command"],
+        "times_s": b["times"],
+        "data": b["data"],
+        "train": {
+            k: t[k]
+            for k in (
+                "steps",
+                "supervised_tokens_seen",
+                "first_loss",
+                "final_loss",
+                "train_s",
+                "stopped_by",
+                "lr",
+                "rank",
+                "max_len",
+                "batch_tokens",
+                "max_examples",
+            )
+        },
+        "adapter_bytes": b["adapter_bytes"],
+        "adapter_parts": len(b["parts"]),
+        "check": check_res,
+        "note": "A format check, not a quality claim: the share of greedy answers that open "
+        "`<think>` as their first token, close it and answer, end the turn, and whose answer "
+        "agrees with the reference",
+    }
+    write_json(out.with_suffix(".json"), res)
+    rows = [
+        "| set | prompts | open `<think>` | close + answer | end the turn | agree with reference |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in {**check_res.get("per_set", {}), "all": check_res.get("total", {})}.items():
+        n = max(1, c.get("prompts", 0))
+        rows.append(
+            f"| {name} | {c.get('prompts', 0)} | {c.get('opens', 0) / n:.0%} | "
+            f"{c.get('answers', 0) / n:.0%} | {c.get('ends', 0) / n:.0%} | "
+            f"{c.get('correct', 0) / n:.0%} |"
+        )
+    m = b["machine"]
+    md = [
+        f"# thinking target build ({b['date'][:10]})",
+        "",
+        f"Machine: {m['gpu'] or 'CPU'}, {m['cpus']} cores, torch {m['torch']} "
+        f"({m['torch_threads']} threads), transformers {m['transformers']}, load average "
+        f"{m['loadavg_1m']} at the end.",
+        "",
+        f"Command: `{b['command']}`",
+        "",
+        f"Training: {t['steps']} steps, {t['supervised_tokens_seen']:,} supervised tokens, loss "
+        f"{t['first_loss']} -> {t['final_loss']}, {b['times']['train_s']} s; rows "
+        f"{b['data']['rows']} of {b['data']['conversations']} conversations "
+        f"({b['data']['multi_turn_rows']} multi-turn, {b['data']['skipped_longer_than_max_len']} "
+        f"longer than {t['max_len']} tokens skipped). Adapter {b['adapter_bytes']:,} bytes in "
+        f"{len(b['parts'])} parts.",
+        "",
+        f"Check ({check_res.get('backend')}, greedy, {check_res.get('max_new_tokens')} new "
+        "tokens, held-out prompts):",
+        "",
+        *rows,
+        "",
+        res["note"] + ".",
+        "",
+    ]
+    write_text(out.with_suffix(".md"), "\n".join(md))
+    return res
+
+
 def _maybe_sha(path: Path) -> str | None:
     return sha256_file(path) if path.is_file() else None
 
@@ -779,6 +873,9 @@ def main(argv: list[str] | None = None) -> int:
         default="hf",
         help="hf: transformers generate (the GPU host); vllm: a vLLM engine (here)",
     )
+    r = sub.add_parser("report", help="a build's figures -> benchmarks/results JSON + md")
+    r.add_argument("--build", type=Path, required=True, help="a `build` --out directory")
+    r.add_argument("--out", type=Path, required=True, help="path without suffix")
     a = p.parse_args(argv)
     try:
         if a.cmd == "train":
@@ -794,6 +891,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.out:
                 write_json(a.out, res)
             print(json.dumps({k: v for k, v in res.items() if k != "samples"}))
+        elif a.cmd == "report":
+            report(a.build, a.out)
         else:
             build(a)
     except RecipeError as e:
@@ -850,6 +949,9 @@ def build(a: argparse.Namespace) -> None:
         times["check_s"] = round(time.time() - t, 1)
         summary["check"] = {k: v for k, v in res.items() if k != "samples"}
     summary["times"] = times
+    summary["command"] = " ".join(["python", *sys.argv])
+    summary["machine"] = machine()
+    summary["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     write_json(out / "build.json", summary)
     print(json.dumps({"times": times, "check": summary.get("check", {}).get("total")}))
 
