@@ -116,18 +116,6 @@ def generated_ids(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
     return out
 
 
-def trained_ids(prepared: Path) -> dict[str, list[int]]:
-    """chat id -> the supervised ids of its rows (a chat's rows are `<id>`, `<id>:row2`, ...)."""
-    from eagle3.prepared import load_prepared
-
-    out: dict[str, list[int]] = {}
-    ds = load_prepared(prepared)
-    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"], strict=True):
-        kept = [int(t) for t, k in zip(ids, mask, strict=True) if k]
-        out.setdefault(str(sid).split(":row")[0], []).extend(kept)
-    return out
-
-
 def as_text_only(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The regenerated chats as a user's own dataset holds them: reasoning_content + content."""
     out = []
@@ -205,6 +193,7 @@ def run_case(
     from eagle3.config import PrepareConfig, RegenerateConfig
     from eagle3.data.prepare import run_prepare
     from eagle3.data.regenerate import run_regenerate
+    from eagle3.prepared import supervised_ids_by_conversation
     from eagle3.testing.tiny import thinking_kwargs
 
     kwargs = thinking_kwargs(family, thinking)
@@ -277,7 +266,7 @@ def run_case(
         "cut_share": round(prep.turns.get("hit_max_new_tokens", 0) / regen.num_turns, 3),
         "rows_truncated_at_max_seq_len": prep.num_truncated,
         "prepare_s": prep.wall_s,
-        "trained_equal_generated": trained_ids(work / "prepared") == generated,
+        "trained_equal_generated": supervised_ids_by_conversation(work / "prepared") == generated,
         "prepare_turns": prep.turns,
     }
 
@@ -295,7 +284,7 @@ def run_case(
             "turns_kept_with_drop": kept.get("from_text", 0),
         }
     else:
-        from_ids = trained_ids(work / "prepared-text")
+        from_ids = supervised_ids_by_conversation(work / "prepared-text")
         differ = {cid for cid in generated if from_ids.get(cid) != generated[cid]}
         # what text cannot say: a turn cut at max_new_tokens is trained as if the target had
         # ended it; a turn that ended inside its think block, as if it had closed the block

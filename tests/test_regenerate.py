@@ -142,7 +142,7 @@ def test_regenerated_turns_train_exactly_as_generated(tiny_llama, data_file, llm
     from eagle3.config import PrepareConfig
     from eagle3.data.prepare import run_prepare
     from eagle3.data.regenerate import open_renderer
-    from eagle3.prepared import load_prepared
+    from eagle3.prepared import supervised_ids_by_conversation
 
     cfg = _cfg(tiny_llama, data_file, tmp_path / "regen")
     res = run_regenerate(cfg, llm=llm)
@@ -164,13 +164,9 @@ def test_regenerated_turns_train_exactly_as_generated(tiny_llama, data_file, llm
         PrepareConfig(target=str(tiny_llama), data=str(res.conversations_path), out=tmp_path / "p")
     )
     assert prep.turns["from_generated"] == res.num_turns and not prep.turns.get("from_text")
-    ds = load_prepared(tmp_path / "p")
-    trained: dict[str, list[int]] = {}
-    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"], strict=True):
-        # a turn whose prompt does not extend the row before it (the target's ids are not how
-        # the template re-tokenizes its text) starts a row of its own: `<id>:row2`, ...
-        base = str(sid).split(":row")[0]
-        trained.setdefault(base, []).extend(int(t) for t, k in zip(ids, mask, strict=True) if k)
+    # a turn whose prompt does not extend the row before it (the target's ids are not how the
+    # template re-tokenizes its text) starts a row of its own, named after its conversation
+    trained = supervised_ids_by_conversation(tmp_path / "p")
     assert trained == generated
 
 

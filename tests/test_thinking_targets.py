@@ -21,7 +21,7 @@ from eagle3.chat_formats import read_conversations
 from eagle3.chat_template import MisalignedTurnError
 from eagle3.config import PipelineConfig, PrepareConfig
 from eagle3.data.prepare import run_prepare
-from eagle3.prepared import load_prepared
+from eagle3.prepared import supervised_ids_by_conversation
 from eagle3.testing.tiny import thinking_kwargs
 
 #: (family, thinking): the templates without a switch always think
@@ -109,16 +109,6 @@ def generated_ids(conversations_path: Path) -> dict[str, list[int]]:
     return out
 
 
-def trained_ids(prepared: Path) -> dict[str, list[int]]:
-    """sample id -> the supervised ids of its rows (a conversation's rows `<id>`, `<id>:row2`)."""
-    out: dict[str, list[int]] = {}
-    ds = load_prepared(prepared)
-    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"], strict=True):
-        kept = [int(t) for t, k in zip(ids, mask, strict=True) if k]
-        out.setdefault(str(sid).split(":row")[0], []).extend(kept)
-    return out
-
-
 def as_text_only(conversations_path: Path, out: Path) -> Path:
     """The regenerated chats as a user's own dataset holds them: reasoning_content + content, no
     ids."""
@@ -147,7 +137,7 @@ def test_trained_ids_are_the_generated_ids(thinking_target, tmp_path, family, th
     # every turn of every chat was regenerated: two per chat
     assert regen.num_turns == 2 * len(QUESTIONS)
     generated = generated_ids(regen.conversations_path)
-    assert trained_ids(tmp_path / "work" / "prepared") == generated
+    assert supervised_ids_by_conversation(tmp_path / "work" / "prepared") == generated
     assert prep.turns["from_generated"] == regen.num_turns and not prep.turns.get("from_text")
     if thinking:  # most turns think; the reasoning is trained, `<think>` / `</think>` included
         assert prep.turns["with_reasoning"] >= regen.num_turns // 2
@@ -180,7 +170,7 @@ def test_trained_ids_are_the_generated_ids(thinking_target, tmp_path, family, th
         return
     from_text = run_prepare(prep_cfg)
     assert from_text.turns["from_text"] == regen.num_turns
-    assert trained_ids(tmp_path / "from-text") == generated
+    assert supervised_ids_by_conversation(tmp_path / "from-text") == generated
     if thinking and family != "qwen3":  # these templates render no reasoning of the last turn
         assert from_text.turns["reasoning_unchecked"] > 0
 
@@ -226,7 +216,9 @@ def test_thinking_target_through_vllm_with_acceptance_per_span(thinking_target, 
     )
     res = run_pipeline(cfg)
     regen = res.stages["regenerate"]
-    assert trained_ids(tmp_path / "work" / "prepared") == generated_ids(regen.conversations_path)
+    assert supervised_ids_by_conversation(tmp_path / "work" / "prepared") == generated_ids(
+        regen.conversations_path
+    )
     results = EvalResults.load(tmp_path / "work" / "evaluate")
     assert results.chat["chat_template_kwargs"] == {"enable_thinking": True}
     assert results.chat["draft_chat_template_kwargs"] == {"enable_thinking": True}

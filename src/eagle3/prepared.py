@@ -16,6 +16,24 @@ from eagle3.io import atomic_dir
 
 MANIFEST = PreparedMeta.FILE
 COLUMNS = ("input_ids", "loss_mask", "sample_id")
+#: a conversation whose turns need rows of their own (eagle3.data.prepare) names its second row
+#: `<id>:row2`, its third `<id>:row3`, ...
+ROW_ID_SEP = ":row"
+
+
+def row_id(conversation_id: str, row: int) -> str:
+    """The sample id of a conversation's row (0-based): `<id>` for the first, `<id>:rowN` after."""
+    return conversation_id if row == 0 else f"{conversation_id}{ROW_ID_SEP}{row + 1}"
+
+
+def supervised_ids_by_conversation(path: str | Path) -> dict[str, list[int]]:
+    """conversation id -> the supervised ids of its rows, in order (what training learns of it)."""
+    out: dict[str, list[int]] = {}
+    ds = load_prepared(path)
+    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"], strict=True):
+        kept = [int(t) for t, k in zip(ids, mask, strict=True) if k]
+        out.setdefault(str(sid).split(ROW_ID_SEP)[0], []).extend(kept)
+    return out
 
 
 def save_prepared(rows: Iterable[dict[str, Any]], out: str | Path, manifest: PreparedMeta) -> Path:

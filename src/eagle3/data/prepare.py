@@ -44,7 +44,7 @@ from eagle3.chat_template import (
 )
 from eagle3.config import PrepareConfig
 from eagle3.io import sha256_file, sha256_text
-from eagle3.prepared import save_prepared
+from eagle3.prepared import row_id, save_prepared
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
                 if sum(mask) == 0:
                     skip("no_supervised_tokens_after_truncation", conv)
                     continue
-            base = conv.sample_id if j == 0 else f"{conv.sample_id}:row{j + 1}"
+            base = row_id(conv.sample_id, j)
             seen_ids[base] += 1
             sample_id = base if seen_ids[base] == 1 else f"{base}#{seen_ids[base]}"
             rows.append({"input_ids": ids, "loss_mask": mask, "sample_id": sample_id})
