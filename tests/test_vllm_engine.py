@@ -117,3 +117,17 @@ def test_setup_stage_process_env_only_for_engine_stages(tmp_path):
     assert got["train"] == got["hf"] == got["tp2"] == got["dsv3"] == {}
     assert got["capture"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert got["capture"]["OMP_NUM_THREADS"] == "1"
+
+
+def test_gpu_memory_share_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    from eagle3.errors import UserError
+    from eagle3.vllm_engine import GPU_MEMORY_UTILIZATION_ENV, gpu_memory_utilization
+
+    monkeypatch.delenv(GPU_MEMORY_UTILIZATION_ENV, raising=False)
+    assert gpu_memory_utilization() is None
+    monkeypatch.setenv(GPU_MEMORY_UTILIZATION_ENV, "0.35")
+    assert gpu_memory_utilization() == 0.35
+    for bad in ("1.5", "0", "half"):
+        monkeypatch.setenv(GPU_MEMORY_UTILIZATION_ENV, bad)
+        with pytest.raises(UserError, match=f"{GPU_MEMORY_UTILIZATION_ENV}='{bad}'"):
+            gpu_memory_utilization()

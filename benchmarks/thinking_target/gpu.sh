@@ -8,6 +8,23 @@
 #   bash benchmarks/thinking_target/gpu.sh build   # joins + checks the GGUF, installs the wheels,
 #                                                  #   runs `recipe.py build`, puts the adapter's
 #                                                  #   parts and the reports into $OUT
+#   bash benchmarks/thinking_target/gpu.sh start   # detached (setsid, it outlives the call): build,
+#                                                  #   then the whole pipeline on the target it
+#                                                  #   built (`pipeline`); needs GPU vLLM installed
+#                                                  #   by benchmarks/vllm_gpu/gpu.sh install
+#   bash benchmarks/thinking_target/gpu.sh wait S  # up to S s for the detached run; its results
+#                                                  #   so far into $OUT (results.tgz)
+#
+# `pipeline`, thinking on (Qwen3's template, enable_thinking true), with the stages' CLI:
+# regenerate (the built target answers NUM_TRAIN training conversations through its OpenAI server
+# with the qwen3 reasoning parser; the engine if the server fails), prepare twice (reasoning kept;
+# `--reasoning drop`: answers only), capture both (GPU vLLM), vocab, train two EAGLE-3.1 drafts
+# side by side with realbench's one-layer recipe (+ the peer, speculators 0.9.0, on the same
+# captures when its wheels came along; capture also through the hf backend, for throughput),
+# export, evaluate each draft beside n-gram and plain
+# decoding on NUM_EVAL held-out GSM8K-test and MATH-500 prompts (reasoning and answer spans,
+# greedy and T 0.6), with benchmarks/vllm_gpu/serving.py (draft vs n-gram vs plain, k 3 and 5,
+# concurrency 1/4/16) right after the first draft's evaluation.
 #
 # Sizes come from the environment (defaults: the full recipe): EPOCHS, LR, RANK, MAX_LEN,
 # BATCH_TOKENS, TRAIN_BUDGET_S (wall limit of training: it stops and saves), MAX_STEPS,
@@ -73,8 +90,179 @@ cmd_build() {
   return "$rc"
 }
 
+V=${EAGLE3_VLLM_GPU_DIR:-/tmp/eagle3-vllm-gpu}  # where benchmarks/vllm_gpu/gpu.sh installed vLLM
+P=$S/pipe R=$S/results
+NUM_TRAIN=${NUM_TRAIN:-6000} NUM_EVAL=${NUM_EVAL:-100} REGEN_MAX_NEW=${REGEN_MAX_NEW:-1024}
+EVAL_MAX_NEW=${EVAL_MAX_NEW:-512} DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
+DRAFT_TRAIN_BUDGET_S=${DRAFT_TRAIN_BUDGET_S:-300} DRAFT_EPOCHS=${DRAFT_EPOCHS:-10}
+SERVE_PROMPTS=${SERVE_PROMPTS:-32} SERVE_MAX_NEW=${SERVE_MAX_NEW:-256}
+KW='{"enable_thinking": true}'
+stamp() { echo "$(date -u +%FT%TZ) $*" | tee -a "$R/timings.txt" >&2; }
+E() { $PY -m eagle3.cli "$@"; }
+
+pipeline_env() {
+  if [ "${SKIP_WHEELS:-0}" = 1 ]; then
+    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+  else
+    [ -f "$V/ready" ] || die "no GPU vLLM under $V: run benchmarks/vllm_gpu/gpu.sh install first"
+    export PYTHONPATH=$V/site:$S/site:$PWD/src
+  fi
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  export VLLM_USE_FLASHINFER_SAMPLER=0  # its sampling kernels compile at first use (no nvcc here)
+}
+
+# the training recipe of realbench (one layer, EAGLE-3.1), bounded by DRAFT_TRAIN_BUDGET_S
+RECIPE=(--device "${DEVICE:-cuda}" --draft-family eagle3.1 --loss-ttt-steps 3
+  --num-speculative-tokens 3 --epochs "$DRAFT_EPOCHS" --optimizer-lr 2e-3
+  --schedule-warmup-steps 100 --optimizer-weight-decay 0.1 --loader-hidden-noise 0.1
+  --loss-supervise all --draft-init-head-from-target --loader-max-seq-len 2048
+  --loader-batch-size 8 --checkpoint-eval-every 50 --checkpoint-save-every 100
+  --loader-val-fraction 0.02 --seed 0)
+
+train_draft() {  # name capture: train (wall-bounded: the last saved checkpoint counts), export
+  local t0=$SECONDS
+  timeout -k 5 "$DRAFT_TRAIN_BUDGET_S" $PY -m eagle3.cli train --target "$T" --captured "$P/$2" \
+    --vocab "$P/vocab" --out "$P/train_$1" "${RECIPE[@]}" ${TRAIN_EXTRA:-} \
+    > "$R/train_$1.json" 2> "$P/train_$1.log"
+  stamp "train $1 rc=$? wall_s=$((SECONDS - t0))"
+  E export --checkpoint "$P/train_$1" --out "$P/drafts/$1" --target "$T" \
+    > "$R/export_$1.json" 2>> "$P/train_$1.log" || stamp "export $1 failed"
+}
+
+train_peer() {  # the peer on the reasoning-kept capture, same aux ids and draft vocabulary size
+  local ids t0=$SECONDS
+  $PY -c "import speculators.train.cli" 2> "$R/peer_preflight.txt" \
+    || { stamp "peer: speculators does not import ($(tail -n 1 "$R/peer_preflight.txt"))"; return; }
+  ids=$($PY -c 'import json, sys; print(",".join(map(str,
+    json.load(open(sys.argv[1]))["aux_layer_ids"])))' "$P/cap/manifest.json")
+  $PY benchmarks/peer_quality/convert.py --captured "$P/cap" --out "$P/peer_data" --workers 8 \
+    --aux-layer-ids "$ids" > "$R/peer_convert.json" 2> "$P/peer.log" \
+    || { stamp "peer convert failed"; return; }
+  $PY benchmarks/peer_quality/train_peer.py --target "$T" --data "$P/peer_data" \
+    --out "$P/train_peer" --draft-vocab-size "$DRAFT_VOCAB" --aux-layer-ids "$ids" \
+    --epochs "$DRAFT_EPOCHS" --budget-s "$DRAFT_TRAIN_BUDGET_S" > "$R/peer_train.json" \
+    2>> "$P/peer.log"
+  stamp "train peer rc=$? wall_s=$((SECONDS - t0))"
+  [ -f "$P/train_peer/draft/config.json" ] && cp -r "$P/train_peer/draft" "$P/drafts/peer"
+}
+
+eval_prompts() {  # NUM_EVAL of each held-out set, with its category
+  $PY - "$S/data" "$NUM_EVAL" > "$P/eval_prompts.jsonl" <<'PYEOF'
+import json, sys
+from pathlib import Path
+for name, category in (("eval_gsm8k.jsonl", "gsm8k_test"), ("eval_math500.jsonl", "math500")):
+    with (Path(sys.argv[1]) / name).open() as f:
+        for i, line in zip(range(int(sys.argv[2])), f):
+            row = json.loads(line)
+            print(json.dumps({"id": row["id"], "category": category, "messages": row["messages"]}))
+PYEOF
+}
+
+evaluate_draft() {  # name [more evaluate flags]
+  local name=$1; shift
+  E evaluate --target "$T" --draft "$P/drafts/$name" --prompts "$P/eval_prompts.jsonl" \
+    --method eagle3 --temperatures 0,0.6 --num-prompts $((2 * NUM_EVAL)) \
+    --max-tokens "$EVAL_MAX_NEW" --max-model-len 4096 --num-speculative-tokens 3 \
+    --chat-template-kwargs "$KW" --out "$P/eval_$name" "$@" > "$R/evaluate_$name.json" \
+    2> "$P/eval_$name.log" || stamp "evaluate $name failed: $(tail -n 1 "$P/eval_$name.log")"
+  cp "$P/eval_$name/results.json" "$R/eval_$name.results.json" 2>/dev/null
+  cp "$P/eval_$name/results.md" "$R/eval_$name.results.md" 2>/dev/null
+  stamp "evaluate $name"
+}
+
+cmd_pipeline() {
+  mkdir -p "$P/drafts" "$R"
+  pipeline_env
+  T=$S/build/target
+  [ -f "$T/manifest.json" ] || die "no built target at $T: run build first"
+  stamp pipeline-start
+  head -n "$NUM_TRAIN" "$S/data/train.jsonl" > "$P/train_prompts.jsonl"
+  local regen=(--target "$T" --data "$P/train_prompts.jsonl" --out "$P/regen" --temperature 0
+    --max-new-tokens "$REGEN_MAX_NEW" --max-model-len 4096 --chat-template-kwargs "$KW")
+  E regenerate "${regen[@]}" --backend server --reasoning-parser qwen3 --num-concurrent 256 \
+    > "$R/regenerate.json" 2> "$P/regen.log" || {
+    stamp "regenerate through the server failed: $(tail -n 1 "$P/regen.log"); the engine instead"
+    rm -rf "$P/regen"
+    E regenerate "${regen[@]}" --backend vllm --batch-size 2048 > "$R/regenerate.json" \
+      2>> "$P/regen.log" || die "regenerate failed: $(tail -n 1 "$P/regen.log")"
+  }
+  stamp regenerated
+  E prepare --target "$T" --data "$P/regen/conversations.jsonl" --out "$P/prep" \
+    --max-seq-len 4096 --chat-template-kwargs "$KW" > "$R/prepare.json" 2> "$P/prep.log" \
+    || die "prepare failed: $(tail -n 1 "$P/prep.log")"
+  E prepare --target "$T" --data "$P/regen/conversations.jsonl" --out "$P/prep_answers" \
+    --max-seq-len 4096 --chat-template-kwargs "$KW" --reasoning drop \
+    > "$R/prepare_answers.json" 2>> "$P/prep.log" || die "prepare (answers) failed"
+  stamp prepared
+  local name
+  for name in cap cap_answers; do
+    local data=$P/prep; [ $name = cap_answers ] && data=$P/prep_answers
+    E capture --target "$T" --data "$data" --out "$P/$name" --backend vllm \
+      --batch-tokens 32768 > "$R/$name.json" 2> "$P/$name.log" \
+      || die "capture $name failed: $(tail -n 1 "$P/$name.log")"
+  done
+  stamp captured
+  # the same rows through the hf backend on the same GPU: capture throughput, vLLM vs hf
+  E capture --target "$T" --data "$P/prep" --out "$P/cap_hf" --backend hf \
+    --device "${DEVICE:-cuda}" --batch-tokens 32768 > "$R/cap_hf.json" 2> "$P/cap_hf.log" \
+    || stamp "capture (hf) failed: $(tail -n 1 "$P/cap_hf.log")"
+  rm -rf "$P/cap_hf"
+  stamp captured-hf
+  E vocab --data "$P/prep" --out "$P/vocab" --draft-vocab-size "$DRAFT_VOCAB" \
+    > "$R/vocab.json" || die "vocab failed"
+  train_draft thinking cap & local a=$!
+  train_draft answers cap_answers & local b=$!
+  train_peer & local c=$!
+  wait $a $b $c
+  stamp trained
+  eval_prompts
+  evaluate_draft thinking --compare ngram --baseline
+  $PY benchmarks/vllm_gpu/serving.py --target "$T" --draft "$P/drafts/thinking" \
+    --prompts "$P/eval_prompts.jsonl" --num-prompts "$SERVE_PROMPTS" \
+    --max-tokens "$SERVE_MAX_NEW" --out "$R/serving.json" ${SERVE_EXTRA:-} \
+    > "$P/serving.log" 2>&1 || stamp "serving failed: $(tail -n 1 "$P/serving.log")"
+  stamp served
+  evaluate_draft answers
+  [ -d "$P/drafts/peer" ] && evaluate_draft peer
+  stamp pipeline-done
+}
+
+pipeline_alive() { pgrep -f "thinking_target/gpu[.]sh run" >/dev/null; }
+
+cmd_start() {  # build + pipeline, detached from the call (setsid): later calls `wait`
+  pipeline_alive && die "start: already running"
+  rm -rf "$S/code" && mkdir -p "$S/code" "$R" && cp -r src benchmarks "$S/code/"
+  mkdir -p "$S/code/tests/fixtures" && cp -r tests/fixtures/chat_templates "$S/code/tests/fixtures/"
+  (cd "$S/code" && OUT=$S/out setsid nohup bash benchmarks/thinking_target/gpu.sh run \
+    > "$S/run.log" 2>&1 < /dev/null &)
+  sleep 1; echo "started: $(pgrep -f "thinking_target/gpu[.]sh run" | head -1)"
+}
+
+cmd_run() {
+  mkdir -p "$R"; stamp build-start
+  (cmd_build) > "$S/build_call.log" 2>&1 || die "build failed: $(tail -n 3 "$S/build_call.log")"
+  stamp built
+  cmd_pipeline
+}
+
+cmd_wait() {  # up to $1 s; what the run has written so far comes back either way
+  local until=$((SECONDS + ${1:-500}))
+  while [ $SECONDS -lt $until ] && pipeline_alive; do sleep 5; done
+  cat "$R/timings.txt" 2>/dev/null; tail -n 5 "$S/run.log"
+  tail -n 3 "$S/pipe"/*.log 2>/dev/null | tail -n 40
+  for f in "$S"/out/adapter.json "$S"/out/adapter.safetensors.part.* "$S"/out/reports.tgz; do
+    [ -f "$f" ] && cp "$f" "$OUT/"
+  done
+  tar czf "$OUT/results.tgz" -C "$S" results run.log build_call.log 2>/dev/null
+  ls -la "$OUT"
+}
+
 case "${1:-}" in
   stage) cmd_stage ;;
   build) cmd_build ;;
-  *) die "usage: gpu.sh stage|build" ;;
+  start) cmd_start ;;
+  run) cmd_run ;;
+  pipeline) cmd_pipeline ;;
+  wait) cmd_wait "${2:-500}" ;;
+  *) die "usage: gpu.sh stage|build|start|wait S|pipeline" ;;
 esac

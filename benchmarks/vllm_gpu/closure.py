@@ -147,29 +147,50 @@ def requirements(wheel: Path, extras: set[str]) -> list[Requirement]:
     return out
 
 
+def resolve(roots: list[str], work: Path) -> dict[str, dict]:
+    """pip's own resolver, for the GPU image's Python and platform, without installing: name ->
+    the chosen release's metadata (version, requires_dist). Every requirement of every package
+    counts, as in a real install (vLLM pins apache-tvm-ffi 0.1.10, so xgrammar comes in the newest
+    release that accepts it)."""
+    report = work / "resolution.json"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q"]
+        + ["--report", str(report), "--target", str(work / "unused"), *PIP_TARGET, *roots],
+        check=True,
+    )
+    chosen = {}
+    for item in json.loads(report.read_text())["install"]:
+        meta = item["metadata"]
+        chosen[norm(meta["name"])] = meta
+    return chosen
+
+
 def closure(vllm_version: str, wheels: Path) -> tuple[Path, list[str]]:
-    """(vLLM's wheel, the requirement wheels downloaded); skipped names are printed."""
+    """(vLLM's wheel, the requirement wheels downloaded); skipped names are printed.
+
+    The versions are pip's resolution of the whole set; what is carried is what vLLM and eagle3
+    reach through it without passing through a package the image has or one SKIPPED.
+    """
     wheels.mkdir(parents=True, exist_ok=True)
+    roots = [f"vllm=={vllm_version}", *EAGLE3_NEEDS, *VLLM_UNDECLARED]
+    chosen = resolve(roots, wheels)
     vllm_wheel = download(f"vllm=={vllm_version}", wheels)
-    seen = {"vllm"}
-    roots = requirements(vllm_wheel, set()) + [
-        Requirement(r) for r in (*EAGLE3_NEEDS, *VLLM_UNDECLARED)
-    ]
-    queue = [(r, set(r.extras)) for r in roots]
-    got, skipped = [], []
+    queue = [(Requirement(r), set()) for r in roots[1:]]
+    queue += [(r, set()) for r in requirements(vllm_wheel, set())]
+    seen, got, skipped = {"vllm"}, [], set()
     while queue:
-        req, extras = queue.pop(0)
+        req, _ = queue.pop(0)
         name = norm(req.name)
+        if name in IMAGE_HAS or name in SKIPPED:
+            skipped.add(name)
+            continue
         if name in seen:
             continue
         seen.add(name)
-        if name in IMAGE_HAS or name in SKIPPED:
-            skipped.append(name)
-            continue
-        spec = f"{req.name}{req.specifier}"
-        whl = download(spec, wheels)
+        version = chosen[name]["version"]
+        whl = download(f"{req.name}=={version}", wheels)
         got.append(whl.name)
-        queue += [(r, set(r.extras)) for r in requirements(whl, extras)]
+        queue += [(r, set(r.extras)) for r in requirements(whl, set(req.extras))]
     print(f"closure: {len(got)} wheels; left to the image or skipped: {', '.join(sorted(skipped))}")
     return vllm_wheel, got
 

@@ -12,14 +12,15 @@
 #                                               #   sha256, unpacks vLLM and installs the wheels
 #                                               #   under /tmp (--target: the image stays as is)
 #   bash benchmarks/vllm_gpu/gpu.sh touchpoints # the static check on the vLLM it installed
-#   bash benchmarks/vllm_gpu/gpu.sh prove       # the last call in one command: stage, install,
-#                                               #   touchpoints, then golden on V2 and on V1
-#                                               #   (float32), and V2 in bfloat16
+#   bash benchmarks/vllm_gpu/gpu.sh prove [DIR] # the last call in one command: stage, install,
+#                                               #   touchpoints, then golden on V2 and on V1, in
+#                                               #   float32 and bfloat16 (tiny targets + DIR, a
+#                                               #   real model), packed into $OUT/golden.tgz
 #   bash benchmarks/vllm_gpu/gpu.sh golden RUNNER DTYPE [TARGETS] [TARGET_DIR]
 #                                               # the golden capture check (benchmarks/
 #                                               #   vllm_golden.py) on Model Runner V2 (RUNNER=1)
 #                                               #   or V1 (0), float32 or bfloat16; its JSON and
-#                                               #   log into $OUT
+#                                               #   log into $S/golden
 #
 # `install` stops at once, naming the missing parts, when the machine went back between the
 # staging calls (start again from the first part).
@@ -70,9 +71,13 @@ torch.__version__, torch.cuda.get_device_name(0))" || die "vllm does not import"
   PYTHONPATH="$S/site" python3 -c "import vllm; print(vllm.__version__)" > "$S/ready"
 }
 
+G=$S/golden  # the checks' JSON and logs; `prove` packs them into $OUT/golden.tgz (a call brings
+             #   back at most 8 files)
+mkdir -p "$G"
+
 cmd_touchpoints() {
   use_site
-  python3 benchmarks/vllm_touchpoints.py --installed -v 2>&1 | tee "$OUT/touchpoints.log"
+  python3 benchmarks/vllm_touchpoints.py --installed -v 2>&1 | tee "$G/touchpoints.log"
 }
 
 cmd_golden() {
@@ -80,21 +85,31 @@ cmd_golden() {
   local targets=${3:-llama,qwen3_moe,deepseek_v3} target_dir=${4:-}
   use_site
   local name=golden_v$([ "$runner" = 1 ] && echo 2 || echo 1)_$dtype
-  VLLM_USE_V2_MODEL_RUNNER=$runner python3 benchmarks/vllm_golden.py "$OUT/$name.json" \
+  VLLM_USE_V2_MODEL_RUNNER=$runner python3 benchmarks/vllm_golden.py "$G/$name.json" \
     --dtype "$dtype" --targets "$targets" ${target_dir:+--target-dir "$target_dir"} \
-    2>&1 | tee "$OUT/$name.log"
+    > "$G/$name.log" 2>&1
+  tail -n 8 "$G/$name.log"
 }
 
-cmd_prove() {
+cmd_prove() {  # [TARGET_DIR]: every part staged, then install, touchpoints and the golden check
+  # on both runners in float32 and bfloat16, the tiny targets and TARGET_DIR (a real model), while
+  # the call has time left (DEADLINE_S, seconds since the call began: a check that would start
+  # later is skipped and said)
   cmd_stage && cmd_install || exit 1
-  cmd_touchpoints
-  cmd_golden 1 float32
-  cmd_golden 0 float32
-  cmd_golden 1 bfloat16
+  cmd_touchpoints > /dev/null; tail -n 2 "$G/touchpoints.log"
+  local run
+  for run in "1 float32" "0 float32" "1 bfloat16" "0 bfloat16"; do
+    if [ "$SECONDS" -gt "${DEADLINE_S:-420}" ]; then
+      echo "skipped (deadline): golden $run"; continue
+    fi
+    # shellcheck disable=SC2086
+    cmd_golden $run llama,qwen3_moe,deepseek_v3 "${1:-}"
+  done
+  tar czf "$OUT/golden.tgz" -C "$S" golden
 }
 
 case "${1:-}" in
-  prove) cmd_prove ;;
+  prove) shift; cmd_prove "$@" ;;
   stage) cmd_stage ;;
   install) cmd_install ;;
   touchpoints) cmd_touchpoints ;;

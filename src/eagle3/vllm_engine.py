@@ -85,6 +85,30 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+#: the share of the GPU's memory each vLLM engine of this process may take (vLLM's own default,
+#: 0.9, when unset): engines of separate processes on one GPU (a capture beside a golden check, two
+#: benchmarks) each need a share that leaves room for the others
+GPU_MEMORY_UTILIZATION_ENV = "EAGLE3_GPU_MEMORY_UTILIZATION"
+
+
+def gpu_memory_utilization() -> float | None:
+    """The share of GPU memory an engine may take, from EAGLE3_GPU_MEMORY_UTILIZATION (None: vLLM's
+    default). A value that is not a number in (0, 1] is refused, naming the variable."""
+    raw = os.environ.get(GPU_MEMORY_UTILIZATION_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise UserError(
+            f"{GPU_MEMORY_UTILIZATION_ENV}={raw!r}: give a share of the GPU's memory in (0, 1], "
+            "e.g. 0.4, or unset it for vLLM's default (0.9)"
+        )
+    return value
+
+
 def on_cpu_platform() -> bool:
     try:
         import torch
@@ -233,6 +257,9 @@ def engine_kwargs(
         )
     if enforce_eager is not None:
         kw["enforce_eager"] = enforce_eager
+    share = gpu_memory_utilization()
+    if share is not None and not on_cpu_platform():
+        kw["gpu_memory_utilization"] = share
     kw.update(extra)
     return kw
 

@@ -23,7 +23,12 @@ import numpy as np
 from eagle3.config import ConfigError
 from eagle3.lock import record_engine_processes
 from eagle3.quant import Stored
-from eagle3.vllm_engine import engines_die_with_parent, shutdown_engine
+from eagle3.vllm_engine import (
+    engines_die_with_parent,
+    gpu_memory_utilization,
+    on_cpu_platform,
+    shutdown_engine,
+)
 from eagle3.vllm_ext import decode_scales, decode_states
 from eagle3.vllm_support import UnsupportedVLLMError, check_vllm_version
 
@@ -41,7 +46,10 @@ def engine_kwargs(
     max_num_seqs: int = 256,
 ) -> dict[str, Any]:
     """LLM(...) arguments shared by capture and the plain-prefill baseline of the benchmark."""
+    share = gpu_memory_utilization()
+    extra = {} if share is None or on_cpu_platform() else {"gpu_memory_utilization": share}
     return dict(
+        **extra,
         model=target,
         dtype=dtype,
         max_model_len=max_model_len,

@@ -64,7 +64,12 @@ from typing import Any
 from eagle3.errors import UserError
 from eagle3.lock import record_engine_processes
 from eagle3.processes import DIE_WITH_PARENT_ENV, PR_SET_PDEATHSIG
-from eagle3.vllm_engine import DEFAULT_KVCACHE_GIB, on_cpu_platform, resolve_dtype
+from eagle3.vllm_engine import (
+    DEFAULT_KVCACHE_GIB,
+    gpu_memory_utilization,
+    on_cpu_platform,
+    resolve_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -584,6 +589,9 @@ def vllm_serve_command(
         enforce_eager = on_cpu_platform()  # as eagle3.vllm_engine.engine_kwargs
     if enforce_eager:
         cmd.append("--enforce-eager")
+    share = gpu_memory_utilization()
+    if share is not None and not on_cpu_platform():
+        cmd += ["--gpu-memory-utilization", str(share)]
     cmd += [str(a) for a in extra_args]
     return cmd
 
