@@ -23,8 +23,8 @@
 # captures when its wheels came along; capture also through the hf backend, for throughput),
 # export, evaluate each draft beside n-gram and plain
 # decoding on NUM_EVAL held-out GSM8K-test and MATH-500 prompts (reasoning and answer spans,
-# greedy and T 0.6), with benchmarks/vllm_gpu/serving.py (draft vs n-gram vs plain, k 3 and 5,
-# concurrency 1/4/16) right after the first draft's evaluation.
+# greedy and T 0.6; the three side by side), then benchmarks/vllm_gpu/serving.py alone (draft vs
+# n-gram vs plain, k 3 and 5, concurrency 1/4/16).
 #
 # Sizes come from the environment (defaults: the full recipe): EPOCHS, LR, RANK, MAX_LEN,
 # BATCH_TOKENS, TRAIN_BUDGET_S (wall limit of training: it stops and saves), MAX_STEPS,
@@ -188,11 +188,14 @@ cmd_pipeline() {
   }
   stamp regenerated
   E prepare --target "$T" --data "$P/regen/conversations.jsonl" --out "$P/prep" \
-    --max-seq-len 4096 --chat-template-kwargs "$KW" > "$R/prepare.json" 2> "$P/prep.log" \
-    || die "prepare failed: $(tail -n 1 "$P/prep.log")"
+    --max-seq-len 4096 --chat-template-kwargs "$KW" > "$R/prepare.json" 2> "$P/prep.log" &
   E prepare --target "$T" --data "$P/regen/conversations.jsonl" --out "$P/prep_answers" \
     --max-seq-len 4096 --chat-template-kwargs "$KW" --reasoning drop \
-    > "$R/prepare_answers.json" 2>> "$P/prep.log" || die "prepare (answers) failed"
+    > "$R/prepare_answers.json" 2> "$P/prep_answers.log"
+  wait
+  [ -f "$P/prep/manifest.json" ] || die "prepare failed: $(tail -n 1 "$P/prep.log")"
+  [ -f "$P/prep_answers/manifest.json" ] \
+    || die "prepare (answers only) failed: $(tail -n 1 "$P/prep_answers.log")"
   stamp prepared
   local name
   for name in cap cap_answers; do
@@ -204,7 +207,8 @@ cmd_pipeline() {
   stamp captured
   # the same rows through the hf backend on the same GPU: capture throughput, vLLM vs hf
   E capture --target "$T" --data "$P/prep" --out "$P/cap_hf" --backend hf \
-    --device "${DEVICE:-cuda}" --batch-tokens 32768 > "$R/cap_hf.json" 2> "$P/cap_hf.log" \
+    --device "${DEVICE:-cuda}" --batch-tokens 32768 --limit "${HF_CAPTURE_LIMIT:-600}" \
+    > "$R/cap_hf.json" 2> "$P/cap_hf.log" \
     || stamp "capture (hf) failed: $(tail -n 1 "$P/cap_hf.log")"
   rm -rf "$P/cap_hf"
   stamp captured-hf
@@ -216,14 +220,18 @@ cmd_pipeline() {
   wait $a $b $c
   stamp trained
   eval_prompts
-  evaluate_draft thinking --compare ngram --baseline
+  # the three evaluations side by side (tokens per target step does not depend on the GPU's
+  # load; the clean timing is serving's, alone, after them), each engine with its share
+  local share=${EVAL_GPU_SHARE:-0.25}
+  EAGLE3_GPU_MEMORY_UTILIZATION=$share evaluate_draft thinking --compare ngram --baseline &
+  EAGLE3_GPU_MEMORY_UTILIZATION=$share evaluate_draft answers &
+  [ -d "$P/drafts/peer" ] && EAGLE3_GPU_MEMORY_UTILIZATION=$share evaluate_draft peer &
+  wait
   $PY benchmarks/vllm_gpu/serving.py --target "$T" --draft "$P/drafts/thinking" \
     --prompts "$P/eval_prompts.jsonl" --num-prompts "$SERVE_PROMPTS" \
     --max-tokens "$SERVE_MAX_NEW" --out "$R/serving.json" ${SERVE_EXTRA:-} \
     > "$P/serving.log" 2>&1 || stamp "serving failed: $(tail -n 1 "$P/serving.log")"
   stamp served
-  evaluate_draft answers
-  [ -d "$P/drafts/peer" ] && evaluate_draft peer
   stamp pipeline-done
 }
 

@@ -225,33 +225,14 @@ def main() -> int:
                 },
             )
         )
-    jobs = {}
-    for name, k, spec in engines:
-        kw = engine_kwargs(
-            str(args.target),
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            speculative_config=spec,
-            enable_prefix_caching=False,
-            disable_log_stats=False,
-        )
-        print(f"serving: {name} k={k}", flush=True)
-        jobs[(name, k)] = run_in_subprocess(
-            serve_job, kw, prompts, temperatures, concurrency, args.max_tokens
-        )
-        print(f"  startup {jobs[(name, k)]['startup_s']:.1f} s", flush=True)
-    plain = jobs[("plain", None)]
-    rows = []
-    for (name, k), job in jobs.items():
-        rows += summarize(name, k, job, plain)
     import torch
     import vllm
 
     record = {
         "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(0)
-        if torch.cuda.is_available()
-        else platform.processor(),
+        "device": (
+            torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor()
+        ),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "dtype": args.dtype,
@@ -263,14 +244,34 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "chat_template_kwargs": chat_kwargs,
         "command": "python " + " ".join(sys.argv),
-        "startup_s": {f"{n} k={k}": round(j["startup_s"], 1) for (n, k), j in jobs.items()},
-        "rows": rows,
+        "startup_s": {},
+        "rows": [],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(record))
+    jobs: dict[tuple[str, int | None], dict[str, Any]] = {}
+    for name, k, spec in engines:  # the record is rewritten after each engine: a run stopped
+        kw = engine_kwargs(  # early keeps the engines it finished
+            str(args.target),
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            speculative_config=spec,
+            enable_prefix_caching=False,
+            disable_log_stats=False,
+        )
+        print(f"serving: {name} k={k}", flush=True)
+        job = run_in_subprocess(serve_job, kw, prompts, temperatures, concurrency, args.max_tokens)
+        jobs[(name, k)] = job
+        record["startup_s"][f"{name} k={k}"] = round(job["startup_s"], 1)
+        record["rows"] += summarize(name, k, job, jobs[("plain", None)])
+        write(record, args.out)
+        print(f"  startup {job['startup_s']:.1f} s", flush=True)
     print(markdown(record))
     return 0
+
+
+def write(record: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(record))
 
 
 def _runner() -> str:
