@@ -33,15 +33,16 @@ process boundary (engine core -> driver); with TP = 8 on GPUs it crosses two (wo
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, command_line, describe_machine, machine_line, utc_now, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 #: bytes/token of Kimi-K2.5's states: (3 aux + last) x hidden 7168 x 2 (bf16)
@@ -135,10 +136,10 @@ def main() -> int:
     ap.add_argument(
         "--workdir", default=None, help="target + shards (default: a temp dir, removed at the end)"
     )
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "capture_rpc_bandwidth"))
+    ap.add_argument("--out", default=str(RESULTS / "capture_rpc_bandwidth"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    load_at_start = os.getloadavg()
+    machine = describe_machine()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="caprpc."))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -288,15 +289,12 @@ def main() -> int:
     import vllm
 
     res = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": utc_now(),
+        "command": command_line(__file__),
         "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "load_avg_at_start": load_at_start,
-            "load_avg_at_end": os.getloadavg(),
-            "note": "2-core CPU shared with ~8 other agents' tests: rates are lower bounds for "
-            "this box",
+            **machine,
+            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+            "note": "a CPU whose cores other work shares: rates are lower bounds for this box",
         },
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "target": {**spec.__dict__, "engine_dtype": args.dtype},
@@ -320,19 +318,13 @@ def main() -> int:
             if "needed_bytes_per_s" in v
         },
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from eagle3.io import atomic_path, write_json
-
-    write_json(out.with_suffix(".json"), res)
     gb = 1e9
     md = [
         "# Capture: bytes/s through collective_rpc + the driver, at Kimi-K2.5's width",
         "",
         f"- date: {res['date']}; command: `{res['command']}`",
-        f"- machine: {os.cpu_count()} CPU cores ({platform.platform()}), **shared with ~8 other "
-        f"agents' test runs**; load average {tuple(round(x, 2) for x in load_at_start)} at start, "
-        f"{tuple(round(x, 2) for x in res['machine']['load_avg_at_end'])} at end",
+        f"- machine: {machine_line(machine)} at start (cores shared with other work), "
+        f"{tuple(res['machine']['load_avg_at_end'])} at end",
         f"- vLLM {vllm.__version__}, torch {torch.__version__}; target: random Llama, hidden 7168, "
         f"2 layers (eagle3.testing.tiny), engine {args.dtype}, TP 1; states {args.storage_dtype}, "
         f"layers {layers} + last = {rounds[0]['bytes_per_token']:.0f} bytes/token",
@@ -387,8 +379,7 @@ def main() -> int:
             f"{h['pop_bytes_per_s']:.2f}× | {h['driver_path_bytes_per_s']:.2f}× | "
             f"{h['worker_write_bytes_per_s']:.2f}× | {h['worker_writer_bytes_per_s']:.2f}× |"
         )
-    with atomic_path(out.with_suffix(".md")) as tmp:
-        tmp.write_text("\n".join(md) + "\n")
+    write_result(Path(args.out), res, "\n".join(md) + "\n")
     print("\n".join(md))
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from eagle3.artifacts import CaptureManifest
-from eagle3.io import write_text
 from eagle3.model.draft import text_config
 from eagle3.train.attention import make_ttt_attention
 from eagle3.train.data import SelectedLayers, eval_batches, load_samples
@@ -29,7 +29,16 @@ from eagle3.train.estimate import load_draft_dir
 from eagle3.train.loss import TargetHead, compute_targets
 from eagle3.weights import load_target_tensors, read_target_config
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    RESULTS,
+    command_line,
+    describe_machine,
+    machine_line,
+    utc_now,
+    write_result,
+)
+
 BUCKETS = [(0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01)]
 
 
@@ -130,7 +139,8 @@ def markdown(res: dict) -> str:
     L = [
         f"# {res['name']}: where the draft's first guess misses",
         "",
-        f"`{res['command']}`",
+        f"`{res['command']}`"
+        + (f" ({res['date']}; {machine_line(res['machine'])})" if "date" in res else ""),
         "",
         f"{res['num_rows']:,} supervised rows; step-0 top-1..5 agreement with the target's argmax: "
         f"{' / '.join(f'{a:.3f}' for a in res['top_k_agreement'])}",
@@ -171,12 +181,12 @@ def main() -> None:
     if a.name:
         res = {
             "name": a.name,
-            "command": f"python benchmarks/draft_failures.py --draft {a.draft} --captured "
-            f"{a.captured} --target {a.target} --name {a.name}",
+            "date": utc_now(),
+            "machine": describe_machine(),
+            "command": command_line(__file__),
             **res,
         }
-        write_text(RESULTS / f"{a.name}.json", json.dumps(res, indent=1) + "\n")
-        write_text(RESULTS / f"{a.name}.md", markdown(res))
+        write_result(RESULTS / a.name, res, markdown(res))
         print(markdown(res))
     else:
         print(json.dumps(res, indent=1))

@@ -36,7 +36,6 @@ capture over N engines >= 0.9 x N x one engine.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -46,14 +45,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, command_line, fmt, utc_now, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_STEP = ROOT / "benchmarks" / "train_step.py"
-RESULTS = ROOT / "benchmarks" / "results"
 KEY = ("what", "dims", "parallel", "num_gpus", "gpu")
-
-
-def now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def child_env() -> dict[str, str]:
@@ -167,7 +164,7 @@ def train_rows(args, work: Path) -> list[dict]:
                         if got.get("peak_mem_gib") is not None
                         else None,
                         "gpu": got.get("gpu", "cpu" if args.smoke else None),
-                        "date": now(),
+                        "date": utc_now(),
                         "status": status,
                         "reason": got.get("reason"),
                         "ms_per_step": got.get("ms_per_step"),
@@ -319,7 +316,7 @@ def capture_rows(args, work: Path) -> list[dict]:
                 "efficiency": None,
                 "peak_gib": None,
                 "gpu": gpu_name() if gpus else "cpu",
-                "date": now(),
+                "date": utc_now(),
                 "status": got["status"],
                 "reason": got.get("reason"),
                 "backend": args.backend,
@@ -354,10 +351,6 @@ def merge(path: Path, new: list[dict]) -> list[dict]:
     old = json.loads(path.read_text())["rows"] if path.is_file() else []
     keys = {tuple(r.get(k) for k in KEY) for r in new}
     return [r for r in old if tuple(r.get(k) for k in KEY) not in keys] + new
-
-
-def fmt(x, spec: str) -> str:
-    return "–" if x is None else format(x, spec)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -450,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     gpus = count_gpus()
     if args.mode == "train":
+        if args.smoke:  # tiny dims whatever --dims names: one run, not one per name
+            args.dims = args.dims[:1]
         args.budget_s = args.budget_s or (120 if args.smoke else 420)
         args.num_gpus = args.num_gpus or (
             [1, 2] if args.smoke else [n for n in (1, 2, 4, 8) if n <= max(gpus, 1)]
@@ -473,20 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.keep_work is None:
             shutil.rmtree(work, ignore_errors=True)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "multi_gpu.json"
-    allrows = merge(path, rows)
-    path.write_text(
-        json.dumps(
-            {
-                "command": " ".join(["benchmarks/multi_gpu.py", *(argv or sys.argv[1:])]),
-                "rows": allrows,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    (args.out_dir / "multi_gpu.md").write_text(markdown(allrows))
+    allrows = merge(args.out_dir / "multi_gpu.json", rows)
+    payload = {"command": command_line(__file__, argv), "rows": allrows}
+    write_result(args.out_dir / "multi_gpu", payload, markdown(allrows))
     for r in rows:
         print(
             json.dumps(
@@ -496,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
-    print(f"wrote {path} and multi_gpu.md", file=sys.stderr)
+    print(f"wrote {args.out_dir}/multi_gpu.{{json,md}}", file=sys.stderr)
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 

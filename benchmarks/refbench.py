@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from eagle3.artifacts import migrate_record
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, write_result
+
 BASELINES = {"n-gram (min 2, max 4)": 1.73, "speculators 0.9.0 EAGLE-3": 2.26}
 
 
@@ -156,12 +159,10 @@ def main() -> None:
         "--note", default="", help="free text: how the run was made (dates, commands, deviations)"
     )
     ap.add_argument("--gpu-call-s", type=float, default=None, help="wall seconds of the GPU call")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     report = build_report(args.run_dir, args.eval_dir, args.note, args.gpu_call_s)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "refbench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out_dir / "refbench.md").write_text(render_markdown(report))
+    write_result(args.out_dir / "refbench", report, render_markdown(report))
     print(render_markdown(report))
 
 

@@ -35,15 +35,16 @@ Writes `<out>/sampled_acceptance.{json,md}`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, command_line, describe_machine, machine_line, utc_now, write_result
 
 K = 3
 SETTINGS = [  # name, temperature, top_p, top_k (0 = off)
@@ -79,14 +80,13 @@ def sampling_kwargs(t: float, top_p: float, top_k: int, max_tokens: int) -> dict
     return kw
 
 
-def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Spawned: one n-gram engine; every setting stock, then the fix, then every sampled setting
-    again."""
-    from eagle3.evaluate import _diff, _metrics_dict
-    from eagle3.vllm_engine import engine_kwargs, setup_cpu_env, shutdown_engine
+def ngram_engine(target: str, **extra: Any):
+    """In a spawned job: an n-gram (2-4, k = K) float32 engine of `target` whose workers carry the
+    CPU sampling fix, not yet applied (collective_rpc("eagle3_fix_cpu_sampling") applies it)."""
+    from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
 
     setup_cpu_env()
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     spec = {
         "method": "ngram",
@@ -94,17 +94,26 @@ def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[s
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 4,
     }
-    llm = LLM(
-        **engine_kwargs(
-            target,
-            dtype="float32",
-            max_model_len=1024,
-            seed=0,
-            speculative_config=spec,
-            disable_log_stats=False,
-            worker_extension_cls="eagle3.vllm_ext.SamplingFixExtension",
-        )
+    kwargs = engine_kwargs(
+        target,
+        dtype="float32",
+        max_model_len=1024,
+        seed=0,
+        speculative_config=spec,
+        worker_extension_cls="eagle3.vllm_ext.SamplingFixExtension",
+        **extra,
     )
+    return LLM(**kwargs)
+
+
+def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Spawned: one n-gram engine; every setting stock, then the fix, then every sampled setting
+    again."""
+    from eagle3.evaluate import _diff, _metrics_dict
+    from eagle3.vllm_engine import shutdown_engine
+
+    llm = ngram_engine(target, disable_log_stats=False)
+    from vllm import SamplingParams  # after the engine: vLLM is imported in the CPU environment
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
     runs, fix_status = [], None
     for variant in ("stock", "fixed"):
@@ -143,27 +152,10 @@ def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[s
 def topk_probe(target: str, prompts: list[list[int]], max_tokens: int, fix: bool) -> str:
     """Spawned: a top-k request (T 0.6, top_k 20), with the stock kernels or the fix; returns how
     the engine ended (top-k kills the engine both ways: see docs/history/)."""
-    from eagle3.vllm_engine import engine_kwargs, setup_cpu_env, shutdown_engine
+    from eagle3.vllm_engine import shutdown_engine
 
-    setup_cpu_env()
-    from vllm import LLM, SamplingParams
-
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": K,
-        "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4,
-    }
-    llm = LLM(
-        **engine_kwargs(
-            target,
-            dtype="float32",
-            max_model_len=1024,
-            seed=0,
-            speculative_config=spec,
-            worker_extension_cls="eagle3.vllm_ext.SamplingFixExtension",
-        )
-    )
+    llm = ngram_engine(target)
+    from vllm import SamplingParams
     if fix:
         llm.collective_rpc("eagle3_fix_cpu_sampling")
     try:
@@ -336,14 +328,13 @@ def main() -> None:
     )
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder of sampled_acceptance.*")
     args = ap.parse_args()
 
     import torch
     import vllm
     from transformers import AutoModelForCausalLM
 
-    from eagle3.io import write_json, write_text
     from eagle3.vllm_engine import run_in_subprocess
 
     prompts = render_prompts(args.target, args.prompts, args.num_prompts)
@@ -368,9 +359,9 @@ def main() -> None:
         runs.append(row)
         print(json.dumps({k: row[k] for k in ("variant", "setting", "vllm", "replay")}), flush=True)
     payload = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"2-core CPU ({platform.processor() or platform.machine()}), shared",
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "date": utc_now(),
+        "machine": machine_line(describe_machine()),
+        "command": command_line(__file__),
         "vllm_version": vllm.__version__,
         "target": args.target,
         "num_prompts": len(prompts),
@@ -382,9 +373,7 @@ def main() -> None:
         "env": {x: v for x, v in os.environ.items() if x.startswith("VLLM_CPU")},
         "runs": runs,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "sampled_acceptance.json", payload)
-    write_text(args.out / "sampled_acceptance.md", format_md(payload))
+    write_result(args.out / "sampled_acceptance", payload, format_md(payload))
     print(format_md(payload))
 
 

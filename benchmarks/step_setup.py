@@ -1,6 +1,6 @@
-"""A TTT training step on synthetic inputs, for the step benchmarks (train_step.py, host_syncs.py)
-and the tests that time or compile one step: random draft + random frozen target head + one
-synthetic packed batch.
+"""A TTT training step on synthetic inputs, for the step benchmark (train_step.py) and the tests
+that time or compile one step: random draft + random frozen target head + one synthetic packed
+batch.
 
 Needs only torch and the pydantic-free eagle3 modules (the GPU box has no pydantic, Prefect or
 vLLM).

@@ -20,10 +20,12 @@ Imports the standard library only (runs anywhere, also on the CPU in the tests).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt, utc_now, write_result
 
 #: the peer's default dims (bench_eagle3.py --hidden 4096 ... --draft-vocab 32000) = ours
 #: "llama-3.1-8b"
@@ -142,7 +144,7 @@ def merge(ours: list[Path], peer: Path | None, cache_run: Path | None, command: 
                     "first_step_ratio": None,
                 }
             )
-    date = date or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    date = date or utc_now()
     for r in rows:
         r.update(gpu=gpu, date=date, command=command)
     out = {
@@ -196,10 +198,6 @@ def merge(ours: list[Path], peer: Path | None, cache_run: Path | None, command: 
     return out
 
 
-def fmt(x, nd=1, unit=""):
-    return "–" if x is None else f"{x:,.{nd}f}{unit}"
-
-
 def markdown(res: dict) -> str:
     L = [
         f"# Train step, ours vs speculators 0.9.0 (same call) — {res['gpu']}",
@@ -215,12 +213,12 @@ def markdown(res: dict) -> str:
         st += f" (fallback: {r['ours_fallback']})" if r.get("ours_fallback") else ""
         L.append(
             f"| {r['dims']} | {r['config']}{st} | {fmt(r.get('ours_ms'))} | "
-            f"{fmt(r.get('ours_tok_s'), 0)} | {fmt(r.get('peer_ms'))} | "
-            f"{fmt(r.get('peer_tok_s'), 0)} | {fmt(r.get('ratio'), 2, '×')} | "
+            f"{fmt(r.get('ours_tok_s'), ',.0f')} | {fmt(r.get('peer_ms'))} | "
+            f"{fmt(r.get('peer_tok_s'), ',.0f')} | {fmt(r.get('ratio'), ',.2f', '×')} | "
             f"{fmt(r.get('ours_first_step_s'))} | {fmt(r.get('peer_first_step_s'))} | "
             f"{fmt(r.get('ours_peak_gib'))} | {fmt(r.get('peer_peak_gib'))} | "
-            f"{fmt(100 * r['ours_mfu'] if r.get('ours_mfu') else None, 1, '%')} | "
-            f"{fmt(100 * r['peer_mfu'] if r.get('peer_mfu') else None, 1, '%')} |"
+            f"{fmt(100 * r['ours_mfu'] if r.get('ours_mfu') else None, unit='%')} | "
+            f"{fmt(100 * r['peer_mfu'] if r.get('peer_mfu') else None, unit='%')} |"
         )
     num = res.get("numerics")
     if num:
@@ -256,14 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--command", default=" ".join(sys.argv))
     a = p.parse_args(argv)
     res = merge(a.ours, a.peer, a.cache_run, a.command)
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (
-        ("train_step_vs_peer.json", json.dumps(res, indent=1) + "\n"),
-        ("train_step_vs_peer.md", markdown(res)),
-    ):
-        tmp = a.out_dir / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(a.out_dir / name)
+    write_result(a.out_dir / "train_step_vs_peer", res, markdown(res))
     print(markdown(res))
     return 0
 

@@ -15,12 +15,13 @@ both busy throughout on two workers).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import sys
 from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_result
 
 DURATION = re.compile(r"^\s*([\d.]+)s (call|setup|teardown)\s+(\S+)")
 SUMMARY = re.compile(
@@ -113,15 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"suite_time: --log {spec!r}: expected NAME=PATH, e.g. --log before=/tmp/suite.log"
             )
         runs[name] = parse_log(Path(path))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in (
-        (".json", json.dumps({"note": args.note, "runs": runs}, indent=1) + "\n"),
-        (".md", render(runs, args.note)),
-    ):
-        tmp = out.with_name(out.name + suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out.with_name(out.name + suffix))
+    write_result(Path(args.out), {"note": args.note, "runs": runs}, render(runs, args.note))
     print(render(runs, args.note), end="")
     return 0
 

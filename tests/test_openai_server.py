@@ -207,40 +207,6 @@ def test_a_server_that_fails_to_start_shows_its_log_and_leaves_nothing(tmp_path)
     assert set(descendants()) <= before
 
 
-RUN_A_SERVER = """
-import sys, time
-from pathlib import Path
-from eagle3.data.openai_server import start_vllm_server
-target, log_path, ready = sys.argv[1:]
-with start_vllm_server(target, log_path=log_path, max_model_len=256) as server:
-    Path(ready).write_text(str(server.pid))
-    time.sleep(600)
-"""
-
-
-def test_the_server_and_its_engine_die_with_the_process_that_started_it(tiny_chatml, tmp_path):
-    ready = tmp_path / "ready"
-    starter = subprocess.Popen(
-        [sys.executable, "-c", RUN_A_SERVER, str(tiny_chatml), str(tmp_path / "log"), str(ready)]
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while not ready.exists():
-            assert starter.poll() is None, f"the starter exited with code {starter.returncode}"
-            assert time.monotonic() < deadline, "the server did not start within 600 s"
-            time.sleep(0.5)
-        tree = descendants(starter.pid)
-        names = [name(pid) for pid in tree]
-        assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
-    finally:
-        os.kill(starter.pid, signal.SIGKILL)
-        starter.wait()
-    deadline = time.monotonic() + 30
-    while [pid for pid in tree if is_running(pid)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [name(pid) for pid in tree if is_running(pid)]
-
-
 # ------------------------------------------------------------------------ a reasoning parser
 #: ChatML with a thinking block, as the Qwen3 / DeepSeek-R1-distill templates: the generation prompt
 #: opens `<think>` (or, with enable_thinking false, holds an empty block), and an assistant turn of
@@ -288,23 +254,54 @@ def build_thinking_target(out: Path) -> Path:
     return out
 
 
+#: starts `vllm serve` under start_vllm_server in a process of its own, writes what a client needs
+#: to a file once the server is healthy, and sleeps until it is killed
+RUN_A_SERVER = """
+import json, sys, time
+from pathlib import Path
+from eagle3.data.openai_server import start_vllm_server
+target, log_path, max_model_len, reasoning_parser, ready = sys.argv[1:]
+with start_vllm_server(
+    target,
+    log_path=log_path,
+    max_model_len=int(max_model_len),
+    reasoning_parser=reasoning_parser,
+) as server:
+    info = dict(pid=server.pid, base_url=server.base_url, model=server.model)
+    Path(ready).write_text(json.dumps(dict(info, startup_s=server.startup_s)))
+    time.sleep(600)
+"""
+
+
 def test_the_reasoning_parser_splits_the_trace_and_thinking_can_be_switched_off(tmp_path):
+    """A server with vLLM's reasoning parser, started (start_vllm_server) by a process of its own:
+    the trace and the answer come back split, thinking can be switched off, a history turn's
+    reasoning reaches the template; then the starting process is SIGKILLed and the server, its
+    engine and its worker die with it."""
+    import json
+
     from transformers import AutoTokenizer
 
     target = build_thinking_target(tmp_path / "thinking")
     tok = AutoTokenizer.from_pretrained(str(target))
     think_end = tok.convert_tokens_to_ids("</think>")
     questions = [f"Question number {i}: {q}" for i in range(4) for q in QUESTIONS]
-    with start_vllm_server(
-        target,
-        log_path=tmp_path / "server.log",
-        max_model_len=MAX_MODEL_LEN,
-        reasoning_parser="qwen3",
-    ) as server:
-        print(f"vLLM server start-up (reasoning parser): {server.startup_s:.1f} s")
-        group = [server.pid, *descendants(server.pid)]
-        assert len(group) >= 3 and process_group_members(server.pid)  # server, engine, worker
-        gen = server.generator(num_concurrent=4)
+    ready = tmp_path / "ready.json"
+    args = [str(target), str(tmp_path / "server.log"), str(MAX_MODEL_LEN), "qwen3", str(ready)]
+    starter = subprocess.Popen([sys.executable, "-c", RUN_A_SERVER, *args])
+    try:
+        deadline = time.monotonic() + 600
+        while not ready.exists():
+            assert starter.poll() is None, f"the starter exited with code {starter.returncode}"
+            assert time.monotonic() < deadline, "the server did not start within 600 s"
+            time.sleep(0.5)
+        server = json.loads(ready.read_text())
+        print(f"vLLM server start-up (reasoning parser): {server['startup_s']:.1f} s")
+        group = [server["pid"], *descendants(server["pid"])]
+        assert len(group) >= 3 and process_group_members(server["pid"])  # server, engine, worker
+        names = [name(pid) for pid in descendants(starter.pid)]
+        assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
+        gen = OpenAIChatGenerator(server["base_url"], server["model"], num_concurrent=4)
         seeds = list(range(len(questions)))
         thinking = gen.generate(users(*questions), seeds, 1.0, 1.0, MAX_TOKENS)
         kinds = set()
@@ -350,9 +347,15 @@ def test_the_reasoning_parser_splits_the_trace_and_thinking_can_be_switched_off(
         ]
         assert turn.prompt_token_ids == template_ids(tok, rendered)
         assert "<think>\nI thought about water</think>" in tok.decode(turn.prompt_token_ids)
-    # the server and every process it started are gone
-    assert not process_group_members(server.pid)
-    assert not [pid for pid in group if is_running(pid)]
+    finally:
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.wait()
+    # the server and every process it started die with the process that started it
+    deadline = time.monotonic() + 30
+    while [pid for pid in group if is_running(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [name(pid) for pid in group if is_running(pid)]
+    assert not process_group_members(server["pid"])
 
 
 # ------------------------------------------------------------------------------- regenerate stage
