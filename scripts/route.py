@@ -394,6 +394,8 @@ class Walk:
                 self._bind(gen.target, (self._type(key[0], gen.iter, env)[0], None), env)
         if isinstance(expr, ast.Call):
             self._call(key, expr, env)
+        if isinstance(expr, ast.NamedExpr):
+            self._bind(expr.target, self._type(key[0], expr.value, env), env)
 
     def _call(self, key: Key, call: ast.Call, env: dict[str, object]) -> None:
         module = key[0]

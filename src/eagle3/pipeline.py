@@ -1,6 +1,6 @@
-"""The whole pipeline in stage order (eagle3.stages). `eagle3 run` hands the config to the
-orchestration layer that registers itself as a pipeline runner (the Prefect flow,
-eagle3_prefect.flows.pipeline, which adds caching, retries and artifacts) when it is installed;
+"""The whole pipeline in the order of the stage declaration (eagle3.stage_graph). `eagle3 run`
+hands the config to the orchestration layer that registers itself as a pipeline runner (the Prefect
+flow, eagle3_prefect.flows.pipeline, which adds caching, retries and artifacts) when installed;
 `run_pipeline` is the same sequence in-process, with no orchestration, for machines without Prefect
 (e.g. a bare GPU box) and for `eagle3 run --no-prefect`.
 
@@ -57,8 +57,8 @@ def ensure_target(cfg: PipelineConfig) -> None:
 
 def enabled_stages(cfg: PipelineConfig) -> list[str]:
     """The steps `eagle3 run` takes for this config, in order (each stage's `enabled` in
-    eagle3.stages)."""
-    order = STREAM_ORDER if cfg.stream.enabled else STAGE_ORDER
+    eagle3.stage_graph)."""
+    order = pipeline_order(streaming=cfg.stream.enabled)
     return [s for s in order if s == STREAM_STEP or STAGES[s].enabled(cfg)]
 
 
@@ -71,9 +71,10 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
 
 def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     ensure_target(cfg)
+    # the plan, then the config once: the steps in order, each reading its resolved section
+    stages = enabled_stages(cfg)
     resolved = cfg.resolved()
     result = PipelineResult(name=cfg.name, work_dir=cfg.work_dir)
-    stages = enabled_stages(cfg)
     for i, stage in enumerate(stages, start=1):
         t0 = time.time()
         log.info("stage %s: starting", stage)
