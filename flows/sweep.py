@@ -82,7 +82,7 @@ def sweep_branch(
         stage.manifests.update(shared)
         t0 = time.time()
         for step in BRANCH_STAGES:
-            if STAGES[step].enabled(cfg):
+            if cfg.runs(step):
                 stage(step, *STAGES[step].needs)
         wall = time.time() - t0
     m = stage.manifests
@@ -197,7 +197,7 @@ def sweep(
     cfg = config.resolved()
     shared = StageRunner(cfg, dispatch=dispatch)
     for step in pipeline_order():  # the stages that do not read the capture, once for all branches
-        if step not in BRANCH_STAGES and STAGES[step].enabled(cfg):
+        if step not in BRANCH_STAGES and cfg.runs(step):
             shared(step, *STAGES[step].needs)
 
     slots = threading.BoundedSemaphore(max_concurrency)

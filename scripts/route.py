@@ -15,9 +15,11 @@ not walked again. A call of a function that another call returned (the stage reg
 stage it looked up) stops at every stage function the library declares as a "module:function"
 string; a call of a declared callable field (a stage's `enabled`) stops at the lambdas given for it.
 
-The route is the sequence of the stops' modules. A *visit* is a run of stops in one module; a
-*climb* is a step of the route to a module of a higher layer of the `library-layers` contract
-(pyproject.toml) than the stop before it: the data going back up after a trip down.
+The route is the sequence of the stops' modules; its *head* is the part before it first leaves the
+pipeline's own modules (eagle3.pipeline, the config modules, the stage declaration and registry).
+A *visit* is a run of stops in one module; a *climb* is a step of the route to a module of a higher
+layer of the `library-layers` contract (pyproject.toml) than the stop before it: the data going back
+up after a trip down.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ LIBRARY = "eagle3"
 START = ("eagle3.pipeline", "run_pipeline")
 #: modules whose classes (and their subclasses) are configs
 CONFIG_MODULES = ("eagle3.config", "eagle3.config_fields", "eagle3.train_options")
+#: the pipeline's own modules: the route's head is its stops before it leaves them
+HEAD_MODULES = (START[0], "eagle3.stages", "eagle3.stage_graph", *CONFIG_MODULES)
 _DECLARED_FUNCTION = re.compile(rf"^{LIBRARY}(\.\w+)+:\w+$")
 
 Key = tuple[str, str]  # (module, qualified name)
@@ -528,7 +532,31 @@ def measure_route(root: Path) -> dict:
     lib = Library(load_library(root))
     stops = Walk(lib).run()
     layers = layer_index(root)
-    route = [s.callee[0] for s in stops]
+    figures = _figures([s.callee[0] for s in stops], layers)
+    # the head: the pipeline's own part, before the route enters a stage (or the streaming step)
+    first_run = next(
+        (i for i, s in enumerate(stops) if s.callee[0] not in HEAD_MODULES), len(stops)
+    )
+    head = _figures([s.callee[0] for s in stops[:first_run]], layers)
+    return {
+        "root": str(root),
+        "start": ".".join(START),
+        **{k: v for k, v in figures.items() if k != "climbs"},
+        "head": {k: v for k, v in head.items() if k != "climbs"},
+        "route": [
+            {
+                "from": s.caller,
+                "to": f"{s.callee[0]}:{s.callee[1]}",
+                "climb": i in figures["climbs"],
+                "again": not s.walked,
+            }
+            for i, s in enumerate(stops)
+        ],
+    }
+
+
+def _figures(route: list[str], layers: dict[str, int]) -> dict:
+    """Stops, modules, visits and climbs of a sequence of the stops' modules."""
     visits: dict[str, int] = {}
     climbs = []
     for i, module in enumerate(route):
@@ -539,29 +567,22 @@ def measure_route(root: Path) -> dict:
             if here is not None and before is not None and here < before:
                 climbs.append(i)
     return {
-        "root": str(root),
-        "start": ".".join(START),
-        "num_stops": len(stops),
+        "num_stops": len(route),
         "num_modules": len(visits),
         "num_visits": sum(visits.values()),
         "num_climbs": len(climbs),
         "visits": dict(sorted(visits.items(), key=lambda kv: (-kv[1], kv[0]))),
-        "route": [
-            {
-                "from": s.caller,
-                "to": f"{s.callee[0]}:{s.callee[1]}",
-                "climb": i in climbs,
-                "again": not s.walked,
-            }
-            for i, s in enumerate(stops)
-        ],
+        "climbs": climbs,
     }
 
 
 def render_route(m: dict, full: bool = True) -> str:
+    h = m["head"]
     out = [
         f"the pipeline route from {m['start']}: {m['num_stops']} stops in {m['num_modules']} "
         f"modules, {m['num_visits']} visits, {m['num_climbs']} climbs",
+        f"its head (the pipeline, the config and the stage registry): {h['num_stops']} stops in "
+        f"{h['num_modules']} modules, {h['num_visits']} visits, {h['num_climbs']} climbs",
         "modules visited more than once: "
         + (", ".join(f"{k} {v}" for k, v in m["visits"].items() if v > 1) or "none"),
     ]

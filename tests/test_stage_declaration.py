@@ -105,7 +105,7 @@ def test_resolved_wires_every_declared_read():
                 upstream, _, file = source.partition("/")
                 if source.startswith("@"):
                     expected = getattr(r, source[1:])
-                elif STAGES[upstream].enabled(r):
+                elif r.runs(upstream):
                     expected = str(r.work_dir / STAGES[upstream].writes / file).rstrip("/")
                 else:
                     continue  # passed on: checked below

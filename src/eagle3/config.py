@@ -40,7 +40,7 @@ from eagle3.config_fields import (
     Number,
 )
 from eagle3.errors import UserError
-from eagle3.stage_graph import STAGES, stage_names
+from eagle3.stage_graph import STAGES, STREAM_STEP, pipeline_order, stage_names
 from eagle3.targets import TARGETS
 from eagle3.train_options import (
     TRAIN_MOVED_KEYS,
@@ -1347,6 +1347,22 @@ class PipelineConfig(BaseModel):
             x for x in self.mix.sources if x.path not in seen
         ]  # (a resolved config lists them already)
 
+    @property
+    def mixes(self) -> bool:
+        """Whether the mix stage runs: more than one training source."""
+        return len(self.mix_sources()) > 1
+
+    def steps(self) -> list[str]:
+        """The steps `eagle3 run` takes for this config, in the declaration's order: the stages it
+        runs (`runs`), with streaming mode's step in place of the stages it stands for."""
+        order = pipeline_order(streaming=self.stream.enabled)
+        return [s for s in order if s == STREAM_STEP or self.runs(s)]
+
+    def runs(self, stage: str) -> bool:
+        """Whether `eagle3 run` runs the declared stage `stage` for this config (its `enabled`)."""
+        enabled = STAGES[stage].enabled
+        return enabled is None or bool(self.setting(enabled))
+
     def output_path(self, source: str) -> str:
         """Where a `reads` value of the stage declaration points ("stage" or "stage/file"), whether
         or not that stage runs."""
@@ -1361,7 +1377,7 @@ class PipelineConfig(BaseModel):
         if source.startswith("@"):
             return getattr(self, source[1:])
         stage = STAGES[source.split("/")[0]]
-        if stage.enabled(self) or not stage.passes_on:
+        if self.runs(stage.name) or not stage.passes_on:
             return self.output_path(source)
         value = getattr(getattr(self, stage.name), stage.passes_on)
         if isinstance(value, list):

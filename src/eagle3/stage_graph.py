@@ -23,10 +23,10 @@ placed where it runs in the pipeline (docs/architecture.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from eagle3.code_version import code_version
 
@@ -44,10 +44,6 @@ STREAM_HELP = (
     "streaming mode: stream-capture and stream-train at once in this process (bounded disk; "
     "prepare and vocab must have run)"
 )
-
-
-def _always(cfg: Any) -> bool:
-    return True
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,9 @@ class Stage:
     variant_of: str | None = None  # a stream variant: the pipeline stage it stands for
     subprocess: bool = False  # under Prefect, runs in a fresh process (an engine, GPU state)
     gpu: bool = False  # has a GPU stage flow and deployments of its own (eagle3-<name>)
-    enabled: Callable[[Any], bool] = _always  # whether `eagle3 run` runs it for a PipelineConfig
+    #: whether `eagle3 run` runs it: a PipelineConfig value ("section.field", dotted further) that
+    #: is true when it runs (PipelineConfig.runs); None: always
+    enabled: str | None = None
     positional: tuple[str, ...] = ()  # config fields the CLI takes as positional arguments
 
     @property
@@ -107,7 +105,7 @@ STAGES: dict[str, Stage] = {
             "deduplicated",
             writes="synthesized",
             subprocess=True,
-            enabled=lambda c: c.synthesize.enabled,
+            enabled="synthesize.enabled",
         ),
         Stage(
             "mix",
@@ -118,7 +116,7 @@ STAGES: dict[str, Stage] = {
             # with `data` and mix.sources (PipelineConfig.mix_sources); one source is passed on
             reads={"sources": "synthesize/prompts.jsonl"},
             passes_on="sources",
-            enabled=lambda c: len(c.mix_sources()) > 1,
+            enabled="mixes",  # more than one source
         ),
         Stage(
             "regenerate",
@@ -130,7 +128,7 @@ STAGES: dict[str, Stage] = {
             passes_on="data",
             subprocess=True,
             gpu=True,
-            enabled=lambda c: c.regenerate.enabled,
+            enabled="regenerate.enabled",
         ),
         # prepare's data is keyed by the file's content, so a regenerate rerun that writes the same
         # answers leaves prepare cached: no upstream manifest
@@ -197,7 +195,7 @@ STAGES: dict[str, Stage] = {
             passes_on="checkpoint",
             subprocess=True,
             gpu=True,
-            enabled=lambda c: c.refine.enabled,
+            enabled="refine.enabled",
         ),
         Stage(
             "export",
@@ -217,7 +215,7 @@ STAGES: dict[str, Stage] = {
             reads={"draft": "export", "prompts": "@eval_prompts"},
             subprocess=True,
             gpu=True,
-            enabled=lambda c: bool(c.eval_prompts),
+            enabled="eval_prompts",
         ),
         # streaming mode (stream.enabled): capture's and train's variants at once through a capped
         # spool (default <work_dir>/spool, stream.spool), from their resolved sections
