@@ -111,7 +111,7 @@ class HardwareProfile(Block):
     )
     num_gpus: int = Field(1, ge=0, description="GPUs per host in that pool")
     tensor_parallel_size: int = Field(
-        1, gt=0, description="vLLM tensor-parallel size for regenerate/capture/evaluate"
+        1, gt=0, description="vLLM tensor-parallel size of every stage that runs the target"
     )
     gpu_concurrency_limit: str = Field(
         "gpu-host-{host}", description="Global concurrency limit per host ({host} = hostname)"

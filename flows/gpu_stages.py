@@ -4,7 +4,7 @@ pipeline flow launches them with `run_deployment` (tasks/dispatch.py); each runs
 verified stage task a local run uses. Parameters are the stage's own config model, so the UI shows a
 form for a one-off stage run too.
 
-One flow per stage the registry marks `gpu` (eagle3.stages), named `<stage>_stage` here (the
+One flow per stage the declaration marks `gpu` (eagle3.stage_graph), named `<stage>_stage` here (the
 prefect.yaml entrypoints, e.g. eagle3_prefect.flows.gpu_stages:capture_stage) and `eagle3-<stage>`
 on the server.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import Flow, flow
 
-from eagle3.stages import STAGES
+from eagle3.stages import STAGES, config_class
 from eagle3_prefect.tasks.stages import GPU_STAGES, run_stage
 
 Upstream = dict[str, dict[str, Any]]
@@ -34,7 +34,7 @@ def stage_flow(stage: str) -> Flow:
         # parent keeps its cache records
         return run_stage(stage, config, upstream, run_name=run_name, cache_dir=cache_dir)
 
-    body.__annotations__["config"] = STAGES[stage].config
+    body.__annotations__["config"] = config_class(stage)
     body.__name__ = body.__qualname__ = f"{stage}_stage"
     body.__module__ = __name__
     body.__doc__ = f"{stage} on a GPU pool: {STAGES[stage].help}."

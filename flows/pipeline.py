@@ -16,7 +16,7 @@ from prefect.states import Completed, State
 from eagle3.config import PipelineConfig
 from eagle3.pipeline import enabled_stages, ensure_target
 from eagle3.preflight import require_pipeline
-from eagle3.stages import STAGES, STREAM_STEP
+from eagle3.stages import STAGES, STREAM_STEP, stage_names
 from eagle3_prefect.flows.dispatch import DEFAULT_GPU_POOL, Dispatch, StageRunner, absolute_config
 from eagle3_prefect.flows.report import pipeline_summary, run_namer
 from eagle3_prefect.flows.runlock import work_dir_lock
@@ -46,8 +46,9 @@ def apply_blocks(
     if hardware:
         profile = HardwareProfile.load(hardware)
         pool, limit = profile.work_pool, profile.gpu_concurrency_limit
-        for stage in ("regenerate", "capture", "evaluate"):
-            getattr(cfg, stage).tensor_parallel_size = profile.tensor_parallel_size
+        for name in stage_names("pipeline"):  # every stage that runs an engine of the target
+            if "tensor_parallel_size" in type(getattr(cfg, name)).model_fields:
+                getattr(cfg, name).tensor_parallel_size = profile.tensor_parallel_size
     return cfg, pool, limit
 
 
@@ -81,6 +82,20 @@ def eagle3_pipeline(
         return run_stages(config, dispatch, gpu_pool, gpu_limit, takeover)
 
 
+def stream_manifest(cfg: PipelineConfig, name: str, result: Any) -> dict[str, Any]:
+    """The manifest of a stage whose output a stream variant wrote (its readers' upstream: the
+    output keyed by its content)."""
+    out = getattr(cfg, name).out
+    files = list_outputs(out)
+    return {
+        "stage": name,
+        "out": str(out),
+        "content_sha256": content_sha256(files),
+        "num_files": len(files),
+        "result": result,
+    }
+
+
 def run_stages(
     config: PipelineConfig,
     dispatch: Dispatch,
@@ -92,28 +107,23 @@ def run_stages(
     takeover: the lost run this one took the work dir over from (its summary says so)."""
     cfg = config.resolved()
     stage = StageRunner(cfg, dispatch=dispatch, gpu_pool=gpu_pool, gpu_limit=gpu_limit)
-    if config.fetch_target:  # 0. a known target into `target` (eagle3 fetch-target)
-        stage("fetch-target", config=config.fetch_target_config())
+    for name in stage_names("source"):  # 0. a known target into `target` (eagle3 fetch-target)
+        if (source := config.stage_config(name)) is not None:
+            stage(name, config=source)
     ensure_target(config)
     require_pipeline(config)  # pre-flight: every config error before a GPU stage starts
 
-    for step in enabled_stages(
-        cfg
-    ):  # the registry's order (eagle3.stages), as `eagle3 run --no-prefect`
-        if step == STREAM_STEP:  # bounded disk: vocab ran; capture + train at once via the spool
+    # the declaration's order (eagle3.stage_graph), as `eagle3 run --no-prefect`
+    for step in enabled_stages(cfg):
+        if step == STREAM_STEP:  # bounded disk: the stream variants at once through the spool
             from eagle3_prefect.flows.streaming import streaming
 
-            result = streaming(config)[
-                "stream-train"
-            ]  # export's upstream: the training dir, keyed by its content
-            files = list_outputs(cfg.train.out)
-            stage.manifests["train"] = {
-                "stage": "train",
-                "out": str(cfg.train.out),
-                "content_sha256": content_sha256(files),
-                "num_files": len(files),
-                "result": result,
-            }
+            results = streaming(config)
+            for name in stage_names("stream"):
+                if not STAGES[name].writes:  # writes the output of the stage it stands for (train)
+                    stage.manifests[STAGES[name].variant_of] = stream_manifest(
+                        cfg, STAGES[name].variant_of, results[name]
+                    )
         else:
             stage(step, *STAGES[step].needs)  # on the manifests of the stages it reads
 

@@ -20,12 +20,14 @@ from prefect.deployments import run_deployment
 from prefect.tasks import exponential_backoff
 
 from eagle3.config import PipelineConfig, StreamCaptureConfig, StreamTrainConfig
+from eagle3.stages import STAGES, stage_names
 from eagle3_prefect.flows.report import run_namer
 from eagle3_prefect.tasks.errors import StageCrashed, retry_transient_only
 from eagle3_prefect.tasks.stages import NUM_RETRIES, RETRY_BASE_S, as_stage_config
 from eagle3_prefect.tasks.subprocess_runner import run_stage_subprocess
 
-SIDES = ("stream-capture", "stream-train")
+#: the stream variants of the stage declaration (eagle3.stage_graph): producer, consumer
+SIDES = stage_names("stream")
 
 
 def call_side(stage: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -35,7 +37,7 @@ def call_side(stage: str, config: dict[str, Any]) -> dict[str, Any]:
     from eagle3_prefect.tasks.stages import runs_in_subprocess
 
     cfg = as_stage_config(stage, config)
-    if runs_in_subprocess("capture" if stage == "stream-capture" else "train"):
+    if runs_in_subprocess(STAGES[stage].variant_of):  # as the stage it stands for
         return run_stage_subprocess(stage, cfg.model_dump(mode="json"), log=get_run_logger())
     return jsonable(run_stage_function(stage, cfg))
 
@@ -78,14 +80,10 @@ def streaming(
 ) -> dict[str, Any]:
     """Capture and train concurrently through the capped spool (prepare and vocab must have run);
     returns {"stream-capture": result, "stream-train": result}."""
-    produce, consume = config.stream_stages()
+    deployments = (capture_deployment, train_deployment)
     futures = {
-        "stream-capture": stream_side.submit(
-            "stream-capture", produce.model_dump(mode="json"), capture_deployment
-        ),
-        "stream-train": stream_side.submit(
-            "stream-train", consume.model_dump(mode="json"), train_deployment
-        ),
+        side: stream_side.submit(side, cfg.model_dump(mode="json"), deployment)
+        for side, cfg, deployment in zip(SIDES, config.stream_stages(), deployments, strict=True)
     }
     return {side: f.result() for side, f in futures.items()}
 

@@ -1,7 +1,9 @@
-"""Which target layers should feed the draft? `layer_sweep` shares prepare / regenerate / vocab
-(none of them depends on the layers; all cached across sweeps) and fans out capture → train → export
-→ evaluate per layer set, at most `max_concurrency` branches at a time, then compares them and names
-the winner (highest τ; lowest final loss when there are no eval prompts).
+"""Which target layers should feed the draft? `layer_sweep` shares the stages that do not read the
+capture (synthesize, mix, regenerate, prepare, vocab: none depends on the layers; all cached across
+sweeps) and fans out capture and every stage that reads it (train → refine → export → evaluate,
+those the config enables; eagle3.stage_graph) per layer set, at most `max_concurrency` branches at a
+time, then compares them and names the winner (highest τ; lowest final loss when there are no eval
+prompts).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pydantic import Field
 from eagle3.config import ConfigError, LayerId, PipelineConfig
 from eagle3.pipeline import ensure_target
 from eagle3.preflight import require_pipeline
-from eagle3.stages import STAGES
+from eagle3.stages import STAGES, downstream_of, pipeline_order
 from eagle3_prefect.flows.dispatch import Dispatch, StageRunner, absolute_config
 from eagle3_prefect.flows.report import run_namer
 from eagle3_prefect.flows.runlock import work_dir_lock
@@ -33,9 +35,8 @@ from eagle3_prefect.tasks.artifacts import (
     png_markdown,
 )
 
-#: the stages each branch runs on the shared prepare / vocab outputs (the rest of the pipeline after
-#: them)
-BRANCH_STAGES = ("capture", "train", "export", "evaluate")
+#: the stages each branch runs on the shared outputs: capture and every stage that reads it
+BRANCH_STAGES = downstream_of("capture")
 _LOSS_KEYS = ("final_val_loss", "val_loss", "final_loss", "final_train_loss", "train_loss", "loss")
 
 
@@ -44,15 +45,17 @@ def layers_tag(layers: list[int]) -> str:
 
 
 def branch_config(config: PipelineConfig, layers: list[int]) -> PipelineConfig:
-    """The pipeline config of one branch: shared prepare/regenerate/vocab outputs, own capture
-    onwards."""
+    """The pipeline config of one branch: the shared stages' outputs, its own capture onwards (each
+    branch stage writes under <work_dir>/sweep/<layers>/, and resolving reads them there)."""
     c = config.model_copy(deep=True)
     root = c.work_dir / "sweep" / layers_tag(layers)
     c.capture.aux_layer_ids = list(layers)
-    c.capture.out = root / "captured"
-    c.train.captured, c.train.out = str(root / "captured"), root / "train"
-    c.export.checkpoint, c.export.out = str(root / "train"), root / "draft"
-    c.evaluate.draft, c.evaluate.out = str(root / "draft"), root / "evaluate"
+    for name in BRANCH_STAGES:
+        section = getattr(c, name)
+        section.out = root / STAGES[name].writes
+        for field, source in STAGES[name].reads.items():
+            if source.split("/")[0] in BRANCH_STAGES:  # resolved again: the branch's own output
+                setattr(section, field, None)
     return c.resolved()
 
 
@@ -79,7 +82,7 @@ def sweep_branch(
         stage.manifests.update(shared)
         t0 = time.time()
         for step in BRANCH_STAGES:
-            if STAGES[step].enabled(cfg):
+            if cfg.runs(step):
                 stage(step, *STAGES[step].needs)
         wall = time.time() - t0
     m = stage.manifests
@@ -193,10 +196,9 @@ def sweep(
     """The sweep itself (the work dir is locked and the config checked)."""
     cfg = config.resolved()
     shared = StageRunner(cfg, dispatch=dispatch)
-    if cfg.regenerate.enabled:
-        shared("regenerate")
-    shared("prepare")
-    shared("vocab", *STAGES["vocab"].needs)
+    for step in pipeline_order():  # the stages that do not read the capture, once for all branches
+        if step not in BRANCH_STAGES and cfg.runs(step):
+            shared(step, *STAGES[step].needs)
 
     slots = threading.BoundedSemaphore(max_concurrency)
     futures = [

@@ -5,6 +5,7 @@
     python scripts/structure.py --json          # the same as JSON
     python scripts/structure.py --root DIR      # another checkout (e.g. `git worktree add DIR REV`)
     python scripts/structure.py --longest 40    # list more of the functions over the limit
+    python scripts/structure.py --route         # and the pipeline route (scripts/route.py)
 
 What it counts, in the product's code (src/eagle3 and the Prefect layer: flows/ tasks/ blocks/):
 modules and lines; functions longer than --max-lines (from `def` to their last line, docstring
@@ -165,9 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-lines", type=int, default=60, help="a long function's limit")
     parser.add_argument("--longest", type=int, default=10, help="how many long functions to list")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--route",
+        action="store_true",
+        help="add the pipeline route: the stops and climbs of the config (scripts/route.py)",
+    )
     args = parser.parse_args(argv)
     m = measure(args.root.resolve(), args.max_lines)
-    print(json.dumps(m, indent=1) if args.json else render(m, args.longest))
+    route = None
+    if args.route:
+        from route import measure_route, render_route  # scripts/route.py, beside this script
+
+        route = measure_route(args.root.resolve())
+    if args.json:
+        print(json.dumps(m if route is None else {**m, "route": route}, indent=1))
+    else:
+        print(render(m, args.longest) + ("" if route is None else "\n\n" + render_route(route)))
     return 0
 
 

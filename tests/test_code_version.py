@@ -39,7 +39,7 @@ def versions(root: Path) -> dict[str, str]:
 
 def closure(stage: str) -> set[str]:
     s = STAGES[stage]
-    return set(import_closure((s.function.split(":")[0], s.config.__module__)))
+    return set(import_closure((s.function.split(":")[0], s.config_ref[0])))
 
 
 def test_evaluate_follows_the_engine_and_the_draft_model_it_reaches_indirectly(package_copy):
@@ -140,12 +140,12 @@ def test_the_packages_that_shape_a_stages_output():
     vLLM, torch and transformers for evaluate and capture; no vLLM for prepare."""
     for stage in ("evaluate", "capture"):
         s = STAGES[stage]
-        found = external_packages((s.function.split(":")[0], s.config.__module__))
+        found = external_packages((s.function.split(":")[0], s.config_ref[0]))
         assert {"torch", "transformers", "tokenizers"} <= found.keys(), found
         (vllm,) = [d for d in found if d.startswith("vllm")]
         assert found[vllm] == importlib.metadata.version(vllm)
         assert found["torch"] == importlib.metadata.version("torch")
     prepare = STAGES["prepare"]
-    found = external_packages((prepare.function.split(":")[0], prepare.config.__module__))
+    found = external_packages((prepare.function.split(":")[0], prepare.config_ref[0]))
     assert "transformers" in found and not [d for d in found if d.startswith("vllm")]
     assert "prefect" not in found  # the library never imports the Prefect layer

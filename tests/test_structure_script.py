@@ -64,3 +64,89 @@ def test_structure_counts_a_checkout(tmp_path):
     assert m["num_noqa"] == 2 and m["num_library_layers"] == 3
     assert m["upward_imports"] == ["eagle3.config -> eagle3.cli"]
     assert m["sideways_imports"] == ["eagle3.stage_b -> eagle3.stage_a.run.go"]
+
+
+def test_route_follows_the_config_through_the_library(tmp_path):
+    """scripts/route.py walks the calls that hand on the config from run_pipeline: stops at config
+    parameters and config methods, a declared stage function through the registry, the climbs back
+    up the layers, and the head before the first stage."""
+    files = {
+        "pyproject.toml": """
+            [[tool.importlinter.contracts]]
+            id = "library-layers"
+            type = "layers"
+            containers = ["eagle3"]
+            layers = ["pipeline", "stages", "stage_a", "config"]
+            """,
+        "src/eagle3/__init__.py": "",
+        "src/eagle3/config.py": """
+            from pydantic import BaseModel
+
+            class StageConfig(BaseModel):
+                def require(self) -> None:
+                    pass
+
+            class AConfig(StageConfig):
+                pass
+
+            class PipelineConfig(BaseModel):
+                a: AConfig
+
+                def resolved(self) -> "PipelineConfig":
+                    return self
+            """,
+        "src/eagle3/stage_a.py": """
+            from eagle3.config import AConfig
+
+            def run_a(cfg: AConfig) -> None:
+                cfg.require()
+                helper(cfg, 3)
+                helper(cfg, 4)
+
+            def helper(cfg: AConfig, n: int) -> None:
+                print(n)
+            """,
+        "src/eagle3/stages.py": """
+            import importlib
+
+            from eagle3.config import StageConfig
+
+            FUNCTIONS = {"a": "eagle3.stage_a:run_a"}
+
+            def run_stage_function(name: str, cfg: StageConfig) -> None:
+                module, func = FUNCTIONS[name].split(":")
+                getattr(importlib.import_module(module), func)(cfg)
+            """,
+        "src/eagle3/pipeline.py": """
+            from eagle3.config import PipelineConfig
+            from eagle3.stages import run_stage_function
+
+            def run_pipeline(cfg: PipelineConfig) -> None:
+                resolved = cfg.resolved()
+                run_stage_function("a", resolved.a)
+                print(len("not the config"))
+            """,
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(textwrap.dedent(text))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "route.py"), "--root", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    m = json.loads(out.stdout)
+    assert [(s["to"], s["climb"], s["again"]) for s in m["route"]] == [
+        ("eagle3.pipeline:run_pipeline", False, False),
+        ("eagle3.config:PipelineConfig.resolved", False, False),
+        ("eagle3.stages:run_stage_function", True, False),  # back up from config
+        ("eagle3.stage_a:run_a", False, False),  # the function the registry looked up
+        ("eagle3.config:StageConfig.require", False, False),
+        ("eagle3.stage_a:helper", True, False),
+        ("eagle3.stage_a:helper", False, True),  # a second stop, not walked again
+    ]
+    assert (m["num_stops"], m["num_modules"], m["num_visits"], m["num_climbs"]) == (7, 4, 6, 2)
+    assert m["visits"]["eagle3.stage_a"] == 2
+    assert (m["head"]["num_stops"], m["head"]["num_climbs"]) == (3, 1)

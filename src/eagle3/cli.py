@@ -1,5 +1,6 @@
-"""`eagle3` command line. One sub-command per stage of the stage registry (eagle3.stages); its flags
-are generated from the stage's config class, so every flag is a field, `--help` shows the field's
+"""`eagle3` command line. One sub-command per stage of the stage declaration (eagle3.stage_graph,
+resolved by eagle3.stages), and `stream` for its streaming step; a stage's flags are generated from
+its config class, so every flag is a field, `--help` shows the field's
 description and default, and validation errors name the field.
 
     eagle3 prepare --target T --data D --out DIR [--max-seq-len N] [--limit N]
@@ -25,7 +26,6 @@ from pydantic import BaseModel, ValidationError
 from eagle3.config import (
     RENAMED_CONFIG_KEYS,
     ConfigError,
-    PipelineConfig,
     deep_merge,
     format_validation_error,
     load_pipeline_config,
@@ -36,7 +36,16 @@ from eagle3.console import configure_output
 from eagle3.diagnose import describe_failure
 from eagle3.pipeline import run_pipeline_from_file, summarize_run
 from eagle3.plan import PlanConfig, format_plan, run_plan
-from eagle3.stages import STAGES, build_stage_config, jsonable, run_stage_function, stage_names
+from eagle3.stages import (
+    STAGES,
+    STREAM_HELP,
+    STREAM_STEP,
+    build_stage_config,
+    config_class,
+    jsonable,
+    run_stage_function,
+    stage_names,
+)
 
 PLAN_HELP = (
     "estimate disk, capture time and training GPU-hours of a pipeline config on a hardware "
@@ -206,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
             + stage
             + "` section); flags override it",
         )
-        _add_field_flags(p, spec.config, positional=spec.positional)
-        _add_renamed_flags(p, spec.config)
+        _add_field_flags(p, config_class(spec), positional=spec.positional)
+        _add_renamed_flags(p, config_class(spec))
     plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP, parents=[verbose])
     _add_field_flags(plan, PlanConfig)
     from eagle3.train.estimate import (
@@ -218,12 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         "estimate", help=ESTIMATE_HELP, description=ESTIMATE_HELP, parents=[verbose]
     )
     _add_field_flags(estimate, EstimateConfig)
-    stream = sub.add_parser(
-        "stream",
-        parents=[verbose],
-        help="streaming mode: stream-capture and stream-train at once in this process "
-        "(bounded disk; prepare and vocab must have run)",
-    )
+    stream = sub.add_parser(STREAM_STEP, parents=[verbose], help=STREAM_HELP)
     stream.add_argument(
         "--config", metavar="FILE", required=True, help="pipeline YAML with a `stream:` section"
     )
@@ -240,35 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def stage_config_from_args(stage: str, args: argparse.Namespace):
-    source_stages, stream_stages = stage_names("source"), stage_names("stream")
     values: dict[str, Any] = {}
     source = "command line"
     if getattr(args, "config", None):
         raw = load_yaml(args.config)
         source = f"{args.config} + command line"
-        if (
-            stage in source_stages and raw.get("fetch_target") and "target" in raw
-        ):  # a pipeline config
-            values = (
-                load_pipeline_config(args.config)
-                .fetch_target_config()
-                .model_dump(exclude={"stage"})
-            )
-        elif (
-            "target" in raw
+        kind = STAGES[stage].kind
+        if (kind == "source" and raw.get("fetch_target") and "target" in raw) or (
+            kind != "source"
+            and "target" in raw
             and ("data" in raw or "synthesize" in raw)
-            and (stage in PipelineConfig.model_fields or stage in stream_stages)
             and (any(k in raw for k in stage_names("pipeline")) or "work_dir" in raw)
-        ):
-            pipe = load_pipeline_config(args.config)
-            if (
-                stage in stream_stages
-            ):  # the producer / consumer side of the pipeline's streaming mode
-                values = pipe.stream_stages()[stream_stages.index(stage)].model_dump(
-                    exclude={"stage"}
-                )
-            else:
-                values = getattr(pipe.resolved(), stage).model_dump(exclude={"stage"})
+        ):  # a pipeline config: the stage's config in it (its section resolved, a stream variant)
+            values = (
+                load_pipeline_config(args.config).stage_config(stage).model_dump(exclude={"stage"})
+            )
         else:
             values = raw
     flat = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
@@ -296,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_pipeline_from_file(args.config, use_prefect=not args.no_prefect)
             print(summarize_run(args.config, result))
             return 0
-        elif args.command == "stream":
+        elif args.command == STREAM_STEP:
             from eagle3.stream import run_stream  # torch, the capture and training sides
 
             result = run_stream(load_pipeline_config(args.config))

@@ -40,6 +40,7 @@ from eagle3.config_fields import (
     Number,
 )
 from eagle3.errors import UserError
+from eagle3.stage_graph import STAGES, STREAM_STEP, pipeline_order, stage_names
 from eagle3.targets import TARGETS
 from eagle3.train_options import (
     TRAIN_MOVED_KEYS,
@@ -1339,70 +1340,82 @@ class PipelineConfig(BaseModel):
         """The training sources in mix order: `data`, synthesize's prompts, then mix.sources."""
         srcs = [MixSource(path=self.data, weight=self.mix.data_weight)] if self.data else []
         if self.synthesize.enabled:
-            out = self.synthesize.out or self.work_dir / "synthesized"
-            srcs.append(
-                MixSource(path=str(Path(out) / "prompts.jsonl"), weight=self.mix.synthesize_weight)
-            )
+            prompts = self.output_path(STAGES["mix"].reads["sources"])
+            srcs.append(MixSource(path=prompts, weight=self.mix.synthesize_weight))
         seen = {x.path for x in srcs}
         return srcs + [
             x for x in self.mix.sources if x.path not in seen
         ]  # (a resolved config lists them already)
 
+    @property
+    def mixes(self) -> bool:
+        """Whether the mix stage runs: more than one training source."""
+        return len(self.mix_sources()) > 1
+
+    def steps(self) -> list[str]:
+        """The steps `eagle3 run` takes for this config, in the declaration's order: the stages it
+        runs (`runs`), with streaming mode's step in place of the stages it stands for."""
+        order = pipeline_order(streaming=self.stream.enabled)
+        return [s for s in order if s == STREAM_STEP or self.runs(s)]
+
+    def runs(self, stage: str) -> bool:
+        """Whether `eagle3 run` runs the declared stage `stage` for this config (its `enabled`)."""
+        enabled = STAGES[stage].enabled
+        return enabled is None or bool(self.setting(enabled))
+
+    def output_path(self, source: str) -> str:
+        """Where a `reads` value of the stage declaration points ("stage" or "stage/file"), whether
+        or not that stage runs."""
+        name, _, file = source.partition("/")
+        out = getattr(self, name).out or self.work_dir / STAGES[name].writes
+        return str(Path(out) / file) if file else str(out)
+
+    def input_path(self, source: str) -> Any:
+        """The value of an input field that reads `source` (eagle3.stage_graph: "stage",
+        "stage/file" or "@pipeline field"): that stage's output when it runs, else what it would
+        have read (its `passes_on` field; a list of sources passes on its first)."""
+        if source.startswith("@"):
+            return getattr(self, source[1:])
+        stage = STAGES[source.split("/")[0]]
+        if self.runs(stage.name) or not stage.passes_on:
+            return self.output_path(source)
+        value = getattr(getattr(self, stage.name), stage.passes_on)
+        if isinstance(value, list):
+            return value[0].path if value else None
+        return value
+
+    def setting(self, source: str) -> Any:
+        """The value a `settings` entry of the declaration names ("section.field.field")."""
+        value: Any = self
+        for part in source.split("."):
+            value = getattr(value, part)
+        return value
+
     def resolved(self) -> PipelineConfig:
-        """A copy whose every stage has its input/output paths filled in."""
-        w = self.work_dir
+        """A copy whose every stage has its input/output paths filled in, from the stage declaration
+        (eagle3.stage_graph), in pipeline order: a stage writes <work_dir>/<its `writes`>; an input
+        field (`reads`) gets the output of the stage it names, or what that stage would have read
+        when it does not run; `settings` are taken from the section they name; the pipeline's own
+        `target`, `chat_template_kwargs` and `trust_remote_code` go to every section that has the
+        field. A field set in the config is kept."""
         c = self.model_copy(deep=True)
-        regen = c.regenerate.enabled
-        _fill(c.synthesize, target=c.target, out=w / "synthesized")
-        sources = c.mix_sources()
-        c.mix.sources = sources
-        _fill(c.mix, out=w / "mixed")
-        data = str(Path(c.mix.out) / "conversations.jsonl") if len(sources) > 1 else sources[0].path
-        _fill(c.regenerate, target=c.target, data=data, out=w / "regenerated")
-        prepare_data = str(w / "regenerated" / "conversations.jsonl") if regen else data
-        _fill(c.prepare, target=c.target, data=prepare_data, out=w / "prepared")
-        _fill(c.capture, target=c.target, data=str(w / "prepared"), out=w / "captured")
-        _fill(c.vocab, data=str(w / "prepared"), out=w / "vocab")
-        _fill(
-            c.train,
-            target=c.target,
-            captured=str(w / "captured"),
-            vocab=str(w / "vocab"),
-            out=w / "train",
-            num_speculative_tokens=c.evaluate.num_speculative_tokens,
-        )
-        _fill(
-            c.refine,
-            target=c.target,
-            checkpoint=str(w / "train"),
-            data=str(w / "prepared"),
-            vocab=str(w / "vocab"),
-            captured=str(w / "captured"),
-            out=w / "refine",
-            backend=c.capture.backend,
-            device=c.capture.device,
-            num_speculative_tokens=c.evaluate.num_speculative_tokens,
-        )
-        for section in (c.regenerate, c.prepare, c.refine, c.evaluate):
-            _fill(section, chat_template_kwargs=c.chat_template_kwargs)
-        sections = (c.synthesize, c.regenerate, c.prepare, c.capture, c.refine, c.evaluate)
-        for section in sections:
-            section.trust_remote_code = section.trust_remote_code or c.trust_remote_code
-        trained = w / ("refine" if c.refine.enabled else "train")  # export reads refine's, if run
-        _fill(c.export, checkpoint=str(trained), out=w / "draft", target=c.target)
-        _fill(
-            c.evaluate,
-            target=c.target,
-            draft=str(w / "draft"),
-            prompts=c.eval_prompts,
-            out=w / "evaluate",
-        )
+        c.mix.sources = c.mix_sources()
+        for name in stage_names("pipeline"):
+            stage, section = STAGES[name], getattr(c, name)
+            _fill(section, out=c.work_dir / stage.writes)
+            _fill(section, **{f: c.input_path(src) for f, src in stage.reads.items()})
+            _fill(section, **{f: c.setting(src) for f, src in stage.settings.items()})
+            fields = type(section).model_fields
+            _fill(section, **{f: getattr(c, f) for f in PIPELINE_WIDE if f in fields})
+            if "trust_remote_code" in fields:
+                section.trust_remote_code = section.trust_remote_code or c.trust_remote_code
         return c
 
     def stream_stages(self) -> tuple[StreamCaptureConfig, StreamTrainConfig]:
-        """Streaming mode's producer and consumer configs: the resolved capture/train sections, the
-        spool (stream.spool, default <work_dir>/spool) as capture's `out` and train's `captured`,
-        and the producer's epochs / validation split / seed taken from train."""
+        """Streaming mode's producer and consumer configs (the declaration's stream variants): each
+        from the resolved section it stands for, with the spool (stream.spool, default
+        <work_dir>/spool) as the producer's output and the consumer's input, and its `settings`
+        (the producer's epochs, validation split and seed: train's)."""
         c = self.resolved()
         if not float(c.train.epochs).is_integer():
             raise ConfigError(
@@ -1410,22 +1423,36 @@ class PipelineConfig(BaseModel):
                 "epochs must be a whole number (set train.epochs to an integer, or stream.enabled: "
                 "false)"
             )
-        spool = c.stream.spool or c.work_dir / "spool"
         knobs = c.stream.model_dump(include=set(SpoolSettings.model_fields))
-        produce = StreamCaptureConfig(
-            **{
-                **c.capture.model_dump(exclude={"stage"}),
-                **knobs,
-                "out": spool,
-                "epochs": int(c.train.epochs),
-                "val_fraction": c.train.loader.val_fraction,
-                "seed": c.train.seed,
-            }
-        )
-        consume = StreamTrainConfig(
-            **{**c.train.model_dump(exclude={"stage"}), **knobs, "captured": str(spool)}
-        )
+        configs = []
+        for name in stage_names("stream"):
+            stage = STAGES[name]
+            values = {**getattr(c, stage.variant_of).model_dump(exclude={"stage"}), **knobs}
+            if stage.writes:
+                values["out"] = c.spool_dir(name)
+            values.update({f: str(c.spool_dir(src)) for f, src in stage.reads.items()})
+            values.update({f: c.setting(src) for f, src in stage.settings.items()})
+            configs.append(globals()[stage.config_ref[1]](**values))
+        produce, consume = configs
         return produce, consume
+
+    def stage_config(self, name: str) -> StageConfig | None:
+        """The config this pipeline gives the declared stage `name`: its resolved section, a stream
+        variant (stream_stages), or the fetch-target run (None when not configured)."""
+        kind = STAGES[name].kind
+        if kind == "stream":
+            return self.stream_stages()[stage_names("stream").index(name)]
+        if kind == "source":
+            return self.fetch_target_config()
+        return getattr(self.resolved(), name)
+
+    def spool_dir(self, stage: str) -> Path:
+        """The output of a stream variant: the spool (stream.spool, default <work_dir>/spool)."""
+        return self.stream.spool or self.work_dir / STAGES[stage].writes
+
+
+#: PipelineConfig settings that fill the field of that name in every section that has one
+PIPELINE_WIDE = ("target", "chat_template_kwargs")
 
 
 def _fill(stage: StageConfig, **values: Any) -> None:

@@ -1,6 +1,6 @@
-"""The whole pipeline in stage order (eagle3.stages). `eagle3 run` hands the config to the
-orchestration layer that registers itself as a pipeline runner (the Prefect flow,
-eagle3_prefect.flows.pipeline, which adds caching, retries and artifacts) when it is installed;
+"""The whole pipeline in the order of the stage declaration (eagle3.stage_graph). `eagle3 run`
+hands the config to the orchestration layer that registers itself as a pipeline runner (the Prefect
+flow, eagle3_prefect.flows.pipeline, which adds caching, retries and artifacts) when installed;
 `run_pipeline` is the same sequence in-process, with no orchestration, for machines without Prefect
 (e.g. a bare GPU box) and for `eagle3 run --no-prefect`.
 
@@ -22,7 +22,7 @@ from eagle3.config import PipelineConfig, load_pipeline_config
 from eagle3.console import StageLine, format_summary, summary_rows
 from eagle3.io import write_json
 from eagle3.lock import dir_lock
-from eagle3.stages import STAGES, STREAM_STEP, jsonable, pipeline_order, run_stage_function
+from eagle3.stages import STREAM_STEP, jsonable, pipeline_order, run_stage_function
 from eagle3.targets import run_fetch_target
 from eagle3.testing.tiny import TinySpec, build_tiny_target
 
@@ -56,10 +56,9 @@ def ensure_target(cfg: PipelineConfig) -> None:
 
 
 def enabled_stages(cfg: PipelineConfig) -> list[str]:
-    """The steps `eagle3 run` takes for this config, in order (each stage's `enabled` in
-    eagle3.stages)."""
-    order = STREAM_ORDER if cfg.stream.enabled else STAGE_ORDER
-    return [s for s in order if s == STREAM_STEP or STAGES[s].enabled(cfg)]
+    """The steps `eagle3 run` takes for this config, in order (PipelineConfig.steps: each stage's
+    `enabled` in eagle3.stage_graph)."""
+    return cfg.steps()
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
@@ -71,9 +70,8 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
 
 def _run_pipeline(cfg: PipelineConfig) -> PipelineResult:
     ensure_target(cfg)
-    resolved = cfg.resolved()
+    stages, resolved = cfg.steps(), cfg.resolved()  # the steps in order, each on its section
     result = PipelineResult(name=cfg.name, work_dir=cfg.work_dir)
-    stages = enabled_stages(cfg)
     for i, stage in enumerate(stages, start=1):
         t0 = time.time()
         log.info("stage %s: starting", stage)
