@@ -545,33 +545,15 @@ def _regenerate(
     built with `eagle3.vllm_engine.engine_kwargs`. `on_batch(batch_index, rows_done)` is called
     after each batch is durably written (progress reporting; raising in it stops the run resumably).
     """
-    from tqdm import tqdm
-
     cfg.require("target", "data", "out")
     t0 = time.time()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    final, partial, progress_path = out / OUTPUT, out / PARTIAL, out / PROGRESS
     fp = _fingerprint(cfg)
-
-    if final.is_file() and (out / MANIFEST).is_file():
-        manifest = read_json(out / MANIFEST)
-        if manifest.get("fingerprint") == fp and manifest.get("limit") == cfg.limit:
-            before, now = manifest.get("target_fingerprint"), target_fingerprint(cfg.target)
-            differs = before and now and describe_difference(before, now)
-            if differs:  # same path and settings, other weights: the answers are another model's
-                raise ValueError(
-                    f"{out / MANIFEST}: these answers were written by other target "
-                    f"weights ({differs}); regenerate them into a new --out, or "
-                    f"delete {out}"
-                )
-            log.info("%s is complete for these settings; nothing to do", final)
-            return _result_from_manifest(out, manifest, time.time() - t0)
-        raise ValueError(
-            f"{out} already holds a finished regeneration made with other settings "
-            f"(manifest fingerprint {manifest.get('fingerprint', '?')[:12]}, limit "
-            f"{manifest.get('limit')}); pass a new --out or delete the directory"
-        )
+    finished = _finished_manifest(cfg, out, fp)
+    if finished is not None:
+        log.info("%s is complete for these settings; nothing to do", out / OUTPUT)
+        return _result_from_manifest(out, finished, time.time() - t0)
 
     read = read_conversations(cfg.data, limit=cfg.limit, require_assistant=False)
     check_skipped(
@@ -583,81 +565,54 @@ def _regenerate(
         "regenerate:",
     )
     convs = list(enumerate(read.conversations))
-
-    start, stats = 0, _Stats()
     weights = target_fingerprint(cfg.target)  # every weight file: the model of the answers
-    if progress_path.is_file() and partial.is_file():
-        prog = read_json(progress_path)
-        if prog.get("fingerprint") != fp:
-            raise ValueError(
-                f"{progress_path} belongs to a run with other settings "
-                f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or "
-                f"delete {out}"
-            )
-        before = prog.get("target_fingerprint")
-        differs = before and weights and describe_difference(before, weights)
-        if differs:
-            raise ValueError(
-                f"{progress_path}: the answers so far were written by other target "
-                f"weights ({differs}); resuming would mix two models: pass a new "
-                f"--out or delete {out}"
-            )
-        start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
-        if start > len(convs):
-            raise ValueError(
-                f"{progress_path}: {start} rows are already done but --limit {cfg.limit} leaves "
-                f"{len(convs)}; rerun with the earlier (or no) --limit, or a new --out"
-            )
-        with open(partial, "r+b") as f:  # drop a batch that was appended but not recorded
-            f.truncate(int(prog["bytes"]))
-        log.info("resuming %s after %d of %d conversations", out, start, len(convs))
-    else:
-        partial.unlink(missing_ok=True)
-        progress_path.unlink(missing_ok=True)
-        partial.touch()
+    start, stats = _resume(cfg, out, fp, weights, len(convs))
 
     tok = open_renderer(cfg)
     gen, engine = open_generator(cfg, tok, llm)
     if isinstance(gen, _VllmGenerator):
         gen.owned = False  # as before: the engine lives as long as this process (or `llm`)
-
     try:
-        bs = cfg.batch_size
-        bar = tqdm(
-            total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True
-        )
-        written = _count_lines(partial) if start else 0
+        written = _count_lines(out / PARTIAL) if start else 0
         gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
-        for batch_index, b in enumerate(range(start, len(convs), bs), start=start // bs):
-            rows = _regenerate_batch(gen, tok, convs[b : b + bs], cfg, stats)
-            size = _append_rows(partial, rows)
-            written += len(rows)
-            done = min(b + bs, len(convs))
-            write_json(
-                progress_path,
-                {
-                    "fingerprint": fp,
-                    "rows_done": done,
-                    "bytes": size,
-                    "written": written,
-                    "stats": stats.to_json(),
-                    "target_fingerprint": weights,
-                },
-            )
-            bar.update(done - b)
-            rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
-            bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
-            if on_batch is not None:
-                on_batch(batch_index, done)
-        bar.close()
+        progress = {"fingerprint": fp, "target_fingerprint": weights}
+        written = _write_batches(cfg, gen, tok, convs, start, stats, written, progress, on_batch)
     finally:
         if getattr(gen, "chat", False):
             engine["requests"] = gen.client.counts.to_json()
             gen.close()  # a server the stage started stops here, on success or failure
 
     elapsed = time.time() - t0
-    gen_s = time.time() - gen_t0
-    manifest = {
+    decode_tokens_per_s = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
+    manifest = _manifest(cfg, fp, weights, read, stats, written, tok, engine)
+    manifest.update(
+        decode_tokens_per_s_this_run=round(decode_tokens_per_s, 1),
+        resumed_from_row=start,
+        elapsed_s=round(elapsed, 1),
+        vllm_version=_vllm_version(),
+        notes="answers that hit max_new_tokens (finish reason `length`) are kept as generated"
+        if not cfg.drop_truncated
+        else "turns that hit max_new_tokens end their conversation (drop_truncated)",
+    )
+    os.replace(out / PARTIAL, out / OUTPUT)
+    write_json(out / MANIFEST, manifest)
+    (out / PROGRESS).unlink(missing_ok=True)
+    return _result_from_manifest(out, manifest, elapsed)
+
+
+def _manifest(
+    cfg: RegenerateConfig,
+    fp: str,
+    weights: Any,
+    read: Any,
+    stats: _Stats,
+    written: int,
+    tok: ChatRenderer,
+    engine: dict[str, Any],
+) -> dict[str, Any]:
+    """The finished run's manifest: its settings, the target's weights, the counts, the chat
+    template and the engine (the run's timings are added by the caller)."""
+    return {
         "stage": "regenerate",
         "fingerprint": fp,
         "limit": cfg.limit,
@@ -683,20 +638,113 @@ def _regenerate(
         "input_turns": dict(read.turns),
         "config": cfg.model_dump(mode="json"),
         "engine": dict(engine),
-        "decode_tokens_per_s_this_run": round(
-            (stats.generated_tokens - gen_tokens0) / max(gen_s, 1e-9), 1
-        ),
-        "resumed_from_row": start,
-        "elapsed_s": round(elapsed, 1),
-        "vllm_version": _vllm_version(),
-        "notes": "answers that hit max_new_tokens (finish reason `length`) are kept as generated"
-        if not cfg.drop_truncated
-        else "turns that hit max_new_tokens end their conversation (drop_truncated)",
     }
-    os.replace(partial, final)
-    write_json(out / MANIFEST, manifest)
-    progress_path.unlink(missing_ok=True)
-    return _result_from_manifest(out, manifest, elapsed)
+
+
+def _finished_manifest(cfg: RegenerateConfig, out: Path, fp: str) -> dict[str, Any] | None:
+    """The manifest of the finished regeneration in `out` when it was made with these settings
+    and target weights (an error when with others); None when `out` holds none."""
+    if not ((out / OUTPUT).is_file() and (out / MANIFEST).is_file()):
+        return None
+    manifest = read_json(out / MANIFEST)
+    if manifest.get("fingerprint") == fp and manifest.get("limit") == cfg.limit:
+        before, now = manifest.get("target_fingerprint"), target_fingerprint(cfg.target)
+        differs = before and now and describe_difference(before, now)
+        if differs:  # same path and settings, other weights: the answers are another model's
+            raise ValueError(
+                f"{out / MANIFEST}: these answers were written by other target "
+                f"weights ({differs}); regenerate them into a new --out, or "
+                f"delete {out}"
+            )
+        return manifest
+    raise ValueError(
+        f"{out} already holds a finished regeneration made with other settings "
+        f"(manifest fingerprint {manifest.get('fingerprint', '?')[:12]}, limit "
+        f"{manifest.get('limit')}); pass a new --out or delete the directory"
+    )
+
+
+def _resume(
+    cfg: RegenerateConfig, out: Path, fp: str, weights: Any, num_convs: int
+) -> tuple[int, _Stats]:
+    """Where an interrupted run of these settings and weights stopped: the conversations done and
+    the counts so far, the partial output cut back to its last recorded batch. (0, fresh counts)
+    and an empty partial output when there is none."""
+    partial, progress_path = out / PARTIAL, out / PROGRESS
+    if not (progress_path.is_file() and partial.is_file()):
+        partial.unlink(missing_ok=True)
+        progress_path.unlink(missing_ok=True)
+        partial.touch()
+        return 0, _Stats()
+    prog = read_json(progress_path)
+    if prog.get("fingerprint") != fp:
+        raise ValueError(
+            f"{progress_path} belongs to a run with other settings "
+            f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or "
+            f"delete {out}"
+        )
+    before = prog.get("target_fingerprint")
+    differs = before and weights and describe_difference(before, weights)
+    if differs:
+        raise ValueError(
+            f"{progress_path}: the answers so far were written by other target "
+            f"weights ({differs}); resuming would mix two models: pass a new "
+            f"--out or delete {out}"
+        )
+    start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
+    if start > num_convs:
+        raise ValueError(
+            f"{progress_path}: {start} rows are already done but --limit {cfg.limit} leaves "
+            f"{num_convs}; rerun with the earlier (or no) --limit, or a new --out"
+        )
+    with open(partial, "r+b") as f:  # drop a batch that was appended but not recorded
+        f.truncate(int(prog["bytes"]))
+    log.info("resuming %s after %d of %d conversations", out, start, num_convs)
+    return start, stats
+
+
+def _write_batches(
+    cfg: RegenerateConfig,
+    gen: Any,
+    tok: ChatRenderer,
+    convs: list[tuple[int, Conversation]],
+    start: int,
+    stats: _Stats,
+    written: int,
+    progress: dict[str, Any],
+    on_batch: Callable[[int, int], None] | None,
+) -> int:
+    """Regenerate convs[start:] batch by batch, appending each batch's rows to the partial output
+    and recording it in progress.json (with `progress`'s keys) before the next; the number of
+    rows written in all."""
+    from tqdm import tqdm
+
+    out, bs = Path(cfg.out), cfg.batch_size
+    bar = tqdm(total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True)
+    gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
+    for batch_index, b in enumerate(range(start, len(convs), bs), start=start // bs):
+        rows = _regenerate_batch(gen, tok, convs[b : b + bs], cfg, stats)
+        size = _append_rows(out / PARTIAL, rows)
+        written += len(rows)
+        done = min(b + bs, len(convs))
+        write_json(
+            out / PROGRESS,
+            {
+                "fingerprint": progress["fingerprint"],
+                "rows_done": done,
+                "bytes": size,
+                "written": written,
+                "stats": stats.to_json(),
+                "target_fingerprint": progress["target_fingerprint"],
+            },
+        )
+        bar.update(done - b)
+        rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
+        bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
+        if on_batch is not None:
+            on_batch(batch_index, done)
+    bar.close()
+    return written
 
 
 def _count_lines(path: Path) -> int:
