@@ -222,6 +222,35 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             "model dir"
         )
     target_cfg = json.loads(tpath.read_text())
+    tensors = _read_finite_weights(ck)
+    manifest = _manifest(meta.captured)
+    validate(meta, dcfg, tensors, target_cfg, manifest)
+    serves = _check_target(cfg, meta, ck, target, manifest)
+    _check_vocab(meta, tensors)
+    ids = list(meta.aux_layer_ids)
+    out_t = _served_tensors(tensors, dcfg)
+    verifier = {"name_or_path": meta.target, "architectures": target_cfg.get("architectures", [])}
+    config = family.export_config(dcfg, ids, cfg.format, verifier)
+    if cfg.format == "speculators":
+        out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
+
+        out_t["embed_tokens.weight"] = (
+            load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
+        )
+    with atomic_dir(cfg.out) as tmp:
+        save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+        meta.model_copy(update={**serves, "export_format": cfg.format}).save(tmp)
+        for name in TOKENIZER_FILES:
+            if (Path(target) / name).is_file():
+                shutil.copy2(Path(target) / name, tmp / name)
+    return ExportResult(
+        Path(cfg.out), cfg.format, ck, config, {k: list(v.shape) for k, v in out_t.items()}, ids
+    )
+
+
+def _read_finite_weights(ck: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights; ExportError when any holds NaN/inf."""
     tensors = read_safetensors(
         ck / WEIGHTS,
         "draft checkpoint weights",
@@ -235,8 +264,16 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             "anything; nothing was written. Export an earlier checkpoint or train again (check "
             "the capture)"
         )
-    manifest = _manifest(meta.captured)
-    validate(meta, dcfg, tensors, target_cfg, manifest)
+    return tensors
+
+
+def _check_target(
+    cfg: ExportConfig, meta: DraftMetadata, ck: Path, target: str, manifest: Any
+) -> dict[str, Any]:
+    """Check that `target` is the one the checkpoint and its capture were made from; the draft's
+    record of the target it serves, for evaluate: the one checked here (or, with
+    allow_target_mismatch, the one it was told to serve); {} for a config-only target, whose
+    trained-with record stays."""
     identity = target_identity(target)  # config sha256, layer count, every weight file's sha256
     if identity["fingerprint"] is None:
         print(
@@ -263,15 +300,17 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             identity=identity,
             error=ExportError,
         )
-    # the draft's record of its target, for evaluate: the one export checked it against (or, with
-    # allow_target_mismatch, was told to serve it with); a config-only target: the trained-with one
-    serves = {}
-    if identity["fingerprint"] is not None:
-        serves = {
-            **identity_record(identity),
-            "target": str(Path(target).resolve()),
-            "target_num_layers": identity["num_hidden_layers"],
-        }
+    if identity["fingerprint"] is None:
+        return {}
+    return {
+        **identity_record(identity),
+        "target": str(Path(target).resolve()),
+        "target_num_layers": identity["num_hidden_layers"],
+    }
+
+
+def _check_vocab(meta: DraftMetadata, tensors: dict[str, torch.Tensor]) -> None:
+    """ExportError when the vocab dir the draft was trained with was rebuilt since."""
     vocab_file = Path(meta.vocab or "") / DraftVocab.FILE
     if meta.vocab and vocab_file.is_file():
         d2t = DraftVocab.load(meta.vocab).torch_maps()[0]
@@ -283,7 +322,10 @@ def run_export(cfg: ExportConfig) -> ExportResult:
                 "re-train"
             )
 
-    ids = list(meta.aux_layer_ids)
+
+def _served_tensors(tensors: dict[str, torch.Tensor], dcfg: DraftConfig) -> dict[str, torch.Tensor]:
+    """The draft's tensors as vLLM loads them: bfloat16 weights, int64 d2t, bool t2d; with equal
+    vocabularies no mapping, the lm_head rows in target-id order instead."""
     out_t = {
         k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous()
         for k, v in tensors.items()
@@ -299,21 +341,4 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         head = torch.empty_like(out_t["lm_head.weight"])  # (V, H)
         head[order] = out_t["lm_head.weight"]
         out_t["lm_head.weight"] = head
-    verifier = {"name_or_path": meta.target, "architectures": target_cfg.get("architectures", [])}
-    config = family.export_config(dcfg, ids, cfg.format, verifier)
-    if cfg.format == "speculators":
-        out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
-
-        out_t["embed_tokens.weight"] = (
-            load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
-        )
-    with atomic_dir(cfg.out) as tmp:
-        save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        write_json(tmp / "config.json", config)
-        meta.model_copy(update={**serves, "export_format": cfg.format}).save(tmp)
-        for name in TOKENIZER_FILES:
-            if (Path(target) / name).is_file():
-                shutil.copy2(Path(target) / name, tmp / name)
-    return ExportResult(
-        Path(cfg.out), cfg.format, ck, config, {k: list(v.shape) for k, v in out_t.items()}, ids
-    )
+    return out_t
