@@ -395,72 +395,87 @@ def _regenerate_batch(
 ) -> list[dict[str, Any]]:
     """Regenerate one batch turn by turn; returns the output rows (in input order). Each
     regenerated turn keeps the ids the target generated and the prompt ids it was given."""
-    max_prompt = cfg.max_model_len - cfg.max_new_tokens
-    states = []
-    for row_index, conv in convs:
-        states.append(
-            {
-                "row": row_index,
-                "conv": conv,
-                "points": generation_points(conv.messages),
-                "out": [],
-                "next": 0,
-                "done": False,
-                "kwargs": tok.kwargs_for(conv.chat_template_kwargs),
-                "source": conv.source or str(cfg.data),
-            }
-        )
+    states = [
+        {
+            "row": row_index,
+            "conv": conv,
+            "points": generation_points(conv.messages),
+            "out": [],
+            "next": 0,
+            "done": False,
+            "kwargs": tok.kwargs_for(conv.chat_template_kwargs),
+            "source": conv.source or str(cfg.data),
+        }
+        for row_index, conv in convs
+    ]
     turn = 0
     while True:
-        active, prompts, seeds = [], [], []
-        for st in states:
-            if st["done"] or turn >= len(st["points"]):
-                st["done"] = True
-                continue
-            point = st["points"][turn]
-            prev = st["points"][turn - 1] + 1 if turn else 0
-            context = st["out"] + [dict(m) for m in st["conv"].messages[prev:point]]
-            ids = tok.prompt_ids(context, st["kwargs"])
-            if len(ids) > max_prompt:
-                stats.dropped["prompt_too_long" if turn == 0 else "truncated_too_long"] += 1
-                st["done"] = True
-                continue
-            st["pending"] = (context, ids)
-            active.append(st)
-            prompts.append(ids)
-            seeds.append(
-                None
-                if cfg.temperature == 0
-                else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31)
-            )
+        active = _prompt_turn(states, turn, tok, cfg, stats)
         if not active:
             break
-        if getattr(gen, "chat", False):
-            contexts = [st["pending"][0] for st in active]
-            outputs = gen.generate_turns(contexts, seeds, [st["kwargs"] for st in active])
-        else:
-            outputs = [
-                GeneratedTurn(prompt, list(ids), "", None, finish)
-                for prompt, (ids, _, finish) in zip(
-                    prompts, gen.generate(prompts, seeds), strict=True
-                )
-            ]
+        outputs = _generate_turns(gen, active, cfg, turn)
         for st, generated in zip(active, outputs, strict=True):
             context, prompt_ids = st.pop("pending")
             _take_turn(st, context, prompt_ids, generated, tok, cfg, stats)
         turn += 1
-    rows = []
+    return [_output_row(st) for st in states if any(m["role"] == "assistant" for m in st["out"])]
+
+
+def _prompt_turn(
+    states: list[dict[str, Any]], turn: int, tok: ChatRenderer, cfg: RegenerateConfig, stats: _Stats
+) -> list[dict[str, Any]]:
+    """The conversations that go on to their `turn`-th generation, each with its prompt
+    (`pending`: the context and its ids); a conversation out of turns, or whose prompt is longer
+    than max_model_len leaves room for, is done (the latter counted as dropped)."""
+    max_prompt = cfg.max_model_len - cfg.max_new_tokens
+    active = []
     for st in states:
-        if any(m["role"] == "assistant" for m in st["out"]):
-            row = {"id": st["conv"].sample_id, "messages": st["out"]}
-            if st["conv"].category is not None:  # kept for per-category figures downstream
-                row["category"] = st["conv"].category
-            if st["conv"].chat_template_kwargs is not None:
-                row["chat_template_kwargs"] = st["conv"].chat_template_kwargs
-            if st["conv"].source is not None:
-                row["source"] = st["conv"].source
-            rows.append(row)
-    return rows
+        if st["done"] or turn >= len(st["points"]):
+            st["done"] = True
+            continue
+        point = st["points"][turn]
+        prev = st["points"][turn - 1] + 1 if turn else 0
+        context = st["out"] + [dict(m) for m in st["conv"].messages[prev:point]]
+        ids = tok.prompt_ids(context, st["kwargs"])
+        if len(ids) > max_prompt:
+            stats.dropped["prompt_too_long" if turn == 0 else "truncated_too_long"] += 1
+            st["done"] = True
+            continue
+        st["pending"] = (context, ids)
+        active.append(st)
+    return active
+
+
+def _generate_turns(
+    gen: Any, active: list[dict[str, Any]], cfg: RegenerateConfig, turn: int
+) -> list[GeneratedTurn]:
+    """One turn for each active conversation: through the chat API (a server), or from its prompt
+    ids (an engine); seeded per row and turn unless greedy."""
+    seeds = [
+        None if cfg.temperature == 0 else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31)
+        for st in active
+    ]
+    if getattr(gen, "chat", False):
+        contexts = [st["pending"][0] for st in active]
+        return gen.generate_turns(contexts, seeds, [st["kwargs"] for st in active])
+    prompts = [st["pending"][1] for st in active]
+    return [
+        GeneratedTurn(prompt, list(ids), "", None, finish)
+        for prompt, (ids, _, finish) in zip(prompts, gen.generate(prompts, seeds), strict=True)
+    ]
+
+
+def _output_row(st: dict[str, Any]) -> dict[str, Any]:
+    """A regenerated conversation as an output row."""
+    conv = st["conv"]
+    row = {"id": conv.sample_id, "messages": st["out"]}
+    if conv.category is not None:  # kept for per-category figures downstream
+        row["category"] = conv.category
+    if conv.chat_template_kwargs is not None:
+        row["chat_template_kwargs"] = conv.chat_template_kwargs
+    if conv.source is not None:
+        row["source"] = conv.source
+    return row
 
 
 def _take_turn(
@@ -555,15 +570,7 @@ def _regenerate(
         log.info("%s is complete for these settings; nothing to do", out / OUTPUT)
         return _result_from_manifest(out, finished, time.time() - t0)
 
-    read = read_conversations(cfg.data, limit=cfg.limit, require_assistant=False)
-    check_skipped(
-        read.source,
-        read.num_rows,
-        read.skipped,
-        read.skip_rows,
-        cfg.max_skipped_fraction,
-        "regenerate:",
-    )
+    read = _read_input(cfg)
     convs = list(enumerate(read.conversations))
     weights = target_fingerprint(cfg.target)  # every weight file: the model of the answers
     start, stats = _resume(cfg, out, fp, weights, len(convs))
@@ -598,6 +605,21 @@ def _regenerate(
     write_json(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
     return _result_from_manifest(out, manifest, elapsed)
+
+
+def _read_input(cfg: RegenerateConfig) -> Any:
+    """The conversations to regenerate (eagle3.chat_formats.read_conversations); an error when
+    more rows than cfg.max_skipped_fraction cannot be read."""
+    read = read_conversations(cfg.data, limit=cfg.limit, require_assistant=False)
+    check_skipped(
+        read.source,
+        read.num_rows,
+        read.skipped,
+        read.skip_rows,
+        cfg.max_skipped_fraction,
+        "regenerate:",
+    )
+    return read
 
 
 def _manifest(
