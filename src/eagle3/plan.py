@@ -826,8 +826,22 @@ def _fmt_hours(h: float) -> str:
 
 def format_plan(r: PlanResult) -> str:
     """The human-readable table `eagle3 plan` prints."""
+    rows = _input_rows(r) + _estimate_rows(r)
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("basis:")
+    if r.regenerate is not None:
+        lines.append(f"  regenerate: {r.regenerate.basis}")
+    lines.append(f"  capture: {r.capture.basis}")
+    lines.append(f"  train: {r.train.basis}")
+    lines += [f"note: {n}" for n in r.notes]
+    return "\n".join(lines)
+
+
+def _input_rows(r: PlanResult) -> list[tuple[str, str]]:
+    """The plan's inputs (config, target, hardware, dataset, storage, disk) and its mode."""
     hw, st = r.hardware, r.storage
-    rows = [
+    return [
         ("config", r.config),
         (
             "target",
@@ -867,12 +881,30 @@ def format_plan(r: PlanResult) -> str:
         ),
         ("disk", f"{format_bytes(r.disk_bytes)} ({hw['disk_source']})"),
         ("mode", f"{r.mode.upper()}: {r.mode_reason}"),
+    ]
+
+
+def _estimate_rows(r: PlanResult) -> list[tuple[str, str]]:
+    """The plan's estimates: the target's weights per GPU, then each stage's time."""
+    hw = r.hardware
+    rows = [
         (
             "target weights",
             f"{r.weights_per_gpu_bytes / 1e9:,.0f} GB/GPU at {r.target_weight_bits} bits, "
             f"TP={r.capture_tensor_parallel_size} -> {'fits' if r.weights_fit else 'DOES NOT FIT'} "
             f"{hw['memory_gb']:g} GB",
         ),
+    ]
+    if r.regenerate is not None:
+        rows.append(
+            (
+                "regenerate",
+                f"<= {r.regenerate_tokens:,.0f} tokens generated; "
+                f"{r.regenerate.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.regenerate.hours)} "
+                f"wall, {r.regenerate.gpu_hours:,.0f} GPU-h (bound: {r.regenerate.bound})",
+            ),
+        )
+    return rows + [
         (
             "capture",
             f"{r.capture.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.capture.hours)} wall, "
@@ -887,22 +919,3 @@ def format_plan(r: PlanResult) -> str:
             "states",
         ),
     ]
-    if r.regenerate is not None:
-        rows.insert(
-            -2,
-            (
-                "regenerate",
-                f"<= {r.regenerate_tokens:,.0f} tokens generated; "
-                f"{r.regenerate.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.regenerate.hours)} "
-                f"wall, {r.regenerate.gpu_hours:,.0f} GPU-h (bound: {r.regenerate.bound})",
-            ),
-        )
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-    lines.append("basis:")
-    if r.regenerate is not None:
-        lines.append(f"  regenerate: {r.regenerate.basis}")
-    lines.append(f"  capture: {r.capture.basis}")
-    lines.append(f"  train: {r.train.basis}")
-    lines += [f"note: {n}" for n in r.notes]
-    return "\n".join(lines)
