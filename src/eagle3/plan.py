@@ -313,6 +313,12 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
                 f"PlanConfig.results_dir = {str(rdir)!r}: {p.name} is missing; point --results-dir "
                 "at a dir holding both (benchmarks/results of a repository checkout)"
             )
+    return {"capture": _capture_anchor(cap_p, storage_dtype), "train": _train_anchor(train_p)}
+
+
+def _capture_anchor(cap_p: Path, storage_dtype: str) -> dict[str, Any]:
+    """The measured capture rate (of `storage_dtype`, else bfloat16) and the FLOP rate it
+    implies."""
     cap = read_json(cap_p)
     per = (
         (cap.get("per_storage_dtype") or {}).get(storage_dtype)
@@ -323,7 +329,22 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
     mean_len = cap["num_tokens"] / cap["num_prompts"]
     overhead = float(per.get("ratio_of_means") or cap.get("ratio_of_means") or 1.0)
     ref_flops = count_target_forward_flops(REFBENCH_TARGET, mean_len)["total"]
+    return {
+        "file": str(cap_p.name),
+        "key": f"per_storage_dtype.{storage_dtype}.capture_tokens_per_s",
+        "tokens_per_s": cap_tps,
+        "target": "refbench target-a-llama (8 layers, H=384)",
+        "mean_prompt_tokens": round(mean_len, 1),
+        "flops_per_token": ref_flops,
+        "achieved_flops": cap_tps * ref_flops,
+        "capture_over_prefill": overhead,
+        "machine": f"{cap['machine'].get('cpu_count')}-core CPU, {cap.get('dtype', '?')} compute",
+        "date": cap.get("date"),
+    }
 
+
+def _train_anchor(train_p: Path) -> dict[str, Any]:
+    """The fastest measured GPU training configuration and the FLOP rate it achieved."""
     tr = read_json(train_p)
     ok = [
         c
@@ -341,32 +362,17 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
     spec = float((tr.get("rates") or {}).get("spec_bf16_flops") or H200_BF16_TFLOPS * 1e12)
     achieved = best["tokens_per_s"] * f_tok
     return {
-        "capture": {
-            "file": str(cap_p.name),
-            "key": f"per_storage_dtype.{storage_dtype}.capture_tokens_per_s",
-            "tokens_per_s": cap_tps,
-            "target": "refbench target-a-llama (8 layers, H=384)",
-            "mean_prompt_tokens": round(mean_len, 1),
-            "flops_per_token": ref_flops,
-            "achieved_flops": cap_tps * ref_flops,
-            "capture_over_prefill": overhead,
-            "machine": f"{cap['machine'].get('cpu_count')}-core CPU, {cap.get('dtype', '?')} "
-            "compute",
-            "date": cap.get("date"),
-        },
-        "train": {
-            "file": str(train_p.name),
-            "config": best["name"],
-            "tokens_per_s": best["tokens_per_s"],
-            "seq": best["seq"],
-            "K": best["K"],
-            "dims": dims,
-            "flops_per_token": f_tok,
-            "achieved_flops": achieved,
-            "gpu": (tr.get("machine") or {}).get("gpu"),
-            "mfu_vs_datasheet": achieved / spec,
-            "date": tr.get("date"),
-        },
+        "file": str(train_p.name),
+        "config": best["name"],
+        "tokens_per_s": best["tokens_per_s"],
+        "seq": best["seq"],
+        "K": best["K"],
+        "dims": dims,
+        "flops_per_token": f_tok,
+        "achieved_flops": achieved,
+        "gpu": (tr.get("machine") or {}).get("gpu"),
+        "mfu_vs_datasheet": achieved / spec,
+        "date": tr.get("date"),
     }
 
 
