@@ -30,7 +30,6 @@ settings in the same `out` are refused.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -46,7 +45,7 @@ import numpy as np
 
 from eagle3.config import SynthesizeConfig
 from eagle3.data.generate_hf import HfGenerator
-from eagle3.io import atomic_path, read_json, sha256_file, sha256_json, write_json
+from eagle3.io import read_json, sha256_file, sha256_json, write_json, write_jsonl
 from eagle3.lock import dir_lock, record_engine_processes
 from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
 
@@ -361,9 +360,7 @@ def _synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
         rows
     )  # domains interleaved, so a --limit downstream takes every domain
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / OUTPUT) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    write_jsonl(out / OUTPUT, rows)
     manifest = {
         "stage": "synthesize",
         "fingerprint": fp,
