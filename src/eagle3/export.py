@@ -124,8 +124,21 @@ def validate(
     manifest: CaptureManifest | SpoolHeader | None,
 ) -> None:
     """Raise ExportError naming the field, the bad value and the fix; never returns partially."""
-    ids = list(meta.aux_layer_ids)
     tc = text_config(target_cfg)
+    _check_layers(meta, dcfg, tc, manifest)
+    _check_shapes(dcfg, tc, manifest)
+    _check_tensors(dcfg, tensors)
+
+
+def _check_layers(
+    meta: DraftMetadata,
+    dcfg: DraftConfig,
+    tc: dict,
+    manifest: CaptureManifest | SpoolHeader | None,
+) -> None:
+    """The checkpoint's aux layer ids: the capture's (or a subset chosen from them), as many as
+    the draft reads, distinct, within the target's layers."""
+    ids = list(meta.aux_layer_ids)
     L = tc.get("num_hidden_layers")
     captured = list(manifest.aux_layer_ids) if manifest is not None else None
     if captured is not None and captured != ids:
@@ -146,6 +159,12 @@ def validate(
         AuxLayerIds(tuple(ids)).check(
             L, "checkpoint aux_layer_ids", last_ok=True, error=ExportError
         )
+
+
+def _check_shapes(
+    dcfg: DraftConfig, tc: dict, manifest: CaptureManifest | SpoolHeader | None
+) -> None:
+    """The draft's and the capture's hidden size, vocab size and positions: the target's."""
     if manifest is not None and manifest.hidden_size != tc["hidden_size"]:
         raise ExportError(
             f"capture hidden_size={manifest.hidden_size} but target "
@@ -163,6 +182,11 @@ def validate(
             f"draft max_position_embeddings={dcfg.max_position_embeddings} < target's "
             f"{tc['max_position_embeddings']}; re-train with draft.max_position_embeddings unset"
         )
+
+
+def _check_tensors(dcfg: DraftConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """The checkpoint's tensors: the draft family's names and shapes, and a d2t/t2d pair that
+    maps the draft vocabulary one-to-one into the target's."""
     want = export_shapes(get_family(dcfg.family), dcfg)
     missing = sorted(set(want) - set(tensors))
     extra = sorted(set(tensors) - set(want))
