@@ -52,6 +52,7 @@ from eagle3.shards import (
 from eagle3.vllm_engine import resolve_dtype
 
 from . import engines
+from .chunks import chunk_end
 from .hf_backend import HFBackend, resolve_device
 from .vllm_backend import VLLMBackend
 from .writer import ShardWriter
@@ -537,59 +538,70 @@ def capture_rows(
     CapturedRow per row in order. `max_model_len`: rows of that many tokens or more are skipped as
     too long (vLLM's limit)."""
     rows = list(rows) if not isinstance(rows, range) else rows
-    n, a = len(rows), 0
-    while a < n:
-        b, tok = a, 0
-        while b < n and (b == a or tok + lengths[rows[b]] <= chunk_tokens):
-            tok += int(lengths[rows[b]])
-            b += 1
+    a = 0
+    while a < len(rows):
+        b = chunk_end(lengths, rows, a, chunk_tokens)
         idx = rows[a:b]
         batch = (
             ds[idx.start : idx.stop]
             if isinstance(idx, range) and idx.step == 1
             else ds[[int(i) for i in idx]]
         )
-        todo, todo_k = [], []
-        for k, i in enumerate(idx):
-            length = int(lengths[i])
-            if length == 0 or (max_model_len is not None and length >= max_model_len):
-                continue
-            todo.append(np.asarray(batch["input_ids"][k]))
-            todo_k.append(k)
-        # Stored per sample: already in the storage dtype (converted by the backend on its device)
-        # refs: vllm_backend.WorkerStates handles (the worker keeps the states and writes the
-        # shards)
-        got = dict(
-            zip(
-                todo_k,
-                (backend.capture_refs(todo) if refs else backend.capture(todo)) if todo else [],
-                strict=True,
-            )
-        )
-        for k, i in enumerate(idx):
-            st = got.get(k)
-            skip = (
-                "empty"
-                if int(lengths[i]) == 0
-                else "too_long"
-                if st is None
-                else None
-                if st.finite
-                else "non_finite"
-            )
-            if skip:
-                yield CapturedRow(a + k, int(i), skip)
-            else:
-                yield CapturedRow(
-                    a + k,
-                    int(i),
-                    None,
-                    str(batch["sample_id"][k]),
-                    torch.as_tensor(batch["input_ids"][k]),
-                    torch.as_tensor(batch["loss_mask"][k]),
-                    st,
-                )
+        yield from _captured_chunk(backend, batch, idx, a, lengths, max_model_len, refs)
         a = b
+
+
+def _captured_chunk(
+    backend: Any,
+    batch: Any,
+    idx: Any,
+    a: int,
+    lengths: np.ndarray,
+    max_model_len: int | None,
+    refs: bool,
+) -> Iterator[CapturedRow]:
+    """Run the backend over one chunk (`batch`: the dataset's rows `idx`, the chunk's first at
+    position `a`) and yield its rows in order: those too long or empty skipped, not run."""
+    todo, todo_k = [], []
+    for k, i in enumerate(idx):
+        length = int(lengths[i])
+        if length == 0 or (max_model_len is not None and length >= max_model_len):
+            continue
+        todo.append(np.asarray(batch["input_ids"][k]))
+        todo_k.append(k)
+    # Stored per sample: already in the storage dtype (converted by the backend on its device)
+    # refs: vllm_backend.WorkerStates handles (the worker keeps the states and writes the
+    # shards)
+    got = dict(
+        zip(
+            todo_k,
+            (backend.capture_refs(todo) if refs else backend.capture(todo)) if todo else [],
+            strict=True,
+        )
+    )
+    for k, i in enumerate(idx):
+        st = got.get(k)
+        skip = (
+            "empty"
+            if int(lengths[i]) == 0
+            else "too_long"
+            if st is None
+            else None
+            if st.finite
+            else "non_finite"
+        )
+        if skip:
+            yield CapturedRow(a + k, int(i), skip)
+        else:
+            yield CapturedRow(
+                a + k,
+                int(i),
+                None,
+                str(batch["sample_id"][k]),
+                torch.as_tensor(batch["input_ids"][k]),
+                torch.as_tensor(batch["loss_mask"][k]),
+                st,
+            )
 
 
 def chunk_start(lengths: np.ndarray, start: int, chunk_tokens: int) -> int:
@@ -599,10 +611,7 @@ def chunk_start(lengths: np.ndarray, start: int, chunk_tokens: int) -> int:
     if start >= n:
         return start
     while True:
-        b, tok = a, 0
-        while b < n and (b == a or tok + lengths[b] <= chunk_tokens):
-            tok += int(lengths[b])
-            b += 1
+        b = chunk_end(lengths, range(n), a, chunk_tokens)
         if b > start:
             return a
         a = b
