@@ -1,5 +1,6 @@
 """scripts/structure.py (the structure figures in docs/structure.md) counts what it says, on a
-checkout built here: long functions, `# noqa` comments, imports against the library's layers."""
+checkout built here: long functions, `# noqa` comments, imports against the library's layers,
+repeated code."""
 
 from __future__ import annotations
 
@@ -17,15 +18,36 @@ def body(num_lines: int, name: str) -> str:
     return f"def {name}():\n" + "    x = 1\n" * (num_lines - 2) + "    return x\n"
 
 
+def measure(root: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "structure.py"), "--root", str(root), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(out.stdout)
+
+
+def write_checkout(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+
+
+PYPROJECT = """
+    [[tool.importlinter.contracts]]
+    id = "library-layers"
+    type = "layers"
+    containers = ["eagle3"]
+    layers = ["cli", "stage_a | stage_b", "config : io"]
+    """
+
+
 def test_structure_counts_a_checkout(tmp_path):
+    kept = body(70, "kept").replace("():\n", '():\n    """Kept whole: one loop."""\n', 1)
     files = {
-        "pyproject.toml": """
-            [[tool.importlinter.contracts]]
-            id = "library-layers"
-            type = "layers"
-            containers = ["eagle3"]
-            layers = ["cli", "stage_a | stage_b", "config : io"]
-            """,
+        "pyproject.toml": PYPROJECT,
         "src/eagle3/__init__.py": "",
         "src/eagle3/cli.py": "from eagle3 import stage_a\n",
         "src/eagle3/stage_a/__init__.py": "from .run import go\n",
@@ -42,25 +64,18 @@ def test_structure_counts_a_checkout(tmp_path):
                 from eagle3.stage_a.run import go  # noqa: F401 - sideways
             """,
         "src/eagle3/config.py": "def f():\n    from eagle3 import cli\n",
-        "src/eagle3/io.py": "from eagle3.config import f\n",
+        "src/eagle3/io.py": "from eagle3.config import f\n" + kept,
         "flows/pipeline.py": body(80, "flow") + "import os  # noqa: F401\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(textwrap.dedent(text))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "structure.py"), "--root", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    m = json.loads(out.stdout)
+    write_checkout(tmp_path, files)
+    m = measure(tmp_path)
     assert m["modules"] == {"library": 7, "prefect": 1}
-    assert [(f["lines"], f["where"]) for f in m["long_functions"]] == [
-        (80, "flows/pipeline.py:1 flow"),
-        (61, "src/eagle3/stage_a/run.py:1 go"),
+    assert [(f["lines"], f["where"], f["kept_whole"]) for f in m["long_functions"]] == [
+        (80, "flows/pipeline.py:1 flow", False),
+        (71, "src/eagle3/io.py:2 kept", True),
+        (61, "src/eagle3/stage_a/run.py:1 go", False),
     ]
+    assert m["num_long_functions"] == 3 and m["num_long_functions_unexplained"] == 2
     assert m["num_noqa"] == 2 and m["num_library_layers"] == 3
     assert m["upward_imports"] == ["eagle3.config -> eagle3.cli"]
     assert m["sideways_imports"] == ["eagle3.stage_b -> eagle3.stage_a.run.go"]
@@ -150,3 +165,36 @@ def test_route_follows_the_config_through_the_library(tmp_path):
     assert (m["num_stops"], m["num_modules"], m["num_visits"], m["num_climbs"]) == (7, 4, 6, 2)
     assert m["visits"]["eagle3.stage_a"] == 2
     assert (m["head"]["num_stops"], m["head"]["num_climbs"]) == (3, 1)
+
+
+COPIED = textwrap.dedent("""
+    def {name}(rows, limit):
+        total = 0
+        for row in rows:
+            if row["{key}"] > limit:
+                total += row["{key}"] * {n}
+            else:
+                total -= len(row)
+        return total
+    """)
+
+
+def test_repeated_code_pairs(tmp_path):
+    """A block copied with other names, strings and numbers is one pair, however long; a block of
+    five lines, or a list of fields of one shape, is none."""
+    fields = "class A:\n" + "".join(f"    f{i}: int = {i}\n" for i in range(12))
+    write_checkout(
+        tmp_path,
+        {
+            "pyproject.toml": PYPROJECT,
+            "src/eagle3/config.py": "",
+            "src/eagle3/a.py": COPIED.format(name="add", key="size", n=2) + fields,
+            "src/eagle3/b.py": COPIED.format(name="weigh", key="cost", n=7) + fields,
+            "tests/c.py": "\n".join(COPIED.format(name="f", key="k", n=1).splitlines()[:6]),
+        },
+    )
+    m = measure(tmp_path)
+    assert [(p["lines"], p["a"], p["b"]) for p in m["repeated_pairs"]] == [
+        (8, "src/eagle3/a.py:2", "src/eagle3/b.py:2")
+    ]
+    assert m["num_repeated_pairs"] == m["num_repeated_pairs_library"] == 1

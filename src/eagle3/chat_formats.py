@@ -397,58 +397,13 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
             f"{path} does not exist: pass a .json/.jsonl file or a local HF datasets directory"
         )
     if path.is_dir():
-        import datasets as ds_mod
-
-        saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-        if saved or ((path / "dataset_info.json").is_file() and any(path.glob("*.arrow"))):
-            loaded = ds_mod.load_from_disk(str(path))
-            if isinstance(loaded, ds_mod.DatasetDict):
-                return _pick_split(loaded, split, name), name
-            return loaded, name
-        try:
-            loaded = ds_mod.load_dataset(str(path), split=split)
-        except ValueError as e:
-            raise ValueError(
-                f"{path}: could not load split {split!r} with datasets.load_dataset: {e}"
-            ) from None
-        except FileNotFoundError as e:
-            raise ValueError(
-                f"{path} is a directory but neither a `save_to_disk` dataset nor a directory of "
-                f"data files datasets can read ({e})"
-            ) from None
-        return loaded, name
+        return _load_directory(path, split), name
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         array = _json_array(path)
         return (_JSONL(path), name) if array is None else (array, name)
     if suffix == ".json":
-        try:
-            text = path.read_text(encoding="utf-8-sig")
-        except UnicodeDecodeError as e:
-            line = path.read_bytes()[: e.start].count(b"\n") + 1
-            raise ValueError(
-                f"{path}: not valid UTF-8 at line {line} (byte {e.start} of the file); a .json "
-                "file is parsed as a whole, so fix or re-encode it, or save it as JSON Lines "
-                "(.jsonl), where a bad line is skipped and counted"
-            ) from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            if "Extra data" in str(e):  # JSON Lines saved as .json
-                return _JSONL(path), name
-            raise ValueError(
-                f"{path} is not valid JSON ({e}): fix the file or save it as JSON Lines (.jsonl)"
-            ) from None
-        if isinstance(data, dict):
-            lists = [
-                k for k, v in data.items() if isinstance(v, list) and v and isinstance(v[0], dict)
-            ]
-            if len(lists) == 1 and not ({"messages", "conversations"} & set(data)):
-                return data[lists[0]], name  # {"data": [...]} wrapper
-            return [data], name
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: top level must be a list of rows, got {type(data).__name__}")
-        return data, name
+        return _load_json(path), name
     if suffix in (".parquet", ".csv"):
         import datasets as ds_mod
 
@@ -457,6 +412,61 @@ def _load_rows(src: Any, split: str) -> tuple[Iterable[Any], str]:
         f"{path}: unsupported input type {suffix!r}; use a .json (list of rows) or .jsonl file, "
         ".parquet/.csv, or a local HF datasets directory"
     )
+
+
+def _load_directory(path: Path, split: str) -> Any:
+    """A local HF datasets directory: one `save_to_disk` wrote, or data files `load_dataset`
+    reads (its `split`)."""
+    import datasets as ds_mod
+
+    name = str(path)
+    saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    if saved or ((path / "dataset_info.json").is_file() and any(path.glob("*.arrow"))):
+        loaded = ds_mod.load_from_disk(str(path))
+        if isinstance(loaded, ds_mod.DatasetDict):
+            return _pick_split(loaded, split, name)
+        return loaded
+    try:
+        return ds_mod.load_dataset(str(path), split=split)
+    except ValueError as e:
+        raise ValueError(
+            f"{path}: could not load split {split!r} with datasets.load_dataset: {e}"
+        ) from None
+    except FileNotFoundError as e:
+        raise ValueError(
+            f"{path} is a directory but neither a `save_to_disk` dataset nor a directory of "
+            f"data files datasets can read ({e})"
+        ) from None
+
+
+def _load_json(path: Path) -> Any:
+    """The rows of a .json file: its list, the one list of rows a wrapper object holds, or the
+    object itself as one row; JSON Lines saved as .json is read as such."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}: not valid UTF-8 at line {line} (byte {e.start} of the file); a .json "
+            "file is parsed as a whole, so fix or re-encode it, or save it as JSON Lines "
+            "(.jsonl), where a bad line is skipped and counted"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if "Extra data" in str(e):  # JSON Lines saved as .json
+            return _JSONL(path)
+        raise ValueError(
+            f"{path} is not valid JSON ({e}): fix the file or save it as JSON Lines (.jsonl)"
+        ) from None
+    if isinstance(data, dict):
+        lists = [k for k, v in data.items() if isinstance(v, list) and v and isinstance(v[0], dict)]
+        if len(lists) == 1 and not ({"messages", "conversations"} & set(data)):
+            return data[lists[0]]  # {"data": [...]} wrapper
+        return [data]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: top level must be a list of rows, got {type(data).__name__}")
+    return data
 
 
 def _json_array(path: Path) -> list[Any] | None:
@@ -522,64 +532,80 @@ def read_conversations(
     """
     if limit is not None and limit <= 0:
         raise ValueError(f"limit must be > 0, got {limit}")
-    skipped: Counter = Counter()
-    examples: dict[str, list[str]] = {}
-    where: dict[str, list[str]] = {}
     formats: Counter = Counter()
     turns: Counter = Counter()
     rows, source = _load_rows(path_or_dataset, split)
     what = "line" if isinstance(rows, _JSONL) else "row"
     if isinstance(rows, _JSONL):
         rows = _iter_jsonl(rows.path)
+    skips = _Skips(source)
     convs: list[Conversation] = []
     num_rows = 0
-
-    def skip(reason: str, loc: str, detail: str) -> None:
-        skipped[reason] += 1
-        ex = examples.setdefault(reason, [])
-        if len(ex) < MAX_EXAMPLES:
-            ex.append(f"{loc}: {detail}")
-            where.setdefault(reason, []).append(loc)
-            log.warning("%s: %s: %s skipped (%s)", source, loc, detail, reason)
-
     for index, row in enumerate(rows):
         if limit is not None and num_rows >= limit:
             break
         num_rows += 1
         if isinstance(row, _InvalidLine):
-            skip(row.reason, f"line {row.lineno}", row.error)
+            skips.add(row.reason, f"line {row.lineno}", row.error)
             continue
         try:
             conv, fmt = parse_row(row, index, require_assistant=require_assistant)
         except _RowError as e:
-            skip(e.reason, f"line {index + 1}" if what == "line" else f"row {index}", e.detail)
+            skips.add(e.reason, f"line {index + 1}" if what == "line" else f"row {index}", e.detail)
             continue
         formats[fmt] += 1
         turns.update(turn_kinds(conv.messages))
         convs.append(conv)
     if not convs:
-        detail = ", ".join(f"{k}={v}" for k, v in skipped.items()) or "the input is empty"
-        first = next((ex[0] for ex in examples.values() if ex), "")
-        raise ValueError(
-            f"{source}: no usable conversations in {num_rows} rows "
+        raise skips.nothing_usable(num_rows, require_assistant)
+    if skips.skipped:
+        log.warning(
+            "%s: skipped %d of %d rows: %s",
+            source,
+            sum(skips.skipped.values()),
+            num_rows,
+            dict(skips.skipped),
+        )
+    return ReadResult(
+        conversations=convs,
+        skipped=skips.skipped,
+        num_rows=num_rows,
+        source=source,
+        formats=formats,
+        skip_examples=skips.examples,
+        skip_rows=skips.where,
+        turns=turns,
+    )
+
+
+@dataclass
+class _Skips:
+    """The rows of `source` skipped: counts per reason, and the first few of each (logged)."""
+
+    source: str
+    skipped: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)  # "loc: detail" per reason
+    where: dict[str, list[str]] = field(default_factory=dict)  # their locations
+
+    def add(self, reason: str, loc: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < MAX_EXAMPLES:
+            ex.append(f"{loc}: {detail}")
+            self.where.setdefault(reason, []).append(loc)
+            log.warning("%s: %s: %s skipped (%s)", self.source, loc, detail, reason)
+
+    def nothing_usable(self, num_rows: int, require_assistant: bool) -> ValueError:
+        """The error when no row of `num_rows` was usable: the reasons, one example, the formats
+        read."""
+        detail = ", ".join(f"{k}={v}" for k, v in self.skipped.items()) or "the input is empty"
+        first = next((ex[0] for ex in self.examples.values() if ex), "")
+        return ValueError(
+            f"{self.source}: no usable conversations in {num_rows} rows "
             f"({detail}){'; e.g. ' + first if first else ''}. "
             + FORMAT_HELP
             + ("" if require_assistant else " (prompt-only rows allowed)")
         )
-    if skipped:
-        log.warning(
-            "%s: skipped %d of %d rows: %s", source, sum(skipped.values()), num_rows, dict(skipped)
-        )
-    return ReadResult(
-        conversations=convs,
-        skipped=skipped,
-        num_rows=num_rows,
-        source=source,
-        formats=formats,
-        skip_examples=examples,
-        skip_rows=where,
-        turns=turns,
-    )
 
 
 def drop_reasoning(message: dict[str, Any]) -> dict[str, Any]:

@@ -124,8 +124,21 @@ def validate(
     manifest: CaptureManifest | SpoolHeader | None,
 ) -> None:
     """Raise ExportError naming the field, the bad value and the fix; never returns partially."""
-    ids = list(meta.aux_layer_ids)
     tc = text_config(target_cfg)
+    _check_layers(meta, dcfg, tc, manifest)
+    _check_shapes(dcfg, tc, manifest)
+    _check_tensors(dcfg, tensors)
+
+
+def _check_layers(
+    meta: DraftMetadata,
+    dcfg: DraftConfig,
+    tc: dict,
+    manifest: CaptureManifest | SpoolHeader | None,
+) -> None:
+    """The checkpoint's aux layer ids: the capture's (or a subset chosen from them), as many as
+    the draft reads, distinct, within the target's layers."""
+    ids = list(meta.aux_layer_ids)
     L = tc.get("num_hidden_layers")
     captured = list(manifest.aux_layer_ids) if manifest is not None else None
     if captured is not None and captured != ids:
@@ -146,6 +159,12 @@ def validate(
         AuxLayerIds(tuple(ids)).check(
             L, "checkpoint aux_layer_ids", last_ok=True, error=ExportError
         )
+
+
+def _check_shapes(
+    dcfg: DraftConfig, tc: dict, manifest: CaptureManifest | SpoolHeader | None
+) -> None:
+    """The draft's and the capture's hidden size, vocab size and positions: the target's."""
     if manifest is not None and manifest.hidden_size != tc["hidden_size"]:
         raise ExportError(
             f"capture hidden_size={manifest.hidden_size} but target "
@@ -163,6 +182,11 @@ def validate(
             f"draft max_position_embeddings={dcfg.max_position_embeddings} < target's "
             f"{tc['max_position_embeddings']}; re-train with draft.max_position_embeddings unset"
         )
+
+
+def _check_tensors(dcfg: DraftConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """The checkpoint's tensors: the draft family's names and shapes, and a d2t/t2d pair that
+    maps the draft vocabulary one-to-one into the target's."""
     want = export_shapes(get_family(dcfg.family), dcfg)
     missing = sorted(set(want) - set(tensors))
     extra = sorted(set(tensors) - set(want))
@@ -222,6 +246,35 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             "model dir"
         )
     target_cfg = json.loads(tpath.read_text())
+    tensors = _read_finite_weights(ck)
+    manifest = _manifest(meta.captured)
+    validate(meta, dcfg, tensors, target_cfg, manifest)
+    serves = _check_target(cfg, meta, ck, target, manifest)
+    _check_vocab(meta, tensors)
+    ids = list(meta.aux_layer_ids)
+    out_t = _served_tensors(tensors, dcfg)
+    verifier = {"name_or_path": meta.target, "architectures": target_cfg.get("architectures", [])}
+    config = family.export_config(dcfg, ids, cfg.format, verifier)
+    if cfg.format == "speculators":
+        out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
+
+        out_t["embed_tokens.weight"] = (
+            load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
+        )
+    with atomic_dir(cfg.out) as tmp:
+        save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+        meta.model_copy(update={**serves, "export_format": cfg.format}).save(tmp)
+        for name in TOKENIZER_FILES:
+            if (Path(target) / name).is_file():
+                shutil.copy2(Path(target) / name, tmp / name)
+    return ExportResult(
+        Path(cfg.out), cfg.format, ck, config, {k: list(v.shape) for k, v in out_t.items()}, ids
+    )
+
+
+def _read_finite_weights(ck: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights; ExportError when any holds NaN/inf."""
     tensors = read_safetensors(
         ck / WEIGHTS,
         "draft checkpoint weights",
@@ -235,8 +288,16 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             "anything; nothing was written. Export an earlier checkpoint or train again (check "
             "the capture)"
         )
-    manifest = _manifest(meta.captured)
-    validate(meta, dcfg, tensors, target_cfg, manifest)
+    return tensors
+
+
+def _check_target(
+    cfg: ExportConfig, meta: DraftMetadata, ck: Path, target: str, manifest: Any
+) -> dict[str, Any]:
+    """Check that `target` is the one the checkpoint and its capture were made from; the draft's
+    record of the target it serves, for evaluate: the one checked here (or, with
+    allow_target_mismatch, the one it was told to serve); {} for a config-only target, whose
+    trained-with record stays."""
     identity = target_identity(target)  # config sha256, layer count, every weight file's sha256
     if identity["fingerprint"] is None:
         print(
@@ -263,15 +324,17 @@ def run_export(cfg: ExportConfig) -> ExportResult:
             identity=identity,
             error=ExportError,
         )
-    # the draft's record of its target, for evaluate: the one export checked it against (or, with
-    # allow_target_mismatch, was told to serve it with); a config-only target: the trained-with one
-    serves = {}
-    if identity["fingerprint"] is not None:
-        serves = {
-            **identity_record(identity),
-            "target": str(Path(target).resolve()),
-            "target_num_layers": identity["num_hidden_layers"],
-        }
+    if identity["fingerprint"] is None:
+        return {}
+    return {
+        **identity_record(identity),
+        "target": str(Path(target).resolve()),
+        "target_num_layers": identity["num_hidden_layers"],
+    }
+
+
+def _check_vocab(meta: DraftMetadata, tensors: dict[str, torch.Tensor]) -> None:
+    """ExportError when the vocab dir the draft was trained with was rebuilt since."""
     vocab_file = Path(meta.vocab or "") / DraftVocab.FILE
     if meta.vocab and vocab_file.is_file():
         d2t = DraftVocab.load(meta.vocab).torch_maps()[0]
@@ -283,7 +346,10 @@ def run_export(cfg: ExportConfig) -> ExportResult:
                 "re-train"
             )
 
-    ids = list(meta.aux_layer_ids)
+
+def _served_tensors(tensors: dict[str, torch.Tensor], dcfg: DraftConfig) -> dict[str, torch.Tensor]:
+    """The draft's tensors as vLLM loads them: bfloat16 weights, int64 d2t, bool t2d; with equal
+    vocabularies no mapping, the lm_head rows in target-id order instead."""
     out_t = {
         k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)).contiguous()
         for k, v in tensors.items()
@@ -299,21 +365,4 @@ def run_export(cfg: ExportConfig) -> ExportResult:
         head = torch.empty_like(out_t["lm_head.weight"])  # (V, H)
         head[order] = out_t["lm_head.weight"]
         out_t["lm_head.weight"] = head
-    verifier = {"name_or_path": meta.target, "architectures": target_cfg.get("architectures", [])}
-    config = family.export_config(dcfg, ids, cfg.format, verifier)
-    if cfg.format == "speculators":
-        out_t = {k.replace("midlayer.", "layers.0."): v for k, v in out_t.items()}
-
-        out_t["embed_tokens.weight"] = (
-            load_target_tensors(target)["embed"].to(torch.bfloat16).contiguous()
-        )
-    with atomic_dir(cfg.out) as tmp:
-        save_file(out_t, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        write_json(tmp / "config.json", config)
-        meta.model_copy(update={**serves, "export_format": cfg.format}).save(tmp)
-        for name in TOKENIZER_FILES:
-            if (Path(target) / name).is_file():
-                shutil.copy2(Path(target) / name, tmp / name)
-    return ExportResult(
-        Path(cfg.out), cfg.format, ck, config, {k: list(v.shape) for k, v in out_t.items()}, ids
-    )
+    return out_t

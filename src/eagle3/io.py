@@ -10,7 +10,7 @@ import pickle
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +44,23 @@ def atomic_path(path: str | Path, needed_bytes: int | None = None) -> Iterator[P
         tmp_path.chmod(0o666 & ~umask)
         os.replace(tmp_path, path)
     except (OSError, RuntimeError) as e:
-        if is_disk_full(e, path):
-            raise disk_full_error(path, needed_bytes) from e
-        # a failed write names no file: name the one written
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)
+        _name_failed_write(e, path, path, needed_bytes)
         raise
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def _name_failed_write(
+    e: OSError | RuntimeError, written: Path, path: Path, needed_bytes: int | None
+) -> None:
+    """Make a failed write of `path` (through `written`) say what failed: DiskFullError naming
+    `path` and the bytes it needed when the disk is full; else `path` as the error's file where it
+    names none (the caller re-raises it)."""
+    if is_disk_full(e, written):
+        raise disk_full_error(path, needed_bytes) from e
+    if isinstance(e, OSError) and e.filename is None:
+        e.filename = str(path)
 
 
 @contextlib.contextmanager
@@ -71,10 +79,7 @@ def atomic_dir(path: str | Path, needed_bytes: int | None = None) -> Iterator[Pa
             yield tmp
         except (OSError, RuntimeError) as e:
             # named as the directory being written (the temp names inside it vanish)
-            if is_disk_full(e, tmp):
-                raise disk_full_error(path, needed_bytes) from e
-            if isinstance(e, OSError) and e.filename is None:
-                e.filename = str(path)
+            _name_failed_write(e, tmp, path, needed_bytes)
             raise
         _normal_modes(tmp, umask)
         if path.exists():
@@ -108,6 +113,13 @@ def write_text(path: str | Path, text: str) -> None:
 
 def write_json(path: str | Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_jsonl(path: str | Path, rows: Iterable[Any]) -> None:
+    """Write `rows` to `path` atomically, one JSON line each (UTF-8, not ASCII-escaped)."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def read_json(path: str | Path) -> Any:

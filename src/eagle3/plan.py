@@ -313,6 +313,12 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
                 f"PlanConfig.results_dir = {str(rdir)!r}: {p.name} is missing; point --results-dir "
                 "at a dir holding both (benchmarks/results of a repository checkout)"
             )
+    return {"capture": _capture_anchor(cap_p, storage_dtype), "train": _train_anchor(train_p)}
+
+
+def _capture_anchor(cap_p: Path, storage_dtype: str) -> dict[str, Any]:
+    """The measured capture rate (of `storage_dtype`, else bfloat16) and the FLOP rate it
+    implies."""
     cap = read_json(cap_p)
     per = (
         (cap.get("per_storage_dtype") or {}).get(storage_dtype)
@@ -323,7 +329,22 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
     mean_len = cap["num_tokens"] / cap["num_prompts"]
     overhead = float(per.get("ratio_of_means") or cap.get("ratio_of_means") or 1.0)
     ref_flops = count_target_forward_flops(REFBENCH_TARGET, mean_len)["total"]
+    return {
+        "file": str(cap_p.name),
+        "key": f"per_storage_dtype.{storage_dtype}.capture_tokens_per_s",
+        "tokens_per_s": cap_tps,
+        "target": "refbench target-a-llama (8 layers, H=384)",
+        "mean_prompt_tokens": round(mean_len, 1),
+        "flops_per_token": ref_flops,
+        "achieved_flops": cap_tps * ref_flops,
+        "capture_over_prefill": overhead,
+        "machine": f"{cap['machine'].get('cpu_count')}-core CPU, {cap.get('dtype', '?')} compute",
+        "date": cap.get("date"),
+    }
 
+
+def _train_anchor(train_p: Path) -> dict[str, Any]:
+    """The fastest measured GPU training configuration and the FLOP rate it achieved."""
     tr = read_json(train_p)
     ok = [
         c
@@ -341,32 +362,17 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
     spec = float((tr.get("rates") or {}).get("spec_bf16_flops") or H200_BF16_TFLOPS * 1e12)
     achieved = best["tokens_per_s"] * f_tok
     return {
-        "capture": {
-            "file": str(cap_p.name),
-            "key": f"per_storage_dtype.{storage_dtype}.capture_tokens_per_s",
-            "tokens_per_s": cap_tps,
-            "target": "refbench target-a-llama (8 layers, H=384)",
-            "mean_prompt_tokens": round(mean_len, 1),
-            "flops_per_token": ref_flops,
-            "achieved_flops": cap_tps * ref_flops,
-            "capture_over_prefill": overhead,
-            "machine": f"{cap['machine'].get('cpu_count')}-core CPU, {cap.get('dtype', '?')} "
-            "compute",
-            "date": cap.get("date"),
-        },
-        "train": {
-            "file": str(train_p.name),
-            "config": best["name"],
-            "tokens_per_s": best["tokens_per_s"],
-            "seq": best["seq"],
-            "K": best["K"],
-            "dims": dims,
-            "flops_per_token": f_tok,
-            "achieved_flops": achieved,
-            "gpu": (tr.get("machine") or {}).get("gpu"),
-            "mfu_vs_datasheet": achieved / spec,
-            "date": tr.get("date"),
-        },
+        "file": str(train_p.name),
+        "config": best["name"],
+        "tokens_per_s": best["tokens_per_s"],
+        "seq": best["seq"],
+        "K": best["K"],
+        "dims": dims,
+        "flops_per_token": f_tok,
+        "achieved_flops": achieved,
+        "gpu": (tr.get("machine") or {}).get("gpu"),
+        "mfu_vs_datasheet": achieved / spec,
+        "date": tr.get("date"),
     }
 
 
@@ -376,16 +382,80 @@ def load_anchors(results_dir: str | Path, storage_dtype: str) -> dict[str, Any]:
 def run_plan(cfg: PlanConfig) -> PlanResult:
     """Estimate storage, capture and training time for `cfg.config` on `cfg.hardware`; nothing is
     run."""
-    # torch (the draft model, the shard format): imported here, as the CLI imports this module for
-    # PlanConfig
-    from eagle3.model.draft import text_config
-    from eagle3.model.family import get_family
-    from eagle3.shards import estimate_storage, free_disk_bytes
+    from eagle3.model.draft import text_config  # torch: not on the CLI's import of PlanConfig
 
     cfg.require("config")
     pipe = load_pipeline_config(cfg.config).resolved()
     set_by_caller = set(cfg.model_fields_set)
     cfg = with_config_defaults(cfg, pipe.plan)
+    tpath, target_cfg = _read_target_config(cfg, pipe)
+    tc = text_config(target_cfg)
+    hw = HARDWARE[cfg.hardware]
+    num_gpus = cfg.num_gpus or hw.num_gpus
+    notes: list[str] = []
+
+    n, mean, source = _dataset_size(cfg, pipe, set_by_caller)
+    num_tokens = int(round(n * mean))
+    storage = _storage_fields(cfg, pipe, tc, num_tokens)
+    st = storage["storage"]
+    disk, disk_src = _disk_bytes(cfg, hw, pipe)
+    reserve = int(pipe.capture.min_free_disk_gb * 1024**3)
+    anchors = load_anchors(cfg.results_dir or RESULTS_DIR, st.storage_dtype)
+    target = _target_fields(cfg, pipe, hw, num_gpus, tc, target_cfg, mean, notes)
+    tp, bits = target["capture_tensor_parallel_size"], target["target_weight_bits"]
+    t_flops = target["target_flops_per_token"]
+    capture = _capture_rate(
+        hw, num_gpus, tp, tc, t_flops, anchors["capture"], anchors["train"], num_tokens
+    )
+    draft = _draft_fields(cfg, pipe, target_cfg, len(storage["aux_layer_ids"]), num_tokens)
+    train = _train_rate(
+        hw, num_gpus, draft["draft_flops_per_token"], anchors, draft["train_tokens"]
+    )
+    _note_draft_memory(pipe, hw, draft["draft_params"], notes)
+    regen = (
+        _regenerate_rate(hw, num_gpus, pipe.regenerate, tc, bits, mean, num_tokens, anchors)
+        if pipe.regenerate.enabled
+        else None
+    )
+    mode = _mode_fields(pipe, storage, disk, reserve, capture, draft["epochs"], notes)
+    return PlanResult(
+        config=str(cfg.config),
+        target_config=str(tpath),
+        hardware=_hardware_record(hw, num_gpus, disk_src),
+        num_samples=n,
+        mean_tokens=mean,
+        sample_source=source,
+        **storage,
+        disk_bytes=disk,
+        disk_reserve_bytes=reserve,
+        **mode,
+        **target,
+        capture=capture,
+        **draft,
+        train=train,
+        regenerate=regen,
+        regenerate_tokens=num_tokens if regen else None,
+        train_read_bytes_per_s=train.tokens_per_s * st.bytes_per_token,
+        anchors=anchors,
+        notes=notes,
+    )
+
+
+def _hardware_record(hw: Any, num_gpus: int, disk_source: str) -> dict[str, Any]:
+    """The hardware profile as the plan records it."""
+    return {
+        **asdict(hw),
+        "num_gpus": num_gpus,
+        "disk_source": disk_source,
+        "ratio_vs_h200": None
+        if hw.bf16_tflops is None
+        else round(hw.bf16_tflops / H200_BF16_TFLOPS, 3),
+    }
+
+
+def _read_target_config(cfg: PlanConfig, pipe: Any) -> tuple[Path, dict[str, Any]]:
+    """The target's config.json (--target-config, else the pipeline's target): its path, its
+    contents."""
     tpath = Path(cfg.target_config or pipe.target)
     if tpath.is_dir():
         tpath = tpath / "config.json"
@@ -395,41 +465,54 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
             "target's config.json or model dir (config-only shapes of the preset targets are in "
             "configs/targets/)"
         )
-    target_cfg = read_json(tpath)
-    tc = text_config(target_cfg)
-    hw = HARDWARE[cfg.hardware]
-    num_gpus = cfg.num_gpus or hw.num_gpus
-    notes: list[str] = []
+    return tpath, read_json(tpath)
 
-    # dataset size
-    n, mean, source = _dataset_size(cfg, pipe, set_by_caller)
-    num_tokens = int(round(n * mean))
 
-    # storage
-    num_layers = int(tc["num_hidden_layers"])
-    aux_layer_ids = AuxLayerIds.resolve(pipe.capture.aux_layer_ids, num_layers).as_list()
+def _storage_fields(cfg: PlanConfig, pipe: Any, tc: dict, num_tokens: int) -> dict[str, Any]:
+    """The capture's aux layers and its size on disk, in the storage dtype, fp8 and bfloat16."""
+    from eagle3.shards import estimate_storage
+
+    aux_layer_ids = AuxLayerIds.resolve(
+        pipe.capture.aux_layer_ids, int(tc["num_hidden_layers"])
+    ).as_list()
     dtype = cfg.storage_dtype or pipe.capture.storage_dtype
-    H = int(tc["hidden_size"])
-    st = estimate_storage(len(aux_layer_ids), H, dtype, num_tokens)
-    fp8 = estimate_storage(len(aux_layer_ids), H, "fp8", num_tokens)
-    bf16 = estimate_storage(len(aux_layer_ids), H, "bfloat16", num_tokens)
+    hidden_size = int(tc["hidden_size"])
+    return {
+        "aux_layer_ids": aux_layer_ids,
+        "storage": estimate_storage(len(aux_layer_ids), hidden_size, dtype, num_tokens),
+        "storage_fp8_bytes": estimate_storage(
+            len(aux_layer_ids), hidden_size, "fp8", num_tokens
+        ).total_bytes,
+        "storage_bf16_bytes": estimate_storage(
+            len(aux_layer_ids), hidden_size, "bfloat16", num_tokens
+        ).total_bytes,
+    }
 
-    # disk + mode
+
+def _disk_bytes(cfg: PlanConfig, hw: Any, pipe: Any) -> tuple[int, str]:
+    """The disk the capture may fill, and where that figure comes from."""
+    from eagle3.shards import free_disk_bytes
+
     if cfg.disk_tb is not None:
-        disk, disk_src = int(cfg.disk_tb * 1e12), "--disk-tb"
-    elif hw.disk_tb is not None:
-        disk, disk_src = int(hw.disk_tb * 1e12), hw.sources.get("disk_tb", "profile")
-    else:
-        disk, disk_src = (
-            free_disk_bytes(pipe.work_dir),
-            f"free space at {pipe.work_dir}, measured now",
-        )
-    reserve = int(pipe.capture.min_free_disk_gb * 1024**3)
-    anchors = load_anchors(cfg.results_dir or RESULTS_DIR, dtype)
+        return int(cfg.disk_tb * 1e12), "--disk-tb"
+    if hw.disk_tb is not None:
+        return int(hw.disk_tb * 1e12), hw.sources.get("disk_tb", "profile")
+    return free_disk_bytes(pipe.work_dir), f"free space at {pipe.work_dir}, measured now"
 
-    # target: FLOPs, weights
+
+def _target_fields(
+    cfg: PlanConfig,
+    pipe: Any,
+    hw: Any,
+    num_gpus: int,
+    tc: dict,
+    target_cfg: dict,
+    mean_tokens: float,
+    notes: list[str],
+) -> dict[str, Any]:
+    """The target's parameters, FLOPs per token and weights per GPU (a note when they do not fit
+    the GPU's memory)."""
     tparams = count_target_params(tc)
-    t_flops = count_target_forward_flops(tc, mean)["total"]
     bits = cfg.target_weight_bits or _weight_bits(target_cfg)
     tp = min(pipe.capture.tensor_parallel_size, num_gpus)
     weights_per_gpu = tparams["total"] * bits / 8 / tp
@@ -441,15 +524,27 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
             "checkpoint (--target-weight-bits), more GPUs (pipeline/expert parallel across nodes), "
             "or a larger-memory profile"
         )
+    return {
+        "target_params": tparams["total"],
+        "target_active_params": tparams["active_per_token"],
+        "target_flops_per_token": count_target_forward_flops(tc, mean_tokens)["total"],
+        "target_weight_bits": bits,
+        "weights_per_gpu_bytes": weights_per_gpu,
+        "weights_fit": weights_fit,
+        "capture_tensor_parallel_size": tp,
+    }
 
-    capture = _capture_rate(
-        hw, num_gpus, tp, tc, t_flops, anchors["capture"], anchors["train"], num_tokens
-    )
 
-    # draft training
+def _draft_fields(
+    cfg: PlanConfig, pipe: Any, target_cfg: dict, num_aux: int, num_tokens: int
+) -> dict[str, Any]:
+    """The draft's trainable parameters, its training FLOPs per token and the tokens it trains
+    on."""
+    from eagle3.model.family import get_family
+
     draft = get_family(pipe.train.draft.family).draft_config(
         target_cfg,
-        num_aux=len(aux_layer_ids),
+        num_aux=num_aux,
         draft_vocab_size=pipe.vocab.draft_vocab_size,
         options=pipe.train.draft,
     )
@@ -457,97 +552,67 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     d_flops = count_train_flops(m, pipe.train.loader.max_seq_len, pipe.train.loss.ttt_steps)[
         "model_flops_per_token"
     ]
-    d_params = sum(p for p, _ in count_draft_params(m).values())
     epochs = cfg.epochs or pipe.train.epochs
-    train_tokens = num_tokens * (1 - pipe.train.loader.val_fraction) * epochs
-    train = _train_rate(hw, num_gpus, d_flops, anchors, train_tokens)
-    if pipe.train.runtime.parallel == "ddp" and d_params * 16 > 0.5 * hw.memory_gb * 1e9:
+    return {
+        "draft_params": sum(p for p, _ in count_draft_params(m).values()),
+        "draft_flops_per_token": d_flops,
+        "epochs": epochs,
+        "train_tokens": num_tokens * (1 - pipe.train.loader.val_fraction) * epochs,
+    }
+
+
+def _note_draft_memory(pipe: Any, hw: Any, draft_params: int, notes: list[str]) -> None:
+    """A note when the draft's training state does not fit half a GPU under ddp."""
+    if pipe.train.runtime.parallel == "ddp" and draft_params * 16 > 0.5 * hw.memory_gb * 1e9:
         notes.append(
-            f"draft has {d_params / 1e9:.2f} B trainable parameters = {d_params * 16 / 1e9:.0f} GB "
-            "of fp32 weights + grads + AdamW state per GPU under ddp: use train.runtime.parallel "
-            "fsdp2 (or auto)"
+            f"draft has {draft_params / 1e9:.2f} B trainable parameters = "
+            f"{draft_params * 16 / 1e9:.0f} GB of fp32 weights + grads + AdamW state per GPU under "
+            "ddp: use train.runtime.parallel fsdp2 (or auto)"
         )
 
-    regen = (
-        _regenerate_rate(hw, num_gpus, pipe.regenerate, tc, bits, mean, num_tokens, anchors)
-        if pipe.regenerate.enabled
-        else None
-    )
 
-    total_need = st.total_bytes + reserve
-    if total_need <= disk:
-        mode, spool = "offline", None
+def _mode_fields(
+    pipe: Any,
+    storage: dict[str, Any],
+    disk: int,
+    reserve: int,
+    capture: RateEstimate,
+    epochs: float,
+    notes: list[str],
+) -> dict[str, Any]:
+    """Offline when the whole capture fits the disk, else streaming into a bounded spool (a note
+    when streaming captures every epoch again)."""
+    st, fp8_bytes = storage["storage"], storage["storage_fp8_bytes"]
+    if st.total_bytes + reserve <= disk:
         reason = (
             f"the whole capture ({format_bytes(st.total_bytes)}) fits the disk "
             f"({format_bytes(disk)})"
         )
-    else:
-        mode = "streaming"
-        spool = _spool_cap(
-            disk - reserve, st.bytes_per_token, capture.tokens_per_s, pipe.capture.shard_tokens
-        )
-        alt = (
-            " (fp8 would not fit either)"
-            if fp8.total_bytes + reserve > disk
-            else (
-                f" (fp8, {format_bytes(fp8.total_bytes)}, would fit offline)"
-                if dtype != "fp8"
-                else ""
-            )
-        )
-        reason = (
-            f"the capture ({format_bytes(st.total_bytes)}) does not fit the disk "
-            f"({format_bytes(disk)}){alt}: "
-            "capture into a bounded spool that training drains (stream.enabled: true, "
-            f"stream.spool_cap_gb: {spool / 1e9:.0f})"
-        )
-        if epochs > 1:
-            notes.append(
-                f"streaming with {epochs:g} epochs: every epoch is captured again (capture time x "
-                f"{epochs:g})"
-            )
-    return PlanResult(
-        config=str(cfg.config),
-        target_config=str(tpath),
-        hardware={
-            **asdict(hw),
-            "num_gpus": num_gpus,
-            "disk_source": disk_src,
-            "ratio_vs_h200": None
-            if hw.bf16_tflops is None
-            else round(hw.bf16_tflops / H200_BF16_TFLOPS, 3),
-        },
-        num_samples=n,
-        mean_tokens=mean,
-        sample_source=source,
-        aux_layer_ids=aux_layer_ids,
-        storage=st,
-        storage_fp8_bytes=fp8.total_bytes,
-        storage_bf16_bytes=bf16.total_bytes,
-        disk_bytes=disk,
-        disk_reserve_bytes=reserve,
-        mode=mode,
-        mode_reason=reason,
-        spool_cap_bytes=spool,
-        target_params=tparams["total"],
-        target_active_params=tparams["active_per_token"],
-        target_flops_per_token=t_flops,
-        target_weight_bits=bits,
-        weights_per_gpu_bytes=weights_per_gpu,
-        weights_fit=weights_fit,
-        capture_tensor_parallel_size=tp,
-        capture=capture,
-        draft_params=d_params,
-        draft_flops_per_token=d_flops,
-        epochs=epochs,
-        train_tokens=train_tokens,
-        train=train,
-        regenerate=regen,
-        regenerate_tokens=num_tokens if regen else None,
-        train_read_bytes_per_s=train.tokens_per_s * st.bytes_per_token,
-        anchors=anchors,
-        notes=notes,
+        return {"mode": "offline", "mode_reason": reason, "spool_cap_bytes": None}
+    spool = _spool_cap(
+        disk - reserve, st.bytes_per_token, capture.tokens_per_s, pipe.capture.shard_tokens
     )
+    alt = (
+        " (fp8 would not fit either)"
+        if fp8_bytes + reserve > disk
+        else (
+            f" (fp8, {format_bytes(fp8_bytes)}, would fit offline)"
+            if st.storage_dtype != "fp8"
+            else ""
+        )
+    )
+    reason = (
+        f"the capture ({format_bytes(st.total_bytes)}) does not fit the disk "
+        f"({format_bytes(disk)}){alt}: "
+        "capture into a bounded spool that training drains (stream.enabled: true, "
+        f"stream.spool_cap_gb: {spool / 1e9:.0f})"
+    )
+    if epochs > 1:
+        notes.append(
+            f"streaming with {epochs:g} epochs: every epoch is captured again (capture time x "
+            f"{epochs:g})"
+        )
+    return {"mode": "streaming", "mode_reason": reason, "spool_cap_bytes": spool}
 
 
 def with_config_defaults(cfg: PlanConfig, defaults: dict[str, Any]) -> PlanConfig:
@@ -767,8 +832,22 @@ def _fmt_hours(h: float) -> str:
 
 def format_plan(r: PlanResult) -> str:
     """The human-readable table `eagle3 plan` prints."""
+    rows = _input_rows(r) + _estimate_rows(r)
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("basis:")
+    if r.regenerate is not None:
+        lines.append(f"  regenerate: {r.regenerate.basis}")
+    lines.append(f"  capture: {r.capture.basis}")
+    lines.append(f"  train: {r.train.basis}")
+    lines += [f"note: {n}" for n in r.notes]
+    return "\n".join(lines)
+
+
+def _input_rows(r: PlanResult) -> list[tuple[str, str]]:
+    """The plan's inputs (config, target, hardware, dataset, storage, disk) and its mode."""
     hw, st = r.hardware, r.storage
-    rows = [
+    return [
         ("config", r.config),
         (
             "target",
@@ -808,12 +887,30 @@ def format_plan(r: PlanResult) -> str:
         ),
         ("disk", f"{format_bytes(r.disk_bytes)} ({hw['disk_source']})"),
         ("mode", f"{r.mode.upper()}: {r.mode_reason}"),
+    ]
+
+
+def _estimate_rows(r: PlanResult) -> list[tuple[str, str]]:
+    """The plan's estimates: the target's weights per GPU, then each stage's time."""
+    hw = r.hardware
+    rows = [
         (
             "target weights",
             f"{r.weights_per_gpu_bytes / 1e9:,.0f} GB/GPU at {r.target_weight_bits} bits, "
             f"TP={r.capture_tensor_parallel_size} -> {'fits' if r.weights_fit else 'DOES NOT FIT'} "
             f"{hw['memory_gb']:g} GB",
         ),
+    ]
+    if r.regenerate is not None:
+        rows.append(
+            (
+                "regenerate",
+                f"<= {r.regenerate_tokens:,.0f} tokens generated; "
+                f"{r.regenerate.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.regenerate.hours)} "
+                f"wall, {r.regenerate.gpu_hours:,.0f} GPU-h (bound: {r.regenerate.bound})",
+            ),
+        )
+    return rows + [
         (
             "capture",
             f"{r.capture.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.capture.hours)} wall, "
@@ -828,22 +925,3 @@ def format_plan(r: PlanResult) -> str:
             "states",
         ),
     ]
-    if r.regenerate is not None:
-        rows.insert(
-            -2,
-            (
-                "regenerate",
-                f"<= {r.regenerate_tokens:,.0f} tokens generated; "
-                f"{r.regenerate.tokens_per_s:,.0f} tok/s -> {_fmt_hours(r.regenerate.hours)} "
-                f"wall, {r.regenerate.gpu_hours:,.0f} GPU-h (bound: {r.regenerate.bound})",
-            ),
-        )
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-    lines.append("basis:")
-    if r.regenerate is not None:
-        lines.append(f"  regenerate: {r.regenerate.basis}")
-    lines.append(f"  capture: {r.capture.basis}")
-    lines.append(f"  train: {r.train.basis}")
-    lines += [f"note: {n}" for n in r.notes]
-    return "\n".join(lines)

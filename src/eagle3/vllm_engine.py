@@ -347,6 +347,22 @@ def _child(
     os._exit(code)
 
 
+def _wait_for_result(queue: Any, proc: Any) -> Any:
+    """The child's (status, value), or None when it ended without one; the job and the engines it
+    started are recorded in the lock files held (eagle3.lock) while it runs."""
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except Exception:  # queue.Empty
+            # the job and the engines it started since (no-op without a lock)
+            record_engine_processes()
+            if not proc.is_alive():
+                try:
+                    return queue.get(timeout=1.0)
+                except Exception:
+                    return None
+
+
 def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) in a fresh process (own vLLM engine, own metrics) and return its
     result.
@@ -367,19 +383,7 @@ def run_in_subprocess(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     proc.start()
     result = None
     try:
-        while True:
-            try:
-                result = queue.get(timeout=1.0)
-                break
-            except Exception:  # queue.Empty
-                # the job and the engines it started since (no-op without a lock)
-                record_engine_processes()
-                if not proc.is_alive():
-                    try:
-                        result = queue.get(timeout=1.0)
-                    except Exception:
-                        result = None
-                    break
+        result = _wait_for_result(queue, proc)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():  # pragma: no cover

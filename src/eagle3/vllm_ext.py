@@ -420,6 +420,33 @@ def aux_id_problem(ids: list[int], num_layers: int, model_type: str | None) -> s
     return None
 
 
+def _unsupported(runner: Any, kind: str | None) -> str | None:
+    """Why this runner, engine or target cannot be captured (one line), or None."""
+    import vllm
+    from vllm.distributed import get_pp_group
+
+    if kind is None:
+        return unknown_runner_message(runner, vllm.__version__)
+    if get_pp_group().world_size > 1:
+        return "eagle3 capture: pipeline parallel is not supported; use tensor_parallel_size"
+    if not runner.model_config.enforce_eager:
+        return (
+            "eagle3 capture: the engine must run eagerly (LLM(..., "
+            "enforce_eager=True), as eagle3's capture starts it): a CUDA graph or a compiled "
+            "decoder never shows the aux states"
+        )
+    model = runner.get_model()
+    if not hasattr(model, "set_aux_hidden_state_layers"):
+        return (
+            f"eagle3 capture: {type(model).__name__} does not implement "
+            f"vLLM's EAGLE-3 interface (set_aux_hidden_state_layers) in vLLM "
+            f"{vllm.__version__} (benchmarks/results/vllm_touchpoints.md lists the families "
+            "each release gives aux states for); use `capture.backend: hf` for this target, "
+            "or a vLLM release that has it"
+        )
+    return None
+
+
 class CaptureWorkerExtension:
     """Mixed into vLLM's Worker class; every public method is a collective_rpc verb."""
 
@@ -434,32 +461,14 @@ class CaptureWorkerExtension:
         fp8). Returns the target's shape and the runner's kind, or {"unsupported": one line} when
         this runner, engine or target cannot be captured (the driver raises it as the diagnosis)."""
         import vllm
-        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+        from vllm.distributed import get_tensor_model_parallel_rank
 
         runner = self.model_runner  # type: ignore[attr-defined]
         kind = detect_runner(runner)
-        if kind is None:
-            return {"unsupported": unknown_runner_message(runner, vllm.__version__)}
-        if get_pp_group().world_size > 1:
-            return {
-                "unsupported": "eagle3 capture: pipeline parallel is not supported; use "
-                "tensor_parallel_size"
-            }
-        if not runner.model_config.enforce_eager:
-            return {
-                "unsupported": "eagle3 capture: the engine must run eagerly (LLM(..., "
-                "enforce_eager=True), as eagle3's capture starts it): a CUDA graph or a compiled "
-                "decoder never shows the aux states"
-            }
+        unsupported = _unsupported(runner, kind)
+        if unsupported:
+            return {"unsupported": unsupported}
         model = runner.get_model()
-        if not hasattr(model, "set_aux_hidden_state_layers"):
-            return {
-                "unsupported": f"eagle3 capture: {type(model).__name__} does not implement "
-                f"vLLM's EAGLE-3 interface (set_aux_hidden_state_layers) in vLLM "
-                f"{vllm.__version__} (benchmarks/results/vllm_touchpoints.md lists the families "
-                "each release gives aux states for); use `capture.backend: hf` for this target, "
-                "or a vLLM release that has it"
-            }
         hf = runner.model_config.hf_config
         text = getattr(hf, "text_config", None) or hf
         num_layers = int(text.num_hidden_layers)
@@ -481,44 +490,9 @@ class CaptureWorkerExtension:
         self._eagle3_num_ids = len(ids)
         self._eagle3_norm_in: torch.Tensor | None = None
         if getattr(self, "_eagle3_handle", None) is None:
-            self._eagle3_handle = model.register_forward_hook(
-                self._eagle3_forward_hook, with_kwargs=True
-            )
-            # the decoder (the module vLLM's aux ids act on) and its final norm: where a release
-            # returns no aux id L (0.16), the last layer's output is the norm's input (hook 1)
-            decoder = next(
-                (m for m in model.modules() if hasattr(m, "aux_hidden_state_layers")), None
-            )
-            norm = getattr(decoder, "norm", None)
-            self._eagle3_norm_handle = (
-                norm.register_forward_pre_hook(self._eagle3_norm_hook)
-                if isinstance(norm, torch.nn.Module)
-                else None
-            )
+            self._eagle3_hook_model(model)
         if not getattr(runner, "_eagle3_hooked", False):
-            orig_execute = runner.execute_model
-            ext = self
-
-            def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-                if kwargs.get("dummy_run") or getattr(ext, "_eagle3_handle", None) is None:
-                    return orig_execute(scheduler_output, *args, **kwargs)
-                ext._eagle3_norm_in = None
-                ext._eagle3_step = {
-                    "num_tokens": int(scheduler_output.total_num_scheduled_tokens),
-                    "forwards": [],
-                }
-                try:
-                    out = orig_execute(scheduler_output, *args, **kwargs)
-                    step = ext._eagle3_step
-                    ext._eagle3_step = None
-                    if step["forwards"] and ext._eagle3_keep:
-                        ext._eagle3_record(runner, scheduler_output, step["forwards"])
-                    return out
-                finally:
-                    ext._eagle3_step = None
-
-            runner.execute_model = execute_model
-            runner._eagle3_hooked = True
+            self._eagle3_wrap_execute(runner)
         return {
             "num_layers": num_layers,
             "hidden_size": int(text.hidden_size),
@@ -529,6 +503,49 @@ class CaptureWorkerExtension:
             "runner_class": f"{type(runner).__module__}.{type(runner).__name__}",
             "vllm_version": vllm.__version__,
         }
+
+    def _eagle3_hook_model(self, model: Any) -> None:
+        """Hooks 1 and 2 on the model: its forward (the aux states it returns) and its decoder's
+        final norm (where a release returns no aux id L (0.16), the last layer's output is the
+        norm's input)."""
+        self._eagle3_handle = model.register_forward_hook(
+            self._eagle3_forward_hook, with_kwargs=True
+        )
+        # the decoder (the module vLLM's aux ids act on) and its final norm
+        decoder = next((m for m in model.modules() if hasattr(m, "aux_hidden_state_layers")), None)
+        norm = getattr(decoder, "norm", None)
+        self._eagle3_norm_handle = (
+            norm.register_forward_pre_hook(self._eagle3_norm_hook)
+            if isinstance(norm, torch.nn.Module)
+            else None
+        )
+
+    def _eagle3_wrap_execute(self, runner: Any) -> None:
+        """Hook 3: the runner's execute_model, wrapped so that a real scheduled step (not a dummy
+        profile or warm-up step) arms the forward hook and records what it collected."""
+        orig_execute = runner.execute_model
+        ext = self
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("dummy_run") or getattr(ext, "_eagle3_handle", None) is None:
+                return orig_execute(scheduler_output, *args, **kwargs)
+            ext._eagle3_norm_in = None
+            ext._eagle3_step = {
+                "num_tokens": int(scheduler_output.total_num_scheduled_tokens),
+                "forwards": [],
+            }
+            try:
+                out = orig_execute(scheduler_output, *args, **kwargs)
+                step = ext._eagle3_step
+                ext._eagle3_step = None
+                if step["forwards"] and ext._eagle3_keep:
+                    ext._eagle3_record(runner, scheduler_output, step["forwards"])
+                return out
+            finally:
+                ext._eagle3_step = None
+
+        runner.execute_model = execute_model
+        runner._eagle3_hooked = True
 
     def _eagle3_forward_hook(
         self, _module: Any, args: tuple, kwargs: dict[str, Any], output: Any

@@ -23,11 +23,12 @@ from typing import Any
 
 from eagle3.config import CaptureConfig
 from eagle3.io import read_json, sha256_json
-from eagle3.shards import TORCH_DTYPES, ShardBuffer, write_shard
+from eagle3.shards import ShardBuffer
 from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env
 
 from .engines import chunk_bounds, chunk_span, write_engine_progress
 from .run import _make_backend, capture_rows, load_capture_inputs
+from .writer import ShardWriter
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -69,9 +70,7 @@ def main(argv: list[str]) -> int:
 
 def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
     """Capture and write the job's shards, recording each in the engine's progress file."""
-    out, progress = Path(cfg.out), Path(job["progress"])
-    n_aux, hidden = len(ci.aux_layer_ids), ci.info.hidden_size
-    worker = cfg.backend == "vllm" and cfg.writer == "worker"
+    progress = Path(job["progress"])
     t_start = time.time()
     record: dict[str, Any] = {
         "engine": job["engine"],
@@ -92,9 +91,6 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
         bounds = chunk_bounds(ci.lengths, chunk_tokens)
         t_cap = time.time()
         record["start_s"] = round(t_cap - t_start, 2)
-        pending: list[
-            int
-        ] = []  # worker writer: the shard being written in the worker (at most one)
 
         def done(entry: dict[str, Any]) -> None:
             record["shards"].append(entry)
@@ -102,44 +98,26 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
             record["tokens_per_s"] = round(record["num_tokens"] / max(record["capture_s"], 1e-9), 1)
             write_engine_progress(progress, job["config_hash"], record)
 
+        writer = ShardWriter(
+            cfg, backend, Path(cfg.out), len(ci.aux_layer_ids), ci.info.hidden_size, done
+        )
         for shard_id, first, nxt in job["shards"]:
             a, b = chunk_span(bounds, first, nxt, ci.n_total)
-            buf, rids = ShardBuffer(first_index=first, next_index=first), []
+            buf = ShardBuffer(first_index=first, next_index=first)
             for r in capture_rows(
-                backend, ci.ds, ci.lengths, range(a, b), chunk_tokens, ci.length_limit, refs=worker
+                backend,
+                ci.ds,
+                ci.lengths,
+                range(a, b),
+                chunk_tokens,
+                ci.length_limit,
+                refs=writer.worker,
             ):
-                if not first <= r.index < nxt:  # a neighbouring shard's row of a shared chunk
-                    continue
-                if r.skip:
-                    buf.skip(r.index, r.skip)
-                    continue
-                if worker:  # the states stay in the worker, which writes the shard
-                    buf.add(r.index, r.sample_id, r.input_ids, r.loss_mask, None, None)
-                    rids.append(r.stored.rid)
-                else:
-                    buf.add_stored(r.index, r.sample_id, r.input_ids, r.loss_mask, r.stored, n_aux)
-                record["num_tokens"] += int(r.input_ids.shape[0])
+                if first <= r.index < nxt:  # not a neighbouring shard's row of a shared chunk
+                    record["num_tokens"] += writer.add(buf, r)
             buf.next_index = nxt  # the skipped rows at its end belong to it too
-            if worker:
-                if pending:
-                    done(backend.wait_shard(pending.pop()))
-                backend.start_write_shard(
-                    out,
-                    shard_id,
-                    buf,
-                    rids,
-                    n_aux,
-                    hidden,
-                    cfg.storage_dtype,
-                    cfg.worker_background,
-                )
-                pending.append(shard_id)
-            else:
-                done(
-                    write_shard(out, shard_id, buf, n_aux, hidden, TORCH_DTYPES[cfg.storage_dtype])
-                )
-        if pending:
-            done(backend.wait_shard(pending.pop()))
+            writer.write(shard_id, buf)
+        writer.finish()
     finally:
         backend.close()
 

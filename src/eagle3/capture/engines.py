@@ -55,6 +55,8 @@ from eagle3.shards import (
     shard_name,
 )
 
+from .chunks import chunk_end
+
 #: an engine's progress file in the current run; earlier runs' shards are merged into
 #: MERGED_PROGRESS
 ENGINE_PROGRESS = "progress-engine-{engine}.json"
@@ -99,11 +101,7 @@ def chunk_bounds(lengths: np.ndarray, chunk_tokens: int) -> list[int]:
     lens = lengths.tolist()
     while a < n:
         starts.append(a)
-        b, tok = a, 0
-        while b < n and (b == a or tok + lens[b] <= chunk_tokens):
-            tok += lens[b]
-            b += 1
-        a = b
+        a = chunk_end(lens, range(n), a, chunk_tokens)
     return starts
 
 
@@ -322,35 +320,11 @@ def run_engines(
     (the error names it, its devices and its last lines); return the new entries by shard id and
     each engine's figures."""
     out = Path(cfg.out)
-    total = len(plan)
     with tempfile.TemporaryDirectory(prefix="eagle3-engines-") as tmp:
         try:
             for g in engines:
-                job = {
-                    "config": cfg.model_dump(mode="json"),
-                    "config_hash": config_hash,
-                    "engine": g.index,
-                    "num_engines": cfg.num_engines,
-                    "shards": [[i, *plan[i]] for i in g.shards],
-                    "progress": str(out / ENGINE_PROGRESS.format(engine=g.index)),
-                    "parent_pid": os.getpid(),
-                }
-                path = Path(tmp) / f"engine-{g.index}.json"
-                write_json(path, job)
-                g.proc = subprocess.Popen(
-                    [sys.executable, "-u", "-m", "eagle3.capture.engine_main", str(path)],
-                    env={**os.environ, **g.env},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    errors="replace",
-                    start_new_session=True,
-                )
-                g.relay = threading.Thread(
-                    target=_relay, args=(g,), daemon=True, name=f"eagle3-engine-{g.index}"
-                )
-                g.relay.start()
-            _wait(engines, out, num_done_before, total)
+                _start_engine(cfg, config_hash, plan, g, Path(tmp))
+            _wait(engines, out, num_done_before, len(plan))
         finally:
             _stop(engines)
     new: dict[int, dict[str, Any]] = {}
@@ -372,6 +346,37 @@ def run_engines(
             }
         )
     return new, stats
+
+
+def _start_engine(
+    cfg: CaptureConfig, config_hash: str, plan: list[tuple[int, int]], g: Engine, tmp: Path
+) -> None:
+    """Write engine `g`'s job file into `tmp`, start its process (eagle3.capture.engine_main) in
+    its own session and a thread that relays its output."""
+    job = {
+        "config": cfg.model_dump(mode="json"),
+        "config_hash": config_hash,
+        "engine": g.index,
+        "num_engines": cfg.num_engines,
+        "shards": [[i, *plan[i]] for i in g.shards],
+        "progress": str(Path(cfg.out) / ENGINE_PROGRESS.format(engine=g.index)),
+        "parent_pid": os.getpid(),
+    }
+    path = tmp / f"engine-{g.index}.json"
+    write_json(path, job)
+    g.proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "eagle3.capture.engine_main", str(path)],
+        env={**os.environ, **g.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    g.relay = threading.Thread(
+        target=_relay, args=(g,), daemon=True, name=f"eagle3-engine-{g.index}"
+    )
+    g.relay.start()
 
 
 def _relay(g: Engine) -> None:

@@ -40,7 +40,6 @@ from eagle3.shards import (
     LAYER_SEMANTICS,
     MANIFEST,
     PROGRESS,
-    TORCH_DTYPES,
     ShardBuffer,
     check_capture_fits,
     corrupt_shards,
@@ -49,13 +48,14 @@ from eagle3.shards import (
     read_progress,
     save_progress,
     storage_info,
-    write_shard,
 )
 from eagle3.vllm_engine import resolve_dtype
 
 from . import engines
+from .chunks import chunk_end
 from .hf_backend import HFBackend, resolve_device
 from .vllm_backend import VLLMBackend
+from .writer import ShardWriter
 
 
 @dataclass
@@ -270,69 +270,16 @@ def run_capture(cfg: CaptureConfig, *, llm: Any = None) -> CaptureResult:
 
 
 def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> CaptureResult:
-    info, aux_layer_ids, ds, n_total, lengths, max_model_len = (
-        ci.info,
-        ci.aux_layer_ids,
-        ci.ds,
-        ci.n_total,
-        ci.lengths,
-        ci.max_model_len,
-    )
-    prep_manifest, out, hashed = ci.prepared_manifest, Path(cfg.out), ci.hashed
-    config_hash = sha256_json(hashed)
-    if (out / MANIFEST).is_file():
-        m = CaptureManifest.load(out, check=False)
-        if m.config_hash != config_hash:
-            raise ValueError(
-                f"{out / MANIFEST} is a finished capture with different settings (config_hash "
-                f"{m.config_hash} "
-                f"!= {config_hash}): use a new --out directory or delete {out}"
-            )
-        check_same_weights(
-            m.recorded_target(),
-            ci.target_fingerprint,
-            out / MANIFEST,
-            "this finished capture was made from",
-        )
-        gap = m.coverage_problem(out)
-        kept: list[ShardEntry] = list(m.shards)
-        if gap:  # a shard entry lost: keep the shards before the gap, capture the rest
-            kept = []
-            for e in m.shards:
-                if e.first_index != (kept[-1].next_index if kept else 0):
-                    break
-                kept.append(e)
-            print(
-                f"capture: {out / MANIFEST} no longer covers its samples; keeping its first "
-                f"{len(kept)} shard(s) and capturing the rest again",
-                file=sys.stderr,
-                flush=True,
-            )
-        bad = corrupt_shards(out, kept)
-        if not bad and not gap:
-            print(
-                f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} "
-                "shards sha256-verified)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return _result(out, m, resumed=len(m.shards), wall=time.time() - t0, cap=0.0, tok_now=0)
-        # a finished capture whose shards no longer match: reopen it, so that the resume below keeps
-        # the good shards before the first bad one and captures the rest again
-        if bad:
-            print(
-                f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 "
-                f"({', '.join(bad[:5])}); capturing again from the first bad one",
-                file=sys.stderr,
-                flush=True,
-            )
-        save_progress(out, config_hash, [e.to_dict() for e in kept], ci.target_fingerprint)
-        (out / MANIFEST).unlink()
+    out, config_hash = Path(cfg.out), sha256_json(ci.hashed)
+    finished = _reopen_finished(out, ci, config_hash)
+    if finished is not None:
+        wall = time.time() - t0
+        return _result(out, finished, resumed=len(finished.shards), wall=wall, cap=0.0, tok_now=0)
     out.mkdir(parents=True, exist_ok=True)
     progress = read_progress(out)
     if progress is not None and progress.get("shards"):
         check_same_weights(
-            RecordedTarget.of_progress(progress, hashed["target"]),
+            RecordedTarget.of_progress(progress, ci.hashed["target"]),
             ci.target_fingerprint,
             out / PROGRESS,
             f"the capture in {out} was started with",
@@ -347,143 +294,192 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     shards = ran.shards if ran is not None else load_progress(out, config_hash)
     start = shards[-1]["next_index"] if shards else 0
     resumed = ran.num_resumed if ran is not None else len(shards)
-
-    remaining_tokens = int(lengths[start:].sum())
     est = estimate_storage(
-        len(aux_layer_ids), info.hidden_size, cfg.storage_dtype, remaining_tokens
+        len(ci.aux_layer_ids), ci.info.hidden_size, cfg.storage_dtype, int(ci.lengths[start:].sum())
     )
-    bpt, needed = est.bytes_per_token, est.total_bytes
     if ran is None:
-        print(
-            f"capture: {n_total - start} samples / {remaining_tokens} tokens to go (resuming after "
-            f"{resumed} shards); {bpt} bytes/token -> {needed / 1e9:.3f} GB needed in {out}",
-            file=sys.stderr,
-            flush=True,
+        _check_room(cfg, ci, out, est, start, resumed)
+    captured = _capture_remaining(cfg, ci, llm, out, config_hash, shards, start)
+    if ran is not None:
+        captured = CapturePass(ran.capture_s, ran.num_tokens, ran.info)
+    manifest = _capture_manifest(cfg, ci, config_hash, shards, est.bytes_per_token)
+    manifest.save(out)
+    return _result(
+        out,
+        manifest,
+        resumed=resumed,
+        wall=time.time() - t0,
+        cap=captured.capture_s,
+        tok_now=captured.num_tokens,
+        extra={"backend_info": captured.backend_info},
+    )
+
+
+def _reopen_finished(out: Path, ci: CaptureInputs, config_hash: str) -> CaptureManifest | None:
+    """The finished capture in `out` when it is complete and every shard verifies (sha256). One
+    that no longer covers its samples, or whose shards fail their sha256, is reopened: its
+    progress.json keeps the good shards before the first gap or bad one and its manifest.json
+    goes, so that the resume captures the rest again. None when `out` holds no finished capture
+    (any more)."""
+    if not (out / MANIFEST).is_file():
+        return None
+    m = CaptureManifest.load(out, check=False)
+    if m.config_hash != config_hash:
+        raise ValueError(
+            f"{out / MANIFEST} is a finished capture with different settings (config_hash "
+            f"{m.config_hash} "
+            f"!= {config_hash}): use a new --out directory or delete {out}"
         )
-        _disk_check(out, est, cfg.min_free_disk_gb, lengths[start:].tolist())
-
-    store_dtype = TORCH_DTYPES[cfg.storage_dtype]
-    n_aux = len(aux_layer_ids)
-    buf = ShardBuffer(first_index=start, next_index=start)
-    tokens_now = 0
-    backend = None
-    t_cap = time.time()
-    backend_info: dict[str, Any] = {}
-    worker = cfg.backend == "vllm" and cfg.writer == "worker"
-    rids: list[str] = []  # worker writer: the worker-held states of buf's samples, in order
-    pending: list[
-        int
-    ] = []  # worker writer: the shard being written (at most one; counted once it is complete)
-
-    def finish_pending() -> None:
-        if pending:
-            shards.append(backend.wait_shard(pending.pop()))
-            save_progress(out, config_hash, shards, ci.target_fingerprint)
-
-    def flush(final: bool = False) -> None:
-        """Write `buf` as the next shard; the driver writer records it at once, the worker writer
-        when the worker's (background) write is complete — at the next flush or at the end,
-        overlapping the capture."""
-        if worker:
-            finish_pending()
-            backend.start_write_shard(
-                out,
-                len(shards),
-                buf,
-                rids,
-                n_aux,
-                info.hidden_size,
-                cfg.storage_dtype,
-                cfg.worker_background,
-            )
-            pending.append(len(shards))
-            if final:
-                finish_pending()
-            return
-        shards.append(
-            write_shard(out, len(shards), buf, n_aux, info.hidden_size, store_dtype)
-            if final
-            else write_shard(out, len(shards), buf)
+    check_same_weights(
+        m.recorded_target(),
+        ci.target_fingerprint,
+        out / MANIFEST,
+        "this finished capture was made from",
+    )
+    gap = m.coverage_problem(out)
+    kept: list[ShardEntry] = list(m.shards)
+    if gap:  # a shard entry lost: keep the shards before the gap, capture the rest
+        kept = _shards_before_gap(m.shards)
+        _say(
+            f"capture: {out / MANIFEST} no longer covers its samples; keeping its first "
+            f"{len(kept)} shard(s) and capturing the rest again"
         )
+    bad = corrupt_shards(out, kept)
+    if not bad and not gap:
+        _say(
+            f"capture: {out} is already complete ({m.num_samples} samples, {len(m.shards)} "
+            "shards sha256-verified)"
+        )
+        return m
+    # a finished capture whose shards no longer match: reopen it, so that the resume keeps the
+    # good shards before the first bad one and captures the rest again
+    if bad:
+        _say(
+            f"capture: {out} was complete but {len(bad)} shard(s) fail their sha256 "
+            f"({', '.join(bad[:5])}); capturing again from the first bad one"
+        )
+    save_progress(out, config_hash, [e.to_dict() for e in kept], ci.target_fingerprint)
+    (out / MANIFEST).unlink()
+    return None
+
+
+def _shards_before_gap(shards: list[ShardEntry]) -> list[ShardEntry]:
+    """The leading shards that follow each other without a gap in their rows."""
+    kept: list[ShardEntry] = []
+    for e in shards:
+        if e.first_index != (kept[-1].next_index if kept else 0):
+            break
+        kept.append(e)
+    return kept
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _check_room(
+    cfg: CaptureConfig, ci: CaptureInputs, out: Path, est: Any, start: int, resumed: int
+) -> None:
+    """Say what is left to capture and refuse to start when its states cannot fit on the disk."""
+    _say(
+        f"capture: {ci.n_total - start} samples / {int(ci.lengths[start:].sum())} tokens to go "
+        f"(resuming after {resumed} shards); {est.bytes_per_token} bytes/token -> "
+        f"{est.total_bytes / 1e9:.3f} GB needed in {out}"
+    )
+    _disk_check(out, est, cfg.min_free_disk_gb, ci.lengths[start:].tolist())
+
+
+@dataclass
+class CapturePass:
+    """What one backend's pass over the rows left to capture did."""
+
+    capture_s: float
+    num_tokens: int  # tokens captured in this pass
+    backend_info: dict[str, Any]  # the backend's start() report
+
+
+def _capture_remaining(
+    cfg: CaptureConfig,
+    ci: CaptureInputs,
+    llm: Any,
+    out: Path,
+    config_hash: str,
+    shards: list[dict[str, Any]],
+    start: int,
+) -> CapturePass:
+    """Capture rows start.. with one backend, cutting a shard every cfg.shard_tokens tokens; each
+    shard's entry is appended to `shards` and recorded in progress.json as soon as its file is
+    complete."""
+    if start >= ci.n_total:
+        return CapturePass(0.0, 0, {})
+
+    def record(entry: dict[str, Any]) -> None:
+        shards.append(entry)
         save_progress(out, config_hash, shards, ci.target_fingerprint)
 
-    if start < n_total:
-        backend = _make_backend(cfg, aux_layer_ids, max_model_len, llm=llm)
-        backend_info = backend.start()
-        chunk_tokens = int(backend_info.get("chunk_tokens", cfg.batch_tokens))
-        t_cap = time.time()
-        try:
-            # chunks (and so the backend's batches) start where an uninterrupted run's would: a
-            # resumed run recomputes the rows of the chunk holding `start` and drops those before
-            # it, so its states are bit-identical
-            first = chunk_start(lengths, start, chunk_tokens)
-            for r in capture_rows(
-                backend,
-                ds,
-                lengths,
-                range(first, n_total),
-                chunk_tokens,
-                ci.length_limit,
-                refs=worker,
-            ):
-                if r.index < start:
-                    continue
-                if r.skip:
-                    buf.skip(r.index, r.skip)
-                elif worker:  # the driver keeps the bookkeeping; the states stay in the worker
-                    buf.add(r.index, r.sample_id, r.input_ids, r.loss_mask, None, None)
-                    rids.append(r.stored.rid)
-                    tokens_now += int(r.input_ids.shape[0])
-                else:
-                    buf.add_stored(r.index, r.sample_id, r.input_ids, r.loss_mask, r.stored, n_aux)
-                    tokens_now += int(r.input_ids.shape[0])
-                if buf.num_tokens >= cfg.shard_tokens:
-                    flush()
-                    buf = ShardBuffer(first_index=r.index + 1, next_index=r.index + 1)
-                    rids = []
-            finish_pending()
-            if buf.sample_ids or buf.skipped:
-                if buf.sample_ids or not shards:
-                    flush(final=True)
-                else:  # only skips since the last shard: fold them into its entry
-                    _fold(shards[-1], buf)
-                save_progress(out, config_hash, shards, ci.target_fingerprint)
-        finally:
-            if backend is not None:
-                backend.close()
-    cap_s = time.time() - t_cap
-    if ran is not None:
-        cap_s, tokens_now, backend_info = ran.capture_s, ran.num_tokens, ran.info
+    backend = _make_backend(cfg, ci.aux_layer_ids, ci.max_model_len, llm=llm)
+    backend_info = backend.start()
+    chunk_tokens = int(backend_info.get("chunk_tokens", cfg.batch_tokens))
+    writer = ShardWriter(cfg, backend, out, len(ci.aux_layer_ids), ci.info.hidden_size, record)
+    t_cap = time.time()
+    num_tokens = 0
+    try:
+        # chunks (and so the backend's batches) start where an uninterrupted run's would: a resumed
+        # run recomputes the rows of the chunk holding `start` and drops those before it, so its
+        # states are bit-identical
+        first = chunk_start(ci.lengths, start, chunk_tokens)
+        rows = range(first, ci.n_total)
+        buf = ShardBuffer(first_index=start, next_index=start)
+        for r in capture_rows(
+            backend, ci.ds, ci.lengths, rows, chunk_tokens, ci.length_limit, refs=writer.worker
+        ):
+            if r.index < start:
+                continue
+            num_tokens += writer.add(buf, r)
+            if buf.num_tokens >= cfg.shard_tokens:
+                writer.finish()  # the shard before: its entry first, then this one's id
+                writer.write(len(shards), buf)
+                buf = ShardBuffer(first_index=r.index + 1, next_index=r.index + 1)
+        writer.finish()
+        if buf.sample_ids or buf.skipped:  # the last shard
+            if buf.sample_ids or not shards:
+                writer.write(len(shards), buf)
+                writer.finish()
+            else:  # only skips since the last shard: fold them into its entry
+                _fold(shards[-1], buf)
+            save_progress(out, config_hash, shards, ci.target_fingerprint)
+    finally:
+        backend.close()
+    return CapturePass(time.time() - t_cap, num_tokens, backend_info)
 
+
+def _capture_manifest(
+    cfg: CaptureConfig,
+    ci: CaptureInputs,
+    config_hash: str,
+    shards: list[dict[str, Any]],
+    bytes_per_token: int,
+) -> CaptureManifest:
+    """The manifest of the finished capture whose shards are `shards`."""
     skipped: dict[str, int] = {}
     for s in shards:
         for r, c in s["skipped"].items():
             skipped[r] = skipped.get(r, 0) + c
-    manifest = CaptureManifest(
+    prepared = ci.prepared_manifest
+    return CaptureManifest(
+        **recorded_capture(cfg, ci, bytes_per_token),
         format=FORMAT,
         stage="capture",
         config_hash=config_hash,
-        target=hashed["target"],
-        target_config_sha256=info.config_sha256,
-        data=hashed["data"],
-        prepared_manifest_sha256=hashed["prepared_manifest"],
-        tokenizer_sha256=prep_manifest.tokenizer_sha256,
-        chat_template_sha256=prep_manifest.chat_template_sha256,
-        chat_template_kwargs=prep_manifest.chat_template_kwargs,
-        aux_layer_ids=aux_layer_ids,
+        prepared_manifest_sha256=ci.hashed["prepared_manifest"],
+        tokenizer_sha256=prepared.tokenizer_sha256,
+        chat_template_sha256=prepared.chat_template_sha256,
+        chat_template_kwargs=prepared.chat_template_kwargs,
         layer_semantics=LAYER_SEMANTICS,
         last_semantics=LAST_SEMANTICS,
-        num_hidden_layers=info.num_hidden_layers,
-        target_fingerprint=ci.target_fingerprint,  # every weight file: train, export compare it
-        hidden_size=info.hidden_size,
-        dtype=cfg.storage_dtype,
-        storage=storage_info(cfg.storage_dtype),
-        compute_dtype=cfg.dtype,
-        backend=cfg.backend,
-        bytes_per_token=bpt,
         num_samples=sum(s["num_samples"] for s in shards),
         num_tokens=sum(s["num_tokens"] for s in shards),
-        num_input_samples=n_total,
+        num_input_samples=ci.n_total,
         num_skipped=skipped,
         shards=shards,
         versions={
@@ -494,16 +490,25 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
         },
         capture_config=cfg.model_dump(mode="json"),
     )
-    manifest.save(out)
-    return _result(
-        out,
-        manifest,
-        resumed=resumed,
-        wall=time.time() - t0,
-        cap=cap_s,
-        tok_now=tokens_now,
-        extra={"backend_info": backend_info},
-    )
+
+
+def recorded_capture(cfg: CaptureConfig, ci: CaptureInputs, bytes_per_token: int) -> dict:
+    """What a capture's manifest and a streaming spool's header both record: the target it was
+    made from (every weight file: train and export compare it), the layers, the storage."""
+    return {
+        "target": ci.hashed["target"],
+        "target_config_sha256": ci.info.config_sha256,
+        "data": ci.hashed["data"],
+        "target_fingerprint": ci.target_fingerprint,
+        "aux_layer_ids": ci.aux_layer_ids,
+        "num_hidden_layers": ci.info.num_hidden_layers,
+        "hidden_size": ci.info.hidden_size,
+        "dtype": cfg.storage_dtype,
+        "storage": storage_info(cfg.storage_dtype),
+        "compute_dtype": cfg.dtype,
+        "backend": cfg.backend,
+        "bytes_per_token": bytes_per_token,
+    }
 
 
 @dataclass
@@ -533,59 +538,70 @@ def capture_rows(
     CapturedRow per row in order. `max_model_len`: rows of that many tokens or more are skipped as
     too long (vLLM's limit)."""
     rows = list(rows) if not isinstance(rows, range) else rows
-    n, a = len(rows), 0
-    while a < n:
-        b, tok = a, 0
-        while b < n and (b == a or tok + lengths[rows[b]] <= chunk_tokens):
-            tok += int(lengths[rows[b]])
-            b += 1
+    a = 0
+    while a < len(rows):
+        b = chunk_end(lengths, rows, a, chunk_tokens)
         idx = rows[a:b]
         batch = (
             ds[idx.start : idx.stop]
             if isinstance(idx, range) and idx.step == 1
             else ds[[int(i) for i in idx]]
         )
-        todo, todo_k = [], []
-        for k, i in enumerate(idx):
-            length = int(lengths[i])
-            if length == 0 or (max_model_len is not None and length >= max_model_len):
-                continue
-            todo.append(np.asarray(batch["input_ids"][k]))
-            todo_k.append(k)
-        # Stored per sample: already in the storage dtype (converted by the backend on its device)
-        # refs: vllm_backend.WorkerStates handles (the worker keeps the states and writes the
-        # shards)
-        got = dict(
-            zip(
-                todo_k,
-                (backend.capture_refs(todo) if refs else backend.capture(todo)) if todo else [],
-                strict=True,
-            )
-        )
-        for k, i in enumerate(idx):
-            st = got.get(k)
-            skip = (
-                "empty"
-                if int(lengths[i]) == 0
-                else "too_long"
-                if st is None
-                else None
-                if st.finite
-                else "non_finite"
-            )
-            if skip:
-                yield CapturedRow(a + k, int(i), skip)
-            else:
-                yield CapturedRow(
-                    a + k,
-                    int(i),
-                    None,
-                    str(batch["sample_id"][k]),
-                    torch.as_tensor(batch["input_ids"][k]),
-                    torch.as_tensor(batch["loss_mask"][k]),
-                    st,
-                )
+        yield from _captured_chunk(backend, batch, idx, a, lengths, max_model_len, refs)
         a = b
+
+
+def _captured_chunk(
+    backend: Any,
+    batch: Any,
+    idx: Any,
+    a: int,
+    lengths: np.ndarray,
+    max_model_len: int | None,
+    refs: bool,
+) -> Iterator[CapturedRow]:
+    """Run the backend over one chunk (`batch`: the dataset's rows `idx`, the chunk's first at
+    position `a`) and yield its rows in order: those too long or empty skipped, not run."""
+    todo, todo_k = [], []
+    for k, i in enumerate(idx):
+        length = int(lengths[i])
+        if length == 0 or (max_model_len is not None and length >= max_model_len):
+            continue
+        todo.append(np.asarray(batch["input_ids"][k]))
+        todo_k.append(k)
+    # Stored per sample: already in the storage dtype (converted by the backend on its device)
+    # refs: vllm_backend.WorkerStates handles (the worker keeps the states and writes the
+    # shards)
+    got = dict(
+        zip(
+            todo_k,
+            (backend.capture_refs(todo) if refs else backend.capture(todo)) if todo else [],
+            strict=True,
+        )
+    )
+    for k, i in enumerate(idx):
+        st = got.get(k)
+        skip = (
+            "empty"
+            if int(lengths[i]) == 0
+            else "too_long"
+            if st is None
+            else None
+            if st.finite
+            else "non_finite"
+        )
+        if skip:
+            yield CapturedRow(a + k, int(i), skip)
+        else:
+            yield CapturedRow(
+                a + k,
+                int(i),
+                None,
+                str(batch["sample_id"][k]),
+                torch.as_tensor(batch["input_ids"][k]),
+                torch.as_tensor(batch["loss_mask"][k]),
+                st,
+            )
 
 
 def chunk_start(lengths: np.ndarray, start: int, chunk_tokens: int) -> int:
@@ -595,10 +611,7 @@ def chunk_start(lengths: np.ndarray, start: int, chunk_tokens: int) -> int:
     if start >= n:
         return start
     while True:
-        b, tok = a, 0
-        while b < n and (b == a or tok + lengths[b] <= chunk_tokens):
-            tok += int(lengths[b])
-            b += 1
+        b = chunk_end(lengths, range(n), a, chunk_tokens)
         if b > start:
             return a
         a = b

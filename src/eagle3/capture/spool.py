@@ -35,7 +35,6 @@ from eagle3.shards import (
     TORCH_DTYPES,
     ShardBuffer,
     bytes_per_token,
-    storage_info,
     write_shard,
 )
 from eagle3.splits import split_indices
@@ -58,6 +57,7 @@ from .run import (
     capture_rows,
     check_same_weights,
     load_capture_inputs,
+    recorded_capture,
     resolve_compute_dtype,
 )
 
@@ -234,179 +234,31 @@ def run_stream_capture(cfg: StreamCaptureConfig) -> StreamCaptureResult:
 
 def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     t0 = time.time()
-    if cfg.writer == "worker":
-        raise ConfigError(
-            "capture.writer = 'worker' is not supported in streaming mode yet (the spool writes "
-            "each shard in the driver after waiting for room): set capture.writer: driver for "
-            "stream-capture"
-        )
-    if cfg.num_engines > 1:
-        raise ConfigError(
-            f"capture.num_engines = {cfg.num_engines} is not supported in streaming mode yet (one "
-            "producer fills the spool in order): set capture.num_engines: 1 for stream-capture"
-        )
+    _refuse_unsupported(cfg)
     cfg = resolve_compute_dtype(cfg)
     ci = load_capture_inputs(cfg)
-    info, aux_layer_ids, ds, n_total, lengths = (
-        ci.info,
-        ci.aux_layer_ids,
-        ci.ds,
-        ci.n_total,
-        ci.lengths,
-    )
-    max_len, max_model_len, spool = ci.max_len, ci.max_model_len, Path(cfg.out)
-    limit_len = ci.length_limit
-    usable = (lengths > 0) & (
-        lengths < limit_len if limit_len else True
-    )  # rows that will be captured
-    bpt = bytes_per_token(len(aux_layer_ids), info.hidden_size, cfg.storage_dtype)
+    spool = Path(cfg.out)
     hashed = {**ci.hashed, "epochs": cfg.epochs, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
     config_hash = sha256_json(hashed)
-
     spool.mkdir(parents=True, exist_ok=True)
-    header = SpoolHeader.load(spool)
-    if header is not None and header.config_hash != config_hash:
-        raise ValueError(
-            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash "
-            f"{header.config_hash} "
-            f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the "
-            "training run using it)"
-        )
-    if header:
-        check_same_weights(
-            header.recorded_target(),
-            ci.target_fingerprint,
-            spool / HEADER,
-            "the streaming run was started with",
-        )
-    train_rows, val_rows = split_indices(n_total, cfg.val_fraction, cfg.seed)
-    val_tokens = int(lengths[val_rows][usable[val_rows]].sum()) if val_rows else 0
-    use_len = lengths[usable]
-    shard_max = max_shard_bytes(
-        cfg.shard_tokens, max_len, bpt, int(use_len.min()) if len(use_len) else 1
-    )
-    val_bytes = (
-        val_tokens * bpt + (math.ceil(val_tokens / cfg.shard_tokens) + 1) * SHARD_OVERHEAD_BYTES
-        if val_rows
-        else 0
-    )
-    if header is None:
-        header = SpoolHeader(
-            format=SPOOL_FORMAT,
-            capture_format=FORMAT,
-            config_hash=config_hash,
-            stage="stream-capture",
-            target=hashed["target"],
-            target_config_sha256=info.config_sha256,
-            data=hashed["data"],
-            # every weight file: train compares it
-            target_fingerprint=ci.target_fingerprint,
-            aux_layer_ids=aux_layer_ids,
-            num_hidden_layers=info.num_hidden_layers,
-            hidden_size=info.hidden_size,
-            dtype=cfg.storage_dtype,
-            storage=storage_info(cfg.storage_dtype),
-            compute_dtype=cfg.dtype,
-            backend=cfg.backend,
-            bytes_per_token=bpt,
-            shard_tokens=cfg.shard_tokens,
-            max_shard_bytes=shard_max,
-            val_bytes_estimate=val_bytes,
-            cap_bytes=cfg.spool_cap_bytes,
-            epochs=cfg.epochs,
-            seed=cfg.seed,
-            num_input_samples=n_total,
-            val_rows=val_rows,
-            train_rows=train_rows,
-            # token count of every prepared row, 0 for rows the capture skips (empty, too long for
-            # vLLM)
-            row_tokens=np.where(usable, lengths, 0).tolist(),
-        )
-    # before it exists: a generous bound of its JSON
-    header_bytes = len(str(header.to_dict())) * 2 + 4096
-    need = header_bytes + val_bytes + 2 * shard_max + 4 * META_SLACK_BYTES
-    if need > cfg.spool_cap_bytes:
-        raise ConfigError(
-            f"stream.spool_cap_gb = {cfg.spool_cap_gb} ({cfg.spool_cap_bytes} bytes) is too small: "
-            f"the spool must hold the validation shards (~{val_bytes} bytes at "
-            f"train.loader.val_fraction = {cfg.val_fraction}) plus two shards of up to "
-            f"{shard_max} bytes "
-            f"(capture.shard_tokens = {cfg.shard_tokens} tokens + the longest sample, {bpt} "
-            f"bytes/token) and the header: raise stream.spool_cap_gb to at least {need / 1e9:.6g}, "
-            "or lower capture.shard_tokens or train.loader.val_fraction"
-        )
-    if not (spool / HEADER).is_file():
-        header.save(spool)
-
+    train_rows, val_rows = split_indices(ci.n_total, cfg.val_fraction, cfg.seed)
+    header = _open_header(cfg, ci, spool, config_hash, train_rows, val_rows)
     ledger = read_state(spool, LEDGER)
     resumed = bool(ledger)
     if not ledger:
-        ledger = {
-            "format": SPOOL_FORMAT,
-            "config_hash": config_hash,
-            "phase": "val",
-            "epoch": 0,
-            "pos": 0,
-            "next_seq": 0,
-            "val_shards": [],
-            "shards": [],
-            "skipped": {},
-            "num_samples": 0,
-            "num_tokens": 0,
-            "blocked_bytes": 0,
-            "done": False,
-            "error": None,
-        }
+        ledger = _new_ledger(config_hash)
     _delete_uncommitted(spool, ledger)
     ledger.update(error=None, blocked_bytes=0)
     prod = _Producer(cfg, spool, header, ledger)
-    backend = None
-    stopped = False
     t_cap = time.time()
     print(
         f"stream-capture: spool {spool} (cap {cfg.spool_cap_bytes} bytes), {len(val_rows)} "
-        f"validation rows, {len(train_rows)} training rows x {cfg.epochs} epochs, {bpt} bytes/token"
-        f"{' (resuming)' if resumed else ''}",
+        f"validation rows, {len(train_rows)} training rows x {cfg.epochs} epochs, "
+        f"{header.bytes_per_token} bytes/token{' (resuming)' if resumed else ''}",
         file=sys.stderr,
         flush=True,
     )
-
-    chunk_tokens = cfg.batch_tokens  # the engine's own, once it has started
-
-    def capture_fn(rows: list[int]) -> Any:
-        nonlocal backend, chunk_tokens
-        if backend is None:
-            backend = _make_backend(cfg, aux_layer_ids, max_model_len)
-            chunk_tokens = int(backend.start().get("chunk_tokens", cfg.batch_tokens))
-        return capture_rows(backend, ds, lengths, rows, chunk_tokens, limit_len)
-
-    try:
-        if not ledger["done"]:
-            prod.save_ledger()
-            if ledger["phase"] == "val":
-                prod.capture("val", 0, val_rows, ledger["pos"], capture_fn)
-                ledger.update(phase="train", epoch=0, pos=0)
-                prod.save_ledger()
-            for epoch in range(ledger["epoch"], cfg.epochs):
-                start = ledger["pos"] if epoch == ledger["epoch"] else 0
-                prod.capture(
-                    "train", epoch, epoch_order(train_rows, cfg.seed, epoch), start, capture_fn
-                )
-                print(
-                    f"stream-capture: epoch {epoch + 1}/{cfg.epochs} captured",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                ledger.update(epoch=epoch + 1, pos=0)
-                prod.save_ledger()
-            ledger["done"] = True
-            prod.save_ledger()
-    except StopProducing:
-        stopped = True
-        print("stream-capture: the consumer is done; stopping", file=sys.stderr, flush=True)
-    finally:
-        if backend is not None:
-            backend.close()
+    stopped = _capture_epochs(cfg, ci, prod, train_rows, val_rows)
     cap_s = time.time() - t_cap
     return StreamCaptureResult(
         spool=spool,
@@ -425,6 +277,192 @@ def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
         capture_s=round(cap_s, 3),
         wall_s=round(time.time() - t0, 3),
     )
+
+
+def _refuse_unsupported(cfg: StreamCaptureConfig) -> None:
+    """ConfigError for the capture settings that streaming mode does not support yet."""
+    if cfg.writer == "worker":
+        raise ConfigError(
+            "capture.writer = 'worker' is not supported in streaming mode yet (the spool writes "
+            "each shard in the driver after waiting for room): set capture.writer: driver for "
+            "stream-capture"
+        )
+    if cfg.num_engines > 1:
+        raise ConfigError(
+            f"capture.num_engines = {cfg.num_engines} is not supported in streaming mode yet (one "
+            "producer fills the spool in order): set capture.num_engines: 1 for stream-capture"
+        )
+
+
+@dataclass
+class _SpoolSizes:
+    """What the spool must hold, from the rows' token counts."""
+
+    bytes_per_token: int
+    max_shard_bytes: int  # the largest shard the capture can write
+    val_bytes: int  # the validation shards, estimated
+    row_tokens: list[int]  # per prepared row, 0 for rows the capture skips (empty, too long)
+
+
+def _spool_sizes(cfg: StreamCaptureConfig, ci: Any, val_rows: list[int]) -> _SpoolSizes:
+    """The sizes of `ci`'s rows (eagle3.capture.run.CaptureInputs) in the spool."""
+    lengths, limit_len = ci.lengths, ci.length_limit
+    usable = (lengths > 0) & (
+        lengths < limit_len if limit_len else True
+    )  # rows that will be captured
+    bpt = bytes_per_token(len(ci.aux_layer_ids), ci.info.hidden_size, cfg.storage_dtype)
+    val_tokens = int(lengths[val_rows][usable[val_rows]].sum()) if val_rows else 0
+    use_len = lengths[usable]
+    shard_max = max_shard_bytes(
+        cfg.shard_tokens, ci.max_len, bpt, int(use_len.min()) if len(use_len) else 1
+    )
+    val_bytes = (
+        val_tokens * bpt + (math.ceil(val_tokens / cfg.shard_tokens) + 1) * SHARD_OVERHEAD_BYTES
+        if val_rows
+        else 0
+    )
+    return _SpoolSizes(bpt, shard_max, val_bytes, np.where(usable, lengths, 0).tolist())
+
+
+def _open_header(
+    cfg: StreamCaptureConfig,
+    ci: Any,
+    spool: Path,
+    config_hash: str,
+    train_rows: list[int],
+    val_rows: list[int],
+) -> SpoolHeader:
+    """The spool's header: the one a started run wrote (same settings and target weights, or an
+    error), else a new one, written once the cap is known to hold it."""
+    header = SpoolHeader.load(spool)
+    if header is not None and header.config_hash != config_hash:
+        raise ValueError(
+            f"{spool / HEADER} belongs to a streaming run with other settings (config_hash "
+            f"{header.config_hash} "
+            f"!= {config_hash}): use a new stream.spool directory or delete {spool} (and the "
+            "training run using it)"
+        )
+    if header:
+        check_same_weights(
+            header.recorded_target(),
+            ci.target_fingerprint,
+            spool / HEADER,
+            "the streaming run was started with",
+        )
+    sizes = _spool_sizes(cfg, ci, val_rows)
+    if header is None:
+        header = SpoolHeader(
+            **recorded_capture(cfg, ci, sizes.bytes_per_token),
+            format=SPOOL_FORMAT,
+            capture_format=FORMAT,
+            config_hash=config_hash,
+            stage="stream-capture",
+            shard_tokens=cfg.shard_tokens,
+            max_shard_bytes=sizes.max_shard_bytes,
+            val_bytes_estimate=sizes.val_bytes,
+            cap_bytes=cfg.spool_cap_bytes,
+            epochs=cfg.epochs,
+            seed=cfg.seed,
+            num_input_samples=ci.n_total,
+            val_rows=val_rows,
+            train_rows=train_rows,
+            row_tokens=sizes.row_tokens,
+        )
+    _check_cap(cfg, header, sizes)
+    if not (spool / HEADER).is_file():
+        header.save(spool)
+    return header
+
+
+def _check_cap(cfg: StreamCaptureConfig, header: SpoolHeader, sizes: _SpoolSizes) -> None:
+    """ConfigError when the spool's cap cannot hold the header, the validation shards and two
+    training shards."""
+    # before it exists: a generous bound of its JSON
+    header_bytes = len(str(header.to_dict())) * 2 + 4096
+    val_bytes, shard_max = sizes.val_bytes, sizes.max_shard_bytes
+    need = header_bytes + val_bytes + 2 * shard_max + 4 * META_SLACK_BYTES
+    if need > cfg.spool_cap_bytes:
+        raise ConfigError(
+            f"stream.spool_cap_gb = {cfg.spool_cap_gb} ({cfg.spool_cap_bytes} bytes) is too small: "
+            f"the spool must hold the validation shards (~{val_bytes} bytes at "
+            f"train.loader.val_fraction = {cfg.val_fraction}) plus two shards of up to "
+            f"{shard_max} bytes "
+            f"(capture.shard_tokens = {cfg.shard_tokens} tokens + the longest sample, "
+            f"{sizes.bytes_per_token} bytes/token) and the header: raise stream.spool_cap_gb to at "
+            f"least {need / 1e9:.6g}, or lower capture.shard_tokens or train.loader.val_fraction"
+        )
+
+
+def _new_ledger(config_hash: str) -> dict[str, Any]:
+    """The ledger of a spool nothing has been captured into yet."""
+    return {
+        "format": SPOOL_FORMAT,
+        "config_hash": config_hash,
+        "phase": "val",
+        "epoch": 0,
+        "pos": 0,
+        "next_seq": 0,
+        "val_shards": [],
+        "shards": [],
+        "skipped": {},
+        "num_samples": 0,
+        "num_tokens": 0,
+        "blocked_bytes": 0,
+        "done": False,
+        "error": None,
+    }
+
+
+def _capture_epochs(
+    cfg: StreamCaptureConfig,
+    ci: Any,
+    prod: _Producer,
+    train_rows: list[int],
+    val_rows: list[int],
+) -> bool:
+    """Capture the validation rows, then every epoch's training rows, from where the ledger
+    stands; the backend starts with the first row to capture. True when the consumer stopped
+    it early."""
+    ledger = prod.ledger
+    backend = None
+    chunk_tokens = cfg.batch_tokens  # the engine's own, once it has started
+
+    def capture_fn(rows: list[int]) -> Any:
+        nonlocal backend, chunk_tokens
+        if backend is None:
+            backend = _make_backend(cfg, ci.aux_layer_ids, ci.max_model_len)
+            chunk_tokens = int(backend.start().get("chunk_tokens", cfg.batch_tokens))
+        return capture_rows(backend, ci.ds, ci.lengths, rows, chunk_tokens, ci.length_limit)
+
+    try:
+        if ledger["done"]:
+            return False
+        prod.save_ledger()
+        if ledger["phase"] == "val":
+            prod.capture("val", 0, val_rows, ledger["pos"], capture_fn)
+            ledger.update(phase="train", epoch=0, pos=0)
+            prod.save_ledger()
+        for epoch in range(ledger["epoch"], cfg.epochs):
+            start = ledger["pos"] if epoch == ledger["epoch"] else 0
+            prod.capture(
+                "train", epoch, epoch_order(train_rows, cfg.seed, epoch), start, capture_fn
+            )
+            print(
+                f"stream-capture: epoch {epoch + 1}/{cfg.epochs} captured",
+                file=sys.stderr,
+                flush=True,
+            )
+            ledger.update(epoch=epoch + 1, pos=0)
+            prod.save_ledger()
+        ledger["done"] = True
+        prod.save_ledger()
+    except StopProducing:
+        print("stream-capture: the consumer is done; stopping", file=sys.stderr, flush=True)
+        return True
+    finally:
+        if backend is not None:
+            backend.close()
+    return False
 
 
 def _delete_uncommitted(spool: Path, ledger: dict[str, Any]) -> None:

@@ -137,15 +137,20 @@ class VLLMBackend:
         )
         return info
 
-    def capture(self, samples: list[np.ndarray]) -> list[Any]:
-        """States of each sample in storage form (eagle3.quant.Stored: [T, A + 1, H], aux in
-        `aux_layer_ids` order then last; converted inside the worker)."""
+    def _prefill(self, samples: list[np.ndarray]) -> list[Any]:
+        """Run each sample as a prompt with one greedy token to generate: the forward whose
+        states the worker records."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in samples]
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+    def capture(self, samples: list[np.ndarray]) -> list[Any]:
+        """States of each sample in storage form (eagle3.quant.Stored: [T, A + 1, H], aux in
+        `aux_layer_ids` order then last; converted inside the worker)."""
+        outputs = self._prefill(samples)
         popped = self.llm.collective_rpc("eagle3_capture_pop")[0]  # TP rank 0 holds the states
         by_external = {}
         for rid, enc in popped.items():
@@ -154,19 +159,8 @@ class VLLMBackend:
             by_external[rid.rsplit("-", 1)[0]] = (rid, st, filled)
         result: list[Any] = []
         for out, sample in zip(outputs, samples, strict=True):
-            got = by_external.get(out.request_id) or by_external.get(
-                out.request_id.rsplit("-", 1)[0]
-            )
-            if got is None:
-                raise RuntimeError(
-                    f"capture (vllm): no states recorded for request {out.request_id}"
-                )
-            rid, st, filled = got
-            if st.states.shape[0] != len(sample) or filled != len(sample):
-                raise RuntimeError(
-                    f"capture (vllm): request {rid} recorded {filled}/{st.states.shape[0]} "
-                    f"positions of a {len(sample)}-token prompt (prefix caching on?)"
-                )
+            rid, st, filled = _recorded(by_external, out.request_id)
+            _check_every_position(rid, st.states.shape[0], filled, len(sample))
             result.append(st)
         return result
 
@@ -176,29 +170,13 @@ class VLLMBackend:
         """Like `capture`, but the states stay in the worker: one WorkerStates handle per sample
         (same checks: every position recorded). Non-finite samples are dropped in the worker at once
         (the driver skips them)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in samples]
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._prefill(samples)
         meta = self.llm.collective_rpc("eagle3_capture_meta")[0]  # TP rank 0 holds the states
         by_external = {rid.rsplit("-", 1)[0]: (rid, m) for rid, m in meta.items()}
         result, bad = [], []
         for out, sample in zip(outputs, samples, strict=True):
-            got = by_external.get(out.request_id) or by_external.get(
-                out.request_id.rsplit("-", 1)[0]
-            )
-            if got is None:
-                raise RuntimeError(
-                    f"capture (vllm): no states recorded for request {out.request_id}"
-                )
-            rid, m = got
-            if m["num_tokens"] != len(sample) or m["filled"] != len(sample):
-                raise RuntimeError(
-                    f"capture (vllm): request {rid} recorded {m['filled']}/{m['num_tokens']} "
-                    f"positions of a {len(sample)}-token prompt (prefix caching on?)"
-                )
+            rid, m = _recorded(by_external, out.request_id)
+            _check_every_position(rid, m["num_tokens"], m["filled"], len(sample))
             if not m["finite"]:
                 bad.append(rid)
             result.append(WorkerStates(rid, bool(m["finite"]), len(sample)))
@@ -259,3 +237,20 @@ class VLLMBackend:
             if self._owns:
                 llm, self.llm = self.llm, None
                 shutdown_engine(llm)
+
+
+def _recorded(by_external: dict[str, tuple], request_id: str) -> tuple:
+    """What the worker recorded for the request `request_id` (vLLM may add a suffix to the id)."""
+    got = by_external.get(request_id) or by_external.get(request_id.rsplit("-", 1)[0])
+    if got is None:
+        raise RuntimeError(f"capture (vllm): no states recorded for request {request_id}")
+    return got
+
+
+def _check_every_position(rid: str, num_tokens: int, filled: int, prompt_len: int) -> None:
+    """RuntimeError unless the worker recorded every position of the prompt."""
+    if num_tokens != prompt_len or filled != prompt_len:
+        raise RuntimeError(
+            f"capture (vllm): request {rid} recorded {filled}/{num_tokens} "
+            f"positions of a {prompt_len}-token prompt (prefix caching on?)"
+        )

@@ -15,7 +15,6 @@ and counted per source) and written as ``{"id": "<source index>/<id>", "messages
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 from eagle3.chat_formats import check_skipped, drop_reasoning, read_conversations
 from eagle3.config import ConfigError, MixConfig
-from eagle3.io import atomic_path, write_json
+from eagle3.io import write_json, write_jsonl
 
 OUTPUT = "conversations.jsonl"
 MANIFEST = "manifest.json"
@@ -77,28 +76,10 @@ def run_mix(cfg: MixConfig) -> MixResult:
                 f"num_rows={num_rows} asks for {c}; set num_rows <= {most} (the most without "
                 "repeating rows) or lower that source's weight"
             )
-    rng = random.Random(cfg.seed)
-    rows = []
-    for i, (s, r, c) in enumerate(zip(cfg.sources, reads, counts, strict=True)):
-        for conv in rng.sample(r.conversations, c):
-            messages = conv.messages
-            if s.reasoning == "drop":
-                messages = [drop_reasoning(m) for m in messages]
-            row = {"id": f"{i}/{conv.sample_id}", "messages": messages, "source": s.path}
-            if conv.category is not None:
-                row["category"] = conv.category
-            kwargs = conv.chat_template_kwargs
-            if s.chat_template_kwargs is not None:
-                kwargs = s.chat_template_kwargs
-            if kwargs is not None:
-                row["chat_template_kwargs"] = kwargs
-            rows.append(row)
-    rng.shuffle(rows)
+    rows = _mixed_rows(cfg, reads, counts)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / OUTPUT) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_jsonl(out / OUTPUT, rows)
     per_source = [
         {
             "path": s.path,
@@ -127,3 +108,26 @@ def run_mix(cfg: MixConfig) -> MixResult:
         },
     )
     return MixResult(out, out / OUTPUT, num_rows, per_source, round(time.time() - t0, 2))
+
+
+def _mixed_rows(cfg: MixConfig, reads: list[Any], counts: list[int]) -> list[dict[str, Any]]:
+    """counts[i] conversations drawn from each source without repeats (seeded), shuffled; a
+    source's `reasoning: drop` and its chat_template_kwargs applied."""
+    rng = random.Random(cfg.seed)
+    rows = []
+    for i, (s, r, c) in enumerate(zip(cfg.sources, reads, counts, strict=True)):
+        for conv in rng.sample(r.conversations, c):
+            messages = conv.messages
+            if s.reasoning == "drop":
+                messages = [drop_reasoning(m) for m in messages]
+            row = {"id": f"{i}/{conv.sample_id}", "messages": messages, "source": s.path}
+            if conv.category is not None:
+                row["category"] = conv.category
+            kwargs = conv.chat_template_kwargs
+            if s.chat_template_kwargs is not None:
+                kwargs = s.chat_template_kwargs
+            if kwargs is not None:
+                row["chat_template_kwargs"] = kwargs
+            rows.append(row)
+    rng.shuffle(rows)
+    return rows

@@ -608,6 +608,54 @@ def _health(root: str, timeout_s: float) -> bool:
         raise
 
 
+def _spawn_server(cmd: list[str], log_path: Path, env: dict[str, str] | None) -> subprocess.Popen:
+    """Start the server in its own process group, dying with this thread, its output appended to
+    `log_path` after its command line."""
+    child_env = dict(os.environ)
+    child_env.setdefault(DIE_WITH_PARENT_ENV, "1")
+    if on_cpu_platform():
+        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KVCACHE_GIB)
+    child_env.update(env or {})
+    with open(log_path, "ab") as log_file:
+        log_file.write(f"$ {' '.join(cmd)}\n".encode())
+        log_file.flush()
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,  # its own process group: stop_process_group ends all of it
+            preexec_fn=_death_signal_preexec(os.getpid()),
+        )
+
+
+def _wait_until_healthy(
+    proc: subprocess.Popen,
+    root: str,
+    target: Path,
+    log_path: Path,
+    t0: float,
+    startup_timeout_s: float,
+) -> None:
+    """Return once the server at `root` answers /health; ServerStartError with the end of its log
+    when it exits first or does not answer within `startup_timeout_s` of `t0`."""
+    while not _health(root, timeout_s=5.0):
+        code = proc.poll()
+        if code is not None:
+            raise ServerStartError(
+                f"vLLM server for {target} exited with code {code} while starting; the end "
+                f"of its log {log_path}:\n{_log_tail(log_path)}"
+            )
+        if time.monotonic() - t0 > startup_timeout_s:
+            raise ServerStartError(
+                f"vLLM server for {target} did not answer {root}/health within "
+                f"{startup_timeout_s:g} s (raise startup_timeout_s on a slow host); the end "
+                f"of its log {log_path}:\n{_log_tail(log_path)}"
+            )
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def start_vllm_server(
     target: str | os.PathLike,
@@ -643,6 +691,9 @@ def start_vllm_server(
 
     Raises ServerStartError with the tail of the log when the server exits while starting or is not
     healthy within `startup_timeout_s`.
+
+    Kept whole: its length is this signature and docstring, one entry per server option; the body
+    is four steps (command, spawn, wait until healthy, yield and stop).
     """
     target = Path(target)
     log_path = Path(log_path)
@@ -663,41 +714,12 @@ def start_vllm_server(
         enforce_eager=enforce_eager,
         extra_args=extra_args,
     )
-    child_env = dict(os.environ)
-    child_env.setdefault(DIE_WITH_PARENT_ENV, "1")
-    if on_cpu_platform():
-        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KVCACHE_GIB)
-    child_env.update(env or {})
     root = f"http://{host}:{port}"
     t0 = time.monotonic()
-    with open(log_path, "ab") as log_file:
-        log_file.write(f"$ {' '.join(cmd)}\n".encode())
-        log_file.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-            start_new_session=True,  # its own process group: stop_process_group ends all of it
-            preexec_fn=_death_signal_preexec(os.getpid()),
-        )
+    proc = _spawn_server(cmd, log_path, env)
     try:
         log.info("vLLM server pid %d starting on %s (log %s)", proc.pid, root, log_path)
-        while not _health(root, timeout_s=5.0):
-            code = proc.poll()
-            if code is not None:
-                raise ServerStartError(
-                    f"vLLM server for {target} exited with code {code} while starting; the end "
-                    f"of its log {log_path}:\n{_log_tail(log_path)}"
-                )
-            if time.monotonic() - t0 > startup_timeout_s:
-                raise ServerStartError(
-                    f"vLLM server for {target} did not answer {root}/health within "
-                    f"{startup_timeout_s:g} s (raise startup_timeout_s on a slow host); the end "
-                    f"of its log {log_path}:\n{_log_tail(log_path)}"
-                )
-            time.sleep(0.5)
+        _wait_until_healthy(proc, root, target, log_path, t0, startup_timeout_s)
         startup_s = time.monotonic() - t0
         log.info("vLLM server on %s healthy after %.1f s", root, startup_s)
         record_engine_processes()  # the server and its engine in the lock files held (eagle3.lock)

@@ -148,57 +148,101 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
         trust_remote_code=cfg.trust_remote_code,
         chat_template_kwargs=cfg.chat_template_kwargs,
     )
-    tok = renderer.tokenizer
     read = read_conversations(cfg.data, limit=cfg.limit, split=cfg.split, require_assistant=True)
-    skipped: Counter[str] = Counter(read.skipped)
-    skip_rows = {k: list(v) for k, v in read.skip_rows.items()}
-
-    def skip(reason: str, conv: Conversation) -> None:
-        skipped[reason] += 1
-        if len(skip_rows.setdefault(reason, [])) < MAX_EXAMPLES:
-            skip_rows[reason].append(f"sample {conv.sample_id}")
-
-    rows: list[dict[str, Any]] = []
-    seen_ids: Counter[str] = Counter()
-    turns: Counter[str] = Counter()
-    num_truncated = num_tokens = num_supervised = 0
-    for conv in read.conversations:
-        conv_rows = turn_rows(conversation_turns(renderer, conv, cfg, turns))
-        if not conv_rows:
-            skip("no_supervised_tokens", conv)
-            continue
-        turns["rows_per_turn_split"] += len(conv_rows) > 1
-        for j, (ids, mask, _) in enumerate(conv_rows):
-            if len(ids) > cfg.max_seq_len:
-                ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
-                num_truncated += 1
-                if sum(mask) == 0:
-                    skip("no_supervised_tokens_after_truncation", conv)
-                    continue
-            base = row_id(conv.sample_id, j)
-            seen_ids[base] += 1
-            sample_id = base if seen_ids[base] == 1 else f"{base}#{seen_ids[base]}"
-            rows.append({"input_ids": ids, "loss_mask": mask, "sample_id": sample_id})
-            num_tokens += len(ids)
-            num_supervised += sum(mask)
-    if not rows:
+    built = _build_rows(cfg, renderer, read)
+    if not built.rows:
         raise ValueError(
             f"no usable conversations in {cfg.data}: {read.num_rows} rows read, skipped "
-            f"{dict(skipped)}"
+            f"{dict(built.skipped)}"
         )
     check_skipped(
-        read.source, read.num_rows, skipped, skip_rows, cfg.max_skipped_fraction, "prepare:"
+        read.source,
+        read.num_rows,
+        built.skipped,
+        built.skip_rows,
+        cfg.max_skipped_fraction,
+        "prepare:",
     )
-    if turns["prompt_ids_differ_from_template"]:
+    if built.turns["prompt_ids_differ_from_template"]:
         log.warning(
             "prepare: %d generated turns were prompted with other ids than this chat template "
             "renders (another template or chat_template_kwargs at generation time?); they are "
             "trained as generated",
-            turns["prompt_ids_differ_from_template"],
+            built.turns["prompt_ids_differ_from_template"],
         )
+    manifest = _prepared_meta(cfg, renderer, read, built)
+    save_prepared(built.rows, cfg.out, manifest)
+    return PrepareResult(
+        out=Path(cfg.out),
+        num_rows=read.num_rows,
+        num_samples=len(built.rows),
+        num_tokens=built.num_tokens,
+        num_supervised_tokens=built.num_supervised,
+        num_truncated=built.num_truncated,
+        skipped=manifest.skipped,
+        mask_method=manifest.mask_method,
+        wall_s=round(time.time() - t0, 3),
+        turns=manifest.turns or {},
+    )
+
+
+@dataclass
+class _BuiltRows:
+    """The training rows of the conversations read, and the counts of what was skipped."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: Counter[str] = field(default_factory=Counter)
+    skip_rows: dict[str, list[str]] = field(default_factory=dict)  # examples per reason
+    turns: Counter[str] = field(default_factory=Counter)  # per-turn counts (conversation_turns)
+    seen_ids: Counter[str] = field(default_factory=Counter)  # row ids, to rename duplicates
+    num_truncated: int = 0
+    num_tokens: int = 0
+    num_supervised: int = 0
+
+    def skip(self, reason: str, conv: Conversation) -> None:
+        self.skipped[reason] += 1
+        if len(self.skip_rows.setdefault(reason, [])) < MAX_EXAMPLES:
+            self.skip_rows[reason].append(f"sample {conv.sample_id}")
+
+    def add(self, conv: Conversation, j: int, ids: list[int], mask: list[int]) -> None:
+        """Add conversation `conv`'s row `j` (a duplicate id gets `#n`)."""
+        base = row_id(conv.sample_id, j)
+        self.seen_ids[base] += 1
+        sample_id = base if self.seen_ids[base] == 1 else f"{base}#{self.seen_ids[base]}"
+        self.rows.append({"input_ids": ids, "loss_mask": mask, "sample_id": sample_id})
+        self.num_tokens += len(ids)
+        self.num_supervised += sum(mask)
+
+
+def _build_rows(cfg: PrepareConfig, renderer: ChatRenderer, read: Any) -> _BuiltRows:
+    """Every conversation's training rows, cut to cfg.max_seq_len tokens."""
+    built = _BuiltRows(skipped=Counter(read.skipped))
+    built.skip_rows = {k: list(v) for k, v in read.skip_rows.items()}
+    for conv in read.conversations:
+        conv_rows = turn_rows(conversation_turns(renderer, conv, cfg, built.turns))
+        if not conv_rows:
+            built.skip("no_supervised_tokens", conv)
+            continue
+        built.turns["rows_per_turn_split"] += len(conv_rows) > 1
+        for j, (ids, mask, _) in enumerate(conv_rows):
+            if len(ids) > cfg.max_seq_len:
+                ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
+                built.num_truncated += 1
+                if sum(mask) == 0:
+                    built.skip("no_supervised_tokens_after_truncation", conv)
+                    continue
+            built.add(conv, j, ids, mask)
+    return built
+
+
+def _prepared_meta(
+    cfg: PrepareConfig, renderer: ChatRenderer, read: Any, built: _BuiltRows
+) -> PreparedMeta:
+    """The prepared dataset's manifest."""
+    tok = renderer.tokenizer
     data_path = Path(cfg.data)
     identity = renderer.identity()
-    manifest = PreparedMeta(
+    return PreparedMeta(
         stage="prepare",
         source=str(cfg.data),
         source_sha256=sha256_file(data_path) if data_path.is_file() else None,
@@ -212,31 +256,17 @@ def run_prepare(cfg: PrepareConfig) -> PrepareResult:
         tokenizer_vocab_size=len(tok),
         target_vocab_size=target_vocab_size(cfg.target) or len(tok),
         num_rows=read.num_rows,
-        num_samples=len(rows),
-        num_tokens=num_tokens,
-        num_supervised_tokens=num_supervised,
-        num_truncated=num_truncated,
-        num_duplicate_ids_renamed=sum(n - 1 for n in seen_ids.values() if n > 1),
-        max_sample_len=max(len(r["input_ids"]) for r in rows),
-        skipped=dict(sorted(skipped.items())),
-        turns=dict(sorted(turns.items())),
+        num_samples=len(built.rows),
+        num_tokens=built.num_tokens,
+        num_supervised_tokens=built.num_supervised,
+        num_truncated=built.num_truncated,
+        num_duplicate_ids_renamed=sum(n - 1 for n in built.seen_ids.values() if n > 1),
+        max_sample_len=max(len(r["input_ids"]) for r in built.rows),
+        skipped=dict(sorted(built.skipped.items())),
+        turns=dict(sorted(built.turns.items())),
         input_turns=dict(read.turns),
         config=cfg.model_dump(mode="json"),
     )
-    save_prepared(rows, cfg.out, manifest)
-    result = PrepareResult(
-        out=Path(cfg.out),
-        num_rows=read.num_rows,
-        num_samples=len(rows),
-        num_tokens=num_tokens,
-        num_supervised_tokens=num_supervised,
-        num_truncated=num_truncated,
-        skipped=manifest.skipped,
-        mask_method=manifest.mask_method,
-        wall_s=round(time.time() - t0, 3),
-        turns=manifest.turns or {},
-    )
-    return result
 
 
 def _kwargs_by_row(convs: list[Conversation]) -> dict[str, int]:

@@ -395,72 +395,87 @@ def _regenerate_batch(
 ) -> list[dict[str, Any]]:
     """Regenerate one batch turn by turn; returns the output rows (in input order). Each
     regenerated turn keeps the ids the target generated and the prompt ids it was given."""
-    max_prompt = cfg.max_model_len - cfg.max_new_tokens
-    states = []
-    for row_index, conv in convs:
-        states.append(
-            {
-                "row": row_index,
-                "conv": conv,
-                "points": generation_points(conv.messages),
-                "out": [],
-                "next": 0,
-                "done": False,
-                "kwargs": tok.kwargs_for(conv.chat_template_kwargs),
-                "source": conv.source or str(cfg.data),
-            }
-        )
+    states = [
+        {
+            "row": row_index,
+            "conv": conv,
+            "points": generation_points(conv.messages),
+            "out": [],
+            "next": 0,
+            "done": False,
+            "kwargs": tok.kwargs_for(conv.chat_template_kwargs),
+            "source": conv.source or str(cfg.data),
+        }
+        for row_index, conv in convs
+    ]
     turn = 0
     while True:
-        active, prompts, seeds = [], [], []
-        for st in states:
-            if st["done"] or turn >= len(st["points"]):
-                st["done"] = True
-                continue
-            point = st["points"][turn]
-            prev = st["points"][turn - 1] + 1 if turn else 0
-            context = st["out"] + [dict(m) for m in st["conv"].messages[prev:point]]
-            ids = tok.prompt_ids(context, st["kwargs"])
-            if len(ids) > max_prompt:
-                stats.dropped["prompt_too_long" if turn == 0 else "truncated_too_long"] += 1
-                st["done"] = True
-                continue
-            st["pending"] = (context, ids)
-            active.append(st)
-            prompts.append(ids)
-            seeds.append(
-                None
-                if cfg.temperature == 0
-                else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31)
-            )
+        active = _prompt_turn(states, turn, tok, cfg, stats)
         if not active:
             break
-        if getattr(gen, "chat", False):
-            contexts = [st["pending"][0] for st in active]
-            outputs = gen.generate_turns(contexts, seeds, [st["kwargs"] for st in active])
-        else:
-            outputs = [
-                GeneratedTurn(prompt, list(ids), "", None, finish)
-                for prompt, (ids, _, finish) in zip(
-                    prompts, gen.generate(prompts, seeds), strict=True
-                )
-            ]
+        outputs = _generate_turns(gen, active, cfg, turn)
         for st, generated in zip(active, outputs, strict=True):
             context, prompt_ids = st.pop("pending")
             _take_turn(st, context, prompt_ids, generated, tok, cfg, stats)
         turn += 1
-    rows = []
+    return [_output_row(st) for st in states if any(m["role"] == "assistant" for m in st["out"])]
+
+
+def _prompt_turn(
+    states: list[dict[str, Any]], turn: int, tok: ChatRenderer, cfg: RegenerateConfig, stats: _Stats
+) -> list[dict[str, Any]]:
+    """The conversations that go on to their `turn`-th generation, each with its prompt
+    (`pending`: the context and its ids); a conversation out of turns, or whose prompt is longer
+    than max_model_len leaves room for, is done (the latter counted as dropped)."""
+    max_prompt = cfg.max_model_len - cfg.max_new_tokens
+    active = []
     for st in states:
-        if any(m["role"] == "assistant" for m in st["out"]):
-            row = {"id": st["conv"].sample_id, "messages": st["out"]}
-            if st["conv"].category is not None:  # kept for per-category figures downstream
-                row["category"] = st["conv"].category
-            if st["conv"].chat_template_kwargs is not None:
-                row["chat_template_kwargs"] = st["conv"].chat_template_kwargs
-            if st["conv"].source is not None:
-                row["source"] = st["conv"].source
-            rows.append(row)
-    return rows
+        if st["done"] or turn >= len(st["points"]):
+            st["done"] = True
+            continue
+        point = st["points"][turn]
+        prev = st["points"][turn - 1] + 1 if turn else 0
+        context = st["out"] + [dict(m) for m in st["conv"].messages[prev:point]]
+        ids = tok.prompt_ids(context, st["kwargs"])
+        if len(ids) > max_prompt:
+            stats.dropped["prompt_too_long" if turn == 0 else "truncated_too_long"] += 1
+            st["done"] = True
+            continue
+        st["pending"] = (context, ids)
+        active.append(st)
+    return active
+
+
+def _generate_turns(
+    gen: Any, active: list[dict[str, Any]], cfg: RegenerateConfig, turn: int
+) -> list[GeneratedTurn]:
+    """One turn for each active conversation: through the chat API (a server), or from its prompt
+    ids (an engine); seeded per row and turn unless greedy."""
+    seeds = [
+        None if cfg.temperature == 0 else (cfg.seed * 1_000_003 + st["row"] * 1009 + turn) % (2**31)
+        for st in active
+    ]
+    if getattr(gen, "chat", False):
+        contexts = [st["pending"][0] for st in active]
+        return gen.generate_turns(contexts, seeds, [st["kwargs"] for st in active])
+    prompts = [st["pending"][1] for st in active]
+    return [
+        GeneratedTurn(prompt, list(ids), "", None, finish)
+        for prompt, (ids, _, finish) in zip(prompts, gen.generate(prompts, seeds), strict=True)
+    ]
+
+
+def _output_row(st: dict[str, Any]) -> dict[str, Any]:
+    """A regenerated conversation as an output row."""
+    conv = st["conv"]
+    row = {"id": conv.sample_id, "messages": st["out"]}
+    if conv.category is not None:  # kept for per-category figures downstream
+        row["category"] = conv.category
+    if conv.chat_template_kwargs is not None:
+        row["chat_template_kwargs"] = conv.chat_template_kwargs
+    if conv.source is not None:
+        row["source"] = conv.source
+    return row
 
 
 def _take_turn(
@@ -545,34 +560,56 @@ def _regenerate(
     built with `eagle3.vllm_engine.engine_kwargs`. `on_batch(batch_index, rows_done)` is called
     after each batch is durably written (progress reporting; raising in it stops the run resumably).
     """
-    from tqdm import tqdm
-
     cfg.require("target", "data", "out")
     t0 = time.time()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    final, partial, progress_path = out / OUTPUT, out / PARTIAL, out / PROGRESS
     fp = _fingerprint(cfg)
+    finished = _finished_manifest(cfg, out, fp)
+    if finished is not None:
+        log.info("%s is complete for these settings; nothing to do", out / OUTPUT)
+        return _result_from_manifest(out, finished, time.time() - t0)
 
-    if final.is_file() and (out / MANIFEST).is_file():
-        manifest = read_json(out / MANIFEST)
-        if manifest.get("fingerprint") == fp and manifest.get("limit") == cfg.limit:
-            before, now = manifest.get("target_fingerprint"), target_fingerprint(cfg.target)
-            differs = before and now and describe_difference(before, now)
-            if differs:  # same path and settings, other weights: the answers are another model's
-                raise ValueError(
-                    f"{out / MANIFEST}: these answers were written by other target "
-                    f"weights ({differs}); regenerate them into a new --out, or "
-                    f"delete {out}"
-                )
-            log.info("%s is complete for these settings; nothing to do", final)
-            return _result_from_manifest(out, manifest, time.time() - t0)
-        raise ValueError(
-            f"{out} already holds a finished regeneration made with other settings "
-            f"(manifest fingerprint {manifest.get('fingerprint', '?')[:12]}, limit "
-            f"{manifest.get('limit')}); pass a new --out or delete the directory"
-        )
+    read = _read_input(cfg)
+    convs = list(enumerate(read.conversations))
+    weights = target_fingerprint(cfg.target)  # every weight file: the model of the answers
+    start, stats = _resume(cfg, out, fp, weights, len(convs))
 
+    tok = open_renderer(cfg)
+    gen, engine = open_generator(cfg, tok, llm)
+    if isinstance(gen, _VllmGenerator):
+        gen.owned = False  # as before: the engine lives as long as this process (or `llm`)
+    try:
+        written = _count_lines(out / PARTIAL) if start else 0
+        gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
+        progress = {"fingerprint": fp, "target_fingerprint": weights}
+        written = _write_batches(cfg, gen, tok, convs, start, stats, written, progress, on_batch)
+    finally:
+        if getattr(gen, "chat", False):
+            engine["requests"] = gen.client.counts.to_json()
+            gen.close()  # a server the stage started stops here, on success or failure
+
+    elapsed = time.time() - t0
+    decode_tokens_per_s = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
+    manifest = _manifest(cfg, fp, weights, read, stats, written, tok, engine)
+    manifest.update(
+        decode_tokens_per_s_this_run=round(decode_tokens_per_s, 1),
+        resumed_from_row=start,
+        elapsed_s=round(elapsed, 1),
+        vllm_version=_vllm_version(),
+        notes="answers that hit max_new_tokens (finish reason `length`) are kept as generated"
+        if not cfg.drop_truncated
+        else "turns that hit max_new_tokens end their conversation (drop_truncated)",
+    )
+    os.replace(out / PARTIAL, out / OUTPUT)
+    write_json(out / MANIFEST, manifest)
+    (out / PROGRESS).unlink(missing_ok=True)
+    return _result_from_manifest(out, manifest, elapsed)
+
+
+def _read_input(cfg: RegenerateConfig) -> Any:
+    """The conversations to regenerate (eagle3.chat_formats.read_conversations); an error when
+    more rows than cfg.max_skipped_fraction cannot be read."""
     read = read_conversations(cfg.data, limit=cfg.limit, require_assistant=False)
     check_skipped(
         read.source,
@@ -582,82 +619,22 @@ def _regenerate(
         cfg.max_skipped_fraction,
         "regenerate:",
     )
-    convs = list(enumerate(read.conversations))
+    return read
 
-    start, stats = 0, _Stats()
-    weights = target_fingerprint(cfg.target)  # every weight file: the model of the answers
-    if progress_path.is_file() and partial.is_file():
-        prog = read_json(progress_path)
-        if prog.get("fingerprint") != fp:
-            raise ValueError(
-                f"{progress_path} belongs to a run with other settings "
-                f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or "
-                f"delete {out}"
-            )
-        before = prog.get("target_fingerprint")
-        differs = before and weights and describe_difference(before, weights)
-        if differs:
-            raise ValueError(
-                f"{progress_path}: the answers so far were written by other target "
-                f"weights ({differs}); resuming would mix two models: pass a new "
-                f"--out or delete {out}"
-            )
-        start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
-        if start > len(convs):
-            raise ValueError(
-                f"{progress_path}: {start} rows are already done but --limit {cfg.limit} leaves "
-                f"{len(convs)}; rerun with the earlier (or no) --limit, or a new --out"
-            )
-        with open(partial, "r+b") as f:  # drop a batch that was appended but not recorded
-            f.truncate(int(prog["bytes"]))
-        log.info("resuming %s after %d of %d conversations", out, start, len(convs))
-    else:
-        partial.unlink(missing_ok=True)
-        progress_path.unlink(missing_ok=True)
-        partial.touch()
 
-    tok = open_renderer(cfg)
-    gen, engine = open_generator(cfg, tok, llm)
-    if isinstance(gen, _VllmGenerator):
-        gen.owned = False  # as before: the engine lives as long as this process (or `llm`)
-
-    try:
-        bs = cfg.batch_size
-        bar = tqdm(
-            total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True
-        )
-        written = _count_lines(partial) if start else 0
-        gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
-        for batch_index, b in enumerate(range(start, len(convs), bs), start=start // bs):
-            rows = _regenerate_batch(gen, tok, convs[b : b + bs], cfg, stats)
-            size = _append_rows(partial, rows)
-            written += len(rows)
-            done = min(b + bs, len(convs))
-            write_json(
-                progress_path,
-                {
-                    "fingerprint": fp,
-                    "rows_done": done,
-                    "bytes": size,
-                    "written": written,
-                    "stats": stats.to_json(),
-                    "target_fingerprint": weights,
-                },
-            )
-            bar.update(done - b)
-            rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
-            bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
-            if on_batch is not None:
-                on_batch(batch_index, done)
-        bar.close()
-    finally:
-        if getattr(gen, "chat", False):
-            engine["requests"] = gen.client.counts.to_json()
-            gen.close()  # a server the stage started stops here, on success or failure
-
-    elapsed = time.time() - t0
-    gen_s = time.time() - gen_t0
-    manifest = {
+def _manifest(
+    cfg: RegenerateConfig,
+    fp: str,
+    weights: Any,
+    read: Any,
+    stats: _Stats,
+    written: int,
+    tok: ChatRenderer,
+    engine: dict[str, Any],
+) -> dict[str, Any]:
+    """The finished run's manifest: its settings, the target's weights, the counts, the chat
+    template and the engine (the run's timings are added by the caller)."""
+    return {
         "stage": "regenerate",
         "fingerprint": fp,
         "limit": cfg.limit,
@@ -683,20 +660,113 @@ def _regenerate(
         "input_turns": dict(read.turns),
         "config": cfg.model_dump(mode="json"),
         "engine": dict(engine),
-        "decode_tokens_per_s_this_run": round(
-            (stats.generated_tokens - gen_tokens0) / max(gen_s, 1e-9), 1
-        ),
-        "resumed_from_row": start,
-        "elapsed_s": round(elapsed, 1),
-        "vllm_version": _vllm_version(),
-        "notes": "answers that hit max_new_tokens (finish reason `length`) are kept as generated"
-        if not cfg.drop_truncated
-        else "turns that hit max_new_tokens end their conversation (drop_truncated)",
     }
-    os.replace(partial, final)
-    write_json(out / MANIFEST, manifest)
-    progress_path.unlink(missing_ok=True)
-    return _result_from_manifest(out, manifest, elapsed)
+
+
+def _finished_manifest(cfg: RegenerateConfig, out: Path, fp: str) -> dict[str, Any] | None:
+    """The manifest of the finished regeneration in `out` when it was made with these settings
+    and target weights (an error when with others); None when `out` holds none."""
+    if not ((out / OUTPUT).is_file() and (out / MANIFEST).is_file()):
+        return None
+    manifest = read_json(out / MANIFEST)
+    if manifest.get("fingerprint") == fp and manifest.get("limit") == cfg.limit:
+        before, now = manifest.get("target_fingerprint"), target_fingerprint(cfg.target)
+        differs = before and now and describe_difference(before, now)
+        if differs:  # same path and settings, other weights: the answers are another model's
+            raise ValueError(
+                f"{out / MANIFEST}: these answers were written by other target "
+                f"weights ({differs}); regenerate them into a new --out, or "
+                f"delete {out}"
+            )
+        return manifest
+    raise ValueError(
+        f"{out} already holds a finished regeneration made with other settings "
+        f"(manifest fingerprint {manifest.get('fingerprint', '?')[:12]}, limit "
+        f"{manifest.get('limit')}); pass a new --out or delete the directory"
+    )
+
+
+def _resume(
+    cfg: RegenerateConfig, out: Path, fp: str, weights: Any, num_convs: int
+) -> tuple[int, _Stats]:
+    """Where an interrupted run of these settings and weights stopped: the conversations done and
+    the counts so far, the partial output cut back to its last recorded batch. (0, fresh counts)
+    and an empty partial output when there is none."""
+    partial, progress_path = out / PARTIAL, out / PROGRESS
+    if not (progress_path.is_file() and partial.is_file()):
+        partial.unlink(missing_ok=True)
+        progress_path.unlink(missing_ok=True)
+        partial.touch()
+        return 0, _Stats()
+    prog = read_json(progress_path)
+    if prog.get("fingerprint") != fp:
+        raise ValueError(
+            f"{progress_path} belongs to a run with other settings "
+            f"({', '.join(_FINGERPRINT_FIELDS)} must match to resume); pass a new --out or "
+            f"delete {out}"
+        )
+    before = prog.get("target_fingerprint")
+    differs = before and weights and describe_difference(before, weights)
+    if differs:
+        raise ValueError(
+            f"{progress_path}: the answers so far were written by other target "
+            f"weights ({differs}); resuming would mix two models: pass a new "
+            f"--out or delete {out}"
+        )
+    start, stats = int(prog["rows_done"]), _Stats.from_json(prog["stats"])
+    if start > num_convs:
+        raise ValueError(
+            f"{progress_path}: {start} rows are already done but --limit {cfg.limit} leaves "
+            f"{num_convs}; rerun with the earlier (or no) --limit, or a new --out"
+        )
+    with open(partial, "r+b") as f:  # drop a batch that was appended but not recorded
+        f.truncate(int(prog["bytes"]))
+    log.info("resuming %s after %d of %d conversations", out, start, num_convs)
+    return start, stats
+
+
+def _write_batches(
+    cfg: RegenerateConfig,
+    gen: Any,
+    tok: ChatRenderer,
+    convs: list[tuple[int, Conversation]],
+    start: int,
+    stats: _Stats,
+    written: int,
+    progress: dict[str, Any],
+    on_batch: Callable[[int, int], None] | None,
+) -> int:
+    """Regenerate convs[start:] batch by batch, appending each batch's rows to the partial output
+    and recording it in progress.json (with `progress`'s keys) before the next; the number of
+    rows written in all."""
+    from tqdm import tqdm
+
+    out, bs = Path(cfg.out), cfg.batch_size
+    bar = tqdm(total=len(convs), initial=start, desc="regenerate", unit="conv", dynamic_ncols=True)
+    gen_t0, gen_tokens0 = time.time(), stats.generated_tokens
+    for batch_index, b in enumerate(range(start, len(convs), bs), start=start // bs):
+        rows = _regenerate_batch(gen, tok, convs[b : b + bs], cfg, stats)
+        size = _append_rows(out / PARTIAL, rows)
+        written += len(rows)
+        done = min(b + bs, len(convs))
+        write_json(
+            out / PROGRESS,
+            {
+                "fingerprint": progress["fingerprint"],
+                "rows_done": done,
+                "bytes": size,
+                "written": written,
+                "stats": stats.to_json(),
+                "target_fingerprint": progress["target_fingerprint"],
+            },
+        )
+        bar.update(done - b)
+        rate = (stats.generated_tokens - gen_tokens0) / max(time.time() - gen_t0, 1e-9)
+        bar.set_postfix(tok_s=f"{rate:.0f}", written=written)
+        if on_batch is not None:
+            on_batch(batch_index, done)
+    bar.close()
+    return written
 
 
 def _count_lines(path: Path) -> int:

@@ -30,7 +30,6 @@ settings in the same `out` are refused.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -46,7 +45,7 @@ import numpy as np
 
 from eagle3.config import SynthesizeConfig
 from eagle3.data.generate_hf import HfGenerator
-from eagle3.io import atomic_path, read_json, sha256_file, sha256_json, write_json
+from eagle3.io import read_json, sha256_file, sha256_json, write_json, write_jsonl
 from eagle3.lock import dir_lock, record_engine_processes
 from eagle3.vllm_engine import engine_kwargs, setup_cpu_env
 
@@ -333,8 +332,6 @@ def run_synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
 def _synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
     """Write `cfg.num_prompts` user prompts with `cfg.target` (see the module docstring). `llm`: an
     existing `vllm.LLM` of the target to reuse (tests, notebooks)."""
-    from transformers import AutoTokenizer
-
     cfg.require("target", "out")
     t0 = time.time()
     out = Path(cfg.out)
@@ -349,46 +346,204 @@ def _synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
             "delete it"
         )
 
+    tok = _open_tokenizer(cfg)
+    stop_id = end_of_user_turn(tok)
+    prefixes = {n: user_turn_prefix(tok, d.system) for n, d in cfg.domains.items()}
+    backend: Any = _HfBackend(cfg) if cfg.backend == "hf" else _VllmBackend(cfg, llm)
+    pool = _PromptPool.start(cfg)
+    gen_t0 = time.time()
+    _generate_prompts(cfg, tok, backend, pool, prefixes, stop_id)
+    gen_s = time.time() - gen_t0
+    pool.check_kept(out / MANIFEST)
+    rows = [r for n in pool.names for r in pool.kept[n]]
+    random.Random(cfg.seed).shuffle(
+        rows
+    )  # domains interleaved, so a --limit downstream takes every domain
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / OUTPUT, rows)
+    manifest = {
+        "stage": "synthesize",
+        "fingerprint": fp,
+        "target": str(cfg.target),
+        "output": OUTPUT,
+        "output_sha256": sha256_file(out / OUTPUT),
+        **pool.record(),
+        "template": {
+            "user_turn_prefix": prefixes,
+            "end_of_user_turn_id": stop_id,
+            "end_of_user_turn": tok.convert_ids_to_tokens(stop_id),
+        },
+        "rounds": pool.rounds,
+        "engine": dict(backend.engine),
+        "decode_tokens_per_s": round(pool.tokens / max(gen_s, 1e-9), 1),
+        "config": cfg.model_dump(mode="json"),
+        "elapsed_s": round(time.time() - t0, 1),
+    }
+    write_json(out / MANIFEST, manifest)
+    return _result(out, manifest, time.time() - t0)
+
+
+def _open_tokenizer(cfg: SynthesizeConfig) -> Any:
+    """The target's tokenizer, which must have a chat template."""
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(cfg.target), trust_remote_code=cfg.trust_remote_code)
     if not tok.chat_template:
         raise ValueError(
             f"target={cfg.target}: the tokenizer has no chat template; synthesize renders the "
             "start of a user turn with it"
         )
-    stop_id = end_of_user_turn(tok)
-    names = list(cfg.domains)
-    prefixes = {n: user_turn_prefix(tok, cfg.domains[n].system) for n in names}
-    quota = domain_quotas(cfg)
-    backend: Any = _HfBackend(cfg) if cfg.backend == "hf" else _VllmBackend(cfg, llm)
+    return tok
 
-    rng = random.Random(cfg.seed)
-    near = (
-        NearDuplicateIndex(cfg.near_duplicate_jaccard, seed=cfg.seed)
-        if cfg.near_duplicate_jaccard < 1
-        else None
-    )
-    exact: set[str] = set()
-    kept: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    generated, surplus = (
-        Counter(),
-        Counter(),
-    )  # surplus: valid or not, generated after the domain's quota was met
-    dropped: dict[str, Counter] = {n: Counter() for n in names}
-    tokens = 0
-    budget = math.ceil(cfg.max_attempts_factor * cfg.num_prompts)
-    gen_t0, rounds = time.time(), 0
-    while sum(generated.values()) < budget:
+
+@dataclass
+class _PromptPool:
+    """The prompts kept so far per domain, and the counts of what was generated and dropped."""
+
+    cfg: SynthesizeConfig
+    names: list[str]
+    quota: dict[str, int]
+    kept: dict[str, list[dict[str, Any]]]
+    dropped: dict[str, Counter]
+    near: NearDuplicateIndex | None
+    exact: set[str] = field(default_factory=set)  # the kept prompts, normalized
+    generated: Counter = field(default_factory=Counter)
+    #: valid or not, generated after the domain's quota was met
+    surplus: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    rounds: int = 0
+
+    @classmethod
+    def start(cls, cfg: SynthesizeConfig) -> _PromptPool:
+        names = list(cfg.domains)
+        near = (
+            NearDuplicateIndex(cfg.near_duplicate_jaccard, seed=cfg.seed)
+            if cfg.near_duplicate_jaccard < 1
+            else None
+        )
+        return cls(
+            cfg,
+            names,
+            domain_quotas(cfg),
+            kept={n: [] for n in names},
+            dropped={n: Counter() for n in names},
+            near=near,
+        )
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.generated.values())
+
+    def next_domains(self, budget: int) -> list[str]:
+        """The domain of each prompt to generate in the next round: a domain short of its quota
+        asks for its shortfall over its keep rate so far; [] when every quota is met."""
         jobs: list[str] = []
-        for n in names:
-            need = quota[n] - len(kept[n])
+        for n in self.names:
+            need = self.quota[n] - len(self.kept[n])
             if need > 0:
-                rate = (len(kept[n]) + 1) / (
-                    generated[n] + 1
+                rate = (len(self.kept[n]) + 1) / (
+                    self.generated[n] + 1
                 )  # keep rate so far (optimistic at the start)
                 jobs += [n] * math.ceil(need / max(rate, 0.25))
+        return jobs[: min(self.cfg.batch_size, budget - self.num_generated)]
+
+    def count(self, n: str, ids: list[int]) -> bool:
+        """Count one generation for domain `n`; whether the domain still needs prompts."""
+        self.generated[n] += 1
+        self.tokens += len(ids)
+        if len(self.kept[n]) >= self.quota[n]:  # the round asked for more than it still needed
+            self.surplus[n] += 1
+            return False
+        return True
+
+    def judge(self, n: str, text: str, finish: str | None) -> None:
+        """Keep `text` as a prompt of domain `n`, or count why it is dropped."""
+        reason = check_text(text, finish, self.cfg)
+        if reason is None:
+            norm = normalize(text)
+            if norm in self.exact:
+                reason = "duplicate"
+            elif self.near is not None and not self.near.add_if_new(norm):
+                reason = "near_duplicate"
+        if reason is None:
+            self.exact.add(norm)
+            self.kept[n].append(
+                {
+                    "id": f"synth-{n}-{len(self.kept[n])}",
+                    "messages": [{"role": "user", "content": text}],
+                    "category": n,
+                }
+            )
+        else:
+            self.dropped[n][reason] += 1
+
+    def shortfall(self) -> dict[str, int]:
+        return {
+            n: self.quota[n] - len(self.kept[n])
+            for n in self.names
+            if len(self.kept[n]) < self.quota[n]
+        }
+
+    def check_kept(self, manifest_path: Path) -> None:
+        """Warn about domains short of their quota; ValueError when no prompt was kept."""
+        short = self.shortfall()
+        if short:
+            log.warning(
+                "synthesize: %s short of their quotas after %d generations "
+                "(max_attempts_factor=%s); see the drop reasons in %s",
+                short,
+                self.num_generated,
+                self.cfg.max_attempts_factor,
+                manifest_path,
+            )
+        if not any(self.kept.values()):
+            raise ValueError(
+                f"synthesize kept no prompt out of {self.num_generated} generated (dropped: "
+                f"{dict(sum(self.dropped.values(), Counter()))}); loosen the filters or raise "
+                "max_new_tokens"
+            )
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's counts and per-domain figures."""
+        total_dropped = sum(self.dropped.values(), Counter())
+        return {
+            "counts": {
+                "kept": sum(len(k) for k in self.kept.values()),
+                "generated": self.num_generated,
+                "generated_tokens": self.tokens,
+                "dropped": {r: total_dropped[r] for r in DROP_REASONS},
+                "shortfall": self.shortfall(),
+                "surplus": sum(self.surplus.values()),
+            },
+            "per_domain": {
+                n: {
+                    "quota": self.quota[n],
+                    "kept": len(self.kept[n]),
+                    "generated": self.generated[n],
+                    "surplus": self.surplus[n],
+                    "dropped": {r: self.dropped[n][r] for r in DROP_REASONS if self.dropped[n][r]},
+                }
+                for n in self.names
+            },
+        }
+
+
+def _generate_prompts(
+    cfg: SynthesizeConfig,
+    tok: Any,
+    backend: Any,
+    pool: _PromptPool,
+    prefixes: dict[str, str],
+    stop_id: int,
+) -> None:
+    """Generate rounds of user turns, each continuing a domain's user-turn prefix (and a seed
+    text), until every quota is met or max_attempts_factor x num_prompts were generated."""
+    rng = random.Random(cfg.seed)
+    budget = math.ceil(cfg.max_attempts_factor * cfg.num_prompts)
+    while pool.num_generated < budget:
+        jobs = pool.next_domains(budget)
         if not jobs:
             break
-        jobs = jobs[: min(cfg.batch_size, budget - sum(generated.values()))]
         seeds_text = [
             rng.choice(cfg.domains[n].seeds) if cfg.domains[n].seeds else "" for n in jobs
         ]
@@ -396,98 +551,18 @@ def _synthesize(cfg: SynthesizeConfig, llm: Any = None) -> SynthesizeResult:
             tok(prefixes[n] + s, add_special_tokens=False)["input_ids"]
             for n, s in zip(jobs, seeds_text, strict=True)
         ]
-        seeds = [(cfg.seed * 1_000_003 + rounds * 100_003 + i) % 2**31 for i in range(len(jobs))]
+        seeds = [
+            (cfg.seed * 1_000_003 + pool.rounds * 100_003 + i) % 2**31 for i in range(len(jobs))
+        ]
         outs = backend.generate(prompts, seeds, stop_id)
-        rounds += 1
+        pool.rounds += 1
         for n, seed_text, (ids, finish) in zip(jobs, seeds_text, outs, strict=True):
-            generated[n] += 1
-            tokens += len(ids)
-            if len(kept[n]) >= quota[n]:  # the round asked for more than the domain still needed
-                surplus[n] += 1
-                continue
-            text = (seed_text + tok.decode(ids, skip_special_tokens=True)).strip()
-            reason = check_text(text, finish, cfg)
-            if reason is None:
-                norm = normalize(text)
-                if norm in exact:
-                    reason = "duplicate"
-                elif near is not None and not near.add_if_new(norm):
-                    reason = "near_duplicate"
-            if reason is None:
-                exact.add(norm)
-                kept[n].append(
-                    {
-                        "id": f"synth-{n}-{len(kept[n])}",
-                        "messages": [{"role": "user", "content": text}],
-                        "category": n,
-                    }
-                )
-            else:
-                dropped[n][reason] += 1
-        log.info("synthesize round %d: kept %s", rounds, {n: len(kept[n]) for n in names})
-    gen_s = time.time() - gen_t0
-
-    short = {n: quota[n] - len(kept[n]) for n in names if len(kept[n]) < quota[n]}
-    if short:
-        log.warning(
-            "synthesize: %s short of their quotas after %d generations (max_attempts_factor=%s); "
-            "see the drop reasons in %s",
-            short,
-            sum(generated.values()),
-            cfg.max_attempts_factor,
-            out / MANIFEST,
+            if pool.count(n, ids):
+                text = (seed_text + tok.decode(ids, skip_special_tokens=True)).strip()
+                pool.judge(n, text, finish)
+        log.info(
+            "synthesize round %d: kept %s", pool.rounds, {n: len(pool.kept[n]) for n in pool.names}
         )
-    if not any(kept.values()):
-        raise ValueError(
-            f"synthesize kept no prompt out of {sum(generated.values())} generated (dropped: "
-            f"{dict(sum(dropped.values(), Counter()))}); loosen the filters or raise max_new_tokens"
-        )
-    rows = [r for n in names for r in kept[n]]
-    random.Random(cfg.seed).shuffle(
-        rows
-    )  # domains interleaved, so a --limit downstream takes every domain
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / OUTPUT) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    total_dropped = sum(dropped.values(), Counter())
-    manifest = {
-        "stage": "synthesize",
-        "fingerprint": fp,
-        "target": str(cfg.target),
-        "output": OUTPUT,
-        "output_sha256": sha256_file(out / OUTPUT),
-        "counts": {
-            "kept": len(rows),
-            "generated": sum(generated.values()),
-            "generated_tokens": tokens,
-            "dropped": {r: total_dropped[r] for r in DROP_REASONS},
-            "shortfall": short,
-            "surplus": sum(surplus.values()),
-        },
-        "per_domain": {
-            n: {
-                "quota": quota[n],
-                "kept": len(kept[n]),
-                "generated": generated[n],
-                "surplus": surplus[n],
-                "dropped": {r: dropped[n][r] for r in DROP_REASONS if dropped[n][r]},
-            }
-            for n in names
-        },
-        "template": {
-            "user_turn_prefix": {n: prefixes[n] for n in names},
-            "end_of_user_turn_id": stop_id,
-            "end_of_user_turn": tok.convert_ids_to_tokens(stop_id),
-        },
-        "rounds": rounds,
-        "engine": dict(backend.engine),
-        "decode_tokens_per_s": round(tokens / max(gen_s, 1e-9), 1),
-        "config": cfg.model_dump(mode="json"),
-        "elapsed_s": round(time.time() - t0, 1),
-    }
-    write_json(out / MANIFEST, manifest)
-    return _result(out, manifest, time.time() - t0)
 
 
 def _result(out: Path, manifest: dict[str, Any], elapsed: float) -> SynthesizeResult:

@@ -310,7 +310,24 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, H)
 
 
-class MidLayer(nn.Module):
+class _DraftLayer(nn.Module):
+    """What the draft's layers share: the part after the attention kernel."""
+
+    p: float
+    self_attn: Attention
+    post_attention_layernorm: RMSNorm
+    mlp: MLP
+
+    def post(self, residual, y) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after the attention kernel: o_proj, residual, MLP. y: (B, nh, T, d)."""
+        residual = residual + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
+        h = F.dropout(
+            self.mlp(self.post_attention_layernorm(residual)), self.p, self.training
+        )  # (B, T, H)
+        return h, residual
+
+
+class MidLayer(_DraftLayer):
     """vLLM's Eagle3 LlamaDecoderLayer (layer_idx 0, norm_before_residual=False)."""
 
     def __init__(self, cfg: DraftConfig):
@@ -334,16 +351,8 @@ class MidLayer(nn.Module):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
         return self.self_attn.project(x, cos, sin)  # (B, nh|kvh, T, d)
 
-    def post(self, hidden, y) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything after the attention kernel: o_proj, residual, MLP. y: (B, nh, T, d)."""
-        residual = hidden + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
-        h = F.dropout(
-            self.mlp(self.post_attention_layernorm(residual)), self.p, self.training
-        )  # (B, T, H)
-        return h, residual
 
-
-class DecoderLayer(nn.Module):
+class DecoderLayer(_DraftLayer):
     """vLLM's Eagle3 LlamaDecoderLayer with layer_idx > 0: a plain Llama layer on (h, residual) from
     the one before."""
 
@@ -364,13 +373,6 @@ class DecoderLayer(nn.Module):
     def pre(self, h, residual, cos, sin) -> tuple[torch.Tensor, ...]:
         residual = h + residual  # (B, T, H)
         return (residual, *self.self_attn.project(self.input_layernorm(residual), cos, sin))
-
-    def post(self, residual, y) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = residual + F.dropout(self.self_attn.out(y), self.p, self.training)  # (B, T, H)
-        h = F.dropout(
-            self.mlp(self.post_attention_layernorm(residual)), self.p, self.training
-        )  # (B, T, H)
-        return h, residual
 
 
 class Eagle3Draft(nn.Module):

@@ -15,6 +15,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eagle3.hf import LOAD_LOCK, load_causal_lm
 from eagle3.io import atomic_dir, write_json
@@ -277,10 +278,6 @@ def build_tiny_kimi_k25(
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Kimi_K25ForConditionalGeneration
-    from transformers.models.kimi_k25.configuration_kimi_k25 import (
-        Kimi_K25Config,
-        Kimi_K25VisionConfig,
-    )
 
     if spec.arch != "deepseek_v3":
         raise ValueError(
@@ -299,26 +296,7 @@ def build_tiny_kimi_k25(
             generation_markers=spec.generation_markers,
             seed=spec.seed,
         )
-        vision = Kimi_K25VisionConfig(
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            pos_emb_height=8,
-            pos_emb_width=8,
-            pos_emb_time=2,
-        )
-        media = tok.pad_token_id  # no image ever reaches these text-only tests
-        cfg = Kimi_K25Config(
-            text_config=tiny_text_config(spec, tok),
-            vision_config=vision,
-            tie_word_embeddings=False,
-            projection_hidden_size=vision.hidden_size,
-            image_token_id=media,
-            video_token_id=media,
-            vision_start_token_id=tok.bos_token_id,
-            vision_end_token_id=tok.eos_token_id,
-        )
+        cfg = _tiny_kimi_k25_config(spec, tok)
         torch.manual_seed(spec.seed)
         model = Kimi_K25ForConditionalGeneration(cfg).to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
@@ -331,25 +309,61 @@ def build_tiny_kimi_k25(
         # as the real config.json: vLLM's class name (transformers' is Kimi_K25...), and the key
         # vLLM's EAGLE proposer reads for a Kimi-K2.5 target
         config["architectures"] = ["KimiK25ForConditionalGeneration"]
-        config["media_placeholder_token_id"] = media
+        config["media_placeholder_token_id"] = cfg.image_token_id
         write_json(tmp / "config.json", config)
         write_json(tmp / "preprocessor_config.json", {"media_proc_cfg": KIMI_K25_MEDIA_PROC})
-        # the renamed checkpoint must load back into transformers as the very model that was saved
-
-        with LOAD_LOCK:  # see eagle3.hf: transformers' loads are not thread-safe
-            back, info = Kimi_K25ForConditionalGeneration.from_pretrained(
-                str(tmp), dtype=torch.bfloat16, output_loading_info=True
-            )
-        bad = {k: sorted(v) for k, v in info.items() if v}
-        ref, got = model.state_dict(), back.state_dict()
-        diff = sorted(k for k in ref if k not in got or not torch.equal(ref[k], got[k]))
-        if bad or diff:
-            raise RuntimeError(
-                f"tiny Kimi-K2.5 does not load back into transformers: {bad}, tensors differing: "
-                f"{diff[:5]}"
-            )
+        _check_loads_back(tmp, model)
         write_json(tmp / "tiny_spec.json", want)
     return out
+
+
+def _tiny_kimi_k25_config(spec: TinySpec, tok: Any) -> Any:
+    """A Kimi-K2.5 config: a 1-layer MoonViT vision tower and the text model of `spec`."""
+    from transformers.models.kimi_k25.configuration_kimi_k25 import (
+        Kimi_K25Config,
+        Kimi_K25VisionConfig,
+    )
+
+    vision = Kimi_K25VisionConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        pos_emb_height=8,
+        pos_emb_width=8,
+        pos_emb_time=2,
+    )
+    media = tok.pad_token_id  # no image ever reaches these text-only tests
+    return Kimi_K25Config(
+        text_config=tiny_text_config(spec, tok),
+        vision_config=vision,
+        tie_word_embeddings=False,
+        projection_hidden_size=vision.hidden_size,
+        image_token_id=media,
+        video_token_id=media,
+        vision_start_token_id=tok.bos_token_id,
+        vision_end_token_id=tok.eos_token_id,
+    )
+
+
+def _check_loads_back(tmp: Path, model: Any) -> None:
+    """RuntimeError unless the renamed checkpoint in `tmp` loads back into transformers as the
+    very model that was saved."""
+    import torch
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    with LOAD_LOCK:  # see eagle3.hf: transformers' loads are not thread-safe
+        back, info = Kimi_K25ForConditionalGeneration.from_pretrained(
+            str(tmp), dtype=torch.bfloat16, output_loading_info=True
+        )
+    bad = {k: sorted(v) for k, v in info.items() if v}
+    ref, got = model.state_dict(), back.state_dict()
+    diff = sorted(k for k in ref if k not in got or not torch.equal(ref[k], got[k]))
+    if bad or diff:
+        raise RuntimeError(
+            f"tiny Kimi-K2.5 does not load back into transformers: {bad}, tensors differing: "
+            f"{diff[:5]}"
+        )
 
 
 def tiny_conversations(num: int = 32, seed: int = 0, max_turns: int = 2) -> list[dict]:
@@ -766,75 +780,40 @@ def make_thinking_emitter(
     32 of 32 end with no block, greedy and sampled. Greedy turns repeat across prompts (9-16
     distinct of 32: the words follow their chains); sampled ones differ (30-32 distinct in
     transformers). Mean length, greedy: 10-28 tokens thinking on, 7 off."""
-    import torch
-    from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
     out = Path(target)
     marker = json.loads((out / "tiny_spec.json").read_text())
-    if "thinking_family" not in marker:
-        raise ValueError(
-            f"{out} is not a tiny thinking target (no thinking_family in tiny_spec.json): build it "
-            "with build_tiny_thinking_target"
-        )
     settings = {
         "think_close_share": think_close_share,
         "end_of_turn_share": end_of_turn_share,
         "follow_share": follow_share,
         "seed": seed,
     }
-    for name, share in settings.items():
-        if name != "seed" and not 0 < share <= 1:
-            raise ValueError(f"make_thinking_emitter: {name} must be in (0, 1], got {share}")
-    if marker.get("thinking_emitter") == settings:
+    if _emits_already(out, marker, settings):
         return out
-    if "thinking_emitter" in marker:
-        raise ValueError(
-            f"{out} already emits with {marker['thinking_emitter']}: rebuild it with "
-            "build_tiny_thinking_target before rewriting it with other settings"
-        )
     tok = AutoTokenizer.from_pretrained(str(out))
-    vocab = len(tok)
     start, end = tok.convert_tokens_to_ids([THINK_START, THINK_END])
     shares = {_REASONING: think_close_share, _ANSWER: end_of_turn_share}
     plan = _plan_turns(tok, marker["thinking_family"], shares, seed)
-    state = torch.tensor(plan.state)
+    weights = _EmitterWeights.load(out)
+    code = weights.mark_states(plan, len(tok), seed)
+    weights.save()
+    noise, hidden, current = _probe(out, plan, start, end, seed)
+    emits = {_OPEN: start, _CLOSE: end, _END: tok.eos_token_id}
+    weights.set_state_biases(plan, emits, hidden, current)
+    weights.set_successor_gain(plan, code, noise, hidden, current, follow_share)
+    weights.save()
+    write_json(out / "tiny_spec.json", {**marker, "thinking_emitter": settings})
+    return out
 
-    w = load_file(str(out / "model.safetensors"))
-    dtype = w["model.embed_tokens.weight"].dtype
-    w = {k: v.float() for k, v in w.items()}
-    codes = slice(_NUM_STATES, _NUM_STATES + _NUM_CODE_DIMS)
-    reserved = list(range(codes.stop))
-    emb = w["model.embed_tokens.weight"]
-    if emb.shape[1] < 2 * codes.stop:
-        raise ValueError(f"{out}: hidden size {emb.shape[1]} is below {2 * codes.stop}")
-    emb[:, reserved] = 0.0
-    # an entry token keeps nothing of its own but its state: the word after it is read from the
-    # context (the prompt), not from the token
-    emb[sorted(plan.entries)] = 0.0
-    emb[torch.arange(vocab), state] = _STATE_VALUE
-    gen = torch.Generator().manual_seed(seed)
-    code = torch.nn.functional.normalize(torch.randn(vocab, _NUM_CODE_DIMS, generator=gen), dim=-1)
-    chained = torch.tensor(sorted(plan.successor))
-    emb[chained, codes] = _STATE_VALUE * code[chained]
-    for k in w:
-        if k.endswith(("o_proj.weight", "down_proj.weight")):  # every writer of the residual
-            w[k][reserved] = 0.0
-    w["model.norm.weight"][reserved] = 1.0
-    head = w["lm_head.weight"]
-    head[:, reserved] = 0.0
 
-    def save() -> None:
-        save_file(
-            {k: v.to(dtype).contiguous() for k, v in w.items()},
-            str(out / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+def _probe(out: Path, plan: _TurnPlan, start: int, end: int, seed: int) -> tuple[Any, Any, Any]:
+    """Run the target over random words after the thinking-on prompt: (logits, normed features,
+    token) per position. The logits are the random model's alone (lm_head's reserved columns are
+    still 0); the normed features give each column's scale."""
+    import torch
 
-    save()
-
-    # probe with random words after the thinking-on prompt: the logits are the random model's alone
-    # (lm_head's reserved columns are still 0), the normed features give each column's scale
     rng = random.Random(seed)
     opener = [] if start in plan.prompt_ids else [start]
     probes = torch.tensor(
@@ -853,36 +832,132 @@ def make_thinking_emitter(
     with torch.no_grad():
         noise = model(probes).logits.flatten(0, 1)
     hook.remove()
-    hidden = normed[0].flatten(0, 1)
-    current = probes.flatten()
+    return noise, normed[0].flatten(0, 1), probes.flatten()
 
-    emits = {_OPEN: start, _CLOSE: end, _END: tok.eos_token_id}
-    typical = hidden[:, :_NUM_STATES].max(-1).values.mean()  # a state's feature after the norm
-    for s in range(_NUM_STATES):
-        bias = torch.full((vocab,), _NEVER)
-        if s in emits:
-            bias[emits[s]] = _SURE
-        else:
-            bias[plan.words[s]] = 0.0
-            bias[plan.words[_ANSWER if s == _REASONING else _REASONING]] = _OTHER_WORDS
-        at = state[current] == s
-        head[:, s] = bias / (hidden[at, s].mean() if at.any() else typical)
 
-    # the successor of word t gets logit `gain` * (code of t . code of its predecessor): `gain` such
-    # that the successor is the argmax at follow_share of the probed word positions
-    followed = torch.tensor([t in plan.successor for t in current.tolist()])
-    after = torch.tensor([plan.successor.get(t, 0) for t in current.tolist()])[followed]
-    pred = torch.zeros(vocab, _NUM_CODE_DIMS)
-    pred[list(plan.successor.values())] = code[list(plan.successor)]
-    size = (hidden[followed][:, codes] * code[current[followed]]).sum(-1).mean()
-    base = noise[followed] + hidden[followed][:, :_NUM_STATES] @ head[:, :_NUM_STATES].T
-    cue = hidden[followed][:, codes] @ pred.T / size
-    low, high = 0.0, 60.0
-    for _ in range(30):  # the share that follows grows with the gain
-        gain = (low + high) / 2
-        won = ((base + gain * cue).argmax(-1) == after).float().mean().item()
-        low, high = (gain, high) if won < follow_share else (low, gain)
-    head[:, codes] = (low + high) / 2 * pred / size
-    save()
-    write_json(out / "tiny_spec.json", {**marker, "thinking_emitter": settings})
-    return out
+def _emits_already(out: Path, marker: dict[str, Any], settings: dict[str, Any]) -> bool:
+    """Whether the tiny thinking target `out` already emits with `settings`; ValueError when it is
+    no tiny thinking target, emits with other settings, or a share is out of (0, 1]."""
+    if "thinking_family" not in marker:
+        raise ValueError(
+            f"{out} is not a tiny thinking target (no thinking_family in tiny_spec.json): build it "
+            "with build_tiny_thinking_target"
+        )
+    for name, share in settings.items():
+        if name != "seed" and not 0 < share <= 1:
+            raise ValueError(f"make_thinking_emitter: {name} must be in (0, 1], got {share}")
+    if marker.get("thinking_emitter") == settings:
+        return True
+    if "thinking_emitter" in marker:
+        raise ValueError(
+            f"{out} already emits with {marker['thinking_emitter']}: rebuild it with "
+            "build_tiny_thinking_target before rewriting it with other settings"
+        )
+    return False
+
+
+_CODES = slice(_NUM_STATES, _NUM_STATES + _NUM_CODE_DIMS)  # the residual features of the codes
+
+
+@dataclass
+class _EmitterWeights:
+    """A tiny target's weights (float32 while rewritten) and the dtype they are saved in."""
+
+    out: Path
+    w: dict[str, Any]
+    dtype: Any
+
+    @classmethod
+    def load(cls, out: Path) -> _EmitterWeights:
+        from safetensors.torch import load_file
+
+        w = load_file(str(out / "model.safetensors"))
+        dtype = w["model.embed_tokens.weight"].dtype
+        return cls(out, {k: v.float() for k, v in w.items()}, dtype)
+
+    def save(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(
+            {k: v.to(self.dtype).contiguous() for k, v in self.w.items()},
+            str(self.out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+
+    def mark_states(self, plan: _TurnPlan, vocab: int, seed: int) -> Any:
+        """Reserve the state and code features: no layer writes them, each token's embedding
+        holds its state (and a chained word its code), lm_head reads none of them yet; the
+        (vocab, code dims) codes."""
+        import torch
+
+        w, reserved = self.w, list(range(_CODES.stop))
+        emb = w["model.embed_tokens.weight"]
+        if emb.shape[1] < 2 * _CODES.stop:
+            raise ValueError(f"{self.out}: hidden size {emb.shape[1]} is below {2 * _CODES.stop}")
+        emb[:, reserved] = 0.0
+        # an entry token keeps nothing of its own but its state: the word after it is read from
+        # the context (the prompt), not from the token
+        emb[sorted(plan.entries)] = 0.0
+        emb[torch.arange(vocab), torch.tensor(plan.state)] = _STATE_VALUE
+        gen = torch.Generator().manual_seed(seed)
+        code = torch.nn.functional.normalize(
+            torch.randn(vocab, _NUM_CODE_DIMS, generator=gen), dim=-1
+        )
+        chained = torch.tensor(sorted(plan.successor))
+        emb[chained, _CODES] = _STATE_VALUE * code[chained]
+        for k in w:
+            if k.endswith(("o_proj.weight", "down_proj.weight")):  # every writer of the residual
+                w[k][reserved] = 0.0
+        w["model.norm.weight"][reserved] = 1.0
+        w["lm_head.weight"][:, reserved] = 0.0
+        return code
+
+    def set_state_biases(
+        self, plan: _TurnPlan, emits: dict[int, int], hidden: Any, current: Any
+    ) -> None:
+        """lm_head's state columns: each state's bias over the vocabulary (its one token, or its
+        words over the other state's), scaled by the state feature's size after the norm."""
+        import torch
+
+        head, state = self.w["lm_head.weight"], torch.tensor(plan.state)
+        vocab = head.shape[0]
+        typical = hidden[:, :_NUM_STATES].max(-1).values.mean()  # a state's feature after the norm
+        for s in range(_NUM_STATES):
+            bias = torch.full((vocab,), _NEVER)
+            if s in emits:
+                bias[emits[s]] = _SURE
+            else:
+                bias[plan.words[s]] = 0.0
+                bias[plan.words[_ANSWER if s == _REASONING else _REASONING]] = _OTHER_WORDS
+            at = state[current] == s
+            head[:, s] = bias / (hidden[at, s].mean() if at.any() else typical)
+
+    def set_successor_gain(
+        self,
+        plan: _TurnPlan,
+        code: Any,
+        noise: Any,
+        hidden: Any,
+        current: Any,
+        follow_share: float,
+    ) -> None:
+        """lm_head's code columns: the successor of word t gets logit `gain` * (code of t . code
+        of its predecessor), `gain` such that the successor is the argmax at follow_share of the
+        probed word positions."""
+        import torch
+
+        head = self.w["lm_head.weight"]
+        vocab = head.shape[0]
+        followed = torch.tensor([t in plan.successor for t in current.tolist()])
+        after = torch.tensor([plan.successor.get(t, 0) for t in current.tolist()])[followed]
+        pred = torch.zeros(vocab, _NUM_CODE_DIMS)
+        pred[list(plan.successor.values())] = code[list(plan.successor)]
+        size = (hidden[followed][:, _CODES] * code[current[followed]]).sum(-1).mean()
+        base = noise[followed] + hidden[followed][:, :_NUM_STATES] @ head[:, :_NUM_STATES].T
+        cue = hidden[followed][:, _CODES] @ pred.T / size
+        low, high = 0.0, 60.0
+        for _ in range(30):  # the share that follows grows with the gain
+            gain = (low + high) / 2
+            won = ((base + gain * cue).argmax(-1) == after).float().mean().item()
+            low, high = (gain, high) if won < follow_share else (low, gain)
+        head[:, _CODES] = (low + high) / 2 * pred / size

@@ -284,24 +284,32 @@ def read_last_hidden(samples: Sequence[dict[str, Any]], i: int) -> torch.Tensor:
     return torch.as_tensor(samples[i]["last_hidden_states"])
 
 
-class WithTargetArgmax(Sequence):
-    """Samples with `target_argmax` added: (T,) int32, the target's full-vocab argmax at each
-    row."""
+class WithColumn(Sequence):
+    """Samples with one more entry each: `key` = values[i] for sample i. The samples' cheap reads
+    (last hidden states, token counts) pass through."""
 
-    def __init__(self, samples: Sequence[dict[str, Any]], argmax: list[torch.Tensor]):
-        self.samples, self.argmax = samples, argmax
+    def __init__(self, samples: Sequence[dict[str, Any]], key: str, values: list[Any]):
+        self.samples, self.key, self.values = samples, key, values
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return {**self.samples[i], "target_argmax": self.argmax[i]}
+        return {**self.samples[i], self.key: self.values[i]}
 
     def last_hidden_states(self, i: int) -> torch.Tensor:
         return read_last_hidden(self.samples, i)
 
     def num_tokens(self, i: int) -> int:
         return sample_num_tokens(self.samples, i)
+
+
+class WithTargetArgmax(WithColumn):
+    """Samples with `target_argmax` added: (T,) int32, the target's full-vocab argmax at each
+    row."""
+
+    def __init__(self, samples: Sequence[dict[str, Any]], argmax: list[torch.Tensor]):
+        super().__init__(samples, "target_argmax", argmax)
 
 
 def compute_sample_argmax(

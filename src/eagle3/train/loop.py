@@ -461,9 +461,13 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
     eval_every and saves every save_every steps, and at the end."""
     cfg, d = run.cfg, run.d
     options = step_options(run)
-    train_stats = torch.zeros(cfg.loss.ttt_steps, len(STAT_COLUMNS), device=d.device)
-    loss_acc, n_acc, done_here = torch.zeros((), device=d.device), 0, 0
-    wait_mark, wall_mark = getattr(run.loader, "wait_s", 0.0), time.perf_counter()
+    window = _LogWindow(
+        stats=torch.zeros(cfg.loss.ttt_steps, len(STAT_COLUMNS), device=d.device),
+        loss=torch.zeros((), device=d.device),
+        wait_mark=getattr(run.loader, "wait_s", 0.0),
+        wall_mark=time.perf_counter(),
+    )
+    done_here = 0
     run.model.train()
     while state.step < run.total and (stop_after is None or done_here < stop_after):
         step_stats, step_loss, check = forward_backward(run, options)
@@ -472,64 +476,24 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
         )
         if skip_if_nonfinite(run, state, step_loss, gnorm, check, log):
             continue
-        train_stats += step_stats
-        loss_acc += step_loss
+        window.stats += step_stats
+        window.loss += step_loss
         run.opt.step()
         run.sched.step()
         run.opt.zero_grad(set_to_none=True)
         if run.ema is not None:
             run.ema.update(state.step)
-        state.step, done_here, n_acc = state.step + 1, done_here + 1, n_acc + 1
+        state.step, done_here, window.num_steps = (
+            state.step + 1,
+            done_here + 1,
+            window.num_steps + 1,
+        )
         step = state.step
         if step % cfg.checkpoint.log_every == 0 or step == run.total:
-            parallel.all_reduce_sum(train_stats, d)
-            parallel.all_reduce_sum(
-                loss_acc, d
-            )  # the mean over every rank's rows, not rank 0's alone
-            m = summarize(train_stats)
-            state.last_loss = loss_acc.item() / (n_acc * d.world)
-            m.update(
-                loss=state.last_loss,
-                lr=run.sched.get_last_lr()[0],
-                grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                epoch=run.loader.epoch_progress(),
-            )
-            wait_now, wall_now = getattr(run.loader, "wait_s", 0.0), time.perf_counter()
-            # the share of the wall time (validation and checkpoints included) spent waiting for a
-            # packed batch
-            m["loader_wait_frac"] = (wait_now - wait_mark) / max(wall_now - wall_mark, 1e-9)
-            wait_mark, wall_mark = wait_now, wall_now
-            log.log(step, "train", m)
-            progress(
-                d,
-                f"step {step}/{run.total} loss {state.last_loss:.4f} acc_0 {m['acc_0']:.3f} epoch "
-                f"{m['epoch']:.2f} {time.perf_counter() - run.t_start:.0f} s",
-            )
-            train_stats.zero_(), loss_acc.zero_()
-            n_acc = 0
+            _log_train(run, state, log, window, gnorm)
         best_now = False
         if run.val and (step % cfg.checkpoint.eval_every == 0 or step == run.total):
-            with averaged(run):
-                state.val_metrics = validate(run, run.val)
-                log.log(step, "val", state.val_metrics)
-                if run.heldout:
-                    log.log(step, "heldout", validate(run, run.heldout))
-            val_m = state.val_metrics
-            progress(d, f"step {step} validation tau_estimate {val_m['tau_estimate']:.3f}")
-            if not math.isfinite(
-                val_m["loss"]
-            ):  # a NaN model scores τ 1.0: it must never become best/
-                progress(
-                    d,
-                    f"step {step}: validation loss is {val_m['loss']}; this model cannot become "
-                    "best/",
-                )
-            elif val_m["tau_estimate"] > state.best:
-                state.best, best_now = val_m["tau_estimate"], True
-            if (
-                step == cfg.checkpoint.eval_every
-            ):  # train and eval graphs compiled by now: a run cut short still leaves them
-                save_compile_cache(cfg.runtime.compile_cache, d)
+            best_now = _validate_step(run, state, log)
         save_now = (
             step % cfg.checkpoint.save_every == 0
             or step == run.total
@@ -545,6 +509,73 @@ def train_loop(run: Run, state: TrainState, log: MetricsLog, stop_after: int | N
         if save_now or best_now:
             save(run, state, save_now=save_now, best_now=best_now)
         parallel.barrier(d)
+
+
+@dataclass
+class _LogWindow:
+    """The train steps since the last train log line, added up."""
+
+    stats: torch.Tensor  # (K, len(STAT_COLUMNS)): the steps' summed statistics
+    loss: torch.Tensor  # the steps' summed losses
+    wait_mark: float  # the loader's wait and the wall clock at the last log line
+    wall_mark: float
+    num_steps: int = 0
+
+
+def _log_train(
+    run: Run, state: TrainState, log: MetricsLog, window: _LogWindow, gnorm: torch.Tensor
+) -> None:
+    """Log the train metrics of the window's steps (every rank's rows) and start a new window."""
+    d, step = run.d, state.step
+    parallel.all_reduce_sum(window.stats, d)
+    parallel.all_reduce_sum(window.loss, d)  # the mean over every rank's rows, not rank 0's alone
+    m = summarize(window.stats)
+    state.last_loss = window.loss.item() / (window.num_steps * d.world)
+    m.update(
+        loss=state.last_loss,
+        lr=run.sched.get_last_lr()[0],
+        grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+        epoch=run.loader.epoch_progress(),
+    )
+    wait_now, wall_now = getattr(run.loader, "wait_s", 0.0), time.perf_counter()
+    # the share of the wall time (validation and checkpoints included) spent waiting for a
+    # packed batch
+    m["loader_wait_frac"] = (wait_now - window.wait_mark) / max(wall_now - window.wall_mark, 1e-9)
+    window.wait_mark, window.wall_mark = wait_now, wall_now
+    log.log(step, "train", m)
+    progress(
+        d,
+        f"step {step}/{run.total} loss {state.last_loss:.4f} acc_0 {m['acc_0']:.3f} epoch "
+        f"{m['epoch']:.2f} {time.perf_counter() - run.t_start:.0f} s",
+    )
+    window.stats.zero_(), window.loss.zero_()
+    window.num_steps = 0
+
+
+def _validate_step(run: Run, state: TrainState, log: MetricsLog) -> bool:
+    """Validate the model (its weight average where there is one) and log it; whether it is the
+    best so far (a model with a non-finite validation loss never is)."""
+    cfg, d, step = run.cfg, run.d, state.step
+    best_now = False
+    with averaged(run):
+        state.val_metrics = validate(run, run.val)
+        log.log(step, "val", state.val_metrics)
+        if run.heldout:
+            log.log(step, "heldout", validate(run, run.heldout))
+    val_m = state.val_metrics
+    progress(d, f"step {step} validation tau_estimate {val_m['tau_estimate']:.3f}")
+    if not math.isfinite(val_m["loss"]):  # a NaN model scores τ 1.0: it must never become best/
+        progress(
+            d,
+            f"step {step}: validation loss is {val_m['loss']}; this model cannot become best/",
+        )
+    elif val_m["tau_estimate"] > state.best:
+        state.best, best_now = val_m["tau_estimate"], True
+    if (
+        step == cfg.checkpoint.eval_every
+    ):  # train and eval graphs compiled by now: a run cut short still leaves them
+        save_compile_cache(cfg.runtime.compile_cache, d)
+    return best_now
 
 
 def save_final(run: Run, state: TrainState) -> None:

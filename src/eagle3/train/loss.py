@@ -269,6 +269,8 @@ class _FusedSoftCE(torch.autograd.Function):
         cdt: torch.dtype,
         shared: SharedHeadGrad | None,
     ):
+        """Kept whole: one chunked pass computes the loss, the argmax and both gradients while
+        each chunk's logits exist; its buffers are what a split would hand around."""
         B, T, H = h.shape
         acc = torch.promote_types(cdt, torch.float32)
         hf, tf, wf = (

@@ -29,29 +29,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3.train.data import eval_rows, pack_batch, read_last_hidden, sample_num_tokens
+from eagle3.train.data import WithColumn, eval_rows, pack_batch, sample_num_tokens
 from eagle3.train.estimate import RoundCounts, iter_rounds
 from eagle3.train.loss import TargetHead
 from eagle3.train.step import STAT_COLUMNS
 
 
-class StepWeighted(Sequence):
+class StepWeighted(WithColumn):
     """Samples with `step_weight` added: (T, K) float, the loss weight of TTT step j at row t."""
 
     def __init__(self, samples: Sequence[dict[str, Any]], weights: list[torch.Tensor]):
-        self.samples, self.weights = samples, weights
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {**self.samples[i], "step_weight": self.weights[i]}
-
-    def last_hidden_states(self, i: int) -> torch.Tensor:
-        return read_last_hidden(self.samples, i)
-
-    def num_tokens(self, i: int) -> int:
-        return sample_num_tokens(self.samples, i)
+        super().__init__(samples, "step_weight", weights)
 
 
 @dataclass

@@ -148,6 +148,12 @@ def _ttt_forward(
     loss_weighting: str = "uniform",
     accept_on: str = "target_argmax",
 ) -> StepOutput:
+    """The K-step unroll: each step drafts every row from the previous step's hidden states and
+    adds its weighted soft cross-entropy (and feature losses) to the loss.
+
+    Kept whole: the steps share a dozen tensors (the padded targets and ids, the row weights, the
+    KV cache, the reach of accept_until_fail, the feature targets), which a per-step function
+    would all take as arguments; the row weights and the metrics are their own functions."""
     if loss_weighting not in ("uniform", "accept_until_fail"):
         raise ValueError(f"loss_weighting={loss_weighting!r}: use uniform or accept_until_fail")
     if accept_on not in ("target_argmax", "next_token"):
@@ -166,20 +172,7 @@ def _ttt_forward(
     valid, weight, n_loss = _step_masks(
         doc, doc_p, mask_p, tg.in_vocab, steps
     )  # (K, B, T) x2, (K,)
-    if (
-        copy_weight != 1.0
-    ):  # step j at row t predicts token t+2+j: weight it by whether that token is a copy
-        rows = 1.0 + (copy_weight - 1.0) * copy_rows(ids, doc, head.lm_head.shape[0]).to(
-            weight.dtype
-        )  # (B, T)
-        weight = weight * _windows(F.pad(rows, (0, pad), value=1.0), 2, steps, T)  # (K, B, T)
-        n_loss = weight.sum((1, 2))  # (K,): each step's CE is the weighted mean over its rows
-    if batch.step_weight is not None:  # (B, T, K>=steps): only the weighted rows and steps train
-        sw = batch.step_weight
-        if sw.shape[-1] < steps:
-            raise ValueError(f"batch.step_weight has {sw.shape[-1]} steps, the unroll {steps}")
-        weight = weight * sw[..., :steps].permute(2, 0, 1).to(weight.dtype)  # (K, B, T)
-        n_loss = weight.sum((1, 2))  # (K,)
+    weight, n_loss = _weigh_rows(batch, head, weight, n_loss, copy_weight, steps, pad)
     reach, tgt_draft = None, None
     if loss_weighting == "accept_until_fail":  # row weights: P(steps < j drafted right), detached
         reach = torch.ones_like(weight[0])  # (B, T)
@@ -261,20 +254,64 @@ def _ttt_forward(
     else:
         truth = _windows(ids_p, 2, steps, T)  # (K, B, T)
     correct = ((am + model.d2t[am]) == truth) & valid  # (K, B, T)
+    dt = torch.promote_types(loss.dtype, torch.float32)
+    stats = _step_stats(doc, valid, correct, ce_sums, n_loss, feat_sums, dt)
+    if return_correct:
+        return StepOutput(loss, stats, correct, valid)
+    return StepOutput(loss, stats)
+
+
+def _weigh_rows(
+    batch: PackedBatch,
+    head: TargetHead,
+    weight: torch.Tensor,
+    n_loss: torch.Tensor,
+    copy_weight: float,
+    steps: int,
+    pad: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (K, B, T) loss weights with the copied tokens' weight and the batch's own step
+    weights applied, and each step's weighted row count (K,)."""
+    ids, doc = batch.input_ids, batch.doc_ids
+    T = ids.shape[1]
+    if copy_weight != 1.0:
+        # step j at row t predicts token t+2+j: weight it by whether that token is a copy
+        rows = 1.0 + (copy_weight - 1.0) * copy_rows(ids, doc, head.lm_head.shape[0]).to(
+            weight.dtype
+        )  # (B, T)
+        weight = weight * _windows(F.pad(rows, (0, pad), value=1.0), 2, steps, T)  # (K, B, T)
+        n_loss = weight.sum((1, 2))  # (K,): each step's CE is the weighted mean over its rows
+    if batch.step_weight is not None:  # (B, T, K>=steps): only the weighted rows and steps train
+        sw = batch.step_weight
+        if sw.shape[-1] < steps:
+            raise ValueError(f"batch.step_weight has {sw.shape[-1]} steps, the unroll {steps}")
+        weight = weight * sw[..., :steps].permute(2, 0, 1).to(weight.dtype)  # (K, B, T)
+        n_loss = weight.sum((1, 2))  # (K,)
+    return weight, n_loss
+
+
+def _step_stats(
+    doc: torch.Tensor,
+    valid: torch.Tensor,
+    correct: torch.Tensor,
+    ce_sums: list[torch.Tensor],
+    n_loss: torch.Tensor,
+    feat_sums: list[torch.Tensor],
+    dt: torch.dtype,
+) -> torch.Tensor:
+    """(K, len(STAT_COLUMNS)) per step: valid rows, correct ones, rows the step is reached at
+    (every earlier step correct), correct ones of those, the CE sum, the loss rows, the feature
+    error sum."""
     # cond: rows whose earlier steps were all correct (step 0: every real row), i.e. the step is
     # reached in vLLM
     joint = (
         torch.cat([(doc >= 0)[None], correct[:-1]]).to(torch.uint8).cumprod(0).bool()
     )  # (K, B, T)
     cond = joint & valid  # (K, B, T)
-    dt = torch.promote_types(loss.dtype, torch.float32)
     counts = [x.sum((1, 2)).to(dt) for x in (valid, correct, cond, cond & correct)]  # 4 x (K,)
-    stats = torch.stack(
+    return torch.stack(
         [*counts, torch.stack(ce_sums).to(dt), n_loss.to(dt), torch.stack(feat_sums).to(dt)], 1
     )
-    if return_correct:
-        return StepOutput(loss, stats, correct, valid)
-    return StepOutput(loss, stats)
 
 
 def _draft_ids_of(head: TargetHead, model: DraftModel, target_ids: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,45 +361,20 @@ def build_run(
 ) -> Run:
     """Samples, loader, validation batches and step count, around the (wrapped) draft and the
     target's head."""
-    dcfg, tc = model.cfg, text_config(inputs.target_cfg)
+    dcfg = model.cfg
     cuda = d.device.type == "cuda"
     amp_dtype = torch.bfloat16 if cuda and cfg.runtime.dtype == "bfloat16" else torch.float32
-    head = TargetHead(
-        inputs.tensors["norm"],
-        tc.get("rms_norm_eps", 1e-6),
-        inputs.tensors["lm_head"],
-        torch.arange(inputs.d2t.numel()) + inputs.d2t,
-    ).to(d.device, amp_dtype)
+    head = _target_head(inputs, d, amp_dtype)
     t_start = time.perf_counter()
     samples, verify = read_samples(cfg, d, inputs, samples, source)
-    aux_shape = (
-        tuple(samples[0]["aux_hidden_states"].shape[-2:])
-        if len(samples)
-        else (dcfg.num_aux, dcfg.target_hidden_size)
-    )
-    if aux_shape != (dcfg.num_aux, dcfg.target_hidden_size):
-        raise ConfigError(
-            f"captured={cfg.captured}: samples carry aux states of shape (T, {aux_shape[0]}, "
-            f"{aux_shape[1]}) but the manifest lists {dcfg.num_aux} layers of hidden size "
-            f"{dcfg.target_hidden_size}; the capture is inconsistent"
-        )
+    _check_aux_shape(cfg, dcfg, samples)
     if source is None:
         samples = with_target_argmax(samples, head, d)
         train_idx, val_idx = split_indices(len(samples), cfg.loader.val_fraction, cfg.seed)
-        loader = PackedLoader(
-            samples,
-            train_idx,
-            cfg.loader.max_seq_len,
-            cfg.loader.batch_size,
-            cfg.seed,
-            rank=d.rank,
-            world=d.world,
-            prefetch=2 * cfg.loader.num_workers,
-            num_workers=cfg.loader.num_workers,
-            pin_memory=d.device.type == "cuda",
-        )
+        loader = _packed_loader(cfg, d, samples, train_idx)
     else:  # streaming: every spool sample here is validation; training rows come from the loader
-        val_idx, loader = list(range(len(samples))), source.loader(cfg, d.rank, d.world)
+        train_idx, val_idx = [], list(range(len(samples)))
+        loader = source.loader(cfg, d.rank, d.world)
     val = eval_batches(
         samples, val_idx, cfg.loader.max_seq_len, cfg.loader.batch_size
     )  # every rank (FSDP forward is collective)
@@ -407,34 +383,11 @@ def build_run(
         cfg.val_captured
     ):  # unseen prompts pick the checkpoint; the held-out train split is still logged
         val, heldout = read_val_captured(cfg, inputs, source, verify, head, d), val
-    per_step = cfg.loader.batch_size * cfg.loader.grad_accum * d.world
-    rows = (
-        source.num_rows(cfg)
-        if source is not None
-        else cfg.epochs * count_rows(samples, train_idx, cfg.loader.max_seq_len)
-    )
-    total = cfg.max_steps or max(1, math.ceil(rows / per_step))
-    progress(
-        d,
-        f"{total} steps of {per_step} x {cfg.loader.max_seq_len} tokens ({rows:.0f} packed rows), "
-        f"{len(val)} validation batches",
-    )
+    total = _num_steps(cfg, d, samples, source, train_idx, len(val))
     mode = parallel.choose_parallel(cfg.runtime.parallel, model, d)
     if d.world > 1:
         progress(d, f"{d.world} processes: {mode} (train.runtime.parallel {cfg.runtime.parallel})")
     ttt = parallel.wrap(TTTModule(model), d, fsdp=mode == "fsdp2")
-
-    def meta(step: int, metrics: dict) -> DraftMetadata:
-        return draft_metadata(
-            cfg,
-            dcfg,
-            inputs.manifest,
-            inputs.target_cfg,
-            step,
-            metrics,
-            inputs.identity,
-            inputs.ids,
-        )
 
     return Run(
         cfg=cfg,
@@ -450,8 +403,98 @@ def build_run(
         total=total,
         amp_dtype=amp_dtype,
         aux_layer_ids=inputs.aux_layer_ids,
-        draft_metadata=meta,
+        draft_metadata=_metadata_of_step(cfg, dcfg, inputs),
         t_start=t_start,
+    )
+
+
+def _metadata_of_step(
+    cfg: TrainConfig, dcfg: Any, inputs: Inputs
+) -> Callable[[int, dict], DraftMetadata]:
+    """The draft metadata a checkpoint of step `step` with `metrics` records."""
+
+    def meta(step: int, metrics: dict) -> DraftMetadata:
+        return draft_metadata(
+            cfg,
+            dcfg,
+            inputs.manifest,
+            inputs.target_cfg,
+            step,
+            metrics,
+            inputs.identity,
+            inputs.ids,
+        )
+
+    return meta
+
+
+def _num_steps(
+    cfg: TrainConfig,
+    d: parallel.Dist,
+    samples: Any,
+    source: Any,
+    train_idx: list[int],
+    num_val_batches: int,
+) -> int:
+    """The run's optimizer steps: train.max_steps, else every epoch's packed rows (the stream's,
+    when streaming) over the rows of one step."""
+    per_step = cfg.loader.batch_size * cfg.loader.grad_accum * d.world
+    rows = (
+        source.num_rows(cfg)
+        if source is not None
+        else cfg.epochs * count_rows(samples, train_idx, cfg.loader.max_seq_len)
+    )
+    total = cfg.max_steps or max(1, math.ceil(rows / per_step))
+    progress(
+        d,
+        f"{total} steps of {per_step} x {cfg.loader.max_seq_len} tokens ({rows:.0f} packed rows), "
+        f"{num_val_batches} validation batches",
+    )
+    return total
+
+
+def _target_head(inputs: Inputs, d: parallel.Dist, amp_dtype: torch.dtype) -> TargetHead:
+    """The target's final norm and lm_head, over the draft vocabulary's target ids."""
+    tc = text_config(inputs.target_cfg)
+    return TargetHead(
+        inputs.tensors["norm"],
+        tc.get("rms_norm_eps", 1e-6),
+        inputs.tensors["lm_head"],
+        torch.arange(inputs.d2t.numel()) + inputs.d2t,
+    ).to(d.device, amp_dtype)
+
+
+def _check_aux_shape(cfg: TrainConfig, dcfg: Any, samples: Any) -> None:
+    """ConfigError when the samples' aux states are not the (layers, hidden size) the capture's
+    manifest lists."""
+    aux_shape = (
+        tuple(samples[0]["aux_hidden_states"].shape[-2:])
+        if len(samples)
+        else (dcfg.num_aux, dcfg.target_hidden_size)
+    )
+    if aux_shape != (dcfg.num_aux, dcfg.target_hidden_size):
+        raise ConfigError(
+            f"captured={cfg.captured}: samples carry aux states of shape (T, {aux_shape[0]}, "
+            f"{aux_shape[1]}) but the manifest lists {dcfg.num_aux} layers of hidden size "
+            f"{dcfg.target_hidden_size}; the capture is inconsistent"
+        )
+
+
+def _packed_loader(
+    cfg: TrainConfig, d: parallel.Dist, samples: Any, train_idx: list[int]
+) -> PackedLoader:
+    """The training rows, packed, this rank's share."""
+    return PackedLoader(
+        samples,
+        train_idx,
+        cfg.loader.max_seq_len,
+        cfg.loader.batch_size,
+        cfg.seed,
+        rank=d.rank,
+        world=d.world,
+        prefetch=2 * cfg.loader.num_workers,
+        num_workers=cfg.loader.num_workers,
+        pin_memory=d.device.type == "cuda",
     )
 
 
