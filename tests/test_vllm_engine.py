@@ -131,3 +131,16 @@ def test_gpu_memory_share_comes_from_the_environment_and_bad_values_are_refused(
         monkeypatch.setenv(GPU_MEMORY_UTILIZATION_ENV, bad)
         with pytest.raises(UserError, match=f"{GPU_MEMORY_UTILIZATION_ENV}='{bad}'"):
             gpu_memory_utilization()
+
+
+def test_engine_workers_are_spawned_on_a_gpu_only(monkeypatch):
+    import eagle3.vllm_engine as ve
+
+    for on_cpu, want in ((True, None), (False, "spawn")):
+        monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+        monkeypatch.setattr(ve, "on_cpu_platform", lambda on_cpu=on_cpu: on_cpu)
+        ve.use_spawned_engine_workers()
+        assert os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == want
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the environment's own choice stays
+    ve.use_spawned_engine_workers()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"

@@ -170,13 +170,20 @@ def golden_markdown(record: dict[str, Any]) -> str:
         "|---|---|---|---|---:|---:|",
     ]
     for name, g in sorted(record["runs"].items()):
+        _, runner, dtype = name.split("_")  # golden_v2_float32
         for t in g.get("targets", []):
             err, nb = t.get("max_rel_err"), t.get("min_neighbour_rel_err")
+            status = t["status"]
+            if "message" in t:  # the engine's one-line reason, without the log prefix
+                status += ": " + t["message"].split("] ", 1)[-1].splitlines()[0][:160]
             lines.append(
-                f"| {t.get('runner', name)} | {t.get('dtype', '')} | {t['target']} | "
-                f"{t['status']} | {'' if err is None else f'{err:.2e}'} | "
-                f"{'' if nb is None else f'{nb:.2f}'} |"
+                f"| {runner.upper()} | {dtype} | {t['target']} | {status} | "
+                f"{'' if err is None else f'{err:.2e}'} | {'' if nb is None else f'{nb:.3f}'} |"
             )
+    if record.get("touchpoints"):
+        lines += ["", f"Touchpoints on the installed vLLM: {record['touchpoints'][-1].strip()}"]
+    for finding in record.get("findings", []):
+        lines += ["", finding]
     return "\n".join(lines) + "\n"
 
 
@@ -186,6 +193,11 @@ def main() -> int:
     ap.add_argument("--card", default="NVIDIA H200")
     ap.add_argument("--command", default="benchmarks/thinking_target/README.md, 'On the H200'")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument(
+        "--golden-notes",
+        type=Path,
+        help="markdown paragraphs on the golden run (what failed and why), kept in its record",
+    )
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,7 +239,11 @@ def main() -> int:
             }
             touch = found["golden"] / "golden" / "touchpoints.log"
             if touch.is_file():
-                record["touchpoints"] = touch.read_text().splitlines()[-2:]
+                record["touchpoints"] = [
+                    line for line in touch.read_text().splitlines() if "rows found" in line
+                ]
+            if args.golden_notes:
+                record["findings"] = args.golden_notes.read_text().strip().split("\n\n")
             (args.out / "vllm_gpu_golden.json").write_text(json.dumps(record, indent=1) + "\n")
             (args.out / "vllm_gpu_golden.md").write_text(golden_markdown(record))
     print({k: bool(v) for k, v in found.items()})

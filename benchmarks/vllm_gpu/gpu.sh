@@ -36,6 +36,8 @@ use_site() {
   export PYTHONPATH="$S/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   export PYTHONUNBUFFERED=1
+  # the golden check computes its reference on the GPU in the process that starts the engine
+  export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}
 }
 
 cmd_stage() {

@@ -109,6 +109,16 @@ def gpu_memory_utilization() -> float | None:
     return value
 
 
+def use_spawned_engine_workers() -> None:
+    """On a GPU, vLLM's engine-core and worker processes are spawned, not forked (unless the
+    environment says otherwise): a stage process that touched CUDA before its engine started (the
+    golden check's transformers reference, a capture after an hf pass) cannot fork one. Seen on
+    the H200 with vLLM 0.26.0 (2026-12-05): "Cannot re-initialize CUDA in forked subprocess", on
+    both model runners. The CPU keeps its own setup (setup_cpu_env)."""
+    if not on_cpu_platform():
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
 def on_cpu_platform() -> bool:
     try:
         import torch
@@ -260,6 +270,7 @@ def engine_kwargs(
     share = gpu_memory_utilization()
     if share is not None and not on_cpu_platform():
         kw["gpu_memory_utilization"] = share
+    use_spawned_engine_workers()
     kw.update(extra)
     return kw
 

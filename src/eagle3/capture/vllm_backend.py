@@ -28,6 +28,7 @@ from eagle3.vllm_engine import (
     gpu_memory_utilization,
     on_cpu_platform,
     shutdown_engine,
+    use_spawned_engine_workers,
 )
 from eagle3.vllm_ext import decode_scales, decode_states
 from eagle3.vllm_support import UnsupportedVLLMError, check_vllm_version
@@ -48,6 +49,7 @@ def engine_kwargs(
     """LLM(...) arguments shared by capture and the plain-prefill baseline of the benchmark."""
     share = gpu_memory_utilization()
     extra = {} if share is None or on_cpu_platform() else {"gpu_memory_utilization": share}
+    use_spawned_engine_workers()
     return dict(
         **extra,
         model=target,

@@ -142,7 +142,8 @@ class TinySpec:
     max_position_embeddings: int = 4096
     seed: int = 0
     generation_markers: bool = True
-    num_experts: int = 4  # MoE archs: routed experts (2 active per token)
+    num_experts: int = 4  # MoE archs: routed experts
+    num_experts_per_tok: int = 2  # MoE archs: active experts per token
     rope_scaling: tuple[tuple[str, float | str], ...] | None = (
         None  # e.g. (("rope_type", "yarn"), ("factor", 4.0), ...)
     )
@@ -173,7 +174,10 @@ def tiny_text_config(spec: TinySpec, tok):
     )
     if spec.rope_scaling:
         common["rope_parameters"] = {"rope_theta": 10000.0, **dict(spec.rope_scaling)}
-    moe = dict(moe_intermediate_size=spec.intermediate_size // 2, num_experts_per_tok=2)
+    moe = dict(
+        moe_intermediate_size=spec.intermediate_size // 2,
+        num_experts_per_tok=spec.num_experts_per_tok,
+    )
     if spec.arch == "llama":
         return LlamaConfig(**common)
     if spec.arch == "qwen3":
