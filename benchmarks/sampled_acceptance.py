@@ -114,6 +114,7 @@ def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[s
 
     llm = ngram_engine(target, disable_log_stats=False)
     from vllm import SamplingParams  # after the engine: vLLM is imported in the CPU environment
+
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
     runs, fix_status = [], None
     for variant in ("stock", "fixed"):
@@ -156,6 +157,7 @@ def topk_probe(target: str, prompts: list[list[int]], max_tokens: int, fix: bool
 
     llm = ngram_engine(target)
     from vllm import SamplingParams
+
     if fix:
         llm.collective_rpc("eagle3_fix_cpu_sampling")
     try:

@@ -138,6 +138,13 @@ def read_rows(path: Path, renderer: Any, max_len: int, max_examples: int | None)
                 ) from None
             counts["conversations"] += 1
             rows += turn_rows(renderer, conv, max_len, counts)
+    if not rows and counts["skipped_not_prompt_plus_turn"]:
+        raise RecipeError(
+            f"{path}: no training row: in every assistant turn the template's rendering of the turn"
+            " does not extend the prompt's, or has no end-of-turn token "
+            f"({renderer.tokenizer.eos_token!r}, id {renderer.end_of_turn_id}); check the base's "
+            f"tokenizer eos and chat template ({counts})"
+        )
     if not rows:
         raise RecipeError(f"{path}: no training row fits --max-len {max_len} ({counts})")
     return rows, counts
