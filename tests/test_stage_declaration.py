@@ -9,7 +9,14 @@ from pathlib import Path
 from pydantic import Field
 
 from eagle3.config import PipelineConfig, StageConfig, load_pipeline_config
-from eagle3.stage_graph import STAGES, Stage, pipeline_order, stage_names, upstream_of
+from eagle3.stage_graph import (
+    STAGES,
+    Stage,
+    external_inputs,
+    pipeline_order,
+    stage_names,
+    upstream_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,3 +147,34 @@ def test_the_stream_variants_are_built_from_their_sections(tmp_path):
     assert produce.out == tmp_path / "spool" and consume.captured == str(tmp_path / "spool")
     assert (produce.epochs, produce.seed) == (2, 7)
     assert produce.data == r.capture.data and consume.out == r.train.out
+
+
+def test_the_external_inputs_are_derived_from_the_declaration(tmp_path):
+    """The cache key fingerprints the fields a stage reads from outside the pipeline's outputs: the
+    target (every section), `data` (passed on by mix and regenerate when they do not run), mix's
+    sources (the pipeline's `data` first) and evaluate's prompts (`@eval_prompts`)."""
+    from eagle3_prefect.tasks.manifest import EXTERNAL_INPUT_FIELDS, external_fingerprints
+
+    assert external_inputs() == {
+        "target": "target",
+        "sources": "data",
+        "data": "data",
+        "prompts": "eval_prompts",
+    }
+    # the value once written by hand, and mix's list of sources, once keyed beside it
+    assert [f for f in EXTERNAL_INPUT_FIELDS if f != "sources"] == ["target", "data", "prompts"]
+    assert "sources" in EXTERNAL_INPUT_FIELDS
+    (tmp_path / "a.jsonl").write_text("a")
+    (tmp_path / "b.jsonl").write_text("b")
+    cfg = load_pipeline_config(
+        ROOT / "configs" / "demo.yaml",
+        {
+            "work_dir": str(tmp_path / "run"),
+            "data": str(tmp_path / "a.jsonl"),
+            "mix": {"sources": [{"path": str(tmp_path / "b.jsonl")}]},
+        },
+    ).resolved()
+    mix = external_fingerprints(cfg.mix.model_dump(mode="json"), set())
+    assert set(mix) == {"sources.0", "sources.1"} and mix["sources.0"] != mix["sources.1"]
+    evaluate = external_fingerprints(cfg.evaluate.model_dump(mode="json"), set())
+    assert set(evaluate) == {"target", "prompts"}  # its draft is export's output
