@@ -4,6 +4,7 @@ keys and the Prefect tasks and GPU flows all follow from it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from pydantic import Field
@@ -70,7 +71,7 @@ def test_the_cli_commands_are_the_declared_stages_and_every_task_runs_one():
     assert flows == {f"eagle3-{n}" for n, s in STAGES.items() if s.gpu}
 
 
-def test_a_stage_added_to_the_declaration_reaches_the_cli_the_order_and_resolved(
+def test_a_stage_added_to_the_declaration_reaches_the_cli_the_order_resolved_and_preflight(
     monkeypatch, tmp_path
 ):
     from eagle3.pipeline import enabled_stages
@@ -97,6 +98,28 @@ def test_a_stage_added_to_the_declaration_reaches_the_cli_the_order_and_resolved
         "draft": str(tmp_path / "draft"),
         "out": str(tmp_path / "scored"),
     }
+
+    # the pre-flight walks it: its inputs from outside the pipeline, the outputs it reads
+    from eagle3.preflight import check_pipeline
+
+    assert not [p for p in check_pipeline(cfg) if p.startswith("score.")]
+    cfg.score.prompts, cfg.score.draft = str(tmp_path / "gone.jsonl"), str(tmp_path / "no-draft")
+    problems = check_pipeline(cfg)
+    assert (
+        f"score.prompts = {cfg.score.prompts!r} does not exist; point it at the prompts to "
+        "score it on" in problems
+    ), problems
+    assert any(p.startswith(f"score.draft = {cfg.score.draft!r} does not exist") for p in problems)
+    reader = dataclasses.replace(
+        SCORE, reads={**SCORE.reads, "prompts": "synthesize/prompts.jsonl"}
+    )
+    monkeypatch.setitem(STAGES, "score", reader)
+    cfg.score.prompts = None
+    assert any(
+        p.startswith("score.prompts reads synthesize's output")
+        and "(synthesize.enabled is off)" in p
+        for p in check_pipeline(cfg)
+    ), check_pipeline(cfg)
 
 
 def test_resolved_wires_every_declared_read():
