@@ -173,8 +173,31 @@ def pipeline_summary(
     there): the methods side by side, the draft's path, the stages, links to the other artifacts.
     Returns the result line (`result_line`)."""
     line = result_line(manifests)
-    md = [f"# {title or name}", "", f"**{line}**", ""]
     rows = method_rows(evaluate_result_of(manifests))
+    crashes = crash_lines(manifests, takeover)
+    md = [
+        f"# {title or name}",
+        "",
+        f"**{line}**",
+        "",
+        *methods_section(rows, manifests),
+        *draft_section(manifests),
+        *stage_table(name, manifests, figures_above=bool(rows)),
+    ]
+    if crashes:
+        md += ["", "## Crashes and resumes", "", *crashes]
+    md += more_section(name, manifests)
+    create_markdown_artifact(
+        markdown="\n".join(md) + "\n",
+        key=key,
+        description=f"{title or name}: {line}"[:500] + ("; crashes and resumes" if crashes else ""),
+    )
+    return line
+
+
+def methods_section(rows: list[dict[str, Any]], manifests: dict[str, dict[str, Any]]) -> list[str]:
+    """The methods side by side (evaluate's result) and the reasoning / answer spans."""
+    md = []
     if rows:
         md += [
             comparison_table(rows),
@@ -187,21 +210,32 @@ def pipeline_summary(
     spans = span_table(evaluate_result_of(manifests))
     if spans:
         md += ["## reasoning and answer", "", *spans, ""]
+    return md
+
+
+def draft_section(manifests: dict[str, dict[str, Any]]) -> list[str]:
+    """The exported draft's path and how to serve it (none when export did not run)."""
     path = draft_path(manifests)
-    if path:
-        md += [
-            "## the draft",
-            "",
-            "```text",
-            path,
-            "```",
-            "",
-            "```python",
-            serve_snippet(path),
-            "```",
-            "",
-        ]
-    md += [
+    if not path:
+        return []
+    return [
+        "## the draft",
+        "",
+        "```text",
+        path,
+        "```",
+        "",
+        "```python",
+        serve_snippet(path),
+        "```",
+        "",
+    ]
+
+
+def stage_table(name: str, manifests: dict[str, dict[str, Any]], figures_above: bool) -> list[str]:
+    """One row per stage: ran or cached (resumed, crashed runs), time, GPU slot wait, its key
+    figure (evaluate's: the table above, when there is one)."""
+    md = [
         "## stages",
         "",
         "| # | stage (its summary) | this run | time | GPU slot wait | result |",
@@ -214,18 +248,19 @@ def pipeline_summary(
         elif not m.get("cached") and m.get("resumed_from"):
             state = "ran (resumed)"
         wall = "–" if m.get("cached") else _s(m.get("wall_s"))
-        # evaluate's figures are the table above
-        figure = (
-            "above" if stage == "evaluate" and rows else key_figure(stage, m.get("result") or {})
-        )
+        above = stage == "evaluate" and figures_above
+        figure = "above" if above else key_figure(stage, m.get("result") or {})
         link = artifact_link(artifact_key(name, stage, "summary"), stage)
         md.append(
             f"| {i} | {link} | {state} | {wall} | {_s(m.get('slot_wait_s') or 0)} | "
             f"{figure.replace('|', '/')} |"
         )
-    crashes = crash_lines(manifests, takeover)
-    if crashes:
-        md += ["", "## Crashes and resumes", "", *crashes]
+    return md
+
+
+def more_section(name: str, manifests: dict[str, dict[str, Any]]) -> list[str]:
+    """Links to the run's other artifacts, and the directory all stage outputs are under."""
+    md = []
     others = [
         (artifact_key(name, "evaluate", "tau"), "evaluate" in manifests, "τ per category, charts"),
         (artifact_key(name, "train", "curves"), "train" in manifests, "training curves"),
@@ -237,9 +272,4 @@ def pipeline_summary(
     outputs = [str(Path(m["out"]).resolve()) for m in manifests.values() if m.get("out")]
     if len(outputs) > 1:
         md += ["", f"Outputs: under `{os.path.commonpath(outputs)}` (one directory per stage)."]
-    create_markdown_artifact(
-        markdown="\n".join(md) + "\n",
-        key=key,
-        description=f"{title or name}: {line}"[:500] + ("; crashes and resumes" if crashes else ""),
-    )
-    return line
+    return md

@@ -138,70 +138,91 @@ def dispatch_stage(
     `attempts` when a run crashed or was lost and was dispatched again (it resumes). gpu_limit
     overrides the deployment's EAGLE3_GPU_LIMIT (HardwareProfile.gpu_concurrency_limit); cache_dir
     is where the child keeps its task's cache records (the pipeline's work dir)."""
-    logger = get_run_logger()
-    env = child_env(gpu_limit)
+    parameters = {"config": config, "upstream": upstream, "run_name": run_name}
+    if cache_dir:
+        parameters["cache_dir"] = cache_dir
     attempts: list[dict[str, Any]] = []
     for attempt in range(NUM_REDISPATCHES + 1):
-        logger.info(
-            "stage %s: dispatching to deployment %s%s",
-            stage,
-            deployment,
-            f" (again: {attempt} of {NUM_REDISPATCHES})" if attempt else "",
-        )
-        parameters = {"config": config, "upstream": upstream, "run_name": run_name}
-        if cache_dir:
-            parameters["cache_dir"] = cache_dir
-        flow_run = run_deployment(
-            name=deployment,
-            parameters=parameters,
-            flow_run_name=child_run_name(runtime_flow_run.name, run_name, stage, attempt),
-            timeout=0,  # returns once created: name its placeholder task run, then wait below
-            as_subflow=True,
-            job_variables={"env": env},
-        )
-        flow_run = wait_for(
-            flow_run, f"{stage} on {deployment}" + (f" (again {attempt})" if attempt else "")
-        )
-        state = flow_run.state
+        flow_run = launch_attempt(stage, deployment, parameters, child_env(gpu_limit), attempt)
         attempts.append(attempt_record(flow_run, stage, config["out"]))
-        if state is not None and state.is_completed():
+        if flow_run.state is not None and flow_run.state.is_completed():
             break
-        how = f"{state.name if state else 'without a state'}: {state.message if state else ''}"
-        if state is not None and state.is_crashed():
-            closed = close_task_runs(
-                flow_run.id, f"its flow run {flow_run.name} crashed: {state.message}"
-            )
-            if closed:
-                logger.info(
-                    "stage %s: closed the task run(s) %s that %s left running",
-                    stage,
-                    closed,
-                    flow_run.name,
-                )
-        if state is not None and state.is_failed():  # the child ran and failed (it already retried)
-            raise StageRunFailed(
-                stage, f"deployment run {flow_run.name} ({flow_run.id}) failed: {how}"
-            )
-        if state is None or not state.is_crashed() or attempt == NUM_REDISPATCHES:
-            raise StageCrashed(
-                stage,
-                f"deployment run {flow_run.name} ({flow_run.id}) ended {how}"
-                + (f" (after {attempt} more runs)" if attempt else ""),
-            )
-        logger.warning(
+        end_lost_attempt(stage, flow_run, attempt)
+        get_run_logger().warning(
             "stage %s: deployment run %s ended %s after %s s; dispatching it again, resuming "
             "from %s",
             stage,
             flow_run.name,
-            how,
+            how_it_ended(flow_run.state),
             attempts[-1]["wall_s"],
             attempts[-1]["resumes_from"],
         )
-    stamp = read_stamp(config["out"])
+    return finished_manifest(stage, config["out"], flow_run, attempts)
+
+
+def launch_attempt(
+    stage: str, deployment: str, parameters: dict[str, Any], env: dict[str, str], attempt: int
+) -> Any:
+    """One run of `stage` on `deployment` (a subflow of this run), followed to its final state."""
+    again = f" (again {attempt})" if attempt else ""
+    get_run_logger().info(
+        "stage %s: dispatching to deployment %s%s",
+        stage,
+        deployment,
+        f" (again: {attempt} of {NUM_REDISPATCHES})" if attempt else "",
+    )
+    flow_run = run_deployment(
+        name=deployment,
+        parameters=dict(parameters),
+        flow_run_name=child_run_name(runtime_flow_run.name, parameters["run_name"], stage, attempt),
+        timeout=0,  # returns once created: name its placeholder task run, then wait below
+        as_subflow=True,
+        job_variables={"env": env},
+    )
+    return wait_for(flow_run, f"{stage} on {deployment}{again}")
+
+
+def how_it_ended(state: Any) -> str:
+    return f"{state.name if state else 'without a state'}: {state.message if state else ''}"
+
+
+def end_lost_attempt(stage: str, flow_run: Any, attempt: int) -> None:
+    """After a run that did not complete: close the task runs a crashed run left running; raise
+    when it is not dispatched again (it failed, it ended without crashing, or it was the last
+    attempt)."""
+    state = flow_run.state
+    how = how_it_ended(state)
+    if state is not None and state.is_crashed():
+        closed = close_task_runs(
+            flow_run.id, f"its flow run {flow_run.name} crashed: {state.message}"
+        )
+        if closed:
+            get_run_logger().info(
+                "stage %s: closed the task run(s) %s that %s left running",
+                stage,
+                closed,
+                flow_run.name,
+            )
+    if state is not None and state.is_failed():  # the child ran and failed (it already retried)
+        raise StageRunFailed(stage, f"deployment run {flow_run.name} ({flow_run.id}) failed: {how}")
+    if state is None or not state.is_crashed() or attempt == NUM_REDISPATCHES:
+        raise StageCrashed(
+            stage,
+            f"deployment run {flow_run.name} ({flow_run.id}) ended {how}"
+            + (f" (after {attempt} more runs)" if attempt else ""),
+        )
+
+
+def finished_manifest(
+    stage: str, out: str | Path, flow_run: Any, attempts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The manifest the completed run stamped in `out`, with its `attempts` when there were
+    several."""
+    stamp = read_stamp(out)
     if not stamp or stamp.get("status") != "done":
         raise StageError(
             stage,
-            f"deployment run {flow_run.name} completed but {config['out']} holds no finished "
+            f"deployment run {flow_run.name} completed but {out} holds no finished "
             "stamp: is the work dir on storage both pools can see?",
         )
     manifest = {k: stamp.get(k) for k in MANIFEST_KEYS}

@@ -8,7 +8,8 @@ A stage's cache key is the sha256 of
   - the stage's resolved config (every field; paths absolute and resolved: two checkouts'
     `runs/demo` differ),
   - the content hashes of its upstream stages' outputs (from their manifests),
-  - fingerprints of the external inputs it reads directly (target dir, data file, eval prompts).
+  - fingerprints of the external inputs it reads directly (target dir, data file, mix's sources,
+    eval prompts: the fields the stage declaration reads from outside the pipeline's outputs).
 So an unchanged stage keeps its key across runs, a changed config changes its key and (through the
 output content hash) the keys of everything downstream, and nothing upstream.
 
@@ -31,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from eagle3.io import sha256_file, sha256_json
-from eagle3.stages import get_stage
+from eagle3.stages import external_inputs, get_stage
 
 #: bump to invalidate every cached stage (e.g. after changing what a manifest contains)
 CACHE_EPOCH = 1
@@ -50,8 +51,9 @@ MANIFEST_KEYS = (
     "result",
 )
 
-#: config fields that name inputs read from outside the pipeline's own outputs
-EXTERNAL_INPUT_FIELDS = ("target", "data", "prompts")
+#: config fields that name inputs read from outside the pipeline's own outputs (a path, or a list of
+#: sources: mix's), from the stage declaration (eagle3.stage_graph.external_inputs)
+EXTERNAL_INPUT_FIELDS = tuple(external_inputs())
 #: config fields holding a local path: keyed by the absolute, resolved path (two checkouts that both
 #: write `runs/demo` are two different outputs, never one cache entry)
 PATH_FIELDS = frozenset(
@@ -139,27 +141,33 @@ def absolute_paths(value: Any, key: str | None = None) -> Any:
     return value
 
 
+def external_fingerprints(conf: dict[str, Any], upstream_outs: set[str]) -> dict[str, str]:
+    """Content fingerprints of the external inputs a stage's config (as JSON) names
+    (EXTERNAL_INPUT_FIELDS): a path that is none of its upstream outputs, and every source of a list
+    (mix's sources) as "<field>.<i>"."""
+    external = {}
+    for name in EXTERNAL_INPUT_FIELDS:
+        value = conf.get(name)
+        if isinstance(value, list):
+            for i, src in enumerate(value):
+                external[f"{name}.{i}"] = fingerprint_path(src["path"])
+        elif value and str(Path(value).resolve()) not in upstream_outs:
+            external[name] = fingerprint_path(value)
+    return external
+
+
 def stage_cache_key(
     stage: str, cfg: BaseModel | dict[str, Any], upstream: dict[str, dict[str, Any]]
 ) -> str:
     """The content key of one stage run (see the module docstring)."""
     conf = absolute_paths(config_dict(cfg))
     upstream_outs = {str(Path(m["out"]).resolve()) for m in upstream.values() if m.get("out")}
-    external = {}
-    for name in EXTERNAL_INPUT_FIELDS:
-        value = conf.get(name)
-        if value and str(Path(value).resolve()) not in upstream_outs:
-            external[name] = fingerprint_path(value)
-    for i, src in enumerate(
-        conf.get("sources") or []
-    ):  # mix: every source file (or dir) by content
-        external[f"sources.{i}"] = fingerprint_path(src["path"])
     material = {
         "stage": stage,
         "code": code_version(stage),
         "config": conf,
         "upstream": {name: m["content_sha256"] for name, m in sorted(upstream.items())},
-        "external": external,
+        "external": external_fingerprints(conf, upstream_outs),
     }
     return f"eagle3-{stage}-{sha256_json(material)[:32]}"
 

@@ -206,7 +206,6 @@ def execute_stage(
     stage: str, config: StageConfig | dict[str, Any], upstream: dict[str, Any], run_name: str
 ) -> dict[str, Any]:
     """The body of every stage task: prepare the output dir, call the library, stamp, report."""
-    logger = get_run_logger()
     cfg = as_stage_config(stage, config)
     upstream = slim_upstream(upstream)
     out = Path(cfg.out)
@@ -214,30 +213,17 @@ def execute_stage(
     ok, _ = verify_outputs(out, key)
     if ok:  # intact output of this very key (e.g. Prefect's result storage was wiped): adopt it
         stamp = read_stamp(out) or {}
-        logger.info(
+        get_run_logger().info(
             "stage %s: %s already holds verified output of key %s; not re-running", stage, out, key
         )
         return {k: stamp.get(k) for k in MANIFEST_KEYS}
-    action = prepare_out_dir(stage, out, key)
-    resumes = action.startswith(("resuming", "damaged"))
-    resumed_from = describe_resume_point(stage, out) if resumes else None
-    logger.info(
-        "stage %s: key %s, output %s (%s%s)",
-        stage,
-        key,
-        out,
-        action,
-        f": from {resumed_from}" if resumed_from else "",
-    )
-    write_stamp(out, {"stage": stage, "key": key, "status": "running", "started_at": time.time()})
+    action, resumed_from = start_output(stage, out, key)
     progress = artifacts.Progress(run_name, stage) if stage in PROGRESS_STAGES else None
     t0, waited = time.time(), {"slot_wait_s": 0.0}
     result = call_library(
         stage, cfg, on_progress=progress.update if progress else None, waited=waited
     )
-    wall_s = (
-        time.time() - t0 - waited["slot_wait_s"]
-    )  # running time only; the slot wait is reported apart
+    wall_s = time.time() - t0 - waited["slot_wait_s"]  # running time only: the wait is apart
     if progress:
         progress.update(1.0)
     files = list_outputs(out)
@@ -253,17 +239,33 @@ def execute_stage(
         "resumed_from": resumed_from,
         "result": result,
     }
-    write_stamp(
+    finished = {"status": "done", "files": files, "upstream": upstream, "config": config_dict(cfg)}
+    write_stamp(out, {**manifest, **finished, "finished_at": time.time()})
+    report_stage(run_name, manifest, action)
+    return manifest
+
+
+def start_output(stage: str, out: Path, key: str) -> tuple[str, str | None]:
+    """Prepare the output dir for a run of `key` (wiped, or kept to resume) and stamp it running;
+    returns what was done and, when it resumes, from where."""
+    action = prepare_out_dir(stage, out, key)
+    resumes = action.startswith(("resuming", "damaged"))
+    resumed_from = describe_resume_point(stage, out) if resumes else None
+    get_run_logger().info(
+        "stage %s: key %s, output %s (%s%s)",
+        stage,
+        key,
         out,
-        {
-            **manifest,
-            "status": "done",
-            "files": files,
-            "upstream": upstream,
-            "config": config_dict(cfg),
-            "finished_at": time.time(),
-        },
+        action,
+        f": from {resumed_from}" if resumed_from else "",
     )
+    write_stamp(out, {"stage": stage, "key": key, "status": "running", "started_at": time.time()})
+    return action, resumed_from
+
+
+def report_stage(run_name: str, manifest: dict[str, Any], action: str) -> None:
+    """The stage's summary artifact, and the artifacts of train, export and evaluate."""
+    stage, out, result = manifest["stage"], Path(manifest["out"]), manifest["result"]
     artifacts.stage_summary(run_name, manifest, action)
     if stage == "train":
         artifacts.train_metrics(run_name, out)
@@ -271,7 +273,6 @@ def execute_stage(
         artifacts.exported_draft(run_name, out)
     elif stage == "evaluate":
         artifacts.evaluate_result(run_name, out, result if isinstance(result, dict) else {})
-    return manifest
 
 
 def _stage_task(stage: str):

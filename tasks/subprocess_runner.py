@@ -175,69 +175,91 @@ def _run(
     with tempfile.TemporaryDirectory(prefix=f"eagle3-{stage}-{os.getpid()}-") as tmp:
         config_json, result_json = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_json.write_text(json.dumps(config, default=str))
-        env = dict(
-            os.environ
-        )  # the child imports eagle3 / eagle3_prefect as this process does (installed)
-        env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = build_command(stage, config_json, result_json)
         log.info("stage %s: starting %s (timeout %.0f s)", stage, " ".join(cmd[:5]), timeout_s)
         t0 = time.time()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            cwd=os.getcwd(),
-        )
+        proc = _start(cmd)
         tail: list[str] = []
         progress: list[float] = []
         reader = threading.Thread(
             target=_pump, args=(proc, log, tail, progress, log_file), daemon=True
         )
         reader.start()
-        deadline = t0 + timeout_s
-        reported = -1.0
         try:
-            while True:
-                try:
-                    rc = proc.wait(timeout=min(2.0, max(0.01, deadline - time.time())))
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                # progress is reported from this thread: it holds the Prefect run context
-                latest = max([*progress[-1:], _probe(probe)], default=None, key=lambda v: v or 0.0)
-                if latest is not None and latest - reported >= 0.01:
-                    reported = latest
-                    _safe(on_progress, reported)
-                if time.time() >= deadline:
-                    _kill_group(proc)
-                    reader.join(timeout=5)
-                    raise StageTimeout(
-                        stage,
-                        f"exceeded timeout_s={timeout_s:.0f} (set by "
-                        f"EAGLE3_{stage.upper()}_TIMEOUT_S); its process group was killed. Raise "
-                        "that limit or shrink the stage's work",
-                    )
+            rc = _wait(stage, proc, reader, t0 + timeout_s, timeout_s, progress, on_progress, probe)
         finally:
             if proc.poll() is None:  # cancelled or interrupted: never leave an engine behind
                 _kill_group(proc)
             else:  # it ended (or crashed) on its own: what it started in its group ends with it
                 _kill_rest_of_group(proc.pid)
         reader.join(timeout=10)
-        wall_s = time.time() - t0
-        report = _read_report(result_json)
-        if rc == 0 and report and report.get("ok"):
-            log.info("stage %s: finished in %.1f s", stage, wall_s)
-            return report["result"]
-        if report and not report.get("ok"):
-            cls = ERROR_CLASSES.get(report.get("kind", "crash"), StageCrashed)
-            raise cls(stage, f"{report.get('type')}: {report.get('message')}")
-        how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
-        last = "\n".join(tail[-20:])
-        raise StageCrashed(
-            stage, f"process {how} after {wall_s:.1f} s without a result; last output:\n{last}"
-        )
+        return _outcome(stage, rc, _read_report(result_json), tail, time.time() - t0, log)
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    """The stage's process, in a process group of its own, its output piped."""
+    env = dict(os.environ)  # the child imports eagle3 / eagle3_prefect as this process does
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        cwd=os.getcwd(),
+    )
+
+
+def _wait(
+    stage: str,
+    proc: subprocess.Popen,
+    reader: threading.Thread,
+    deadline: float,
+    timeout_s: float,
+    progress: list[float],
+    on_progress: Callable[[float], None] | None,
+    probe: Callable[[], float | None] | None,
+) -> int:
+    """Wait for the process's exit status, reporting progress; at the deadline kill its group and
+    raise StageTimeout."""
+    reported = -1.0
+    while True:
+        try:
+            return proc.wait(timeout=min(2.0, max(0.01, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            pass
+        # progress is reported from this thread: it holds the Prefect run context
+        latest = max([*progress[-1:], _probe(probe)], default=None, key=lambda v: v or 0.0)
+        if latest is not None and latest - reported >= 0.01:
+            reported = latest
+            _safe(on_progress, reported)
+        if time.time() >= deadline:
+            _kill_group(proc)
+            reader.join(timeout=5)
+            raise StageTimeout(
+                stage,
+                f"exceeded timeout_s={timeout_s:.0f} (set by "
+                f"EAGLE3_{stage.upper()}_TIMEOUT_S); its process group was killed. Raise "
+                "that limit or shrink the stage's work",
+            )
+
+
+def _outcome(
+    stage: str, rc: int, report: dict[str, Any] | None, tail: list[str], wall_s: float, log: Any
+) -> dict[str, Any]:
+    """The stage's result from its report, or the error it reported, or a crash naming how the
+    process ended and its last output."""
+    if rc == 0 and report and report.get("ok"):
+        log.info("stage %s: finished in %.1f s", stage, wall_s)
+        return report["result"]
+    if report and not report.get("ok"):
+        cls = ERROR_CLASSES.get(report.get("kind", "crash"), StageCrashed)
+        raise cls(stage, f"{report.get('type')}: {report.get('message')}")
+    how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+    last = "\n".join(tail[-20:])
+    raise StageCrashed(
+        stage, f"process {how} after {wall_s:.1f} s without a result; last output:\n{last}"
+    )
 
 
 def relay_level(line: str) -> int | None:

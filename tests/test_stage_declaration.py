@@ -4,12 +4,20 @@ keys and the Prefect tasks and GPU flows all follow from it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from pydantic import Field
 
 from eagle3.config import PipelineConfig, StageConfig, load_pipeline_config
-from eagle3.stage_graph import STAGES, Stage, pipeline_order, stage_names, upstream_of
+from eagle3.stage_graph import (
+    STAGES,
+    Stage,
+    external_inputs,
+    pipeline_order,
+    stage_names,
+    upstream_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +71,7 @@ def test_the_cli_commands_are_the_declared_stages_and_every_task_runs_one():
     assert flows == {f"eagle3-{n}" for n, s in STAGES.items() if s.gpu}
 
 
-def test_a_stage_added_to_the_declaration_reaches_the_cli_the_order_and_resolved(
+def test_a_stage_added_to_the_declaration_reaches_the_cli_the_order_resolved_and_preflight(
     monkeypatch, tmp_path
 ):
     from eagle3.pipeline import enabled_stages
@@ -90,6 +98,28 @@ def test_a_stage_added_to_the_declaration_reaches_the_cli_the_order_and_resolved
         "draft": str(tmp_path / "draft"),
         "out": str(tmp_path / "scored"),
     }
+
+    # the pre-flight walks it: its inputs from outside the pipeline, the outputs it reads
+    from eagle3.preflight import check_pipeline
+
+    assert not [p for p in check_pipeline(cfg) if p.startswith("score.")]
+    cfg.score.prompts, cfg.score.draft = str(tmp_path / "gone.jsonl"), str(tmp_path / "no-draft")
+    problems = check_pipeline(cfg)
+    assert (
+        f"score.prompts = {cfg.score.prompts!r} does not exist; point it at the prompts to "
+        "score it on" in problems
+    ), problems
+    assert any(p.startswith(f"score.draft = {cfg.score.draft!r} does not exist") for p in problems)
+    reader = dataclasses.replace(
+        SCORE, reads={**SCORE.reads, "prompts": "synthesize/prompts.jsonl"}
+    )
+    monkeypatch.setitem(STAGES, "score", reader)
+    cfg.score.prompts = None
+    assert any(
+        p.startswith("score.prompts reads synthesize's output")
+        and "(synthesize.enabled is off)" in p
+        for p in check_pipeline(cfg)
+    ), check_pipeline(cfg)
 
 
 def test_resolved_wires_every_declared_read():
@@ -140,3 +170,34 @@ def test_the_stream_variants_are_built_from_their_sections(tmp_path):
     assert produce.out == tmp_path / "spool" and consume.captured == str(tmp_path / "spool")
     assert (produce.epochs, produce.seed) == (2, 7)
     assert produce.data == r.capture.data and consume.out == r.train.out
+
+
+def test_the_external_inputs_are_derived_from_the_declaration(tmp_path):
+    """The cache key fingerprints the fields a stage reads from outside the pipeline's outputs: the
+    target (every section), `data` (passed on by mix and regenerate when they do not run), mix's
+    sources (the pipeline's `data` first) and evaluate's prompts (`@eval_prompts`)."""
+    from eagle3_prefect.tasks.manifest import EXTERNAL_INPUT_FIELDS, external_fingerprints
+
+    assert external_inputs() == {
+        "target": "target",
+        "sources": "data",
+        "data": "data",
+        "prompts": "eval_prompts",
+    }
+    # the value once written by hand, and mix's list of sources, once keyed beside it
+    assert [f for f in EXTERNAL_INPUT_FIELDS if f != "sources"] == ["target", "data", "prompts"]
+    assert "sources" in EXTERNAL_INPUT_FIELDS
+    (tmp_path / "a.jsonl").write_text("a")
+    (tmp_path / "b.jsonl").write_text("b")
+    cfg = load_pipeline_config(
+        ROOT / "configs" / "demo.yaml",
+        {
+            "work_dir": str(tmp_path / "run"),
+            "data": str(tmp_path / "a.jsonl"),
+            "mix": {"sources": [{"path": str(tmp_path / "b.jsonl")}]},
+        },
+    ).resolved()
+    mix = external_fingerprints(cfg.mix.model_dump(mode="json"), set())
+    assert set(mix) == {"sources.0", "sources.1"} and mix["sources.0"] != mix["sources.1"]
+    evaluate = external_fingerprints(cfg.evaluate.model_dump(mode="json"), set())
+    assert set(evaluate) == {"target", "prompts"}  # its draft is export's output

@@ -40,7 +40,14 @@ from eagle3.config_fields import (
     Number,
 )
 from eagle3.errors import UserError
-from eagle3.stage_graph import STAGES, STREAM_STEP, pipeline_order, stage_names
+from eagle3.stage_graph import (
+    PIPELINE_INPUTS,
+    PIPELINE_SETTINGS,
+    STAGES,
+    STREAM_STEP,
+    pipeline_order,
+    stage_names,
+)
 from eagle3.targets import TARGETS
 from eagle3.train_options import (
     TRAIN_MOVED_KEYS,
@@ -1338,7 +1345,8 @@ class PipelineConfig(BaseModel):
 
     def mix_sources(self) -> list[MixSource]:
         """The training sources in mix order: `data`, synthesize's prompts, then mix.sources."""
-        srcs = [MixSource(path=self.data, weight=self.mix.data_weight)] if self.data else []
+        data = self.input_path(STAGES["mix"].inputs["sources"])  # the pipeline's `data`
+        srcs = [MixSource(path=data, weight=self.mix.data_weight)] if data else []
         if self.synthesize.enabled:
             prompts = self.output_path(STAGES["mix"].reads["sources"])
             srcs.append(MixSource(path=prompts, weight=self.mix.synthesize_weight))
@@ -1451,8 +1459,8 @@ class PipelineConfig(BaseModel):
         return self.stream.spool or self.work_dir / STAGES[stage].writes
 
 
-#: PipelineConfig settings that fill the field of that name in every section that has one
-PIPELINE_WIDE = ("target", "chat_template_kwargs")
+#: PipelineConfig fields that fill the field of that name in every section that has one
+PIPELINE_WIDE = PIPELINE_INPUTS + PIPELINE_SETTINGS
 
 
 def _fill(stage: StageConfig, **values: Any) -> None:

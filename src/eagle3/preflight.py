@@ -5,11 +5,14 @@ the field, the bad value and the fix.
     problems = check_pipeline(cfg)          # [] when the run can start
     require_pipeline(cfg)                   # raises ConfigError listing every problem
 
-Checks: the input paths exist (target config.json, data, eval prompts); the aux layer ids of
-capture (and of train, and of each sweep layer set) are valid for the target's layer count; the
-capture fits the disk (the planner's own check, eagle3.shards.check_capture_fits) once the
-prepared data says how many tokens it holds. Reads config files only: no model, no tokenizer, no
-GPU."""
+Checks, walking the stage declaration (eagle3.stage_graph) over every stage `eagle3 run` runs: the
+target has a config.json; each input from outside the pipeline exists (data, mix's sources, eval
+prompts: `external_inputs`, the fields the cache key fingerprints); each output a stage reads is
+made by the stage it names (or passed on, or there already). Then the section rules: the aux layer
+ids of capture (and of train, and of each sweep layer set) are valid for the target's layer count;
+the draft family is registered; the capture fits the disk (the planner's own check,
+eagle3.shards.check_capture_fits) once the prepared data says how many tokens it holds. Reads config
+files only: no model, no tokenizer, no GPU."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 from eagle3.artifacts import PreparedMeta
 from eagle3.config import AuxLayerIds, ConfigError, PipelineConfig
 from eagle3.io import read_json
+from eagle3.stage_graph import PIPELINE_INPUTS, STAGES, external_inputs, stage_names
 
 
 def read_num_layers(target: str | Path) -> int:
@@ -49,9 +53,97 @@ def _family_problem(name: str) -> str | None:
     )
 
 
-def _check_path(field: str, value: str | None, what: str, problems: list[str]) -> None:
-    if value and not Path(value).exists():
-        problems.append(f"{field} = {value!r} does not exist; point it at {what}")
+def _describe(model: object, field: str) -> str:
+    """What a config field holds, from its description: "held-out prompts for evaluate (...)"."""
+    text = type(model).model_fields[field].description or "an existing path"
+    first = text.split(";")[0].split(":")[0].rstrip(".")
+    return first[:1].lower() + first[1:]
+
+
+def _is_output(path: str, outputs: list[Path]) -> bool:
+    """Whether `path` is (inside) a stage's output directory: the pipeline writes it."""
+    p = Path(path)
+    return any(p == out or out in p.parents for out in outputs)
+
+
+def _input_problems(cfg: PipelineConfig) -> list[str]:
+    """Every stage `eagle3 run` runs, from the stage declaration: each input from outside the
+    pipeline (eagle3.stage_graph.external_inputs; the target is checked apart) exists, and each
+    output it reads is made by the stage it names or is there already. Named by the pipeline field
+    when the section holds its value, else by section.field."""
+    c = cfg.resolved()
+    outputs = [Path(getattr(c, n).out) for n in stage_names("pipeline")]
+    problems: dict[str, str] = {}
+    for name in (n for n in stage_names("pipeline") if c.runs(n)):
+        section = getattr(c, name)
+        fields = type(section).model_fields
+        for field, origin in external_inputs().items():
+            if field in fields and field not in PIPELINE_INPUTS:
+                _external_problems(c, name, field, origin, outputs, problems)
+        for field, source in STAGES[name].reads.items():
+            problem = _read_problem(c, name, field, source)
+            if problem:
+                problems.setdefault(f"{name}.{field}", problem)
+    return list(problems.values())
+
+
+def _external_problems(
+    c: PipelineConfig,
+    stage: str,
+    field: str,
+    origin: str,
+    outputs: list[Path],
+    problems: dict[str, str],
+) -> None:
+    """The problems of one external input field of a running stage (a path, or a list of
+    sources), each once under its name."""
+    value = getattr(getattr(c, stage), field)
+    pipeline_value = getattr(c, origin)
+    if not value:
+        if not pipeline_value:
+            fix = _describe(c, origin)
+            problems.setdefault(origin, f"{origin} is empty; set it to the {fix}")
+        return
+    paths = (
+        [(field, value)]
+        if isinstance(value, str)
+        else [(f"{field}[{i}]", src.path) for i, src in enumerate(value)]
+    )
+    for label, path in paths:
+        name = origin if path == pipeline_value else f"{stage}.{label}"
+        if _is_output(path, outputs) or Path(path).exists():
+            continue
+        if name == origin:
+            fix = "the " + _describe(c, origin)
+        elif isinstance(value, list):
+            fix = f"an existing file or directory, or remove it from {stage}.{field}"
+        else:
+            fix = "the " + _describe(getattr(c, stage), field)
+        problems.setdefault(name, f"{name} = {path!r} does not exist; point it at {fix}")
+
+
+def _read_problem(c: PipelineConfig, stage: str, field: str, source: str) -> str | None:
+    """A running stage's input that reads another stage's output (eagle3.stage_graph `reads`):
+    that stage must make it (or pass its own input on), unless it is there already; a value set
+    in the config instead must exist."""
+    upstream = STAGES.get(source.split("/")[0])
+    value = getattr(getattr(c, stage), field)
+    if upstream is None or not isinstance(value, str) or not value:
+        return None  # "@field" (external) or a list of sources (mix): checked as inputs
+    if Path(value).exists():
+        return None
+    if value != c.input_path(source):
+        return (
+            f"{stage}.{field} = {value!r} does not exist; point it at an existing "
+            f"{upstream.name} output, or unset it to read the one this run makes"
+        )
+    if c.runs(upstream.name) or upstream.passes_on:
+        return None
+    return (
+        f"{stage}.{field} reads {upstream.name}'s output {value!r}, which this run does not make "
+        f"({upstream.enabled} is off) and is not there; turn {upstream.enabled} on, or point "
+        f"{stage}.{field} at an existing {upstream.name} output"
+    )
 
 
 def _disk_problem(cfg: PipelineConfig, num_layers: int) -> str | None:
@@ -100,15 +192,7 @@ def check_pipeline(cfg: PipelineConfig, layer_sets: list[list[int]] | None = Non
             num_layers = read_num_layers(target)
         except ConfigError as e:
             problems.append(str(e))
-    _check_path("data", cfg.data, "the chat data file or a local datasets directory", problems)
-    if not cfg.data:
-        problems.append("data is empty; set it to the chat data file")
-    _check_path(
-        "eval_prompts",
-        cfg.eval_prompts,
-        "a prompts .jsonl (or unset it to skip evaluate)",
-        problems,
-    )
+    problems += _input_problems(cfg)
     layer_problems = []
     if num_layers is not None:
         for field, ids in (

@@ -6,6 +6,9 @@ Everything that lists or wires stages reads this table:
     (<work_dir>/<writes>) and every input field (`reads`: another stage's output; when that stage
     does not run, what it would have read, `passes_on`), the settings it takes from another section
     (`settings`); `stream_stages()`: the streaming variants the same way;
+  - the pre-flight (eagle3.preflight): every stage `eagle3 run` runs, its inputs from outside
+    the pipeline (`external_inputs`: the cache key fingerprints the same fields) and the outputs
+    it reads;
   - the registry (eagle3.stages): the config classes and functions by name, `needs` (the stages
     whose outputs a stage reads: the upstream of its cache key), the order of `eagle3 run` and the
     streaming step, the CLI's sub-commands (eagle3.cli);
@@ -29,6 +32,11 @@ from pathlib import Path
 from typing import Literal
 
 from eagle3.code_version import code_version
+
+#: PipelineConfig fields that fill the field of that name in every section that has one: inputs
+#: from outside the pipeline (paths), and settings
+PIPELINE_INPUTS = ("target",)
+PIPELINE_SETTINGS = ("chat_template_kwargs",)
 
 #: "pipeline": a PipelineConfig section that `eagle3 run` runs; "stream": a variant of a pipeline
 #: stage for streaming mode (PipelineConfig.stream_stages builds its config); "source": brings a
@@ -56,6 +64,9 @@ class Stage:
     writes: str | None = None  # its output directory's name under the work dir
     #: input field -> whose output it is: "stage", "stage/file in its output", "@pipeline field"
     reads: Mapping[str, str] = field(default_factory=dict)
+    #: input field -> "@pipeline field" it also takes, from outside the pipeline's own outputs
+    #: (mix: the pipeline's `data` is its first source, beside synthesize's prompts)
+    inputs: Mapping[str, str] = field(default_factory=dict)
     #: field -> "section.field" (dotted further into groups): a setting taken from another section
     settings: Mapping[str, str] = field(default_factory=dict)
     passes_on: str | None = None  # when it does not run, a reader of its output gets this field
@@ -115,6 +126,7 @@ STAGES: dict[str, Stage] = {
             writes="mixed",
             # with `data` and mix.sources (PipelineConfig.mix_sources); one source is passed on
             reads={"sources": "synthesize/prompts.jsonl"},
+            inputs={"sources": "@data"},
             passes_on="sources",
             enabled="mixes",  # more than one source
         ),
@@ -301,3 +313,31 @@ def pipeline_order(streaming: bool = False) -> tuple[str, ...]:
     at = max(names.index(n) for n in inputs) + 1
     names.insert(at, STREAM_STEP)
     return tuple(n for n in names if n not in replaced)
+
+
+def external_inputs() -> dict[str, str]:
+    """Input field -> the PipelineConfig field it may hold: the fields stages read from outside the
+    pipeline's own outputs (the cache key fingerprints their content; the pre-flight checks they
+    exist). They are the pipeline-wide inputs, the `inputs`, the reads of "@field", and the reads of
+    a stage that passes such an input on when it does not run (`passes_on`), in table order."""
+    found = {f: f for f in PIPELINE_INPUTS}
+    for stage in STAGES.values():
+        for name in (*stage.inputs, *stage.reads):
+            origin = pipeline_origin(stage.name, name)
+            if origin is not None:
+                found.setdefault(name, origin)
+    return found
+
+
+def pipeline_origin(stage: str, name: str) -> str | None:
+    """The PipelineConfig field `stage`'s input `name` may hold (None: only stages' outputs)."""
+    s = STAGES[stage]
+    source = s.inputs.get(name) or s.reads.get(name)
+    if source is None:
+        return None
+    if source.startswith("@"):
+        return source[1:]
+    upstream = STAGES.get(source.split("/")[0])
+    if upstream is None or upstream.passes_on is None:
+        return None
+    return pipeline_origin(upstream.name, upstream.passes_on)
