@@ -109,7 +109,7 @@ def ngram_engine(target: str, **extra: Any):
 def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """Spawned: one n-gram engine; every setting stock, then the fix, then every sampled setting
     again."""
-    from eagle3.evaluate import _diff, _metrics_dict
+    from eagle3.evaluate import metrics_since, read_metrics
     from eagle3.vllm_engine import shutdown_engine
 
     llm = ngram_engine(target, disable_log_stats=False)
@@ -125,7 +125,7 @@ def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[s
             if variant == "fixed" and t == 0:
                 continue  # greedy never reaches the broken kernel (all_greedy short-cut)
             print(f"sampled_acceptance: {variant} {name}", file=sys.stderr, flush=True)
-            before = _metrics_dict(llm.get_metrics())
+            before = read_metrics(llm.get_metrics())
             t0 = time.time()
             outs = llm.generate(
                 [{"prompt_token_ids": p} for p in prompts],
@@ -133,7 +133,7 @@ def engine_job(target: str, prompts: list[list[int]], max_tokens: int) -> dict[s
                 use_tqdm=False,
             )
             seconds = time.time() - t0
-            m = _diff(_metrics_dict(llm.get_metrics()), before)
+            m = metrics_since(read_metrics(llm.get_metrics()), before)
             runs.append(
                 {
                     "variant": variant,

@@ -46,16 +46,6 @@ SPEC_EXTRA = {
     "qwen3_moe": {"num_experts_per_tok": 4},
     "deepseek_v3": {"num_experts_per_tok": 4, "head_dim": 128},
 }
-#: yarn rope scaling as DeepSeek-V3 and Kimi-K2.5 ship it
-YARN = (
-    ("rope_type", "yarn"),
-    ("factor", 4.0),
-    ("original_max_position_embeddings", 1024),
-    ("beta_fast", 32.0),
-    ("beta_slow", 1.0),
-    ("mscale", 1.0),
-    ("mscale_all_dim", 1.0),
-)
 #: what vLLM itself cannot run, by the root cause its engine prints: not a capture failure, recorded
 #: as "vllm cannot run it" with the explanation (found in the release's own sources)
 KNOWN_LIMITS = {
@@ -117,7 +107,7 @@ def rel_err(a, b) -> float:
 
 def golden_one(name: str, work: Path, dtype: str, target_dir: str | None = None) -> dict:
     """Build (or take) the target, capture it through the vLLM backend, compare."""
-    from eagle3.testing.tiny import TinySpec, build_tiny_target
+    from eagle3.testing.tiny import YARN_ROPE_SCALING, TinySpec, build_tiny_target
     from eagle3.vllm_engine import ENGINE_IN_PROCESS_FAILS, setup_cpu_env
 
     if target_dir:
@@ -127,7 +117,7 @@ def golden_one(name: str, work: Path, dtype: str, target_dir: str | None = None)
         ids = list(range(1, num_layers))
     else:
         arch, num_layers, seed, ids = TARGETS[name]
-        rope = {"rope_scaling": YARN} if arch == "deepseek_v3" else {}
+        rope = {"rope_scaling": YARN_ROPE_SCALING} if arch == "deepseek_v3" else {}
         extra = SPEC_EXTRA.get(name, {})
         spec = TinySpec(arch=arch, num_layers=num_layers, seed=seed, **rope, **extra)
         target = build_tiny_target(work / name / "target", spec)

@@ -33,22 +33,12 @@ from eagle3.artifacts import CaptureManifest
 from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig, ExportConfig, PrepareConfig, TrainConfig, VocabConfig
 from eagle3.shards import load_captured
+from eagle3.testing.tiny import YARN_ROPE_SCALING
 from test_capture import MATCH, MISMATCH, rel_err
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-# yarn as Kimi-K2.5 ships it (vLLM's DeepSeek rope path matches transformers only with it, see
-# docs/history/)
-YARN = (
-    ("rope_type", "yarn"),
-    ("factor", 4.0),
-    ("original_max_position_embeddings", 1024),
-    ("beta_fast", 32.0),
-    ("beta_slow", 1.0),
-    ("mscale", 1.0),
-    ("mscale_all_dim", 1.0),
-)
 NUM_LAYERS = 4
 LAYERS = [
     1,
@@ -105,7 +95,7 @@ def kimi(tmp_path_factory):
     root = tmp_path_factory.mktemp("kimi")
     target = build_tiny_kimi_k25(
         root / "target",
-        TinySpec(arch="deepseek_v3", num_layers=NUM_LAYERS, seed=2, rope_scaling=YARN),
+        TinySpec(arch="deepseek_v3", num_layers=NUM_LAYERS, seed=2, rope_scaling=YARN_ROPE_SCALING),
     )
     chats = root / "chats.jsonl"
     chats.write_text(

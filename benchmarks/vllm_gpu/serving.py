@@ -28,20 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
-
-from eagle3.artifacts import DraftMetadata  # noqa: E402
-from eagle3.chat_template import ChatRenderer  # noqa: E402
-from eagle3.console import tokens_per_target_step  # noqa: E402
-from eagle3.evaluate.engine import (  # noqa: E402
+from eagle3.artifacts import DraftMetadata
+from eagle3.chat_template import ChatRenderer
+from eagle3.console import tokens_per_target_step
+from eagle3.evaluate.engine import (
     M_ACCEPTED,
     M_GEN_TOKENS,
-    _diff,
-    _metrics_dict,
     draft_family,
+    metrics_since,
+    read_metrics,
 )
-from eagle3.vllm_engine import (  # noqa: E402
+from eagle3.vllm_engine import (
     engine_kwargs,
     run_in_subprocess,
     setup_cpu_env,
@@ -92,7 +89,7 @@ def serve_job(
             seed=0,
         )
         for c in concurrency:
-            before = _metrics_dict(llm.get_metrics())
+            before = read_metrics(llm.get_metrics())
             seconds, tokens = 0.0, []
             for i in range(0, len(prompts), c):
                 wave = [{"prompt_token_ids": p} for p in prompts[i : i + c]]
@@ -100,7 +97,7 @@ def serve_job(
                 outs = llm.generate(wave, sampling, use_tqdm=False)
                 seconds += time.time() - t1
                 tokens += [list(o.outputs[0].token_ids) for o in outs]
-            metrics = _diff(_metrics_dict(llm.get_metrics()), before)
+            metrics = metrics_since(read_metrics(llm.get_metrics()), before)
             rows.append(
                 {
                     "temperature": temperature,

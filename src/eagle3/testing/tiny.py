@@ -129,6 +129,19 @@ def build_tiny_tokenizer(
     return fast
 
 
+#: yarn rope scaling as DeepSeek-V3 and Kimi-K2.5 ship it (vLLM's DeepSeek rope path matches
+#: transformers only with it)
+YARN_ROPE_SCALING = (
+    ("rope_type", "yarn"),
+    ("factor", 4.0),
+    ("original_max_position_embeddings", 1024),
+    ("beta_fast", 32.0),
+    ("beta_slow", 1.0),
+    ("mscale", 1.0),
+    ("mscale_all_dim", 1.0),
+)
+
+
 @dataclass(frozen=True)
 class TinySpec:
     arch: str = "llama"  # llama | qwen3 | deepseek_v3 | qwen3_moe
