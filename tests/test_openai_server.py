@@ -172,9 +172,19 @@ def test_the_served_model_is_found_and_a_server_without_ids_gives_none(served):
 
 
 def test_a_request_out_of_time_is_retried_then_fails_naming_the_timeout(served):
-    # 400 tokens take the server ~1 s (the end of the turn ignored); no answer can come within
-    # 0.05 s (a socket timeout is per wait: a thread the host delays may still find an answer
-    # ready, so the margin is wide)
+    # 400 tokens (the end of the turn ignored) take the idle server a few tenths of a second, and a
+    # socket timeout is per wait: a client thread the host delays for longer than that finds the
+    # answer ready (seen in the full suite on 2 busy cores). 64 long requests sent first keep the
+    # server decoding for ~2 s, so the timed ones, decoded among them, cannot answer in 0.05 s.
+    busy = served.server.generator(
+        num_concurrent=64, extra_request_fields={"ignore_eos": True}, request_timeout_s=600
+    )
+    burst = threading.Thread(
+        target=busy.generate,
+        args=(users(*[QUESTIONS[1]] * 64), list(range(64)), 1.0, 1.0, MAX_MODEL_LEN - 112),
+        daemon=True,
+    )
+    burst.start()
     gen = served.server.generator(
         request_timeout_s=0.05,
         max_retries=2,
@@ -188,6 +198,8 @@ def test_a_request_out_of_time_is_retried_then_fails_naming_the_timeout(served):
     assert "failed 3 times" in msg and "no answer within 0.05 s" in msg, msg
     assert gen.counts.retries_by_reason == {"timeout": 2}
     assert gen.counts.failures_by_reason == {"timeout": 1}
+    burst.join(timeout=300)  # the server free again for the next test
+    assert not burst.is_alive()
 
 
 def test_a_server_that_fails_to_start_shows_its_log_and_leaves_nothing(tmp_path):
