@@ -28,7 +28,8 @@
 #
 # Sizes come from the environment (defaults: the full recipe): EPOCHS, LR, RANK, MAX_LEN,
 # BATCH_TOKENS, TRAIN_BUDGET_S (wall limit of training: it stops and saves), MAX_STEPS,
-# MAX_EXAMPLES, CHECK_PROMPTS, CHECK_MAX_NEW, CHECK_BATCH, DEVICE. A dry run on this CPU:
+# MAX_EXAMPLES, CHECK_PROMPTS, CHECK_MAX_NEW, CHECK_BATCH, CHECK_BACKEND (hf|vllm), DEVICE.
+# A dry run on this CPU:
 #   THINKING_DIR=/tmp/ttdry OUT=/tmp/ttdry/out SKIP_WHEELS=1 PYTHON=.venv/bin/python DEVICE=cpu \
 #     MAX_STEPS=2 MAX_EXAMPLES=8 MAX_LEN=256 BATCH_TOKENS=512 CHECK_PROMPTS=1 CHECK_MAX_NEW=8 \
 #     bash -c 'G=benchmarks/thinking_target/gpu.sh; bash $G stage && bash $G build'
@@ -76,7 +77,8 @@ cmd_build() {
     --device "${DEVICE:-cuda}" --epochs "${EPOCHS:-2}" --lr "${LR:-5e-4}" --rank "${RANK:-32}"
     --max-len "${MAX_LEN:-1024}" --batch-tokens "${BATCH_TOKENS:-16384}"
     --budget-s "${TRAIN_BUDGET_S:-330}" --check-prompts "${CHECK_PROMPTS:-100}"
-    --check-max-new-tokens "${CHECK_MAX_NEW:-512}" --check-batch-size "${CHECK_BATCH:-100}")
+    --check-max-new-tokens "${CHECK_MAX_NEW:-512}" --check-batch-size "${CHECK_BATCH:-100}"
+    --check-backend "${CHECK_BACKEND:-hf}")
   [ -n "${MAX_STEPS:-}" ] && flags+=(--max-steps "$MAX_STEPS")
   [ -n "${MAX_EXAMPLES:-}" ] && flags+=(--max-examples "$MAX_EXAMPLES")
   $PY benchmarks/thinking_target/recipe.py build "${flags[@]}" 2>&1 | tee "$OUT/build.log"
@@ -96,6 +98,9 @@ NUM_TRAIN=${NUM_TRAIN:-6000} NUM_EVAL=${NUM_EVAL:-100} REGEN_MAX_NEW=${REGEN_MAX
 EVAL_MAX_NEW=${EVAL_MAX_NEW:-512} DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
 DRAFT_TRAIN_BUDGET_S=${DRAFT_TRAIN_BUDGET_S:-300} DRAFT_EPOCHS=${DRAFT_EPOCHS:-10}
 SERVE_PROMPTS=${SERVE_PROMPTS:-32} SERVE_MAX_NEW=${SERVE_MAX_NEW:-256}
+# the target answers its training prompts as Qwen3 asks thinking mode to be sampled (greedy
+# decoding of a thinking model repeats itself): T 0.6, top-p 0.95
+REGEN_TEMPERATURE=${REGEN_TEMPERATURE:-0.6} REGEN_TOP_P=${REGEN_TOP_P:-0.95}
 KW='{"enable_thinking": true}'
 stamp() { echo "$(date -u +%FT%TZ) $*" | tee -a "$R/timings.txt" >&2; }
 E() { $PY -m eagle3.cli "$@"; }
@@ -177,8 +182,9 @@ cmd_pipeline() {
   [ -f "$T/manifest.json" ] || die "no built target at $T: run build first"
   stamp pipeline-start
   head -n "$NUM_TRAIN" "$S/data/train.jsonl" > "$P/train_prompts.jsonl"
-  local regen=(--target "$T" --data "$P/train_prompts.jsonl" --out "$P/regen" --temperature 0
-    --max-new-tokens "$REGEN_MAX_NEW" --max-model-len 4096 --chat-template-kwargs "$KW")
+  local regen=(--target "$T" --data "$P/train_prompts.jsonl" --out "$P/regen"
+    --temperature "$REGEN_TEMPERATURE" --top-p "$REGEN_TOP_P" --max-new-tokens "$REGEN_MAX_NEW"
+    --max-model-len 4096 --chat-template-kwargs "$KW")
   E regenerate "${regen[@]}" --backend server --reasoning-parser qwen3 --num-concurrent 256 \
     > "$R/regenerate.json" 2> "$P/regen.log" || {
     stamp "regenerate through the server failed: $(tail -n 1 "$P/regen.log"); the engine instead"

@@ -1,18 +1,20 @@
-"""The GPU run's results, here: the thinking target's pipeline, serving and the golden check.
+"""A run's results, here: the thinking target's pipeline, serving and the golden check.
 
-    .venv/bin/python benchmarks/thinking_target/report_gpu.py --files FILES_AT \
-        [--card "NVIDIA H200"] [--command "..."] [--out benchmarks/results]
+    .venv/bin/python benchmarks/thinking_target/report.py --files FILES_AT \
+        [--machine "NVIDIA H200"] [--command "..."] [--out benchmarks/results] \
+        [--thinking-name thinking_target] [--serving-name vllm_gpu_serving]
 
 FILES_AT holds what the device calls brought back: `results.tgz` (benchmarks/thinking_target/
 gpu.sh wait: the pipeline's stage results, evaluations, serving, timings), `reports.tgz` (the
-build's build.json, check.json) and `golden.tgz` (benchmarks/vllm_gpu/gpu.sh prove). Writes, each
-as JSON + a short markdown table with date, card and command:
+build's build.json, check.json) and `golden.tgz` (benchmarks/vllm_gpu/gpu.sh prove); on this CPU,
+`gpu.sh wait` writes the first two into its OUT. Writes, each as JSON + a short markdown table with
+date, machine and command:
 
-- `thinking_target.{json,md}`: the target's build and check, the pipeline's figures (turns,
+- `{thinking-name}.{json,md}`: the target's build and check, the pipeline's figures (turns,
   reasoning share, capture throughput through vLLM and through transformers), and tokens per
   target step on the reasoning span and the answer span per draft, n-gram and temperature, with
   the goals (draft >= 2x n-gram on reasoning; >= the peer on both spans);
-- `vllm_gpu_serving.{json,md}`: benchmarks/vllm_gpu/serving.py's record;
+- `{serving-name}.{json,md}`: benchmarks/vllm_gpu/serving.py's record;
 - `vllm_gpu_golden.{json,md}`: the golden capture check per runner, dtype and target.
 Parts that did not come back are said, not invented.
 """
@@ -119,9 +121,9 @@ def pipeline_figures(results: Path) -> dict[str, Any]:
 
 def thinking_markdown(record: dict[str, Any]) -> str:
     lines = [
-        f"# The thinking target on the GPU ({record['date']})",
+        f"# The thinking target on {record['machine']} ({record['date']})",
         "",
-        f"- card: {record['card']}; command: {record['command']}",
+        f"- machine: {record['machine']}; command: {record['command']}",
         "- target: SmolLM2-135M-Instruct + LoRA in Qwen3's thinking format "
         "(benchmarks/thinking_target), thinking on",
     ]
@@ -137,7 +139,7 @@ def thinking_markdown(record: dict[str, Any]) -> str:
             )
     tp = record["pipeline"]["capture_throughput"]
     if tp:
-        lines += ["", "Capture throughput on the same GPU and rows:", ""]
+        lines += ["", "Capture throughput on the same machine and rows:", ""]
         lines += ["| backend | tokens | wall s | tokens/s |", "|---|---:|---:|---:|"]
         for name, c in tp.items():
             lines.append(f"| {name} | {c['num_tokens']} | {c['wall_s']} | {c['tokens_per_s']} |")
@@ -164,7 +166,7 @@ def golden_markdown(record: dict[str, Any]) -> str:
     lines = [
         f"# Golden capture on a GPU vLLM ({record['date']})",
         "",
-        f"- card: {record['card']}; command: {record['command']}",
+        f"- machine: {record['machine']}; command: {record['command']}",
         "",
         "| runner | dtype | target | status | max rel. error | nearest neighbour's |",
         "|---|---|---|---|---:|---:|",
@@ -190,7 +192,9 @@ def golden_markdown(record: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=Path, required=True, help="the device calls' files")
-    ap.add_argument("--card", default="NVIDIA H200")
+    ap.add_argument("--machine", default="NVIDIA H200", help="the card, or the CPU, it ran on")
+    ap.add_argument("--thinking-name", default="thinking_target", help="file name, no suffix")
+    ap.add_argument("--serving-name", default="vllm_gpu_serving", help="file name, no suffix")
     ap.add_argument("--command", default="benchmarks/thinking_target/README.md, 'On the H200'")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument(
@@ -214,7 +218,7 @@ def main() -> int:
             ]
             record = {
                 "date": date,
-                "card": args.card,
+                "machine": args.machine,
                 "command": args.command,
                 "build": build,
                 "check": check,
@@ -223,17 +227,19 @@ def main() -> int:
                 "goals": goals(spans),
                 "missing": missing,
             }
-            (args.out / "thinking_target.json").write_text(json.dumps(record, indent=1) + "\n")
-            (args.out / "thinking_target.md").write_text(thinking_markdown(record))
+            name = args.thinking_name
+            (args.out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+            (args.out / f"{name}.md").write_text(thinking_markdown(record))
             serving = read(results / "serving.json")
             if serving:
-                (args.out / "vllm_gpu_serving.json").write_text(json.dumps(serving, indent=1))
-                (args.out / "vllm_gpu_serving.md").write_text((results / "serving.md").read_text())
+                name = args.serving_name
+                (args.out / f"{name}.json").write_text(json.dumps(serving, indent=1))
+                (args.out / f"{name}.md").write_text((results / "serving.md").read_text())
         if found["golden"]:
             runs = {p.stem: read(p) for p in sorted((found["golden"] / "golden").glob("*.json"))}
             record = {
                 "date": date,
-                "card": args.card,
+                "machine": args.machine,
                 "command": args.command,
                 "runs": {k: v for k, v in runs.items() if v},
             }
