@@ -59,12 +59,16 @@ def llm(tiny_llama):
     setup_cpu_env()
     # float32, as the hf backend runs in the test below: vLLM's "auto" serves a float32 checkpoint
     # in half precision
+    # as the stage builds it (per_request_seeds), with one step's budget = one longest prompt, so a
+    # batch's prompts do not fit one step together
     engine = LLM(
         **engine_kwargs(
             str(tiny_llama),
             dtype="float32",
             max_model_len=MAX_MODEL_LEN,
             enable_prefix_caching=False,
+            per_request_seeds=True,
+            max_num_batched_tokens=MAX_MODEL_LEN,
         )
     )
     yield engine
@@ -133,6 +137,28 @@ def test_regenerate_full(tiny_llama, data_file, llm, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         run_regenerate(_cfg(tiny_llama, data_file, tmp_path / "full", max_new_tokens=8), llm=llm)
     pytest.full_output = res.conversations_path.read_bytes()  # for the resume test
+
+
+def test_sampled_turns_are_seeded_per_row_and_prompts_beyond_one_step_survive(
+    tiny_llama, data_file, llm, tmp_path
+):
+    """Sampled regeneration seeds each row's turns, so a rerun writes the same conversations. The
+    batch's prompts need more than one engine step: on the CPU a seeded request whose prompt was
+    split over two steps used to kill the engine ("CPU Generator does not use offset"), so the
+    stage's engines take prompts whole there (per_request_seeds)."""
+    from eagle3.vllm_engine import on_cpu_platform
+
+    if on_cpu_platform():
+        assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill is False
+    runs = [
+        run_regenerate(
+            _cfg(tiny_llama, data_file, tmp_path / f"t{i}", temperature=0.8, batch_size=11),
+            llm=llm,
+        )
+        for i in range(2)
+    ]
+    assert runs[0].num_written == runs[1].num_written > 0
+    assert runs[0].conversations_path.read_bytes() == runs[1].conversations_path.read_bytes()
 
 
 def test_regenerated_turns_train_exactly_as_generated(tiny_llama, data_file, llm, tmp_path):

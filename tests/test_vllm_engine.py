@@ -190,3 +190,41 @@ def test_every_engine_on_a_gpu_takes_the_memory_share(monkeypatch, tiny_llama):
     for module in (ve, capture_backend, server):
         monkeypatch.setattr(module, "on_cpu_platform", lambda: True)
     assert all_three() == (None, None, None)
+
+
+def test_engines_that_seed_each_request_take_prompts_whole_on_the_cpu_only(monkeypatch, tiny_llama):
+    """On the CPU a seeded request whose prompt is split over two steps kills vLLM's engine (the
+    runner rewinds a CPU generator), so engines that seed each request and the regenerate server
+    turn chunked prefill off there; on a GPU, and for engines without such requests, vLLM's
+    default stays."""
+    import eagle3.data.openai_server as server
+    import eagle3.vllm_engine as ve
+
+    def chunking() -> tuple:
+        cmd = server.vllm_serve_command(
+            tiny_llama,
+            host="127.0.0.1",
+            port=8000,
+            served_model_name="t",
+            reasoning_parser=None,
+            dtype="float32",
+            max_model_len=None,
+            seed=0,
+            tensor_parallel_size=1,
+            trust_remote_code=False,
+            enforce_eager=True,
+            extra_args=(),
+        )
+        return (
+            ve.engine_kwargs(str(tiny_llama), per_request_seeds=True).get("enable_chunked_prefill"),
+            ve.engine_kwargs(str(tiny_llama)).get("enable_chunked_prefill"),
+            "--no-enable-chunked-prefill" in cmd,
+        )
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # keep this process's choice
+    for module in (ve, server):
+        monkeypatch.setattr(module, "on_cpu_platform", lambda: True)
+    assert chunking() == (False, None, True)
+    for module in (ve, server):
+        monkeypatch.setattr(module, "on_cpu_platform", lambda: False)
+    assert chunking() == (None, None, False)

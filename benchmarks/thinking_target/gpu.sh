@@ -101,6 +101,9 @@ SERVE_PROMPTS=${SERVE_PROMPTS:-32} SERVE_MAX_NEW=${SERVE_MAX_NEW:-256}
 # the target answers its training prompts as Qwen3 asks thinking mode to be sampled (greedy
 # decoding of a thinking model repeats itself): T 0.6, top-p 0.95
 REGEN_TEMPERATURE=${REGEN_TEMPERATURE:-0.6} REGEN_TOP_P=${REGEN_TOP_P:-0.95}
+# conversations in flight (server) and per engine batch; on a CPU keep them within the KV cache
+# (VLLM_CPU_KVCACHE_SPACE)
+REGEN_CONCURRENT=${REGEN_CONCURRENT:-256} REGEN_BATCH=${REGEN_BATCH:-2048}
 KW='{"enable_thinking": true}'
 stamp() { echo "$(date -u +%FT%TZ) $*" | tee -a "$R/timings.txt" >&2; }
 E() { $PY -m eagle3.cli "$@"; }
@@ -185,11 +188,11 @@ cmd_pipeline() {
   local regen=(--target "$T" --data "$P/train_prompts.jsonl" --out "$P/regen"
     --temperature "$REGEN_TEMPERATURE" --top-p "$REGEN_TOP_P" --max-new-tokens "$REGEN_MAX_NEW"
     --max-model-len 4096 --chat-template-kwargs "$KW")
-  E regenerate "${regen[@]}" --backend server --reasoning-parser qwen3 --num-concurrent 256 \
-    > "$R/regenerate.json" 2> "$P/regen.log" || {
+  E regenerate "${regen[@]}" --backend server --reasoning-parser qwen3 \
+    --num-concurrent "$REGEN_CONCURRENT" > "$R/regenerate.json" 2> "$P/regen.log" || {
     stamp "regenerate through the server failed: $(tail -n 1 "$P/regen.log"); the engine instead"
     rm -rf "$P/regen"
-    E regenerate "${regen[@]}" --backend vllm --batch-size 2048 > "$R/regenerate.json" \
+    E regenerate "${regen[@]}" --backend vllm --batch-size "$REGEN_BATCH" > "$R/regenerate.json" \
       2>> "$P/regen.log" || die "regenerate failed: $(tail -n 1 "$P/regen.log")"
   }
   stamp regenerated

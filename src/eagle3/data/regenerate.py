@@ -340,6 +340,7 @@ def open_generator(
         seed=cfg.seed,
         enable_prefix_caching=False,
         trust_remote_code=cfg.trust_remote_code,
+        per_request_seeds=True,  # sampled turns and refine's rollouts are seeded per request
     )
     owned = llm is None
     if owned:

@@ -238,6 +238,7 @@ class _VllmBackend:
             seed=cfg.seed,
             enable_prefix_caching=True,  # every prompt of a domain shares its prefix
             trust_remote_code=cfg.trust_remote_code,
+            per_request_seeds=cfg.temperature > 0,
         )
         if llm is None:
             setup_cpu_env()
