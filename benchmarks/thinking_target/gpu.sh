@@ -29,6 +29,8 @@
 # Sizes come from the environment (defaults: the full recipe): EPOCHS, LR, RANK, MAX_LEN,
 # BATCH_TOKENS, TRAIN_BUDGET_S (wall limit of training: it stops and saves), MAX_STEPS,
 # MAX_EXAMPLES, CHECK_PROMPTS, CHECK_MAX_NEW, CHECK_BATCH, CHECK_BACKEND (hf|vllm), DEVICE.
+# `pipeline` runs its steps (data, train, evaluate, serve) from PIPELINE_FROM (default data): a
+# step that failed can run again on what the earlier ones wrote.
 # A dry run on this CPU:
 #   THINKING_DIR=/tmp/ttdry OUT=/tmp/ttdry/out SKIP_WHEELS=1 PYTHON=.venv/bin/python DEVICE=cpu \
 #     MAX_STEPS=2 MAX_EXAMPLES=8 MAX_LEN=256 BATCH_TOKENS=512 CHECK_PROMPTS=1 CHECK_MAX_NEW=8 \
@@ -178,12 +180,7 @@ evaluate_draft() {  # name [more evaluate flags]
   stamp "evaluate $name"
 }
 
-cmd_pipeline() {
-  mkdir -p "$P/drafts" "$R"
-  pipeline_env
-  T=$S/build/target
-  [ -f "$T/manifest.json" ] || die "no built target at $T: run build first"
-  stamp pipeline-start
+pipeline_data() {  # regenerate, prepare (reasoning kept; answers only), capture, vocab
   head -n "$NUM_TRAIN" "$S/data/train.jsonl" > "$P/train_prompts.jsonl"
   local regen=(--target "$T" --data "$P/train_prompts.jsonl" --out "$P/regen"
     --temperature "$REGEN_TEMPERATURE" --top-p "$REGEN_TOP_P" --max-new-tokens "$REGEN_MAX_NEW"
@@ -214,7 +211,7 @@ cmd_pipeline() {
       || die "capture $name failed: $(tail -n 1 "$P/$name.log")"
   done
   stamp captured
-  # the same rows through the hf backend on the same GPU: capture throughput, vLLM vs hf
+  # the same rows through the hf backend on the same machine: capture throughput, vLLM vs hf
   E capture --target "$T" --data "$P/prep" --out "$P/cap_hf" --backend hf \
     --device "${DEVICE:-cuda}" --batch-tokens 32768 --limit "${HF_CAPTURE_LIMIT:-600}" \
     > "$R/cap_hf.json" 2> "$P/cap_hf.log" \
@@ -223,24 +220,52 @@ cmd_pipeline() {
   stamp captured-hf
   E vocab --data "$P/prep" --out "$P/vocab" --draft-vocab-size "$DRAFT_VOCAB" \
     > "$R/vocab.json" || die "vocab failed"
+}
+
+pipeline_train() {  # the two drafts and the peer, side by side
+  rm -rf "$P"/train_{thinking,answers,peer} "$P/drafts" "$P/peer_data" && mkdir -p "$P/drafts"
   train_draft thinking cap & local a=$!
   train_draft answers cap_answers & local b=$!
   train_peer & local c=$!
   wait $a $b $c
   stamp trained
+}
+
+pipeline_evaluate() {
   eval_prompts
   # the three evaluations side by side (tokens per target step does not depend on the GPU's
   # load; the clean timing is serving's, alone, after them), each engine with its share
   local share=${EVAL_GPU_SHARE:-0.25}
+  rm -rf "$P"/eval_*/
   EAGLE3_GPU_MEMORY_UTILIZATION=$share evaluate_draft thinking --compare ngram --baseline &
   EAGLE3_GPU_MEMORY_UTILIZATION=$share evaluate_draft answers &
   [ -d "$P/drafts/peer" ] && EAGLE3_GPU_MEMORY_UTILIZATION=$share evaluate_draft peer &
   wait
+}
+
+pipeline_serve() {
   $PY benchmarks/vllm_gpu/serving.py --target "$T" --draft "$P/drafts/thinking" \
     --prompts "$P/eval_prompts.jsonl" --num-prompts "$SERVE_PROMPTS" \
     --max-tokens "$SERVE_MAX_NEW" --out "$R/serving.json" ${SERVE_EXTRA:-} \
     > "$P/serving.log" 2>&1 || stamp "serving failed: $(tail -n 1 "$P/serving.log")"
   stamp served
+}
+
+# PIPELINE_FROM (data|train|evaluate|serve) starts at that step and keeps what earlier steps wrote
+PIPELINE_STEPS=(data train evaluate serve)
+cmd_pipeline() {
+  local from=${PIPELINE_FROM:-data} step started=0
+  [[ " ${PIPELINE_STEPS[*]} " == *" $from "* ]] \
+    || die "PIPELINE_FROM=$from: not a step (${PIPELINE_STEPS[*]})"
+  mkdir -p "$P/drafts" "$R"
+  pipeline_env
+  T=$S/build/target
+  [ -f "$T/manifest.json" ] || die "no built target at $T: run build first"
+  stamp "pipeline-start from $from"
+  for step in "${PIPELINE_STEPS[@]}"; do
+    [ "$step" = "$from" ] && started=1
+    [ "$started" = 1 ] && "pipeline_$step"
+  done
   stamp pipeline-done
 }
 
