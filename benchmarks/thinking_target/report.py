@@ -137,7 +137,22 @@ def thinking_markdown(record: dict[str, Any]) -> str:
                 f"| {name} | {c.get('prompts')} | {c.get('opens')} | {c.get('closes')} | "
                 f"{c.get('answers')} | {c.get('ends')} | {c.get('correct')} |"
             )
-    tp = record["pipeline"]["capture_throughput"]
+    pipe = record["pipeline"]
+    regen, prep = pipe["regenerate"], pipe["prepare"] or {}
+    prep_a = pipe["prepare_answers_only"] or {}
+    if regen.get("regenerated_turns"):
+        lines += [
+            "",
+            f"Pipeline data: the target regenerated {regen['written_conversations']} training "
+            f"conversations ({regen['regenerated_turns']} turns, finish reasons "
+            f"{regen['finish_reasons']}; {regen['reasoning_tokens']} reasoning and "
+            f"{regen['answer_tokens']} answer tokens); prepared with the reasoning kept "
+            f"{prep.get('num_rows')} rows, {prep.get('num_tokens')} tokens, "
+            f"{prep.get('num_supervised_tokens')} supervised; answers only "
+            f"{prep_a.get('num_rows')} rows, {prep_a.get('num_tokens')} tokens, "
+            f"{prep_a.get('num_supervised_tokens')} supervised.",
+        ]
+    tp = pipe["capture_throughput"]
     if tp:
         lines += ["", "Capture throughput on the same machine and rows:", ""]
         lines += ["| backend | tokens | wall s | tokens/s |", "|---|---:|---:|---:|"]
@@ -159,6 +174,8 @@ def thinking_markdown(record: dict[str, Any]) -> str:
         lines += ["", "Goals:", ""] + [f"- {g}" for g in record["goals"]]
     if record["missing"]:
         lines += ["", "Not measured: " + "; ".join(record["missing"])]
+    for note in record.get("notes", []):
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
@@ -198,12 +215,18 @@ def main() -> int:
     ap.add_argument("--command", default="benchmarks/thinking_target/README.md, 'On the H200'")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument(
+        "--notes",
+        type=Path,
+        help="markdown paragraphs on the pipeline's run (findings), kept in its record",
+    )
+    ap.add_argument(
         "--golden-notes",
         type=Path,
         help="markdown paragraphs on the golden run (what failed and why), kept in its record",
     )
     args = ap.parse_args()
     date = datetime.date.today().isoformat()
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         found = unpack(args.files, Path(tmp))
         results = found["results"] and found["results"] / "results"
@@ -227,6 +250,8 @@ def main() -> int:
                 "goals": goals(spans),
                 "missing": missing,
             }
+            if args.notes:
+                record["notes"] = args.notes.read_text().strip().split("\n\n")
             name = args.thinking_name
             (args.out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
             (args.out / f"{name}.md").write_text(thinking_markdown(record))
