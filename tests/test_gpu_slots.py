@@ -22,11 +22,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "gpu-host-{host}-gpu{device}"
 
+# A train stage run as a gpu-1x worker runs it; after training it keeps its slot until the file
+# argv[3] exists (at most 240 s), so that two runs overlap however slowly a loaded host starts them.
 WORKER = """
-import json, sys
+import json, os, sys, time
+import eagle3_prefect.tasks.stages as stages
 from eagle3.config import TrainConfig
 from eagle3_prefect.flows.gpu_stages import train_stage
 
+train = stages.run_stage_function
+
+def train_then_hold(stage, cfg):
+    result = train(stage, cfg)
+    deadline = time.time() + 240
+    while not os.path.exists(sys.argv[3]) and time.time() < deadline:
+        time.sleep(0.1)
+    return result
+
+stages.run_stage_function = train_then_hold
 config = TrainConfig.model_validate(json.loads(sys.argv[1]))
 manifest = train_stage(config=config, upstream={}, run_name=sys.argv[2])
 print(json.dumps({"wall_s": manifest["wall_s"], "slot_wait_s": manifest["slot_wait_s"]}))
@@ -121,18 +134,19 @@ def test_two_train_runs_hold_their_own_device_slots_at_once(harness, tiny_llama,
         EAGLE3_NODE_NAME=host,
         PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL="INFO",
     )  # an earlier CLI test may have quietened it
-    procs = []
-    for d in (0, 1):  # enough steps that each holds its slot well past the other's start-up
-        cfg = train_cfg(
-            tiny_llama,
-            inputs,
-            tmp_path / f"draft{d}",
-            max_steps=120,
-            checkpoint={"eval_every": 120, "save_every": 120},
-        )
+    procs, release = [], tmp_path / "release"
+    for d in (0, 1):
+        cfg = train_cfg(tiny_llama, inputs, tmp_path / f"draft{d}", max_steps=8)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", WORKER, json.dumps(cfg.model_dump(mode="json")), f"dev{d}"],
+                [
+                    sys.executable,
+                    "-c",
+                    WORKER,
+                    json.dumps(cfg.model_dump(mode="json")),
+                    f"dev{d}",
+                    str(release),
+                ],
                 env={**env, "CUDA_VISIBLE_DEVICES": str(d)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -146,7 +160,10 @@ def test_two_train_runs_hold_their_own_device_slots_at_once(harness, tiny_llama,
             while any(p.poll() is None for p in procs) and time.time() < deadline:
                 held = [client.read_global_concurrency_limit_by_name(n).active_slots for n in names]
                 both_held = both_held or held == [1, 1]
+                if both_held:
+                    release.touch()
                 time.sleep(0.2)
+        release.touch()
         outs = [p.communicate(timeout=60) for p in procs]
     finally:
         for p in procs:
