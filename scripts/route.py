@@ -9,7 +9,8 @@ the library, read from the source (`ast`; nothing of the measured checkout is im
 The walk starts at `eagle3.pipeline.run_pipeline(cfg)`. A *stop* is a call that hands on the config
 or a part of it: an argument that derives from the config (a name assigned from it, an attribute,
 a call on it) passed to a parameter annotated with a config class (a class of eagle3.config,
-eagle3.config_fields or eagle3.train_options, or a subclass), or a method called on such a value.
+eagle3.config.fields or eagle3.config.train_options, or a subclass), or a method called on such a
+value.
 Each function is walked once, in source order, at its first stop; a later stop at it counts but is
 not walked again. A call of a function that another call returned (the stage registry calling the
 stage it looked up) stops at every stage function the library declares as a "module:function"
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = "eagle3"
 START = ("eagle3.pipeline", "run_pipeline")
 #: modules whose classes (and their subclasses) are configs
-CONFIG_MODULES = ("eagle3.config", "eagle3.config_fields", "eagle3.train_options")
+CONFIG_MODULES = ("eagle3.config", "eagle3.config.fields", "eagle3.config.train_options")
 #: the pipeline's own modules: the route's head is its stops before it leaves them
 HEAD_MODULES = (START[0], "eagle3.stages", "eagle3.stage_graph", *CONFIG_MODULES)
 _DECLARED_FUNCTION = re.compile(rf"^{LIBRARY}(\.\w+)+:\w+$")

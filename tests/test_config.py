@@ -296,7 +296,7 @@ def test_refine_composes_the_train_groups_with_its_own_defaults():
     """refine's optimizer and schedule are train's groups (the same fields), with a lower lr and a
     shorter warmup by default, also when only another field of the group is set."""
     from eagle3.config import RefineConfig
-    from eagle3.train_options import OptimizerOptions, ScheduleOptions
+    from eagle3.config.train_options import OptimizerOptions, ScheduleOptions
 
     r = RefineConfig(optimizer={"beta2": 0.99}, schedule={"decay": "linear"})
     assert isinstance(r.optimizer, OptimizerOptions) and isinstance(r.schedule, ScheduleOptions)
@@ -315,7 +315,7 @@ def test_one_compute_dtype_type_for_every_stage_that_runs_the_target():
         RegenerateConfig,
         SynthesizeConfig,
     )
-    from eagle3.config_fields import ComputeDtype
+    from eagle3.config.fields import ComputeDtype
 
     for cls in (CaptureConfig, EvaluateConfig, RefineConfig, RegenerateConfig, SynthesizeConfig):
         assert cls.model_fields["dtype"].annotation == ComputeDtype, cls

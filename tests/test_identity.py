@@ -34,9 +34,9 @@ from eagle3.config import (
     TrainConfig,
     deep_merge,
 )
+from eagle3.config.train_options import DRAFT_SHAPE_FIELDS, TRAIN_GROUPS, TRAIN_MOVED_KEYS
 from eagle3.export import ExportError, run_export
 from eagle3.train import run_train
-from eagle3.train_options import DRAFT_SHAPE_FIELDS, TRAIN_GROUPS, TRAIN_MOVED_KEYS
 from test_capture import make_prepared
 
 NUM = 12

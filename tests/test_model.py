@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.config.train_options import DraftOptions
 from eagle3.model.draft import DraftConfig, DraftConfigError, Eagle3Draft, draft_config_from_target
 from eagle3.train.attention import (
     causal_doc_mask,
@@ -15,7 +16,6 @@ from eagle3.train.attention import (
     merge_diagonal,
     naive_ttt_attention,
 )
-from eagle3.train_options import DraftOptions
 
 TARGET_CFG = {
     "hidden_size": 64,

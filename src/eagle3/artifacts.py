@@ -40,9 +40,9 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 from safetensors.numpy import load_file, save_file
 
 from eagle3.config import RENAMED_CONFIG_KEYS, ConfigError
+from eagle3.config.train_options import nest_train_record
 from eagle3.errors import UserError
 from eagle3.io import atomic_path, read_json, write_json
-from eagle3.train_options import nest_train_record
 
 #: old key -> new key, in capture manifests, spool headers and draft metadata
 RENAMED_RECORD_KEYS: dict[str, str] = {
@@ -69,7 +69,7 @@ def migrate_record(record: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a capture manifest, spool header or draft metadata with the old key names
     renamed (a record that holds both names keeps the new one); its nested `train_config` is
     migrated the same way, and the flat one of earlier versions put into groups
-    (eagle3.train_options.nest_train_record); a `draft_config` of before the draft families
+    (eagle3.config.train_options.nest_train_record); a `draft_config` of before the draft families
     gets its family (eagle3.1 where its EAGLE-3.1 switches are on, else eagle3)."""
     out = dict(record)
     for old, new in RENAMED_RECORD_KEYS.items():

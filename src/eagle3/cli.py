@@ -31,7 +31,7 @@ from eagle3.config import (
     load_pipeline_config,
     load_yaml,
 )
-from eagle3.config_fields import MOVED_NOTE
+from eagle3.config.fields import MOVED_NOTE
 from eagle3.console import configure_output
 from eagle3.diagnose import describe_failure
 from eagle3.pipeline import run_pipeline_from_file, summarize_run

@@ -111,8 +111,8 @@ def draft_config_from_target(
     target_cfg: dict[str, Any], num_aux: int, draft_vocab_size: int, overrides: Any = None
 ) -> DraftConfig:
     """Derive the draft's dimensions from the target's config.json; `overrides`
-    (eagle3.train_options.DraftOptions) wins per dimension it sets. The family's switches are its
-    own (eagle3.model.family.DraftFamily.draft_config sets them)."""
+    (eagle3.config.train_options.DraftOptions) wins per dimension it sets. The family's switches
+    are its own (eagle3.model.family.DraftFamily.draft_config sets them)."""
     tc = text_config(target_cfg)
     ov = overrides.shape() if overrides is not None else {}
     H = tc["hidden_size"]

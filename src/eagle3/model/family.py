@@ -80,8 +80,8 @@ class DraftFamily(Protocol):
         self, target_cfg: dict[str, Any], num_aux: int, draft_vocab_size: int, options: Any
     ) -> DraftConfig:
         """The draft's shape for this target, `num_aux` aux states and the draft vocabulary;
-        `options` (eagle3.train_options.DraftOptions) overrides dimensions. Its `family` is this
-        family's name."""
+        `options` (eagle3.config.train_options.DraftOptions) overrides dimensions. Its `family` is
+        this family's name."""
 
     def build(self, cfg: DraftConfig) -> DraftModel:
         """A draft of shape `cfg` (weights initialised at random; on the meta device under

@@ -21,12 +21,12 @@ from eagle3.config import (
     TrainConfig,
     deep_merge,
 )
+from eagle3.config.train_options import TRAIN_GROUPS
 from eagle3.data.rollout import data_dirs, read_prompts, round_prompts, split_prompts
 from eagle3.export import WEIGHTS, resolve_checkpoint
 from eagle3.integrity import check_target_identity
 from eagle3.io import read_json
 from eagle3.model.draft import text_config
-from eagle3.train_options import TRAIN_GROUPS
 
 
 def say(message: str) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from eagle3.artifacts import DraftMetadata
 from eagle3.config import DEFAULT_NUM_SPECULATIVE_TOKENS, ConfigError, TrainConfig
+from eagle3.config.train_options import ScheduleOptions
 from eagle3.integrity import nonfinite_tensors
 from eagle3.model.family import DraftModel
 from eagle3.train import parallel
@@ -46,7 +47,6 @@ from eagle3.train.loss import TargetHead
 from eagle3.train.metrics import MetricsLog, progress
 from eagle3.train.resume_inputs import check_resume
 from eagle3.train.step import STAT_COLUMNS, summarize
-from eagle3.train_options import ScheduleOptions
 
 
 class NonFiniteError(ValueError):

@@ -32,7 +32,7 @@ from typing import Any
 
 from eagle3.artifacts import DraftMetadata
 from eagle3.config import ConfigError, TrainConfig
-from eagle3.train_options import DRAFT_SHAPE_FIELDS, TRAIN_GROUPS
+from eagle3.config.train_options import DRAFT_SHAPE_FIELDS, TRAIN_GROUPS
 
 SAME, FORCE, FREE = "same", "force", "free"
 

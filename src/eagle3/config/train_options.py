@@ -15,12 +15,13 @@ component reads its group, not the whole TrainConfig.
                 (eagle3.train.parallel, eagle3.train.attention)
 
 The inputs (target, captured, vocab, out, val_captured, aux_layer_ids), the run's length
-(epochs, max_steps), k, the seed and the device stay at the top of TrainConfig (eagle3.config).
+(epochs, max_steps), k, the seed and the device stay at the top of TrainConfig
+(eagle3.config.train).
 
 Why here and not inside eagle3/train/: eagle3.config, in the bottom import layer, composes these
 groups into TrainConfig (and RefineConfig into its own), and a module may not import a layer above
-its own (pyproject.toml's library-layers); this module sits in that bottom layer beside
-eagle3.config and imports nothing of eagle3 but eagle3.config_fields
+its own (pyproject.toml's library-layers); this module sits in the config package and imports
+nothing of eagle3 but eagle3.config.fields
 (docs/decisions/0020-config-groups-and-draft-families.md).
 """
 
@@ -30,7 +31,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from eagle3.config_fields import Count, Decay, LossWeighting, Number, OptionGroup
+from eagle3.config.fields import Count, Decay, LossWeighting, Number, OptionGroup
 
 
 class LoaderOptions(OptionGroup):

@@ -1,8 +1,7 @@
 """The field types every config section is written with, and the base of a section's groups.
 
-`eagle3.config` (the stage configs) and `eagle3.train_options` (the train stage's groups) both
-build on this module, which imports nothing of eagle3: a group module below `eagle3.config` can
-use the same types without an import cycle.
+Every module of eagle3.config (the stage configs, train's groups in eagle3.config.train_options)
+builds on this one, which imports nothing of eagle3.
 """
 
 from __future__ import annotations
