@@ -18,7 +18,7 @@ from pydantic import (
     ValidationError,
 )
 
-from eagle3.config.fields import MOVED_KEYS_ERROR, Count, MovedKeys, Number
+from eagle3.config.fields import MOVED_KEYS_ERROR, MovedKeys, Number, refuse_bool
 from eagle3.errors import UserError
 
 #: old key -> new key, in the capture: and train: sections of a config (and the stage configs): an
@@ -104,7 +104,9 @@ Temperatures = Annotated[
 #: the fields several stages have, each with its one meaning and help text
 TrustRemoteCode = Annotated[bool, Field(description=TRUST_REMOTE_CODE_HELP)]
 ChatTemplateKwargs = Annotated[TemplateKwargs, Field(description=TEMPLATE_KWARGS_HELP)]
-TensorParallelSize = Annotated[Count, Field(gt=0, description="vLLM tensor parallel size")]
+TensorParallelSize = Annotated[
+    int, Field(gt=0, description="vLLM tensor parallel size"), BeforeValidator(refuse_bool)
+]
 HfDevice = Annotated[str, Field(description="hf backend device: auto, cpu, cuda, cuda:N")]
 
 
