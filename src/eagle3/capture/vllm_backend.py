@@ -33,6 +33,8 @@ from eagle3.vllm_engine import (
 from eagle3.vllm_ext import decode_scales, decode_states
 from eagle3.vllm_support import UnsupportedVLLMError, check_vllm_version
 
+from .routing import RoutedRows
+
 log = logging.getLogger(__name__)
 
 EXTENSION = "eagle3.vllm_ext.CaptureWorkerExtension"
@@ -165,6 +167,26 @@ class VLLMBackend:
             _check_every_position(rid, st.states.shape[0], filled, len(sample))
             result.append(st)
         return result
+
+    def route(self, samples: list[np.ndarray]) -> RoutedRows:
+        """The expert ids vLLM's MoE routers choose for every token of each sample (hook 9 of
+        eagle3.vllm_ext), as RoutedRows ([T, L, K] int16 per sample). Call after start(); the
+        states these forwards record are dropped."""
+        info = self.llm.collective_rpc("eagle3_routing_start")[0]
+        if info.get("unsupported"):
+            raise UnsupportedVLLMError(info["unsupported"])
+        try:
+            outputs = self._prefill(samples)
+            popped = self.llm.collective_rpc("eagle3_routing_pop")[0]
+        finally:
+            self.llm.collective_rpc("eagle3_routing_stop")
+        by_external = {rid.rsplit("-", 1)[0]: (rid, enc) for rid, enc in popped.items()}
+        ids = []
+        for out, sample in zip(outputs, samples, strict=True):
+            rid, enc = _recorded(by_external, out.request_id)
+            _check_every_position(rid, enc["shape"][0], enc["filled"], len(sample))
+            ids.append(np.frombuffer(enc["data"], dtype=np.int16).reshape(enc["shape"]))
+        return RoutedRows(list(info["moe_layer_ids"]), ids, "vLLM's FusedMoE routers")
 
     # ---- capture.writer = "worker": the TP-rank-0 worker writes the shards (eagle3.vllm_ext) ----
 

@@ -206,3 +206,11 @@ class CaptureConfig(StageConfig):
         "prefills the next chunk (auto = on a GPU engine; on a CPU engine the write would only "
         "compete with the forward)",
     )
+    routing_sample_rows: Count = Field(
+        64,
+        ge=0,
+        description="MoE targets: route this many prepared rows (a seeded sample) once more and "
+        "record every token's experts in every MoE layer, as the target routes them; the distinct "
+        "experts per window of tokens go to routing.json beside the shards (the verification-cost "
+        "model reads it). 0 = off",
+    )

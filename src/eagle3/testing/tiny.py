@@ -157,6 +157,9 @@ class TinySpec:
     generation_markers: bool = True
     num_experts: int = 4  # MoE archs: routed experts
     num_experts_per_tok: int = 2  # MoE archs: active experts per token
+    num_expert_groups: int = 1  # deepseek_v3: expert groups (n_group; DeepSeek-V3 8, Kimi-K2 1)
+    topk_groups: int = 1  # deepseek_v3: groups a token may route into (topk_group)
+    router_bias_std: float = 0.0  # deepseek_v3: e_score_correction_bias ~ N(0, std), seeded
     rope_scaling: tuple[tuple[str, float | str], ...] | None = (
         None  # e.g. (("rope_type", "yarn"), ("factor", 4.0), ...)
     )
@@ -210,8 +213,8 @@ def tiny_text_config(spec: TinySpec, tok):
             **moe,
             n_routed_experts=spec.num_experts,
             n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
+            n_group=spec.num_expert_groups,
+            topk_group=spec.topk_groups,
             first_k_dense_replace=1,
             kv_lora_rank=512,
             q_lora_rank=2 * d,
@@ -247,6 +250,7 @@ def build_tiny_target(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     cfg = tiny_text_config(spec, tok)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    set_router_bias(model, spec)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(spec.__dict__))
@@ -315,7 +319,9 @@ def build_tiny_kimi_k25(
         )
         cfg = _tiny_kimi_k25_config(spec, tok)
         torch.manual_seed(spec.seed)
-        model = Kimi_K25ForConditionalGeneration(cfg).to(torch.bfloat16)
+        model = Kimi_K25ForConditionalGeneration(cfg)
+        set_router_bias(model, spec)
+        model = model.to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
         (weights,) = tmp.glob("*.safetensors")
         tensors = load_file(str(weights))
@@ -332,6 +338,21 @@ def build_tiny_kimi_k25(
         _check_loads_back(tmp, model)
         write_json(tmp / "tiny_spec.json", want)
     return out
+
+
+def set_router_bias(model: Any, spec: TinySpec) -> None:
+    """Give every DeepSeek-V3 router a score-correction bias ~ N(0, spec.router_bias_std) (seeded;
+    random init leaves it zero), so that the bias changes which experts tokens route to."""
+    import torch
+
+    if not spec.router_bias_std:
+        return
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if torch.is_tensor(bias):
+            with torch.no_grad():
+                bias.copy_(torch.randn(bias.shape, generator=gen) * spec.router_bias_std)
 
 
 def _tiny_kimi_k25_config(spec: TinySpec, tok: Any) -> Any:
