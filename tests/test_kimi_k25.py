@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,6 +48,9 @@ LAYERS = [
 ]  # with the last layer (4) every decoder layer's output is captured: a shifted id cannot hide
 DRAFT_VOCAB = 128
 MAX_MODEL_LEN = 512
+#: DeepSeek-V3's routing in full (Kimi-K2.5 itself has one group): 4 groups of 2 experts, the best 2
+#: groups kept, a score-correction bias that changes tokens' experts
+ROUTING = dict(num_experts=8, num_expert_groups=4, topk_groups=2, router_bias_std=0.2)
 NUM_CHATS = 12
 
 #: Why EAGLE-3 serving with an MLA target does not run on the CPU build (measured 2026-12-01,
@@ -95,7 +99,13 @@ def kimi(tmp_path_factory):
     root = tmp_path_factory.mktemp("kimi")
     target = build_tiny_kimi_k25(
         root / "target",
-        TinySpec(arch="deepseek_v3", num_layers=NUM_LAYERS, seed=2, rope_scaling=YARN_ROPE_SCALING),
+        TinySpec(
+            arch="deepseek_v3",
+            num_layers=NUM_LAYERS,
+            seed=2,
+            rope_scaling=YARN_ROPE_SCALING,
+            **ROUTING,
+        ),
     )
     chats = root / "chats.jsonl"
     chats.write_text(
@@ -187,6 +197,41 @@ def test_vllm_capture_matches_transformers(kimi, captured):
     print(f"kimi-k2.5 vllm capture: rel err {worst:.5f}, neighbours >= {worst_wrong:.3f}")
     assert worst < MATCH, worst
     assert worst_wrong > MISMATCH, worst_wrong
+
+
+def test_vllm_routing_matches_transformers(kimi, captured):
+    """The capture's routing pass (capture.routing_sample_rows, on by default): the expert ids
+    vLLM's router chose for every token of the sampled rows in every MoE layer (hook 9) ==
+    transformers' Kimi-K2.5 (DeepSeek-V3's grouped top-k with the score-correction bias), which ==
+    eagle3.capture.routing's reference router; routing.json in the consumer's schema."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from eagle3.artifacts import RoutingStats
+    from eagle3.prepared import load_prepared
+    from test_routing import compare_routing, gate_reference
+
+    target, prepared = kimi
+    stats = RoutingStats.load(captured)
+    assert stats is not None
+    assert CaptureManifest.load(captured).routing["num_rows"] == stats.num_rows
+    assert (stats.backend, stats.routing, stats.num_experts, stats.top_k) == (
+        "vllm",
+        "grouped_topk_bias",
+        8,
+        2,
+    )
+    assert stats.moe_layer_ids == [1, 2, 3]  # layer 0 dense (first_k_dense_replace 1)
+    npz = np.load(captured / RoutingStats.IDS_FILE)
+    ds = load_prepared(prepared)
+    samples = [np.asarray(ds[int(r)]["input_ids"]) for r in npz["rows"]]
+    got = [npz["ids"][a:b] for a, b in zip(npz["offsets"][:-1], npz["offsets"][1:], strict=True)]
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(str(target), dtype=torch.float32)
+    own, ref, margins = gate_reference(model.eval(), samples)
+    assert all(torch.equal(o, r) for o, r in zip(own, ref, strict=True))
+    seen = compare_routing(got, own, margins)
+    print(f"kimi-k2.5 routing, vLLM vs transformers: {seen} of {stats.num_tokens * 3} token-layers")
+    assert seen["differ"] == seen["near_ties"] <= 2, seen
+    assert stats.cell(1, 1) == 2.0 and stats.cell(8, 1) > stats.cell(1, 1)
 
 
 @pytest.fixture(scope="module")

@@ -216,15 +216,17 @@ def test_router_spec_of_the_presets():
 
 
 # ------------------------------------------------------------- the transformers backend, end to end
-def gate_reference(target: Path, samples: list[np.ndarray]):
+def gate_reference(target: Path | torch.nn.Module, samples: list[np.ndarray]):
     """transformers' own expert ids ([T, L, K] sorted per token) for each sample, one at a time
-    (float32), the reference router's ids from the gates' logits, and each token's score margin
-    at the top-k boundary ([T, L])."""
+    (float32; `target`: a directory or a loaded model), the reference router's ids from the gates'
+    logits, and each token's score margin at the top-k boundary ([T, L])."""
     from eagle3.capture.hf_backend import moe_gates
     from eagle3.capture.routing import boundary_margin
     from eagle3.hf import load_causal_lm
 
-    model = load_causal_lm(target, dtype=torch.float32).eval()
+    model = target
+    if not isinstance(target, torch.nn.Module):
+        model = load_causal_lm(target, dtype=torch.float32).eval()
     spec = router_spec(model.config.to_dict())
     gates = moe_gates(model)
     seen: list = []
