@@ -231,12 +231,33 @@ def kv_cache_bytes_per_token(tc: dict, dtype_bytes: int = 2) -> int:
     return L * 2 * kvh * d * dtype_bytes
 
 
-def routed_expert_share(tc: dict, batch: int) -> float:
-    """The share of an MoE layer's routed experts that a decode step of `batch` tokens reads
-    (each token picks num_experts_per_tok of n_routed_experts, uniform routing assumed); 0 for a
-    dense model."""
-    n = int(tc.get("n_routed_experts") or tc.get("num_experts") or 0)
-    k = int(tc.get("num_experts_per_tok") or 0)
-    if not n or not k:
-        return 0.0
-    return 1.0 - (1.0 - k / n) ** batch
+def count_target_param_groups(tc: dict) -> dict[str, int]:
+    """The target's parameters by what a decode pass reads them for (`tc` = text config):
+    attention projections (all layers), dense MLPs (the dense layers), routers, shared experts
+    (all MoE layers), one routed expert (`expert`: gate, up, down), the routed experts of all MoE
+    layers, the lm_head and the embedding; with the layer counts and the routing (`num_experts`,
+    `top_k`; 0 for a dense model). Norms and router biases are left out, as in
+    count_target_params."""
+    H, V = int(tc["hidden_size"]), int(tc["vocab_size"])
+    attn, _ = _attention_terms(tc)
+    kinds = _layer_kinds(tc)
+    num_moe = kinds.count("moe")
+    num_dense = len(kinds) - num_moe
+    n_experts = int(tc.get("n_routed_experts") or tc.get("num_experts") or 0)
+    expert = 3 * H * int(tc.get("moe_intermediate_size") or 0)
+    shared = int(tc.get("n_shared_experts") or 0)
+    return {
+        "attention": len(kinds) * attn,
+        "dense_mlp": num_dense * 3 * H * int(tc["intermediate_size"]),
+        "router": num_moe * H * n_experts,
+        "shared_experts": num_moe * shared * expert,
+        "expert": expert,
+        "routed_experts": num_moe * n_experts * expert,
+        "lm_head": V * H,
+        "embedding": V * H,
+        "num_layers": len(kinds),
+        "num_moe_layers": num_moe,
+        "num_experts": n_experts,
+        "num_shared_experts": shared if num_moe else 0,
+        "top_k": int(tc.get("num_experts_per_tok") or 0) if n_experts else 0,
+    }

