@@ -16,7 +16,7 @@ from eagle3.step_time import (
     ROUTING_SCHEMA,
     UNIFORM_ROUTING,
     DraftWeights,
-    RoutingStats,
+    MeasuredRouting,
     predict_draft_time_s,
     predict_pass_time_s,
     uniform_distinct_experts,
@@ -129,6 +129,8 @@ def routing_table(E=16, k=2, ts=(1, 2, 4), bs=(1, 4), share=1.0) -> dict:
         "moe_layer_ids": [1],
         "num_rows": 8,
         "num_tokens": 512,
+        "backend": "hf",
+        "routing": "softmax_topk",
         "distinct_experts": {
             "t": list(ts),
             "b": list(bs),
@@ -139,10 +141,9 @@ def routing_table(E=16, k=2, ts=(1, 2, 4), bs=(1, 4), share=1.0) -> dict:
 
 
 def test_routing_interpolation_reproduces_the_table_and_stays_below_num_experts(tmp_path):
-    path = tmp_path / "routing.json"
-    path.write_text(json.dumps(routing_table(share=0.6)))
-    r = RoutingStats.read(tmp_path)
-    assert r.to_dict() == json.loads(path.read_text())
+    (tmp_path / "routing.json").write_text(json.dumps(routing_table(share=0.6)))
+    r = MeasuredRouting.read(tmp_path)
+    assert r.source == str(tmp_path / "routing.json") and r.num_tokens == 512
     for i, t in enumerate(r.t):
         for j, b in enumerate(r.b):
             assert r.distinct_experts(t, b) == pytest.approx(r.mean[i][j])
@@ -150,8 +151,13 @@ def test_routing_interpolation_reproduces_the_table_and_stays_below_num_experts(
     assert r.distinct_experts(2, 1) < r.distinct_experts(3, 1) < r.distinct_experts(4, 1)
     assert r.distinct_experts(4, 4) < r.distinct_experts(8, 4) < 16
     assert r.distinct_experts(1000, 64) == pytest.approx(16) and r.distinct_experts(1000, 64) <= 16
+    # a cell the sample could not fill takes the nearest measured cell's correlation
+    d = routing_table(share=0.6)
+    d["distinct_experts"]["mean"][2][1] = None
+    holed = MeasuredRouting.from_dict(d)
+    assert holed.distinct_experts(4, 4) == pytest.approx(uniform_distinct_experts(16, 2, 0.6 * 16))
     # measured routing at the uniform bound gives the uniform bound anywhere
-    u = RoutingStats.from_dict(routing_table(share=1.0))
+    u = MeasuredRouting.from_dict(routing_table(share=1.0))
     for t, b in [(3, 2), (7, 1), (2, 16), (6, 64)]:
         assert u.distinct_experts(t, b) == pytest.approx(uniform_distinct_experts(16, 2, t * b))
 
@@ -170,7 +176,7 @@ def test_a_bad_routing_file_names_the_field(edit, match):
     d = routing_table()
     edit(d)
     with pytest.raises(ValueError, match=match):
-        RoutingStats.from_dict(d, "runs/x/routing.json")
+        MeasuredRouting.from_dict(d, "runs/x/routing.json")
 
 
 # ------------------------------------------------------------------------------------- the pass
@@ -213,7 +219,7 @@ def test_a_verification_pass_reads_the_experts_its_tokens_wake():
     assert four.weight_bytes["routed_experts"] == pytest.approx(
         uniform_distinct_experts(16, 2, 4) * expert * 2
     )
-    measured = RoutingStats.from_dict(routing_table(share=0.5), "r.json")
+    measured = MeasuredRouting.from_dict(routing_table(share=0.5), "r.json")
     m4 = predict_pass_time_s(cfg, TOY, tp=1, t=4, b=1, context_len=0, routing=measured)
     assert m4.distinct_experts_per_layer == pytest.approx(measured.distinct_experts(4, 1))
     assert m4.weight_bytes["routed_experts"] < four.weight_bytes["routed_experts"]

@@ -33,7 +33,7 @@ from typing import Any
 from eagle3.hardware import HardwareProfile, hardware_profile
 from eagle3.step_time import (
     DraftWeights,
-    RoutingStats,
+    MeasuredRouting,
     predict_draft_time_s,
     predict_pass_time_s,
 )
@@ -189,7 +189,7 @@ def predict_speedups(
     acceptance: Acceptance,
     draft: DraftWeights | None,
     context_len: float,
-    routing: RoutingStats | None = None,
+    routing: MeasuredRouting | None = None,
     ks: tuple[int, ...] = KS,
     concurrencies: tuple[int, ...] = CONCURRENCIES,
     weight_bits: int | None = None,

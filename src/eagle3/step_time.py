@@ -27,8 +27,8 @@ Per pass, per GPU (n = t·b tokens):
                 (tp-1)/tp · bytes / interconnect_gb_s
     total_s   = max(memory_s, compute_s) + comm_s + PASS_OVERHEAD_S
 
-E[distinct experts]: measured routing (a RoutingStats from capture's routing.json, interpolated
-as `RoutingStats.distinct_experts` says) or, without one, the uniform-routing bound
+E[distinct experts]: measured routing (MeasuredRouting, from capture's routing.json, interpolated as
+`MeasuredRouting.distinct_experts` says) or, without one, the uniform-routing bound
 E·(1 − (1 − top_k/E)^n) — every token's top-k a uniform draw, tokens independent — which
 over-counts: routing is heavy-tailed and consecutive tokens share experts (MoE-Spec, arXiv
 2602.16052). The breakdown says which (`routing_source`).
@@ -48,13 +48,13 @@ with compute (none in decode: each all-reduce waits on the layer before it).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.artifacts import RoutingStats
 from eagle3.flops import count_target_param_groups, kv_cache_bytes_per_token
 from eagle3.hardware import (
     ACHIEVED_MATMUL_SHARE,
@@ -75,8 +75,8 @@ PASS_OVERHEAD_S = 1.2e-3
 #: bytes of one activation / logit value crossing the interconnect (bf16)
 ACTIVATION_BYTES = 2
 
-ROUTING_SCHEMA = "eagle3.routing/1"
-ROUTING_FILE = "routing.json"
+ROUTING_SCHEMA = RoutingStats.SCHEMA
+ROUTING_FILE = RoutingStats.FILE
 UNIFORM_ROUTING = "uniform routing (not measured)"
 
 # ------------------------------------------------------------------------------- bytes per weight
@@ -205,43 +205,42 @@ def _interp(xs: list[float], x: float) -> tuple[int, int, float]:
 
 
 @dataclass(frozen=True)
-class RoutingStats:
-    """The target's measured routing (capture's routing.json, schema ROUTING_SCHEMA): the mean,
-    over MoE layers and windows, of the number of distinct routed experts among t consecutive
-    tokens of each of b sequences (b sequences from different rows); `mean[i][j]` at t[i], b[j];
-    `per_layer_mean[layer]` the same per MoE layer."""
+class MeasuredRouting:
+    """The target's measured routing as the model reads it: capture's routing.json
+    (eagle3.artifacts.RoutingStats, schema ROUTING_SCHEMA), the mean over MoE layers and draws of
+    the number of distinct routed experts among t consecutive tokens of each of b sequences (b
+    sequences from different rows); `mean[i][j]` at t[i], b[j], None where the sample had too few
+    rows for that cell."""
 
     num_experts: int
     top_k: int
-    moe_layer_ids: list[int]
-    num_rows: int
-    num_tokens: int
     t: list[int]
     b: list[int]
-    mean: list[list[float]]
-    per_layer_mean: dict[int, list[list[float]]] = field(default_factory=dict)
+    mean: list[list[float | None]]
+    num_rows: int = 0
+    num_tokens: int = 0
     source: str = ""
 
     @classmethod
-    def read(cls, path: str | Path) -> RoutingStats:
-        """routing.json at `path` (a file, or a dir holding ROUTING_FILE); ValueError naming the
-        file and field when it does not follow the schema."""
+    def read(cls, path: str | Path) -> MeasuredRouting:
+        """routing.json at `path` (the file, or the capture dir holding it)."""
         p = Path(path)
-        p = p / ROUTING_FILE if p.is_dir() else p
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{p}: cannot read the routing measurement: {e}") from None
-        return cls.from_dict(data, str(p))
+        record = RoutingStats.load(p.parent if p.name == RoutingStats.FILE else p)
+        if record is None:
+            raise ValueError(
+                f"{p}: no {RoutingStats.FILE} there; capture measures it for MoE targets "
+                "(capture.routing_sample_rows > 0)"
+            )
+        return cls.from_dict(record.to_dict(), record.origin or str(p))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "routing.json") -> RoutingStats:
-        """Validate and build; errors name `source`, the field, the bad value and the fix."""
+    def from_dict(cls, data: dict[str, Any], source: str = ROUTING_FILE) -> MeasuredRouting:
+        """Validate the table and build; errors name `source`, the field, the bad value and the
+        fix."""
 
         def bad(fld: str, why: str) -> ValueError:
             return ValueError(
-                f"{source}: {fld}: {why} (schema {ROUTING_SCHEMA}: capture writes it; run the "
-                "capture's routing measurement again)"
+                f"{source}: {fld}: {why} (schema {ROUTING_SCHEMA}; {RoutingStats.FIX})"
             )
 
         if data.get("schema") != ROUTING_SCHEMA:
@@ -250,52 +249,44 @@ class RoutingStats:
             num_experts, top_k = int(data["num_experts"]), int(data["top_k"])
             d = data["distinct_experts"]
             ts, bs, mean = [int(x) for x in d["t"]], [int(x) for x in d["b"]], d["mean"]
-            layers = [int(x) for x in data["moe_layer_ids"]]
-            rows, tokens = int(data["num_rows"]), int(data["num_tokens"])
         except (KeyError, TypeError, ValueError) as e:
             raise bad("a required field", f"missing or not a number: {e}") from None
         if not 0 < top_k <= num_experts:
             raise bad("top_k", f"{top_k} with num_experts {num_experts}")
         for name, xs in (("t", ts), ("b", bs)):
-            if not xs or xs[0] < 1 or any(b <= a for a, b in zip(xs, xs[1:], strict=False)):
+            if not xs or xs[0] < 1 or any(y <= x for x, y in zip(xs, xs[1:], strict=False)):
                 raise bad(f"distinct_experts.{name}", f"{xs}: positive and increasing")
-        per_layer = {int(k): v for k, v in (d.get("per_layer_mean") or {}).items()}
-        for name, table in [("mean", mean)] + [
-            (f"per_layer_mean.{k}", v) for k, v in per_layer.items()
-        ]:
-            if len(table) != len(ts) or any(len(r) != len(bs) for r in table):
-                raise bad(f"distinct_experts.{name}", f"not {len(ts)} rows (t) of {len(bs)} (b)")
-            for i, row in enumerate(table):
-                for j, v in enumerate(row):
-                    hi = min(num_experts, top_k * ts[i] * bs[j])
-                    if not top_k - 1e-6 <= float(v) <= hi + 1e-6:
-                        raise bad(
-                            f"distinct_experts.{name}[{i}][{j}]",
-                            f"{v} at t={ts[i]}, b={bs[j]}: outside [{top_k}, {hi}]",
-                        )
+        if len(mean) != len(ts) or any(len(r) != len(bs) for r in mean):
+            raise bad("distinct_experts.mean", f"not {len(ts)} rows (t) of {len(bs)} (b)")
+        for i, row in enumerate(mean):
+            for j, v in enumerate(row):
+                hi = min(num_experts, top_k * ts[i] * bs[j])
+                if v is not None and not top_k - 1e-6 <= float(v) <= hi + 1e-6:
+                    raise bad(
+                        f"distinct_experts.mean[{i}][{j}]",
+                        f"{v} at t={ts[i]}, b={bs[j]}: outside [{top_k}, {hi}]",
+                    )
+        if all(v is None for r in mean for v in r):
+            raise bad("distinct_experts.mean", "no cell measured")
         return cls(
-            num_experts, top_k, layers, rows, tokens, ts, bs,
-            [[float(v) for v in r] for r in mean],
-            {k: [[float(v) for v in r] for r in t] for k, t in per_layer.items()},
-            source,
+            num_experts, top_k, ts, bs,
+            [[None if v is None else float(v) for v in r] for r in mean],
+            int(data.get("num_rows") or 0), int(data.get("num_tokens") or 0), source,
         )  # fmt: skip
 
-    def to_dict(self) -> dict[str, Any]:
-        """The routing.json payload (what `read` reads)."""
-        return {
-            "schema": ROUTING_SCHEMA,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
-            "moe_layer_ids": list(self.moe_layer_ids),
-            "num_rows": self.num_rows,
-            "num_tokens": self.num_tokens,
-            "distinct_experts": {
-                "t": list(self.t),
-                "b": list(self.b),
-                "mean": self.mean,
-                "per_layer_mean": {str(k): v for k, v in self.per_layer_mean.items()},
-            },
-        }
+    def _ratio(self, i: int, j: int) -> float:
+        """n_eff / (t·b) of cell (i, j); an unmeasured cell takes the nearest measured one's (in
+        log t + log b)."""
+        if self.mean[i][j] is None:
+            i, j = min(
+                ((a, c) for a, r in enumerate(self.mean) for c, v in enumerate(r) if v is not None),
+                key=lambda ac: (
+                    abs(math.log(self.t[ac[0]] / self.t[i]))
+                    + abs(math.log(self.b[ac[1]] / self.b[j]))
+                ),
+            )
+        n_eff = _effective_tokens(float(self.mean[i][j]), self.num_experts, self.top_k)
+        return n_eff / (self.t[i] * self.b[j])
 
     def distinct_experts(self, t: float, b: float) -> float:
         """E[distinct experts per MoE layer] among t tokens of each of b sequences. Each table
@@ -310,13 +301,8 @@ class RoutingStats:
         lt, lb = [math.log(x) for x in self.t], [math.log(x) for x in self.b]
         i0, i1, wi = _interp(lt, math.log(t))
         j0, j1, wj = _interp(lb, math.log(b))
-
-        def ratio(i: int, j: int) -> float:
-            n = self.t[i] * self.b[j]
-            return _effective_tokens(self.mean[i][j], self.num_experts, self.top_k) / n
-
-        r = (1 - wi) * ((1 - wj) * ratio(i0, j0) + wj * ratio(i0, j1)) + wi * (
-            (1 - wj) * ratio(i1, j0) + wj * ratio(i1, j1)
+        r = (1 - wi) * ((1 - wj) * self._ratio(i0, j0) + wj * self._ratio(i0, j1)) + wi * (
+            (1 - wj) * self._ratio(i1, j0) + wj * self._ratio(i1, j1)
         )
         return uniform_distinct_experts(self.num_experts, self.top_k, r * t * b)
 
@@ -403,7 +389,7 @@ def predict_pass_time_s(
     t: float,
     b: int,
     context_len: float,
-    routing: RoutingStats | None = None,
+    routing: MeasuredRouting | None = None,
     *,
     weight_bits: int | None = None,
     overhead_s: float = PASS_OVERHEAD_S,
