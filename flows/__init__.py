@@ -4,24 +4,29 @@ flows."""
 import os
 import sys
 
-# `eagle3 run` starts Prefect's embedded API; its first start (database migrations) can take longer
-# than Prefect's 20 s default on a busy 2-core machine. Only a default: the environment wins.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-# The embedded API's telemetry heartbeat (on by default) writes its session row into the same SQLite
-# file at the moment the flow run is created: under load the two writers collide and the heartbeat
-# dies with "sqlite3.OperationalError: database is locked" (a 140-line traceback at every `eagle3
-# run`), and it then posts to prefect.io, which an offline pipeline must not do. Off unless the
-# environment turns it on.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+#: Defaults for the Prefect settings of a run; each only where the environment does not set it.
+DEFAULT_SETTINGS = {
+    # `eagle3 run` starts Prefect's embedded API; its first start (database migrations) can take
+    # longer than Prefect's 20 s default on a busy 2-core machine.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    # The embedded API's telemetry heartbeat (on by default) posts to prefect.io: offline it logs
+    # "ERROR | prefect.server.services.telemetry - Failed to send telemetry" at every `eagle3 run`,
+    # an ERROR where nothing of ours failed; and it writes its session row into the same SQLite
+    # file as the flow run being created, which under load dies with "database is locked". The
+    # embedded server inherits this process's environment, so off here is off there.
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
 # Prefect's flow-run heartbeat every 30 s (its minimum; its default is 180 s): the server's
 # automation eagle3-run-lost (blocks/alerts.py) sets a run that misses them for EAGLE3_LOST_AFTER_S
 # (60 s) Crashed. Deployments set it in prefect.yaml; this covers runs started from Python
-# (`eagle3 run`, a script). Only a default.
+# (`eagle3 run`, a script). Either of the two names set in the environment wins.
 _HEARTBEAT_VARS = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
 if not any(name in os.environ for name in _HEARTBEAT_VARS):
-    os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
-    if "prefect.context" in sys.modules:  # prefect read its settings already: read them again
-        sys.modules["prefect.context"].refresh_global_settings_context()
+    DEFAULT_SETTINGS["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
+_unset = {name: value for name, value in DEFAULT_SETTINGS.items() if name not in os.environ}
+os.environ.update(_unset)
+if _unset and "prefect.context" in sys.modules:  # prefect read its settings already: read again
+    sys.modules["prefect.context"].refresh_global_settings_context()
 
 from eagle3_prefect.tasks import logs as _logs  # noqa: E402 - after the settings above
 
