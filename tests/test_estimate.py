@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -225,42 +224,6 @@ def test_train_with_layer_subset_val_capture_and_estimate(captured, tiny_llama, 
         best["metrics"]["tau_estimate"], rel=1e-4
     )  # exported == trained weights (bf16)
     assert est.num_rounds > 0 and 1.0 <= est.tau <= 4.0
-
-    # benchmarks/draft_failures.py: its step-0 agreement is the estimator's acc_0, its buckets
-    # partition the rows
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "draft_failures", Path(__file__).parents[1] / "benchmarks/draft_failures.py"
-    )
-    failures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(failures)
-    fa = failures.analyse(str(tmp_path / "draft"), str(path), str(tiny_llama))
-    assert fa["num_rows"] > 0 and fa["top_k_agreement"][0] == pytest.approx(
-        est.acc[0], abs=0.004
-    )  # one row of ~300
-    assert fa["top_k_agreement"] == sorted(fa["top_k_agreement"])
-    assert sum(b["share"] for b in fa["by_target_top1_prob"]) == pytest.approx(1.0, abs=1e-3)
-    assert sum(k["share"] for k in fa["by_token_kind"].values()) == pytest.approx(1.0, abs=1e-3)
-    assert "draft_failures" in failures.markdown({"name": "draft_failures", "command": "c", **fa})
-
-    # benchmarks/realbench/ngram_rows.py: its per-row accepts, replayed in rounds, are the
-    # estimator's rounds
-    spec = importlib.util.spec_from_file_location(
-        "ngram_rows", Path(__file__).parents[1] / "benchmarks/realbench/ngram_rows.py"
-    )
-    rows = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rows)
-    total = {"draft_rounds": 0, "draft_accepted": 0}
-    for _, ids, supervised, accepts in rows.draft_accepts_per_sample(
-        tmp_path / "draft", Path(path), tiny_llama, k=3
-    ):
-        c = rows.replay_answer(ids, supervised, accepts, k=3, min_n=2, max_n=4, max_new_tokens=None)
-        total = {key: total[key] + c[key] for key in total}
-    assert (total["draft_rounds"], total["draft_accepted"]) == (
-        est.num_rounds,
-        sum(est.accepted_per_position),
-    )
 
 
 def test_estimate_cli_names_a_bad_draft_dir(captured, tiny_llama, tmp_path, capsys):

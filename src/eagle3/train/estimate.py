@@ -9,8 +9,7 @@ the way the engine runs them (replay_rounds: a round accepting n tokens moves th
 tokens on); `tau_per_row` makes every supervised row a round start and overstates τ, because rounds
 crowd where the draft fails. On refbench the replayed value was 2.307 vs vLLM's 2.287
 (benchmarks/results/history/2026-11-30-refbench-estimator-vs-vllm.md). The trainer picks its best
-checkpoint with it; prompts the target never trained on (benchmarks/perturb_prompts.py) make the
-best validation set.
+checkpoint with it; prompts the target never trained on make the best validation set.
 """
 
 from __future__ import annotations
