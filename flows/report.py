@@ -18,6 +18,7 @@ from eagle3_prefect.tasks.artifacts import (
     comparison_table,
     find_tau,
     method_rows,
+    predicted_cell,
     serve_snippet,
     span_table,
 )
@@ -64,10 +65,11 @@ def draft_path(manifests: dict[str, dict[str, Any]]) -> str | None:
 def result_line(manifests: dict[str, dict[str, Any]]) -> str:
     """The pipeline's result in one line (the run's final state message; the UI shows its first ~70
     characters, so the comparison comes first): tokens per target step and τ of the draft vs
-    n-gram, their modelled speed-ups, and the draft's path, e.g.
+    n-gram, their predicted speed-ups at one request (evaluate's speedup_hardware), and the draft's
+    path, e.g.
 
-        draft 1.44 vs n-gram 1.17 tokens/target step (τ 1.45 vs 2.78); modelled speed-up 1.38× vs
-        1.17×; draft /data/runs/demo/draft
+        draft 1.44 vs n-gram 1.17 tokens/target step (τ 1.45 vs 2.78); predicted on h200 TP 1 at
+        one request: 1.31× (k 3) vs does not pay; draft /data/runs/demo/draft
     """
     rows = {r["method"]: r for r in method_rows(evaluate_result_of(manifests))}
 
@@ -82,18 +84,20 @@ def result_line(manifests: dict[str, dict[str, Any]]) -> str:
                 f"draft {num(draft['tokens_per_step'])} vs n-gram {num(ngram['tokens_per_step'])} "
                 f"tokens/target step (τ {num(draft['tau'])} vs {num(ngram['tau'])})"
             )
-            if draft["modelled_speedup"] is not None:
+            if draft["predicted_on"] is not None:
                 parts.append(
-                    f"modelled speed-up {num(draft['modelled_speedup'], '×')} vs "
-                    f"{num(ngram['modelled_speedup'], '×')}"
+                    f"predicted on {draft['predicted_on']} at one request: "
+                    f"{predicted_cell(draft)} vs {predicted_cell(ngram)}"
                 )
         else:
             parts.append(
                 f"draft {num(draft['tokens_per_step'])} tokens/target step "
                 f"(τ {num(draft['tau'])}); n-gram not measured (evaluate.compare: [ngram])"
             )
-            if draft["modelled_speedup"] is not None:
-                parts.append(f"modelled speed-up {num(draft['modelled_speedup'], '×')}")
+            if draft["predicted_on"] is not None:
+                parts.append(
+                    f"predicted on {draft['predicted_on']} at one request: {predicted_cell(draft)}"
+                )
     elif "evaluate" in manifests:
         tau = find_tau(evaluate_result_of(manifests))
         parts.append(f"draft τ {tau:.2f}" if tau is not None else "evaluated (no τ in its result)")
@@ -203,8 +207,10 @@ def methods_section(rows: list[dict[str, Any]], manifests: dict[str, dict[str, A
             comparison_table(rows),
             "",
             "Tokens per target step compares the methods: τ counts only the steps that drafted, "
-            "and n-gram drafts only where the answer repeats its context. Modelled speed-up: a "
-            "memory-bound GPU; measured: this machine against plain decoding.",
+            "and n-gram drafts only where the answer repeats its context. Predicted speed-up: the "
+            "step-time model on evaluate's speedup_hardware (the experts a verification pass "
+            "reads, all-reduces, the draft's steps), best k at one request; measured: this "
+            "machine against plain decoding.",
             "",
         ]
     spans = span_table(evaluate_result_of(manifests))

@@ -185,7 +185,9 @@ def method_rows(result: dict[str, Any] | Any) -> list[dict[str, Any]]:
     speed was timed. Each row: method (eagle3, ngram, plain), tokens_per_step (generated tokens per
     target forward pass: the figure that compares methods), tau (vLLM's mean acceptance length over
     the steps that drafted; None where it never drafted), drafted (the fraction of steps that
-    drafted), tokens_per_s, modelled_speedup (memory-bound GPU model), measured_speedup (against
+    drafted), tokens_per_s, predicted_speedup and predicted_k (the best k and its speed-up at one
+    request on evaluate's speedup_hardware, eagle3.speedup; predicted_k None where speculation does
+    not pay), predicted_on (that hardware and tensor parallel size), measured_speedup (against
     plain decoding, on this machine). Rounded; None where the result does not say. [] when the
     result is not an evaluate result."""
     from eagle3.artifacts import EvalResults
@@ -219,7 +221,7 @@ def method_rows(result: dict[str, Any] | Any) -> list[dict[str, Any]]:
                 "tokens_per_s": _round(
                     row.tokens_per_s if row is not None else r.spec_tokens_per_s, 1
                 ),
-                "modelled_speedup": _round(row.modelled_speedup if row is not None else None),
+                **_predicted_at_one_request(r.predicted_speedup, method),
                 "measured_speedup": _round(row.measured_speedup if row is not None else r.speedup),
             }
         )
@@ -234,11 +236,39 @@ def method_rows(result: dict[str, Any] | Any) -> list[dict[str, Any]]:
                 "tau": None,
                 "drafted": 0.0,
                 "tokens_per_s": _round(plain_tps, 1),
-                "modelled_speedup": 1.0,
+                "predicted_speedup": 1.0,
+                "predicted_k": None,
+                "predicted_on": None,
                 "measured_speedup": 1.0,
             }
         )
     return rows
+
+
+def _predicted_at_one_request(predicted: dict[str, Any] | None, method: str) -> dict[str, Any]:
+    """The best k at one request and its predicted speed-up (the row of the k that pays most,
+    even where none pays), from an evaluate result's `predicted_speedup`."""
+    p = (predicted or {}).get(method)
+    if not p:
+        return {"predicted_speedup": None, "predicted_k": None, "predicted_on": None}
+    ones = [r for r in p["rows"] if r["concurrency"] == 1]
+    best = max(ones, key=lambda r: r["speedup"]) if ones else None
+    return {
+        "predicted_speedup": _round(best["speedup"]) if best else None,
+        "predicted_k": p["recommended_k"].get("1"),
+        "predicted_on": f"{p['hardware']} TP {p['tensor_parallel_size']}",
+    }
+
+
+def predicted_cell(row: dict[str, Any]) -> str:
+    """×1.38 (k 3), "does not pay" or a dash: a method_rows row's prediction at one request."""
+    if row.get("predicted_speedup") is None:
+        return "–"
+    if row["method"] == "plain":
+        return "1.00×"
+    if row.get("predicted_k") is None:
+        return "does not pay"
+    return f"{row['predicted_speedup']:.2f}× (k {row['predicted_k']})"
 
 
 def comparison_table(rows: list[dict[str, Any]]) -> str:
@@ -247,9 +277,10 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
     def cell(v: Any, fmt: str) -> str:
         return "–" if v is None else fmt.format(v)
 
+    on = next((f", {r['predicted_on']}" for r in rows if r.get("predicted_on")), "")
     lines = [
-        "| method | tokens / target step | τ | steps drafted | tokens/s | modelled speed-up "
-        "| measured speed-up |",
+        "| method | tokens / target step | τ | steps drafted | tokens/s | predicted speed-up "
+        f"(1 request{on}) | measured speed-up |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -257,7 +288,7 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
             f"| {METHOD_LABELS.get(r['method'], r['method'])} "
             f"| {cell(r['tokens_per_step'], '{:.2f}')} | {cell(r['tau'], '{:.2f}')} "
             f"| {cell(r['drafted'], '{:.0%}')} | {cell(r['tokens_per_s'], '{:.1f}')} "
-            f"| {cell(r['modelled_speedup'], '{:.2f}×')} "
+            f"| {predicted_cell(r)} "
             f"| {cell(r['measured_speedup'], '{:.2f}×')} |"
         )
     return "\n".join(lines)
@@ -309,19 +340,22 @@ def evaluate_result(run_name: str, out: Path, result: dict[str, Any]) -> None:
         lines += [
             "## per category",
             "",
-            "| category | temperature | prompts | tokens / target step | τ | modelled speed-up |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| category | temperature | prompts | tokens / target step | τ |",
+            "|---|---:|---:|---:|---:|",
         ]
         for r in categories:
             lines.append(
                 f"| {r.get('category')} | {r.get('temperature')} | {r.get('num_prompts')} | "
                 + " | ".join(
                     "–" if _round(r.get(k)) is None else f"{_round(r.get(k)):.2f}"
-                    for k in ("tokens_per_step", "tau", "modelled_speedup")
+                    for k in ("tokens_per_step", "tau")
                 )
                 + " |"
             )
         lines.append("")
+    for p in (data.get("predicted_speedup") or {}).values():
+        if isinstance(p, dict) and p.get("table_markdown"):
+            lines += ["## predicted speed-up", "", p["table_markdown"], ""]
     per_pos = find_per_position(data)
     if per_pos:
         lines += ["| draft position | acceptance |", "|---:|---:|"]

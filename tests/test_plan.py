@@ -269,3 +269,48 @@ def test_measured_figures_ship_as_package_data():
         "eagle3.assets.measured" in setup["packages"]
         and "*" in setup["package-data"]["eagle3.assets.measured"]
     )
+
+
+def test_plan_predicts_speedups_from_an_evaluation(tmp_path):
+    """`eagle3 plan --hardware H` after `eagle3 evaluate`: every measured method's speed-up per k
+    and concurrency on H, from results.json's counters (n-gram: no draft to read)."""
+    from eagle3.io import write_json
+    from eagle3.step_time import UNIFORM_ROUTING
+
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        f"target: {ROOT / 'configs/targets/kimi-k2.5.json'}\ndata: x.jsonl\nwork_dir: "
+        f"{tmp_path / 'w'}\n"
+    )
+    row = {
+        "method": "ngram",
+        "category": "all",
+        "temperature": 0.0,
+        "num_prompts": 8,
+        "num_drafts": 300,
+        "num_accepted_tokens": 150,
+        "accepted_per_position": [90, 40, 20],
+        "generated_tokens": 1024,
+    }
+    write_json(
+        tmp_path / "w" / "evaluate" / "results.json",
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "rows": [row],
+            "speculative_run": {"metrics": {"vllm:prompt_tokens": 4000}},
+            "config": {"method": "ngram"},
+        },
+    )
+    r = run_plan(
+        PlanConfig(config=str(cfg), hardware="rtx-pro-6000", num_samples=1000, mean_tokens=1000)
+    )
+    p = r.predicted_speedup["ngram"]
+    assert p["context_len"] == (4000 + 1024 / 2) / 8
+    assert p["tensor_parallel_size"] == 8 and p["routing_source"] == UNIFORM_ROUTING
+    # 300 of the 1024 - 150 - 8 decode passes drafted
+    assert p["drafted_fraction"] == pytest.approx(300 / 866)
+    assert p["measured_rates"] == pytest.approx([0.3, 40 / 300, 20 / 300])
+    text = format_plan(r)
+    assert "speculation (ngram)" in text and p["summary"] in text
+    assert "Predicted speed-up over no speculation, ngram on rtx-pro-6000" in text

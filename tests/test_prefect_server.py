@@ -526,7 +526,8 @@ def test_pipeline_deployment_gpu_pool_and_one_run_per_work_dir(stack, tiny_cfg):
         r"draft \d+\.\d\d vs n-gram \d+\.\d\d tokens/target step \(τ \d+\.\d\d vs ", message
     ), message
     draft = str(Path(cfg.resolved().export.out).resolve())
-    assert "modelled speed-up" in message and message.endswith(f"; draft {draft}"), message
+    assert "predicted on h200 TP 1 at one request: " in message, message
+    assert message.endswith(f"; draft {draft}"), message
 
     # capture, train and evaluate ran as runs of their gpu-1x deployments, named as the pipeline
     # run's children

@@ -483,9 +483,20 @@ def test_stage_process_dies_with_its_parent(tmp_path):
 
 def _evaluate_result() -> dict:
     """An evaluate result as the stage returns it (results.json's shape): the draft over every
-    prompt, one category row, n-gram beside it (`compare: [ngram]`), plain decoding timed."""
+    prompt, one category row, n-gram beside it (`compare: [ngram]`), plain decoding timed, and each
+    method's predicted speed-up (eagle3.speedup on the Llama-3.1-8B shape, one H200): the draft's
+    pays at one request, n-gram's (its lookup rarely matches) does not."""
+    import json
 
-    def row(method, category, tau, drafts, accepted, generated, tps, modelled):
+    from eagle3.speedup import Acceptance, predict_speedups
+
+    llama = json.loads((ROOT / "configs/targets/llama-3.1-8b.json").read_text())
+
+    def predicted(method, rates, drafted):
+        acc = Acceptance(rates, drafted, method)
+        return predict_speedups(llama, "h200-device", 1, acc, None, 500).as_dict()
+
+    def row(method, category, tau, drafts, accepted, generated, tps):
         return {
             "method": method,
             "category": category,
@@ -499,7 +510,6 @@ def _evaluate_result() -> dict:
             "baseline_tokens_per_s": 60.123,
             "measured_speedup": round(tps / 60.123, 3),
             "tokens_per_step": round(generated / (generated - accepted), 4),
-            "modelled_speedup": modelled,
         }
 
     return {
@@ -512,10 +522,14 @@ def _evaluate_result() -> dict:
         "baseline_tokens_per_s": 60.123,
         "speedup": 1.1886,
         "rows": [
-            row("eagle3", "all", 1.4523, 500, 226, 734, 71.46, 1.3812),
-            row("eagle3", "chat", 1.5, 250, 125, 400, 70.0, 1.41),
+            row("eagle3", "all", 1.4523, 500, 226, 734, 71.46),
+            row("eagle3", "chat", 1.5, 250, 125, 400, 70.0),
         ],
-        "comparisons": [row("ngram", "all", 2.7812, 60, 107, 734, 192.0, 1.1709)],
+        "comparisons": [row("ngram", "all", 2.7812, 60, 107, 734, 192.0)],
+        "predicted_speedup": {
+            "eagle3": predicted("eagle3", [0.3, 0.1, 0.05], 0.98),
+            "ngram": predicted("ngram", [0.02, 0.01, 0.005], 0.12),
+        },
     }
 
 
@@ -530,7 +544,11 @@ def test_the_result_line_and_the_comparison_lead_with_tokens_per_target_step():
     assert (draft["tau"], ngram["tau"], ngram["tokens_per_step"]) == (1.45, 2.78, 1.17)
     assert plain["tokens_per_s"] == 60.1 and plain["tokens_per_step"] == 1.0
     table = comparison_table(rows)
-    assert "| draft (EAGLE-3) | 1.44 | 1.45 | 98% | 71.5 | 1.38× | 1.19× |" in table, table
+    k, x = draft["predicted_k"], draft["predicted_speedup"]
+    assert k is not None and x > 1 and ngram["predicted_k"] is None
+    assert "predicted speed-up (1 request, h200-device TP 1)" in table, table
+    assert f"| draft (EAGLE-3) | 1.44 | 1.45 | 98% | 71.5 | {x:.2f}× (k {k}) | 1.19× |" in table
+    assert "| n-gram | 1.17 | 2.78 | 10% | 192.0 | does not pay | 3.19× |" in table, table
     assert "| plain decoding | 1.00 | – |" in table, table
     manifests = {
         "export": {"out": "/data/runs/demo/draft"},
@@ -538,8 +556,8 @@ def test_the_result_line_and_the_comparison_lead_with_tokens_per_target_step():
     }
     line = result_line(manifests)
     assert line == (
-        "draft 1.44 vs n-gram 1.17 tokens/target step (τ 1.45 vs 2.78); modelled speed-up 1.38× vs "
-        "1.17×; draft /data/runs/demo/draft"
+        "draft 1.44 vs n-gram 1.17 tokens/target step (τ 1.45 vs 2.78); predicted on h200-device "
+        f"TP 1 at one request: {x:.2f}× (k {k}) vs does not pay; draft /data/runs/demo/draft"
     )
     assert line[:60].endswith("(τ 1.45 vs 2.78")  # the Details tab shows ~70 characters
     alone = _evaluate_result()

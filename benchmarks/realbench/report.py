@@ -334,15 +334,6 @@ def drafted_fraction(r: dict[str, Any]) -> float | None:
     return round(r["num_drafts"] / steps, 4) if steps > 0 else None
 
 
-def modelled_per_step(r: dict[str, Any]) -> float | None:
-    """evaluate's memory-bound speed-up model, on tokens per target step (recomputed from the
-    counts, so results written before evaluate reported it read the same)."""
-    from eagle3.evaluate import modelled_speedup
-
-    cost = {"bytes_ratio_per_round": r.get("draft_cost_ratio") or 0.0}
-    return modelled_speedup(r["generated_tokens"], r["num_accepted_tokens"], r["num_drafts"], cost)
-
-
 def build(
     names: list[str],
     evals: dict[str, dict[str, Any]],
@@ -387,7 +378,6 @@ def build(
                     "tokens_per_s": r.get("tokens_per_s"),
                     "tokens_per_step": tokens_per_step(r),
                     "drafted_step_fraction": drafted_fraction(r),
-                    "modelled_speedup": modelled_per_step(r),
                     "measured_speedup": r.get("measured_speedup"),
                 }
             )
@@ -591,10 +581,8 @@ def render(r: dict[str, Any]) -> str:
         lines += [
             f"## temperature {temp}" + (" (greedy)" if temp == 0 else " (top-p 0.95)") + at_k,
             "",
-            "| draft | method | data | k | "
-            + " | ".join(cats)
-            + " | cost ratio | modelled speed-up (all) |",
-            "|---|---|---|---|" + "---|" * (len(cats) + 2),
+            "| draft | method | data | k | " + " | ".join(cats) + " | cost ratio |",
+            "|---|---|---|---|" + "---|" * (len(cats) + 1),
         ]
         for name in drafts:
             cell = {
@@ -624,7 +612,7 @@ def render(r: dict[str, Any]) -> str:
                     f"{fmt(cell.get(c, {}).get('tau'))}"
                     for c in cats
                 )
-                + f" | {fmt(cost, 3)} | {fmt(cell.get('all', {}).get('modelled_speedup'))} |"
+                + f" | {fmt(cost, 3)} |"
             )
         lines.append("")
     if r.get("not_evaluated"):

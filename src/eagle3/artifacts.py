@@ -786,8 +786,6 @@ class EvalRow(Record):
     measured_speedup: float | None = None
     #: generated tokens per target forward pass (eagle3.evaluate.tokens_per_target_step)
     tokens_per_step: float | None = None
-    #: tokens per step / (1 + r · drafted fraction), the memory-bound model of eagle3.evaluate
-    modelled_speedup: float | None = None
     #: greedy only: fraction of prompts whose output is identical with and without speculation
     outputs_match_baseline: float | None = None
     draft_cost_ratio: float | None = None
@@ -821,6 +819,9 @@ class EvalResults(Record):
     method: str = "eagle3"
     rows: list[EvalRow] = []
     draft_cost: dict[str, Any] | None = None
+    #: method -> its predicted speed-up per k and concurrency (eagle3.speedup.SpeedupPrediction,
+    #: as_dict: rows, recommended_k, summary, table_markdown)
+    predicted_speedup: dict[str, Any] | None = None
     comparisons: list[EvalRow] = []
     #: a thinking target's rows per span (reasoning, answer) for every method measured
     span_rows: list[EvalRow] = []

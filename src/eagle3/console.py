@@ -178,6 +178,9 @@ def evaluate_figure(result: dict[str, Any] | EvalResults) -> str:
     if r.baseline_tokens_per_s:
         parts.append(f"plain {r.baseline_tokens_per_s:.0f} tokens/s")
     parts += _span_figures(r, r.method)
+    predicted = (r.predicted_speedup or {}).get(r.method)
+    if predicted:
+        parts.append(predicted["summary"])
     compared = []
     for e in comparison_entries(r)[
         1:

@@ -23,6 +23,8 @@ Where the numbers come from:
   regenerate modelled: one decode step of the batch the KV room allows, priced by the step-time
             model (eagle3.step_time: weights and routed experts read, KV, all-reduces, a fixed
             time per pass; hardware figures and their sources in eagle3.hardware).
+  speculation  after `eagle3 evaluate`: every measured method's speed-up per k and concurrency on
+            this hardware (eagle3.speedup), from evaluate's results.json and the same step model.
 Every estimate is a first-order model: the JSON carries the anchors and the ratios used, so it can
 be checked.
 """
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationError
 
-from eagle3.artifacts import PreparedMeta
+from eagle3.artifacts import EvalResults, PreparedMeta, RoutingStats
 from eagle3.config import (
     AuxLayerIds,
     ConfigError,
@@ -57,7 +59,13 @@ from eagle3.flops import (
 )
 from eagle3.hardware import HARDWARE, HardwareName, HardwareProfile
 from eagle3.io import read_json
-from eagle3.step_time import kv_bytes_per_token_per_gpu, predict_pass_time_s
+from eagle3.speedup import predict_from_row, serving_tensor_parallel_size
+from eagle3.step_time import (
+    MeasuredRouting,
+    draft_weights,
+    kv_bytes_per_token_per_gpu,
+    predict_pass_time_s,
+)
 
 if TYPE_CHECKING:
     from eagle3.shards import StorageEstimate
@@ -184,6 +192,9 @@ class PlanResult:
     #: off or the profile has no GPU
     regenerate: RateEstimate | None = None
     regenerate_tokens: float | None = None
+    #: the evaluated draft's (and compared methods') predicted speed-up per k and concurrency on
+    #: this hardware (eagle3.speedup, from evaluate's results.json); None before an evaluation
+    predicted_speedup: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------------- measured anchors
@@ -305,6 +316,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         else None
     )
     mode = _mode_fields(pipe, storage, disk, reserve, capture, draft["epochs"], notes)
+    predicted = _predicted_speedups(pipe, hw, num_gpus, target_cfg, bits, notes)
     return PlanResult(
         config=str(cfg.config),
         target_config=str(tpath),
@@ -322,6 +334,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         train=train,
         regenerate=regen,
         regenerate_tokens=num_tokens if regen else None,
+        predicted_speedup=predicted,
         train_read_bytes_per_s=train.tokens_per_s * st.bytes_per_token,
         anchors=anchors,
         notes=notes,
@@ -690,6 +703,45 @@ def _regenerate_rate(
     return RateEstimate(rate, hours, hours * replicas * tp, bound, basis)
 
 
+def _predicted_speedups(
+    pipe: Any, hw: HardwareProfile, num_gpus: int, target_cfg: dict, bits: int, notes: list[str]
+) -> dict[str, Any] | None:
+    """The speed-up per k and concurrency of every method evaluate measured (its results.json
+    under evaluate.out: acceptance per position, drafted fraction, mean context, the draft's dir)
+    on this hardware, at the smallest tensor parallel size the weights fit; routing from
+    capture's routing.json when it exists. None before an evaluation or on the CPU profile."""
+    out = Path(pipe.evaluate.out or "")
+    if hw.bf16_tflops is None or not (out / EvalResults.FILE).is_file():
+        return None
+    res = EvalResults.load(out)
+    captured = Path(pipe.capture.out or "")
+    routing = MeasuredRouting.read(captured) if (captured / RoutingStats.FILE).is_file() else None
+    metrics = (getattr(res, "speculative_run", None) or {}).get("metrics") or {}
+    head = res.all_row()
+    if head is None or not head.num_prompts:
+        return None
+    context = (metrics.get("vllm:prompt_tokens", 0) + head.generated_tokens / 2) / head.num_prompts
+    tp = min(serving_tensor_parallel_size(target_cfg, hw, bits), num_gpus)
+    first = head.temperature
+    draft_dir = Path(str((getattr(res, "config", None) or {}).get("draft") or ""))
+    out_preds = {}
+    for row in [head, *res.comparisons]:
+        if row.category != "all" or row.temperature != first or row.method in out_preds:
+            continue
+        draft = None
+        if row.method != "ngram":
+            if not any(draft_dir.glob("*.safetensors")):
+                notes.append(
+                    f"{out / EvalResults.FILE}: its draft {draft_dir} is gone; no predicted "
+                    f"speed-up for {row.method} (evaluate again, or restore the draft)"
+                )
+                continue
+            draft = draft_weights(draft_dir)
+        pred = predict_from_row(target_cfg, hw, row, draft, context, routing, tp, bits)
+        out_preds[row.method] = pred.as_dict()
+    return out_preds or None
+
+
 def _spool_cap(room: int, bpt: int, capture_tps: float, shard_tokens: int) -> int:
     """Recommended spool bound: one hour of capture output (lets training stall or restart without
     stopping capture), at least 4 shards, at most half of the usable disk."""
@@ -714,6 +766,8 @@ def format_plan(r: PlanResult) -> str:
         lines.append(f"  regenerate: {r.regenerate.basis}")
     lines.append(f"  capture: {r.capture.basis}")
     lines.append(f"  train: {r.train.basis}")
+    for p in (r.predicted_speedup or {}).values():
+        lines += ["", p["table_markdown"].rstrip()]
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
 
@@ -775,6 +829,8 @@ def _estimate_rows(r: PlanResult) -> list[tuple[str, str]]:
             f"{hw['memory_gb']:g} GB",
         ),
     ]
+    for method, p in (r.predicted_speedup or {}).items():
+        rows.append((f"speculation ({method})", p["summary"]))
     if r.regenerate is not None:
         rows.append(
             (

@@ -23,6 +23,9 @@ Step (b = concurrency, T = eagle3.step_time.predict_pass_time_s):
                      + the draft's k steps and its fc (eagle3.step_time.predict_draft_time_s;
                      n-gram: none)
     speed-up         (1 + f·Σ_{j≤k} r_j) · T(1, b) / step
+
+The recommended k per concurrency is the one with the largest speed-up, where that exceeds
+PAYS_ABOVE (1.02); else "speculation does not pay here".
 """
 
 from __future__ import annotations
@@ -36,11 +39,15 @@ from eagle3.step_time import (
     MeasuredRouting,
     predict_draft_time_s,
     predict_pass_time_s,
+    target_weight_bytes,
 )
 
 KS = (1, 2, 3, 4, 5, 6, 7)
 CONCURRENCIES = (1, 4, 16, 64)
 DOES_NOT_PAY = "speculation does not pay here"
+#: the least predicted speed-up that counts as paying: gains under 2 % are inside what this model
+#: resolves (its fixed time per pass alone is an estimate), so no k is recommended for them
+PAYS_ABOVE = 1.02
 
 
 @dataclass(frozen=True)
@@ -129,9 +136,11 @@ class SpeedupPrediction:
         return next((r for r in self.rows if r.concurrency == concurrency and r.k == k), None)
 
     def as_dict(self) -> dict[str, Any]:
+        """For results.json: the fields, with the one-line summary and the markdown table a
+        reader shows as they are."""
         d = asdict(self)
         d["recommended_k"] = {str(c): k for c, k in self.recommended_k.items()}
-        return d
+        return d | {"summary": self.summary_line(), "table_markdown": self.format_markdown()}
 
     def summary_line(self) -> str:
         """One line: the best k and speed-up per concurrency, or that speculation does not pay."""
@@ -175,7 +184,7 @@ class SpeedupPrediction:
                     f"{row.baseline_step_time_s * 1e3:.2f} ms per step)"
                     if row
                     else f"{DOES_NOT_PAY} (no k from 1 to {max(r.k for r in self.rows)} is "
-                    "faster than decoding without speculation)"
+                    f"more than {PAYS_ABOVE - 1:.0%} faster than decoding without speculation)"
                 )
             )
         lines += [f"- {n}" for n in self.notes]
@@ -217,7 +226,7 @@ def predict_speedups(
             step = t_pass + d
             rows.append(SpeedupRow(k, c, tokens, step, t_pass, d, base, tokens * base / step))
         top = max((r for r in rows if r.concurrency == c), key=lambda r: r.speedup)
-        best[c] = top.k if top.speedup > 1.0 else None
+        best[c] = top.k if top.speedup > PAYS_ABOVE else None
     probe = predict_pass_time_s(target_config, hw, tp, 1, 1, context_len, routing,
                                 weight_bits=weight_bits)  # fmt: skip
     notes = [] if draft else ["the proposer reads no weights (n-gram): no draft cost"]
@@ -233,4 +242,40 @@ def predict_speedups(
         rows=rows,
         recommended_k=best,
         notes=notes,
+    )
+
+
+def serving_tensor_parallel_size(
+    target_config: dict[str, Any], hardware: str | HardwareProfile, weight_bits: int | None = None
+) -> int:
+    """The smallest power-of-two tensor parallel size (at most the profile's GPUs) at which the
+    target's weights take at most 90 % of each GPU's memory; all the GPUs when none does."""
+    hw = hardware_profile(hardware)
+    total = target_weight_bytes(target_config, weight_bits)
+    tp = 1
+    while tp < hw.num_gpus and total / tp > 0.9 * hw.memory_gb * 1e9:
+        tp *= 2
+    return min(tp, hw.num_gpus)
+
+
+def predict_from_row(
+    target_config: dict[str, Any],
+    hardware: str | HardwareProfile,
+    row: Any,
+    draft: DraftWeights | None,
+    context_len: float,
+    routing: MeasuredRouting | None = None,
+    tp: int | None = None,
+    weight_bits: int | None = None,
+) -> SpeedupPrediction:
+    """predict_speedups for one measured method of an evaluation: `row` its EvalRow over every
+    prompt (accepted per position, drafts; decode passes = generated − accepted − the prompts'
+    first tokens), `tp` default the smallest tensor parallel size the target's weights fit."""
+    passes = int(row.generated_tokens) - int(row.num_accepted_tokens) - int(row.num_prompts)
+    acc = Acceptance.from_counts(
+        list(row.accepted_per_position or []), int(row.num_drafts or 0), passes, str(row.method)
+    )
+    tp = tp or serving_tensor_parallel_size(target_config, hardware, weight_bits)
+    return predict_speedups(
+        target_config, hardware, tp, acc, draft, context_len, routing, weight_bits=weight_bits
     )

@@ -222,7 +222,7 @@ STAGES: dict[str, Stage] = {
             "EvaluateConfig",
             "eagle3.evaluate:run_evaluate",
             "mean acceptance length τ in real vLLM per prompt category and temperature (eagle3 "
-            "draft or ngram), with the draft's cost and a modelled speed-up",
+            "draft or ngram), with the speed-up predicted per k and concurrency on a GPU machine",
             writes="evaluate",
             reads={"draft": "export", "prompts": "@eval_prompts"},
             subprocess=True,

@@ -62,6 +62,7 @@ from eagle3.hardware import (
     HardwareProfile,
     hardware_profile,
 )
+from eagle3.io import read_json
 
 #: Fixed time per target pass that no term above counts: kernel launch gaps inside the CUDA
 #: graph, scheduling and input preparation not hidden behind the GPU, the sampled tokens' trip to
@@ -174,6 +175,21 @@ def weight_bytes(target_config: dict, weight_bits: int | None = None) -> dict[st
     else:
         out["source"] = f"no quantization_config: {dense:g} B per weight (torch_dtype)"
     return out
+
+
+def target_weight_bytes(target_config: dict[str, Any], weight_bits: int | None = None) -> float:
+    """Bytes of all the target's weights at their own precision (what a GPU must hold)."""
+    tc = target_config.get("text_config") or target_config
+    g = count_target_param_groups(tc)
+    b = weight_bytes(target_config, weight_bits)
+    return (
+        g["attention"] * b["attention"]
+        + g["dense_mlp"] * b["dense_mlp"]
+        + g["router"] * b["router"]
+        + g["shared_experts"] * b["shared_experts"]
+        + g["routed_experts"] * b["routed_experts"]
+        + (g["lm_head"] + g["embedding"]) * b["lm_head"]
+    )
 
 
 # ------------------------------------------------------------------------------ distinct experts
@@ -489,6 +505,60 @@ class DraftWeights:
     hidden_size: int
     draft_vocab_size: int
     kv_bytes_per_token: float
+
+
+def draft_groups(draft: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """(parameters, bytes) per tensor group of the exported draft, from the safetensors headers
+    (exact): fc, layers (the decoder layers: midlayer.* / layers.*), lm_head, norm; the maps
+    d2t/t2d and a carried embedding are not weights the draft reads per step (vLLM shares the
+    target's embedding)."""
+    from safetensors import safe_open
+
+    groups: dict[str, int] = {"fc": 0, "layers": 0, "lm_head": 0, "norm": 0}
+    nbytes = dict(groups)
+    for f in sorted(draft.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if name in ("d2t", "t2d") or "embed_tokens" in name:
+                    continue
+                sl = st.get_slice(name)
+                n = math.prod(sl.get_shape())
+                if name.startswith("fc."):
+                    g = "fc"
+                elif name.startswith("lm_head"):
+                    g = "lm_head"
+                elif name.startswith(("midlayer.", "layers.")):
+                    g = "layers"
+                else:
+                    g = "norm"
+                groups[g] += n
+                nbytes[g] += n * _SAFETENSORS_BYTES.get(sl.get_dtype(), 2)
+    return groups, nbytes
+
+
+#: safetensors dtype name -> bytes per value
+_SAFETENSORS_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I64": 8, "I32": 4}
+
+
+def draft_weights(draft: Path) -> DraftWeights:
+    """What the exported draft's steps read (eagle3.step_time.DraftWeights): bytes of its layers,
+    lm_head and norms per step, of its fc once per round, from its safetensors; its shape from its
+    config.json."""
+    _, nbytes = draft_groups(draft)
+    cfg = read_json(draft / "config.json")
+    H = int(cfg["hidden_size"])
+    nh = int(cfg["num_attention_heads"])
+    kvh = int(cfg.get("num_key_value_heads") or nh)
+    d = int(cfg.get("head_dim") or H // nh)
+    layers = int(cfg.get("num_hidden_layers") or 1)
+    return DraftWeights(
+        step_bytes=float(nbytes["layers"] + nbytes["lm_head"] + nbytes["norm"]),
+        fc_bytes=float(nbytes["fc"]),
+        num_layers=layers,
+        hidden_size=H,
+        draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+        kv_bytes_per_token=float(layers * 2 * kvh * d * 2),
+    )
 
 
 def predict_draft_time_s(

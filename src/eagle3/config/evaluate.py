@@ -105,6 +105,18 @@ class EvaluateConfig(StageConfig):
         f"`comparisons`); one of: {', '.join(COMPARE_METHODS)} (comma-separated on the CLI)",
     )
     tensor_parallel_size: TensorParallelSize = 1
+    speedup_hardware: str = Field(
+        "h200",
+        description="Hardware profile the predicted speed-up per k and concurrency is for "
+        "(eagle3.hardware.HARDWARE: h200, h100, b300, rtx-pro-6000, ...; `eagle3 plan --hardware` "
+        "predicts for the others from these results)",
+    )
+    routing: str | None = Field(
+        None,
+        description="The target's measured routing for the predicted speed-up (capture's "
+        "routing.json or its dir; default: the one beside the capture the draft was trained on, "
+        "else the uniform-routing bound, which the output says)",
+    )
     seed: Count = Field(0, description="Engine seed")
     split: str = Field(
         "train", description="Split to read when --prompts is a DatasetDict directory"

@@ -1,6 +1,6 @@
 """`eagle3 evaluate`: mean acceptance length τ of a speculative method in real vLLM, per prompt
-category and sampling temperature, with the draft's cost relative to the target and the decode
-speed-up it buys.
+category and sampling temperature, with the draft's cost relative to the target and the speed-up it
+is predicted to give per k and concurrency on a GPU machine.
 
 Protocol (refbench README): vLLM offline, `LLM(model=target, dtype=cfg.dtype,
 max_model_len=cfg.max_model_len, speculative_config=...)`, the first `num_prompts` prompts through
@@ -52,37 +52,42 @@ method's τ, tokens per target step and tokens/s. One process instead of a secon
 --method ngram` saves that process's Python, torch, vLLM and tokenizer start-up
 (docs/history/2026-12.md, 2026-12-01).
 
-Cost (`draft_cost` in results.json; `draft_cost` below): parameters of the draft (what it reads: fc,
-decoder layers, its lm_head over the draft vocabulary, norms; the embedding is the target's) over
-the target's; FLOPs of one speculation round (fc once + k draft steps of one token, weights only)
-over the FLOPs of one target forward per token (decoder layers + lm_head, weights only; attention
-over the context left out of both); and a modelled decode speed-up for a memory-bound GPU (small
-batch): the time of a step is the time to read the weights, so a verify step reads the target once
-(k + 1 positions in one pass) and the k draft steps read the draft k times:
+Cost (`draft_cost` in results.json): parameters of the draft (what it reads: fc, decoder layers,
+its lm_head over the draft vocabulary, norms; the embedding is the target's) over the target's, and
+the FLOPs of one speculation round (fc once + k draft steps of one token, weights only) over one
+target forward per token.
 
-    speed-up = tokens per target step / (1 + r · f)
-    r = (fc bytes + k · draft step bytes) / target bytes   (≈ k · c, c = draft / target)
-    f = passes that drafted / passes
-
-(tokens per target step, not τ: vLLM's τ counts only the passes that drafted, which flatters n-gram;
-for an EAGLE draft, which drafts at every pass, f = 1 and the two agree up to the prefills; same
-dtype for both; MoE targets: the active parameters of one token, a lower bound on what k + 1 tokens
-read; ngram: r = 0, its lookup reads no weights). It leaves out the KV-cache reads, the proposer's
-host overhead and sampling, so it is an upper bound of what a real GPU shows; the measured tokens/s
-beside it is this machine's.
+Predicted speed-up (`predicted_speedup` in results.json, per measured method; eagle3.speedup on
+eagle3.step_time): from the method's measured acceptance per draft position (vLLM's per-position
+counters over every prompt at the first temperature) and the fraction of decode passes that
+drafted, on the hardware profile `speedup_hardware` at the smallest tensor parallel size the
+target's weights fit: for k = 1..7 and 1, 4, 16 and 64 sequences in flight, the tokens per target
+step, the step's time (a verification pass of k + 1 tokens reads the routed experts its tokens
+wake: measured routing, `routing`, else the uniform bound, which the output says; quantized bytes
+from the target's quantization_config; the all-reduces; the draft's own steps) and the speed-up
+over decoding without speculation, the recommended k per concurrency or "speculation does not pay
+here". Acceptance past the measured k is extrapolated (the last measured conditional acceptance),
+and said so. The measured tokens/s beside it is this machine's.
 
 Writes `out/results.json` (headline fields, `rows`, `draft_cost`, `comparisons`), `out/results.md`
-(the rows as a table) and `out/acceptance.png` (bar chart of per-position acceptance).
+(the rows as a table, then the predicted speed-ups), `out/acceptance.png` (bar chart of per-position
+acceptance) and `out/speedup.png` (predicted speed-up against k, a line per concurrency).
 
 Modules: `run` (the stage, `run_evaluate`, as a sequence), `checks` (the draft, the target it was
 made for, the chat template), `prompts` (rendered and grouped by category), `engine` (the engines'
 kwargs and the job in the fresh process, split per span for thinking targets), `rows` (rows, span
-rows and the headline from the counters), `cost` (the draft's cost and the modelled speed-up),
+rows and the headline from the counters), `cost` (the draft's cost, its weights and the predicted
+speed-up of a measured method),
 `report` (results.md and the chart).
 """
 
 from eagle3.evaluate.checks import check_chat_template, check_draft, check_draft_target
-from eagle3.evaluate.cost import draft_cost, modelled_speedup, tokens_per_target_step
+from eagle3.evaluate.cost import (
+    draft_cost,
+    draft_weights,
+    predict_for_method,
+    tokens_per_target_step,
+)
 from eagle3.evaluate.engine import (
     M_ACCEPTED,
     M_DRAFT_TOKENS,
@@ -101,7 +106,13 @@ from eagle3.evaluate.engine import (
     speculative_config,
 )
 from eagle3.evaluate.prompts import UNCATEGORIZED, group_by_category
-from eagle3.evaluate.report import CHART, RESULTS, format_rows, format_span_rows
+from eagle3.evaluate.report import (
+    CHART,
+    RESULTS,
+    SPEEDUP_CHART,
+    format_rows,
+    format_span_rows,
+)
 from eagle3.evaluate.rows import CategoryResult, DecodeRun, EvaluateResult, rows_of
 from eagle3.evaluate.run import run_evaluate
 
@@ -115,6 +126,7 @@ __all__ = [
     "M_PROMPT_TOKENS",
     "RESULTS",
     "SAMPLING_FIX_EXTENSION",
+    "SPEEDUP_CHART",
     "UNCATEGORIZED",
     "CategoryResult",
     "DecodeRun",
@@ -127,11 +139,12 @@ __all__ = [
     "decode_job",
     "decode_jobs",
     "draft_cost",
+    "draft_weights",
     "draft_family",
     "format_rows",
     "format_span_rows",
     "group_by_category",
-    "modelled_speedup",
+    "predict_for_method",
     "rows_of",
     "run_evaluate",
     "sampling_fix_problem",

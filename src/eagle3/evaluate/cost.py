@@ -1,48 +1,25 @@
-"""The draft's cost relative to the target and the decode speed-up it buys on a memory-bound GPU
-(the model in eagle3.evaluate's docstring)."""
+"""The draft's cost relative to the target (parameters, FLOPs of a speculation round), the weights
+its steps read (eagle3.step_time.DraftWeights), and the speed-up per k and concurrency predicted
+from the measured acceptance (eagle3.speedup; the model in eagle3.evaluate's docstring)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
-
-from safetensors import safe_open
 
 from eagle3.console import tokens_per_target_step as console_tokens_per_target_step
 from eagle3.evaluate.checks import read_json_config
 from eagle3.flops import count_target_params
-
-
-def _draft_param_counts(draft: Path) -> dict[str, int]:
-    """Parameters per tensor group of the exported draft, from the safetensors headers (exact): fc,
-    layers (the decoder layers: midlayer.* / layers.*), lm_head, norm; the maps d2t/t2d and a
-    carried embedding are not weights the draft reads per step (vLLM shares the target's
-    embedding)."""
-    groups: dict[str, int] = {"fc": 0, "layers": 0, "lm_head": 0, "norm": 0}
-    for f in sorted(draft.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                if name in ("d2t", "t2d") or "embed_tokens" in name:
-                    continue
-                n = math.prod(st.get_slice(name).get_shape())
-                if name.startswith("fc."):
-                    groups["fc"] += n
-                elif name.startswith("lm_head"):
-                    groups["lm_head"] += n
-                elif name.startswith(("midlayer.", "layers.")):
-                    groups["layers"] += n
-                else:
-                    groups["norm"] += n
-    return groups
+from eagle3.speedup import predict_from_row
+from eagle3.step_time import MeasuredRouting, draft_groups, draft_weights
 
 
 def draft_cost(
     target: str | Path, draft: Path | None, k: int, method: str = "eagle3"
 ) -> dict[str, Any]:
-    """The draft's cost relative to the target (see the module docstring): parameter ratio, FLOPs of
-    one speculation round (fc + k draft steps) over one target forward per token, and r of the
-    memory-bound speed-up model."""
+    """The draft's cost relative to the target: parameter ratio, and the FLOPs of one speculation
+    round (fc + k draft steps) over one target forward per token. What it costs in time on a
+    machine is eagle3.speedup's (`predict_for_evaluation`)."""
     tcfg = read_json_config(Path(target) / "config.json")
     tc = tcfg.get("text_config") or tcfg
     tp = count_target_params(tc)
@@ -50,11 +27,6 @@ def draft_cost(
     target_read = (
         tp["layers_active_per_token"] + V * H
     )  # decoder layers + lm_head (tied: the embedding matrix)
-    model = (
-        "memory-bound decode: a step's time = the bytes of weights it reads; a round = one target "
-        "verify pass (reads the target once) + k draft steps (read the draft k times, fc once); "
-        "speed-up = tokens per target step / (1 + r · fraction of passes that drafted)"
-    )
     if method == "ngram" or draft is None:
         return {
             "method": method,
@@ -64,11 +36,8 @@ def draft_cost(
             "target_params_read_per_token": target_read,
             "param_ratio": 0.0,
             "flops_ratio": 0.0,
-            "bytes_ratio_per_round": 0.0,
-            "c": 0.0,
-            "model": model + "; ngram reads no weights (r = 0)",
         }
-    g = _draft_param_counts(draft)
+    g, _ = draft_groups(draft)
     step = g["layers"] + g["lm_head"] + g["norm"]  # what each draft step multiplies with
     draft_params = step + g["fc"]
     round_params = g["fc"] + k * step
@@ -83,9 +52,6 @@ def draft_cost(
         # 2 FLOPs per multiply-add on both sides cancel: FLOPs ratio = multiply-adds per round / per
         # target token
         "flops_ratio": round(round_params / target_read, 5),
-        "bytes_ratio_per_round": round(round_params / target_read, 5),
-        "c": round(step / target_read, 5),
-        "model": model,
         "flops_convention": "weights only, one token per draft step, fc once per round; attention "
         "over the context left out on both sides; target = decoder layers (MoE: active) + lm_head",
     }
@@ -102,15 +68,16 @@ def tokens_per_target_step(generated: int, accepted: int) -> float | None:
     )
 
 
-def modelled_speedup(
-    generated: int, accepted: int, drafts: int, cost: dict[str, Any]
-) -> float | None:
-    """The memory-bound model of the module docstring on tokens per target step: a pass reads the
-    target once and, when it drafted, the draft's round (r = bytes_ratio_per_round): speed-up =
-    tokens per step / (1 + r · f), f the fraction of passes that drafted (1 for EAGLE; n-gram's r is
-    0)."""
-    tps = tokens_per_target_step(generated, accepted)
-    if tps is None:
-        return None
-    drafted = min(drafts / (generated - accepted), 1.0)
-    return round(tps / (1.0 + cost["bytes_ratio_per_round"] * drafted), 3)
+def predict_for_method(
+    target: str | Path,
+    draft: Path | None,
+    row: Any,
+    context_len: float,
+    hardware: str,
+    routing: MeasuredRouting | None,
+) -> dict[str, Any]:
+    """eagle3.speedup.predict_from_row for one measured method: the target's config.json, the
+    draft's own weights (None: n-gram), at the smallest tensor parallel size the weights fit."""
+    tcfg = read_json_config(Path(target) / "config.json")
+    weights = draft_weights(draft) if draft is not None else None
+    return predict_from_row(tcfg, hardware, row, weights, context_len, routing).as_dict()

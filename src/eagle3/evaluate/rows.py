@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.artifacts import EvalRow
-from eagle3.evaluate.cost import modelled_speedup, tokens_per_target_step
+from eagle3.evaluate.cost import tokens_per_target_step
 from eagle3.evaluate.engine import M_ACCEPTED, M_DRAFT_TOKENS, M_DRAFTS, M_PER_POS
 
 
@@ -66,6 +66,8 @@ class EvaluateResult:
     rows: list[CategoryResult] = field(default_factory=list)
     #: see draft_cost()
     draft_cost: dict[str, Any] = field(default_factory=dict)
+    #: method -> its predicted speed-up per k and concurrency (eagle3.evaluate.predict_for_method)
+    predicted_speedup: dict[str, Any] = field(default_factory=dict)
     #: the rows of the methods of cfg.compare (same shape as `rows`, their own `method`), in
     #: cfg.compare's order
     comparisons: list[CategoryResult] = field(default_factory=list)
@@ -132,7 +134,6 @@ def _row(
         baseline_tokens_per_s=base_tps,
         measured_speedup=round(tps / base_tps, 3) if base_tps else None,
         tokens_per_step=tokens_per_target_step(gen, accepted),
-        modelled_speedup=modelled_speedup(gen, accepted, drafts, cost),
         outputs_match_baseline=match,
         draft_cost_ratio=cost["flops_ratio"],
         span=call.get("span", "all"),

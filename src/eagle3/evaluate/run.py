@@ -10,13 +10,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from eagle3.artifacts import EvalResults
+from eagle3.artifacts import DraftMetadata, EvalResults, RoutingStats
 from eagle3.chat_template import ChatRenderer
 from eagle3.config import EvaluateConfig
 from eagle3.console import comparison_entries, format_comparison
 from eagle3.evaluate.checks import check_chat_template, check_draft, check_draft_target
-from eagle3.evaluate.cost import draft_cost
+from eagle3.evaluate.cost import draft_cost, predict_for_method
 from eagle3.evaluate.engine import (
+    M_PROMPT_TOKENS,
     Engines,
     decode_jobs,
     plan_engines,
@@ -24,10 +25,18 @@ from eagle3.evaluate.engine import (
     span_plan,
 )
 from eagle3.evaluate.prompts import UNCATEGORIZED, group_by_category, render_prompts
-from eagle3.evaluate.report import CHART, RESULTS, format_rows, plot_acceptance
+from eagle3.evaluate.report import (
+    CHART,
+    RESULTS,
+    SPEEDUP_CHART,
+    format_rows,
+    plot_acceptance,
+    plot_speedup,
+)
 from eagle3.evaluate.rows import EvaluateResult, Measured, measure
 from eagle3.io import write_text
 from eagle3.lock import dir_lock
+from eagle3.step_time import MeasuredRouting
 from eagle3.vllm_engine import run_in_subprocess
 
 log = logging.getLogger("eagle3.evaluate")
@@ -80,6 +89,8 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     )
     rates, per_pos = measured.rates, measured.result.accepted_per_position
     plot_acceptance(out / CHART, rates, per_pos, measured.tau, k, f"{Path(target).name} + {label}")
+    measured.result.predicted_speedup = predict(cfg, target, draft, measured)
+    plot_speedup(out / SPEEDUP_CHART, measured.result.predicted_speedup, Path(target).name)
     record = run_record(cfg, engines, jobs, draft_config, target_id, sampled_problem, chat)
     record |= {
         "prompt_ids": [names[i] for _, idx in by_cat for i in idx],  # the "all" rows' order
@@ -87,6 +98,51 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     }
     write_results(cfg, measured, record)
     return measured.result
+
+
+def predict(
+    cfg: EvaluateConfig, target: str, draft: Path | None, measured: Measured
+) -> dict[str, Any]:
+    """The predicted speed-up per k and concurrency of every measured method (the evaluated one
+    and those of `compare`) on cfg.speedup_hardware, from its row over every prompt at the first
+    temperature; mean context = mean prompt + half the mean answer."""
+    head = measured.head
+    n = max(len(head["tokens"]), 1)
+    generated = sum(len(t) for t in head["tokens"])
+    context = head["metrics"].get(M_PROMPT_TOKENS, 0) / n + generated / n / 2
+    routing = measured_routing(cfg, draft)
+    first = cfg.passes[0]
+    rows = [
+        r
+        for r in measured.result.rows + measured.result.comparisons
+        if r.category == "all" and r.temperature == first
+    ]
+    return {
+        r.method: predict_for_method(
+            target,
+            draft if r.method == cfg.method else None,
+            r,
+            context,
+            cfg.speedup_hardware,
+            routing,
+        )
+        for r in rows
+    }
+
+
+def measured_routing(cfg: EvaluateConfig, draft: Path | None) -> MeasuredRouting | None:
+    """cfg.routing, else the routing.json beside the capture the draft was trained on (its
+    eagle3_draft.json names it), else None (the uniform-routing bound)."""
+    if cfg.routing:
+        return MeasuredRouting.read(cfg.routing)
+    meta_path = draft / DraftMetadata.FILE if draft is not None else None
+    if meta_path is None or not meta_path.is_file():
+        return None
+    meta = DraftMetadata.read(meta_path)
+    captured = Path(meta.captured) if getattr(meta, "captured", None) else None
+    if captured is not None and (captured / RoutingStats.FILE).is_file():
+        return MeasuredRouting.read(captured)
+    return None
 
 
 def _paths(cfg: EvaluateConfig) -> tuple[str, Path, Path | None]:
