@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "context": args.context,
         "repeats": args.repeats,
         "engine_startup_s": round(startup_s, 1),
+        "config": text,
         "stack": {
             k: text.get(k)
             for k in (
@@ -210,6 +211,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "rows": rows,
     }
+
+
+def add_model(rec: dict[str, Any], hardware: str) -> dict[str, Any]:
+    """Beside each measured pass, eagle3's step-time model of it on `hardware` (one GPU, routing
+    uniform: random weights route every token to near-uniform experts), and measured / model."""
+    from eagle3.step_time import predict_pass_time_s
+
+    cfg = rec["config"]
+    rec["model"] = {"hardware": hardware, "tp": 1, "routing": "uniform bound"}
+    for r in rec["rows"]:
+        r["model_pass_s"], r["model_breakdown"] = {}, {}
+        for t in r["pass_s"]:
+            p = predict_pass_time_s(
+                cfg, hardware, tp=1, t=int(t), b=r["b"], context_len=rec["context"]
+            )
+            r["model_pass_s"][t] = p.total_s
+            r["model_breakdown"][t] = {
+                k: getattr(p, k)
+                for k in (
+                    "memory_s",
+                    "compute_s",
+                    "comm_s",
+                    "overhead_s",
+                    "distinct_experts_per_layer",
+                    "bound",
+                )
+            }
+    return rec
 
 
 def markdown(rec: dict[str, Any]) -> str:
@@ -230,13 +259,36 @@ def markdown(rec: dict[str, Any]) -> str:
     for r in rec["rows"]:
         cells = " | ".join(f"{r['pass_s'][str(t)] * 1e3:.2f}" for t in ts)
         lines.append(f"| {r['b']} | {r['decode_step_s'] * 1e3:.2f} | {cells} |")
+    if "model" in rec:
+        m = rec["model"]
+        lines += [
+            "",
+            f"eagle3's step-time model on the `{m['hardware']}` profile (tp {m['tp']}, "
+            f"{m['routing']}): model ms (measured / model)",
+            "",
+            "| b | " + " | ".join(f"t={t}" for t in ts) + " |",
+            "|---:|" + "---:|" * len(ts),
+        ]
+        for r in rec["rows"]:
+            cells = " | ".join(
+                f"{r['model_pass_s'][str(t)] * 1e3:.2f} "
+                f"({r['pass_s'][str(t)] / r['model_pass_s'][str(t)]:.2f})"
+                for t in ts
+            )
+            lines.append(f"| {r['b']} | {cells} |")
     return "\n".join(lines) + "\n"
+
+
+def write(rec: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rec, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(rec))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target-config", type=Path, required=True, help="the target's config.json")
-    ap.add_argument("--num-layers", type=int, required=True)
+    ap.add_argument("--target-config", type=Path, help="the target's config.json")
+    ap.add_argument("--num-layers", type=int)
     ap.add_argument("--out", type=Path, required=True, help="R.json (R.md beside it)")
     ap.add_argument("--experts", choices=("bf16", "int4"), default="bf16")
     ap.add_argument("--t", default="1,2,3,4,5,6", help="query tokens per sequence")
@@ -246,11 +298,25 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs, no torch.compile")
     ap.add_argument("--dtype", default="bfloat16", help="float32 on a CPU")
+    ap.add_argument(
+        "--hardware",
+        help="also eagle3's step-time model of each pass on this profile (eagle3.hardware)",
+    )
+    ap.add_argument(
+        "--model-only",
+        type=Path,
+        help="no engine: add the model (--hardware) to this earlier record, written to --out",
+    )
     args = ap.parse_args()
-    rec = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rec, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rec))
+    if args.model_only:
+        rec = json.loads(args.model_only.read_text())
+    elif args.target_config is None or args.num_layers is None:
+        ap.error("--target-config and --num-layers are needed to measure (or --model-only R.json)")
+    else:
+        rec = run(args)
+    write(rec, args.out)
+    if args.hardware:  # after the measurement is safe on disk
+        write(add_model(rec, args.hardware), args.out)
     print(markdown(rec))
     return 0
 
