@@ -23,12 +23,17 @@ from test_capture import check_golden, make_prepared
 
 FAMILIES = {
     # yarn rope scaling as Kimi-K2.5 / DeepSeek-V3 ship it: the draft must take it over
+    # and DeepSeek-V3's routing in full: 4 groups of 2 experts, 2 kept, a score-correction bias
     "deepseek_v3": dict(
         num_layers=4,
         seed=2,
         rope_scaling=YARN_ROPE_SCALING,
+        num_experts=8,
+        num_expert_groups=4,
+        topk_groups=2,
+        router_bias_std=0.2,
     ),
-    "qwen3_moe": dict(num_layers=4, seed=3),
+    "qwen3_moe": dict(num_layers=4, seed=3, num_experts=8),
 }
 LAYERS = [1, 2, 3]
 
@@ -57,6 +62,21 @@ def family(request, tmp_path_factory):
         )
     )
     return arch, target, prepared, cap.out
+
+
+def test_hf_capture_measures_the_routing(family):
+    """The family fixture's capture (routing_sample_rows at its default) measured the routing of
+    every row it has (fewer than 64): the one-token windows wake top-k experts, longer ones more.
+    make_prepared's answers are every third token, so windows of 2+ tokens are None, with why."""
+    from eagle3.artifacts import RoutingStats
+
+    arch, _, prepared, captured = family
+    stats = RoutingStats.load(captured)
+    assert stats.routing == {"deepseek_v3": "grouped_topk_bias", "qwen3_moe": "softmax_topk"}[arch]
+    assert stats.num_rows == CaptureManifest.load(captured).num_samples
+    assert stats.cell(1, 1) == 2.0 and 2.0 < stats.cell(1, 4) <= 8
+    assert stats.cell(2, 1) is None
+    assert "2 consecutive answer tokens" in stats.null_reasons["t=2,b=1"]
 
 
 def test_hf_capture_matches_transformers(family):
@@ -129,7 +149,7 @@ def test_capture_train_export(family, tmp_path):
 )
 def test_vllm_capture_moe(family, tmp_path):
     """The vLLM backend on the MoE families, fp32 engine: golden against transformers like the dense
-    targets."""
+    targets; its routing pass's expert ids == the transformers capture's (same rows, same seed)."""
     pytest.importorskip("vllm")
     _, target, prepared, _ = family
     res = run_capture(
@@ -145,6 +165,17 @@ def test_vllm_capture_moe(family, tmp_path):
         )
     )
     assert check_golden(res.out, target)["match"] < 0.01
+    import numpy as np
+
+    from eagle3.artifacts import RoutingStats
+
+    _, _, _, hf_capture = family
+    got, want = (np.load(d / RoutingStats.IDS_FILE) for d in (res.out, hf_capture))
+    assert np.array_equal(got["rows"], want["rows"])
+    differ = (np.sort(got["ids"], -1) != np.sort(want["ids"], -1)).any(-1)  # [M, L]
+    print(f"{family[0]} routing, vLLM vs transformers: {int(differ.sum())} of {differ.size} differ")
+    assert differ.sum() == 0
+    assert RoutingStats.load(res.out).backend == "vllm"
 
 
 def test_yarn_rope_matches_vllm():
