@@ -614,3 +614,12 @@ def test_vllm_capture_tp2(kimi, captured, tmp_path, monkeypatch):
         )
     print(f"kimi-k2.5 capture TP=2 vs TP=1: rel err {worst:.2e}")
     assert worst < 1e-3, worst  # measured 1.1e-4 (float32); neighbouring layers differ by > 0.2
+    # the routing: rank 0's expert ids, the TP=1 ones (the router's gate is replicated; only a
+    # near-tie the all-reduce's order tips could differ)
+    from eagle3.artifacts import RoutingStats
+
+    r1, r2 = (np.load(d / RoutingStats.IDS_FILE) for d in (captured, res.out))
+    assert np.array_equal(r1["rows"], r2["rows"]) and r1["ids"].shape == r2["ids"].shape
+    differ = (np.sort(r1["ids"], -1) != np.sort(r2["ids"], -1)).any(-1)  # [M, L]
+    print(f"kimi-k2.5 routing TP=2 vs TP=1: {int(differ.sum())} of {differ.size} differ")
+    assert differ.mean() < 1e-3
