@@ -205,7 +205,9 @@ def test_softmax_topk_is_qwen3_moes_router():
 
 
 def test_router_spec_of_the_presets():
-    read = lambda name: json.loads((ROOT / "configs/targets" / f"{name}.json").read_text())  # noqa: E731
+    def read(name: str) -> dict:
+        return json.loads((ROOT / "configs/targets" / f"{name}.json").read_text())
+
     kimi = router_spec(read("kimi-k2.5"))
     assert (kimi.kind, kimi.num_experts, kimi.top_k) == ("grouped_topk_bias", 384, 8)
     qwen = router_spec(read("qwen3-30b-a3b"))
