@@ -1,8 +1,9 @@
 """Thinking targets' published chat templates: what training on the generated ids, one row per turn
 where the template needs it, costs and gains, per template and thinking switch.
 
-For each published template (Kimi-K2-Thinking, Qwen3, DeepSeek-R1-distill, DeepSeek-V3.1; thinking
-on, and off where the template has a switch) on its tiny thinking target
+For each published template (Kimi-K2-Thinking, Qwen3, DeepSeek-R1-distill, DeepSeek-V3.1,
+GLM-4.6, MiniMax-M2, Seed-OSS; thinking on, and off where it has a switch) on its tiny thinking
+target
 (eagle3.testing.tiny.build_tiny_thinking_target + make_thinking_emitter): `--num-chats` chats of
 two and three user turns are regenerated with the hf backend (transformers, no vLLM), prepared, and
 measured:
@@ -13,9 +14,10 @@ measured:
   supervised tokens (think markers included); the share of turns cut at `--max-new-tokens`;
   prepare's wall time; whether the trained ids are exactly the generated ids (they must be);
 - the same chats as text only (`reasoning_content` + content, no ids, as a user's own dataset holds
-  them) through prepare's alignment check: identical ids, or refused (the error's first line, and
-  how many turns `prepare.misaligned_turns: drop` would keep), and how many turns' reasoning the
-  template gave nothing to check against;
+  them), supervised as the template renders each turn: identical ids, other ids (a template that
+  writes whitespace of its own around the reasoning, which these targets do not), or refused (the
+  error's first line, and how many turns `prepare.misaligned_turns: drop` would keep), and how
+  many turns' reasoning the template gave nothing to check against;
 - before / after: the generated reasoning tokens (the trace between the think markers) that a
   single rendering of each whole conversation holds (`apply_chat_template(messages,
   tokenize=True)` with `reasoning_content` on the assistant turns: what rendering each
@@ -51,6 +53,8 @@ from _common import RESULTS, code_commit, command_line, describe_machine, utc_no
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = RESULTS / "thinking_templates"
+#: families whose reasoning markers are several tokens: make_thinking_emitter writes one per state
+NO_EMITTER = ("kimi-k3", "deepseek-r1-split-think")
 
 
 def template_files() -> tuple[Path, dict[str, str]]:
@@ -401,10 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         "--temperature", type=float, default=1.0, help="regenerate's sampling temperature"
     )
     ap.add_argument("--seed", type=int, default=0, help="chats and sampling seed")
+    emitted = [f for f in files if f not in NO_EMITTER]
     ap.add_argument(
         "--families",
-        default=",".join(files),
-        help=f"comma-separated templates to measure (default all: {','.join(files)})",
+        default=",".join(emitted),
+        help=f"comma-separated templates to measure (default: {','.join(emitted)}; not "
+        f"{','.join(NO_EMITTER)}, whose markers are several tokens, which the tiny thinking "
+        "emitter cannot write)",
     )
     ap.add_argument(
         "--templates-dir",

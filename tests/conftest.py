@@ -306,3 +306,23 @@ def thinking_target(tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def thinking_target_untrained(tmp_path_factory):
+    """family -> a tiny target of that thinking family with its published chat template and
+    random weights (build_tiny_thinking_target; no emitter: for stages that need no target that
+    thinks, and families whose markers the emitter cannot write)."""
+    from tests.thinking_templates import template_path
+
+    from eagle3.testing.tiny import build_tiny_thinking_target
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            out = tmp_path_factory.mktemp("thinking_untrained") / family
+            built[family] = build_tiny_thinking_target(out, family, template_path(family))
+        return built[family]
+
+    return get

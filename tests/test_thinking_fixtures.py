@@ -15,8 +15,6 @@ from tests.thinking_templates import CHAT_TEMPLATES, TEMPLATE_FILES, template_pa
 from transformers import AutoTokenizer
 
 from eagle3.testing.tiny import (
-    THINK_END,
-    THINK_START,
     THINKING_FAMILIES,
     build_tiny_thinking_target,
     build_tiny_thinking_tokenizer,
@@ -25,6 +23,8 @@ from eagle3.testing.tiny import (
 )
 
 FAMILIES = list(THINKING_FAMILIES)
+#: the families whose reasoning markers are one token each (the thinking emitter writes them)
+ONE_TOKEN_MARKERS = [f for f in FAMILIES if f not in ("kimi-k3", "deepseek-r1-split-think")]
 
 #: two turns, each with its reasoning as an OpenAI-compatible server returns it
 CONVERSATION = [
@@ -93,37 +93,50 @@ def test_the_tokenizer_has_the_families_tokens_and_the_template_byte_for_byte(to
     assert installed.read_bytes() == template_path(family).read_bytes()
     assert tok.chat_template == template_path(family).read_text(encoding="utf-8")
     assert tok.eos_token == fam.eos_token and tok.bos_token == fam.bos_token
-    for text in (THINK_START, THINK_END, fam.eos_token, *fam.special_tokens, *fam.plain_tokens):
+    for text in (fam.eos_token, fam.turn_end, *fam.special_tokens, *fam.plain_tokens):
         assert len(tok(text, add_special_tokens=False)["input_ids"]) == 1, text
     assert tok(fam.eos_token, add_special_tokens=False)["input_ids"] == [tok.eos_token_id]
+    for marker in fam.think_markers:  # one token each, or several where the family splits them
+        pieces = tok(marker, add_special_tokens=False)["input_ids"]
+        assert (len(pieces) == 1) == (family in ONE_TOKEN_MARKERS), (marker, pieces)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ONE_TOKEN_MARKERS)
 def test_think_tokens_are_stripped_by_decoding_only_where_the_real_model_marks_them_special(
     tokenizers, family
 ):
-    tok = tokenizers[family]
-    ids = tok("<think>a thought</think>the answer", add_special_tokens=False)["input_ids"]
-    start, end = tok.convert_tokens_to_ids([THINK_START, THINK_END])
+    tok, (start_text, end_text) = tokenizers[family], THINKING_FAMILIES[family].think_markers
+    text = f"{start_text}a thought{end_text}the answer"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    start, end = tok.convert_tokens_to_ids([start_text, end_text])
     assert ids[0] == start and end in ids
     decoded = tok.decode(ids, skip_special_tokens=True)
-    if family == "kimi-k2-thinking":  # Kimi's tokenizer marks every added token special
+    if THINKING_FAMILIES[family].think_tokens_special:  # Kimi's and Seed's tokenizers
         assert decoded == "a thoughtthe answer"
-    else:  # Qwen3 and DeepSeek add <think> / </think> as plain tokens
-        assert decoded == "<think>a thought</think>the answer"
+    else:  # Qwen3, DeepSeek, GLM and MiniMax add <think> / </think> as plain tokens
+        assert decoded == text
+
+
+#: the text each template writes between a turn's answer and the token that ends it
+ANSWER_CLOSE = {"kimi-k3": "<|close|>response<|sep|><|close|>message<|sep|>"}
 
 
 @pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_assistant_turn_ends_with_the_eos_as_one_token(tokenizers, family, thinking):
-    tok = tokenizers[family]
-    ids = tok(render(tok, CONVERSATION, family, thinking), add_special_tokens=False)["input_ids"]
+def test_each_assistant_turn_ends_with_the_end_of_turn_token(tokenizers, family, thinking):
+    """The token after a history turn's answer (and its closing tags) is the family's end of
+    turn, one token; the conversation opens with the bos where the template writes one."""
+    tok, fam = tokenizers[family], THINKING_FAMILIES[family]
+    history = [*CONVERSATION, {"role": "user", "content": "Thanks."}]
+    ids = tok(render(tok, history, family, thinking), add_special_tokens=False)["input_ids"]
+    end = tok.convert_tokens_to_ids(fam.turn_end)
     for answer in ("Red and blue.", "Green."):
-        answer_ids = tok(answer, add_special_tokens=False)["input_ids"]
+        answer_ids = tok(answer + ANSWER_CLOSE.get(family, ""), add_special_tokens=False)
+        answer_ids = answer_ids["input_ids"]
         at = next(i for i in range(len(ids)) if ids[i : i + len(answer_ids)] == answer_ids)
-        assert ids[at + len(answer_ids)] == tok.eos_token_id, family
-    bos = THINKING_FAMILIES[family].bos_token
-    assert (ids[0] == tok.bos_token_id) == (family.startswith("deepseek")), bos
+        assert ids[at + len(answer_ids)] == end, family
+    writes_bos = family.startswith("deepseek") or family in ("minimax-m2", "seed-oss")
+    assert (ids[0] == tok.bos_token_id) == writes_bos, fam.bos_token
 
 
 def test_kimi_k2_thinking_renders_history_turns_as_an_empty_think_block(tokenizers):
@@ -223,7 +236,7 @@ AS_GENERATED_IN_HISTORY = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", list(AS_GENERATED_IN_HISTORY))
 def test_a_generated_turn_is_not_what_the_history_reads_back(tokenizers, family):
     tok = tokenizers[family]
     full = render(tok, CONVERSATION, family, True)
@@ -238,7 +251,7 @@ def test_a_generated_turn_is_not_what_the_history_reads_back(tokenizers, family)
     "family",
     [  # transformers runs DeepSeek-V3's experts one by one: ~10 s per target on 2 cores
         pytest.param(f, marks=pytest.mark.slow) if THINKING_FAMILIES[f].arch == "deepseek_v3" else f
-        for f in FAMILIES
+        for f in ONE_TOKEN_MARKERS
     ],
 )
 def test_a_thinking_emitter_writes_reasoning_then_answer_then_the_eos(thinking_target, family):
@@ -249,7 +262,8 @@ def test_a_thinking_emitter_writes_reasoning_then_answer_then_the_eos(thinking_t
     path = thinking_target(family)
     tok = AutoTokenizer.from_pretrained(str(path), padding_side="left")
     model = load_causal_lm(path, dtype=torch.float32)
-    end = tok.convert_tokens_to_ids(THINK_END)
+    end = tok.convert_tokens_to_ids(THINKING_FAMILIES[family].think_markers[1])
+    turn_end = tok.convert_tokens_to_ids(THINKING_FAMILIES[family].turn_end)
     users = [
         "Name two colours.",
         "What is the time?",
@@ -270,7 +284,7 @@ def test_a_thinking_emitter_writes_reasoning_then_answer_then_the_eos(thinking_t
                 **batch, max_new_tokens=64, do_sample=False, pad_token_id=tok.pad_token_id
             )
         turns = [row[batch["input_ids"].shape[1] :].tolist() for row in out]
-        ended = [t[: t.index(tok.eos_token_id)] for t in turns if tok.eos_token_id in t]
+        ended = [t[: t.index(turn_end)] for t in turns if turn_end in t]
         assert len(ended) >= 6, (family, thinking, [tok.decode(t) for t in turns])
         closed = [t for t in ended if t.count(end) == 1]
         if thinking:
@@ -300,9 +314,9 @@ def test_the_emitter_refuses_other_targets_and_rewrites_once(tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_text_turn_reasoning_is_checked_only_where_the_template_renders_it(tmp_path, family):
-    """A text turn's reasoning is held against the template's rendering only where the template
-    renders the last turn's reasoning (Qwen3), even when its words also occur in the user's turn:
-    a trace as short as one word is no sign that the template rendered it."""
+    """A text turn's reasoning counts as checked only where the template renders the last turn's
+    reasoning, even when its words also occur in the user's turn: a trace as short as one word is
+    no sign that the template rendered it. Elsewhere it is placed between the learned markers."""
     from eagle3.chat_template import ChatRenderer
     from eagle3.data.prepare import conversation_rows
 
@@ -312,14 +326,11 @@ def test_a_text_turn_reasoning_is_checked_only_where_the_template_renders_it(tmp
         {"role": "user", "content": "The house has a door."},
         {"role": "assistant", "content": " door", "reasoning": " has"},
     ]
-    assert renderer.renders_reasoning(messages) == (family == "qwen3")
-    if family == "qwen3":  # rendered with newlines of its own, which this turn's text lacks
-        return
+    renders = family in ("qwen3", "kimi-k3", "glm-4.6", "minimax-m2", "seed-oss")
+    turn = renderer.text_turn(messages)
+    assert turn.reasoning_checked == renders and not turn.reasoning_dropped
     prompt = renderer.prompt_ids(messages[:1])
-    completion = renderer.text_completion_ids(prompt, messages[1])
-    mismatch, checked = renderer.check_text_turn(
-        messages, prompt, completion, renderer.num_reasoning_ids(prompt, completion)
-    )
-    assert mismatch is None and not checked
     ((ids, mask),) = conversation_rows(renderer, messages)
-    assert ids == prompt + completion and sum(mask) == len(completion)
+    assert ids == prompt + turn.completion_ids and sum(mask) == len(turn.completion_ids)
+    text = renderer.decode(turn.completion_ids)
+    assert text.count("has") == 1 and text.count("door") == 1

@@ -18,6 +18,11 @@ CASES = [
     ("deepseek-r1-distill", True),
     ("deepseek-v3.1", True),
     ("deepseek-v3.1", False),
+    ("glm-4.6", True),
+    ("glm-4.6", False),
+    ("minimax-m2", True),
+    ("seed-oss", True),
+    ("seed-oss", False),
 ]
 
 
@@ -49,7 +54,9 @@ def test_every_template_on_two_chats(tmp_path):
             continue
         assert 0 < c["reasoning_share_of_supervised"] < 1
         assert trace["trained_tokens"] == trace["generated_tokens"] > 0
-        if family == "qwen3":  # the last turn's reasoning only: one turn per conversation at most
+        if family in ("glm-4.6", "minimax-m2", "seed-oss"):  # rendered with its whitespace
+            assert trace["single_rendering_tokens"] < trace["generated_tokens"]
+        elif family == "qwen3":  # the last turn's reasoning only
             assert 0 < trace["single_rendering_turns"] <= c["conversations"]
             assert 0 < trace["single_rendering_tokens"] < trace["generated_tokens"]
         else:  # history as `<think></think>`, reasoning dropped, or never rendered
@@ -57,12 +64,9 @@ def test_every_template_on_two_chats(tmp_path):
     # one row per conversation where every turn's prompt extends the row before it, else per turn
     assert cases[("deepseek-v3.1", False)]["rows_per_conversation"] == 1.0
     assert cases[("kimi-k2-thinking", True)]["rows_per_conversation"] > 1.0
-    # Qwen3 writes its reasoning between newlines of its own; this target's text has none
-    refused = cases[("qwen3", True)]["text_only"]
-    assert refused["outcome"] == "refused"
-    assert refused["message"].startswith("prepare: text-only.jsonl: row chat-")
-    # right after `<think>`: the template's newline, the target's first reasoning word
-    assert "the reasoning differs at token 1" in refused["message"]
+    # Qwen3 writes its reasoning between newlines of its own, trained as the template renders
+    # them; this target's text has none
+    assert cases[("qwen3", True)]["text_only"]["outcome"] == "other ids"
     assert cases[("qwen3", False)]["text_only"]["outcome"] == "identical ids"
     assert cases[("deepseek-r1-distill", True)]["text_only"]["reasoning_unchecked"] > 0
 

@@ -14,6 +14,11 @@ TEMPLATE_FILES = {
     "qwen3": "Qwen-Qwen3-0.6B.jinja",
     "deepseek-r1-distill": "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
     "deepseek-v3.1": "deepseek-ai-DeepSeek-V3.1.jinja",
+    "deepseek-r1-split-think": "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+    "kimi-k3": "Kimi-K3.jinja",
+    "glm-4.6": "GLM-4.6.jinja",
+    "minimax-m2": "MiniMax-M2.jinja",
+    "seed-oss": "ByteDance-Seed-OSS.jinja",
 }
 
 

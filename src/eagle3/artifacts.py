@@ -232,7 +232,7 @@ class PreparedMeta(Record):
     #: the run's chat_template_kwargs (the thinking switch), and rows' own by count
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template_kwargs_by_row: dict[str, int] | None = None
-    #: ["<think>", "</think>"] when the tokenizer has them as one token each
+    #: the reasoning markers the chat template writes ([open, close], any number of tokens each)
     think_markers: list[str] | None = None
     mask_method: str | None = None
     tokenizer_vocab_size: int | None = None

@@ -12,13 +12,14 @@ last user turn — so a conversation is not one growing prefix. Training rows ar
 assistant turn (`turn_rows`): the prompt ids the engine saw (the template's rendering of the
 history + generation prompt) followed by the ids the target generated; consecutive turns whose
 prompt extends the previous row share one row (the fast path of prefix-stable templates such as
-ChatML). A turn that arrives as text only (a user's own dataset) is tokenized as the target would
-have written it and checked against the template's own rendering of that turn
-(`check_text_turn`): the first differing token is reported, never trained on silently.
+ChatML). A turn that arrives as text only (a user's own dataset) is supervised as the template
+renders it after its generation prompt, whitespace and closing tags included (`text_turn`), and
+checked to hold the turn's answer and reasoning: what it cannot represent is refused naming the
+first difference from the start of the turn, never trained on silently.
 
-The think markers are recognised when the vocabulary holds `<think>` and `</think>` as one token
-each (Kimi-K2, Qwen3, DeepSeek-R1/V3.1, GLM, MiniMax); a target without them has no reasoning
-span.
+The reasoning markers are never a constant: eagle3.think_format reads them from the template
+(`<think>`, Seed-OSS's `<seed:think>`, Kimi-K3's three-token `<|open|>think<|sep|>`; one token or
+several) and finds them in ids by decoding.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from typing import Any
 from eagle3.config import ConfigError
 from eagle3.errors import UserError
 from eagle3.io import sha256_text
-
-THINK_START = "<think>"
-THINK_END = "</think>"
+from eagle3.think_format import (
+    ThinkFormat,
+    check_parser_agrees,
+    learn_think_format,
+    safe_common_prefix,
+)
 
 #: message keys a chat template may read; everything else (token ids, finish reasons) stays ours
 _TEMPLATE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
@@ -91,18 +95,19 @@ def load_tokenizer(target: str | Path, trust_remote_code: bool = False, stage: s
 
 @dataclass
 class Misalignment:
-    """Where a text turn's ids (as the target would write the text) and the template's rendering
-    of that turn first differ."""
+    """Where a text turn as its data gives it and the template's rendering of that turn first
+    differ, counted from the start of the turn."""
 
-    position: int  # index in the turn's answer ids (all its ids when `span` is "reasoning")
+    position: int  # token index from the start of the turn
     ours: str  # the text of the tokens from there, "|" between tokens
     template: str
-    span: str  # "answer" | "reasoning"
+    span: str  # "answer" | "reasoning": what the template's rendering lacks
 
     def describe(self) -> str:
         return (
-            f"the {self.span} differs at token {self.position}: the text gives {self.ours!r}, "
-            f"the chat template renders {self.template!r}"
+            f"the chat template's rendering of the turn lacks its {self.span} as given; the "
+            f"first difference from the start of the turn is at token {self.position}: the data "
+            f"gives {self.ours!r}, the chat template renders {self.template!r}"
         )
 
 
@@ -112,14 +117,30 @@ class TurnIds:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    #: "generated" (ids the target generated) | "text" (tokenized from the turn's text)
+    #: "generated" (ids the target generated) | "text" (the template's rendering of its text)
     source: str
     #: how many of completion_ids are the reasoning span (think markers included)
     num_reasoning_ids: int = 0
 
 
+@dataclass
+class TextTurn:
+    """A text-only assistant turn as the ids the template renders after its generation prompt."""
+
+    completion_ids: list[int]
+    #: the reasoning was found in the template's own rendering (False: the template renders none
+    #: of this turn's, and it was placed between the learned markers)
+    reasoning_checked: bool = False
+    #: the turn's reasoning was left out: the generation prompt closes the think block (thinking
+    #: off) or leaves it no place
+    reasoning_dropped: bool = False
+    #: the reasoning came inline in the content, in the target's own markers
+    inline: bool = False
+
+
 class ChatRenderer:
-    """The target's tokenizer and chat template with this run's `chat_template_kwargs`."""
+    """The target's tokenizer and chat template with this run's `chat_template_kwargs`, and the
+    reasoning format the template writes (eagle3.think_format, learned on first use)."""
 
     def __init__(
         self,
@@ -134,28 +155,60 @@ class ChatRenderer:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.tokenizer = load_tokenizer(target, self.trust_remote_code, stage)
         tok = self.tokenizer
-        self.think_start_id = _single_token_id(tok, THINK_START)
-        self.think_end_id = _single_token_id(tok, THINK_END)
-        if self.think_start_id is None or self.think_end_id is None:
-            self.think_start_id = self.think_end_id = None
         if tok.eos_token_id is None:
             raise TemplateError(
                 f"the tokenizer of {target} has no eos token: the end of an assistant turn "
                 "cannot be found; set `eos_token` in tokenizer_config.json"
             )
-        self.end_of_turn_id = int(tok.eos_token_id)
+        self.stop_ids = [int(tok.eos_token_id), *_generation_eos_ids(target)]
+        self.stop_texts = [tok.convert_ids_to_tokens(i) for i in dict.fromkeys(self.stop_ids)]
+        self._formats: dict[str, ThinkFormat] = {}
+        fmt = self.think_format()
+        self.end_of_turn_id = _single_token_id(tok, fmt.end) or int(tok.eos_token_id)
+        # one-token markers: what evaluate's per-span calls stop at
+        markers = fmt.markers or [None, None]
+        self.think_start_id = _single_token_id(tok, markers[0]) if markers[0] else None
+        self.think_end_id = _single_token_id(tok, markers[1]) if markers[1] else None
+        if self.think_start_id is None or self.think_end_id is None:
+            self.think_start_id = self.think_end_id = None
 
     @property
     def has_think_markers(self) -> bool:
+        """The markers are one token each (evaluate splits its calls at them)."""
         return self.think_end_id is not None
+
+    @property
+    def think_markers(self) -> list[str] | None:
+        """[open, close] as the template writes them (any number of tokens each), or None."""
+        return self.think_format().markers
+
+    def think_format(self, chat_template_kwargs: dict[str, Any] | None = None) -> ThinkFormat:
+        """The template's reasoning format with a row's (or the run's) kwargs, learned once."""
+        kwargs = self.kwargs_for(chat_template_kwargs)
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in self._formats:
+            self._formats[key] = learn_think_format(
+                lambda m, g, kw: self.render_text(m, g, kw),
+                kwargs,
+                self.stop_texts,
+                self.tokenizer.eos_token,
+            )
+        return self._formats[key]
+
+    def check_reasoning_parser(self, parser: str | None) -> None:
+        """Refuse a vLLM reasoning parser that splits at other markers than the template writes."""
+        if parser:
+            check_parser_agrees(self.think_format(), parser, self.target)
 
     def identity(self) -> dict[str, Any]:
         """What a manifest records of how prompts were rendered."""
+        fmt = self.think_format()
         return {
             "chat_template_sha256": sha256_text(self.tokenizer.chat_template),
             "chat_template_kwargs": self.chat_template_kwargs,
             "trust_remote_code": self.trust_remote_code,
-            "think_markers": [THINK_START, THINK_END] if self.has_think_markers else None,
+            "think_markers": fmt.markers,
+            "think_markers_from": fmt.learned_from,
         }
 
     # ------------------------------------------------------------------------------- rendering
@@ -179,6 +232,10 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def decode(self, ids: list[int]) -> str:
+        """The ids' text with every token written out (special ones included)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def prompt_ids(
         self, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None
     ) -> list[int]:
@@ -192,119 +249,281 @@ class ChatRenderer:
         return self.encode(self.render_text(messages, False, chat_template_kwargs))
 
     # ----------------------------------------------------------------------- generated turns
-    def prompt_opens_think(self, prompt_ids: list[int]) -> bool:
-        """The generation prompt pre-fills `<think>` (DeepSeek-R1-distill): the target's first
-        token is already reasoning."""
-        if not self.has_think_markers:
-            return False
-        for i in reversed(prompt_ids[-8:]):
-            if i == self.think_end_id:
-                return False
-            if i == self.think_start_id:
-                return True
-        return False
+    def _prompt_block(self, prompt: str, fmt: ThinkFormat) -> str | None:
+        """ "open" when the generation prompt leaves a think block open (DeepSeek-R1-distill's
+        `<think>\\n`, Kimi-K3's `<|open|>think<|sep|>`), "closed" when it closes one (thinking
+        off: Qwen3's empty block, DeepSeek-V3.1's `</think>`), else None. Read from the prompt's
+        text after its last end-of-turn token (the generation prompt and the last user turn)."""
+        if not fmt.markers:
+            return None
+        cut = max((prompt.rfind(s) + len(s) for s in self.stop_texts if s in prompt), default=0)
+        tail = prompt[cut:]
+        at_open, at_close = tail.rfind(fmt.open), tail.rfind(fmt.close)
+        if at_open < 0 and at_close < 0:
+            return None
+        return "open" if at_open > at_close else "closed"
 
-    def num_reasoning_ids(self, prompt_ids: list[int], completion_ids: list[int]) -> int:
-        """How many leading ids of a generated turn are reasoning (up to and including
-        `</think>`; all of them when the block never closes)."""
-        if not self.has_think_markers:
+    def prompt_opens_think(
+        self, prompt_ids: list[int], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> bool:
+        """The generation prompt pre-fills the reasoning's opening marker: the target's first
+        token is already reasoning."""
+        fmt = self.think_format(chat_template_kwargs)
+        return self._prompt_block(self.decode(prompt_ids[-64:]), fmt) == "open"
+
+    def _ids_through(self, ids: list[int], text: str) -> int | None:
+        """The fewest leading ids whose text holds `text` (None: it never occurs)."""
+        if text not in self.decode(ids):
+            return None
+        low, high = 1, len(ids)
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (mid + 1, high) if text not in self.decode(ids[:mid]) else (low, mid)
+        return low
+
+    def num_reasoning_ids(
+        self,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> int:
+        """How many leading ids of a turn are reasoning (up to and including the closing
+        marker, however many tokens it spans; all of them when the block never closes)."""
+        fmt = self.think_format(chat_template_kwargs)
+        if not fmt.markers or not completion_ids:
             return 0
-        if self.think_end_id in completion_ids:
-            return completion_ids.index(self.think_end_id) + 1
-        opened = self.prompt_opens_think(prompt_ids) or (
-            completion_ids[:1] == [self.think_start_id]
-        )
+        through = self._ids_through(completion_ids, fmt.close)
+        if through is not None:
+            return through
+        opened = self.prompt_opens_think(prompt_ids, chat_template_kwargs) or self.decode(
+            completion_ids
+        ).lstrip().startswith(fmt.open)
         return len(completion_ids) if opened else 0
 
     def split_generated(
-        self, prompt_ids: list[int], completion_ids: list[int]
-    ) -> tuple[str | None, str]:
-        """(reasoning, answer) text of a generated turn; reasoning None when it has no think
-        block. Special tokens are left out of both texts (as a server's reasoning parser returns
-        them)."""
-        n = self.num_reasoning_ids(prompt_ids, completion_ids)
-        decode = self.tokenizer.decode
-        if not n:
-            return None, decode(completion_ids, skip_special_tokens=True)
-        trace = [i for i in completion_ids[:n] if i not in (self.think_start_id, self.think_end_id)]
-        return (
-            decode(trace, skip_special_tokens=True),
-            decode(completion_ids[n:], skip_special_tokens=True),
-        )
-
-    # ---------------------------------------------------------------------------- text turns
-    def text_completion_ids(self, prompt_ids: list[int], message: dict[str, Any]) -> list[int]:
-        """A text-only assistant turn as the ids the target would write: `<think>` (unless the
-        prompt opened it) reasoning `</think>` answer, tokenized, then the end-of-turn token —
-        unless the turn says it was cut (`finish_reason: length`): the target wrote no end."""
-        text = message.get("content") or ""
-        reasoning = message.get("reasoning")
-        if reasoning is not None and self.has_think_markers:
-            opened = self.prompt_opens_think(prompt_ids)
-            text = ("" if opened else THINK_START) + reasoning + THINK_END + text
-        cut = message.get("finish_reason") == "length"
-        return self.encode(text) + ([] if cut else [self.end_of_turn_id])
-
-    def check_text_turn(
         self,
-        messages: list[dict[str, Any]],
         prompt_ids: list[int],
         completion_ids: list[int],
-        num_reasoning: int,
         chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[Misalignment | None, bool]:
-        """Hold a text turn's ids (`messages[-1]` after `prompt_ids`, tokenized by
-        `text_completion_ids`) against the template's rendering of the conversation through that
-        turn: its answer must be the same ids as the rendering's last turn ends with; its whole
-        completion too where the template renders the last turn's reasoning (read from the end of
-        the prompt when the rendering starts with it). -> (the first difference or None, whether
-        the reasoning was checked)."""
-        full = self.render_ids(messages, chat_template_kwargs)
-        end = _last_index(full, self.end_of_turn_id)
-        answer = completion_ids[num_reasoning:]
-        cut = completion_ids[-1:] != [self.end_of_turn_id]  # finish_reason length: no end
-        if end is None:  # the template ends the last turn without the end-of-turn token
-            end = len(full)
-            if not cut:
-                answer, completion_ids = answer[:-1], completion_ids[:-1]
-        elif not cut:
-            end += 1
-        tail = full[max(end - len(answer), 0) : end]
-        mismatch = self._difference(answer, tail, "answer")
-        if mismatch or not num_reasoning:
-            return mismatch, False
-        reasoning = messages[-1].get("reasoning") or ""
-        if not reasoning.strip() or not self.renders_reasoning(messages, chat_template_kwargs):
-            return None, False  # the template drops this turn's reasoning: nothing to hold it to
-        if full[: len(prompt_ids)] == prompt_ids:
-            turn = full[len(prompt_ids) : end]
+    ) -> tuple[str | None, str]:
+        """(reasoning, answer) text of a generated turn, as the template takes them back as a
+        message's reasoning field and content: the markers, the template's own wrapping of the
+        answer (Kimi-K3's response channel) and the end-of-turn token left out; special tokens
+        dropped (as a server's reasoning parser returns them). Reasoning None when the turn
+        has no think block."""
+        fmt = self.think_format(chat_template_kwargs)
+        n = self.num_reasoning_ids(prompt_ids, completion_ids, chat_template_kwargs)
+        text = self.decode(completion_ids)
+        reasoning = None
+        if n:
+            head = self.decode(completion_ids[:n])
+            at = head.find(fmt.close)
+            if at < 0:
+                trace, text = head, text[len(head) :]
+            else:
+                trace, text = head[:at], text[at + len(fmt.close) :]
+            trace = trace.lstrip()
+            if trace.startswith(fmt.open):
+                trace = trace[len(fmt.open) :]
+            if fmt.end in trace:  # a trace that never closed, ended by the end-of-turn token
+                trace = trace[: trace.rfind(fmt.end)]
+            reasoning = self._plain(trace)
+        answer = text
+        wrap_open, wrap_close = fmt.answer_open.strip(), fmt.answer_close.strip()
+        if wrap_open and answer.lstrip().startswith(wrap_open):
+            answer = answer.lstrip()[len(wrap_open) :]
+        for closing in (wrap_close, fmt.end):
+            if closing and closing in answer:
+                answer = answer[: answer.rfind(closing)]
+        return reasoning, self._plain(answer)
+
+    def _plain(self, text: str) -> str:
+        """`text` without the tokenizer's special tokens (as decoding skips them)."""
+        return self.tokenizer.decode(self.encode(text), skip_special_tokens=True) if text else ""
+
+    # ---------------------------------------------------------------------------- text turns
+    def text_turn(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> TextTurn:
+        """A text-only assistant turn (`messages[-1]`) as the template renders it after the
+        generation prompt of `messages[:-1]`: everything it writes from there to the end of the
+        turn (whitespace, closing tags and the end-of-turn token included), checked to hold the
+        turn's answer and, where the template renders it, its reasoning. Where the template
+        renders none of this turn's reasoning (Kimi-K2-Thinking empties it, DeepSeek drops it)
+        the reasoning is placed between the learned markers (`reasoning_checked` False); where
+        the generation prompt has closed the block (thinking off) it is left out
+        (`reasoning_dropped`). A turn cut at max_new_tokens (`finish_reason: length`) has no
+        end-of-turn token. Raises MisalignedTurnError (without the row) when the rendering lacks
+        the answer or the reasoning as given."""
+        fmt = self.think_format(chat_template_kwargs)
+        history, message = messages[:-1], dict(messages[-1])
+        out = TextTurn([])
+        if message.get("reasoning") is None and fmt.markers and fmt.close in message["content"]:
+            head, _, answer = message["content"].partition(fmt.close)  # inline, own markers
+            if fmt.open not in head or head.lstrip().startswith(fmt.open):
+                message["reasoning"] = head.lstrip().removeprefix(fmt.open)
+                message["content"], out.inline = answer, True
+        reasoning = message.get("reasoning")
+        if reasoning is not None and not reasoning.strip():
+            reasoning = None
+        if reasoning is not None and not fmt.markers:
+            why = fmt.problem or (
+                "it renders no reasoning, and neither its generation prompt nor its turns show "
+                "a think block"
+            )
+            raise TemplateError(
+                f"the chat template of {self.target} shows no reasoning markers ({why}), so a "
+                "turn's reasoning cannot be placed where the target writes it: leave the "
+                "reasoning out (`prepare.reasoning: drop`), or use the target's own chat template"
+            )
+        prompt = self.render_text(history, True, chat_template_kwargs)
+        block = self._prompt_block(prompt, fmt)
+        committed = fmt.thinking_answer_open.strip() and prompt.rstrip().endswith(
+            fmt.thinking_answer_open.strip()
+        )  # the prompt opened the answer (Kimi-K3, thinking off)
+        if reasoning is not None and (block == "closed" or committed):
+            reasoning, out.reasoning_dropped = None, True
+        if reasoning is None:
+            message.pop("reasoning", None)
+        rendered = self.render_text([*history, message], False, chat_template_kwargs)
+        answer = message["content"]
+        turn = self._turn_text(history, prompt, rendered, answer, fmt, block, chat_template_kwargs)
+        if reasoning is not None:
+            if reasoning.strip() in turn and self._renders_reasoning(
+                history, message, rendered, chat_template_kwargs
+            ):
+                out.reasoning_checked = True
+            elif fmt.open in turn and turn.find(fmt.close, turn.find(fmt.open)) >= 0:
+                at = turn.find(fmt.open) + len(fmt.open)  # the empty block the template writes
+                turn = turn[:at] + reasoning + turn[at:]
+            elif block == "open":
+                closes = turn.lstrip().startswith(fmt.close)
+                turn = reasoning + ("" if closes else fmt.close) + turn
+            else:  # a template that drops the reasoning and pre-fills nothing
+                turn = fmt.open + reasoning + fmt.close + turn
+        elif block == "open" and fmt.close not in turn:  # the target closes the block at once
+            turn = fmt.close + turn
+        turn = self._cut_at_end(turn, answer, fmt, message.get("finish_reason") == "length")
+        problem = self._lacks(turn, reasoning, answer)
+        if problem is not None:
+            given = (
+                ("" if block == "open" or reasoning is None else fmt.open)
+                + (f"{reasoning}{fmt.close}" if reasoning is not None else "")
+                + fmt.answer_open
+                + answer
+                + fmt.answer_close
+                + fmt.end
+            )
+            raise MisalignedTurnError(self._difference(given, turn, problem).describe())
+        out.completion_ids = self.encode(turn)
+        return out
+
+    def _turn_text(
+        self,
+        history: list[dict[str, Any]],
+        prompt: str,
+        rendered: str,
+        answer: str,
+        fmt: ThinkFormat,
+        block: str | None,
+        kwargs: dict[str, Any] | None,
+    ) -> str:
+        """The text the template renders after the generation prompt for the last turn. Where
+        it renders the turn in its history form instead (DeepSeek: no pre-filled `<think>`), the
+        turn starts where a head of the generation prompt's own text (cut between tokens, never
+        inside a marker) last ends in the rendering before the answer, the opening the prompt
+        already wrote left out."""
+        if rendered.startswith(prompt):
+            return rendered[len(prompt) :]
+        before = self.render_text(history, False, kwargs)
+        markers = [m for m in (fmt.open, fmt.close, *self.stop_texts) if m]
+        gen = prompt[safe_common_prefix(prompt, before, markers) :]
+        limit = rendered.rfind(answer.strip()) if answer.strip() else len(rendered)
+        inside = {
+            k for m in markers for at in _occurrences(gen, m) for k in range(at + 1, at + len(m))
+        }
+        cuts, text = [], ""  # the generation prompt's token boundaries
+        for i in self.encode(gen):
+            text += self.tokenizer.decode([i])
+            cuts.append(len(text))
+        starts = [
+            rendered.rfind(gen[:k], 0, max(limit, 0)) + k
+            for k in cuts
+            if k not in inside and rendered.rfind(gen[:k], 0, max(limit, 0)) >= 0
+        ]
+        if starts:  # the latest place a head of the generation prompt ends
+            turn = rendered[max(starts) :]
         else:
-            turn = full[max(end - len(completion_ids), 0) : end]
-        return self._difference(completion_ids, turn, "reasoning"), True
+            turn = rendered[safe_common_prefix(prompt, rendered, markers) :]
+        if block == "open" and fmt.open and turn.lstrip().startswith(fmt.open):
+            turn = turn.lstrip()[len(fmt.open) :]
+        return turn
 
-    def renders_reasoning(
-        self, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None
+    def _renders_reasoning(
+        self,
+        history: list[dict[str, Any]],
+        message: dict[str, Any],
+        rendered: str,
+        kwargs: dict[str, Any] | None,
     ) -> bool:
-        """Whether the template renders the last turn's reasoning: the conversation's rendering
-        changes when that reasoning is left out. (Finding the reasoning's text in the rendering
-        is not enough: a short trace also occurs in the turns around it.)"""
-        last = {k: v for k, v in messages[-1].items() if k != "reasoning"}
-        without = self.render_text([*messages[:-1], last], False, chat_template_kwargs)
-        return without != self.render_text(messages, False, chat_template_kwargs)
+        """The template renders this turn's reasoning: the rendering changes without it."""
+        without = {k: v for k, v in message.items() if k != "reasoning"}
+        return self.render_text([*history, without], False, kwargs) != rendered
 
-    def _difference(self, ours: list[int], template: list[int], span: str) -> Misalignment | None:
-        """Where two id sequences first differ, with the tokens from there on each side."""
-        if ours == template:
-            return None
+    def _cut_at_end(self, turn: str, answer: str, fmt: ThinkFormat, cut: bool) -> str:
+        """The turn up to and including the first end-of-turn token after its answer (the
+        learned end appended where the template renders none: GLM's last turn); without it
+        when the turn was cut at max_new_tokens."""
+        at = turn.rfind(answer.strip()) + len(answer.strip()) if answer.strip() else 0
+        hits = [turn.find(s, at) for s in self.stop_texts if s and turn.find(s, at) >= 0]
+        if hits:
+            end = min(hits)
+            stop = next(s for s in self.stop_texts if s and turn.startswith(s, end))
+            return turn[:end] if cut else turn[: end + len(stop)]
+        return turn if cut else turn + fmt.answer_close * (fmt.answer_close not in turn) + fmt.end
+
+    def _lacks(self, turn: str, reasoning: str | None, answer: str) -> str | None:
+        """ "reasoning" or "answer" when the turn's text does not hold it (stripped, in order)."""
+        at = 0
+        if reasoning is not None:
+            at = turn.find(reasoning.strip())
+            if at < 0:
+                return "reasoning"
+            at += len(reasoning.strip())
+        return None if answer.strip() in turn[at:] else "answer"
+
+    def _difference(self, ours: str, template: str, span: str) -> Misalignment:
+        """Where two texts' tokens first differ from the start, with the tokens from there."""
+        a, b = self.encode(ours), self.encode(template)
         pos = next(
-            (i for i, (a, b) in enumerate(zip(ours, template, strict=False)) if a != b),
-            min(len(ours), len(template)),
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
         )
 
         def tokens(ids: list[int]) -> str:  # each token's text, "|" between tokens
             return "|".join(self.tokenizer.decode([i]) for i in ids[pos : pos + 4])
 
-        return Misalignment(position=pos, ours=tokens(ours), template=tokens(template), span=span)
+        return Misalignment(position=pos, ours=tokens(a), template=tokens(b), span=span)
+
+
+def _occurrences(text: str, sub: str) -> list[int]:
+    out, at = [], text.find(sub)
+    while at >= 0:
+        out.append(at)
+        at = text.find(sub, at + 1)
+    return out
+
+
+def _generation_eos_ids(target: str | Path) -> list[int]:
+    """The end-of-generation ids of the target's generation_config.json besides the tokenizer's
+    eos (GLM stops at `<|user|>` and `<|observation|>` too)."""
+    p = Path(target) / "generation_config.json"
+    if not p.is_file():
+        return []
+    eos = json.loads(p.read_text()).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in ids if isinstance(i, int)]
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -347,10 +566,3 @@ def turn_rows(turns: list[TurnIds]) -> list[tuple[list[int], list[int], list[int
 def _single_token_id(tok: Any, text: str) -> int | None:
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return int(ids[0]) if len(ids) == 1 else None
-
-
-def _last_index(ids: list[int], value: int) -> int | None:
-    for i in range(len(ids) - 1, -1, -1):
-        if ids[i] == value:
-            return i
-    return None

@@ -59,8 +59,9 @@ def parse_template_kwargs(value: Any) -> Any:
 TemplateKwargs = Annotated[dict[str, Any] | None, BeforeValidator(parse_template_kwargs)]
 
 TEMPLATE_KWARGS_HELP = (
-    "Keyword arguments for the target's chat template, e.g. {enable_thinking: false} (Qwen3) or "
-    "{thinking: true} (Kimi-K2.5, DeepSeek-V3.1); a row's own `chat_template_kwargs` (its "
+    "Keyword arguments for the target's chat template, as JSON on the command line, e.g. "
+    "'{\"enable_thinking\": false}' (Qwen3, GLM) or '{\"thinking\": true}' (Kimi, DeepSeek-V3.1) "
+    "(or key=value pairs: enable_thinking=false); a row's own `chat_template_kwargs` (its "
     "source's) wins. Pipeline: the top-level `chat_template_kwargs` fills it"
 )
 TRUST_REMOTE_CODE_HELP = (

@@ -505,7 +505,7 @@ def _take_turn(
         reasoning, answer = generated.reasoning, generated.content
     else:
         stats.generated_tokens += len(token_ids)
-        reasoning, answer = tok.split_generated(prompt_ids, token_ids)
+        reasoning, answer = tok.split_generated(prompt_ids, token_ids, st["kwargs"])
     if not answer.strip() and not (reasoning or "").strip():
         stats.dropped["empty_answer" if first else "truncated_empty_answer"] += 1
         st["done"] = True
@@ -519,7 +519,7 @@ def _take_turn(
     if reasoning is not None:
         message["reasoning"] = reasoning
     if token_ids is not None:
-        num_reasoning = tok.num_reasoning_ids(prompt_ids, token_ids)
+        num_reasoning = tok.num_reasoning_ids(prompt_ids, token_ids, st["kwargs"])
         stats.reasoning["turns_with_reasoning"] += bool(num_reasoning)
         stats.reasoning["reasoning_tokens"] += num_reasoning
         stats.reasoning["answer_tokens"] += len(token_ids) - num_reasoning
@@ -577,6 +577,8 @@ def _regenerate(
     start, stats = _resume(cfg, out, fp, weights, len(convs))
 
     tok = open_renderer(cfg)
+    if cfg.backend == "server":  # its split must be the template's own
+        tok.check_reasoning_parser(cfg.reasoning_parser)
     gen, engine = open_generator(cfg, tok, llm)
     if isinstance(gen, _VllmGenerator):
         gen.owned = False  # as before: the engine lives as long as this process (or `llm`)

@@ -501,10 +501,24 @@ class ThinkingFamily:
     pad_token: str
     thinking_kwarg: str | None  # None: the template always thinks
     arch: str  # TinySpec.arch of the default tiny target
+    #: vLLM's reasoning parser of the family (`--reasoning-parser`)
+    reasoning_parser: str = "deepseek_r1"
+    #: the reasoning markers the family's template writes (any number of tokens each)
+    think_markers: tuple[str, str] = ("<think>", "</think>")
+    #: the token that ends the target's turn, where other than the eos (GLM: `<|user|>`); the
+    #: eos and it are the generation's stop tokens (generation_config.json)
+    end_of_turn: str | None = None
+    #: the thinking switch's values for on and off
+    thinking_values: tuple[Any, Any] = (True, False)
 
     @property
     def think_tokens_special(self) -> bool:
-        return THINK_START in self.special_tokens
+        return self.think_markers[0] in self.special_tokens
+
+    @property
+    def turn_end(self) -> str:
+        """The token the target writes to end its turn."""
+        return self.end_of_turn or self.eos_token
 
 
 _KIMI_TOOLS = (
@@ -555,6 +569,7 @@ THINKING_FAMILIES: dict[str, ThinkingFamily] = {
             pad_token="[PAD]",
             thinking_kwarg=None,
             arch="deepseek_v3",
+            reasoning_parser="kimi_k2",
         ),
         ThinkingFamily(
             name="qwen3",
@@ -573,6 +588,7 @@ THINKING_FAMILIES: dict[str, ThinkingFamily] = {
             pad_token="<|endoftext|>",
             thinking_kwarg="enable_thinking",
             arch="qwen3",
+            reasoning_parser="qwen3",
         ),
         ThinkingFamily(
             name="deepseek-r1-distill",
@@ -601,6 +617,96 @@ THINKING_FAMILIES: dict[str, ThinkingFamily] = {
             pad_token="<｜▁pad▁｜>",
             thinking_kwarg="thinking",
             arch="deepseek_v3",
+            reasoning_parser="deepseek_v3",
+        ),
+        ThinkingFamily(  # DeepSeek-R1-distill's template on a tokenizer that splits <think>
+            name="deepseek-r1-split-think",
+            model="deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
+            special_tokens=(_DEEPSEEK_BOS, _DEEPSEEK_EOS),
+            plain_tokens=("<｜User｜>", "<｜Assistant｜>"),
+            bos_token=_DEEPSEEK_BOS,
+            eos_token=_DEEPSEEK_EOS,
+            pad_token=_DEEPSEEK_EOS,
+            thinking_kwarg=None,
+            arch="llama",
+        ),
+        ThinkingFamily(  # every marker is three tokens: <|open|> think <|sep|>
+            name="kimi-k3",
+            model="moonshotai/Kimi-K3",
+            special_tokens=(
+                "[BOS]",
+                "<|open|>",
+                "<|close|>",
+                "<|sep|>",
+                "<|end_of_msg|>",
+                "<|kimi_image_placeholder|>",
+                "[PAD]",
+            ),
+            plain_tokens=(),
+            bos_token="[BOS]",
+            eos_token="<|end_of_msg|>",
+            pad_token="[PAD]",
+            thinking_kwarg="thinking",
+            arch="llama",
+            reasoning_parser="kimi_k3",
+            think_markers=("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+        ),
+        ThinkingFamily(
+            name="glm-4.6",
+            model="zai-org/GLM-4.6",
+            special_tokens=(
+                "<|endoftext|>",
+                "[gMASK]",
+                "<sop>",
+                "<|system|>",
+                "<|user|>",
+                "<|assistant|>",
+                "<|observation|>",
+            ),
+            plain_tokens=(THINK_START, THINK_END, "<tool_call>", "</tool_call>"),
+            bos_token=None,
+            eos_token="<|endoftext|>",
+            pad_token="<|endoftext|>",
+            thinking_kwarg="enable_thinking",
+            arch="llama",
+            reasoning_parser="glm45",
+            end_of_turn="<|user|>",
+        ),
+        ThinkingFamily(
+            name="minimax-m2",
+            model="MiniMaxAI/MiniMax-M2",
+            special_tokens=("]~!b[", "]~b]", "[e~[", "<minimax:tool_call>", "</minimax:tool_call>"),
+            plain_tokens=(THINK_START, THINK_END),
+            bos_token="]~!b[",
+            eos_token="[e~[",
+            pad_token="[e~[",
+            thinking_kwarg=None,
+            arch="llama",
+            reasoning_parser="minimax_m2",
+        ),
+        ThinkingFamily(
+            name="seed-oss",
+            model="ByteDance-Seed/Seed-OSS-36B-Instruct",
+            special_tokens=(
+                "<seed:bos>",
+                "<seed:eos>",
+                "<seed:pad>",
+                "<seed:think>",
+                "</seed:think>",
+                "<seed:cot_budget_reflect>",
+                "</seed:cot_budget_reflect>",
+                "<seed:tool_call>",
+                "</seed:tool_call>",
+            ),
+            plain_tokens=(),
+            bos_token="<seed:bos>",
+            eos_token="<seed:eos>",
+            pad_token="<seed:pad>",
+            thinking_kwarg="thinking_budget",
+            arch="llama",
+            reasoning_parser="seed_oss",
+            think_markers=("<seed:think>", "</seed:think>"),
+            thinking_values=(-1, 0),  # no budget; a budget of 0 tokens
         ),
     )
 }
@@ -618,8 +724,12 @@ def thinking_family(name: str) -> ThinkingFamily:
 def thinking_kwargs(family: str, thinking: bool) -> dict:
     """The chat_template_kwargs that turn `family`'s thinking on or off ({} where its template has
     no switch: it always thinks)."""
-    kwarg = thinking_family(family).thinking_kwarg
-    return {kwarg: thinking} if kwarg else {}
+    fam = thinking_family(family)
+    return (
+        {fam.thinking_kwarg: fam.thinking_values[0 if thinking else 1]}
+        if fam.thinking_kwarg
+        else {}
+    )
 
 
 def _thinking_corpus(seed: int) -> list[str]:
@@ -676,7 +786,26 @@ def build_tiny_thinking_tokenizer(
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
     (out / "chat_template.jinja").write_bytes(template)  # exactly the published file
+    write_json(out / "generation_config.json", {"eos_token_id": family_stop_ids(fast, fam)})
     return fast
+
+
+def marker_ids(tok: Any, fam: ThinkingFamily) -> tuple[int, int]:
+    """The ids of `fam`'s reasoning markers; a ValueError where they are not one token each (the
+    thinking emitter writes one token per state)."""
+    ids = [tok(m, add_special_tokens=False)["input_ids"] for m in fam.think_markers]
+    if any(len(i) != 1 for i in ids):
+        raise ValueError(
+            f"{fam.name}: the reasoning markers {fam.think_markers} are not one token each in this "
+            "tokenizer; make_thinking_emitter writes one token per marker"
+        )
+    return ids[0][0], ids[1][0]
+
+
+def family_stop_ids(tok: Any, fam: ThinkingFamily) -> list[int]:
+    """The ids that end a generation of `fam`'s target: its eos, and its end of turn."""
+    ends = dict.fromkeys([fam.eos_token, fam.turn_end])
+    return [tok.convert_tokens_to_ids(t) for t in ends]
 
 
 def build_tiny_thinking_target(
@@ -715,6 +844,8 @@ def build_tiny_thinking_target(
         cfg = tiny_text_config(spec, tok)
         if tok.bos_token_id is None:  # Qwen3: no bos in the tokenizer, <|endoftext|> in config
             cfg.bos_token_id = tok.pad_token_id
+        stops = family_stop_ids(tok, fam)
+        cfg.eos_token_id = stops if len(stops) > 1 else stops[0]
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
@@ -749,7 +880,7 @@ class _TurnPlan:
 def _plan_turns(tok, family: str, shares: dict[int, float], seed: int) -> _TurnPlan:
     """The _TurnPlan of a tiny target of `family` with tokenizer `tok`; `shares`: the share of the
     reasoning (answer) words whose successor is `</think>` (the eos)."""
-    start, end = tok.convert_tokens_to_ids([THINK_START, THINK_END])
+    start, end = marker_ids(tok, thinking_family(family))
     hello = [{"role": "user", "content": "hello"}]
 
     def prompt(thinking: bool) -> list[int]:
@@ -831,14 +962,15 @@ def make_thinking_emitter(
     if _emits_already(out, marker, settings):
         return out
     tok = AutoTokenizer.from_pretrained(str(out))
-    start, end = tok.convert_tokens_to_ids([THINK_START, THINK_END])
+    fam = thinking_family(marker["thinking_family"])
+    start, end = marker_ids(tok, fam)
     shares = {_REASONING: think_close_share, _ANSWER: end_of_turn_share}
-    plan = _plan_turns(tok, marker["thinking_family"], shares, seed)
+    plan = _plan_turns(tok, fam.name, shares, seed)
     weights = _EmitterWeights.load(out)
     code = weights.mark_states(plan, len(tok), seed)
     weights.save()
     noise, hidden, current = _probe(out, plan, start, end, seed)
-    emits = {_OPEN: start, _CLOSE: end, _END: tok.eos_token_id}
+    emits = {_OPEN: start, _CLOSE: end, _END: tok.convert_tokens_to_ids(fam.turn_end)}
     weights.set_state_biases(plan, emits, hidden, current)
     weights.set_successor_gain(plan, code, noise, hidden, current, follow_share)
     weights.save()
