@@ -286,3 +286,27 @@ def test_every_profile_prices_a_pass():
         if hw.num_gpus > 1:
             assert "allreduce_latency_us" in hw.sources
             assert predict_pass_time_s(kimi(), name, 8, 4, 16, 1000).total_s > 0
+
+
+def test_one_published_figure_as_per_position_rates_and_the_break_even():
+    from eagle3.speedup import break_even_tau, geometric_rates
+
+    assert geometric_rates(3, tau=1.875) == pytest.approx([0.5, 0.25, 0.125])
+    assert geometric_rates(2, mean_rate=0.375) == pytest.approx([0.5, 0.25])
+    with pytest.raises(ValueError, match="outside"):
+        geometric_rates(2, tau=4.0)
+    cfg = tiny_moe()
+    tau = break_even_tau(cfg, TOY, 2, 3, 1, None, 9)
+    acc = Acceptance(geometric_rates(3, tau=tau), 1.0)
+    pred = predict_speedups(cfg, TOY, 2, acc, None, 9, ks=(3,), concurrencies=(1,))
+    assert 1.0 < tau < 4.0 and pred.rows[0].speedup == pytest.approx(1.0, abs=1e-6)
+
+
+def test_draft_weights_of_a_draft_not_exported_yet():
+    from eagle3.step_time import draft_weights_from_dims
+
+    m = dict(H=64, Ht=128, n_aux=3, nh=4, kvh=2, d=16, inter=256, V=1000, Vd=100, n_layers=1)
+    w = draft_weights_from_dims(m)
+    attn = 2 * 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64
+    assert w.step_bytes == 2 * (attn + 3 * 64 * 256 + 100 * 64 + 4 * 64)
+    assert w.fc_bytes == 2 * 3 * 128 * 64 and w.kv_bytes_per_token == 2 * 2 * 16 * 2

@@ -245,6 +245,53 @@ def predict_speedups(
     )
 
 
+def geometric_rates(
+    k: int, *, mean_rate: float | None = None, tau: float | None = None
+) -> list[float]:
+    """Per-position rates r_j = c^j (one conditional acceptance c at every position) matching
+    either vLLM's draft acceptance rate (`mean_rate` = accepted / draft tokens = Σ r_j / k) or a
+    mean acceptance length (`tau` = 1 + Σ r_j) at k: how a single published figure becomes
+    per-position acceptance."""
+    target = mean_rate * k if mean_rate is not None else (tau or 1.0) - 1.0
+    if not 0 <= target <= k:
+        raise ValueError(f"acceptance {mean_rate=} {tau=} is outside what k={k} allows")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection on c: Σ c^j grows with c
+        c = (lo + hi) / 2
+        lo, hi = (c, hi) if sum(c**j for j in range(1, k + 1)) < target else (lo, c)
+    c = (lo + hi) / 2
+    return [c**j for j in range(1, k + 1)]
+
+
+def break_even_tau(
+    target_config: dict[str, Any],
+    hardware: str | HardwareProfile,
+    tp: int,
+    k: int,
+    concurrency: int,
+    draft: DraftWeights | None,
+    context_len: float,
+    routing: MeasuredRouting | None = None,
+) -> float | None:
+    """The mean acceptance length τ at k (geometric per-position rates, every step drafting) at
+    which speculation's predicted speed-up is exactly 1: below it speculation is slower; None when
+    even every draft token accepted (τ = k + 1) is not faster."""
+
+    def speedup(tau: float) -> float:
+        acc = Acceptance(geometric_rates(k, tau=tau), 1.0)
+        p = predict_speedups(target_config, hardware, tp, acc, draft, context_len, routing,
+                             ks=(k,), concurrencies=(concurrency,))  # fmt: skip
+        return p.rows[0].speedup
+
+    if speedup(k + 1.0) <= 1.0:
+        return None
+    lo, hi = 1.0, k + 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if speedup(mid) < 1.0 else (lo, mid)
+    return (lo + hi) / 2
+
+
 def serving_tensor_parallel_size(
     target_config: dict[str, Any], hardware: str | HardwareProfile, weight_bits: int | None = None
 ) -> int:

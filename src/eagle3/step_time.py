@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.artifacts import RoutingStats
-from eagle3.flops import count_target_param_groups, kv_cache_bytes_per_token
+from eagle3.flops import count_draft_params, count_target_param_groups, kv_cache_bytes_per_token
 from eagle3.hardware import (
     ACHIEVED_MATMUL_SHARE,
     ACHIEVED_MEMORY_SHARE,
@@ -558,6 +558,21 @@ def draft_weights(draft: Path) -> DraftWeights:
         hidden_size=H,
         draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
         kv_bytes_per_token=float(layers * 2 * kvh * d * 2),
+    )
+
+
+def draft_weights_from_dims(m: dict[str, int], dtype_bytes: int = 2) -> DraftWeights:
+    """DraftWeights of a draft not exported yet, from its dims (eagle3.flops.draft_dims of a
+    family's DraftConfig): its parameters (eagle3.flops.count_draft_params) at `dtype_bytes`."""
+    p = {name: n for name, (n, _) in count_draft_params(m).items()}
+    layers = int(m.get("n_layers", 1))
+    return DraftWeights(
+        step_bytes=float((p["attn"] + p["mlp"] + p["lm_head"] + p["norms"]) * dtype_bytes),
+        fc_bytes=float(p["fc"] * dtype_bytes),
+        num_layers=layers,
+        hidden_size=int(m["H"]),
+        draft_vocab_size=int(m["Vd"]),
+        kv_bytes_per_token=float(layers * 2 * m["kvh"] * m["d"] * dtype_bytes),
     )
 
 
