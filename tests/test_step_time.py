@@ -310,3 +310,38 @@ def test_draft_weights_of_a_draft_not_exported_yet():
     attn = 2 * 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64
     assert w.step_bytes == 2 * (attn + 3 * 64 * 256 + 100 * 64 + 4 * 64)
     assert w.fc_bytes == 2 * 3 * 128 * 64 and w.kv_bytes_per_token == 2 * 2 * 16 * 2
+
+
+def test_capture_counts_feed_the_model():
+    """capture's own counting (eagle3.capture.routing.distinct_experts) on expert ids where each
+    token keeps its predecessor's experts with probability 0.7: routing.json as capture writes it
+    reads back, the table's cells come out of the interpolation unchanged, and a verification pass
+    reads fewer expert bytes than the uniform bound says."""
+    import numpy as np
+
+    from eagle3.capture.routing import distinct_experts
+
+    rng = np.random.default_rng(0)
+    E, k, L, rows, T = 16, 2, 2, 72, 24
+    ids = []
+    for _ in range(rows):
+        row = np.zeros((T, L, k), dtype=np.int16)
+        for i in range(T):
+            for layer in range(L):
+                keep = i > 0 and rng.random() < 0.7
+                row[i, layer] = row[i - 1, layer] if keep else rng.choice(E, k, replace=False)
+        ids.append(row)
+    offsets = np.concatenate([[0], np.cumsum([T] * rows)])
+    masks = [np.ones(T, dtype=bool)] * rows
+    counted = distinct_experts(
+        np.concatenate(ids), offsets, masks, [1, 2], num_draws=64, window_tokens=(1, 2, 4, 8)
+    )
+    d = {"t": counted.t, "b": counted.b, "mean": counted.mean}
+    table = {**routing_table(), "distinct_experts": d}
+    r = MeasuredRouting.from_dict(table, "routing.json")
+    assert r.distinct_experts(4, 1) == pytest.approx(counted.mean[2][0])
+    assert counted.mean[2][0] < uniform_distinct_experts(E, k, 4)
+    cfg = tiny_moe(n_routed_experts=E, num_experts_per_tok=k)
+    measured = predict_pass_time_s(cfg, TOY, 1, 4, 1, 0, r)
+    uniform = predict_pass_time_s(cfg, TOY, 1, 4, 1, 0)
+    assert measured.weight_bytes["routed_experts"] < uniform.weight_bytes["routed_experts"]
