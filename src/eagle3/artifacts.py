@@ -527,10 +527,12 @@ class RoutingStats(Record):
         return self.model_dump(mode="json", exclude_unset=True, fallback=str, by_alias=True)
 
     @classmethod
-    def load(cls, capture_dir: str | Path) -> Self | None:
-        """The routing measured by the capture in `capture_dir`; None when it has no routing.json.
-        ArtifactError naming the file for another schema."""
-        p = Path(capture_dir) / cls.FILE
+    def load(cls, path: str | Path) -> Self | None:
+        """The routing measured by the capture in the directory `path` (or the routing.json file
+        `path`); None when there is no routing.json. ArtifactError naming the file for another
+        schema."""
+        p = Path(path)
+        p = p if p.name == cls.FILE else p / cls.FILE
         if not p.is_file():
             return None
         data = read_json(p)

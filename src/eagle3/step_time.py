@@ -241,7 +241,7 @@ class MeasuredRouting:
     def read(cls, path: str | Path) -> MeasuredRouting:
         """routing.json at `path` (the file, or the capture dir holding it)."""
         p = Path(path)
-        record = RoutingStats.load(p.parent if p.name == RoutingStats.FILE else p)
+        record = RoutingStats.load(p)
         if record is None:
             raise ValueError(
                 f"{p}: no {RoutingStats.FILE} there; capture measures it for MoE targets "
