@@ -214,3 +214,45 @@ def test_the_kwargs_flag_help_shows_json_that_parses():
     example = "'{\"enable_thinking\": false}'"
     assert example in TEMPLATE_KWARGS_HELP
     assert parse_template_kwargs(example.strip("'")) == {"enable_thinking": False}
+
+
+#: ChatML whose assistant turn writes its reasoning between `before` and `after`
+def _reasoning_template(before: str, after: str) -> str:
+    return CHATML.replace(
+        "{{ m.content }}",
+        "{% if m.reasoning_content %}" + before + "{{ m.reasoning_content }}" + after
+        + "{% endif %}{{ m.content }}",
+    )  # fmt: skip
+
+
+def test_an_unknown_tag_pair_is_learned_and_unknown_markers_are_refused_naming_them(tmp_path):
+    tagged = ChatRenderer(
+        _custom_target(tmp_path, "tagged", _reasoning_template("<ponder>", "</ponder>"))
+    )
+    assert tagged.think_markers == ["<ponder>", "</ponder>"]
+    turn = tagged.text_turn(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A.", "reasoning": "R"}]
+    )
+    assert tagged.decode(turn.completion_ids) == "<ponder>R</ponder>A.<|im_end|>"
+    assert turn.reasoning_checked
+    odd = ChatRenderer(_custom_target(tmp_path, "odd", _reasoning_template("~~", "!!")))
+    assert odd.think_markers is None
+    with pytest.raises(TemplateError, match=r"writes the reasoning between '.*~~' and '!!'"):
+        odd.text_turn(
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "A", "reasoning": "R"},
+            ]
+        )
+
+
+def test_a_template_that_cannot_render_the_probes_still_renders_chats(tmp_path):
+    strict = (
+        "{% if messages[0].role != 'system' %}{{ raise_exception('a system turn first') }}"
+        "{% endif %}"
+    )
+    renderer = ChatRenderer(_custom_target(tmp_path, "strict", strict + CHATML))
+    assert renderer.think_markers is None
+    assert "a system turn first" in renderer.think_format().problem
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    assert renderer.decode(renderer.prompt_ids(chat)).endswith("<|im_start|>assistant\n")

@@ -113,7 +113,23 @@ def learn_think_format(
 ) -> ThinkFormat:
     """The format of the template `render(messages, add_generation_prompt, kwargs)` writes with
     `kwargs`; the markers from the first of `kwargs`, then `kwargs` with each THINKING_ON switch,
-    that shows them. `stop_texts`: the texts of the tokens that end a generation."""
+    that shows them. `stop_texts`: the texts of the tokens that end a generation. A template
+    that cannot render the probes (one that demands a system turn, say) shows no markers, and
+    the reason is kept (`problem`): reasoning given to it is refused with it."""
+    try:
+        return _learn(render, kwargs, stop_texts, eos_text)
+    except Exception as e:  # the template's own error (jinja's raise_exception and the like)
+        return ThinkFormat(
+            None, None, None, eos_text, problem=f"it cannot render the probe turns: {e}"
+        )
+
+
+def _learn(
+    render: Callable[[list[dict[str, Any]], bool, dict[str, Any]], str],
+    kwargs: dict[str, Any],
+    stop_texts: list[str],
+    eos_text: str,
+) -> ThinkFormat:
     found, problem = None, None
     for extra in ({}, *THINKING_ON):
         if extra and all(kwargs.get(k) == v for k, v in extra.items()):
