@@ -54,7 +54,7 @@ def restore_environment():
 # of pytest; tests/test_prefect_server.py alone ~310 s).
 SEPARATE_UNITS = (
     "test_flows.py::test_eagle3_run_uses_the_flow_and_caches_across_processes",  # 99 s
-    "test_export.py::test_vllm_accepts_tokens_of_a_trained_draft",  # 2 tests, 105 s
+    "test_export.py::test_vllm_accepts_tokens_of_a_trained_draft",  # 1 test, ~55 s
     "test_capture_engines.py::test_a_killed_engine_resumes_with_any_number_of_engines",  # 40 s
     "test_capture_engines.py::test_two_vllm_engines",  # 37 s
 )

@@ -95,9 +95,9 @@ def test_cli_flag_chooses_the_family():
     assert stage_config_from_args("train", args).draft.family == "eagle3.1"
 
 
-def _checkpoint(tiny_llama, root, family: str):
-    """A draft checkpoint with random weights (norm weights away from 1 so each norm matters), as
-    run_train saves it."""
+def _checkpoint(tiny_llama, root, family: str, num_layers: int = 1):
+    """A draft checkpoint of `num_layers` layers with random weights (norm weights away from 1 so
+    each norm matters), as run_train saves it."""
     from tests.synthetic_capture import write_vocab
 
     from eagle3.artifacts import CaptureManifest, DraftVocab
@@ -111,7 +111,7 @@ def _checkpoint(tiny_llama, root, family: str):
         captured="none",
         vocab=str(vocab),
         out=root / "train",
-        draft={"family": family},
+        draft={"family": family, "num_hidden_layers": num_layers},
     )
     tcfg = read_target_config(tiny_llama)
     d2t, t2d = DraftVocab.load(vocab).torch_maps()
@@ -233,12 +233,14 @@ def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, variant):
     outputs are recorded and replayed through our Eagle3Draft loaded from the same exported weights:
     combine (fc_norm + fc), the lm_head input and the state passed to the next step must match, and
     vLLM must feed that state to its next draft step. The other setting of norm_output / fc_norm
-    must NOT match, so the check sees the semantics."""
+    must NOT match, so the check sees the semantics. The EAGLE-3 draft has two layers: the extra
+    layer's wiring (residual, norms, its own KV cache per step) must equal vLLM's too."""
     pytest.importorskip("vllm")
     from eagle3.vllm_engine import run_in_subprocess
 
     on = variant == "eagle3.1"
-    ck = _checkpoint(tiny_llama, tmp_path, "eagle3.1" if on else "eagle3")
+    num_layers = 1 if on else 2
+    ck = _checkpoint(tiny_llama, tmp_path, "eagle3.1" if on else "eagle3", num_layers)
     run_export(ExportConfig(checkpoint=str(ck), out=tmp_path / "draft"))
     record = _map_tensors(
         run_in_subprocess(record_vllm_draft_calls, str(tiny_llama), str(tmp_path / "draft")),
@@ -261,6 +263,8 @@ def test_our_draft_forward_equals_vllms(tiny_llama, tmp_path, variant):
 
     model, flipped = ours(), ours(norm_output=not on)
     assert model.cfg.fc_norm == on and model.cfg.norm_output == on
+    assert model.cfg.num_hidden_layers == num_layers
+    assert ("layers.1.self_attn.q_proj.weight" in exported) == (num_layers == 2)
     kinds = [r[0] for r in record]
     assert kinds[:4] == ["combine", "forward", "forward", "forward"], (
         kinds
