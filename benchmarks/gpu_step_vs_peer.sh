@@ -5,8 +5,8 @@
 #   phase 1  ours, Llama-3.1-8B draft dims (benchmarks/train_step.py --dims llama-3.1-8b), fresh
 #            inductor + Triton caches (the "fresh machine" first step incl. compilation); writes the
 #            compile cache file after each config
-#   phase 2  the peer (.peerbench/bench_eagle3.py, a copy of ../shared/peerbench) at the same
-#            configs, own caches
+#   phase 2  the peer ($PEERBENCH/bench_eagle3.py: ../shared/peerbench, carried in the pack
+#            `peer`) at the same configs, own caches
 #   phase 3  compile cache round trip: a second process, EMPTY inductor/Triton caches, seeded only
 #            by torch.compiler.load_cache_artifacts(phase 1's file) -> its first step (same machine,
 #            not a fresh one); then, budget permitting, torch.profiler kernel groups of that step
@@ -29,10 +29,9 @@
 # $OUT gets <= 8 files: train_step_vs_peer.{json,md}, ours_llama.json, ours_kimi.json,
 # ours_cache.json, peer_results.json, gpu.txt, logs.tgz.
 #
-# Carry (build on the CPU host: `bash benchmarks/gpu_call.sh carry peer`): [".whl", ".peerbench"]
-# — the wheels speculators==0.9.0, loguru, pydantic, pydantic-core, pydantic-settings,
-# python-dotenv, annotated-types, typing-inspection, typing-extensions (Python 3.12 manylinux) and
-# the peer harness. Torch, transformers, Triton come from the GPU image.
+# On the GPU host through benchmarks/offline_gpu (benchmarks/README.md): the pack `peer` holds
+# speculators 0.9.0 and its needs the image lacks, and the peer harness (../shared/peerbench);
+# torch, transformers and Triton come from the image. PEERBENCH names the harness's folder.
 #
 # Usage (defaults shown):
 #   bash benchmarks/gpu_step_vs_peer.sh --budget-s 500 --ours "fast:7:8192 fast:7:2048" \
@@ -84,7 +83,7 @@ left() { echo $((TOTAL - (SECONDS - T0))); }
 min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 W=$(mktemp -d /tmp/step-vs-peer.XXXX)
 mkdir -p "$OUTDIR" "$W/logs"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 \
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
   TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-16}
 PY=${PYTHON:-python3}
 TS="$PY benchmarks/train_step.py --compile on --compile-mode $MODE"
@@ -145,23 +144,15 @@ TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_lla
 
 # phase 2: the peer, same dims, own caches
 if [ "$DO_PEER" = 1 ]; then
-  if [ -d .whl ] && [ -d .peerbench ]; then
-    # only the peer's set (.whl/ may also hold the refbench calls' wheels, e.g. datasets, whose own
-    # needs are absent here: the peer's pb_stubs stands in for datasets only when it is NOT
-    # importable)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$W/site" \
-      .whl/speculators-*.whl .whl/loguru-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl \
-      .whl/pydantic_settings-*.whl .whl/python_dotenv-*.whl .whl/annotated_types-*.whl \
-      .whl/typing_inspection-*.whl .whl/typing_extensions-*.whl \
-      > "$W/logs/pip.log" 2>&1
+  PEERBENCH=${PEERBENCH:-${EAGLE3_CARRIED:-/none}/peer/files/peerbench}
+  if [ -f "$PEERBENCH/bench_eagle3.py" ] && $PY -c "import speculators" 2> /dev/null; then
     B=$(min 180 $(($(left) - RES_CACHE - RES_KIMI - RES_DDP - 10)))
-    PYTHONPATH=$W/site TORCHDYNAMO_SUPPRESS_ERRORS=1 \
+    TORCHDYNAMO_SUPPRESS_ERRORS=1 \
       TORCHINDUCTOR_CACHE_DIR=$W/ind-peer TRITON_CACHE_DIR=$W/triton-peer \
-      run peer "$B" $PY .peerbench/bench_eagle3.py --configs "$PEER" --out "$W/peer" \
+      run peer "$B" $PY "$PEERBENCH/bench_eagle3.py" --configs "$PEER" --out "$W/peer" \
       --budget-s $((B - 60)) --hard-limit-s $((B - 5))
   else
-    echo "peer: .whl/ or .peerbench/ not carried (bash benchmarks/gpu_call.sh carry peer)" \
+    echo "peer: no speculators or no harness at $PEERBENCH (the pack \`peer\` not installed)" \
       | tee -a "$W/logs/phases.txt"
   fi
 fi

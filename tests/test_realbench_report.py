@@ -142,8 +142,7 @@ def _report_args(tmp_path: Path):
     """A report at k = 3 and 96 answer tokens, with an empty GPU report folder under tmp_path."""
     import argparse
 
-    (tmp_path / "report_collect" / "report").mkdir(parents=True)
-    (tmp_path / "report_collect" / "report" / "timings.txt").write_text("")
+    (tmp_path / "timings.txt").write_text("")
     return argparse.Namespace(
         k=3,
         max_tokens=96,
@@ -203,8 +202,8 @@ def test_rows_at_another_answer_length_get_their_own_table_and_no_goal(tmp_path:
     assert report._cells(built["rows"], "ngram", 0.0) == {"math": 2.5, "all": 2.5}
 
 
-def _pack(gpu_dir: Path, name: str, files: dict[str, str], num_parts: int = 2) -> None:
-    """gpu.sh's packing: a tar.xz of the draft's files, split into parts."""
+def _pack(gpu_dir: Path, files: dict[str, str], num_parts: int = 2) -> None:
+    """host.sh collect's pieces: a tar.xz of the run's out/ folder, split into parts."""
     import io
     import tarfile
 
@@ -212,16 +211,16 @@ def _pack(gpu_dir: Path, name: str, files: dict[str, str], num_parts: int = 2) -
     with tarfile.open(fileobj=buf, mode="w:xz") as t:
         for path, text in files.items():
             data = text.encode()
-            info = tarfile.TarInfo(path)
+            info = tarfile.TarInfo(f"out/{path}")
             info.size = len(data)
             t.addfile(info, io.BytesIO(data))
     blob = buf.getvalue()
     cut = len(blob) // num_parts
-    for old in gpu_dir.glob(f"{name}.tar.xz.part*"):
+    for old in gpu_dir.glob("out.tar.xz.part*"):
         old.unlink()
     for i in range(num_parts):
         piece = blob[i * cut : (i + 1) * cut if i < num_parts - 1 else len(blob)]
-        (gpu_dir / f"{name}.tar.xz.part{i:02d}").write_bytes(piece)
+        (gpu_dir / f"out.tar.xz.part{i:02d}").write_bytes(piece)
 
 
 def test_drafts_are_unpacked_once_and_whole(tmp_path: Path) -> None:
@@ -230,25 +229,21 @@ def test_drafts_are_unpacked_once_and_whole(tmp_path: Path) -> None:
     report = _report()
     gpu, out = tmp_path / "gpu", tmp_path / "out"
     gpu.mkdir()
-    _pack(gpu, "d1", {"drafts/d1/config.json": '{"v": 1}', "train_d1/logs/m.jsonl": "{}\n"})
+    with pytest.raises(SystemExit, match="no out.tar.xz.partNN"):
+        report.unpack(gpu, out)
+    logs = "train/d1/logs/metrics.jsonl"
+    _pack(gpu, {"drafts/d1/config.json": '{"v": 1}', logs: "{}\n", "timings.txt": "t\n"})
     assert report.unpack(gpu, out) == ["d1"]
     config = out / "drafts" / "d1" / "config.json"
-    assert json.loads(config.read_text()) == {"v": 1} and (out / "train_d1/logs/m.jsonl").is_file()
-    # unchanged parts: the files an engine may be reading are not written again
+    assert json.loads(config.read_text()) == {"v": 1} and (out / logs).is_file()
+    assert report.report_dir(out) == out
+    # unchanged pieces: the files an engine may be reading are not written again
     before = config.stat().st_mtime_ns
     report.unpack(gpu, out)
     assert config.stat().st_mtime_ns == before
-    # new parts (another GPU run into the same dir): unpacked over the old files, nothing left
+    # new pieces (another GPU run into the same dir): unpacked over the old files, nothing left
     # half-way
-    _pack(gpu, "d1", {"drafts/d1/config.json": '{"v": 2}'}, num_parts=3)
-    report.unpack(gpu, out)
+    _pack(gpu, {"drafts/d1/config.json": '{"v": 2}', "drafts/d2/config.json": "{}"}, num_parts=3)
+    assert report.unpack(gpu, out) == ["d1", "d2"]
     assert json.loads(config.read_text()) == {"v": 2}
-    assert not list(out.glob(".unpacking-*"))
-    # a pack without the draft's config: named, and the draft already there is kept
-    _pack(gpu, "d1", {"drafts/d1/weights.txt": "x"})
-    with pytest.raises(SystemExit, match="d1: the packed files hold no drafts/d1/config.json"):
-        report.unpack(gpu, out)
-    assert (
-        json.loads(config.read_text()) == {"v": 2} and not (out / "drafts/d1/weights.txt").exists()
-    )
-    assert not list(out.glob(".unpacking-*"))
+    assert not (out / ".unpacking").exists()

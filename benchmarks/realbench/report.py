@@ -5,8 +5,8 @@ benchmarks/results/realbench.*.
     .venv/bin/python benchmarks/realbench/report.py --gpu-dir DIR --out-dir runs/realbench \
         [--methods a,b] [--num-per-category N] [--max-tokens 128] [--temperatures 0.0,0.6]
 
---gpu-dir holds what the device calls brought back (`gpu.sh stage|start|wait|collect`): report_*.tgz
-and the drafts' `<name>.tar.xz.partNN` pieces. This script
+--gpu-dir holds what the device calls brought back (`host.sh collect realbench N`): the
+out.tar.xz.partNN pieces of the run's out/ folder. This script
   1. joins and unpacks the pieces (drafts under OUT/drafts/<name>, each draft's training metrics
      beside it);
   2. fetches the target here (`eagle3 fetch-target smollm2-135m-instruct`: same GGUF, same
@@ -62,49 +62,37 @@ def sh(cmd: list[str], log: Path) -> None:
 
 
 def unpack(gpu_dir: Path, out: Path) -> list[str]:
-    """report_*.tgz -> out/report; <name>.tar.xz.partNN -> out/<the tar's paths>. Returns the draft
-    names. A draft whose parts are unchanged since they were last unpacked is left as it is; one
-    report process unpacks at a time (others, e.g. evaluating other methods on the same OUT, wait),
-    and each file lands whole (extracted beside, then renamed over), so an engine loading a draft
-    never reads a half-written file."""
+    """`gpu_dir`'s out.tar.xz.partNN (benchmarks/offline_gpu/host.sh collect) -> `out`: the GPU
+    run's out/ folder (timings, each stage's JSON, drafts/). Returns the draft names. Unpacked once
+    per set of pieces; one report process unpacks at a time (others, e.g. evaluating other methods
+    on the same OUT, wait), and each file lands whole (extracted beside, then renamed over), so an
+    engine loading a draft never reads a half-written file."""
     import fcntl
 
     out.mkdir(parents=True, exist_ok=True)
+    parts = sorted(gpu_dir.glob("out.tar.xz.part*"))
+    if not parts:
+        sys.exit(f"no out.tar.xz.partNN in {gpu_dir}: `host.sh collect realbench N` brings them")
     with open(out / ".unpack.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for tgz in sorted(gpu_dir.glob("report_*.tgz")):
-            with tarfile.open(tgz) as t:
-                t.extractall(out / tgz.stem, filter="data")
-        names = sorted({p.name.split(".tar.xz.part")[0] for p in gpu_dir.glob("*.tar.xz.part*")})
-        for name in names:
-            parts = sorted(gpu_dir.glob(f"{name}.tar.xz.part*"))
-            stamp = out / ".unpacked" / f"{name}.json"
-            key = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in parts}
-            done = (out / "drafts" / name / "config.json").is_file()
-            if done and stamp.is_file() and json.loads(stamp.read_text()) == key:
-                continue
-            staging = out / f".unpacking-{name}"
+        key = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in parts}
+        stamp = out / ".unpacked.json"
+        if not (stamp.is_file() and json.loads(stamp.read_text()) == key):
+            staging = out / ".unpacking"
             if staging.exists():
                 shutil.rmtree(staging)
             staging.mkdir()
-            joined = staging / f"{name}.tar.xz"
+            joined = staging / "out.tar.xz"
             with open(joined, "wb") as f:
                 for p in parts:
                     f.write(p.read_bytes())
             with tarfile.open(joined) as t:
                 t.extractall(staging / "files", filter="data")
-            joined.unlink()
-            if not (staging / "files" / "drafts" / name / "config.json").is_file():
-                shutil.rmtree(staging)
-                sys.exit(
-                    f"{name}: the packed files hold no drafts/{name}/config.json (export failed "
-                    "on the GPU?)"
-                )
-            move_into(staging / "files", out)
+            move_into(staging / "files" / "out", out)
             shutil.rmtree(staging)
-            stamp.parent.mkdir(exist_ok=True)
             stamp.write_text(json.dumps(key))
-    return names
+    drafts = out / "drafts"
+    return sorted(d.name for d in drafts.iterdir() if (d / "config.json").is_file())
 
 
 def move_into(src: Path, dst: Path) -> None:
@@ -125,7 +113,7 @@ REFINE_SUFFIX = "-refine"
 
 
 def method_of(name: str) -> tuple[str, str]:
-    """'eagle3.1-mix' -> ('eagle3.1', 'mix'): the name's parts (gpu.sh's RUNS names drafts
+    """'eagle3.1-mix' -> ('eagle3.1', 'mix'): the name's parts (recipe.sh's RUNS names drafts
     <label>-<data>; a refined draft is <label>-<data>-refine, the peer's peer-<data>)."""
     method, _, data = name.removesuffix(REFINE_SUFFIX).rpartition("-")
     return method, data
@@ -166,9 +154,9 @@ def draft_shape(out: Path, name: str) -> dict[str, Any]:
 
 
 def peer_train_data(out: Path, name: str) -> str:
-    """The peer's training data, from the conversion record packed with it
-    (peer_data/conversion.json)."""
-    conv = out / "peer_data" / "conversion.json"
+    """The peer's training data, from the conversion record that came back with it
+    (peer_conversion.json)."""
+    conv = out / "peer_conversion.json"
     captured = json.loads(conv.read_text()).get("captured") if conv.is_file() else None
     if not captured:
         return method_of(name)[1]
@@ -177,7 +165,7 @@ def peer_train_data(out: Path, name: str) -> str:
 
 
 def train_data_of(meta_path: Path, name: str) -> str:
-    """gsm8k / synth / mix, from the captures the draft was trained on (gpu.sh names them
+    """gsm8k / synth / mix, from the captures the draft was trained on (recipe.sh names them
     cap_<source>; the mix is cap_gsm8k + cap_synth + cap_chat); a draft exported without that record
     falls back to its name's suffix."""
     captured = json.loads(meta_path.read_text()).get("captured") if meta_path.is_file() else None
@@ -188,12 +176,10 @@ def train_data_of(meta_path: Path, name: str) -> str:
 
 
 def report_dir(out: Path) -> Path:
-    """The GPU calls' report folder (report_<call>.tgz unpacked; the newest call's holds every
-    earlier file)."""
-    found = sorted(out.glob("report_*/report/timings.txt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        sys.exit(f"no report_*.tgz with report/timings.txt was unpacked under {out}")
-    return found[-1].parent
+    """The GPU run's report folder: `out` once the run's pieces are unpacked there."""
+    if not (out / "timings.txt").is_file():
+        sys.exit(f"no timings.txt under {out}: unpack the GPU run's pieces first (--gpu-dir)")
+    return out
 
 
 def temperatures_of(name: str, args: argparse.Namespace) -> list[str]:
@@ -306,7 +292,7 @@ def evaluate(
 
 
 def train_summary(out: Path, name: str) -> dict[str, Any]:
-    path = out / f"train_{name}" / "logs" / "metrics.jsonl"
+    path = out / "train" / name / "logs" / "metrics.jsonl"
     if not path.is_file():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -417,7 +403,7 @@ def build(
             s: read(report / f"regen_{s}.json")
             or {p.stem: read(p) for p in sorted(report.glob(f"regen_{s}_*.json"))}
             for s in ("gsm8k", "synth", "chat")
-        },  # one file per source, or one per shard (gpu.sh shards large sources)
+        },  # one file per source, or one per shard (recipe.sh shards large sources)
         "prepare": {s: read(report / f"prep_{s}.json") for s in ("gsm8k", "synth", "chat", "mix")},
         "vocab": {s: read(report / f"vocab_{s}.json") for s in ("gsm8k", "synth", "mix")},
         "training": {
@@ -433,7 +419,7 @@ def build(
     }
 
 
-#: refine settings a sweep varies (the rest are the stage's defaults or gpu.sh's REFINE_*)
+#: refine settings a sweep varies (the rest are the stage's defaults or recipe.sh's REFINE_*)
 SWEPT = (
     "rounds",
     "temperatures",
@@ -456,7 +442,7 @@ def refine_setting(cfg: dict[str, Any], key: str) -> Any:
 
 
 def refine_sweep(gpu_dir: Path, out: Path) -> dict[str, Any]:
-    """Refine variants of one supervised draft (gpu.sh REFINES), from another GPU run's pieces in
+    """Refine variants of one supervised draft (recipe.sh REFINES), from another GPU run's pieces in
     `gpu_dir` unpacked under `out`: per variant its settings, the supervised draft's and the
     selected round's τ and α on the refine stage's validation prompts (held-out training prompts,
     never the evaluation ones), per round, and wall seconds; chosen on that validation only."""
@@ -747,8 +733,8 @@ def main() -> None:
         type=Path,
         default=None,
         help="the --gpu-dir of another GPU run that trained refine variants of one supervised "
-        "draft (gpu.sh REFINES): their validation τ per round goes in the results (unpacked under "
-        "OUT/sweep)",
+        "draft (recipe.sh REFINES): their validation τ per round goes in the results "
+        "(unpacked under OUT/sweep)",
     )
     ap.add_argument("--results-name", default="realbench")
     ap.add_argument(

