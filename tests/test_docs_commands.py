@@ -111,6 +111,9 @@ def check_benchmark(cmd: str, capsys) -> None:
         assert f'"{flag}"' in text or f"{flag})" in text, f"`{cmd}`: {script} defines no {flag}"
     if script == "benchmarks/offline_gpu/host.sh" and own[:1] in (["run"], ["start"]):
         inner = " ".join(rest[len(own) + 1 :])
+        torchrun = re.match(r"python3? -m torch\.distributed\.run .*?(benchmarks/.*)", inner)
+        if torchrun:  # the script torchrun starts, checked as a benchmark command
+            inner = f"python3 {torchrun.group(1)}"
         if re.match(r"python3? -m eagle3\.cli ", inner):
             check_eagle3([shlex.split(inner)[3:]], capsys)
         else:
