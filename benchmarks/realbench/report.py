@@ -486,7 +486,7 @@ def refine_sweep(gpu_dir: Path, out: Path) -> dict[str, Any]:
 
 
 def walls(report: Path) -> dict[str, Any]:
-    """Wall seconds of each GPU stage gpu.sh timed (train <name>, refine <name>, train peer-mix,
+    """Wall seconds of each GPU stage recipe.sh timed (train <name>, refine <name>, train peer-mix,
     peer convert), from timings.txt lines `<stage> <name> rc=.. wall_s=N <date>`; they ran side by
     side on the one GPU, so each is also that stage's device time."""
     found: dict[str, Any] = {}
