@@ -18,11 +18,6 @@
 #   phase 5  (--ddp N, N GPUs) ours through DDP on N GPUs (torchrun), rows "K7-T8192-DDPxN"
 #   merge    benchmarks/step_vs_peer.py -> $OUT/train_step_vs_peer.{json,md} (the issue's shape;
 #            null where not run)
-# Compile cache across machines (two calls, two fresh machines): --export-cache puts phase 1's
-# cache file into $OUT as compile_cache.tgz.part00, .part01, ... (gzip, 15 MB parts: $OUT returns
-# files of <= 16 MiB); on this host `cat compile_cache.tgz.part* > DIR/compile_cache.tgz` and
-# carry DIR; the next call's --import-cache DIR seeds phase 1 with it (fresh inductor/Triton
-# caches, the file alone), so its first step is the cross-machine figure.
 # Each phase runs under `timeout` with its own --budget-s (its watchdog writes partial results)
 # taken from what is left of --budget-s; a phase that fails or overruns leaves null fields, the
 # merge always runs.
@@ -39,19 +34,16 @@
 #        [--no-peer] [--no-kimi] [--no-cache] [--out DIR] \
 #        [--ours-max-s 170 (phase 1's budget at most: a cold compile per config, ~110 s at
 #        K7-T8192)] \
-#        [--ddp 2 --ddp-configs "fast:7:8192"] [--export-cache] [--import-cache DIR]
+#        [--ddp 2 --ddp-configs "fast:7:8192"]
 #   bash benchmarks/gpu_step_vs_peer.sh --smoke --out /tmp/x
 #        # CPU: tiny dims, no peer (it needs CUDA)
-# --export-cache-dirs / --import-cache-dirs DIR: the same round trip with phase 1's whole
-# TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (cache_dirs.tgz.partNN; join into
-# DIR/cache_dirs.tgz) instead of the torch.compiler artifact file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TOTAL=500 OURS="fast:7:8192 fast:7:2048" PEER="2048:7,8192:7" KIMI="fast:7:8192 fast:3:8192" \
   MODE=split
 SMOKE=0 DO_PEER=1 DO_KIMI=1 DO_CACHE=1 OUTDIR=${OUT:-/tmp/step-vs-peer-out} DDP=0 \
   DDP_CONFIGS="fast:7:8192"
-EXPORT_CACHE=0 IMPORT_CACHE="" EXTRA_TS="" EXPORT_DIRS=0 IMPORT_DIRS="" OURS_MAX_S=170
+OURS_MAX_S=170
 CMD="bash benchmarks/gpu_step_vs_peer.sh $*"
 while [ $# -gt 0 ]; do
   case $1 in
@@ -68,11 +60,6 @@ while [ $# -gt 0 ]; do
     --no-peer) DO_PEER=0 ;;
     --no-kimi) DO_KIMI=0 ;;
     --no-cache) DO_CACHE=0 ;;
-    --export-cache) EXPORT_CACHE=1 ;;
-    --import-cache) IMPORT_CACHE=$2; shift ;;
-    --export-cache-dirs) EXPORT_DIRS=1 ;;
-    --import-cache-dirs) IMPORT_DIRS=$2; shift ;;
-    --argmax-in-step) EXTRA_TS="--argmax-in-step" ;;
     *) echo "gpu_step_vs_peer.sh: unknown argument $1 (see the header for the options)" >&2
        exit 2 ;;
   esac
@@ -87,7 +74,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
   TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-16}
 PY=${PYTHON:-python3}
 TS="$PY benchmarks/train_step.py --compile on --compile-mode $MODE"
-TS+=" --skip-numerics --fill-batch 0 $EXTRA_TS"
+TS+=" --skip-numerics --fill-batch 0"
 if [ "$SMOKE" = 1 ]; then
   TS="$PY benchmarks/train_step.py --smoke --device cpu --skip-numerics --fill-batch 0"
   TS+=" --compile-mode $MODE"
@@ -114,28 +101,7 @@ DO_DDP=$((DDP > 1 ? 1 : 0))
 RES_PEER=$((DO_PEER * 150)) RES_CACHE=$((DO_CACHE * 40)) RES_KIMI=$((DO_KIMI * 90)) \
   RES_DDP=$((DO_DDP * 60))
 
-# phase 1: ours, Llama-8B dims, cold caches (or seeded by another machine's cache file:
-# --import-cache)
-if [ -n "$IMPORT_CACHE" ]; then
-  if [ ! -f "$IMPORT_CACHE/compile_cache.tgz" ]; then
-    echo "gpu_step_vs_peer.sh: --import-cache $IMPORT_CACHE has no compile_cache.tgz" \
-         "(join the parts of the exporting call:" \
-         "cat compile_cache.tgz.part* > $IMPORT_CACHE/compile_cache.tgz," \
-         "and carry $IMPORT_CACHE)" >&2
-    exit 2
-  fi
-  tar xzf "$IMPORT_CACHE/compile_cache.tgz" -C "$W" \
-    && echo "phase 1 seeded: $(ls -la "$W/llama.cache")" | tee -a "$W/logs/phases.txt"
-fi
-if [ -n "$IMPORT_DIRS" ]; then
-  if [ ! -f "$IMPORT_DIRS/cache_dirs.tgz" ]; then
-    echo "gpu_step_vs_peer.sh: --import-cache-dirs $IMPORT_DIRS has no cache_dirs.tgz" >&2
-    exit 2
-  fi
-  tar xzf "$IMPORT_DIRS/cache_dirs.tgz" -C "$W" \
-    && echo "phase 1 seeded: $(du -sh "$W/ind-ours" "$W/triton-ours" | tr '\n' ' ')" \
-    | tee -a "$W/logs/phases.txt"
-fi
+# phase 1: ours, Llama-8B dims, cold caches
 B=$(min "$OURS_MAX_S" $(($(left) - RES_PEER - RES_CACHE - RES_KIMI - RES_DDP - 10)))
 # shellcheck disable=SC2086
 TORCHINDUCTOR_CACHE_DIR=$W/ind-ours TRITON_CACHE_DIR=$W/triton-ours run ours_llama "$B" \
@@ -207,16 +173,6 @@ $PY benchmarks/step_vs_peer.py --ours "$W/ours-llama" "${EXTRA_DIRS[@]}" "${PEER
   "${CACHE_ARG[@]}" \
   --out-dir "$OUTDIR" --command "$CMD" > "$W/logs/merge.log" 2>&1
 cp "$W/ours-llama/train_step.json" "$OUTDIR/ours_llama.json" 2>/dev/null
-if [ "$EXPORT_DIRS" = 1 ] && [ -d "$W/ind-ours" ]; then
-  tar czf "$W/cache_dirs.tgz" -C "$W" ind-ours triton-ours \
-    && split -b 15000000 -d "$W/cache_dirs.tgz" "$OUTDIR/cache_dirs.tgz.part"
-  ls -la "$W/cache_dirs.tgz" >> "$W/logs/phases.txt"
-fi
-if [ "$EXPORT_CACHE" = 1 ] && [ -f "$W/llama.cache" ]; then
-  tar czf "$W/compile_cache.tgz" -C "$W" llama.cache \
-    && split -b 15000000 -d "$W/compile_cache.tgz" "$OUTDIR/compile_cache.tgz.part"
-  ls -la "$W/llama.cache" "$W/compile_cache.tgz" >> "$W/logs/phases.txt"
-fi
 cp "$W/ours-kimi/train_step.json" "$OUTDIR/ours_kimi.json" 2>/dev/null
 cp "$W/cache/train_step.json" "$OUTDIR/ours_cache.json" 2>/dev/null
 cp "$W/peer/results.json" "$OUTDIR/peer_results.json" 2>/dev/null
