@@ -280,3 +280,13 @@ def test_compare_is_part_of_the_stage_cache_key(tmp_path):
     assert stage_cache_key("evaluate", cfg, {}) == stage_cache_key(
         "evaluate", EvaluateConfig(**cfg.model_dump()), {}
     )
+
+
+def test_a_speedup_hardware_without_gpu_figures_is_refused_before_any_engine(tiny_llama, tmp_path):
+    from eagle3.config import ConfigError
+
+    for name, match in (("cpu", "has no GPU figures"), ("a100", "not a known profile")):
+        cfg = EvaluateConfig(target=str(tiny_llama), method="ngram", prompts="x.jsonl",
+                             out=tmp_path, speedup_hardware=name)  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            run_evaluate(cfg)

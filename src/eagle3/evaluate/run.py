@@ -12,7 +12,7 @@ from typing import Any
 
 from eagle3.artifacts import DraftMetadata, EvalResults, RoutingStats
 from eagle3.chat_template import ChatRenderer
-from eagle3.config import EvaluateConfig
+from eagle3.config import ConfigError, EvaluateConfig
 from eagle3.console import comparison_entries, format_comparison
 from eagle3.evaluate.checks import check_chat_template, check_draft, check_draft_target
 from eagle3.evaluate.cost import draft_cost, predict_for_method
@@ -34,6 +34,7 @@ from eagle3.evaluate.report import (
     plot_speedup,
 )
 from eagle3.evaluate.rows import EvaluateResult, Measured, measure
+from eagle3.hardware import hardware_profile
 from eagle3.io import write_text
 from eagle3.lock import dir_lock
 from eagle3.step_time import MeasuredRouting
@@ -46,6 +47,7 @@ def run_evaluate(cfg: EvaluateConfig) -> EvaluateResult:
     """Measure τ per category and temperature (and tokens/s with and without speculation); see the
     eagle3.evaluate docstring."""
     target, out, draft = _paths(cfg)
+    check_speedup_hardware(cfg)
     draft_config = check_draft(draft, cfg.num_speculative_tokens) if draft is not None else {}
     target_id = check_draft_target(cfg, draft)
     renderer = ChatRenderer(
@@ -128,6 +130,19 @@ def predict(
         )
         for r in rows
     }
+
+
+def check_speedup_hardware(cfg: EvaluateConfig) -> None:
+    """A GPU profile for the predicted speed-up, checked before any engine starts."""
+    try:
+        hw = hardware_profile(cfg.speedup_hardware)
+    except ValueError as e:
+        raise ConfigError(f"EvaluateConfig.speedup_hardware: {e}") from None
+    if hw.bf16_tflops is None:
+        raise ConfigError(
+            f"EvaluateConfig.speedup_hardware = {cfg.speedup_hardware!r} has no GPU figures; "
+            "name a GPU profile (h200, h100, b300, rtx-pro-6000, h200-device)"
+        )
 
 
 def measured_routing(cfg: EvaluateConfig, draft: Path | None) -> MeasuredRouting | None:
