@@ -18,6 +18,7 @@ from eagle3_prefect.tasks.artifacts import (
     comparison_table,
     find_tau,
     method_rows,
+    png_markdown,
     predicted_cell,
     serve_snippet,
     span_table,
@@ -213,7 +214,16 @@ def methods_section(rows: list[dict[str, Any]], manifests: dict[str, dict[str, A
             "machine against plain decoding.",
             "",
         ]
-    spans = span_table(evaluate_result_of(manifests))
+    from eagle3.evaluate import SPEEDUP_CHART  # the library's evaluate package: loaded on use
+
+    result = evaluate_result_of(manifests)
+    predicted = result.get("predicted_speedup") or {}
+    md += [f"- {method}: {p['summary']}" for method, p in predicted.items()]
+    chart = Path(str(result.get("out") or "")) / SPEEDUP_CHART
+    if predicted and chart.is_file():
+        md += ["", png_markdown(chart, "predicted speed-up against k, a line per concurrency")]
+    md += [""] if predicted else []
+    spans = span_table(result)
     if spans:
         md += ["## reasoning and answer", "", *spans, ""]
     return md

@@ -570,6 +570,19 @@ def test_the_result_line_and_the_comparison_lead_with_tokens_per_target_step():
     assert result_line(manifests) == "not evaluated (no eval_prompts); draft /data/runs/demo/draft"
 
 
+def test_the_summary_shows_each_methods_predicted_speedup_and_the_chart(tmp_path):
+    from eagle3.evaluate.report import plot_speedup
+    from eagle3_prefect.flows.report import methods_section
+    from eagle3_prefect.tasks.artifacts import method_rows
+
+    result = {**_evaluate_result(), "out": str(tmp_path)}
+    plot_speedup(tmp_path / "speedup.png", result["predicted_speedup"], "llama-3.1-8b")
+    md = "\n".join(methods_section(method_rows(result), {"evaluate": {"result": result}}))
+    for p in result["predicted_speedup"].values():
+        assert p["summary"] in md
+    assert "speculation does not pay here" in md and "data:image/png;base64," in md
+
+
 def test_the_summary_splits_a_thinking_targets_acceptance_into_reasoning_and_answer():
     """A thinking target's evaluation (results.json `span_rows`): the run's summary and the
     evaluate artifact show tokens per target step on each span, per method."""
