@@ -18,6 +18,7 @@
 #   bash benchmarks/offline_gpu/host.sh wait RUN [S]     # up to S s (500) for it; its log tail
 #   bash benchmarks/offline_gpu/host.sh collect RUN [N]  # the N-th group of 4 pieces (<= 15 MiB
 #                                                        #   each) of the run's out/ into $OUT
+#                                                        #   (N = 0 packs out/ as it is now)
 #
 # CMD runs with every installed pack's site and this checkout's src/ on PYTHONPATH, the Hugging
 # Face libraries offline, EAGLE3_CARRIED=<host dir>/packs (a pack's files: $EAGLE3_CARRIED/NAME/
@@ -124,9 +125,10 @@ cmd_wait() {
 
 cmd_collect() {
   local run=${1:?RUN} n=${2:-0} dir=$H/runs/${1:?} i=0 f
-  if [ ! -d "$dir/pack" ]; then  # once per run: out/ in <= 15 MiB pieces
-    mkdir -p "$dir/pack"
-    XZ_OPT=-T0 tar cJf "$dir/pack/out.tar.xz" -C "$dir" out run.log rc 2> /dev/null
+  if [ "$n" = 0 ] || [ ! -d "$dir/pack" ]; then  # out/ as it is now, in <= 15 MiB pieces
+    rm -rf "$dir/pack" && mkdir -p "$dir/pack"
+    XZ_OPT=-T0 tar cJf "$dir/pack/out.tar.xz" -C "$dir" --ignore-failed-read out run.log rc \
+      2> /dev/null
     (cd "$dir/pack" && split -b 15M -d out.tar.xz out.tar.xz.part && rm out.tar.xz)
   fi
   for f in "$dir"/pack/*; do
