@@ -24,11 +24,11 @@ from eagle3.capture.routing import (
     draw_windows,
     route_logits,
     router_spec,
-    uniform_distinct,
     window_starts,
 )
 from eagle3.capture.routing_pass import sample_rows
 from eagle3.config import CaptureConfig, PrepareConfig
+from eagle3.step_time import uniform_distinct_experts
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the tiny MoE targets' routing: DeepSeek-V3 with 4 groups of 2 experts, 2 groups kept, a bias
@@ -150,9 +150,9 @@ def test_window_starts_keep_to_the_answer():
 
 
 def test_uniform_bound():
-    assert uniform_distinct(384, 8, 1) == pytest.approx(8)
-    assert uniform_distinct(8, 2, 1000) == pytest.approx(8)
-    assert uniform_distinct(384, 8, 4) < 32  # tokens that pick the same expert
+    assert uniform_distinct_experts(384, 8, 1) == pytest.approx(8)
+    assert uniform_distinct_experts(8, 2, 1000) == pytest.approx(8)
+    assert uniform_distinct_experts(384, 8, 4) < 32  # tokens that pick the same expert
 
 
 def test_row_sample_is_bounded_seeded_and_skips_what_capture_skips():

@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from eagle3.step_time import uniform_distinct_experts
+
 #: the window lengths (tokens per sequence in one target pass) and sequence counts measured
 WINDOW_TOKENS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 NUM_SEQUENCES: tuple[int, ...] = (1, 4, 16, 64)
@@ -141,12 +143,6 @@ def boundary_margin(logits: Any, spec: RouterSpec, bias: Any = None) -> Any:
         scores = logits.detach().cpu().float().sigmoid() + b
     top = scores.topk(spec.top_k + 1, dim=-1).values  # [N, K+1]
     return top[:, -2] - top[:, -1]
-
-
-def uniform_distinct(num_experts: int, top_k: int, num_tokens: int) -> float:
-    """Expected distinct experts among `num_tokens` tokens that each pick top_k different experts
-    uniformly at random: E * (1 - (1 - K/E)^n)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
 # ------------------------------------------------------------------------------------- the count
@@ -269,8 +265,12 @@ def uniform_table(
     window_tokens: Sequence[int] = WINDOW_TOKENS,
     num_sequences: Sequence[int] = NUM_SEQUENCES,
 ) -> list[list[float]]:
-    """uniform_distinct for every (t, b) cell: the bound with no measurement."""
+    """eagle3.step_time.uniform_distinct_experts for every (t, b) cell: the bound with no
+    measurement."""
     return [
-        [round(uniform_distinct(spec.num_experts, spec.top_k, t * b), 4) for b in num_sequences]
+        [
+            round(uniform_distinct_experts(spec.num_experts, spec.top_k, t * b), 4)
+            for b in num_sequences
+        ]
         for t in window_tokens
     ]
