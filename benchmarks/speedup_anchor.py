@@ -51,8 +51,11 @@ MISSING = (
     "bookkeeping there, and only then launches the next pass. vllm-project/vllm#6854 measured such "
     "host gaps at 4-13 ms per step when the host's work is not overlapped (V0): the size of the "
     "gap at k <= 3. The uniform-routing bound cannot close it: it is already the most expert "
-    "traffic a verification pass can cause, and measured routing only lowers it. The GPU check "
-    "should time plain and n-gram steps of the same pass to size this term."
+    "traffic a verification pass can cause, and measured routing only lowers it. A slow MoE "
+    "kernel alone fits the user's figures less well (the table below): routed-expert reads slow "
+    "enough to give the slowdown (7-30 % of the bandwidth) would make the plain decode step "
+    "longer too, its all-reduce share 25-43 % against the 51.5 % the user measured. The GPU check should time plain and n-gram steps of the same pass "
+    "to size the host term, and the MoE kernel's share at a few tokens per expert."
 )
 KS = (1, 2, 3, 4, 5, 6, 7)
 CONCURRENCIES = (1, 4, 16, 64)
@@ -122,6 +125,8 @@ def anchor() -> dict[str, Any]:
             "draft_ms": {str(r.concurrency): round(r.draft_s * 1e3, 3) for r in p.rows},
         })  # fmt: skip
     slower = [x for x in ngram if x["speedup"] < 1.0]
+    moe = [moe_share_needed(target, alpha, 3, s) for alpha in USER["ngram_draft_acceptance"]
+           for s in USER["slowdown"]]  # fmt: skip
     return {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} CPU (arithmetic only)",
@@ -153,8 +158,42 @@ def anchor() -> dict[str, Any]:
         if len(slower) == len(ngram)
         else ("faster" if not slower else "mixed"),  # fmt: skip
         "missing_cost": MISSING if slower != ngram else None,
+        "moe_kernel_share_needed": moe,
         "eagle3_break_even_tau": need,
         "eagle3_published": published,
+    }
+
+
+def moe_share_needed(target: dict, alpha: float, k: int, slowdown: float) -> dict[str, Any]:
+    """The other reading of the gap: the share of the memory bandwidth the routed-expert reads
+    would have to fall to (everything else as modelled) for n-gram at `alpha`, k to be `slowdown`
+    slower, and the all-reduce share of a decode step that would then follow (the user measured
+    51.5 %)."""
+    from eagle3.speedup import Acceptance, geometric_rates
+    from eagle3.step_time import predict_pass_time_s
+
+    acc = Acceptance(geometric_rates(k, mean_rate=alpha), 1.0, "ngram")
+
+    def speedup(share: float) -> float:
+        t1 = predict_pass_time_s(target, HARDWARE, TP, 1, 1, CONTEXT,
+                                 expert_bandwidth_share=share).total_s  # fmt: skip
+        tk = predict_pass_time_s(target, HARDWARE, TP, k + 1, 1, CONTEXT,
+                                 expert_bandwidth_share=share).total_s  # fmt: skip
+        return acc.tokens_per_step(k) * t1 / tk
+
+    lo, hi = 0.001, 1.0
+    for _ in range(50):  # the speed-up falls as the share falls
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if speedup(mid) < 1 - slowdown else (lo, mid)
+    share = (lo + hi) / 2
+    step = predict_pass_time_s(target, HARDWARE, TP, 1, 1, CONTEXT, expert_bandwidth_share=share)
+    return {
+        "draft_acceptance": alpha,
+        "k": k,
+        "slowdown": slowdown,
+        "expert_bandwidth_share": round(share, 3),
+        "decode_step_ms": round(step.total_s * 1e3, 2),
+        "allreduce_share": round(step.comm_s / step.total_s, 3),
     }
 
 
@@ -211,6 +250,20 @@ def render(a: dict[str, Any]) -> str:
             "",
         ]
     lines += [
+        "The other reading, a slow MoE kernel: the share of the memory bandwidth the routed-expert "
+        "reads would have to fall to (all else as modelled) for the user's slowdown at k 3, and "
+        "the decode step it implies:",
+        "",
+        "| acceptance | slowdown | expert reads' bandwidth share | decode step ms | all-reduce "
+        "share of it |",
+        "|---:|---:|---:|---:|---:|",
+        *[
+            f"| {m['draft_acceptance']:.0%} | {m['slowdown']:.0%} | "
+            f"{m['expert_bandwidth_share']:.1%} | {m['decode_step_ms']:.2f} | "
+            f"{m['allreduce_share']:.1%} (user: {u['allreduce_share']:.1%}) |"
+            for m in a["moe_kernel_share_needed"]
+        ],
+        "",
         f"EAGLE-3 ({a['inputs']['draft']}): τ at k needed to break even (speed-up 1):",
         "",
         "| concurrency | " + " | ".join(f"k {k}" for k in KS) + " |",

@@ -27,7 +27,7 @@ def test_the_anchor_file_is_what_the_model_computes_now():
     now = mod.anchor()
     saved = json.loads((ROOT / "benchmarks/results/speedup_anchor.json").read_text())
     for key in ("inputs", "decode_step", "ngram", "ngram_verdict", "eagle3_break_even_tau",
-                "eagle3_published", "missing_cost"):  # fmt: skip
+                "eagle3_published", "missing_cost", "moe_kernel_share_needed"):  # fmt: skip
         assert now[key] == saved[key], f"{key}: rerun python benchmarks/speedup_anchor.py --write"
     md = (ROOT / "benchmarks/results/speedup_anchor.md").read_text()
     assert md.split("\n", 3)[3] == mod.render(saved).split("\n", 3)[3]
@@ -49,6 +49,8 @@ def test_the_model_against_the_users_figures():
         assert "host" in a["missing_cost"] and "PASS_OVERHEAD_S" in a["missing_cost"]
         fast = [x for x in a["ngram"] if x["speedup"] >= 1]
         assert all(x["extra_ms_per_verification_for_user_slowdown"]["9%"] > 0 for x in fast)
+        # a slow MoE kernel alone would take the decode step's all-reduce share under the user's
+        assert all(m["allreduce_share"] < 0.45 for m in a["moe_kernel_share_needed"])
     # an EAGLE-3 draft at the published τ pays at one request; break-even lies below it
     assert a["eagle3_break_even_tau"]["1"]["3"] < 2.7
     assert all(p["speedup"]["1"] > 1 for p in a["eagle3_published"])

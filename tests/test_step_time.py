@@ -219,6 +219,12 @@ def test_a_verification_pass_reads_the_experts_its_tokens_wake():
     assert four.weight_bytes["routed_experts"] == pytest.approx(
         uniform_distinct_experts(16, 2, 4) * expert * 2
     )
+    # routed-expert reads at their own share of the bandwidth (an MoE kernel below a device copy)
+    slow = predict_pass_time_s(cfg, TOY, 1, 4, 1, 0, expert_bandwidth_share=0.5)
+    routed = four.weight_bytes["routed_experts"]
+    assert slow.memory_s - four.memory_s == pytest.approx(
+        routed / 0.5e12 - routed / (1e12 * ACHIEVED_MEMORY_SHARE)
+    )
     measured = MeasuredRouting.from_dict(routing_table(share=0.5), "r.json")
     m4 = predict_pass_time_s(cfg, TOY, tp=1, t=4, b=1, context_len=0, routing=measured)
     assert m4.distinct_experts_per_layer == pytest.approx(measured.distinct_experts(4, 1))

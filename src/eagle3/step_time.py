@@ -410,12 +410,16 @@ def predict_pass_time_s(
     weight_bits: int | None = None,
     overhead_s: float = PASS_OVERHEAD_S,
     kv_dtype_bytes: int = 2,
+    expert_bandwidth_share: float = ACHIEVED_MEMORY_SHARE,
 ) -> PassTime:
     """The time of one target pass of `t` query tokens per sequence over `b` sequences at mean
     context `context_len`, tensor parallel `tp` on `hardware` (the model of the module
     docstring). `target_config`: the target's config.json as a dict (a nested text_config is
     read); `routing`: measured routing (None: the uniform bound); `weight_bits`: bits per weight
-    of a checkpoint whose config has no quantization_config."""
+    of a checkpoint whose config has no quantization_config; `overhead_s` the fixed time per pass;
+    `expert_bandwidth_share` the share of the memory bandwidth the routed-expert reads reach (an
+    MoE kernel with a few tokens per expert may reach less than a device copy; default the same
+    share as every other read, until a GPU measurement says otherwise)."""
     hw = hardware_profile(hardware)
     if hw.bf16_tflops is None or not hw.memory_tb_s:
         raise ValueError(f"hardware {hw.name!r} has no GPU figures; use a GPU profile")
@@ -453,7 +457,9 @@ def predict_pass_time_s(
         "embedding": n * int(tc["hidden_size"]) * bpp["lm_head"],
     }
     kv = b * (context_len + t) * kv_bytes_per_token_per_gpu(tc, tp, kv_dtype_bytes)
-    memory_s = (sum(wb.values()) + kv) / (hw.memory_tb_s * 1e12 * ACHIEVED_MEMORY_SHARE)
+    bandwidth = hw.memory_tb_s * 1e12
+    memory_s = (sum(wb.values()) - wb["routed_experts"] + kv) / (bandwidth * ACHIEVED_MEMORY_SHARE)
+    memory_s += wb["routed_experts"] / (bandwidth * expert_bandwidth_share)
     k_active = g["top_k"] + g["num_shared_experts"]
     dense_per_token = L * attn_sharded + g["dense_mlp"] + g["num_moe_layers"] * k_active * g[
         "expert"
