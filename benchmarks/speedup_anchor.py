@@ -54,8 +54,9 @@ MISSING = (
     "traffic a verification pass can cause, and measured routing only lowers it. A slow MoE "
     "kernel alone fits the user's figures less well (the table below): routed-expert reads slow "
     "enough to give the slowdown (7-30 % of the bandwidth) would make the plain decode step "
-    "longer too, its all-reduce share 25-43 % against the 51.5 % the user measured. The GPU check should time plain and n-gram steps of the same pass "
-    "to size the host term, and the MoE kernel's share at a few tokens per expert."
+    "longer too, its all-reduce share 25-43 % against the 51.5 % the user measured. The GPU "
+    "check should time plain and n-gram steps of the same pass to size the host term, and the "
+    "MoE kernel's share at a few tokens per expert."
 )
 KS = (1, 2, 3, 4, 5, 6, 7)
 CONCURRENCIES = (1, 4, 16, 64)
