@@ -207,8 +207,8 @@ def test_vllm_routing_matches_transformers(kimi, captured):
     from transformers import Kimi_K25ForConditionalGeneration
 
     from eagle3.artifacts import RoutingStats
+    from eagle3.capture.routing_reference import compare_routing, reference_routing
     from eagle3.prepared import load_prepared
-    from test_routing import compare_routing, gate_reference
 
     target, prepared = kimi
     stats = RoutingStats.load(captured)
@@ -226,10 +226,10 @@ def test_vllm_routing_matches_transformers(kimi, captured):
     samples = [np.asarray(ds[int(r)]["input_ids"]) for r in npz["rows"]]
     got = [npz["ids"][a:b] for a, b in zip(npz["offsets"][:-1], npz["offsets"][1:], strict=True)]
     model = Kimi_K25ForConditionalGeneration.from_pretrained(str(target), dtype=torch.float32)
-    own, ref, margins = gate_reference(model.eval(), samples)
+    own, ref, margins = reference_routing(model.eval(), samples)
     assert all(torch.equal(o, r) for o, r in zip(own, ref, strict=True))
-    seen = compare_routing(got, own, margins)
-    print(f"kimi-k2.5 routing, vLLM vs transformers: {seen} of {stats.num_tokens * 3} token-layers")
+    seen = compare_routing(got, own, margins, tie=1e-5)
+    print(f"kimi-k2.5 routing, vLLM vs transformers: {seen}")
     assert seen["differ"] == seen["near_ties"] <= 2, seen
     assert stats.cell(1, 1) == 2.0 and stats.cell(8, 1) > stats.cell(1, 1)
 

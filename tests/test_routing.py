@@ -27,6 +27,7 @@ from eagle3.capture.routing import (
     window_starts,
 )
 from eagle3.capture.routing_pass import sample_rows
+from eagle3.capture.routing_reference import compare_routing, reference_routing
 from eagle3.config import CaptureConfig, PrepareConfig
 from eagle3.step_time import uniform_distinct_experts
 
@@ -218,55 +219,6 @@ def test_router_spec_of_the_presets():
 
 
 # ------------------------------------------------------------- the transformers backend, end to end
-def gate_reference(target: Path | torch.nn.Module, samples: list[np.ndarray]):
-    """transformers' own expert ids ([T, L, K] sorted per token) for each sample, one at a time
-    (float32; `target`: a directory or a loaded model), the reference router's ids from the gates'
-    logits, and each token's score margin at the top-k boundary ([T, L])."""
-    from eagle3.capture.hf_backend import moe_gates
-    from eagle3.capture.routing import boundary_margin
-    from eagle3.hf import load_causal_lm
-
-    model = target
-    if not isinstance(target, torch.nn.Module):
-        model = load_causal_lm(target, dtype=torch.float32).eval()
-    spec = router_spec(model.config.to_dict())
-    gates = moe_gates(model)
-    seen: list = []
-    hooks = [g.register_forward_hook(lambda m, a, o: seen.append((m, o))) for _, g in gates]
-    own, ref, margins = [], [], []
-    with torch.inference_mode():
-        for s in samples:
-            seen.clear()
-            model(input_ids=torch.as_tensor(s)[None], use_cache=False)
-            bias = [getattr(m, "e_score_correction_bias", None) for m, _ in seen]
-            own.append(torch.stack([o[2].sort(-1).values for _, o in seen], 1))
-            ref.append(
-                torch.stack(
-                    [route_logits(o[0], spec, b) for (_, o), b in zip(seen, bias, strict=True)], 1
-                )
-            )
-            margins.append(
-                torch.stack(
-                    [boundary_margin(o[0], spec, b) for (_, o), b in zip(seen, bias, strict=True)],
-                    1,
-                )
-            )
-    for h in hooks:
-        h.remove()
-    return own, ref, margins
-
-
-def compare_routing(got: list[np.ndarray], want: list, margins: list) -> dict[str, int]:
-    """Tokens x layers whose expert sets differ, and how many of those are near-ties (the
-    reference's margin below TIE)."""
-    differ = ties = 0
-    for g, w, m in zip(got, want, margins, strict=True):
-        bad = (np.sort(g.astype(np.int64), -1) != w.numpy()).any(-1)  # [T, L]
-        differ += int(bad.sum())
-        ties += int((bad & (m.numpy() < TIE)).sum())
-    return {"differ": differ, "near_ties": ties}
-
-
 def build_routed(arch: str, root: Path) -> tuple[Path, Path]:
     """(target, prepared): a tiny MoE target of ROUTED_SPECS and run_prepare on tiny chats (answer
     spans: windows of up to 8 tokens)."""
@@ -320,17 +272,21 @@ def test_hf_capture_records_the_models_routing(arch, tmp_path):
     npz = np.load(res.out / "routing_ids.npz")
     assert stats.num_rows == len(npz["rows"]) == 6 and len(npz["offsets"]) == 7
     assert stats.num_tokens == npz["ids"].shape[0] == npz["offsets"][-1]
+    from eagle3.hf import load_causal_lm
     from eagle3.prepared import load_prepared
 
     ds = load_prepared(prepared)
     samples = [np.asarray(ds[int(r)]["input_ids"]) for r in npz["rows"]]
     got = [npz["ids"][a:b] for a, b in zip(npz["offsets"][:-1], npz["offsets"][1:], strict=True)]
-    own, ref, margins = gate_reference(target, samples)
-    for o, r in zip(own, ref, strict=True):
-        assert torch.equal(
-            o, r
-        )  # transformers' router == the reference written from the definition
-    assert compare_routing(got, own, margins) == {"differ": 0, "near_ties": 0}
+    own, ref, margins = reference_routing(load_causal_lm(target, dtype=torch.float32), samples)
+    # transformers' router == the reference written from the definition
+    assert all(torch.equal(o, r) for o, r in zip(own, ref, strict=True))
+    seen = compare_routing(got, own, margins, TIE)
+    assert seen == {
+        "differ": 0,
+        "near_ties": 0,
+        "token_layers": stats.num_tokens * len(stats.moe_layer_ids),
+    }
 
     # a rerun keeps the measurement; routing_sample_rows 0 measures nothing
     before = (res.out / "routing.json").stat().st_mtime_ns
