@@ -10,18 +10,20 @@ hook (sys.setprofile, threading.setprofile): two tiny pipelines run on the CPU, 
 5-layer target, transformers backends (regenerate, capture, refine) and a few training steps;
 the second in streaming mode. Evaluate is left out: it needs a vLLM engine.
 
-A stop is an eagle3 function called with a config object among its arguments (an instance of a
-class defined in eagle3.config or one of its modules: the PipelineConfig, a stage's section, one
-of train's groups). An edge is (the eagle3 function that called it, the stop), counted once
-however often it runs. Figures: stops (distinct functions), modules, visits (edges that enter a
-module from another one: how often the route comes into it) and climbs (edges from a module in
-a lower import layer to one in a higher layer: the config handed back up against
-pyproject.toml's library-layers contract). The config package counts as one module.
+A stop is an eagle3 function called with a config object among its arguments, or in a field of
+a dataclass argument (an instance of a class defined in eagle3.config or one of its modules: the
+PipelineConfig, a stage's section, one of train's groups). An edge is (the eagle3 function that
+called it, the stop), counted once however often it runs. Figures: stops (distinct functions),
+modules, visits (edges that enter a module from another one: how often the route comes into
+it) and climbs (edges from a module in a lower import layer to one in a higher layer: the config
+handed back up against pyproject.toml's library-layers contract). The config package counts as
+one module.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -123,6 +125,13 @@ class RouteRecorder:
         code = frame.f_code
         num_args = code.co_argcount + code.co_kwonlyargcount
         values = [frame.f_locals.get(n) for n in code.co_varnames[:num_args]]
+        # a config carried inside a record (a dataclass argument's field) is passed on too
+        values += [
+            getattr(v, f.name, None)
+            for v in values
+            if dataclasses.is_dataclass(v) and not isinstance(v, type)
+            for f in dataclasses.fields(v)
+        ]
         if not any(self.is_config(v) for v in values):
             return
         caller = frame.f_back

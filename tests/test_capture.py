@@ -164,7 +164,7 @@ def llama_engine(tiny_llama, prepared_llama, tmp_path_factory):
     (test_vllm_golden_qwen3 and test_capture_fp8 cover run_capture starting its own)."""
     from vllm import LLM
 
-    from eagle3.capture.run import load_capture_inputs
+    from eagle3.capture.inputs import load_capture_inputs
     from eagle3.capture.vllm_backend import EXTENSION, engine_kwargs
     from eagle3.vllm_engine import shutdown_engine
 

@@ -513,7 +513,7 @@ def test_bad_utf8_line_is_skipped_and_counted_naming_file_and_line(tiny_llama, t
 
 
 def test_samples_longer_than_the_target_are_skipped_and_counted(tiny_llama, prepared, tmp_path):
-    from eagle3.capture.run import load_capture_inputs
+    from eagle3.capture.inputs import load_capture_inputs
 
     short = tmp_path / "short"
     shutil.copytree(tiny_llama, short)
@@ -575,7 +575,7 @@ def _resume_bit_exact(cfg: CaptureConfig, tmp_path: Path) -> None:
 def test_chunks_start_where_an_uninterrupted_run_puts_them():
     import numpy as np
 
-    from eagle3.capture.run import chunk_start
+    from eagle3.capture.chunks import chunk_start
 
     lengths = np.array([5, 5, 5, 20, 3, 3, 3, 3])
     # chunks of <= 10 tokens: [0,1] [2] [3] [4,5,6] [7]

@@ -26,8 +26,10 @@ from eagle3.io import read_json, sha256_json
 from eagle3.shards import ShardBuffer
 from eagle3.vllm_engine import engine_in_process_fails, setup_cpu_env
 
+from .backend import open_backend
+from .chunks import capture_rows
 from .engines import chunk_bounds, chunk_span, write_engine_progress
-from .run import _make_backend, capture_rows, load_capture_inputs
+from .inputs import CaptureInputs, load_capture_inputs
 from .writer import ShardWriter
 
 
@@ -68,7 +70,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
+def capture_shards(cfg: CaptureConfig, ci: CaptureInputs, job: dict[str, Any]) -> None:
     """Capture and write the job's shards, recording each in the engine's progress file."""
     progress = Path(job["progress"])
     t_start = time.time()
@@ -84,7 +86,7 @@ def capture_shards(cfg: CaptureConfig, ci: Any, job: dict[str, Any]) -> None:
         "start_s": None,
     }
     write_engine_progress(progress, job["config_hash"], record)
-    backend = _make_backend(cfg, ci.aux_layer_ids, ci.max_model_len)
+    backend = open_backend(cfg, ci)
     try:
         info = backend.start()
         chunk_tokens = int(info.get("chunk_tokens", cfg.batch_tokens))

@@ -95,8 +95,8 @@ def plan_shards(
 
 
 def chunk_bounds(lengths: np.ndarray, chunk_tokens: int) -> list[int]:
-    """First row of every chunk, as eagle3.capture.run.capture_rows cuts rows 0.. (at least one row
-    per chunk, then rows while they fit chunk_tokens)."""
+    """First row of every chunk, as eagle3.capture.chunks.capture_rows cuts rows 0.. (at least one
+    row per chunk, then rows while they fit chunk_tokens)."""
     starts, a, n = [], 0, len(lengths)
     lens = lengths.tolist()
     while a < n:
@@ -260,7 +260,7 @@ class EnginesRun:
 def capture_with_engines(
     cfg: CaptureConfig, ci: Any, config_hash: str, llm: Any = None
 ) -> EnginesRun:
-    """Capture the shards of `ci` (eagle3.capture.run.CaptureInputs) not finished yet with
+    """Capture the shards of `ci` (eagle3.capture.inputs.CaptureInputs) not finished yet with
     cfg.num_engines engines; return every shard's entry once all are done (the caller writes the
     manifest)."""
     if llm is not None:

@@ -73,7 +73,7 @@ def measure_routing(
 ) -> dict[str, Any] | None:
     """Run the routing pass with the started `backend` unless `out` already holds it; returns the
     manifest's entry (`manifest_entry`), None when nothing is measured. `ci`:
-    eagle3.capture.run.CaptureInputs."""
+    eagle3.capture.inputs.CaptureInputs."""
     spec = wanted_spec(cfg)
     if spec is None:
         return None

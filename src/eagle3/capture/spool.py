@@ -52,14 +52,9 @@ from eagle3.spool_files import (
     spool_bytes,
 )
 
-from .run import (
-    _make_backend,
-    capture_rows,
-    check_same_weights,
-    load_capture_inputs,
-    recorded_capture,
-    resolve_compute_dtype,
-)
+from .backend import open_backend
+from .chunks import capture_rows
+from .inputs import CaptureInputs, check_same_weights, open_capture, recorded_capture
 
 #: per-shard allowance for the safetensors header (tensor table, sample ids), in bytes
 SHARD_OVERHEAD_BYTES = 4096
@@ -235,8 +230,7 @@ def run_stream_capture(cfg: StreamCaptureConfig) -> StreamCaptureResult:
 def _produce(cfg: StreamCaptureConfig) -> StreamCaptureResult:
     t0 = time.time()
     _refuse_unsupported(cfg)
-    cfg = resolve_compute_dtype(cfg)
-    ci = load_capture_inputs(cfg)
+    cfg, ci = open_capture(cfg)
     spool = Path(cfg.out)
     hashed = {**ci.hashed, "epochs": cfg.epochs, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
     config_hash = sha256_json(hashed)
@@ -304,8 +298,8 @@ class _SpoolSizes:
     row_tokens: list[int]  # per prepared row, 0 for rows the capture skips (empty, too long)
 
 
-def _spool_sizes(cfg: StreamCaptureConfig, ci: Any, val_rows: list[int]) -> _SpoolSizes:
-    """The sizes of `ci`'s rows (eagle3.capture.run.CaptureInputs) in the spool."""
+def _spool_sizes(cfg: StreamCaptureConfig, ci: CaptureInputs, val_rows: list[int]) -> _SpoolSizes:
+    """The sizes of `ci`'s rows in the spool."""
     lengths, limit_len = ci.lengths, ci.length_limit
     usable = (lengths > 0) & (
         lengths < limit_len if limit_len else True
@@ -326,7 +320,7 @@ def _spool_sizes(cfg: StreamCaptureConfig, ci: Any, val_rows: list[int]) -> _Spo
 
 def _open_header(
     cfg: StreamCaptureConfig,
-    ci: Any,
+    ci: CaptureInputs,
     spool: Path,
     config_hash: str,
     train_rows: list[int],
@@ -352,7 +346,7 @@ def _open_header(
     sizes = _spool_sizes(cfg, ci, val_rows)
     if header is None:
         header = SpoolHeader(
-            **recorded_capture(cfg, ci, sizes.bytes_per_token),
+            **recorded_capture(ci, sizes.bytes_per_token),
             format=SPOOL_FORMAT,
             capture_format=FORMAT,
             config_hash=config_hash,
@@ -415,7 +409,7 @@ def _new_ledger(config_hash: str) -> dict[str, Any]:
 
 def _capture_epochs(
     cfg: StreamCaptureConfig,
-    ci: Any,
+    ci: CaptureInputs,
     prod: _Producer,
     train_rows: list[int],
     val_rows: list[int],
@@ -430,7 +424,7 @@ def _capture_epochs(
     def capture_fn(rows: list[int]) -> Any:
         nonlocal backend, chunk_tokens
         if backend is None:
-            backend = _make_backend(cfg, ci.aux_layer_ids, ci.max_model_len)
+            backend = open_backend(cfg, ci)
             chunk_tokens = int(backend.start().get("chunk_tokens", cfg.batch_tokens))
         return capture_rows(backend, ci.ds, ci.lengths, rows, chunk_tokens, ci.length_limit)
 

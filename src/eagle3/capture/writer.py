@@ -38,7 +38,7 @@ class ShardWriter:
         self.pending: int | None = None  # worker writer: the shard being written
 
     def add(self, buf: ShardBuffer, row: Any) -> int:
-        """Add one CapturedRow (eagle3.capture.run) to `buf`: its skip, or its sample; the number
+        """Add one CapturedRow (eagle3.capture.chunks) to `buf`: its skip, or its sample; the number
         of tokens it adds."""
         if row.skip:
             buf.skip(row.index, row.skip)
