@@ -329,3 +329,15 @@ def test_dense_target_measures_nothing(tiny_llama, tmp_path):
         )
     )
     assert RoutingStats.load(res.out) is None and CaptureManifest.load(res.out).routing is None
+
+
+def test_an_moe_router_it_does_not_know_is_said_and_skipped(tmp_path, capsys):
+    """A Mixtral-like target: the capture goes on without routing.json, saying why."""
+    from eagle3.capture.routing_pass import wanted_spec
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2})
+    )
+    assert wanted_spec(CaptureConfig(target=str(tmp_path))) is None
+    assert "'mixtral'" in capsys.readouterr().err
+    assert wanted_spec(CaptureConfig(target=str(tmp_path), routing_sample_rows=0)) is None

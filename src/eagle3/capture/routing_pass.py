@@ -24,6 +24,7 @@ import numpy as np
 from eagle3.artifacts import RoutingStats
 from eagle3.config import CaptureConfig
 from eagle3.io import atomic_path, read_json, sha256_file, write_json
+from eagle3.vllm_support import UnsupportedVLLMError
 
 from .chunks import chunk_end
 from .routing import RouterSpec, distinct_experts, router_spec, uniform_table
@@ -36,11 +37,15 @@ NUM_DRAWS = 256
 
 def wanted_spec(cfg: CaptureConfig) -> RouterSpec | None:
     """The target's router when the capture should measure its routing (routing_sample_rows > 0
-    and an MoE target); None otherwise. ValueError (routing.router_spec) for an MoE router the
-    measurement does not know."""
+    and an MoE target whose router the measurement knows); None otherwise, saying why for an MoE
+    target it cannot measure (the capture goes on: the cost model then uses the uniform bound)."""
     if cfg.routing_sample_rows == 0:
         return None
-    return router_spec(read_json(Path(cfg.target) / "config.json"))
+    try:
+        return router_spec(read_json(Path(cfg.target) / "config.json"))
+    except ValueError as e:
+        _say(f"{e}; the routing is not measured")
+        return None
 
 
 def sample_rows(lengths: np.ndarray, length_limit: int | None, num_rows: int) -> np.ndarray:
@@ -86,7 +91,11 @@ def measure_routing(
     picked = ci.ds[[int(i) for i in rows]]
     samples = [np.asarray(x, dtype=np.int64) for x in picked["input_ids"]]
     masks = [np.asarray(x).astype(bool) for x in picked["loss_mask"]]
-    routed = _route(backend, samples, max(cfg.batch_tokens, 16384))
+    try:
+        routed = _route(backend, samples, max(cfg.batch_tokens, 16384))
+    except UnsupportedVLLMError as e:  # an engine whose MoE kernels route inside themselves
+        _say(f"{e}; the routing is not measured, the capture goes on")
+        return None
     _check_shape(routed, samples, spec)
     ids = np.concatenate(routed.ids)  # [M, L, K]
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in samples])])  # [N+1]
