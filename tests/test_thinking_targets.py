@@ -239,6 +239,41 @@ def test_text_chats_through_every_stage(thinking_target_untrained, tmp_path, fam
     assert res.stages["train"].steps > 0 and "export" in res.stages
 
 
+@pytest.mark.parametrize("family", ["kimi-k3", "deepseek-r1-split-think"])
+def test_regenerated_turns_of_several_token_markers_through_every_stage(
+    thinking_target_untrained, tmp_path, family
+):
+    """Templates whose markers are several tokens (Kimi-K3's `<|open|>think<|sep|>`, `<think>` in
+    pieces), thinking on: the generation prompt opens the block, the tiny target (random weights:
+    the thinking emitter writes one token per marker) writes what it writes, and every stage
+    follows: the trained ids are the generated ids, and each stored turn's text is reasoning up to
+    the closing marker it wrote, never merged into the answer."""
+    from eagle3.chat_template import ChatRenderer
+    from eagle3.pipeline import run_pipeline
+
+    target = thinking_target_untrained(family)
+    cfg = pipeline(
+        target,
+        tmp_path / "work",
+        family,
+        True,
+        regenerate={"max_new_tokens": 12, "temperature": 1.0},
+    )
+    res = run_pipeline(cfg)
+    regen, prep = res.stages["regenerate"], res.stages["prepare"]
+    generated = generated_ids(regen.conversations_path)
+    assert supervised_ids_by_conversation(tmp_path / "work" / "prepared") == generated
+    renderer = ChatRenderer(target, chat_template_kwargs=thinking_kwargs(family, True))
+    close = renderer.think_markers[1]
+    for c in read_conversations(regen.conversations_path).conversations:
+        for m in (m for m in c.messages if m["role"] == "assistant"):
+            text = renderer.decode(m["token_ids"])
+            if close not in text:  # the block the prompt opened never closed: all reasoning
+                assert m["reasoning"] is not None and m["content"] == "", m
+    assert prep.turns["reasoning_tokens"] > 0
+    assert res.stages["train"].steps > 0 and "export" in res.stages
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_thinking_target_through_vllm_with_acceptance_per_span(thinking_target, tmp_path):
