@@ -322,9 +322,8 @@ class ChatRenderer:
                 trace, text = head, text[len(head) :]
             else:
                 trace, text = head[:at], text[at + len(fmt.close) :]
-            trace = trace.lstrip()
-            if trace.startswith(fmt.open):
-                trace = trace[len(fmt.open) :]
+            if trace.lstrip().startswith(fmt.open):  # the turn opened the block itself
+                trace = trace.lstrip()[len(fmt.open) :]
             if fmt.end in trace:  # a trace that never closed, ended by the end-of-turn token
                 trace = trace[: trace.rfind(fmt.end)]
             reasoning = self._plain(trace)
