@@ -256,3 +256,21 @@ def test_a_template_that_cannot_render_the_probes_still_renders_chats(tmp_path):
     assert "a system turn first" in renderer.think_format().problem
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     assert renderer.decode(renderer.prompt_ids(chat)).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_text_turn_cut_at_max_new_tokens_ends_where_its_text_ends(targets, family):
+    """A turn cut at max_new_tokens (`finish_reason: length`): no closing tags and no end of turn
+    after its answer; cut inside its reasoning, no closing marker either."""
+    fam = THINKING_FAMILIES[family]
+    kwargs = thinking_kwargs(family, True)
+    renderer = ChatRenderer(targets[family], chat_template_kwargs=kwargs)
+    user = {"role": "user", "content": QUESTIONS[0]}
+    for answer, ends_with in ((ANSWERS[0], ANSWERS[0]), ("", REASONING[0])):
+        cut = {"role": "assistant", "content": answer, "reasoning": REASONING[0]}
+        turn = renderer.text_turn([user, {**cut, "finish_reason": "length"}], kwargs)
+        text = renderer.decode(turn.completion_ids)
+        assert text.endswith(ends_with), text
+        assert fam.turn_end not in text and text.count(REASONING[0]) == 1
+        if not answer:
+            assert fam.think_markers[1] not in text

@@ -404,7 +404,8 @@ class ChatRenderer:
                 turn = fmt.open + reasoning + fmt.close + turn
         elif block == "open" and fmt.close not in turn:  # the target closes the block at once
             turn = fmt.close + turn
-        turn = self._cut_at_end(turn, answer, fmt, message.get("finish_reason") == "length")
+        cut = message.get("finish_reason") == "length"
+        turn = self._cut_at_end(turn, reasoning, answer, fmt, cut)
         problem = self._lacks(turn, reasoning, answer)
         if problem is not None:
             given = (
@@ -471,17 +472,23 @@ class ChatRenderer:
         without = {k: v for k, v in message.items() if k != "reasoning"}
         return self.render_text([*history, without], False, kwargs) != rendered
 
-    def _cut_at_end(self, turn: str, answer: str, fmt: ThinkFormat, cut: bool) -> str:
+    def _cut_at_end(
+        self, turn: str, reasoning: str | None, answer: str, fmt: ThinkFormat, cut: bool
+    ) -> str:
         """The turn up to and including the first end-of-turn token after its answer (the
-        learned end appended where the template renders none: GLM's last turn); without it
-        when the turn was cut at max_new_tokens."""
-        at = turn.rfind(answer.strip()) + len(answer.strip()) if answer.strip() else 0
+        learned end appended where the template renders none: GLM's last turn). A turn cut at
+        max_new_tokens ends where its text ends: after its answer, or inside its reasoning when
+        it has no answer (no closing tags, no end-of-turn token)."""
+        if cut:
+            last = answer.strip() or (reasoning or "").strip()
+            return turn[: turn.rfind(last) + len(last)] if last and last in turn else turn
+        at = turn.rfind(answer.strip()) + len(answer.strip()) if answer.strip() in turn else 0
         hits = [turn.find(s, at) for s in self.stop_texts if s and turn.find(s, at) >= 0]
         if hits:
             end = min(hits)
             stop = next(s for s in self.stop_texts if s and turn.startswith(s, end))
-            return turn[:end] if cut else turn[: end + len(stop)]
-        return turn if cut else turn + fmt.answer_close * (fmt.answer_close not in turn) + fmt.end
+            return turn[: end + len(stop)]
+        return turn + fmt.end
 
     def _lacks(self, turn: str, reasoning: str | None, answer: str) -> str | None:
         """ "reasoning" or "answer" when the turn's text does not hold it (stripped, in order)."""
