@@ -206,7 +206,15 @@ def kept_apart(conversations_path: Path) -> tuple[int, int]:
     return apart, with_block
 
 
-@pytest.mark.parametrize("family", ["kimi-k3", "deepseek-r1-split-think", "glm-4.6", "seed-oss"])
+@pytest.mark.parametrize(
+    "family",
+    [  # GLM's and Seed-OSS's text turns are also prepared in the matrix above
+        "kimi-k3",
+        "deepseek-r1-split-think",
+        pytest.param("glm-4.6", marks=pytest.mark.slow),
+        pytest.param("seed-oss", marks=pytest.mark.slow),
+    ],
+)
 def test_text_chats_through_every_stage(thinking_target_untrained, tmp_path, family):
     """Chats brought as text, reasoning in `reasoning_content`, through prepare, capture, train
     and export on a tiny target of the family (random weights: the stages after prepare need no

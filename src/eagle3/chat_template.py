@@ -480,8 +480,12 @@ class ChatRenderer:
         max_new_tokens ends where its text ends: after its answer, or inside its reasoning when
         it has no answer (no closing tags, no end-of-turn token)."""
         if cut:
-            last = answer.strip() or (reasoning or "").strip()
-            return turn[: turn.rfind(last) + len(last)] if last and last in turn else turn
+            last = answer if answer.strip() else reasoning or ""
+            if not last.strip() or last.strip() not in turn:
+                return turn
+            end = turn.rfind(last.strip()) + len(last.strip())
+            trailing = last[len(last.rstrip()) :]  # its own trailing whitespace, where rendered
+            return turn[: end + len(trailing) * turn.startswith(trailing, end)]
         at = turn.rfind(answer.strip()) + len(answer.strip()) if answer.strip() in turn else 0
         hits = [turn.find(s, at) for s in self.stop_texts if s and turn.find(s, at) >= 0]
         if hits:
