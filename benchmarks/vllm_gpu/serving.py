@@ -57,11 +57,15 @@ def read_prompts(path: Path, target: Path, num: int, kwargs: dict[str, Any]) -> 
             if len(out) == num:
                 break
             row = json.loads(line)
-            messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
+            text = row.get("prompt") or row.get("question")
+            messages = row.get("messages") or ([{"role": "user", "content": text}] if text else [])
             if messages[-1]["role"] == "assistant":
                 messages = messages[:-1]
             if not messages:
-                raise SystemExit(f"{path}:{line_no}: no user turn (give rows with `messages`)")
+                raise SystemExit(
+                    f"{path}:{line_no}: no user turn (give rows with `messages`, `prompt` or "
+                    "`question`)"
+                )
             out.append(renderer.prompt_ids(messages))
     return out
 
@@ -266,7 +270,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True, help="an `eagle3 export` directory")
-    ap.add_argument("--prompts", type=Path, required=True, help=".jsonl rows with `messages`")
+    ap.add_argument(
+        "--prompts", type=Path, required=True, help=".jsonl rows with `messages` or `prompt`"
+    )
     ap.add_argument("--out", type=Path, required=True, help="R.json (R.md beside it)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
