@@ -57,7 +57,7 @@ PEER_BUDGET_S=${PEER_BUDGET_S:-660}    # wall limit of its trainer (a stopped ru
                                        #   it finished)
 # our `refine` stage on the recipe draft, when the library has it (`eagle3.cli refine --help`
 # succeeds)
-REFINE_RUN=${REFINE_RUN:-eagle3.1-mix} # the RUNS entry refined ("" = none)
+REFINE_RUN=${REFINE_RUN-eagle3.1-mix}  # the RUNS entry refined ("" = none)
 REFINE_ROUNDS=${REFINE_ROUNDS:-2} REFINE_PROMPTS=${REFINE_PROMPTS:-512} \
   REFINE_MAX_NEW=${REFINE_MAX_NEW:-256}
 REFINE_LR=${REFINE_LR:-2e-5} REFINE_STEPS=${REFINE_STEPS:-100} REFINE_TEMPS=${REFINE_TEMPS:-0.0,0.6}
