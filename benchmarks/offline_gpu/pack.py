@@ -248,7 +248,9 @@ def main() -> int:
         ap.error(f"--files: not found: {', '.join(missing)}")
     manifest = pack(args)
     print(json.dumps({k: v for k, v in manifest.items() if k != "wheels"}))
-    folders = [f".device/{args.name}_{i}" for i in range(1, 1 + manifest["num_parts"])]
+    out = args.out.resolve()
+    where = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
+    folders = [str(where / f"{args.name}_{i}") for i in range(1, 1 + manifest["num_parts"])]
     print(f"carry one part a call: {', '.join(folders)}")
     return 0
 
