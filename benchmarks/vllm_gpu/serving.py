@@ -79,8 +79,9 @@ def serve_job(
     greedy_margins: bool = False,
 ) -> dict[str, Any]:
     """One engine (in a fresh process): per temperature and concurrency, the prompts in waves.
-    `greedy_margins`: at temperature 0, also each position's margin between the target's two most
-    likely tokens (log-probabilities, nats): the lossless check's evidence of a near-tie."""
+    `greedy_margins`: then, untimed (log-probabilities cost time), one more greedy pass of every
+    prompt for each position's margin between the target's two most likely tokens (nats): the
+    lossless check's evidence of a near-tie."""
     setup_cpu_env(engine_in_process=True)
     from vllm import LLM, SamplingParams
 
@@ -96,19 +97,16 @@ def serve_job(
             max_tokens=max_tokens,
             ignore_eos=False,
             seed=0,
-            logprobs=2 if greedy_margins and temperature == 0 else None,
         )
         for c in concurrency:
             before = read_metrics(llm.get_metrics())
-            seconds, tokens, margins = 0.0, [], []
+            seconds, tokens = 0.0, []
             for i in range(0, len(prompts), c):
                 wave = [{"prompt_token_ids": p} for p in prompts[i : i + c]]
                 t1 = time.time()
                 outs = llm.generate(wave, sampling, use_tqdm=False)
                 seconds += time.time() - t1
                 tokens += [list(o.outputs[0].token_ids) for o in outs]
-                if sampling.logprobs:
-                    margins += [top2_margins(o.outputs[0].logprobs or []) for o in outs]
             metrics = metrics_since(read_metrics(llm.get_metrics()), before)
             rows.append(
                 {
@@ -118,11 +116,15 @@ def serve_job(
                     "tokens": tokens,
                     "generated": metrics.get(M_GEN_TOKENS, 0),
                     "accepted": metrics.get(M_ACCEPTED, 0),
-                    **({"margins": margins} if margins else {}),
                 }
             )
+    margins = []
+    if greedy_margins:
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, logprobs=2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        margins = [top2_margins(o.outputs[0].logprobs or []) for o in outs]
     shutdown_engine(llm)
-    return {"startup_s": startup_s, "rows": rows}
+    return {"startup_s": startup_s, "rows": rows, "greedy_margins": margins}
 
 
 #: a greedy output that leaves plain decoding where the target's two best tokens are closer than
@@ -134,7 +136,7 @@ NEAR_TIE_NATS = 0.5
 
 
 def top2_margins(logprobs: list[dict[int, Any]]) -> list[float | None]:
-    """Per generated position, log p(best) - log p(second best) (None where vLLM gave one)."""
+    """Per generated position, log p(best) - log p(second best) (None where vLLM gave only one)."""
     out: list[float | None] = []
     for pos in logprobs:
         vals = sorted((lp.logprob for lp in pos.values()), reverse=True)
@@ -195,8 +197,8 @@ def explain_differences(
     for j, pos in enumerate(diffs):
         if pos is None:
             continue
-        margins = (here.get("margins") or [[]])[j] if here.get("margins") else []
-        margin = margins[pos] if pos < len(margins) else None
+        margins = plain.get("greedy_margins") or []
+        margin = margins[j][pos] if j < len(margins) and pos < len(margins[j]) else None
         others = {
             c: first_difference(r["tokens"][j], here["tokens"][j])
             for c, r in greedy.items()
