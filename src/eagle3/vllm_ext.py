@@ -580,9 +580,7 @@ class CaptureWorkerExtension:
                 step = ext._eagle3_step
                 ext._eagle3_step = None
                 if step["forwards"] and ext._eagle3_keep:
-                    ext._eagle3_record(
-                        runner, scheduler_output, step["forwards"], step["routing"]
-                    )
+                    ext._eagle3_record(runner, scheduler_output, step["forwards"], step["routing"])
                 return out
             finally:
                 ext._eagle3_step = None
