@@ -17,9 +17,9 @@ predicts it). This measures the pass itself, through vLLM's public API only:
   pass(t) = decode step + call(t) - call(1), each call the median of `--repeats` runs.
 
 The stack: the target config's text model with `num_hidden_layers` = `--num-layers` (DeepSeek-V3 /
-Kimi: the first `first_k_dense_replace` layers dense, the rest MoE), bfloat16, or with the routed
-experts in INT4 (compressed-tensors W4A16, group 32: Kimi-K2.5's own scheme, served by vLLM's
-Marlin MoE kernels) with `--experts int4`. Writes R.json and R.md.
+Kimi: the first `first_k_dense_replace` layers dense, the rest MoE), bfloat16, or with `--experts
+int4` the target config's own quantization (Kimi-K2.5: compressed-tensors INT4 W4A16 routed
+experts, group 32, served by vLLM's Marlin MoE kernels). Writes R.json and R.md.
 """
 
 from __future__ import annotations
@@ -36,49 +36,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: Kimi-K2.5's routed-expert quantization (compressed-tensors "pack-quantized", INT4 symmetric,
-#: group 32; attention, shared experts, dense MLPs and lm_head stay bfloat16)
-INT4_EXPERTS = {
-    "quant_method": "compressed-tensors",
-    "format": "pack-quantized",
-    "quantization_status": "compressed",
-    "kv_cache_scheme": None,
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "input_activations": None,
-            "output_activations": None,
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "symmetric": True,
-                "strategy": "group",
-                "group_size": 32,
-                "dynamic": False,
-                "actorder": None,
-                "block_structure": None,
-                "observer": "minmax",
-                "observer_kwargs": {},
-            },
-        }
-    },
-    "ignore": [
-        "lm_head",
-        "re:.*self_attn.*",
-        "re:.*shared_experts.*",
-        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-    ],
-}
-
 
 def write_stack(target_config: Path, num_layers: int, experts: str, out: Path) -> dict[str, Any]:
-    """config.json of the target's text model cut to `num_layers` layers (weights: dummy)."""
+    """config.json of the target's text model cut to `num_layers` layers (weights: dummy). `experts`
+    "bf16": every weight bfloat16; "int4": the target config's own quantization_config (Kimi-K2.5:
+    compressed-tensors INT4 W4A16 routed experts, group 32), which it must have."""
     cfg = json.loads(target_config.read_text())
     text = dict(cfg.get("text_config") or cfg)
-    text["num_hidden_layers"] = num_layers
-    text.pop("quantization_config", None)
+    quant = text.pop("quantization_config", None) or cfg.get("quantization_config")
     if experts == "int4":
-        text["quantization_config"] = INT4_EXPERTS
+        if not quant:
+            raise SystemExit(
+                f"{target_config}: no quantization_config, so --experts int4 has no scheme to "
+                "serve; use --experts bf16 or a target config that carries its quantization"
+            )
+        text["quantization_config"] = quant
+    text["num_hidden_layers"] = num_layers
     text.setdefault("torch_dtype", "bfloat16")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(text, indent=1))
